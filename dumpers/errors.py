@@ -1,0 +1,63 @@
+"""Every error stallwatch raises on purpose derives from StallwatchError.
+
+    StallwatchError
+    +-- UsageError            bad argument or option (exit code 2)
+    +-- DumpError             a dump or foreign recorder file cannot be used
+    |   +-- DumpFormatError   not a dump, truncated, corrupt, or a field is wrong
+    |   +-- DumpVersionError  a dump of a newer format version
+    |   +-- DumpWriteError    a dump could not be written (disk full, permissions)
+    +-- ProbeError            a BPF program failed to load or attach
+    +-- QueryError            an SQL query was refused or failed
+    |   +-- QueryRefused      the query is not allowed (sandbox)
+    +-- AgentError            a live agent could not be reached or answered badly
+    +-- LabError              the lab could not be set up or torn down
+
+Messages say what was expected and what was found, and name the file, field
+or argument.  The command line prints them in one line, without a traceback.
+"""
+
+from __future__ import annotations
+
+
+class StallwatchError(Exception):
+    """Base of every error raised on purpose."""
+
+
+class UsageError(StallwatchError):
+    pass
+
+
+class DumpError(StallwatchError):
+    pass
+
+
+class DumpFormatError(DumpError):
+    pass
+
+
+class DumpVersionError(DumpError):
+    pass
+
+
+class DumpWriteError(DumpError):
+    pass
+
+
+class ProbeError(StallwatchError):
+    pass
+
+
+class QueryError(StallwatchError):
+    pass
+
+
+class QueryRefused(QueryError):
+    pass
+
+
+class AgentError(StallwatchError):
+    pass
+
+
+class LabError(StallwatchError):
+    pass

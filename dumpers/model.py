@@ -1,0 +1,101 @@
+"""The in-memory form of one node's recording: what a dump holds, and what the
+recorder hands to the dump writer and to the query layer.
+
+Rings are numpy structured arrays of the dtypes in ``dumpers.schema``, in
+recording order, holding only complete rows.  Timestamps are CLOCK_MONOTONIC
+nanoseconds of the recording host; ``Clock`` converts them to wall time.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FORMAT_NAME = "stallwatch-dump"
+FORMAT_VERSION = 1
+
+
+class TriggerKind(enum.Enum):
+    IN_FLIGHT = "in_flight"  # a call in flight longer than --stall-timeout
+    NO_PROGRESS = "no_progress"  # an active communicator stopped progressing
+    EXIT = "exit"  # a process holding communicators died abnormally
+    MANUAL = "manual"  # stallwatch dump, SIGUSR1, POST /dump
+    PEER = "peer"  # a peer agent asked
+    SHUTDOWN = "shutdown"  # written on request at agent exit (--dump-on-exit)
+
+
+@dataclass(frozen=True, slots=True)
+class Clock:
+    """CLOCK_MONOTONIC and CLOCK_REALTIME sampled back to back."""
+
+    monotonic_ns: int
+    realtime_ns: int
+
+    def to_wall_ns(self, monotonic_ns: int) -> int:
+        return monotonic_ns - self.monotonic_ns + self.realtime_ns
+
+
+@dataclass(frozen=True, slots=True)
+class Trigger:
+    kind: TriggerKind
+    reason: str
+    incident_id: str
+    time_ns: int  # monotonic, when the agent decided to dump
+    pid: int = 0  # the process concerned, 0 if none
+    comm_hash: int = 0  # the communicator concerned, 0 if none
+    origin_host: str = ""  # the host that detected it (peer dumps)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessInfo:
+    pid: int
+    comm: str  # the kernel's 16-byte task name
+    cmdline: str
+    netns: int  # network namespace inode
+    start_ns: int  # monotonic
+    libs: tuple[str, ...]  # libnccl paths it maps
+    exit_ns: int = 0  # monotonic, 0 while alive or unknown
+    exit_code: int | None = None
+    exit_signal: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CommInfo:
+    """One communicator as one process holds it."""
+
+    pid: int
+    comm: int  # ncclComm_t pointer value in that process
+    comm_hash: int
+    rank: int  # -1 if unknown (split comms: the analyzer derives it)
+    nranks: int  # -1 if unknown
+    parent_hash: int = 0
+    color: int = -1
+    key: int = -1
+    root_addr: str = ""  # decoded bootstrap root, "" if none
+    init_ns: int = 0
+    destroy_ns: int = 0  # 0 while alive
+
+
+@dataclass(frozen=True, slots=True)
+class Ring:
+    rows: np.ndarray  # structured array, ring dtype, oldest first
+    overwritten: int = 0  # rows the ring dropped to make room
+    lost: int = 0  # rows the kernel could not record
+
+
+@dataclass(frozen=True, slots=True)
+class Recording:
+    """One node's recording at one moment: a dump, or a live snapshot."""
+
+    host: str
+    boot_id: str
+    clock: Clock
+    processes: tuple[ProcessInfo, ...]
+    communicators: tuple[CommInfo, ...]
+    rings: dict[str, Ring]
+    agent_version: str = ""
+    agent_args: tuple[str, ...] = ()
+    trigger: Trigger | None = None  # None for a live snapshot
+    counters: dict[str, int] = field(default_factory=dict)

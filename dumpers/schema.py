@@ -1,0 +1,307 @@
+"""Event records, enums and identities shared by the recorder and the analyzer.
+
+The numpy dtypes here mirror the C structs in ``bpf/events.h`` field by field
+(``tests/test_schema.py`` pins sizes and offsets on both sides).  Strings are
+interned as small integers in the columnar data; the tables below map them
+back to names.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+import struct
+
+import numpy as np
+
+UNIQUE_ID_BYTES = 128
+MASK64 = (1 << 64) - 1
+
+
+class EventKind(enum.IntEnum):
+    NCCL = 1
+    COMM = 2
+    TCP = 3
+    SCHED = 4
+    EXIT = 5
+
+
+class Op(enum.IntEnum):
+    """NCCL call kinds; ``name`` is the SQL spelling (``ALL_REDUCE``)."""
+
+    UNKNOWN = 0
+    ALL_REDUCE = 1
+    ALL_GATHER = 2
+    REDUCE_SCATTER = 3
+    BROADCAST = 4
+    REDUCE = 5
+    ALL_TO_ALL = 6
+    GATHER = 7
+    SCATTER = 8
+    SEND = 9
+    RECV = 10
+    GROUP_START = 11
+    GROUP_END = 12
+    COMM_INIT_RANK = 13
+    COMM_INIT_RANK_CONFIG = 14
+    COMM_INIT_ALL = 15
+    COMM_SPLIT = 16
+    COMM_DESTROY = 17
+    COMM_ABORT = 18
+    COMM_FINALIZE = 19
+    GET_UNIQUE_ID = 20
+
+    @property
+    def is_collective(self) -> bool:
+        return Op.ALL_REDUCE <= self <= Op.SCATTER
+
+    @property
+    def is_p2p(self) -> bool:
+        return self in (Op.SEND, Op.RECV)
+
+
+COLLECTIVE_OPS = frozenset(op for op in Op if op.is_collective)
+P2P_OPS = frozenset({Op.SEND, Op.RECV})
+LIFECYCLE_OPS = frozenset(op for op in Op if op >= Op.COMM_INIT_RANK)
+
+# NCCL symbol -> op.  ncclBcast is the in-place ncclBroadcast.
+NCCL_SYMBOLS: dict[str, Op] = {
+    "ncclAllReduce": Op.ALL_REDUCE,
+    "ncclAllGather": Op.ALL_GATHER,
+    "ncclReduceScatter": Op.REDUCE_SCATTER,
+    "ncclBroadcast": Op.BROADCAST,
+    "ncclBcast": Op.BROADCAST,
+    "ncclReduce": Op.REDUCE,
+    "ncclAlltoAll": Op.ALL_TO_ALL,
+    "ncclGather": Op.GATHER,
+    "ncclScatter": Op.SCATTER,
+    "ncclSend": Op.SEND,
+    "ncclRecv": Op.RECV,
+    "ncclGroupStart": Op.GROUP_START,
+    "ncclGroupEnd": Op.GROUP_END,
+    "ncclCommInitRank": Op.COMM_INIT_RANK,
+    "ncclCommInitRankConfig": Op.COMM_INIT_RANK_CONFIG,
+    "ncclCommInitAll": Op.COMM_INIT_ALL,
+    "ncclCommSplit": Op.COMM_SPLIT,
+    "ncclCommDestroy": Op.COMM_DESTROY,
+    "ncclCommAbort": Op.COMM_ABORT,
+    "ncclCommFinalize": Op.COMM_FINALIZE,
+    "ncclGetUniqueId": Op.GET_UNIQUE_ID,
+}
+
+
+class State(enum.IntEnum):
+    SCHEDULED = 0
+    STARTED = 1
+    COMPLETED = 2
+
+
+class DataType(enum.IntEnum):
+    """``ncclDataType_t`` values (aliases: ncclChar=Int8, ncclInt=Int32, ...)."""
+
+    INT8 = 0
+    UINT8 = 1
+    INT32 = 2
+    UINT32 = 3
+    INT64 = 4
+    UINT64 = 5
+    FLOAT16 = 6
+    FLOAT32 = 7
+    FLOAT64 = 8
+    BFLOAT16 = 9
+    FLOAT8E4M3 = 10
+    FLOAT8E5M2 = 11
+
+
+DATATYPE_SIZE: dict[int, int] = {
+    DataType.INT8: 1,
+    DataType.UINT8: 1,
+    DataType.INT32: 4,
+    DataType.UINT32: 4,
+    DataType.INT64: 8,
+    DataType.UINT64: 8,
+    DataType.FLOAT16: 2,
+    DataType.FLOAT32: 4,
+    DataType.FLOAT64: 8,
+    DataType.BFLOAT16: 2,
+    DataType.FLOAT8E4M3: 1,
+    DataType.FLOAT8E5M2: 1,
+}
+
+
+class RedOp(enum.IntEnum):
+    SUM = 0
+    PROD = 1
+    MAX = 2
+    MIN = 3
+    AVG = 4
+
+
+class Result(enum.IntEnum):
+    """``ncclResult_t``; PENDING (-1) marks a call that has not returned."""
+
+    PENDING = -1
+    SUCCESS = 0
+    UNHANDLED_CUDA_ERROR = 1
+    SYSTEM_ERROR = 2
+    INTERNAL_ERROR = 3
+    INVALID_ARGUMENT = 4
+    INVALID_USAGE = 5
+    REMOTE_ERROR = 6
+    IN_PROGRESS = 7
+
+
+class TcpEvent(enum.IntEnum):
+    TCP_RETRANSMIT_SKB = 1
+    INET_SOCK_SET_STATE = 2
+
+
+class ExitEvent(enum.IntEnum):
+    EXIT_GROUP = 1
+    SIGNAL = 2
+    PROCESS_EXIT = 3
+
+
+_HEADER = [
+    ("pos", "<u8"),
+    ("ts_ns", "<u8"),
+    ("kind", "<u2"),
+    ("size", "<u2"),
+    ("pid", "<u4"),
+    ("tid", "<u4"),
+    ("_pad0", "<u4"),
+]
+
+NCCL_EVENT = np.dtype(
+    [
+        *_HEADER,
+        ("end_ns", "<u8"),
+        ("comm", "<u8"),
+        ("comm_hash", "<u8"),
+        ("count", "<u8"),
+        ("bytes", "<u8"),
+        ("stream", "<u8"),
+        ("seq", "<u8"),
+        ("rank", "<i4"),
+        ("nranks", "<i4"),
+        ("peer", "<i4"),
+        ("result", "<i4"),
+        ("op", "u1"),
+        ("datatype", "u1"),
+        ("redop", "u1"),
+        ("state", "u1"),
+        ("_pad1", "<u4"),
+    ]
+)
+
+COMM_EVENT = np.dtype(
+    [
+        *_HEADER,
+        ("end_ns", "<u8"),
+        ("comm", "<u8"),
+        ("comm_hash", "<u8"),
+        ("parent_hash", "<u8"),
+        ("rank", "<i4"),
+        ("nranks", "<i4"),
+        ("color", "<i4"),
+        ("key", "<i4"),
+        ("op", "u1"),
+        ("state", "u1"),
+        ("_pad1", "<u2"),
+        ("result", "<i4"),
+        ("unique_id", "u1", (UNIQUE_ID_BYTES,)),
+    ]
+)
+
+TCP_EVENT = np.dtype(
+    [
+        *_HEADER,
+        ("skaddr", "<u8"),
+        ("saddr", "u1", (16,)),
+        ("daddr", "u1", (16,)),
+        ("sport", "<u2"),
+        ("dport", "<u2"),
+        ("family", "<u2"),
+        ("event", "u1"),
+        ("_pad1", "u1"),
+        ("state", "<i4"),
+        ("newstate", "<i4"),
+    ]
+)
+
+SCHED_EVENT = np.dtype([*_HEADER, ("delay_ns", "<u8"), ("cpu", "<u4"), ("_pad1", "<u4")])
+
+EXIT_EVENT = np.dtype(
+    [*_HEADER, ("code", "<i4"), ("signal", "<i4"), ("event", "u1"), ("_pad1", "u1", (7,))]
+)
+
+# Ring name -> record dtype.  The names are those of the dump file's "rings".
+RING_DTYPES: dict[str, np.dtype] = {
+    "nccl": NCCL_EVENT,
+    "comm": COMM_EVENT,
+    "tcp": TCP_EVENT,
+    "sched": SCHED_EVENT,
+    "exit": EXIT_EVENT,
+}
+
+
+def splitmix64(x: int) -> int:
+    """One step of splitmix64 (Steele, Lea, Flood 2014) on a 64-bit value."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    z = x
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def fold_unique_id(unique_id: bytes) -> int:
+    """The 64-bit communicator id: every 8-byte little-endian word of the
+    128-byte ``ncclUniqueId`` folded in order with ``h = splitmix64(h ^ w)``.
+    ``bpf/nccl.c`` computes the same value in the kernel."""
+    if len(unique_id) != UNIQUE_ID_BYTES:
+        raise ValueError(f"ncclUniqueId must be {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
+    h = 0
+    for (word,) in struct.iter_unpack("<Q", unique_id):
+        h = splitmix64(h ^ word)
+    return h
+
+
+SPLIT_TAG = 0x73706C6974636F6D  # "splitcom"
+
+
+def split_hash(parent_hash: int, color: int, split_index: int) -> int:
+    """Id of a communicator made by the ``split_index``-th (0-based)
+    ``ncclCommSplit`` on a parent: the same on every member, because all of
+    them split the same parent the same number of times with the same color."""
+    h = splitmix64(parent_hash ^ SPLIT_TAG)
+    h = splitmix64(h ^ (color & 0xFFFFFFFF))
+    return splitmix64(h ^ (split_index & MASK64))
+
+
+def decode_root_address(unique_id: bytes) -> str | None:
+    """The bootstrap root's address that NCCL stores after an 8-byte magic:
+    a ``sockaddr_in`` or ``sockaddr_in6`` (family in host order, port in
+    network order).  Returns ``"host:port"`` or None if it is not one."""
+    if len(unique_id) < 36:
+        return None
+    (family,) = struct.unpack_from("<H", unique_id, 8)
+    (port,) = struct.unpack_from(">H", unique_id, 10)
+    if family == 2:  # AF_INET
+        return f"{ipaddress.IPv4Address(unique_id[12:16])}:{port}"
+    if family == 10:  # AF_INET6
+        return f"[{ipaddress.IPv6Address(unique_id[16:32])}]:{port}"
+    return None
+
+
+def op_name(op: int) -> str:
+    try:
+        return Op(op).name
+    except ValueError:
+        return f"OP_{op}"
+
+
+def datatype_name(datatype: int) -> str:
+    try:
+        return DataType(datatype).name.lower()
+    except ValueError:
+        return f"dtype_{datatype}"

@@ -1,0 +1,5 @@
+import sys
+
+from stallwatch.cli import main
+
+sys.exit(main())

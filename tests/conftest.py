@@ -1,0 +1,62 @@
+"""Suite-wide rules.
+
+Tests marked ``bpf``/``lab``/``realnccl`` need root and a kernel with eBPF;
+off CI they are skipped where that is missing.  On CI (``CI=true``) a skipped
+test fails the run: a skip must never pass for a test that ran.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"
+ON_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+_skipped: list[str] = []
+
+
+def _can_bpf() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root"
+    if not Path("/sys/kernel/btf/vmlinux").exists():
+        return "needs a kernel with BTF"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = _can_bpf()
+    if reason is None:
+        return
+    for item in items:
+        if any(item.get_closest_marker(m) for m in ("bpf", "lab", "realnccl")):
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped:
+        _skipped.append(report.nodeid)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if ON_CI and _skipped and exitstatus == 0:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if ON_CI and _skipped:
+        terminalreporter.write_line(
+            f"CI: {len(_skipped)} test(s) skipped; on CI every test must run: "
+            + ", ".join(_skipped[:10]),
+            red=True,
+        )
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    path = SHARED / "fixtures"
+    if not path.is_dir():
+        pytest.fail(f"shared fixtures not found at {path}")
+    return path

@@ -1,0 +1,214 @@
+"""An incident as a Chrome/Perfetto trace (the JSON trace-event format).
+
+One trace process per host, one track (thread) per rank and communicator,
+each NCCL call a complete slice ("X") carrying op, seq, bytes and state;
+TCP retransmits and run-queue delays are instant events on the owning rank's
+"kernel" track; each verdict is a global instant marker.  Times are wall
+clock microseconds (each host's monotonic stamps converted with the clock
+pair its dump sampled), so hosts line up as well as their clocks do.
+
+Open the file at https://ui.perfetto.dev or chrome://tracing.
+
+Known limits: a call still in flight when the dump was taken is drawn up to
+the dump time, with state "scheduled"; calls outside the rings' windows are
+not shown.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dumpers.errors import UsageError
+from dumpers.model import Recording
+from dumpers.schema import State, TcpEvent, datatype_name, op_name
+
+_STATE_NAMES = {int(s): s.name.lower() for s in State}
+_KERNEL_TRACK = "kernel"
+
+
+@dataclass(frozen=True, slots=True)
+class Marker:
+    """A verdict to pin on the timeline."""
+
+    kind: str
+    summary: str
+    hosts: tuple[str, ...] = ()
+
+
+def world_ranks(rec: Recording) -> dict[int, int]:
+    """pid -> rank in the largest non-split communicator it holds."""
+    best: dict[int, tuple[int, int]] = {}
+    for c in rec.communicators:
+        if c.parent_hash or c.rank < 0:
+            continue
+        if c.pid not in best or c.nranks > best[c.pid][0]:
+            best[c.pid] = (c.nranks, c.rank)
+    return {pid: rank for pid, (_, rank) in best.items()}
+
+
+class _Tracks:
+    """Stable small integers for hosts (trace pid) and tracks (trace tid)."""
+
+    def __init__(self) -> None:
+        self.hosts: dict[str, int] = {}
+        self.tracks: dict[tuple[str, int, str], int] = {}
+        self.meta: list[dict[str, object]] = []
+
+    def host(self, host: str) -> int:
+        if host not in self.hosts:
+            self.hosts[host] = len(self.hosts) + 1
+            self.meta.append(_meta("process_name", self.hosts[host], 0, host))
+        return self.hosts[host]
+
+    def track(self, host: str, pid: int, label: str) -> tuple[int, int]:
+        hp = self.host(host)
+        key = (host, pid, label)
+        if key not in self.tracks:
+            self.tracks[key] = len(self.tracks) + 1
+            self.meta.append(_meta("thread_name", hp, self.tracks[key], label))
+        return hp, self.tracks[key]
+
+
+def _meta(name: str, pid: int, tid: int, value: str) -> dict[str, object]:
+    return {"ph": "M", "name": name, "pid": pid, "tid": tid, "args": {"name": value}}
+
+
+def _rank_label(ranks: dict[int, int], pid: int) -> str:
+    rank = ranks.get(pid)
+    return f"rank {rank} (pid {pid})" if rank is not None else f"pid {pid}"
+
+
+def _nccl_slices(rec: Recording, tracks: _Tracks, ranks: dict[int, int]) -> list[dict[str, object]]:
+    ring = rec.rings.get("nccl")
+    if ring is None or len(ring.rows) == 0:
+        return []
+    rows = ring.rows
+    end_of_dump = rec.trigger.time_ns if rec.trigger else int(rows["ts_ns"].max())
+    end_ns = np.where(
+        rows["end_ns"] > 0, rows["end_ns"], max(end_of_dump, int(rows["ts_ns"].max()))
+    )
+    ts_us = (rows["ts_ns"].astype(np.int64) - rec.clock.monotonic_ns + rec.clock.realtime_ns) / 1e3
+    dur_us = (end_ns.astype(np.int64) - rows["ts_ns"].astype(np.int64)) / 1e3
+    out: list[dict[str, object]] = []
+    for i, row in enumerate(rows):
+        comm_label = f"0x{int(row['comm_hash']):016x}" if row["comm_hash"] else "no comm"
+        label = f"{_rank_label(ranks, int(row['pid']))} comm {comm_label}"
+        hp, tid = tracks.track(rec.host, int(row["pid"]), label)
+        op = op_name(int(row["op"]))
+        out.append(
+            {
+                "ph": "X",
+                "name": op,
+                "cat": "nccl",
+                "pid": hp,
+                "tid": tid,
+                "ts": float(ts_us[i]),
+                "dur": max(float(dur_us[i]), 0.0),
+                "args": {
+                    "op": op,
+                    "seq": int(row["seq"]),
+                    "count": int(row["count"]),
+                    "bytes": int(row["bytes"]),
+                    "datatype": datatype_name(int(row["datatype"])),
+                    "state": _STATE_NAMES.get(int(row["state"]), str(int(row["state"]))),
+                    "result": int(row["result"]),
+                    "rank": int(row["rank"]),
+                    "nranks": int(row["nranks"]),
+                    "peer": int(row["peer"]),
+                    "comm_id_hash": comm_label,
+                    "pid": int(row["pid"]),
+                    "tid": int(row["tid"]),
+                },
+            }
+        )
+    return out
+
+
+def _instants(rec: Recording, tracks: _Tracks, ranks: dict[int, int]) -> list[dict[str, object]]:
+    out: list[dict[str, object]] = []
+    to_us = rec.clock.realtime_ns - rec.clock.monotonic_ns
+    tcp = rec.rings.get("tcp")
+    if tcp is not None:
+        for row in tcp.rows[tcp.rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB]:
+            pid = int(row["pid"])
+            hp, tid = tracks.track(rec.host, pid, f"{_rank_label(ranks, pid)} {_KERNEL_TRACK}")
+            out.append(
+                {
+                    "ph": "i",
+                    "s": "t",
+                    "name": "tcp_retransmit_skb",
+                    "cat": "tcp",
+                    "pid": hp,
+                    "tid": tid,
+                    "ts": (int(row["ts_ns"]) + to_us) / 1e3,
+                    "args": {"sport": int(row["sport"]), "dport": int(row["dport"])},
+                }
+            )
+    sched = rec.rings.get("sched")
+    if sched is not None:
+        for row in sched.rows:
+            pid = int(row["pid"])
+            hp, tid = tracks.track(rec.host, pid, f"{_rank_label(ranks, pid)} {_KERNEL_TRACK}")
+            out.append(
+                {
+                    "ph": "i",
+                    "s": "t",
+                    "name": "runqueue_delay",
+                    "cat": "sched",
+                    "pid": hp,
+                    "tid": tid,
+                    "ts": (int(row["ts_ns"]) + to_us) / 1e3,
+                    "args": {"delay_ms": int(row["delay_ns"]) / 1e6, "tid": int(row["tid"])},
+                }
+            )
+    return out
+
+
+def _markers(markers: Sequence[Marker], at_us: float) -> list[dict[str, object]]:
+    return [
+        {
+            "ph": "i",
+            "s": "g",
+            "name": f"verdict: {m.kind}",
+            "cat": "verdict",
+            "pid": 0,
+            "tid": 0,
+            "ts": at_us,
+            "args": {"summary": m.summary, "hosts": list(m.hosts)},
+        }
+        for m in markers
+    ]
+
+
+def build_trace(
+    recordings: Iterable[Recording], markers: Sequence[Marker] = ()
+) -> dict[str, object]:
+    """The trace document for some recordings (one incident, usually)."""
+    tracks = _Tracks()
+    events: list[dict[str, object]] = []
+    last_us = 0.0
+    for rec in sorted(recordings, key=lambda r: r.host):
+        ranks = world_ranks(rec)
+        events += _nccl_slices(rec, tracks, ranks)
+        events += _instants(rec, tracks, ranks)
+        if rec.trigger is not None:
+            last_us = max(last_us, rec.clock.to_wall_ns(rec.trigger.time_ns) / 1e3)
+    if not last_us and events:
+        last_us = max(float(e["ts"]) for e in events)  # type: ignore[arg-type]
+    events += _markers(markers, last_us)
+    return {"traceEvents": tracks.meta + events, "displayTimeUnit": "ms"}
+
+
+def write_trace(path: Path, trace: dict[str, object]) -> None:
+    try:
+        path.write_text(json.dumps(trace, separators=(",", ":")))
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot write the trace: {exc.strerror or exc}") from exc
+
+
+__all__ = ["Marker", "build_trace", "world_ranks", "write_trace"]

@@ -1,0 +1,227 @@
+"""The one SQL layer: DuckDB over the tables of ``dumpers.tables``.
+
+The same :class:`QueryEngine` serves ``stallwatch query`` on dumps, ``stallwatch
+serve`` and the live agent's ``POST /query``; there is never a second.
+
+DuckDB scans the Arrow tables in place (``register``: no copy into DuckDB
+storage) and plans range joins (IEJoin) for the ``BETWEEN`` windows that the
+seed query of DESIGN.md uses.
+
+Sandbox, applied to every query whatever its origin:
+
+- the connection is opened with ``enable_external_access=false`` (no file,
+  network or ``glob``/``read_*`` access; no ``ATTACH``/``COPY``/``EXPORT``
+  targets), extension auto-install and auto-load off, no temporary directory,
+  no allowed directories, then ``lock_configuration=true`` (no ``SET``);
+- exactly one statement, and it must parse (with DuckDB's own parser,
+  ``extract_statements``) as a ``SELECT`` (``WITH``, ``FROM``, ``VALUES``,
+  ``DESCRIBE``, ``SUMMARIZE`` included), so ``CREATE``, ``INSERT``, ``PRAGMA``,
+  ``CALL``, ``INSTALL``/``LOAD``, ``SET`` never reach the executor;
+- limits (:class:`Limits`): query text size, rows returned (the rest is cut and
+  the result marked truncated), wall time (a timer thread calls
+  ``interrupt()`` on the connection), memory and threads.
+
+Known limits: one connection per engine, so queries on one engine run one at a
+time (a query waits at most its time limit for the one before it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import duckdb
+
+from dumpers.errors import QueryError, QueryRefused
+from dumpers.model import Recording
+from dumpers.tables import tables
+
+Source = Sequence[Recording] | Callable[[], Sequence[Recording]]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one query may use; None means unlimited."""
+
+    max_rows: int | None = 10_000
+    time_limit_s: float | None = 10.0
+    max_sql_bytes: int | None = 64 * 1024
+    memory_limit: str | None = "1GB"
+    threads: int | None = 1
+
+
+# For people querying their own dumps on their own machine.
+LOCAL = Limits(
+    max_rows=None, time_limit_s=None, max_sql_bytes=None, memory_limit=None, threads=None
+)
+# For queries that come from the network (the agent, `stallwatch serve`).
+NETWORK = Limits()
+
+
+@dataclass(frozen=True, slots=True)
+class QueryResult:
+    columns: tuple[str, ...]
+    types: tuple[str, ...]
+    rows: list[tuple[Any, ...]]
+    truncated: bool
+    elapsed_ms: float
+
+
+def _config(limits: Limits) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "enable_external_access": False,
+        "autoinstall_known_extensions": False,
+        "autoload_known_extensions": False,
+        "allow_community_extensions": False,
+        "temp_directory": "",
+    }
+    if limits.memory_limit is not None:
+        config["memory_limit"] = limits.memory_limit
+    if limits.threads is not None:
+        config["threads"] = limits.threads
+    return config
+
+
+def sandboxed_connection(limits: Limits) -> duckdb.DuckDBPyConnection:
+    """An in-memory connection that cannot reach files, the network or
+    extensions, and whose settings cannot be changed any more."""
+    con = duckdb.connect(":memory:", config=_config(limits))
+    con.execute("SET lock_configuration = true")
+    return con
+
+
+def check_statement(con: duckdb.DuckDBPyConnection, sql: str, limits: Limits) -> None:
+    """Refuse anything but exactly one SELECT, before it is bound or run."""
+    size = len(sql.encode())
+    if limits.max_sql_bytes is not None and size > limits.max_sql_bytes:
+        raise QueryRefused(f"query is {size} bytes, the limit is {limits.max_sql_bytes}")
+    try:
+        statements = con.extract_statements(sql)
+    except duckdb.Error as exc:
+        raise QueryError(str(exc)) from None
+    if len(statements) != 1:
+        raise QueryRefused(f"expected exactly one SQL statement, found {len(statements)}")
+    kind = statements[0].type
+    if kind != duckdb.StatementType.SELECT:
+        raise QueryRefused(f"only SELECT queries are allowed, found a {kind.name} statement")
+
+
+class _Deadline:
+    """Interrupts a connection if the block it guards outlives the limit."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, seconds: float | None) -> None:
+        self._timer = threading.Timer(seconds, con.interrupt) if seconds else None
+
+    def __enter__(self) -> _Deadline:
+        if self._timer is not None:
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+class QueryEngine:
+    """DuckDB over recordings: a fixed list (dumps) or a callable returning a
+    fresh snapshot (a live agent), re-read at most every ``cache_s`` seconds."""
+
+    def __init__(
+        self, source: Source, limits: Limits | None = NETWORK, cache_s: float = 0.5
+    ) -> None:
+        self.limits = limits or LOCAL
+        self._source = source
+        self._cache_s = cache_s
+        self._loaded_at: float | None = None
+        self._lock = threading.Lock()
+        self._con = sandboxed_connection(self.limits)
+        _OPEN.add(self)
+
+    def _refresh(self) -> None:
+        now = time.monotonic()
+        static = not callable(self._source)
+        if self._loaded_at is not None and (static or now - self._loaded_at < self._cache_s):
+            return
+        recordings = list(self._source() if callable(self._source) else self._source)
+        for name, table in tables(recordings).items():
+            self._con.register(name, table)
+        self._loaded_at = now
+
+    def _acquire(self) -> None:
+        wait = self.limits.time_limit_s
+        if not self._lock.acquire(timeout=-1 if wait is None else wait):
+            raise QueryError(f"the query engine is busy (waited {wait:g} s for another query)")
+
+    def query(self, sql: str, limit: int | None = None) -> QueryResult:
+        """Run one SELECT; at most ``limit`` rows (and never more than the
+        engine's row limit) come back, ``truncated`` says whether more existed."""
+        start = time.perf_counter()
+        max_rows = _row_limit(limit, self.limits.max_rows)
+        self._acquire()
+        try:
+            check_statement(self._con, sql, self.limits)
+            self._refresh()
+            columns, types, rows = self._run(sql, max_rows)
+        finally:
+            self._lock.release()
+        truncated = max_rows is not None and len(rows) > max_rows
+        if truncated:
+            del rows[max_rows:]
+        elapsed = (time.perf_counter() - start) * 1e3
+        return QueryResult(columns, types, rows, truncated, elapsed)
+
+    def _run(
+        self, sql: str, max_rows: int | None
+    ) -> tuple[tuple[str, ...], tuple[str, ...], list[tuple[Any, ...]]]:
+        seconds = self.limits.time_limit_s
+        with _Deadline(self._con, seconds):
+            try:
+                rel = self._con.sql(sql)
+                if rel is None:
+                    raise QueryRefused("the statement returns no rows")
+                columns = tuple(rel.columns)
+                types = tuple(str(t) for t in rel.types)
+                rows = (rel if max_rows is None else rel.limit(max_rows + 1)).fetchall()
+            except duckdb.InterruptException:
+                raise QueryError(f"query cut off: it ran longer than {seconds:g} s") from None
+            except duckdb.OutOfMemoryException:
+                limit = self.limits.memory_limit
+                raise QueryError(f"query cut off: it needs more than {limit} of memory") from None
+            except duckdb.Error as exc:
+                raise QueryError(str(exc)) from None
+        return columns, types, rows
+
+    def close(self) -> None:
+        with self._lock:
+            self._con.close()
+        _OPEN.discard(self)
+
+    def __enter__(self) -> QueryEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# DuckDB's bindings report leaks when a connection outlives the interpreter.
+_OPEN: weakref.WeakSet[QueryEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_engines() -> None:
+    for engine in list(_OPEN):
+        engine.close()
+
+
+def _row_limit(requested: int | None, cap: int | None) -> int | None:
+    if requested is not None and (not isinstance(requested, int) or requested < 0):
+        raise QueryRefused(f"limit must be a non-negative integer, got {requested!r}")
+    if requested is None:
+        return cap
+    return requested if cap is None else min(requested, cap)

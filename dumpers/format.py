@@ -1,0 +1,629 @@
+"""The dump file: one node's ``Recording`` as a msgpack document.
+
+Layout (format version 1; every key is required, no other key is allowed)::
+
+    {"format": "stallwatch-dump", "version": 1,
+     "host": str, "boot_id": str,
+     "agent": {"version": str, "args": [str, ...]},
+     "trigger": null | {"kind": str, "reason": str, "incident_id": str, "time_ns": u64,
+                        "pid": u32, "comm_hash": u64, "origin_host": str},
+     "clock": {"monotonic_ns": u64, "realtime_ns": u64},
+     "processes": [{"pid", "comm", "cmdline", "netns", "start_ns", "libs": [str],
+                    "exit_ns", "exit_code": i32 | null, "exit_signal": i32 | null}, ...],
+     "communicators": [{"pid", "comm", "comm_hash", "rank", "nranks", "parent_hash",
+                        "color", "key", "root_addr", "init_ns", "destroy_ns"}, ...],
+     "rings": {name: {"dtype": numpy descr as lists, "rows": n, "data": bin,
+                      "overwritten": u64, "lost": u64}},
+     "counters": {str: u64}}
+
+Each ring is stored as its numpy dtype description plus the raw little-endian
+rows (``rows * itemsize`` bytes), so writing and reading cost one copy and no
+per-row Python.  Ring names must be those of ``dumpers.schema.RING_DTYPES`` and
+their dtype must equal that entry exactly: a ring this reader does not know is
+refused, not skipped, because a new ring means a new format version.
+
+The reader refuses anything else with ``DumpFormatError`` (or
+``DumpVersionError`` for a newer version), naming the file and the field; it
+never lets another exception escape, whatever the bytes.  Ring data is read
+from the file straight into a fresh writable array (one copy, no per-row
+Python); the ring's rows are a view of it.
+
+``write_dump`` is atomic: the document goes to a hidden temporary file in the
+target directory, which is flushed and fsynced, renamed into place, and the
+directory fsynced.  No partial file is ever visible under the final name.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import secrets
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO, NoReturn
+
+import msgpack
+import numpy as np
+
+from .errors import DumpError, DumpFormatError, DumpVersionError, DumpWriteError
+from .model import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    Clock,
+    CommInfo,
+    ProcessInfo,
+    Recording,
+    Ring,
+    Trigger,
+    TriggerKind,
+)
+from .schema import RING_DTYPES
+
+log = logging.getLogger(__name__)
+
+DUMP_SUFFIX = ".msgpack"
+TEMP_MARKER = ".tmp-"  # hidden temporary files: ".<final name>.tmp-<pid>-<random>"
+
+U32 = (0, 2**32 - 1)
+U64 = (0, 2**64 - 1)
+I32 = (-(2**31), 2**31 - 1)
+
+_Chunk = bytes | memoryview
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _descr(dtype: np.dtype) -> list[object]:
+    """The dtype's ``descr`` with tuples as lists (what msgpack gives back)."""
+
+    def conv(item: object) -> object:
+        if isinstance(item, tuple | list):
+            return [conv(x) for x in item]
+        return item
+
+    return [conv(x) for x in dtype.descr]
+
+
+_EXPECTED_DESCR = {name: _descr(dt) for name, dt in RING_DTYPES.items()}
+
+
+def _trigger_doc(t: Trigger | None) -> dict[str, object] | None:
+    if t is None:
+        return None
+    return {
+        "kind": t.kind.value,
+        "reason": t.reason,
+        "incident_id": t.incident_id,
+        "time_ns": t.time_ns,
+        "pid": t.pid,
+        "comm_hash": t.comm_hash,
+        "origin_host": t.origin_host,
+    }
+
+
+def _process_doc(p: ProcessInfo) -> dict[str, object]:
+    return {
+        "pid": p.pid,
+        "comm": p.comm,
+        "cmdline": p.cmdline,
+        "netns": p.netns,
+        "start_ns": p.start_ns,
+        "libs": list(p.libs),
+        "exit_ns": p.exit_ns,
+        "exit_code": p.exit_code,
+        "exit_signal": p.exit_signal,
+    }
+
+
+def _comm_doc(c: CommInfo) -> dict[str, object]:
+    return {
+        "pid": c.pid,
+        "comm": c.comm,
+        "comm_hash": c.comm_hash,
+        "rank": c.rank,
+        "nranks": c.nranks,
+        "parent_hash": c.parent_hash,
+        "color": c.color,
+        "key": c.key,
+        "root_addr": c.root_addr,
+        "init_ns": c.init_ns,
+        "destroy_ns": c.destroy_ns,
+    }
+
+
+def _header_doc(rec: Recording) -> dict[str, object]:
+    """Everything but the rings, in file order."""
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "host": rec.host,
+        "boot_id": rec.boot_id,
+        "agent": {"version": rec.agent_version, "args": list(rec.agent_args)},
+        "trigger": _trigger_doc(rec.trigger),
+        "clock": {"monotonic_ns": rec.clock.monotonic_ns, "realtime_ns": rec.clock.realtime_ns},
+        "processes": [_process_doc(p) for p in rec.processes],
+        "communicators": [_comm_doc(c) for c in rec.communicators],
+    }
+
+
+def _ring_bytes(name: str, ring: Ring) -> memoryview:
+    expected = RING_DTYPES.get(name)
+    if expected is None:
+        raise ValueError(f"ring {name!r}: unknown ring name (known: {', '.join(RING_DTYPES)})")
+    rows = ring.rows
+    if rows.dtype != expected or rows.ndim != 1:
+        raise ValueError(
+            f"ring {name!r}: expected a 1-D array of the schema dtype, got {rows.dtype}"
+        )
+    return np.ascontiguousarray(rows).view(np.uint8).data
+
+
+def _bin_header(n: int) -> bytes:
+    if n < 256:
+        return struct.pack(">BB", 0xC4, n)
+    if n < 65536:
+        return struct.pack(">BH", 0xC5, n)
+    return struct.pack(">BI", 0xC6, n)
+
+
+def _chunks(rec: Recording) -> Iterator[_Chunk]:
+    """The encoded document in pieces; ring data is yielded as views, not copied.
+
+    msgpack has no streaming API for ``bin``, so its header is written by hand
+    (bin 8/16/32, as in the msgpack spec)."""
+    packer = msgpack.Packer(use_bin_type=True)
+    header = _header_doc(rec)
+    ring_data = {name: _ring_bytes(name, ring) for name, ring in rec.rings.items()}
+    yield packer.pack_map_header(len(header) + 2)
+    for key, value in header.items():
+        yield packer.pack(key) + packer.pack(value)
+    yield packer.pack("rings") + packer.pack_map_header(len(rec.rings))
+    for name, ring in rec.rings.items():
+        data = ring_data[name]
+        yield packer.pack(name) + packer.pack_map_header(5)
+        yield packer.pack("dtype") + packer.pack(_EXPECTED_DESCR[name])
+        yield packer.pack("rows") + packer.pack(len(ring.rows))
+        yield packer.pack("overwritten") + packer.pack(ring.overwritten)
+        yield packer.pack("lost") + packer.pack(ring.lost)
+        yield packer.pack("data") + _bin_header(len(data))
+        yield data
+    yield packer.pack("counters") + packer.pack(dict(rec.counters))
+
+
+def encode(rec: Recording) -> bytes:
+    """The dump document of ``rec``.  Raises ValueError for a Recording that
+    breaks the model (unknown ring, wrong dtype, value out of range)."""
+    try:
+        return b"".join(_chunks(rec))
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"recording of {rec.host!r} cannot be encoded: {exc}") from exc
+
+
+# ---------------------------------------------------------------- writing
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def _safe(text: str, limit: int = 64) -> str:
+    cleaned = _UNSAFE.sub("_", text).strip("._") or "unknown"
+    return cleaned[:limit]
+
+
+def dump_file_name(rec: Recording) -> str:
+    """``<host>-<incident id>-<UTC time>.msgpack``, every part sanitized."""
+    trig = rec.trigger
+    incident = trig.incident_id if trig else "snapshot"
+    wall_ns = rec.clock.to_wall_ns(trig.time_ns) if trig else rec.clock.realtime_ns
+    secs, ns = divmod(wall_ns, 10**9)
+    try:
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(secs)) + f"{ns // 10**6:03d}Z"
+    except (OverflowError, OSError, ValueError):
+        stamp = "unknown-time"
+    return f"{_safe(rec.host)}-{_safe(incident, 96)}-{stamp}{DUMP_SUFFIX}"
+
+
+def _target(dir_or_path: str | os.PathLike[str], rec: Recording) -> Path:
+    path = Path(dir_or_path)
+    if not path.is_dir():
+        return path
+    final = path / dump_file_name(rec)
+    n = 1
+    while final.exists():
+        final = path / f"{final.name.removesuffix(DUMP_SUFFIX).rsplit('~', 1)[0]}~{n}{DUMP_SUFFIX}"
+        n += 1
+    return final
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_temp(temp: Path, chunks: Iterator[_Chunk]) -> None:
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "wb") as out:
+        for chunk in chunks:
+            out.write(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def write_dump(dir_or_path: str | os.PathLike[str], rec: Recording) -> Path:
+    """Write ``rec`` atomically; returns the final path.
+
+    ``dir_or_path`` is a directory (the file is named by ``dump_file_name``,
+    with ``~N`` added if that name is taken) or the file's path.  Raises
+    DumpWriteError naming the path and the reason (disk full, read-only,
+    permissions); the temporary file is removed on failure."""
+    final = _target(dir_or_path, rec)
+    chunks = _chunks(rec)  # encoding errors (ValueError) surface before any I/O
+    temp = final.with_name(f".{final.name}{TEMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        _write_temp(temp, chunks)
+        os.replace(temp, final)
+    except OSError as exc:
+        _remove_quietly(temp)
+        raise DumpWriteError(f"{final}: cannot write dump: {exc.strerror or exc}") from exc
+    except BaseException:
+        _remove_quietly(temp)
+        raise
+    try:
+        _fsync_dir(final.parent)
+    except OSError as exc:  # the file is in place; only its durability is in doubt
+        log.warning("%s: written, but fsync of its directory failed: %s", final, exc)
+    return final
+
+
+def _remove_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("%s: cannot remove temporary file: %s", path, exc)
+
+
+# ---------------------------------------------------------------- reading
+
+
+class _Checker:
+    """Field access on a decoded document that fails with the field's path."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def fail(self, path: str, problem: str) -> NoReturn:
+        raise DumpFormatError(f"{self.name}: {path}: {problem}")
+
+    def map(self, obj: object, path: str, keys: tuple[str, ...] | None) -> dict[str, object]:
+        if not isinstance(obj, dict):
+            self.fail(path, f"expected a map, found {_kind(obj)}")
+        if keys is not None:
+            missing = [k for k in keys if k not in obj]
+            if missing:
+                self.fail(path, f"missing field {missing[0]!r}")
+            extra = [k for k in obj if k not in keys]
+            if extra:
+                self.fail(path, f"unexpected field {str(extra[0])[:40]!r}")
+        return obj
+
+    def array(self, obj: object, path: str) -> list[object]:
+        if not isinstance(obj, list):
+            self.fail(path, f"expected an array, found {_kind(obj)}")
+        return obj
+
+    def integer(self, obj: object, path: str, bounds: tuple[int, int] = U64) -> int:
+        if not isinstance(obj, int) or isinstance(obj, bool):
+            self.fail(path, f"expected an integer, found {_kind(obj)}")
+        lo, hi = bounds
+        if not lo <= obj <= hi:
+            self.fail(path, f"expected an integer in [{lo}, {hi}], found {obj}")
+        return obj
+
+    def opt_int(self, obj: object, path: str, bounds: tuple[int, int]) -> int | None:
+        return None if obj is None else self.integer(obj, path, bounds)
+
+    def string(self, obj: object, path: str) -> str:
+        if not isinstance(obj, str):
+            self.fail(path, f"expected a string, found {_kind(obj)}")
+        return obj
+
+    def strings(self, obj: object, path: str) -> tuple[str, ...]:
+        return tuple(self.string(x, f"{path}[{i}]") for i, x in enumerate(self.array(obj, path)))
+
+
+def _kind(obj: object) -> str:
+    if obj is None:
+        return "nil"
+    return {bytes: "binary", str: "string", list: "array", dict: "map", bool: "boolean"}.get(
+        type(obj), type(obj).__name__
+    )
+
+
+_TOP_KEYS = (
+    "format",
+    "version",
+    "host",
+    "boot_id",
+    "agent",
+    "trigger",
+    "clock",
+    "processes",
+    "communicators",
+    "rings",
+    "counters",
+)
+_TRIGGER_KEYS = ("kind", "reason", "incident_id", "time_ns", "pid", "comm_hash", "origin_host")
+_PROCESS_KEYS = tuple(ProcessInfo.__dataclass_fields__)
+_COMM_KEYS = tuple(CommInfo.__dataclass_fields__)
+_RING_KEYS = ("dtype", "rows", "data", "overwritten", "lost")
+
+
+_BIN_LENGTH_BYTES = {0xC4: 1, 0xC5: 2, 0xC6: 4}
+
+
+class _Source:
+    """The file as msgpack's Unpacker reads it, plus the bytes that
+    ``_read_bin`` takes straight from the file, around the Unpacker."""
+
+    def __init__(self, stream: BinaryIO, size: int) -> None:
+        self.stream = stream
+        self.size = size
+        self.pos = 0  # bytes taken from the stream
+        self.bypassed = 0  # of which read around the Unpacker
+        self.up = msgpack.Unpacker(
+            self,
+            raw=False,
+            strict_map_key=True,
+            read_size=1 << 16,
+            max_buffer_size=max(size, 1 << 20),
+            max_str_len=size,
+            max_bin_len=size,
+            max_array_len=size,
+            max_map_len=size,
+            max_ext_len=size,
+        )
+
+    def read(self, n: int) -> bytes:
+        data = self.stream.read(n)
+        self.pos += len(data)
+        return data
+
+    def offset(self) -> int:
+        """Bytes of the document consumed so far."""
+        return int(self.up.tell()) + self.bypassed
+
+    def read_payload(self, n: int) -> np.ndarray | None:
+        """``n`` bytes into a fresh array; None if the file ends first."""
+        if n > self.size - self.offset():
+            return None
+        out = np.empty(n, dtype=np.uint8)
+        buffered = min(n, self.pos - self.offset())
+        out[:buffered] = np.frombuffer(self.up.read_bytes(buffered), dtype=np.uint8)
+        view = memoryview(out)[buffered:]  # type: ignore[arg-type]
+        while view:
+            got = self.stream.readinto(view)  # type: ignore[attr-defined]
+            if not got:
+                return None
+            view = view[got:]
+            self.pos += got
+            self.bypassed += got
+        return out
+
+
+def _read_bin(src: _Source, c: _Checker, path: str) -> np.ndarray:
+    """A bin object read straight into an array: one copy, however large."""
+    marker = src.up.read_bytes(1)
+    width = _BIN_LENGTH_BYTES.get(marker[0]) if marker else None
+    if width is None:
+        c.fail(path, "expected binary data")
+    raw = src.up.read_bytes(width)
+    n = int.from_bytes(raw, "big")
+    payload = src.read_payload(n) if len(raw) == width else None
+    if payload is None:
+        c.fail(path, "truncated: the file ends inside the data")
+    return payload
+
+
+def _walk_map(src: _Source, c: _Checker, path: str) -> dict[str, object]:
+    """A map whose ``rings.*.data`` values are read by ``_read_bin``; every
+    other value is unpacked by msgpack."""
+    try:
+        n = src.up.read_map_header()
+    except msgpack.UnpackValueError:
+        c.fail(path, "expected a map" + (", not a stallwatch dump" if path == "document" else ""))
+    out: dict[str, object] = {}
+    for _ in range(n):
+        key = src.up.unpack()
+        if not isinstance(key, str):
+            c.fail(path, f"expected string keys, found {_kind(key)}")
+        sub = f"{path}.{key[:40]}" if path != "document" else key
+        if sub == "rings" or (path == "rings" and key in RING_DTYPES):
+            out[key] = _walk_map(src, c, sub)
+        elif path.startswith("rings.") and key == "data":
+            out[key] = _read_bin(src, c, sub)
+        else:
+            out[key] = src.up.unpack()
+    return out
+
+
+def _unpack(stream: BinaryIO, size: int, name: str) -> tuple[dict[str, object], int]:
+    """The document, and how many bytes follow it."""
+    if size == 0:
+        raise DumpFormatError(f"{name}: empty file, not a stallwatch dump")
+    c = _Checker(name)
+    src = _Source(stream, size)
+    try:
+        doc = _walk_map(src, c, "document")
+    except DumpFormatError:
+        raise
+    except msgpack.OutOfData:
+        raise DumpFormatError(f"{name}: truncated (the file ends inside the document)") from None
+    except (Exception, RecursionError, MemoryError) as exc:  # msgpack raises many kinds
+        raise DumpFormatError(
+            f"{name}: not a stallwatch dump (not a valid msgpack document: {type(exc).__name__})"
+        ) from None
+    return doc, size - src.offset()
+
+
+def _check_header(doc: dict[str, object], c: _Checker) -> None:
+    fmt = doc.get("format")
+    if fmt != FORMAT_NAME:
+        found = repr(fmt)[:60] if "format" in doc else "no format field"
+        c.fail("format", f"not a stallwatch dump (expected {FORMAT_NAME!r}, found {found})")
+    version = c.integer(doc.get("version"), "version", (-(2**63), 2**64 - 1))
+    if version > FORMAT_VERSION:
+        raise DumpVersionError(
+            f"{c.name}: written by a newer stallwatch (format version {version}, "
+            f"this reader understands up to {FORMAT_VERSION})"
+        )
+    if version < 1:
+        c.fail("version", f"expected a format version from 1 to {FORMAT_VERSION}, found {version}")
+
+
+def _read_trigger(obj: object, c: _Checker) -> Trigger | None:
+    if obj is None:
+        return None
+    t = c.map(obj, "trigger", _TRIGGER_KEYS)
+    kind = c.string(t["kind"], "trigger.kind")
+    try:
+        trigger_kind = TriggerKind(kind)
+    except ValueError:
+        c.fail("trigger.kind", f"unknown trigger kind {kind[:40]!r}")
+    return Trigger(
+        kind=trigger_kind,
+        reason=c.string(t["reason"], "trigger.reason"),
+        incident_id=c.string(t["incident_id"], "trigger.incident_id"),
+        time_ns=c.integer(t["time_ns"], "trigger.time_ns"),
+        pid=c.integer(t["pid"], "trigger.pid", U32),
+        comm_hash=c.integer(t["comm_hash"], "trigger.comm_hash"),
+        origin_host=c.string(t["origin_host"], "trigger.origin_host"),
+    )
+
+
+def _read_process(obj: object, path: str, c: _Checker) -> ProcessInfo:
+    p = c.map(obj, path, _PROCESS_KEYS)
+    return ProcessInfo(
+        pid=c.integer(p["pid"], f"{path}.pid", U32),
+        comm=c.string(p["comm"], f"{path}.comm"),
+        cmdline=c.string(p["cmdline"], f"{path}.cmdline"),
+        netns=c.integer(p["netns"], f"{path}.netns"),
+        start_ns=c.integer(p["start_ns"], f"{path}.start_ns"),
+        libs=c.strings(p["libs"], f"{path}.libs"),
+        exit_ns=c.integer(p["exit_ns"], f"{path}.exit_ns"),
+        exit_code=c.opt_int(p["exit_code"], f"{path}.exit_code", I32),
+        exit_signal=c.opt_int(p["exit_signal"], f"{path}.exit_signal", I32),
+    )
+
+
+def _read_comm(obj: object, path: str, c: _Checker) -> CommInfo:
+    m = c.map(obj, path, _COMM_KEYS)
+    return CommInfo(
+        pid=c.integer(m["pid"], f"{path}.pid", U32),
+        comm=c.integer(m["comm"], f"{path}.comm"),
+        comm_hash=c.integer(m["comm_hash"], f"{path}.comm_hash"),
+        rank=c.integer(m["rank"], f"{path}.rank", I32),
+        nranks=c.integer(m["nranks"], f"{path}.nranks", I32),
+        parent_hash=c.integer(m["parent_hash"], f"{path}.parent_hash"),
+        color=c.integer(m["color"], f"{path}.color", I32),
+        key=c.integer(m["key"], f"{path}.key", I32),
+        root_addr=c.string(m["root_addr"], f"{path}.root_addr"),
+        init_ns=c.integer(m["init_ns"], f"{path}.init_ns"),
+        destroy_ns=c.integer(m["destroy_ns"], f"{path}.destroy_ns"),
+    )
+
+
+def _read_ring(name: str, obj: object, c: _Checker) -> Ring:
+    path = f"rings.{name}"
+    r = c.map(obj, path, _RING_KEYS)
+    expected = _EXPECTED_DESCR.get(name)
+    if expected is None:
+        c.fail(path, f"unknown ring (this reader knows {', '.join(RING_DTYPES)})")
+    if r["dtype"] != expected:
+        c.fail(f"{path}.dtype", "does not match this reader's schema for that ring")
+    dtype = RING_DTYPES[name]
+    rows = c.integer(r["rows"], f"{path}.rows")
+    data = r["data"]
+    if not isinstance(data, np.ndarray):  # _walk_map reads every ring's data itself
+        c.fail(f"{path}.data", f"expected binary, found {_kind(data)}")
+    if data.nbytes != rows * dtype.itemsize:
+        c.fail(
+            f"{path}.data",
+            f"expected {rows * dtype.itemsize} bytes for {rows} rows, found {data.nbytes}",
+        )
+    return Ring(
+        rows=data.view(dtype),
+        overwritten=c.integer(r["overwritten"], f"{path}.overwritten"),
+        lost=c.integer(r["lost"], f"{path}.lost"),
+    )
+
+
+def _read_rings(obj: object, c: _Checker) -> dict[str, Ring]:
+    rings = c.map(obj, "rings", None)
+    return {name: _read_ring(name, ring, c) for name, ring in rings.items()}
+
+
+def _read_counters(obj: object, c: _Checker) -> dict[str, int]:
+    counters = c.map(obj, "counters", None)
+    out: dict[str, int] = {}
+    for key, value in counters.items():
+        name = c.string(key, "counters (a key)")
+        out[name] = c.integer(value, f"counters.{name[:40]}")
+    return out
+
+
+def decode(data: bytes, name: str) -> Recording:
+    """Parse and validate a dump; ``name`` (usually the path) heads every error."""
+    return _decode_stream(io.BytesIO(data), len(data), name)
+
+
+def _decode_stream(stream: BinaryIO, size: int, name: str) -> Recording:
+    c = _Checker(name)
+    doc, trailing = _unpack(stream, size, name)
+    _check_header(doc, c)
+    if trailing:
+        c.fail("document", f"{trailing} unexpected bytes after the document")
+    doc = c.map(doc, "document", _TOP_KEYS)
+    agent = c.map(doc["agent"], "agent", ("version", "args"))
+    clock = c.map(doc["clock"], "clock", ("monotonic_ns", "realtime_ns"))
+    procs = c.array(doc["processes"], "processes")
+    comms = c.array(doc["communicators"], "communicators")
+    return Recording(
+        host=c.string(doc["host"], "host"),
+        boot_id=c.string(doc["boot_id"], "boot_id"),
+        clock=Clock(
+            monotonic_ns=c.integer(clock["monotonic_ns"], "clock.monotonic_ns"),
+            realtime_ns=c.integer(clock["realtime_ns"], "clock.realtime_ns"),
+        ),
+        processes=tuple(_read_process(p, f"processes[{i}]", c) for i, p in enumerate(procs)),
+        communicators=tuple(_read_comm(m, f"communicators[{i}]", c) for i, m in enumerate(comms)),
+        rings=_read_rings(doc["rings"], c),
+        agent_version=c.string(agent["version"], "agent.version"),
+        agent_args=c.strings(agent["args"], "agent.args"),
+        trigger=_read_trigger(doc["trigger"], c),
+        counters=_read_counters(doc["counters"], c),
+    )
+
+
+def read_dump(path: str | os.PathLike[str]) -> Recording:
+    """Read and validate one dump file.  DumpError if it cannot be opened,
+    DumpFormatError/DumpVersionError if it is not a dump this reader accepts."""
+    name = os.fspath(path)
+    try:
+        with open(path, "rb", buffering=0) as stream:
+            return _decode_stream(stream, os.fstat(stream.fileno()).st_size, name)
+    except IsADirectoryError:
+        raise DumpFormatError(f"{name}: is a directory, not a dump file") from None
+    except FileNotFoundError:
+        raise DumpError(f"{name}: no such file") from None
+    except OSError as exc:
+        raise DumpError(f"{name}: cannot read: {exc.strerror or exc}") from None

@@ -1,0 +1,176 @@
+/* Drives an NCCL-ABI library from C, so that Python does not dominate the
+ * cost of a call.  Linked against libnccl.so.2 (any with NCCL's ABI).
+ *
+ *   ncclloop scenario IDHEX|- RANK NRANKS   every entry point once or more,
+ *                                           printing what it used and got
+ *   ncclloop loop N allreduce|baseline      N calls, prints ns per call
+ *   ncclloop pace SECONDS RATE              RATE AllReduce calls per second
+ *
+ * Each mode first waits for a line on stdin when WAIT=1 is set, so that a
+ * test can attach probes before the first call.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef struct { char internal[128]; } ncclUniqueId;
+typedef void *ncclComm_t;
+typedef int ncclResult_t;
+
+ncclResult_t ncclGetUniqueId(ncclUniqueId *);
+ncclResult_t ncclCommInitRank(ncclComm_t *, int, ncclUniqueId, int);
+ncclResult_t ncclCommInitRankConfig(ncclComm_t *, int, ncclUniqueId, int, void *);
+ncclResult_t ncclCommInitAll(ncclComm_t *, int, const int *);
+ncclResult_t ncclCommSplit(ncclComm_t, int, int, ncclComm_t *, void *);
+ncclResult_t ncclCommDestroy(ncclComm_t);
+ncclResult_t ncclCommAbort(ncclComm_t);
+ncclResult_t ncclCommFinalize(ncclComm_t);
+ncclResult_t ncclAllReduce(const void *, void *, size_t, int, int, ncclComm_t, void *);
+ncclResult_t ncclReduceScatter(const void *, void *, size_t, int, int, ncclComm_t, void *);
+ncclResult_t ncclBroadcast(const void *, void *, size_t, int, int, ncclComm_t, void *);
+ncclResult_t ncclGather(const void *, void *, size_t, int, int, ncclComm_t, void *);
+ncclResult_t ncclScatter(const void *, void *, size_t, int, int, ncclComm_t, void *);
+ncclResult_t ncclBcast(void *, size_t, int, int, ncclComm_t, void *);
+ncclResult_t ncclReduce(const void *, void *, size_t, int, int, int, ncclComm_t, void *);
+ncclResult_t ncclAllGather(const void *, void *, size_t, int, ncclComm_t, void *);
+ncclResult_t ncclAlltoAll(const void *, void *, size_t, int, ncclComm_t, void *);
+ncclResult_t ncclSend(const void *, size_t, int, int, ncclComm_t, void *);
+ncclResult_t ncclRecv(void *, size_t, int, int, ncclComm_t, void *);
+ncclResult_t ncclGroupStart(void);
+ncclResult_t ncclGroupEnd(void);
+ncclResult_t benchBaseline(const void *, void *, size_t, int, int, ncclComm_t, void *);
+
+static void *const STREAM = (void *)0x5157;
+
+static void print_id(const char *name, const ncclUniqueId *id)
+{
+	printf("%s ", name);
+	for (int i = 0; i < 128; i++)
+		printf("%02x", (unsigned char)id->internal[i]);
+	printf("\n");
+}
+
+static void parse_id(const char *hex, ncclUniqueId *id)
+{
+	for (int i = 0; i < 128; i++) {
+		unsigned v;
+		sscanf(hex + 2 * i, "%2x", &v);
+		id->internal[i] = (char)v;
+	}
+}
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ULL + ts.tv_nsec;
+}
+
+static int scenario(const char *idhex, int rank, int nranks)
+{
+	ncclUniqueId id, id2;
+	ncclComm_t comm = NULL, comm2 = NULL, comm3 = NULL, sub = NULL, none = (void *)1;
+	ncclComm_t all[2] = {0};
+	char buf[64];
+	printf("pid %d\n", (int)getpid());
+	if (strcmp(idhex, "-") == 0)
+		printf("result_get_unique_id %d\n", ncclGetUniqueId(&id));
+	else
+		parse_id(idhex, &id);
+	print_id("uid", &id);
+	printf("result_init %d\n", ncclCommInitRank(&comm, nranks, id, rank));
+	printf("comm %p\n", comm);
+	for (int i = 0; i < 3; i++)
+		ncclAllReduce(buf, buf, 1000, 7, 0, comm, STREAM);
+	ncclBroadcast(buf, buf, 10, 2, 1, comm, STREAM);
+	ncclReduce(buf, buf, 11, 4, 2, 3, comm, STREAM);
+	ncclAllGather(buf, buf, 12, 9, comm, STREAM);
+	ncclReduceScatter(buf, buf, 13, 8, 1, comm, STREAM);
+	ncclBcast(buf, 14, 0, 2, comm, STREAM);
+	ncclAlltoAll(buf, buf, 15, 1, comm, STREAM);
+	ncclGather(buf, buf, 16, 3, 0, comm, STREAM);
+	ncclScatter(buf, buf, 17, 5, 1, comm, STREAM);
+	ncclGroupStart();
+	ncclSend(buf, 18, 7, 1, comm, STREAM);
+	ncclSend(buf, 18, 7, 1, comm, STREAM);
+	ncclRecv(buf, 18, 7, 3, comm, STREAM);
+	ncclGroupEnd();
+	printf("result_split %d\n", ncclCommSplit(comm, 5, 7, &sub, NULL));
+	printf("sub %p\n", sub);
+	ncclAllReduce(buf, buf, 19, 7, 0, sub, STREAM);
+	ncclCommSplit(comm, -1, 7, &none, NULL);
+	printf("none %p\n", none);
+	id2 = id;
+	id2.internal[127] ^= 1; /* same NCCL header bytes, different id */
+	print_id("uid2", &id2);
+	ncclCommInitRankConfig(&comm2, nranks, id2, rank, NULL);
+	printf("comm2 %p\n", comm2);
+	ncclAllReduce(buf, buf, 20, 7, 0, comm2, STREAM);
+	ncclCommInitAll(all, 2, NULL);
+	printf("all %p %p\n", all[0], all[1]);
+	ncclCommFinalize(comm2);
+	ncclCommDestroy(comm2);
+	ncclCommAbort(comm3);
+	printf("result_null %d\n", ncclAllReduce(buf, buf, 21, 7, 0, NULL, STREAM));
+	fflush(stdout);
+	return 0;
+}
+
+static int loop(long n, const char *what)
+{
+	char buf[8];
+	ncclComm_t comm = (void *)buf; /* the library never dereferences it */
+	int base = strcmp(what, "baseline") == 0;
+	uint64_t t0 = now_ns();
+	for (long i = 0; i < n; i++) {
+		if (base)
+			benchBaseline(buf, buf, 8, 7, 0, comm, STREAM);
+		else
+			ncclAllReduce(buf, buf, 8, 7, 0, comm, STREAM);
+	}
+	printf("%.1f\n", (double)(now_ns() - t0) / (double)n);
+	return 0;
+}
+
+static int pace(double seconds, long rate)
+{
+	char buf[8];
+	ncclComm_t comm = (void *)buf;
+	uint64_t t0 = now_ns(), period = 1000000000ULL / (uint64_t)rate;
+	uint64_t end = t0 + (uint64_t)(seconds * 1e9), next = t0;
+	long calls = 0;
+	while (next < end) {
+		ncclAllReduce(buf, buf, 8, 7, 0, comm, STREAM);
+		calls++;
+		next += period;
+		uint64_t now = now_ns();
+		if (next > now) {
+			struct timespec ts = {0, (long)(next - now)};
+			nanosleep(&ts, NULL);
+		}
+	}
+	printf("%ld\n", calls);
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	char line[16];
+	if (getenv("WAIT") && strcmp(getenv("WAIT"), "1") == 0) {
+		printf("ready %d\n", (int)getpid());
+		fflush(stdout);
+		if (!fgets(line, sizeof(line), stdin))
+			return 3;
+	}
+	if (argc == 5 && strcmp(argv[1], "scenario") == 0)
+		return scenario(argv[2], atoi(argv[3]), atoi(argv[4]));
+	if (argc == 4 && strcmp(argv[1], "loop") == 0)
+		return loop(atol(argv[2]), argv[3]);
+	if (argc == 4 && strcmp(argv[1], "pace") == 0)
+		return pace(atof(argv[2]), atol(argv[3]));
+	fprintf(stderr, "usage: ncclloop scenario IDHEX|- RANK NRANKS | loop N WHAT | pace S RATE\n");
+	return 2;
+}

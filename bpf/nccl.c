@@ -1,0 +1,602 @@
+/* NCCL API calls, by uprobe at entry and uretprobe at return (x86-64 SysV).
+ *
+ * Every call is one row of `nccl_ring`: opened at entry (state SCHEDULED,
+ * result -1) and completed at return (result, end time, state STARTED last).
+ * Lifecycle calls also write a row of the small `comm_ring`, so that the
+ * communicator table never depends on the big ring.  `comms` maps
+ * (pid, ncclComm_t) to the folded ncclUniqueId, rank, nranks and progress.
+ *
+ * Only probe arguments, user memory and helpers are read: no kernel struct.
+ */
+#include "common.h"
+
+#define MAX_COMMS 8192
+#define MAX_INFLIGHT 16384
+#define MAX_P2P 16384
+#define INIT_ALL_MAX 8
+
+BPF_F_TABLE("array", u32, struct nccl_event, nccl_ring, NCCL_RING_SLOTS, BPF_F_MMAPABLE);
+BPF_F_TABLE("array", u32, struct comm_event, comm_ring, COMM_RING_SLOTS, BPF_F_MMAPABLE);
+
+static __always_inline struct nccl_event *claim_nccl(u64 *pos)
+{
+	*pos = claim_position(RING_NCCL);
+	u32 slot = slot_of(*pos, NCCL_RING_SLOTS);
+	struct nccl_event *row = *pos ? nccl_ring.lookup(&slot) : NULL;
+	if (!row)
+		count_drop(RING_NCCL);
+	return row;
+}
+
+static __always_inline struct comm_event *claim_comm(u64 *pos)
+{
+	*pos = claim_position(RING_COMM);
+	u32 slot = slot_of(*pos, COMM_RING_SLOTS);
+	struct comm_event *row = *pos ? comm_ring.lookup(&slot) : NULL;
+	if (!row)
+		count_drop(RING_COMM);
+	return row;
+}
+
+struct comm_key {
+	u32 pid;
+	u32 _pad;
+	u64 comm;
+};
+
+struct comm_state {
+	u64 hash;
+	s32 rank;
+	s32 nranks;
+	u64 seq;            /* collectives entered on this communicator */
+	u64 last_enter_ns;
+	u64 last_return_ns;
+	u64 calls;          /* collective + p2p calls entered */
+	s64 inflight;       /* entered and not returned */
+	u64 split_count;    /* ncclCommSplit calls made on it */
+	u64 init_ns;
+	u64 destroy_ns;
+	u32 destroyed;
+	u32 _pad;
+};
+BPF_HASH(comms, struct comm_key, struct comm_state, MAX_COMMS);
+
+struct p2p_key {
+	u32 pid;
+	s32 peer;
+	u64 comm;
+	u32 op;
+	u32 _pad;
+};
+BPF_HASH(p2p_seq, struct p2p_key, u64, MAX_P2P);
+
+/* One per thread inside an NCCL call (tid -> state).  A call made from inside
+ * another (a library calling its own public symbol) only bumps `depth`. */
+struct call_state {
+	u64 pos;         /* nccl_ring position + 1 */
+	u64 comm_pos;    /* comm_ring position + 1, 0 if none */
+	u64 comm;
+	u64 comm_hash;
+	u64 parent_hash; /* split */
+	u64 seq;
+	u64 entered_ns;
+	u64 out;         /* user pointer the call writes: ncclComm_t*, id* */
+	u64 split_index;
+	u32 pid;
+	s32 rank;
+	s32 nranks;
+	s32 color;
+	s32 key;
+	u32 depth;
+	u32 op;
+	u32 _pad;
+};
+BPF_HASH(inflight, u32, struct call_state, MAX_INFLIGHT);
+
+/* Arguments of one call, as decoded by its entry program. */
+struct call_args {
+	u64 comm;
+	u64 count;
+	u64 stream;
+	u64 out;
+	s32 peer;
+	s32 rank;
+	s32 nranks;
+	s32 color;
+	s32 key;
+	u8 datatype;
+	u8 redop;
+	u8 op;
+	u8 _pad;
+};
+
+static __always_inline u64 splitmix64(u64 x)
+{
+	x += 0x9E3779B97F4A7C15ULL;
+	u64 z = x;
+	z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+	z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+	return z ^ (z >> 31);
+}
+
+/* dumpers.schema.fold_unique_id: h = splitmix64(h ^ w) over 16 LE words. */
+static __always_inline u64 fold_unique_id(const __u8 *id)
+{
+	u64 h = 0;
+#pragma unroll
+	for (int i = 0; i < 16; i++)
+		h = splitmix64(h ^ ((const u64 *)id)[i]);
+	return h;
+}
+
+#define SPLIT_TAG 0x73706C6974636F6DULL
+
+/* dumpers.schema.split_hash */
+static __always_inline u64 split_hash(u64 parent, s32 color, u64 index)
+{
+	u64 h = splitmix64(parent ^ SPLIT_TAG);
+	h = splitmix64(h ^ (u64)(u32)color);
+	return splitmix64(h ^ index);
+}
+
+/* sizeof each ncclDataType_t, 4 bits per type (BPF has no jump tables):
+ * int8 uint8 int32 uint32 int64 uint64 f16 f32 f64 bf16 f8e4m3 f8e5m2 */
+#define DATATYPE_SIZES 0x112842884411ULL
+
+static __always_inline u64 datatype_size(u8 dt)
+{
+	return dt < 12 ? (DATATYPE_SIZES >> (4 * dt)) & 0xf : 0;
+}
+
+static __always_inline u64 stack_arg(struct pt_regs *ctx, int n)
+{
+	u64 v = 0;
+	bpf_probe_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + 8 * n));
+	return v;
+}
+
+static __always_inline int is_data_op(u8 op)
+{
+	return op >= OP_ALL_REDUCE && op <= OP_RECV;
+}
+
+static __always_inline int is_close_op(u8 op)
+{
+	return op == OP_COMM_DESTROY || op == OP_COMM_ABORT || op == OP_COMM_FINALIZE;
+}
+
+static __always_inline struct comm_state *comm_for(u32 pid, u64 comm, int create)
+{
+	struct comm_key k = {.pid = pid, .comm = comm};
+	struct comm_state *st = comms.lookup(&k);
+	if (st || !create || !comm)
+		return st;
+	/* A communicator made before the agent started: progress is still
+	 * tracked, its id stays unknown (hash 0). */
+	struct comm_state fresh = {.rank = -1, .nranks = -1};
+	if (comms.update(&k, &fresh)) {
+		count_drop(DROP_COMMS_FULL);
+		return NULL;
+	}
+	return comms.lookup(&k);
+}
+
+static __always_inline u64 next_p2p_seq(u32 pid, u64 comm, s32 peer, u8 op)
+{
+	struct p2p_key k = {.pid = pid, .peer = peer, .comm = comm, .op = op};
+	u64 zero = 0;
+	u64 *n = p2p_seq.lookup_or_try_init(&k, &zero);
+	if (!n)
+		return 0;
+	return __sync_fetch_and_add(n, 1);
+}
+
+/* Updates the communicator's progress at entry; fills hash/rank/seq. */
+static __always_inline void enter_comm(struct call_state *cs, struct call_args *a, u64 ts)
+{
+	struct comm_state *st = comm_for(cs->pid, a->comm, is_data_op(a->op));
+	if (!st)
+		return;
+	cs->comm_hash = st->hash;
+	cs->rank = st->rank;
+	cs->nranks = st->nranks;
+	if (a->op == OP_COMM_SPLIT) {
+		cs->parent_hash = st->hash;
+		cs->split_index = __sync_fetch_and_add(&st->split_count, 1);
+		return;
+	}
+	if (is_close_op(a->op)) {
+		st->destroyed = 1;
+		st->destroy_ns = ts;
+		return;
+	}
+	if (a->op == OP_SEND || a->op == OP_RECV)
+		cs->seq = next_p2p_seq(cs->pid, a->comm, a->peer, a->op);
+	else
+		cs->seq = __sync_fetch_and_add(&st->seq, 1);
+	st->last_enter_ns = ts;
+	__sync_fetch_and_add(&st->calls, 1);
+	__sync_fetch_and_add(&st->inflight, 1);
+}
+
+static __always_inline void open_nccl_row(struct call_state *cs, struct call_args *a, u32 tid)
+{
+	struct nccl_event *e;
+	u64 pos;
+	e = claim_nccl(&pos);
+	if (!e)
+		return;
+	fill_header(&e->hdr, EVENT_NCCL, sizeof(*e), cs->pid, tid, cs->entered_ns);
+	e->end_ns = 0;
+	e->comm = a->comm;
+	e->comm_hash = cs->comm_hash;
+	e->count = a->count;
+	e->bytes = a->count * datatype_size(a->datatype);
+	e->stream = a->stream;
+	e->seq = cs->seq;
+	e->rank = cs->rank;
+	e->nranks = cs->nranks;
+	e->peer = a->peer;
+	e->result = RESULT_PENDING;
+	e->op = a->op;
+	e->datatype = a->datatype;
+	e->redop = a->redop;
+	e->state = STATE_SCHEDULED;
+	e->_pad1 = 0;
+	publish(&e->hdr, pos);
+	cs->pos = pos;
+}
+
+/* Lifecycle calls: a comm_ring row opened at entry.  InitRank* read the
+ * 128-byte id from the caller's stack (passed by value) and fold it. */
+static __always_inline void open_comm_row(struct pt_regs *ctx, struct call_state *cs,
+					  struct call_args *a, u32 tid, int id_on_stack)
+{
+	struct comm_event *c;
+	u64 pos;
+	c = claim_comm(&pos);
+	if (!c)
+		return;
+	fill_header(&c->hdr, EVENT_COMM, sizeof(*c), cs->pid, tid, cs->entered_ns);
+	c->end_ns = 0;
+	c->comm = a->comm;
+	c->parent_hash = cs->parent_hash;
+	c->rank = id_on_stack ? a->rank : cs->rank;
+	c->nranks = id_on_stack ? a->nranks : cs->nranks;
+	c->color = a->color;
+	c->key = a->key;
+	c->op = a->op;
+	c->state = STATE_SCHEDULED;
+	c->_pad1 = 0;
+	c->result = RESULT_PENDING;
+	if (id_on_stack) {
+		if (bpf_probe_read_user(c->unique_id, sizeof(c->unique_id),
+					(void *)(PT_REGS_SP(ctx) + 8)))
+			__builtin_memset(c->unique_id, 0, sizeof(c->unique_id));
+		cs->comm_hash = fold_unique_id(c->unique_id);
+		cs->rank = a->rank;
+		cs->nranks = a->nranks;
+	} else {
+		__builtin_memset(c->unique_id, 0, sizeof(c->unique_id));
+	}
+	c->comm_hash = cs->comm_hash;
+	publish(&c->hdr, pos);
+	cs->comm_pos = pos;
+}
+
+static __always_inline int nccl_enter(struct pt_regs *ctx, struct call_args *a)
+{
+	u64 id = bpf_get_current_pid_tgid();
+	u32 pid = id >> 32, tid = (u32)id;
+	if (is_excluded(pid))
+		return 0;
+	struct call_state *outer = inflight.lookup(&tid);
+	if (outer) {
+		outer->depth += 1;
+		return 0;
+	}
+	struct call_state cs = {};
+	cs.pid = pid;
+	cs.op = a->op;
+	cs.comm = a->comm;
+	cs.out = a->out;
+	cs.rank = -1;
+	cs.nranks = -1;
+	cs.color = a->color;
+	cs.key = a->key;
+	cs.entered_ns = bpf_ktime_get_ns();
+	if (a->comm)
+		enter_comm(&cs, a, cs.entered_ns);
+	if (a->op == OP_COMM_INIT_RANK || a->op == OP_COMM_INIT_RANK_CONFIG)
+		open_comm_row(ctx, &cs, a, tid, 1);
+	else if (a->op >= OP_COMM_SPLIT)
+		open_comm_row(ctx, &cs, a, tid, 0);
+	else if (a->op == OP_COMM_INIT_ALL)
+		cs.nranks = a->nranks;
+	open_nccl_row(&cs, a, tid);
+	if (inflight.update(&tid, &cs))
+		count_drop(DROP_INFLIGHT_FULL);
+	return 0;
+}
+
+/* ---- entry programs, one per argument layout ---------------------------- */
+
+static __always_inline int enter_reduce_like(struct pt_regs *ctx, u8 op)
+{
+	/* (send, recv, count, datatype, redop, comm, stream) */
+	struct call_args a = {.op = op, .peer = -1, .color = -1, .key = -1};
+	a.count = PT_REGS_PARM3(ctx);
+	a.datatype = PT_REGS_PARM4(ctx);
+	a.redop = PT_REGS_PARM5(ctx);
+	a.comm = PT_REGS_PARM6(ctx);
+	a.stream = stack_arg(ctx, 1);
+	return nccl_enter(ctx, &a);
+}
+
+static __always_inline int enter_rooted(struct pt_regs *ctx, u8 op)
+{
+	/* (send, recv, count, datatype, root, comm, stream) */
+	struct call_args a = {.op = op, .color = -1, .key = -1};
+	a.count = PT_REGS_PARM3(ctx);
+	a.datatype = PT_REGS_PARM4(ctx);
+	a.peer = PT_REGS_PARM5(ctx);
+	a.comm = PT_REGS_PARM6(ctx);
+	a.stream = stack_arg(ctx, 1);
+	return nccl_enter(ctx, &a);
+}
+
+static __always_inline int enter_gather_like(struct pt_regs *ctx, u8 op)
+{
+	/* (send, recv, count, datatype, comm, stream) */
+	struct call_args a = {.op = op, .peer = -1, .color = -1, .key = -1};
+	a.count = PT_REGS_PARM3(ctx);
+	a.datatype = PT_REGS_PARM4(ctx);
+	a.comm = PT_REGS_PARM5(ctx);
+	a.stream = PT_REGS_PARM6(ctx);
+	return nccl_enter(ctx, &a);
+}
+
+static __always_inline int enter_p2p(struct pt_regs *ctx, u8 op)
+{
+	/* (buf, count, datatype, peer, comm, stream) */
+	struct call_args a = {.op = op, .color = -1, .key = -1};
+	a.count = PT_REGS_PARM2(ctx);
+	a.datatype = PT_REGS_PARM3(ctx);
+	a.peer = PT_REGS_PARM4(ctx);
+	a.comm = PT_REGS_PARM5(ctx);
+	a.stream = PT_REGS_PARM6(ctx);
+	return nccl_enter(ctx, &a);
+}
+
+static __always_inline int enter_no_args(struct pt_regs *ctx, u8 op, u64 comm, u64 out)
+{
+	struct call_args a = {.op = op, .peer = -1, .color = -1, .key = -1};
+	a.comm = comm;
+	a.out = out;
+	return nccl_enter(ctx, &a);
+}
+
+int handle_enter_all_reduce(struct pt_regs *ctx) { return enter_reduce_like(ctx, OP_ALL_REDUCE); }
+int handle_enter_reduce_scatter(struct pt_regs *ctx) { return enter_reduce_like(ctx, OP_REDUCE_SCATTER); }
+int handle_enter_broadcast(struct pt_regs *ctx) { return enter_rooted(ctx, OP_BROADCAST); }
+int handle_enter_gather(struct pt_regs *ctx) { return enter_rooted(ctx, OP_GATHER); }
+int handle_enter_scatter(struct pt_regs *ctx) { return enter_rooted(ctx, OP_SCATTER); }
+int handle_enter_all_gather(struct pt_regs *ctx) { return enter_gather_like(ctx, OP_ALL_GATHER); }
+int handle_enter_all_to_all(struct pt_regs *ctx) { return enter_gather_like(ctx, OP_ALL_TO_ALL); }
+int handle_enter_send(struct pt_regs *ctx) { return enter_p2p(ctx, OP_SEND); }
+int handle_enter_recv(struct pt_regs *ctx) { return enter_p2p(ctx, OP_RECV); }
+int handle_enter_group_start(struct pt_regs *ctx) { return enter_no_args(ctx, OP_GROUP_START, 0, 0); }
+int handle_enter_group_end(struct pt_regs *ctx) { return enter_no_args(ctx, OP_GROUP_END, 0, 0); }
+
+int handle_enter_bcast(struct pt_regs *ctx)
+{
+	/* (buff, count, datatype, root, comm, stream) */
+	struct call_args a = {.op = OP_BROADCAST, .color = -1, .key = -1};
+	a.count = PT_REGS_PARM2(ctx);
+	a.datatype = PT_REGS_PARM3(ctx);
+	a.peer = PT_REGS_PARM4(ctx);
+	a.comm = PT_REGS_PARM5(ctx);
+	a.stream = PT_REGS_PARM6(ctx);
+	return nccl_enter(ctx, &a);
+}
+
+int handle_enter_reduce(struct pt_regs *ctx)
+{
+	/* (send, recv, count, datatype, redop, root, comm, stream) */
+	struct call_args a = {.op = OP_REDUCE, .color = -1, .key = -1};
+	a.count = PT_REGS_PARM3(ctx);
+	a.datatype = PT_REGS_PARM4(ctx);
+	a.redop = PT_REGS_PARM5(ctx);
+	a.peer = PT_REGS_PARM6(ctx);
+	a.comm = stack_arg(ctx, 1);
+	a.stream = stack_arg(ctx, 2);
+	return nccl_enter(ctx, &a);
+}
+
+static __always_inline int enter_init_rank(struct pt_regs *ctx, u8 op)
+{
+	/* (ncclComm_t *comm, int nranks, ncclUniqueId id [stack], int rank):
+	 * the struct goes to memory, so rank is the THIRD integer register. */
+	struct call_args a = {.op = op, .peer = -1, .color = -1, .key = -1};
+	a.out = PT_REGS_PARM1(ctx);
+	a.nranks = (s32)PT_REGS_PARM2(ctx);
+	a.rank = (s32)PT_REGS_PARM3(ctx);
+	return nccl_enter(ctx, &a);
+}
+
+int handle_enter_init_rank(struct pt_regs *ctx) { return enter_init_rank(ctx, OP_COMM_INIT_RANK); }
+int handle_enter_init_rank_config(struct pt_regs *ctx) { return enter_init_rank(ctx, OP_COMM_INIT_RANK_CONFIG); }
+
+int handle_enter_init_all(struct pt_regs *ctx)
+{
+	/* (ncclComm_t *comms, int ndev, const int *devlist) */
+	struct call_args a = {.op = OP_COMM_INIT_ALL, .peer = -1, .color = -1, .key = -1};
+	a.out = PT_REGS_PARM1(ctx);
+	a.nranks = (s32)PT_REGS_PARM2(ctx);
+	return nccl_enter(ctx, &a);
+}
+
+int handle_enter_split(struct pt_regs *ctx)
+{
+	/* (ncclComm_t comm, int color, int key, ncclComm_t *newcomm, config) */
+	struct call_args a = {.op = OP_COMM_SPLIT, .peer = -1};
+	a.comm = PT_REGS_PARM1(ctx);
+	a.color = (s32)PT_REGS_PARM2(ctx);
+	a.key = (s32)PT_REGS_PARM3(ctx);
+	a.out = PT_REGS_PARM4(ctx);
+	return nccl_enter(ctx, &a);
+}
+
+int handle_enter_destroy(struct pt_regs *ctx) { return enter_no_args(ctx, OP_COMM_DESTROY, PT_REGS_PARM1(ctx), 0); }
+int handle_enter_abort(struct pt_regs *ctx) { return enter_no_args(ctx, OP_COMM_ABORT, PT_REGS_PARM1(ctx), 0); }
+int handle_enter_finalize(struct pt_regs *ctx) { return enter_no_args(ctx, OP_COMM_FINALIZE, PT_REGS_PARM1(ctx), 0); }
+int handle_enter_get_unique_id(struct pt_regs *ctx) { return enter_no_args(ctx, OP_GET_UNIQUE_ID, 0, PT_REGS_PARM1(ctx)); }
+
+/* ---- return ------------------------------------------------------------- */
+
+static __always_inline void add_comm(u32 pid, u64 comm, u64 hash, s32 rank, s32 nranks, u64 ts)
+{
+	struct comm_key k = {.pid = pid, .comm = comm};
+	struct comm_state st = {.hash = hash, .rank = rank, .nranks = nranks, .init_ns = ts};
+	if (comms.update(&k, &st))
+		count_drop(DROP_COMMS_FULL);
+}
+
+static __always_inline u64 read_user_ptr(u64 addr)
+{
+	u64 v = 0;
+	if (addr)
+		bpf_probe_read_user(&v, sizeof(v), (void *)addr);
+	return v;
+}
+
+/* The communicator a lifecycle call produced; updates `comms`. */
+static __always_inline void finish_lifecycle(struct call_state *cs, s32 result, u64 ts)
+{
+	u8 op = cs->op;
+	if (op == OP_COMM_INIT_RANK || op == OP_COMM_INIT_RANK_CONFIG) {
+		cs->comm = read_user_ptr(cs->out);
+		if (result == 0 && cs->comm)
+			add_comm(cs->pid, cs->comm, cs->comm_hash, cs->rank, cs->nranks, ts);
+	} else if (op == OP_COMM_SPLIT) {
+		u64 newcomm = read_user_ptr(cs->out);
+		cs->comm = newcomm;
+		cs->comm_hash = split_hash(cs->parent_hash, cs->color, cs->split_index);
+		/* rank and nranks of a split comm are derived by the analyzer. */
+		if (result == 0 && newcomm)
+			add_comm(cs->pid, newcomm, cs->comm_hash, -1, -1, ts);
+		else
+			cs->comm_hash = 0;
+	}
+}
+
+static __always_inline void finish_comm_row(struct call_state *cs, s32 result, u64 ts)
+{
+	u32 idx = (u32)((cs->comm_pos - 1) & (COMM_RING_SLOTS - 1));
+	struct comm_event *c = comm_ring.lookup(&idx);
+	if (!c || c->hdr.pos != cs->comm_pos)
+		return;
+	if (cs->op == OP_GET_UNIQUE_ID && result == 0 && cs->out) {
+		bpf_probe_read_user(c->unique_id, sizeof(c->unique_id), (void *)cs->out);
+		c->comm_hash = fold_unique_id(c->unique_id);
+	} else if (cs->op == OP_COMM_SPLIT || cs->op == OP_COMM_INIT_RANK ||
+		   cs->op == OP_COMM_INIT_RANK_CONFIG) {
+		c->comm = cs->comm;
+		c->comm_hash = cs->comm_hash;
+	}
+	c->end_ns = ts;
+	c->result = result;
+	asm volatile("" ::: "memory");
+	*(volatile __u8 *)&c->state = STATE_STARTED;
+}
+
+/* ncclCommInitAll: ids do not exist; all ranks are in this process, so a
+ * hash from (pid, entry time) is enough to group them. */
+static __always_inline void finish_init_all(struct call_state *cs, u32 tid, s32 result, u64 ts)
+{
+	if (result != 0 || !cs->out)
+		return;
+	u64 hash = splitmix64(((u64)cs->pid << 32) ^ cs->entered_ns);
+	cs->comm_hash = hash;
+#pragma unroll
+	for (int i = 0; i < INIT_ALL_MAX; i++) {
+		if (i >= cs->nranks)
+			break;
+		u64 comm = read_user_ptr(cs->out + 8 * i);
+		if (!comm)
+			continue;
+		add_comm(cs->pid, comm, hash, i, cs->nranks, ts);
+		struct comm_event *c;
+		u64 pos;
+		c = claim_comm(&pos);
+		if (!c)
+			continue;
+		fill_header(&c->hdr, EVENT_COMM, sizeof(*c), cs->pid, tid, cs->entered_ns);
+		c->end_ns = ts;
+		c->comm = comm;
+		c->comm_hash = hash;
+		c->parent_hash = 0;
+		c->rank = i;
+		c->nranks = cs->nranks;
+		c->color = -1;
+		c->key = -1;
+		c->op = OP_COMM_INIT_ALL;
+		c->state = STATE_STARTED;
+		c->_pad1 = 0;
+		c->result = result;
+		__builtin_memset(c->unique_id, 0, sizeof(c->unique_id));
+		publish(&c->hdr, pos);
+	}
+}
+
+static __always_inline void finish_nccl_row(struct call_state *cs, s32 result, u64 ts)
+{
+	u32 idx = (u32)((cs->pos - 1) & (NCCL_RING_SLOTS - 1));
+	struct nccl_event *e = nccl_ring.lookup(&idx);
+	if (!e || e->hdr.pos != cs->pos)
+		return; /* overwritten while the call was in flight */
+	/* Init calls: the row names the communicator they made.  A split's
+	 * row stays on its parent (the new one is in comm_ring). */
+	if (cs->op >= OP_COMM_INIT_RANK && cs->op <= OP_COMM_INIT_ALL) {
+		e->comm_hash = cs->comm_hash;
+		e->comm = cs->comm;
+		e->rank = cs->rank;
+		e->nranks = cs->nranks;
+	}
+	e->end_ns = ts;
+	e->result = result;
+	asm volatile("" ::: "memory");
+	*(volatile __u8 *)&e->state = STATE_STARTED;
+}
+
+int handle_nccl_return(struct pt_regs *ctx)
+{
+	u32 tid = (u32)bpf_get_current_pid_tgid();
+	struct call_state *live = inflight.lookup(&tid);
+	if (!live)
+		return 0;
+	if (live->depth > 0) {
+		live->depth -= 1;
+		return 0;
+	}
+	struct call_state cs = *live;
+	inflight.delete(&tid);
+	u64 ts = bpf_ktime_get_ns();
+	s32 result = (s32)PT_REGS_RC(ctx);
+	if (is_data_op(cs.op) && cs.comm) {
+		struct comm_state *st = comm_for(cs.pid, cs.comm, 0);
+		if (st) {
+			st->last_return_ns = ts;
+			__sync_fetch_and_add(&st->inflight, -1);
+		}
+	}
+	if (cs.op == OP_COMM_INIT_ALL)
+		finish_init_all(&cs, tid, result, ts);
+	else
+		finish_lifecycle(&cs, result, ts);
+	if (cs.comm_pos)
+		finish_comm_row(&cs, result, ts);
+	if (cs.pos)
+		finish_nccl_row(&cs, result, ts);
+	return 0;
+}

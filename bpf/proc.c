@@ -1,0 +1,98 @@
+/* How processes that hold communicators end: exit_group(code), fatal
+ * signals (generated for them, delivered to them) and the death of the
+ * thread group.  sched_process_exit carries no exit code and task structs are
+ * not read by pointer, hence the three sources.
+ */
+#include "common.h"
+
+#define SIGABRT 6
+#define SIGBUS 7
+#define SIGFPE 8
+#define SIGKILL 9
+#define SIGSEGV 11
+#define SIGTERM 15
+#define SIGILL 4
+#define SIGQUIT 3
+#define SIGINT 2
+#define SIGHUP 1
+#define SIGPIPE 13
+#define SIG_DFL 0
+
+BPF_F_TABLE("array", u32, struct exit_event, exit_ring, EXIT_RING_SLOTS, BPF_F_MMAPABLE);
+
+static __always_inline struct exit_event *claim_exit(u64 *pos)
+{
+	*pos = claim_position(RING_EXIT);
+	u32 slot = slot_of(*pos, EXIT_RING_SLOTS);
+	struct exit_event *row = *pos ? exit_ring.lookup(&slot) : NULL;
+	if (!row)
+		count_drop(RING_EXIT);
+	return row;
+}
+
+/* Signals whose default action terminates the process (a bit mask: BPF has
+ * no jump tables). */
+#define FATAL_SIGNALS                                                          \
+	((1ULL << SIGHUP) | (1ULL << SIGINT) | (1ULL << SIGQUIT) |             \
+	 (1ULL << SIGILL) | (1ULL << SIGABRT) | (1ULL << SIGBUS) |             \
+	 (1ULL << SIGFPE) | (1ULL << SIGKILL) | (1ULL << SIGSEGV) |            \
+	 (1ULL << SIGPIPE) | (1ULL << SIGTERM))
+
+static __always_inline int kills_by_default(int sig)
+{
+	return sig > 0 && sig < 64 && ((FATAL_SIGNALS >> sig) & 1);
+}
+
+static __always_inline void emit_exit(u32 tgid, u32 tid, s32 code, s32 sig, u8 kind)
+{
+	struct exit_event *e;
+	u64 pos;
+	e = claim_exit(&pos);
+	if (!e)
+		return;
+	fill_header(&e->hdr, EVENT_EXIT, sizeof(*e), tgid, tid, bpf_ktime_get_ns());
+	e->code = code;
+	e->signal = sig;
+	e->event = kind;
+	__builtin_memset(e->_pad1, 0, sizeof(e->_pad1));
+	publish(&e->hdr, pos);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_exit_group)
+{
+	u64 id = bpf_get_current_pid_tgid();
+	if (is_tracked(id >> 32))
+		emit_exit(id >> 32, (u32)id, (s32)args->error_code, 0, EXIT_GROUP);
+	return 0;
+}
+
+/* The target is a thread id; a signal to a process is usually sent to its
+ * main thread, whose tid is the tgid. */
+TRACEPOINT_PROBE(signal, signal_generate)
+{
+	u32 target = args->pid;
+	if (!kills_by_default(args->sig) || !is_tracked(target))
+		return 0;
+	emit_exit(target, target, -1, args->sig, EXIT_SIGNAL);
+	return 0;
+}
+
+/* In the target's context: fatal when the default action applies. */
+TRACEPOINT_PROBE(signal, signal_deliver)
+{
+	u64 id = bpf_get_current_pid_tgid();
+	if (args->sa_handler != SIG_DFL || !kills_by_default(args->sig))
+		return 0;
+	if (is_tracked(id >> 32))
+		emit_exit(id >> 32, (u32)id, -1, args->sig, EXIT_SIGNAL);
+	return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exit)
+{
+	u64 id = bpf_get_current_pid_tgid();
+	u32 tgid = id >> 32;
+	if (args->group_dead && is_tracked(tgid))
+		emit_exit(tgid, (u32)id, -1, 0, EXIT_PROCESS);
+	return 0;
+}

@@ -1,0 +1,110 @@
+/* Run-queue delay of the threads of tracked processes, decided in the kernel:
+ * one sched_event only when a thread waited longer than RUNQ_THRESHOLD_NS,
+ * plus per-thread totals in `rq_totals`.  Never one event per switch.
+ *
+ * Threads are learned at sched_switch, where current is the outgoing thread:
+ * if its tgid is tracked, remember tid -> tgid.  A thread starts waiting when
+ * woken (sched_wakeup*) or when preempted while runnable.
+ */
+#include "common.h"
+
+#ifndef RUNQ_THRESHOLD_NS
+#define RUNQ_THRESHOLD_NS 1000000ULL
+#endif
+#define MAX_THREADS 16384
+/* prev_state keeps the preempted bit above the task state bits. */
+#define TASK_STATE_MASK 0xff
+
+BPF_F_TABLE("array", u32, struct sched_event, sched_ring, SCHED_RING_SLOTS, BPF_F_MMAPABLE);
+
+static __always_inline struct sched_event *claim_sched(u64 *pos)
+{
+	*pos = claim_position(RING_SCHED);
+	u32 slot = slot_of(*pos, SCHED_RING_SLOTS);
+	struct sched_event *row = *pos ? sched_ring.lookup(&slot) : NULL;
+	if (!row)
+		count_drop(RING_SCHED);
+	return row;
+}
+BPF_HASH(rq_tids, u32, u32, MAX_THREADS);     /* tid -> tgid */
+BPF_HASH(rq_enqueued, u32, u64, MAX_THREADS); /* tid -> time it became runnable */
+
+struct rq_total {
+	u64 delay_ns;
+	u64 waits;
+	u64 over_threshold;
+};
+BPF_HASH(rq_totals, u32, struct rq_total, MAX_THREADS);
+
+static __always_inline void mark_runnable(u32 tid, u64 ts)
+{
+	if (!rq_tids.lookup(&tid))
+		return;
+	if (rq_enqueued.update(&tid, &ts))
+		count_drop(DROP_RQ_FULL);
+}
+
+TRACEPOINT_PROBE(sched, sched_wakeup)
+{
+	mark_runnable(args->pid, bpf_ktime_get_ns());
+	return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_wakeup_new)
+{
+	mark_runnable(args->pid, bpf_ktime_get_ns());
+	return 0;
+}
+
+static __always_inline void emit_delay(u32 tid, u32 tgid, u64 delay, u64 ts)
+{
+	struct sched_event *e;
+	u64 pos;
+	e = claim_sched(&pos);
+	if (!e)
+		return;
+	fill_header(&e->hdr, EVENT_SCHED, sizeof(*e), tgid, tid, ts);
+	e->delay_ns = delay;
+	e->cpu = bpf_get_smp_processor_id();
+	e->_pad1 = 0;
+	publish(&e->hdr, pos);
+}
+
+static __always_inline void account(u32 tid, u64 ts)
+{
+	u64 *since = rq_enqueued.lookup(&tid);
+	if (!since)
+		return;
+	u64 delay = ts > *since ? ts - *since : 0;
+	rq_enqueued.delete(&tid);
+	u32 *tgid = rq_tids.lookup(&tid);
+	if (!tgid)
+		return;
+	u32 owner = *tgid;
+	struct rq_total zero = {};
+	struct rq_total *t = rq_totals.lookup_or_try_init(&tid, &zero);
+	if (t) {
+		t->delay_ns += delay;
+		t->waits += 1;
+	}
+	if (delay < RUNQ_THRESHOLD_NS)
+		return;
+	if (t)
+		t->over_threshold += 1;
+	emit_delay(tid, owner, delay, ts);
+}
+
+TRACEPOINT_PROBE(sched, sched_switch)
+{
+	u64 ts = bpf_ktime_get_ns();
+	u32 prev = args->prev_pid;
+	u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	if (prev && is_tracked(tgid)) {
+		if (!rq_tids.lookup(&prev) && rq_tids.update(&prev, &tgid))
+			count_drop(DROP_RQ_FULL);
+		if ((args->prev_state & TASK_STATE_MASK) == 0)
+			mark_runnable(prev, ts);
+	}
+	account(args->next_pid, ts);
+	return 0;
+}

@@ -1,0 +1,114 @@
+/* TCP retransmits and connection state changes, attributed to processes.
+ *
+ * Retransmits fire in softirq context, where the current pid means nothing,
+ * so `sock_owner` (socket address -> tgid) is learned where the owning
+ * process itself touches the socket: sock_send_length / sock_recv_length
+ * (process context) and inet_sock_set_state when current is tracked.  The
+ * hash is written only when an entry is missing or changes, never once per
+ * send to user space.
+ */
+#include "common.h"
+
+#define MAX_SOCKETS 16384
+#define AF_INET 2
+#define IPPROTO_TCP 6
+
+BPF_F_TABLE("array", u32, struct tcp_event, tcp_ring, TCP_RING_SLOTS, BPF_F_MMAPABLE);
+
+static __always_inline struct tcp_event *claim_tcp(u64 *pos)
+{
+	*pos = claim_position(RING_TCP);
+	u32 slot = slot_of(*pos, TCP_RING_SLOTS);
+	struct tcp_event *row = *pos ? tcp_ring.lookup(&slot) : NULL;
+	if (!row)
+		count_drop(RING_TCP);
+	return row;
+}
+BPF_HASH(sock_owner, u64, u32, MAX_SOCKETS);
+
+static __always_inline void learn_owner(u64 skaddr)
+{
+	u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	if (!is_tracked(tgid))
+		return;
+	u32 *known = sock_owner.lookup(&skaddr);
+	if (known && *known == tgid)
+		return;
+	if (sock_owner.update(&skaddr, &tgid))
+		count_drop(DROP_OWNER_FULL);
+}
+
+static __always_inline u32 owner_of(u64 skaddr)
+{
+	u32 *pid = sock_owner.lookup(&skaddr);
+	return pid ? *pid : 0;
+}
+
+TRACEPOINT_PROBE(sock, sock_send_length)
+{
+	if (args->protocol == IPPROTO_TCP)
+		learn_owner((u64)args->sk);
+	return 0;
+}
+
+TRACEPOINT_PROBE(sock, sock_recv_length)
+{
+	if (args->protocol == IPPROTO_TCP)
+		learn_owner((u64)args->sk);
+	return 0;
+}
+
+/* Common part of both tracepoints: header, addresses, ports. */
+#define FILL_TCP_ROW(e, a, kind)                                               \
+	do {                                                                   \
+		u64 __id = bpf_get_current_pid_tgid();                         \
+		fill_header(&(e)->hdr, EVENT_TCP, sizeof(*(e)),                \
+			    owner_of((u64)(a)->skaddr), (u32)__id,             \
+			    bpf_ktime_get_ns());                               \
+		(e)->skaddr = (u64)(a)->skaddr;                                \
+		if ((a)->family == AF_INET) {                                  \
+			__builtin_memset((e)->saddr, 0, 16);                   \
+			__builtin_memset((e)->daddr, 0, 16);                   \
+			__builtin_memcpy((e)->saddr, (a)->saddr, 4);           \
+			__builtin_memcpy((e)->daddr, (a)->daddr, 4);           \
+		} else {                                                       \
+			__builtin_memcpy((e)->saddr, (a)->saddr_v6, 16);       \
+			__builtin_memcpy((e)->daddr, (a)->daddr_v6, 16);       \
+		}                                                              \
+		(e)->sport = (a)->sport;                                       \
+		(e)->dport = (a)->dport;                                       \
+		(e)->family = (a)->family;                                     \
+		(e)->event = (kind);                                           \
+		(e)->_pad1 = 0;                                                \
+	} while (0)
+
+TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
+{
+	struct tcp_event *e;
+	u64 pos;
+	e = claim_tcp(&pos);
+	if (!e)
+		return 0;
+	FILL_TCP_ROW(e, args, TCP_RETRANSMIT_SKB);
+	e->state = args->state;
+	e->newstate = 0;
+	publish(&e->hdr, pos);
+	return 0;
+}
+
+TRACEPOINT_PROBE(sock, inet_sock_set_state)
+{
+	if (args->protocol != IPPROTO_TCP)
+		return 0;
+	learn_owner((u64)args->skaddr);
+	struct tcp_event *e;
+	u64 pos;
+	e = claim_tcp(&pos);
+	if (!e)
+		return 0;
+	FILL_TCP_ROW(e, args, TCP_SET_STATE);
+	e->state = args->oldstate;
+	e->newstate = args->newstate;
+	publish(&e->hdr, pos);
+	return 0;
+}

@@ -1,0 +1,312 @@
+"""Stage "align": turn the dumps of one incident into one ``Incident``.
+
+Each node's dump holds its own processes, communicators and rings; this stage
+joins them: one proc per (host, pid), communicators with their members in
+comm-rank order (split communicators whose ranks were not recorded get them
+derived the way NCCL does: members ordered by (key, rank in the parent)),
+world ranks (rank in the largest non-split communicator a process belongs to),
+and one columnar table of calls.  A ring that overwrote rows marks its procs'
+windows as incomplete, so that a seq older than what a rank retained is
+"unknown", never "missing".
+
+Inputs are sorted by host first, so the result does not depend on the order
+in which files were given.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from dumpers.model import CommInfo, Recording
+from dumpers.schema import NCCL_EVENT, ExitEvent, Op, TcpEvent
+
+from .model import CALL_DTYPE, SCHED_DTYPE, TCP_RETRANS_DTYPE, Calls, Comm, Incident, Proc
+
+CALL_OPS = np.array(sorted(int(op) for op in Op if op.is_collective or op.is_p2p), dtype=np.uint8)
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    path: str
+    recording: Recording
+
+
+def incident_from_recordings(incident_id: str, sources: list[Source]) -> Incident:
+    sources = sorted(sources, key=lambda s: (s.recording.host, s.path))
+    hosts = tuple(sorted({s.recording.host for s in sources}))
+    procs, proc_index = _procs(sources)
+    comms, membership = _comms(sources, proc_index)
+    procs = _with_world_ranks(procs, comms)
+    calls = _calls(sources, proc_index, comms, membership)
+    return Incident(
+        id=incident_id,
+        hosts=hosts,
+        host_now=tuple(_host_now(sources, h) for h in hosts),
+        procs=tuple(procs),
+        comms=tuple(comms),
+        calls=Calls(calls),
+        retransmits=_retransmits(sources, hosts),
+        sched=_sched(sources, hosts),
+        sources=tuple(s.path for s in sources),
+    )
+
+
+def _host_now(sources: list[Source], host: str) -> int | None:
+    times = []
+    for s in sources:
+        rec = s.recording
+        if rec.host != host:
+            continue
+        if rec.trigger is not None and rec.trigger.time_ns > 0:
+            times.append(rec.trigger.time_ns)
+        elif "nccl" in rec.rings and len(rec.rings["nccl"].rows):
+            rows = rec.rings["nccl"].rows
+            times.append(int(max(rows["ts_ns"].max(), rows["end_ns"].max())))
+    return max(times) if times else None
+
+
+def _exit_status(rec: Recording) -> dict[int, tuple[int | None, int | None]]:
+    status: dict[int, tuple[int | None, int | None]] = {}
+    for p in rec.processes:
+        if p.exit_code is not None or p.exit_signal is not None:
+            status[p.pid] = (p.exit_code, p.exit_signal)
+    ring = rec.rings.get("exit")
+    if ring is None or not len(ring.rows):
+        return status
+    for row in ring.rows:  # a handful of rows: one or two per dead process
+        pid = int(row["pid"])
+        code, sig = status.get(pid, (None, None))
+        if row["event"] == ExitEvent.EXIT_GROUP and code is None:
+            code = int(row["code"])
+        elif row["event"] == ExitEvent.SIGNAL and int(row["signal"]) > 0:
+            sig = int(row["signal"])
+        status[pid] = (code, sig)
+    return status
+
+
+def _procs(sources: list[Source]) -> tuple[list[Proc], dict[tuple[str, int], int]]:
+    procs: list[Proc] = []
+    index: dict[tuple[str, int], int] = {}
+    for s in sources:
+        rec = s.recording
+        ring = rec.rings.get("nccl")
+        complete = ring is None or ring.overwritten == 0
+        pids = {c.pid for c in rec.communicators}
+        if ring is not None and len(ring.rows):
+            rows = ring.rows[np.isin(ring.rows["op"], CALL_OPS)]
+            pids.update(int(p) for p in np.unique(rows["pid"]))
+        status = _exit_status(rec)
+        for pid in sorted(pids):
+            key = (rec.host, pid)
+            if key in index:
+                continue
+            code, sig = status.get(pid, (None, None))
+            index[key] = len(procs)
+            procs.append(Proc(rec.host, pid, -1, s.path, code, sig, complete))
+    return procs, index
+
+
+def _comms(
+    sources: list[Source], proc_index: dict[tuple[str, int], int]
+) -> tuple[list[Comm], dict[tuple[int, int], int]]:
+    """Communicators and a map (proc, comm_hash) -> comm rank."""
+    infos: dict[int, list[tuple[int, CommInfo]]] = defaultdict(list)
+    for s in sources:
+        for ci in s.recording.communicators:
+            if ci.comm_hash:
+                infos[ci.comm_hash].append((proc_index[(s.recording.host, ci.pid)], ci))
+    for rows_hash, proc, rank, nranks in _row_members(sources, proc_index):
+        if rows_hash not in infos or not any(p == proc for p, _ in infos[rows_hash]):
+            infos[rows_hash].append((proc, CommInfo(0, 0, rows_hash, rank, nranks)))
+    known: dict[tuple[int, int], int] = {}
+    for h, lst in infos.items():
+        for p, ci in lst:
+            if ci.rank >= 0:
+                known[(p, h)] = ci.rank
+    comms: list[Comm] = []
+    membership: dict[tuple[int, int], int] = {}
+    for h in sorted(infos):
+        members = _members(infos[h], known)
+        split = any(ci.parent_hash for _, ci in infos[h])
+        comms.append(Comm(h, tuple(members), is_split=split))
+        for r, p in enumerate(members):
+            if p >= 0:
+                membership[(p, h)] = r
+    return comms, membership
+
+
+def _members(lst: list[tuple[int, CommInfo]], known: dict[tuple[int, int], int]) -> list[int]:
+    nranks = max(ci.nranks for _, ci in lst)
+    if all(ci.rank >= 0 for _, ci in lst):
+        size = max(nranks, max(ci.rank for _, ci in lst) + 1)
+        members = [-1] * size
+        for p, ci in sorted(lst, key=lambda x: x[0]):
+            if members[ci.rank] == -1:
+                members[ci.rank] = p
+        return members
+
+    # ncclCommSplit: new ranks ordered by (key, rank in the parent), as NCCL does.
+    def order(item: tuple[int, CommInfo]) -> tuple[int, int, int]:
+        p, ci = item
+        return (ci.key, known.get((p, ci.parent_hash), 1 << 30), p)
+
+    uniq = {p: ci for p, ci in lst}
+    return [p for p, _ in sorted(uniq.items(), key=order)]
+
+
+def _row_members(
+    sources: list[Source], proc_index: dict[tuple[str, int], int]
+) -> list[tuple[int, int, int, int]]:
+    """(comm_hash, proc, rank, nranks) seen in call rows, for comms whose init
+    the recorder never saw."""
+    out: list[tuple[int, int, int, int]] = []
+    for s in sources:
+        ring = s.recording.rings.get("nccl")
+        if ring is None or not len(ring.rows):
+            continue
+        rows = ring.rows[(ring.rows["comm_hash"] != 0) & (ring.rows["rank"] >= 0)]
+        keys = np.unique(rows[["comm_hash", "pid", "rank", "nranks"]])
+        for h, pid, rank, nranks in keys.tolist():
+            out.append((int(h), proc_index[(s.recording.host, int(pid))], int(rank), int(nranks)))
+    return out
+
+
+def _with_world_ranks(procs: list[Proc], comms: list[Comm]) -> list[Proc]:
+    best: dict[int, tuple[int, int, int]] = {}
+    for c in comms:
+        if c.is_split:
+            continue
+        for r, p in enumerate(c.members):
+            cand = (-c.nranks, c.comm_hash, r)
+            if p >= 0 and (p not in best or cand < best[p]):
+                best[p] = cand
+    out = []
+    for i, p in enumerate(procs):
+        rank = best[i][2] if i in best else -1
+        out.append(
+            Proc(p.host, p.pid, rank, p.source, p.exit_code, p.exit_signal, p.window_complete)
+        )
+    return out
+
+
+def _lookup(
+    keys: np.ndarray, table_keys: np.ndarray, table_vals: np.ndarray, default: int
+) -> np.ndarray:
+    if not len(table_keys):
+        return np.full(len(keys), default, dtype=np.int64)
+    pos = np.clip(np.searchsorted(table_keys, keys), 0, len(table_keys) - 1)
+    return np.where(table_keys[pos] == keys, table_vals[pos], default)
+
+
+def _calls(
+    sources: list[Source],
+    proc_index: dict[tuple[str, int], int],
+    comms: list[Comm],
+    membership: dict[tuple[int, int], int],
+) -> np.ndarray:
+    hashes = np.array([c.comm_hash for c in comms], dtype=np.uint64)
+    mem_keys = np.array(
+        [p * (len(comms) + 1) + int(np.searchsorted(hashes, np.uint64(h))) for p, h in membership],
+        dtype=np.int64,
+    )
+    mem_vals = np.array(list(membership.values()), dtype=np.int64)
+    order = np.argsort(mem_keys)
+    mem_keys, mem_vals = mem_keys[order], mem_vals[order]
+    parts = []
+    for s in sources:
+        ring = s.recording.rings.get("nccl")
+        if ring is None or not len(ring.rows):
+            continue
+        parts.append(_calls_of(s, ring.rows, proc_index, hashes, mem_keys, mem_vals, len(comms)))
+    if not parts:
+        return np.zeros(0, dtype=CALL_DTYPE)
+    return np.concatenate(parts)
+
+
+def _calls_of(
+    s: Source,
+    raw: np.ndarray,
+    proc_index: dict[tuple[str, int], int],
+    hashes: np.ndarray,
+    mem_keys: np.ndarray,
+    mem_vals: np.ndarray,
+    ncomms: int,
+) -> np.ndarray:
+    rec = s.recording
+    if raw.dtype != NCCL_EVENT:
+        raw = raw.astype(NCCL_EVENT)
+    rows = raw[np.isin(raw["op"], CALL_OPS)]
+    comm_hash = rows["comm_hash"].copy()
+    unknown = comm_hash == 0
+    if unknown.any():  # fill from the process's comm table by pointer
+        ptr = {(c.pid, c.comm): c.comm_hash for c in rec.communicators}
+        comm_hash[unknown] = [
+            ptr.get((int(p), int(c)), 0) for p, c in rows[["pid", "comm"]][unknown]
+        ]
+    pids, inv = np.unique(rows["pid"], return_inverse=True)
+    proc = np.array([proc_index[(rec.host, int(p))] for p in pids], dtype=np.int64)[inv]
+    pos = np.clip(np.searchsorted(hashes, comm_hash), 0, max(len(hashes) - 1, 0))
+    ok = (hashes[pos] == comm_hash) if len(hashes) else np.zeros(len(rows), dtype=bool)
+    crank = _lookup(proc * (ncomms + 1) + pos, mem_keys, mem_vals, -1)
+    crank = np.where(crank >= 0, crank, rows["rank"])
+    keep = ok & (crank >= 0)
+    out = np.empty(int(keep.sum()), dtype=CALL_DTYPE)
+    out["comm"] = pos[keep]
+    out["crank"] = crank[keep]
+    out["proc"] = proc[keep]
+    r = rows[keep]
+    out["seq"] = r["seq"].astype(np.int64)
+    out["ts"] = r["ts_ns"].astype(np.int64)
+    out["end"] = r["end_ns"].astype(np.int64)
+    out["count"] = r["count"]
+    out["root"] = r["peer"]
+    out["op"] = r["op"]
+    out["datatype"] = r["datatype"]
+    out["redop"] = r["redop"]
+    out["state"] = r["state"]
+    return out
+
+
+def _addr_keys(addrs: np.ndarray) -> np.ndarray:
+    """16-byte addresses as one comparable 128-bit void scalar each."""
+    return np.ascontiguousarray(addrs).view("V16").ravel()
+
+
+def _retransmits(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
+    owner: dict[bytes, int] = {}
+    parts: list[tuple[int, np.ndarray]] = []
+    for s in sources:
+        ring = s.recording.rings.get("tcp")
+        if ring is None or not len(ring.rows):
+            continue
+        h = hosts.index(s.recording.host)
+        for a in np.unique(_addr_keys(ring.rows["saddr"])).tolist():
+            owner.setdefault(bytes(a), h)
+        parts.append((h, ring.rows[ring.rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB]))
+    out = []
+    for h, rows in parts:
+        t = np.empty(len(rows), dtype=TCP_RETRANS_DTYPE)
+        t["host"] = h
+        t["pid"] = rows["pid"]
+        t["ts"] = rows["ts_ns"].astype(np.int64)
+        t["remote"] = [owner.get(bytes(a), -1) for a in _addr_keys(rows["daddr"]).tolist()]
+        out.append(t)
+    return np.concatenate(out) if out else np.zeros(0, dtype=TCP_RETRANS_DTYPE)
+
+
+def _sched(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
+    out = []
+    for s in sources:
+        ring = s.recording.rings.get("sched")
+        if ring is None or not len(ring.rows):
+            continue
+        t = np.empty(len(ring.rows), dtype=SCHED_DTYPE)
+        t["host"] = hosts.index(s.recording.host)
+        t["pid"] = ring.rows["pid"]
+        t["ts"] = ring.rows["ts_ns"].astype(np.int64)
+        t["delay"] = ring.rows["delay_ns"].astype(np.int64)
+        out.append(t)
+    return np.concatenate(out) if out else np.zeros(0, dtype=SCHED_DTYPE)

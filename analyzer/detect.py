@@ -1,0 +1,415 @@
+"""Stage "detect": pick the departures from consensus out of the metrics.
+
+Each detector is a plain function of an ``Analysis`` (the incident, its
+matched calls and the metrics) returning verdicts, so that one can be swapped
+or tested alone.  Thresholds are upper-case constants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from dumpers.schema import datatype_name, op_name
+
+from .match import Matched
+from .metrics import (
+    ArrivalScore,
+    Disagreement,
+    Frontier,
+    HostRetransmits,
+    Member,
+    MemberState,
+)
+from .model import Incident, Proc
+from .verdict import Verdict, VerdictKind
+
+STRAGGLER_FRACTION = 0.6  # last to arrive in at least this share of collectives
+STRAGGLER_MARGIN_NS = 5_000_000  # and later than its peers by this much (median)
+STRAGGLER_MIN_GROUPS = 3
+SCHED_MIN_NS = 10_000_000  # run-queue delay that counts as interference
+SCHED_DOMINANCE = 3.0  # times the most any other rank waited
+RETRANS_MIN = 5  # retransmits inside collective windows that count
+RETRANS_DOMINANCE = 1.5
+MAX_LISTED = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Analysis:
+    incident: Incident
+    matched: Matched
+    frontiers: tuple[Frontier, ...]
+    disagreements: tuple[Disagreement, ...]
+    arrivals: tuple[ArrivalScore, ...]
+    retransmits: tuple[HostRetransmits, ...]
+    sched_delay: np.ndarray  # per proc, ns
+
+
+Detector = Callable[[Analysis], list[Verdict]]
+
+
+def _ms(ns: float) -> str:
+    return f"{ns / 1e6:.1f} ms"
+
+
+def _who(
+    inc: Incident, procs: list[int]
+) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...]]:
+    ps = [inc.procs[p] for p in procs]
+    return (
+        tuple(p.world_rank for p in ps),
+        tuple(sorted({p.host for p in ps})),
+        tuple(p.pid for p in ps),
+    )
+
+
+def last_call_text(a: Analysis, proc: int) -> str:
+    """What a rank last did: its latest call on any communicator."""
+    rows = a.incident.calls.rows
+    mine = rows[rows["proc"] == proc]
+    if not len(mine):
+        return "no NCCL call recorded"
+    r = mine[int(np.argmax(mine["ts"]))]
+    comm = a.incident.comms[int(r["comm"])]
+    state = "in flight" if int(r["end"]) == 0 else "returned"
+    return f"last call {op_name(int(r['op']))} seq {int(r['seq'])} on {comm.hash_text} ({state})"
+
+
+def _member_text(a: Analysis, f: Frontier, m: Member) -> str:
+    inc = a.incident
+    comm = inc.comms[f.comm]
+    if m.state is MemberState.NO_DUMP:
+        world = f" (world rank {m.crank})" if _is_world(inc, f.comm) else ""
+        return (
+            f"comm rank {m.crank}{world} of {comm.hash_text}: no dump holds it; its "
+            f"{sum(1 for x in f.members if x.state is MemberState.AT_FRONTIER)} peers entered "
+            f"seq {f.seq} and it is absent"
+        )
+    p = inc.procs[m.proc]
+    entered = "nothing" if m.last_seq < 0 else f"seq {m.last_seq}"
+    return (
+        f"{p.label()} comm rank {m.crank} of {comm.hash_text}: last entered {entered}, "
+        f"peers at seq {f.seq}; {last_call_text(a, m.proc)}"
+    )
+
+
+def _is_world(inc: Incident, comm: int) -> bool:
+    c = inc.comms[comm]
+    return not c.is_split and c.nranks == max(x.nranks for x in inc.comms if not x.is_split)
+
+
+def _victims(frontiers: tuple[Frontier, ...]) -> set[int]:
+    """Procs that lag somewhere only because they wait, at the frontier of a
+    stuck communicator, for some other rank."""
+    out: set[int] = set()
+    for f in frontiers:
+        if not f.stuck:
+            continue
+        lagging = {m.proc for m in f.laggards}
+        if not lagging:
+            continue
+        for m in f.members:
+            if m.state is MemberState.AT_FRONTIER and m.in_flight and m.proc not in lagging:
+                out.add(m.proc)
+    return out
+
+
+def stuck_laggards(a: Analysis) -> list[tuple[Frontier, Member]]:
+    pairs = [(f, m) for f in a.frontiers if f.stuck for m in f.laggards]
+    victims = _victims(a.frontiers)
+    culprits = [(f, m) for f, m in pairs if m.proc < 0 or m.proc not in victims]
+    return culprits or pairs
+
+
+def _primary(a: Analysis, frontiers: list[Frontier]) -> Frontier:
+    comms = a.incident.comms
+    return min(frontiers, key=lambda f: (-comms[f.comm].nranks, comms[f.comm].comm_hash))
+
+
+def detect_missing_rank(a: Analysis) -> list[Verdict]:
+    inc = a.incident
+    pairs = [(f, m) for f, m in stuck_laggards(a) if m.proc < 0 or not inc.procs[m.proc].died_badly]
+    if not pairs:
+        return []
+    main = _primary(a, [f for f, _ in pairs])
+    procs = sorted({m.proc for _, m in pairs if m.proc >= 0})
+    ranks, hosts, pids = _who(inc, procs)
+    absent = sorted({m.crank for f, m in pairs if m.proc < 0 and f.comm == main.comm})
+    if absent and _is_world(inc, main.comm):
+        ranks = tuple(sorted({*ranks, *absent}))
+    evidence = [_member_text(a, f, m) for f, m in pairs[:MAX_LISTED]]
+    age = "" if main.age_ns is None else f" for {main.age_ns / 1e9:.1f} s"
+    names = ", ".join(str(r) for r in ranks)
+    missing_dumps = sum(1 for _, m in pairs if m.proc < 0)
+    if missing_dumps:
+        evidence.append(f"{missing_dumps} rank(s) have no dump; judged from their peers' records")
+    summary = (
+        f"rank {names} never entered {op_name(main.op)} seq {main.seq} on "
+        f"{inc.comms[main.comm].hash_text}; the other ranks wait there{age}"
+    )
+    crank = tuple(m.crank for f, m in pairs if f.comm == main.comm)
+    return [
+        Verdict(
+            VerdictKind.MISSING_RANK,
+            ranks,
+            hosts,
+            pids,
+            inc.comms[main.comm].hash_text,
+            main.seq,
+            op_name(main.op),
+            summary,
+            tuple(evidence),
+            crank,
+        )
+    ]
+
+
+def _field_text(field: str, value: int) -> str:
+    if field == "op":
+        return op_name(value)
+    if field == "datatype":
+        return datatype_name(value)
+    return str(value)
+
+
+def detect_desync(a: Analysis) -> list[Verdict]:
+    inc, m = a.incident, a.matched
+    first: dict[tuple[int, ...], list[Disagreement]] = {}
+    for d in sorted(a.disagreements, key=lambda d: (d.comm, d.seq, d.field)):
+        procs = tuple(sorted({int(m.rows["proc"][i]) for i, _ in d.odd}))
+        first.setdefault(procs, []).append(d)
+    out = []
+    for procs, ds in first.items():
+        d = ds[0]
+        ranks, hosts, pids = _who(inc, list(procs))
+        comm = inc.comms[d.comm]
+        i0, v0 = d.odd[0]
+        op = op_name(int(m.rows["op"][i0]))
+        names = ", ".join(str(r) for r in ranks)
+        summary = (
+            f"rank {names} passed {d.field}={_field_text(d.field, v0)} at seq {d.seq} on "
+            f"{comm.hash_text} where the others passed {_field_text(d.field, d.consensus)}"
+        )
+        if d.tie:
+            summary += " (no majority: either side may be wrong)"
+        evidence = [
+            f"seq {x.seq} {x.field}: "
+            + ", ".join(
+                f"{inc.procs[int(m.rows['proc'][i])].label()} {_field_text(x.field, v)}"
+                for i, v in x.odd[:MAX_LISTED]
+            )
+            + f"; consensus {_field_text(x.field, x.consensus)}"
+            for x in ds[:MAX_LISTED]
+        ]
+        cranks = tuple(int(m.rows["crank"][i]) for i, _ in d.odd)
+        out.append(
+            Verdict(
+                VerdictKind.DESYNC,
+                ranks,
+                hosts,
+                pids,
+                comm.hash_text,
+                d.seq,
+                op,
+                summary,
+                tuple(evidence),
+                cranks,
+            )
+        )
+    return out
+
+
+def _death(p: Proc) -> str:
+    if p.exit_signal:
+        return f"was killed by signal {p.exit_signal}"
+    return f"exited with code {p.exit_code}"
+
+
+def detect_rank_exited(a: Analysis) -> list[Verdict]:
+    inc = a.incident
+    dead = [i for i, p in enumerate(inc.procs) if p.died_badly]
+    if not dead:
+        return []
+    behind = {m.proc for f in a.frontiers for m in f.laggards}
+    culprits = [i for i in dead if i in behind] or dead
+    out = []
+    for i in culprits:
+        p = inc.procs[i]
+        lag = [(f, m) for f in a.frontiers for m in f.laggards if m.proc == i]
+        where = _primary(a, [f for f, _ in lag]) if lag else None
+        comm = inc.comms[where.comm].hash_text if where else None
+        summary = f"{p.label()} {_death(p)}"
+        if where is not None:
+            summary += f"; its peers wait at {op_name(where.op)} seq {where.seq} on {comm}"
+        evidence = [f"{p.label()} {_death(p)}", last_call_text(a, i)]
+        evidence += [_member_text(a, f, m) for f, m in lag[:MAX_LISTED]]
+        others = [inc.procs[j].label() for j in dead if j != i]
+        if others:
+            evidence.append(
+                "also exited afterwards (they had entered the frontier): " + ", ".join(others)
+            )
+        out.append(
+            Verdict(
+                VerdictKind.RANK_EXITED,
+                (p.world_rank,),
+                (p.host,),
+                (p.pid,),
+                comm,
+                where.seq if where else None,
+                op_name(where.op) if where else None,
+                summary,
+                tuple(evidence),
+            )
+        )
+    return out
+
+
+def straggler_candidates(a: Analysis) -> list[ArrivalScore]:
+    """The rank most consistently last in each communicator, if clear enough."""
+    best: dict[int, ArrivalScore] = {}
+    for s in a.arrivals:
+        if (
+            s.groups < STRAGGLER_MIN_GROUPS
+            or s.last_fraction < STRAGGLER_FRACTION
+            or s.margin_ns < STRAGGLER_MARGIN_NS
+            or s.proc < 0
+        ):
+            continue
+        cur = best.get(s.comm)
+        if cur is None or (s.method == "wait", s.margin_ns) > (cur.method == "wait", cur.margin_ns):
+            best[s.comm] = s
+    per_proc: dict[int, ArrivalScore] = {}
+    for s in best.values():
+        cur = per_proc.get(s.proc)
+        if cur is None or s.groups > cur.groups:
+            per_proc[s.proc] = s
+    return sorted(per_proc.values(), key=lambda s: s.proc)
+
+
+def _sched_dominant(a: Analysis, proc: int) -> bool:
+    d = a.sched_delay
+    if d[proc] < SCHED_MIN_NS:
+        return False
+    others = np.delete(d, proc)
+    return bool(not len(others) or d[proc] >= SCHED_DOMINANCE * max(int(others.max()), 1))
+
+
+def _lossy_host(a: Analysis) -> HostRetransmits | None:
+    scored = sorted(a.retransmits, key=lambda h: (h.local + h.remote, h.local), reverse=True)
+    if not scored or scored[0].local + scored[0].remote < RETRANS_MIN:
+        return None
+    top = scored[0]
+    if len(scored) > 1:
+        second = scored[1]
+        s1, s2 = top.local + top.remote, second.local + second.remote
+        if s1 < RETRANS_DOMINANCE * s2 and top.local < RETRANS_DOMINANCE * max(second.local, 1):
+            return None
+    return top
+
+
+def _straggler_verdict(a: Analysis, s: ArrivalScore, kind: VerdictKind) -> Verdict:
+    inc = a.incident
+    p = inc.procs[s.proc]
+    comm = inc.comms[s.comm]
+    if s.method == "wait":
+        how = (
+            f"its calls took {_ms(s.own_wait_ns)} (median) while its peers waited "
+            f"{_ms(s.peer_wait_ns)}: it arrives last and waits least"
+        )
+    else:
+        how = f"it enters {_ms(s.margin_ns)} (median) after the other ranks of its host"
+    evidence = [
+        f"last to arrive in {s.last_fraction:.0%} of {s.groups} collectives on {comm.hash_text}",
+        how,
+    ]
+    if kind is VerdictKind.CPU_INTERFERENCE:
+        others = float(np.delete(a.sched_delay, s.proc).max(initial=0))
+        evidence.append(
+            f"its threads waited {_ms(float(a.sched_delay[s.proc]))} in the run queue; "
+            f"the most any other rank waited: {_ms(others)}"
+        )
+        summary = f"{p.label()} is starved of CPU (run-queue delay) and its peers wait for it"
+    else:
+        summary = f"{p.label()} arrives last at collectives, {_ms(s.margin_ns)} behind its peers"
+    rows = a.matched.rows[a.matched.comm_rows(s.comm)]
+    op = op_name(int(np.bincount(rows["op"]).argmax())) if len(rows) else None
+    return Verdict(
+        kind,
+        (p.world_rank,),
+        (p.host,),
+        (p.pid,),
+        comm.hash_text,
+        None,
+        op,
+        summary,
+        tuple(evidence),
+        (s.crank,),
+    )
+
+
+def detect_stragglers(a: Analysis) -> list[Verdict]:
+    lossy = _lossy_host(a)
+    out = []
+    for s in straggler_candidates(a):
+        if _sched_dominant(a, s.proc):
+            out.append(_straggler_verdict(a, s, VerdictKind.CPU_INTERFERENCE))
+        elif lossy is None or a.incident.procs[s.proc].host != a.incident.hosts[lossy.host]:
+            out.append(_straggler_verdict(a, s, VerdictKind.COMPUTE_STRAGGLER))
+    return out
+
+
+def detect_network(a: Analysis) -> list[Verdict]:
+    top = _lossy_host(a)
+    if top is None:
+        return []
+    inc = a.incident
+    host = inc.hosts[top.host]
+    procs = [i for i, p in enumerate(inc.procs) if p.host == host]
+    ranks, _, pids = _who(inc, procs)
+    evidence = [
+        f"host {x.host_name}: sent {x.h.local} retransmits inside collective windows, "
+        f"received {x.h.remote}, {x.h.total} in all"
+        for x in (_Named(inc.hosts[h.host], h) for h in a.retransmits)
+    ]
+    durations = _median_duration(a)
+    if durations is not None:
+        evidence.append(f"median collective duration (all ranks): {_ms(durations)}")
+    summary = (
+        f"collectives slowed by TCP retransmits on host {host} (ranks {', '.join(map(str, ranks))})"
+    )
+    return [
+        Verdict(
+            VerdictKind.NETWORK_STRAGGLER,
+            ranks,
+            (host,),
+            pids,
+            None,
+            None,
+            None,
+            summary,
+            tuple(evidence),
+        )
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class _Named:
+    host_name: str
+    h: HostRetransmits
+
+
+def _median_duration(a: Analysis) -> float | None:
+    rows = a.matched.rows
+    done = rows[rows["end"] > 0]
+    return float(np.median(done["end"] - done["ts"])) if len(done) else None
+
+
+DETECTORS: tuple[Detector, ...] = (
+    detect_missing_rank,
+    detect_desync,
+    detect_rank_exited,
+    detect_stragglers,
+    detect_network,
+)

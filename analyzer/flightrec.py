@@ -1,0 +1,336 @@
+"""PyTorch Flight Recorder dumps (format versions 2.x), pickle or JSON.
+
+A dump is data, never code: pickles are read with an unpickler whose
+``find_class`` refuses every global, so only dicts, lists, tuples, strings,
+bytes, numbers, booleans and None can be built.  One dump per rank; the rank
+comes from a ``rank`` field when present, else from the file name
+(``..._<rank>``, as torch names them).  All dumps of one folder form one
+incident.
+
+Mapping: a process group (``process_group`` name, members from ``pg_config``)
+is a communicator; ``collective_seq_id`` (``p2p_seq_id`` for p2p) is seq;
+``profiling_name`` ("nccl:all_reduce") gives the op; ``input_sizes`` and
+``input_dtypes`` give count and datatype; ``time_created_ns`` and
+``time_discovered_completed_ns`` give entry and completion (wall clock of the
+rank's host, compared only within one rank).  ``pg_status`` progress counters
+are used for groups that run collectives only (torch counts p2p ops in them
+too), mapped to names through the ``pg_id`` that member ranks share.
+
+Known limits: dumps that keep only active entries (as these do) say nothing
+of completed work except through ``pg_status``; ``all_to_all`` counts differ
+by design and are not compared.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import io
+import json
+import pickle
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dumpers.errors import DumpFormatError, DumpVersionError
+from dumpers.schema import DataType, Op, State
+
+from .model import CALL_DTYPE, SCHED_DTYPE, TCP_RETRANS_DTYPE, Calls, Comm, Incident, Proc
+
+OPS: dict[str, Op] = {
+    "all_reduce": Op.ALL_REDUCE,
+    "allreduce": Op.ALL_REDUCE,
+    "allreduce_coalesced": Op.ALL_REDUCE,
+    "all_gather": Op.ALL_GATHER,
+    "allgather": Op.ALL_GATHER,
+    "_all_gather_base": Op.ALL_GATHER,
+    "all_gather_into_tensor_coalesced": Op.ALL_GATHER,
+    "allgather_coalesced": Op.ALL_GATHER,
+    "reduce_scatter": Op.REDUCE_SCATTER,
+    "_reduce_scatter_base": Op.REDUCE_SCATTER,
+    "reduce_scatter_tensor_coalesced": Op.REDUCE_SCATTER,
+    "broadcast": Op.BROADCAST,
+    "reduce": Op.REDUCE,
+    "all_to_all": Op.ALL_TO_ALL,
+    "alltoall": Op.ALL_TO_ALL,
+    "alltoall_base": Op.ALL_TO_ALL,
+    "gather": Op.GATHER,
+    "scatter": Op.SCATTER,
+    "send": Op.SEND,
+    "recv": Op.RECV,
+}
+DTYPES: dict[str, int] = {
+    "Float": DataType.FLOAT32,
+    "BFloat16": DataType.BFLOAT16,
+    "Half": DataType.FLOAT16,
+    "Double": DataType.FLOAT64,
+    "Long": DataType.INT64,
+    "Int": DataType.INT32,
+    "Byte": DataType.UINT8,
+    "Char": DataType.INT8,
+    "Bool": DataType.UINT8,
+    "Float8_e4m3fn": DataType.FLOAT8E4M3,
+    "Float8_e5m2": DataType.FLOAT8E5M2,
+}
+STATES = {"scheduled": State.SCHEDULED, "started": State.STARTED, "completed": State.COMPLETED}
+UNKNOWN_DTYPE = 255
+_RANK_IN_NAME = re.compile(r"(\d+)(?:\.json|\.pkl|\.pickle)?$")
+_PEER = re.compile(r"(\d+)\s*(?:->|<-)\s*(\d+)")
+
+
+class _DataOnly(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"refused global {module}.{name}: a dump is data, not code")
+
+
+@dataclass(frozen=True, slots=True)
+class FrEntry:
+    pg_id: int
+    pg_name: str
+    seq: int
+    is_p2p: bool
+    op: Op
+    name: str
+    count: int
+    datatype: int
+    state: State
+    created_ns: int
+    completed_ns: int
+    peer: int
+
+
+@dataclass(frozen=True, slots=True)
+class FrDump:
+    path: str
+    rank: int
+    version: str
+    pg_ranks: dict[str, tuple[int, ...]]  # group name -> world ranks
+    pg_desc: dict[str, str]
+    pg_status: dict[int, tuple[int, int]]  # pg_id -> (last enqueued, last completed)
+    entries: tuple[FrEntry, ...]
+
+
+def looks_like_flightrec(head: bytes) -> bool:
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return True  # a pickle (msgpack's 0x80 is an empty map: never a dump)
+    return head.lstrip()[:1] == b"{"
+
+
+def _parse(path: str, data: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(data) if data.lstrip()[:1] == b"{" else _DataOnly(io.BytesIO(data)).load()
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        IndexError,
+        KeyError,
+        AttributeError,
+        RecursionError,
+        MemoryError,
+    ) as exc:
+        raise DumpFormatError(f"{path}: not a readable Flight Recorder dump: {exc}") from None
+    if not isinstance(doc, dict):
+        raise DumpFormatError(
+            f"{path}: Flight Recorder dump must be a dict, found {type(doc).__name__}"
+        )
+    return doc
+
+
+def read_flightrec(path: str) -> FrDump:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise DumpFormatError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    doc = _parse(path, data)
+    version = doc.get("version")
+    if not isinstance(version, str):
+        raise DumpFormatError(f"{path}: field 'version': expected a string, found {version!r}")
+    if not version.startswith("2."):
+        raise DumpVersionError(f"{path}: Flight Recorder version {version}; this reader knows 2.x")
+    rank = _rank(path, doc)
+    ranks, desc = _pg_config(path, doc.get("pg_config", {}))
+    entries = doc.get("entries", [])
+    if not isinstance(entries, list):
+        raise DumpFormatError(f"{path}: field 'entries': expected a list")
+    parsed = tuple(_entry(path, i, e) for i, e in enumerate(entries))
+    return FrDump(
+        path, rank, version, ranks, desc, _pg_status(path, doc.get("pg_status", {})), parsed
+    )
+
+
+def _rank(path: str, doc: dict[str, Any]) -> int:
+    if isinstance(doc.get("rank"), int):
+        return int(doc["rank"])
+    m = _RANK_IN_NAME.search(Path(path).name)
+    if m is None:
+        raise DumpFormatError(f"{path}: no 'rank' field and no rank at the end of the file name")
+    return int(m.group(1))
+
+
+def _pg_config(path: str, cfg: object) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    if not isinstance(cfg, dict):
+        raise DumpFormatError(f"{path}: field 'pg_config': expected a dict")
+    ranks: dict[str, tuple[int, ...]] = {}
+    desc: dict[str, str] = {}
+    for name, c in cfg.items():
+        try:
+            r = c["ranks"]
+            r = ast.literal_eval(r) if isinstance(r, str) else r
+            ranks[str(name)] = tuple(int(x) for x in r)
+            desc[str(name)] = str(c.get("desc", ""))
+        except (KeyError, TypeError, ValueError, SyntaxError, AttributeError):
+            raise DumpFormatError(
+                f"{path}: pg_config[{name!r}]: expected 'ranks' as a list"
+            ) from None
+    return ranks, desc
+
+
+def _pg_status(path: str, st: object) -> dict[int, tuple[int, int]]:
+    if not isinstance(st, dict):
+        return {}
+    out = {}
+    for k, v in st.items():
+        try:
+            out[int(k)] = (int(v["last_enqueued_collective"]), int(v["last_completed_collective"]))
+        except (KeyError, TypeError, ValueError):
+            raise DumpFormatError(
+                f"{path}: pg_status[{k!r}]: expected last_*_collective counters"
+            ) from None
+    return out
+
+
+def _count(sizes: object) -> int:
+    total = 0
+    if isinstance(sizes, list):
+        for shape in sizes:
+            if isinstance(shape, list) and all(isinstance(x, int) for x in shape):
+                total += int(np.prod(shape, dtype=np.int64)) if shape else 1
+    return total
+
+
+def _entry(path: str, i: int, e: object) -> FrEntry:
+    where = f"{path}: entries[{i}]"
+    if not isinstance(e, dict):
+        raise DumpFormatError(f"{where}: expected a dict")
+    try:
+        pg = e["process_group"]
+        name = str(e["profiling_name"])
+        is_p2p = bool(e.get("is_p2p", False))
+        seq = int(e["p2p_seq_id"] if is_p2p else e["collective_seq_id"])
+        short = name.split(":", 1)[-1].split(" ", 1)[0]
+        dtypes = e.get("input_dtypes") or e.get("output_dtypes") or []
+        peer = _PEER.search(name)
+        return FrEntry(
+            pg_id=int(e.get("pg_id", -1)),
+            pg_name=str(pg[0]),
+            seq=seq,
+            is_p2p=is_p2p,
+            op=OPS.get(short, Op.UNKNOWN),
+            name=name,
+            count=_count(e.get("input_sizes")),
+            datatype=DTYPES.get(str(dtypes[0]), UNKNOWN_DTYPE) if dtypes else UNKNOWN_DTYPE,
+            state=STATES.get(str(e.get("state")), State.SCHEDULED),
+            created_ns=int(e.get("time_created_ns") or 0),
+            completed_ns=int(e.get("time_discovered_completed_ns") or 0),
+            peer=int(peer.group(2)) if peer else -1,
+        )
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise DumpFormatError(f"{where}: missing or malformed field {exc}") from None
+
+
+def _comm_hash(name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"pg:{name}".encode(), digest_size=8).digest(), "little")
+
+
+def incidents_from_flightrec(dumps: list[FrDump]) -> list[Incident]:
+    groups: dict[str, list[FrDump]] = defaultdict(list)
+    for d in dumps:
+        groups[str(Path(d.path).parent)].append(d)
+    return [
+        _incident(k, sorted(v, key=lambda d: (d.rank, d.path))) for k, v in sorted(groups.items())
+    ]
+
+
+def _incident(folder: str, dumps: list[FrDump]) -> Incident:
+    procs = tuple(Proc(Path(d.path).name, 0, d.rank, d.path) for d in dumps)
+    by_rank = {d.rank: i for i, d in enumerate(dumps)}
+    pg_ranks: dict[str, tuple[int, ...]] = {}
+    for d in dumps:
+        for k, v in d.pg_ranks.items():
+            pg_ranks.setdefault(k, v)
+        for e in d.entries:
+            pg_ranks.setdefault(e.pg_name, ())
+    names = sorted(pg_ranks, key=lambda n: (_comm_hash(n), n))
+    comms = tuple(
+        Comm(_comm_hash(n), tuple(by_rank.get(r, -1) for r in pg_ranks[n]), label=n) for n in names
+    )
+    index = {n: i for i, n in enumerate(names)}
+    rows = _rows(dumps, pg_ranks, index)
+    return Incident(
+        id=Path(folder).name,
+        hosts=tuple(p.host for p in procs),
+        host_now=tuple(None for _ in procs),
+        procs=procs,
+        comms=comms,
+        calls=Calls(rows),
+        retransmits=np.zeros(0, dtype=TCP_RETRANS_DTYPE),
+        sched=np.zeros(0, dtype=SCHED_DTYPE),
+        sources=tuple(d.path for d in dumps),
+        progress=_progress(dumps, pg_ranks, index),
+    )
+
+
+def _rows(
+    dumps: list[FrDump], pg_ranks: dict[str, tuple[int, ...]], index: dict[str, int]
+) -> np.ndarray:
+    n = sum(len(d.entries) for d in dumps)
+    out = np.zeros(n, dtype=CALL_DTYPE)
+    i = 0
+    for p, d in enumerate(dumps):
+        for e in d.entries:
+            members = pg_ranks[e.pg_name]
+            if d.rank not in members:
+                continue
+            out[i] = (
+                index[e.pg_name],
+                members.index(d.rank),
+                p,
+                e.seq,
+                e.created_ns,
+                e.completed_ns,
+                e.count,
+                e.peer,
+                int(e.op),
+                e.datatype,
+                0,
+                int(e.state),
+            )
+            i += 1
+    return out[:i]
+
+
+def _progress(
+    dumps: list[FrDump], pg_ranks: dict[str, tuple[int, ...]], index: dict[str, int]
+) -> tuple[tuple[int, int, int, int], ...]:
+    """pg_status counters of collective-only groups, by the pg_id their members share."""
+    named: dict[int, set[str]] = defaultdict(set)
+    has_p2p: set[str] = set()
+    for d in dumps:
+        for e in d.entries:
+            named[e.pg_id].add(e.pg_name)
+            if e.is_p2p:
+                has_p2p.add(e.pg_name)
+    out = []
+    for d in dumps:
+        for pg_id, (enq, done) in d.pg_status.items():
+            cands = [n for n in named.get(pg_id, ()) if d.rank in pg_ranks[n] and n not in has_p2p]
+            if len(cands) == 1:
+                n = cands[0]
+                out.append((index[n], pg_ranks[n].index(d.rank), enq, done))
+    return tuple(sorted(out))

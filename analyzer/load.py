@@ -1,0 +1,87 @@
+"""Stage "load": files and folders in, recordings and Flight Recorder dumps out.
+
+Each input is read on its own; one that cannot be used (truncated, foreign,
+corrupt) is reported in its ``InputStatus`` and the others are still read.
+Folders are walked recursively in name order.  The kind of a file is told by
+its first bytes: a pickle (PyTorch Flight Recorder), JSON (Flight Recorder's
+JSON form), else our msgpack dump.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from dumpers.errors import DumpError
+from dumpers.format import read_dump
+
+from .align import Source
+from .flightrec import FrDump, looks_like_flightrec, read_flightrec
+from .model import InputStatus, SourceKind
+
+Loaded = Source | FrDump
+PROGRESS_EVERY_S = 0.5
+
+
+def expand(paths: Sequence[str]) -> tuple[list[str], list[InputStatus]]:
+    """Files named, and files under folders named; missing paths reported."""
+    files: list[str] = []
+    bad: list[InputStatus] = []
+    for p in paths:
+        path = Path(p)
+        if path.is_dir():
+            found = sorted(
+                str(f) for f in path.rglob("*") if f.is_file() and not f.name.startswith(".")
+            )
+            if not found:
+                bad.append(InputStatus(p, False, f"{p}: folder holds no files"))
+            files.extend(found)
+        elif path.exists():
+            files.append(p)
+        else:
+            bad.append(InputStatus(p, False, f"{p}: no such file or folder"))
+    return files, bad
+
+
+def load_one(path: str) -> tuple[Loaded | None, InputStatus]:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError as exc:
+        return None, InputStatus(path, False, f"{path}: cannot read: {exc.strerror or exc}")
+    try:
+        if looks_like_flightrec(head):
+            fr = read_flightrec(path)
+            return fr, InputStatus(path, True, None, SourceKind.FLIGHT_RECORDER)
+        rec = read_dump(path)
+        return Source(path, rec), InputStatus(path, True, None, SourceKind.STALLWATCH)
+    except DumpError as exc:
+        return None, InputStatus(path, False, str(exc))
+
+
+def load_inputs(
+    paths: Sequence[str], progress: bool = False
+) -> tuple[list[Loaded], list[InputStatus]]:
+    files, statuses = expand(paths)
+    loaded: list[Loaded] = []
+    last = time.monotonic()
+    for i, path in enumerate(files, 1):
+        item, status = load_one(path)
+        statuses.append(status)
+        if item is not None:
+            loaded.append(item)
+        if progress and time.monotonic() - last >= PROGRESS_EVERY_S:
+            last = time.monotonic()
+            print(f"stallwatch analyze: loaded {i}/{len(files)} files", file=sys.stderr, flush=True)
+    if (
+        progress
+        and len(files) > 1
+        and time.monotonic() - last < PROGRESS_EVERY_S
+        and len(files) >= 100
+    ):
+        print(f"stallwatch analyze: loaded {len(files)}/{len(files)} files", file=sys.stderr)
+    statuses.sort(key=lambda s: os.fspath(s.path))
+    return loaded, statuses

@@ -1,0 +1,112 @@
+"""Stage "match": each communicator's n-th collective across its ranks.
+
+Collective calls are sorted by (communicator, seq, comm rank) with one
+argsort of a packed key, then cut into groups, one per (comm, seq).  Per
+(comm, rank) *pair* the window that rank retained is computed: first and last
+seq entered, last seq returned, and its last row.  Progress counters that some
+inputs carry without rows (Flight Recorder ``pg_status``) are merged in.
+
+Point-to-point calls are kept out of the groups (their seq is per peer and
+direction); they only show up as "what a rank last did".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dumpers.schema import Op
+
+from .model import Incident
+
+P2P = np.array([Op.SEND, Op.RECV], dtype=np.uint8)
+
+
+@dataclass(frozen=True, slots=True)
+class Matched:
+    rows: np.ndarray  # collective calls sorted by (comm, seq, crank)
+    gid: np.ndarray  # group of each row
+    group_start: np.ndarray  # first row of each group; groups are (comm, seq)
+    group_size: np.ndarray
+    group_comm: np.ndarray
+    group_seq: np.ndarray
+    pair_offset: np.ndarray  # comm -> first pair index; pair = offset[comm] + crank
+    pair_last_row: np.ndarray  # row (index into rows) with the pair's highest seq, -1 none
+    pair_first_seq: np.ndarray  # -1 if nothing retained
+    pair_last_seq: np.ndarray  # -1 if nothing retained
+    pair_last_returned: np.ndarray  # -1 if none returned
+
+    def pairs_of(self, comm: int) -> slice:
+        return slice(int(self.pair_offset[comm]), int(self.pair_offset[comm + 1]))
+
+    def comm_rows(self, comm: int) -> slice:
+        lo, hi = np.searchsorted(self.rows["comm"], [comm, comm + 1])
+        return slice(int(lo), int(hi))
+
+
+def _sort_order(rows: np.ndarray, nranks_max: int) -> np.ndarray:
+    if not len(rows):
+        return np.zeros(0, dtype=np.int64)
+    seq_span = int(rows["seq"].max()) - int(rows["seq"].min()) + 1
+    ncomms = int(rows["comm"].max()) + 1
+    if ncomms * seq_span * max(nranks_max, 1) < (1 << 62):
+        key = rows["comm"].astype(np.int64) * seq_span + (rows["seq"] - rows["seq"].min())
+        key = key * max(nranks_max, 1) + rows["crank"]
+        return np.argsort(key, kind="stable")
+    return np.lexsort((rows["crank"], rows["seq"], rows["comm"]))
+
+
+def match(inc: Incident) -> Matched:
+    nranks = np.array([c.nranks for c in inc.comms], dtype=np.int64)
+    raw = inc.calls.rows
+    keep = ~np.isin(raw["op"], P2P)
+    if len(nranks):
+        keep &= raw["crank"] < nranks[raw["comm"]]
+    rows = raw[keep]
+    rows = rows[_sort_order(rows, int(nranks.max()) if len(nranks) else 1)]
+    n = len(rows)
+    new = np.ones(n, dtype=bool)
+    if n:
+        new[1:] = (rows["comm"][1:] != rows["comm"][:-1]) | (rows["seq"][1:] != rows["seq"][:-1])
+    group_start = np.flatnonzero(new)
+    gid = np.cumsum(new) - 1
+    group_size = np.diff(np.append(group_start, n))
+    offset = np.zeros(len(nranks) + 1, dtype=np.int64)
+    offset[1:] = np.cumsum(nranks)
+    pair = offset[rows["comm"]] + rows["crank"]
+    npairs = int(offset[-1])
+    last_row = np.full(npairs, -1, dtype=np.int64)
+    np.maximum.at(last_row, pair, np.arange(n))
+    first_row = np.full(npairs, n, dtype=np.int64)
+    np.minimum.at(first_row, pair, np.arange(n))
+    has = last_row >= 0
+    last_seq = np.where(has, rows["seq"][np.clip(last_row, 0, max(n - 1, 0))] if n else -1, -1)
+    first_seq = np.where(has, rows["seq"][np.clip(first_row, 0, max(n - 1, 0))] if n else -1, -1)
+    returned = np.full(npairs, -1, dtype=np.int64)
+    done = rows["end"] > 0
+    np.maximum.at(returned, pair[done], rows["seq"][done])
+    _merge_progress(inc, offset, last_seq, returned)
+    return Matched(
+        rows=rows,
+        gid=gid,
+        group_start=group_start,
+        group_size=group_size,
+        group_comm=rows["comm"][group_start],
+        group_seq=rows["seq"][group_start],
+        pair_offset=offset,
+        pair_last_row=last_row,
+        pair_first_seq=first_seq.astype(np.int64),
+        pair_last_seq=last_seq.astype(np.int64),
+        pair_last_returned=returned,
+    )
+
+
+def _merge_progress(
+    inc: Incident, offset: np.ndarray, last_seq: np.ndarray, returned: np.ndarray
+) -> None:
+    for comm, crank, entered, completed in inc.progress:
+        if comm < len(offset) - 1 and crank < offset[comm + 1] - offset[comm]:
+            p = int(offset[comm]) + crank
+            last_seq[p] = max(int(last_seq[p]), entered)
+            returned[p] = max(int(returned[p]), completed)

@@ -1,0 +1,347 @@
+"""Stage "metrics": per-rank numbers computed from matched calls.
+
+Metrics are kept apart from detectors (``detect.py``): each function here
+measures, none decides.  Every time difference is taken between two
+timestamps of the same host: durations (return - entry of one call),
+lateness among ranks of one host, ages against that host's dump time.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from dumpers.schema import Op
+
+from .match import Matched
+from .model import Incident
+
+ROOTED_OPS = np.array([Op.BROADCAST, Op.REDUCE, Op.GATHER, Op.SCATTER], dtype=np.uint8)
+STALL_MIN_NS = 1_000_000_000  # a frontier older than this (and than 4x p99) is stuck
+NEVER = -1
+
+
+class MemberState(enum.Enum):
+    AT_FRONTIER = "at frontier"
+    BEHIND = "behind"
+    NO_ROWS = "no rows"  # its window is complete and holds nothing of this comm
+    UNKNOWN = "unknown"  # its ring wrapped past every row of this comm
+    NO_DUMP = "no dump"
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    crank: int
+    proc: int  # -1 without a dump
+    state: MemberState
+    last_seq: int
+    last_returned: int
+    in_flight: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Frontier:
+    comm: int
+    seq: int
+    op: int
+    stuck: bool
+    age_ns: int | None  # how long the ranks at the frontier have made no progress
+    members: tuple[Member, ...]
+
+    @property
+    def laggards(self) -> tuple[Member, ...]:
+        lag = (MemberState.BEHIND, MemberState.NO_ROWS, MemberState.NO_DUMP)
+        return tuple(m for m in self.members if m.state in lag)
+
+
+def _age(inc: Incident, m: Matched, row: int) -> int | None:
+    r = m.rows[row]
+    now = inc.host_now[inc.hosts.index(inc.procs[int(r["proc"])].host)]
+    if now is None:
+        return None
+    return now - int(max(r["ts"], r["end"]))
+
+
+def _stall_threshold(m: Matched, comm: int) -> int:
+    rows = m.rows[m.comm_rows(comm)]
+    done = rows[rows["end"] > 0]
+    if not len(done):
+        return STALL_MIN_NS
+    p99 = float(np.percentile(done["end"] - done["ts"], 99))
+    return max(STALL_MIN_NS, int(4 * p99))
+
+
+def frontier(inc: Incident, m: Matched, comm: int) -> Frontier | None:
+    sl = m.pairs_of(comm)
+    last = m.pair_last_seq[sl]
+    if not len(last) or last.max() < 0:
+        return None
+    f = int(last.max())
+    members = []
+    ages: list[int | None] = []
+    op = 0
+    for crank, proc in enumerate(inc.comms[comm].members):
+        p = sl.start + crank
+        row = int(m.pair_last_row[p])
+        seq, ret = int(m.pair_last_seq[p]), int(m.pair_last_returned[p])
+        flight = row >= 0 and int(m.rows["end"][row]) == 0
+        if proc < 0:
+            state = MemberState.NO_DUMP
+        elif seq == f:
+            state = MemberState.AT_FRONTIER
+            if row >= 0 and int(m.rows["seq"][row]) == f:
+                ages.append(_age(inc, m, row))
+                op = int(m.rows["op"][row])
+            else:
+                ages.append(None)
+        elif seq >= 0:
+            state = MemberState.BEHIND
+        elif inc.procs[proc].window_complete:
+            state = MemberState.NO_ROWS
+        else:
+            state = MemberState.UNKNOWN
+        members.append(Member(crank, proc, state, seq, ret, flight))
+    known = [a for a in ages if a is not None]
+    age = int(np.median(known)) if known else None
+    stuck = age is None or age >= _stall_threshold(m, comm)
+    return Frontier(comm, f, op, stuck, age, tuple(members))
+
+
+@dataclass(frozen=True, slots=True)
+class Disagreement:
+    comm: int
+    seq: int
+    field: str
+    consensus: int
+    odd: tuple[tuple[int, int], ...]  # (row index, value) of the odd ones
+    tie: bool
+
+
+DESYNC_FIELDS = ("op", "count", "datatype", "redop", "root")
+
+
+def disagreements(m: Matched) -> list[Disagreement]:
+    """Groups whose members disagree on a field, with the majority value."""
+    if not len(m.rows):
+        return []
+    out = []
+    rooted = np.isin(m.rows["op"], ROOTED_OPS)
+    for field in DESYNC_FIELDS:
+        vals = m.rows[field].astype(np.int64)
+        if field == "root":
+            vals = np.where(rooted, vals, -1)
+        elif field == "count":  # all-to-all splits are uneven by design
+            vals = np.where(m.rows["op"] == Op.ALL_TO_ALL, -1, vals)
+        lo = np.minimum.reduceat(vals, m.group_start)
+        hi = np.maximum.reduceat(vals, m.group_start)
+        for g in np.flatnonzero(lo != hi).tolist():
+            out.append(_majority(m, vals, g, field))
+    return out
+
+
+def _majority(m: Matched, vals: np.ndarray, g: int, field: str) -> Disagreement:
+    start = int(m.group_start[g])
+    idx = np.arange(start, start + int(m.group_size[g]))
+    uniq, counts = np.unique(vals[idx], return_counts=True)
+    best = counts.max()
+    winners = uniq[counts == best]
+    tie = len(winners) > 1
+    consensus = int(winners[0])
+    if tie:  # fall back on what the communicator did just before
+        prev = g - 1
+        if prev >= 0 and m.group_comm[prev] == m.group_comm[g]:
+            p0 = int(m.group_start[prev])
+            before = np.unique(vals[p0 : p0 + int(m.group_size[prev])])
+            hits = [int(w) for w in winners if int(w) in before.tolist()]
+            if len(hits) == 1:
+                consensus, tie = hits[0], False
+    odd = tuple((int(i), int(vals[i])) for i in idx if int(vals[i]) != consensus)
+    return Disagreement(int(m.group_comm[g]), int(m.group_seq[g]), field, consensus, odd, tie)
+
+
+@dataclass(frozen=True, slots=True)
+class ArrivalScore:
+    """How a rank arrives at a communicator's collectives, against its peers."""
+
+    comm: int
+    crank: int
+    proc: int
+    groups: int  # complete groups measured
+    last_fraction: float  # share of groups where it is judged the last to arrive
+    margin_ns: int  # median of how much later than its peers it is judged to arrive
+    peer_wait_ns: int  # median duration of its peers' calls
+    own_wait_ns: int  # median duration of its own calls
+    method: str  # "wait" (blocking durations) or "host-lateness" / "lateness"
+
+
+def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
+    """Blocking: the last to arrive waits least (shortest duration).  Async
+    (durations tiny): entry lateness against peers, on the same host when it
+    has peers there, else against all (the detector demands a large margin)."""
+    out: list[ArrivalScore] = []
+    for comm, c in enumerate(inc.comms):
+        if c.nranks < 2:
+            continue
+        sl = m.comm_rows(comm)
+        rows, gid = m.rows[sl], m.gid[sl]
+        if not len(rows):
+            continue
+        complete = _complete_groups(m, rows, gid, c.nranks)
+        if not complete.any():
+            continue
+        out.extend(_wait_scores(inc, comm, rows[complete], gid[complete], c.nranks))
+        out.extend(_lateness_scores(inc, comm, rows[complete], gid[complete], c.nranks))
+    return out
+
+
+def _complete_groups(m: Matched, rows: np.ndarray, gid: np.ndarray, nranks: int) -> np.ndarray:
+    full = m.group_size[gid] == nranks
+    returned = np.minimum.reduceat(rows["end"], np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]]))
+    first = np.r_[True, gid[1:] != gid[:-1]]
+    ok_group = np.repeat(returned > 0, np.diff(np.append(np.flatnonzero(first), len(gid))))
+    return full & ok_group
+
+
+def _per_rank(values: np.ndarray, crank: np.ndarray, nranks: int) -> list[np.ndarray]:
+    order = np.argsort(crank, kind="stable")
+    bounds = np.searchsorted(crank[order], np.arange(nranks + 1))
+    return [values[order[bounds[r] : bounds[r + 1]]] for r in range(nranks)]
+
+
+def _wait_scores(
+    inc: Incident, comm: int, rows: np.ndarray, gid: np.ndarray, nranks: int
+) -> list[ArrivalScore]:
+    dur = rows["end"] - rows["ts"]
+    starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
+    size = np.diff(np.append(starts, len(gid)))
+    gmin = np.repeat(np.minimum.reduceat(dur, starts), size)
+    gsum = np.repeat(np.add.reduceat(dur, starts), size)
+    peers_mean = (gsum - dur) / np.maximum(size - 1, 1)
+    is_min = (dur == gmin).astype(np.float64)
+    crank = rows["crank"]
+    ngroups = len(starts)
+    mins = np.bincount(crank, weights=is_min, minlength=nranks)
+    margin = _per_rank(peers_mean - dur, crank, nranks)
+    own = _per_rank(dur, crank, nranks)
+    peer = _per_rank(peers_mean, crank, nranks)
+    members = inc.comms[comm].members
+    return [
+        ArrivalScore(
+            comm,
+            r,
+            members[r],
+            ngroups,
+            float(mins[r]) / max(ngroups, 1),
+            int(np.median(margin[r])) if len(margin[r]) else 0,
+            int(np.median(peer[r])) if len(peer[r]) else 0,
+            int(np.median(own[r])) if len(own[r]) else 0,
+            "wait",
+        )
+        for r in range(nranks)
+    ]
+
+
+def _lateness_scores(
+    inc: Incident, comm: int, rows: np.ndarray, gid: np.ndarray, nranks: int
+) -> list[ArrivalScore]:
+    host = np.array([inc.hosts.index(p.host) for p in inc.procs], dtype=np.int64)[rows["proc"]]
+    nh = len(inc.hosts)
+    ranks_per_host = np.bincount(host[gid == gid[0]], minlength=nh)
+    shared = ranks_per_host[host] >= 2
+    key = gid.astype(np.int64) * nh + host
+    order = np.lexsort((rows["ts"], key))
+    k, ts = key[order], rows["ts"][order]
+    first = np.r_[True, k[1:] != k[:-1]]
+    starts = np.flatnonzero(first)
+    size = np.diff(np.append(starts, len(k)))
+    hmin = np.repeat(ts[starts], size)
+    hmax = np.repeat(np.maximum.reduceat(ts, starts), size)
+    late = np.empty(len(rows), dtype=np.int64)
+    is_last = np.empty(len(rows), dtype=np.float64)
+    late[order] = ts - hmin
+    is_last[order] = ((ts == hmax) & (np.repeat(size, size) >= 2)).astype(np.float64)
+    crank = rows["crank"]
+    ngroups = int(gid.max() - gid.min() + 1)
+    members = inc.comms[comm].members
+    lasts = np.bincount(crank[shared], weights=is_last[shared], minlength=nranks)
+    lates = _per_rank(late, crank, nranks)
+    own = _per_rank(rows["end"] - rows["ts"], crank, nranks)
+    out = []
+    for r in range(nranks):
+        if members[r] < 0 or not len(lates[r]):
+            continue
+        hosted = bool(ranks_per_host[host[crank == r][0]] >= 2)
+        if not hosted:
+            continue
+        out.append(
+            ArrivalScore(
+                comm,
+                r,
+                members[r],
+                ngroups,
+                float(lasts[r]) / max(ngroups, 1),
+                int(np.median(lates[r])),
+                0,
+                int(np.median(own[r])),
+                "host-lateness",
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class HostRetransmits:
+    host: int
+    local: int  # retransmits this host sent inside its ranks' collective windows
+    remote: int  # retransmits other hosts sent to it inside their windows
+    total: int  # all retransmits it sent
+
+
+def retransmits_in_windows(inc: Incident, m: Matched) -> list[HostRetransmits]:
+    rt = inc.retransmits
+    nh = len(inc.hosts)
+    if not len(rt):
+        return []
+    phost = np.array([inc.hosts.index(p.host) for p in inc.procs], dtype=np.int64)
+    inside = np.zeros(len(rt), dtype=bool)
+    for h in range(nh):
+        sel = rt["host"] == h
+        if not sel.any():
+            continue
+        rows = m.rows[phost[m.rows["proc"]] == h] if len(m.rows) else m.rows
+        now = inc.host_now[h] or (int(rows["ts"].max()) if len(rows) else 0)
+        inside[sel] = _within(
+            rt["ts"][sel], rows["ts"], np.where(rows["end"] > 0, rows["end"], now)
+        )
+    local = np.bincount(rt["host"][inside], minlength=nh)
+    remote_rt = rt[inside & (rt["remote"] >= 0) & (rt["remote"] != rt["host"])]
+    remote = np.bincount(remote_rt["remote"], minlength=nh)
+    total = np.bincount(rt["host"], minlength=nh)
+    return [HostRetransmits(h, int(local[h]), int(remote[h]), int(total[h])) for h in range(nh)]
+
+
+def _within(points: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Whether each point lies inside any [start, end] interval."""
+    if not len(starts):
+        return np.zeros(len(points), dtype=bool)
+    order = np.argsort(starts)
+    s, e = starts[order], np.maximum.accumulate(ends[order])
+    pos = np.searchsorted(s, points, side="right") - 1
+    return (pos >= 0) & (e[np.clip(pos, 0, None)] >= points)
+
+
+def sched_delay_per_proc(inc: Incident) -> np.ndarray:
+    """Total run-queue delay (ns) recorded for each proc's threads."""
+    out = np.zeros(len(inc.procs), dtype=np.int64)
+    if not len(inc.sched):
+        return out
+    index = {(inc.hosts.index(p.host), p.pid): i for i, p in enumerate(inc.procs)}
+    keys = np.unique(inc.sched[["host", "pid"]])
+    for h, pid in keys.tolist():
+        i = index.get((int(h), int(pid)))
+        if i is not None:
+            sel = (inc.sched["host"] == h) & (inc.sched["pid"] == pid)
+            out[i] = int(inc.sched["delay"][sel].sum())
+    return out

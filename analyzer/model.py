@@ -1,0 +1,127 @@
+"""The analyzer's internal records: one incident as typed tables.
+
+Every input (our dumps, PyTorch Flight Recorder dumps) is turned into an
+``Incident``: processes (one per rank), communicators (members in comm-rank
+order), and one columnar table of NCCL calls (``Calls``) plus the kernel
+events that explain slowness.  Strings (hosts) are interned as small integers
+in the columns; the tables beside them map them back.
+
+Timestamps are monotonic nanoseconds *of the host that recorded them*; they
+are only ever compared with timestamps of the same host.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class SourceKind(enum.Enum):
+    STALLWATCH = "stallwatch"
+    FLIGHT_RECORDER = "flight_recorder"
+
+
+@dataclass(frozen=True, slots=True)
+class InputStatus:
+    """What became of one input file."""
+
+    path: str
+    ok: bool
+    error: str | None = None
+    kind: SourceKind | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Proc:
+    """One process (a rank) as seen by the dumps."""
+
+    host: str
+    pid: int
+    world_rank: int  # -1 if unknown
+    source: str  # the input file it came from
+    exit_code: int | None = None
+    exit_signal: int | None = None
+    window_complete: bool = True  # its ring never overwrote a row
+
+    @property
+    def died_badly(self) -> bool:
+        return bool(self.exit_signal) or (self.exit_code is not None and self.exit_code != 0)
+
+    def label(self) -> str:
+        rank = f"rank {self.world_rank}" if self.world_rank >= 0 else "rank ?"
+        return f"{rank} (host {self.host}, pid {self.pid})"
+
+
+@dataclass(frozen=True, slots=True)
+class Comm:
+    """A communicator: ``members[r]`` is the proc index of comm rank r, -1 if
+    no input holds that rank (a missing dump)."""
+
+    comm_hash: int
+    members: tuple[int, ...]
+    label: str = ""
+    is_split: bool = False
+
+    @property
+    def nranks(self) -> int:
+        return len(self.members)
+
+    @property
+    def hash_text(self) -> str:
+        return f"0x{self.comm_hash & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+CALL_DTYPE = np.dtype(
+    [
+        ("comm", "<i4"),  # index into Incident.comms
+        ("crank", "<i4"),  # rank in the communicator
+        ("proc", "<i4"),  # index into Incident.procs
+        ("seq", "<i8"),
+        ("ts", "<i8"),  # entry, host monotonic
+        ("end", "<i8"),  # return, 0 while in flight
+        ("count", "<u8"),
+        ("root", "<i4"),  # root or peer, -1 if none
+        ("op", "u1"),
+        ("datatype", "u1"),
+        ("redop", "u1"),
+        ("state", "u1"),
+    ]
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Calls:
+    """Columnar NCCL calls of one incident (a structured array of CALL_DTYPE)."""
+
+    rows: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+TCP_RETRANS_DTYPE = np.dtype([("host", "<i4"), ("pid", "<u4"), ("ts", "<i8"), ("remote", "<i4")])
+SCHED_DTYPE = np.dtype([("host", "<i4"), ("pid", "<u4"), ("ts", "<i8"), ("delay", "<i8")])
+
+
+@dataclass(frozen=True, slots=True)
+class Incident:
+    """Everything known about one incident, from every input that belongs to it."""
+
+    id: str
+    hosts: tuple[str, ...]
+    host_now: tuple[int | None, ...]  # per host: when it dumped (its clock), None if unknown
+    procs: tuple[Proc, ...]
+    comms: tuple[Comm, ...]
+    calls: Calls
+    retransmits: np.ndarray  # TCP_RETRANS_DTYPE; remote = host index of the peer, -1 unknown
+    sched: np.ndarray  # SCHED_DTYPE
+    sources: tuple[str, ...] = ()
+    # (comm, comm rank, last seq entered, last seq completed) known from
+    # progress counters rather than rows (Flight Recorder pg_status)
+    progress: tuple[tuple[int, int, int, int], ...] = ()
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def host_index(self, host: str) -> int:
+        return self.hosts.index(host)

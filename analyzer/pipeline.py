@@ -1,0 +1,110 @@
+"""The staged analyzer: load -> validate -> group into incidents -> align ->
+match -> metrics -> detect -> verdicts -> report.
+
+Known limits:
+- Point-to-point calls are matched by no detector; they only appear as "what
+  a rank last did".
+- Straggler detection across hosts in asynchronous mode (calls return at
+  once) uses only lateness among ranks of the same host; a lone rank on a
+  host is judged by blocking durations alone.
+- Flight Recorder dumps carry wall-clock times of their own host and no dump
+  time: their pending entries are taken as stuck.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .align import Source, incident_from_recordings
+from .detect import DETECTORS, Analysis, Detector
+from .flightrec import FrDump, incidents_from_flightrec
+from .load import Loaded, load_inputs
+from .match import match
+from .metrics import (
+    Frontier,
+    arrival_scores,
+    disagreements,
+    frontier,
+    retransmits_in_windows,
+    sched_delay_per_proc,
+)
+from .model import Incident, InputStatus
+from .verdict import Verdict, VerdictKind
+
+
+@dataclass(frozen=True, slots=True)
+class IncidentResult:
+    incident: Incident
+    verdicts: tuple[Verdict, ...]
+    frontiers: tuple[Frontier, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AnalysisResult:
+    incidents: tuple[IncidentResult, ...]
+    inputs: tuple[InputStatus, ...]
+
+    @property
+    def anything_read(self) -> bool:
+        return any(s.ok for s in self.inputs)
+
+    @property
+    def healthy(self) -> bool:
+        return all(v.kind is VerdictKind.HEALTHY for r in self.incidents for v in r.verdicts)
+
+
+def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -> IncidentResult:
+    m = match(inc)
+    fronts = tuple(f for c in range(len(inc.comms)) if (f := frontier(inc, m, c)) is not None)
+    a = Analysis(
+        incident=inc,
+        matched=m,
+        frontiers=fronts,
+        disagreements=tuple(disagreements(m)),
+        arrivals=tuple(arrival_scores(inc, m)),
+        retransmits=tuple(retransmits_in_windows(inc, m)),
+        sched_delay=sched_delay_per_proc(inc),
+    )
+    verdicts = [v for d in detectors for v in d(a)]
+    if not verdicts:
+        verdicts.append(_healthy(a))
+    return IncidentResult(inc, tuple(sorted(verdicts, key=Verdict.sort_key)), fronts)
+
+
+def _healthy(a: Analysis) -> Verdict:
+    inc = a.incident
+    n = len(a.matched.group_start)
+    return Verdict(
+        VerdictKind.HEALTHY,
+        (),
+        inc.hosts,
+        (),
+        None,
+        None,
+        None,
+        f"no rank departs from consensus ({len(inc.procs)} ranks, {len(inc.comms)} "
+        f"communicators, {n} collectives matched)",
+        (f"{len(inc.calls)} calls from {len(inc.sources)} input(s)",),
+    )
+
+
+def group_incidents(loaded: Iterable[Loaded]) -> list[Incident]:
+    ours: dict[str, list[Source]] = {}
+    fr: list[FrDump] = []
+    for item in loaded:
+        if isinstance(item, FrDump):
+            fr.append(item)
+        else:
+            trig = item.recording.trigger
+            key = trig.incident_id if trig is not None and trig.incident_id else "snapshot"
+            ours.setdefault(key, []).append(item)
+    out = [incident_from_recordings(k, v) for k, v in sorted(ours.items())]
+    out.extend(incidents_from_flightrec(fr))
+    return out
+
+
+def analyze_paths(paths: Sequence[str], progress: bool = False) -> AnalysisResult:
+    loaded, statuses = load_inputs(paths, progress=progress)
+    results = tuple(analyze_incident(inc) for inc in group_incidents(loaded))
+    return AnalysisResult(results, tuple(statuses))

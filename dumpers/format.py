@@ -172,13 +172,17 @@ def _bin_header(n: int) -> bytes:
 
 
 def _chunks(rec: Recording) -> Iterator[_Chunk]:
-    """The encoded document in pieces; ring data is yielded as views, not copied.
+    """The encoded document in pieces; ring data is yielded as views, not
+    copied.  Rings are checked here, before the first piece is asked for."""
+    ring_data = {name: _ring_bytes(name, ring) for name, ring in rec.rings.items()}
+    return _pieces(rec, ring_data)
 
-    msgpack has no streaming API for ``bin``, so its header is written by hand
+
+def _pieces(rec: Recording, ring_data: dict[str, memoryview]) -> Iterator[_Chunk]:
+    """msgpack has no streaming API for ``bin``: its header is written by hand
     (bin 8/16/32, as in the msgpack spec)."""
     packer = msgpack.Packer(use_bin_type=True)
     header = _header_doc(rec)
-    ring_data = {name: _ring_bytes(name, ring) for name, ring in rec.rings.items()}
     yield packer.pack_map_header(len(header) + 2)
     for key, value in header.items():
         yield packer.pack(key) + packer.pack(value)
@@ -265,7 +269,7 @@ def write_dump(dir_or_path: str | os.PathLike[str], rec: Recording) -> Path:
     DumpWriteError naming the path and the reason (disk full, read-only,
     permissions); the temporary file is removed on failure."""
     final = _target(dir_or_path, rec)
-    chunks = _chunks(rec)  # encoding errors (ValueError) surface before any I/O
+    chunks = _chunks(rec)  # a Recording that breaks the model fails here, before any I/O
     temp = final.with_name(f".{final.name}{TEMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}")
     try:
         _write_temp(temp, chunks)
@@ -543,11 +547,11 @@ def _read_comm(obj: object, path: str, c: _Checker) -> CommInfo:
 
 
 def _read_ring(name: str, obj: object, c: _Checker) -> Ring:
-    path = f"rings.{name}"
-    r = c.map(obj, path, _RING_KEYS)
+    path = f"rings.{name[:40]}"
     expected = _EXPECTED_DESCR.get(name)
     if expected is None:
         c.fail(path, f"unknown ring (this reader knows {', '.join(RING_DTYPES)})")
+    r = c.map(obj, path, _RING_KEYS)
     if r["dtype"] != expected:
         c.fail(f"{path}.dtype", "does not match this reader's schema for that ring")
     dtype = RING_DTYPES[name]

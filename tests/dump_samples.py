@@ -1,0 +1,221 @@
+"""Real-shaped Recordings for the dump tests: one built by hand, and a
+Hypothesis strategy over every field and over ring contents."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from hypothesis import strategies as st
+
+from dumpers.model import (
+    Clock,
+    CommInfo,
+    ProcessInfo,
+    Recording,
+    Ring,
+    Trigger,
+    TriggerKind,
+)
+from dumpers.schema import RING_DTYPES, Op, State
+
+U64_MAX = 2**64 - 1
+
+
+def random_rows(name: str, n: int, seed: int = 0) -> np.ndarray:
+    """``n`` rows of ring ``name`` with every byte random (u64 extremes included)."""
+    dtype = RING_DTYPES[name]
+    raw = np.random.default_rng(seed).integers(0, 256, n * dtype.itemsize, dtype=np.uint8)
+    return raw.view(dtype)
+
+
+def nccl_rows(n: int, comm_hash: int = 0xF00D_0000_0000_BEEF) -> np.ndarray:
+    rows = np.zeros(n, RING_DTYPES["nccl"])
+    rows["ts_ns"] = np.arange(n, dtype=np.uint64) * 1000 + 10**9
+    rows["end_ns"] = rows["ts_ns"] + 500
+    rows["comm_hash"] = comm_hash
+    rows["seq"] = np.arange(n)
+    rows["op"] = Op.ALL_REDUCE
+    rows["state"] = State.COMPLETED
+    rows["count"] = 1 << 20
+    return rows
+
+
+def sample_recording(
+    n_rows: int = 100, host: str = "node-1", incident: str = "inc-1", time_ns: int = 5 * 10**9
+) -> Recording:
+    """A two-rank node with every ring filled and every field set."""
+    hash_ = U64_MAX - 1234  # comm hashes are often above 2**63
+    procs = tuple(
+        ProcessInfo(
+            pid=1000 + i,
+            comm="python3",
+            cmdline=f"python3 train.py --rank {i}",
+            netns=4026531840,
+            start_ns=10**9,
+            libs=("/usr/lib/libnccl.so.2",),
+            exit_ns=0 if i == 0 else 4 * 10**9,
+            exit_code=None if i == 0 else 1,
+            exit_signal=None if i == 0 else 9,
+        )
+        for i in range(2)
+    )
+    comms = tuple(
+        CommInfo(
+            pid=1000 + i,
+            comm=0x7F00_0000_1000 + i,
+            comm_hash=hash_,
+            rank=i,
+            nranks=2,
+            parent_hash=0,
+            root_addr="10.0.0.1:29500",
+            init_ns=10**9 + 5,
+        )
+        for i in range(2)
+    )
+    rings = {
+        name: Ring(random_rows(name, n_rows // 4 + 1, seed=i), 7, 3)
+        for i, name in enumerate(RING_DTYPES)
+    }
+    rings["nccl"] = Ring(nccl_rows(n_rows, hash_), overwritten=12, lost=1)
+    return Recording(
+        host=host,
+        boot_id="0f3e0c0a-1b2c-4d5e-8f90-123456789abc",
+        clock=Clock(monotonic_ns=6 * 10**9, realtime_ns=1_790_000_000 * 10**9),
+        processes=procs,
+        communicators=comms,
+        rings=rings,
+        agent_version="0.1.0",
+        agent_args=("record", "--stall-timeout", "2"),
+        trigger=Trigger(
+            TriggerKind.IN_FLIGHT,
+            "allreduce seq 57 in flight 2.1 s",
+            incident,
+            time_ns,
+            pid=1000,
+            comm_hash=hash_,
+            origin_host=host,
+        ),
+        counters={"events_total": 123456, "drops": 0},
+    )
+
+
+def assert_same(a: Recording, b: Recording) -> None:
+    """Field by field; rings by dtype and identical bytes."""
+    for name in (
+        "host",
+        "boot_id",
+        "clock",
+        "processes",
+        "communicators",
+        "agent_version",
+        "agent_args",
+        "trigger",
+        "counters",
+    ):
+        assert getattr(a, name) == getattr(b, name), name
+    assert list(a.rings) == list(b.rings)
+    for name, ring in a.rings.items():
+        other = b.rings[name]
+        assert other.rows.dtype == ring.rows.dtype, name
+        assert len(other.rows) == len(ring.rows), name
+        assert other.rows.tobytes() == ring.rows.tobytes(), name
+        assert (other.overwritten, other.lost) == (ring.overwritten, ring.lost), name
+
+
+# ---------------------------------------------------------------- strategies
+
+u32 = st.integers(0, 2**32 - 1)
+u64 = st.integers(0, U64_MAX)
+i32 = st.integers(-(2**31), 2**31 - 1)
+text = st.text(max_size=40)
+
+
+@st.composite
+def rings(draw: st.DrawFn) -> dict[str, Ring]:
+    names = draw(st.lists(st.sampled_from(sorted(RING_DTYPES)), unique=True, max_size=5))
+    out = {}
+    for name in names:
+        itemsize = RING_DTYPES[name].itemsize
+        n = draw(st.integers(0, 20))
+        raw = draw(st.binary(min_size=n * itemsize, max_size=n * itemsize))
+        extreme = draw(st.sampled_from([None, 0x00, 0xFF]))
+        if extreme is not None:  # all-zero or all-ones rows: u64 extremes everywhere
+            raw = bytes([extreme]) * len(raw)
+        out[name] = Ring(np.frombuffer(raw, RING_DTYPES[name]).copy(), draw(u64), draw(u64))
+    return out
+
+
+processes = st.builds(
+    ProcessInfo,
+    pid=u32,
+    comm=text,
+    cmdline=text,
+    netns=u64,
+    start_ns=u64,
+    libs=st.lists(text, max_size=3).map(tuple),
+    exit_ns=u64,
+    exit_code=st.none() | i32,
+    exit_signal=st.none() | i32,
+)
+
+communicators = st.builds(
+    CommInfo,
+    pid=u32,
+    comm=u64,
+    comm_hash=u64,
+    rank=i32,
+    nranks=i32,
+    parent_hash=u64,
+    color=i32,
+    key=i32,
+    root_addr=text,
+    init_ns=u64,
+    destroy_ns=u64,
+)
+
+triggers = st.builds(
+    Trigger,
+    kind=st.sampled_from(TriggerKind),
+    reason=text,
+    incident_id=text,
+    time_ns=u64,
+    pid=u32,
+    comm_hash=u64,
+    origin_host=text,
+)
+
+recordings = st.builds(
+    Recording,
+    host=text,
+    boot_id=text,
+    clock=st.builds(Clock, monotonic_ns=u64, realtime_ns=u64),
+    processes=st.lists(processes, max_size=12).map(tuple),
+    communicators=st.lists(communicators, max_size=24).map(tuple),
+    rings=rings(),
+    agent_version=text,
+    agent_args=st.lists(text, max_size=4).map(tuple),
+    trigger=st.none() | triggers,
+    counters=st.dictionaries(text, u64, max_size=5),
+)
+
+
+# ---------------------------------------------------------------- a small real tmpfs
+
+
+@contextlib.contextmanager
+def tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``where`` (root only), unmounted after."""
+    where.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def remount(where: Path, options: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{options}", str(where)], check=True)

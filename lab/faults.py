@@ -1,0 +1,292 @@
+"""Fault specs for ``stallwatch lab run --fault SPEC``.
+
+A spec is ``kind:key=value,key=value``:
+
+    hang:rank=R,step=S                 rank R blocks forever before its first collective of step S
+    slow:rank=R,ms=M                   rank R computes M ms longer every step
+    loss:node=N,pct=P                  P% of node N's TCP packets are dropped (nftables numgen)
+    rate:node=N,mbit=M                 node N's link is capped at M Mbit/s (tc tbf)
+    mismatch:rank=R,step=S,field=F     rank R passes a different count|dtype|op at step S
+    crash:rank=R,step=S[,signal=SIG]   rank R exits with code 3 at step S, or kills itself with SIG
+    cpuhog:rank=R                      busy processes pinned to rank R's CPU
+
+Ranks are global (node n holds ranks n*R .. n*R+R-1).  Parsing gives frozen
+records; ``validate`` checks them against the topology.  Errors are one line
+and name the part of the spec that is wrong.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from dumpers.errors import UsageError
+
+MAX_PCT = 100
+MAX_STEP = 10**9
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Nodes and ranks of one lab job."""
+
+    nodes: int
+    ranks_per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def local_rank(self, rank: int) -> int:
+        return rank % self.ranks_per_node
+
+
+class MismatchField(enum.Enum):
+    COUNT = "count"
+    DTYPE = "dtype"
+    OP = "op"
+
+
+@dataclass(frozen=True, slots=True)
+class Hang:
+    rank: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Slow:
+    rank: int
+    ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Loss:
+    node: int
+    pct: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rate:
+    node: int
+    mbit: float
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    rank: int
+    step: int
+    field: MismatchField
+
+
+@dataclass(frozen=True, slots=True)
+class Crash:
+    rank: int
+    step: int
+    signal: signal.Signals | None  # None: exit with code 3
+
+
+@dataclass(frozen=True, slots=True)
+class CpuHog:
+    rank: int
+
+
+Fault = Hang | Slow | Loss | Rate | Mismatch | Crash | CpuHog
+RankFault = Hang | Slow | Mismatch | Crash | CpuHog
+NodeFault = Loss | Rate
+
+CRASH_EXIT_CODE = 3
+
+
+class _Fields:
+    """The key=value part of one spec, consumed field by field."""
+
+    def __init__(self, spec: str, kind: str, text: str) -> None:
+        self.spec = spec
+        self.kind = kind
+        self.values: dict[str, str] = {}
+        for part in text.split(",") if text else []:
+            key, sep, value = part.partition("=")
+            key = key.strip()
+            if not sep or not key or not value.strip():
+                self.fail(f"expected key=value, got {part!r}")
+            if key in self.values:
+                self.fail(f"{key!r} given twice")
+            self.values[key] = value.strip()
+
+    def fail(self, why: str) -> None:
+        raise UsageError(f"bad fault spec {self.spec!r}: {why}")
+
+    def take(self, key: str, conv: Callable[[str], object], what: str) -> object:
+        if key not in self.values:
+            self.fail(f"{self.kind} needs {key}=<{what}>")
+        raw = self.values.pop(key)
+        try:
+            return conv(raw)
+        except ValueError:
+            self.fail(f"{key}={raw!r} is not {what}")
+            raise  # unreachable: fail raises
+
+    def integer(self, key: str, low: int, high: int) -> int:
+        value = self.take(key, int, "an integer")
+        assert isinstance(value, int)
+        if not low <= value <= high:
+            self.fail(f"{key}={value} is out of range {low}..{high}")
+        return value
+
+    def number(self, key: str, low: float, high: float) -> float:
+        value = self.take(key, float, "a number")
+        assert isinstance(value, float)
+        if not low < value <= high:
+            self.fail(f"{key}={value:g} must be > {low:g} and <= {high:g}")
+        return value
+
+    def done(self) -> None:
+        if self.values:
+            self.fail(f"unknown key(s) for {self.kind}: {', '.join(sorted(self.values))}")
+
+
+def _signal(raw: str) -> signal.Signals:
+    name = raw.upper()
+    if name.isdigit():
+        return signal.Signals(int(name))
+    return signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+
+
+def _signal_or_fail(fields: _Fields) -> signal.Signals | None:
+    if "signal" not in fields.values:
+        return None
+    raw = fields.values.pop("signal")
+    try:
+        return _signal(raw)
+    except (KeyError, ValueError):
+        fields.fail(f"signal={raw!r} is not a signal name or number (e.g. KILL, SEGV, 9)")
+        raise
+
+
+def _field(fields: _Fields) -> MismatchField:
+    raw = fields.take("field", str, "count|dtype|op")
+    try:
+        return MismatchField(raw)
+    except ValueError:
+        fields.fail(f"field={raw!r} must be one of count, dtype, op")
+        raise
+
+
+def _hang(f: _Fields) -> Fault:
+    return Hang(rank=f.integer("rank", 0, MAX_STEP), step=f.integer("step", 0, MAX_STEP))
+
+
+def _slow(f: _Fields) -> Fault:
+    return Slow(rank=f.integer("rank", 0, MAX_STEP), ms=f.number("ms", 0.0, 600_000.0))
+
+
+def _loss(f: _Fields) -> Fault:
+    return Loss(node=f.integer("node", 0, MAX_STEP), pct=f.integer("pct", 1, MAX_PCT))
+
+
+def _rate(f: _Fields) -> Fault:
+    return Rate(node=f.integer("node", 0, MAX_STEP), mbit=f.number("mbit", 0.0, 100_000.0))
+
+
+def _mismatch(f: _Fields) -> Fault:
+    rank, step = f.integer("rank", 0, MAX_STEP), f.integer("step", 0, MAX_STEP)
+    return Mismatch(rank=rank, step=step, field=_field(f))
+
+
+def _crash(f: _Fields) -> Fault:
+    rank, step = f.integer("rank", 0, MAX_STEP), f.integer("step", 0, MAX_STEP)
+    return Crash(rank=rank, step=step, signal=_signal_or_fail(f))
+
+
+def _cpuhog(f: _Fields) -> Fault:
+    return CpuHog(rank=f.integer("rank", 0, MAX_STEP))
+
+
+_PARSERS: Mapping[str, Callable[[_Fields], Fault]] = {
+    "hang": _hang,
+    "slow": _slow,
+    "loss": _loss,
+    "rate": _rate,
+    "mismatch": _mismatch,
+    "crash": _crash,
+    "cpuhog": _cpuhog,
+}
+
+
+def parse_fault(spec: str) -> Fault:
+    """One spec, e.g. ``"hang:rank=3,step=5"``; raises UsageError naming the bad part."""
+    kind, sep, rest = spec.strip().partition(":")
+    kind = kind.strip().lower()
+    if kind not in _PARSERS:
+        raise UsageError(
+            f"bad fault spec {spec!r}: unknown kind {kind!r} "
+            f"(expected one of {', '.join(_PARSERS)})"
+        )
+    fields = _Fields(spec, kind, rest.strip() if sep else "")
+    fault = _PARSERS[kind](fields)
+    fields.done()
+    return fault
+
+
+def parse_faults(specs: Iterable[str]) -> tuple[Fault, ...]:
+    return tuple(parse_fault(spec) for spec in specs)
+
+
+def validate(faults: Iterable[Fault], topology: Topology, steps: int) -> None:
+    """Ranks, nodes and steps must exist in this job."""
+    for fault in faults:
+        where = f"fault {format_fault(fault)!r}"
+        if isinstance(fault, Loss | Rate):
+            if fault.node >= topology.nodes:
+                raise UsageError(
+                    f"{where}: node {fault.node} does not exist (nodes are 0..{topology.nodes - 1})"
+                )
+            continue
+        if fault.rank >= topology.world_size:
+            raise UsageError(
+                f"{where}: rank {fault.rank} does not exist "
+                f"(ranks are 0..{topology.world_size - 1})"
+            )
+        step = getattr(fault, "step", None)
+        if step is not None and step >= steps:
+            raise UsageError(f"{where}: step {step} is never reached (steps are 0..{steps - 1})")
+    _check_duplicates(faults)
+
+
+def _check_duplicates(faults: Iterable[Fault]) -> None:
+    seen: set[tuple[type, int]] = set()
+    for fault in faults:
+        key = (type(fault), fault.node if isinstance(fault, Loss | Rate) else fault.rank)
+        if key in seen:
+            raise UsageError(f"fault {format_fault(fault)!r} is given twice for the same target")
+        seen.add(key)
+
+
+def format_fault(fault: Fault) -> str:
+    """The canonical spec of a fault (parse_fault(format_fault(f)) == f)."""
+    match fault:
+        case Hang(rank, step):
+            return f"hang:rank={rank},step={step}"
+        case Slow(rank, ms):
+            return f"slow:rank={rank},ms={ms:g}"
+        case Loss(node, pct):
+            return f"loss:node={node},pct={pct}"
+        case Rate(node, mbit):
+            return f"rate:node={node},mbit={mbit:g}"
+        case Mismatch(rank, step, field):
+            return f"mismatch:rank={rank},step={step},field={field.value}"
+        case Crash(rank, step, sig):
+            tail = f",signal={sig.name.removeprefix('SIG')}" if sig is not None else ""
+            return f"crash:rank={rank},step={step}{tail}"
+        case CpuHog(rank):
+            return f"cpuhog:rank={rank}"
+    raise AssertionError(fault)
+
+
+def for_rank(faults: Iterable[Fault], rank: int) -> tuple[RankFault, ...]:
+    return tuple(f for f in faults if isinstance(f, RankFault) and f.rank == rank)

@@ -1,0 +1,544 @@
+"""One rank of the lab's training job: ``python -m lab.job --rank R ...``.
+
+Each rank is its own process and drives the lab's ``libnccl.so.2`` through
+ctypes, as a framework would.  Rank 0 makes the unique id and publishes it in
+the run directory (written atomically; the others poll for it); every rank
+joins the world communicator and splits it into a tensor-parallel group (the
+ranks of one node) and a data-parallel group (the same local rank on every
+node).  Then S steps, each: simulated compute (a busy loop), AllGather and
+ReduceScatter on TP, the gradient AllReduce on DP, Send/Recv between pipeline
+neighbours on DP (grouped), a Broadcast and the loss AllReduce on world.
+Inputs are deterministic, and every result is checked with numpy.
+
+The rank writes ``rank-<R>.json`` (``RankReport``) in the run directory after
+init, after every step and at the end, so the progress of a rank that hangs or
+dies is known.  It counts every NCCL call it makes, per symbol and per
+communicator label (``world``, ``tp``, ``dp``; ``none`` for group calls);
+``ncclCommSplit`` is counted under the label of the communicator it creates,
+``ncclGetUniqueId`` and ``ncclCommInitRank`` under ``world``.
+
+In-rank faults (``lab.faults``): hang, slow, mismatch (applied to the loss
+AllReduce on world, the one collective every rank joins), crash.
+
+Exit codes: 0 done and verified, 1 results wrong, 2 setup error (library, id),
+3 crash fault, 4 an NCCL call failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import resource
+import signal
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from dumpers.errors import LabError, StallwatchError
+from dumpers.schema import DataType, RedOp, fold_unique_id, split_hash
+from lab import faults as F
+
+LIB_ENV = "STALLWATCH_LAB_LIB"
+ASYNC_ENV = "LABNCCL_ASYNC"
+UNIQUE_ID_BYTES = 128
+UID_FILE = "world.uid"
+NO_COMM = "none"
+
+EXIT_OK = 0
+EXIT_VERIFY = 1
+EXIT_SETUP = 2
+EXIT_NCCL = 4
+
+DEFAULT_ELEMENTS = 262_144  # DP gradient AllReduce: 1 MiB of float32
+STATUS_RUNNING = "running"
+STATUS_DONE = "done"
+
+
+def report_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / f"rank-{rank}.json"
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+# --- the report -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    """What one rank says about itself (``rank-<R>.json``)."""
+
+    world_rank: int
+    node: int
+    local_rank: int
+    pid: int
+    mode: str
+    steps_total: int
+    steps_done: int
+    verified_ok: int
+    verified_failed: int
+    status: str  # running | done | error | crashed | hung | verify_failed
+    error: str | None
+    exit_code: int | None
+    calls: dict[str, dict[str, int]]
+    comms: dict[str, dict[str, Any]]
+    step_ms: list[float]
+    cpu_s: float
+    wall_s: float
+    run_delay_ms: float
+    injected: list[str]
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> RankReport:
+        raw = json.loads(data)
+        return cls(**{name: raw[name] for name in cls.__dataclass_fields__})
+
+
+def read_report(run_dir: Path, rank: int) -> RankReport | None:
+    """The rank's last report, or None if it wrote none (yet)."""
+    try:
+        return RankReport.from_json(report_path(run_dir, rank).read_bytes())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# --- the library ----------------------------------------------------------
+
+
+class UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * UNIQUE_ID_BYTES)]
+
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+_Z = ctypes.c_size_t
+_SIGNATURES: dict[str, list[Any]] = {
+    "ncclGetUniqueId": [ctypes.POINTER(UniqueId)],
+    "ncclCommInitRank": [ctypes.POINTER(_P), _I, UniqueId, _I],
+    "ncclCommSplit": [_P, _I, _I, ctypes.POINTER(_P), _P],
+    "ncclCommDestroy": [_P],
+    "ncclAllReduce": [_P, _P, _Z, _I, _I, _P, _P],
+    "ncclAllGather": [_P, _P, _Z, _I, _P, _P],
+    "ncclReduceScatter": [_P, _P, _Z, _I, _I, _P, _P],
+    "ncclBroadcast": [_P, _P, _Z, _I, _I, _P, _P],
+    "ncclSend": [_P, _Z, _I, _I, _P, _P],
+    "ncclRecv": [_P, _Z, _I, _I, _P, _P],
+    "ncclGroupStart": [],
+    "ncclGroupEnd": [],
+    "labStreamSynchronize": [_P],
+}
+
+
+class Nccl:
+    """The NCCL entry points the job uses, each call counted per comm label."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            self.lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise LabError(f"cannot load the lab's NCCL library {path}: {exc}") from exc
+        self.calls: defaultdict[str, defaultdict[str, int]] = defaultdict(lambda: defaultdict(int))
+        for symbol, argtypes in _SIGNATURES.items():
+            fn = getattr(self.lib, symbol, None)
+            if fn is None:
+                raise LabError(f"{path} does not export {symbol}")
+            fn.argtypes = argtypes
+            fn.restype = ctypes.c_int
+        self.failed_call: str | None = None  # the NCCL call that returned an error
+        self.lib.ncclGetErrorString.argtypes = [_I]
+        self.lib.ncclGetErrorString.restype = ctypes.c_char_p
+
+    def __call__(self, symbol: str, label: str, *args: Any) -> None:
+        self.calls[symbol][label] += 1
+        rc = getattr(self.lib, symbol)(*args)
+        if rc != 0:
+            text = self.lib.ncclGetErrorString(rc) or b"?"
+            self.failed_call = symbol
+            raise LabError(f"{symbol} on {label} returned {rc} ({text.decode(errors='replace')})")
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        return {symbol: dict(per) for symbol, per in sorted(self.calls.items())}
+
+
+@dataclass(frozen=True, slots=True)
+class Comm:
+    label: str
+    handle: int
+    rank: int
+    nranks: int
+    id_hash: int
+
+
+def _ptr(array: npt.NDArray[Any]) -> int:
+    return int(array.ctypes.data)
+
+
+# --- the training step ----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    grad: int  # DP AllReduce, float32 elements
+    shard: int  # TP AllGather sendcount / ReduceScatter recvcount
+    bcast: int  # world Broadcast
+    act: int  # pipeline Send/Recv
+
+    @classmethod
+    def from_elements(cls, elements: int) -> Sizes:
+        return cls(
+            grad=elements, shard=max(1, elements // 16), bcast=4096, act=max(1, elements // 8)
+        )
+
+
+def pattern(n: int, scale: int, shift: int) -> npt.NDArray[np.float32]:
+    """Small exact integers in float32: sums stay exact (below 2**24)."""
+    base = (np.arange(n, dtype=np.int64) % 13 + 1).astype(np.float32)
+    return base * np.float32(scale) + np.float32(shift)
+
+
+@dataclass(slots=True)
+class Check:
+    what: str
+    got: npt.NDArray[Any]
+    want: npt.NDArray[Any]
+
+
+@dataclass(slots=True)
+class Rank:
+    """One rank's state across the run; writes its report as it goes."""
+
+    args: argparse.Namespace
+    topo: F.Topology
+    nccl: Nccl
+    faults: tuple[F.RankFault, ...]
+    sizes: Sizes
+    comms: dict[str, Comm] = field(default_factory=dict)
+    steps_done: int = 0
+    ok: int = 0
+    failed: int = 0
+    step_ms: list[float] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    keep: list[npt.NDArray[Any]] = field(default_factory=list)
+
+    @property
+    def rank(self) -> int:
+        return int(self.args.rank)
+
+    def report(self, status: str, error: str | None = None, code: int | None = None) -> None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        rep = RankReport(
+            world_rank=self.rank,
+            node=self.topo.node_of(self.rank),
+            local_rank=self.topo.local_rank(self.rank),
+            pid=os.getpid(),
+            mode=self.args.mode,
+            steps_total=self.args.steps,
+            steps_done=self.steps_done,
+            verified_ok=self.ok,
+            verified_failed=self.failed,
+            status=status,
+            error=error,
+            exit_code=code,
+            calls=self.nccl.counts(),
+            comms={c.label: _comm_json(c) for c in self.comms.values()},
+            step_ms=[round(ms, 3) for ms in self.step_ms],
+            cpu_s=usage.ru_utime + usage.ru_stime,
+            wall_s=time.monotonic() - self.started,
+            run_delay_ms=_run_delay_ms(),
+            injected=[F.format_fault(f) for f in self.faults],
+        )
+        write_atomic(report_path(self.args.run_dir, self.rank), rep.to_json())
+
+    def fault(self, kind: type[F.RankFault], step: int | None = None) -> F.RankFault | None:
+        for f in self.faults:
+            if isinstance(f, kind) and (step is None or getattr(f, "step", None) == step):
+                return f
+        return None
+
+
+def _comm_json(comm: Comm) -> dict[str, Any]:
+    return {"rank": comm.rank, "nranks": comm.nranks, "id_hash": f"0x{comm.id_hash:016x}"}
+
+
+def _run_delay_ms() -> float:
+    """Time this process's threads waited on a run queue (schedstat, ns)."""
+    total = 0
+    try:
+        for task in Path("/proc/self/task").iterdir():
+            total += int((task / "schedstat").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        pass
+    return total / 1e6
+
+
+def busy(ms: float) -> None:
+    end = time.perf_counter() + ms / 1000.0
+    x = 0
+    while time.perf_counter() < end:
+        x += 1
+
+
+# --- setup ----------------------------------------------------------------
+
+
+def unique_id(r: Rank) -> UniqueId:
+    uid = UniqueId()
+    path = r.args.run_dir / UID_FILE
+    if r.rank == 0:
+        r.nccl("ncclGetUniqueId", "world", ctypes.byref(uid))
+        write_atomic(path, bytes(uid))
+        return uid
+    deadline = time.monotonic() + r.args.init_timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise LabError(f"rank 0 published no unique id in {path} within {r.args.init_timeout}s")
+        time.sleep(0.01)
+    ctypes.memmove(ctypes.byref(uid), path.read_bytes(), UNIQUE_ID_BYTES)
+    return uid
+
+
+def init_comms(r: Rank) -> None:
+    uid = unique_id(r)
+    world = ctypes.c_void_p()
+    r.nccl("ncclCommInitRank", "world", ctypes.byref(world), r.topo.world_size, uid, r.rank)
+    world_hash = fold_unique_id(bytes(uid))
+    r.comms["world"] = Comm("world", world.value or 0, r.rank, r.topo.world_size, world_hash)
+    node, local = r.topo.node_of(r.rank), r.topo.local_rank(r.rank)
+    # Split order is the same on every rank: tp first (index 0), then dp (index 1).
+    _split(r, "tp", color=node, key=local, index=0, size=r.topo.ranks_per_node, my=local)
+    _split(r, "dp", color=local, key=node, index=1, size=r.topo.nodes, my=node)
+
+
+def _split(r: Rank, label: str, color: int, key: int, index: int, size: int, my: int) -> None:
+    world = r.comms["world"]
+    new = ctypes.c_void_p()
+    r.nccl(
+        "ncclCommSplit", label, ctypes.c_void_p(world.handle), color, key, ctypes.byref(new), None
+    )
+    r.comms[label] = Comm(label, new.value or 0, my, size, split_hash(world.id_hash, color, index))
+
+
+def destroy_comms(r: Rank) -> None:
+    for label in ("dp", "tp", "world"):
+        r.nccl("ncclCommDestroy", label, ctypes.c_void_p(r.comms[label].handle))
+
+
+# --- one step ---------------------------------------------------------------
+
+
+def run_step(r: Rank, step: int) -> None:
+    started = time.perf_counter()
+    slow = r.fault(F.Slow)
+    busy(r.args.compute_ms + (slow.ms if isinstance(slow, F.Slow) else 0.0))
+    inject_before_collectives(r, step)
+    checks: list[Check] = []
+    checks += tp_collectives(r, step)
+    checks += dp_collectives(r, step)
+    checks += world_collectives(r, step)
+    if r.args.mode == "async":
+        for label in ("tp", "dp", "world"):
+            r.nccl("labStreamSynchronize", label, ctypes.c_void_p(r.comms[label].handle))
+    verify(r, checks)
+    r.keep.clear()
+    r.step_ms.append((time.perf_counter() - started) * 1000.0)
+
+
+def inject_before_collectives(r: Rank, step: int) -> None:
+    if r.fault(F.Hang, step) is not None:
+        r.report("running")
+        threading.Event().wait()  # forever: the others block in their next collective
+    crash = r.fault(F.Crash, step)
+    if isinstance(crash, F.Crash):
+        r.report("crashed", error=f"crash fault at step {step}", code=F.CRASH_EXIT_CODE)
+        if crash.signal is not None:
+            os.kill(os.getpid(), crash.signal)
+            time.sleep(1.0)  # a signal whose default action does not kill falls through
+        os._exit(F.CRASH_EXIT_CODE)
+
+
+def _buf(r: Rank, array: npt.NDArray[Any]) -> ctypes.c_void_p:
+    r.keep.append(array)  # async mode: the buffer must outlive the call
+    return ctypes.c_void_p(_ptr(array))
+
+
+def _comm(r: Rank, label: str) -> ctypes.c_void_p:
+    return ctypes.c_void_p(r.comms[label].handle)
+
+
+F32, F64 = int(DataType.FLOAT32), int(DataType.FLOAT64)
+
+
+def tp_collectives(r: Rank, step: int) -> list[Check]:
+    tp, n = r.comms["tp"], r.sizes.shard
+    send = pattern(n, tp.rank + 1, step)
+    gathered = np.zeros(n * tp.nranks, np.float32)
+    r.nccl("ncclAllGather", "tp", _buf(r, send), _buf(r, gathered), n, F32, _comm(r, "tp"), None)
+    want_g = np.concatenate([pattern(n, k + 1, step) for k in range(tp.nranks)])
+    full = pattern(n * tp.nranks, tp.rank + 1, step)
+    shard = np.zeros(n, np.float32)
+    r.nccl(
+        "ncclReduceScatter", "tp", _buf(r, full), _buf(r, shard), n, F32, int(RedOp.SUM),
+        _comm(r, "tp"), None,
+    )  # fmt: skip
+    summed = sum(pattern(n * tp.nranks, k + 1, step) for k in range(tp.nranks))
+    want_rs = np.asarray(summed, np.float32)[tp.rank * n : (tp.rank + 1) * n]
+    return [Check("tp allgather", gathered, want_g), Check("tp reducescatter", shard, want_rs)]
+
+
+def dp_collectives(r: Rank, step: int) -> list[Check]:
+    dp, n = r.comms["dp"], r.sizes.grad
+    grads = pattern(n, dp.rank + 1, step)
+    r.nccl(
+        "ncclAllReduce", "dp", _buf(r, grads), _buf(r, grads), n, F32, int(RedOp.SUM),
+        _comm(r, "dp"), None,
+    )  # fmt: skip
+    want = np.asarray(sum(pattern(n, k + 1, step) for k in range(dp.nranks)), np.float32)
+    checks = [Check("dp allreduce", grads, want)]
+    if dp.nranks > 1:
+        checks += pipeline(r, step, dp)
+    return checks
+
+
+def pipeline(r: Rank, step: int, dp: Comm) -> list[Check]:
+    """Stage k sends activations to k+1 and receives from k-1, in one group."""
+    n = r.sizes.act
+    act = pattern(n, dp.rank + 1, step)
+    inbox = np.zeros(n, np.float32)
+    r.nccl("ncclGroupStart", NO_COMM)
+    if dp.rank + 1 < dp.nranks:
+        r.nccl("ncclSend", "dp", _buf(r, act), n, F32, dp.rank + 1, _comm(r, "dp"), None)
+    if dp.rank > 0:
+        r.nccl("ncclRecv", "dp", _buf(r, inbox), n, F32, dp.rank - 1, _comm(r, "dp"), None)
+    r.nccl("ncclGroupEnd", NO_COMM)
+    if dp.rank == 0:
+        return []
+    return [Check("dp recv", inbox, pattern(n, dp.rank, step))]
+
+
+def world_collectives(r: Rank, step: int) -> list[Check]:
+    world = r.comms["world"]
+    root, n = step % world.nranks, r.sizes.bcast
+    data = pattern(n, root + 1, step) if world.rank == root else np.zeros(n, np.float32)
+    r.nccl(
+        "ncclBroadcast", "world", _buf(r, data), _buf(r, data), n, F32, root,
+        _comm(r, "world"), None,
+    )  # fmt: skip
+    checks = [Check("world broadcast", data, pattern(n, root + 1, step))]
+    return [*checks, loss_allreduce(r, step, world)]
+
+
+def loss_allreduce(r: Rank, step: int, world: Comm) -> Check:
+    count, dtype, op = 1, F64, int(RedOp.SUM)
+    mismatch = r.fault(F.Mismatch, step)
+    if isinstance(mismatch, F.Mismatch):
+        count, dtype, op = _mismatched(mismatch.field, count, dtype, op)
+    loss = np.array([float(world.rank + step), 0.0], np.float64)
+    r.nccl(
+        "ncclAllReduce", "world", _buf(r, loss), _buf(r, loss), count, dtype, op,
+        _comm(r, "world"), None,
+    )  # fmt: skip
+    want = sum(k + step for k in range(world.nranks))
+    return Check("world loss allreduce", loss[:1], np.array([want], np.float64))
+
+
+def _mismatched(which: F.MismatchField, count: int, dtype: int, op: int) -> tuple[int, int, int]:
+    if which is F.MismatchField.COUNT:
+        return count + 1, dtype, op
+    if which is F.MismatchField.DTYPE:
+        return count, F32, op
+    return count, dtype, int(RedOp.MAX)
+
+
+def verify(r: Rank, checks: Sequence[Check]) -> None:
+    for check in checks:
+        if np.array_equal(check.got, check.want):
+            r.ok += 1
+        else:
+            r.failed += 1
+            bad = int(np.count_nonzero(check.got != check.want))
+            print(f"rank {r.rank}: {check.what}: {bad} wrong element(s)", file=sys.stderr)
+
+
+# --- main -----------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m lab.job", description=__doc__.split("\n")[0])
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--ranks-per-node", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--lib", type=Path, default=os.environ.get(LIB_ENV))
+    p.add_argument("--mode", choices=("blocking", "async"), default="blocking")
+    p.add_argument("--fault", action="append", default=[])
+    p.add_argument("--elements", type=int, default=DEFAULT_ELEMENTS)
+    p.add_argument("--compute-ms", type=float, default=2.0)
+    p.add_argument("--cpu", type=int, default=None, help="pin this rank to one CPU")
+    p.add_argument("--init-timeout", type=float, default=60.0)
+    return p.parse_args(argv)
+
+
+def start(args: argparse.Namespace) -> Rank:
+    if args.lib is None:
+        raise LabError(f"no library: pass --lib or set {LIB_ENV}")
+    if args.mode == "async":
+        os.environ[ASYNC_ENV] = "1"
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
+    topo = F.Topology(args.nodes, args.ranks_per_node)
+    faults = F.for_rank(F.parse_faults(args.fault), args.rank)
+    return Rank(args, topo, Nccl(args.lib), faults, Sizes.from_elements(args.elements))
+
+
+def train(r: Rank) -> int:
+    init_comms(r)
+    r.report(STATUS_RUNNING)
+    for step in range(r.args.steps):
+        run_step(r, step)
+        r.steps_done = step + 1
+        r.report(STATUS_RUNNING)
+    destroy_comms(r)
+    if r.failed:
+        r.report("verify_failed", error=f"{r.failed} result check(s) failed", code=EXIT_VERIFY)
+        return EXIT_VERIFY
+    r.report(STATUS_DONE, code=EXIT_OK)
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        rank = start(args)
+    except StallwatchError as exc:
+        print(f"lab.job rank {args.rank}: error: {exc}", file=sys.stderr)
+        return EXIT_SETUP
+    try:
+        return train(rank)
+    except LabError as exc:
+        code = EXIT_NCCL if rank.nccl.failed_call else EXIT_SETUP
+        rank.report("error", error=str(exc), code=code)
+        print(f"lab.job rank {args.rank}: error: {exc}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(code)  # comms may be broken: no destroy, no waiting on their threads
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""The lab's nodes: one network namespace per node, joined by a switch.
+
+Run ``<id>`` makes namespaces ``swlab-<id>-n<k>`` (the nodes) and
+``swlab-<id>-sw`` (the switch: a bridge ``br0`` with one port ``n<k>`` per
+node), so the root namespace is never touched.  Node k has ``eth0`` with
+``10.201.<b>.<k+1>/24`` (``b`` derived from the run id) and ``lo`` up.
+Everything a run makes lives inside its namespaces: deleting them removes the
+links, nftables tables and qdiscs with them; the processes inside are killed
+first (``ip netns pids``).
+
+Link faults act on the node's switch port, i.e. on its link, as a lossy cable
+or a capped port would:
+- loss: an nftables ``netdev`` table in the switch namespace drops P% of the
+  node's TCP packets in both directions (``numgen random mod 100 < P``).  A drop
+  inside the node's own stack (inet output hook) is reported to TCP as a local
+  send error and retried without counting a retransmit (measured: +1 RetransSegs
+  against +6,000 on the link), so it would not look like loss at all.
+- rate: ``tc tbf`` on the node's ``eth0`` (egress) and on its switch port
+  (traffic towards the node).
+
+``cleanup_stale()`` removes what dead runs left behind: a live run keeps its
+runner's pid in ``/run/stallwatch-lab/<id>/runner.pid``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from dumpers.errors import LabError
+
+PREFIX = "swlab-"
+RUNS_DIR = Path("/run/stallwatch-lab")
+NETNS_DIR = Path("/run/netns")
+TOOLS = ("ip", "nft", "tc", "nsenter")
+NODE_DEV = "eth0"
+BRIDGE = "br0"
+CLONE_NEWNET = 0x40000000
+RUN_ID_RE = re.compile(r"^[a-z0-9]{1,8}$")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    index: int
+    netns: str
+    ip: str
+    port: str  # its port on the switch
+
+    def exec_prefix(self) -> list[str]:
+        """Run a command inside this node's network namespace."""
+        return ["nsenter", f"--net={NETNS_DIR / self.netns}", "--"]
+
+
+@dataclass(frozen=True, slots=True)
+class Network:
+    run_id: str
+    switch: str
+    nodes: tuple[Node, ...]
+
+
+def new_run_id() -> str:
+    return secrets.token_hex(3)
+
+
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID_RE.match(run_id):
+        raise LabError(f"run id {run_id!r} must be 1-8 lower-case letters or digits")
+    return run_id
+
+
+def check_tools() -> None:
+    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
+    if missing:
+        raise LabError(
+            f"the lab needs {', '.join(missing)} on PATH (Debian: iproute2, nftables, util-linux)"
+        )
+
+
+def sh(cmd: Sequence[str], stdin: str | None = None, check: bool = True) -> str:
+    """Run one tool; a failure raises LabError with the command and its stderr."""
+    try:
+        done = subprocess.run(
+            list(cmd), input=stdin, capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LabError(f"{' '.join(cmd)}: {exc}") from exc
+    if check and done.returncode != 0:
+        why = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+        raise LabError(f"{' '.join(cmd)}: {why[0]}")
+    return done.stdout
+
+
+def names(run_id: str, nodes: int) -> tuple[str, list[str]]:
+    return f"{PREFIX}{run_id}-sw", [f"{PREFIX}{run_id}-n{k}" for k in range(nodes)]
+
+
+def subnet(run_id: str) -> str:
+    return f"10.201.{int.from_bytes(run_id.encode(), 'big') % 250 + 1}"
+
+
+def create(run_id: str, nodes: int) -> Network:
+    """Namespaces, switch and links; on failure, what was made is removed."""
+    switch, node_names = names(run_id, nodes)
+    net = Network(
+        run_id,
+        switch,
+        tuple(
+            Node(k, name, f"{subnet(run_id)}.{k + 1}", f"n{k}") for k, name in enumerate(node_names)
+        ),
+    )
+    try:
+        _make_switch(switch)
+        for node in net.nodes:
+            _make_node(switch, node)
+    except BaseException:
+        destroy(net)
+        raise
+    return net
+
+
+def _make_switch(switch: str) -> None:
+    sh(["ip", "netns", "add", switch])
+    sh(["ip", "-n", switch, "link", "set", "lo", "up"])
+    sh(["ip", "-n", switch, "link", "add", BRIDGE, "type", "bridge"])
+    sh(["ip", "-n", switch, "link", "set", BRIDGE, "up"])
+
+
+def _make_node(switch: str, node: Node) -> None:
+    ns = node.netns
+    sh(["ip", "netns", "add", ns])
+    veth = ["type", "veth", "peer", "name", NODE_DEV, "netns", ns]
+    sh(["ip", "-n", switch, "link", "add", node.port, *veth])
+    sh(["ip", "-n", switch, "link", "set", node.port, "master", BRIDGE, "up"])
+    sh(["ip", "-n", ns, "addr", "add", f"{node.ip}/24", "dev", NODE_DEV])
+    sh(["ip", "-n", ns, "link", "set", NODE_DEV, "up"])
+    sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+
+
+def destroy(net: Network) -> list[str]:
+    """Kill what runs inside, delete the namespaces; returns problems, raises nothing."""
+    problems: list[str] = []
+    for ns in [*(node.netns for node in net.nodes), net.switch]:
+        problems += delete_netns(ns)
+    return problems
+
+
+def delete_netns(ns: str) -> list[str]:
+    if not (NETNS_DIR / ns).exists():
+        return []
+    problems = kill_inside(ns)
+    try:
+        sh(["ip", "netns", "delete", ns])
+    except LabError as exc:
+        problems.append(str(exc))
+    return problems
+
+
+def pids_inside(ns: str) -> list[int]:
+    try:
+        out = sh(["ip", "netns", "pids", ns], check=False)
+    except LabError:
+        return []
+    return [int(tok) for tok in out.split() if tok.isdigit()]
+
+
+def kill_inside(ns: str, grace: float = 0.0) -> list[str]:
+    """SIGKILL every process in the namespace and wait until they are gone."""
+    deadline = time.monotonic() + 5.0 + grace
+    pids = pids_inside(ns)
+    while pids and time.monotonic() < deadline:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+        pids = pids_inside(ns)
+    return [f"processes {pids} in {ns} would not die"] if pids else []
+
+
+# --- link faults -------------------------------------------------------------
+
+
+def add_loss(net: Network, node: Node, pct: int) -> None:
+    table = f"loss_{node.port}"
+    rule = f"meta l4proto tcp numgen random mod 100 < {pct} drop"
+    ruleset = (
+        f"table netdev {table} {{\n"
+        f'  chain from_node {{ type filter hook ingress device "{node.port}" priority 0;\n'
+        f"    {rule}\n  }}\n"
+        f'  chain to_node {{ type filter hook egress device "{node.port}" priority 0;\n'
+        f"    {rule}\n  }}\n"
+        "}\n"
+    )
+    sh(["ip", "netns", "exec", net.switch, "nft", "-f", "-"], stdin=ruleset)
+
+
+def add_rate(net: Network, node: Node, mbit: float) -> None:
+    # burst must hold at least one MTU-sized packet per timer tick.
+    burst = max(16, int(mbit * 1000 / 8 / 100))  # kbyte: 10 ms at the rate
+    tbf = ["tbf", "rate", f"{mbit}mbit", "burst", f"{burst}kb", "latency", "200ms"]
+    sh(["ip", "netns", "exec", node.netns, "tc", "qdisc", "add", "dev", NODE_DEV, "root", *tbf])
+    sh(["ip", "netns", "exec", net.switch, "tc", "qdisc", "add", "dev", node.port, "root", *tbf])
+
+
+def tcp_counters(ns: str) -> dict[str, int]:
+    """The Tcp: line of /proc/net/snmp inside a namespace (RetransSegs, OutSegs, ...)."""
+    text = sh(["nsenter", f"--net={NETNS_DIR / ns}", "--", "cat", "/proc/net/snmp"])
+    rows = [line.split() for line in text.splitlines() if line.startswith("Tcp:")]
+    if len(rows) < 2:
+        raise LabError(f"no Tcp: counters in /proc/net/snmp of {ns}")
+    return {key: int(value) for key, value in zip(rows[0][1:], rows[1][1:], strict=True)}
+
+
+# --- running code inside a namespace -------------------------------------------
+
+
+def in_netns(ns: str, fn: Callable[[], T]) -> T:
+    """Call fn on a fresh thread that has joined the namespace (setns is per thread)."""
+    result: list[T] = []
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            _setns(NETNS_DIR / ns)
+            result.append(fn())
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=body, name=f"netns-{ns}", daemon=True)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return result[0]
+
+
+def _setns(path: Path) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise LabError(f"setns({path}): {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(fd)
+
+
+# --- leftovers -----------------------------------------------------------------
+
+
+def list_netns(prefix: str = PREFIX) -> list[str]:
+    if not NETNS_DIR.is_dir():
+        return []
+    return sorted(p.name for p in NETNS_DIR.iterdir() if p.name.startswith(prefix))
+
+
+def run_of(ns: str) -> str | None:
+    match = re.match(rf"^{PREFIX}([a-z0-9]+)-(sw|n\d+)$", ns)
+    return match.group(1) if match else None
+
+
+def run_alive(run_id: str) -> bool:
+    try:
+        pid = int((RUNS_DIR / run_id / "runner.pid").read_text())
+    except (OSError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_stale() -> list[str]:
+    """Delete the namespaces (and their processes) of runs whose runner is dead."""
+    removed: list[str] = []
+    for ns in list_netns():
+        run_id = run_of(ns)
+        if run_id is None or run_alive(run_id):
+            continue
+        delete_netns(ns)
+        removed.append(ns)
+    for run_dir in RUNS_DIR.glob("*") if RUNS_DIR.is_dir() else []:
+        if not run_alive(run_dir.name):
+            shutil.rmtree(run_dir, ignore_errors=True)
+    return removed

@@ -1,0 +1,207 @@
+"""SQL benchmark: the DESIGN.md seed query on a million rows, and fan-out.
+
+    python -m bench.bench_sql [--small] [--repeats N]
+
+Figures (medians over repeats, printed as figure / value / target):
+- the seed query over 1M nccl_events rows and 1M tcp_events rows (< 1 s),
+  with the time to build the tables from the rings shown apart;
+- the seed query fanned out to 4 agents and to 64 agents, each an HTTP server
+  on its own loopback port serving a recording like a live agent (< 100 ms
+  and < 500 ms end to end: connect, query, merge).
+
+The servers run in this process (threads), as ``stallwatch serve`` would run
+them one per process; the client is the real fan-out client over TCP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from dumpers.model import Clock, CommInfo, ProcessInfo, Recording, Ring
+from dumpers.schema import NCCL_EVENT, TCP_EVENT, DataType, Op, Result, State, TcpEvent
+
+SEED_QUERY = """\
+WITH slow_collectives AS (
+  SELECT timestamp_ns, duration_ns, rank, nranks, comm_id_hash, pid
+  FROM nccl_events WHERE op = 'ALL_REDUCE' AND duration_ns > 50000000)
+SELECT s.rank, s.duration_ns/1e6 AS ms, COUNT(t.timestamp_ns) AS retransmits_in_window
+FROM slow_collectives s
+LEFT JOIN tcp_events t
+  ON t.timestamp_ns BETWEEN s.timestamp_ns AND s.timestamp_ns + s.duration_ns
+ AND t.event = 'tcp_retransmit_skb'
+GROUP BY s.rank, s.duration_ns, s.timestamp_ns ORDER BY ms DESC LIMIT 20;
+"""
+
+BASE_NS = 1_000_000_000_000
+COMM_HASH = 0xDEADBEEF_CAFEF00D  # above 2**63: UBIGINT all the way through
+
+
+@dataclass(frozen=True, slots=True)
+class Synthetic:
+    """Shape of a synthetic recording: ranks doing AllReduces step after step,
+    some steps slow, retransmits scattered over the whole window."""
+
+    host: str = "node0"
+    ranks: int = 4
+    first_rank: int = 0
+    steps: int = 100
+    step_ns: int = 100_000_000
+    fast_ns: int = 5_000_000
+    slow_ns: int = 80_000_000
+    slow_every: int = 10  # every n-th step is slow (0: none)
+    tcp_rows: int = 200
+    retransmit_share: float = 0.5  # the rest are inet_sock_set_state
+    in_flight: int = 1  # trailing calls still in flight
+    seed: int = 1
+
+
+def _nccl_rows(s: Synthetic) -> np.ndarray:
+    n = s.ranks * s.steps
+    rows = np.zeros(n + s.in_flight, dtype=NCCL_EVENT)
+    step = np.repeat(np.arange(s.steps), s.ranks)
+    local = np.tile(np.arange(s.ranks), s.steps)
+    slow = (step % s.slow_every == s.slow_every - 1) if s.slow_every else np.zeros(n, bool)
+    ts = BASE_NS + step * s.step_ns + local * 1000
+    rows["ts_ns"][:n] = ts
+    rows["end_ns"][:n] = ts + np.where(slow, s.slow_ns + local * 1000, s.fast_ns)
+    rows["pid"][:n] = 1000 + local
+    rows["tid"][:n] = 1000 + local
+    rows["seq"][:n] = step
+    rows["rank"][:n] = -1  # filled from the communicator table
+    rows["nranks"][:n] = -1
+    rows["comm"][:n] = 0x7F0000001000 + local
+    rows["state"][:n] = State.COMPLETED
+    rows["result"][:n] = Result.SUCCESS
+    tail = slice(n, n + s.in_flight)
+    rows["ts_ns"][tail] = BASE_NS + s.steps * s.step_ns
+    rows["pid"][tail] = 1000
+    rows["rank"][tail] = s.first_rank
+    rows["nranks"][tail] = s.ranks
+    rows["comm_hash"][tail] = COMM_HASH
+    rows["result"][tail] = Result.PENDING
+    rows["op"] = Op.ALL_REDUCE
+    rows["count"] = 1 << 20
+    rows["datatype"] = DataType.FLOAT32
+    rows["bytes"] = rows["count"] * 4
+    rows["pos"] = np.arange(1, len(rows) + 1)
+    return rows
+
+
+def _tcp_rows(s: Synthetic) -> np.ndarray:
+    rng = np.random.default_rng(s.seed)
+    rows = np.zeros(s.tcp_rows, dtype=TCP_EVENT)
+    rows["ts_ns"] = np.sort(BASE_NS + rng.integers(0, s.steps * s.step_ns, s.tcp_rows))
+    retransmit = rng.random(s.tcp_rows) < s.retransmit_share
+    rows["event"] = np.where(retransmit, TcpEvent.TCP_RETRANSMIT_SKB, TcpEvent.INET_SOCK_SET_STATE)
+    rows["pid"] = 1000 + rng.integers(0, s.ranks, s.tcp_rows)
+    rows["family"] = 2
+    rows["saddr"][:, :4] = [10, 0, 0, 1]
+    rows["daddr"][:, :4] = [10, 0, 0, 2]
+    rows["daddr"][:, 3] += rng.integers(0, 3, s.tcp_rows).astype(np.uint8)
+    rows["sport"] = 40000 + rng.integers(0, 8, s.tcp_rows)
+    rows["dport"] = 29500
+    rows["state"] = 1
+    rows["pos"] = np.arange(1, s.tcp_rows + 1)
+    return rows
+
+
+def synthetic_recording(s: Synthetic) -> Recording:
+    comms = tuple(
+        CommInfo(
+            pid=1000 + r,
+            comm=0x7F0000001000 + r,
+            comm_hash=COMM_HASH,
+            rank=s.first_rank + r,
+            nranks=s.ranks * 4,
+            root_addr="10.0.0.1:29500",
+            init_ns=BASE_NS - 1000,
+        )
+        for r in range(s.ranks)
+    )
+    procs = tuple(
+        ProcessInfo(1000 + r, "python", f"train.py --rank {r}", 4026531840, BASE_NS - 10**9, ())
+        for r in range(s.ranks)
+    )
+    rings = {"nccl": Ring(_nccl_rows(s)), "tcp": Ring(_tcp_rows(s), overwritten=3)}
+    clock = Clock(monotonic_ns=BASE_NS, realtime_ns=1_790_000_000_000_000_000)
+    return Recording(s.host, "boot-" + s.host, clock, procs, comms, rings, agent_version="bench")
+
+
+def _median_s(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _seed_figures(rows: int, repeats: int) -> list[tuple[str, float, float]]:
+    from analyzer.sql import QueryEngine
+    from dumpers.tables import tables
+
+    # steps * ranks = rows; one step in 100 slow.
+    shape = Synthetic(ranks=8, steps=rows // 8, step_ns=1_000_000, slow_every=100, tcp_rows=rows)
+    rec = synthetic_recording(shape)
+    build = _median_s(lambda: tables([rec]), repeats)
+    engine = QueryEngine([rec], limits=None)
+    engine.query("SELECT 1")
+    seed = _median_s(lambda: engine.query(SEED_QUERY), repeats)
+    n = f"{rows // 1_000_000}M" if rows >= 1_000_000 else f"{rows // 1000}k"
+    return [
+        (f"build tables, {n} nccl + {n} tcp rows (ms)", build * 1e3, float("nan")),
+        (f"seed query, {n} nccl + {n} tcp rows (ms)", seed * 1e3, 1000.0),
+    ]
+
+
+def _fanout_figure(agents: int, repeats: int) -> tuple[str, float, float]:
+    from analyzer.fanout import query_agents
+    from analyzer.http import RecordingsBackend, serve_http
+
+    handles = []
+    try:
+        for i in range(agents):
+            rec = synthetic_recording(Synthetic(host=f"node{i}", first_rank=4 * i, seed=i))
+            handles.append(serve_http(RecordingsBackend([rec]), "127.0.0.1:0", None))
+        addrs = [h.address for h in handles]
+        first = query_agents(addrs, SEED_QUERY, timeout=10.0)
+        if first.failed:
+            raise RuntimeError(f"fan-out failed: {first.failed}")
+        median = _median_s(lambda: query_agents(addrs, SEED_QUERY, timeout=10.0), repeats)
+    finally:
+        for h in handles:
+            h.close()
+    target = 100.0 if agents <= 4 else 500.0
+    return (f"fan-out seed query to {agents} agents (ms)", median * 1e3, target)
+
+
+def run(small: bool = False, repeats: int = 5) -> list[tuple[str, float, float]]:
+    rows = 20_000 if small else 1_000_000
+    figures = _seed_figures(rows, repeats)
+    figures.append(_fanout_figure(4, repeats))
+    figures.append(_fanout_figure(8 if small else 64, repeats))
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_sql", description=__doc__)
+    parser.add_argument("--small", action="store_true", help="a quick run on small data")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    figures = run(args.small, args.repeats)
+    print(f"{'figure':<52} {'value':>10} {'target':>8}")
+    for name, value, target in figures:
+        verdict = "" if target != target else ("ok" if value < target else "MISSED")
+        target_text = "-" if target != target else f"< {target:g}"
+        print(f"{name:<52} {value:>10.1f} {target_text:>8} {verdict}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -47,10 +47,10 @@ import numpy.typing as npt
 from dumpers.errors import LabError, StallwatchError
 from dumpers.schema import DataType, RedOp, fold_unique_id, split_hash
 from lab import faults as F
+from lab.nccl import LabNccl, NcclError, UniqueId, unique_id_from_bytes
 
 LIB_ENV = "STALLWATCH_LAB_LIB"
 ASYNC_ENV = "LABNCCL_ASYNC"
-UNIQUE_ID_BYTES = 128
 UID_FILE = "world.uid"
 NO_COMM = "none"
 
@@ -121,56 +121,24 @@ def read_report(run_dir: Path, rank: int) -> RankReport | None:
 # --- the library ----------------------------------------------------------
 
 
-class UniqueId(ctypes.Structure):
-    _fields_ = [("internal", ctypes.c_char * UNIQUE_ID_BYTES)]
-
-
-_P = ctypes.c_void_p
-_I = ctypes.c_int
-_Z = ctypes.c_size_t
-_SIGNATURES: dict[str, list[Any]] = {
-    "ncclGetUniqueId": [ctypes.POINTER(UniqueId)],
-    "ncclCommInitRank": [ctypes.POINTER(_P), _I, UniqueId, _I],
-    "ncclCommSplit": [_P, _I, _I, ctypes.POINTER(_P), _P],
-    "ncclCommDestroy": [_P],
-    "ncclAllReduce": [_P, _P, _Z, _I, _I, _P, _P],
-    "ncclAllGather": [_P, _P, _Z, _I, _P, _P],
-    "ncclReduceScatter": [_P, _P, _Z, _I, _I, _P, _P],
-    "ncclBroadcast": [_P, _P, _Z, _I, _I, _P, _P],
-    "ncclSend": [_P, _Z, _I, _I, _P, _P],
-    "ncclRecv": [_P, _Z, _I, _I, _P, _P],
-    "ncclGroupStart": [],
-    "ncclGroupEnd": [],
-    "labStreamSynchronize": [_P],
-}
-
-
 class Nccl:
-    """The NCCL entry points the job uses, each call counted per comm label."""
+    """``lab.nccl``'s binding, each call counted per symbol and comm label."""
 
     def __init__(self, path: Path) -> None:
-        try:
-            self.lib = ctypes.CDLL(str(path))
-        except OSError as exc:
-            raise LabError(f"cannot load the lab's NCCL library {path}: {exc}") from exc
+        self.api = LabNccl(path)
+        if not self.api.has_stream_synchronize:
+            raise LabError(f"{path} is not the lab's library (no labStreamSynchronize)")
         self.calls: defaultdict[str, defaultdict[str, int]] = defaultdict(lambda: defaultdict(int))
-        for symbol, argtypes in _SIGNATURES.items():
-            fn = getattr(self.lib, symbol, None)
-            if fn is None:
-                raise LabError(f"{path} does not export {symbol}")
-            fn.argtypes = argtypes
-            fn.restype = ctypes.c_int
         self.failed_call: str | None = None  # the NCCL call that returned an error
-        self.lib.ncclGetErrorString.argtypes = [_I]
-        self.lib.ncclGetErrorString.restype = ctypes.c_char_p
 
     def __call__(self, symbol: str, label: str, *args: Any) -> None:
         self.calls[symbol][label] += 1
-        rc = getattr(self.lib, symbol)(*args)
+        rc = int(self.api.raw(symbol, *args))
         if rc != 0:
-            text = self.lib.ncclGetErrorString(rc) or b"?"
             self.failed_call = symbol
-            raise LabError(f"{symbol} on {label} returned {rc} ({text.decode(errors='replace')})")
+            raise NcclError(
+                f"{symbol} on {label}", rc, self.api.error_string(rc), self.api.last_error()
+            )
 
     def counts(self) -> dict[str, dict[str, int]]:
         return {symbol: dict(per) for symbol, per in sorted(self.calls.items())}
@@ -309,8 +277,7 @@ def unique_id(r: Rank) -> UniqueId:
         if time.monotonic() > deadline:
             raise LabError(f"rank 0 published no unique id in {path} within {r.args.init_timeout}s")
         time.sleep(0.01)
-    ctypes.memmove(ctypes.byref(uid), path.read_bytes(), UNIQUE_ID_BYTES)
-    return uid
+    return unique_id_from_bytes(path.read_bytes())
 
 
 def init_comms(r: Rank) -> None:

@@ -218,7 +218,7 @@ def _wait_scores(
     size = np.diff(np.append(starts, len(gid)))
     gmin = np.repeat(np.minimum.reduceat(dur, starts), size)
     gsum = np.repeat(np.add.reduceat(dur, starts), size)
-    peers_mean = (gsum - dur) / np.maximum(size - 1, 1)
+    peers_mean = (gsum - dur) / np.repeat(np.maximum(size - 1, 1), size)
     is_min = (dur == gmin).astype(np.float64)
     crank = rows["crank"]
     ngroups = len(starts)

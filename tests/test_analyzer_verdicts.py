@@ -1,0 +1,135 @@
+"""Every verdict from synthetic jobs, blocking and async, with skew, shuffled
+inputs, wrapped rings and a missing dump."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from analyzer.align import Source
+from analyzer.pipeline import analyze_incident, group_incidents
+from analyzer.verdict import Verdict, VerdictKind
+from tests.test_analyzer_synth import MS, Job, host_of, pid_of, recordings, with_
+
+BASE = Job()
+
+
+def verdicts(job: Job, drop_node: int | None = None, shuffle: int | None = None) -> list[Verdict]:
+    recs = recordings(job)
+    sources = [Source(f"dump-{r.host}.msgpack", r) for i, r in enumerate(recs) if i != drop_node]
+    if shuffle is not None:
+        random.Random(shuffle).shuffle(sources)
+    (inc,) = group_incidents(sources)
+    return list(analyze_incident(inc).verdicts)
+
+
+def kinds(vs: list[Verdict]) -> list[VerdictKind]:
+    return [v.kind for v in vs]
+
+
+@pytest.mark.parametrize("mode", ["blocking", "async"])
+def test_healthy_job_is_healthy(mode: str) -> None:
+    assert kinds(verdicts(with_(BASE, mode=mode))) == [VerdictKind.HEALTHY]
+
+
+@pytest.mark.parametrize("mode", ["blocking", "async"])
+@pytest.mark.parametrize("rank", [0, 3])
+def test_hang_names_exactly_the_hung_rank(mode: str, rank: int) -> None:
+    vs = verdicts(with_(BASE, mode=mode, hang=(rank, 30)))
+    assert kinds(vs) == [VerdictKind.MISSING_RANK]
+    v = vs[0]
+    assert v.ranks == (rank,)
+    assert v.hosts == (host_of(BASE.node_of(rank)),)
+    assert v.pids == (pid_of(rank),)
+    assert v.seq == 30 and v.op == "ALL_REDUCE"
+    assert v.comm_id_hash is not None and v.comm_id_hash.startswith("0x")
+
+
+@pytest.mark.parametrize("field", ["count", "dtype", "op"])
+def test_mismatch_names_the_odd_rank(field: str) -> None:
+    vs = verdicts(with_(BASE, mismatch=(2, 25, field)))
+    assert kinds(vs)[0] is VerdictKind.DESYNC
+    assert vs[0].ranks == (2,) and vs[0].seq == 25
+    assert VerdictKind.MISSING_RANK not in kinds(vs)
+
+
+def test_crash_is_rank_exited_not_missing_rank() -> None:
+    vs = verdicts(with_(BASE, crash=(1, 20, 9)))
+    assert kinds(vs) == [VerdictKind.RANK_EXITED]
+    assert vs[0].ranks == (1,) and "signal 9" in vs[0].summary
+    assert vs[0].seq == 20
+
+
+@pytest.mark.parametrize("mode", ["blocking", "async"])
+def test_slow_rank_is_compute_straggler(mode: str) -> None:
+    vs = verdicts(with_(BASE, mode=mode, slow=(3, 20.0)))
+    assert kinds(vs) == [VerdictKind.COMPUTE_STRAGGLER]
+    assert vs[0].ranks == (3,) and vs[0].hosts == ("node1",)
+
+
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_loss_names_the_lossy_host(nodes: int) -> None:
+    vs = verdicts(with_(BASE, nodes=nodes, loss_node=1))
+    assert kinds(vs) == [VerdictKind.NETWORK_STRAGGLER]
+    assert vs[0].hosts == ("node1",)
+
+
+def test_cpuhog_is_cpu_interference() -> None:
+    vs = verdicts(with_(BASE, cpuhog=2))
+    assert kinds(vs) == [VerdictKind.CPU_INTERFERENCE]
+    assert vs[0].ranks == (2,)
+
+
+FAULTS = [
+    {},
+    {"hang": (1, 30)},
+    {"mismatch": (2, 25, "count")},
+    {"crash": (1, 20, 9)},
+    {"slow": (3, 20.0)},
+    {"loss_node": 1},
+    {"cpuhog": 2},
+]
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: next(iter(f), "healthy"))
+def test_skew_of_a_few_ms_changes_no_verdict(fault: dict[str, object]) -> None:
+    job = with_(BASE, **fault)
+    plain = [(v.kind, v.ranks, v.hosts) for v in verdicts(job)]
+    for skew in (3 * MS, -5 * MS, 40 * MS):
+        skewed = with_(job, skew_ns={1: skew})
+        assert [(v.kind, v.ranks, v.hosts) for v in verdicts(skewed)] == plain
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: next(iter(f), "healthy"))
+def test_same_verdicts_whatever_the_file_order(fault: dict[str, object]) -> None:
+    job = with_(BASE, nodes=4, **fault)
+    first = [v.to_json() for v in verdicts(job)]
+    for seed in range(4):
+        assert [v.to_json() for v in verdicts(job, shuffle=seed)] == first
+
+
+def test_rings_wrapped_at_different_points_give_no_false_missing_rank() -> None:
+    job = with_(BASE, nodes=4, wrap={0: 30, 1: 5, 3: 61})
+    assert kinds(verdicts(job)) == [VerdictKind.HEALTHY]
+    hung = with_(job, hang=(2, 35))
+    vs = verdicts(hung)
+    assert kinds(vs) == [VerdictKind.MISSING_RANK] and vs[0].ranks == (2,)
+
+
+def test_missing_dump_is_judged_from_its_peers() -> None:
+    # node 1 (ranks 2, 3) wrote no dump; rank 3 hung: its peers on node 0 are
+    # at the frontier, both ranks of node 1 are absent from it.
+    vs = verdicts(with_(BASE, hang=(3, 30)), drop_node=1)
+    assert kinds(vs) == [VerdictKind.MISSING_RANK]
+    assert vs[0].ranks == (2, 3)
+    assert any("no dump" in e for e in vs[0].evidence)
+
+
+def test_split_communicator_ranks_are_derived() -> None:
+    (inc,) = group_incidents([Source(r.host, r) for r in recordings(with_(BASE, split=True))])
+    split = [c for c in inc.comms if c.is_split]
+    assert len(split) == 1
+    ranks = [inc.procs[p].world_rank for p in split[0].members]
+    assert ranks == [0, 2]
+    assert kinds(list(analyze_incident(inc).verdicts)) == [VerdictKind.HEALTHY]

@@ -1,0 +1,99 @@
+"""``stallwatch analyze`` end to end on dump files: exit codes, bad inputs
+reported per file, JSON as in DESIGN.md, text report layout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from analyzer import cli
+from dumpers.format import write_dump
+from tests.test_analyzer_synth import BASE_JOB, recordings, with_
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["analyze", *argv])
+    code: int = args.func(args)
+    return code
+
+
+def write(tmp: Path, **fault: object) -> list[Path]:
+    return [write_dump(tmp, r) for r in recordings(with_(BASE_JOB, **fault))]
+
+
+def test_healthy_dumps_exit_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write(tmp_path)
+    assert run([str(tmp_path)]) == 0
+    assert "HEALTHY" in capsys.readouterr().out
+
+
+def test_hang_exits_1_with_verdict_first_then_tables(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write(tmp_path, hang=(3, 30))
+    assert run([str(tmp_path)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].strip().startswith("MISSING_RANK: rank 3 ")
+    table = out.index(next(line for line in out if line.strip().startswith("communicator ")))
+    assert "frontier seq 30" in out[table]
+    assert any("behind" in line and " 29 " in line for line in out[table:])
+
+
+def test_json_document(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = write(tmp_path, hang=(1, 12))
+    assert run([str(p) for p in paths] + ["--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    (inc,) = doc["incidents"]
+    assert inc["id"] == "inc-1" and inc["hosts"] == ["node0", "node1"]
+    v = inc["verdicts"][0]
+    assert {
+        "kind",
+        "ranks",
+        "hosts",
+        "pids",
+        "comm_id_hash",
+        "seq",
+        "op",
+        "summary",
+        "evidence",
+    } <= set(v)
+    assert (v["kind"], v["ranks"], v["hosts"], v["seq"], v["op"]) == (
+        "missing_rank",
+        [1],
+        ["node0"],
+        12,
+        "ALL_REDUCE",
+    )
+    assert v["comm_id_hash"] == "0x5eed000000000001"
+    assert [i["ok"] for i in doc["inputs"]] == [True, True]
+
+
+def test_bad_inputs_reported_rest_analyzed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = write(tmp_path, hang=(2, 20))
+    data = good[0].read_bytes()
+    (tmp_path / "truncated.msgpack").write_bytes(data[: len(data) // 2])
+    (tmp_path / "foreign.msgpack").write_text("hello, not a dump\n")
+    corrupt = bytearray(data)
+    corrupt[40:60] = b"\xff" * 20
+    (tmp_path / "corrupt.msgpack").write_bytes(bytes(corrupt))
+    assert run([str(tmp_path), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    status = {Path(i["path"]).name: i for i in doc["inputs"]}
+    for name in ("truncated.msgpack", "foreign.msgpack", "corrupt.msgpack"):
+        assert status[name]["ok"] is False
+        assert name in status[name]["error"]
+    assert doc["incidents"][0]["verdicts"][0]["ranks"] == [2]
+
+
+def test_nothing_readable_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a.msgpack").write_bytes(b"\x00\x01garbage")
+    assert run([str(tmp_path / "a.msgpack"), str(tmp_path / "missing.msgpack")]) == 2
+    out = capsys.readouterr().out
+    assert "a.msgpack" in out and "missing.msgpack" in out

@@ -1,0 +1,591 @@
+"""The stall watchdog, incidents, and the dump scheduler: pure logic.
+
+No BCC and no I/O here except through injected callables, so that every rule
+is tested on hand-built ``TickState``s.  Three pieces:
+
+``Watchdog`` decides.  ``check(state)`` turns each tick's state into triggers:
+
+- IN_FLIGHT: a call entered and not returned for longer than the stall timeout
+  (a call of a process known to be dead is left to EXIT);
+- NO_PROGRESS: a live process whose active communicators (calls > 0, not
+  destroyed) have all been silent (no entry, no return) for longer than the
+  stall timeout.  Judged per process, not per communicator: a process that
+  keeps using its world communicator while a split one sits idle is healthy.
+  A process the agent does not report as alive is not judged;
+- EXIT: a process holding communicators died with a non-zero exit code or a
+  fatal signal.  Exit code 0 is a normal end; a death with neither code nor
+  signal seen is not judged.
+
+Each condition is an *episode*, keyed by what it is about (the stuck call, the
+silent process and its last activity, the exit).  An episode triggers at most
+once: it stays covered while it lasts and ends when the condition goes away
+(the call returns, progress resumes).  At most one incident per tick.
+
+Cool-down: after any incident (local, manual or a peer's) automatic triggers
+are suppressed for ``cooldown_ns``, by default ``max(5 min, 2 x stall
+timeout)``: a hung job stays hung, and each node would otherwise raise the same
+hang again and again.  Episodes that begin during the cool-down are counted
+as part of the incident in progress and never trigger on their own, even if
+they outlast it.  Manual requests bypass the cool-down.
+
+``request()`` handles ``stallwatch dump``, SIGUSR1, ``POST /dump`` and peers.
+A peer request for an incident already dumped here is a duplicate.  A peer
+request with a new id is dumped under that id, so every node shares it -
+unless this node raised or joined an incident moments ago (within
+``merge_window_ns``, default 10 s): two nodes that detected the same hang at
+once then converge on the smaller id.  Later in a cool-down, a peer's new
+incident is refused ("cooldown"): this node's last dump already holds the
+recent past, and a flapping peer must not flood the disk.  Incident ids begin
+with the UTC time, so the smaller id is the earlier detection; the node
+holding the larger id relabels its dump (``Decision.replaces``), the other
+answers "duplicate".
+
+``DumpScheduler`` writes.  It snapshots the recording at trigger time (that
+window is what matters; a later snapshot could have overwritten the stall),
+writes once per incident, and if writing fails (disk full, read-only folder)
+keeps that snapshot and retries with exponential backoff on later ticks while
+recording goes on, then runs retention.  At most ``max_pending`` snapshots are
+kept (the oldest is dropped, and counted).
+
+``Incidents`` wires both for the agent: ``tick(state)`` each tick,
+``request_dump(...)`` from the HTTP server or a signal, peer notification
+through an injected callable.  Thread-safe: one lock around all of it, so
+``snapshot`` may be called from the HTTP server's thread too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import logging
+import re
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dumpers.errors import DumpWriteError
+from dumpers.model import Recording, Trigger, TriggerKind
+from dumpers.schema import op_name
+
+from .model import TickState
+
+log = logging.getLogger("stallwatch.watchdog")
+
+SECOND_NS = 1_000_000_000
+MIN_COOLDOWN_NS = 300 * SECOND_NS
+DEFAULT_MERGE_WINDOW_NS = 10 * SECOND_NS
+KNOWN_INCIDENTS = 1024  # ids remembered for duplicate detection
+_PRIORITY = {TriggerKind.EXIT: 0, TriggerKind.IN_FLIGHT: 1, TriggerKind.NO_PROGRESS: 2}
+
+
+def default_cooldown_ns(stall_timeout_ns: int) -> int:
+    return max(MIN_COOLDOWN_NS, 2 * stall_timeout_ns)
+
+
+_HOST_UNSAFE = re.compile(r"[^A-Za-z0-9]+")
+
+
+def new_incident_id(host: str, wall_ns: int | None = None) -> str:
+    """``<UTC time to the ms>-<host>-<random>``, URL-safe, about 40 characters;
+    sorts by detection time across hosts (to the ms, then host, then chance)."""
+    wall = time.time_ns() if wall_ns is None else wall_ns
+    secs, ns = divmod(wall, SECOND_NS)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(secs)) + f"{ns // 1_000_000:03d}"
+    name = _HOST_UNSAFE.sub("-", host).strip("-")[:16] or "host"
+    return f"{stamp}-{name}-{secrets.token_hex(3)}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Condition:
+    kind: TriggerKind
+    reason: str
+    since_ns: int  # when the episode's clock started
+    pid: int = 0
+    comm_hash: int = 0
+
+
+class Status(enum.Enum):
+    """The answer to a dump request (``POST /dump``)."""
+
+    WRITTEN = "written"
+    QUEUED = "queued"  # accepted; the write failed and will be retried
+    DUPLICATE = "duplicate"  # this incident is already dumped here
+    COOLDOWN = "cooldown"  # refused: an incident was dumped moments ago
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What to do with a dump request: dump ``trigger`` (if not None), or
+    answer ``status`` for ``incident_id``.  ``replaces``: this node's incident
+    whose dump is to be relabelled with ``trigger.incident_id``."""
+
+    trigger: Trigger | None
+    status: Status | None
+    incident_id: str
+    replaces: str | None = None
+
+
+@dataclass
+class WatchdogStats:
+    stalls_detected: int = 0  # incidents raised by check()
+    suppressed: int = 0  # new episodes inside a cool-down
+    requests: int = 0  # manual and peer requests
+    duplicates: int = 0
+    merged: int = 0  # own incidents relabelled to a peer's id
+
+
+class Watchdog:
+    def __init__(
+        self,
+        stall_timeout_ns: int,
+        host: str,
+        cooldown_ns: int | None = None,
+        merge_window_ns: int | None = None,
+        clock: Callable[[], int] = time.monotonic_ns,
+        wall_clock: Callable[[], int] = time.time_ns,
+    ) -> None:
+        if stall_timeout_ns <= 0:
+            raise ValueError(f"stall timeout must be positive, got {stall_timeout_ns} ns")
+        self.stall_timeout_ns = stall_timeout_ns
+        self.host = host
+        self.cooldown_ns = (
+            default_cooldown_ns(stall_timeout_ns) if cooldown_ns is None else cooldown_ns
+        )
+        window = DEFAULT_MERGE_WINDOW_NS if merge_window_ns is None else merge_window_ns
+        self.merge_window_ns = min(window, self.cooldown_ns)
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.stats = WatchdogStats()
+        self._covered: set[tuple[object, ...]] = set()
+        self._exits: OrderedDict[tuple[object, ...], None] = OrderedDict()
+        self._known: OrderedDict[str, int] = OrderedDict()  # incident id -> monotonic ns
+        self._last: tuple[str, int] | None = None  # (incident id, monotonic ns)
+
+    # ---- automatic triggers -------------------------------------------
+
+    def check(self, state: TickState) -> list[Trigger]:
+        """Triggers for this tick: at most one, for a new episode outside a cool-down."""
+        current = self._conditions(state)
+        self._covered &= current.keys()
+        fresh = {
+            k: c for k, c in current.items() if k not in self._covered and k not in self._exits
+        }
+        if not fresh:
+            return []
+        for key in fresh:
+            self._cover(key)
+        if self.in_cooldown(state.now_ns):
+            self.stats.suppressed += 1
+            log.info("in cool-down, not dumping: %s", next(iter(fresh.values())).reason)
+            return []
+        cond = min(fresh.values(), key=lambda c: (_PRIORITY[c.kind], c.since_ns))
+        self.stats.stalls_detected += 1
+        return [self._incident(cond.kind, cond.reason, state.now_ns, cond.pid, cond.comm_hash)]
+
+    def in_cooldown(self, now_ns: int) -> bool:
+        return self._last is not None and now_ns - self._last[1] < self.cooldown_ns
+
+    def _cover(self, key: tuple[object, ...]) -> None:
+        if key[0] == TriggerKind.EXIT:  # exits are final: remembered, not re-judged
+            self._exits[key] = None
+            while len(self._exits) > KNOWN_INCIDENTS:
+                self._exits.popitem(last=False)
+        else:
+            self._covered.add(key)
+
+    def _conditions(self, state: TickState) -> dict[tuple[object, ...], _Condition]:
+        out: dict[tuple[object, ...], _Condition] = {}
+        self._inflight_conditions(state, out)
+        self._progress_conditions(state, out)
+        self._exit_conditions(state, out)
+        return out
+
+    def _inflight_conditions(
+        self, state: TickState, out: dict[tuple[object, ...], _Condition]
+    ) -> None:
+        dead = {p.pid for p in state.processes if not p.alive}
+        for call in state.inflight:
+            age = state.now_ns - call.entered_ns
+            if age <= self.stall_timeout_ns or call.pid in dead:
+                continue
+            reason = (
+                f"{op_name(call.op)} seq {call.seq} on communicator {call.comm_hash:#018x} "
+                f"in flight for {age / SECOND_NS:.1f} s (pid {call.pid}, tid {call.tid})"
+            )
+            key = (TriggerKind.IN_FLIGHT, call.pid, call.tid, call.entered_ns)
+            out[key] = _Condition(
+                TriggerKind.IN_FLIGHT, reason, call.entered_ns, call.pid, call.comm_hash
+            )
+
+    def _progress_conditions(
+        self, state: TickState, out: dict[tuple[object, ...], _Condition]
+    ) -> None:
+        alive = {p.pid for p in state.processes if p.alive}
+        latest: dict[int, tuple[int, int]] = {}  # pid -> (last activity, comm hash)
+        for comm in state.comms:
+            if comm.calls <= 0 or comm.destroyed or comm.pid not in alive:
+                continue
+            last = max(comm.last_enter_ns, comm.last_return_ns)
+            if comm.pid not in latest or last > latest[comm.pid][0]:
+                latest[comm.pid] = (last, comm.comm_hash)
+        for pid, (last, comm_hash) in latest.items():
+            idle = state.now_ns - last
+            if idle <= self.stall_timeout_ns:
+                continue
+            reason = (
+                f"no progress for {idle / SECOND_NS:.1f} s on any communicator of pid {pid} "
+                f"(last on {comm_hash:#018x})"
+            )
+            out[(TriggerKind.NO_PROGRESS, pid, last)] = _Condition(
+                TriggerKind.NO_PROGRESS, reason, last, pid, comm_hash
+            )
+
+    def _exit_conditions(self, state: TickState, out: dict[tuple[object, ...], _Condition]) -> None:
+        for proc in state.processes:
+            if proc.alive or not proc.holds_comms:
+                continue
+            if proc.exit_signal:
+                how = f"killed by signal {proc.exit_signal}"
+            elif proc.exit_code:
+                how = f"exited with code {proc.exit_code}"
+            else:
+                continue
+            reason = f"pid {proc.pid}, holding communicators, {how}"
+            key = (TriggerKind.EXIT, proc.pid, proc.exit_ns)
+            out[key] = _Condition(TriggerKind.EXIT, reason, proc.exit_ns, proc.pid)
+
+    # ---- incidents and requests ---------------------------------------
+
+    def _incident(
+        self,
+        kind: TriggerKind,
+        reason: str,
+        now_ns: int,
+        pid: int = 0,
+        comm_hash: int = 0,
+        incident_id: str | None = None,
+        origin: str | None = None,
+    ) -> Trigger:
+        incident = incident_id or new_incident_id(self.host, self.wall_clock())
+        self._remember(incident, now_ns)
+        self._last = (incident, now_ns)
+        log.warning("incident %s (%s): %s", incident, kind.value, reason)
+        return Trigger(kind, reason, incident, now_ns, pid, comm_hash, origin or self.host)
+
+    def _remember(self, incident_id: str, now_ns: int) -> None:
+        self._known[incident_id] = now_ns
+        while len(self._known) > KNOWN_INCIDENTS:
+            self._known.popitem(last=False)
+
+    def knows(self, incident_id: str) -> bool:
+        return incident_id in self._known
+
+    def decide(
+        self,
+        kind: TriggerKind,
+        reason: str,
+        incident_id: str | None = None,
+        origin: str | None = None,
+    ) -> Decision:
+        """A manual or peer request: dump, merge, or answer duplicate."""
+        now = self.clock()
+        self.stats.requests += 1
+        if incident_id is not None and incident_id in self._known:
+            self.stats.duplicates += 1
+            return Decision(None, Status.DUPLICATE, incident_id)
+        if kind == TriggerKind.PEER and incident_id and self._recent(now):
+            return self._merge(reason, incident_id, origin, now)
+        if kind == TriggerKind.PEER and self.in_cooldown(now):
+            assert self._last is not None
+            self.stats.suppressed += 1
+            return Decision(None, Status.COOLDOWN, self._last[0])
+        trigger = self._incident(kind, reason, now, incident_id=incident_id, origin=origin)
+        return Decision(trigger, None, trigger.incident_id)
+
+    def request(
+        self,
+        kind: TriggerKind,
+        reason: str,
+        incident_id: str | None = None,
+        origin: str | None = None,
+    ) -> Trigger | None:
+        """The trigger to dump for a request, or None (duplicate).  A merge
+        (see the module docstring) needs ``decide``: use ``Incidents``."""
+        return self.decide(kind, reason, incident_id, origin).trigger
+
+    def _recent(self, now_ns: int) -> bool:
+        return self._last is not None and now_ns - self._last[1] <= self.merge_window_ns
+
+    def _merge(self, reason: str, incident_id: str, origin: str | None, now: int) -> Decision:
+        assert self._last is not None
+        own_id, own_ns = self._last
+        self._remember(incident_id, now)
+        if incident_id > own_id:  # ours is earlier: the peer will adopt it
+            self.stats.duplicates += 1
+            return Decision(None, Status.DUPLICATE, own_id)
+        self.stats.merged += 1
+        self._last = (incident_id, own_ns)
+        log.warning("incident %s is %s's %s: relabelling", own_id, origin or "a peer", incident_id)
+        trigger = Trigger(TriggerKind.PEER, reason, incident_id, now, origin_host=origin or "")
+        return Decision(trigger, None, incident_id, replaces=own_id)
+
+
+# ---------------------------------------------------------------- dumping
+
+
+@dataclass
+class _Pending:
+    recording: Recording
+    attempts: int = 0
+    next_ns: int = 0
+    replaces: Path | None = None  # a dump to remove once this one is written
+
+
+@dataclass(frozen=True, slots=True)
+class DumpOutcome:
+    status: Status
+    incident_id: str
+    path: Path | None
+
+
+@dataclass
+class DumpStats:
+    dumps_written: int = 0
+    write_failures: int = 0  # failed attempts, each retried
+    dumps_dropped: int = 0  # given up: unencodable, snapshot failed, or too many pending
+    relabelled: int = 0
+
+
+class DumpScheduler:
+    """Writes each incident's snapshot once; retries failed writes with backoff."""
+
+    def __init__(
+        self,
+        snapshot: Callable[[], Recording],
+        write: Callable[[Recording], Path],
+        retention: Callable[[Path], object] | None = None,
+        read: Callable[[Path], Recording] | None = None,
+        clock: Callable[[], int] = time.monotonic_ns,
+        backoff_ns: tuple[int, int] = (SECOND_NS // 2, 30 * SECOND_NS),
+        max_pending: int = 4,
+    ) -> None:
+        self.snapshot = snapshot
+        self.write = write
+        self.retention = retention
+        self.read = read
+        self.clock = clock
+        self.backoff_ns = backoff_ns
+        self.max_pending = max_pending
+        self.stats = DumpStats()
+        self.paths: dict[str, Path] = {}  # incident id -> dump written
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def submit(self, trigger: Trigger) -> DumpOutcome:
+        """Snapshot now and try to write; a failed write is queued for retry."""
+        try:
+            rec = dataclasses.replace(self.snapshot(), trigger=trigger)
+        except Exception as exc:
+            self.stats.dumps_dropped += 1
+            log.exception("incident %s: snapshot failed, no dump", trigger.incident_id)
+            raise DumpWriteError(f"incident {trigger.incident_id}: snapshot failed: {exc}") from exc
+        return self._queue(trigger.incident_id, _Pending(rec))
+
+    def _queue(self, incident_id: str, item: _Pending) -> DumpOutcome:
+        self._pending[incident_id] = item
+        while len(self._pending) > self.max_pending:
+            dropped, _ = self._pending.popitem(last=False)
+            self.stats.dumps_dropped += 1
+            log.error("incident %s: dropped, %d dumps already wait", dropped, self.max_pending)
+        return self._attempt(incident_id)
+
+    def retry_due(self) -> list[Path]:
+        """Retry the pending writes whose backoff has expired (each tick)."""
+        now = self.clock()
+        written = []
+        for incident_id in [i for i, p in self._pending.items() if p.next_ns <= now]:
+            try:
+                outcome = self._attempt(incident_id)
+            except DumpWriteError:  # dropped, logged and counted
+                continue
+            if outcome.path is not None:
+                written.append(outcome.path)
+        return written
+
+    @classmethod
+    def for_directory(
+        cls,
+        dump_dir: Path,
+        snapshot: Callable[[], Recording],
+        max_dumps: int | None = None,
+        max_bytes: int | None = None,
+    ) -> DumpScheduler:
+        """The production wiring: atomic writes into ``dump_dir``, retention."""
+        from dumpers.format import read_dump, write_dump
+        from dumpers.retention import enforce
+
+        return cls(
+            snapshot,
+            write=lambda rec: write_dump(dump_dir, rec),
+            retention=lambda path: enforce(dump_dir, max_dumps, max_bytes, keep=path),
+            read=read_dump,
+        )
+
+    def _attempt(self, incident_id: str) -> DumpOutcome:
+        item = self._pending[incident_id]
+        try:
+            path = self.write(item.recording)
+        except (DumpWriteError, OSError) as exc:
+            return self._failed(incident_id, item, exc)
+        except Exception as exc:  # a recording that cannot be encoded will never be
+            del self._pending[incident_id]
+            self.stats.dumps_dropped += 1
+            log.exception("incident %s: dump cannot be encoded, dropped", incident_id)
+            raise DumpWriteError(f"incident {incident_id}: dump dropped: {exc}") from exc
+        del self._pending[incident_id]
+        self._written(incident_id, item, path)
+        return DumpOutcome(Status.WRITTEN, incident_id, path)
+
+    def _failed(self, incident_id: str, item: _Pending, exc: Exception) -> DumpOutcome:
+        item.attempts += 1
+        first, cap = self.backoff_ns
+        delay = min(cap, first << min(item.attempts - 1, 20))
+        item.next_ns = self.clock() + delay
+        self.stats.write_failures += 1
+        log.error(
+            "incident %s: dump not written (attempt %d, retry in %.1f s): %s",
+            incident_id,
+            item.attempts,
+            delay / SECOND_NS,
+            exc,
+        )
+        return DumpOutcome(Status.QUEUED, incident_id, None)
+
+    def _written(self, incident_id: str, item: _Pending, path: Path) -> None:
+        self.paths[incident_id] = path
+        self.stats.dumps_written += 1
+        log.warning("incident %s: dump written to %s", incident_id, path)
+        if item.replaces is not None and item.replaces != path:
+            _unlink(item.replaces)
+        if self.retention is not None:
+            try:
+                self.retention(path)
+            except Exception:  # retention must never cost the dump
+                log.exception("retention after %s failed", path)
+
+    def relabel(self, old_id: str, trigger: Trigger) -> DumpOutcome:
+        """Give incident ``old_id``'s dump the id of ``trigger``: a pending
+        snapshot is retagged; a written dump is read back, rewritten under the
+        new id, and the old file removed."""
+        new_id = trigger.incident_id
+        self.stats.relabelled += 1
+        if old_id in self._pending:
+            item = self._pending.pop(old_id)
+            item.recording = _retag(item.recording, trigger)
+            return self._queue(new_id, item)
+        old_path = self.paths.get(old_id)
+        if old_path is None or self.read is None:
+            return self.submit(trigger)
+        rec = _retag(self.read(old_path), trigger)
+        return self._queue(new_id, _Pending(rec, replaces=old_path))
+
+
+def _retag(rec: Recording, peer: Trigger) -> Recording:
+    """The recording's own trigger, under the peer's id and origin."""
+    own = rec.trigger
+    if own is None:
+        return dataclasses.replace(rec, trigger=peer)
+    origin = peer.origin_host or own.origin_host
+    new = dataclasses.replace(own, incident_id=peer.incident_id, origin_host=origin)
+    return dataclasses.replace(rec, trigger=new)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("%s: cannot remove relabelled dump: %s", path, exc)
+
+
+# ---------------------------------------------------------------- wiring
+
+
+class Incidents:
+    """Watchdog + scheduler + peers, as the agent uses them."""
+
+    def __init__(
+        self,
+        watchdog: Watchdog,
+        scheduler: DumpScheduler,
+        notify: Callable[[Trigger], object] | None = None,
+    ) -> None:
+        self.watchdog = watchdog
+        self.scheduler = scheduler
+        self.notify = notify
+        self._lock = threading.RLock()
+
+    def tick(self, state: TickState) -> list[DumpOutcome]:
+        """Check for stalls, dump new incidents, retry pending writes."""
+        outcomes = []
+        with self._lock:
+            for trigger in self.watchdog.check(state):
+                # a dropped dump is logged and counted; the agent records on
+                with contextlib.suppress(DumpWriteError):
+                    outcomes.append(self._dump(trigger))
+            self.scheduler.retry_due()
+        return outcomes
+
+    def request_dump(
+        self, reason: str, incident_id: str | None = None, origin: str | None = None
+    ) -> dict[str, object]:
+        """``POST /dump`` and friends: a peer's if ``origin`` is set, else manual.
+        Returns ``{"incident_id", "status", "path"}``."""
+        kind = TriggerKind.PEER if origin else TriggerKind.MANUAL
+        with self._lock:
+            decision = self.watchdog.decide(kind, reason, incident_id, origin)
+            if decision.trigger is None:
+                assert decision.status is not None
+                path = self.scheduler.paths.get(decision.incident_id)
+                outcome = DumpOutcome(decision.status, decision.incident_id, path)
+            elif decision.replaces is not None:
+                outcome = self.scheduler.relabel(decision.replaces, decision.trigger)
+            else:
+                outcome = self._dump(decision.trigger)
+        return {
+            "incident_id": outcome.incident_id,
+            "status": outcome.status.value,
+            "path": str(outcome.path) if outcome.path else None,
+        }
+
+    def _dump(self, trigger: Trigger) -> DumpOutcome:
+        if self.notify is not None and trigger.kind != TriggerKind.PEER:
+            try:  # peers first: they dump while this node writes
+                self.notify(trigger)
+            except Exception:
+                log.exception("incident %s: notifying peers failed", trigger.incident_id)
+        return self.scheduler.submit(trigger)
+
+    def counters(self) -> dict[str, int]:
+        """For /metrics (each a counter, except ``dumps_pending``)."""
+        w, s = self.watchdog.stats, self.scheduler.stats
+        return {
+            "stalls_detected": w.stalls_detected,
+            "stalls_suppressed": w.suppressed,
+            "dump_requests": w.requests,
+            "dump_requests_duplicate": w.duplicates,
+            "incidents_merged": w.merged,
+            "dumps_written": s.dumps_written,
+            "dump_write_failures": s.write_failures,
+            "dumps_dropped": s.dumps_dropped,
+            "dumps_pending": self.scheduler.pending,
+        }

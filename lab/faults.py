@@ -24,6 +24,15 @@ from dataclasses import dataclass
 
 from dumpers.errors import UsageError
 
+SPEC_HELP = (
+    "hang:rank=R,step=S                 rank R blocks before its first collective of step S",
+    "slow:rank=R,ms=M                   rank R computes M ms longer every step",
+    "loss:node=N,pct=P                  P% of node N's TCP packets are dropped",
+    "rate:node=N,mbit=M                 node N's link is capped at M Mbit/s",
+    "mismatch:rank=R,step=S,field=F     rank R passes another count|dtype|op at step S",
+    "crash:rank=R,step=S[,signal=SIG]   rank R exits with code 3 at step S, or dies of SIG",
+    "cpuhog:rank=R                      busy processes pinned to rank R's CPU",
+)
 MAX_PCT = 100
 MAX_STEP = 10**9
 

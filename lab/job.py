@@ -62,6 +62,7 @@ EXIT_NCCL = 4
 DEFAULT_ELEMENTS = 262_144  # DP gradient AllReduce: 1 MiB of float32
 STATUS_RUNNING = "running"
 STATUS_DONE = "done"
+STATUS_HUNG = "hung"
 
 
 def report_path(run_dir: Path, rank: int) -> Path:
@@ -328,7 +329,7 @@ def run_step(r: Rank, step: int) -> None:
 
 def inject_before_collectives(r: Rank, step: int) -> None:
     if r.fault(F.Hang, step) is not None:
-        r.report("running")
+        r.report(STATUS_HUNG, error=f"hang fault: blocked before the collectives of step {step}")
         threading.Event().wait()  # forever: the others block in their next collective
     crash = r.fault(F.Crash, step)
     if isinstance(crash, F.Crash):

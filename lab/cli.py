@@ -1,0 +1,119 @@
+"""``stallwatch lab ...``: the lab's subcommands.
+
+Each subcommand is added by one ``_add_<name>`` function below and listed in
+``SUBCOMMANDS``; ``lab demo`` joins them there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from lab import faults as F
+from lab.job import DEFAULT_ELEMENTS
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+
+RUN_EPILOG = f"""\
+fault specs (ranks are global: node n holds ranks n*R .. n*R+R-1):
+{chr(10).join("  " + line for line in F.SPEC_HELP)}
+
+examples:
+  stallwatch lab run --nodes 2 --ranks-per-node 2 --steps 20 --json
+  stallwatch lab run --nodes 4 --fault hang:rank=5,step=10 --stall-timeout 5
+  stallwatch lab run --fault loss:node=1,pct=5 --mode async
+  stallwatch lab run --nodes 4 --fault hang:rank=5,step=10 --record --dump-dir dumps/
+
+exit codes: 0 every rank finished and verified; 1 the job failed (faults, stuck or
+crashed ranks); 2 bad input, or the lab could not be set up (root, tools)."""
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {value:g}")
+    return value
+
+
+def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run the multi-node training job, with faults on demand",
+        description="Run the lab's training job: nodes are network namespaces, ranks are "
+        "processes doing real collectives over TCP through the lab's libnccl.",
+        epilog=RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--nodes", type=_positive_int, default=2, metavar="N")
+    p.add_argument("--ranks-per-node", type=_positive_int, default=2, metavar="R")
+    p.add_argument("--steps", type=_positive_int, default=20, metavar="S")
+    p.add_argument("--mode", choices=("blocking", "async"), default="blocking")
+    p.add_argument("--fault", action="append", default=[], metavar="SPEC", help="repeatable")
+    p.add_argument("--record", action="store_true", help="one stallwatch agent per node")
+    p.add_argument("--dump-dir", type=Path, default=Path("dumps"), metavar="DIR")
+    p.add_argument(
+        "--stall-timeout",
+        type=_positive_float,
+        default=10.0,
+        metavar="SEC",
+        help="the agents' stall timeout; also: give up when no rank progresses this long",
+    )
+    p.add_argument(
+        "--timeout", type=_positive_float, default=None, metavar="SEC", help="give up after SEC"
+    )
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--elements", type=_positive_int, default=DEFAULT_ELEMENTS, metavar="N",
+                   help="float32 elements of the gradient AllReduce")  # fmt: skip
+    p.add_argument("--run-id", default=None, help="names the namespaces (default: random)")
+    p.add_argument("--lib", type=Path, default=None, help="the lab's libnccl.so.2 to use")
+    p.set_defaults(func=cmd_run)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from lab import runner  # the lab's machinery loads only when it runs
+
+    cfg = runner.RunConfig(
+        nodes=args.nodes,
+        ranks_per_node=args.ranks_per_node,
+        steps=args.steps,
+        mode=args.mode,
+        faults=F.parse_faults(args.fault),
+        record=args.record,
+        dump_dir=args.dump_dir,
+        stall_timeout=args.stall_timeout,
+        timeout=args.timeout,
+        elements=args.elements,
+        run_id=args.run_id,
+        lib=args.lib,
+    )
+    result = runner.run(cfg, progress_out=None if args.json else sys.stderr)
+    print(result.to_json() if args.json else runner.summary(result))
+    return EXIT_OK if result.ok else EXIT_FAILED
+
+
+SUBCOMMANDS: Sequence[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = (
+    _add_run,
+)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    lab = subparsers.add_parser(
+        "lab",
+        help="a multi-node training job on this machine, with faults on demand",
+        description="The lab: nodes as network namespaces, ranks as processes, real "
+        "collectives over TCP through the lab's NCCL-compatible library.",
+    )
+    sub = lab.add_subparsers(dest="lab_command", metavar="LAB_COMMAND")
+    sub.required = True
+    for add in SUBCOMMANDS:
+        add(sub)

@@ -1,0 +1,630 @@
+"""``stallwatch lab run``: set up the nodes, run the job, wait, report, tear down.
+
+One run:
+1. checks (faults against the topology, root, tools, the library), and removes
+   what dead runs left behind;
+2. makes the nodes (``lab.netns``), applies link faults, and with ``--record``
+   starts one agent per node inside its namespace (``stallwatch record --scope
+   netns``) and waits for its ``/healthz``;
+3. starts one ``python -m lab.job`` per rank inside its node, and CPU hogs;
+4. waits: the job ends, or no rank makes progress for ``--stall-timeout``
+   seconds (progress is read from the ranks' reports), or ``--timeout`` passes;
+   a recorded job that fails is given time for every agent to write its dump;
+5. tears everything down, always (``finally``, SIGINT, SIGTERM, ``atexit``):
+   ranks, hogs and agents are killed, namespaces (and with them links,
+   nftables tables and qdiscs) deleted, the run directory removed.
+
+The lab never imports the recorder: agents are separate processes, as on a
+real cluster.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from dumpers.errors import LabError
+from lab import faults as F
+from lab import job, netns
+
+ROOT = Path(__file__).resolve().parent.parent
+AGENT_PORT = 9400
+AGENT_START_TIMEOUT = 90.0
+DUMP_GRACE = 20.0  # after the job is given up: time for agents to dump
+HOGS_PER_RANK = 2
+POLL = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class RunConfig:
+    nodes: int = 2
+    ranks_per_node: int = 2
+    steps: int = 20
+    mode: str = "blocking"
+    faults: tuple[F.Fault, ...] = ()
+    record: bool = False
+    dump_dir: Path = Path("dumps")
+    stall_timeout: float = 10.0
+    timeout: float | None = None  # None: 30 s plus 0.5 s per step
+    elements: int = job.DEFAULT_ELEMENTS
+    run_id: str | None = None
+    lib: Path | None = None
+
+    @property
+    def topology(self) -> F.Topology:
+        return F.Topology(self.nodes, self.ranks_per_node)
+
+    @property
+    def deadline_s(self) -> float:
+        return self.timeout if self.timeout is not None else 30.0 + 0.5 * self.steps
+
+
+@dataclass(frozen=True, slots=True)
+class RankOutcome:
+    world_rank: int
+    node: int
+    local_rank: int
+    pid: int | None
+    steps_done: int
+    status: str
+    exit_code: int | None
+    exit_signal: str | None
+    killed_by_lab: bool
+    stuck: bool
+    verified: bool
+    verified_ok: int
+    verified_failed: int
+    error: str | None
+    calls: dict[str, dict[str, int]]
+    comms: dict[str, dict[str, Any]]
+    step_ms: list[float]
+    cpu_s: float
+    wall_s: float
+    run_delay_ms: float
+
+    @property
+    def healthy(self) -> bool:
+        return self.status == job.STATUS_DONE and self.exit_code == 0 and self.verified
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    run_id: str
+    nodes: int
+    ranks_per_node: int
+    steps: int
+    mode: str
+    faults: list[dict[str, str]]
+    ranks: list[RankOutcome]
+    duration_s: float
+    gave_up: str | None  # why the lab stopped waiting, None if the job ended
+    recorded: bool
+    dump_dir: str | None
+    dumps: list[str]
+    problems: list[str] = field(default_factory=list)  # teardown trouble
+
+    @property
+    def ok(self) -> bool:
+        return self.gave_up is None and all(r.healthy for r in self.ranks)
+
+    @property
+    def stuck_ranks(self) -> list[int]:
+        return [r.world_rank for r in self.ranks if r.stuck]
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["ok"] = self.ok
+        data["stuck_ranks"] = self.stuck_ranks
+        return json.dumps(data, indent=2, sort_keys=True)
+
+
+# --- preflight --------------------------------------------------------------
+
+
+def _euid() -> int:
+    return os.geteuid()
+
+
+def preflight(cfg: RunConfig) -> Path:
+    """Everything that can be refused before anything is made; returns the library."""
+    if cfg.nodes < 1 or cfg.ranks_per_node < 1 or cfg.steps < 1:
+        raise LabError("--nodes, --ranks-per-node and --steps must be at least 1")
+    F.validate(cfg.faults, cfg.topology, cfg.steps)
+    if _euid() != 0:
+        raise LabError("lab run needs root (it makes network namespaces): run it with sudo")
+    netns.check_tools()
+    if cfg.run_id is not None:
+        netns.check_run_id(cfg.run_id)
+    return library(cfg.lib)
+
+
+def library(explicit: Path | None) -> Path:
+    path = explicit or (Path(os.environ[job.LIB_ENV]) if os.environ.get(job.LIB_ENV) else None)
+    if path is None:
+        from lab.build import ensure_built
+
+        path = ensure_built()
+    if not path.is_file():
+        raise LabError(f"the lab's NCCL library {path} does not exist")
+    return path.resolve()
+
+
+# --- the processes ----------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Lab:
+    """What one run made; ``teardown`` removes all of it and may be called twice."""
+
+    cfg: RunConfig
+    lib: Path
+    run_id: str
+    run_dir: Path
+    net: netns.Network | None = None
+    ranks: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    hogs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    agents: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    killed: set[int] = field(default_factory=set)
+    logs: list[TextIO] = field(default_factory=list)
+    applied: list[dict[str, str]] = field(default_factory=list)
+    torn_down: bool = False
+
+    def spawn(self, node: netns.Node, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+        out = log.open("w")
+        self.logs.append(out)
+        return subprocess.Popen(
+            [*node.exec_prefix(), *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=self.env(),
+            start_new_session=True,  # Ctrl-C reaches the runner only; it tears down
+        )
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        env[job.LIB_ENV] = str(self.lib)
+        env["NCCL_SOCKET_IFNAME"] = netns.NODE_DEV
+        env.setdefault("NCCL_DEBUG", "WARN")
+        if self.cfg.mode == "async":
+            env[job.ASYNC_ENV] = "1"
+        else:
+            env.pop(job.ASYNC_ENV, None)
+        return env
+
+    def node(self, index: int) -> netns.Node:
+        assert self.net is not None
+        return self.net.nodes[index]
+
+    def teardown(self) -> list[str]:
+        if self.torn_down:
+            return []
+        self.torn_down = True
+        problems = _stop_agents(self.agents)
+        for proc in [*self.ranks.values(), *self.hogs]:
+            _kill(proc)
+        if self.net is not None:
+            problems += netns.destroy(self.net)
+        for out in self.logs:
+            out.close()
+        _remove_tree(self.run_dir)
+        return problems
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+
+
+def _stop_agents(agents: dict[int, subprocess.Popen[bytes]]) -> list[str]:
+    for proc in agents.values():
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+    problems = []
+    deadline = time.monotonic() + 10.0
+    for node, proc in agents.items():
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            problems.append(f"agent of node {node} ignored SIGTERM for 10 s; killed")
+            _kill(proc)
+    return problems
+
+
+def _remove_tree(path: Path) -> None:
+    if not path.is_dir():
+        return
+    for child in path.iterdir():
+        if child.is_dir():
+            _remove_tree(child)
+        else:
+            with contextlib.suppress(OSError):
+                child.unlink()
+    with contextlib.suppress(OSError):
+        path.rmdir()
+
+
+@contextlib.contextmanager
+def signals_as_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP unwind like Ctrl-C, so ``finally`` tears down."""
+
+    def raise_interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    saved = {s: signal.signal(s, raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def signals_ignored() -> Iterator[None]:
+    """A second Ctrl-C must not cut the teardown short."""
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+# --- setup ------------------------------------------------------------------
+
+
+def make_lab(cfg: RunConfig, lib: Path) -> Lab:
+    netns.cleanup_stale()
+    run_id = cfg.run_id or netns.new_run_id()
+    if any(netns.run_of(ns) == run_id for ns in netns.list_netns()):
+        raise LabError(f"run id {run_id!r} is in use (namespaces {netns.PREFIX}{run_id}-* exist)")
+    run_dir = netns.RUNS_DIR / run_id
+    run_dir.mkdir(parents=True, exist_ok=False)
+    (run_dir / "runner.pid").write_text(str(os.getpid()))
+    return Lab(cfg, lib, run_id, run_dir)
+
+
+def set_up(lab: Lab) -> None:
+    lab.net = netns.create(lab.run_id, lab.cfg.nodes)
+    apply_link_faults(lab)
+    if lab.cfg.record:
+        start_agents(lab)
+    start_hogs(lab)
+    start_ranks(lab)
+
+
+def apply_link_faults(lab: Lab) -> None:
+    assert lab.net is not None
+    for fault in lab.cfg.faults:
+        if isinstance(fault, F.Loss):
+            netns.add_loss(lab.net, lab.node(fault.node), fault.pct)
+            how = f"nftables netdev drop on switch port {lab.node(fault.node).port}, both ways"
+        elif isinstance(fault, F.Rate):
+            netns.add_rate(lab.net, lab.node(fault.node), fault.mbit)
+            how = f"tc tbf on {lab.node(fault.node).netns} {netns.NODE_DEV} and its switch port"
+        else:
+            continue
+        lab.applied.append({"spec": F.format_fault(fault), "how": how})
+
+
+def cpu_of(rank: int) -> int:
+    return rank % (os.cpu_count() or 1)
+
+
+def start_hogs(lab: Lab) -> None:
+    for fault in lab.cfg.faults:
+        if not isinstance(fault, F.CpuHog):
+            continue
+        cpu = cpu_of(fault.rank)
+        code = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass\n"
+        node = lab.node(lab.cfg.topology.node_of(fault.rank))
+        for k in range(HOGS_PER_RANK):
+            log = lab.run_dir / f"hog-{fault.rank}-{k}.log"
+            lab.hogs.append(lab.spawn(node, [sys.executable, "-c", code], log))
+        how = f"{HOGS_PER_RANK} busy processes and the rank pinned to CPU {cpu}"
+        lab.applied.append({"spec": F.format_fault(fault), "how": how})
+
+
+def rank_argv(lab: Lab, rank: int) -> list[str]:
+    cfg = lab.cfg
+    argv = [sys.executable, "-m", "lab.job", "--rank", str(rank), "--nodes", str(cfg.nodes)]
+    argv += ["--ranks-per-node", str(cfg.ranks_per_node), "--steps", str(cfg.steps)]
+    argv += ["--run-dir", str(lab.run_dir), "--lib", str(lab.lib), "--mode", cfg.mode]
+    argv += ["--elements", str(cfg.elements)]
+    for fault in F.for_rank(cfg.faults, rank):
+        argv += ["--fault", F.format_fault(fault)]
+        if isinstance(fault, F.CpuHog):
+            argv += ["--cpu", str(cpu_of(rank))]
+    return argv
+
+
+def start_ranks(lab: Lab) -> None:
+    topo = lab.cfg.topology
+    for rank in range(topo.world_size):
+        node = lab.node(topo.node_of(rank))
+        log = lab.run_dir / f"rank-{rank}.log"
+        lab.ranks[rank] = lab.spawn(node, rank_argv(lab, rank), log)
+    for fault in lab.cfg.faults:
+        if not isinstance(fault, F.Loss | F.Rate | F.CpuHog):
+            lab.applied.append({"spec": F.format_fault(fault), "how": "inside the rank"})
+
+
+# --- agents (--record) ------------------------------------------------------
+
+
+def agent_dump_dir(cfg: RunConfig, node: int) -> Path:
+    return cfg.dump_dir / f"node{node}"
+
+
+def agent_argv(lab: Lab, node: netns.Node, token_file: Path) -> list[str]:
+    """``stallwatch record`` for one node, listening on the node's own address."""
+    assert lab.net is not None
+    peers = [f"{n.ip}:{AGENT_PORT}" for n in lab.net.nodes if n.index != node.index]
+    argv = [sys.executable, "-m", "stallwatch", "record", "--scope", "netns"]
+    argv += ["--dump-dir", str(agent_dump_dir(lab.cfg, node.index))]
+    argv += ["--stall-timeout", f"{lab.cfg.stall_timeout:g}"]
+    argv += ["--listen", f"{node.ip}:{AGENT_PORT}", "--token-file", str(token_file)]
+    if peers:
+        argv += ["--peers", ",".join(peers)]
+    return [*argv, "--lib", str(lab.lib)]
+
+
+def start_agents(lab: Lab) -> None:
+    assert lab.net is not None
+    token = secrets.token_hex(16)
+    token_file = lab.run_dir / "agent.token"
+    token_file.touch(mode=0o600)
+    token_file.write_text(token)
+    lab.cfg.dump_dir.mkdir(parents=True, exist_ok=True)
+    for node in lab.net.nodes:
+        agent_dump_dir(lab.cfg, node.index).mkdir(parents=True, exist_ok=True)
+        log = lab.cfg.dump_dir / f"node{node.index}.agent.log"
+        lab.agents[node.index] = lab.spawn(node, agent_argv(lab, node, token_file), log)
+    for node in lab.net.nodes:
+        wait_healthy(lab, node, token)
+
+
+def wait_healthy(lab: Lab, node: netns.Node, token: str) -> None:
+    proc = lab.agents[node.index]
+    url = f"http://{node.ip}:{AGENT_PORT}/healthz"
+    deadline = time.monotonic() + AGENT_START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log = lab.cfg.dump_dir / f"node{node.index}.agent.log"
+            raise LabError(
+                f"the agent of node {node.index} exited with {proc.returncode} "
+                f"before answering {url}: {_last_line(log)}"
+            )
+        if netns.in_netns(node.netns, lambda: _healthz(url, token)):
+            return
+        time.sleep(0.25)
+    raise LabError(f"the agent of node {node.index} did not answer {url} in {AGENT_START_TIMEOUT}s")
+
+
+def _healthz(url: str, token: str) -> bool:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=1.0) as response:
+            return int(response.status) == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return lines[-1] if lines else "(empty log)"
+
+
+def dumps_found(cfg: RunConfig) -> list[Path]:
+    if not cfg.dump_dir.is_dir():
+        return []
+    return sorted(p for p in cfg.dump_dir.rglob("*.msgpack") if not p.name.startswith("."))
+
+
+def wait_for_dumps(lab: Lab) -> None:
+    """Every node's agent writes a dump for the incident, or DUMP_GRACE passes."""
+    deadline = time.monotonic() + lab.cfg.stall_timeout + DUMP_GRACE
+    nodes = range(lab.cfg.nodes)
+    while time.monotonic() < deadline:
+        if all(any(agent_dump_dir(lab.cfg, n).glob("*.msgpack")) for n in nodes):
+            return
+        time.sleep(0.25)
+
+
+# --- waiting ------------------------------------------------------------------
+
+
+def progress(lab: Lab) -> tuple[tuple[int, ...], frozenset[int]]:
+    steps = tuple(
+        (rep.steps_done + 1 if rep is not None else 0)
+        for rep in (job.read_report(lab.run_dir, r) for r in sorted(lab.ranks))
+    )
+    exited = frozenset(r for r, p in lab.ranks.items() if p.poll() is not None)
+    return steps, exited
+
+
+def wait_for_job(lab: Lab, started: float) -> str | None:
+    """None when every rank exited; otherwise why the lab stopped waiting."""
+    last, last_change = progress(lab), time.monotonic()
+    while True:
+        now = time.monotonic()
+        current = progress(lab)
+        if len(current[1]) == len(lab.ranks):
+            return None
+        if current != last:
+            last, last_change = current, now
+        if now - last_change > lab.cfg.stall_timeout:
+            return f"no rank made progress for {lab.cfg.stall_timeout:g} s"
+        if now - started > lab.cfg.deadline_s:
+            return f"the job did not finish within {lab.cfg.deadline_s:g} s (--timeout)"
+        time.sleep(POLL)
+
+
+def stop_stuck(lab: Lab) -> None:
+    for rank, proc in lab.ranks.items():
+        if proc.poll() is None:
+            lab.killed.add(rank)
+            _kill(proc)
+
+
+# --- the outcome --------------------------------------------------------------
+
+
+def outcome(lab: Lab, rank: int) -> RankOutcome:
+    proc = lab.ranks.get(rank)
+    rep = job.read_report(lab.run_dir, rank)
+    code = proc.returncode if proc is not None else None
+    killed = rank in lab.killed
+    sig = signal.Signals(-code).name if code is not None and code < 0 else None
+    topo = lab.cfg.topology
+    error = rep.error if rep is not None else None
+    if error is None and code not in (0, None) and not killed:
+        error = _last_line(lab.run_dir / f"rank-{rank}.log")
+    return RankOutcome(
+        world_rank=rank,
+        node=topo.node_of(rank),
+        local_rank=topo.local_rank(rank),
+        pid=proc.pid if proc is not None else None,
+        steps_done=rep.steps_done if rep is not None else 0,
+        status=_status(rep, killed),
+        exit_code=code if code is None or code >= 0 else None,
+        exit_signal=sig,
+        killed_by_lab=killed,
+        stuck=killed,
+        verified=rep is not None and rep.verified_failed == 0 and rep.steps_done == rep.steps_total,
+        verified_ok=rep.verified_ok if rep is not None else 0,
+        verified_failed=rep.verified_failed if rep is not None else 0,
+        error=error,
+        calls=rep.calls if rep is not None else {},
+        comms=rep.comms if rep is not None else {},
+        step_ms=rep.step_ms if rep is not None else [],
+        cpu_s=rep.cpu_s if rep is not None else 0.0,
+        wall_s=rep.wall_s if rep is not None else 0.0,
+        run_delay_ms=rep.run_delay_ms if rep is not None else 0.0,
+    )
+
+
+def _status(rep: job.RankReport | None, killed: bool) -> str:
+    if rep is None:
+        return "no report"
+    if killed and rep.status == job.STATUS_RUNNING:
+        return "stuck"
+    return rep.status
+
+
+# --- the run ----------------------------------------------------------------
+
+
+def run(cfg: RunConfig, progress_out: TextIO | None = None) -> RunResult:
+    lib = preflight(cfg)
+    started = time.monotonic()
+    lab = make_lab(cfg, lib)
+    atexit.register(lab.teardown)
+    problems: list[str] = []
+    try:
+        with signals_as_interrupt():
+            _say(progress_out, f"lab run {lab.run_id}: setting up {cfg.nodes} node(s)")
+            set_up(lab)
+            gave_up = wait_for_job(lab, started)
+            if gave_up is not None:
+                _say(progress_out, f"lab run {lab.run_id}: {gave_up}; giving up")
+            if cfg.record and (
+                gave_up is not None or any(p.returncode for p in lab.ranks.values())
+            ):
+                wait_for_dumps(lab)
+            stop_stuck(lab)
+            ranks = [outcome(lab, r) for r in range(cfg.topology.world_size)]
+    finally:
+        with signals_ignored():
+            problems = lab.teardown()
+        atexit.unregister(lab.teardown)
+    leftovers = [ns for ns in netns.list_netns() if netns.run_of(ns) == lab.run_id]
+    problems += [f"namespace {ns} was left behind" for ns in leftovers]
+    return RunResult(
+        run_id=lab.run_id,
+        nodes=cfg.nodes,
+        ranks_per_node=cfg.ranks_per_node,
+        steps=cfg.steps,
+        mode=cfg.mode,
+        faults=lab.applied,
+        ranks=ranks,
+        duration_s=round(time.monotonic() - started, 3),
+        gave_up=gave_up,
+        recorded=cfg.record,
+        dump_dir=str(cfg.dump_dir) if cfg.record else None,
+        dumps=[str(p) for p in dumps_found(cfg)] if cfg.record else [],
+        problems=problems,
+    )
+
+
+def _say(out: TextIO | None, text: str) -> None:
+    if out is not None:
+        print(text, file=out, flush=True)
+
+
+# --- the summary for people ---------------------------------------------------
+
+_COLUMNS = ("rank", "node", "pid", "steps", "status", "exit", "verified", "ms/step", "error")
+
+
+def summary(result: RunResult) -> str:
+    rows = [_COLUMNS, *(_row(r, result.steps) for r in result.ranks)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    ]
+    verdict = "ok: every rank finished and verified" if result.ok else "FAILED"
+    head = [
+        f"lab run {result.run_id}: {result.nodes} node(s) x {result.ranks_per_node} rank(s), "
+        f"{result.steps} step(s), {result.mode}, {result.duration_s:.1f} s: {verdict}"
+    ]
+    head += [f"fault {f['spec']}: {f['how']}" for f in result.faults]
+    if result.gave_up:
+        head.append(f"gave up: {result.gave_up}; stuck ranks: {result.stuck_ranks or 'none'}")
+    tail = [f"dump: {d}" for d in result.dumps] + [f"teardown: {p}" for p in result.problems]
+    return "\n".join([*head, *lines, *tail])
+
+
+def _row(r: RankOutcome, steps: int) -> Sequence[str]:
+    exit_text = r.exit_signal or ("-" if r.exit_code is None else str(r.exit_code))
+    mean = sum(r.step_ms) / len(r.step_ms) if r.step_ms else 0.0
+    return (
+        str(r.world_rank),
+        str(r.node),
+        str(r.pid or "-"),
+        f"{r.steps_done}/{steps}",
+        r.status,
+        exit_text + (" (killed by lab)" if r.killed_by_lab else ""),
+        "yes" if r.verified else _unverified(r, steps),
+        f"{mean:.1f}",
+        r.error or "",
+    )
+
+
+def _unverified(r: RankOutcome, steps: int) -> str:
+    if r.verified_failed:
+        return f"no ({r.verified_failed} wrong)"
+    return "no (incomplete)" if r.steps_done < steps else "no"

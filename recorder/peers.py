@@ -1,0 +1,129 @@
+"""Asking peer agents to dump the same incident (``--peers``).
+
+Client side of ``POST /dump`` (the server is ``analyzer.http``)::
+
+    POST http://HOST:PORT/dump   Authorization: Bearer <token>   (if a token is set)
+    {"reason": str, "incident_id": str, "origin": str}
+    -> 200 {"incident_id": str, "status": "written|queued|duplicate|cooldown", "path": str|null}
+
+All peers are asked at once, one thread each, and the whole round ends after
+``timeout`` seconds whatever the peers do.  ``notify_in_background`` runs a
+round on a daemon thread, so that the agent's tick never waits for the network.
+Proxies from the environment are ignored: peers are reached directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+
+from dumpers.errors import UsageError
+from dumpers.model import Trigger
+
+log = logging.getLogger("stallwatch.peers")
+
+DEFAULT_TIMEOUT_S = 1.0
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def parse_peers(text: str) -> list[str]:
+    """``host:port,host:port`` (``[v6]:port`` too) -> the list, checked."""
+    peers = [p.strip() for p in text.split(",") if p.strip()]
+    for peer in peers:
+        host, sep, port = peer.removeprefix("http://").rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UsageError(f"--peers: expected HOST:PORT, found {peer!r}")
+    return peers
+
+
+def _url(peer: str) -> str:
+    base = peer if peer.startswith(("http://", "https://")) else f"http://{peer}"
+    return base.rstrip("/") + "/dump"
+
+
+def ask_peer(peer: str, body: bytes, token: str | None, timeout: float) -> str:
+    """One request; the peer's status, or ``error: <why>``."""
+    request = urllib.request.Request(
+        _url(peer), data=body, method="POST", headers={"Content-Type": "application/json"}
+    )
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with _OPENER.open(request, timeout=timeout) as response:
+            answer = json.loads(response.read(65536))
+    except urllib.error.HTTPError as exc:
+        return f"error: HTTP {exc.code} {exc.reason}"
+    except (OSError, ValueError) as exc:  # refused, unreachable, timed out, not JSON
+        return f"error: {getattr(exc, 'reason', None) or exc}"
+    status = answer.get("status") if isinstance(answer, dict) else None
+    return status if isinstance(status, str) else "error: answer without a status"
+
+
+def notify_peers(
+    peers: Sequence[str],
+    incident_id: str,
+    reason: str,
+    origin_host: str,
+    token: str | None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> dict[str, str]:
+    """Ask every peer to dump ``incident_id``; returns peer -> its status
+    (``written``, ``queued``, ``duplicate``, ``cooldown``) or ``error: ...``.
+    Returns within ``timeout`` seconds (plus thread start-up)."""
+    body = json.dumps({"reason": reason, "incident_id": incident_id, "origin": origin_host})
+    results: dict[str, str] = {}
+
+    def ask(peer: str) -> None:
+        results[peer] = ask_peer(peer, body.encode(), token, timeout)
+
+    threads = [threading.Thread(target=ask, args=(p,), daemon=True) for p in peers]
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return {p: results.get(p, f"error: no answer within {timeout:g} s") for p in peers}
+
+
+def notify_in_background(
+    peers: Sequence[str],
+    incident_id: str,
+    reason: str,
+    origin_host: str,
+    token: str | None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    done: Callable[[dict[str, str]], object] | None = None,
+) -> threading.Thread:
+    """``notify_peers`` on a daemon thread; logs each answer, then calls ``done``."""
+
+    def run() -> None:
+        results = notify_peers(peers, incident_id, reason, origin_host, token, timeout)
+        for peer, status in results.items():
+            level = logging.WARNING if status.startswith("error") else logging.INFO
+            log.log(level, "incident %s: peer %s: %s", incident_id, peer, status)
+        if done is not None:
+            done(results)
+
+    thread = threading.Thread(target=run, name=f"peers-{incident_id}", daemon=True)
+    thread.start()
+    return thread
+
+
+def peer_notifier(
+    peers: Sequence[str], host: str, token: str | None, timeout: float = DEFAULT_TIMEOUT_S
+) -> Callable[[Trigger], object]:
+    """The ``notify`` callable of ``recorder.watchdog.Incidents``: each local
+    incident is sent to every peer in the background."""
+
+    def notify(trigger: Trigger) -> object:
+        if not peers:
+            return None
+        reason = f"{host}: {trigger.reason}"
+        return notify_in_background(peers, trigger.incident_id, reason, host, token, timeout)
+
+    return notify

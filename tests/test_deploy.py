@@ -256,20 +256,33 @@ def http_json(url: str, body: dict[str, object] | None = None) -> tuple[int, obj
         return exc.code, json.loads(exc.read() or b"null")
 
 
-def wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout: float) -> dict[str, object]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"agent exited with {proc.returncode} before /healthz answered")
-        try:
-            status, doc = http_json(url)
-        except OSError:
-            time.sleep(0.2)
-            continue
-        assert status == 200, (status, doc)
-        assert isinstance(doc, dict)
-        return doc
-    raise AssertionError(f"no answer from {url} within {timeout} s")
+@dataclass(frozen=True, slots=True)
+class RunningAgent:
+    proc: subprocess.Popen[bytes]
+    base: str  # http://127.0.0.1:PORT
+    log: Path
+    dump_dir: Path
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def wait_healthy(self, timeout: float) -> dict[str, object]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"agent exited with {self.proc.returncode} before /healthz answered:\n"
+                    + self.log_tail()
+                )
+            try:
+                status, doc = http_json(self.base + "/healthz")
+            except OSError:
+                time.sleep(0.2)
+                continue
+            assert status == 200, (status, doc)
+            assert isinstance(doc, dict)
+            return doc
+        raise AssertionError(f"no answer from {self.base} within {timeout} s:\n{self.log_tail()}")
 
 
 def capability_sandbox(unit: Unit) -> list[str]:
@@ -302,7 +315,7 @@ def call_real_nccl(times: int) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture
-def agent_from_unit(unit: Unit, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+def agent_from_unit(unit: Unit, tmp_path: Path) -> Iterator[RunningAgent]:
     port = free_port()
     env = unit_env(unit) | {
         "STALLWATCH_LISTEN": f"127.0.0.1:{port}",
@@ -311,37 +324,36 @@ def agent_from_unit(unit: Unit, tmp_path: Path) -> Iterator[tuple[subprocess.Pop
     }
     argv = exec_start_argv(unit, env)
     argv[0] = str(STALLWATCH)
-    dump_dir = option(argv, "--dump-dir")
-    argv = [str(tmp_path / "dumps") if w == dump_dir else w for w in argv]
-    log = (tmp_path / "agent.log").open("wb")
-    proc = subprocess.Popen(capability_sandbox(unit) + argv, stdout=log, stderr=log)
+    dump_dir = tmp_path / "dumps"
+    argv = [str(dump_dir) if w == option(argv, "--dump-dir") else w for w in argv]
+    log_path = tmp_path / "agent.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(capability_sandbox(unit) + argv, stdout=log, stderr=log)
     try:
-        yield proc, f"http://127.0.0.1:{port}"
+        yield RunningAgent(proc, f"http://127.0.0.1:{port}", log_path, dump_dir)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
-        log.close()
+        proc.wait()
 
 
 @pytest.mark.bpf
 @pytest.mark.slow
 @pytest.mark.realnccl
 def test_unit_exec_start_records_and_stops_on_kill_signal(
-    unit: Unit, agent_from_unit: tuple[subprocess.Popen[bytes], str], tmp_path: Path
+    unit: Unit, agent_from_unit: RunningAgent
 ) -> None:
     from dumpers.format import read_dump
     from dumpers.schema import Op
 
-    proc, base = agent_from_unit
-    health = wait_healthy(proc, base + "/healthz", timeout=60)
-    assert health["status"] == "ok"
+    agent = agent_from_unit
+    assert agent.wait_healthy(timeout=60)["status"] == "ok"
     caller = call_real_nccl(times=3)
     assert caller.stdout.strip() != "[0]"  # a null communicator is refused, not run
 
-    status, answer = http_json(base + "/dump", {"reason": "deploy test"})
-    assert status == 200, answer
-    dumps = sorted((tmp_path / "dumps").glob("*.msgpack"))
+    status, answer = http_json(agent.base + "/dump", {"reason": "deploy test"})
+    assert status == 200, (answer, agent.log_tail())
+    dumps = sorted(agent.dump_dir.glob("*.msgpack"))
     assert len(dumps) == 1, (answer, dumps)
     rows = read_dump(dumps[0]).rings["nccl"].rows
     mine = rows[rows["op"] == Op.ALL_REDUCE]
@@ -350,13 +362,12 @@ def test_unit_exec_start_records_and_stops_on_kill_signal(
     stop_signal = signal.Signals[unit.get("Service", "KillSignal")]
     timeout = seconds(unit.get("Service", "TimeoutStopSec"))
     started = time.monotonic()
-    proc.send_signal(stop_signal)
+    agent.proc.send_signal(stop_signal)
     try:
-        code = proc.wait(timeout=timeout)
+        code = agent.proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         pytest.fail(f"agent still running {timeout} s after {stop_signal.name}")
-    log = (tmp_path / "agent.log").read_text(errors="replace")
-    assert code == 0, f"agent exited {code} on {stop_signal.name}:\n{log[-3000:]}"
+    assert code == 0, f"agent exited {code} on {stop_signal.name}:\n{agent.log_tail()}"
     assert time.monotonic() - started < timeout
 
 

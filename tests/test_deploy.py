@@ -266,6 +266,11 @@ class RunningAgent:
     def log_tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
 
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.base + "/metrics", timeout=10) as response:
+            text: str = response.read().decode()
+            return text
+
     def wait_healthy(self, timeout: float) -> dict[str, object]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -348,6 +353,8 @@ def test_unit_exec_start_records_and_stops_on_kill_signal(
 
     agent = agent_from_unit
     assert agent.wait_healthy(timeout=60)["status"] == "ok"
+    attached = re.search(r"^stallwatch_libraries_attached (\d+)$", agent.metrics(), re.M)
+    assert attached and int(attached[1]) >= 1, agent.metrics()
     caller = call_real_nccl(times=3)
     assert caller.stdout.strip() != "[0]"  # a null communicator is refused, not run
 

@@ -1,0 +1,261 @@
+"""``stallwatch record`` (the agent) and ``stallwatch dump`` (ask one to dump)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import FrameType
+
+from dumpers.errors import AgentError, UsageError
+
+RECORD_EPILOG = """\
+examples:
+  stallwatch record --dump-dir /var/lib/stallwatch --stall-timeout 60
+  stallwatch record --scope netns --peers node2:9400,node3:9400
+  stallwatch record --lib /opt/venv/lib/python3.11/site-packages/nvidia/nccl/lib/libnccl.so.2
+  kill -USR1 $(pidof stallwatch)       dump now
+"""
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    _register_record(subparsers)
+    _register_dump(subparsers)
+
+
+def _register_record(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "record",
+        help="run the always-on recorder (root)",
+        description="Record every NCCL call of every process on this node, and the kernel "
+        "events that explain a stall; dump the rings when a job stalls.",
+        epilog=RECORD_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--dump-dir", type=Path, default=Path("dumps"), help="default: ./dumps")
+    p.add_argument("--stall-timeout", type=float, default=60.0, metavar="SEC")
+    p.add_argument(
+        "--lib",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="attach to this libnccl too (repeatable)",
+    )
+    p.add_argument(
+        "--pid",
+        action="append",
+        type=int,
+        default=[],
+        metavar="PID",
+        help="record this process (its libnccl, or its executable if NCCL is linked in statically)",
+    )
+    p.add_argument(
+        "--scope",
+        choices=("host", "netns"),
+        default="host",
+        help="netns: only this network namespace's processes and addresses",
+    )
+    p.add_argument(
+        "--ring-size",
+        type=int,
+        default=65536,
+        metavar="N",
+        help="slots of the NCCL ring (power of two); other rings are smaller",
+    )
+    p.add_argument("--peers", default="", metavar="HOST:PORT,...")
+    p.add_argument("--listen", default="127.0.0.1:9400", metavar="ADDR:PORT")
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help="bearer token (required for a non-loopback --listen)",
+    )
+    p.add_argument("--max-dumps", type=int, metavar="N")
+    p.add_argument("--max-dump-bytes", type=int, metavar="N")
+    p.add_argument(
+        "--runq-threshold-ms",
+        type=float,
+        default=1.0,
+        metavar="MS",
+        help="record run-queue waits of rank threads longer than this",
+    )
+    p.add_argument("--host-name", default="", help="host name in dumps (default: hostname)")
+    p.add_argument("--print-bpf", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=_record)
+
+
+def _register_dump(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "dump",
+        help="ask a running agent to dump its rings now",
+        description="POST /dump to a running agent and print where it wrote the dump.",
+    )
+    p.add_argument("--agent", default="127.0.0.1:9400", metavar="ADDR:PORT")
+    p.add_argument("--reason", default="requested by stallwatch dump", metavar="TEXT")
+    p.add_argument("--token-file", type=Path, metavar="FILE")
+    p.set_defaults(func=_dump)
+
+
+def _read_token(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise UsageError(f"--token-file {path}: {exc.strerror or exc}") from None
+    if not token:
+        raise UsageError(f"--token-file {path}: the file is empty")
+    return token
+
+
+def _check_record_args(args: argparse.Namespace) -> None:
+    n = args.ring_size
+    if n < 16 or n & (n - 1):
+        raise UsageError(f"--ring-size: expected a power of two >= 16, got {n}")
+    if args.stall_timeout <= 0:
+        raise UsageError(f"--stall-timeout: expected seconds > 0, got {args.stall_timeout}")
+    if args.runq_threshold_ms < 0:
+        raise UsageError(f"--runq-threshold-ms: expected >= 0, got {args.runq_threshold_ms}")
+    for name in ("max_dumps", "max_dump_bytes"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            raise UsageError(f"--{name.replace('_', '-')}: expected >= 0, got {value}")
+    for peer in filter(None, args.peers.split(",")):
+        host, sep, port = peer.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise UsageError(f"--peers: expected HOST:PORT,..., got {peer!r}")
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.INFO,
+        format="%(asctime)s stallwatch record: %(levelname)s %(message)s",
+    )
+
+
+def _record(args: argparse.Namespace) -> int:
+    _check_record_args(args)
+    if args.print_bpf:
+        from .probes import bpf_source
+
+        print(bpf_source())
+        return EXIT_OK
+    from stallwatch import __version__
+
+    from .agent import AgentConfig
+
+    config = AgentConfig(
+        dump_dir=args.dump_dir,
+        stall_timeout_s=args.stall_timeout,
+        libs=tuple(args.lib),
+        pids=tuple(args.pid),
+        scope=args.scope,
+        ring_size=args.ring_size,
+        peers=tuple(filter(None, args.peers.split(","))),
+        listen=args.listen,
+        token=_read_token(args.token_file),
+        max_dumps=args.max_dumps,
+        max_dump_bytes=args.max_dump_bytes,
+        runq_threshold_ms=args.runq_threshold_ms,
+        host_name=args.host_name,
+        args=tuple(sys.argv[1:]),
+        version=__version__,
+    )
+    try:
+        config.dump_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--dump-dir {config.dump_dir}: {exc.strerror or exc}") from None
+    _setup_logging()
+    return run_agent(config)
+
+
+def run_agent(config: object) -> int:
+    """Load, attach, serve, loop until SIGTERM/SIGINT, detach."""
+    from .agent import Agent, AgentConfig, Stop, run_loop
+    from .source import BccSource
+
+    assert isinstance(config, AgentConfig)
+    log = logging.getLogger("stallwatch.record")
+    source = BccSource(config.ring_size, int(config.runq_threshold_ms * 1e6))
+    sizes = source.sizes
+    log.info(
+        "rings: %s slots, %.1f MiB in total",
+        ", ".join(f"{k}={v}" for k, v in sizes.as_dict().items()),
+        sizes.memory_bytes() / 2**20,
+    )
+    agent = Agent(config, source)
+    stop = Stop()
+    server = None
+    try:
+        for lib in config.libs:
+            agent.attach_library(lib, required=True)
+        for pid in config.pids:
+            agent.attach_pid(pid)
+        server = _serve(agent, config)
+        _install_signals(stop)
+        run_loop(agent, stop)
+    finally:
+        log.info("stopping: detaching probes")
+        if server is not None:
+            server.close()
+        agent.close()
+    log.info("stopped")
+    return EXIT_OK
+
+
+def _serve(agent: object, config: object) -> object:
+    from .agent import AgentConfig
+
+    assert isinstance(config, AgentConfig)
+    try:
+        from analyzer.http import serve_http
+    except ImportError:
+        logging.getLogger("stallwatch.record").warning("no HTTP surface (analyzer.http missing)")
+        return None
+    handle = serve_http(agent, config.listen, config.token)  # type: ignore[arg-type]
+    logging.getLogger("stallwatch.record").info("listening on http://%s", handle.address)
+    return handle
+
+
+def _install_signals(stop: object) -> None:
+    def on_stop(signum: int, frame: FrameType | None) -> None:
+        stop.event.set()  # type: ignore[attr-defined]
+
+    def on_usr1(signum: int, frame: FrameType | None) -> None:
+        stop.dump_requested = True  # type: ignore[attr-defined]
+
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
+    signal.signal(signal.SIGUSR1, on_usr1)
+
+
+def _dump(args: argparse.Namespace) -> int:
+    token = _read_token(args.token_file)
+    body = json.dumps({"reason": args.reason}).encode()
+    req = urllib.request.Request(
+        f"http://{args.agent}/dump",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            answer = json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace").strip()
+        raise AgentError(f"agent {args.agent} refused the dump: {exc.code} {detail}") from None
+    except (OSError, ValueError) as exc:
+        raise AgentError(f"agent {args.agent} unreachable: {exc}") from None
+    print(json.dumps(answer, indent=2, sort_keys=True))
+    return EXIT_OK

@@ -1,0 +1,225 @@
+"""Find the NCCL libraries that processes map, and what is inside them.
+
+- ``ProcessScanner`` lists ``/proc`` and reads the maps of processes it has
+  not classified yet: a library named ``libnccl.so*`` anywhere on disk
+  (virtual environments included).  Processes that map no NCCL are re-read
+  while young (a Python rank loads NCCL a few seconds after it starts), then
+  rarely, so a scan stays cheap.
+- ``elf_functions`` reads the ELF symbol tables (``.dynsym`` and ``.symtab``)
+  of a file: which NCCL entry points it defines and where they start, so a
+  missing symbol is skipped rather than failing the attach, a statically
+  linked executable is recognised, and the first instruction of each entry
+  point is checked (a uprobe on ``push`` is emulated; on ``endbr64`` and most
+  others the kernel single-steps it, more than ten times slower here).
+
+Known limits: ELF64 little-endian only; processes in another mount namespace
+are resolved through ``/proc/PID/root``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dumpers.model import ProcessInfo
+
+NCCL_LIB = re.compile(r"/libnccl\.so[^/]*$")
+YOUNG_S = 30.0  # re-read a process's maps every scan while it is this young
+OLD_RESCAN_S = 5.0  # then this often
+SHT_SYMTAB = 2
+SHT_DYNSYM = 11
+STT_FUNC = 2
+
+
+@dataclass(frozen=True, slots=True)
+class LibraryId:
+    dev: int
+    inode: int
+
+
+@dataclass(frozen=True, slots=True)
+class ElfFunction:
+    name: str
+    file_offset: int
+
+
+def _sections(data: bytes) -> list[tuple[int, int, int, int, int, int]]:
+    """(type, addr, offset, size, link, entsize) of every section."""
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise ValueError("not a little-endian ELF64 file")
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    out = []
+    for i in range(shnum):
+        base = shoff + i * shentsize
+        _, stype, _, addr, off, size, link, _, _, entsize = struct.unpack_from(
+            "<IIQQQQIIQQ", data, base
+        )
+        out.append((stype, addr, off, size, link, entsize))
+    return out
+
+
+def elf_functions(path: str, wanted: Iterable[str]) -> dict[str, ElfFunction]:
+    """The defined functions among ``wanted`` in ``path``, with file offsets."""
+    names = {n.encode(): n for n in wanted}
+    with open(path, "rb") as f:
+        import mmap
+
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        return _find(data, names)
+    finally:
+        data.close()
+
+
+def _find(data: bytes, names: dict[bytes, str]) -> dict[str, ElfFunction]:
+    sections = _sections(data)
+    found: dict[str, ElfFunction] = {}
+    for stype, _, off, size, link, entsize in sections:
+        if stype not in (SHT_SYMTAB, SHT_DYNSYM) or not entsize:
+            continue
+        str_off = sections[link][2]
+        for base in range(off, off + size, entsize):
+            st_name, st_info, _, st_shndx, st_value, _ = struct.unpack_from("<IBBHQQ", data, base)
+            if st_info & 0xF != STT_FUNC or st_shndx == 0 or st_shndx >= len(sections):
+                continue
+            end = data.find(b"\0", str_off + st_name)
+            name = names.get(bytes(data[str_off + st_name : end]))
+            if name is None or name in found:
+                continue
+            _, s_addr, s_off, _, _, _ = sections[st_shndx]
+            found[name] = ElfFunction(name, st_value - s_addr + s_off)
+    return found
+
+
+def describe_first_instruction(code: bytes) -> str:
+    """Name the first instruction of a function, as far as uprobes care."""
+    if code[:1] == b"\x55":
+        return "push %rbp"
+    if code[:1] in (b"\x53", b"\x54", b"\x56", b"\x57") or (
+        code[:1] == b"\x41" and 0x50 <= code[1] <= 0x57
+    ):
+        return "push"
+    if code[:4] == b"\xf3\x0f\x1e\xfa":
+        return "endbr64"
+    if code[:1] in (b"\x48", b"\x49") and code[1:2] in (b"\xb8", b"\xb9", b"\xba", b"\xbb"):
+        return "movabs"
+    if code[:1] in (b"\x48", b"\x4c") and code[1:2] == b"\x8d":
+        return "lea"
+    if code[:1] == b"\xe9":
+        return "jmp"
+    return "other " + code[:4].hex()
+
+
+def first_instruction(path: str, fn: ElfFunction) -> str:
+    with open(path, "rb") as f:
+        f.seek(fn.file_offset)
+        return describe_first_instruction(f.read(8))
+
+
+def emulated(description: str) -> bool:
+    """True when a uprobe on this instruction is emulated rather than stepped."""
+    return description.startswith("push")
+
+
+def library_id(path: str) -> LibraryId:
+    st = os.stat(path)
+    return LibraryId(st.st_dev, st.st_ino)
+
+
+def mapped_nccl_libs(pid: int) -> tuple[str, ...] | None:
+    """Paths of libnccl* files mapped by ``pid``; None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/maps").read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+    libs: list[str] = []
+    for line in text.splitlines():
+        fields = line.split(maxsplit=5)
+        path = fields[5].strip() if len(fields) == 6 else ""
+        if path.startswith("/") and NCCL_LIB.search(path) and path not in libs:
+            libs.append(path)
+    return tuple(libs)
+
+
+def reachable_path(pid: int, path: str) -> str:
+    """The path as this process sees it (through the target's root if needed)."""
+    if os.path.exists(path):
+        return path
+    return f"/proc/{pid}/root{path}"
+
+
+def netns_of(pid: int) -> int:
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return 0
+
+
+def _start_ns(pid: int) -> int:
+    """Process start in CLOCK_MONOTONIC ns (boot time, assuming no suspend)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    fields = stat.rsplit(")", 1)[1].split()
+    ticks = int(fields[19])
+    return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
+def process_info(pid: int, libs: tuple[str, ...]) -> ProcessInfo | None:
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    cmdline = raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+    return ProcessInfo(pid, comm, cmdline, netns_of(pid), _start_ns(pid), libs)
+
+
+@dataclass(slots=True)
+class ProcessScanner:
+    """Incremental scan of /proc for processes that map libnccl."""
+
+    self_pid: int = field(default_factory=os.getpid)
+    _checked: dict[int, tuple[float, float]] = field(default_factory=dict)  # first, last
+    _nccl: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    _scans: int = 0
+
+    def scan(self, now: float | None = None) -> tuple[dict[int, tuple[str, ...]], set[int]]:
+        """New NCCL processes (pid -> libs) and pids that disappeared."""
+        now = time.monotonic() if now is None else now
+        pids = {int(p) for p in os.listdir("/proc") if p.isdigit()}
+        gone = {p for p in self._nccl if p not in pids}
+        for p in set(self._checked) - pids:
+            del self._checked[p]
+        for p in gone:
+            del self._nccl[p]
+        found: dict[int, tuple[str, ...]] = {}
+        # Processes already running at the first scan are not young.
+        born = now - YOUNG_S - 1 if self._scans == 0 else now
+        self._scans += 1
+        for pid in pids:
+            if pid == self.self_pid or pid in self._nccl or not self._due(pid, now, born):
+                continue
+            libs = mapped_nccl_libs(pid)
+            if libs:
+                self._nccl[pid] = libs
+                found[pid] = libs
+        return found, gone
+
+    def _due(self, pid: int, now: float, born: float) -> bool:
+        first, last = self._checked.get(pid, (born, -1.0))
+        age = now - first
+        if last >= 0 and age > YOUNG_S and now - last < OLD_RESCAN_S:
+            return False
+        self._checked[pid] = (first, now)
+        return True
+
+    def known(self) -> dict[int, tuple[str, ...]]:
+        return dict(self._nccl)

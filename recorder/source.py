@@ -1,0 +1,150 @@
+"""The seam between the agent and the kernel: one ``EventSource`` interface.
+
+``BccSource`` is the real thing (BPF programs loaded by ``recorder.probes``,
+rings mapped from the kernel); ``ReplaySource`` holds rings and map contents
+in process memory, filled by tests with the same ring protocol the BPF
+programs use, so that ring, table and watchdog logic has fast unit tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from dumpers.schema import RING_DTYPES
+
+from .model import CommProgress, InflightCall
+from .rings import RingBuffer, RingWriter
+
+
+class EventSource(Protocol):
+    """Where events come from, and the few maps the agent reads each tick."""
+
+    def rings(self) -> dict[str, RingBuffer]: ...
+
+    def kernel_counters(self) -> dict[str, int]: ...
+
+    def comm_progress(self) -> list[CommProgress]: ...
+
+    def inflight_calls(self) -> list[InflightCall]: ...
+
+    def attach(self, path: str, symbol: str) -> None:
+        """Attach entry and return probes of one NCCL symbol; ProbeError on failure."""
+
+    def set_scope(self, pid: int, tracked: bool, excluded: bool) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class BccSource:
+    """The BPF programs of ``bpf/``, loaded and read through BCC."""
+
+    def __init__(self, ring_slots: int, runq_threshold_ns: int) -> None:
+        from .probes import RING_MAPS, Probes, RingSizes
+
+        self.sizes = RingSizes.from_nccl(ring_slots)
+        self.probes = Probes(self.sizes, runq_threshold_ns)
+        drops = self.probes.drops
+        self._rings = {
+            name: RingBuffer(
+                name,
+                self.probes.ring_arrays[name],
+                lambda n=name: self.probes.head(n),  # type: ignore[misc]
+                lambda n=name: drops()[f"kernel_lost_{n}"],  # type: ignore[misc]
+            )
+            for name in RING_MAPS
+        }
+
+    def rings(self) -> dict[str, RingBuffer]:
+        return self._rings
+
+    def kernel_counters(self) -> dict[str, int]:
+        return self.probes.drops()
+
+    def comm_progress(self) -> list[CommProgress]:
+        return [
+            CommProgress(
+                pid=int(k.pid),
+                comm=int(k.comm),
+                comm_hash=int(v.hash),
+                rank=int(v.rank),
+                nranks=int(v.nranks),
+                last_enter_ns=int(v.last_enter_ns),
+                last_return_ns=int(v.last_return_ns),
+                calls=int(v.calls),
+                inflight=max(0, int(v.inflight)),
+                destroyed=bool(v.destroyed),
+            )
+            for k, v in self.probes.items("comms")
+        ]
+
+    def inflight_calls(self) -> list[InflightCall]:
+        return [
+            InflightCall(
+                pid=int(v.pid),
+                tid=int(k.value),
+                comm_hash=int(v.comm_hash),
+                op=int(v.op),
+                seq=int(v.seq),
+                entered_ns=int(v.entered_ns),
+            )
+            for k, v in self.probes.items("inflight")
+        ]
+
+    def attach(self, path: str, symbol: str) -> None:
+        self.probes.attach_symbol(path, symbol)
+
+    def set_scope(self, pid: int, tracked: bool, excluded: bool) -> None:
+        self.probes.set_pid("tracked", pid, tracked)
+        self.probes.set_pid("excluded", pid, excluded)
+
+    def close(self) -> None:
+        self.probes.close()
+
+
+@dataclass(slots=True)
+class ReplaySource:
+    """Rings and maps in memory; tests append rows and set map contents."""
+
+    ring_slots: int = 1024
+    writers: dict[str, RingWriter] = field(default_factory=dict)
+    comms: list[CommProgress] = field(default_factory=list)
+    inflight: list[InflightCall] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)
+    attached: list[tuple[str, str]] = field(default_factory=list)
+    missing_symbols: Sequence[str] = ()
+    tracked: set[int] = field(default_factory=set)
+    excluded: set[int] = field(default_factory=set)
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        for name, dtype in RING_DTYPES.items():
+            slots = self.ring_slots if name == "nccl" else max(64, self.ring_slots // 8)
+            self.writers.setdefault(name, RingWriter(name, dtype, slots))
+
+    def rings(self) -> dict[str, RingBuffer]:
+        return {name: w.buffer for name, w in self.writers.items()}
+
+    def kernel_counters(self) -> dict[str, int]:
+        return dict(self.counters)
+
+    def comm_progress(self) -> list[CommProgress]:
+        return list(self.comms)
+
+    def inflight_calls(self) -> list[InflightCall]:
+        return list(self.inflight)
+
+    def attach(self, path: str, symbol: str) -> None:
+        from dumpers.errors import ProbeError
+
+        if symbol in self.missing_symbols:
+            raise ProbeError(f"cannot attach {symbol} in {path}: no such symbol")
+        self.attached.append((path, symbol))
+
+    def set_scope(self, pid: int, tracked: bool, excluded: bool) -> None:
+        (self.tracked.add if tracked else self.tracked.discard)(pid)
+        (self.excluded.add if excluded else self.excluded.discard)(pid)
+
+    def close(self) -> None:
+        self.closed = True

@@ -2,9 +2,11 @@
 
 The unit is checked by ``systemd-analyze`` (verify, and its offline security
 score), and its ExecStart line is run for real: this machine's PID 1 is not
-systemd, so the test runs the command with the unit's capability bounding set
-and no-new-privileges, sees the agent record the real libnccl and answer
-/healthz, then stops it with the unit's KillSignal within TimeoutStopSec.
+systemd, so the test runs the command in what systemd would give it (the
+unit's capability bounding set, no-new-privileges, a read-only file system but
+/tmp and the dump folder), sees the agent answer /healthz and record calls to
+the real libnccl, then stops it with the unit's KillSignal within
+TimeoutStopSec.
 The DaemonSet is parsed and its security properties checked, and the Slurm
 prolog/epilog run against a fake ``scontrol`` and a fake agent that records
 its arguments and serves /healthz.
@@ -297,6 +299,30 @@ def capability_sandbox(unit: Unit) -> list[str]:
     return ["setpriv", f"--bounding-set=-all,{caps}", "--inh-caps=-all", "--no-new-privs"]
 
 
+# ProtectSystem=strict, ProtectHome=read-only, ReadWritePaths=, PrivateTmp=, in
+# a private mount namespace: every mount read-only but the API file systems,
+# /tmp and the writable paths (given colon-separated as $1).
+READ_ONLY_SANDBOX = """
+set -e
+writable=$1; shift
+for w in ${writable//:/ }; do mount --bind "$w" "$w"; done
+while read -r _ _ _ _ mp _; do
+    case "$mp" in /proc|/proc/*|/sys|/sys/*|/dev|/dev/*) continue;; esac
+    case ":$writable:" in *":$mp:"*) continue;; esac
+    mount -o remount,bind,ro "$mp" || { echo "sandbox: cannot make $mp read-only" >&2; exit 1; }
+done < /proc/self/mountinfo
+exec "$@"
+"""
+
+
+def filesystem_sandbox(unit: Unit, dump_dir: Path) -> list[str]:
+    assert unit.get("Service", "ProtectSystem") == "strict"
+    assert unit.get("Service", "PrivateTmp") == "yes"
+    writable = ["/tmp", str(dump_dir)]
+    unshare = ["unshare", "--mount", "--propagation", "private"]
+    return [*unshare, "bash", "-c", READ_ONLY_SANDBOX, "sandbox", ":".join(writable)]
+
+
 NCCL_CALLER = textwrap.dedent(
     """
     import ctypes, sys
@@ -330,10 +356,12 @@ def agent_from_unit(unit: Unit, tmp_path: Path) -> Iterator[RunningAgent]:
     argv = exec_start_argv(unit, env)
     argv[0] = str(STALLWATCH)
     dump_dir = tmp_path / "dumps"
+    dump_dir.mkdir()  # systemd creates it (StateDirectory=)
     argv = [str(dump_dir) if w == option(argv, "--dump-dir") else w for w in argv]
     log_path = tmp_path / "agent.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(capability_sandbox(unit) + argv, stdout=log, stderr=log)
+        sandbox = filesystem_sandbox(unit, dump_dir) + capability_sandbox(unit)
+        proc = subprocess.Popen(sandbox + argv, stdout=log, stderr=log)
     try:
         yield RunningAgent(proc, f"http://127.0.0.1:{port}", log_path, dump_dir)
     finally:

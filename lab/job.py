@@ -97,9 +97,10 @@ class RankReport:
     calls: dict[str, dict[str, int]]
     comms: dict[str, dict[str, Any]]
     step_ms: list[float]
-    cpu_s: float
-    wall_s: float
-    run_delay_ms: float
+    cpu_s: float  # process CPU time since the first step began
+    wall_s: float  # since the first step began
+    run_delay_ms: float  # time its threads waited on a run queue since then
+    compute_cpu_share: float  # CPU time / wall time inside the compute phases
     injected: list[str]
 
     def to_json(self) -> bytes:
@@ -202,7 +203,9 @@ class Rank:
     ok: int = 0
     failed: int = 0
     step_ms: list[float] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
+    base: tuple[float, float, float] = (0.0, time.monotonic(), 0.0)  # cpu, wall, run delay
+    compute_wall: float = 0.0
+    compute_cpu: float = 0.0
     keep: list[npt.NDArray[Any]] = field(default_factory=list)
 
     @property
@@ -210,7 +213,7 @@ class Rank:
         return int(self.args.rank)
 
     def report(self, status: str, error: str | None = None, code: int | None = None) -> None:
-        usage = resource.getrusage(resource.RUSAGE_SELF)
+        cpu, wall, delay = _cpu_s(), time.monotonic(), _run_delay_ms()
         rep = RankReport(
             world_rank=self.rank,
             node=self.topo.node_of(self.rank),
@@ -227,9 +230,10 @@ class Rank:
             calls=self.nccl.counts(),
             comms={c.label: _comm_json(c) for c in self.comms.values()},
             step_ms=[round(ms, 3) for ms in self.step_ms],
-            cpu_s=usage.ru_utime + usage.ru_stime,
-            wall_s=time.monotonic() - self.started,
-            run_delay_ms=_run_delay_ms(),
+            cpu_s=round(cpu - self.base[0], 4),
+            wall_s=round(wall - self.base[1], 4),
+            run_delay_ms=round(delay - self.base[2], 3),
+            compute_cpu_share=round(self.compute_cpu / max(self.compute_wall, 1e-9), 4),
             injected=[F.format_fault(f) for f in self.faults],
         )
         write_atomic(report_path(self.args.run_dir, self.rank), rep.to_json())
@@ -240,9 +244,23 @@ class Rank:
                 return f
         return None
 
+    def mark_start(self) -> None:
+        self.base = (_cpu_s(), time.monotonic(), _run_delay_ms())
+
+    def compute(self, ms: float) -> None:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        busy(ms)
+        self.compute_wall += time.perf_counter() - wall
+        self.compute_cpu += time.thread_time() - cpu
+
 
 def _comm_json(comm: Comm) -> dict[str, Any]:
     return {"rank": comm.rank, "nranks": comm.nranks, "id_hash": f"0x{comm.id_hash:016x}"}
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _run_delay_ms() -> float:
@@ -257,9 +275,11 @@ def _run_delay_ms() -> float:
 
 
 def busy(ms: float) -> None:
-    end = time.perf_counter() + ms / 1000.0
+    """Compute: burn ``ms`` of this thread's CPU time (fixed work, as a real
+    kernel launch would be); under CPU contention it takes longer on the wall."""
+    end = time.thread_time() + ms / 1000.0
     x = 0
-    while time.perf_counter() < end:
+    while time.thread_time() < end:
         x += 1
 
 
@@ -313,7 +333,7 @@ def destroy_comms(r: Rank) -> None:
 def run_step(r: Rank, step: int) -> None:
     started = time.perf_counter()
     slow = r.fault(F.Slow)
-    busy(r.args.compute_ms + (slow.ms if isinstance(slow, F.Slow) else 0.0))
+    r.compute(r.args.compute_ms + (slow.ms if isinstance(slow, F.Slow) else 0.0))
     inject_before_collectives(r, step)
     checks: list[Check] = []
     checks += tp_collectives(r, step)
@@ -477,6 +497,7 @@ def start(args: argparse.Namespace) -> Rank:
 
 def train(r: Rank) -> int:
     init_comms(r)
+    r.mark_start()
     r.report(STATUS_RUNNING)
     for step in range(r.args.steps):
         run_step(r, step)

@@ -45,6 +45,7 @@ AGENT_PORT = 9400
 AGENT_START_TIMEOUT = 90.0
 DUMP_GRACE = 20.0  # after the job is given up: time for agents to dump
 HOGS_PER_RANK = 2
+HOG_NICE = -10  # a waking rank would otherwise run at once on sleeper credit
 POLL = 0.1
 
 
@@ -94,6 +95,7 @@ class RankOutcome:
     cpu_s: float
     wall_s: float
     run_delay_ms: float
+    compute_cpu_share: float
 
     @property
     def healthy(self) -> bool:
@@ -336,13 +338,22 @@ def start_hogs(lab: Lab) -> None:
         if not isinstance(fault, F.CpuHog):
             continue
         cpu = cpu_of(fault.rank)
-        code = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass\n"
+        code = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nos.nice({HOG_NICE})\nwhile True:\n    pass\n"
         node = lab.node(lab.cfg.topology.node_of(fault.rank))
         for k in range(HOGS_PER_RANK):
             log = lab.run_dir / f"hog-{fault.rank}-{k}.log"
-            lab.hogs.append(lab.spawn(node, [sys.executable, "-c", code], log))
+            hog = lab.spawn(node, [sys.executable, "-c", code], log)
+            _renice_autogroup(hog.pid, HOG_NICE)
+            lab.hogs.append(hog)
         how = f"{HOGS_PER_RANK} busy processes and the rank pinned to CPU {cpu}"
         lab.applied.append({"spec": F.format_fault(fault), "how": how})
+
+
+def _renice_autogroup(pid: int, nice: int) -> None:
+    """With autogroup, every session shares the CPU equally whatever its tasks'
+    nice values: renice the hog's session too, or the rank would not notice it."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
 
 
 def rank_argv(lab: Lab, rank: int) -> list[str]:
@@ -524,6 +535,7 @@ def outcome(lab: Lab, rank: int) -> RankOutcome:
         cpu_s=rep.cpu_s if rep is not None else 0.0,
         wall_s=rep.wall_s if rep is not None else 0.0,
         run_delay_ms=rep.run_delay_ms if rep is not None else 0.0,
+        compute_cpu_share=rep.compute_cpu_share if rep is not None else 0.0,
     )
 
 

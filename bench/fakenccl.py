@@ -1,0 +1,70 @@
+"""Build the tiny NCCL-ABI library and C driver of ``bench/csrc`` (recorder
+tests and benchmarks): ``libnccl.so.2`` whose entry points begin with
+``push``, and ``ncclloop`` linked against it (or against another library)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+LIB_FLAGS = (
+    "-O0",
+    "-fno-omit-frame-pointer",
+    "-fcf-protection=none",
+    "-shared",
+    "-fPIC",
+    "-Wl,-soname,libnccl.so.2",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FakeNccl:
+    lib: Path  # .../libnccl.so.2
+    loop: Path  # the driver, linked against ``lib``
+
+
+def _digest() -> str:
+    h = hashlib.sha256()
+    for name in ("fakenccl.c", "ncclloop.c"):
+        h.update((CSRC / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr}")
+
+
+def link_loop(lib: Path, out: Path) -> Path:
+    """``ncclloop`` linked against ``lib`` (any libnccl.so.2 with NCCL's ABI)."""
+    cc = shutil.which("cc") or "gcc"
+    _run(
+        [cc, "-O2", "-o", str(out), str(CSRC / "ncclloop.c"), str(lib), f"-Wl,-rpath,{lib.parent}"]
+    )
+    return out
+
+
+def build(root: Path | None = None) -> FakeNccl:
+    """Build once per source version into ``root`` (default: the temp dir)."""
+    base = (root or Path(tempfile.gettempdir())) / f"stallwatch-fakenccl-{_digest()}"
+    lib, loop = base / "libnccl.so.2", base / "ncclloop"
+    if lib.exists() and loop.exists():
+        return FakeNccl(lib, loop)
+    work = Path(tempfile.mkdtemp(prefix="fakenccl-", dir=base.parent))
+    cc = shutil.which("cc") or "gcc"
+    _run([cc, *LIB_FLAGS, "-o", str(work / "libnccl.so.2"), str(CSRC / "fakenccl.c")])
+    link_loop(work / "libnccl.so.2", work / "ncclloop")
+    # Rebuild the driver at its final place so its rpath is right.
+    try:
+        work.rename(base)
+    except OSError:  # another process won the race
+        shutil.rmtree(work, ignore_errors=True)
+        return FakeNccl(lib, loop)
+    link_loop(lib, loop)
+    return FakeNccl(lib, loop)

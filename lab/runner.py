@@ -45,6 +45,7 @@ AGENT_PORT = 9400
 AGENT_START_TIMEOUT = 90.0
 DUMP_GRACE = 20.0  # after the job is given up: time for agents to dump
 HOGS_PER_RANK = 2
+HOG_CODE = "import os\nos.sched_setaffinity(0, {{{cpu}}})\nos.nice({nice})\nwhile True:\n    pass\n"
 HOG_NICE = -10  # a waking rank would otherwise run at once on sleeper credit
 POLL = 0.1
 
@@ -338,7 +339,7 @@ def start_hogs(lab: Lab) -> None:
         if not isinstance(fault, F.CpuHog):
             continue
         cpu = cpu_of(fault.rank)
-        code = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nos.nice({HOG_NICE})\nwhile True:\n    pass\n"
+        code = HOG_CODE.format(cpu=cpu, nice=HOG_NICE)
         node = lab.node(lab.cfg.topology.node_of(fault.rank))
         for k in range(HOGS_PER_RANK):
             log = lab.run_dir / f"hog-{fault.rank}-{k}.log"

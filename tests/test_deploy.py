@@ -725,6 +725,15 @@ def test_slurm_scripts_parse(script: str) -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+def test_slurm_scripts_pass_shellcheck() -> None:
+    tool = shutil.which("shellcheck")
+    if tool is None:
+        pytest.skip("shellcheck not installed (Debian package: shellcheck)")
+    scripts = [str(SLURM / s) for s in ("prolog.sh", "epilog.sh", "common.sh")]
+    proc = subprocess.run([tool, "-x", *scripts], capture_output=True, text=True, cwd=SLURM)
+    assert proc.returncode == 0, proc.stdout
+
+
 def test_prolog_starts_one_agent_for_the_job(node: SlurmNode) -> None:
     proc = node.run("prolog.sh")
     assert proc.returncode == 0, proc.stderr

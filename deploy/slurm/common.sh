@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by prolog.sh and epilog.sh: settings and helpers. Sourced, not run.
 #
 # Every setting can be overridden in /etc/default/stallwatch-slurm (or the file
@@ -30,6 +31,7 @@ STALLWATCH_STOP_TIMEOUT=${STALLWATCH_STOP_TIMEOUT:-10}
 STALLWATCH_COLLECT_DIR=${STALLWATCH_COLLECT_DIR:-}
 
 job=${SLURM_JOB_ID:?SLURM_JOB_ID is not set: run me as the Slurm Prolog or Epilog}
+# shellcheck disable=SC2034  # used by prolog.sh and epilog.sh
 node=${SLURMD_NODENAME:-$(hostname -s)}
 dump_dir=$STALLWATCH_STATE_DIR/$job
 pid_file=$STALLWATCH_RUN_DIR/$job.pid

@@ -66,7 +66,7 @@ main() {
         return 0
     fi
     [ -x "$STALLWATCH_BIN" ] || { say prolog "$STALLWATCH_BIN not executable: not recording"; return 0; }
-    mkdir -p -m 0700 "$dump_dir" "$STALLWATCH_RUN_DIR" || return 0
+    mkdir -p "$STALLWATCH_STATE_DIR" "$STALLWATCH_RUN_DIR" && install -d -m 0700 "$dump_dir" || return 0
     agent_args
     # Its own session, no terminal, no inherited descriptors: slurmd must not
     # wait on it, and the job's signals must not reach it.

@@ -290,3 +290,12 @@ def test_disk_full_and_read_only_on_a_real_tmpfs(tmp_path: Path) -> None:
             fmt.write_dump(mnt, rec)
         remount(mnt, "rw")
         assert_same(rec, fmt.read_dump(fmt.write_dump(mnt, rec)))
+
+
+def test_the_benchmark_runs_on_a_small_size(tmp_path: Path) -> None:
+    from bench import bench_dumps
+
+    figures = bench_dumps.figures(rows=5000, repeats=1, folder=tmp_path)
+    assert [f.ok for f in figures[:2]] == [True, True]
+    assert "5,000 nccl entries" in figures[0].name
+    assert list(tmp_path.iterdir()) == []  # its temporary folder is gone

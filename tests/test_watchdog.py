@@ -597,3 +597,70 @@ def test_parse_peers() -> None:
     for bad in ("node3", "node3:x", ":9400", "node3:70000"):
         with pytest.raises(UsageError, match="--peers: expected HOST:PORT"):
             peers_mod.parse_peers(bad)
+
+
+# ---------------------------------------------------------------- four agents over real HTTP
+
+
+class _Node:
+    """What an agent exposes to the HTTP server (analyzer.http's Backend)."""
+
+    def __init__(self, host: str, folder: Path) -> None:
+        self.host = host
+        self.folder = folder
+        wd = Watchdog(TIMEOUT, host)
+        sched = DumpScheduler.for_directory(folder, lambda: sample_recording(2000, host=host))
+        self.incidents = Incidents(wd, sched)
+
+    def recording(self) -> Recording:
+        return sample_recording(10, host=self.host)
+
+    def metrics_text(self) -> str:
+        return ""
+
+    def request_dump(self, reason: str, incident_id: str | None, origin: str | None) -> object:
+        return {"host": self.host, **self.incidents.request_dump(reason, incident_id, origin)}
+
+
+def test_four_agents_over_http_share_one_incident(tmp_path: Path) -> None:
+    from analyzer.http import serve_http
+
+    nodes = []
+    servers = []
+    try:
+        for n in range(4):
+            (tmp_path / f"node-{n}").mkdir()
+            node = _Node(f"node-{n}", tmp_path / f"node-{n}")
+            servers.append(serve_http(node, "127.0.0.1:0", token="t0ken"))
+            nodes.append(node)
+        addresses = [s.address for s in servers]
+        for node, address in zip(nodes, addresses, strict=True):
+            others = [a for a in addresses if a != address]
+            node.incidents.notify = peers_mod.peer_notifier(others, node.host, "t0ken")
+        now = time.monotonic_ns()
+        stuck = TickState(now, (call(1, now - 3 * S),), (comm(1, now - 3 * S),), (proc(1),))
+        start = time.monotonic()
+        nodes[2].incidents.tick(stuck)  # two nodes see the hang; 0 and 3 see nothing
+        nodes[1].incidents.tick(stuck)
+        deadline = time.monotonic() + 5
+        ids: set[str] = set()
+        while time.monotonic() < deadline:
+            dumps = [sorted(n.folder.glob("*.msgpack")) for n in nodes]
+            if all(len(d) == 1 for d in dumps):
+                ids = {d[0].name.split("-", 2)[2].rsplit("-", 1)[0] for d in dumps}
+                if len(ids) == 1:
+                    break
+            time.sleep(0.02)
+        elapsed = time.monotonic() - start
+        assert len(ids) == 1, [list(n.folder.iterdir()) for n in nodes]
+        for node in nodes:
+            [path] = node.folder.glob("*.msgpack")
+            rec = read_dump(path)
+            assert rec.trigger is not None and rec.trigger.incident_id in path.name
+        assert elapsed < 2.0, elapsed
+        # a wrong token is refused by the server, and reported by the client
+        bad = peers_mod.notify_peers(addresses[:1], "x", "r", "h", "wrong", timeout=1.0)
+        assert bad[addresses[0]] == "error: HTTP 401 Unauthorized"
+    finally:
+        for server in servers:
+            server.close()

@@ -104,6 +104,17 @@ class RankOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeOutcome:
+    """One node's kernel TCP counters at the end (read inside its namespace)."""
+
+    index: int
+    netns: str
+    ip: str
+    tcp_out_segs: int
+    tcp_retrans_segs: int
+
+
+@dataclass(frozen=True, slots=True)
 class RunResult:
     run_id: str
     nodes: int
@@ -112,6 +123,7 @@ class RunResult:
     mode: str
     faults: list[dict[str, str]]
     ranks: list[RankOutcome]
+    nodes_seen: list[NodeOutcome]
     duration_s: float
     gave_up: str | None  # why the lab stopped waiting, None if the job ended
     recorded: bool
@@ -548,6 +560,17 @@ def _status(rep: job.RankReport | None, killed: bool) -> str:
     return rep.status
 
 
+def node_outcomes(lab: Lab) -> list[NodeOutcome]:
+    assert lab.net is not None
+    seen = []
+    for node in lab.net.nodes:
+        tcp = netns.tcp_counters(node.netns)
+        seen.append(
+            NodeOutcome(node.index, node.netns, node.ip, tcp["OutSegs"], tcp["RetransSegs"])
+        )
+    return seen
+
+
 # --- the run ----------------------------------------------------------------
 
 
@@ -570,6 +593,7 @@ def run(cfg: RunConfig, progress_out: TextIO | None = None) -> RunResult:
                 wait_for_dumps(lab)
             stop_stuck(lab)
             ranks = [outcome(lab, r) for r in range(cfg.topology.world_size)]
+            nodes = node_outcomes(lab)
     finally:
         with signals_ignored():
             problems = lab.teardown()
@@ -584,6 +608,7 @@ def run(cfg: RunConfig, progress_out: TextIO | None = None) -> RunResult:
         mode=cfg.mode,
         faults=lab.applied,
         ranks=ranks,
+        nodes_seen=nodes,
         duration_s=round(time.monotonic() - started, 3),
         gave_up=gave_up,
         recorded=cfg.record,

@@ -96,8 +96,8 @@ def _procs(sources: list[Source]) -> tuple[list[Proc], dict[tuple[str, int], int
         complete = ring is None or ring.overwritten == 0
         pids = {c.pid for c in rec.communicators}
         if ring is not None and len(ring.rows):
-            rows = ring.rows[np.isin(ring.rows["op"], CALL_OPS)]
-            pids.update(int(p) for p in np.unique(rows["pid"]))
+            calls = np.isin(ring.rows["op"], CALL_OPS)
+            pids.update(int(p) for p in np.unique(ring.rows["pid"][calls]))
         status = _exit_status(rec)
         for pid in sorted(pids):
             key = (rec.host, pid)
@@ -167,7 +167,12 @@ def _row_members(
         ring = s.recording.rings.get("nccl")
         if ring is None or not len(ring.rows):
             continue
-        rows = ring.rows[(ring.rows["comm_hash"] != 0) & (ring.rows["rank"] >= 0)]
+        known = np.array(sorted({c.comm_hash for c in s.recording.communicators}), dtype=np.uint64)
+        raw = ring.rows
+        sel = (raw["comm_hash"] != 0) & (raw["rank"] >= 0) & ~np.isin(raw["comm_hash"], known)
+        if not sel.any():
+            continue
+        rows = raw[sel]
         keys = np.unique(rows[["comm_hash", "pid", "rank", "nranks"]])
         for h, pid, rank, nranks in keys.tolist():
             out.append((int(h), proc_index[(s.recording.host, int(pid))], int(rank), int(nranks)))
@@ -238,35 +243,41 @@ def _calls_of(
     rec = s.recording
     if raw.dtype != NCCL_EVENT:
         raw = raw.astype(NCCL_EVENT)
-    rows = raw[np.isin(raw["op"], CALL_OPS)]
-    comm_hash = rows["comm_hash"].copy()
+    is_call = np.isin(raw["op"], CALL_OPS)
+    comm_hash = raw["comm_hash"][is_call]
     unknown = comm_hash == 0
     if unknown.any():  # fill from the process's comm table by pointer
         ptr = {(c.pid, c.comm): c.comm_hash for c in rec.communicators}
-        comm_hash[unknown] = [
-            ptr.get((int(p), int(c)), 0) for p, c in rows[["pid", "comm"]][unknown]
-        ]
-    pids, inv = np.unique(rows["pid"], return_inverse=True)
+        pid_comm = zip(
+            raw["pid"][is_call][unknown].tolist(),
+            raw["comm"][is_call][unknown].tolist(),
+            strict=True,
+        )
+        comm_hash[unknown] = [ptr.get(k, 0) for k in pid_comm]
+    pids, inv = np.unique(raw["pid"][is_call], return_inverse=True)
     proc = np.array([proc_index[(rec.host, int(p))] for p in pids], dtype=np.int64)[inv]
     pos = np.clip(np.searchsorted(hashes, comm_hash), 0, max(len(hashes) - 1, 0))
-    ok = (hashes[pos] == comm_hash) if len(hashes) else np.zeros(len(rows), dtype=bool)
+    ok = (hashes[pos] == comm_hash) if len(hashes) else np.zeros(len(comm_hash), dtype=bool)
     crank = _lookup(proc * (ncomms + 1) + pos, mem_keys, mem_vals, -1)
-    crank = np.where(crank >= 0, crank, rows["rank"])
+    crank = np.where(crank >= 0, crank, raw["rank"][is_call])
     keep = ok & (crank >= 0)
-    out = np.empty(int(keep.sum()), dtype=CALL_DTYPE)
+    sel = np.flatnonzero(is_call)[keep]
+    out = np.empty(len(sel), dtype=CALL_DTYPE)
     out["comm"] = pos[keep]
     out["crank"] = crank[keep]
     out["proc"] = proc[keep]
-    r = rows[keep]
-    out["seq"] = r["seq"].astype(np.int64)
-    out["ts"] = r["ts_ns"].astype(np.int64)
-    out["end"] = r["end_ns"].astype(np.int64)
-    out["count"] = r["count"]
-    out["root"] = r["peer"]
-    out["op"] = r["op"]
-    out["datatype"] = r["datatype"]
-    out["redop"] = r["redop"]
-    out["state"] = r["state"]
+    for dst, src in (
+        ("seq", "seq"),
+        ("ts", "ts_ns"),
+        ("end", "end_ns"),
+        ("count", "count"),
+        ("root", "peer"),
+        ("op", "op"),
+        ("datatype", "datatype"),
+        ("redop", "redop"),
+        ("state", "state"),
+    ):
+        out[dst] = raw[src][sel]
     return out
 
 

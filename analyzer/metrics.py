@@ -21,6 +21,7 @@ from .model import Incident
 ROOTED_OPS = np.array([Op.BROADCAST, Op.REDUCE, Op.GATHER, Op.SCATTER], dtype=np.uint8)
 STALL_MIN_NS = 1_000_000_000  # a frontier older than this (and than 4x p99) is stuck
 NEVER = -1
+ASYNC_BELOW_NS = 1_000_000  # median call duration under which calls are taken as async
 
 
 class MemberState(enum.Enum):
@@ -191,8 +192,10 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
         complete = _complete_groups(m, rows, gid, c.nranks)
         if not complete.any():
             continue
-        out.extend(_wait_scores(inc, comm, rows[complete], gid[complete], c.nranks))
-        out.extend(_lateness_scores(inc, comm, rows[complete], gid[complete], c.nranks))
+        rows, gid = rows[complete], gid[complete]
+        out.extend(_wait_scores(inc, comm, rows, gid, c.nranks))
+        if np.median(rows["end"] - rows["ts"]) < ASYNC_BELOW_NS:  # calls return at once
+            out.extend(_lateness_scores(inc, comm, rows, gid, c.nranks))
     return out
 
 
@@ -204,10 +207,20 @@ def _complete_groups(m: Matched, rows: np.ndarray, gid: np.ndarray, nranks: int)
     return full & ok_group
 
 
-def _per_rank(values: np.ndarray, crank: np.ndarray, nranks: int) -> list[np.ndarray]:
-    order = np.argsort(crank, kind="stable")
+def _median_per_rank(values: np.ndarray, crank: np.ndarray, nranks: int) -> np.ndarray:
+    """Lower median of ``values`` per comm rank (0 where a rank has none)."""
+    if len(crank) % nranks == 0 and len(crank):
+        grid = crank.reshape(-1, nranks)
+        if (grid == np.arange(nranks)).all():  # complete groups, one row per rank
+            cols = values.reshape(-1, nranks)
+            k = (cols.shape[0] - 1) // 2
+            return np.asarray(np.partition(cols, k, axis=0)[k], dtype=np.int64)
+    order = np.lexsort((values, crank))
     bounds = np.searchsorted(crank[order], np.arange(nranks + 1))
-    return [values[order[bounds[r] : bounds[r + 1]]] for r in range(nranks)]
+    counts = np.diff(bounds)
+    mid = np.clip(bounds[:-1] + (counts - 1) // 2, 0, max(len(values) - 1, 0))
+    out = values[order[mid]] if len(values) else np.zeros(nranks)
+    return np.where(counts > 0, out, 0).astype(np.int64)
 
 
 def _wait_scores(
@@ -223,9 +236,9 @@ def _wait_scores(
     crank = rows["crank"]
     ngroups = len(starts)
     mins = np.bincount(crank, weights=is_min, minlength=nranks)
-    margin = _per_rank(peers_mean - dur, crank, nranks)
-    own = _per_rank(dur, crank, nranks)
-    peer = _per_rank(peers_mean, crank, nranks)
+    margin = _median_per_rank(peers_mean - dur, crank, nranks)
+    own = _median_per_rank(dur, crank, nranks)
+    peer = _median_per_rank(peers_mean, crank, nranks)
     members = inc.comms[comm].members
     return [
         ArrivalScore(
@@ -234,9 +247,9 @@ def _wait_scores(
             members[r],
             ngroups,
             float(mins[r]) / max(ngroups, 1),
-            int(np.median(margin[r])) if len(margin[r]) else 0,
-            int(np.median(peer[r])) if len(peer[r]) else 0,
-            int(np.median(own[r])) if len(own[r]) else 0,
+            int(margin[r]),
+            int(peer[r]),
+            int(own[r]),
             "wait",
         )
         for r in range(nranks)
@@ -263,29 +276,22 @@ def _lateness_scores(
     late[order] = ts - hmin
     is_last[order] = ((ts == hmax) & (np.repeat(size, size) >= 2)).astype(np.float64)
     crank = rows["crank"]
-    ngroups = int(gid.max() - gid.min() + 1)
+    ngroups = int(np.count_nonzero(np.r_[True, gid[1:] != gid[:-1]]))
     members = inc.comms[comm].members
     lasts = np.bincount(crank[shared], weights=is_last[shared], minlength=nranks)
-    lates = _per_rank(late, crank, nranks)
-    own = _per_rank(rows["end"] - rows["ts"], crank, nranks)
+    counts = np.bincount(crank, minlength=nranks)
+    lates = _median_per_rank(late, crank, nranks)
+    own = _median_per_rank(rows["end"] - rows["ts"], crank, nranks)
+    rank_host = np.full(nranks, -1, dtype=np.int64)
+    rank_host[crank] = host
     out = []
     for r in range(nranks):
-        if members[r] < 0 or not len(lates[r]):
+        if members[r] < 0 or not counts[r] or ranks_per_host[rank_host[r]] < 2:
             continue
-        hosted = bool(ranks_per_host[host[crank == r][0]] >= 2)
-        if not hosted:
-            continue
+        score = float(lasts[r]) / max(ngroups, 1)
         out.append(
             ArrivalScore(
-                comm,
-                r,
-                members[r],
-                ngroups,
-                float(lasts[r]) / max(ngroups, 1),
-                int(np.median(lates[r])),
-                0,
-                int(np.median(own[r])),
-                "host-lateness",
+                comm, r, members[r], ngroups, score, int(lates[r]), 0, int(own[r]), "host-lateness"
             )
         )
     return out

@@ -107,10 +107,8 @@ def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[t
         hung = len(entered) < n or (job.mismatch is not None and step == job.mismatch[1])
         done = max(arrive.values()) + int(xfer * MS)
         for r in entered:
-            if job.mode == "async":
-                end = arrive[r] + 20_000
-            else:
-                end = 0 if hung else done
+            blocked_end = 0 if hung else done
+            end = arrive[r] + 20_000 if job.mode == "async" else blocked_end
             rows[job.node_of(r)].append(_row(r, n, step, arrive[r], end, WORLD, r))
             windows[job.node_of(r)].append((arrive[r], done))
         t = done
@@ -122,7 +120,7 @@ def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[t
 def _split_rows(job: Job, rows: dict[int, list[np.void]]) -> None:
     """A split communicator (color = rank % 2) doing one collective per world step."""
     sh = split_hash(WORLD, 0, 0)
-    for node, lst in rows.items():
+    for lst in rows.values():
         extra = []
         for r in lst:
             rank = int(r["rank"])

@@ -1,0 +1,215 @@
+"""Analyzer benchmark: ``stallwatch analyze`` on synthetic incidents.
+
+    python -m bench.bench_analyzer [--quick] [--big]
+
+Figures (one run each, in a child process so that peak RSS is the analysis'):
+- 512 ranks x 2,000 collectives from our dumps (64 nodes x 8 ranks, one
+  rank hung at the last step): load + analyze time (< 1 s) and peak RSS
+  (< 1 GB);
+- with --big, 16,384 ranks x 2,000 (< 30 s, < 8 GB);
+- PyTorch Flight Recorder pickles of 512 ranks x 2,000 entries: our time;
+  torchfrtrace's beside it when torch is installed (it is not here).
+
+The child prints its verdict so that a benchmark of a wrong answer fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import Figure, render
+from dumpers.format import write_dump
+from dumpers.model import Clock, CommInfo, ProcessInfo, Recording, Ring, Trigger, TriggerKind
+from dumpers.schema import NCCL_EVENT, DataType, Op, State
+
+WORLD = 0xBE7C_0000_0000_0001
+MS = 1_000_000
+
+
+def synth_node(node: int, rpn: int, nranks: int, steps: int, hung: int) -> Recording:
+    ranks = np.arange(node * rpn, node * rpn + rpn)
+    rows = np.zeros(len(ranks) * steps, dtype=NCCL_EVENT)
+    seq = np.tile(np.arange(steps), len(ranks))
+    rank = np.repeat(ranks, steps)
+    rng = np.random.default_rng(node)
+    ts = 10**9 + seq * 20 * MS + rng.integers(0, MS, len(rows))
+    rows["ts_ns"], rows["seq"], rows["rank"], rows["nranks"] = ts, seq, rank, nranks
+    rows["end_ns"] = 10**9 + (seq + 1) * 20 * MS - 2 * MS
+    rows["pid"] = rows["tid"] = 1000 + rank
+    rows["comm"], rows["comm_hash"], rows["count"], rows["bytes"] = 0x10, WORLD, 1 << 20, 4 << 20
+    rows["op"], rows["datatype"], rows["state"], rows["peer"] = (
+        Op.ALL_REDUCE,
+        DataType.FLOAT32,
+        State.COMPLETED,
+        -1,
+    )
+    last = seq == steps - 1
+    rows["end_ns"][last] = 0
+    rows["state"][last] = State.SCHEDULED
+    rows["result"] = np.where(last, -1, 0)
+    keep = ~(last & (rank == hung))
+    rows = rows[keep]
+    rows = rows[np.argsort(rows["ts_ns"], kind="stable")]
+    now = 10**9 + steps * 20 * MS + 10_000 * MS
+    procs = tuple(ProcessInfo(1000 + int(r), "python", "train", 1, 0, ()) for r in ranks)
+    comms = tuple(CommInfo(1000 + int(r), 0x10, WORLD, int(r), nranks) for r in ranks)
+    return Recording(
+        f"node{node:05d}",
+        "boot",
+        Clock(now, now),
+        procs,
+        comms,
+        {"nccl": Ring(rows)},
+        trigger=Trigger(TriggerKind.PEER, "bench", "bench-1", now),
+    )
+
+
+def write_ours(folder: Path, nranks: int, steps: int, rpn: int = 8) -> int:
+    hung = nranks // 3
+    for node in range(nranks // rpn):
+        write_dump(folder, synth_node(node, rpn, nranks, steps, hung))
+    return hung
+
+
+def write_flightrec(folder: Path, nranks: int, entries: int) -> None:
+    cfg = {"0": {"name": "0", "desc": "default_pg", "ranks": str(list(range(nranks)))}}
+    for r in range(nranks):
+        ents = [
+            {
+                "collective_seq_id": s,
+                "p2p_seq_id": 0,
+                "is_p2p": False,
+                "pg_id": 0,
+                "op_id": s,
+                "record_id": s,
+                "process_group": ("0", "default_pg"),
+                "profiling_name": "nccl:all_reduce",
+                "input_sizes": [[1024]],
+                "input_dtypes": ["Float"],
+                "output_sizes": [[1024]],
+                "output_dtypes": ["Float"],
+                "state": "completed" if s < entries - 1 else "scheduled",
+                "time_created_ns": 10**18 + s * 10**6,
+                "time_discovered_started_ns": None,
+                "time_discovered_completed_ns": 10**18 + s * 10**6 + 500
+                if s < entries - 1
+                else None,
+                "retired": False,
+                "timeout_ms": 600000,
+                "thread_id": "1",
+                "thread_name": "py",
+            }
+            for s in range(entries - (1 if r == 7 else 0))
+        ]
+        doc = {"version": "2.9", "pg_config": cfg, "pg_status": {}, "entries": ents}
+        (folder / f"_dump_{r}").write_bytes(pickle.dumps(doc, protocol=4))
+
+
+def child(folder: str) -> None:
+    from analyzer.pipeline import analyze_paths
+
+    t0 = time.perf_counter()
+    res = analyze_paths([folder])
+    elapsed = time.perf_counter() - t0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    v = res.incidents[0].verdicts[0]
+    print(
+        json.dumps({"seconds": elapsed, "rss": rss, "kind": v.kind.value, "ranks": list(v.ranks)})
+    )
+
+
+def measure(folder: Path) -> dict[str, object]:
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.bench_analyzer", "--child", str(folder)],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    doc: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return doc
+
+
+def _ours(nranks: int, steps: int, t_max: float, gb_max: float, tag: str) -> list[Figure]:
+    with tempfile.TemporaryDirectory(prefix="bench-analyzer-") as tmp:
+        hung = write_ours(Path(tmp), nranks, steps)
+        r = measure(Path(tmp))
+    right = r["kind"] == "missing_rank" and r["ranks"] == [hung]
+    secs, gb = float(r["seconds"]), float(r["rss"]) / 1e9  # type: ignore[arg-type]
+    anchor = f"verdict {r['kind']} {r['ranks']} ({'right' if right else 'WRONG'})"
+    return [
+        Figure(
+            f"analyze {tag} ranks x {steps} (our dumps): time",
+            secs,
+            "s",
+            f"< {t_max:g} s",
+            secs < t_max and right,
+            anchor,
+        ),
+        Figure(
+            f"analyze {tag} ranks x {steps} (our dumps): peak RSS",
+            gb,
+            "GB",
+            f"< {gb_max:g} GB",
+            gb < gb_max,
+            "child process ru_maxrss",
+        ),
+    ]
+
+
+def _fr(nranks: int, entries: int) -> list[Figure]:
+    with tempfile.TemporaryDirectory(prefix="bench-fr-") as tmp:
+        write_flightrec(Path(tmp), nranks, entries)
+        r = measure(Path(tmp))
+    right = r["kind"] == "missing_rank" and r["ranks"] == [7]
+    anchor = "torchfrtrace: torch not installed, not measured"
+    secs = float(r["seconds"])  # type: ignore[arg-type]
+    return [
+        Figure(
+            f"analyze FR {nranks} ranks x {entries} entries: time",
+            secs,
+            "s",
+            "10x faster than torchfrtrace",
+            None if right else False,
+            anchor + ("" if right else "; WRONG verdict"),
+        )
+    ]
+
+
+def figures(quick: bool = False, big: bool = False) -> list[Figure]:
+    n, steps = (64, 200) if quick else (512, 2000)
+    figs = _ours(n, steps, 1.0, 1.0, str(n))
+    if big:
+        figs += _ours(16384, 2000, 30.0, 8.0, "16384")
+    figs += _fr(64 if quick else 512, 200 if quick else 2000)
+    return figs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_analyzer", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small sizes")
+    parser.add_argument("--big", action="store_true", help="also 16,384 ranks x 2,000")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args.child)
+        return 0
+    figs = figures(quick=args.quick, big=args.big)
+    print(render(figs))
+    return 0 if all(f.ok is not False for f in figs) else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    sys.exit(main())

@@ -1,6 +1,8 @@
 """The dump file: one node's ``Recording`` as a msgpack document.
 
-Layout (format version 1; every key is required, no other key is allowed)::
+Layout (format version 1; every key is required, no other key is allowed;
+``format`` and ``version`` come first, in this version and every later one,
+so that a newer layout is recognised as such before anything else is read)::
 
     {"format": "stallwatch-dump", "version": 1,
      "host": str, "boot_id": str,
@@ -234,8 +236,14 @@ def dump_file_name(rec: Recording) -> str:
 
 def _target(dir_or_path: str | os.PathLike[str], rec: Recording) -> Path:
     path = Path(dir_or_path)
-    if not path.is_dir():
+    if path.suffix == DUMP_SUFFIX and not path.is_dir():
         return path
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DumpWriteError(
+            f"{path}: cannot create the dump folder: {exc.strerror or exc}"
+        ) from exc
     final = path / dump_file_name(rec)
     n = 1
     while final.exists():
@@ -264,8 +272,9 @@ def _write_temp(temp: Path, chunks: Iterator[_Chunk]) -> None:
 def write_dump(dir_or_path: str | os.PathLike[str], rec: Recording) -> Path:
     """Write ``rec`` atomically; returns the final path.
 
-    ``dir_or_path`` is a directory (the file is named by ``dump_file_name``,
-    with ``~N`` added if that name is taken) or the file's path.  Raises
+    ``dir_or_path`` is a folder, created if missing (the file is named by
+    ``dump_file_name``, with ``~N`` added if that name is taken), or the
+    file's path if it ends in ``.msgpack``.  Raises
     DumpWriteError naming the path and the reason (disk full, read-only,
     permissions); the temporary file is removed on failure."""
     final = _target(dir_or_path, rec)
@@ -457,6 +466,8 @@ def _walk_map(src: _Source, c: _Checker, path: str) -> dict[str, object]:
             out[key] = _read_bin(src, c, sub)
         else:
             out[key] = src.up.unpack()
+        if path == "document" and key in ("format", "version") and len(out) == 2:
+            _check_header(out, c)  # the writer puts these first: a newer layout stops here
     return out
 
 
@@ -468,7 +479,7 @@ def _unpack(stream: BinaryIO, size: int, name: str) -> tuple[dict[str, object], 
     src = _Source(stream, size)
     try:
         doc = _walk_map(src, c, "document")
-    except DumpFormatError:
+    except (DumpFormatError, DumpVersionError):
         raise
     except msgpack.OutOfData:
         raise DumpFormatError(f"{name}: truncated (the file ends inside the document)") from None

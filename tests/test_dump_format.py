@@ -111,6 +111,23 @@ def test_newer_version_is_refused_with_its_message() -> None:
     )
 
 
+def test_newer_version_with_another_layout_is_still_a_version_error() -> None:
+    doc = _doc(sample_recording())
+    doc["version"] = FORMAT_VERSION + 1
+    doc["rings"]["nccl"]["data"] = [b"chunk", b"chunk"]  # whatever a later version does
+    del doc["host"]
+    with pytest.raises(DumpVersionError, match="written by a newer stallwatch"):
+        _decode_doc(doc)
+
+
+def test_a_missing_dump_folder_is_created(tmp_path: Path) -> None:
+    path = fmt.write_dump(tmp_path / "a" / "b", sample_recording())
+    assert path.parent == tmp_path / "a" / "b" and path.exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(DumpWriteError, match="cannot create the dump folder"):
+        fmt.write_dump(tmp_path / "file" / "dumps", sample_recording())
+
+
 def _ring_data_too_short(doc: dict) -> None:
     doc["rings"]["nccl"]["data"] = b"12345"
 

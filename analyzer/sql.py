@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import duckdb
+import pyarrow as pa
 
 from dumpers.errors import QueryError, QueryRefused
 from dumpers.model import Recording
@@ -91,6 +92,7 @@ def sandboxed_connection(limits: Limits) -> duckdb.DuckDBPyConnection:
     """An in-memory connection that cannot reach files, the network or
     extensions, and whose settings cannot be changed any more."""
     con = duckdb.connect(":memory:", config=_config(limits))
+    con.execute("SET enable_progress_bar = false")
     con.execute("SET lock_configuration = true")
     return con
 
@@ -140,17 +142,22 @@ class QueryEngine:
         self._cache_s = cache_s
         self._loaded_at: float | None = None
         self._lock = threading.Lock()
-        self._con = sandboxed_connection(self.limits)
+        self._con: duckdb.DuckDBPyConnection | None = sandboxed_connection(self.limits)
         _OPEN.add(self)
 
-    def _refresh(self) -> None:
+    def _connection(self) -> duckdb.DuckDBPyConnection:
+        if self._con is None:
+            raise QueryError("the query engine is closed")
+        return self._con
+
+    def _refresh(self, con: duckdb.DuckDBPyConnection) -> None:
         now = time.monotonic()
         static = not callable(self._source)
         if self._loaded_at is not None and (static or now - self._loaded_at < self._cache_s):
             return
         recordings = list(self._source() if callable(self._source) else self._source)
         for name, table in tables(recordings).items():
-            self._con.register(name, table)
+            con.register(name, table)
         self._loaded_at = now
 
     def _acquire(self) -> None:
@@ -165,9 +172,10 @@ class QueryEngine:
         max_rows = _row_limit(limit, self.limits.max_rows)
         self._acquire()
         try:
-            check_statement(self._con, sql, self.limits)
-            self._refresh()
-            columns, types, rows = self._run(sql, max_rows)
+            con = self._connection()
+            check_statement(con, sql, self.limits)
+            self._refresh(con)
+            columns, types, rows = self._run(con, sql, max_rows)
         finally:
             self._lock.release()
         truncated = max_rows is not None and len(rows) > max_rows
@@ -177,17 +185,12 @@ class QueryEngine:
         return QueryResult(columns, types, rows, truncated, elapsed)
 
     def _run(
-        self, sql: str, max_rows: int | None
+        self, con: duckdb.DuckDBPyConnection, sql: str, max_rows: int | None
     ) -> tuple[tuple[str, ...], tuple[str, ...], list[tuple[Any, ...]]]:
         seconds = self.limits.time_limit_s
-        with _Deadline(self._con, seconds):
+        with _Deadline(con, seconds):
             try:
-                rel = self._con.sql(sql)
-                if rel is None:
-                    raise QueryRefused("the statement returns no rows")
-                columns = tuple(rel.columns)
-                types = tuple(str(t) for t in rel.types)
-                rows = (rel if max_rows is None else rel.limit(max_rows + 1)).fetchall()
+                return _execute(con, sql, max_rows)
             except duckdb.InterruptException:
                 raise QueryError(f"query cut off: it ran longer than {seconds:g} s") from None
             except duckdb.OutOfMemoryException:
@@ -195,11 +198,16 @@ class QueryEngine:
                 raise QueryError(f"query cut off: it needs more than {limit} of memory") from None
             except duckdb.Error as exc:
                 raise QueryError(str(exc)) from None
-        return columns, types, rows
+            finally:
+                con.abort()  # drop rows past the limit, if any
 
     def close(self) -> None:
         with self._lock:
-            self._con.close()
+            if self._con is not None:
+                self._con.close()
+            # Drop the object too: DuckDB's bindings report a leak when a
+            # connection object outlives the interpreter, closed or not.
+            self._con = None
         _OPEN.discard(self)
 
     def __enter__(self) -> QueryEngine:
@@ -217,6 +225,46 @@ _OPEN: weakref.WeakSet[QueryEngine] = weakref.WeakSet()
 def _close_engines() -> None:
     for engine in list(_OPEN):
         engine.close()
+
+
+Rows = list[tuple[Any, ...]]
+
+
+def _execute(
+    con: duckdb.DuckDBPyConnection, sql: str, max_rows: int | None
+) -> tuple[tuple[str, ...], tuple[str, ...], Rows]:
+    """Stream the result, stopping after one row past the limit (so the
+    caller knows it truncated)."""
+    con.execute(sql)
+    description = con.description or []
+    columns = tuple(d[0] for d in description)
+    types = tuple(str(d[1]) for d in description)
+    try:
+        rows = con.fetchall() if max_rows is None else con.fetchmany(max_rows + 1)
+    except duckdb.InvalidInputException as exc:
+        if "pytz" not in str(exc):
+            raise
+        rows = _via_arrow(con, sql, max_rows)  # zoned times: Arrow needs no pytz
+    return columns, types, rows
+
+
+def _via_arrow(con: duckdb.DuckDBPyConnection, sql: str, max_rows: int | None) -> Rows:
+    con.abort()
+    rel = con.sql(sql)
+    table = (rel if max_rows is None else rel.limit(max_rows + 1)).to_arrow_table()
+    return list(zip(*(_pylist(c) for c in table.columns), strict=True))
+
+
+def _pylist(column: pa.ChunkedArray) -> list[Any]:
+    """Python values of a result column; times become text (``datetime``
+    cannot hold nanoseconds, and zoned times would need pytz)."""
+    kind = column.type
+    if pa.types.is_timestamp(kind) or pa.types.is_date(kind) or pa.types.is_time(kind):
+        column = column.cast(pa.string())
+    try:
+        return column.to_pylist()
+    except (ValueError, pa.ArrowException):
+        return column.cast(pa.string()).to_pylist()
 
 
 def _row_limit(requested: int | None, cap: int | None) -> int | None:

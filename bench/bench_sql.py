@@ -1,6 +1,6 @@
 """SQL benchmark: the DESIGN.md seed query on a million rows, and fan-out.
 
-    python -m bench.bench_sql [--small] [--repeats N]
+    python -m bench.bench_sql [--quick] [--repeats N]
 
 Figures (medians over repeats, printed as figure / value / target):
 - the seed query over 1M nccl_events rows and 1M tcp_events rows (< 1 s),
@@ -16,13 +16,11 @@ them one per process; the client is the real fan-out client over TCP.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from bench.common import Figure, median_time, render
 from dumpers.model import Clock, CommInfo, ProcessInfo, Recording, Ring
 from dumpers.schema import NCCL_EVENT, TCP_EVENT, DataType, Op, Result, State, TcpEvent
 
@@ -133,38 +131,36 @@ def synthetic_recording(s: Synthetic) -> Recording:
     return Recording(s.host, "boot-" + s.host, clock, procs, comms, rings, agent_version="bench")
 
 
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def _seed_figures(rows: int, repeats: int) -> list[tuple[str, float, float]]:
-    from analyzer.sql import QueryEngine
+def _seed_figures(rows: int, repeats: int) -> list[Figure]:
+    from analyzer.sql import LOCAL, QueryEngine
     from dumpers.tables import tables
 
     # steps * ranks = rows; one step in 100 slow.
     shape = Synthetic(ranks=8, steps=rows // 8, step_ns=1_000_000, slow_every=100, tcp_rows=rows)
     rec = synthetic_recording(shape)
-    build = _median_s(lambda: tables([rec]), repeats)
-    engine = QueryEngine([rec], limits=None)
-    engine.query("SELECT 1")
-    seed = _median_s(lambda: engine.query(SEED_QUERY), repeats)
-    n = f"{rows // 1_000_000}M" if rows >= 1_000_000 else f"{rows // 1000}k"
+    build = median_time(lambda: tables([rec]), repeats)
+    with QueryEngine([rec], LOCAL) as engine:
+        engine.query("SELECT 1")  # registers the tables
+        seed = median_time(lambda: engine.query(SEED_QUERY), repeats)
+    n = f"{rows / 1e6:g}M" if rows >= 1_000_000 else f"{rows // 1000}k"
     return [
-        (f"build tables, {n} nccl + {n} tcp rows (ms)", build * 1e3, float("nan")),
-        (f"seed query, {n} nccl + {n} tcp rows (ms)", seed * 1e3, 1000.0),
+        Figure(f"sql: tables from rings, {n}+{n} rows", build * 1e3, "ms", "", None),
+        Figure(
+            f"sql: seed query, {n} nccl + {n} tcp rows",
+            seed * 1e3,
+            "ms",
+            "< 1000 ms",
+            seed < 1.0,
+            "table build above",
+        ),
     ]
 
 
-def _fanout_figure(agents: int, repeats: int) -> tuple[str, float, float]:
-    from analyzer.fanout import query_agents
-    from analyzer.http import RecordingsBackend, serve_http
+def _fanout_figure(agents: int, repeats: int) -> Figure:
+    from analyzer.fanout import close_connections, query_agents
+    from analyzer.http import RecordingsBackend, ServerHandle, serve_http
 
-    handles = []
+    handles: list[ServerHandle] = []
     try:
         for i in range(agents):
             rec = synthetic_recording(Synthetic(host=f"node{i}", first_rank=4 * i, seed=i))
@@ -173,34 +169,41 @@ def _fanout_figure(agents: int, repeats: int) -> tuple[str, float, float]:
         first = query_agents(addrs, SEED_QUERY, timeout=10.0)
         if first.failed:
             raise RuntimeError(f"fan-out failed: {first.failed}")
-        median = _median_s(lambda: query_agents(addrs, SEED_QUERY, timeout=10.0), repeats)
+        median = median_time(lambda: query_agents(addrs, SEED_QUERY, timeout=10.0), repeats)
+        close_connections()
+        cold = median_time(
+            lambda: (query_agents(addrs, SEED_QUERY, timeout=10.0), close_connections()), repeats
+        )
     finally:
         for h in handles:
             h.close()
-    target = 100.0 if agents <= 4 else 500.0
-    return (f"fan-out seed query to {agents} agents (ms)", median * 1e3, target)
+    target = 0.1 if agents <= 4 else 0.5
+    return Figure(
+        f"sql: fan-out seed query to {agents} agents",
+        median * 1e3,
+        "ms",
+        f"< {target * 1e3:g} ms",
+        median < target,
+        f"new connections each time: {cold * 1e3:.0f} ms",
+    )
 
 
-def run(small: bool = False, repeats: int = 5) -> list[tuple[str, float, float]]:
-    rows = 20_000 if small else 1_000_000
-    figures = _seed_figures(rows, repeats)
-    figures.append(_fanout_figure(4, repeats))
-    figures.append(_fanout_figure(8 if small else 64, repeats))
-    return figures
+def figures(quick: bool = False, repeats: int = 5) -> list[Figure]:
+    rows = 20_000 if quick else 1_000_000
+    out = _seed_figures(rows, repeats)
+    out.append(_fanout_figure(4, repeats))
+    out.append(_fanout_figure(8 if quick else 64, repeats))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_sql", description=__doc__)
-    parser.add_argument("--small", action="store_true", help="a quick run on small data")
+    parser.add_argument("--quick", action="store_true", help="a quick run on small data")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
-    figures = run(args.small, args.repeats)
-    print(f"{'figure':<52} {'value':>10} {'target':>8}")
-    for name, value, target in figures:
-        verdict = "" if target != target else ("ok" if value < target else "MISSED")
-        target_text = "-" if target != target else f"< {target:g}"
-        print(f"{name:<52} {value:>10.1f} {target_text:>8} {verdict}")
-    return 0
+    result = figures(args.quick, args.repeats)
+    print(render(result))
+    return 0 if all(f.ok is not False for f in result) else 1
 
 
 if __name__ == "__main__":

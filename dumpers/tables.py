@@ -226,17 +226,33 @@ def _format_address(family: int, raw: bytes) -> str:
     return raw.hex()
 
 
+def _address_keys(family: np.ndarray, raw: np.ndarray) -> np.ndarray:
+    """One 64-bit key per (family, 16 address bytes), by multiply-xor mixing:
+    sorting integers is ~100x faster than sorting 18-byte records."""
+    words = np.ascontiguousarray(raw).view("<u8").reshape(-1, 2)
+    with np.errstate(over="ignore"):
+        key = words[:, 0] * np.uint64(0x9E3779B97F4A7C15)
+        key ^= (words[:, 1] + np.uint64(0xBF58476D1CE4E5B9)) * np.uint64(0x94D049BB133111EB)
+        key ^= family.astype(np.uint64) << np.uint64(48)
+    return key
+
+
 def _addresses(family: np.ndarray, raw: np.ndarray) -> pa.DictionaryArray:
     """Addresses as text, interned: format each distinct (family, bytes) once."""
     if not len(raw):
         return pa.DictionaryArray.from_arrays(pa.array([], pa.int32()), pa.array([], pa.string()))
-    keys = np.empty((len(raw), 18), dtype=np.uint8)
-    keys[:, :2] = family.astype("<u2").view(np.uint8).reshape(-1, 2)
-    keys[:, 2:] = raw
-    unique, codes = np.unique(keys, axis=0, return_inverse=True)
-    names = [_format_address(int(u[:2].view("<u2")[0]), bytes(u[2:])) for u in unique]
+    _, first, codes = np.unique(_address_keys(family, raw), return_index=True, return_inverse=True)
+    codes = codes.reshape(-1)
+    if not (
+        np.array_equal(raw[first][codes], raw) and np.array_equal(family[first][codes], family)
+    ):
+        # two addresses mixed to one key (never seen): sort the bytes themselves
+        keys = np.concatenate([family.astype("<u2").view(np.uint8).reshape(-1, 2), raw], axis=1)
+        _, first, codes = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+        codes = codes.reshape(-1)
+    names = [_format_address(int(family[i]), bytes(raw[i])) for i in first]
     return pa.DictionaryArray.from_arrays(
-        pa.array(codes.reshape(-1).astype(np.int32)), pa.array(names, pa.string())
+        pa.array(codes.astype(np.int32)), pa.array(names, pa.string())
     )
 
 

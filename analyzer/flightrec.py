@@ -24,9 +24,11 @@ by design and are not compared.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import io
 import json
+import math
 import pickle
 import re
 from collections import defaultdict
@@ -87,20 +89,21 @@ class _DataOnly(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused global {module}.{name}: a dump is data, not code")
 
 
-@dataclass(frozen=True, slots=True)
-class FrEntry:
-    pg_id: int
-    pg_name: str
-    seq: int
-    is_p2p: bool
-    op: Op
-    name: str
-    count: int
-    datatype: int
-    state: State
-    created_ns: int
-    completed_ns: int
-    peer: int
+FR_ENTRY = np.dtype(
+    [
+        ("pg_id", "<i8"),
+        ("pg", "<i4"),  # index into FrDump.pg_names
+        ("seq", "<i8"),
+        ("is_p2p", "?"),
+        ("op", "u1"),
+        ("count", "<u8"),
+        ("datatype", "u1"),
+        ("state", "u1"),
+        ("created", "<i8"),
+        ("completed", "<i8"),
+        ("peer", "<i4"),
+    ]
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +114,8 @@ class FrDump:
     pg_ranks: dict[str, tuple[int, ...]]  # group name -> world ranks
     pg_desc: dict[str, str]
     pg_status: dict[int, tuple[int, int]]  # pg_id -> (last enqueued, last completed)
-    entries: tuple[FrEntry, ...]
+    pg_names: tuple[str, ...]  # the groups its entries name
+    entries: np.ndarray  # FR_ENTRY
 
 
 def looks_like_flightrec(head: bytes) -> bool:
@@ -158,10 +162,11 @@ def read_flightrec(path: str) -> FrDump:
     entries = doc.get("entries", [])
     if not isinstance(entries, list):
         raise DumpFormatError(f"{path}: field 'entries': expected a list")
-    parsed = tuple(_entry(path, i, e) for i, e in enumerate(entries))
-    return FrDump(
-        path, rank, version, ranks, desc, _pg_status(path, doc.get("pg_status", {})), parsed
-    )
+    names: dict[str, int] = {}
+    rows = [_entry(path, i, e, names) for i, e in enumerate(entries)]
+    status = _pg_status(path, doc.get("pg_status", {}))
+    arr = np.array(rows, dtype=FR_ENTRY) if rows else np.zeros(0, dtype=FR_ENTRY)
+    return FrDump(path, rank, version, ranks, desc, status, tuple(names), arr)
 
 
 def _rank(path: str, doc: dict[str, Any]) -> int:
@@ -209,39 +214,41 @@ def _count(sizes: object) -> int:
     total = 0
     if isinstance(sizes, list):
         for shape in sizes:
-            if isinstance(shape, list) and all(isinstance(x, int) for x in shape):
-                total += int(np.prod(shape, dtype=np.int64)) if shape else 1
+            if isinstance(shape, list):
+                total += math.prod(int(x) for x in shape)
     return total
 
 
-def _entry(path: str, i: int, e: object) -> FrEntry:
-    where = f"{path}: entries[{i}]"
+@functools.lru_cache(maxsize=4096)
+def _op_and_peer(name: str) -> tuple[int, int]:
+    short = name.split(":", 1)[-1].split(" ", 1)[0]
+    peer = _PEER.search(name)
+    return int(OPS.get(short, Op.UNKNOWN)), int(peer.group(2)) if peer else -1
+
+
+def _entry(path: str, i: int, e: object, names: dict[str, int]) -> tuple[object, ...]:
     if not isinstance(e, dict):
-        raise DumpFormatError(f"{where}: expected a dict")
+        raise DumpFormatError(f"{path}: entries[{i}]: expected a dict")
     try:
-        pg = e["process_group"]
-        name = str(e["profiling_name"])
         is_p2p = bool(e.get("is_p2p", False))
-        seq = int(e["p2p_seq_id"] if is_p2p else e["collective_seq_id"])
-        short = name.split(":", 1)[-1].split(" ", 1)[0]
-        dtypes = e.get("input_dtypes") or e.get("output_dtypes") or []
-        peer = _PEER.search(name)
-        return FrEntry(
-            pg_id=int(e.get("pg_id", -1)),
-            pg_name=str(pg[0]),
-            seq=seq,
-            is_p2p=is_p2p,
-            op=OPS.get(short, Op.UNKNOWN),
-            name=name,
-            count=_count(e.get("input_sizes")),
-            datatype=DTYPES.get(str(dtypes[0]), UNKNOWN_DTYPE) if dtypes else UNKNOWN_DTYPE,
-            state=STATES.get(str(e.get("state")), State.SCHEDULED),
-            created_ns=int(e.get("time_created_ns") or 0),
-            completed_ns=int(e.get("time_discovered_completed_ns") or 0),
-            peer=int(peer.group(2)) if peer else -1,
+        op, peer = _op_and_peer(str(e["profiling_name"]))
+        dtypes = e.get("input_dtypes") or e.get("output_dtypes")
+        pg = names.setdefault(str(e["process_group"][0]), len(names))
+        return (
+            int(e.get("pg_id", -1)),
+            pg,
+            int(e["p2p_seq_id"] if is_p2p else e["collective_seq_id"]),
+            is_p2p,
+            op,
+            _count(e.get("input_sizes")),
+            DTYPES.get(str(dtypes[0]), UNKNOWN_DTYPE) if dtypes else UNKNOWN_DTYPE,
+            STATES.get(str(e.get("state")), State.SCHEDULED),
+            int(e.get("time_created_ns") or 0),
+            int(e.get("time_discovered_completed_ns") or 0),
+            peer,
         )
     except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise DumpFormatError(f"{where}: missing or malformed field {exc}") from None
+        raise DumpFormatError(f"{path}: entries[{i}]: missing or malformed field {exc}") from None
 
 
 def _comm_hash(name: str) -> int:
@@ -264,14 +271,16 @@ def _incident(folder: str, dumps: list[FrDump]) -> Incident:
     for d in dumps:
         for k, v in d.pg_ranks.items():
             pg_ranks.setdefault(k, v)
-        for e in d.entries:
-            pg_ranks.setdefault(e.pg_name, ())
+        for n in d.pg_names:
+            pg_ranks.setdefault(n, ())
     names = sorted(pg_ranks, key=lambda n: (_comm_hash(n), n))
     comms = tuple(
         Comm(_comm_hash(n), tuple(by_rank.get(r, -1) for r in pg_ranks[n]), label=n) for n in names
     )
     index = {n: i for i, n in enumerate(names)}
-    rows = _rows(dumps, pg_ranks, index)
+    rows = np.concatenate(
+        [_rows(p, d, pg_ranks, index) for p, d in enumerate(dumps)] or [np.zeros(0, CALL_DTYPE)]
+    )
     return Incident(
         id=Path(folder).name,
         hosts=tuple(p.host for p in procs),
@@ -287,32 +296,24 @@ def _incident(folder: str, dumps: list[FrDump]) -> Incident:
 
 
 def _rows(
-    dumps: list[FrDump], pg_ranks: dict[str, tuple[int, ...]], index: dict[str, int]
+    p: int, d: FrDump, pg_ranks: dict[str, tuple[int, ...]], index: dict[str, int]
 ) -> np.ndarray:
-    n = sum(len(d.entries) for d in dumps)
-    out = np.zeros(n, dtype=CALL_DTYPE)
-    i = 0
-    for p, d in enumerate(dumps):
-        for e in d.entries:
-            members = pg_ranks[e.pg_name]
-            if d.rank not in members:
-                continue
-            out[i] = (
-                index[e.pg_name],
-                members.index(d.rank),
-                p,
-                e.seq,
-                e.created_ns,
-                e.completed_ns,
-                e.count,
-                e.peer,
-                int(e.op),
-                e.datatype,
-                0,
-                int(e.state),
-            )
-            i += 1
-    return out[:i]
+    """One dump's entries as calls; entries of groups it is not a member of are dropped."""
+    comm = np.array([index[n] for n in d.pg_names], dtype=np.int64)
+    crank = np.array(
+        [pg_ranks[n].index(d.rank) if d.rank in pg_ranks[n] else -1 for n in d.pg_names],
+        dtype=np.int64,
+    )
+    e = d.entries
+    if not len(e):
+        return np.zeros(0, dtype=CALL_DTYPE)
+    e = e[crank[e["pg"]] >= 0]
+    out = np.zeros(len(e), dtype=CALL_DTYPE)
+    out["comm"], out["crank"], out["proc"] = comm[e["pg"]], crank[e["pg"]], p
+    out["seq"], out["ts"], out["end"] = e["seq"], e["created"], e["completed"]
+    out["count"], out["root"], out["op"] = e["count"], e["peer"], e["op"]
+    out["datatype"], out["state"] = e["datatype"], e["state"]
+    return out
 
 
 def _progress(
@@ -322,10 +323,12 @@ def _progress(
     named: dict[int, set[str]] = defaultdict(set)
     has_p2p: set[str] = set()
     for d in dumps:
-        for e in d.entries:
-            named[e.pg_id].add(e.pg_name)
-            if e.is_p2p:
-                has_p2p.add(e.pg_name)
+        if not len(d.entries):
+            continue
+        for pg_id, pg, p2p in np.unique(d.entries[["pg_id", "pg", "is_p2p"]]).tolist():
+            named[int(pg_id)].add(d.pg_names[pg])
+            if p2p:
+                has_p2p.add(d.pg_names[pg])
     out = []
     for d in dumps:
         for pg_id, (enq, done) in d.pg_status.items():

@@ -45,7 +45,10 @@ AGENT_PORT = 9400
 AGENT_START_TIMEOUT = 90.0
 DUMP_GRACE = 20.0  # after the job is given up: time for agents to dump
 HOGS_PER_RANK = 2
-HOG_CODE = "import os\nos.sched_setaffinity(0, {{{cpu}}})\nos.nice({nice})\nwhile True:\n    pass\n"
+HOG_CODE = (  # the comment names the run, so leftovers can be found
+    "# {run_dir}\nimport os\nos.sched_setaffinity(0, {{{cpu}}})\nos.nice({nice})\n"
+    "while True:\n    pass\n"
+)
 HOG_NICE = -10  # a waking rank would otherwise run at once on sleeper credit
 POLL = 0.1
 
@@ -351,7 +354,7 @@ def start_hogs(lab: Lab) -> None:
         if not isinstance(fault, F.CpuHog):
             continue
         cpu = cpu_of(fault.rank)
-        code = HOG_CODE.format(cpu=cpu, nice=HOG_NICE)
+        code = HOG_CODE.format(run_dir=lab.run_dir, cpu=cpu, nice=HOG_NICE)
         node = lab.node(lab.cfg.topology.node_of(fault.rank))
         for k in range(HOGS_PER_RANK):
             log = lab.run_dir / f"hog-{fault.rank}-{k}.log"
@@ -408,6 +411,7 @@ def agent_argv(lab: Lab, node: netns.Node, token_file: Path) -> list[str]:
     argv += ["--dump-dir", str(agent_dump_dir(lab.cfg, node.index))]
     argv += ["--stall-timeout", f"{lab.cfg.stall_timeout:g}"]
     argv += ["--listen", f"{node.ip}:{AGENT_PORT}", "--token-file", str(token_file)]
+    argv += ["--host-name", f"node{node.index}"]  # namespaces share the machine's hostname
     if peers:
         argv += ["--peers", ",".join(peers)]
     return [*argv, "--lib", str(lab.lib)]

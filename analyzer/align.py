@@ -15,6 +15,7 @@ in which files were given.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -25,7 +26,8 @@ from dumpers.schema import NCCL_EVENT, ExitEvent, Op, TcpEvent
 
 from .model import CALL_DTYPE, SCHED_DTYPE, TCP_RETRANS_DTYPE, Calls, Comm, Incident, Proc
 
-CALL_OPS = np.array(sorted(int(op) for op in Op if op.is_collective or op.is_p2p), dtype=np.uint8)
+IS_CALL = np.zeros(256, dtype=bool)  # op -> is a collective or p2p call
+IS_CALL[[int(op) for op in Op if op.is_collective or op.is_p2p]] = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +98,7 @@ def _procs(sources: list[Source]) -> tuple[list[Proc], dict[tuple[str, int], int
         complete = ring is None or ring.overwritten == 0
         pids = {c.pid for c in rec.communicators}
         if ring is not None and len(ring.rows):
-            calls = np.isin(ring.rows["op"], CALL_OPS)
+            calls = IS_CALL[ring.rows["op"]]
             pids.update(int(p) for p in np.unique(ring.rows["pid"][calls]))
         status = _exit_status(rec)
         for pid in sorted(pids):
@@ -169,7 +171,12 @@ def _row_members(
             continue
         known = np.array(sorted({c.comm_hash for c in s.recording.communicators}), dtype=np.uint64)
         raw = ring.rows
-        sel = (raw["comm_hash"] != 0) & (raw["rank"] >= 0) & ~np.isin(raw["comm_hash"], known)
+        hashes = raw["comm_hash"]
+        if len(known) == 1:  # the common case: one comm per process table
+            sel = hashes != known[0]
+        else:
+            sel = ~np.isin(hashes, known)
+        sel &= (hashes != 0) & (raw["rank"] >= 0)
         if not sel.any():
             continue
         rows = raw[sel]
@@ -188,13 +195,10 @@ def _with_world_ranks(procs: list[Proc], comms: list[Comm]) -> list[Proc]:
             cand = (-c.nranks, c.comm_hash, r)
             if p >= 0 and (p not in best or cand < best[p]):
                 best[p] = cand
-    out = []
-    for i, p in enumerate(procs):
-        rank = best[i][2] if i in best else -1
-        out.append(
-            Proc(p.host, p.pid, rank, p.source, p.exit_code, p.exit_signal, p.window_complete)
-        )
-    return out
+    return [
+        dataclasses.replace(proc, world_rank=best[i][2] if i in best else -1)
+        for i, proc in enumerate(procs)
+    ]
 
 
 def _lookup(
@@ -243,7 +247,7 @@ def _calls_of(
     rec = s.recording
     if raw.dtype != NCCL_EVENT:
         raw = raw.astype(NCCL_EVENT)
-    is_call = np.isin(raw["op"], CALL_OPS)
+    is_call = IS_CALL[raw["op"]]
     comm_hash = raw["comm_hash"][is_call]
     unknown = comm_hash == 0
     if unknown.any():  # fill from the process's comm table by pointer

@@ -20,7 +20,8 @@ from dumpers.schema import Op
 
 from .model import Incident
 
-P2P = np.array([Op.SEND, Op.RECV], dtype=np.uint8)
+IS_P2P = np.zeros(256, dtype=bool)
+IS_P2P[[Op.SEND, Op.RECV]] = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,11 +61,12 @@ def _sort_order(rows: np.ndarray, nranks_max: int) -> np.ndarray:
 def match(inc: Incident) -> Matched:
     nranks = np.array([c.nranks for c in inc.comms], dtype=np.int64)
     raw = inc.calls.rows
-    keep = ~np.isin(raw["op"], P2P)
+    keep = ~IS_P2P[raw["op"]]
     if len(nranks):
         keep &= raw["crank"] < nranks[raw["comm"]]
-    rows = raw[keep]
-    rows = rows[_sort_order(rows, int(nranks.max()) if len(nranks) else 1)]
+    idx = np.flatnonzero(keep)
+    sub = raw[["comm", "seq", "crank"]][idx] if len(idx) < len(raw) else raw
+    rows = raw[idx[_sort_order(sub, int(nranks.max()) if len(nranks) else 1)]]
     n = len(rows)
     new = np.ones(n, dtype=bool)
     if n:

@@ -204,7 +204,8 @@ def _complete_groups(m: Matched, rows: np.ndarray, gid: np.ndarray, nranks: int)
     returned = np.minimum.reduceat(rows["end"], np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]]))
     first = np.r_[True, gid[1:] != gid[:-1]]
     ok_group = np.repeat(returned > 0, np.diff(np.append(np.flatnonzero(first), len(gid))))
-    return full & ok_group
+    out: np.ndarray = full & ok_group
+    return out
 
 
 def _median_per_rank(values: np.ndarray, crank: np.ndarray, nranks: int) -> np.ndarray:

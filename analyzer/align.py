@@ -172,10 +172,8 @@ def _row_members(
         known = np.array(sorted({c.comm_hash for c in s.recording.communicators}), dtype=np.uint64)
         raw = ring.rows
         hashes = raw["comm_hash"]
-        if len(known) == 1:  # the common case: one comm per process table
-            sel = hashes != known[0]
-        else:
-            sel = ~np.isin(hashes, known)
+        # the common case is one comm per process table: no isin then
+        sel = hashes != known[0] if len(known) == 1 else ~np.isin(hashes, known)
         sel &= (hashes != 0) & (raw["rank"] >= 0)
         if not sel.any():
             continue

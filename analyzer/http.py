@@ -26,6 +26,7 @@ the server loop or the agent that hosts it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import decimal
 import hmac
@@ -396,9 +397,34 @@ def is_loopback(host: str) -> bool:
 
 
 class _Server(ThreadingHTTPServer):
+    """Keeps its open connections, so that closing the server also ends the
+    keep-alive connections its handler threads still serve."""
+
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128
+
+    def server_activate(self) -> None:
+        self.open_connections: set[socket.socket] = set()
+        self.connections_lock = threading.Lock()
+        super().server_activate()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self.connections_lock:
+            self.open_connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self.connections_lock:
+            self.open_connections.discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        with self.connections_lock:
+            connections = list(self.open_connections)
+        for sock in connections:
+            with contextlib.suppress(OSError):  # already gone
+                sock.shutdown(socket.SHUT_RDWR)
 
 
 @dataclass(slots=True)
@@ -413,6 +439,7 @@ class ServerHandle:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+        self.server.close_connections()
         self.thread.join(timeout=5)
         self.engine.close()
 

@@ -110,7 +110,7 @@ def check_statement(con: duckdb.DuckDBPyConnection, sql: str, limits: Limits) ->
         raise QueryRefused(f"expected exactly one SQL statement, found {len(statements)}")
     kind = statements[0].type
     if kind != duckdb.StatementType.SELECT:
-        raise QueryRefused(f"only SELECT queries are allowed, found a {kind.name} statement")
+        raise QueryRefused(f"only SELECT queries are allowed, not {kind.name}")
 
 
 class _Deadline:

@@ -28,6 +28,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -50,6 +51,7 @@ HOG_CODE = (  # the comment names the run, so leftovers can be found
     "while True:\n    pass\n"
 )
 HOG_NICE = -10  # a waking rank would otherwise run at once on sleeper credit
+AGENT_STOP_GRACE = 30.0  # detaching uprobes from a library takes the agent seconds
 POLL = 0.1
 
 
@@ -258,12 +260,12 @@ def _stop_agents(agents: dict[int, subprocess.Popen[bytes]]) -> list[str]:
             with contextlib.suppress(ProcessLookupError):
                 proc.terminate()
     problems = []
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + AGENT_STOP_GRACE
     for node, proc in agents.items():
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            problems.append(f"agent of node {node} ignored SIGTERM for 10 s; killed")
+            problems.append(f"agent of node {node} ignored SIGTERM for {AGENT_STOP_GRACE:g} s")
             _kill(proc)
     return problems
 
@@ -288,6 +290,9 @@ def signals_as_interrupt() -> Iterator[None]:
     def raise_interrupt(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; the caller owns signals then
+        return
     saved = {s: signal.signal(s, raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
@@ -299,6 +304,9 @@ def signals_as_interrupt() -> Iterator[None]:
 @contextlib.contextmanager
 def signals_ignored() -> Iterator[None]:
     """A second Ctrl-C must not cut the teardown short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     saved = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
     try:

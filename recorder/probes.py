@@ -131,6 +131,11 @@ def cflags(sizes: RingSizes, runq_threshold_ns: int) -> list[str]:
     return flags
 
 
+def _short(exc: Exception, limit: int = 300) -> str:
+    text = str(exc)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _mmap_array(table: Any, what: str) -> mmap.mmap:
     """Map an mmapable BPF array (element size is rounded up to 8 bytes)."""
     elem = (ctypes.sizeof(table.Leaf) + 7) & ~7
@@ -153,22 +158,22 @@ class Probes:
         self._bcc = bcc
         self.sizes = sizes
         try:
-            self.bpf = bcc.BPF(text=bpf_source(), cflags=cflags(sizes, runq_threshold_ns))
+            self.bpf = bcc.BPF(text=bpf_source().encode(), cflags=cflags(sizes, runq_threshold_ns))
         except Exception as exc:  # BCC raises bare Exception
-            raise ProbeError(f"cannot load BPF programs from {BPF_DIR}: {exc}") from exc
+            raise ProbeError(f"cannot load BPF programs from {BPF_DIR}: {_short(exc)}") from exc
         self._maps: list[mmap.mmap] = []
         self.heads = self._map_heads()
         self.ring_arrays = {name: self._map_ring(name) for name in RING_MAPS}
         self._attached: list[tuple[str, str, int]] = []
 
     def _map_heads(self) -> np.ndarray:
-        mem = _mmap_array(self.bpf["heads"], "heads")
+        mem = _mmap_array(self.bpf[b"heads"], "heads")
         self._maps.append(mem)
         return np.frombuffer(mem, dtype="<u8", count=8 * HEAD_STRIDE_U64)
 
     def _map_ring(self, name: str) -> np.ndarray:
         _, map_name, _ = RING_MAPS[name]
-        table = self.bpf[map_name]
+        table = self.bpf[map_name.encode()]
         dtype = RING_DTYPES[name]
         if ctypes.sizeof(table.Leaf) != dtype.itemsize:
             raise ProbeError(
@@ -189,11 +194,11 @@ class Probes:
         for fn_name, ret in ((entry, False), (RETURN_PROGRAM, True)):
             attach = self.bpf.attach_uretprobe if ret else self.bpf.attach_uprobe
             try:
-                attach(name=path, sym=symbol, fn_name=fn_name)
+                attach(name=path.encode(), sym=symbol.encode(), fn_name=fn_name.encode())
             except Exception as exc:  # BCC raises bare Exception
                 kind = "uretprobe" if ret else "uprobe"
                 raise ProbeError(
-                    f"cannot attach {kind} program {fn_name} to {symbol} in {path}: {exc}"
+                    f"cannot attach {kind} program {fn_name} to {symbol} in {path}: {_short(exc)}"
                 ) from exc
             self._attached.append((path, symbol, int(ret)))
 
@@ -201,7 +206,7 @@ class Probes:
         for path, symbol, ret in reversed(self._attached):
             detach = self.bpf.detach_uretprobe if ret else self.bpf.detach_uprobe
             try:
-                detach(name=path, sym=symbol)
+                detach(name=path.encode(), sym=symbol.encode())
             except Exception as exc:  # BCC raises bare Exception
                 log.warning("detaching %s from %s: %s", symbol, path, exc)
         self._attached.clear()
@@ -209,7 +214,7 @@ class Probes:
     # ---- maps -----------------------------------------------------------
 
     def set_pid(self, map_name: str, pid: int, present: bool) -> None:
-        table = self.bpf[map_name]
+        table = self.bpf[map_name.encode()]
         key = table.Key(pid)
         if present:
             table[key] = table.Leaf(1)
@@ -218,14 +223,14 @@ class Probes:
                 del table[key]
 
     def drops(self) -> dict[str, int]:
-        table = self.bpf["drops"]
+        table = self.bpf[b"drops"]
         out = {}
         for i, name in enumerate(DROP_NAMES):
             out[name] = int(sum(table[table.Key(i)]))
         return out
 
     def items(self, map_name: str) -> Iterator[tuple[Any, Any]]:
-        yield from self.bpf[map_name].items()
+        yield from self.bpf[map_name.encode()].items()
 
     def close(self) -> None:
         """Detach everything (the kernel takes ~0.1 s per uprobe: seconds)."""

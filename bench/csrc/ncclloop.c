@@ -5,6 +5,7 @@
  *                                           printing what it used and got
  *   ncclloop loop N allreduce|baseline      N calls, prints ns per call
  *   ncclloop pace SECONDS RATE              RATE AllReduce calls per second
+ *   ncclloop wrap N                         init a communicator, N AllReduce on it
  *
  * Each mode first waits for a line on stdin when WAIT=1 is set, so that a
  * test can attach probes before the first call.
@@ -156,6 +157,20 @@ static int pace(double seconds, long rate)
 	return 0;
 }
 
+static int wrap(long n)
+{
+	ncclUniqueId id;
+	ncclComm_t comm = NULL;
+	char buf[8];
+	ncclGetUniqueId(&id);
+	print_id("uid", &id);
+	printf("result_init %d\n", ncclCommInitRank(&comm, 2, id, 1));
+	for (long i = 0; i < n; i++)
+		ncclAllReduce(buf, buf, 2, 7, 0, comm, STREAM);
+	printf("comm %p\n", comm);
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	char line[16];
@@ -171,6 +186,8 @@ int main(int argc, char **argv)
 		return loop(atol(argv[2]), argv[3]);
 	if (argc == 4 && strcmp(argv[1], "pace") == 0)
 		return pace(atof(argv[2]), atol(argv[3]));
-	fprintf(stderr, "usage: ncclloop scenario IDHEX|- RANK NRANKS | loop N WHAT | pace S RATE\n");
+	if (argc == 3 && strcmp(argv[1], "wrap") == 0)
+		return wrap(atol(argv[2]));
+	fprintf(stderr, "usage: ncclloop scenario IDHEX|- RANK NRANKS | loop N WHAT | pace S RATE | wrap N\n");
 	return 2;
 }

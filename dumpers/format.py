@@ -484,8 +484,9 @@ def _unpack(stream: BinaryIO, size: int, name: str) -> tuple[dict[str, object], 
     except msgpack.OutOfData:
         raise DumpFormatError(f"{name}: truncated (the file ends inside the document)") from None
     except (Exception, RecursionError, MemoryError) as exc:  # msgpack raises many kinds
+        detail = f"{type(exc).__name__}: {exc}"[:120]
         raise DumpFormatError(
-            f"{name}: not a stallwatch dump (not a valid msgpack document: {type(exc).__name__})"
+            f"{name}: corrupt, or not a stallwatch dump (invalid msgpack: {detail})"
         ) from None
     return doc, size - src.offset()
 

@@ -234,11 +234,14 @@ def run_query(args: argparse.Namespace) -> int:
 
 
 def _query_agents(args: argparse.Namespace, sql: str) -> int:
-    from .fanout import query_agents
+    from .fanout import close_connections, query_agents
 
     agents = [a for a in args.agents.split(",") if a.strip()]
     token = read_token(args.token_file)
-    result = query_agents(agents, sql, token, args.timeout, args.limit)
+    try:
+        result = query_agents(agents, sql, token, args.timeout, args.limit)
+    finally:
+        close_connections()
     for f in result.failed:
         print(f"stallwatch query: agent {f.agent}: {f.error}", file=sys.stderr)
     if not result.answers:

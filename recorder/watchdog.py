@@ -68,7 +68,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dumpers.errors import DumpWriteError
+from dumpers.errors import DumpError, DumpWriteError
 from dumpers.model import Recording, Trigger, TriggerKind
 from dumpers.schema import op_name
 
@@ -344,6 +344,7 @@ class _Pending:
     attempts: int = 0
     next_ns: int = 0
     replaces: Path | None = None  # a dump to remove once this one is written
+    old_id: str | None = None  # the incident id it had before a relabel
 
 
 @dataclass(frozen=True, slots=True)
@@ -475,6 +476,8 @@ class DumpScheduler:
         log.warning("incident %s: dump written to %s", incident_id, path)
         if item.replaces is not None and item.replaces != path:
             _unlink(item.replaces)
+        if item.old_id is not None:  # asked about the old id, answer with the new file
+            self.paths[item.old_id] = path
         if self.retention is not None:
             try:
                 self.retention(path)
@@ -490,12 +493,17 @@ class DumpScheduler:
         if old_id in self._pending:
             item = self._pending.pop(old_id)
             item.recording = _retag(item.recording, trigger)
+            item.old_id = old_id
             return self._queue(new_id, item)
         old_path = self.paths.get(old_id)
-        if old_path is None or self.read is None:
+        try:
+            if old_path is None or self.read is None:
+                raise DumpError("no dump of that incident to read back")
+            rec = self.read(old_path)
+        except DumpError as exc:  # removed by retention, or by hand: dump afresh
+            log.warning("incident %s: cannot relabel %s (%s): new snapshot", new_id, old_path, exc)
             return self.submit(trigger)
-        rec = _retag(self.read(old_path), trigger)
-        return self._queue(new_id, _Pending(rec, replaces=old_path))
+        return self._queue(new_id, _Pending(_retag(rec, trigger), replaces=old_path, old_id=old_id))
 
 
 def _retag(rec: Recording, peer: Trigger) -> Recording:

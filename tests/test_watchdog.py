@@ -427,6 +427,39 @@ def test_relabel_of_a_written_dump_replaces_the_file(tmp_path: Path) -> None:
     assert back.trigger.kind == TriggerKind.IN_FLIGHT and back.trigger.origin_host == "node-1"
 
 
+def test_relabel_when_the_old_dump_is_gone_takes_a_new_snapshot(tmp_path: Path) -> None:
+    snaps: list[int] = []
+    sched = scheduler(tmp_path, [0], snapshots=snaps)
+    first = sched.submit(trigger("b-incident")).path
+    assert first is not None
+    first.unlink()  # retention, or an operator
+    peer = Trigger(TriggerKind.PEER, "node-1: stuck", "a-incident", 0, origin_host="node-1")
+    outcome = sched.relabel("b-incident", peer)
+    assert outcome.status == Status.WRITTEN and outcome.path is not None
+    assert len(snaps) == 2 and read_dump(outcome.path).trigger == peer
+    assert sched.paths["a-incident"] == outcome.path
+
+
+def test_relabel_of_a_pending_dump_and_the_old_id_answers_with_the_new_file(
+    tmp_path: Path,
+) -> None:
+    clock = [0]
+    disk = FlakyDisk(tmp_path)
+    sched = scheduler(tmp_path, clock, disk)
+    disk.full = True
+    assert sched.submit(trigger("b-incident")).status == Status.QUEUED
+    peer = Trigger(TriggerKind.PEER, "node-1: stuck", "a-incident", 0, origin_host="node-1")
+    assert sched.relabel("b-incident", peer).status == Status.QUEUED
+    assert sched.pending == 1
+    disk.full = False
+    clock[0] = 10 * S
+    [path] = sched.retry_due()
+    assert sched.paths == {"a-incident": path, "b-incident": path}
+    rec = read_dump(path)
+    assert rec.trigger is not None and rec.trigger.incident_id == "a-incident"
+    assert rec.trigger.kind == TriggerKind.IN_FLIGHT  # what this node saw, under the shared id
+
+
 # ---------------------------------------------------------------- incidents facade
 
 

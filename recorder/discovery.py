@@ -113,6 +113,8 @@ def describe_first_instruction(code: bytes) -> str:
         return "lea"
     if code[:1] == b"\xe9":
         return "jmp"
+    if code[:1] == b"\x48" and code[1:2] in (b"\x83", b"\x81") and code[2] == 0xEC:
+        return "sub %rsp"
     return "other " + code[:4].hex()
 
 

@@ -35,6 +35,9 @@ from typing import Any
 import pytest
 import yaml
 
+from dumpers.format import read_dump
+from dumpers.schema import Op, Result
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 UNIT = DEPLOY / "systemd" / "stallwatch.service"
@@ -326,23 +329,25 @@ def filesystem_sandbox(unit: Unit, dump_dir: Path) -> list[str]:
 NCCL_CALLER = textwrap.dedent(
     """
     import ctypes, sys
+    import os
     lib = ctypes.CDLL(sys.argv[1])
     n = int(sys.argv[2])
     results = [lib.ncclAllReduce(None, None, ctypes.c_size_t(1024), 7, 0, None, None)
                for _ in range(n)]
-    print(sorted(set(results)))
+    print(os.getpid(), *sorted(set(results)))
     """
 )
 
 
-def call_real_nccl(times: int) -> subprocess.CompletedProcess[str]:
+def call_real_nccl(times: int) -> str:
+    """Calls ncclAllReduce on a null communicator; prints its pid and the results."""
     return subprocess.run(
         [sys.executable, "-c", NCCL_CALLER, str(LIBNCCL), str(times)],
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
-    )
+    ).stdout
 
 
 @pytest.fixture
@@ -376,23 +381,23 @@ def agent_from_unit(unit: Unit, tmp_path: Path) -> Iterator[RunningAgent]:
 def test_unit_exec_start_records_and_stops_on_kill_signal(
     unit: Unit, agent_from_unit: RunningAgent
 ) -> None:
-    from dumpers.format import read_dump
-    from dumpers.schema import Op
-
     agent = agent_from_unit
     assert agent.wait_healthy(timeout=60)["status"] == "ok"
     attached = re.search(r"^stallwatch_libraries_attached (\d+)$", agent.metrics(), re.M)
     assert attached and int(attached[1]) >= 1, agent.metrics()
-    caller = call_real_nccl(times=3)
-    assert caller.stdout.strip() != "[0]"  # a null communicator is refused, not run
+    pid, *results = map(int, call_real_nccl(times=3).split())
+    assert results == [Result.INVALID_ARGUMENT]  # a null communicator is refused, not run
 
     status, answer = http_json(agent.base + "/dump", {"reason": "deploy test"})
     assert status == 200, (answer, agent.log_tail())
     dumps = sorted(agent.dump_dir.glob("*.msgpack"))
     assert len(dumps) == 1, (answer, dumps)
     rows = read_dump(dumps[0]).rings["nccl"].rows
-    mine = rows[rows["op"] == Op.ALL_REDUCE]
-    assert len(mine) >= 3, f"{len(mine)} AllReduce rows recorded: {rows}"
+    mine = rows[rows["pid"] == pid]
+    assert len(mine) == 3, f"{len(mine)} rows recorded for pid {pid}: {mine}"
+    assert set(mine["op"]) == {Op.ALL_REDUCE}
+    assert set(mine["count"]) == {1024}
+    assert set(mine["result"]) == {Result.INVALID_ARGUMENT}
 
     stop_signal = signal.Signals[unit.get("Service", "KillSignal")]
     timeout = seconds(unit.get("Service", "TimeoutStopSec"))
@@ -401,7 +406,9 @@ def test_unit_exec_start_records_and_stops_on_kill_signal(
     try:
         code = agent.proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"agent still running {timeout} s after {stop_signal.name}")
+        pytest.fail(
+            f"agent still running {timeout} s after {stop_signal.name}:\n{agent.log_tail()}"
+        )
     assert code == 0, f"agent exited {code} on {stop_signal.name}:\n{agent.log_tail()}"
     assert time.monotonic() - started < timeout
 

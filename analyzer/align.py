@@ -288,26 +288,47 @@ def _addr_keys(addrs: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(addrs).view("V16").ravel()
 
 
+def _own_address(rec: Recording) -> bytes | None:
+    """The host's address: the commonest non-loopback source address of
+    connections its ranks own (the owner attribution is not perfect)."""
+    ring = rec.rings.get("tcp")
+    if ring is None or not len(ring.rows):
+        return None
+    ranks = np.array(sorted({c.pid for c in rec.communicators}), dtype=np.uint32)
+    rows = ring.rows[np.isin(ring.rows["pid"], ranks)]
+    rows = rows[rows["saddr"][:, 0] != 127]
+    if not len(rows):
+        return None
+    keys, counts = np.unique(_addr_keys(rows["saddr"]), return_counts=True)
+    return bytes(keys[int(np.argmax(counts))].tobytes())
+
+
 def _retransmits(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
+    """Retransmits between the hosts' own addresses; duplicates of one event
+    seen by two agents are counted once."""
     owner: dict[bytes, int] = {}
-    parts: list[tuple[int, np.ndarray]] = []
+    for s in sources:
+        addr = _own_address(s.recording)
+        if addr is not None:
+            owner.setdefault(addr, hosts.index(s.recording.host))
+    seen: set[tuple[bytes, int, bytes, int, int]] = set()
+    out = []
     for s in sources:
         ring = s.recording.rings.get("tcp")
         if ring is None or not len(ring.rows):
             continue
+        rows = ring.rows[ring.rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB]
         h = hosts.index(s.recording.host)
-        for a in np.unique(_addr_keys(ring.rows["saddr"])).tolist():
-            owner.setdefault(bytes(a), h)
-        parts.append((h, ring.rows[ring.rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB]))
-    out = []
-    for h, rows in parts:
-        t = np.empty(len(rows), dtype=TCP_RETRANS_DTYPE)
-        t["host"] = h
-        t["pid"] = rows["pid"]
-        t["ts"] = rows["ts_ns"].astype(np.int64)
-        t["remote"] = [owner.get(bytes(a), -1) for a in _addr_keys(rows["daddr"]).tolist()]
-        out.append(t)
-    return np.concatenate(out) if out else np.zeros(0, dtype=TCP_RETRANS_DTYPE)
+        src, dst = _addr_keys(rows["saddr"]).tolist(), _addr_keys(rows["daddr"]).tolist()
+        for i in range(len(rows)):
+            a, b = bytes(src[i]), bytes(dst[i])
+            local, remote = owner.get(a, -1), owner.get(b, -1)
+            key = (a, int(rows["sport"][i]), b, int(rows["dport"][i]), int(rows["ts_ns"][i]))
+            if a == b or (local < 0 and remote < 0) or key in seen:
+                continue
+            seen.add(key)
+            out.append((h, int(rows["pid"][i]), int(rows["ts_ns"][i]), local, remote))
+    return np.array(out, dtype=TCP_RETRANS_DTYPE) if out else np.zeros(0, TCP_RETRANS_DTYPE)
 
 
 def _sched(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:

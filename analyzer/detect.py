@@ -31,7 +31,7 @@ STRAGGLER_MARGIN_NS = 5_000_000  # and later than its peers by this much (median
 STRAGGLER_MIN_GROUPS = 3
 SCHED_MIN_NS = 10_000_000  # run-queue delay that counts as interference
 SCHED_DOMINANCE = 3.0  # times the most any other rank waited
-RETRANS_MIN = 5  # retransmits inside collective windows that count
+RETRANS_MIN = 20  # retransmits inside collective windows that count
 RETRANS_DOMINANCE = 1.5
 MAX_LISTED = 16
 
@@ -296,17 +296,21 @@ def _sched_dominant(a: Analysis, proc: int) -> bool:
     return bool(not len(others) or d[proc] >= SCHED_DOMINANCE * max(int(others.max()), 1))
 
 
-def _lossy_host(a: Analysis) -> HostRetransmits | None:
-    scored = sorted(a.retransmits, key=lambda h: (h.local + h.remote, h.local), reverse=True)
-    if not scored or scored[0].local + scored[0].remote < RETRANS_MIN:
-        return None
+def lossy_hosts(a: Analysis) -> tuple[HostRetransmits, ...]:
+    """The host all retransmits involve; when none stands out (two nodes: both
+    ends of the one link lose alike) every host that is as involved."""
+
+    def score(h: HostRetransmits) -> int:
+        return h.local + h.remote
+
+    scored = sorted(a.retransmits, key=lambda h: (score(h), h.local, -h.host), reverse=True)
+    if not scored or score(scored[0]) < RETRANS_MIN:
+        return ()
     top = scored[0]
-    if len(scored) > 1:
-        second = scored[1]
-        s1, s2 = top.local + top.remote, second.local + second.remote
-        if s1 < RETRANS_DOMINANCE * s2 and top.local < RETRANS_DOMINANCE * max(second.local, 1):
-            return None
-    return top
+    if len(scored) == 1 or score(top) >= RETRANS_DOMINANCE * score(scored[1]):
+        return (top,)
+    tied = [h for h in scored if RETRANS_DOMINANCE * score(h) > score(top)]
+    return tuple(sorted(tied, key=lambda h: h.host))
 
 
 def _straggler_verdict(a: Analysis, s: ArrivalScore, kind: VerdictKind) -> Verdict:
@@ -350,40 +354,45 @@ def _straggler_verdict(a: Analysis, s: ArrivalScore, kind: VerdictKind) -> Verdi
 
 
 def detect_stragglers(a: Analysis) -> list[Verdict]:
-    lossy = _lossy_host(a)
+    lossy = {a.incident.hosts[h.host] for h in lossy_hosts(a)}
     out = []
     for s in straggler_candidates(a):
         if _sched_dominant(a, s.proc):
             out.append(_straggler_verdict(a, s, VerdictKind.CPU_INTERFERENCE))
-        elif lossy is None or a.incident.procs[s.proc].host != a.incident.hosts[lossy.host]:
+        elif a.incident.procs[s.proc].host not in lossy:
             out.append(_straggler_verdict(a, s, VerdictKind.COMPUTE_STRAGGLER))
     return out
 
 
 def detect_network(a: Analysis) -> list[Verdict]:
-    top = _lossy_host(a)
-    if top is None:
+    lossy = lossy_hosts(a)
+    if not lossy:
         return []
     inc = a.incident
-    host = inc.hosts[top.host]
-    procs = [i for i, p in enumerate(inc.procs) if p.host == host]
+    hosts = tuple(inc.hosts[h.host] for h in lossy)
+    procs = [i for i, p in enumerate(inc.procs) if p.host in hosts]
     ranks, _, pids = _who(inc, procs)
     evidence = [
-        f"host {x.host_name}: sent {x.h.local} retransmits inside collective windows, "
-        f"received {x.h.remote}, {x.h.total} in all"
+        f"host {x.host_name}: {x.h.local} retransmits sent and {x.h.remote} received inside "
+        f"collective windows ({x.h.total} sent in all)"
         for x in (_Named(inc.hosts[h.host], h) for h in a.retransmits)
     ]
     durations = _median_duration(a)
     if durations is not None:
         evidence.append(f"median collective duration (all ranks): {_ms(durations)}")
-    summary = (
-        f"collectives slowed by TCP retransmits on host {host} (ranks {', '.join(map(str, ranks))})"
-    )
+    rank_text = ", ".join(map(str, ranks))
+    if len(hosts) == 1:
+        summary = f"collectives slowed by TCP retransmits on host {hosts[0]} (ranks {rank_text})"
+    else:
+        summary = (
+            f"collectives slowed by TCP retransmits between hosts {', '.join(hosts)}: "
+            "they lose alike, so the lossy one cannot be told apart"
+        )
     return [
         Verdict(
             VerdictKind.NETWORK_STRAGGLER,
             ranks,
-            (host,),
+            hosts,
             pids,
             None,
             None,

@@ -26,16 +26,23 @@ Loaded = Source | FrDump
 PROGRESS_EVERY_S = 0.5
 
 
+SKIPPED_IN_FOLDERS = (".log", ".txt", ".md", ".json.tmp", ".tmp")
+
+
+def _wanted(f: Path) -> bool:
+    """In a folder: dumps and Flight Recorder files, not the agent's logs."""
+    return f.is_file() and not f.name.startswith(".") and not f.name.endswith(SKIPPED_IN_FOLDERS)
+
+
 def expand(paths: Sequence[str]) -> tuple[list[str], list[InputStatus]]:
-    """Files named, and files under folders named; missing paths reported."""
+    """Files named, and files under folders named; missing paths reported.
+    A file named explicitly is always read; in folders, logs are skipped."""
     files: list[str] = []
     bad: list[InputStatus] = []
     for p in paths:
         path = Path(p)
         if path.is_dir():
-            found = sorted(
-                str(f) for f in path.rglob("*") if f.is_file() and not f.name.startswith(".")
-            )
+            found = sorted(str(f) for f in path.rglob("*") if _wanted(f))
             if not found:
                 bad.append(InputStatus(p, False, f"{p}: folder holds no files"))
             files.extend(found)

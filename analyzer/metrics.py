@@ -301,9 +301,9 @@ def _lateness_scores(
 @dataclass(frozen=True, slots=True)
 class HostRetransmits:
     host: int
-    local: int  # retransmits this host sent inside its ranks' collective windows
-    remote: int  # retransmits other hosts sent to it inside their windows
-    total: int  # all retransmits it sent
+    local: int  # retransmits from its address inside collective windows
+    remote: int  # retransmits to its address inside collective windows
+    total: int  # all retransmits from its address
 
 
 def retransmits_in_windows(inc: Incident, m: Matched) -> list[HostRetransmits]:
@@ -317,15 +317,13 @@ def retransmits_in_windows(inc: Incident, m: Matched) -> list[HostRetransmits]:
         sel = rt["host"] == h
         if not sel.any():
             continue
-        rows = m.rows[phost[m.rows["proc"]] == h] if len(m.rows) else m.rows
-        now = inc.host_now[h] or (int(rows["ts"].max()) if len(rows) else 0)
-        inside[sel] = _within(
-            rt["ts"][sel], rows["ts"], np.where(rows["end"] > 0, rows["end"], now)
-        )
-    local = np.bincount(rt["host"][inside], minlength=nh)
-    remote_rt = rt[inside & (rt["remote"] >= 0) & (rt["remote"] != rt["host"])]
-    remote = np.bincount(remote_rt["remote"], minlength=nh)
-    total = np.bincount(rt["host"], minlength=nh)
+        rows = m.rows[(phost[m.rows["proc"]] == h) & (m.rows["end"] > 0)] if len(m.rows) else m.rows
+        inside[sel] = _within(rt["ts"][sel], rows["ts"], rows["end"])
+    sent = rt[inside & (rt["local"] >= 0)]
+    got = rt[inside & (rt["remote"] >= 0)]
+    local = np.bincount(sent["local"], minlength=nh)
+    remote = np.bincount(got["remote"], minlength=nh)
+    total = np.bincount(rt["local"][rt["local"] >= 0], minlength=nh)
     return [HostRetransmits(h, int(local[h]), int(remote[h]), int(total[h])) for h in range(nh)]
 
 

@@ -101,7 +101,11 @@ class Calls:
         return len(self.rows)
 
 
-TCP_RETRANS_DTYPE = np.dtype([("host", "<i4"), ("pid", "<u4"), ("ts", "<i8"), ("remote", "<i4")])
+# host: the dump it came from (whose clock ts is in); local/remote: the hosts
+# whose addresses are the sender and the receiver, -1 if unknown
+TCP_RETRANS_DTYPE = np.dtype(
+    [("host", "<i4"), ("pid", "<u4"), ("ts", "<i8"), ("local", "<i4"), ("remote", "<i4")]
+)
 SCHED_DTYPE = np.dtype([("host", "<i4"), ("pid", "<u4"), ("ts", "<i8"), ("delay", "<i8")])
 
 
@@ -115,7 +119,7 @@ class Incident:
     procs: tuple[Proc, ...]
     comms: tuple[Comm, ...]
     calls: Calls
-    retransmits: np.ndarray  # TCP_RETRANS_DTYPE; remote = host index of the peer, -1 unknown
+    retransmits: np.ndarray  # TCP_RETRANS_DTYPE
     sched: np.ndarray  # SCHED_DTYPE
     sources: tuple[str, ...] = ()
     # (comm, comm rank, last seq entered, last seq completed) known from

@@ -41,10 +41,23 @@ INTERESTING = [
 ]
 
 
+LAB_DUMPS = Path(__file__).parent / "data" / "lab-hang-2x2"
+
+
 def _seed_dumps() -> list[bytes]:
-    small = sample_recording(8)  # structure dominates: mutations hit fields, not ring bytes
+    """Dumps the lab wrote (real rings, processes, communicators), and two
+    synthetic ones whose structure dominates (mutations hit fields, not rows)."""
+    small = sample_recording(8)
     bigger = sample_recording(300, host="n2", incident="inc-2")
-    return [fmt.encode(small), fmt.encode(bigger)]
+    lab = [p.read_bytes() for p in sorted(LAB_DUMPS.glob("*.msgpack"))]
+    return [fmt.encode(small), fmt.encode(bigger), *lab]
+
+
+def test_the_lab_dumps_read_and_share_one_incident() -> None:
+    recs = [fmt.read_dump(p) for p in sorted(LAB_DUMPS.glob("*.msgpack"))]
+    assert [r.host for r in recs] == ["node0", "node1"]
+    assert len({r.trigger.incident_id for r in recs if r.trigger}) == 1
+    assert all(len(r.rings["nccl"].rows) > 50 for r in recs)
 
 
 SEEDS = _seed_dumps()
@@ -92,7 +105,7 @@ def _check(data: bytes, name: str = "fuzz.msgpack") -> Recording | None:
 def test_thousands_of_mutations_and_truncations() -> None:
     rng = random.Random(20261122)
     outcomes = {"refused": 0, "read": 0}
-    for i in range(6000):
+    for i in range(8000):
         data = bytearray(SEEDS[i % len(SEEDS)])
         for _ in range(rng.choice((1, 1, 1, 2, 4))):
             if data:
@@ -106,6 +119,9 @@ def test_every_truncation_of_a_small_dump() -> None:
     data = SEEDS[0]
     for cut in range(len(data)):
         assert _check(data[:cut]) is None
+    for data in SEEDS[2:]:  # the lab's dumps, cut every 11 bytes
+        for cut in range(0, len(data), 11):
+            assert _check(data[:cut]) is None
 
 
 def test_mutated_files_on_disk(tmp_path: Path) -> None:

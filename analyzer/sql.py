@@ -113,21 +113,47 @@ def check_statement(con: duckdb.DuckDBPyConnection, sql: str, limits: Limits) ->
         raise QueryRefused(f"only SELECT queries are allowed, not {kind.name}")
 
 
-class _Deadline:
-    """Interrupts a connection if the block it guards outlives the limit."""
+class _Watchdog:
+    """One long-lived thread per engine that interrupts the connection when
+    the running query passes its deadline.  Arming costs a lock and a notify,
+    not a thread start per query."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, seconds: float | None) -> None:
-        self._timer = threading.Timer(seconds, con.interrupt) if seconds else None
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._con: duckdb.DuckDBPyConnection | None = None
+        self._deadline = 0.0
+        self._closed = False
+        self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> _Deadline:
-        if self._timer is not None:
-            self._timer.daemon = True
-            self._timer.start()
-        return self
+    def arm(self, con: duckdb.DuckDBPyConnection, seconds: float) -> None:
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="sql deadline", daemon=True)
+                self._thread.start()
+            self._con, self._deadline = con, time.monotonic() + seconds
+            self._cond.notify()
 
-    def __exit__(self, *exc: object) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+    def disarm(self) -> None:
+        with self._cond:
+            self._con = None
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed, self._con = True, None
+            self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                if self._con is None:
+                    self._cond.wait()
+                    continue
+                remaining = self._deadline - time.monotonic()
+                if remaining > 0:
+                    self._cond.wait(remaining)
+                    continue
+                self._con.interrupt()
+                self._con = None
 
 
 class QueryEngine:
@@ -142,6 +168,7 @@ class QueryEngine:
         self._cache_s = cache_s
         self._loaded_at: float | None = None
         self._lock = threading.Lock()
+        self._watchdog = _Watchdog()
         self._con: duckdb.DuckDBPyConnection | None = sandboxed_connection(self.limits)
         _OPEN.add(self)
 
@@ -188,7 +215,9 @@ class QueryEngine:
         self, con: duckdb.DuckDBPyConnection, sql: str, max_rows: int | None
     ) -> tuple[tuple[str, ...], tuple[str, ...], list[tuple[Any, ...]]]:
         seconds = self.limits.time_limit_s
-        with _Deadline(con, seconds):
+        if seconds is not None:
+            self._watchdog.arm(con, seconds)
+        try:
             try:
                 return _execute(con, sql, max_rows)
             except duckdb.InterruptException:
@@ -198,8 +227,9 @@ class QueryEngine:
                 raise QueryError(f"query cut off: it needs more than {limit} of memory") from None
             except duckdb.Error as exc:
                 raise QueryError(str(exc)) from None
-            finally:
-                con.abort()  # drop rows past the limit, if any
+        finally:
+            self._watchdog.disarm()
+            con.abort()  # drop rows past the limit, if any
 
     def close(self) -> None:
         with self._lock:
@@ -208,6 +238,7 @@ class QueryEngine:
             # Drop the object too: DuckDB's bindings report a leak when a
             # connection object outlives the interpreter, closed or not.
             self._con = None
+        self._watchdog.close()
         _OPEN.discard(self)
 
     def __enter__(self) -> QueryEngine:
@@ -262,9 +293,10 @@ def _pylist(column: pa.ChunkedArray) -> list[Any]:
     if pa.types.is_timestamp(kind) or pa.types.is_date(kind) or pa.types.is_time(kind):
         column = column.cast(pa.string())
     try:
-        return column.to_pylist()
+        values: list[Any] = column.to_pylist()
     except (ValueError, pa.ArrowException):
-        return column.cast(pa.string()).to_pylist()
+        values = column.cast(pa.string()).to_pylist()
+    return values
 
 
 def _row_limit(requested: int | None, cap: int | None) -> int | None:

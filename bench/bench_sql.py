@@ -171,9 +171,12 @@ def _fanout_figure(agents: int, repeats: int) -> Figure:
             raise RuntimeError(f"fan-out failed: {first.failed}")
         median = median_time(lambda: query_agents(addrs, SEED_QUERY, timeout=10.0), repeats)
         close_connections()
-        cold = median_time(
-            lambda: (query_agents(addrs, SEED_QUERY, timeout=10.0), close_connections()), repeats
-        )
+
+        def cold_query() -> None:
+            query_agents(addrs, SEED_QUERY, timeout=10.0)
+            close_connections()
+
+        cold = median_time(cold_query, repeats)
     finally:
         for h in handles:
             h.close()

@@ -129,7 +129,7 @@ def _ring(rec: Recording, name: str) -> np.ndarray:
 
 
 def _comm_matches(c: CommInfo, pid: np.ndarray, comm: np.ndarray, ts: np.ndarray) -> np.ndarray:
-    match = (pid == c.pid) & (comm == c.comm)
+    match: np.ndarray = (pid == c.pid) & (comm == c.comm)
     if c.init_ns:
         match &= ts >= c.init_ns
     if c.destroy_ns:

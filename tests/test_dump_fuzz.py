@@ -105,22 +105,22 @@ def _check(data: bytes, name: str = "fuzz.msgpack") -> Recording | None:
 def test_thousands_of_mutations_and_truncations() -> None:
     rng = random.Random(20261122)
     outcomes = {"refused": 0, "read": 0}
-    for i in range(8000):
+    for i in range(3000):
         data = bytearray(SEEDS[i % len(SEEDS)])
         for _ in range(rng.choice((1, 1, 1, 2, 4))):
             if data:
                 rng.choice(MUTATIONS)(rng, data)
         outcomes["read" if _check(bytes(data)) else "refused"] += 1
     # both outcomes must occur, or the fuzzer is not exercising the reader
-    assert outcomes["refused"] > 1000 and outcomes["read"] > 50, outcomes
+    assert outcomes["refused"] > 600 and outcomes["read"] > 50, outcomes
 
 
 def test_every_truncation_of_a_small_dump() -> None:
     data = SEEDS[0]
     for cut in range(len(data)):
         assert _check(data[:cut]) is None
-    for data in SEEDS[2:]:  # the lab's dumps, cut every 11 bytes
-        for cut in range(0, len(data), 11):
+    for data in SEEDS[2:]:  # the lab's dumps, cut every 29 bytes
+        for cut in range(0, len(data), 29):
             assert _check(data[:cut]) is None
 
 
@@ -128,7 +128,7 @@ def test_mutated_files_on_disk(tmp_path: Path) -> None:
     """The file reader takes another path (ring data read around msgpack)."""
     rng = random.Random(7)
     path = tmp_path / "fuzz.msgpack"
-    for _ in range(500):
+    for _ in range(300):
         data = bytearray(SEEDS[1])
         rng.choice(MUTATIONS)(rng, data)
         path.write_bytes(data)
@@ -143,7 +143,7 @@ def test_mutated_files_on_disk(tmp_path: Path) -> None:
             assert_same(from_file, back)
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.sampled_from(range(len(SEEDS))),
     edits=st.lists(

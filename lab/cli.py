@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from lab import faults as F
-from lab.job import DEFAULT_ELEMENTS
+from lab.job import DEFAULT_COMPUTE_MS, DEFAULT_ELEMENTS
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -74,6 +74,8 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--elements", type=_positive_int, default=DEFAULT_ELEMENTS, metavar="N",
                    help="float32 elements of the gradient AllReduce")  # fmt: skip
+    p.add_argument("--compute-ms", type=_positive_float, default=DEFAULT_COMPUTE_MS, metavar="MS",
+                   help="CPU time of each step's simulated compute")  # fmt: skip
     p.add_argument("--run-id", default=None, help="names the namespaces (default: random)")
     p.add_argument("--lib", type=Path, default=None, help="the lab's libnccl.so.2 to use")
     p.set_defaults(func=cmd_run)
@@ -93,6 +95,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         stall_timeout=args.stall_timeout,
         timeout=args.timeout,
         elements=args.elements,
+        compute_ms=args.compute_ms,
         run_id=args.run_id,
         lib=args.lib,
     )

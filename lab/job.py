@@ -60,6 +60,7 @@ EXIT_SETUP = 2
 EXIT_NCCL = 4
 
 DEFAULT_ELEMENTS = 262_144  # DP gradient AllReduce: 1 MiB of float32
+DEFAULT_COMPUTE_MS = 2.0  # CPU time of one step's simulated compute
 STATUS_RUNNING = "running"
 STATUS_DONE = "done"
 STATUS_HUNG = "hung"
@@ -477,7 +478,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--mode", choices=("blocking", "async"), default="blocking")
     p.add_argument("--fault", action="append", default=[])
     p.add_argument("--elements", type=int, default=DEFAULT_ELEMENTS)
-    p.add_argument("--compute-ms", type=float, default=2.0)
+    p.add_argument("--compute-ms", type=float, default=DEFAULT_COMPUTE_MS)
     p.add_argument("--cpu", type=int, default=None, help="pin this rank to one CPU")
     p.add_argument("--init-timeout", type=float, default=60.0)
     return p.parse_args(argv)

@@ -67,6 +67,7 @@ class RunConfig:
     stall_timeout: float = 10.0
     timeout: float | None = None  # None: 30 s plus 0.5 s per step
     elements: int = job.DEFAULT_ELEMENTS
+    compute_ms: float = job.DEFAULT_COMPUTE_MS
     run_id: str | None = None
     lib: Path | None = None
 
@@ -385,11 +386,12 @@ def rank_argv(lab: Lab, rank: int) -> list[str]:
     argv = [sys.executable, "-m", "lab.job", "--rank", str(rank), "--nodes", str(cfg.nodes)]
     argv += ["--ranks-per-node", str(cfg.ranks_per_node), "--steps", str(cfg.steps)]
     argv += ["--run-dir", str(lab.run_dir), "--lib", str(lab.lib), "--mode", cfg.mode]
-    argv += ["--elements", str(cfg.elements)]
+    argv += ["--elements", str(cfg.elements), "--compute-ms", f"{cfg.compute_ms:g}"]
     for fault in F.for_rank(cfg.faults, rank):
         argv += ["--fault", F.format_fault(fault)]
-        if isinstance(fault, F.CpuHog):
-            argv += ["--cpu", str(cpu_of(rank))]
+    if any(isinstance(f, F.CpuHog) for f in cfg.faults):
+        # every rank pinned: the hog's neighbours share its CPU, the others do not
+        argv += ["--cpu", str(cpu_of(rank))]
     return argv
 
 

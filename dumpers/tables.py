@@ -147,15 +147,19 @@ def _fill_from_comms(
     comm_hash = rows["comm_hash"].astype(np.uint64)
     if not len(rows) or not rec.communicators:
         return rank, nranks, comm_hash
-    pid, comm = rows["pid"], rows["comm"]
+    need = np.flatnonzero((rank < 0) | (nranks < 0) | (comm_hash == 0))
+    if not len(need):
+        return rank, nranks, comm_hash
+    # contiguous copies of the rows to fill: comparing them is cache friendly
+    pid, comm, when = rows["pid"][need], rows["comm"][need], ts[need]
     for c in rec.communicators:
-        match = _comm_matches(c, pid, comm, ts)
+        at = need[_comm_matches(c, pid, comm, when)]
         if c.rank >= 0:
-            rank[match & (rank < 0)] = c.rank
+            rank[at[rank[at] < 0]] = c.rank
         if c.nranks >= 0:
-            nranks[match & (nranks < 0)] = c.nranks
+            nranks[at[nranks[at] < 0]] = c.nranks
         if c.comm_hash:
-            comm_hash[match & (comm_hash == 0)] = c.comm_hash
+            comm_hash[at[comm_hash[at] == 0]] = c.comm_hash
     return rank, nranks, comm_hash
 
 

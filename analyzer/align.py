@@ -71,21 +71,22 @@ def _host_now(sources: list[Source], host: str) -> int | None:
 
 
 def _exit_status(rec: Recording) -> dict[int, tuple[int | None, int | None]]:
+    """(exit code, fatal signal) per pid: the process table's when it has one,
+    else the exit ring's.  exit_group() kills the other threads with SIGKILL:
+    a signal row after an exit_group row of the same pid is not a death cause."""
     status: dict[int, tuple[int | None, int | None]] = {}
+    ring = rec.rings.get("exit")
+    if ring is not None and len(ring.rows):
+        rows = ring.rows[np.argsort(ring.rows["ts_ns"], kind="stable")]
+        for pid, event, code, sig in rows[["pid", "event", "code", "signal"]].tolist():
+            old_code, old_sig = status.get(pid, (None, None))
+            if event == ExitEvent.EXIT_GROUP and old_code is None and old_sig is None:
+                status[pid] = (int(code), None)
+            elif event == ExitEvent.SIGNAL and sig > 0 and old_code is None and old_sig is None:
+                status[pid] = (None, int(sig))
     for p in rec.processes:
         if p.exit_code is not None or p.exit_signal is not None:
             status[p.pid] = (p.exit_code, p.exit_signal)
-    ring = rec.rings.get("exit")
-    if ring is None or not len(ring.rows):
-        return status
-    for row in ring.rows:  # a handful of rows: one or two per dead process
-        pid = int(row["pid"])
-        code, sig = status.get(pid, (None, None))
-        if row["event"] == ExitEvent.EXIT_GROUP and code is None:
-            code = int(row["code"])
-        elif row["event"] == ExitEvent.SIGNAL and int(row["signal"]) > 0:
-            sig = int(row["signal"])
-        status[pid] = (code, sig)
     return status
 
 
@@ -278,6 +279,7 @@ def _calls_of(
         ("datatype", "datatype"),
         ("redop", "redop"),
         ("state", "state"),
+        ("result", "result"),
     ):
         out[dst] = raw[src][sel]
     return out

@@ -227,13 +227,20 @@ def _death(p: Proc) -> str:
     return f"exited with code {p.exit_code}"
 
 
+def _failed_calls(a: Analysis) -> set[int]:
+    """Procs whose last call returned an error: they died of a peer's death."""
+    rows = a.incident.calls.rows
+    bad = rows[(rows["result"] > 0)]
+    return {int(p) for p in np.unique(bad["proc"])}
+
+
 def detect_rank_exited(a: Analysis) -> list[Verdict]:
     inc = a.incident
     dead = [i for i, p in enumerate(inc.procs) if p.died_badly]
     if not dead:
         return []
-    behind = {m.proc for f in a.frontiers for m in f.laggards}
-    culprits = [i for i in dead if i in behind] or dead
+    failed = _failed_calls(a)
+    culprits = [i for i in dead if i not in failed] or dead
     out = []
     for i in culprits:
         p = inc.procs[i]
@@ -245,10 +252,10 @@ def detect_rank_exited(a: Analysis) -> list[Verdict]:
             summary += f"; its peers wait at {op_name(where.op)} seq {where.seq} on {comm}"
         evidence = [f"{p.label()} {_death(p)}", last_call_text(a, i)]
         evidence += [_member_text(a, f, m) for f, m in lag[:MAX_LISTED]]
-        others = [inc.procs[j].label() for j in dead if j != i]
+        others = [inc.procs[j].label() for j in dead if j not in culprits]
         if others:
             evidence.append(
-                "also exited afterwards (they had entered the frontier): " + ", ".join(others)
+                "also exited, after a call failed on a peer's error: " + ", ".join(others)
             )
         out.append(
             Verdict(

@@ -87,6 +87,7 @@ CALL_DTYPE = np.dtype(
         ("datatype", "u1"),
         ("redop", "u1"),
         ("state", "u1"),
+        ("result", "<i4"),  # ncclResult_t, -1 while in flight
     ]
 )
 

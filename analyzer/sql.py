@@ -12,7 +12,9 @@ Sandbox, applied to every query whatever its origin:
 - the connection is opened with ``enable_external_access=false`` (no file,
   network or ``glob``/``read_*`` access; no ``ATTACH``/``COPY``/``EXPORT``
   targets), extension auto-install and auto-load off, no temporary directory,
-  no allowed directories, then ``lock_configuration=true`` (no ``SET``);
+  no allowed directories, no Python replacement scans (a query cannot name
+  a Python variable of the server as a table), then ``lock_configuration=true``
+  (no ``SET``);
 - exactly one statement, and it must parse (with DuckDB's own parser,
   ``extract_statements``) as a ``SELECT`` (``WITH``, ``FROM``, ``VALUES``,
   ``DESCRIBE``, ``SUMMARIZE`` included), so ``CREATE``, ``INSERT``, ``PRAGMA``,
@@ -93,6 +95,8 @@ def sandboxed_connection(limits: Limits) -> duckdb.DuckDBPyConnection:
     extensions, and whose settings cannot be changed any more."""
     con = duckdb.connect(":memory:", config=_config(limits))
     con.execute("SET enable_progress_bar = false")
+    # No Python variable of the caller's frames becomes a table by its name.
+    con.execute("SET python_enable_replacements = false")
     con.execute("SET lock_configuration = true")
     return con
 

@@ -197,7 +197,8 @@ def test_connection_settings_are_locked_down() -> None:
             con.execute(
                 "SELECT name, value FROM duckdb_settings() WHERE name IN "
                 "('enable_external_access', 'lock_configuration', 'allowed_directories', "
-                "'autoinstall_known_extensions', 'autoload_known_extensions')"
+                "'autoinstall_known_extensions', 'autoload_known_extensions', "
+                "'python_enable_replacements')"
             ).fetchall()
         )
     finally:
@@ -208,6 +209,7 @@ def test_connection_settings_are_locked_down() -> None:
         "allowed_directories": "[]",
         "autoinstall_known_extensions": "false",
         "autoload_known_extensions": "false",
+        "python_enable_replacements": "false",
     }
 
 

@@ -48,7 +48,8 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     cfg = runner.RunConfig(
         nodes=NODES,
         ranks_per_node=1,
-        steps=12,
+        steps=8,
+        timeout=240.0,
         record=True,
         dump_dir=tmp_path_factory.mktemp("sql-lab"),
         stall_timeout=60.0,

@@ -29,7 +29,9 @@ DEFAULT_LISTEN = "127.0.0.1:9400"
 QUERY_EPILOG = """\
 tables: nccl_events, comm_events, tcp_events, sched_events, exit_events,
         processes, communicators (each with a host column; timestamp_ns is the
-        host's monotonic clock, wall_time the same instant in UTC)
+        host's monotonic clock, wall_time the same instant in UTC).
+        The rows of every dump given share one table: where hosts must not
+        mix (a time-window join), join on host too (t.host = s.host).
 
 examples:
   stallwatch query dumps/ "SELECT host, op, count(*) FROM nccl_events GROUP BY ALL"
@@ -59,13 +61,17 @@ answers 501). A non-loopback --listen needs --token-file.
 def register(subparsers: Any) -> None:
     q = subparsers.add_parser(
         "query",
+        usage="stallwatch query [options] PATH... SQL\n"
+        "       stallwatch query [options] --agents HOST:PORT,... SQL",
         help="run one SQL query on dumps, or on live agents in parallel",
         description="Run one read-only SQL SELECT on dump files and folders, or send it "
         "to live agents (--agents) in parallel and merge their rows.",
         epilog=QUERY_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    q.add_argument("args", nargs="+", metavar="PATH... SQL", help="dumps or folders, then SQL")
+    q.add_argument(
+        "args", nargs="+", metavar="PATH|SQL", help="dump files or folders, then the SQL (last)"
+    )
     q.add_argument("--agents", metavar="HOST:PORT,...", help="query these live agents instead")
     q.add_argument("--token-file", metavar="FILE", help="bearer token for the agents")
     q.add_argument("--timeout", type=float, default=5.0, metavar="SEC", help="per agent (5)")

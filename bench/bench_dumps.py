@@ -7,6 +7,11 @@ Figures (medians over repeats, printed as figure / value / target):
   temporary file, fsync, rename, fsync of the folder; anchor: the same bytes
   written and fsynced raw, in the same run (the disk's floor);
 - validating read of it back (< 0.2 s); anchor: the raw file read into numpy;
+- four agents on loopback HTTP (the real server of ``analyzer.http``, the
+  real peers client, 65,536-entry nccl rings): from the tick that detects a
+  hang, on two nodes at once, to the last node's dump renamed into place
+  under the one shared incident id (< 0.5 s).  In one process: the lab's
+  benchmark measures the same with agents in network namespaces;
 - the watchdog's check of one tick with 64 ranks (no target; it runs every
   150 ms).
 """
@@ -14,8 +19,12 @@ Figures (medians over repeats, printed as figure / value / target):
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 import os
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +33,9 @@ from bench.common import Figure, median_time, render
 from dumpers.format import read_dump, write_dump
 from dumpers.model import Clock, Recording, Ring, Trigger, TriggerKind
 from dumpers.schema import NCCL_EVENT, Op, State
-from recorder.model import CommProgress, ProcessState, TickState
-from recorder.watchdog import Watchdog
+from recorder.model import CommProgress, InflightCall, ProcessState, TickState
+from recorder.peers import peer_notifier
+from recorder.watchdog import DumpScheduler, Incidents, Watchdog
 
 WRITE_TARGET_S = 0.5
 READ_TARGET_S = 0.2
@@ -104,6 +114,81 @@ def _io_figures(rows: int, repeats: int, folder: Path) -> list[Figure]:
     ]
 
 
+class _Agent:
+    """The part of an agent that the HTTP server and the peers see."""
+
+    def __init__(self, host: str, folder: Path, rec: Recording) -> None:
+        self.host = host
+        self.folder = folder
+        snapshot = lambda: dataclasses.replace(rec, host=host)  # noqa: E731
+        scheduler = DumpScheduler.for_directory(folder, snapshot)
+        self.incidents = Incidents(Watchdog(2 * 10**9, host), scheduler)
+
+    def recording(self) -> Recording:
+        return self.incidents.scheduler.snapshot()
+
+    def metrics_text(self) -> str:
+        return ""
+
+    def request_dump(self, reason: str, incident_id: str | None, origin: str | None) -> object:
+        return self.incidents.request_dump(reason, incident_id, origin)
+
+
+def _converged(agents: list[_Agent]) -> bool:
+    dumps = [list(a.folder.glob("*.msgpack")) for a in agents]
+    if not all(len(d) == 1 for d in dumps):
+        return False
+    return len({read_dump(d[0]).trigger.incident_id for d in dumps}) == 1  # type: ignore[union-attr]
+
+
+def _one_incident(folder: Path, rec: Recording) -> float:
+    from analyzer.http import serve_http
+
+    agents = [_Agent(f"node{n}", folder / f"node{n}", rec) for n in range(4)]
+    servers = [serve_http(a, "127.0.0.1:0", token="bench") for a in agents]
+    try:
+        addresses = [s.address for s in servers]
+        for agent, address in zip(agents, addresses, strict=True):
+            others = [a for a in addresses if a != address]
+            agent.incidents.notify = peer_notifier(others, agent.host, "bench")
+        now = time.monotonic_ns()
+        stuck = TickState(
+            now,
+            (InflightCall(1, 1, 7, Op.ALL_REDUCE, 57, now - 3 * 10**9),),
+            (CommProgress(1, 1, 7, 0, 4, now - 3 * 10**9, now - 3 * 10**9, 57, 1, False),),
+            (ProcessState(1, True, True),),
+        )
+        start = time.perf_counter()
+        agents[1].incidents.tick(stuck)
+        agents[2].incidents.tick(stuck)
+        while not _converged(agents) and time.perf_counter() - start < 10:
+            time.sleep(0.005)
+        return time.perf_counter() - start
+    finally:
+        for server in servers:
+            server.close()
+
+
+def _peers_figure(repeats: int, quick: bool, folder: Path) -> Figure:
+    rec = _recording(4096 if quick else 65_536)
+    quiet = logging.getLogger("stallwatch")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # each incident logs a few warnings: not the table's
+    try:
+        times = [_one_incident(folder / f"run{i}", rec) for i in range(repeats)]
+    finally:
+        quiet.setLevel(level)
+    median = statistics.median(times)
+    return Figure(
+        "dumps: 4 agents on loopback HTTP, detection to last dump in place",
+        median,
+        "s",
+        "< 0.5 s",
+        median < 0.5,
+        f"{len(rec.rings['nccl'].rows):,}-entry rings, 2 nodes detect at once",
+    )
+
+
 def _watchdog_figure(repeats: int) -> Figure:
     now = 100 * 10**9
     ranks = range(1000, 1064)
@@ -129,6 +214,7 @@ def figures(
     n = rows if rows is not None else (50_000 if quick else 1_000_000)
     with tempfile.TemporaryDirectory(prefix="bench-dumps-", dir=folder) as tmp:
         out = _io_figures(n, repeats, Path(tmp))
+        out.append(_peers_figure(min(repeats, 3), quick or n < 100_000, Path(tmp)))
     out.append(_watchdog_figure(repeats))
     return out
 

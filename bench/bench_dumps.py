@@ -161,7 +161,9 @@ def _one_incident(folder: Path, rec: Recording) -> float:
         start = time.perf_counter()
         agents[1].incidents.tick(stuck)
         agents[2].incidents.tick(stuck)
-        while not _converged(agents) and time.perf_counter() - start < 10:
+        while not _converged(agents):
+            if time.perf_counter() - start > 10:
+                raise RuntimeError("4 agents did not converge on one incident in 10 s")
             time.sleep(0.005)
         return time.perf_counter() - start
     finally:

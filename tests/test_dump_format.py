@@ -314,5 +314,6 @@ def test_the_benchmark_runs_on_a_small_size(tmp_path: Path) -> None:
 
     figures = bench_dumps.figures(rows=5000, repeats=1, folder=tmp_path)
     assert [f.ok for f in figures[:2]] == [True, True]
+    assert "4 agents" in figures[2].name and figures[2].value < 5  # converged, or raised
     assert "5,000 nccl entries" in figures[0].name
     assert list(tmp_path.iterdir()) == []  # its temporary folder is gone

@@ -387,3 +387,39 @@ def test_rank_command_line_carries_its_faults(tmp_path: Path) -> None:
     assert argv0[argv0.index("--cpu") + 1] == "0"  # with a hog, every rank is pinned
     healthy = runner.Lab(runner.RunConfig(), Path("/x/lib.so"), "abc", tmp_path)
     assert "--cpu" not in runner.rank_argv(healthy, 0)
+
+
+@pytest.mark.lab
+def test_a_failure_during_setup_leaves_nothing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dumpers.errors import LabError
+    from stallwatch.cli import main
+
+    def broken(*_args: object) -> None:
+        raise LabError("nft: simulated failure")
+
+    monkeypatch.setattr(netns, "add_loss", broken)
+    run_id = "t" + secrets.token_hex(3)
+    assert main(["lab", "run", "--run-id", run_id, "--fault", "loss:node=1,pct=5"]) == 2
+    assert "simulated failure" in capsys.readouterr().err
+    assert_nothing_left(run_id)
+
+
+@pytest.mark.lab
+def test_an_agent_that_dies_at_start_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from stallwatch.cli import main
+
+    def dying_agent(*_args: object) -> list[str]:
+        return [sys.executable, "-c", "import sys; sys.exit('no BPF for you')"]
+
+    monkeypatch.setattr(runner, "agent_argv", dying_agent)
+    run_id = "t" + secrets.token_hex(3)
+    argv = ["lab", "run", "--run-id", run_id, "--record", "--dump-dir", str(tmp_path)]
+    assert main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after one progress line
+    assert last.startswith("stallwatch lab: error: the agent of node 0 exited with 1")
+    assert last.endswith("no BPF for you")
+    assert_nothing_left(run_id)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dumpers.schema import datatype_name, op_name
+from dumpers.schema import RedOp, datatype_name, op_name
 
 from .match import Matched
 from .metrics import (
@@ -26,9 +26,9 @@ from .metrics import (
 from .model import Incident, Proc
 from .verdict import Verdict, VerdictKind
 
-STRAGGLER_FRACTION = 0.6  # last to arrive in at least this share of collectives
+STRAGGLER_FRACTION = 0.75  # last to arrive in at least this share of collectives
 STRAGGLER_MARGIN_NS = 5_000_000  # and later than its peers by this much (median)
-STRAGGLER_MIN_GROUPS = 3
+STRAGGLER_MIN_GROUPS = 8
 SCHED_MIN_NS = 10_000_000  # run-queue delay that counts as interference
 SCHED_DOMINANCE = 3.0  # times the most any other rank waited
 RETRANS_MIN = 20  # retransmits inside collective windows that count
@@ -171,6 +171,11 @@ def _field_text(field: str, value: int) -> str:
         return op_name(value)
     if field == "datatype":
         return datatype_name(value)
+    if field == "redop":
+        try:
+            return RedOp(value).name.lower()
+        except ValueError:
+            return f"redop_{value}"
     return str(value)
 
 
@@ -240,7 +245,10 @@ def detect_rank_exited(a: Analysis) -> list[Verdict]:
     if not dead:
         return []
     failed = _failed_calls(a)
-    culprits = [i for i in dead if i not in failed] or dead
+    culprits = [i for i in dead if i not in failed]
+    if not culprits and a.disagreements:
+        return []  # they exited on the error a desync caused: the desync is the finding
+    culprits = culprits or dead
     out = []
     for i in culprits:
         p = inc.procs[i]
@@ -273,22 +281,35 @@ def detect_rank_exited(a: Analysis) -> list[Verdict]:
     return out
 
 
+def _is_straggling(s: ArrivalScore) -> bool:
+    return (
+        s.proc >= 0
+        and s.groups >= STRAGGLER_MIN_GROUPS
+        and s.last_fraction >= STRAGGLER_FRACTION
+        and s.margin_ns >= STRAGGLER_MARGIN_NS
+    )
+
+
 def straggler_candidates(a: Analysis) -> list[ArrivalScore]:
-    """The rank most consistently last in each communicator, if clear enough."""
+    """Ranks consistently last, and so in the largest communicator they belong
+    to (a rank slow to compute is late everywhere; noise in a 2-rank group is
+    not)."""
+    comms = a.incident.comms
     best: dict[int, ArrivalScore] = {}
     for s in a.arrivals:
-        if (
-            s.groups < STRAGGLER_MIN_GROUPS
-            or s.last_fraction < STRAGGLER_FRACTION
-            or s.margin_ns < STRAGGLER_MARGIN_NS
-            or s.proc < 0
-        ):
+        if not _is_straggling(s):
             continue
         cur = best.get(s.comm)
         if cur is None or (s.method == "wait", s.margin_ns) > (cur.method == "wait", cur.margin_ns):
             best[s.comm] = s
+    largest: dict[int, int] = {}
+    for s in a.arrivals:
+        if s.groups >= STRAGGLER_MIN_GROUPS:
+            largest[s.proc] = max(largest.get(s.proc, 0), comms[s.comm].nranks)
     per_proc: dict[int, ArrivalScore] = {}
     for s in best.values():
+        if comms[s.comm].nranks < largest.get(s.proc, 0):
+            continue
         cur = per_proc.get(s.proc)
         if cur is None or s.groups > cur.groups:
             per_proc[s.proc] = s

@@ -308,7 +308,8 @@ def test_not_root_is_one_line_and_exit_2(
 
 
 @pytest.mark.lab
-def test_sigint_tears_everything_down() -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_tears_everything_down(sig: signal.Signals) -> None:
     run_id = "t" + secrets.token_hex(3)
     proc = subprocess.Popen(
         [
@@ -336,7 +337,7 @@ def test_sigint_tears_everything_down() -> None:
             assert time.monotonic() < deadline, "the job never started"
             time.sleep(0.1)
         assert len([ns for ns in netns.list_netns() if netns.run_of(ns) == run_id]) == 3
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

@@ -3,15 +3,16 @@
  * Retransmits fire in softirq context, where the current pid means nothing,
  * so `sock_owner` (socket address -> tgid) is learned where the owning
  * process itself touches the socket: sock_send_length / sock_recv_length
- * (process context) and inet_sock_set_state when current is tracked.  The
- * hash is written only when an entry is missing or changes, never once per
- * send to user space.
+ * (process context) and inet_sock_set_state in process context (connect,
+ * close).  The hash is written only when an entry is missing or changes,
+ * never once per send to user space, and forgotten when the socket closes.
  */
 #include "common.h"
 
 #define MAX_SOCKETS 16384
 #define AF_INET 2
 #define IPPROTO_TCP 6
+#define TCP_CLOSE 7
 
 BPF_F_TABLE("array", u32, struct tcp_event, tcp_ring, TCP_RING_SLOTS, BPF_F_MMAPABLE);
 
@@ -26,10 +27,12 @@ static __always_inline struct tcp_event *claim_tcp(u64 *pos)
 }
 BPF_HASH(sock_owner, u64, u32, MAX_SOCKETS);
 
+/* Any process not excluded: a rank connects before discovery has classified
+ * it (user space keeps only the rows of processes in scope). */
 static __always_inline void learn_owner(u64 skaddr)
 {
 	u32 tgid = bpf_get_current_pid_tgid() >> 32;
-	if (!is_tracked(tgid))
+	if (!tgid || is_excluded(tgid))
 		return;
 	u32 *known = sock_owner.lookup(&skaddr);
 	if (known && *known == tgid)
@@ -100,7 +103,9 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 {
 	if (args->protocol != IPPROTO_TCP)
 		return 0;
-	learn_owner((u64)args->skaddr);
+	u64 skaddr = (u64)args->skaddr;
+	if (args->newstate != TCP_CLOSE)
+		learn_owner(skaddr);
 	struct tcp_event *e;
 	u64 pos;
 	e = claim_tcp(&pos);
@@ -110,5 +115,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 	e->state = args->oldstate;
 	e->newstate = args->newstate;
 	publish(&e->hdr, pos);
+	if (args->newstate == TCP_CLOSE)
+		sock_owner.delete(&skaddr);
 	return 0;
 }

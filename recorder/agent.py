@@ -9,8 +9,10 @@ distinct library file and puts each process in scope or out of it.
 
 Scope ``netns`` keeps only the processes of the agent's network namespace
 (others are excluded in the kernel, and their rows recorded before they were
-classified are dropped from snapshots) and the TCP events whose local or
-remote address belongs to this namespace or whose owner is in scope.
+classified are dropped from snapshots) and the TCP events of sockets whose
+own (source) address belongs to this namespace (loopback aside) or whose
+owner is in scope: a connection between two nodes shows in each node's dump
+through that node's end only.
 
 Known limits: communicators created before the agent started have hash 0
 and their ``seq`` counts from the agent's start.
@@ -102,7 +104,8 @@ def sample_clock() -> Clock:
 
 
 def local_addresses() -> set[bytes]:
-    """Addresses of this network namespace as 16-byte tcp_event fields."""
+    """Addresses of this network namespace as 16-byte tcp_event fields.
+    Loopback addresses exist in every namespace and say nothing: left out."""
     import psutil
 
     out: set[bytes] = set()
@@ -114,7 +117,8 @@ def local_addresses() -> set[bytes]:
                 ip = ipaddress.ip_address(a.address.split("%")[0])
             except ValueError:
                 continue
-            out.add(ip.packed.ljust(16, b"\0"))
+            if not ip.is_loopback:
+                out.add(ip.packed.ljust(16, b"\0"))
     return out
 
 
@@ -307,8 +311,10 @@ class Agent:
         def is_local(col: np.ndarray) -> np.ndarray:
             return (col[:, None, :] == local[None, :, :]).all(axis=2).any(axis=1)
 
+        # The socket's own address is saddr: a connection between two nodes
+        # belongs to each node's agent through its own end only.
         owned = np.isin(rows["pid"], np.array(sorted(self.in_scope), dtype=rows["pid"].dtype))
-        mask: np.ndarray = owned | is_local(rows["saddr"]) | is_local(rows["daddr"])
+        mask: np.ndarray = owned | is_local(rows["saddr"])
         return mask
 
     # ---- snapshot and dumps ---------------------------------------------

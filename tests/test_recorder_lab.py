@@ -25,7 +25,7 @@ import pytest
 
 from dumpers.format import read_dump
 from dumpers.model import Recording
-from dumpers.schema import NCCL_SYMBOLS, Op, State, TcpEvent
+from dumpers.schema import NCCL_SYMBOLS, State, TcpEvent
 from recorder.agent import Agent, AgentConfig
 from recorder.source import BccSource
 
@@ -117,32 +117,34 @@ def _node_pids(result: dict[str, Any], node: int) -> set[int]:
 
 def test_faults_recorded_by_the_node_they_hit(tmp_path: Path) -> None:
     """Node 1 loses packets and rank 3 (node 1) shares its CPU with a hog;
-    rank 0 crashes at step 4: every agent dumps that incident."""
+    rank 0 crashes at step 6: every agent dumps that incident.  The lab drops
+    node 1's packets in both directions, so node 0's sockets to node 1 may
+    retransmit too; what must hold is that each node's retransmits are its
+    own sockets', owned by its own ranks."""
     result = lab_run(
-        "--nodes", "2", "--ranks-per-node", "2", "--steps", "8", "--record",
-        "--dump-dir", str(tmp_path), "--stall-timeout", "3",
-        "--fault", "loss:node=1,pct=15",
+        "--nodes", "2", "--ranks-per-node", "2", "--steps", "10", "--record",
+        "--dump-dir", str(tmp_path), "--stall-timeout", "10",
+        "--fault", "loss:node=1,pct=10",
         "--fault", "cpuhog:rank=3",
-        "--fault", "crash:rank=0,step=4,signal=KILL",
+        "--fault", "crash:rank=0,step=6,signal=KILL",
     )  # fmt: skip
     dumps = _dumps_by_node(result)
     assert set(dumps) == {0, 1}, result["dumps"]
-    node0, node1 = _node_pids(result, 0), _node_pids(result, 1)
+    pids = {n: _node_pids(result, n) for n in (0, 1)}
     for node, rec in dumps.items():
-        pids = set(int(p) for p in rec.rings["nccl"].rows["pid"])
-        assert pids <= (node0 if node == 0 else node1), "a node recorded another's ranks"
-    tcp1 = dumps[1].rings["tcp"].rows
-    retrans1 = tcp1[tcp1["event"] == TcpEvent.TCP_RETRANSMIT_SKB]
-    assert set(int(p) for p in retrans1["pid"]) & node1, "node 1: no retransmit owned by a rank"
-    tcp0 = dumps[0].rings["tcp"].rows
-    retrans0 = tcp0[
-        (tcp0["event"] == TcpEvent.TCP_RETRANSMIT_SKB) & np.isin(tcp0["pid"], list(node0))
-    ]
-    assert len(retrans0) < max(3, len(retrans1) // 5), "node 0 sees as many retransmits"
+        recorded = {int(p) for p in rec.rings["nccl"].rows["pid"]}
+        assert recorded == pids[node], f"node {node} recorded {recorded}, ranks {pids[node]}"
+        tcp = rec.rings["tcp"].rows
+        retrans = tcp[tcp["event"] == TcpEvent.TCP_RETRANSMIT_SKB]
+        owners = {int(p) for p in retrans["pid"]} - {0}
+        assert owners <= pids[node], f"node {node}: retransmits owned by another node's ranks"
+        if node == 1:
+            assert owners, "node 1: no retransmit attributed to a rank"
     rank3 = next(r["pid"] for r in result["ranks"] if r["world_rank"] == 3)
     sched1 = dumps[1].rings["sched"].rows
     assert (sched1["pid"] == rank3).sum() > 0, "no run-queue delay for the hogged rank"
+    assert set(int(p) for p in dumps[0].rings["sched"].rows["pid"]) <= pids[0]
     rank0 = next(r["pid"] for r in result["ranks"] if r["world_rank"] == 0)
     (proc0,) = [p for p in dumps[0].processes if p.pid == rank0]
     assert proc0.exit_signal == 9
-    assert Op.ALL_REDUCE in set(int(o) for o in dumps[0].rings["nccl"].rows["op"])
+    assert all(p.pid in pids[1] for p in dumps[1].processes)

@@ -223,15 +223,17 @@ def _calls(
     mem_vals = np.array(list(membership.values()), dtype=np.int64)
     order = np.argsort(mem_keys)
     mem_keys, mem_vals = mem_keys[order], mem_vals[order]
-    parts = []
+    total = sum(len(s.recording.rings["nccl"].rows) for s in sources if "nccl" in s.recording.rings)
+    out = np.empty(total, dtype=CALL_DTYPE)  # filled in place: no list of parts to join
+    n = 0
     for s in sources:
         ring = s.recording.rings.get("nccl")
         if ring is None or not len(ring.rows):
             continue
-        parts.append(_calls_of(s, ring.rows, proc_index, hashes, mem_keys, mem_vals, len(comms)))
-    if not parts:
-        return np.zeros(0, dtype=CALL_DTYPE)
-    return np.concatenate(parts)
+        part = _calls_of(s, ring.rows, proc_index, hashes, mem_keys, mem_vals, len(comms))
+        out[n : n + len(part)] = part
+        n += len(part)
+    return out[:n]
 
 
 def _calls_of(

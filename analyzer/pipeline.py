@@ -106,5 +106,7 @@ def group_incidents(loaded: Iterable[Loaded]) -> list[Incident]:
 
 def analyze_paths(paths: Sequence[str], progress: bool = False) -> AnalysisResult:
     loaded, statuses = load_inputs(paths, progress=progress)
-    results = tuple(analyze_incident(inc) for inc in group_incidents(loaded))
+    incidents = group_incidents(loaded)
+    del loaded  # the raw rings: the incidents hold what analysis needs
+    results = tuple(analyze_incident(inc) for inc in incidents)
     return AnalysisResult(results, tuple(statuses))

@@ -45,6 +45,7 @@ class Job:
     jitter_ms: float = 0.5
     hang: tuple[int, int] | None = None  # (rank, step)
     crash: tuple[int, int, int] | None = None  # (rank, step, signal)
+    peers_fail: bool = False  # after a crash, the others' calls fail and they exit 4
     mismatch: tuple[int, int, str] | None = None  # (rank, step, field)
     slow: tuple[int, float] | None = None  # (rank, extra ms per step)
     loss_node: int | None = None
@@ -170,6 +171,11 @@ def _node(
         code, sig = None, None
         if job.crash is not None and job.crash[0] == r:
             sig = job.crash[2]
+        elif job.crash is not None and job.peers_fail:
+            code = 4
+            mine = np.flatnonzero(arr["pid"] == pid_of(r))
+            last = mine[-1]  # its pending call returned REMOTE_ERROR
+            arr["end_ns"][last], arr["result"][last] = int(arr["ts_ns"][last]) + 5 * MS, 6
         procs.append(
             ProcessInfo(
                 pid_of(r),

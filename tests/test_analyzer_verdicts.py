@@ -61,6 +61,15 @@ def test_crash_is_rank_exited_not_missing_rank() -> None:
     assert vs[0].seq == 20
 
 
+def test_crash_names_the_dead_rank_not_those_its_death_failed() -> None:
+    # every rank died; only rank 1 died first (signal), the others exited 4
+    # after their pending call returned REMOTE_ERROR
+    vs = verdicts(with_(BASE, crash=(1, 20, 9), peers_fail=True))
+    assert kinds(vs) == [VerdictKind.RANK_EXITED]
+    assert vs[0].ranks == (1,)
+    assert any("failed on a peer's error" in e for e in vs[0].evidence)
+
+
 @pytest.mark.parametrize("mode", ["blocking", "async"])
 def test_slow_rank_is_compute_straggler(mode: str) -> None:
     vs = verdicts(with_(BASE, mode=mode, slow=(3, 20.0)))

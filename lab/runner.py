@@ -521,19 +521,26 @@ def wait_for_job(lab: Lab, started: float) -> str | None:
         time.sleep(POLL)
 
 
-def stop_stuck(lab: Lab) -> None:
-    for rank, proc in lab.ranks.items():
-        if proc.poll() is None:
-            lab.killed.add(rank)
-            _kill(proc)
+def stop_stuck(lab: Lab) -> dict[int, job.RankReport | None]:
+    """Kill the ranks still running, all at once (a rank that sees its peer die
+    would report that instead of where it was stuck); returns their last reports."""
+    alive = {rank: proc for rank, proc in lab.ranks.items() if proc.poll() is None}
+    stuck = {rank: job.read_report(lab.run_dir, rank) for rank in alive}
+    for proc in alive.values():
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    for proc in alive.values():
+        _kill(proc)
+    lab.killed.update(alive)
+    return stuck
 
 
 # --- the outcome --------------------------------------------------------------
 
 
-def outcome(lab: Lab, rank: int) -> RankOutcome:
+def outcome(lab: Lab, rank: int, stuck: dict[int, job.RankReport | None]) -> RankOutcome:
     proc = lab.ranks.get(rank)
-    rep = job.read_report(lab.run_dir, rank)
+    rep = stuck[rank] if rank in stuck else job.read_report(lab.run_dir, rank)
     code = proc.returncode if proc is not None else None
     killed = rank in lab.killed
     sig = signal.Signals(-code).name if code is not None and code < 0 else None
@@ -605,8 +612,8 @@ def run(cfg: RunConfig, progress_out: TextIO | None = None) -> RunResult:
                 gave_up is not None or any(p.returncode for p in lab.ranks.values())
             ):
                 wait_for_dumps(lab)
-            stop_stuck(lab)
-            ranks = [outcome(lab, r) for r in range(cfg.topology.world_size)]
+            stuck = stop_stuck(lab)
+            ranks = [outcome(lab, r, stuck) for r in range(cfg.topology.world_size)]
             nodes = node_outcomes(lab)
     finally:
         with signals_ignored():

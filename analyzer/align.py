@@ -36,7 +36,30 @@ class Source:
     recording: Recording
 
 
+SCOPED_RINGS = ("nccl", "sched", "exit")
+
+
+def in_scope(rec: Recording) -> Recording:
+    """The recording without rows of processes its agent does not list: an
+    agent's process table is its scope (one node), whatever leaked past it."""
+    scope = np.array(
+        sorted({p.pid for p in rec.processes} | {c.pid for c in rec.communicators}), dtype=np.uint32
+    )
+    if not len(scope):
+        return rec
+    rings = dict(rec.rings)
+    for name in SCOPED_RINGS:
+        ring = rings.get(name)
+        if ring is None or not len(ring.rows):
+            continue
+        keep = np.isin(ring.rows["pid"], scope)
+        if not keep.all():
+            rings[name] = dataclasses.replace(ring, rows=ring.rows[keep])
+    return dataclasses.replace(rec, rings=rings)
+
+
 def incident_from_recordings(incident_id: str, sources: list[Source]) -> Incident:
+    sources = [Source(s.path, in_scope(s.recording)) for s in sources]
     sources = sorted(sources, key=lambda s: (s.recording.host, s.path))
     hosts = tuple(sorted({s.recording.host for s in sources}))
     procs, proc_index = _procs(sources)

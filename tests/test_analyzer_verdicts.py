@@ -3,8 +3,10 @@ inputs, wrapped rings and a missing dump."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
+import numpy as np
 import pytest
 
 from analyzer.align import Source
@@ -149,4 +151,20 @@ def test_split_communicator_ranks_are_derived() -> None:
     assert len(split) == 1
     ranks = [inc.procs[p].world_rank for p in split[0].members]
     assert ranks == [0, 2]
+    assert kinds(list(analyze_incident(inc).verdicts)) == [VerdictKind.HEALTHY]
+
+
+def test_rows_of_processes_outside_the_agents_scope_are_ignored() -> None:
+    # another job's process leaked into node 0's ring with a clashing call:
+    # it is in no process table, so it is none of this incident's business
+    recs = recordings(BASE)
+    rows = recs[0].rings["nccl"].rows
+    foreign = rows[:5].copy()
+    foreign["pid"] = 4242
+    foreign["count"] = 7
+    rings = dict(recs[0].rings)
+    rings["nccl"] = dataclasses.replace(rings["nccl"], rows=np.concatenate([rows, foreign]))
+    recs[0] = dataclasses.replace(recs[0], rings=rings)
+    (inc,) = group_incidents([Source(r.host, r) for r in recs])
+    assert 4242 not in {p.pid for p in inc.procs}
     assert kinds(list(analyze_incident(inc).verdicts)) == [VerdictKind.HEALTHY]

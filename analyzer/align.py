@@ -202,9 +202,12 @@ def _row_members(
         if not sel.any():
             continue
         rows = raw[sel]
+        rows = rows[IS_CALL[rows["op"]]]
         keys = np.unique(rows[["comm_hash", "pid", "rank", "nranks"]])
         for h, pid, rank, nranks in keys.tolist():
-            out.append((int(h), proc_index[(s.recording.host, int(pid))], int(rank), int(nranks)))
+            proc = proc_index.get((s.recording.host, int(pid)))
+            if proc is not None:
+                out.append((int(h), proc, int(rank), int(nranks)))
     return out
 
 

@@ -89,6 +89,19 @@ def _healthy(a: Analysis) -> Verdict:
     )
 
 
+def _merge_disjoint(groups: dict[str, list[Source]]) -> dict[str, list[Source]]:
+    """Agents that detected one stall apart may name it twice; when no host
+    has dumps in two incidents, the dumps are one job's: one incident."""
+    if len(groups) < 2:
+        return groups
+    hosts = [[s.recording.host for s in v] for v in groups.values()]
+    flat = [h for hs in hosts for h in hs]
+    if len(flat) != len(set(flat)):
+        return groups
+    merged = [s for k in sorted(groups) for s in groups[k]]
+    return {"+".join(sorted(groups)): merged}
+
+
 def group_incidents(loaded: Iterable[Loaded]) -> list[Incident]:
     ours: dict[str, list[Source]] = {}
     fr: list[FrDump] = []
@@ -99,7 +112,7 @@ def group_incidents(loaded: Iterable[Loaded]) -> list[Incident]:
             trig = item.recording.trigger
             key = trig.incident_id if trig is not None and trig.incident_id else "snapshot"
             ours.setdefault(key, []).append(item)
-    out = [incident_from_recordings(k, v) for k, v in sorted(ours.items())]
+    out = [incident_from_recordings(k, v) for k, v in sorted(_merge_disjoint(ours).items())]
     out.extend(incidents_from_flightrec(fr))
     return out
 

@@ -319,7 +319,12 @@ def test_init_all_group_collectives(
             nccl.comm_destroy(c)
 
 
-def test_abort_returns_promptly_while_a_peer_hangs(nccl: LabNccl) -> None:
+@pytest.mark.parametrize("mode", ["blocking", "async"])
+def test_abort_returns_promptly_while_a_peer_hangs(
+    nccl: LabNccl, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if mode == "async":
+        monkeypatch.setenv("LABNCCL_ASYNC", "1")
     c0, c1 = nccl.comm_init_all(2)
     buf = np.ones(1 << 16, np.float32)
     errors: list[BaseException] = []
@@ -327,6 +332,7 @@ def test_abort_returns_promptly_while_a_peer_hangs(nccl: LabNccl) -> None:
     def blocked() -> None:
         try:
             nccl.all_reduce(buf, buf, buf.size, DataType.FLOAT32, RedOp.SUM, c0)
+            nccl.stream_synchronize(c0)  # async: the wait happens here
         except NcclError as exc:
             errors.append(exc)
 
@@ -468,7 +474,7 @@ def test_collectives_match_numpy(
 
 
 def _split(nccl: LabNccl, rank: int, n: int, uid: Any, q: Any) -> dict[str, Any]:
-    world = nccl.comm_init_rank(n, uid, rank)
+    world = nccl.comm_init_rank_config(n, uid, rank)
     tp = nccl.comm_split(world, rank // 2, rank)  # {0,1} {2,3}
     dp = nccl.comm_split(world, rank % 2, -rank)  # {2,0} {3,1}: key reverses order
     odd = nccl.comm_split(world, NCCL_SPLIT_NOCOLOR if rank == 3 else 0, 0)
@@ -489,6 +495,7 @@ def _split(nccl: LabNccl, rank: int, n: int, uid: Any, q: Any) -> dict[str, Any]
     out["tp"] = (nccl.comm_user_rank(tp), nccl.comm_count(tp), int(tp_sum[0]))
     out["dp"] = (nccl.comm_user_rank(dp), nccl.comm_count(dp), dp_all.tolist())
     for c in (tp, dp, world):
+        nccl.comm_finalize(c)
         nccl.comm_destroy(c)
     return out
 
@@ -639,3 +646,19 @@ def test_a_dead_peer_is_a_remote_error(nccl: LabNccl) -> None:
     assert value is not None and value[0] == Result.REMOTE_ERROR, value
     assert "peer rank 1" in value[1]
     assert ranks.procs[1].exitcode == 3
+
+
+@pytest.mark.realnccl
+def test_binding_drives_the_real_libnccl() -> None:
+    import nvidia.nccl
+
+    path = Path(next(iter(nvidia.nccl.__path__))) / "lib" / "libnccl.so.2"
+    real = LabNccl(path)
+    assert not real.has_stream_synchronize
+    assert real.version() // 10000 == 2
+    raw = bytes(real.get_unique_id())
+    assert int.from_bytes(raw[8:10], "little") == 2 and raw[10:12] != bytes(2)
+    buf = np.zeros(4, np.float32)
+    with pytest.raises(NcclError) as err:
+        real.all_reduce(buf, buf, 4, DataType.FLOAT32, RedOp.SUM, Comm(0))
+    assert err.value.result == Result.INVALID_ARGUMENT

@@ -180,6 +180,7 @@ static void rootRefuse(int fd, ncclResult_t status) {
 static void *rootMain(void *arg) {
     rootArgs a = *(rootArgs *)arg;
     free(arg);
+    pthread_setname_np(pthread_self(), "labnccl-root");
     int nranks = 0, seen = 0, *conns = NULL;
     struct sockaddr_in *table = NULL;
     while (nranks == 0 || seen < nranks) {

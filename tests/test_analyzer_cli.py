@@ -4,6 +4,7 @@ reported per file, JSON as in DESIGN.md, text report layout."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -97,3 +98,28 @@ def test_nothing_readable_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert run([str(tmp_path / "a.msgpack"), str(tmp_path / "missing.msgpack")]) == 2
     out = capsys.readouterr().out
     assert "a.msgpack" in out and "missing.msgpack" in out
+
+
+def test_progress_on_stderr_for_long_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from analyzer import load
+
+    write(tmp_path)
+    monkeypatch.setattr(load, "PROGRESS_EVERY_S", 0.0)
+    loaded, statuses = load.load_inputs([str(tmp_path)], progress=True)
+    assert len(loaded) == 2 and all(s.ok for s in statuses)
+    assert "loaded 1/2 files" in capsys.readouterr().err
+
+
+def test_one_stall_named_twice_is_one_incident_and_two_stalls_stay_two(tmp_path: Path) -> None:
+    from analyzer.align import Source
+    from analyzer.pipeline import group_incidents
+
+    a, b = recordings(with_(BASE_JOB, hang=(3, 30)))
+    b = dataclasses.replace(b, trigger=dataclasses.replace(b.trigger, incident_id="other"))
+    (inc,) = group_incidents([Source("a", a), Source("b", b)])
+    assert inc.hosts == ("node0", "node1") and "other" in inc.id
+    # the same host in both: two incidents of one job, kept apart
+    a2 = dataclasses.replace(a, trigger=dataclasses.replace(a.trigger, incident_id="later"))
+    assert len(group_incidents([Source("a", a), Source("a2", a2), Source("b", b)])) == 3

@@ -1,0 +1,15 @@
+"""The analyzer benchmark runs (small sizes) and its figures meet their targets."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import bench_analyzer
+
+
+@pytest.mark.slow
+def test_bench_quick_meets_targets() -> None:
+    figures = bench_analyzer.figures(quick=True)
+    assert len(figures) == 3
+    assert all(f.ok is not False for f in figures), [(f.name, f.value, f.anchor) for f in figures]
+    assert all("right" in f.anchor for f in figures if "our dumps): time" in f.name)

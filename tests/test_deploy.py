@@ -828,6 +828,49 @@ def test_prolog_without_token_listens_on_loopback_alone(node: SlurmNode) -> None
     assert "--peers" not in argv and "--token-file" not in argv
 
 
+def test_prolog_single_node_job_has_no_peers_and_takes_extra_args(node: SlurmNode) -> None:
+    extra = "--lib /opt/nccl/lib/libnccl.so.2 --scope host"
+    proc = node.run("prolog.sh", FAKE_HOSTS="gpu2", STALLWATCH_EXTRA_ARGS=extra)
+    assert proc.returncode == 0, proc.stderr
+    argv = node.argv()
+    assert "--peers" not in argv
+    assert argv[-4:] == extra.split()
+
+
+@pytest.mark.bpf
+@pytest.mark.slow
+def test_slurm_scripts_run_the_real_agent(node: SlurmNode) -> None:
+    """Prolog, a dump asked over HTTP with the token, epilog: with `stallwatch record`."""
+    real = {
+        "STALLWATCH_BIN": str(STALLWATCH),
+        "STALLWATCH_READY_TIMEOUT": "90",
+        # Peers on loopback (no traffic leaves the machine): the agent itself.
+        "FAKE_HOSTS": "127.0.0.2 gpu2 127.0.0.3",
+    }
+    proc = node.run("prolog.sh", **real)
+    assert proc.returncode == 0, proc.stderr
+    assert "not healthy" not in proc.stderr and "exited" not in proc.stderr, proc.stderr
+    pid = int(node.pid_file.read_text())
+    token = Path(node.env["STALLWATCH_TOKEN_FILE"]).read_text().strip()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{node.port}/dump",
+        data=json.dumps({"reason": "slurm test"}).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+
+    proc = node.run("epilog.sh", **real)
+    assert proc.returncode == 0
+    logs = [node.state_dir / "4242.log", node.collect / "4242" / "gpu2-agent.log"]
+    agent_log = "".join(p.read_text() for p in logs if p.exists())
+    assert "SIGKILL" not in proc.stderr, proc.stderr + agent_log
+    assert not alive(pid)
+    collected = sorted((node.collect / "4242").glob("gpu2-*.msgpack"))
+    assert collected
+    assert read_dump(collected[0]).trigger is not None
+
+
 def test_prolog_never_fails_the_job(node: SlurmNode) -> None:
     proc = node.run("prolog.sh", STALLWATCH_BIN=str(node.state / "missing"))
     assert proc.returncode == 0

@@ -53,3 +53,10 @@ agent_pid() {
     tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "record --dump-dir $dump_dir " || return 1
     echo "$pid"
 }
+
+# Still running: a zombie (exited, waiting to be reaped) is not.
+running() {
+    local stat
+    stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+    [ "$(echo "${stat##*) }" | cut -d' ' -f1)" != Z ]
+}

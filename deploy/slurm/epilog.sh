@@ -11,20 +11,27 @@ set -uo pipefail
 here=$(dirname "$(readlink -f "$0")")
 . "$here/common.sh"
 
+# Waits up to $2 seconds for pid $1 to end.
+wait_gone() {
+    local tries=$(($2 * 10))
+    while running "$1" && [ "$tries" -gt 0 ]; do
+        tries=$((tries - 1))
+        sleep 0.1
+    done
+    ! running "$1"
+}
+
 stop_agent() {
     local pid
     pid=$(agent_pid) || { rm -f "$pid_file"; return 0; }
     kill -TERM "$pid" 2>/dev/null
-    local tries=$((STALLWATCH_STOP_TIMEOUT * 10))
-    while kill -0 "$pid" 2>/dev/null && [ "$tries" -gt 0 ]; do
-        tries=$((tries - 1))
-        sleep 0.1
-    done
-    if kill -0 "$pid" 2>/dev/null; then
+    if wait_gone "$pid" "$STALLWATCH_STOP_TIMEOUT"; then
+        say epilog "agent pid $pid stopped"
+    else
         say epilog "agent pid $pid still running after ${STALLWATCH_STOP_TIMEOUT}s: SIGKILL"
         kill -KILL "$pid" 2>/dev/null
-    else
-        say epilog "agent pid $pid stopped"
+        # The kernel still detaches every probe as the process exits.
+        wait_gone "$pid" "$STALLWATCH_STOP_TIMEOUT" || say epilog "agent pid $pid not gone after SIGKILL"
     fi
     rm -f "$pid_file"
 }

@@ -53,7 +53,7 @@ wait_ready() {
     local pid=$1 tries=$((STALLWATCH_READY_TIMEOUT * 5))
     while [ "$tries" -gt 0 ]; do
         tries=$((tries - 1))
-        kill -0 "$pid" 2>/dev/null || { say prolog "agent exited at start, see $log_file"; return 1; }
+        running "$pid" || { say prolog "agent exited at start, see $log_file"; return 1; }
         healthy && return 0
         sleep 0.2
     done

@@ -29,6 +29,7 @@ from .verdict import Verdict, VerdictKind
 STRAGGLER_FRACTION = 0.75  # last to arrive in at least this share of collectives
 STRAGGLER_MARGIN_NS = 5_000_000  # and later than its peers by this much (median)
 STRAGGLER_MIN_GROUPS = 8
+CROSS_HOST_MARGIN_NS = 50_000_000  # lateness across hosts: far above any clock skew
 SCHED_MIN_NS = 10_000_000  # run-queue delay that counts as interference
 SCHED_DOMINANCE = 3.0  # times the most any other rank waited
 RETRANS_MIN = 20  # retransmits inside collective windows that count
@@ -287,6 +288,7 @@ def _is_straggling(s: ArrivalScore) -> bool:
         and s.groups >= STRAGGLER_MIN_GROUPS
         and s.last_fraction >= STRAGGLER_FRACTION
         and s.margin_ns >= STRAGGLER_MARGIN_NS
+        and (s.method != "lateness" or s.margin_ns >= CROSS_HOST_MARGIN_NS)
     )
 
 
@@ -350,8 +352,13 @@ def _straggler_verdict(a: Analysis, s: ArrivalScore, kind: VerdictKind) -> Verdi
             f"its calls took {_ms(s.own_wait_ns)} (median) while its peers waited "
             f"{_ms(s.peer_wait_ns)}: it arrives last and waits least"
         )
-    else:
+    elif s.method == "host-lateness":
         how = f"it enters {_ms(s.margin_ns)} (median) after the other ranks of its host"
+    else:
+        how = (
+            f"it enters {_ms(s.margin_ns)} (median) after the first rank, across hosts "
+            f"(far above clock skew: at least {_ms(CROSS_HOST_MARGIN_NS)})"
+        )
     evidence = [
         f"last to arrive in {s.last_fraction:.0%} of {s.groups} collectives on {comm.hash_text}",
         how,

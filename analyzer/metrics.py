@@ -257,29 +257,39 @@ def _wait_scores(
     ]
 
 
+def _late_within(key: np.ndarray, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: how long after the first of its key group it entered, and
+    whether it was the last of a group of two or more."""
+    order = np.lexsort((ts, key))
+    k, t = key[order], ts[order]
+    starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+    size = np.diff(np.append(starts, len(k)))
+    late = np.empty(len(ts), dtype=np.int64)
+    is_last = np.empty(len(ts), dtype=np.float64)
+    late[order] = t - np.repeat(t[starts], size)
+    last = (t == np.repeat(np.maximum.reduceat(t, starts), size)) & (np.repeat(size, size) >= 2)
+    is_last[order] = last.astype(np.float64)
+    return late, is_last
+
+
 def _lateness_scores(
     inc: Incident, comm: int, rows: np.ndarray, gid: np.ndarray, nranks: int
 ) -> list[ArrivalScore]:
+    """Entry lateness: against the ranks of the same host (one clock); a rank
+    alone on its host against all ranks (clocks of several hosts: the
+    detector then demands a margin far above any skew)."""
     host = np.array([inc.hosts.index(p.host) for p in inc.procs], dtype=np.int64)[rows["proc"]]
     nh = len(inc.hosts)
     ranks_per_host = np.bincount(host[gid == gid[0]], minlength=nh)
     shared = ranks_per_host[host] >= 2
-    key = gid.astype(np.int64) * nh + host
-    order = np.lexsort((rows["ts"], key))
-    k, ts = key[order], rows["ts"][order]
-    first = np.r_[True, k[1:] != k[:-1]]
-    starts = np.flatnonzero(first)
-    size = np.diff(np.append(starts, len(k)))
-    hmin = np.repeat(ts[starts], size)
-    hmax = np.repeat(np.maximum.reduceat(ts, starts), size)
-    late = np.empty(len(rows), dtype=np.int64)
-    is_last = np.empty(len(rows), dtype=np.float64)
-    late[order] = ts - hmin
-    is_last[order] = ((ts == hmax) & (np.repeat(size, size) >= 2)).astype(np.float64)
+    late_h, last_h = _late_within(gid.astype(np.int64) * nh + host, rows["ts"])
+    late_a, last_a = _late_within(gid.astype(np.int64), rows["ts"])
+    late = np.where(shared, late_h, late_a)
+    is_last = np.where(shared, last_h, last_a)
     crank = rows["crank"]
     ngroups = int(np.count_nonzero(np.r_[True, gid[1:] != gid[:-1]]))
     members = inc.comms[comm].members
-    lasts = np.bincount(crank[shared], weights=is_last[shared], minlength=nranks)
+    lasts = np.bincount(crank, weights=is_last, minlength=nranks)
     counts = np.bincount(crank, minlength=nranks)
     lates = _median_per_rank(late, crank, nranks)
     own = _median_per_rank(rows["end"] - rows["ts"], crank, nranks)
@@ -287,13 +297,12 @@ def _lateness_scores(
     rank_host[crank] = host
     out = []
     for r in range(nranks):
-        if members[r] < 0 or not counts[r] or ranks_per_host[rank_host[r]] < 2:
+        if members[r] < 0 or not counts[r]:
             continue
+        method = "host-lateness" if ranks_per_host[rank_host[r]] >= 2 else "lateness"
         score = float(lasts[r]) / max(ngroups, 1)
         out.append(
-            ArrivalScore(
-                comm, r, members[r], ngroups, score, int(lates[r]), 0, int(own[r]), "host-lateness"
-            )
+            ArrivalScore(comm, r, members[r], ngroups, score, int(lates[r]), 0, int(own[r]), method)
         )
     return out
 

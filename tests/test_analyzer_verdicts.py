@@ -79,6 +79,20 @@ def test_slow_rank_is_compute_straggler(mode: str) -> None:
     assert vs[0].ranks == (3,) and vs[0].hosts == ("node1",)
 
 
+def test_async_lone_slow_rank_is_named_across_hosts_despite_skew() -> None:
+    # one rank per host, calls return at once: only cross-host lateness can
+    # tell, and 100 ms of lateness is far above 5 ms of skew
+    job = with_(BASE, mode="async", ranks_per_node=1, nodes=4, slow=(2, 100.0))
+    for skew in ({}, {2: -5 * MS}, {1: 5 * MS}):
+        vs = verdicts(with_(job, skew_ns=skew))
+        assert kinds(vs) == [VerdictKind.COMPUTE_STRAGGLER] and vs[0].ranks == (2,)
+
+
+def test_async_lone_ranks_with_skew_alone_are_healthy() -> None:
+    job = with_(BASE, mode="async", ranks_per_node=1, nodes=4, skew_ns={3: 40 * MS})
+    assert kinds(verdicts(job)) == [VerdictKind.HEALTHY]
+
+
 def test_loss_names_the_lossy_host() -> None:
     # 4 nodes: node 1 is an end of every retransmitting connection
     vs = verdicts(with_(BASE, nodes=4, loss_node=1))

@@ -75,7 +75,7 @@ def last_call_text(a: Analysis, proc: int) -> str:
     r = mine[int(np.argmax(mine["ts"]))]
     comm = a.incident.comms[int(r["comm"])]
     state = "in flight" if int(r["end"]) == 0 else "returned"
-    return f"last call {op_name(int(r['op']))} seq {int(r['seq'])} on {comm.hash_text} ({state})"
+    return f"last call {op_name(int(r['op']))} seq {int(r['seq'])} on {comm.name} ({state})"
 
 
 def _member_text(a: Analysis, f: Frontier, m: Member) -> str:
@@ -84,14 +84,14 @@ def _member_text(a: Analysis, f: Frontier, m: Member) -> str:
     if m.state is MemberState.NO_DUMP:
         world = f" (world rank {m.crank})" if _is_world(inc, f.comm) else ""
         return (
-            f"comm rank {m.crank}{world} of {comm.hash_text}: no dump holds it; its "
+            f"comm rank {m.crank}{world} of {comm.name}: no dump holds it; its "
             f"{sum(1 for x in f.members if x.state is MemberState.AT_FRONTIER)} peers entered "
             f"seq {f.seq} and it is absent"
         )
     p = inc.procs[m.proc]
     entered = "nothing" if m.last_seq < 0 else f"seq {m.last_seq}"
     return (
-        f"{p.label()} comm rank {m.crank} of {comm.hash_text}: last entered {entered}, "
+        f"{p.label()} comm rank {m.crank} of {comm.name}: last entered {entered}, "
         f"peers at seq {f.seq}; {last_call_text(a, m.proc)}"
     )
 
@@ -140,7 +140,14 @@ def detect_missing_rank(a: Analysis) -> list[Verdict]:
     absent = sorted({m.crank for f, m in pairs if m.proc < 0 and f.comm == main.comm})
     if absent and _is_world(inc, main.comm):
         ranks = tuple(sorted({*ranks, *absent}))
-    evidence = [_member_text(a, f, m) for f, m in pairs[:MAX_LISTED]]
+    comms = inc.comms
+
+    def order(fm: tuple[Frontier, Member]) -> tuple[int, int, int]:
+        f, m = fm
+        world = inc.procs[m.proc].world_rank if m.proc >= 0 else m.crank
+        return (world, -comms[f.comm].nranks, comms[f.comm].comm_hash)
+
+    evidence = [_member_text(a, f, m) for f, m in sorted(pairs, key=order)[:MAX_LISTED]]
     age = "" if main.age_ns is None else f" for {main.age_ns / 1e9:.1f} s"
     names = ", ".join(str(r) for r in ranks)
     missing_dumps = sum(1 for _, m in pairs if m.proc < 0)
@@ -148,7 +155,7 @@ def detect_missing_rank(a: Analysis) -> list[Verdict]:
         evidence.append(f"{missing_dumps} rank(s) have no dump; judged from their peers' records")
     summary = (
         f"rank {names} never entered {op_name(main.op)} seq {main.seq} on "
-        f"{inc.comms[main.comm].hash_text}; the other ranks wait there{age}"
+        f"{inc.comms[main.comm].name}; the other ranks wait there{age}"
     )
     crank = tuple(m.crank for f, m in pairs if f.comm == main.comm)
     return [
@@ -196,7 +203,7 @@ def detect_desync(a: Analysis) -> list[Verdict]:
         names = ", ".join(str(r) for r in ranks)
         summary = (
             f"rank {names} passed {d.field}={_field_text(d.field, v0)} at seq {d.seq} on "
-            f"{comm.hash_text} where the others passed {_field_text(d.field, d.consensus)}"
+            f"{comm.name} where the others passed {_field_text(d.field, d.consensus)}"
         )
         if d.tie:
             summary += " (no majority: either side may be wrong)"
@@ -360,7 +367,7 @@ def _straggler_verdict(a: Analysis, s: ArrivalScore, kind: VerdictKind) -> Verdi
             f"(far above clock skew: at least {_ms(CROSS_HOST_MARGIN_NS)})"
         )
     evidence = [
-        f"last to arrive in {s.last_fraction:.0%} of {s.groups} collectives on {comm.hash_text}",
+        f"last to arrive in {s.last_fraction:.0%} of {s.groups} collectives on {comm.name}",
         how,
     ]
     if kind is VerdictKind.CPU_INTERFERENCE:

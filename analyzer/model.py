@@ -72,6 +72,11 @@ class Comm:
     def hash_text(self) -> str:
         return f"0x{self.comm_hash & 0xFFFFFFFFFFFFFFFF:016x}"
 
+    @property
+    def name(self) -> str:
+        """For people: the hash, and the process group's name when known."""
+        return f"{self.hash_text} ({self.label})" if self.label else self.hash_text
+
 
 CALL_DTYPE = np.dtype(
     [

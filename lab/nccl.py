@@ -24,7 +24,6 @@ Example::
 from __future__ import annotations
 
 import ctypes
-import enum
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from dumpers.errors import LabError
-from dumpers.schema import UNIQUE_ID_BYTES, DataType
+from dumpers.schema import UNIQUE_ID_BYTES, DataType, RedOp, Result
 
 __all__ = [
     "NCCL_SPLIT_NOCOLOR",
@@ -52,29 +51,6 @@ __all__ = [
 NCCL_SPLIT_NOCOLOR = -1
 NCCL_CONFIG_MAGIC = 0xCAFEBEEF
 NCCL_CONFIG_UNDEF_INT = -(2**31)
-
-
-class Result(enum.IntEnum):
-    """``ncclResult_t``."""
-
-    SUCCESS = 0
-    UNHANDLED_CUDA_ERROR = 1
-    SYSTEM_ERROR = 2
-    INTERNAL_ERROR = 3
-    INVALID_ARGUMENT = 4
-    INVALID_USAGE = 5
-    REMOTE_ERROR = 6
-    IN_PROGRESS = 7
-
-
-class RedOp(enum.IntEnum):
-    """``ncclRedOp_t``."""
-
-    SUM = 0
-    PROD = 1
-    MAX = 2
-    MIN = 3
-    AVG = 4
 
 
 class UniqueId(ctypes.Structure):

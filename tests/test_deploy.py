@@ -295,10 +295,9 @@ class RunningAgent:
         raise AssertionError(f"no answer from {self.base} within {timeout} s:\n{self.log_tail()}")
 
 
-def capability_sandbox(unit: Unit) -> list[str]:
-    """setpriv with the unit's bounding set and no-new-privileges (what systemd applies)."""
-    bounding = sorted(unit.words("Service", "CapabilityBoundingSet"))
-    caps = ",".join("+" + c.removeprefix("CAP_").lower() for c in bounding)
+def capability_sandbox(bounding: set[str]) -> list[str]:
+    """setpriv with a bounding set and no-new-privileges (what systemd applies)."""
+    caps = ",".join("+" + c.removeprefix("CAP_").lower() for c in sorted(bounding))
     return ["setpriv", f"--bounding-set=-all,{caps}", "--inh-caps=-all", "--no-new-privs"]
 
 
@@ -365,7 +364,8 @@ def agent_from_unit(unit: Unit, tmp_path: Path) -> Iterator[RunningAgent]:
     argv = [str(dump_dir) if w == option(argv, "--dump-dir") else w for w in argv]
     log_path = tmp_path / "agent.log"
     with log_path.open("wb") as log:
-        sandbox = filesystem_sandbox(unit, dump_dir) + capability_sandbox(unit)
+        caps = unit.words("Service", "CapabilityBoundingSet")
+        sandbox = filesystem_sandbox(unit, dump_dir) + capability_sandbox(caps)
         proc = subprocess.Popen(sandbox + argv, stdout=log, stderr=log)
     try:
         yield RunningAgent(proc, f"http://127.0.0.1:{port}", log_path, dump_dir)
@@ -411,6 +411,20 @@ def test_unit_exec_start_records_and_stops_on_kill_signal(
         )
     assert code == 0, f"agent exited {code} on {stop_signal.name}:\n{agent.log_tail()}"
     assert time.monotonic() - started < timeout
+
+
+@pytest.mark.bpf
+@pytest.mark.realnccl
+def test_unit_needs_cap_sys_admin_for_uprobes(unit: Unit, tmp_path: Path) -> None:
+    """Why CAP_SYS_ADMIN is in the unit: without it no uprobe can be created."""
+    caps = unit.words("Service", "CapabilityBoundingSet") - {"CAP_SYS_ADMIN"}
+    argv = [str(STALLWATCH), "record", "--dump-dir", str(tmp_path), "--lib", str(LIBNCCL)]
+    argv += ["--listen", f"127.0.0.1:{free_port()}"]
+    proc = subprocess.run(
+        capability_sandbox(caps) + argv, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "uprobe" in proc.stderr.splitlines()[-1], proc.stderr[-3000:]
 
 
 # --------------------------------------------------------------------------- Kubernetes

@@ -127,6 +127,63 @@ def render_metrics(metrics: Sequence[Metric]) -> str:
     return "\n".join(lines) + "\n"
 
 
+@dataclass(frozen=True, slots=True)
+class RingStats:
+    kind: str  # ring name: nccl, comm, tcp, sched, exit
+    recorded: int  # events written since the agent started
+    lost: int  # events the kernel could not record
+    overwritten: int  # rows dropped to make room
+    held: int  # rows in the ring now
+    capacity: int
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStats:
+    """What a live agent reports on ``/metrics``."""
+
+    rings: tuple[RingStats, ...]
+    dumps_written: int
+    dump_failures: int
+    stalls_detected: int
+    libraries_attached: int
+    processes_watched: int
+
+
+def agent_metrics(stats: AgentStats) -> list[Metric]:
+    """The agent's metric families, ready for :func:`render_metrics`."""
+
+    def per_ring(
+        value: Callable[[RingStats], float],
+    ) -> tuple[tuple[Mapping[str, str], float], ...]:
+        return tuple(({"kind": r.kind}, float(value(r))) for r in stats.rings)
+
+    def single(value: int) -> tuple[tuple[Mapping[str, str], float], ...]:
+        return (({}, float(value)),)
+
+    return [
+        Metric("stallwatch_events_recorded_total", "Events recorded, per kind.", "counter",
+               per_ring(lambda r: r.recorded)),
+        Metric("stallwatch_events_lost_total",
+               "Events the kernel could not record (ring full), per kind.", "counter",
+               per_ring(lambda r: r.lost)),
+        Metric("stallwatch_events_overwritten_total",
+               "Rows a ring dropped to make room, per kind.", "counter",
+               per_ring(lambda r: r.overwritten)),
+        Metric("stallwatch_ring_fill_ratio", "Share of each ring holding rows.", "gauge",
+               per_ring(lambda r: r.held / r.capacity if r.capacity else 0.0)),
+        Metric("stallwatch_dumps_written_total", "Dumps written.", "counter",
+               single(stats.dumps_written)),
+        Metric("stallwatch_dump_failures_total", "Dumps that could not be written.", "counter",
+               single(stats.dump_failures)),
+        Metric("stallwatch_stalls_detected_total", "Stalls the watchdog detected.", "counter",
+               single(stats.stalls_detected)),
+        Metric("stallwatch_libraries_attached", "NCCL libraries with probes attached.", "gauge",
+               single(stats.libraries_attached)),
+        Metric("stallwatch_processes_watched", "Processes in the agent's scope.", "gauge",
+               single(stats.processes_watched)),
+    ]  # fmt: skip
+
+
 def recording_metrics(recordings: Sequence[Recording]) -> list[Metric]:
     """Ring metrics of recordings: rows held, overwritten and lost per ring."""
     held, over, lost = [], [], []

@@ -12,9 +12,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from analyzer.http import (
+    AgentStats,
     Metric,
     RecordingsBackend,
+    RingStats,
     ServerHandle,
+    agent_metrics,
     is_loopback,
     parse_listen,
     render_metrics,
@@ -260,6 +263,36 @@ def test_metrics_parse_with_the_prometheus_parser(server: ServerHandle) -> None:
     assert families["stallwatch_ring_fill_ratio"].samples[0].value == 0.25
     (lib,) = families["stallwatch_attached_libraries"].samples
     assert lib.labels["path"] == '/opt/lib "x"\\libnccl.so.2'
+
+
+def test_agent_metrics_render_and_parse() -> None:
+    stats = AgentStats(
+        rings=(
+            RingStats("nccl", recorded=5000, lost=7, overwritten=904, held=4096, capacity=4096),
+            RingStats("tcp", recorded=12, lost=0, overwritten=0, held=12, capacity=1024),
+        ),
+        dumps_written=2,
+        dump_failures=1,
+        stalls_detected=3,
+        libraries_attached=1,
+        processes_watched=4,
+    )
+    text = render_metrics(agent_metrics(stats))
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def values(name: str) -> dict[str, float]:
+        samples = families[name].samples
+        return {
+            s.labels.get("kind", ""): s.value for s in samples if not s.name.endswith("_created")
+        }
+
+    assert families["stallwatch_events_recorded"].type == "counter"
+    assert values("stallwatch_events_recorded") == {"nccl": 5000, "tcp": 12}
+    assert values("stallwatch_events_lost") == {"nccl": 7, "tcp": 0}
+    assert values("stallwatch_ring_fill_ratio") == {"nccl": 1.0, "tcp": 12 / 1024}
+    assert values("stallwatch_dumps_written") == {"": 2}
+    assert values("stallwatch_stalls_detected") == {"": 3}
+    assert families["stallwatch_libraries_attached"].type == "gauge"
 
 
 def test_served_dumps_have_ring_metrics() -> None:

@@ -1,5 +1,5 @@
-/* How processes that hold communicators end: exit_group(code), fatal
- * signals (generated for them, delivered to them) and the death of the
+/* How processes that hold communicators end: the exit code (libc's _exit),
+ * fatal signals (generated for them, delivered to them) and the death of the
  * thread group.  sched_process_exit carries no exit code and task structs are
  * not read by pointer, hence the three sources.
  */
@@ -58,11 +58,16 @@ static __always_inline void emit_exit(u32 tgid, u32 tid, s32 code, s32 sig, u8 k
 	publish(&e->hdr, pos);
 }
 
-TRACEPOINT_PROBE(syscalls, sys_enter_exit_group)
+/* uprobe on libc's _exit(status): every glibc exit path ends there (exit(),
+ * returning from main, os._exit).  Not the syscalls:sys_enter_exit_group
+ * tracepoint: enabling any syscall tracepoint sends every task's syscalls
+ * through the slow path, uretprobe returns included (they are a syscall on
+ * x86-64), which costs each NCCL call about a microsecond. */
+int handle_libc_exit(struct pt_regs *ctx)
 {
 	u64 id = bpf_get_current_pid_tgid();
 	if (is_tracked(id >> 32))
-		emit_exit(id >> 32, (u32)id, (s32)args->error_code, 0, EXIT_GROUP);
+		emit_exit(id >> 32, (u32)id, (s32)PT_REGS_PARM1(ctx), 0, EXIT_GROUP);
 	return 0;
 }
 

@@ -142,6 +142,7 @@ class Agent:
         self._addresses_at = 0.0
         self._heads = {"comm": -1, "exit": -1}
         self._lock = threading.RLock()
+        self._libcs: set[discovery.LibraryId] = set()
         self.incidents = self._make_incidents()
 
     # ---- discovery ------------------------------------------------------
@@ -222,10 +223,29 @@ class Agent:
         if inside:
             self.in_scope.add(pid)
             self.procs.add(info)
+            self._attach_exit_probe(pid)
             log.info("recording pid %d (%s): %s", pid, info.comm, info.cmdline[:120])
         else:
             self.out_of_scope.add(pid)
         return inside
+
+    def _attach_exit_probe(self, pid: int) -> None:
+        """Exit codes come from a uprobe on the process's libc ``_exit``."""
+        libc = discovery.mapped_libc(pid)
+        if libc is None:
+            return
+        path = discovery.reachable_path(pid, libc)
+        try:
+            lib_id = discovery.library_id(path)
+            if lib_id in self._libcs:
+                return
+            self.source.attach_exit(path)
+        except (OSError, ProbeError) as exc:
+            self.counters.add("attach_failures")
+            log.error("exit codes of pid %d will be missing: %s", pid, exc)
+            return
+        self._libcs.add(lib_id)
+        log.info("attached exit-code probe to %s", path)
 
     def discover(self) -> None:
         found, gone = self.scanner.scan()

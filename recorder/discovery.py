@@ -29,6 +29,7 @@ from pathlib import Path
 from dumpers.model import ProcessInfo
 
 NCCL_LIB = re.compile(r"/libnccl\.so[^/]*$")
+LIBC = re.compile(r"/libc(\.so\.6|-[0-9.]+\.so)$")
 YOUNG_S = 30.0  # re-read a process's maps every scan while it is this young
 OLD_RESCAN_S = 5.0  # then this often
 SHT_SYMTAB = 2
@@ -136,6 +137,16 @@ def library_id(path: str) -> LibraryId:
 
 def mapped_nccl_libs(pid: int) -> tuple[str, ...] | None:
     """Paths of libnccl* files mapped by ``pid``; None if it is gone."""
+    return mapped_files(pid, NCCL_LIB)
+
+
+def mapped_libc(pid: int) -> str | None:
+    libs = mapped_files(pid, LIBC)
+    return libs[0] if libs else None
+
+
+def mapped_files(pid: int, name: re.Pattern[str]) -> tuple[str, ...] | None:
+    """Paths of files matching ``name`` mapped by ``pid``; None if it is gone."""
     try:
         text = Path(f"/proc/{pid}/maps").read_text()
     except (OSError, UnicodeDecodeError):
@@ -144,7 +155,7 @@ def mapped_nccl_libs(pid: int) -> tuple[str, ...] | None:
     for line in text.splitlines():
         fields = line.split(maxsplit=5)
         path = fields[5].strip() if len(fields) == 6 else ""
-        if path.startswith("/") and NCCL_LIB.search(path) and path not in libs:
+        if path.startswith("/") and name.search(path) and path not in libs:
             libs.append(path)
     return tuple(libs)
 

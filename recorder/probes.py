@@ -202,6 +202,16 @@ class Probes:
                 ) from exc
             self._attached.append((path, symbol, int(ret)))
 
+    def attach_exit(self, libc: str) -> None:
+        """The exit-code probe on libc's ``_exit``."""
+        try:
+            self.bpf.attach_uprobe(name=libc.encode(), sym=b"_exit", fn_name=b"handle_libc_exit")
+        except Exception as exc:  # BCC raises bare Exception
+            raise ProbeError(
+                f"cannot attach uprobe program handle_libc_exit to _exit in {libc}: {_short(exc)}"
+            ) from exc
+        self._attached.append((libc, "_exit", 0))
+
     def detach_all(self) -> None:
         for path, symbol, ret in reversed(self._attached):
             detach = self.bpf.detach_uretprobe if ret else self.bpf.detach_uprobe
@@ -242,3 +252,25 @@ class Probes:
 
 def pid_alive(pid: int) -> bool:
     return os.path.exists(f"/proc/{pid}")
+
+
+class BareProbe:
+    """A do-nothing uprobe+uretprobe pair on one symbol (bpf/noop.c): the
+    physical floor the benchmark compares the agent's probes with."""
+
+    def __init__(self, path: str, symbol: str) -> None:
+        import bcc
+
+        try:
+            self.bpf = bcc.BPF(src_file=str(BPF_DIR / "noop.c").encode())
+            self.bpf.attach_uprobe(name=path.encode(), sym=symbol.encode(), fn_name=b"handle_noop")
+            self.bpf.attach_uretprobe(
+                name=path.encode(), sym=symbol.encode(), fn_name=b"handle_noop"
+            )
+        except Exception as exc:  # BCC raises bare Exception
+            raise ProbeError(
+                f"cannot attach handle_noop to {symbol} in {path}: {_short(exc)}"
+            ) from exc
+
+    def close(self) -> None:
+        self.bpf.cleanup()

@@ -32,6 +32,9 @@ class EventSource(Protocol):
     def attach(self, path: str, symbol: str) -> None:
         """Attach entry and return probes of one NCCL symbol; ProbeError on failure."""
 
+    def attach_exit(self, libc: str) -> None:
+        """Attach the exit-code probe to a libc; ProbeError on failure."""
+
     def set_scope(self, pid: int, tracked: bool, excluded: bool) -> None: ...
 
     def close(self) -> None: ...
@@ -95,6 +98,9 @@ class BccSource:
     def attach(self, path: str, symbol: str) -> None:
         self.probes.attach_symbol(path, symbol)
 
+    def attach_exit(self, libc: str) -> None:
+        self.probes.attach_exit(libc)
+
     def set_scope(self, pid: int, tracked: bool, excluded: bool) -> None:
         self.probes.set_pid("tracked", pid, tracked)
         self.probes.set_pid("excluded", pid, excluded)
@@ -141,6 +147,9 @@ class ReplaySource:
         if symbol in self.missing_symbols:
             raise ProbeError(f"cannot attach {symbol} in {path}: no such symbol")
         self.attached.append((path, symbol))
+
+    def attach_exit(self, libc: str) -> None:
+        self.attached.append((libc, "_exit"))
 
     def set_scope(self, pid: int, tracked: bool, excluded: bool) -> None:
         (self.tracked.add if tracked else self.tracked.discard)(pid)

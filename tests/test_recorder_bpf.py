@@ -66,7 +66,7 @@ def fake() -> FakeNccl:
 @pytest.fixture(scope="module")
 def agent(fake: FakeNccl, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
     config = AgentConfig(dump_dir=tmp_path_factory.mktemp("dumps"), host_name="bpf-test")
-    a = Agent(config, BccSource(4096, 1_000_000))
+    a = Agent(config, BccSource(1 << 15, 1_000_000))
     a.attach_library(str(fake.lib), required=True)
     yield a
     a.close()

@@ -1,0 +1,228 @@
+"""The recorder's cost, measured side by side in one run.
+
+- Cost of an NCCL call with the agent's probes attached, as a ratio to the
+  same call under a bare uprobe+uretprobe pair that does nothing (the floor
+  any uprobe-based recorder pays).  Calls are made from a C loop
+  (``bench/csrc/ncclloop.c``) on a small NCCL-ABI library whose entry points
+  begin with ``push``, so Python does not dominate.
+- Throughput into the rings: calls from two C loops at full speed, every one
+  a row the BPF programs write straight into the mmapped ring; and loss at
+  100,000 calls per second into a ring large enough for them.
+- Agent CPU: ``stallwatch record`` as a separate process while a C loop makes
+  1,000 NCCL calls per second and a socket churn makes about 10,000 TCP state
+  events per second.
+
+``python -m bench.bench_recorder [--quick]`` prints the table (root needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from bench.common import Figure, render
+from bench.fakenccl import FakeNccl, build
+
+PACE_RATE = 100_000
+COLLECTIVES_PER_S = 1_000
+TCP_EVENTS_PER_S = 10_000
+
+
+def _loop_ns(fake: FakeNccl, calls: int, what: str) -> float:
+    out = subprocess.run(
+        [str(fake.loop), "loop", str(calls), what], check=True, capture_output=True, text=True
+    )
+    return float(out.stdout.split()[-1])
+
+
+def _median_pair(fake: FakeNccl, calls: int, repeats: int) -> tuple[float, float]:
+    """Median ns per call: (bare probes on benchBaseline, agent on ncclAllReduce),
+    interleaved so that noise hits both alike."""
+    base, agent = [], []
+    for _ in range(repeats):
+        base.append(_loop_ns(fake, calls, "baseline"))
+        agent.append(_loop_ns(fake, calls, "allreduce"))
+    return statistics.median(base), statistics.median(agent)
+
+
+@contextlib.contextmanager
+def _agent(fake: FakeNccl, ring_size: int) -> Iterator[object]:
+    from recorder.agent import Agent, AgentConfig
+    from recorder.source import BccSource
+
+    with tempfile.TemporaryDirectory() as tmp:
+        agent = Agent(AgentConfig(dump_dir=Path(tmp)), BccSource(ring_size, 1_000_000))
+        try:
+            agent.attach_library(str(fake.lib), required=True)
+            yield agent
+        finally:
+            agent.close()
+
+
+def call_cost(fake: FakeNccl, quick: bool) -> list[Figure]:
+    from recorder.probes import BareProbe
+
+    calls, repeats = (20_000, 3) if quick else (200_000, 7)
+    unprobed = statistics.median(_loop_ns(fake, calls, "baseline") for _ in range(repeats))
+    bare = BareProbe(str(fake.lib), "benchBaseline")
+    try:
+        with _agent(fake, 1 << 16):
+            base, rec = _median_pair(fake, calls, repeats)
+    finally:
+        bare.close()
+    ratio = rec / base
+    anchor = f"bare uprobe+uretprobe {base:,.0f} ns, no probe {unprobed:,.0f} ns"
+    return [
+        Figure("NCCL call, agent attached", rec, "ns", "", None, anchor),
+        Figure("NCCL call cost vs bare uprobe pair", ratio, "x", "<= 1.3x", ratio <= 1.3, anchor),
+    ]
+
+
+def _parallel_loops(fake: FakeNccl, calls: int, n: int) -> float:
+    """Wall seconds for ``n`` concurrent loops of ``calls`` AllReduce each."""
+    start = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [str(fake.loop), "loop", str(calls), "allreduce"], stdout=subprocess.DEVNULL
+        )
+        for _ in range(n)
+    ]
+    for p in procs:
+        p.wait()
+    return time.perf_counter() - start
+
+
+def _paced(fake: FakeNccl, seconds: float, rate: int) -> tuple[int, int]:
+    """(calls made, pid) of a C loop calling ncclAllReduce ``rate`` times a second."""
+    with subprocess.Popen(
+        [str(fake.loop), "pace", str(seconds), str(rate)], stdout=subprocess.PIPE, text=True
+    ) as proc:
+        out, _ = proc.communicate(timeout=seconds + 30)
+    return int(out.split()[-1]), proc.pid
+
+
+def throughput(fake: FakeNccl, quick: bool) -> list[Figure]:
+    calls = 100_000 if quick else 1_000_000
+    loops = os.cpu_count() or 1
+    seconds = 0.3 if quick else 1.0
+    with _agent(fake, 1 << 17) as agent:
+        ring = agent.source.rings()["nccl"]  # type: ignore[attr-defined]
+        before = ring.read_head()
+        wall = _parallel_loops(fake, calls, loops)
+        recorded = ring.read_head() - before
+        rate = recorded / wall
+        lost_kernel = agent.source.kernel_counters()["kernel_lost_nccl"]  # type: ignore[attr-defined]
+        made, pid = _paced(fake, seconds, PACE_RATE)
+        rows = ring.snapshot().rows
+        lost = made - int((rows["pid"] == pid).sum())
+    anchor = f"{loops} C loops x {calls:,} calls, {recorded:,} rows, kernel lost {lost_kernel}"
+    return [
+        Figure("events into the rings", rate, "events/s", ">= 1,000,000", rate >= 1e6, anchor),
+        Figure(
+            f"events lost at {PACE_RATE // 1000}k/s",
+            lost,
+            "events",
+            "0",
+            lost == 0,
+            f"{made:,} calls in {seconds:g} s into a {ring.capacity:,}-slot ring",
+        ),
+    ]
+
+
+def _churn(stop: threading.Event, rate: float) -> int:
+    """Open and close loopback TCP connections: about 8 state events each."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    conns = 0
+
+    def accept() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                c, _ = server.accept()
+                c.close()
+
+    threading.Thread(target=accept, daemon=True).start()
+    per_conn = 8
+    period = per_conn / rate
+    next_t = time.perf_counter()
+    while not stop.is_set():
+        with socket.create_connection(("127.0.0.1", port)):
+            conns += 1
+        next_t += period
+        delay = next_t - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+    server.close()
+    return conns
+
+
+def _start_record(fake: FakeNccl, dump_dir: str) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "stallwatch", "record", "--lib", str(fake.lib)]
+    argv += ["--dump-dir", dump_dir, "--listen", "127.0.0.1:0"]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if "listening on" in line:
+            return proc
+    raise RuntimeError(f"stallwatch record exited with {proc.wait()} before listening")
+
+
+def agent_cpu(fake: FakeNccl, quick: bool) -> list[Figure]:
+    import psutil
+
+    seconds = 2.0 if quick else 10.0
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = _start_record(fake, tmp)
+        try:
+            agent = psutil.Process(proc.pid)
+            time.sleep(1.0)  # past start-up
+            stop = threading.Event()
+            conns: list[int] = []
+            churn = threading.Thread(target=lambda: conns.append(_churn(stop, TCP_EVENTS_PER_S)))
+            cpu0 = agent.cpu_times()
+            t0 = time.perf_counter()
+            churn.start()
+            _paced(fake, seconds, COLLECTIVES_PER_S)
+            stop.set()
+            churn.join()
+            wall = time.perf_counter() - t0
+            cpu1 = agent.cpu_times()
+        finally:
+            proc.terminate()
+            proc.wait(60)
+            if proc.stderr is not None:
+                proc.stderr.close()
+    used = (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / wall
+    anchor = (
+        f"{COLLECTIVES_PER_S:,} calls/s + {conns[0] * 8 / wall:,.0f} tcp events/s for {wall:.1f} s"
+    )
+    return [Figure("agent CPU", used * 100, "% of a core", "< 1%", used < 0.01, anchor)]
+
+
+def figures(quick: bool) -> list[Figure]:
+    if os.geteuid() != 0:
+        raise RuntimeError("bench_recorder needs root (eBPF)")
+    fake = build()
+    return [*call_cost(fake, quick), *throughput(fake, quick), *agent_cpu(fake, quick)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_recorder", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    args = parser.parse_args(argv)
+    print(render(figures(args.quick)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

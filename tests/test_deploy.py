@@ -486,6 +486,7 @@ def test_daemonset_capabilities_match_the_unit(agent: Doc) -> None:
     assert sc["allowPrivilegeEscalation"] is False
     assert sc["readOnlyRootFilesystem"] is True
     assert sc["capabilities"]["drop"] == ["ALL"]
+    assert sc["seccompProfile"]["type"] == "RuntimeDefault"
     assert {"CAP_" + c for c in sc["capabilities"]["add"]} == EBPF_CAPS
 
 
@@ -751,7 +752,7 @@ def test_slurm_scripts_pass_shellcheck() -> None:
     if tool is None:
         pytest.skip("shellcheck not installed (Debian package: shellcheck)")
     scripts = [str(SLURM / s) for s in ("prolog.sh", "epilog.sh", "common.sh")]
-    proc = subprocess.run([tool, "-x", *scripts], capture_output=True, text=True, cwd=SLURM)
+    proc = subprocess.run([tool, "-x", *scripts], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
 
 
@@ -883,6 +884,15 @@ def test_slurm_scripts_run_the_real_agent(node: SlurmNode) -> None:
     collected = sorted((node.collect / "4242").glob("gpu2-*.msgpack"))
     assert collected
     assert read_dump(collected[0]).trigger is not None
+
+
+def test_scripts_refuse_a_job_id_that_is_not_one(node: SlurmNode) -> None:
+    for script in ("prolog.sh", "epilog.sh"):
+        proc = node.run(script, SLURM_JOB_ID="../../etc")
+        assert proc.returncode == 0
+        assert "not a job id" in proc.stderr
+    assert not node.state_dir.exists()
+    assert not Path(node.env["STALLWATCH_RUN_DIR"]).exists()
 
 
 def test_prolog_never_fails_the_job(node: SlurmNode) -> None:

@@ -31,6 +31,11 @@ STALLWATCH_STOP_TIMEOUT=${STALLWATCH_STOP_TIMEOUT:-30}
 STALLWATCH_COLLECT_DIR=${STALLWATCH_COLLECT_DIR:-}
 
 job=${SLURM_JOB_ID:?SLURM_JOB_ID is not set: run me as the Slurm Prolog or Epilog}
+# It names files and folders: digits only, as Slurm's job ids are.
+if ! [[ "$job" =~ ^[0-9]+$ ]]; then
+    echo "stallwatch-slurm: SLURM_JOB_ID=$job is not a job id: nothing done" >&2
+    exit 0
+fi
 # shellcheck disable=SC2034  # used by prolog.sh and epilog.sh
 node=${SLURMD_NODENAME:-$(hostname -s)}
 dump_dir=$STALLWATCH_STATE_DIR/$job

@@ -9,6 +9,7 @@
 # Settings: deploy/slurm/common.sh. Always exits 0 (a failed epilog drains the node).
 set -uo pipefail
 here=$(dirname "$(readlink -f "$0")")
+# shellcheck source-path=SCRIPTDIR source=common.sh
 . "$here/common.sh"
 
 # Waits up to $2 seconds for pid $1 to end.

@@ -11,6 +11,7 @@
 # Settings: deploy/slurm/common.sh. Always exits 0 (a failed prolog drains the node).
 set -uo pipefail
 here=$(dirname "$(readlink -f "$0")")
+# shellcheck source-path=SCRIPTDIR source=common.sh
 . "$here/common.sh"
 
 peers_of_job() {

@@ -24,7 +24,8 @@ import numpy as np
 from dumpers.model import CommInfo, Recording
 from dumpers.schema import NCCL_EVENT, ExitEvent, Op, TcpEvent
 
-from .model import CALL_DTYPE, SCHED_DTYPE, TCP_RETRANS_DTYPE, Calls, Comm, Incident, Proc
+from .match import order_calls
+from .model import CALL_DTYPE, SCHED_DTYPE, TCP_RETRANS_DTYPE, Comm, Incident, Proc
 
 IS_CALL = np.zeros(256, dtype=bool)  # op -> is a collective or p2p call
 IS_CALL[[int(op) for op in Op if op.is_collective or op.is_p2p]] = True
@@ -72,7 +73,7 @@ def incident_from_recordings(incident_id: str, sources: list[Source]) -> Inciden
         host_now=tuple(_host_now(sources, h) for h in hosts),
         procs=tuple(procs),
         comms=tuple(comms),
-        calls=Calls(calls),
+        calls=order_calls(calls, np.array([c.nranks for c in comms], dtype=np.int64)),
         retransmits=_retransmits(sources, hosts),
         sched=_sched(sources, hosts),
         sources=tuple(s.path for s in sources),

@@ -453,8 +453,9 @@ class _Named:
 
 def _median_duration(a: Analysis) -> float | None:
     rows = a.matched.rows
-    done = rows[rows["end"] > 0]
-    return float(np.median(done["end"] - done["ts"])) if len(done) else None
+    end, ts = rows["end"], rows["ts"]
+    done = end > 0
+    return float(np.median((end - ts)[done])) if done.any() else None
 
 
 DETECTORS: tuple[Detector, ...] = (

@@ -18,7 +18,7 @@ import numpy as np
 
 from dumpers.schema import Op
 
-from .model import Incident
+from .model import Calls, Incident
 
 IS_P2P = np.zeros(256, dtype=bool)
 IS_P2P[[Op.SEND, Op.RECV]] = True
@@ -46,27 +46,52 @@ class Matched:
         return slice(int(lo), int(hi))
 
 
-def _sort_order(rows: np.ndarray, nranks_max: int) -> np.ndarray:
-    if not len(rows):
+def _sort_order(
+    comm: np.ndarray, seq: np.ndarray, crank: np.ndarray, nranks_max: int
+) -> np.ndarray:
+    """Order by (comm, seq, crank): one argsort of a packed key when it fits."""
+    if not len(comm):
         return np.zeros(0, dtype=np.int64)
-    seq_span = int(rows["seq"].max()) - int(rows["seq"].min()) + 1
-    ncomms = int(rows["comm"].max()) + 1
+    lo = int(seq.min())
+    seq_span = int(seq.max()) - lo + 1
+    ncomms = int(comm.max()) + 1
     if ncomms * seq_span * max(nranks_max, 1) < (1 << 62):
-        key = rows["comm"].astype(np.int64) * seq_span + (rows["seq"] - rows["seq"].min())
-        key = key * max(nranks_max, 1) + rows["crank"]
+        key = comm.astype(np.int64) * seq_span + (seq - lo)
+        key *= max(nranks_max, 1)
+        key += crank
         return np.argsort(key, kind="stable")
-    return np.lexsort((rows["crank"], rows["seq"], rows["comm"]))
+    return np.lexsort((crank, seq, comm))
+
+
+def _collective(rows: np.ndarray, nranks: np.ndarray) -> np.ndarray:
+    keep: np.ndarray = ~IS_P2P[rows["op"]]
+    if len(nranks):
+        keep &= rows["crank"] < nranks[rows["comm"]]
+    return keep
+
+
+def order_calls(rows: np.ndarray, nranks: np.ndarray) -> Calls:
+    """Sort a calls table in place, field by field (no second copy of the
+    table): matched collectives first, by (comm, seq, crank), the rest after."""
+    keep = _collective(rows, nranks)
+    good = np.flatnonzero(keep)
+    top = int(nranks.max()) if len(nranks) else 1
+    order = good[_sort_order(rows["comm"][good], rows["seq"][good], rows["crank"][good], top)]
+    order = np.concatenate([order, np.flatnonzero(~keep)])
+    for name in rows.dtype.names or ():
+        rows[name] = rows[name][order]
+    return Calls(rows, len(good))
 
 
 def match(inc: Incident) -> Matched:
     nranks = np.array([c.nranks for c in inc.comms], dtype=np.int64)
     raw = inc.calls.rows
-    keep = ~IS_P2P[raw["op"]]
-    if len(nranks):
-        keep &= raw["crank"] < nranks[raw["comm"]]
-    idx = np.flatnonzero(keep)
-    sub = raw[["comm", "seq", "crank"]][idx] if len(idx) < len(raw) else raw
-    rows = raw[idx[_sort_order(sub, int(nranks.max()) if len(nranks) else 1)]]
+    if inc.calls.matched >= 0:
+        rows = raw[: inc.calls.matched]
+    else:
+        idx = np.flatnonzero(_collective(raw, nranks))
+        top = int(nranks.max()) if len(nranks) else 1
+        rows = raw[idx[_sort_order(raw["comm"][idx], raw["seq"][idx], raw["crank"][idx], top)]]
     n = len(rows)
     new = np.ones(n, dtype=bool)
     if n:

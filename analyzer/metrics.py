@@ -57,9 +57,9 @@ class Frontier:
         return tuple(m for m in self.members if m.state in lag)
 
 
-def _age(inc: Incident, m: Matched, row: int) -> int | None:
+def _age(inc: Incident, m: Matched, row: int, proc_host: list[int]) -> int | None:
     r = m.rows[row]
-    now = inc.host_now[inc.hosts.index(inc.procs[int(r["proc"])].host)]
+    now = inc.host_now[proc_host[int(r["proc"])]]
     if now is None:
         return None
     return now - int(max(r["ts"], r["end"]))
@@ -67,19 +67,28 @@ def _age(inc: Incident, m: Matched, row: int) -> int | None:
 
 def _stall_threshold(m: Matched, comm: int) -> int:
     rows = m.rows[m.comm_rows(comm)]
-    done = rows[rows["end"] > 0]
-    if not len(done):
+    end, ts = rows["end"], rows["ts"]
+    done = end > 0
+    if not done.any():
         return STALL_MIN_NS
-    p99 = float(np.percentile(done["end"] - done["ts"], 99))
+    p99 = float(np.percentile((end - ts)[done], 99))
     return max(STALL_MIN_NS, int(4 * p99))
 
 
-def frontier(inc: Incident, m: Matched, comm: int) -> Frontier | None:
+def proc_hosts(inc: Incident) -> list[int]:
+    index = {h: i for i, h in enumerate(inc.hosts)}
+    return [index[p.host] for p in inc.procs]
+
+
+def frontier(
+    inc: Incident, m: Matched, comm: int, proc_host: list[int] | None = None
+) -> Frontier | None:
     sl = m.pairs_of(comm)
     last = m.pair_last_seq[sl]
     if not len(last) or last.max() < 0:
         return None
     f = int(last.max())
+    proc_host = proc_host if proc_host is not None else proc_hosts(inc)
     members = []
     ages: list[int | None] = []
     op = 0
@@ -93,7 +102,7 @@ def frontier(inc: Incident, m: Matched, comm: int) -> Frontier | None:
         elif seq == f:
             state = MemberState.AT_FRONTIER
             if row >= 0 and int(m.rows["seq"][row]) == f:
-                ages.append(_age(inc, m, row))
+                ages.append(_age(inc, m, row, proc_host))
                 op = int(m.rows["op"][row])
             else:
                 ages.append(None)
@@ -192,7 +201,8 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
         complete = _complete_groups(m, rows, gid, c.nranks)
         if not complete.any():
             continue
-        rows, gid = rows[complete], gid[complete]
+        if not complete.all():  # else keep the views: no copy of the table
+            rows, gid = rows[complete], gid[complete]
         out.extend(_wait_scores(inc, comm, rows, gid, c.nranks))
         if np.median(rows["end"] - rows["ts"]) < ASYNC_BELOW_NS:  # calls return at once
             out.extend(_lateness_scores(inc, comm, rows, gid, c.nranks))
@@ -278,7 +288,7 @@ def _lateness_scores(
     """Entry lateness: against the ranks of the same host (one clock); a rank
     alone on its host against all ranks (clocks of several hosts: the
     detector then demands a margin far above any skew)."""
-    host = np.array([inc.hosts.index(p.host) for p in inc.procs], dtype=np.int64)[rows["proc"]]
+    host = np.array(proc_hosts(inc), dtype=np.int64)[rows["proc"]]
     nh = len(inc.hosts)
     ranks_per_host = np.bincount(host[gid == gid[0]], minlength=nh)
     shared = ranks_per_host[host] >= 2
@@ -320,7 +330,7 @@ def retransmits_in_windows(inc: Incident, m: Matched) -> list[HostRetransmits]:
     nh = len(inc.hosts)
     if not len(rt):
         return []
-    phost = np.array([inc.hosts.index(p.host) for p in inc.procs], dtype=np.int64)
+    phost = np.array(proc_hosts(inc), dtype=np.int64)
     inside = np.zeros(len(rt), dtype=bool)
     for h in range(nh):
         sel = rt["host"] == h
@@ -351,7 +361,8 @@ def sched_delay_per_proc(inc: Incident) -> np.ndarray:
     out = np.zeros(len(inc.procs), dtype=np.int64)
     if not len(inc.sched):
         return out
-    index = {(inc.hosts.index(p.host), p.pid): i for i, p in enumerate(inc.procs)}
+    hosts = proc_hosts(inc)
+    index = {(hosts[i], p.pid): i for i, p in enumerate(inc.procs)}
     keys = np.unique(inc.sched[["host", "pid"]])
     for h, pid in keys.tolist():
         i = index.get((int(h), int(pid)))

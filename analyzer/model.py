@@ -99,9 +99,13 @@ CALL_DTYPE = np.dtype(
 
 @dataclass(frozen=True, slots=True)
 class Calls:
-    """Columnar NCCL calls of one incident (a structured array of CALL_DTYPE)."""
+    """Columnar NCCL calls of one incident (a structured array of CALL_DTYPE).
+    When ``matched`` >= 0, ``rows[:matched]`` are the collective calls sorted
+    by (comm, seq, comm rank) and the rest follow (p2p): matching is then a
+    view, not a copy."""
 
     rows: np.ndarray
+    matched: int = -1
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -26,6 +26,7 @@ from .metrics import (
     arrival_scores,
     disagreements,
     frontier,
+    proc_hosts,
     retransmits_in_windows,
     sched_delay_per_proc,
 )
@@ -56,7 +57,10 @@ class AnalysisResult:
 
 def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -> IncidentResult:
     m = match(inc)
-    fronts = tuple(f for c in range(len(inc.comms)) if (f := frontier(inc, m, c)) is not None)
+    hosts = proc_hosts(inc)
+    fronts = tuple(
+        f for c in range(len(inc.comms)) if (f := frontier(inc, m, c, hosts)) is not None
+    )
     a = Analysis(
         incident=inc,
         matched=m,

@@ -487,6 +487,7 @@ def test_daemonset_capabilities_match_the_unit(agent: Doc) -> None:
     assert sc["readOnlyRootFilesystem"] is True
     assert sc["capabilities"]["drop"] == ["ALL"]
     assert sc["seccompProfile"]["type"] == "RuntimeDefault"
+    assert sc["appArmorProfile"]["type"] == "Unconfined"  # maps of other profiles
     assert {"CAP_" + c for c in sc["capabilities"]["add"]} == EBPF_CAPS
 
 

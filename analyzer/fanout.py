@@ -1,10 +1,11 @@
 """One SQL query sent to many agents at once, answers merged with their host.
 
 :func:`query_agents` posts the query to every agent's ``/query`` in parallel
-(one thread per agent, HTTP/1.1 keep-alive connections kept in a pool between
-calls), waits at most ``timeout`` seconds for all of them together, and merges
-the rows.  Every table already has a ``host`` column; when a query's result
-lacks one, a leading ``host`` column names the agent's host.
+(a process-wide pool of up to 128 client threads, HTTP/1.1 keep-alive
+connections kept between calls), waits at most ``timeout`` seconds for all
+of them together, and merges the rows.  Every table already has a ``host``
+column; when a query's result lacks one, a leading ``host`` column names the
+agent's host.
 
 Rows are concatenated in the order the agents were given, each agent's rows in
 the order that agent returned them: an ``ORDER BY ... LIMIT n`` applies per
@@ -99,6 +100,19 @@ class _Pool:
 
 
 _POOL = _Pool()
+_WORKERS = 128  # agents asked at once; more wait for a free thread
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _threads() -> ThreadPoolExecutor:
+    """One pool of client threads for the process, started on first use:
+    a fan-out does not pay for starting a thread per agent each time."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="fanout")
+        return _executor
 
 
 def _post(agent: str, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int, bytes]:
@@ -200,12 +214,11 @@ def query_agents(
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    pool = ThreadPoolExecutor(max_workers=min(len(agents), 128), thread_name_prefix="fanout")
-    try:
-        futures = {a: pool.submit(_ask, a, body, headers, timeout) for a in agents}
-        wait(futures.values(), timeout=timeout)
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    pool = _threads()
+    futures = {a: pool.submit(_ask, a, body, headers, timeout) for a in agents}
+    wait(futures.values(), timeout=timeout)
+    for future in futures.values():
+        future.cancel()  # not started yet (more agents than threads): give up on it
     answers, failed = _collect(futures, timeout)
     columns, types, rows, kept = _merge(answers, failed)
     elapsed = (time.perf_counter() - start) * 1e3
@@ -217,7 +230,7 @@ def _collect(
 ) -> tuple[list[AgentAnswer], list[AgentFailure]]:
     answers, failed = [], []
     for agent, future in futures.items():
-        if not future.done():
+        if future.cancelled() or not future.done():
             failed.append(AgentFailure(agent, f"no answer within {timeout:g} s"))
             continue
         exc = future.exception()

@@ -101,8 +101,9 @@ def sandboxed_connection(limits: Limits) -> duckdb.DuckDBPyConnection:
     return con
 
 
-def check_statement(con: duckdb.DuckDBPyConnection, sql: str, limits: Limits) -> None:
-    """Refuse anything but exactly one SELECT, before it is bound or run."""
+def check_statement(con: duckdb.DuckDBPyConnection, sql: str, limits: Limits) -> duckdb.Statement:
+    """Refuse anything but exactly one SELECT, before it is bound or run;
+    returns the parsed statement, which is what runs (never the text again)."""
     size = len(sql.encode())
     if limits.max_sql_bytes is not None and size > limits.max_sql_bytes:
         raise QueryRefused(f"query is {size} bytes, the limit is {limits.max_sql_bytes}")
@@ -115,6 +116,7 @@ def check_statement(con: duckdb.DuckDBPyConnection, sql: str, limits: Limits) ->
     kind = statements[0].type
     if kind != duckdb.StatementType.SELECT:
         raise QueryRefused(f"only SELECT queries are allowed, not {kind.name}")
+    return statements[0]
 
 
 class _Watchdog:
@@ -204,9 +206,9 @@ class QueryEngine:
         self._acquire()
         try:
             con = self._connection()
-            check_statement(con, sql, self.limits)
+            statement = check_statement(con, sql, self.limits)
             self._refresh(con)
-            columns, types, rows = self._run(con, sql, max_rows)
+            columns, types, rows = self._run(con, statement, max_rows)
         finally:
             self._lock.release()
         truncated = max_rows is not None and len(rows) > max_rows
@@ -216,14 +218,14 @@ class QueryEngine:
         return QueryResult(columns, types, rows, truncated, elapsed)
 
     def _run(
-        self, con: duckdb.DuckDBPyConnection, sql: str, max_rows: int | None
+        self, con: duckdb.DuckDBPyConnection, statement: duckdb.Statement, max_rows: int | None
     ) -> tuple[tuple[str, ...], tuple[str, ...], list[tuple[Any, ...]]]:
         seconds = self.limits.time_limit_s
         if seconds is not None:
             self._watchdog.arm(con, seconds)
         try:
             try:
-                return _execute(con, sql, max_rows)
+                return _execute(con, statement, max_rows)
             except duckdb.InterruptException:
                 raise QueryError(f"query cut off: it ran longer than {seconds:g} s") from None
             except duckdb.OutOfMemoryException:
@@ -266,11 +268,11 @@ Rows = list[tuple[Any, ...]]
 
 
 def _execute(
-    con: duckdb.DuckDBPyConnection, sql: str, max_rows: int | None
+    con: duckdb.DuckDBPyConnection, statement: duckdb.Statement, max_rows: int | None
 ) -> tuple[tuple[str, ...], tuple[str, ...], Rows]:
     """Stream the result, stopping after one row past the limit (so the
     caller knows it truncated)."""
-    con.execute(sql)
+    con.execute(statement)
     description = con.description or []
     columns = tuple(d[0] for d in description)
     types = tuple(str(d[1]) for d in description)
@@ -279,7 +281,7 @@ def _execute(
     except duckdb.InvalidInputException as exc:
         if "pytz" not in str(exc):
             raise
-        rows = _via_arrow(con, sql, max_rows)  # zoned times: Arrow needs no pytz
+        rows = _via_arrow(con, statement.query, max_rows)  # zoned times: Arrow needs no pytz
     return columns, types, rows
 
 

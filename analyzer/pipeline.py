@@ -4,9 +4,16 @@ match -> metrics -> detect -> verdicts -> report.
 Known limits:
 - Point-to-point calls are matched by no detector; they only appear as "what
   a rank last did".
-- Straggler detection across hosts in asynchronous mode (calls return at
-  once) uses only lateness among ranks of the same host; a lone rank on a
-  host is judged by blocking durations alone.
+- A hang is told from a snapshot by how long the frontier made no progress
+  (the dump time of the host, against its own timestamps): at least 1 s and
+  4x the communicator's p99 call duration.
+- Stragglers in asynchronous mode (calls return at once) are found by entry
+  lateness: among ranks of one host exactly; across hosts only when a rank
+  is 50 ms or more behind, far above clock skew.
+- Packet loss between exactly two nodes looks the same from both ends: both
+  hosts are named.  With three or more, the host every retransmit involves.
+- Of several dead ranks, those whose last call returned an error died of a
+  peer's death and are not blamed.
 - Flight Recorder dumps carry wall-clock times of their own host and no dump
   time: their pending entries are taken as stuck.
 """

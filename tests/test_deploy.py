@@ -45,12 +45,6 @@ DAEMONSET = DEPLOY / "kubernetes" / "stallwatch-daemonset.yaml"
 SLURM = DEPLOY / "slurm"
 STALLWATCH = Path(sys.executable).parent / "stallwatch"
 Doc = dict[str, Any]  # one parsed Kubernetes object
-LIBNCCL = (
-    Path(sys.executable).parent.parent
-    / "lib"
-    / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    / "site-packages/nvidia/nccl/lib/libnccl.so.2"
-)
 
 # What eBPF uprobes and tracepoints need, and why: see the unit's comments.
 EBPF_CAPS = {
@@ -61,6 +55,19 @@ EBPF_CAPS = {
     "CAP_SYS_PTRACE",
     "CAP_DAC_READ_SEARCH",
 }
+
+
+@pytest.fixture(scope="module")
+def libnccl() -> Path:
+    """The real libnccl.so.2 of the nvidia-nccl-cu12 wheel (loads without a GPU)."""
+    try:
+        import nvidia.nccl  # type: ignore[import-not-found]
+    except ImportError:
+        pytest.fail("nvidia-nccl-cu12 is not installed (pip install nvidia-nccl-cu12)")
+    lib = Path(next(iter(nvidia.nccl.__path__))) / "lib" / "libnccl.so.2"
+    if not lib.is_file():
+        pytest.fail(f"{lib} not found in the nvidia-nccl-cu12 wheel")
+    return lib
 
 
 # --------------------------------------------------------------------------- systemd
@@ -338,10 +345,10 @@ NCCL_CALLER = textwrap.dedent(
 )
 
 
-def call_real_nccl(times: int) -> str:
+def call_real_nccl(lib: Path, times: int) -> str:
     """Calls ncclAllReduce on a null communicator; prints its pid and the results."""
     return subprocess.run(
-        [sys.executable, "-c", NCCL_CALLER, str(LIBNCCL), str(times)],
+        [sys.executable, "-c", NCCL_CALLER, str(lib), str(times)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -350,12 +357,12 @@ def call_real_nccl(times: int) -> str:
 
 
 @pytest.fixture
-def agent_from_unit(unit: Unit, tmp_path: Path) -> Iterator[RunningAgent]:
+def agent_from_unit(unit: Unit, libnccl: Path, tmp_path: Path) -> Iterator[RunningAgent]:
     port = free_port()
     env = unit_env(unit) | {
         "STALLWATCH_LISTEN": f"127.0.0.1:{port}",
         # The unit's documented way to add arguments: the real libnccl by path.
-        "STALLWATCH_ARGS": f"--lib {LIBNCCL}",
+        "STALLWATCH_ARGS": f"--lib {libnccl}",
     }
     argv = exec_start_argv(unit, env)
     argv[0] = str(STALLWATCH)
@@ -379,13 +386,13 @@ def agent_from_unit(unit: Unit, tmp_path: Path) -> Iterator[RunningAgent]:
 @pytest.mark.slow
 @pytest.mark.realnccl
 def test_unit_exec_start_records_and_stops_on_kill_signal(
-    unit: Unit, agent_from_unit: RunningAgent
+    unit: Unit, agent_from_unit: RunningAgent, libnccl: Path
 ) -> None:
     agent = agent_from_unit
     assert agent.wait_healthy(timeout=60)["status"] == "ok"
     attached = re.search(r"^stallwatch_libraries_attached (\d+)$", agent.metrics(), re.M)
     assert attached and int(attached[1]) >= 1, agent.metrics()
-    pid, *results = map(int, call_real_nccl(times=3).split())
+    pid, *results = map(int, call_real_nccl(libnccl, times=3).split())
     assert results == [Result.INVALID_ARGUMENT]  # a null communicator is refused, not run
 
     status, answer = http_json(agent.base + "/dump", {"reason": "deploy test"})
@@ -415,10 +422,10 @@ def test_unit_exec_start_records_and_stops_on_kill_signal(
 
 @pytest.mark.bpf
 @pytest.mark.realnccl
-def test_unit_needs_cap_sys_admin_for_uprobes(unit: Unit, tmp_path: Path) -> None:
+def test_unit_needs_cap_sys_admin_for_uprobes(unit: Unit, libnccl: Path, tmp_path: Path) -> None:
     """Why CAP_SYS_ADMIN is in the unit: without it no uprobe can be created."""
     caps = unit.words("Service", "CapabilityBoundingSet") - {"CAP_SYS_ADMIN"}
-    argv = [str(STALLWATCH), "record", "--dump-dir", str(tmp_path), "--lib", str(LIBNCCL)]
+    argv = [str(STALLWATCH), "record", "--dump-dir", str(tmp_path), "--lib", str(libnccl)]
     argv += ["--listen", f"127.0.0.1:{free_port()}"]
     proc = subprocess.run(
         capability_sandbox(caps) + argv, capture_output=True, text=True, timeout=120

@@ -38,6 +38,7 @@ class Marker:
     kind: str
     summary: str
     hosts: tuple[str, ...] = ()
+    ranks: tuple[int, ...] = ()
 
 
 def world_ranks(rec: Recording) -> dict[int, int]:
@@ -123,6 +124,7 @@ def _nccl_slices(rec: Recording, tracks: _Tracks, ranks: dict[int, int]) -> list
                     "comm_id_hash": comm_label,
                     "pid": int(row["pid"]),
                     "tid": int(row["tid"]),
+                    "ts_ns": int(row["ts_ns"]),  # the host's monotonic clock, as in SQL
                 },
             }
         )
@@ -169,20 +171,24 @@ def _instants(rec: Recording, tracks: _Tracks, ranks: dict[int, int]) -> list[di
     return out
 
 
-def _markers(markers: Sequence[Marker], at_us: float) -> list[dict[str, object]]:
-    return [
-        {
-            "ph": "i",
-            "s": "g",
-            "name": f"verdict: {m.kind}",
-            "cat": "verdict",
-            "pid": 0,
-            "tid": 0,
-            "ts": at_us,
-            "args": {"summary": m.summary, "hosts": list(m.hosts)},
-        }
-        for m in markers
-    ]
+def _markers(markers: Sequence[Marker], at_us: float, tracks: _Tracks) -> list[dict[str, object]]:
+    """Each verdict once on the whole timeline, and once on each host it names."""
+    out: list[dict[str, object]] = []
+    for m in markers:
+        args = {"summary": m.summary, "hosts": list(m.hosts), "ranks": list(m.ranks)}
+        name = f"verdict: {m.kind}"
+        out.append(_marker(name, "g", 0, at_us, args))
+        out += [
+            _marker(name, "p", tracks.hosts[h], at_us, args) for h in m.hosts if h in tracks.hosts
+        ]
+    return out
+
+
+def _marker(
+    name: str, scope: str, pid: int, ts: float, args: dict[str, object]
+) -> dict[str, object]:
+    return {"ph": "i", "s": scope, "name": name, "cat": "verdict", "pid": pid, "tid": 0, "ts": ts,
+            "args": args}  # fmt: skip
 
 
 def build_trace(
@@ -200,13 +206,13 @@ def build_trace(
             last_us = max(last_us, rec.clock.to_wall_ns(rec.trigger.time_ns) / 1e3)
     if not last_us and events:
         last_us = max(float(e["ts"]) for e in events)  # type: ignore[arg-type]
-    events += _markers(markers, last_us)
+    events += _markers(markers, last_us, tracks)
     return {"traceEvents": tracks.meta + events, "displayTimeUnit": "ms"}
 
 
 def write_trace(path: Path, trace: dict[str, object]) -> None:
     try:
-        path.write_text(json.dumps(trace, separators=(",", ":")))
+        path.write_text(json.dumps(trace, separators=(",", ":"), allow_nan=False))
     except OSError as exc:
         raise UsageError(f"{path}: cannot write the trace: {exc.strerror or exc}") from exc
 

@@ -23,7 +23,13 @@ EXIT_FINDINGS = 1
 EXIT_USAGE = 2
 
 # Modules that define register(subparsers); each adds its subcommands.
-COMMAND_MODULES = ("recorder.cli", "analyzer.cli", "analyzer.sqlcli", "lab.cli")
+COMMAND_MODULES = (
+    "recorder.cli",
+    "analyzer.cli",
+    "analyzer.sqlcli",
+    "analyzer.exportcli",
+    "lab.cli",
+)
 
 EPILOG = """\
 examples:

@@ -1,0 +1,107 @@
+"""``stallwatch export --perfetto PATH... -o FILE``: the incident as a timeline.
+
+Dumps are read by the analyzer's loader (files or folders; unreadable files
+are named one per line on stderr and the others still used), analyzed, and
+drawn with ``analyzer.perfetto``: one trace process per host, one track per
+rank and communicator, each verdict as a marker.
+
+PyTorch Flight Recorder dumps count for the verdicts but are not drawn: they
+carry no ring rows of ours.
+
+Exit codes: 0 the trace was written; 2 bad usage or nothing could be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dumpers.errors import UsageError
+from dumpers.model import Recording
+
+from .model import InputStatus
+from .perfetto import Marker
+
+EXIT_OK, EXIT_USAGE = 0, 2
+
+EXAMPLES = """\
+examples:
+  stallwatch export --perfetto dumps/ -o trace.json
+  stallwatch export --perfetto dumps/node*/*.msgpack -o incident.json
+
+Open the file at https://ui.perfetto.dev (Open trace file) or chrome://tracing.
+exit codes: 0 written, 2 bad usage or no dump could be read.
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Exported:
+    """What one export drew: for the command's summary and for tests."""
+
+    path: Path
+    recordings: int
+    calls: int
+    markers: tuple[Marker, ...]
+    inputs: tuple[InputStatus, ...]
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "export",
+        help="the incident as a Chrome/Perfetto timeline trace",
+        description="Write dumps as a trace-event JSON file: one process per host, one "
+        "track per rank and communicator, every NCCL call a slice, kernel events as "
+        "instants, the analyzer's verdicts as markers.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--perfetto", nargs="+", required=True, metavar="PATH", help="dump files or folders"
+    )
+    p.add_argument("-o", "--output", required=True, type=Path, metavar="FILE")
+    p.set_defaults(func=run)
+
+
+def markers_of(verdicts: Sequence[Any]) -> tuple[Marker, ...]:
+    """The analyzer's verdicts as trace markers (``analyzer.verdict.Verdict``)."""
+    return tuple(Marker(v.kind.value, v.summary, tuple(v.hosts), tuple(v.ranks)) for v in verdicts)
+
+
+def export(paths: Sequence[str], output: Path) -> Exported:
+    """Load, analyze, draw, write.  Raises UsageError when nothing is readable."""
+    from .align import Source
+    from .load import load_inputs
+    from .perfetto import build_trace, write_trace
+    from .pipeline import analyze_incident, group_incidents
+
+    loaded, statuses = load_inputs(paths)
+    recordings: list[Recording] = [s.recording for s in loaded if isinstance(s, Source)]
+    if not loaded:
+        raise UsageError(_nothing_read(statuses))
+    verdicts = [v for inc in group_incidents(loaded) for v in analyze_incident(inc).verdicts]
+    markers = markers_of(verdicts)
+    write_trace(output, build_trace(recordings, markers))
+    calls = sum(len(r.rings["nccl"].rows) for r in recordings if "nccl" in r.rings)
+    return Exported(output, len(recordings), calls, markers, tuple(statuses))
+
+
+def _nothing_read(statuses: Sequence[InputStatus]) -> str:
+    why = "; ".join(s.error or s.path for s in statuses if not s.ok) or "no input"
+    return f"no dump could be read ({why})"
+
+
+def run(args: argparse.Namespace) -> int:
+    result = export(args.perfetto, args.output)
+    for s in result.inputs:
+        if not s.ok:
+            print(f"stallwatch export: skipped {s.error}", file=sys.stderr)
+    kinds = ", ".join(m.kind for m in result.markers) or "none"
+    print(
+        f"wrote {result.path}: {result.recordings} dump(s), {result.calls} NCCL call(s), "
+        f"verdicts: {kinds}\nopen it at https://ui.perfetto.dev (Open trace file)"
+    )
+    return EXIT_OK

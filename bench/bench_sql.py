@@ -219,10 +219,10 @@ def agent_processes(agents: int, processes: int) -> Iterator[list[str]]:
                 proc.stdout.close()
 
 
-def _fanout_figure(agents: int, repeats: int) -> Figure:
+def _fanout_figure(agents: int, repeats: int, processes: int) -> Figure:
     from analyzer.fanout import close_connections, query_agents
 
-    processes = min(agents, 8)
+    processes = min(agents, processes)
     with agent_processes(agents, processes) as addrs:
         first = query_agents(addrs, SEED_QUERY, timeout=10.0)
         if first.failed:
@@ -249,8 +249,9 @@ def _fanout_figure(agents: int, repeats: int) -> Figure:
 def figures(quick: bool = False, repeats: int = 5) -> list[Figure]:
     rows = 20_000 if quick else 1_000_000
     out = _seed_figures(rows, repeats)
-    out.append(_fanout_figure(4, repeats))
-    out.append(_fanout_figure(8 if quick else 64, repeats))
+    processes = 2 if quick else 8
+    out.append(_fanout_figure(4, repeats, processes))
+    out.append(_fanout_figure(8 if quick else 64, repeats, processes))
     return out
 
 

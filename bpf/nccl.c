@@ -70,28 +70,49 @@ struct p2p_key {
 };
 BPF_HASH(p2p_seq, struct p2p_key, u64, MAX_P2P);
 
-/* One per thread inside an NCCL call (tid -> state).  A call made from inside
- * another (a library calling its own public symbol) only bumps `depth`. */
+/* One slot per thread inside an NCCL call, at tid & (MAX_INFLIGHT - 1): an
+ * mmapable array, not a hash, so that entry and return pay no hash update or
+ * delete and user space reads in-flight calls through numpy.  A thread claims
+ * its slot by compare-and-swap of `tid` (0 = free); a slot held by another
+ * thread whose tid collides is counted as a drop.  A call made from inside
+ * another (a library calling its own public symbol) only bumps `depth`.
+ * `entered_ns` is 0 while a slot is free or being filled. */
 struct call_state {
+	u64 tid;         /* 64 bits: BPF's 32-bit compare-and-swap needs -mcpu=v3 */
+	u64 entered_ns;
 	u64 pos;         /* nccl_ring position + 1 */
 	u64 comm_pos;    /* comm_ring position + 1, 0 if none */
 	u64 comm;
 	u64 comm_hash;
 	u64 parent_hash; /* split */
 	u64 seq;
-	u64 entered_ns;
 	u64 out;         /* user pointer the call writes: ncclComm_t*, id* */
 	u64 split_index;
-	u32 pid;
 	s32 rank;
 	s32 nranks;
 	s32 color;
 	s32 key;
 	u32 depth;
 	u32 op;
+	u32 pid;
 	u32 _pad;
 };
-BPF_HASH(inflight, u32, struct call_state, MAX_INFLIGHT);
+_Static_assert(sizeof(struct call_state) == 112, "call_state size");
+BPF_F_TABLE("array", u32, struct call_state, inflight, MAX_INFLIGHT, BPF_F_MMAPABLE);
+
+static __always_inline struct call_state *inflight_slot(u32 tid)
+{
+	u32 slot = tid & (MAX_INFLIGHT - 1);
+	return inflight.lookup(&slot);
+}
+
+/* Free a slot: its time first, so a reader never sees a stale call. */
+static __always_inline void release_slot(struct call_state *slot)
+{
+	*(volatile __u64 *)&slot->entered_ns = 0;
+	asm volatile("" ::: "memory");
+	*(volatile __u64 *)&slot->tid = 0;
+}
 
 /* Arguments of one call, as decoded by its entry program. */
 struct call_args {
@@ -290,12 +311,20 @@ static __always_inline int nccl_enter(struct pt_regs *ctx, struct call_args *a)
 	u32 pid = id >> 32, tid = (u32)id;
 	if (is_excluded(pid))
 		return 0;
-	struct call_state *outer = inflight.lookup(&tid);
-	if (outer) {
-		outer->depth += 1;
+	struct call_state *slot = inflight_slot(tid);
+	if (!slot)
+		return 0;
+	u64 owner = __sync_val_compare_and_swap(&slot->tid, 0, (u64)tid);
+	if (owner == tid) {
+		slot->depth += 1; /* nested: one row per API call */
+		return 0;
+	}
+	if (owner != 0) {
+		count_drop(DROP_INFLIGHT_FULL);
 		return 0;
 	}
 	struct call_state cs = {};
+	cs.tid = tid;
 	cs.pid = pid;
 	cs.op = a->op;
 	cs.comm = a->comm;
@@ -314,8 +343,7 @@ static __always_inline int nccl_enter(struct pt_regs *ctx, struct call_args *a)
 	else if (a->op == OP_COMM_INIT_ALL)
 		cs.nranks = a->nranks;
 	open_nccl_row(&cs, a, tid);
-	if (inflight.update(&tid, &cs))
-		count_drop(DROP_INFLIGHT_FULL);
+	*slot = cs;
 	return 0;
 }
 
@@ -572,15 +600,15 @@ static __always_inline void finish_nccl_row(struct call_state *cs, s32 result, u
 int handle_nccl_return(struct pt_regs *ctx)
 {
 	u32 tid = (u32)bpf_get_current_pid_tgid();
-	struct call_state *live = inflight.lookup(&tid);
-	if (!live)
+	struct call_state *live = inflight_slot(tid);
+	if (!live || live->tid != tid)
 		return 0;
 	if (live->depth > 0) {
 		live->depth -= 1;
 		return 0;
 	}
 	struct call_state cs = *live;
-	inflight.delete(&tid);
+	release_slot(live);
 	u64 ts = bpf_ktime_get_ns();
 	s32 result = (s32)PT_REGS_RC(ctx);
 	if (is_data_op(cs.op) && cs.comm) {

@@ -97,6 +97,10 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 {
 	u64 id = bpf_get_current_pid_tgid();
 	u32 tgid = id >> 32;
+	/* A thread that dies inside an NCCL call frees its slot (nccl.c). */
+	struct call_state *slot = inflight_slot((u32)id);
+	if (slot && slot->tid == (u32)id)
+		release_slot(slot);
 	if (args->group_dead && is_tracked(tgid))
 		emit_exit(tgid, (u32)id, -1, 0, EXIT_PROCESS);
 	return 0;

@@ -40,6 +40,7 @@ from dumpers.schema import NCCL_SYMBOLS
 
 from . import discovery
 from .model import CommProgress, ProcessState, TickState
+from .rings import complete_rows
 from .source import EventSource
 from .tables import CommTable, ProcessTable
 from .watchdog import DumpScheduler, Incidents, Watchdog
@@ -259,18 +260,19 @@ class Agent:
 
     # ---- tick -----------------------------------------------------------
 
-    def _new_rows(self, ring: str) -> np.ndarray | None:
+    def _new_rows(self, ring: str, again: bool = False) -> np.ndarray | None:
+        """The ring's complete rows if its head moved (or ``again``)."""
         buf = self.source.rings()[ring]
         head = buf.read_head()
-        if head == self._heads[ring] and ring != "comm":
+        if head == self._heads[ring] and not again:
             return None
         self._heads[ring] = head
-        return buf.snapshot().rows
+        return complete_rows(buf.slots.copy(), buf.read_head())
 
     def tick(self) -> TickState:
         """Update the tables from the small rings and maps; the watchdog's input."""
         with self._lock:
-            comm_rows = self._new_rows("comm")
+            comm_rows = self._new_rows("comm", again=self.comms.pending)
             if comm_rows is not None:
                 self.comms.apply_rows(self._in_scope_rows(comm_rows))
             exit_rows = self._new_rows("exit")

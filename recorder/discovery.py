@@ -30,8 +30,9 @@ from dumpers.model import ProcessInfo
 
 NCCL_LIB = re.compile(r"/libnccl\.so[^/]*$")
 LIBC = re.compile(r"/libc(\.so\.6|-[0-9.]+\.so)$")
-YOUNG_S = 30.0  # re-read a process's maps every scan while it is this young
-OLD_RESCAN_S = 5.0  # then this often
+YOUNG_S = 30.0  # a process this young may still load NCCL: its maps are re-read
+YOUNG_RESCAN_S = 0.75  # this often (a new process is read at its first scan)
+OLD_RESCAN_S = 10.0  # older processes this often
 SHT_SYMTAB = 2
 SHT_DYNSYM = 11
 STT_FUNC = 2
@@ -137,21 +138,23 @@ def library_id(path: str) -> LibraryId:
 
 def mapped_nccl_libs(pid: int) -> tuple[str, ...] | None:
     """Paths of libnccl* files mapped by ``pid``; None if it is gone."""
-    return mapped_files(pid, NCCL_LIB)
+    return mapped_files(pid, NCCL_LIB, "libnccl")
 
 
 def mapped_libc(pid: int) -> str | None:
-    libs = mapped_files(pid, LIBC)
+    libs = mapped_files(pid, LIBC, "libc")
     return libs[0] if libs else None
 
 
-def mapped_files(pid: int, name: re.Pattern[str]) -> tuple[str, ...] | None:
+def mapped_files(pid: int, name: re.Pattern[str], hint: str) -> tuple[str, ...] | None:
     """Paths of files matching ``name`` mapped by ``pid``; None if it is gone."""
     try:
         text = Path(f"/proc/{pid}/maps").read_text()
     except (OSError, UnicodeDecodeError):
         return None
     libs: list[str] = []
+    if hint not in text:  # the common case, without parsing a line
+        return ()
     for line in text.splitlines():
         fields = line.split(maxsplit=5)
         path = fields[5].strip() if len(fields) == 6 else ""
@@ -228,9 +231,10 @@ class ProcessScanner:
 
     def _due(self, pid: int, now: float, born: float) -> bool:
         first, last = self._checked.get(pid, (born, -1.0))
-        age = now - first
-        if last >= 0 and age > YOUNG_S and now - last < OLD_RESCAN_S:
-            return False
+        if last >= 0:
+            every = YOUNG_RESCAN_S if now - first <= YOUNG_S else OLD_RESCAN_S
+            if now - last < every:
+                return False
         self._checked[pid] = (first, now)
         return True
 

@@ -164,6 +164,7 @@ class Probes:
         self._maps: list[mmap.mmap] = []
         self.heads = self._map_heads()
         self.ring_arrays = {name: self._map_ring(name) for name in RING_MAPS}
+        self.inflight = self._map_inflight()
         self._attached: list[tuple[str, str, int]] = []
 
     def _map_heads(self) -> np.ndarray:
@@ -183,6 +184,13 @@ class Probes:
         mem = _mmap_array(table, map_name)
         self._maps.append(mem)
         return np.frombuffer(mem, dtype=dtype, count=table.max_entries)
+
+    def _map_inflight(self) -> np.ndarray:
+        """The per-thread call slots (bpf/nccl.c struct call_state)."""
+        table = self.bpf[b"inflight"]
+        mem = _mmap_array(table, "inflight")
+        self._maps.append(mem)
+        return np.frombuffer(mem, dtype=np.dtype(table.Leaf), count=table.max_entries)
 
     def head(self, ring: str) -> int:
         return int(self.heads[RING_MAPS[ring][0] * HEAD_STRIDE_U64])

@@ -83,16 +83,18 @@ class BccSource:
         ]
 
     def inflight_calls(self) -> list[InflightCall]:
+        slots = self.probes.inflight.copy()
+        live = slots[(slots["tid"] != 0) & (slots["entered_ns"] != 0)]
         return [
             InflightCall(
-                pid=int(v.pid),
-                tid=int(k.value),
-                comm_hash=int(v.comm_hash),
-                op=int(v.op),
-                seq=int(v.seq),
-                entered_ns=int(v.entered_ns),
+                pid=int(row["pid"]),
+                tid=int(row["tid"]),
+                comm_hash=int(row["comm_hash"]),
+                op=int(row["op"]),
+                seq=int(row["seq"]),
+                entered_ns=int(row["entered_ns"]),
             )
-            for k, v in self.probes.items("inflight")
+            for row in live
         ]
 
     def attach(self, path: str, symbol: str) -> None:

@@ -35,6 +35,7 @@ class CommTable:
         self._comms: dict[_Key, CommInfo] = {}
         self._roots: dict[int, str] = {}  # id hash -> decoded root (ncclGetUniqueId)
         self._done = 0  # comm ring positions below this are final
+        self.pending = False  # rows still in flight: read the ring again
 
     def apply_rows(self, rows: np.ndarray) -> None:
         """New rows of the comm ring (oldest first)."""
@@ -45,6 +46,7 @@ class CommTable:
                 self._apply(row)
         if len(rows):
             self._done = int(pending.min()) - 1 if len(pending) else int(rows["pos"].max())
+        self.pending = bool(len(pending))
 
     def _apply(self, row: np.void) -> None:
         op, pid, comm = int(row["op"]), int(row["pid"]), int(row["comm"])

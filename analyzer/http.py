@@ -503,7 +503,7 @@ class ServerHandle:
 
 def _engine_for(backend: Backend, limits: Limits) -> QueryEngine:
     if isinstance(backend, RecordingsBackend):
-        return QueryEngine(backend.recordings, limits)
+        return QueryEngine(backend.recordings, limits, materialize=True)
     return QueryEngine(lambda: [backend.recording()], limits, cache_s=SNAPSHOT_CACHE_S)
 
 

@@ -147,6 +147,19 @@ def test_many_recordings_concatenate_with_their_host() -> None:
     assert procs == [(f"node{i}", 4) for i in range(3)]
 
 
+def test_materialized_tables_answer_the_same(lossy: Recording) -> None:
+    with (
+        QueryEngine([lossy], LOCAL) as scanned,
+        QueryEngine([lossy], LOCAL, materialize=True) as copied,
+    ):
+        for sql in (SEED_QUERY, "SELECT * FROM tcp_events", "SELECT * FROM communicators"):
+            a, b = scanned.query(sql), copied.query(sql)
+            assert (a.columns, a.types) == (b.columns, b.types)
+            assert sorted(map(repr, a.rows)) == sorted(map(repr, b.rows))
+        with pytest.raises(QueryRefused):
+            copied.query("DELETE FROM nccl_events")
+
+
 def test_no_recordings_gives_empty_tables() -> None:
     with QueryEngine([], LOCAL) as engine:
         assert engine.query("SELECT count(*) FROM nccl_events").rows == [(0,)]

@@ -171,7 +171,7 @@ class Agent:
         self._log_attached(lib)
         return lib
 
-    def _attach_failed(self, path: str, why: str, required: bool) -> None:
+    def _attach_failed(self, path: str, why: str, required: bool) -> AttachedLibrary | None:
         self.counters.add("attach_failures")
         if required:
             raise ProbeError(why)
@@ -328,10 +328,11 @@ class Agent:
         if now - self._addresses_at > ADDRESS_REFRESH_S:
             self._addresses = local_addresses()
             self._addresses_at = now
-        local = np.array([np.frombuffer(a, np.uint8) for a in self._addresses] or [[0] * 16])
+        local = np.array([list(a) for a in self._addresses] or [[0] * 16], dtype=np.uint8)
 
         def is_local(col: np.ndarray) -> np.ndarray:
-            return (col[:, None, :] == local[None, :, :]).all(axis=2).any(axis=1)
+            hit: np.ndarray = (col[:, None, :] == local[None, :, :]).all(axis=2).any(axis=1)
+            return hit
 
         # The socket's own address is saddr: a connection between two nodes
         # belongs to each node's agent through its own end only.

@@ -11,8 +11,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from dumpers.errors import AgentError, UsageError
+
+if TYPE_CHECKING:
+    from analyzer.http import ServerHandle
+
+    from .agent import Agent, AgentConfig, Stop
 
 RECORD_EPILOG = """\
 examples:
@@ -178,12 +184,11 @@ def _record(args: argparse.Namespace) -> int:
     return run_agent(config)
 
 
-def run_agent(config: object) -> int:
+def run_agent(config: AgentConfig) -> int:
     """Load, attach, serve, loop until SIGTERM/SIGINT, detach."""
-    from .agent import Agent, AgentConfig, Stop, run_loop
+    from .agent import Agent, Stop, run_loop
     from .source import BccSource
 
-    assert isinstance(config, AgentConfig)
     log = logging.getLogger("stallwatch.record")
     source = BccSource(config.ring_size, int(config.runq_threshold_ms * 1e6))
     sizes = source.sizes
@@ -212,26 +217,20 @@ def run_agent(config: object) -> int:
     return EXIT_OK
 
 
-def _serve(agent: object, config: object) -> object:
-    from .agent import AgentConfig
+def _serve(agent: Agent, config: AgentConfig) -> ServerHandle:
+    from analyzer.http import serve_http
 
-    assert isinstance(config, AgentConfig)
-    try:
-        from analyzer.http import serve_http
-    except ImportError:
-        logging.getLogger("stallwatch.record").warning("no HTTP surface (analyzer.http missing)")
-        return None
-    handle = serve_http(agent, config.listen, config.token)  # type: ignore[arg-type]
+    handle = serve_http(agent, config.listen, config.token)
     logging.getLogger("stallwatch.record").info("listening on http://%s", handle.address)
     return handle
 
 
-def _install_signals(stop: object) -> None:
+def _install_signals(stop: Stop) -> None:
     def on_stop(signum: int, frame: FrameType | None) -> None:
-        stop.event.set()  # type: ignore[attr-defined]
+        stop.event.set()
 
     def on_usr1(signum: int, frame: FrameType | None) -> None:
-        stop.dump_requested = True  # type: ignore[attr-defined]
+        stop.dump_requested = True
 
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGINT, on_stop)

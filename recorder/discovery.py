@@ -18,6 +18,7 @@ are resolved through ``/proc/PID/root``.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import struct
@@ -50,7 +51,7 @@ class ElfFunction:
     file_offset: int
 
 
-def _sections(data: bytes) -> list[tuple[int, int, int, int, int, int]]:
+def _sections(data: mmap.mmap) -> list[tuple[int, int, int, int, int, int]]:
     """(type, addr, offset, size, link, entsize) of every section."""
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         raise ValueError("not a little-endian ELF64 file")
@@ -70,8 +71,6 @@ def elf_functions(path: str, wanted: Iterable[str]) -> dict[str, ElfFunction]:
     """The defined functions among ``wanted`` in ``path``, with file offsets."""
     names = {n.encode(): n for n in wanted}
     with open(path, "rb") as f:
-        import mmap
-
         data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
         return _find(data, names)
@@ -79,7 +78,7 @@ def elf_functions(path: str, wanted: Iterable[str]) -> dict[str, ElfFunction]:
         data.close()
 
 
-def _find(data: bytes, names: dict[bytes, str]) -> dict[str, ElfFunction]:
+def _find(data: mmap.mmap, names: dict[bytes, str]) -> dict[str, ElfFunction]:
     sections = _sections(data)
     found: dict[str, ElfFunction] = {}
     for stype, _, off, size, link, entsize in sections:

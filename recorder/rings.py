@@ -61,7 +61,8 @@ def complete_rows(copy: np.ndarray, head: int) -> np.ndarray:
     slot = np.arange(n, dtype=np.int64)
     valid = (pos > low) & (pos <= head) & (((pos - 1) & (n - 1)) == slot)
     rows = copy[valid]
-    return rows[np.argsort(rows["pos"], kind="stable")]
+    ordered: np.ndarray = rows[np.argsort(rows["pos"], kind="stable")]
+    return ordered
 
 
 class RingWriter:

@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from dumpers.errors import QueryError, StallwatchError, UsageError
 from dumpers.model import Recording
@@ -65,9 +65,14 @@ def _version() -> str:
 VERSION = _version()
 
 
-@runtime_checkable
 class Backend(Protocol):
-    """What the server needs from whoever hosts it (the agent, or dumps)."""
+    """What the server needs from whoever hosts it (the agent, or dumps).
+
+    A backend that can dump also has ``request_dump(reason, incident_id,
+    origin) -> JSON-able answer`` (:class:`DumpingBackend`); it may raise
+    ``StallwatchError`` (``UsageError`` answers 400, others 500).  Without it,
+    ``POST /dump`` answers 501.  ``recording()`` is called at most every
+    ``SNAPSHOT_CACHE_S`` seconds, and only when a query comes."""
 
     @property
     def host(self) -> str: ...

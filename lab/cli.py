@@ -104,8 +104,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK if result.ok else EXIT_FAILED
 
 
+def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from lab.demo import add_parser
+
+    add_parser(sub)
+
+
 SUBCOMMANDS: Sequence[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = (
     _add_run,
+    _add_demo,
 )
 
 

@@ -1,0 +1,596 @@
+"""``stallwatch lab demo``: the guided end-to-end example.
+
+A 4-node x 2-rank job runs in the lab with one agent per node; one rank,
+chosen at random from ``--seed``, hangs before a collective of a random step.
+The agents see the stall, tell their peers, and every node dumps.  Then the
+demo runs, on those dumps, ``stallwatch analyze``, the seed SQL query of
+DESIGN.md, and ``stallwatch export --perfetto``, and prints each command so
+that it can be run again by hand.
+
+Every stage is a subprocess (``python -m stallwatch ...``): the commands
+printed are the ones that ran.  Progress goes to stderr; the narration, the
+reports and the commands to stdout (with ``--json``, a summary instead).
+
+The analysis starts as soon as every node has written its dump, while the lab
+tears down: agents take seconds to detach their uprobes, and nothing in the
+analysis waits for them.
+
+Exit codes: 0 the analysis named the injected rank; 1 it did not (or no
+dump was written); 2 bad usage, or the lab could not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import secrets
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TextIO
+
+from dumpers.errors import LabError, UsageError
+
+EXIT_FOUND, EXIT_MISSED, EXIT_USAGE = 0, 1, 2
+STEPS = 16
+FIRST_HANG_STEP = 3  # every communicator has seen a few collectives by then
+STALL_TIMEOUT = 5.0
+POLL_S = 0.2
+HEARTBEAT_S = 10.0
+LAB_EXIT_TIMEOUT = 180.0  # the lab's own deadlines end it well before this
+PERFETTO_UI = "https://ui.perfetto.dev"
+
+# The seed query of DESIGN.md ("SQL"), unchanged.
+SEED_QUERY = """\
+WITH slow_collectives AS (
+  SELECT timestamp_ns, duration_ns, rank, nranks, comm_id_hash, pid
+  FROM nccl_events WHERE op = 'ALL_REDUCE' AND duration_ns > 50000000)
+SELECT s.rank, s.duration_ns/1e6 AS ms, COUNT(t.timestamp_ns) AS retransmits_in_window
+FROM slow_collectives s
+LEFT JOIN tcp_events t
+  ON t.timestamp_ns BETWEEN s.timestamp_ns AND s.timestamp_ns + s.duration_ns
+ AND t.event = 'tcp_retransmit_skb'
+GROUP BY s.rank, s.duration_ns, s.timestamp_ns ORDER BY ms DESC LIMIT 20;"""
+
+
+@dataclass(frozen=True, slots=True)
+class Injection:
+    """The hang the demo injects: a global rank, the step it blocks at, its node."""
+
+    rank: int
+    step: int
+    node: int
+
+    @property
+    def spec(self) -> str:
+        return f"hang:rank={self.rank},step={self.step}"
+
+
+@dataclass(frozen=True, slots=True)
+class DemoConfig:
+    seed: int
+    nodes: int
+    ranks_per_node: int
+    dump_dir: Path  # absolute: the lab's agents run in another working folder
+    trace: Path
+    json: bool
+    keep: bool
+    steps: int = STEPS
+    stall_timeout: float = STALL_TIMEOUT
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One subprocess that ran: the exact argv, how long, what it said."""
+
+    name: str
+    argv: tuple[str, ...]
+    seconds: float
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def command(self) -> str:
+        return command_text(self.argv)
+
+
+def _quote(arg: str) -> str:
+    """shlex.quote, but SQL with single quotes goes in double quotes when that
+    is safe (nothing the shell expands inside them): easier to read."""
+    if "'" in arg and not any(c in arg for c in '"$`\\!'):
+        return f'"{arg}"'
+    return shlex.quote(arg)
+
+
+def command_text(argv: Sequence[str]) -> str:
+    return " ".join(_quote(a) for a in argv)
+
+
+@dataclass(frozen=True, slots=True)
+class DemoResult:
+    seed: int
+    injected: Injection
+    dumps: tuple[str, ...]
+    trace: str
+    verdicts: tuple[dict[str, object], ...]
+    culprit_found: bool
+    seconds: dict[str, float]
+    stages: tuple[Stage, ...]
+
+    def to_json(self) -> str:
+        inj = self.injected
+        return json.dumps(
+            {
+                "seed": self.seed,
+                "injected": {"rank": inj.rank, "step": inj.step, "node": inj.node},
+                "dumps": list(self.dumps),
+                "trace": self.trace,
+                "verdicts": list(self.verdicts),
+                "culprit_found": self.culprit_found,
+                "seconds": self.seconds,
+                "commands": {s.name: s.command for s in self.stages},
+            },
+            indent=2,
+        )
+
+
+def choose_injection(seed: int, nodes: int, ranks_per_node: int, steps: int = STEPS) -> Injection:
+    """The rank and step to hang, drawn from ``seed`` alone."""
+    rng = random.Random(seed)
+    rank = rng.randrange(nodes * ranks_per_node)
+    step = rng.randrange(FIRST_HANG_STEP, steps - 2)
+    return Injection(rank, step, rank // ranks_per_node)
+
+
+def culprit_found(verdicts: Sequence[dict[str, object]], rank: int) -> bool:
+    """A missing_rank verdict exists and every one names exactly ``rank``."""
+    missing = [v for v in verdicts if v.get("kind") == "missing_rank"]
+    return bool(missing) and all(v.get("ranks") == [rank] for v in missing)
+
+
+def default_folder(now: datetime | None = None) -> Path:
+    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
+    return Path.cwd() / f"stallwatch-demo-{stamp}"
+
+
+def paths_for(dump_dir: Path | None) -> tuple[Path, Path]:
+    """(dump folder, trace file).  The trace stays outside the dump folder, so
+    that ``analyze DIR`` reads dumps only."""
+    if dump_dir is None:
+        root = default_folder()
+        return root / "dumps", root / "trace.json"
+    dump_dir = dump_dir.resolve()
+    return dump_dir, dump_dir.with_name(f"{dump_dir.name}-trace.json")
+
+
+def check_dump_dir(dump_dir: Path) -> None:
+    if dump_dir.exists() and not dump_dir.is_dir():
+        raise UsageError(f"--dump-dir {dump_dir}: exists and is not a folder")
+    if dump_dir.is_dir() and any(dump_dir.rglob("*.msgpack")):
+        raise UsageError(
+            f"--dump-dir {dump_dir}: already holds dumps; the demo's would mix with them "
+            "(give an empty or new folder)"
+        )
+
+
+def stallwatch(*args: str) -> tuple[str, ...]:
+    return (sys.executable, "-m", "stallwatch", *args)
+
+
+# --- output -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Console:
+    """Narration to ``out`` (muted with --json), progress lines to ``err``."""
+
+    out: TextIO
+    err: TextIO
+    quiet: bool
+    started: float = field(default_factory=time.monotonic)
+    last_progress: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def progress(self, text: str) -> None:
+        with self.lock:
+            print(f"  [{self.elapsed():5.1f}s] {text}", file=self.err, flush=True)
+            self.last_progress = time.monotonic()
+
+    def say(self, text: str = "") -> None:
+        if not self.quiet:
+            print(text, file=self.out, flush=True)
+
+    def heading(self, text: str) -> None:
+        self.say(f"\n== {text}")
+
+    def block(self, text: str) -> None:
+        self.say("\n".join("    " + line for line in text.rstrip("\n").splitlines()))
+
+
+# --- the lab stage ------------------------------------------------------------------
+
+
+AGENT_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (  # the first match counts
+    (re.compile(r"listening on (\S+)"), "agent up, listening on {0}"),
+    (re.compile(r"recording pid (\d+)"), "agent records rank process {0}"),
+    (re.compile(r"dump written to (\S+)"), "dump written: {0}"),
+    (re.compile(r"incident \S+ \(peer\): (.*)"), "a peer asks for a dump: {0}"),
+    (re.compile(r"WARNING incident \S+: (.*)"), "stall detected: {0}"),
+)
+
+
+@dataclass(slots=True)
+class LabWatch:
+    """Reads the agents' logs and the dump folder while the lab runs."""
+
+    dump_dir: Path
+    nodes: int
+    console: Console
+    offsets: dict[Path, int] = field(default_factory=dict)
+    milestones: dict[str, float] = field(default_factory=dict)
+    agents_up: int = 0
+
+    def dumps(self) -> list[Path]:
+        return sorted(p for p in self.dump_dir.rglob("*.msgpack") if not p.name.startswith("."))
+
+    def all_dumped(self) -> bool:
+        nodes = {p.parent.name for p in self.dumps()}
+        return len(nodes) >= self.nodes
+
+    def poll(self) -> None:
+        for n in range(self.nodes):
+            log = self.dump_dir / f"node{n}.agent.log"
+            for line in self._new_lines(log):
+                self._agent_line(n, line)
+        if self.all_dumped():
+            self.milestones.setdefault("dumps_written", self.console.elapsed())
+
+    def _new_lines(self, log: Path) -> list[str]:
+        try:
+            with log.open("rb") as f:
+                f.seek(self.offsets.get(log, 0))
+                data = f.read()
+        except OSError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offsets[log] = self.offsets.get(log, 0) + len(complete)
+        return complete.decode(errors="replace").splitlines()
+
+    def _agent_line(self, node: int, line: str) -> None:
+        for pattern, text in AGENT_PATTERNS:
+            m = pattern.search(line)
+            if m is None:
+                continue
+            self.console.progress(f"node{node}: " + text.format(*m.groups()))
+            if "listening" in text:
+                self.agents_up += 1
+                if self.agents_up == self.nodes:
+                    self.milestones["agents_up"] = self.console.elapsed()
+            if "stall detected" in text:
+                self.milestones.setdefault("stall_detected", self.console.elapsed())
+            return
+
+
+def _pump(stream: TextIO, sink: Callable[[str], None]) -> None:
+    for line in stream:
+        sink(line.rstrip("\n"))
+
+
+@dataclass(slots=True)
+class LabProcess:
+    """``stallwatch lab run ... --record`` as a subprocess, watched."""
+
+    argv: tuple[str, ...]
+    proc: subprocess.Popen[str]
+    stdout: list[str]
+    stderr: list[str]
+    threads: list[threading.Thread]
+
+    @classmethod
+    def start(cls, argv: tuple[str, ...], console: Console) -> LabProcess:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, bufsize=1,
+        )  # fmt: skip
+        out: list[str] = []
+        err: list[str] = []
+
+        def on_err(line: str) -> None:
+            err.append(line)
+            console.progress(line)
+
+        assert proc.stdout is not None and proc.stderr is not None
+        threads = [
+            threading.Thread(target=_pump, args=(proc.stdout, out.append), daemon=True),
+            threading.Thread(target=_pump, args=(proc.stderr, on_err), daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        return cls(argv, proc, out, err, threads)
+
+    def finish(self, timeout: float = LAB_EXIT_TIMEOUT) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()  # the runner tears down on SIGTERM like on Ctrl-C
+            code = self.proc.wait(timeout=60)
+        for t in self.threads:
+            t.join(timeout=5)
+        return code
+
+
+def lab_argv(cfg: DemoConfig, inj: Injection) -> tuple[str, ...]:
+    return stallwatch(
+        "lab", "run", "--nodes", str(cfg.nodes), "--ranks-per-node", str(cfg.ranks_per_node),
+        "--steps", str(cfg.steps), "--fault", inj.spec, "--record",
+        "--dump-dir", str(cfg.dump_dir), "--stall-timeout", f"{cfg.stall_timeout:g}",
+    )  # fmt: skip
+
+
+def wait_for_dumps(lab: LabProcess, watch: LabWatch, console: Console) -> None:
+    """Until every node has dumped, or the lab ended without it."""
+    while lab.proc.poll() is None and not watch.all_dumped():
+        watch.poll()
+        if time.monotonic() - console.last_progress > HEARTBEAT_S:
+            console.progress(f"waiting: {watch.agents_up}/{watch.nodes} agents up, "
+                             f"{len(watch.dumps())} dump(s)")  # fmt: skip
+        time.sleep(POLL_S)
+    watch.poll()
+
+
+# --- the analysis stages --------------------------------------------------------------
+
+
+def run_stage(name: str, argv: tuple[str, ...], console: Console) -> Stage:
+    console.progress(f"{name}: {command_text(argv[1:])}")
+    started = time.monotonic()
+    done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    seconds = round(time.monotonic() - started, 2)
+    console.progress(f"{name}: exit {done.returncode} after {seconds:.1f} s")
+    return Stage(name, argv, seconds, done.returncode, done.stdout, done.stderr)
+
+
+def verdicts_of(stage: Stage) -> tuple[dict[str, object], ...]:
+    try:
+        doc = json.loads(stage.stdout)
+        return tuple(v for inc in doc["incidents"] for v in inc["verdicts"])
+    except (ValueError, KeyError, TypeError):
+        return ()
+
+
+def show_stage(console: Console, stage: Stage, ok_codes: Sequence[int] = (0, 1)) -> None:
+    console.say(f"$ {stage.command}")
+    console.block(stage.stdout or "(no output)")
+    if stage.returncode not in ok_codes or (stage.stderr.strip() and stage.returncode):
+        console.block(stage.stderr)
+
+
+# --- the demo --------------------------------------------------------------------------
+
+
+def narrate_start(console: Console, cfg: DemoConfig, inj: Injection) -> None:
+    world = cfg.nodes * cfg.ranks_per_node
+    console.say(
+        f"stallwatch demo (seed {cfg.seed}): a training job of {cfg.nodes} nodes x "
+        f"{cfg.ranks_per_node} ranks ({world} ranks) runs {cfg.steps} steps of collectives.\n"
+        "Each node is a network namespace with its own stallwatch agent recording every NCCL\n"
+        "call with eBPF. We inject a hang: rank "
+        f"{inj.rank} (on node{inj.node}) will block before its collectives of step {inj.step}.\n"
+        f"The other ranks will wait for it; after {cfg.stall_timeout:g} s an agent calls it a "
+        "stall,\ntells its peers, and every node dumps its rings. Then we ask the analyzer "
+        "who did it.\n"
+        f"Dumps go to {cfg.dump_dir}. Setting up takes a few seconds (progress below)."
+    )
+
+
+def run_lab(cfg: DemoConfig, inj: Injection, console: Console) -> tuple[LabProcess, LabWatch]:
+    console.heading("1. the job runs, hangs, and every node dumps")
+    lab = LabProcess.start(lab_argv(cfg, inj), console)
+    watch = LabWatch(cfg.dump_dir, cfg.nodes, console)
+    try:
+        wait_for_dumps(lab, watch, console)
+    except BaseException:
+        lab.finish()
+        raise
+    if lab.proc.poll() is not None and lab.proc.returncode == EXIT_USAGE:
+        lab.finish()
+        raise LabError("lab run failed: " + (lab.stderr[-1] if lab.stderr else "no message"))
+    return lab, watch
+
+
+def show_dumps(console: Console, dumps: Sequence[Path]) -> None:
+    console.say(f"{len(dumps)} dump(s), one per node (the hung rank's node dumped too, on "
+                "its peers' request):")  # fmt: skip
+    for p in dumps:
+        console.say(f"    {p}  ({p.stat().st_size / 1e6:.2f} MB)")
+
+
+def analysis_stages(cfg: DemoConfig, console: Console) -> list[Stage]:
+    d = str(cfg.dump_dir)
+    console.heading("2. stallwatch analyze: the culprit")
+    console.say("The analyzer matches each communicator's n-th collective across ranks; "
+                "the rank that never\nentered the frontier collective is the culprit.")  # fmt: skip
+    report = run_stage("analyze", stallwatch("analyze", d), console)
+    show_stage(console, report)
+    as_json = run_stage("analyze_json", stallwatch("analyze", d, "--json"), console)
+    console.heading("3. the seed SQL query: slow AllReduces and the retransmits inside them")
+    nodes = [str(p) for p in sorted(cfg.dump_dir.glob("node*")) if p.is_dir()]
+    query = run_stage("query", stallwatch("query", *nodes, SEED_QUERY), console)
+    show_stage(console, query, ok_codes=(0,))
+    console.heading("4. the incident as a timeline")
+    export = run_stage("export", stallwatch("export", "--perfetto", d, "-o", str(cfg.trace)),
+                       console)  # fmt: skip
+    show_stage(console, export, ok_codes=(0,))
+    console.say(f"Open {PERFETTO_UI}, click 'Open trace file' and pick {cfg.trace}: one "
+                "process per node,\none track per rank and communicator, the verdict as a "
+                "marker at the dump time.")  # fmt: skip
+    return [report, as_json, query, export]
+
+
+def finish_lab(lab: LabProcess, console: Console) -> float:
+    """Waits for the lab's teardown; returns how long the demo waited for it."""
+    started = time.monotonic()
+    if lab.proc.poll() is None:
+        console.progress("waiting for the lab to tear down (agents detach their probes)")
+    code = lab.finish()
+    waited = round(time.monotonic() - started, 2)
+    console.progress(f"lab run: exit {code} (1 is expected: a rank hung)")
+    console.heading("the lab's own report")
+    console.block("\n".join(lab.stdout))
+    return waited
+
+
+def remove_agent_logs(cfg: DemoConfig) -> None:
+    for n in range(cfg.nodes):
+        (cfg.dump_dir / f"node{n}.agent.log").unlink(missing_ok=True)
+
+
+def by_hand(console: Console, lab: LabProcess, stages: Sequence[Stage]) -> None:
+    console.heading("run it by hand")
+    for s in (command_text(lab.argv), *(s.command for s in stages if s.name != "analyze_json")):
+        console.say(f"  {s}")
+    console.say("(`stallwatch` instead of the interpreter path works where the venv's bin is "
+                "on PATH; analyze --json for programs)")  # fmt: skip
+
+
+def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> DemoResult:
+    check_dump_dir(cfg.dump_dir)
+    cfg.dump_dir.mkdir(parents=True, exist_ok=True)
+    console = Console(out, err, quiet=cfg.json)
+    inj = choose_injection(cfg.seed, cfg.nodes, cfg.ranks_per_node, cfg.steps)
+    narrate_start(console, cfg, inj)
+    lab, watch = run_lab(cfg, inj, console)
+    try:
+        dumps = watch.dumps()
+        show_dumps(console, dumps)
+        stages = analysis_stages(cfg, console) if dumps else []
+    finally:
+        waited = finish_lab(lab, console)
+    verdicts = verdicts_of(stages[1]) if stages else ()
+    found = culprit_found(verdicts, inj.rank)
+    if found and not cfg.keep:
+        remove_agent_logs(cfg)
+    seconds = timings(watch, stages, waited, console.elapsed())
+    result = DemoResult(cfg.seed, inj, tuple(map(str, dumps)), str(cfg.trace), verdicts, found,
+                        seconds, (Stage("lab_run", lab.argv, 0, 0, "", ""), *stages))  # fmt: skip
+    conclude(console, result, lab, stages)
+    return result
+
+
+def timings(
+    watch: LabWatch, stages: Sequence[Stage], waited: float, total: float
+) -> dict[str, float]:
+    m = watch.milestones
+    out = {
+        "agents_up": m.get("agents_up", 0.0),
+        "stall_detected": m.get("stall_detected", 0.0),
+        "dumps_written": m.get("dumps_written", 0.0),
+    }
+    out |= {s.name: s.seconds for s in stages}
+    out["lab_teardown_wait"] = waited
+    out["total"] = round(total, 2)
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def conclude(
+    console: Console, result: DemoResult, lab: LabProcess, stages: Sequence[Stage]
+) -> None:
+    inj = result.injected
+    if result.culprit_found:
+        console.heading(f"found it: the analyzer named rank {inj.rank}, the rank we hung "
+                        f"(node{inj.node}, step {inj.step})")  # fmt: skip
+    else:
+        named = [v.get("ranks") for v in result.verdicts if v.get("kind") == "missing_rank"]
+        console.heading(f"MISSED: we hung rank {inj.rank} at step {inj.step}; the missing_rank "
+                        f"verdicts name {named or 'nobody'}")  # fmt: skip
+    by_hand(console, lab, stages)
+    s = result.seconds
+    console.progress(f"done in {s['total']:.0f} s (dumps after {s['dumps_written']:.0f} s; "
+                     f"waited {s['lab_teardown_wait']:.0f} s for the lab's teardown)")  # fmt: skip
+    if console.quiet:
+        print(result.to_json(), file=console.out, flush=True)
+
+
+def new_seed() -> int:
+    return secrets.randbelow(1_000_000)
+
+
+# --- the command line ---------------------------------------------------------------
+
+EPILOG = f"""\
+examples:
+  stallwatch lab demo                       a random rank hangs; the analyzer finds it
+  stallwatch lab demo --seed 7 --json       reproducible, for programs
+  stallwatch lab demo --nodes 2 --dump-dir /tmp/demo-dumps
+
+needs root (network namespaces, eBPF). Dumps stay in --dump-dir (default
+./stallwatch-demo-<time>/dumps) so the printed commands can be run again.
+exit codes: 0 the analysis named the injected rank, 1 it did not, 2 bad usage
+or the lab could not run. Open the trace at {PERFETTO_UI}."""
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="the guided example: a 4-node job hangs, every node dumps, find the rank",
+        description="Run a recorded lab job with a hang at a random rank and step, then "
+        "analyze the dumps, run the seed SQL query, write a Perfetto trace, and print "
+        "each command for running it by hand.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--seed", type=_at_least(0), default=None, metavar="N",
+                   help="picks the hung rank and step (default: random, printed)")  # fmt: skip
+    p.add_argument("--nodes", type=_at_least(1), default=4, metavar="N")
+    p.add_argument("--ranks-per-node", type=_at_least(1), default=2, metavar="R")
+    p.add_argument("--dump-dir", type=Path, default=None, metavar="DIR",
+                   help="an empty or new folder for the dumps")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print a JSON summary instead")
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the agents' logs beside the dumps (kept on a miss)",
+    )
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    if args.nodes * args.ranks_per_node < 2:
+        raise UsageError("--nodes x --ranks-per-node must be at least 2: a hang needs peers")
+    dump_dir, trace = paths_for(args.dump_dir)
+    cfg = DemoConfig(
+        seed=new_seed() if args.seed is None else args.seed,
+        nodes=args.nodes,
+        ranks_per_node=args.ranks_per_node,
+        dump_dir=dump_dir,
+        trace=trace,
+        json=args.json,
+        keep=args.keep,
+    )
+    result = run_demo(cfg)
+    return EXIT_FOUND if result.culprit_found else EXIT_MISSED

@@ -44,6 +44,8 @@ STEPS = 16
 FIRST_HANG_STEP = 3  # every communicator has seen a few collectives by then
 STALL_TIMEOUT = 5.0
 POLL_S = 0.2
+SETTLE_S = 1.0
+SETTLE_MAX_S = 5.0
 HEARTBEAT_S = 10.0
 LAB_EXIT_TIMEOUT = 180.0  # the lab's own deadlines end it well before this
 PERFETTO_UI = "https://ui.perfetto.dev"
@@ -227,7 +229,9 @@ AGENT_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (  # the first match c
     (re.compile(r"recording pid (\d+)"), "agent records rank process {0}"),
     (re.compile(r"dump written to (\S+)"), "dump written: {0}"),
     (re.compile(r"incident \S+ \(peer\): (.*)"), "a peer asks for a dump: {0}"),
-    (re.compile(r"WARNING incident \S+: (.*)"), "stall detected: {0}"),
+    (re.compile(r"incident \S+ \((\w+)\): (.*)"), "stall detected ({0}): {1}"),
+    (re.compile(r"stopping: (.*)"), "agent stopping: {0}"),
+    (re.compile(r"INFO stopped$"), "agent stopped"),
 )
 
 
@@ -241,6 +245,7 @@ class LabWatch:
     offsets: dict[Path, int] = field(default_factory=dict)
     milestones: dict[str, float] = field(default_factory=dict)
     agents_up: int = 0
+    stopped: int = 0
 
     def dumps(self) -> list[Path]:
         return sorted(p for p in self.dump_dir.rglob("*.msgpack") if not p.name.startswith("."))
@@ -280,6 +285,12 @@ class LabWatch:
                     self.milestones["agents_up"] = self.console.elapsed()
             if "stall detected" in text:
                 self.milestones.setdefault("stall_detected", self.console.elapsed())
+            if "agent stopping" in text:
+                self.milestones.setdefault("agents_stopping", self.console.elapsed())
+            if text == "agent stopped":
+                self.stopped += 1
+                if self.stopped == self.nodes:
+                    self.milestones["agents_stopped"] = self.console.elapsed()
             return
 
 
@@ -348,6 +359,20 @@ def wait_for_dumps(lab: LabProcess, watch: LabWatch, console: Console) -> None:
                              f"{len(watch.dumps())} dump(s)")  # fmt: skip
         time.sleep(POLL_S)
     watch.poll()
+    settle(watch)
+
+
+def settle(watch: LabWatch) -> None:
+    """Until the dump files stay the same for SETTLE_S: an agent that detected
+    the stall itself renames its dump to the incident its peer named first."""
+    deadline = time.monotonic() + SETTLE_MAX_S
+    seen, since = watch.dumps(), time.monotonic()
+    while time.monotonic() - since < SETTLE_S and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        watch.poll()
+        now = watch.dumps()
+        if now != seen:
+            seen, since = now, time.monotonic()
 
 
 # --- the analysis stages --------------------------------------------------------------
@@ -439,11 +464,16 @@ def analysis_stages(cfg: DemoConfig, console: Console) -> list[Stage]:
     return [report, as_json, query, export]
 
 
-def finish_lab(lab: LabProcess, console: Console) -> float:
+def finish_lab(lab: LabProcess, watch: LabWatch, console: Console) -> float:
     """Waits for the lab's teardown; returns how long the demo waited for it."""
     started = time.monotonic()
     if lab.proc.poll() is None:
         console.progress("waiting for the lab to tear down (agents detach their probes)")
+    deadline = started + LAB_EXIT_TIMEOUT
+    while lab.proc.poll() is None and time.monotonic() < deadline:
+        watch.poll()
+        time.sleep(POLL_S)
+    watch.poll()
     code = lab.finish()
     waited = round(time.monotonic() - started, 2)
     console.progress(f"lab run: exit {code} (1 is expected: a rank hung)")
@@ -477,7 +507,7 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr
         show_dumps(console, dumps)
         stages = analysis_stages(cfg, console) if dumps else []
     finally:
-        waited = finish_lab(lab, console)
+        waited = finish_lab(lab, watch, console)
     verdicts = verdicts_of(stages[1]) if stages else ()
     found = culprit_found(verdicts, inj.rank)
     if found and not cfg.keep:
@@ -493,11 +523,13 @@ def timings(
     watch: LabWatch, stages: Sequence[Stage], waited: float, total: float
 ) -> dict[str, float]:
     m = watch.milestones
-    out = {
+    out = {  # milestones: seconds since the demo started (0: not seen)
         "agents_up": m.get("agents_up", 0.0),
         "stall_detected": m.get("stall_detected", 0.0),
         "dumps_written": m.get("dumps_written", 0.0),
     }
+    if "agents_stopping" in m and "agents_stopped" in m:  # a duration
+        out["agents_detach"] = m["agents_stopped"] - m["agents_stopping"]
     out |= {s.name: s.seconds for s in stages}
     out["lab_teardown_wait"] = waited
     out["total"] = round(total, 2)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from dumpers.errors import ProbeError
 from dumpers.model import TriggerKind
 from dumpers.schema import COMM_EVENT, EXIT_EVENT, NCCL_EVENT, ExitEvent, Op, State
 from recorder.agent import Agent, AgentConfig
@@ -179,3 +183,30 @@ def test_attach_skips_missing_symbols_and_counts_them(tmp_path: Path) -> None:
     assert len(source.attached) == 21
     again = agent.attach_library(str(lib))  # same file: attached once
     assert again is attached and len(source.attached) == 21
+
+
+def test_a_library_lacking_symbols_is_attached_to_what_it_has(tmp_path: Path) -> None:
+    src = tmp_path / "partial.c"
+    src.write_text("int ncclAllReduce(void) { return 0; }\nint ncclSend(void) { return 0; }\n")
+    lib = tmp_path / "libnccl.so.2"
+    cc = shutil.which("cc") or "gcc"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    source = ReplaySource()
+    agent = _agent(tmp_path, source)
+    attached = agent.attach_library(str(lib))
+    assert attached is not None
+    assert sorted(attached.symbols) == ["ncclAllReduce", "ncclSend"]
+    assert len(attached.skipped) == 19 and "ncclCommInitRank" in attached.skipped
+    assert agent.counters.values["symbols_skipped"] == 19
+    assert sorted(s for _, s in source.attached) == ["ncclAllReduce", "ncclSend"]
+    assert "stallwatch_symbols_skipped_total 19" in agent.metrics_text()
+
+
+def test_a_file_without_nccl_is_reported_not_fatal_unless_required(tmp_path: Path) -> None:
+    agent = _agent(tmp_path, ReplaySource())
+    not_elf = tmp_path / "libnccl.so.2"
+    not_elf.write_bytes(b"not an ELF file")
+    assert agent.attach_library(str(not_elf)) is None
+    assert agent.counters.values["attach_failures"] == 1
+    with pytest.raises(ProbeError, match=str(not_elf)):
+        agent.attach_library(str(not_elf), required=True)

@@ -59,14 +59,18 @@ def in_scope(rec: Recording) -> Recording:
     return dataclasses.replace(rec, rings=rings)
 
 
-def incident_from_recordings(incident_id: str, sources: list[Source]) -> Incident:
+def incident_from_recordings(
+    incident_id: str, sources: list[Source], consume: bool = False
+) -> Incident:
+    """One incident from its dumps.  With ``consume`` the recordings' nccl
+    rings are released as they are read (the caller gives them up)."""
     sources = [Source(s.path, in_scope(s.recording)) for s in sources]
     sources = sorted(sources, key=lambda s: (s.recording.host, s.path))
     hosts = tuple(sorted({s.recording.host for s in sources}))
     procs, proc_index = _procs(sources)
     comms, membership = _comms(sources, proc_index)
     procs = _with_world_ranks(procs, comms)
-    calls = _calls(sources, proc_index, comms, membership)
+    calls = _calls(sources, proc_index, comms, membership, consume)
     return Incident(
         id=incident_id,
         hosts=hosts,
@@ -241,6 +245,7 @@ def _calls(
     proc_index: dict[tuple[str, int], int],
     comms: list[Comm],
     membership: dict[tuple[int, int], int],
+    consume: bool,
 ) -> np.ndarray:
     hashes = np.array([c.comm_hash for c in comms], dtype=np.uint64)
     mem_keys = np.array(
@@ -257,9 +262,9 @@ def _calls(
         ring = s.recording.rings.get("nccl")
         if ring is None or not len(ring.rows):
             continue
-        part = _calls_of(s, ring.rows, proc_index, hashes, mem_keys, mem_vals, len(comms))
-        out[n : n + len(part)] = part
-        n += len(part)
+        n += _calls_of(s, ring.rows, proc_index, hashes, mem_keys, mem_vals, len(comms), out[n:])
+        if consume:  # the caller gave the recordings up: free each ring once read
+            s.recording.rings.pop("nccl", None)
     return out[:n]
 
 
@@ -271,47 +276,53 @@ def _calls_of(
     mem_keys: np.ndarray,
     mem_vals: np.ndarray,
     ncomms: int,
-) -> np.ndarray:
+    out: np.ndarray,
+) -> int:
+    """Write the source's calls at the head of ``out``; return how many."""
     rec = s.recording
     if raw.dtype != NCCL_EVENT:
         raw = raw.astype(NCCL_EVENT)
     is_call = IS_CALL[raw["op"]]
-    comm_hash = raw["comm_hash"][is_call]
+    every = bool(is_call.all())
+    comm_hash = raw["comm_hash"] if every else raw["comm_hash"][is_call]
     unknown = comm_hash == 0
     if unknown.any():  # fill from the process's comm table by pointer
+        comm_hash = comm_hash.copy()
         ptr = {(c.pid, c.comm): c.comm_hash for c in rec.communicators}
-        pid_comm = zip(
-            raw["pid"][is_call][unknown].tolist(),
-            raw["comm"][is_call][unknown].tolist(),
-            strict=True,
-        )
+        calls = raw[is_call]
+        pid_comm = zip(calls["pid"][unknown].tolist(), calls["comm"][unknown].tolist(), strict=True)
         comm_hash[unknown] = [ptr.get(k, 0) for k in pid_comm]
-    pids, inv = np.unique(raw["pid"][is_call], return_inverse=True)
+    pids, inv = np.unique(raw["pid"] if every else raw["pid"][is_call], return_inverse=True)
     proc = np.array([proc_index[(rec.host, int(p))] for p in pids], dtype=np.int64)[inv]
     pos = np.clip(np.searchsorted(hashes, comm_hash), 0, max(len(hashes) - 1, 0))
     ok = (hashes[pos] == comm_hash) if len(hashes) else np.zeros(len(comm_hash), dtype=bool)
     crank = _lookup(proc * (ncomms + 1) + pos, mem_keys, mem_vals, -1)
-    crank = np.where(crank >= 0, crank, raw["rank"][is_call])
+    crank = np.where(crank >= 0, crank, raw["rank"] if every else raw["rank"][is_call])
     keep = ok & (crank >= 0)
-    sel = np.flatnonzero(is_call)[keep]
-    out = np.empty(len(sel), dtype=CALL_DTYPE)
-    out["comm"] = pos[keep]
-    out["crank"] = crank[keep]
-    out["proc"] = proc[keep]
-    for dst, src in (
-        ("seq", "seq"),
-        ("ts", "ts_ns"),
-        ("end", "end_ns"),
-        ("count", "count"),
-        ("root", "peer"),
-        ("op", "op"),
-        ("datatype", "datatype"),
-        ("redop", "redop"),
-        ("state", "state"),
-        ("result", "result"),
-    ):
-        out[dst] = raw[src][sel]
-    return out
+    n = int(keep.sum())
+    dst = out[:n]
+    whole = every and n == len(raw)  # the common case: plain strided copies, no gathers
+    sel = slice(None) if whole else np.flatnonzero(is_call)[keep]
+    dst["comm"] = pos if whole else pos[keep]
+    dst["crank"] = crank if whole else crank[keep]
+    dst["proc"] = proc if whole else proc[keep]
+    for name, src in CALL_FIELDS:
+        dst[name] = raw[src][sel]
+    return n
+
+
+CALL_FIELDS = (
+    ("seq", "seq"),
+    ("ts", "ts_ns"),
+    ("end", "end_ns"),
+    ("count", "count"),
+    ("root", "peer"),
+    ("op", "op"),
+    ("datatype", "datatype"),
+    ("redop", "redop"),
+    ("state", "state"),
+    ("result", "result"),
+)
 
 
 def _addr_keys(addrs: np.ndarray) -> np.ndarray:

@@ -20,7 +20,7 @@ from dumpers.schema import Op
 
 from .model import Calls, Incident
 
-IN_PLACE_ABOVE_BYTES = 512 << 20  # larger tables are permuted field by field, in place
+IN_PLACE_ABOVE_BYTES = 4 << 30  # larger tables are permuted field by field, in place
 IS_P2P = np.zeros(256, dtype=bool)
 IS_P2P[[Op.SEND, Op.RECV]] = True
 
@@ -97,34 +97,38 @@ def match(inc: Incident) -> Matched:
         top = int(nranks.max()) if len(nranks) else 1
         rows = raw[idx[_sort_order(raw["comm"][idx], raw["seq"][idx], raw["crank"][idx], top)]]
     n = len(rows)
+    # each field read from the records is a sweep of the table: read each once
+    comm, seq, crank = (np.ascontiguousarray(rows[f]) for f in ("comm", "seq", "crank"))
     new = np.ones(n, dtype=bool)
     if n:
-        new[1:] = (rows["comm"][1:] != rows["comm"][:-1]) | (rows["seq"][1:] != rows["seq"][:-1])
+        new[1:] = (comm[1:] != comm[:-1]) | (seq[1:] != seq[:-1])
     group_start = np.flatnonzero(new)
     gid = np.cumsum(new) - 1
     group_size = np.diff(np.append(group_start, n))
     offset = np.zeros(len(nranks) + 1, dtype=np.int64)
     offset[1:] = np.cumsum(nranks)
-    pair = offset[rows["comm"]] + rows["crank"]
+    pair = offset[comm] + crank
     npairs = int(offset[-1])
+    index = np.arange(n)
     last_row = np.full(npairs, -1, dtype=np.int64)
-    np.maximum.at(last_row, pair, np.arange(n))
+    np.maximum.at(last_row, pair, index)
     first_row = np.full(npairs, n, dtype=np.int64)
-    np.minimum.at(first_row, pair, np.arange(n))
+    np.minimum.at(first_row, pair, index)
+    del index
     has = last_row >= 0
-    last_seq = np.where(has, rows["seq"][np.clip(last_row, 0, max(n - 1, 0))] if n else -1, -1)
-    first_seq = np.where(has, rows["seq"][np.clip(first_row, 0, max(n - 1, 0))] if n else -1, -1)
+    last_seq = np.where(has, seq[np.clip(last_row, 0, max(n - 1, 0))] if n else -1, -1)
+    first_seq = np.where(has, seq[np.clip(first_row, 0, max(n - 1, 0))] if n else -1, -1)
     returned = np.full(npairs, -1, dtype=np.int64)
     done = rows["end"] > 0
-    np.maximum.at(returned, pair[done], rows["seq"][done])
+    np.maximum.at(returned, pair[done], seq[done])
     _merge_progress(inc, offset, last_seq, returned)
     return Matched(
         rows=rows,
         gid=gid,
         group_start=group_start,
         group_size=group_size,
-        group_comm=rows["comm"][group_start],
-        group_seq=rows["seq"][group_start],
+        group_comm=comm[group_start],
+        group_seq=seq[group_start],
         pair_offset=offset,
         pair_last_row=last_row,
         pair_first_seq=first_seq.astype(np.int64),

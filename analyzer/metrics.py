@@ -223,9 +223,10 @@ def _median_per_rank(values: np.ndarray, crank: np.ndarray, nranks: int) -> np.n
     if len(crank) % nranks == 0 and len(crank):
         grid = crank.reshape(-1, nranks)
         if (grid == np.arange(nranks)).all():  # complete groups, one row per rank
-            cols = values.reshape(-1, nranks)
-            k = (cols.shape[0] - 1) // 2
-            return np.asarray(np.partition(cols, k, axis=0)[k], dtype=np.int64)
+            cols = np.ascontiguousarray(values.reshape(-1, nranks).T)  # a row per rank
+            k = (cols.shape[1] - 1) // 2
+            cols.partition(k, axis=1)
+            return np.asarray(cols[:, k], dtype=np.int64)
     order = np.lexsort((values, crank))
     bounds = np.searchsorted(crank[order], np.arange(nranks + 1))
     counts = np.diff(bounds)

@@ -113,7 +113,7 @@ def _merge_disjoint(groups: dict[str, list[Source]]) -> dict[str, list[Source]]:
     return {"+".join(sorted(groups)): merged}
 
 
-def group_incidents(loaded: Iterable[Loaded]) -> list[Incident]:
+def group_incidents(loaded: Iterable[Loaded], consume: bool = False) -> list[Incident]:
     ours: dict[str, list[Source]] = {}
     fr: list[FrDump] = []
     for item in loaded:
@@ -123,14 +123,15 @@ def group_incidents(loaded: Iterable[Loaded]) -> list[Incident]:
             trig = item.recording.trigger
             key = trig.incident_id if trig is not None and trig.incident_id else "snapshot"
             ours.setdefault(key, []).append(item)
-    out = [incident_from_recordings(k, v) for k, v in sorted(_merge_disjoint(ours).items())]
+    groups = sorted(_merge_disjoint(ours).items())
+    out = [incident_from_recordings(k, v, consume) for k, v in groups]
     out.extend(incidents_from_flightrec(fr))
     return out
 
 
 def analyze_paths(paths: Sequence[str], progress: bool = False) -> AnalysisResult:
     loaded, statuses = load_inputs(paths, progress=progress)
-    incidents = group_incidents(loaded)
+    incidents = group_incidents(loaded, consume=True)
     del loaded  # the raw rings: the incidents hold what analysis needs
     results = tuple(analyze_incident(inc) for inc in incidents)
     return AnalysisResult(results, tuple(statuses))

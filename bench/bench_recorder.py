@@ -166,15 +166,20 @@ def _churn(stop: threading.Event, rate: float) -> int:
     return conns
 
 
-def _start_record(fake: FakeNccl, dump_dir: str) -> subprocess.Popen[str]:
+def _start_record(fake: FakeNccl, dump_dir: str) -> subprocess.Popen[bytes]:
+    """``stallwatch record`` logging to a file (a pipe nobody reads would fill)."""
     argv = [sys.executable, "-m", "stallwatch", "record", "--lib", str(fake.lib)]
     argv += ["--dump-dir", dump_dir, "--listen", "127.0.0.1:0"]
-    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if "listening on" in line:
-            return proc
-    raise RuntimeError(f"stallwatch record exited with {proc.wait()} before listening")
+    log = Path(dump_dir) / "agent.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stderr=out)
+    deadline = time.monotonic() + 120
+    while "listening on" not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"stallwatch record did not start: {log.read_text()[-2000:]}")
+        time.sleep(0.1)
+    return proc
 
 
 def agent_cpu(fake: FakeNccl, quick: bool) -> list[Figure]:
@@ -199,9 +204,7 @@ def agent_cpu(fake: FakeNccl, quick: bool) -> list[Figure]:
             cpu1 = agent.cpu_times()
         finally:
             proc.terminate()
-            proc.wait(60)
-            if proc.stderr is not None:
-                proc.stderr.close()
+            proc.wait(120)
     used = (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / wall
     anchor = (
         f"{COLLECTIVES_PER_S:,} calls/s + {conns[0] * 8 / wall:,.0f} tcp events/s for {wall:.1f} s"

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -64,11 +65,19 @@ def test_record_serves_dumps_on_request_and_stops_on_sigterm(tmp_path: Path) -> 
     argv += ["--ring-size", "1024", "--host-name", "cli-test"]
     with subprocess.Popen(argv, stderr=subprocess.PIPE, text=True) as agent:
         assert agent.stderr is not None
-        log = []
-        for line in agent.stderr:
-            log.append(line)
-            if "listening on" in line:
-                break
+        log: list[str] = []
+        listening = threading.Event()
+
+        def drain() -> None:  # a pipe nobody reads would block the agent's log
+            assert agent.stderr is not None
+            for line in agent.stderr:
+                log.append(line)
+                if "listening on" in line:
+                    listening.set()
+
+        reader = threading.Thread(target=drain, daemon=True)
+        reader.start()
+        assert listening.wait(120), "".join(log)
         assert any("attached" in line and "push %rbp" in line for line in log), log
         assert any("MiB in total" in line for line in log)
         dump = subprocess.run(
@@ -83,8 +92,8 @@ def test_record_serves_dumps_on_request_and_stops_on_sigterm(tmp_path: Path) -> 
         time.sleep(1.0)
         started = time.monotonic()
         agent.send_signal(signal.SIGTERM)
-        rest = agent.stderr.read()
-        assert agent.wait(60) == 0, rest
+        assert agent.wait(60) == 0, "".join(log)
         assert time.monotonic() - started < 30
+        reader.join(10)
     assert len(list((tmp_path / "dumps").glob("*.msgpack"))) == 2  # POST /dump and SIGUSR1
-    assert "stopped" in rest
+    assert "stopped" in log[-1]

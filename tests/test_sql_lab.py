@@ -57,8 +57,8 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         timeout=240.0,
         record=True,
         dump_dir=tmp_path_factory.mktemp("sql-lab"),
-        stall_timeout=60.0,
-        faults=faults.parse_faults([f"loss:node={LOSSY},pct=15"]),
+        stall_timeout=90.0,
+        faults=faults.parse_faults([f"loss:node={LOSSY},pct=8"]),
         run_id="q" + secrets.token_hex(3),
     )
     the_lab = runner.make_lab(cfg, runner.preflight(cfg))

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from analyzer.http import (
@@ -365,3 +367,27 @@ def test_live_snapshot_is_reused_briefly(server: ServerHandle, agent: FakeAgent)
     for _ in range(3):
         assert query(server.address, "SELECT count(*) FROM tcp_events")[0] == 200
     assert agent.snapshots == 1
+
+
+@pytest.fixture(scope="module")
+def shared_server() -> Iterator[ServerHandle]:
+    agent = FakeAgent(synthetic_recording(Synthetic(host="fuzz")))
+    handle = serve_http(agent, "127.0.0.1:0", None, Limits(time_limit_s=0.5, max_rows=10))
+    yield handle
+    handle.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    body=st.one_of(
+        st.binary(max_size=200),
+        st.dictionaries(
+            st.sampled_from(["sql", "limit", "x"]),
+            st.one_of(st.text(max_size=60), st.integers(), st.none(), st.floats()),
+        ).map(lambda d: json.dumps(d).encode()),
+    )
+)
+def test_any_body_gets_an_answer_never_a_crash(shared_server: ServerHandle, body: bytes) -> None:
+    status, doc = request(shared_server.address, "POST", "/query", body)
+    assert status in (200, 400)
+    assert isinstance(doc, dict) and ("error" in doc) == (status == 400)

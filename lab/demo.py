@@ -527,6 +527,7 @@ def timings(
         "agents_up": m.get("agents_up", 0.0),
         "stall_detected": m.get("stall_detected", 0.0),
         "dumps_written": m.get("dumps_written", 0.0),
+        "agents_stopping": m.get("agents_stopping", 0.0),
     }
     if "agents_stopping" in m and "agents_stopped" in m:  # a duration
         out["agents_detach"] = m["agents_stopped"] - m["agents_stopping"]

@@ -114,12 +114,23 @@ def shown_report(stdout: str, marker: str) -> tuple[str, str]:
     the demo showed under it (indented by four spaces)."""
     lines = stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("$ ") and marker in line)
+    command, end = lines[start][2:], start + 1
+    while not _complete(command):  # a quoted argument spans lines (the SQL)
+        command, end = f"{command}\n{lines[end]}", end + 1
     body = []
-    for line in lines[start + 1 :]:
+    for line in lines[end:]:
         if not line.startswith("    "):
             break
         body.append(line[4:])
-    return lines[start][2:], "\n".join(body)
+    return command, "\n".join(body)
+
+
+def _complete(command: str) -> bool:
+    try:
+        shlex.split(command)
+    except ValueError:
+        return False
+    return True
 
 
 @pytest.mark.lab

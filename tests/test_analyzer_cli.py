@@ -123,3 +123,12 @@ def test_one_stall_named_twice_is_one_incident_and_two_stalls_stay_two(tmp_path:
     # the same host in both: two incidents of one job, kept apart
     a2 = dataclasses.replace(a, trigger=dataclasses.replace(a.trigger, incident_id="later"))
     assert len(group_incidents([Source("a", a), Source("a2", a2), Source("b", b)])) == 3
+
+
+def test_through_the_stallwatch_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from stallwatch.cli import main
+
+    write(tmp_path, crash=(1, 10, 9))
+    assert main(["analyze", str(tmp_path)]) == 1
+    assert "RANK_EXITED: rank 1 " in capsys.readouterr().out
+    assert main(["analyze", str(tmp_path / "nothing-here")]) == 2

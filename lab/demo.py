@@ -379,7 +379,9 @@ def settle(watch: LabWatch) -> None:
 
 
 def run_stage(name: str, argv: tuple[str, ...], console: Console) -> Stage:
-    console.progress(f"{name}: {command_text(argv[1:])}")
+    text = command_text(("stallwatch", *argv[3:]))
+    first = text.split("\n")[0]
+    console.progress(f"{name}: {first}{' ...' if first != text else ''}")
     started = time.monotonic()
     done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
     seconds = round(time.monotonic() - started, 2)
@@ -454,6 +456,9 @@ def analysis_stages(cfg: DemoConfig, console: Console) -> list[Stage]:
     nodes = [str(p) for p in sorted(cfg.dump_dir.glob("node*")) if p.is_dir()]
     query = run_stage("query", stallwatch("query", *nodes, SEED_QUERY), console)
     show_stage(console, query, ok_codes=(0,))
+    console.say("Each row: an AllReduce slower than 50 ms and the TCP retransmits inside its "
+                "window. Calls\nstill in flight at the dump has no duration yet; a lossy "
+                "link would show many retransmits here.")  # fmt: skip
     console.heading("4. the incident as a timeline")
     export = run_stage("export", stallwatch("export", "--perfetto", d, "-o", str(cfg.trace)),
                        console)  # fmt: skip

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -153,7 +153,7 @@ def choose_injection(seed: int, nodes: int, ranks_per_node: int, steps: int = ST
     return Injection(rank, step, rank // ranks_per_node)
 
 
-def culprit_found(verdicts: Sequence[dict[str, object]], rank: int) -> bool:
+def culprit_found(verdicts: Sequence[Mapping[str, object]], rank: int) -> bool:
     """A missing_rank verdict exists and every one names exactly ``rank``."""
     missing = [v for v in verdicts if v.get("kind") == "missing_rank"]
     return bool(missing) and all(v.get("ranks") == [rank] for v in missing)

@@ -10,6 +10,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,15 +81,15 @@ def run_demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def check_json_run(tmp_path: Path, seed: int, nodes: int = 4) -> dict[str, object]:
+def check_json_run(tmp_path: Path, seed: int, nodes: int = 4) -> dict[str, Any]:
     done = run_demo(tmp_path, "--seed", str(seed), "--json", "--nodes", str(nodes))
     assert done.returncode in (0, 1), done.stderr
-    doc = json.loads(done.stdout)
+    doc: dict[str, Any] = json.loads(done.stdout)
     inj = choose_injection(seed, nodes, 2)
     assert doc["injected"] == {"rank": inj.rank, "step": inj.step, "node": inj.node}
     assert doc["culprit_found"] is True, f"seed {seed}: {json.dumps(doc['verdicts'], indent=1)}"
     assert done.returncode == 0
-    dumps = [Path(p) for p in doc["dumps"]]  # type: ignore[union-attr]
+    dumps = [Path(p) for p in doc["dumps"]]
     assert len(dumps) == nodes and all(p.is_file() and p.stat().st_size for p in dumps)
     trace = json.loads(Path(str(doc["trace"])).read_text())
     assert_every_call_once(check_trace_format(trace), [read_dump(p) for p in dumps])
@@ -99,9 +100,9 @@ def check_json_run(tmp_path: Path, seed: int, nodes: int = 4) -> dict[str, objec
 @pytest.mark.lab
 def test_demo_fixed_seed_names_the_injected_rank(tmp_path: Path) -> None:
     doc = check_json_run(tmp_path, 7)
-    seconds: dict[str, float] = doc["seconds"]  # type: ignore[assignment]
+    seconds: dict[str, float] = doc["seconds"]
     assert 0 < seconds["dumps_written"] < seconds["total"]
-    assert set(doc["commands"]) >= {"lab_run", "analyze", "query", "export"}  # type: ignore[arg-type]
+    assert set(doc["commands"]) >= {"lab_run", "analyze", "query", "export"}
 
 
 @pytest.mark.lab

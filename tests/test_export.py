@@ -11,6 +11,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,7 +25,7 @@ from tests.test_analyzer_synth import Job, recordings
 
 ROOT = Path(__file__).resolve().parent.parent
 METADATA_NAMES = {"process_name", "thread_name", "process_sort_index", "thread_sort_index"}
-Event = dict[str, object]
+Event = dict[str, Any]  # parsed JSON
 
 
 # --- checks against the trace-event format -------------------------------------
@@ -35,7 +36,8 @@ def check_trace_format(doc: object) -> list[Event]:
     format (the JSON object form); return its events."""
     assert isinstance(doc, dict) and isinstance(doc.get("traceEvents"), list)
     events: list[Event] = doc["traceEvents"]
-    named_procs, named_threads = set(), set()
+    named_procs: set[int] = set()
+    named_threads: set[tuple[int, int]] = set()
     for e in events:
         assert isinstance(e, dict), e
         assert isinstance(e.get("name"), str) and isinstance(e.get("ph"), str), e
@@ -44,9 +46,10 @@ def check_trace_format(doc: object) -> list[Event]:
         if ph == "M":
             assert e["name"] in METADATA_NAMES, e
             assert isinstance(e["args"], dict) and isinstance(e["args"]["name"], str), e
-            (named_procs if e["name"] == "process_name" else named_threads).add(
-                e["pid"] if e["name"] == "process_name" else (e["pid"], e["tid"])
-            )
+            if e["name"] == "process_name":
+                named_procs.add(e["pid"])
+            else:
+                named_threads.add((e["pid"], e["tid"]))
             continue
         assert isinstance(e.get("ts"), int | float) and not isinstance(e["ts"], bool), e
         if ph == "X":
@@ -65,7 +68,7 @@ def check_trace_format(doc: object) -> list[Event]:
 
 def host_names(events: Iterable[Event]) -> dict[int, str]:
     return {
-        int(e["pid"]): str(e["args"]["name"])  # type: ignore[index]
+        int(e["pid"]): str(e["args"]["name"])
         for e in events
         if e["ph"] == "M" and e["name"] == "process_name"
     }
@@ -76,9 +79,9 @@ def slice_keys(events: Sequence[Event]) -> Counter[tuple[str, int, int, int, str
     out: Counter[tuple[str, int, int, int, str, int]] = Counter()
     for e in events:
         if e["ph"] == "X":
-            a: dict[str, object] = e["args"]  # type: ignore[assignment]
+            a: dict[str, Any] = e["args"]
             key = (hosts[int(e["pid"])], a["pid"], a["tid"], a["ts_ns"], a["op"], a["seq"])
-            out[key] += 1  # type: ignore[index]
+            out[key] += 1
     return out
 
 
@@ -112,13 +115,13 @@ def test_synthetic_job_every_call_is_one_slice_on_its_rank_track(tmp_path: Path)
     assert sorted(hosts.values()) == ["node0", "node1"]
     threads = {
         (e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"
-    }  # type: ignore[index]
+    }
     for e in events:
         if e["ph"] == "X":
             a = e["args"]
-            assert f"pid {a['pid']}" in threads[(e["pid"], e["tid"])]  # type: ignore[index]
-            assert a["comm_id_hash"] in threads[(e["pid"], e["tid"])]  # type: ignore[index]
-            assert {"op", "seq", "bytes", "state"} <= set(a)  # type: ignore[arg-type]
+            assert f"pid {a['pid']}" in threads[(e["pid"], e["tid"])]
+            assert a["comm_id_hash"] in threads[(e["pid"], e["tid"])]
+            assert {"op", "seq", "bytes", "state"} <= set(a)
 
 
 def test_kernel_events_are_instants_on_the_owning_ranks_track() -> None:
@@ -127,7 +130,7 @@ def test_kernel_events_are_instants_on_the_owning_ranks_track() -> None:
     hosts = host_names(events)
     threads = {
         (e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"
-    }  # type: ignore[index]
+    }
     kernel = [e for e in events if e["ph"] == "i" and e["cat"] in ("tcp", "sched")]
     expected = sum(
         int((r.rings["tcp"].rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB).sum())
@@ -152,8 +155,8 @@ def test_verdict_markers_on_the_timeline_and_on_their_hosts() -> None:
     assert {e["s"] for e in marks} == {"g", "p"}
     node0 = next(p for p, h in host_names(events).items() if h == "node0")
     assert [e["pid"] for e in marks if e["s"] == "p"] == [node0]
-    last_call = max(float(e["ts"]) for e in events if e["ph"] == "X")  # type: ignore[arg-type]
-    assert all(float(e["ts"]) >= last_call for e in marks)  # type: ignore[arg-type]
+    last_call = max(float(e["ts"]) for e in events if e["ph"] == "X")
+    assert all(float(e["ts"]) >= last_call for e in marks)
 
 
 def test_export_command_reads_dumps_and_adds_the_analyzers_verdicts(tmp_path: Path) -> None:
@@ -170,7 +173,7 @@ def test_export_command_reads_dumps_and_adds_the_analyzers_verdicts(tmp_path: Pa
     assert_every_call_once(events, [read_dump(p) for p in sorted(dumps.glob("node*"))])
     verdicts = [e for e in events if e.get("cat") == "verdict" and e["s"] == "g"]
     missing = [e for e in verdicts if e["name"] == "verdict: missing_rank"]
-    assert len(missing) == 1 and missing[0]["args"]["ranks"] == [2]  # type: ignore[index]
+    assert len(missing) == 1 and missing[0]["args"]["ranks"] == [2]
 
 
 def test_export_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -175,7 +175,11 @@ def _markers(markers: Sequence[Marker], at_us: float, tracks: _Tracks) -> list[d
     """Each verdict once on the whole timeline, and once on each host it names."""
     out: list[dict[str, object]] = []
     for m in markers:
-        args = {"summary": m.summary, "hosts": list(m.hosts), "ranks": list(m.ranks)}
+        args: dict[str, object] = {
+            "summary": m.summary,
+            "hosts": list(m.hosts),
+            "ranks": list(m.ranks),
+        }
         name = f"verdict: {m.kind}"
         out.append(_marker(name, "g", 0, at_us, args))
         out += [

@@ -120,6 +120,8 @@ def command_text(argv: Sequence[str]) -> str:
 @dataclass(frozen=True, slots=True)
 class DemoResult:
     seed: int
+    nodes: int
+    ranks_per_node: int
     injected: Injection
     dumps: tuple[str, ...]
     trace: str
@@ -133,6 +135,9 @@ class DemoResult:
         return json.dumps(
             {
                 "seed": self.seed,
+                "nodes": self.nodes,
+                "ranks_per_node": self.ranks_per_node,
+                "mode": "blocking",
                 "injected": {"rank": inj.rank, "step": inj.step, "node": inj.node},
                 "dumps": list(self.dumps),
                 "trace": self.trace,
@@ -308,6 +313,8 @@ class LabProcess:
     stdout: list[str]
     stderr: list[str]
     threads: list[threading.Thread]
+    started: float = field(default_factory=time.monotonic)
+    seconds: float = 0.0  # from start to exit, once finished
 
     @classmethod
     def start(cls, argv: tuple[str, ...], console: Console) -> LabProcess:
@@ -339,6 +346,7 @@ class LabProcess:
             code = self.proc.wait(timeout=60)
         for t in self.threads:
             t.join(timeout=5)
+        self.seconds = round(time.monotonic() - self.started, 2)
         return code
 
 
@@ -437,9 +445,12 @@ def run_lab(cfg: DemoConfig, inj: Injection, console: Console) -> tuple[LabProce
     return lab, watch
 
 
-def show_dumps(console: Console, dumps: Sequence[Path]) -> None:
-    console.say(f"{len(dumps)} dump(s), one per node (the hung rank's node dumped too, on "
-                "its peers' request):")  # fmt: skip
+def show_dumps(console: Console, dumps: Sequence[Path], nodes: int) -> None:
+    if not dumps:
+        console.say("No dump was written: the lab's report below says what happened.")
+        return
+    console.say(f"{len(dumps)} dump(s) from {nodes} node(s); the hung rank's node dumps too, "
+                "on its peers' request:")  # fmt: skip
     for p in dumps:
         console.say(f"    {p}  ({p.stat().st_size / 1e6:.2f} MB)")
 
@@ -509,7 +520,7 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr
     lab, watch = run_lab(cfg, inj, console)
     try:
         dumps = watch.dumps()
-        show_dumps(console, dumps)
+        show_dumps(console, dumps, cfg.nodes)
         stages = analysis_stages(cfg, console) if dumps else []
     finally:
         waited = finish_lab(lab, watch, console)
@@ -517,9 +528,21 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr
     found = culprit_found(verdicts, inj.rank)
     if found and not cfg.keep:
         remove_agent_logs(cfg)
-    seconds = timings(watch, stages, waited, console.elapsed())
-    result = DemoResult(cfg.seed, inj, tuple(map(str, dumps)), str(cfg.trace), verdicts, found,
-                        seconds, (Stage("lab_run", lab.argv, 0, 0, "", ""), *stages))  # fmt: skip
+    seconds = timings(watch, stages, waited, console.elapsed()) | {"lab_run": lab.seconds}
+    lab_stage = Stage("lab_run", lab.argv, lab.seconds, lab.proc.returncode,
+                      "\n".join(lab.stdout), "\n".join(lab.stderr))  # fmt: skip
+    result = DemoResult(
+        seed=cfg.seed,
+        nodes=cfg.nodes,
+        ranks_per_node=cfg.ranks_per_node,
+        injected=inj,
+        dumps=tuple(map(str, dumps)),
+        trace=str(cfg.trace),
+        verdicts=verdicts,
+        culprit_found=found,
+        seconds=seconds,
+        stages=(lab_stage, *stages),
+    )
     conclude(console, result, lab, stages)
     return result
 

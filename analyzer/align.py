@@ -231,13 +231,43 @@ def _with_world_ranks(procs: list[Proc], comms: list[Comm]) -> list[Proc]:
     ]
 
 
-def _lookup(
-    keys: np.ndarray, table_keys: np.ndarray, table_vals: np.ndarray, default: int
-) -> np.ndarray:
-    if not len(table_keys):
-        return np.full(len(keys), default, dtype=np.int64)
-    pos = np.clip(np.searchsorted(table_keys, keys), 0, len(table_keys) - 1)
-    return np.where(table_keys[pos] == keys, table_vals[pos], default)
+@dataclass(frozen=True, slots=True)
+class _RankTable:
+    """(proc, comm index) -> comm rank: a dense table when it is small enough,
+    else sorted keys for searchsorted."""
+
+    ncomms: int
+    dense: np.ndarray | None
+    keys: np.ndarray
+    vals: np.ndarray
+
+    @classmethod
+    def build(
+        cls, nprocs: int, hashes: np.ndarray, membership: dict[tuple[int, int], int]
+    ) -> _RankTable:
+        n = len(hashes)
+        procs = np.array([p for p, _ in membership], dtype=np.int64)
+        comms = np.searchsorted(hashes, np.array([h for _, h in membership], dtype=np.uint64))
+        vals = np.array(list(membership.values()), dtype=np.int64)
+        if nprocs * max(n, 1) <= DENSE_TABLE_MAX:
+            dense = np.full((max(nprocs, 1), max(n, 1)), -1, dtype=np.int64)
+            dense[procs, comms] = vals
+            return cls(n, dense, np.zeros(0, np.int64), np.zeros(0, np.int64))
+        keys = procs * (n + 1) + comms
+        order = np.argsort(keys)
+        return cls(n, None, keys[order], vals[order])
+
+    def lookup(self, proc: np.ndarray, comm: np.ndarray) -> np.ndarray:
+        if self.dense is not None:
+            return np.asarray(self.dense[proc, np.minimum(comm, self.dense.shape[1] - 1)])
+        if not len(self.keys):
+            return np.full(len(proc), -1, dtype=np.int64)
+        k = proc * (self.ncomms + 1) + comm
+        pos = np.clip(np.searchsorted(self.keys, k), 0, len(self.keys) - 1)
+        return np.where(self.keys[pos] == k, self.vals[pos], -1)
+
+
+DENSE_TABLE_MAX = 16 << 20  # entries (8 bytes each) of the dense (proc, comm) -> rank table
 
 
 def _calls(
@@ -248,13 +278,7 @@ def _calls(
     consume: bool,
 ) -> np.ndarray:
     hashes = np.array([c.comm_hash for c in comms], dtype=np.uint64)
-    mem_keys = np.array(
-        [p * (len(comms) + 1) + int(np.searchsorted(hashes, np.uint64(h))) for p, h in membership],
-        dtype=np.int64,
-    )
-    mem_vals = np.array(list(membership.values()), dtype=np.int64)
-    order = np.argsort(mem_keys)
-    mem_keys, mem_vals = mem_keys[order], mem_vals[order]
+    table = _RankTable.build(len(proc_index), hashes, membership)
     total = sum(len(s.recording.rings["nccl"].rows) for s in sources if "nccl" in s.recording.rings)
     out = np.empty(total, dtype=CALL_DTYPE)  # filled in place: no list of parts to join
     n = 0
@@ -262,7 +286,7 @@ def _calls(
         ring = s.recording.rings.get("nccl")
         if ring is None or not len(ring.rows):
             continue
-        n += _calls_of(s, ring.rows, proc_index, hashes, mem_keys, mem_vals, len(comms), out[n:])
+        n += _calls_of(s, ring.rows, proc_index, hashes, table, out[n:])
         if consume:  # the caller gave the recordings up: free each ring once read
             s.recording.rings.pop("nccl", None)
     return out[:n]
@@ -273,9 +297,7 @@ def _calls_of(
     raw: np.ndarray,
     proc_index: dict[tuple[str, int], int],
     hashes: np.ndarray,
-    mem_keys: np.ndarray,
-    mem_vals: np.ndarray,
-    ncomms: int,
+    table: _RankTable,
     out: np.ndarray,
 ) -> int:
     """Write the source's calls at the head of ``out``; return how many."""
@@ -294,9 +316,8 @@ def _calls_of(
         comm_hash[unknown] = [ptr.get(k, 0) for k in pid_comm]
     pids, inv = np.unique(raw["pid"] if every else raw["pid"][is_call], return_inverse=True)
     proc = np.array([proc_index[(rec.host, int(p))] for p in pids], dtype=np.int64)[inv]
-    pos = np.clip(np.searchsorted(hashes, comm_hash), 0, max(len(hashes) - 1, 0))
-    ok = (hashes[pos] == comm_hash) if len(hashes) else np.zeros(len(comm_hash), dtype=bool)
-    crank = _lookup(proc * (ncomms + 1) + pos, mem_keys, mem_vals, -1)
+    pos, ok = _comm_index(hashes, comm_hash)
+    crank = table.lookup(proc, pos)
     crank = np.where(crank >= 0, crank, raw["rank"] if every else raw["rank"][is_call])
     keep = ok & (crank >= 0)
     n = int(keep.sum())
@@ -309,6 +330,19 @@ def _calls_of(
     for name, src in CALL_FIELDS:
         dst[name] = raw[src][sel]
     return n
+
+
+def _comm_index(hashes: np.ndarray, comm_hash: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Index of each row's communicator, and whether it is known."""
+    if not len(hashes):
+        return np.zeros(len(comm_hash), dtype=np.int64), np.zeros(len(comm_hash), dtype=bool)
+    if len(comm_hash) and (comm_hash == comm_hash[0]).all():  # one comm: no per-row search
+        i = int(np.searchsorted(hashes, comm_hash[0]))
+        known = i < len(hashes) and hashes[i] == comm_hash[0]
+        pos = np.full(len(comm_hash), min(i, len(hashes) - 1), dtype=np.int64)
+        return pos, np.full(len(comm_hash), known, dtype=bool)
+    pos = np.clip(np.searchsorted(hashes, comm_hash), 0, len(hashes) - 1)
+    return pos, hashes[pos] == comm_hash
 
 
 CALL_FIELDS = (

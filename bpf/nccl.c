@@ -11,7 +11,7 @@
 #include "common.h"
 
 #define MAX_COMMS 8192
-#define MAX_INFLIGHT 16384
+#define MAX_INFLIGHT 8192
 #define MAX_P2P 16384
 #define INIT_ALL_MAX 8
 

@@ -1,7 +1,7 @@
 """The always-on agent: discovery, tables, snapshots, dumps, the main loop.
 
 ``Agent`` owns an event source (BPF in production, a replay in tests) and the
-communicator and process tables.  Each tick (about every 150 ms) it reads the
+communicator and process tables.  Each tick (every 200 ms) it reads the
 new rows of the small ``comm`` and ``exit`` rings and the ``comms`` and
 ``inflight`` maps; it never reads the big rings except to snapshot them.
 Every 250 ms it scans for processes that map libnccl, attaches once to each
@@ -47,7 +47,7 @@ from .watchdog import DumpScheduler, Incidents, Watchdog
 
 log = logging.getLogger("stallwatch.record")
 
-TICK_S = 0.15
+TICK_S = 0.2
 DISCOVERY_S = 0.25
 ADDRESS_REFRESH_S = 5.0
 DUMP_RETRY_S = 5.0
@@ -458,7 +458,7 @@ class Stop:
 
 
 def run_loop(agent: Agent, stop: Stop) -> None:
-    """Discovery every 250 ms; each tick (150 ms) the watchdog checks and dumps."""
+    """Discovery every 250 ms; each tick (200 ms) the watchdog checks and dumps."""
     next_discovery = 0.0
     while not stop.event.is_set():
         now = time.monotonic()

@@ -32,7 +32,7 @@ from dumpers.model import ProcessInfo
 NCCL_LIB = re.compile(r"/libnccl\.so[^/]*$")
 LIBC = re.compile(r"/libc(\.so\.6|-[0-9.]+\.so)$")
 YOUNG_S = 30.0  # a process this young may still load NCCL: its maps are re-read
-YOUNG_RESCAN_S = 0.75  # this often (a new process is read at its first scan)
+YOUNG_RESCAN_S = 0.5  # this often (a new process is read at its first scan)
 OLD_RESCAN_S = 10.0  # older processes this often
 SHT_SYMTAB = 2
 SHT_DYNSYM = 11
@@ -197,12 +197,31 @@ def process_info(pid: int, libs: tuple[str, ...]) -> ProcessInfo | None:
     return ProcessInfo(pid, comm, cmdline, netns_of(pid), _start_ns(pid), libs)
 
 
+def _vsize(pid: int) -> int:
+    """Virtual memory size (/proc/PID/stat): it changes when a library is
+    mapped, and is much cheaper to read than the maps of a Python process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return -1
+    return int(stat.rsplit(b")", 1)[1].split()[20])
+
+
+@dataclass(slots=True)
+class _Seen:
+    first: float
+    last: float = -1.0
+    vsize: int = -2
+
+
 @dataclass(slots=True)
 class ProcessScanner:
-    """Incremental scan of /proc for processes that map libnccl."""
+    """Incremental scan of /proc for processes that map libnccl.  A process's
+    maps are read when it is first seen, then re-read (while it is young
+    often, later rarely) only if its virtual size changed."""
 
     self_pid: int = field(default_factory=os.getpid)
-    _checked: dict[int, tuple[float, float]] = field(default_factory=dict)  # first, last
+    _seen: dict[int, _Seen] = field(default_factory=dict)
     _nccl: dict[int, tuple[str, ...]] = field(default_factory=dict)
     _scans: int = 0
 
@@ -211,8 +230,8 @@ class ProcessScanner:
         now = time.monotonic() if now is None else now
         pids = {int(p) for p in os.listdir("/proc") if p.isdigit()}
         gone = {p for p in self._nccl if p not in pids}
-        for p in set(self._checked) - pids:
-            del self._checked[p]
+        for p in set(self._seen) - pids:
+            del self._seen[p]
         for p in gone:
             del self._nccl[p]
         found: dict[int, tuple[str, ...]] = {}
@@ -229,13 +248,16 @@ class ProcessScanner:
         return found, gone
 
     def _due(self, pid: int, now: float, born: float) -> bool:
-        first, last = self._checked.get(pid, (born, -1.0))
-        if last >= 0:
-            every = YOUNG_RESCAN_S if now - first <= YOUNG_S else OLD_RESCAN_S
-            if now - last < every:
+        seen = self._seen.setdefault(pid, _Seen(born))
+        if seen.last >= 0:
+            every = YOUNG_RESCAN_S if now - seen.first <= YOUNG_S else OLD_RESCAN_S
+            if now - seen.last < every:
                 return False
-        self._checked[pid] = (first, now)
-        return True
+        seen.last = now
+        vsize = _vsize(pid)
+        changed = vsize != seen.vsize
+        seen.vsize = vsize
+        return changed and vsize != 0  # kernel threads have no memory
 
     def known(self) -> dict[int, tuple[str, ...]]:
         return dict(self._nccl)

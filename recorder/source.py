@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from dumpers.schema import RING_DTYPES
 
 from .model import CommProgress, InflightCall
@@ -83,8 +85,9 @@ class BccSource:
         ]
 
     def inflight_calls(self) -> list[InflightCall]:
-        slots = self.probes.inflight.copy()
-        live = slots[(slots["tid"] != 0) & (slots["entered_ns"] != 0)]
+        slots = self.probes.inflight
+        live = slots[np.flatnonzero(slots["tid"])]  # a copy of the few busy slots
+        live = live[live["entered_ns"] != 0]
         return [
             InflightCall(
                 pid=int(row["pid"]),

@@ -120,7 +120,7 @@ def test_faults_recorded_by_the_node_they_hit(tmp_path: Path) -> None:
     rank 0 crashes at step 6: every agent dumps that incident.  The lab drops
     node 1's packets in both directions, so node 0's sockets to node 1 may
     retransmit too; what must hold is that each node's retransmits are its
-    own sockets', owned by its own ranks."""
+    own sockets', never the other node's ranks'."""
     result = lab_run(
         "--nodes", "2", "--ranks-per-node", "2", "--steps", "10", "--record",
         "--dump-dir", str(tmp_path), "--stall-timeout", "10",
@@ -137,9 +137,10 @@ def test_faults_recorded_by_the_node_they_hit(tmp_path: Path) -> None:
         tcp = rec.rings["tcp"].rows
         retrans = tcp[tcp["event"] == TcpEvent.TCP_RETRANSMIT_SKB]
         owners = {int(p) for p in retrans["pid"]} - {0}
-        assert owners <= pids[node], f"node {node}: retransmits owned by another node's ranks"
+        # Other processes of the node (its agent's peer requests) may own some.
+        assert not owners & pids[1 - node], f"node {node}: retransmits of the other node's ranks"
         if node == 1:
-            assert owners, "node 1: no retransmit attributed to a rank"
+            assert owners & pids[1], "node 1: no retransmit attributed to a rank"
     rank3 = next(r["pid"] for r in result["ranks"] if r["world_rank"] == 3)
     sched1 = dumps[1].rings["sched"].rows
     assert (sched1["pid"] == rank3).sum() > 0, "no run-queue delay for the hogged rank"

@@ -17,7 +17,6 @@ import contextlib
 import ctypes
 import logging
 import mmap
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,10 +255,6 @@ class Probes:
         self.bpf.cleanup()
         # The numpy views keep the mappings alive until they are collected.
         self._maps.clear()
-
-
-def pid_alive(pid: int) -> bool:
-    return os.path.exists(f"/proc/{pid}")
 
 
 class BareProbe:

@@ -210,3 +210,38 @@ def test_a_file_without_nccl_is_reported_not_fatal_unless_required(tmp_path: Pat
     assert agent.counters.values["attach_failures"] == 1
     with pytest.raises(ProbeError, match=str(not_elf)):
         agent.attach_library(str(not_elf), required=True)
+
+
+def test_pid_with_nccl_linked_in_statically_attaches_to_its_executable(tmp_path: Path) -> None:
+    from bench.fakenccl import CSRC
+
+    exe = tmp_path / "static-trainer"
+    cc = shutil.which("cc") or "gcc"
+    subprocess.run(
+        [cc, "-O0", "-fcf-protection=none", "-o", str(exe),
+         str(CSRC / "ncclloop.c"), str(CSRC / "fakenccl.c")],
+        check=True,
+    )  # fmt: skip
+    with subprocess.Popen(
+        [str(exe), "wrap", "1"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "WAIT": "1"},
+    ) as proc:
+        assert proc.stdout is not None
+        proc.stdout.readline()  # ready: mapped, no libnccl
+        source = ReplaySource()
+        agent = _agent(tmp_path, source)
+        try:
+            agent.attach_pid(proc.pid)
+        finally:
+            proc.kill()
+    assert {path for path, s in source.attached if s != "_exit"} == {str(exe)}
+    assert len([s for _, s in source.attached if s != "_exit"]) == 21
+    assert proc.pid in agent.in_scope
+
+
+def test_pid_that_does_not_exist_is_a_probe_error(tmp_path: Path) -> None:
+    agent = _agent(tmp_path, ReplaySource())
+    with pytest.raises(ProbeError, match=f"--pid {DEAD_PID}: no such process"):
+        agent.attach_pid(DEAD_PID)

@@ -63,7 +63,12 @@ class _Tracks:
     def host(self, host: str) -> int:
         if host not in self.hosts:
             self.hosts[host] = len(self.hosts) + 1
-            self.meta.append(_meta("process_name", self.hosts[host], 0, host))
+            hp = self.hosts[host]
+            self.meta.append(_meta("process_name", hp, 0, host))
+            self.meta.append(  # hosts in name order, as they were added
+                {"ph": "M", "name": "process_sort_index", "pid": hp, "tid": 0,
+                 "args": {"sort_index": hp}}
+            )  # fmt: skip
         return self.hosts[host]
 
     def track(self, host: str, pid: int, label: str) -> tuple[int, int]:

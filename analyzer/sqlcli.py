@@ -23,6 +23,8 @@ from typing import Any
 from dumpers.errors import DumpError, UsageError
 from dumpers.model import Recording
 
+from .load import SKIPPED_IN_FOLDERS
+
 EXIT_OK, EXIT_PARTIAL, EXIT_USAGE = 0, 1, 2
 DEFAULT_LISTEN = "127.0.0.1:9400"
 
@@ -110,6 +112,11 @@ def read_token(path: str | None) -> str | None:
     return token
 
 
+def _in_folder(f: Path) -> bool:
+    """Folders hold dumps beside the agents' logs and writers' temporaries."""
+    return f.is_file() and not f.name.startswith(".") and not f.name.endswith(SKIPPED_IN_FOLDERS)
+
+
 def dump_files(paths: Sequence[str]) -> list[Path]:
     """Files named, and the files under folders named (recursively, in name
     order, hidden files such as a writer's temporary files left out)."""
@@ -117,7 +124,7 @@ def dump_files(paths: Sequence[str]) -> list[Path]:
     for p in paths:
         path = Path(p)
         if path.is_dir():
-            found = sorted(f for f in path.rglob("*") if f.is_file() and not f.name.startswith("."))
+            found = sorted(f for f in path.rglob("*") if _in_folder(f))
             if not found:
                 raise UsageError(f"{p}: folder holds no files")
             files.extend(found)

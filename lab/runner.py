@@ -410,7 +410,7 @@ def start_ranks(lab: Lab) -> None:
 
 
 def agent_dump_dir(cfg: RunConfig, node: int) -> Path:
-    return cfg.dump_dir / f"node{node}"
+    return cfg.dump_dir.resolve() / f"node{node}"  # agents run elsewhere
 
 
 def agent_argv(lab: Lab, node: netns.Node, token_file: Path) -> list[str]:

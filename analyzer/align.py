@@ -40,9 +40,10 @@ class Source:
 SCOPED_RINGS = ("nccl", "sched", "exit")
 
 
-def in_scope(rec: Recording) -> Recording:
+def in_scope(rec: Recording, consume: bool = False) -> Recording:
     """The recording without rows of processes its agent does not list: an
-    agent's process table is its scope (one node), whatever leaked past it."""
+    agent's process table is its scope (one node), whatever leaked past it.
+    With ``consume``, rings replaced by a filtered copy leave the original."""
     scope = np.array(
         sorted({p.pid for p in rec.processes} | {c.pid for c in rec.communicators}), dtype=np.uint32
     )
@@ -56,6 +57,10 @@ def in_scope(rec: Recording) -> Recording:
         keep = np.isin(ring.rows["pid"], scope)
         if not keep.all():
             rings[name] = dataclasses.replace(ring, rows=ring.rows[keep])
+            if consume:
+                rec.rings.pop(name, None)
+    if all(rings[k] is rec.rings.get(k) for k in rings):
+        return rec  # nothing out of scope: the same recording, not a copy
     return dataclasses.replace(rec, rings=rings)
 
 
@@ -64,7 +69,7 @@ def incident_from_recordings(
 ) -> Incident:
     """One incident from its dumps.  With ``consume`` the recordings' nccl
     rings are released as they are read (the caller gives them up)."""
-    sources = [Source(s.path, in_scope(s.recording)) for s in sources]
+    sources = [Source(s.path, in_scope(s.recording, consume)) for s in sources]
     sources = sorted(sources, key=lambda s: (s.recording.host, s.path))
     hosts = tuple(sorted({s.recording.host for s in sources}))
     procs, proc_index = _procs(sources)

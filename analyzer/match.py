@@ -20,7 +20,7 @@ from dumpers.schema import Op
 
 from .model import Calls, Incident
 
-IN_PLACE_ABOVE_BYTES = 1 << 30  # larger tables are permuted field by field, in place
+IN_PLACE_ABOVE_BYTES = 3 << 30  # larger tables are permuted field by field, in place
 IS_P2P = np.zeros(256, dtype=bool)
 IS_P2P[[Op.SEND, Op.RECV]] = True
 

@@ -22,6 +22,8 @@ ROOTED_OPS = np.array([Op.BROADCAST, Op.REDUCE, Op.GATHER, Op.SCATTER], dtype=np
 STALL_MIN_NS = 1_000_000_000  # a frontier older than this (and than 4x p99) is stuck
 NEVER = -1
 ASYNC_BELOW_NS = 1_000_000  # median call duration under which calls are taken as async
+RECENT_GROUPS = 512  # stragglers are judged on each communicator's latest collectives
+P99_SAMPLE = 1 << 20  # durations sampled for the stall threshold's p99
 
 
 class MemberState(enum.Enum):
@@ -71,7 +73,9 @@ def _stall_threshold(m: Matched, comm: int) -> int:
     done = end > 0
     if not done.any():
         return STALL_MIN_NS
-    p99 = float(np.percentile((end - ts)[done], 99))
+    durations = (end - ts)[done]
+    step = max(1, len(durations) // P99_SAMPLE)
+    p99 = float(np.percentile(durations[::step], 99))
     return max(STALL_MIN_NS, int(4 * p99))
 
 
@@ -139,11 +143,11 @@ def disagreements(m: Matched) -> list[Disagreement]:
     out = []
     rooted = np.isin(m.rows["op"], ROOTED_OPS)
     for field in DESYNC_FIELDS:
-        vals = m.rows[field].astype(np.int64)
+        vals = m.rows[field]
         if field == "root":
             vals = np.where(rooted, vals, -1)
         elif field == "count":  # all-to-all splits are uneven by design
-            vals = np.where(m.rows["op"] == Op.ALL_TO_ALL, -1, vals)
+            vals = np.where(m.rows["op"] == Op.ALL_TO_ALL, -1, vals.astype(np.int64))
         lo = np.minimum.reduceat(vals, m.group_start)
         hi = np.maximum.reduceat(vals, m.group_start)
         for g in np.flatnonzero(lo != hi).tolist():
@@ -198,6 +202,9 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
         rows, gid = m.rows[sl], m.gid[sl]
         if not len(rows):
             continue
+        if int(gid[-1] - gid[0]) >= RECENT_GROUPS:  # what led to the stall, not all history
+            start = int(np.searchsorted(gid, gid[-1] - RECENT_GROUPS + 1))
+            rows, gid = rows[start:], gid[start:]
         complete = _complete_groups(m, rows, gid, c.nranks)
         if not complete.any():
             continue

@@ -15,7 +15,11 @@ owner is in scope: a connection between two nodes shows in each node's dump
 through that node's end only.
 
 Known limits: communicators created before the agent started have hash 0
-and their ``seq`` counts from the agent's start.
+and their ``seq`` counts from the agent's start; rank and nranks of split
+communicators are left to the analyzer (-1 here); a process that exits
+without glibc's ``_exit`` (a raw exit_group) has no exit code, only its
+signal or its end; the TCP scope filter knows this namespace's addresses as
+they were at most ``ADDRESS_REFRESH_S`` ago.
 """
 
 from __future__ import annotations

@@ -47,7 +47,13 @@ def _register_record(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--dump-dir", type=Path, default=Path("dumps"), help="default: ./dumps")
-    p.add_argument("--stall-timeout", type=float, default=60.0, metavar="SEC")
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        metavar="SEC",
+        help="dump when a call or a communicator is stuck this long (default 60)",
+    )
     p.add_argument(
         "--lib",
         action="append",
@@ -76,16 +82,26 @@ def _register_record(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         metavar="N",
         help="slots of the NCCL ring (power of two); other rings are smaller",
     )
-    p.add_argument("--peers", default="", metavar="HOST:PORT,...")
-    p.add_argument("--listen", default="127.0.0.1:9400", metavar="ADDR:PORT")
+    p.add_argument(
+        "--peers",
+        default="",
+        metavar="HOST:PORT,...",
+        help="agents to ask for a dump of the same incident",
+    )
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1:9400",
+        metavar="ADDR:PORT",
+        help="HTTP surface: /query /dump /metrics /healthz (default 127.0.0.1:9400)",
+    )
     p.add_argument(
         "--token-file",
         type=Path,
         metavar="FILE",
         help="bearer token (required for a non-loopback --listen)",
     )
-    p.add_argument("--max-dumps", type=int, metavar="N")
-    p.add_argument("--max-dump-bytes", type=int, metavar="N")
+    p.add_argument("--max-dumps", type=int, metavar="N", help="keep at most N dumps")
+    p.add_argument("--max-dump-bytes", type=int, metavar="N", help="keep at most N bytes of dumps")
     p.add_argument(
         "--runq-threshold-ms",
         type=float,

@@ -19,4 +19,4 @@ def test_bench_recorder_quick_figures() -> None:
     assert 0.8 < ratio.value < 20, table
     assert figures["events lost at 100k/s"].value == 0, table
     assert figures["events into the rings"].value > 10_000, table
-    assert 0 < figures["agent CPU"].value < 50, table
+    assert 0 <= figures["agent CPU"].value < 50, table  # 10 ms CPU-time ticks

@@ -31,9 +31,10 @@ STRAGGLER_MARGIN_NS = 5_000_000  # and later than its peers by this much (median
 STRAGGLER_MIN_GROUPS = 8
 CROSS_HOST_MARGIN_NS = 50_000_000  # lateness across hosts: far above any clock skew
 SCHED_MIN_NS = 10_000_000  # run-queue delay that counts as interference
-SCHED_DOMINANCE = 3.0  # times the most any other rank waited
+SCHED_DOMINANCE = 3.0  # times an unaffected rank's run-queue delay
 RETRANS_MIN = 20  # retransmits inside collective windows that count
 RETRANS_DOMINANCE = 1.5
+RETRANS_PER_CALL = 0.25  # and at least this many per completed collective of the host
 MAX_LISTED = 16
 
 
@@ -299,11 +300,21 @@ def _is_straggling(s: ArrivalScore) -> bool:
     )
 
 
+def _waits_on_others(a: Analysis) -> set[int]:
+    """Procs that, somewhere, wait clearly longer than their peers: they are
+    held up by someone, so their lateness elsewhere is inherited."""
+    return {
+        s.proc
+        for s in a.arrivals
+        if s.method == "wait"
+        and s.groups >= STRAGGLER_MIN_GROUPS
+        and s.margin_ns <= -STRAGGLER_MARGIN_NS
+    }
+
+
 def straggler_candidates(a: Analysis) -> list[ArrivalScore]:
-    """Ranks consistently last, and so in the largest communicator they belong
-    to (a rank slow to compute is late everywhere; noise in a 2-rank group is
-    not)."""
-    comms = a.incident.comms
+    """Ranks consistently last in a communicator that never wait on anyone
+    (a rank held up by a slow peer in one group arrives late in the next)."""
     best: dict[int, ArrivalScore] = {}
     for s in a.arrivals:
         if not _is_straggling(s):
@@ -311,13 +322,10 @@ def straggler_candidates(a: Analysis) -> list[ArrivalScore]:
         cur = best.get(s.comm)
         if cur is None or (s.method == "wait", s.margin_ns) > (cur.method == "wait", cur.margin_ns):
             best[s.comm] = s
-    largest: dict[int, int] = {}
-    for s in a.arrivals:
-        if s.groups >= STRAGGLER_MIN_GROUPS:
-            largest[s.proc] = max(largest.get(s.proc, 0), comms[s.comm].nranks)
+    held = _waits_on_others(a)
     per_proc: dict[int, ArrivalScore] = {}
     for s in best.values():
-        if comms[s.comm].nranks < largest.get(s.proc, 0):
+        if s.proc in held:
             continue
         cur = per_proc.get(s.proc)
         if cur is None or s.groups > cur.groups:
@@ -325,12 +333,27 @@ def straggler_candidates(a: Analysis) -> list[ArrivalScore]:
     return sorted(per_proc.values(), key=lambda s: s.proc)
 
 
-def _sched_dominant(a: Analysis, proc: int) -> bool:
+def _sched_heavy(a: Analysis) -> set[int]:
+    """Procs whose threads waited in the run queue far more than an
+    unaffected rank (the lower quartile: a hog may starve several ranks)."""
     d = a.sched_delay
-    if d[proc] < SCHED_MIN_NS:
-        return False
-    others = np.delete(d, proc)
-    return bool(not len(others) or d[proc] >= SCHED_DOMINANCE * max(int(others.max()), 1))
+    if not len(d):
+        return set()
+    typical = max(float(np.percentile(d, 25)), 1.0)
+    return {int(i) for i in np.flatnonzero((d >= SCHED_MIN_NS) & (d >= SCHED_DOMINANCE * typical))}
+
+
+def _late_somewhere(a: Analysis, proc: int) -> ArrivalScore | None:
+    """Its clearest lateness, if it is late in at least half of some group's collectives."""
+    late = [
+        s
+        for s in a.arrivals
+        if s.proc == proc
+        and s.groups >= STRAGGLER_MIN_GROUPS
+        and s.last_fraction >= 0.5
+        and s.margin_ns >= STRAGGLER_MARGIN_NS
+    ]
+    return max(late, key=lambda s: (s.margin_ns, s.groups)) if late else None
 
 
 def lossy_hosts(a: Analysis) -> tuple[HostRetransmits, ...]:
@@ -341,8 +364,8 @@ def lossy_hosts(a: Analysis) -> tuple[HostRetransmits, ...]:
         return h.local + h.remote
 
     scored = sorted(a.retransmits, key=lambda h: (score(h), h.local, -h.host), reverse=True)
-    if not scored or score(scored[0]) < RETRANS_MIN:
-        return ()
+    if not scored or score(scored[0]) < max(RETRANS_MIN, RETRANS_PER_CALL * scored[0].calls):
+        return ()  # a few retransmits happen on any busy network
     top = scored[0]
     if len(scored) == 1 or score(top) >= RETRANS_DOMINANCE * score(scored[1]):
         return (top,)
@@ -371,10 +394,10 @@ def _straggler_verdict(a: Analysis, s: ArrivalScore, kind: VerdictKind) -> Verdi
         how,
     ]
     if kind is VerdictKind.CPU_INTERFERENCE:
-        others = float(np.delete(a.sched_delay, s.proc).max(initial=0))
+        typical = float(np.percentile(a.sched_delay, 25))
         evidence.append(
             f"its threads waited {_ms(float(a.sched_delay[s.proc]))} in the run queue; "
-            f"the most any other rank waited: {_ms(others)}"
+            f"an unaffected rank (lower quartile) waited {_ms(typical)}"
         )
         summary = f"{p.label()} is starved of CPU (run-queue delay) and its peers wait for it"
     else:
@@ -397,12 +420,19 @@ def _straggler_verdict(a: Analysis, s: ArrivalScore, kind: VerdictKind) -> Verdi
 
 def detect_stragglers(a: Analysis) -> list[Verdict]:
     lossy = {a.incident.hosts[h.host] for h in lossy_hosts(a)}
+    heavy = _sched_heavy(a)
     out = []
+    named = set()
     for s in straggler_candidates(a):
-        if _sched_dominant(a, s.proc):
+        named.add(s.proc)
+        if s.proc in heavy:
             out.append(_straggler_verdict(a, s, VerdictKind.CPU_INTERFERENCE))
         elif a.incident.procs[s.proc].host not in lossy:
             out.append(_straggler_verdict(a, s, VerdictKind.COMPUTE_STRAGGLER))
+    for proc in sorted(heavy - named):  # starved, and late (if less consistently)
+        late = _late_somewhere(a, proc)
+        if late is not None:
+            out.append(_straggler_verdict(a, late, VerdictKind.CPU_INTERFERENCE))
     return out
 
 

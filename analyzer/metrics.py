@@ -331,6 +331,7 @@ class HostRetransmits:
     local: int  # retransmits from its address inside collective windows
     remote: int  # retransmits to its address inside collective windows
     total: int  # all retransmits from its address
+    calls: int = 0  # completed collective calls of its ranks
 
 
 def retransmits_in_windows(inc: Incident, m: Matched) -> list[HostRetransmits]:
@@ -351,7 +352,14 @@ def retransmits_in_windows(inc: Incident, m: Matched) -> list[HostRetransmits]:
     local = np.bincount(sent["local"], minlength=nh)
     remote = np.bincount(got["remote"], minlength=nh)
     total = np.bincount(rt["local"][rt["local"] >= 0], minlength=nh)
-    return [HostRetransmits(h, int(local[h]), int(remote[h]), int(total[h])) for h in range(nh)]
+    rows = m.rows
+    done = (
+        np.bincount(phost[rows["proc"][rows["end"] > 0]], minlength=nh) if len(rows) else total * 0
+    )
+    return [
+        HostRetransmits(h, int(local[h]), int(remote[h]), int(total[h]), int(done[h]))
+        for h in range(nh)
+    ]
 
 
 def _within(points: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:

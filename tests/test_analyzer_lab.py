@@ -86,3 +86,30 @@ def test_lab_incident_is_named(
     assert first.kind is VerdictKind(kind), [v.summary for v in incident.verdicts]
     assert list(first.ranks) == ranks and list(first.hosts) == hosts
     assert not result.healthy
+
+
+SLOW_CASES = [
+    # A rank that is slow on every step, then (so that the agents dump) a hang
+    # of rank 0 late in the run: the hang is the first verdict, the straggler
+    # must be named beside it.
+    ("slow", ["--fault", "slow:rank=1,ms=100"], "compute_straggler", 1),
+    # The hog is pinned to rank 2's CPU; on a machine with two CPUs rank 0
+    # shares it and is starved too: rank 2 must be among those named.
+    ("cpuhog", ["--fault", "cpuhog:rank=2"], "cpu_interference", 2),
+]
+
+
+@pytest.mark.lab
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "kind", "rank"), [c[1:] for c in SLOW_CASES], ids=[c[0] for c in SLOW_CASES]
+)
+def test_lab_straggler_is_named(tmp_path: Path, args: list[str], kind: str, rank: int) -> None:
+    dumps = lab_run(tmp_path, ["--nodes", "2", "--fault", "hang:rank=0,step=18", *args])
+    assert len(dumps) == 2
+    (incident,) = analyze_paths([str(tmp_path)]).incidents
+    kinds = {v.kind: v for v in incident.verdicts}
+    assert VerdictKind(kind) in kinds, [v.summary for v in incident.verdicts]
+    named = {r for v in incident.verdicts if v.kind is VerdictKind(kind) for r in v.ranks}
+    assert rank in named
+    assert VerdictKind.MISSING_RANK in kinds and kinds[VerdictKind.MISSING_RANK].ranks == (0,)

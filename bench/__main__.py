@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import sys
 import traceback
 
 from bench.common import Figure, render
 
-MODULES = ("bench_recorder", "bench_dumps", "bench_analyzer", "bench_sql", "bench_lab")
+MODULES = ("bench_recorder", "bench_dumps", "bench_analyzer", "bench_sql")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench: running {name} ...", file=sys.stderr, flush=True)
         try:
             module = importlib.import_module(f"bench.{name}")
-            figures += module.figures(quick=args.quick)
+            kwargs = {"quick": args.quick}
+            if "big" in inspect.signature(module.figures).parameters:
+                kwargs["big"] = not args.quick  # the 16,384-rank case: full runs only
+            figures += module.figures(**kwargs)
         except Exception:  # a broken benchmark must not hide the others
             traceback.print_exc()
             failed.append(name)

@@ -52,7 +52,7 @@
 #define TCP_SET_STATE 2
 
 /* exit_event.event */
-#define EXIT_GROUP 1      /* exit_group(code) entered */
+#define EXIT_GROUP 1      /* exit code seen (uprobe on libc _exit(status)) */
 #define EXIT_SIGNAL 2     /* fatal signal generated for or delivered to it */
 #define EXIT_PROCESS 3    /* the thread group is dead (sched_process_exit) */
 

@@ -25,8 +25,9 @@ STALLWATCH_EXTRA_ARGS=${STALLWATCH_EXTRA_ARGS:-}
 # Seconds the prolog waits for the agent's /healthz (so the job's first
 # ncclCommInitRank is recorded); 0 to not wait.
 STALLWATCH_READY_TIMEOUT=${STALLWATCH_READY_TIMEOUT:-20}
-# Seconds the epilog waits after SIGTERM before SIGKILL (the unit's TimeoutStopSec).
-STALLWATCH_STOP_TIMEOUT=${STALLWATCH_STOP_TIMEOUT:-30}
+# Seconds the epilog waits after SIGTERM before SIGKILL, and again after it:
+# detaching uprobes takes seconds per library (see the systemd unit).
+STALLWATCH_STOP_TIMEOUT=${STALLWATCH_STOP_TIMEOUT:-60}
 # Shared folder (all nodes) for the job's dumps; empty to leave them on the node.
 STALLWATCH_COLLECT_DIR=${STALLWATCH_COLLECT_DIR:-}
 

@@ -369,6 +369,21 @@ def _addr_keys(addrs: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(addrs).view("V16").ravel()
 
 
+AF_INET = 2
+V4_MAPPED = np.array([0] * 10 + [0xFF, 0xFF], dtype=np.uint8)
+V6_LOOPBACK = np.array([0] * 15 + [1], dtype=np.uint8)
+
+
+def _loopback(addrs: np.ndarray, family: np.ndarray) -> np.ndarray:
+    """Per row: 127.0.0.0/8, ::1 or ::ffff:127.0.0.0/104 (IPv4 addresses
+    fill the first 4 of the 16 bytes)."""
+    v4 = (family == AF_INET) & (addrs[:, 0] == 127)
+    mapped = (addrs[:, :12] == V4_MAPPED).all(axis=1) & (addrs[:, 12] == 127)
+    one = (addrs == V6_LOOPBACK).all(axis=1) & (family != AF_INET)
+    out: np.ndarray = v4 | mapped | one
+    return out
+
+
 def _own_address(rec: Recording) -> bytes | None:
     """The host's address: the commonest non-loopback source address of
     connections its ranks own (the owner attribution is not perfect)."""
@@ -377,7 +392,7 @@ def _own_address(rec: Recording) -> bytes | None:
         return None
     ranks = np.array(sorted({c.pid for c in rec.communicators}), dtype=np.uint32)
     rows = ring.rows[np.isin(ring.rows["pid"], ranks)]
-    rows = rows[rows["saddr"][:, 0] != 127]
+    rows = rows[~_loopback(rows["saddr"], rows["family"])]
     if not len(rows):
         return None
     keys, counts = np.unique(_addr_keys(rows["saddr"]), return_counts=True)
@@ -385,8 +400,9 @@ def _own_address(rec: Recording) -> bytes | None:
 
 
 def _retransmits(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
-    """Retransmits between the hosts' own addresses; duplicates of one event
-    seen by two agents are counted once."""
+    """Retransmits on connections between two hosts' own addresses (the
+    nodes of rank processes): never loopback, never both ends on one host.
+    Duplicates of one event seen by two agents are counted once."""
     owner: dict[bytes, int] = {}
     for s in sources:
         addr = _own_address(s.recording)
@@ -399,13 +415,15 @@ def _retransmits(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
         if ring is None or not len(ring.rows):
             continue
         rows = ring.rows[ring.rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB]
+        fam = rows["family"]
+        rows = rows[~(_loopback(rows["saddr"], fam) | _loopback(rows["daddr"], fam))]
         h = hosts.index(s.recording.host)
         src, dst = _addr_keys(rows["saddr"]).tolist(), _addr_keys(rows["daddr"]).tolist()
         for i in range(len(rows)):
             a, b = bytes(src[i]), bytes(dst[i])
             local, remote = owner.get(a, -1), owner.get(b, -1)
             key = (a, int(rows["sport"][i]), b, int(rows["dport"][i]), int(rows["ts_ns"][i]))
-            if a == b or (local < 0 and remote < 0) or key in seen:
+            if local < 0 or remote < 0 or local == remote or key in seen:
                 continue
             seen.add(key)
             out.append((h, int(rows["pid"][i]), int(rows["ts_ns"][i]), local, remote))

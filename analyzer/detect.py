@@ -17,6 +17,7 @@ from dumpers.schema import RedOp, datatype_name, op_name
 from .match import Matched
 from .metrics import (
     ArrivalScore,
+    CommSlowdown,
     Disagreement,
     Frontier,
     HostRetransmits,
@@ -33,8 +34,12 @@ CROSS_HOST_MARGIN_NS = 50_000_000  # lateness across hosts: far above any clock 
 SCHED_MIN_NS = 10_000_000  # run-queue delay that counts as interference
 SCHED_DOMINANCE = 3.0  # times an unaffected rank's run-queue delay
 RETRANS_MIN = 20  # retransmits inside collective windows that count
-RETRANS_DOMINANCE = 1.5
 RETRANS_PER_CALL = 0.25  # and at least this many per completed collective of the host
+RETRANS_CONCENTRATION = 0.75  # share of all retransmits the lossy host is involved in
+SLOWDOWN = 2.0  # collectives with retransmits inside: this many times the baseline
+SLOWDOWN_MIN_NS = 1_000_000  # and this much slower
+SLOW_MIN_GROUPS = 3  # in at least this many collectives
+SLOW_MIN_SHARE = 0.25  # and this share of the communicator's
 MAX_LISTED = 16
 
 
@@ -47,6 +52,7 @@ class Analysis:
     arrivals: tuple[ArrivalScore, ...]
     retransmits: tuple[HostRetransmits, ...]
     sched_delay: np.ndarray  # per proc, ns
+    slowdowns: tuple[CommSlowdown, ...] = ()
 
 
 Detector = Callable[[Analysis], list[Verdict]]
@@ -356,21 +362,49 @@ def _late_somewhere(a: Analysis, proc: int) -> ArrivalScore | None:
     return max(late, key=lambda s: (s.margin_ns, s.groups)) if late else None
 
 
+def _concentration_min(nhosts: int) -> float:
+    """Share of the retransmits a lossy host must be involved in: halfway
+    between what any host gets when retransmits are spread evenly over random
+    pairs (2 of n hosts) and all of them."""
+    return max(RETRANS_CONCENTRATION, (1.0 + 2.0 / max(nhosts, 2)) / 2.0)
+
+
+def _is_slowed(s: CommSlowdown) -> bool:
+    return (
+        s.hit_groups >= max(SLOW_MIN_GROUPS, SLOW_MIN_SHARE * s.groups)
+        and s.hit_ns >= SLOWDOWN * s.baseline_ns
+        and s.hit_ns - s.baseline_ns >= SLOWDOWN_MIN_NS
+    )
+
+
+def slowed_comms(a: Analysis, hosts: set[int]) -> list[CommSlowdown]:
+    """Communicators spanning every one of ``hosts`` whose collectives with
+    retransmits inside are markedly slower than those without."""
+    return [s for s in a.slowdowns if hosts <= set(s.hosts) and _is_slowed(s)]
+
+
 def lossy_hosts(a: Analysis) -> tuple[HostRetransmits, ...]:
-    """The host all retransmits involve; when none stands out (two nodes: both
-    ends of the one link lose alike) every host that is as involved."""
+    """The host(s) involved in nearly every retransmit on the ranks'
+    connections (two nodes: both ends of the one link lose alike), when there
+    are many per collective and the collectives they fall into are markedly
+    slower than the communicator's others.  A few retransmits spread over
+    the hosts, or ones that slow nothing, happen on any busy network."""
 
     def score(h: HostRetransmits) -> int:
         return h.local + h.remote
 
-    scored = sorted(a.retransmits, key=lambda h: (score(h), h.local, -h.host), reverse=True)
-    if not scored or score(scored[0]) < max(RETRANS_MIN, RETRANS_PER_CALL * scored[0].calls):
-        return ()  # a few retransmits happen on any busy network
-    top = scored[0]
-    if len(scored) == 1 or score(top) >= RETRANS_DOMINANCE * score(scored[1]):
-        return (top,)
-    tied = [h for h in scored if RETRANS_DOMINANCE * score(h) > score(top)]
-    return tuple(sorted(tied, key=lambda h: h.host))
+    total = sum(h.local for h in a.retransmits)
+    if not total:
+        return ()
+    share = _concentration_min(len(a.incident.hosts))
+    named = [
+        h
+        for h in a.retransmits
+        if score(h) >= share * total and score(h) >= max(RETRANS_MIN, RETRANS_PER_CALL * h.calls)
+    ]
+    if not named or not slowed_comms(a, {h.host for h in named}):
+        return ()
+    return tuple(sorted(named, key=lambda h: h.host))
 
 
 def _straggler_verdict(a: Analysis, s: ArrivalScore, kind: VerdictKind) -> Verdict:
@@ -448,6 +482,17 @@ def detect_network(a: Analysis) -> list[Verdict]:
         f"host {x.host_name}: {x.h.local} retransmits sent and {x.h.remote} received inside "
         f"collective windows ({x.h.total} sent in all)"
         for x in (_Named(inc.hosts[h.host], h) for h in a.retransmits)
+    ]
+    total = sum(h.local for h in a.retransmits)
+    evidence += [
+        f"host {inc.hosts[h.host]} is involved in {h.local + h.remote} of the {total} "
+        "retransmits on the ranks' connections"
+        for h in lossy
+    ]
+    evidence += [
+        f"{s.hit_groups} of {s.groups} collectives on {inc.comms[s.comm].name} had retransmits "
+        f"inside and took {_ms(s.hit_ns)} (median) against {_ms(s.baseline_ns)} for the others"
+        for s in slowed_comms(a, {h.host for h in lossy})[:MAX_LISTED]
     ]
     durations = _median_duration(a)
     if durations is not None:

@@ -386,3 +386,76 @@ def sched_delay_per_proc(inc: Incident) -> np.ndarray:
             sel = (inc.sched["host"] == h) & (inc.sched["pid"] == pid)
             out[i] = int(inc.sched["delay"][sel].sum())
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class CommSlowdown:
+    """How much slower a communicator's collectives are when retransmits fall
+    inside their windows, against its own collectives without any."""
+
+    comm: int
+    hosts: tuple[int, ...]  # hosts of its ranks
+    groups: int  # complete collectives measured
+    hit_groups: int  # of them, with a retransmit inside a member's window
+    hit_ns: int  # median duration of those (the shortest member call: the transfer)
+    baseline_ns: int  # median of the others (lower quartile of all when too few)
+
+
+BASELINE_MIN_GROUPS = 3
+
+
+def retransmit_slowdowns(inc: Incident, m: Matched) -> list[CommSlowdown]:
+    """Per communicator spanning two hosts or more.  A collective's duration
+    is its shortest member call: what the last to arrive waited, the
+    transfer itself, whoever was late.  Times are compared within one host:
+    a retransmit counts for a call recorded on the host that saw it."""
+    rt = inc.retransmits
+    if not len(rt) or not len(m.rows):
+        return []
+    phost = np.array(proc_hosts(inc), dtype=np.int64)
+    hits = _retransmits_per_row(inc, m, phost)
+    out = []
+    for comm, c in enumerate(inc.comms):
+        hosts = tuple(sorted({int(phost[p]) for p in c.members if p >= 0}))
+        if len(hosts) < 2:
+            continue
+        s = _slowdown(m, comm, c.nranks, hits)
+        if s is not None:
+            out.append(CommSlowdown(comm, hosts, *s))
+    return out
+
+
+def _retransmits_per_row(inc: Incident, m: Matched, phost: np.ndarray) -> np.ndarray:
+    rows, rt = m.rows, inc.retransmits
+    host = phost[rows["proc"]]
+    hits = np.zeros(len(rows), dtype=np.int64)
+    done = rows["end"] > 0
+    for h in np.unique(rt["host"]).tolist():
+        t = np.sort(rt["ts"][rt["host"] == h])
+        sel = np.flatnonzero((host == h) & done)
+        hi = np.searchsorted(t, rows["end"][sel], side="right")
+        hits[sel] = hi - np.searchsorted(t, rows["ts"][sel], side="left")
+    return hits
+
+
+def _slowdown(
+    m: Matched, comm: int, nranks: int, hits: np.ndarray
+) -> tuple[int, int, int, int] | None:
+    sl = m.comm_rows(comm)
+    rows, gid, hit = m.rows[sl], m.gid[sl], hits[sl]
+    if not len(rows):
+        return None
+    starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
+    size = np.diff(np.append(starts, len(gid)))
+    ok = (np.minimum.reduceat(rows["end"], starts) > 0) & (size == nranks)
+    if not ok.any():
+        return None
+    dur = np.minimum.reduceat(rows["end"] - rows["ts"], starts)[ok]
+    ghit = np.maximum.reduceat(hit, starts)[ok] > 0
+    n_hit = int(ghit.sum())
+    if not n_hit:
+        return len(dur), 0, 0, int(np.median(dur))
+    clean = dur[~ghit]
+    base = clean if len(clean) >= BASELINE_MIN_GROUPS else dur
+    q = 50 if len(clean) >= BASELINE_MIN_GROUPS else 25
+    return len(dur), n_hit, int(np.median(dur[ghit])), int(np.percentile(base, q))

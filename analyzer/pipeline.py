@@ -34,6 +34,7 @@ from .metrics import (
     disagreements,
     frontier,
     proc_hosts,
+    retransmit_slowdowns,
     retransmits_in_windows,
     sched_delay_per_proc,
 )
@@ -76,6 +77,7 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
         arrivals=tuple(arrival_scores(inc, m)),
         retransmits=tuple(retransmits_in_windows(inc, m)),
         sched_delay=sched_delay_per_proc(inc),
+        slowdowns=tuple(retransmit_slowdowns(inc, m)),
     )
     verdicts = [v for d in detectors for v in d(a)]
     if not verdicts:

@@ -83,12 +83,15 @@ def _row(rank: int, nranks: int, seq: int, ts: int, end: int, comm_hash: int, cr
     return r
 
 
-def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[tuple[int, int]]]]:
+Window = tuple[int, int, bool]  # entry, return, whether a lossy link slowed it
+
+
+def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[Window]]]:
     """Rows per node (true time), the end of the job, and windows per node."""
     rng = np.random.default_rng(job.seed)
     n = job.nranks
     rows: dict[int, list[np.void]] = {k: [] for k in range(job.nodes)}
-    windows: dict[int, list[tuple[int, int]]] = {k: [] for k in range(job.nodes)}
+    windows: dict[int, list[Window]] = {k: [] for k in range(job.nodes)}
     t = 1_000 * MS
     stop = {r: job.steps for r in range(n)}
     for fault in (job.hang, job.crash):
@@ -97,8 +100,11 @@ def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[t
     slow_rank, slow_ms = job.slow if job.slow else (-1, 0.0)
     if job.cpuhog is not None:
         slow_rank, slow_ms = job.cpuhog, 15.0
-    xfer = job.xfer_ms * (8 if job.loss_node is not None else 1)
     for step in range(job.steps):
+        # a lossy link slows the collectives whose packets it drops (half of
+        # them), by far more than the jitter: retransmits fall inside exactly those
+        lossy = job.loss_node is not None and step % 2 == 0
+        xfer = job.xfer_ms * (8 if lossy else 1)
         arrive = {}
         for r in range(n):
             extra = slow_ms if r == slow_rank else 0.0
@@ -111,7 +117,7 @@ def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[t
             blocked_end = 0 if hung else done
             end = arrive[r] + 20_000 if job.mode == "async" else blocked_end
             rows[job.node_of(r)].append(_row(r, n, step, arrive[r], end, WORLD, r))
-            windows[job.node_of(r)].append((arrive[r], done))
+            windows[job.node_of(r)].append((arrive[r], done, lossy))
         t = done
         if hung:
             return rows, t, windows
@@ -157,7 +163,7 @@ def _apply_mismatch(job: Job, rows: dict[int, list[np.void]]) -> None:
 
 
 def _node(
-    job: Job, k: int, lst: list[np.void], windows: list[tuple[int, int]], now: int, incident: str
+    job: Job, k: int, lst: list[np.void], windows: list[Window], now: int, incident: str
 ) -> Recording:
     skew = job.skew_ns.get(k, 0)
     ranks = [r for r in range(job.nranks) if job.node_of(r) == k]
@@ -226,8 +232,9 @@ def _addr(node: int) -> np.ndarray:
     return a
 
 
-def _tcp(job: Job, k: int, windows: list[tuple[int, int]], skew: int) -> np.ndarray:
+def _tcp(job: Job, k: int, windows: list[Window], skew: int) -> np.ndarray:
     out = np.zeros(0, dtype=TCP_EVENT)
+    windows = [w for w in windows if w[2]]
     if job.loss_node is None or not windows:
         return out
     peers = [p for p in range(job.nodes) if p != k]
@@ -237,7 +244,7 @@ def _tcp(job: Job, k: int, windows: list[tuple[int, int]], skew: int) -> np.ndar
     n = len(windows) * len(targets) // (1 if k == job.loss_node else 3)
     out = np.zeros(max(n, 0), dtype=TCP_EVENT)
     for i in range(len(out)):
-        a, b = windows[(i * 7) % len(windows)]
+        a, b, _ = windows[(i * 7) % len(windows)]
         out[i]["ts_ns"] = (a + b) // 2 + skew
         out[i]["pid"] = pid_of(k * job.ranks_per_node)
         out[i]["event"] = TcpEvent.TCP_RETRANSMIT_SKB
@@ -250,7 +257,7 @@ def _tcp(job: Job, k: int, windows: list[tuple[int, int]], skew: int) -> np.ndar
     return out
 
 
-def _sched(job: Job, k: int, windows: list[tuple[int, int]], skew: int) -> np.ndarray:
+def _sched(job: Job, k: int, windows: list[Window], skew: int) -> np.ndarray:
     ranks = [r for r in range(job.nranks) if job.node_of(r) == k]
     rows = []
     for r in ranks:

@@ -12,7 +12,9 @@ import pytest
 from analyzer.align import Source
 from analyzer.pipeline import analyze_incident, group_incidents
 from analyzer.verdict import Verdict, VerdictKind
-from tests.test_analyzer_synth import MS, Job, host_of, pid_of, recordings, with_
+from dumpers.model import Recording, Ring
+from dumpers.schema import TCP_EVENT, TcpEvent
+from tests.test_analyzer_synth import MS, Job, _addr, host_of, pid_of, recordings, with_
 
 BASE = Job()
 
@@ -106,6 +108,37 @@ def test_loss_between_two_nodes_names_both_ends() -> None:
     assert kinds(vs) == [VerdictKind.NETWORK_STRAGGLER]
     assert vs[0].hosts == ("node0", "node1")
     assert "cannot be told apart" in vs[0].summary
+
+
+def _with_noise_retransmits(recs: list[Recording], nodes: int) -> list[Recording]:
+    """Retransmits as a loaded machine has them: in every other collective
+    window, spread over all the node pairs, none slowing anything; plus many
+    on loopback and on sockets whose both ends are on one host."""
+    out = []
+    for k, rec in enumerate(recs):
+        nccl = rec.rings["nccl"].rows
+        mid = (nccl["ts_ns"] + np.maximum(nccl["end_ns"], nccl["ts_ns"])) // 2
+        loop = np.zeros(16, dtype=np.uint8)
+        loop[:4] = (127, 0, 0, 1)
+        pairs = []
+        for i, t in enumerate(mid[::2].tolist()):
+            peer = (k + 1 + i % (nodes - 1)) % nodes
+            pairs += [(t, _addr(k), _addr(peer)), (t, loop, loop), (t + 1, _addr(k), _addr(k))]
+        rows = np.zeros(len(pairs), dtype=TCP_EVENT)
+        for row, (t, src, dst) in zip(rows, pairs, strict=True):
+            row["ts_ns"], row["saddr"], row["daddr"] = t, src, dst
+            row["pid"], row["family"] = int(nccl["pid"][0]), 2
+            row["event"] = TcpEvent.TCP_RETRANSMIT_SKB
+        out.append(dataclasses.replace(rec, rings={**rec.rings, "tcp": Ring(rows)}))
+    return out
+
+
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_retransmits_that_slow_nothing_are_no_network_straggler(nodes: int) -> None:
+    recs = _with_noise_retransmits(recordings(with_(BASE, nodes=nodes)), nodes)
+    (inc,) = group_incidents([Source(f"dump-{r.host}.msgpack", r) for r in recs])
+    assert len(inc.retransmits) >= 20  # counted: between two nodes' addresses
+    assert kinds(list(analyze_incident(inc).verdicts)) == [VerdictKind.HEALTHY]
 
 
 def test_cpuhog_is_cpu_interference() -> None:

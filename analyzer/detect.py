@@ -7,6 +7,7 @@ or tested alone.  Thresholds are upper-case constants.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ from .verdict import Verdict, VerdictKind
 STRAGGLER_FRACTION = 0.75  # last to arrive in at least this share of collectives
 STRAGGLER_MARGIN_NS = 5_000_000  # and later than its peers by this much (median)
 STRAGGLER_MIN_GROUPS = 8
+STRAGGLER_SIGMAS = 3.0  # last more often than chance by this many standard deviations
+STRAGGLER_PERIOD_SHARE = 0.25  # margin: at least this share of the time between collectives
 CROSS_HOST_MARGIN_NS = 50_000_000  # lateness across hosts: far above any clock skew
 SCHED_MIN_NS = 10_000_000  # run-queue delay that counts as interference
 SCHED_DOMINANCE = 3.0  # times an unaffected rank's run-queue delay
@@ -296,12 +299,23 @@ def detect_rank_exited(a: Analysis) -> list[Verdict]:
     return out
 
 
+def _last_fraction_min(s: ArrivalScore) -> float:
+    """Last in a share of collectives that chance would hardly give: of n
+    ranks each is last 1/n of the time; three standard deviations above."""
+    p = 1.0 / max(s.nranks, 2)
+    return max(STRAGGLER_FRACTION, p + STRAGGLER_SIGMAS * math.sqrt(p * (1 - p) / s.groups))
+
+
 def _is_straggling(s: ArrivalScore) -> bool:
+    """Late consistently (in nearly every collective of many) and by a margin
+    that counts against the pace of the communicator: a few ms of lateness
+    under CPU contention is noise."""
     return (
         s.proc >= 0
         and s.groups >= STRAGGLER_MIN_GROUPS
-        and s.last_fraction >= STRAGGLER_FRACTION
+        and s.last_fraction >= _last_fraction_min(s)
         and s.margin_ns >= STRAGGLER_MARGIN_NS
+        and s.margin_ns >= STRAGGLER_PERIOD_SHARE * s.period_ns
         and (s.method != "lateness" or s.margin_ns >= CROSS_HOST_MARGIN_NS)
     )
 

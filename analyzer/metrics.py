@@ -8,6 +8,7 @@ lateness among ranks of one host, ages against that host's dump time.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -188,6 +189,8 @@ class ArrivalScore:
     peer_wait_ns: int  # median duration of its peers' calls
     own_wait_ns: int  # median duration of its own calls
     method: str  # "wait" (blocking durations) or "host-lateness" / "lateness"
+    nranks: int = 2
+    period_ns: int = 0  # median time between a rank's entries into consecutive collectives
 
 
 def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
@@ -210,10 +213,28 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
             continue
         if not complete.all():  # else keep the views: no copy of the table
             rows, gid = rows[complete], gid[complete]
-        out.extend(_wait_scores(inc, comm, rows, gid, c.nranks))
+        scores = _wait_scores(inc, comm, rows, gid, c.nranks)
         if np.median(rows["end"] - rows["ts"]) < ASYNC_BELOW_NS:  # calls return at once
-            out.extend(_lateness_scores(inc, comm, rows, gid, c.nranks))
+            scores += _lateness_scores(inc, comm, rows, gid, c.nranks)
+        period = _period(rows, gid)
+        out.extend(dataclasses.replace(s, nranks=c.nranks, period_ns=period) for s in scores)
     return out
+
+
+def _period(rows: np.ndarray, gid: np.ndarray) -> int:
+    """Median interval between one rank's entries into consecutive
+    collectives of a communicator (one clock: the rank's host's)."""
+    if len(rows) < 2:
+        return 0
+    order = np.lexsort((gid, rows["crank"]))
+    ts, g, cr = rows["ts"][order], gid[order].astype(np.int64), rows["crank"][order]
+    same = cr[1:] == cr[:-1]
+    steps = (g[1:] - g[:-1])[same]
+    gaps = (ts[1:] - ts[:-1])[same]
+    ok = steps > 0
+    if not ok.any():
+        return 0
+    return int(np.median(gaps[ok] / steps[ok]))
 
 
 def _complete_groups(m: Matched, rows: np.ndarray, gid: np.ndarray, nranks: int) -> np.ndarray:

@@ -20,6 +20,24 @@
 
 BPF_F_TABLE("array", u32, struct exit_event, exit_ring, EXIT_RING_SLOTS, BPF_F_MMAPABLE);
 
+/* tgid -> 1: tracked processes whose end has begun (libc _exit, or a fatal
+ * signal delivered with its default action).  The kernel then kills the other
+ * threads of the group with SIGKILL (zap_other_threads; signal_deliver fires
+ * for each of them): those are the consequence of the end, not its cause, and
+ * are not recorded.  Forgotten when the group dies. */
+BPF_TABLE("lru_hash", u32, u8, exiting, MAX_TRACKED);
+
+static __always_inline int already_exiting(u32 tgid)
+{
+	return exiting.lookup(&tgid) != NULL;
+}
+
+static __always_inline void mark_exiting(u32 tgid)
+{
+	u8 one = 1;
+	exiting.update(&tgid, &one);
+}
+
 static __always_inline struct exit_event *claim_exit(u64 *pos)
 {
 	*pos = claim_position(RING_EXIT);
@@ -66,30 +84,39 @@ static __always_inline void emit_exit(u32 tgid, u32 tid, s32 code, s32 sig, u8 k
 int handle_libc_exit(struct pt_regs *ctx)
 {
 	u64 id = bpf_get_current_pid_tgid();
-	if (is_tracked(id >> 32))
-		emit_exit(id >> 32, (u32)id, (s32)PT_REGS_PARM1(ctx), 0, EXIT_GROUP);
+	u32 tgid = id >> 32;
+	if (!is_tracked(tgid))
+		return 0;
+	mark_exiting(tgid);
+	emit_exit(tgid, (u32)id, (s32)PT_REGS_PARM1(ctx), 0, EXIT_GROUP);
 	return 0;
 }
 
 /* The target is a thread id; a signal to a process is usually sent to its
- * main thread, whose tid is the tgid. */
+ * main thread, whose tid is the tgid.  A signal sent to a process already
+ * ending changes nothing. */
 TRACEPOINT_PROBE(signal, signal_generate)
 {
 	u32 target = args->pid;
-	if (!kills_by_default(args->sig) || !is_tracked(target))
+	if (!kills_by_default(args->sig) || !is_tracked(target) || already_exiting(target))
 		return 0;
 	emit_exit(target, target, -1, args->sig, EXIT_SIGNAL);
 	return 0;
 }
 
-/* In the target's context: fatal when the default action applies. */
+/* In the target's context: fatal when the default action applies.  Only the
+ * first fatal delivery of a group counts: the SIGKILLs that follow exit() or
+ * a fatal signal in another thread are the kernel ending the group. */
 TRACEPOINT_PROBE(signal, signal_deliver)
 {
 	u64 id = bpf_get_current_pid_tgid();
+	u32 tgid = id >> 32;
 	if (args->sa_handler != SIG_DFL || !kills_by_default(args->sig))
 		return 0;
-	if (is_tracked(id >> 32))
-		emit_exit(id >> 32, (u32)id, -1, args->sig, EXIT_SIGNAL);
+	if (!is_tracked(tgid) || already_exiting(tgid))
+		return 0;
+	mark_exiting(tgid);
+	emit_exit(tgid, (u32)id, -1, args->sig, EXIT_SIGNAL);
 	return 0;
 }
 
@@ -101,7 +128,9 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 	struct call_state *slot = inflight_slot((u32)id);
 	if (slot && slot->tid == (u32)id)
 		release_slot(slot);
-	if (args->group_dead && is_tracked(tgid))
+	if (args->group_dead && is_tracked(tgid)) {
 		emit_exit(tgid, (u32)id, -1, 0, EXIT_PROCESS);
+		exiting.delete(&tgid);
+	}
 	return 0;
 }

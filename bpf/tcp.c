@@ -3,8 +3,7 @@
  * Retransmits fire in softirq context, where the current pid means nothing,
  * so `sock_owner` (socket address -> tgid) is learned where the owning
  * process itself touches the socket: sock_send_length / sock_recv_length
- * (process context) and inet_sock_set_state in process context (connect,
- * close).  The hash is written only when an entry is missing or changes,
+ * (process context) and inet_sock_set_state to SYN_SENT (connect).  The hash is written only when an entry is missing or changes,
  * never once per send to user space, and forgotten when the socket closes.
  */
 #include "common.h"
@@ -12,6 +11,7 @@
 #define MAX_SOCKETS 16384
 #define AF_INET 2
 #define IPPROTO_TCP 6
+#define TCP_SYN_SENT 2
 #define TCP_CLOSE 7
 
 BPF_F_TABLE("array", u32, struct tcp_event, tcp_ring, TCP_RING_SLOTS, BPF_F_MMAPABLE);
@@ -104,7 +104,10 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 	if (args->protocol != IPPROTO_TCP)
 		return 0;
 	u64 skaddr = (u64)args->skaddr;
-	if (args->newstate != TCP_CLOSE)
+	/* Only connect() (-> SYN_SENT) is sure to run in the owner's context.
+	 * Other changes may run in softirq, in whatever task was interrupted or
+	 * sent the packet: over a veth, a rank of another namespace. */
+	if (args->newstate == TCP_SYN_SENT)
 		learn_owner(skaddr);
 	struct tcp_event *e;
 	u64 pos;

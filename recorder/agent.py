@@ -25,25 +25,25 @@ they were at most ``ADDRESS_REFRESH_S`` ago.
 from __future__ import annotations
 
 import ipaddress
-import json
 import logging
 import os
 import socket
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from analyzer.http import AgentStats, Metric, RingStats, agent_metrics, render_metrics
 from dumpers.errors import ProbeError
 from dumpers.model import Clock, Recording, Ring, Trigger
 from dumpers.schema import NCCL_SYMBOLS
 
 from . import discovery
 from .model import CommProgress, ProcessState, TickState
+from .peers import peer_notifier
 from .rings import complete_rows
 from .source import EventSource
 from .tables import CommTable, ProcessTable
@@ -55,7 +55,17 @@ TICK_S = 0.2
 DISCOVERY_S = 0.25
 ADDRESS_REFRESH_S = 5.0
 DUMP_RETRY_S = 5.0
-PEER_TIMEOUT_S = 3.0
+PEER_TIMEOUT_S = 3.0  # a peer answers once its dump is written
+_GAUGES = frozenset({"dumps_pending"})
+_HELP = {
+    "kernel_inflight_full": "NCCL calls not recorded: the in-flight map was full.",
+    "kernel_comms_full": "Communicators not tracked: the communicator map was full.",
+    "kernel_sock_owner_full": "Sockets left unattributed: the socket-owner map was full.",
+    "kernel_runq_maps_full": "Run-queue samples lost: the run-queue maps were full.",
+    "attach_failures": "Libraries or probes that could not be attached.",
+    "symbols_skipped": "NCCL symbols an attached library lacks.",
+    "dumps_pending": "Dumps waiting to be written (retried).",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +135,30 @@ def local_addresses() -> set[bytes]:
             if not ip.is_loopback:
                 out.add(ip.packed.ljust(16, b"\0"))
     return out
+
+
+_V4_MAPPED = bytes(10) + b"\xff\xff"
+_V6_LOOPBACK = bytes(15) + b"\x01"
+
+
+def _ipv4_unmapped(addrs: np.ndarray) -> np.ndarray:
+    """16-byte address fields with IPv4-mapped IPv6 (``::ffff:a.b.c.d``)
+    rewritten as IPv4 (four bytes, then zeros), as ``local_addresses`` has them."""
+    out = np.ascontiguousarray(addrs, dtype=np.uint8).reshape(-1, 16).copy()
+    mapped = (out[:, :12] == np.frombuffer(_V4_MAPPED, np.uint8)).all(axis=1)
+    out[mapped, :4] = out[mapped, 12:]
+    out[mapped, 4:] = 0
+    return out
+
+
+def _shared_address(addrs: np.ndarray) -> np.ndarray:
+    """Addresses every namespace has: unspecified, 127.0.0.0/8, ::1."""
+    v4_rest_zero = (addrs[:, 4:] == 0).all(axis=1)
+    unspecified = (addrs == 0).all(axis=1)
+    v4_loopback = v4_rest_zero & (addrs[:, 0] == 127)
+    v6_loopback = (addrs == np.frombuffer(_V6_LOOPBACK, np.uint8)).all(axis=1)
+    shared: np.ndarray = unspecified | v4_loopback | v6_loopback
+    return shared
 
 
 class Agent:
@@ -311,11 +345,16 @@ class Agent:
     # ---- scope ----------------------------------------------------------
 
     def _keep_pid(self, pid: int) -> bool:
+        """In scope.  A process gone before discovery classified it has no
+        namespace left to check: the host scope keeps it, ``netns`` cannot
+        tell whose it was and drops it (it may be another node's rank)."""
         if pid in self.in_scope:
             return True
         if pid in self.out_of_scope:
             return False
-        return self.classify(pid) or not os.path.exists(f"/proc/{pid}")
+        if self.classify(pid):
+            return True
+        return self.config.scope == "host" and not os.path.exists(f"/proc/{pid}")
 
     def _pid_mask(self, pids: np.ndarray) -> np.ndarray:
         unique = np.unique(pids)
@@ -328,21 +367,23 @@ class Agent:
         return rows[self._pid_mask(rows["pid"])] if len(rows) else rows
 
     def _tcp_mask(self, rows: np.ndarray) -> np.ndarray:
+        """A connection between two nodes shows in each node's dump through
+        that node's end only: a row belongs here when the socket's own
+        (source) address is one of this namespace's; a loopback or unbound
+        socket, whose address every namespace has, when its owner is in scope."""
         now = time.monotonic()
         if now - self._addresses_at > ADDRESS_REFRESH_S:
             self._addresses = local_addresses()
             self._addresses_at = now
+        saddr = _ipv4_unmapped(rows["saddr"])
         local = np.array([list(a) for a in self._addresses] or [[0] * 16], dtype=np.uint8)
-
-        def is_local(col: np.ndarray) -> np.ndarray:
-            hit: np.ndarray = (col[:, None, :] == local[None, :, :]).all(axis=2).any(axis=1)
-            return hit
-
-        # The socket's own address is saddr: a connection between two nodes
-        # belongs to each node's agent through its own end only.
-        owned = np.isin(rows["pid"], np.array(sorted(self.in_scope), dtype=rows["pid"].dtype))
-        mask: np.ndarray = owned | is_local(rows["saddr"])
+        is_local = (saddr[:, None, :] == local[None, :, :]).all(axis=2).any(axis=1)
+        owned = np.isin(rows["pid"], self._scope_pids(rows["pid"].dtype))
+        mask: np.ndarray = np.where(_shared_address(saddr), owned, is_local)
         return mask
+
+    def _scope_pids(self, dtype: np.dtype) -> np.ndarray:
+        return np.array(sorted(self.in_scope), dtype=dtype)
 
     # ---- snapshot and dumps ---------------------------------------------
 
@@ -378,7 +419,13 @@ class Agent:
             keep: Callable[[np.ndarray], np.ndarray] | None = None
             if netns:
                 keep = self._tcp_mask if name == "tcp" else (lambda r: self._pid_mask(r["pid"]))
-            out[name] = buf.snapshot(keep)
+            ring = buf.snapshot(keep)
+            if netns and name == "tcp" and len(ring.rows):
+                # A socket of this node owned by a process out of scope (or
+                # not yet classified) stays, unattributed.
+                pids = ring.rows["pid"]
+                pids[~np.isin(pids, self._scope_pids(pids.dtype))] = 0
+            out[name] = ring
         return out
 
     def recording(self) -> Recording:
@@ -403,51 +450,58 @@ class Agent:
             read=read_dump,
         )
         watchdog = Watchdog(int(cfg.stall_timeout_s * 1e9), self.host)
-        return Incidents(watchdog, scheduler, self.notify_peers if cfg.peers else None)
-
-    def notify_peers(self, trigger: Trigger) -> None:
-        body = json.dumps(
-            {
-                "reason": f"peer {self.host}: {trigger.reason}",
-                "incident_id": trigger.incident_id,
-                "origin": self.host,
-            }
-        ).encode()
-        for peer in self.config.peers:
-            threading.Thread(target=self._post_peer, args=(peer, body), daemon=True).start()
-
-    def _post_peer(self, peer: str, body: bytes) -> None:
-        req = urllib.request.Request(
-            f"http://{peer}/dump",
-            data=body,
-            method="POST",
-            headers={"Content-Type": "application/json"},
+        notify = (
+            peer_notifier(cfg.peers, self.host, cfg.token, PEER_TIMEOUT_S) if cfg.peers else None
         )
-        if self.config.token:
-            req.add_header("Authorization", f"Bearer {self.config.token}")
-        try:
-            with urllib.request.urlopen(req, timeout=PEER_TIMEOUT_S) as resp:
-                resp.read()
-        except OSError as exc:
-            self.counters.add("peer_failures")
-            log.warning("peer %s did not take the dump request: %s", peer, exc)
+        return Incidents(watchdog, scheduler, notify)
 
     # ---- metrics --------------------------------------------------------
 
+    def stats(self) -> AgentStats:
+        """What ``/metrics`` reports (analyzer.http renders it)."""
+        kernel = self.source.kernel_counters()
+        rings = tuple(
+            RingStats(
+                kind=name,
+                recorded=(head := buf.read_head()),
+                lost=kernel.get(f"kernel_lost_{name}", 0),
+                overwritten=max(0, head - buf.capacity),
+                held=min(head, buf.capacity),
+                capacity=buf.capacity,
+            )
+            for name, buf in self.source.rings().items()
+        )
+        incidents = self.incidents.counters()
+        return AgentStats(
+            rings=rings,
+            dumps_written=incidents["dumps_written"],
+            dump_failures=incidents["dump_write_failures"],
+            stalls_detected=incidents["stalls_detected"],
+            libraries_attached=len(self.libraries),
+            processes_watched=len(self.procs.alive()),
+        )
+
     def metrics_text(self) -> str:
-        rec_counters = {**self.source.kernel_counters(), **self.counters.values}
-        rec_counters.update(self.incidents.counters())
-        lines = []
-        for name, buf in self.source.rings().items():
-            head = buf.read_head()
-            lines.append(f'stallwatch_ring_events_total{{ring="{name}"}} {head}')
-            over = max(0, head - buf.capacity)
-            lines.append(f'stallwatch_ring_overwritten_total{{ring="{name}"}} {over}')
-        for name, value in sorted(rec_counters.items()):
-            lines.append(f"stallwatch_{name}_total {value}")
-        lines.append(f"stallwatch_libraries_attached {len(self.libraries)}")
-        lines.append(f"stallwatch_processes_in_scope {len(self.in_scope)}")
-        return "\n".join(lines) + "\n"
+        """Prometheus text: the families of ``agent_metrics``, then the other
+        counters of the kernel side, the agent and the watchdog."""
+        covered = {"dumps_written", "dump_write_failures", "stalls_detected"}
+        extra = {
+            **{k: v for k, v in self.source.kernel_counters().items() if "_lost_" not in k},
+            **self.counters.values,
+            **{k: v for k, v in self.incidents.counters().items() if k not in covered},
+        }
+        families = agent_metrics(self.stats())
+        for name, value in sorted(extra.items()):
+            gauge = name in _GAUGES
+            families.append(
+                Metric(
+                    f"stallwatch_{name}" if gauge else f"stallwatch_{name}_total",
+                    _HELP.get(name, name.replace("_", " ").capitalize() + "."),
+                    "gauge" if gauge else "counter",
+                    (({}, float(value)),),
+                )
+            )
+        return render_metrics(families)
 
     def close(self) -> None:
         self.source.close()

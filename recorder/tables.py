@@ -25,6 +25,7 @@ from .model import CommProgress
 
 _INITS = (Op.COMM_INIT_RANK, Op.COMM_INIT_RANK_CONFIG, Op.COMM_INIT_ALL)
 _CLOSES = (Op.COMM_DESTROY, Op.COMM_ABORT, Op.COMM_FINALIZE)
+_SIGKILL = 9
 _Key = tuple[int, int, int]  # pid, comm pointer, comm hash
 
 
@@ -107,6 +108,17 @@ class CommTable:
         return tuple(sorted(out, key=lambda c: (c.pid, c.init_ns, c.comm)))
 
 
+def _zapped(info: ProcessInfo, row: np.void) -> bool:
+    """A SIGKILL to another thread once the process's fatal signal is known:
+    the kernel ending the thread group, not the cause of the end (the BPF
+    side drops these; this guards against their order in the ring)."""
+    return (
+        info.exit_signal is not None
+        and int(row["signal"]) == _SIGKILL
+        and int(row["tid"]) != int(row["pid"])
+    )
+
+
 class ProcessTable:
     """pid -> ProcessInfo for the processes in scope, exits included."""
 
@@ -137,7 +149,8 @@ class ProcessTable:
             # exit() after a handled signal: the code is what counts.
             info = dataclasses.replace(info, exit_code=int(row["code"]), exit_signal=None)
         elif kind == ExitEvent.SIGNAL and info.exit_code is None:
-            info = dataclasses.replace(info, exit_signal=int(row["signal"]))
+            if not _zapped(info, row):
+                info = dataclasses.replace(info, exit_signal=int(row["signal"]))
         elif kind == ExitEvent.PROCESS_EXIT:
             info = dataclasses.replace(info, exit_ns=int(row["ts_ns"]))
         self._procs[pid] = info

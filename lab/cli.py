@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from dumpers.errors import LabError
 from lab import faults as F
 from lab.job import DEFAULT_COMPUTE_MS, DEFAULT_ELEMENTS
 
@@ -62,6 +63,11 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--record", action="store_true", help="one stallwatch agent per node")
     p.add_argument("--dump-dir", type=Path, default=Path("dumps"), metavar="DIR")
     p.add_argument(
+        "--dump-at-end",
+        action="store_true",
+        help="with --record: once every rank finished, ask each agent for a dump",
+    )
+    p.add_argument(
         "--stall-timeout",
         type=_positive_float,
         default=10.0,
@@ -84,6 +90,9 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from lab import runner  # the lab's machinery loads only when it runs
 
+    if args.dump_at_end and not args.record:
+        raise LabError("--dump-at-end needs --record (the agents write the dumps)")
+
     cfg = runner.RunConfig(
         nodes=args.nodes,
         ranks_per_node=args.ranks_per_node,
@@ -92,6 +101,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         faults=F.parse_faults(args.fault),
         record=args.record,
         dump_dir=args.dump_dir,
+        dump_at_end=args.dump_at_end,
         stall_timeout=args.stall_timeout,
         timeout=args.timeout,
         elements=args.elements,

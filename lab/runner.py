@@ -64,6 +64,7 @@ class RunConfig:
     faults: tuple[F.Fault, ...] = ()
     record: bool = False
     dump_dir: Path = Path("dumps")
+    dump_at_end: bool = False  # with record: every agent dumps once the ranks finished
     stall_timeout: float = 10.0
     timeout: float | None = None  # None: 30 s plus 0.5 s per step
     elements: int = job.DEFAULT_ELEMENTS
@@ -201,6 +202,7 @@ class Lab:
     killed: set[int] = field(default_factory=set)
     logs: list[TextIO] = field(default_factory=list)
     applied: list[dict[str, str]] = field(default_factory=list)
+    token: str = ""  # the agents' bearer token
     torn_down: bool = False
 
     def spawn(self, node: netns.Node, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -429,7 +431,7 @@ def agent_argv(lab: Lab, node: netns.Node, token_file: Path) -> list[str]:
 
 def start_agents(lab: Lab) -> None:
     assert lab.net is not None
-    token = secrets.token_hex(16)
+    token = lab.token = secrets.token_hex(16)
     token_file = lab.run_dir / "agent.token"
     token_file.touch(mode=0o600)
     token_file.write_text(token)
@@ -490,6 +492,44 @@ def wait_for_dumps(lab: Lab) -> None:
         if all(any(agent_dump_dir(lab.cfg, n).glob("*.msgpack")) for n in nodes):
             return
         time.sleep(0.25)
+
+
+def request_end_dumps(lab: Lab) -> list[str]:
+    """Ask every node's agent to dump now (one incident for all: ``lab-<run
+    id>-end``), then wait until each wrote a new file.  Returns problems."""
+    assert lab.net is not None
+    before = {n.index: _dump_count(lab.cfg, n.index) for n in lab.net.nodes}
+    body = json.dumps(
+        {"reason": "end of lab run", "incident_id": f"lab-{lab.run_id}-end", "origin": "lab"}
+    ).encode()
+    problems = []
+    for node in lab.net.nodes:
+        url = f"http://{node.ip}:{AGENT_PORT}/dump"
+        answer = netns.in_netns(node.netns, lambda u=url: _post_dump(u, body, lab.token))
+        if answer is not None:
+            problems.append(f"the agent of node {node.index} refused to dump: {answer}")
+    deadline = time.monotonic() + DUMP_GRACE
+    while time.monotonic() < deadline:
+        if all(_dump_count(lab.cfg, i) > n for i, n in before.items()):
+            return problems
+        time.sleep(0.25)
+    late = [i for i, n in before.items() if _dump_count(lab.cfg, i) <= n]
+    return [*problems, f"no dump at the end from node(s) {late} within {DUMP_GRACE:g} s"]
+
+
+def _dump_count(cfg: RunConfig, node: int) -> int:
+    return sum(1 for p in agent_dump_dir(cfg, node).glob("*.msgpack") if not p.name.startswith("."))
+
+
+def _post_dump(url: str, body: bytes, token: str) -> str | None:
+    """None when the agent took the request, else why not."""
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30.0) as response:
+            return None if int(response.status) == 200 else f"HTTP {response.status}"
+    except (urllib.error.URLError, OSError) as exc:
+        return str(exc)
 
 
 # --- waiting ------------------------------------------------------------------
@@ -612,12 +652,15 @@ def run(cfg: RunConfig, progress_out: TextIO | None = None) -> RunResult:
                 gave_up is not None or any(p.returncode for p in lab.ranks.values())
             ):
                 wait_for_dumps(lab)
+            elif cfg.record and cfg.dump_at_end:
+                _say(progress_out, f"lab run {lab.run_id}: asking every agent for a dump")
+                problems += request_end_dumps(lab)
             stuck = stop_stuck(lab)
             ranks = [outcome(lab, r, stuck) for r in range(cfg.topology.world_size)]
             nodes = node_outcomes(lab)
     finally:
         with signals_ignored():
-            problems = lab.teardown()
+            problems += lab.teardown()
         atexit.unregister(lab.teardown)
     leftovers = [ns for ns in netns.list_netns() if netns.run_of(ns) == lab.run_id]
     problems += [f"namespace {ns} was left behind" for ns in leftovers]

@@ -1,5 +1,10 @@
 /* NCCL API calls, by uprobe at entry and uretprobe at return (x86-64 SysV).
  *
+ * On kernels with uprobe_multi links (6.6+) one entry program serves every
+ * symbol: user space gives each attached offset a cookie, SYM_<symbol>
+ * (defined by recorder/probes.py through cflags), and the program decodes
+ * that symbol's arguments.  Older kernels get one entry program per symbol.
+ *
  * Every call is one row of `nccl_ring`: opened at entry (state SCHEDULED,
  * result -1) and completed at return (result, end time, state STARTED last).
  * Lifecycle calls also write a row of the small `comm_ring`, so that the
@@ -347,138 +352,171 @@ static __always_inline int nccl_enter(struct pt_regs *ctx, struct call_args *a)
 	return 0;
 }
 
-/* ---- entry programs, one per argument layout ---------------------------- */
+/* ---- argument decoding, one function per argument layout ---------------- */
 
-static __always_inline int enter_reduce_like(struct pt_regs *ctx, u8 op)
+static __always_inline void decode_reduce_like(struct pt_regs *ctx, struct call_args *a)
 {
 	/* (send, recv, count, datatype, redop, comm, stream) */
-	struct call_args a = {.op = op, .peer = -1, .color = -1, .key = -1};
-	a.count = PT_REGS_PARM3(ctx);
-	a.datatype = PT_REGS_PARM4(ctx);
-	a.redop = PT_REGS_PARM5(ctx);
-	a.comm = PT_REGS_PARM6(ctx);
-	a.stream = stack_arg(ctx, 1);
-	return nccl_enter(ctx, &a);
+	a->peer = -1;
+	a->count = PT_REGS_PARM3(ctx);
+	a->datatype = PT_REGS_PARM4(ctx);
+	a->redop = PT_REGS_PARM5(ctx);
+	a->comm = PT_REGS_PARM6(ctx);
+	a->stream = stack_arg(ctx, 1);
 }
 
-static __always_inline int enter_rooted(struct pt_regs *ctx, u8 op)
+static __always_inline void decode_rooted(struct pt_regs *ctx, struct call_args *a)
 {
 	/* (send, recv, count, datatype, root, comm, stream) */
-	struct call_args a = {.op = op, .color = -1, .key = -1};
-	a.count = PT_REGS_PARM3(ctx);
-	a.datatype = PT_REGS_PARM4(ctx);
-	a.peer = PT_REGS_PARM5(ctx);
-	a.comm = PT_REGS_PARM6(ctx);
-	a.stream = stack_arg(ctx, 1);
-	return nccl_enter(ctx, &a);
+	a->count = PT_REGS_PARM3(ctx);
+	a->datatype = PT_REGS_PARM4(ctx);
+	a->peer = PT_REGS_PARM5(ctx);
+	a->comm = PT_REGS_PARM6(ctx);
+	a->stream = stack_arg(ctx, 1);
 }
 
-static __always_inline int enter_gather_like(struct pt_regs *ctx, u8 op)
+static __always_inline void decode_gather_like(struct pt_regs *ctx, struct call_args *a)
 {
 	/* (send, recv, count, datatype, comm, stream) */
-	struct call_args a = {.op = op, .peer = -1, .color = -1, .key = -1};
-	a.count = PT_REGS_PARM3(ctx);
-	a.datatype = PT_REGS_PARM4(ctx);
-	a.comm = PT_REGS_PARM5(ctx);
-	a.stream = PT_REGS_PARM6(ctx);
-	return nccl_enter(ctx, &a);
+	a->peer = -1;
+	a->count = PT_REGS_PARM3(ctx);
+	a->datatype = PT_REGS_PARM4(ctx);
+	a->comm = PT_REGS_PARM5(ctx);
+	a->stream = PT_REGS_PARM6(ctx);
 }
 
-static __always_inline int enter_p2p(struct pt_regs *ctx, u8 op)
+static __always_inline void decode_p2p(struct pt_regs *ctx, struct call_args *a)
 {
-	/* (buf, count, datatype, peer, comm, stream) */
-	struct call_args a = {.op = op, .color = -1, .key = -1};
-	a.count = PT_REGS_PARM2(ctx);
-	a.datatype = PT_REGS_PARM3(ctx);
-	a.peer = PT_REGS_PARM4(ctx);
-	a.comm = PT_REGS_PARM5(ctx);
-	a.stream = PT_REGS_PARM6(ctx);
-	return nccl_enter(ctx, &a);
+	/* (buf, count, datatype, peer, comm, stream); also ncclBcast's
+	 * (buff, count, datatype, root, comm, stream) */
+	a->count = PT_REGS_PARM2(ctx);
+	a->datatype = PT_REGS_PARM3(ctx);
+	a->peer = PT_REGS_PARM4(ctx);
+	a->comm = PT_REGS_PARM5(ctx);
+	a->stream = PT_REGS_PARM6(ctx);
 }
 
-static __always_inline int enter_no_args(struct pt_regs *ctx, u8 op, u64 comm, u64 out)
-{
-	struct call_args a = {.op = op, .peer = -1, .color = -1, .key = -1};
-	a.comm = comm;
-	a.out = out;
-	return nccl_enter(ctx, &a);
-}
-
-int handle_enter_all_reduce(struct pt_regs *ctx) { return enter_reduce_like(ctx, OP_ALL_REDUCE); }
-int handle_enter_reduce_scatter(struct pt_regs *ctx) { return enter_reduce_like(ctx, OP_REDUCE_SCATTER); }
-int handle_enter_broadcast(struct pt_regs *ctx) { return enter_rooted(ctx, OP_BROADCAST); }
-int handle_enter_gather(struct pt_regs *ctx) { return enter_rooted(ctx, OP_GATHER); }
-int handle_enter_scatter(struct pt_regs *ctx) { return enter_rooted(ctx, OP_SCATTER); }
-int handle_enter_all_gather(struct pt_regs *ctx) { return enter_gather_like(ctx, OP_ALL_GATHER); }
-int handle_enter_all_to_all(struct pt_regs *ctx) { return enter_gather_like(ctx, OP_ALL_TO_ALL); }
-int handle_enter_send(struct pt_regs *ctx) { return enter_p2p(ctx, OP_SEND); }
-int handle_enter_recv(struct pt_regs *ctx) { return enter_p2p(ctx, OP_RECV); }
-int handle_enter_group_start(struct pt_regs *ctx) { return enter_no_args(ctx, OP_GROUP_START, 0, 0); }
-int handle_enter_group_end(struct pt_regs *ctx) { return enter_no_args(ctx, OP_GROUP_END, 0, 0); }
-
-int handle_enter_bcast(struct pt_regs *ctx)
-{
-	/* (buff, count, datatype, root, comm, stream) */
-	struct call_args a = {.op = OP_BROADCAST, .color = -1, .key = -1};
-	a.count = PT_REGS_PARM2(ctx);
-	a.datatype = PT_REGS_PARM3(ctx);
-	a.peer = PT_REGS_PARM4(ctx);
-	a.comm = PT_REGS_PARM5(ctx);
-	a.stream = PT_REGS_PARM6(ctx);
-	return nccl_enter(ctx, &a);
-}
-
-int handle_enter_reduce(struct pt_regs *ctx)
+static __always_inline void decode_reduce(struct pt_regs *ctx, struct call_args *a)
 {
 	/* (send, recv, count, datatype, redop, root, comm, stream) */
-	struct call_args a = {.op = OP_REDUCE, .color = -1, .key = -1};
-	a.count = PT_REGS_PARM3(ctx);
-	a.datatype = PT_REGS_PARM4(ctx);
-	a.redop = PT_REGS_PARM5(ctx);
-	a.peer = PT_REGS_PARM6(ctx);
-	a.comm = stack_arg(ctx, 1);
-	a.stream = stack_arg(ctx, 2);
-	return nccl_enter(ctx, &a);
+	a->count = PT_REGS_PARM3(ctx);
+	a->datatype = PT_REGS_PARM4(ctx);
+	a->redop = PT_REGS_PARM5(ctx);
+	a->peer = PT_REGS_PARM6(ctx);
+	a->comm = stack_arg(ctx, 1);
+	a->stream = stack_arg(ctx, 2);
 }
 
-static __always_inline int enter_init_rank(struct pt_regs *ctx, u8 op)
+static __always_inline void decode_init_rank(struct pt_regs *ctx, struct call_args *a)
 {
 	/* (ncclComm_t *comm, int nranks, ncclUniqueId id [stack], int rank):
 	 * the struct goes to memory, so rank is the THIRD integer register. */
-	struct call_args a = {.op = op, .peer = -1, .color = -1, .key = -1};
-	a.out = PT_REGS_PARM1(ctx);
-	a.nranks = (s32)PT_REGS_PARM2(ctx);
-	a.rank = (s32)PT_REGS_PARM3(ctx);
-	return nccl_enter(ctx, &a);
+	a->peer = -1;
+	a->out = PT_REGS_PARM1(ctx);
+	a->nranks = (s32)PT_REGS_PARM2(ctx);
+	a->rank = (s32)PT_REGS_PARM3(ctx);
 }
 
-int handle_enter_init_rank(struct pt_regs *ctx) { return enter_init_rank(ctx, OP_COMM_INIT_RANK); }
-int handle_enter_init_rank_config(struct pt_regs *ctx) { return enter_init_rank(ctx, OP_COMM_INIT_RANK_CONFIG); }
-
-int handle_enter_init_all(struct pt_regs *ctx)
+static __always_inline void decode_init_all(struct pt_regs *ctx, struct call_args *a)
 {
 	/* (ncclComm_t *comms, int ndev, const int *devlist) */
-	struct call_args a = {.op = OP_COMM_INIT_ALL, .peer = -1, .color = -1, .key = -1};
-	a.out = PT_REGS_PARM1(ctx);
-	a.nranks = (s32)PT_REGS_PARM2(ctx);
-	return nccl_enter(ctx, &a);
+	a->peer = -1;
+	a->out = PT_REGS_PARM1(ctx);
+	a->nranks = (s32)PT_REGS_PARM2(ctx);
 }
 
-int handle_enter_split(struct pt_regs *ctx)
+static __always_inline void decode_split(struct pt_regs *ctx, struct call_args *a)
 {
 	/* (ncclComm_t comm, int color, int key, ncclComm_t *newcomm, config) */
-	struct call_args a = {.op = OP_COMM_SPLIT, .peer = -1};
-	a.comm = PT_REGS_PARM1(ctx);
-	a.color = (s32)PT_REGS_PARM2(ctx);
-	a.key = (s32)PT_REGS_PARM3(ctx);
-	a.out = PT_REGS_PARM4(ctx);
+	a->peer = -1;
+	a->comm = PT_REGS_PARM1(ctx);
+	a->color = (s32)PT_REGS_PARM2(ctx);
+	a->key = (s32)PT_REGS_PARM3(ctx);
+	a->out = PT_REGS_PARM4(ctx);
+}
+
+/* (comm) for destroy/abort/finalize, (ncclUniqueId *out) for GetUniqueId,
+ * nothing for the group calls. */
+static __always_inline void decode_one_arg(struct pt_regs *ctx, struct call_args *a)
+{
+	a->peer = -1;
+	if (is_close_op(a->op))
+		a->comm = PT_REGS_PARM1(ctx);
+	else if (a->op == OP_GET_UNIQUE_ID)
+		a->out = PT_REGS_PARM1(ctx);
+}
+
+/* Decodes the arguments of symbol `sym` (SYM_* below); 0 if unknown. */
+static __always_inline int decode_call(struct pt_regs *ctx, u64 sym, struct call_args *a)
+{
+	switch (sym) {
+	case SYM_ncclAllReduce: a->op = OP_ALL_REDUCE; decode_reduce_like(ctx, a); break;
+	case SYM_ncclReduceScatter: a->op = OP_REDUCE_SCATTER; decode_reduce_like(ctx, a); break;
+	case SYM_ncclAllGather: a->op = OP_ALL_GATHER; decode_gather_like(ctx, a); break;
+	case SYM_ncclAlltoAll: a->op = OP_ALL_TO_ALL; decode_gather_like(ctx, a); break;
+	case SYM_ncclBroadcast: a->op = OP_BROADCAST; decode_rooted(ctx, a); break;
+	case SYM_ncclGather: a->op = OP_GATHER; decode_rooted(ctx, a); break;
+	case SYM_ncclScatter: a->op = OP_SCATTER; decode_rooted(ctx, a); break;
+	case SYM_ncclBcast: a->op = OP_BROADCAST; decode_p2p(ctx, a); break;
+	case SYM_ncclSend: a->op = OP_SEND; decode_p2p(ctx, a); break;
+	case SYM_ncclRecv: a->op = OP_RECV; decode_p2p(ctx, a); break;
+	case SYM_ncclReduce: a->op = OP_REDUCE; decode_reduce(ctx, a); break;
+	case SYM_ncclGroupStart: a->op = OP_GROUP_START; decode_one_arg(ctx, a); break;
+	case SYM_ncclGroupEnd: a->op = OP_GROUP_END; decode_one_arg(ctx, a); break;
+	case SYM_ncclCommInitRank: a->op = OP_COMM_INIT_RANK; decode_init_rank(ctx, a); break;
+	case SYM_ncclCommInitRankConfig:
+		a->op = OP_COMM_INIT_RANK_CONFIG;
+		decode_init_rank(ctx, a);
+		break;
+	case SYM_ncclCommInitAll: a->op = OP_COMM_INIT_ALL; decode_init_all(ctx, a); break;
+	case SYM_ncclCommSplit: a->op = OP_COMM_SPLIT; decode_split(ctx, a); break;
+	case SYM_ncclCommDestroy: a->op = OP_COMM_DESTROY; decode_one_arg(ctx, a); break;
+	case SYM_ncclCommAbort: a->op = OP_COMM_ABORT; decode_one_arg(ctx, a); break;
+	case SYM_ncclCommFinalize: a->op = OP_COMM_FINALIZE; decode_one_arg(ctx, a); break;
+	case SYM_ncclGetUniqueId: a->op = OP_GET_UNIQUE_ID; decode_one_arg(ctx, a); break;
+	default: return 0;
+	}
+	return 1;
+}
+
+static __always_inline int enter_symbol(struct pt_regs *ctx, u64 sym)
+{
+	struct call_args a = {.color = -1, .key = -1};
+	if (!decode_call(ctx, sym, &a))
+		return 0;
 	return nccl_enter(ctx, &a);
 }
 
-int handle_enter_destroy(struct pt_regs *ctx) { return enter_no_args(ctx, OP_COMM_DESTROY, PT_REGS_PARM1(ctx), 0); }
-int handle_enter_abort(struct pt_regs *ctx) { return enter_no_args(ctx, OP_COMM_ABORT, PT_REGS_PARM1(ctx), 0); }
-int handle_enter_finalize(struct pt_regs *ctx) { return enter_no_args(ctx, OP_COMM_FINALIZE, PT_REGS_PARM1(ctx), 0); }
-int handle_enter_get_unique_id(struct pt_regs *ctx) { return enter_no_args(ctx, OP_GET_UNIQUE_ID, 0, PT_REGS_PARM1(ctx)); }
+/* ---- entry programs ------------------------------------------------------ */
+
+/* The one entry program of a uprobe_multi link: its cookie is the symbol. */
+int handle_nccl_enter(struct pt_regs *ctx) { return enter_symbol(ctx, bpf_get_attach_cookie(ctx)); }
+
+/* One program per symbol, for kernels without uprobe_multi (before 6.6),
+ * where BCC attaches each through its own perf event. */
+#define ENTRY_PROGRAM(fn, sym) \
+	int fn(struct pt_regs *ctx) { return enter_symbol(ctx, SYM_##sym); }
+ENTRY_PROGRAM(handle_enter_all_reduce, ncclAllReduce)
+ENTRY_PROGRAM(handle_enter_all_gather, ncclAllGather)
+ENTRY_PROGRAM(handle_enter_reduce_scatter, ncclReduceScatter)
+ENTRY_PROGRAM(handle_enter_broadcast, ncclBroadcast)
+ENTRY_PROGRAM(handle_enter_bcast, ncclBcast)
+ENTRY_PROGRAM(handle_enter_reduce, ncclReduce)
+ENTRY_PROGRAM(handle_enter_all_to_all, ncclAlltoAll)
+ENTRY_PROGRAM(handle_enter_gather, ncclGather)
+ENTRY_PROGRAM(handle_enter_scatter, ncclScatter)
+ENTRY_PROGRAM(handle_enter_send, ncclSend)
+ENTRY_PROGRAM(handle_enter_recv, ncclRecv)
+ENTRY_PROGRAM(handle_enter_group_start, ncclGroupStart)
+ENTRY_PROGRAM(handle_enter_group_end, ncclGroupEnd)
+ENTRY_PROGRAM(handle_enter_init_rank, ncclCommInitRank)
+ENTRY_PROGRAM(handle_enter_init_rank_config, ncclCommInitRankConfig)
+ENTRY_PROGRAM(handle_enter_init_all, ncclCommInitAll)
+ENTRY_PROGRAM(handle_enter_split, ncclCommSplit)
+ENTRY_PROGRAM(handle_enter_destroy, ncclCommDestroy)
+ENTRY_PROGRAM(handle_enter_abort, ncclCommAbort)
+ENTRY_PROGRAM(handle_enter_finalize, ncclCommFinalize)
+ENTRY_PROGRAM(handle_enter_get_unique_id, ncclGetUniqueId)
 
 /* ---- return ------------------------------------------------------------- */
 
@@ -597,7 +635,7 @@ static __always_inline void finish_nccl_row(struct call_state *cs, s32 result, u
 	*(volatile __u8 *)&e->state = STATE_STARTED;
 }
 
-int handle_nccl_return(struct pt_regs *ctx)
+static __always_inline int nccl_return(struct pt_regs *ctx)
 {
 	u32 tid = (u32)bpf_get_current_pid_tgid();
 	struct call_state *live = inflight_slot(tid);
@@ -628,3 +666,8 @@ int handle_nccl_return(struct pt_regs *ctx)
 		finish_nccl_row(&cs, result, ts);
 	return 0;
 }
+
+/* The same program twice: the first for a uprobe_multi link, the second for
+ * BCC's perf-event uretprobes (a program loaded for one cannot serve both). */
+int handle_nccl_return(struct pt_regs *ctx) { return nccl_return(ctx); }
+int handle_nccl_return_perf(struct pt_regs *ctx) { return nccl_return(ctx); }

@@ -7,17 +7,30 @@ each after a ``#line`` marker that keeps compiler messages pointing at the
 right file).  Every load or attach failure raises ``ProbeError`` naming the
 program, the library and the symbol.
 
-Known limits: x86-64 only (argument registers); uprobes on a library fire
-for every process that maps it, filtering is by the ``excluded`` map.
+Uprobes are attached through uprobe_multi links (kernel 6.6+): one entry
+program, ``handle_nccl_enter``, told the symbol by the link's cookie, and one
+return program.  Closing a link waits one RCU grace period, not one per
+probe, and ``close`` closes all links at once from threads so that their
+grace periods overlap: stopping takes a fraction of a second.  Where the
+kernel has no uprobe_multi, each probe is a BCC perf-event uprobe (one entry
+program per symbol), and stopping takes ~0.1 s per probe.
+
+Known limits: x86-64 only (argument registers, syscall number); uprobes on a
+library fire for every process that maps it, filtering is by the
+``excluded`` map.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import enum
+import errno
 import logging
 import mmap
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,12 +40,18 @@ import numpy as np
 from dumpers.errors import ProbeError
 from dumpers.schema import NCCL_SYMBOLS, RING_DTYPES
 
+from . import discovery
+
 log = logging.getLogger("stallwatch.record")
 
 BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"
 SOURCES = ("common.h", "nccl.c", "tcp.c", "sched.c", "proc.c")
 
-# NCCL symbol -> entry program.  Every call returns through handle_nccl_return.
+# uprobe_multi: one entry program for every symbol (cookie = SYMBOL_COOKIES).
+MULTI_ENTRY_PROGRAM = "handle_nccl_enter"
+RETURN_PROGRAM = "handle_nccl_return"
+# Without uprobe_multi: NCCL symbol -> entry program, one perf event each.
+PERF_RETURN_PROGRAM = "handle_nccl_return_perf"
 ENTRY_PROGRAMS: dict[str, str] = {
     "ncclAllReduce": "handle_enter_all_reduce",
     "ncclAllGather": "handle_enter_all_gather",
@@ -56,7 +75,9 @@ ENTRY_PROGRAMS: dict[str, str] = {
     "ncclCommFinalize": "handle_enter_finalize",
     "ncclGetUniqueId": "handle_enter_get_unique_id",
 }
-RETURN_PROGRAM = "handle_nccl_return"
+# NCCL symbol -> its cookie, SYM_<symbol> in bpf/nccl.c (0 means unknown).
+SYMBOL_COOKIES: dict[str, int] = {name: i + 1 for i, name in enumerate(ENTRY_PROGRAMS)}
+EXIT_PROGRAM = "handle_libc_exit"
 assert set(ENTRY_PROGRAMS) == set(NCCL_SYMBOLS), "ENTRY_PROGRAMS out of sync with schema"
 
 # Ring name -> (index of its head in `heads`, BPF map name, cflag for its slots).
@@ -127,6 +148,7 @@ def bpf_source() -> str:
 def cflags(sizes: RingSizes, runq_threshold_ns: int) -> list[str]:
     flags = [f"-I{BPF_DIR}", f"-DRUNQ_THRESHOLD_NS={runq_threshold_ns}ULL"]
     flags += [f"-D{RING_MAPS[name][2]}={n}" for name, n in sizes.as_dict().items()]
+    flags += [f"-DSYM_{name}={cookie}" for name, cookie in SYMBOL_COOKIES.items()]
     return flags
 
 
@@ -148,6 +170,93 @@ def _mmap_array(table: Any, what: str) -> mmap.mmap:
         raise ProbeError(f"cannot mmap BPF map {what} (fd {table.map_fd}): {exc}") from exc
 
 
+# ---- uprobe_multi links through bpf(2) -------------------------------------
+
+SYS_BPF = 321  # x86-64
+BPF_LINK_CREATE = 28
+BPF_TRACE_UPROBE_MULTI = 48  # enum bpf_attach_type, Linux 6.6+
+BPF_F_UPROBE_MULTI_RETURN = 1
+# What bpf(2) says when the kernel has no uprobe_multi links.
+UNSUPPORTED_ERRNOS = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.E2BIG})
+CLOSE_THREADS = 64  # links closed at once (their grace periods overlap)
+
+
+class _UprobeMultiAttr(ctypes.Structure):
+    """``union bpf_attr``, ``link_create`` with its ``uprobe_multi`` member."""
+
+    _fields_ = [
+        ("prog_fd", ctypes.c_uint32),
+        ("target_fd", ctypes.c_uint32),
+        ("attach_type", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("path", ctypes.c_uint64),
+        ("offsets", ctypes.c_uint64),
+        ("ref_ctr_offsets", ctypes.c_uint64),
+        ("cookies", ctypes.c_uint64),
+        ("cnt", ctypes.c_uint32),
+        ("multi_flags", ctypes.c_uint32),
+        ("pid", ctypes.c_uint32),
+        ("_pad", ctypes.c_uint32),
+    ]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class LinkKind(enum.Enum):
+    ENTRY = "uprobe"
+    RETURN = "uretprobe"
+
+
+def uprobe_multi_link(
+    prog_fd: int, path: str, offsets: Sequence[int], cookies: Sequence[int], kind: LinkKind
+) -> int:
+    """A uprobe_multi link of ``prog_fd`` on ``offsets`` (file offsets) of
+    ``path`` in every process; returns its fd, raises OSError."""
+    n = len(offsets)
+    c_path = ctypes.create_string_buffer(os.fsencode(path))
+    c_offsets = (ctypes.c_uint64 * n)(*offsets)
+    c_cookies = (ctypes.c_uint64 * n)(*cookies)
+    attr = _UprobeMultiAttr(
+        prog_fd=prog_fd,
+        attach_type=BPF_TRACE_UPROBE_MULTI,
+        path=ctypes.addressof(c_path),
+        offsets=ctypes.addressof(c_offsets),
+        cookies=ctypes.addressof(c_cookies),
+        cnt=n,
+        multi_flags=BPF_F_UPROBE_MULTI_RETURN if kind is LinkKind.RETURN else 0,
+    )
+    fd = _libc.syscall(SYS_BPF, BPF_LINK_CREATE, ctypes.byref(attr), ctypes.sizeof(attr))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int(fd)
+
+
+def close_links(fds: Sequence[int]) -> None:
+    """Close link (or tracepoint perf event) fds concurrently: each close
+    waits for a grace period, and concurrent waits share one."""
+    if not fds:
+        return
+    with ThreadPoolExecutor(max_workers=min(CLOSE_THREADS, len(fds))) as pool:
+        for result in pool.map(_close_quietly, fds):
+            if result:
+                log.warning("detaching a probe: %s", result)
+
+
+def _close_quietly(fd: int) -> str:
+    try:
+        os.close(fd)
+    except OSError as exc:
+        return str(exc)
+    return ""
+
+
+def _unsupported(exc: OSError) -> bool:
+    return exc.errno in UNSUPPORTED_ERRNOS
+
+
 class Probes:
     """The loaded BPF module: rings mapped into numpy, maps, attachments."""
 
@@ -164,7 +273,9 @@ class Probes:
         self.heads = self._map_heads()
         self.ring_arrays = {name: self._map_ring(name) for name in RING_MAPS}
         self.inflight = self._map_inflight()
-        self._attached: list[tuple[str, str, int]] = []
+        self._links: list[int] = []  # uprobe_multi link fds
+        self._offsets: dict[str, dict[str, discovery.ElfFunction]] = {}
+        self._multi: bool | None = None  # None: not tried yet
 
     def _map_heads(self) -> np.ndarray:
         mem = _mmap_array(self.bpf[b"heads"], "heads")
@@ -196,9 +307,83 @@ class Probes:
 
     # ---- attach ---------------------------------------------------------
 
+    def _multi_fds(self) -> tuple[int, int] | None:
+        """(entry, return) program fds loaded for uprobe_multi, or None when
+        this kernel has no uprobe_multi (then probes are perf events)."""
+        if self._multi is False:
+            return None
+        try:
+            entry = self.bpf.load_func(
+                MULTI_ENTRY_PROGRAM.encode(),
+                self._bcc.BPF.KPROBE,
+                attach_type=BPF_TRACE_UPROBE_MULTI,
+            )
+            ret = self.bpf.load_func(
+                RETURN_PROGRAM.encode(), self._bcc.BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI
+            )
+        except Exception as exc:  # BCC raises bare Exception
+            self._no_multi(f"cannot load {MULTI_ENTRY_PROGRAM} for uprobe_multi: {_short(exc)}")
+            return None
+        return entry.fd, ret.fd
+
+    def _no_multi(self, why: str) -> None:
+        self._multi = False
+        log.warning(
+            "%s; falling back to one perf-event uprobe per probe: stopping will take "
+            "~0.1 s per attached probe",
+            why,
+        )
+
+    def _offset(self, path: str, symbol: str, program: str) -> int:
+        if path not in self._offsets:
+            wanted = [*NCCL_SYMBOLS, "_exit"]
+            try:
+                self._offsets[path] = discovery.elf_functions(path, wanted)
+            except (OSError, ValueError) as exc:
+                raise ProbeError(
+                    f"cannot attach uprobe program {program} to {symbol} in {path}: {exc}"
+                ) from exc
+        fn = self._offsets[path].get(symbol)
+        if fn is None:
+            raise ProbeError(
+                f"cannot attach uprobe program {program} to {symbol} in {path}: "
+                "no such function in its symbol tables"
+            )
+        return fn.file_offset
+
+    def _link(
+        self, fds: tuple[int, int], path: str, symbol: str, cookie: int, programs: tuple[str, str]
+    ) -> bool:
+        """Entry and return links on one symbol; False if this kernel has no
+        uprobe_multi links (nothing attached then)."""
+        offset = self._offset(path, symbol, programs[0])
+        made: list[int] = []
+        for prog_fd, program, kind in (
+            (fds[0], programs[0], LinkKind.ENTRY),
+            (fds[1], programs[1], LinkKind.RETURN),
+        ):
+            try:
+                made.append(uprobe_multi_link(prog_fd, path, [offset], [cookie], kind))
+            except OSError as exc:
+                close_links(made)
+                if self._multi is None and _unsupported(exc):
+                    self._no_multi(f"uprobe_multi link refused ({exc.strerror})")
+                    return False
+                raise ProbeError(
+                    f"cannot attach {kind.value} program {program} to {symbol} in {path} "
+                    f"(uprobe_multi link at file offset {offset:#x}): {exc.strerror}"
+                ) from exc
+        self._multi = True
+        self._links += made
+        return True
+
     def attach_symbol(self, path: str, symbol: str) -> None:
+        fds = self._multi_fds()
+        programs = (MULTI_ENTRY_PROGRAM, RETURN_PROGRAM)
+        if fds is not None and self._link(fds, path, symbol, SYMBOL_COOKIES[symbol], programs):
+            return
         entry = ENTRY_PROGRAMS[symbol]
-        for fn_name, ret in ((entry, False), (RETURN_PROGRAM, True)):
+        for fn_name, ret in ((entry, False), (PERF_RETURN_PROGRAM, True)):
             attach = self.bpf.attach_uretprobe if ret else self.bpf.attach_uprobe
             try:
                 attach(name=path.encode(), sym=symbol.encode(), fn_name=fn_name.encode())
@@ -207,26 +392,38 @@ class Probes:
                 raise ProbeError(
                     f"cannot attach {kind} program {fn_name} to {symbol} in {path}: {_short(exc)}"
                 ) from exc
-            self._attached.append((path, symbol, int(ret)))
 
     def attach_exit(self, libc: str) -> None:
         """The exit-code probe on libc's ``_exit``."""
+        if self._multi:
+            try:
+                prog = self.bpf.load_func(
+                    EXIT_PROGRAM.encode(), self._bcc.BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI
+                )
+            except Exception as exc:  # BCC raises bare Exception
+                raise ProbeError(
+                    f"cannot load uprobe program {EXIT_PROGRAM} for _exit in {libc}: {_short(exc)}"
+                ) from exc
+            offset = self._offset(libc, "_exit", EXIT_PROGRAM)
+            try:
+                self._links.append(uprobe_multi_link(prog.fd, libc, [offset], [0], LinkKind.ENTRY))
+            except OSError as exc:
+                raise ProbeError(
+                    f"cannot attach uprobe program {EXIT_PROGRAM} to _exit in {libc} "
+                    f"(uprobe_multi link at file offset {offset:#x}): {exc.strerror}"
+                ) from exc
+            return
         try:
-            self.bpf.attach_uprobe(name=libc.encode(), sym=b"_exit", fn_name=b"handle_libc_exit")
+            self.bpf.attach_uprobe(name=libc.encode(), sym=b"_exit", fn_name=EXIT_PROGRAM.encode())
         except Exception as exc:  # BCC raises bare Exception
             raise ProbeError(
-                f"cannot attach uprobe program handle_libc_exit to _exit in {libc}: {_short(exc)}"
+                f"cannot attach uprobe program {EXIT_PROGRAM} to _exit in {libc}: {_short(exc)}"
             ) from exc
-        self._attached.append((libc, "_exit", 0))
 
-    def detach_all(self) -> None:
-        for path, symbol, ret in reversed(self._attached):
-            detach = self.bpf.detach_uretprobe if ret else self.bpf.detach_uprobe
-            try:
-                detach(name=path.encode(), sym=symbol.encode())
-            except Exception as exc:  # BCC raises bare Exception
-                log.warning("detaching %s from %s: %s", symbol, path, exc)
-        self._attached.clear()
+    @property
+    def attach_method(self) -> str:
+        """How uprobes are attached: "uprobe_multi" or "perf event"."""
+        return "perf event" if self._multi is False else "uprobe_multi"
 
     # ---- maps -----------------------------------------------------------
 
@@ -250,8 +447,14 @@ class Probes:
         yield from self.bpf[map_name.encode()].items()
 
     def close(self) -> None:
-        """Detach everything (the kernel takes ~0.1 s per uprobe: seconds)."""
-        self._attached.clear()
+        """Detach everything: uprobe_multi links and tracepoints at once, then
+        what else BCC attached (perf-event uprobes on old kernels, ~0.1 s each)."""
+        links, self._links = self._links, []
+        # BCC would close its tracepoint perf events one by one (~0.08 s
+        # each); closed together their waits overlap too.
+        tracepoints = list(self.bpf.tracepoint_fds.values())
+        self.bpf.tracepoint_fds.clear()
+        close_links(links + tracepoints)
         self.bpf.cleanup()
         # The numpy views keep the mappings alive until they are collected.
         self._maps.clear()
@@ -259,13 +462,44 @@ class Probes:
 
 class BareProbe:
     """A do-nothing uprobe+uretprobe pair on one symbol (bpf/noop.c): the
-    physical floor the benchmark compares the agent's probes with."""
+    physical floor the benchmark compares the agent's probes with, attached
+    the way the agent's are (``attach_method``)."""
 
     def __init__(self, path: str, symbol: str) -> None:
         import bcc
 
+        self._links: list[int] = []
         try:
             self.bpf = bcc.BPF(src_file=str(BPF_DIR / "noop.c").encode())
+        except Exception as exc:  # BCC raises bare Exception
+            raise ProbeError(f"cannot load {BPF_DIR / 'noop.c'}: {_short(exc)}") from exc
+        fn = discovery.elf_functions(path, [symbol]).get(symbol)
+        if fn is None:
+            raise ProbeError(f"cannot attach handle_noop to {symbol} in {path}: no such function")
+        self.attach_method = "uprobe_multi"
+        try:
+            prog = self.bpf.load_func(
+                b"handle_noop", bcc.BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI
+            )
+            for kind in LinkKind:
+                self._links.append(uprobe_multi_link(prog.fd, path, [fn.file_offset], [0], kind))
+        except Exception as exc:  # BCC raises bare Exception; bpf(2) OSError
+            close_links(self._links)
+            self._links = []
+            log.info("bare probe: no uprobe_multi (%s), perf-event uprobes", _short(exc))
+            self._forget_multi_program()
+            self._attach_perf(path, symbol)
+
+    def _forget_multi_program(self) -> None:
+        """BCC caches a program by name; one loaded for uprobe_multi cannot be
+        attached to a perf event, so BCC must load it again."""
+        prog = self.bpf.funcs.pop(b"handle_noop", None)
+        if prog is not None:
+            os.close(prog.fd)
+
+    def _attach_perf(self, path: str, symbol: str) -> None:
+        self.attach_method = "perf event"
+        try:
             self.bpf.attach_uprobe(name=path.encode(), sym=symbol.encode(), fn_name=b"handle_noop")
             self.bpf.attach_uretprobe(
                 name=path.encode(), sym=symbol.encode(), fn_name=b"handle_noop"
@@ -276,4 +510,6 @@ class BareProbe:
             ) from exc
 
     def close(self) -> None:
+        close_links(self._links)
+        self._links = []
         self.bpf.cleanup()

@@ -418,7 +418,7 @@ class CommSlowdown:
     hosts: tuple[int, ...]  # hosts of its ranks
     groups: int  # complete collectives measured
     hit_groups: int  # of them, with a retransmit inside a member's window
-    hit_ns: int  # median duration of those (the shortest member call: the transfer)
+    hit_ns: int  # median duration of those (of their longest member call)
     baseline_ns: int  # median of the others (lower quartile of all when too few)
 
 
@@ -427,8 +427,8 @@ BASELINE_MIN_GROUPS = 3
 
 def retransmit_slowdowns(inc: Incident, m: Matched) -> list[CommSlowdown]:
     """Per communicator spanning two hosts or more.  A collective's duration
-    is its shortest member call: what the last to arrive waited, the
-    transfer itself, whoever was late.  Times are compared within one host:
+    is its longest member call: a stalled link holds up the whole ring, its
+    ranks finishing one after another.  Times are compared within one host:
     a retransmit counts for a call recorded on the host that saw it."""
     rt = inc.retransmits
     if not len(rt) or not len(m.rows):
@@ -471,7 +471,7 @@ def _slowdown(
     ok = (np.minimum.reduceat(rows["end"], starts) > 0) & (size == nranks)
     if not ok.any():
         return None
-    dur = np.minimum.reduceat(rows["end"] - rows["ts"], starts)[ok]
+    dur = np.maximum.reduceat(rows["end"] - rows["ts"], starts)[ok]
     ghit = np.maximum.reduceat(hit, starts)[ok] > 0
     n_hit = int(ghit.sum())
     if not n_hit:

@@ -9,16 +9,24 @@ distinct library file and puts each process in scope or out of it.
 
 Scope ``netns`` keeps only the processes of the agent's network namespace
 (others are excluded in the kernel, and their rows recorded before they were
-classified are dropped from snapshots) and the TCP events of sockets whose
-own (source) address belongs to this namespace (loopback aside) or whose
-owner is in scope: a connection between two nodes shows in each node's dump
-through that node's end only.
+classified are dropped from snapshots and from the watchdog's input; a pid
+gone before it could be classified is dropped too, as it may be another
+node's) and the TCP events of sockets whose own (source) address belongs to
+this namespace, or, for loopback and unbound sockets, whose owner is in
+scope: a connection between two nodes shows in each node's dump through that
+node's end only.  A kept TCP row owned by a process out of scope (the agent's
+own peer requests, say) has pid 0 in snapshots.
+
+``/metrics`` renders ``analyzer.http.agent_metrics`` of ``Agent.stats()``,
+then the other counters; peers are asked through ``recorder.peers``.
 
 Known limits: communicators created before the agent started have hash 0
 and their ``seq`` counts from the agent's start; rank and nranks of split
 communicators are left to the analyzer (-1 here); a process that exits
 without glibc's ``_exit`` (a raw exit_group) has no exit code, only its
-signal or its end; the TCP scope filter knows this namespace's addresses as
+signal or its end (SIGKILL: the kernel's kill of its other threads); in
+``netns`` scope, a rank that ends within a discovery period of its start is
+not recorded; the TCP scope filter knows this namespace's addresses as
 they were at most ``ADDRESS_REFRESH_S`` ago.
 """
 

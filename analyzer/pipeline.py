@@ -10,8 +10,20 @@ Known limits:
 - Stragglers in asynchronous mode (calls return at once) are found by entry
   lateness: among ranks of one host exactly; across hosts only when a rank
   is 50 ms or more behind, far above clock skew.
+- Stragglers must be last far more often than chance would make them (three
+  standard deviations over 1/n of a communicator's collectives) and late by
+  a quarter of the time between its collectives at least: a few ms of
+  lateness under CPU contention is noise.  A rank slowed by less goes unnamed.
+- Retransmits count only on connections between two nodes' own addresses
+  (never loopback, never both ends on one host), and only when the
+  collectives they fall into are markedly slower (3x) than the
+  communicator's others (or, when nearly all have some, its lower quartile).
+  A busy machine retransmits now and then on every link: that is noise.
+  Asynchronous calls return at once: their windows hold no retransmits, and
+  a lossy link is not named in asynchronous mode.
 - Packet loss between exactly two nodes looks the same from both ends: both
-  hosts are named.  With three or more, the host every retransmit involves.
+  hosts are named.  With three or more, the host involved in nearly every
+  retransmit (halfway between its even share, 2 of n hosts, and all).
 - Of several dead ranks, those whose last call returned an error died of a
   peer's death and are not blamed.
 - Flight Recorder dumps carry wall-clock times of their own host and no dump

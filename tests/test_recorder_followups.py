@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -31,9 +32,13 @@ import pytest
 
 from dumpers.format import read_dump
 from dumpers.model import ProcessInfo
-from dumpers.schema import EXIT_EVENT, ExitEvent
+from dumpers.schema import EXIT_EVENT, NCCL_EVENT, TCP_EVENT, ExitEvent, Op
 from recorder.agent import Agent, AgentConfig, _ipv4_unmapped, _shared_address
+from recorder.model import CommProgress, InflightCall
+from recorder.source import ReplaySource
 from recorder.tables import ProcessTable
+
+GONE_PID = 4_000_000  # above pid_max: no such process
 
 THREADS_THEN = """
 import os, sys, threading, time
@@ -168,6 +173,57 @@ def test_tcp_address_helpers() -> None:
     assert plain[4].tolist() == _addr(10, 0, 0, 1)
     assert plain[6].tolist() == addrs[6].tolist()
     assert _shared_address(plain).tolist() == [False, True, True, True, False, True, False]
+
+
+def test_netns_scope_drops_pids_it_cannot_place(tmp_path: Path) -> None:
+    """A pid that is gone before it could be classified may be another
+    node's: in netns scope neither the watchdog nor a snapshot sees it; the
+    host scope keeps it."""
+    for scope, seen in (("netns", False), ("host", True)):
+        source = ReplaySource(ring_slots=16)
+        rows = np.zeros(3, dtype=NCCL_EVENT)
+        rows["pid"], rows["op"] = GONE_PID, Op.ALL_REDUCE
+        source.writers["nccl"].append(rows)
+        exit_rows = np.zeros(1, dtype=EXIT_EVENT)
+        exit_rows["pid"], exit_rows["event"], exit_rows["signal"] = GONE_PID, ExitEvent.SIGNAL, 9
+        source.writers["exit"].append(exit_rows)
+        source.comms.append(CommProgress(GONE_PID, 0xA0, 0, 0, 2, 5, 6, 3, 1, False))
+        source.inflight.append(InflightCall(GONE_PID, GONE_PID, 0, Op.ALL_REDUCE, 2, 5))
+        config = AgentConfig(dump_dir=tmp_path, scope=scope, host_name="node-a")
+        agent = Agent(config, source)
+        state = agent.tick()
+        assert bool(state.inflight) is seen and bool(state.comms) is seen, scope
+        assert any(p.pid == GONE_PID for p in state.processes) is seen, scope
+        rec = agent.snapshot()
+        assert bool(len(rec.rings["nccl"].rows)) is seen, scope
+        assert bool(len(rec.rings["exit"].rows)) is seen, scope
+
+
+def test_netns_tcp_rows_by_the_socket_address_foreign_owners_unattributed(
+    tmp_path: Path,
+) -> None:
+    source = ReplaySource(ring_slots=64)
+    agent = Agent(AgentConfig(dump_dir=tmp_path, scope="netns", host_name="n"), source)
+    me = os.getpid()  # in this namespace: in scope once classified
+    assert agent.classify(me)
+    agent._addresses, agent._addresses_at = {bytes(_addr(10, 9, 0, 1))}, time.monotonic()
+    table = [  # owner, own address, kept, pid in the snapshot
+        (me, _addr(10, 9, 0, 1), True, me),
+        (GONE_PID, _addr(10, 9, 0, 1), True, 0),  # our address, owner unknown
+        (me, _addr(10, 9, 0, 2), False, None),  # another node's address
+        (GONE_PID, _addr(10, 9, 0, 2), False, None),
+        (me, _addr(127, 0, 0, 1), True, me),  # loopback: by owner
+        (GONE_PID, _addr(127, 0, 0, 1), False, None),
+        (0, _addr(10, 9, 0, 1), True, 0),
+    ]
+    rows = np.zeros(len(table), dtype=TCP_EVENT)
+    rows["pid"] = [t[0] for t in table]
+    rows["saddr"] = [t[1] for t in table]
+    rows["sport"] = np.arange(len(table)) + 1000
+    source.writers["tcp"].append(rows)
+    got = agent.snapshot().rings["tcp"].rows
+    want = [(1000 + i, t[3]) for i, t in enumerate(table) if t[2]]
+    assert [(int(r["sport"]), int(r["pid"])) for r in got] == want
 
 
 def _scrape(address: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:

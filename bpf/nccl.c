@@ -635,7 +635,7 @@ static __always_inline void finish_nccl_row(struct call_state *cs, s32 result, u
 	*(volatile __u8 *)&e->state = STATE_STARTED;
 }
 
-static __always_inline int nccl_return(struct pt_regs *ctx)
+int handle_nccl_return(struct pt_regs *ctx)
 {
 	u32 tid = (u32)bpf_get_current_pid_tgid();
 	struct call_state *live = inflight_slot(tid);
@@ -666,8 +666,3 @@ static __always_inline int nccl_return(struct pt_regs *ctx)
 		finish_nccl_row(&cs, result, ts);
 	return 0;
 }
-
-/* The same program twice: the first for a uprobe_multi link, the second for
- * BCC's perf-event uretprobes (a program loaded for one cannot serve both). */
-int handle_nccl_return(struct pt_regs *ctx) { return nccl_return(ctx); }
-int handle_nccl_return_perf(struct pt_regs *ctx) { return nccl_return(ctx); }

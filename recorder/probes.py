@@ -51,7 +51,6 @@ SOURCES = ("common.h", "nccl.c", "tcp.c", "sched.c", "proc.c")
 MULTI_ENTRY_PROGRAM = "handle_nccl_enter"
 RETURN_PROGRAM = "handle_nccl_return"
 # Without uprobe_multi: NCCL symbol -> entry program, one perf event each.
-PERF_RETURN_PROGRAM = "handle_nccl_return_perf"
 ENTRY_PROGRAMS: dict[str, str] = {
     "ncclAllReduce": "handle_enter_all_reduce",
     "ncclAllGather": "handle_enter_all_gather",
@@ -257,10 +256,43 @@ def _unsupported(exc: OSError) -> bool:
     return exc.errno in UNSUPPORTED_ERRNOS
 
 
+class PerfUprobes:
+    """Perf-event uprobes through libbcc's ``bpf_attach_uprobe`` with all
+    seven of its arguments: BCC 0.26's Python binding declares six, so the
+    kernel gets a garbage ``ref_ctr_offset`` (seen: 6), writes a counter at
+    that offset of the library in every process, and refuses any other
+    tool's uprobe on the same function (EINVAL, "ref_ctr_offset mismatch")."""
+
+    def __init__(self, libbcc_name: str) -> None:
+        self._attach = ctypes.CDLL(libbcc_name, use_errno=True).bpf_attach_uprobe
+        self._attach.restype = ctypes.c_int
+        self._attach.argtypes = [
+            ctypes.c_int,  # prog fd
+            ctypes.c_int,  # BPF_PROBE_ENTRY = 0, BPF_PROBE_RETURN = 1
+            ctypes.c_char_p,  # event name (used only without the uprobe PMU)
+            ctypes.c_char_p,  # binary path
+            ctypes.c_uint64,  # file offset
+            ctypes.c_int,  # pid, -1 for every process
+            ctypes.c_uint32,  # ref_ctr_offset
+        ]
+        self.fds: list[int] = []
+
+    def attach(self, prog_fd: int, path: str, offset: int, kind: LinkKind) -> None:
+        ret = kind is LinkKind.RETURN
+        event = f"{'r' if ret else 'p'}_stallwatch_{os.getpid()}_{len(self.fds)}_{offset:x}"
+        fd = self._attach(prog_fd, int(ret), event.encode(), os.fsencode(path), offset, -1, 0)
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err) if err else "bpf_attach_uprobe failed")
+        self.fds.append(fd)
+
+
 class Probes:
     """The loaded BPF module: rings mapped into numpy, maps, attachments."""
 
-    def __init__(self, sizes: RingSizes, runq_threshold_ns: int) -> None:
+    def __init__(self, sizes: RingSizes, runq_threshold_ns: int, uprobe_multi: bool = True) -> None:
+        """``uprobe_multi=False`` attaches perf-event uprobes even where the
+        kernel has uprobe_multi links (the fallback, for tests)."""
         import bcc  # the only import of bcc in stallwatch
 
         self._bcc = bcc
@@ -275,7 +307,8 @@ class Probes:
         self.inflight = self._map_inflight()
         self._links: list[int] = []  # uprobe_multi link fds
         self._offsets: dict[str, dict[str, discovery.ElfFunction]] = {}
-        self._multi: bool | None = None  # None: not tried yet
+        self._perf = PerfUprobes(bcc.libbcc.lib._name)  # fallback: kernels before 6.6
+        self._multi: bool | None = None if uprobe_multi else False  # None: untried
 
     def _map_heads(self) -> np.ndarray:
         mem = _mmap_array(self.bpf[b"heads"], "heads")
@@ -307,27 +340,28 @@ class Probes:
 
     # ---- attach ---------------------------------------------------------
 
-    def _multi_fds(self) -> tuple[int, int] | None:
-        """(entry, return) program fds loaded for uprobe_multi, or None when
-        this kernel has no uprobe_multi (then probes are perf events)."""
-        if self._multi is False:
-            return None
+    def _multi_program(self, name: str) -> int | None:
+        """The fd of program ``name`` loaded for uprobe_multi links; None
+        (and perf events from now on) when this kernel cannot load it so."""
         try:
-            entry = self.bpf.load_func(
-                MULTI_ENTRY_PROGRAM.encode(),
-                self._bcc.BPF.KPROBE,
-                attach_type=BPF_TRACE_UPROBE_MULTI,
-            )
-            ret = self.bpf.load_func(
-                RETURN_PROGRAM.encode(), self._bcc.BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI
+            fn = self.bpf.load_func(
+                name.encode(), self._bcc.BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI
             )
         except Exception as exc:  # BCC raises bare Exception
-            self._no_multi(f"cannot load {MULTI_ENTRY_PROGRAM} for uprobe_multi: {_short(exc)}")
+            if self._multi:
+                raise ProbeError(f"cannot load uprobe program {name}: {_short(exc)}") from exc
+            self._no_multi(f"cannot load {name} for uprobe_multi links: {_short(exc)}")
             return None
-        return entry.fd, ret.fd
+        return int(fn.fd)
 
     def _no_multi(self, why: str) -> None:
         self._multi = False
+        # BCC caches programs by name, and one loaded for uprobe_multi cannot
+        # be attached to a perf event: BCC must load them again.
+        for name in (MULTI_ENTRY_PROGRAM, RETURN_PROGRAM, EXIT_PROGRAM):
+            fn = self.bpf.funcs.pop(name.encode(), None)
+            if fn is not None:
+                os.close(fn.fd)
         log.warning(
             "%s; falling back to one perf-event uprobe per probe: stopping will take "
             "~0.1 s per attached probe",
@@ -336,9 +370,8 @@ class Probes:
 
     def _offset(self, path: str, symbol: str, program: str) -> int:
         if path not in self._offsets:
-            wanted = [*NCCL_SYMBOLS, "_exit"]
             try:
-                self._offsets[path] = discovery.elf_functions(path, wanted)
+                self._offsets[path] = discovery.elf_functions(path, [*NCCL_SYMBOLS, "_exit"])
             except (OSError, ValueError) as exc:
                 raise ProbeError(
                     f"cannot attach uprobe program {program} to {symbol} in {path}: {exc}"
@@ -352,77 +385,67 @@ class Probes:
         return fn.file_offset
 
     def _link(
-        self, fds: tuple[int, int], path: str, symbol: str, cookie: int, programs: tuple[str, str]
+        self, path: str, symbol: str, cookie: int, programs: Sequence[tuple[str, LinkKind]]
     ) -> bool:
-        """Entry and return links on one symbol; False if this kernel has no
-        uprobe_multi links (nothing attached then)."""
-        offset = self._offset(path, symbol, programs[0])
+        """One uprobe_multi link per (program, kind) on ``symbol``; False,
+        with nothing attached, when this kernel has no uprobe_multi links."""
+        if self._multi is False:
+            return False
+        offset = self._offset(path, symbol, programs[0][0])
         made: list[int] = []
-        for prog_fd, program, kind in (
-            (fds[0], programs[0], LinkKind.ENTRY),
-            (fds[1], programs[1], LinkKind.RETURN),
-        ):
+        for program, kind in programs:
+            prog_fd = self._multi_program(program)
+            if prog_fd is None:
+                close_links(made)
+                return False
             try:
                 made.append(uprobe_multi_link(prog_fd, path, [offset], [cookie], kind))
             except OSError as exc:
                 close_links(made)
                 if self._multi is None and _unsupported(exc):
-                    self._no_multi(f"uprobe_multi link refused ({exc.strerror})")
+                    self._no_multi(f"uprobe_multi link refused: {exc.strerror}")
                     return False
                 raise ProbeError(
                     f"cannot attach {kind.value} program {program} to {symbol} in {path} "
                     f"(uprobe_multi link at file offset {offset:#x}): {exc.strerror}"
                 ) from exc
-        self._multi = True
+        if self._multi is None:
+            log.info("uprobes attached through uprobe_multi links")
+            self._multi = True
         self._links += made
         return True
 
     def attach_symbol(self, path: str, symbol: str) -> None:
-        fds = self._multi_fds()
-        programs = (MULTI_ENTRY_PROGRAM, RETURN_PROGRAM)
-        if fds is not None and self._link(fds, path, symbol, SYMBOL_COOKIES[symbol], programs):
+        programs = ((MULTI_ENTRY_PROGRAM, LinkKind.ENTRY), (RETURN_PROGRAM, LinkKind.RETURN))
+        if self._link(path, symbol, SYMBOL_COOKIES[symbol], programs):
             return
-        entry = ENTRY_PROGRAMS[symbol]
-        for fn_name, ret in ((entry, False), (PERF_RETURN_PROGRAM, True)):
-            attach = self.bpf.attach_uretprobe if ret else self.bpf.attach_uprobe
-            try:
-                attach(name=path.encode(), sym=symbol.encode(), fn_name=fn_name.encode())
-            except Exception as exc:  # BCC raises bare Exception
-                kind = "uretprobe" if ret else "uprobe"
-                raise ProbeError(
-                    f"cannot attach {kind} program {fn_name} to {symbol} in {path}: {_short(exc)}"
-                ) from exc
+        programs = ((ENTRY_PROGRAMS[symbol], LinkKind.ENTRY), (RETURN_PROGRAM, LinkKind.RETURN))
+        for program, kind in programs:
+            self._perf_uprobe(path, symbol, program, kind)
 
     def attach_exit(self, libc: str) -> None:
         """The exit-code probe on libc's ``_exit``."""
-        if self._multi:
-            try:
-                prog = self.bpf.load_func(
-                    EXIT_PROGRAM.encode(), self._bcc.BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI
-                )
-            except Exception as exc:  # BCC raises bare Exception
-                raise ProbeError(
-                    f"cannot load uprobe program {EXIT_PROGRAM} for _exit in {libc}: {_short(exc)}"
-                ) from exc
-            offset = self._offset(libc, "_exit", EXIT_PROGRAM)
-            try:
-                self._links.append(uprobe_multi_link(prog.fd, libc, [offset], [0], LinkKind.ENTRY))
-            except OSError as exc:
-                raise ProbeError(
-                    f"cannot attach uprobe program {EXIT_PROGRAM} to _exit in {libc} "
-                    f"(uprobe_multi link at file offset {offset:#x}): {exc.strerror}"
-                ) from exc
-            return
+        if not self._link(libc, "_exit", 0, ((EXIT_PROGRAM, LinkKind.ENTRY),)):
+            self._perf_uprobe(libc, "_exit", EXIT_PROGRAM, LinkKind.ENTRY)
+
+    def _perf_uprobe(self, path: str, symbol: str, program: str, kind: LinkKind) -> None:
+        offset = self._offset(path, symbol, program)
         try:
-            self.bpf.attach_uprobe(name=libc.encode(), sym=b"_exit", fn_name=EXIT_PROGRAM.encode())
-        except Exception as exc:  # BCC raises bare Exception
+            fn = self.bpf.load_func(program.encode(), self._bcc.BPF.KPROBE)
+            self._perf.attach(int(fn.fd), path, offset, kind)
+        except Exception as exc:  # BCC raises bare Exception; OSError from the attach
             raise ProbeError(
-                f"cannot attach uprobe program {EXIT_PROGRAM} to _exit in {libc}: {_short(exc)}"
+                f"cannot attach {kind.value} program {program} to {symbol} in {path}: {_short(exc)}"
             ) from exc
 
     @property
+    def perf_uprobe_fds(self) -> tuple[int, ...]:
+        """The perf events of the fallback (none with uprobe_multi)."""
+        return tuple(self._perf.fds)
+
+    @property
     def attach_method(self) -> str:
-        """How uprobes are attached: "uprobe_multi" or "perf event"."""
+        """How uprobes are (or will be) attached: "uprobe_multi" or "perf event"."""
         return "perf event" if self._multi is False else "uprobe_multi"
 
     # ---- maps -----------------------------------------------------------
@@ -447,9 +470,10 @@ class Probes:
         yield from self.bpf[map_name.encode()].items()
 
     def close(self) -> None:
-        """Detach everything: uprobe_multi links and tracepoints at once, then
-        what else BCC attached (perf-event uprobes on old kernels, ~0.1 s each)."""
-        links, self._links = self._links, []
+        """Detach everything at once: uprobe_multi links, tracepoints and
+        perf-event uprobes (old kernels: those take ~0.1 s each, in turn)."""
+        links, self._links = self._links + self._perf.fds, []
+        self._perf.fds = []
         # BCC would close its tracepoint perf events one by one (~0.08 s
         # each); closed together their waits overlap too.
         tracepoints = list(self.bpf.tracepoint_fds.values())
@@ -488,7 +512,7 @@ class BareProbe:
             self._links = []
             log.info("bare probe: no uprobe_multi (%s), perf-event uprobes", _short(exc))
             self._forget_multi_program()
-            self._attach_perf(path, symbol)
+            self._attach_perf(path, fn.file_offset)
 
     def _forget_multi_program(self) -> None:
         """BCC caches a program by name; one loaded for uprobe_multi cannot be
@@ -497,17 +521,19 @@ class BareProbe:
         if prog is not None:
             os.close(prog.fd)
 
-    def _attach_perf(self, path: str, symbol: str) -> None:
+    def _attach_perf(self, path: str, offset: int) -> None:
+        import bcc
+
         self.attach_method = "perf event"
+        perf = PerfUprobes(bcc.libbcc.lib._name)
         try:
-            self.bpf.attach_uprobe(name=path.encode(), sym=symbol.encode(), fn_name=b"handle_noop")
-            self.bpf.attach_uretprobe(
-                name=path.encode(), sym=symbol.encode(), fn_name=b"handle_noop"
-            )
-        except Exception as exc:  # BCC raises bare Exception
-            raise ProbeError(
-                f"cannot attach handle_noop to {symbol} in {path}: {_short(exc)}"
-            ) from exc
+            fn = self.bpf.load_func(b"handle_noop", bcc.BPF.KPROBE)
+            for kind in LinkKind:
+                perf.attach(int(fn.fd), path, offset, kind)
+        except Exception as exc:  # BCC raises bare Exception; OSError from the attach
+            close_links(perf.fds)
+            raise ProbeError(f"cannot attach handle_noop in {path}: {_short(exc)}") from exc
+        self._links += perf.fds
 
     def close(self) -> None:
         close_links(self._links)

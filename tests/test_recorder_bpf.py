@@ -8,6 +8,7 @@ detaching a uprobe takes about 0.1 s in this kernel.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -23,7 +24,7 @@ import pytest
 
 from bench.fakenccl import FakeNccl, build, link_loop
 from dumpers.model import Recording
-from dumpers.schema import Op, Result, State, fold_unique_id, split_hash
+from dumpers.schema import NCCL_SYMBOLS, Op, Result, State, fold_unique_id, split_hash
 from recorder.agent import Agent, AgentConfig
 from recorder.source import BccSource
 
@@ -93,6 +94,34 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float = 5.0) -> None
 
 
 def test_scenario_one_row_per_call_with_the_right_arguments(agent: Agent, fake: FakeNccl) -> None:
+    assert isinstance(agent.source, BccSource)
+    assert agent.source.probes.attach_method == "uprobe_multi"
+    check_scenario(agent, fake)
+
+
+def test_without_uprobe_multi_perf_event_probes_record_the_same(
+    fake: FakeNccl, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel without uprobe_multi links (before 6.6) refuses them with
+    EINVAL: the agent falls back to a perf event per probe, same rows."""
+    import recorder.probes
+
+    def refuse(*_: object) -> int:
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+    monkeypatch.setattr(recorder.probes, "uprobe_multi_link", refuse)
+    a = Agent(AgentConfig(dump_dir=tmp_path, host_name="bpf-perf"), BccSource(1 << 12, 1_000_000))
+    try:
+        assert a.attach_library(str(fake.lib), required=True) is not None
+        assert isinstance(a.source, BccSource)
+        assert a.source.probes.attach_method == "perf event"
+        assert len(a.source.probes.perf_uprobe_fds) == 2 * len(NCCL_SYMBOLS)
+        check_scenario(a, fake)
+    finally:
+        a.close()
+
+
+def check_scenario(agent: Agent, fake: FakeNccl) -> None:
     out = run_driver(fake.loop, "scenario", "-", "2", "4")
     pid, comm = int(out["pid"]), int(out["comm"], 16)
     uid = bytes.fromhex(out["uid"])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from dumpers.schema import NCCL_SYMBOLS
 from stallwatch.cli import main
 
 
@@ -56,7 +57,7 @@ def test_print_bpf_shows_every_probe_family(capsys: pytest.CaptureFixture[str]) 
 
 
 @pytest.mark.bpf
-def test_record_serves_dumps_on_request_and_stops_on_sigterm(tmp_path: Path) -> None:
+def test_record_serves_dumps_and_stops_within_seconds_of_sigterm(tmp_path: Path) -> None:
     from bench.fakenccl import build
 
     port = _free_port()
@@ -78,7 +79,9 @@ def test_record_serves_dumps_on_request_and_stops_on_sigterm(tmp_path: Path) -> 
         reader = threading.Thread(target=drain, daemon=True)
         reader.start()
         assert listening.wait(120), "".join(log)
-        assert any("attached" in line and "push %rbp" in line for line in log), log
+        attached = [line for line in log if "attached" in line and "push %rbp" in line]
+        assert attached and f": {len(NCCL_SYMBOLS)} symbols" in attached[0], log
+        assert any("through uprobe_multi links" in line for line in log), log
         assert any("MiB in total" in line for line in log)
         dump = subprocess.run(
             [sys.executable, "-m", "stallwatch", "dump", "--agent", f"127.0.0.1:{port}",
@@ -93,7 +96,9 @@ def test_record_serves_dumps_on_request_and_stops_on_sigterm(tmp_path: Path) -> 
         started = time.monotonic()
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(60) == 0, "".join(log)
-        assert time.monotonic() - started < 30
+        # Every NCCL symbol attached: 42 uprobes and 10 tracepoints detached
+        # (one perf event each, closed in turn, took 5-25 s).
+        assert time.monotonic() - started < 4, "".join(log)
         reader.join(10)
     assert len(list((tmp_path / "dumps").glob("*.msgpack"))) == 2  # POST /dump and SIGUSR1
     assert "stopped" in log[-1]

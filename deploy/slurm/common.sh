@@ -26,7 +26,8 @@ STALLWATCH_EXTRA_ARGS=${STALLWATCH_EXTRA_ARGS:-}
 # ncclCommInitRank is recorded); 0 to not wait.
 STALLWATCH_READY_TIMEOUT=${STALLWATCH_READY_TIMEOUT:-20}
 # Seconds the epilog waits after SIGTERM before SIGKILL, and again after it:
-# detaching uprobes takes seconds per library (see the systemd unit).
+# on kernels before 6.6 detaching uprobes takes seconds per library (see the
+# systemd unit).
 STALLWATCH_STOP_TIMEOUT=${STALLWATCH_STOP_TIMEOUT:-60}
 # Shared folder (all nodes) for the job's dumps; empty to leave them on the node.
 STALLWATCH_COLLECT_DIR=${STALLWATCH_COLLECT_DIR:-}

@@ -71,11 +71,11 @@ def _agent(fake: FakeNccl, ring_size: int) -> Iterator[Any]:
             agent.close()
 
 
-def call_cost(fake: FakeNccl, quick: bool, unprobed: float) -> list[Figure]:
+def call_cost(fake: FakeNccl, quick: bool, unprobed: float, method: str) -> list[Figure]:
     calls, repeats = (20_000, 3) if quick else (200_000, 7)
     base, rec = _median_pair(fake, calls, repeats)
     ratio = rec / base
-    anchor = f"bare uprobe+uretprobe {base:,.0f} ns, no probe {unprobed:,.0f} ns"
+    anchor = f"bare uprobe+uretprobe ({method}) {base:,.0f} ns, no probe {unprobed:,.0f} ns"
     return [
         Figure("NCCL call, agent attached", rec, "ns", "", None, anchor),
         Figure("NCCL call cost vs bare uprobe pair", ratio, "x", "<= 1.3x", ratio <= 1.3, anchor),
@@ -218,7 +218,8 @@ def figures(quick: bool) -> list[Figure]:
     bare = BareProbe(str(fake.lib), "benchBaseline")
     try:
         with _agent(fake, 1 << 17) as agent:
-            figs = [*call_cost(fake, quick, unprobed), *throughput(fake, quick, agent)]
+            method = f"{bare.attach_method}, agent {agent.source.probes.attach_method}"
+            figs = [*call_cost(fake, quick, unprobed, method), *throughput(fake, quick, agent)]
     finally:
         bare.close()
     return [*figs, *agent_cpu(fake, quick)]

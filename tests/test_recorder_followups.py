@@ -340,4 +340,5 @@ def test_netns_scope_every_pid_of_a_dump_is_a_rank_of_its_node(tmp_path: Path) -
                 assert rec.trigger.pid in ranks[node] | {0}, f"{where}: {rec.trigger}"
             if node == 1:
                 retransmits += int((rec.rings["tcp"].rows["pid"] != 0).sum())
-    assert retransmits, "node 1 recorded no TCP event owned by its ranks"
+    seen = [(n.get("tcp_out_segs"), n.get("tcp_retrans_segs")) for n in result["nodes_seen"]]
+    assert retransmits, f"node 1 recorded no TCP event owned by its ranks; segs, retrans: {seen}"

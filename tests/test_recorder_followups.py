@@ -320,9 +320,13 @@ def test_netns_scope_every_pid_of_a_dump_is_a_rank_of_its_node(tmp_path: Path) -
         by_node[int(path.parent.name.removeprefix("node"))].append(path)
     assert all(by_node.values()), result["dumps"]
     retransmits = 0
+    tcp_keys: dict[int, set[tuple[int, int, int]]] = {0: set(), 1: set()}
     for node, paths in by_node.items():
         for path in paths:
             rec = read_dump(path)
+            rows = rec.rings["tcp"].rows
+            cols = (rows["ts_ns"].tolist(), rows["skaddr"].tolist(), rows["event"].tolist())
+            tcp_keys[node].update(zip(*cols, strict=True))
             where = f"node {node} ({path.name})"
             nccl = {int(p) for p in rec.rings["nccl"].rows["pid"]}
             assert nccl and nccl <= ranks[node], f"{where}: nccl pids {nccl}, ranks {ranks[node]}"
@@ -340,5 +344,6 @@ def test_netns_scope_every_pid_of_a_dump_is_a_rank_of_its_node(tmp_path: Path) -
                 assert rec.trigger.pid in ranks[node] | {0}, f"{where}: {rec.trigger}"
             if node == 1:
                 retransmits += int((rec.rings["tcp"].rows["pid"] != 0).sum())
+    assert not tcp_keys[0] & tcp_keys[1], "the same TCP event in both nodes' dumps"
     seen = [(n.get("tcp_out_segs"), n.get("tcp_retrans_segs")) for n in result["nodes_seen"]]
     assert retransmits, f"node 1 recorded no TCP event owned by its ranks; segs, retrans: {seen}"

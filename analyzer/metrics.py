@@ -16,7 +16,7 @@ import numpy as np
 
 from dumpers.schema import Op
 
-from .match import Matched
+from .match import Matched, take_rows
 from .model import Incident
 
 ROOTED_OPS = np.array([Op.BROADCAST, Op.REDUCE, Op.GATHER, Op.SCATTER], dtype=np.uint8)
@@ -212,7 +212,8 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
         if not complete.any():
             continue
         if not complete.all():  # else keep the views: no copy of the table
-            rows, gid = rows[complete], gid[complete]
+            keep = np.flatnonzero(complete)
+            rows, gid = take_rows(np.ascontiguousarray(rows), keep), gid[keep]
         scores = _wait_scores(inc, comm, rows, gid, c.nranks)
         if np.median(rows["end"] - rows["ts"]) < ASYNC_BELOW_NS:  # calls return at once
             scores += _lateness_scores(inc, comm, rows, gid, c.nranks)

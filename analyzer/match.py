@@ -63,7 +63,8 @@ def _sort_order(
         key += crank
         if span < (1 << 32):  # a narrower key sorts a third faster
             key = key.astype(np.uint32)
-        return np.argsort(key, kind="stable")
+        order: np.ndarray = np.argsort(key, kind="stable")
+        return order
     return np.lexsort((crank, seq, comm))
 
 
@@ -71,7 +72,8 @@ def take_rows(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
     """``rows[index]`` of a structured table, as plain blocks of bytes: numpy
     copies structured records field by field, several times slower."""
     if not rows.flags.c_contiguous or rows.dtype.hasobject:
-        return rows[index]
+        same: np.ndarray = rows[index]
+        return same
     blocks = rows.view(np.dtype((np.void, rows.dtype.itemsize)))
     out: np.ndarray = np.take(blocks, index).view(rows.dtype)
     return out
@@ -97,8 +99,8 @@ def order_calls(rows: np.ndarray, nranks: np.ndarray) -> Calls:
         order = _sort_order(rows["comm"], rows["seq"], rows["crank"], top)
     else:
         good = np.flatnonzero(keep)
-        keys = (rows[f][good] for f in ("comm", "seq", "crank"))
-        order = good[_sort_order(*keys, top)]
+        comm, seq, crank = (rows[f][good] for f in ("comm", "seq", "crank"))
+        order = good[_sort_order(comm, seq, crank, top)]
         order = np.concatenate([order, np.flatnonzero(~keep)])
     if rows.nbytes <= IN_PLACE_ABOVE_BYTES:
         return Calls(take_rows(rows, order), len(good))  # one gather of whole records
@@ -115,8 +117,8 @@ def match(inc: Incident) -> Matched:
     else:
         idx = np.flatnonzero(_collective(raw, nranks))
         top = int(nranks.max()) if len(nranks) else 1
-        keys = (raw[f][idx] for f in ("comm", "seq", "crank"))
-        rows = take_rows(raw, idx[_sort_order(*keys, top)])
+        comm, seq, crank = (raw[f][idx] for f in ("comm", "seq", "crank"))
+        rows = take_rows(raw, idx[_sort_order(comm, seq, crank, top)])
     n = len(rows)
     # each field read from the records is a sweep of the table: read each once
     comm, seq, crank = (np.ascontiguousarray(rows[f]) for f in ("comm", "seq", "crank"))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -505,7 +506,7 @@ def request_end_dumps(lab: Lab) -> list[str]:
     problems = []
     for node in lab.net.nodes:
         url = f"http://{node.ip}:{AGENT_PORT}/dump"
-        answer = netns.in_netns(node.netns, lambda u=url: _post_dump(u, body, lab.token))
+        answer = netns.in_netns(node.netns, functools.partial(_post_dump, url, body, lab.token))
         if answer is not None:
             problems.append(f"the agent of node {node.index} refused to dump: {answer}")
     deadline = time.monotonic() + DUMP_GRACE

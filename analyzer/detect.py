@@ -24,6 +24,7 @@ from .metrics import (
     HostRetransmits,
     Member,
     MemberState,
+    proc_hosts,
 )
 from .model import Incident, Proc
 from .verdict import Verdict, VerdictKind
@@ -418,7 +419,14 @@ def lossy_hosts(a: Analysis) -> tuple[HostRetransmits, ...]:
     ]
     if not named or not slowed_comms(a, {h.host for h in named}):
         return ()
+    if all(h.host in _starved_hosts(a) for h in named):
+        return ()  # a process starved of CPU stalls its connections: TCP retransmits
     return tuple(sorted(named, key=lambda h: h.host))
+
+
+def _starved_hosts(a: Analysis) -> set[int]:
+    hosts = proc_hosts(a.incident)
+    return {hosts[p] for p in _sched_heavy(a)}
 
 
 def _straggler_verdict(a: Analysis, s: ArrivalScore, kind: VerdictKind) -> Verdict:

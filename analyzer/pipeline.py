@@ -19,6 +19,8 @@ Known limits:
   collectives they fall into are markedly slower (3x) than the
   communicator's others (or, when nearly all have some, its lower quartile).
   A busy machine retransmits now and then on every link: that is noise.
+  When every host named holds a rank starved of CPU, the starvation is the
+  finding (a starved process stalls its connections into retransmits).
   Asynchronous calls return at once: their windows hold no retransmits, and
   a lossy link is not named in asynchronous mode.
 - Packet loss between exactly two nodes looks the same from both ends: both

@@ -141,6 +141,13 @@ def test_retransmits_that_slow_nothing_are_no_network_straggler(nodes: int) -> N
     assert kinds(list(analyze_incident(inc).verdicts)) == [VerdictKind.HEALTHY]
 
 
+def test_retransmits_of_a_cpu_starved_pair_are_cpu_interference() -> None:
+    # 2 nodes: a hog starves rank 2 so that its connections retransmit
+    vs = verdicts(with_(BASE, cpuhog=2, loss_node=1))
+    assert kinds(vs) == [VerdictKind.CPU_INTERFERENCE]
+    assert vs[0].ranks == (2,)
+
+
 def test_cpuhog_is_cpu_interference() -> None:
     vs = verdicts(with_(BASE, cpuhog=2))
     assert kinds(vs) == [VerdictKind.CPU_INTERFERENCE]

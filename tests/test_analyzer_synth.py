@@ -71,8 +71,10 @@ def host_of(node: int) -> str:
     return f"node{node}"
 
 
-def _row(rank: int, nranks: int, seq: int, ts: int, end: int, comm_hash: int, crank: int) -> tuple:
-    r = np.zeros(1, dtype=NCCL_EVENT)[0]
+def _row(
+    rank: int, nranks: int, seq: int, ts: int, end: int, comm_hash: int, crank: int
+) -> np.void:
+    r: np.void = np.zeros(1, dtype=NCCL_EVENT)[0]
     r["ts_ns"], r["end_ns"], r["pid"], r["tid"] = ts, end, pid_of(rank), pid_of(rank)
     r["kind"], r["size"] = 1, NCCL_EVENT.itemsize
     r["comm"], r["comm_hash"], r["count"], r["bytes"] = 0x1000 + rank, comm_hash, 1024, 4096

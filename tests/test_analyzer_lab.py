@@ -68,6 +68,7 @@ class Recorded:
 def lab_run(folder: Path, args: list[str]) -> Recorded:
     cmd = [sys.executable, "-m", "stallwatch", "lab", "run", "--ranks-per-node", "2"]
     cmd += ["--steps", STEPS, "--record", "--dump-dir", str(folder), "--stall-timeout", "5"]
+    cmd += ["--timeout", "120"]  # counted from the start: agents attach slowly on a busy machine
     cmd += args  # a later --ranks-per-node wins
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     dumps = sorted(folder.rglob("*.msgpack"))

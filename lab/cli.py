@@ -27,6 +27,7 @@ examples:
   stallwatch lab run --nodes 4 --fault hang:rank=5,step=10 --stall-timeout 5
   stallwatch lab run --fault loss:node=1,pct=5 --mode async
   stallwatch lab run --nodes 4 --fault hang:rank=5,step=10 --record --dump-dir dumps/
+  stallwatch lab run --nodes 2 --record --dump-at-end --dump-dir dumps/
 
 exit codes: 0 every rank finished and verified; 1 the job failed (faults, stuck or
 crashed ranks); 2 bad input, or the lab could not be set up (root, tools)."""

@@ -10,6 +10,8 @@ One run:
 4. waits: the job ends, or no rank makes progress for ``--stall-timeout``
    seconds (progress is read from the ranks' reports), or ``--timeout`` passes;
    a recorded job that fails is given time for every agent to write its dump;
+   with ``--dump-at-end`` a job that finished has every agent asked for one
+   (``POST /dump``, one incident ``lab-<run id>-end``);
 5. tears everything down, always (``finally``, SIGINT, SIGTERM, ``atexit``):
    ranks, hogs and agents are killed, namespaces (and with them links,
    nftables tables and qdiscs) deleted, the run directory removed.

@@ -1,8 +1,8 @@
 """The recorder against real eBPF: uprobes on a small NCCL-ABI library driven
 from C, and kernel tracepoints (TCP retransmits, run-queue delay, exits).
 
-One agent (one BPF load) serves most tests: loading takes seconds and
-detaching a uprobe takes about 0.1 s in this kernel.
+One agent (one BPF load) serves most tests: loading takes seconds (and
+detaching a perf-event uprobe, the fallback before Linux 6.6, ~0.1 s each).
 """
 
 from __future__ import annotations

@@ -244,5 +244,13 @@ def _collect(
 
 
 def close_connections() -> None:
-    """Close the pooled keep-alive connections (tests, long-lived callers)."""
+    """Close the pooled keep-alive connections and stop the client threads
+    (tests, long-lived callers).  The next fan-out starts fresh threads from
+    its caller, so they share the caller's network namespace: a thread keeps
+    the namespace of the thread that started it."""
+    global _executor
     _POOL.clear()
+    with _executor_lock:
+        executor, _executor = _executor, None
+    if executor is not None:
+        executor.shutdown(wait=True)

@@ -80,7 +80,18 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
 
 
 def _in_node0(lab: Lab, fn: Callable[[], T]) -> T:
-    return netns.in_netns(lab.node(0).netns, fn)
+    """Run ``fn`` in node 0's namespace, fan-out threads included: they are
+    started afresh from inside it, so no request leaves through the root
+    namespace towards the nodes' private addresses."""
+
+    def inside() -> T:
+        close_connections()
+        try:
+            return fn()
+        finally:
+            close_connections()
+
+    return netns.in_netns(lab.node(0).netns, inside)
 
 
 def _agents(lab: Lab) -> list[str]:

@@ -50,6 +50,19 @@ from .schema import (
     op_name,
 )
 
+# The query DESIGN.md ("SQL") promises runs unchanged on dumps and on live
+# agents; the demo, the benchmarks and the tests all use this one copy.
+SEED_QUERY = """\
+WITH slow_collectives AS (
+  SELECT timestamp_ns, duration_ns, rank, nranks, comm_id_hash, pid
+  FROM nccl_events WHERE op = 'ALL_REDUCE' AND duration_ns > 50000000)
+SELECT s.rank, s.duration_ns/1e6 AS ms, COUNT(t.timestamp_ns) AS retransmits_in_window
+FROM slow_collectives s
+LEFT JOIN tcp_events t
+  ON t.timestamp_ns BETWEEN s.timestamp_ns AND s.timestamp_ns + s.duration_ns
+ AND t.event = 'tcp_retransmit_skb'
+GROUP BY s.rank, s.duration_ns, s.timestamp_ns ORDER BY ms DESC LIMIT 20;"""
+
 TABLE_NAMES = (
     "nccl_events",
     "comm_events",

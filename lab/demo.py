@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TextIO
 
 from dumpers.errors import LabError, UsageError
+from dumpers.tables import SEED_QUERY
 
 EXIT_FOUND, EXIT_MISSED, EXIT_USAGE = 0, 1, 2
 STEPS = 16
@@ -49,18 +50,6 @@ SETTLE_MAX_S = 5.0
 HEARTBEAT_S = 10.0
 LAB_EXIT_TIMEOUT = 180.0  # the lab's own deadlines end it well before this
 PERFETTO_UI = "https://ui.perfetto.dev"
-
-# The seed query of DESIGN.md ("SQL"), unchanged.
-SEED_QUERY = """\
-WITH slow_collectives AS (
-  SELECT timestamp_ns, duration_ns, rank, nranks, comm_id_hash, pid
-  FROM nccl_events WHERE op = 'ALL_REDUCE' AND duration_ns > 50000000)
-SELECT s.rank, s.duration_ns/1e6 AS ms, COUNT(t.timestamp_ns) AS retransmits_in_window
-FROM slow_collectives s
-LEFT JOIN tcp_events t
-  ON t.timestamp_ns BETWEEN s.timestamp_ns AND s.timestamp_ns + s.duration_ns
- AND t.event = 'tcp_retransmit_skb'
-GROUP BY s.rank, s.duration_ns, s.timestamp_ns ORDER BY ms DESC LIMIT 20;"""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,6 @@ agent's /metrics.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -25,7 +24,6 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -37,6 +35,8 @@ from recorder.agent import Agent, AgentConfig, _ipv4_unmapped, _shared_address
 from recorder.model import CommProgress, InflightCall
 from recorder.source import ReplaySource
 from recorder.tables import ProcessTable
+
+from .test_recorder_lab import lab_run
 
 GONE_PID = 4_000_000  # above pid_max: no such process
 
@@ -289,26 +289,12 @@ def test_metrics_of_a_live_agent(bpf_agent: Agent) -> None:
     assert 0 < after["stallwatch_ring_fill_ratio"][nccl] <= 1
 
 
-def _lab_run(*args: str, timeout: float = 240) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "stallwatch", "lab", "run", "--json", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    if not proc.stdout.strip():
-        pytest.fail(f"lab run {' '.join(args)} printed nothing: {proc.stderr[-2000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout)
-    return result
-
-
 @pytest.mark.bpf
 @pytest.mark.lab
 def test_netns_scope_every_pid_of_a_dump_is_a_rank_of_its_node(tmp_path: Path) -> None:
     """Loss on node 1 and a hang of rank 3: each node's dump holds only its
     own ranks' rows, processes and triggers."""
-    result = _lab_run(
+    result = lab_run(
         "--nodes", "2", "--ranks-per-node", "2", "--steps", "20", "--record",
         "--dump-dir", str(tmp_path), "--stall-timeout", "2",
         "--fault", "loss:node=1,pct=8", "--fault", "hang:rank=3,step=15",

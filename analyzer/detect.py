@@ -31,6 +31,9 @@ from .verdict import Verdict, VerdictKind
 
 STRAGGLER_FRACTION = 0.75  # last to arrive in at least this share of collectives
 STRAGGLER_MARGIN_NS = 5_000_000  # and later than its peers by this much (median)
+# Arrival lateness (async calls, no durations to go by) needs more: a healthy
+# async job on a busy 2-core machine showed ranks 6-8 ms "late" from noise.
+ARRIVAL_MARGIN_NS = 20_000_000
 STRAGGLER_MIN_GROUPS = 8
 STRAGGLER_SIGMAS = 3.0  # last more often than chance by this many standard deviations
 STRAGGLER_PERIOD_SHARE = 0.25  # margin: at least this share of the time between collectives
@@ -315,7 +318,7 @@ def _is_straggling(s: ArrivalScore) -> bool:
         s.proc >= 0
         and s.groups >= STRAGGLER_MIN_GROUPS
         and s.last_fraction >= _last_fraction_min(s)
-        and s.margin_ns >= STRAGGLER_MARGIN_NS
+        and s.margin_ns >= (STRAGGLER_MARGIN_NS if s.method == "wait" else ARRIVAL_MARGIN_NS)
         and s.margin_ns >= STRAGGLER_PERIOD_SHARE * s.period_ns
         and (s.method != "lateness" or s.margin_ns >= CROSS_HOST_MARGIN_NS)
     )

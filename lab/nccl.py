@@ -223,6 +223,22 @@ class LabNccl:
         if code != Result.SUCCESS:
             raise NcclError(name, code, self.error_string(code), self.last_error(comm))
 
+    def _rooted(
+        self,
+        name: str,
+        send: Buffer,
+        recv: Buffer,
+        count: int,
+        dtype: int,
+        root: int,
+        comm: Comm,
+        stream: int | None,
+    ) -> None:
+        """ncclBroadcast, ncclGather and ncclScatter share one signature."""
+        self._call(
+            name, _address(send), _address(recv), count, dtype, root, comm.handle, stream, comm=comm
+        )
+
     def error_string(self, result: int) -> str:
         text: bytes | None = self.cdll.ncclGetErrorString(result)
         return (text or b"").decode(errors="replace")
@@ -341,17 +357,7 @@ class LabNccl:
         comm: Comm,
         stream: int | None = None,
     ) -> None:
-        self._call(
-            "ncclBroadcast",
-            _address(send),
-            _address(recv),
-            count,
-            dtype,
-            root,
-            comm.handle,
-            stream,
-            comm=comm,
-        )
+        self._rooted("ncclBroadcast", send, recv, count, dtype, root, comm, stream)
 
     def bcast(
         self, buf: Buffer, count: int, dtype: int, root: int, comm: Comm, stream: int | None = None
@@ -454,17 +460,7 @@ class LabNccl:
         comm: Comm,
         stream: int | None = None,
     ) -> None:
-        self._call(
-            "ncclGather",
-            _address(send),
-            _address(recv),
-            count,
-            dtype,
-            root,
-            comm.handle,
-            stream,
-            comm=comm,
-        )
+        self._rooted("ncclGather", send, recv, count, dtype, root, comm, stream)
 
     def scatter(
         self,
@@ -476,17 +472,7 @@ class LabNccl:
         comm: Comm,
         stream: int | None = None,
     ) -> None:
-        self._call(
-            "ncclScatter",
-            _address(send),
-            _address(recv),
-            count,
-            dtype,
-            root,
-            comm.handle,
-            stream,
-            comm=comm,
-        )
+        self._rooted("ncclScatter", send, recv, count, dtype, root, comm, stream)
 
     def send(
         self, buf: Buffer, count: int, dtype: int, peer: int, comm: Comm, stream: int | None = None

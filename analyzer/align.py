@@ -25,7 +25,9 @@ from dumpers.model import CommInfo, Recording
 from dumpers.schema import NCCL_EVENT, ExitEvent, Op, TcpEvent
 
 from .match import order_calls
-from .model import CALL_DTYPE, SCHED_DTYPE, TCP_RETRANS_DTYPE, Comm, Incident, Proc
+from .model import CALL_DTYPE, SCHED_DTYPE, TCP_RETRANS_DTYPE, Calls, Comm, Incident, Proc
+from .parallel import in_parallel, threads
+from .table import Table
 
 IS_CALL = np.zeros(256, dtype=bool)  # op -> is a collective or p2p call
 IS_CALL[[int(op) for op in Op if op.is_collective or op.is_p2p]] = True
@@ -37,7 +39,7 @@ class Source:
     recording: Recording
 
 
-SCOPED_RINGS = ("nccl", "sched", "exit")
+SCOPED_RINGS = ("sched", "exit")  # nccl rows are scoped as they are read (_extract)
 
 
 def in_scope(rec: Recording, consume: bool = False) -> Recording:
@@ -54,7 +56,7 @@ def in_scope(rec: Recording, consume: bool = False) -> Recording:
         ring = rings.get(name)
         if ring is None or not len(ring.rows):
             continue
-        keep = np.isin(ring.rows["pid"], scope)
+        keep = _member_of(ring.rows["pid"], scope)
         if not keep.all():
             rings[name] = dataclasses.replace(ring, rows=ring.rows[keep])
             if consume:
@@ -62,6 +64,37 @@ def in_scope(rec: Recording, consume: bool = False) -> Recording:
     if all(rings[k] is rec.rings.get(k) for k in rings):
         return rec  # nothing out of scope: the same recording, not a copy
     return dataclasses.replace(rec, rings=rings)
+
+
+def _member_of(values: np.ndarray, known: np.ndarray) -> np.ndarray:
+    """Per value: whether it is in ``known`` (sorted, unique)."""
+    return _positions(known, values)[1]
+
+
+LOW_BITS_MAX = 16  # a key table of up to 64k slots
+
+
+def _positions(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Index of each value in ``keys`` (sorted, unique), and whether it is
+    there.  When the keys' low bits tell them apart (a node's pids, a few comm
+    hashes), a table indexed by those bits answers with one gather per value:
+    a binary search mispredicts its branches on values in no order and costs
+    several times as much."""
+    n = len(keys)
+    if not n:
+        return np.zeros(len(values), dtype=np.int64), np.zeros(len(values), dtype=bool)
+    if n <= 1 << LOW_BITS_MAX:
+        ks = [int(k) for k in keys.tolist()]
+        for bits in range(max(1, (n - 1).bit_length()), LOW_BITS_MAX + 1):
+            mask = (1 << bits) - 1
+            if len({k & mask for k in ks}) == n:
+                slot = np.zeros(mask + 1, dtype=np.int64)
+                slot[[k & mask for k in ks]] = np.arange(n)
+                pos: np.ndarray = slot[values & values.dtype.type(mask)]
+                return pos, keys[pos] == values
+    pos = np.searchsorted(keys, values)
+    np.minimum(pos, n - 1, out=pos)
+    return pos, keys[pos] == values
 
 
 def incident_from_recordings(
@@ -72,35 +105,158 @@ def incident_from_recordings(
     sources = [Source(s.path, in_scope(s.recording, consume)) for s in sources]
     sources = sorted(sources, key=lambda s: (s.recording.host, s.path))
     hosts = tuple(sorted({s.recording.host for s in sources}))
-    procs, proc_index = _procs(sources)
-    comms, membership = _comms(sources, proc_index)
+    stage, extracts = _extract_all(sources, consume)
+    now = _host_now(extracts)
+    procs, proc_index = _procs(extracts)
+    comms, membership = _comms(extracts, proc_index)
     procs = _with_world_ranks(procs, comms)
-    calls = _calls(sources, proc_index, comms, membership, consume)
+    calls = _calls(stage, extracts, proc_index, comms, membership)
     return Incident(
         id=incident_id,
         hosts=hosts,
-        host_now=tuple(_host_now(sources, h) for h in hosts),
+        host_now=tuple(now.get(h) for h in hosts),
         procs=tuple(procs),
         comms=tuple(comms),
-        calls=order_calls(calls, np.array([c.nranks for c in comms], dtype=np.int64)),
+        calls=calls,
         retransmits=_retransmits(sources, hosts),
         sched=_sched(sources, hosts),
         sources=tuple(s.path for s in sources),
     )
 
 
-def _host_now(sources: list[Source], host: str) -> int | None:
-    times = []
-    for s in sources:
-        rec = s.recording
-        if rec.host != host:
-            continue
-        if rec.trigger is not None and rec.trigger.time_ns > 0:
-            times.append(rec.trigger.time_ns)
-        elif "nccl" in rec.rings and len(rec.rings["nccl"].rows):
-            rows = rec.rings["nccl"].rows
-            times.append(int(max(rows["ts_ns"].max(), rows["end_ns"].max())))
-    return max(times) if times else None
+@dataclass(frozen=True, slots=True)
+class _Extract:
+    """One source's call rows, copied out of its ring into the stage table
+    (a ring's records are read once, while they are in the CPU's cache)."""
+
+    source: Source
+    rows: slice  # its rows in the stage table
+    complete: bool  # its ring never overwrote a row
+    latest: int | None  # its latest timestamp
+    scope: np.ndarray  # pids (sorted): its rows' "proc" column holds indices into it
+    pids: tuple[int, ...]  # pids of its call rows, beyond its communicator table's
+    # (comm_hash, pid, rank, nranks) of call rows whose comm its table lacks
+    row_members: tuple[tuple[int, int, int, int], ...]
+
+
+# the stage: CALL_DTYPE's columns, "proc" holding indices into the source's
+# scope and "crank" the rows' own ranks until _calls resolves them, and the
+# rows' comm hashes
+STAGE_DTYPE = np.dtype([*((n, CALL_DTYPE[n]) for n in CALL_DTYPE.names or ()), ("hash", "<u8")])
+NO_PIDS = np.zeros(0, dtype=np.uint32)
+
+
+def _extract_all(sources: list[Source], consume: bool) -> tuple[Table, list[_Extract]]:
+    """Every source's call rows into one stage table, a few threads each
+    taking a run of sources (and its own run of the table)."""
+    sizes = [
+        len(s.recording.rings["nccl"].rows) if "nccl" in s.recording.rings else 0 for s in sources
+    ]
+    stage = Table.empty(STAGE_DTYPE, sum(sizes))  # filled in place: no list of parts to join
+
+    def run(part: tuple[int, int, int]) -> list[_Extract]:
+        first, stop, at = part
+        out: list[_Extract] = []
+        for s in sources[first:stop]:
+            out.append(_extract(s, stage, at))
+            at = out[-1].rows.stop
+            if consume:  # the caller gave the recordings up: free each ring once read
+                s.recording.rings.pop("nccl", None)
+        return out
+
+    parts = _runs(sizes, threads())
+    extracts: list[_Extract] = []
+    at = 0
+    for (_, _, start), done in zip(parts, in_parallel(run, parts), strict=True):
+        stop = done[-1].rows.stop if done else start
+        if start != at:  # rows a run dropped (out of scope, not calls) leave a gap: close it
+            for name in stage:
+                stage[name][at : at + stop - start] = stage[name][start:stop]
+            shift = at - start
+            done = [
+                dataclasses.replace(e, rows=slice(e.rows.start + shift, e.rows.stop + shift))
+                for e in done
+            ]
+        at += stop - start
+        extracts.extend(done)
+    return stage[:at], extracts
+
+
+def _runs(sizes: list[int], n: int) -> list[tuple[int, int, int]]:
+    """``sizes`` cut into up to ``n`` runs of about equal total: (first,
+    stop, offset of the run's first row)."""
+    total = sum(sizes)
+    if not total:
+        return [(0, len(sizes), 0)]
+    out: list[tuple[int, int, int]] = []
+    first = start = at = 0
+    for i, size in enumerate(sizes):
+        at += size
+        if at * n >= total * (len(out) + 1) or i == len(sizes) - 1:
+            out.append((first, i + 1, start))
+            first, start = i + 1, at
+    return out
+
+
+def _extract(s: Source, stage: Table, at: int) -> _Extract:
+    rec = s.recording
+    ring = rec.rings.get("nccl")
+    complete = ring is None or ring.overwritten == 0
+    if ring is None or not len(ring.rows):
+        return _Extract(s, slice(at, at), complete, None, NO_PIDS, (), ())
+    raw = ring.rows if ring.rows.dtype == NCCL_EVENT else ring.rows.astype(NCCL_EVENT)
+    keep = IS_CALL[raw["op"]]
+    listed = {p.pid for p in rec.processes} | {c.pid for c in rec.communicators}
+    # an agent's process table is its scope (one node); without one, every pid
+    scope = np.array(sorted(listed), dtype=np.uint32) if listed else np.unique(raw["pid"][keep])
+    index, inside = _positions(scope, raw["pid"])
+    keep &= inside
+    n = int(np.count_nonzero(keep))
+    sel = slice(None) if n == len(raw) else np.flatnonzero(keep)
+    dst = slice(at, at + n)
+    stage["proc"][dst] = index[sel]
+    for name, src in (*CALL_FIELDS, ("crank", "rank"), ("hash", "comm_hash")):
+        stage[name][dst] = raw[src][sel]
+    index, rank, comm_hash = stage["proc"][dst], stage["crank"][dst], stage["hash"][dst]
+    unknown = comm_hash == 0
+    if unknown.any():  # fill from the process's comm table by pointer
+        ptr = {(c.pid, c.comm): c.comm_hash for c in rec.communicators}
+        pid = scope[index[unknown]].tolist()
+        comm_hash[unknown] = [
+            ptr.get(k, 0) for k in zip(pid, raw["comm"][sel][unknown].tolist(), strict=True)
+        ]
+    used = np.bincount(index, minlength=len(scope)) > 0
+    comm_pids = {c.pid for c in rec.communicators}
+    used &= np.array([p not in comm_pids for p in scope.tolist()], dtype=bool)
+    hashes = sorted({c.comm_hash for c in rec.communicators})
+    if len(hashes) == 1:  # the common case: one comm per process table, no search
+        foreign = comm_hash != np.uint64(hashes[0])
+    else:
+        foreign = ~_member_of(comm_hash, np.array(hashes, dtype=np.uint64))
+    members: tuple[tuple[int, int, int, int], ...] = ()
+    if foreign.any():  # comms whose init the recorder never saw
+        foreign &= (comm_hash != 0) & (rank >= 0)
+        nranks = raw["nranks"][sel][foreign]
+        keys = np.unique(
+            np.rec.fromarrays([comm_hash[foreign], scope[index[foreign]], rank[foreign], nranks])
+        )
+        members = tuple((int(h), int(p), int(r), int(nr)) for h, p, r, nr in keys.tolist())
+    latest = int(max(stage["ts"][dst].max(), stage["end"][dst].max())) if n else None
+    pids = tuple(int(p) for p in scope[used])
+    return _Extract(s, dst, complete, latest, scope, pids, members)
+
+
+def _host_now(extracts: list[_Extract]) -> dict[str, int]:
+    """Per host, when it dumped (its clock): the trigger's time, else its
+    latest recorded timestamp."""
+    out: dict[str, int] = {}
+    for e in extracts:
+        rec = e.source.recording
+        t = rec.trigger.time_ns if rec.trigger is not None and rec.trigger.time_ns > 0 else None
+        t = t if t is not None else e.latest
+        if t is not None:
+            out[rec.host] = max(out.get(rec.host, t), t)
+    return out
 
 
 def _exit_status(rec: Recording) -> dict[int, tuple[int | None, int | None]]:
@@ -123,17 +279,12 @@ def _exit_status(rec: Recording) -> dict[int, tuple[int | None, int | None]]:
     return status
 
 
-def _procs(sources: list[Source]) -> tuple[list[Proc], dict[tuple[str, int], int]]:
+def _procs(extracts: list[_Extract]) -> tuple[list[Proc], dict[tuple[str, int], int]]:
     procs: list[Proc] = []
     index: dict[tuple[str, int], int] = {}
-    for s in sources:
-        rec = s.recording
-        ring = rec.rings.get("nccl")
-        complete = ring is None or ring.overwritten == 0
-        pids = {c.pid for c in rec.communicators}
-        if ring is not None and len(ring.rows):
-            calls = IS_CALL[ring.rows["op"]]
-            pids.update(int(p) for p in np.unique(ring.rows["pid"][calls]))
+    for e in extracts:
+        rec = e.source.recording
+        pids = {c.pid for c in rec.communicators} | set(e.pids)
         status = _exit_status(rec)
         for pid in sorted(pids):
             key = (rec.host, pid)
@@ -141,20 +292,21 @@ def _procs(sources: list[Source]) -> tuple[list[Proc], dict[tuple[str, int], int
                 continue
             code, sig = status.get(pid, (None, None))
             index[key] = len(procs)
-            procs.append(Proc(rec.host, pid, -1, s.path, code, sig, complete))
+            procs.append(Proc(rec.host, pid, -1, e.source.path, code, sig, e.complete))
     return procs, index
 
 
 def _comms(
-    sources: list[Source], proc_index: dict[tuple[str, int], int]
+    extracts: list[_Extract], proc_index: dict[tuple[str, int], int]
 ) -> tuple[list[Comm], dict[tuple[int, int], int]]:
     """Communicators and a map (proc, comm_hash) -> comm rank."""
     infos: dict[int, list[tuple[int, CommInfo]]] = defaultdict(list)
-    for s in sources:
-        for ci in s.recording.communicators:
+    for e in extracts:
+        rec = e.source.recording
+        for ci in rec.communicators:
             if ci.comm_hash:
-                infos[ci.comm_hash].append((proc_index[(s.recording.host, ci.pid)], ci))
-    for rows_hash, proc, rank, nranks in _row_members(sources, proc_index):
+                infos[ci.comm_hash].append((proc_index[(rec.host, ci.pid)], ci))
+    for rows_hash, proc, rank, nranks in _row_members(extracts, proc_index):
         if rows_hash not in infos or not any(p == proc for p, _ in infos[rows_hash]):
             infos[rows_hash].append((proc, CommInfo(0, 0, rows_hash, rank, nranks)))
     known: dict[tuple[int, int], int] = {}
@@ -194,30 +346,16 @@ def _members(lst: list[tuple[int, CommInfo]], known: dict[tuple[int, int], int])
 
 
 def _row_members(
-    sources: list[Source], proc_index: dict[tuple[str, int], int]
+    extracts: list[_Extract], proc_index: dict[tuple[str, int], int]
 ) -> list[tuple[int, int, int, int]]:
     """(comm_hash, proc, rank, nranks) seen in call rows, for comms whose init
     the recorder never saw."""
     out: list[tuple[int, int, int, int]] = []
-    for s in sources:
-        ring = s.recording.rings.get("nccl")
-        if ring is None or not len(ring.rows):
-            continue
-        known = np.array(sorted({c.comm_hash for c in s.recording.communicators}), dtype=np.uint64)
-        raw = ring.rows
-        hashes = raw["comm_hash"]
-        # the common case is one comm per process table: no isin then
-        sel = hashes != known[0] if len(known) == 1 else ~np.isin(hashes, known)
-        sel &= (hashes != 0) & (raw["rank"] >= 0)
-        if not sel.any():
-            continue
-        rows = raw[sel]
-        rows = rows[IS_CALL[rows["op"]]]
-        keys = np.unique(rows[["comm_hash", "pid", "rank", "nranks"]])
-        for h, pid, rank, nranks in keys.tolist():
-            proc = proc_index.get((s.recording.host, int(pid)))
+    for e in extracts:
+        for h, pid, rank, nranks in e.row_members:
+            proc = proc_index.get((e.source.recording.host, pid))
             if proc is not None:
-                out.append((int(h), proc, int(rank), int(nranks)))
+                out.append((h, proc, rank, nranks))
     return out
 
 
@@ -264,10 +402,13 @@ class _RankTable:
 
     def lookup(self, proc: np.ndarray, comm: np.ndarray) -> np.ndarray:
         if self.dense is not None:
+            if len(comm) and comm[0] == comm[-1] and (comm == comm[0]).all():  # one comm
+                column = self.dense[:, min(int(comm[0]), self.dense.shape[1] - 1)]
+                return np.asarray(column[proc])
             return np.asarray(self.dense[proc, np.minimum(comm, self.dense.shape[1] - 1)])
         if not len(self.keys):
             return np.full(len(proc), -1, dtype=np.int64)
-        k = proc * (self.ncomms + 1) + comm
+        k = proc.astype(np.int64) * (self.ncomms + 1) + comm
         pos = np.clip(np.searchsorted(self.keys, k), 0, len(self.keys) - 1)
         return np.where(self.keys[pos] == k, self.vals[pos], -1)
 
@@ -276,65 +417,36 @@ DENSE_TABLE_MAX = 16 << 20  # entries (8 bytes each) of the dense (proc, comm) -
 
 
 def _calls(
-    sources: list[Source],
+    stage: Table,
+    extracts: list[_Extract],
     proc_index: dict[tuple[str, int], int],
     comms: list[Comm],
     membership: dict[tuple[int, int], int],
-    consume: bool,
-) -> np.ndarray:
+) -> Calls:
+    """The stage's pids, comm hashes and own ranks resolved into procs, comm
+    indices and comm ranks; rows of no known communicator dropped."""
     hashes = np.array([c.comm_hash for c in comms], dtype=np.uint64)
     table = _RankTable.build(len(proc_index), hashes, membership)
-    total = sum(len(s.recording.rings["nccl"].rows) for s in sources if "nccl" in s.recording.rings)
-    out = np.empty(total, dtype=CALL_DTYPE)  # filled in place: no list of parts to join
-    n = 0
-    for s in sources:
-        ring = s.recording.rings.get("nccl")
-        if ring is None or not len(ring.rows):
+    valid = True
+    for e in extracts:
+        sl = e.rows
+        if sl.stop == sl.start:
             continue
-        n += _calls_of(s, ring.rows, proc_index, hashes, table, out[n:])
-        if consume:  # the caller gave the recordings up: free each ring once read
-            s.recording.rings.pop("nccl", None)
-    return out[:n]
-
-
-def _calls_of(
-    s: Source,
-    raw: np.ndarray,
-    proc_index: dict[tuple[str, int], int],
-    hashes: np.ndarray,
-    table: _RankTable,
-    out: np.ndarray,
-) -> int:
-    """Write the source's calls at the head of ``out``; return how many."""
-    rec = s.recording
-    if raw.dtype != NCCL_EVENT:
-        raw = raw.astype(NCCL_EVENT)
-    is_call = IS_CALL[raw["op"]]
-    every = bool(is_call.all())
-    comm_hash = raw["comm_hash"] if every else raw["comm_hash"][is_call]
-    unknown = comm_hash == 0
-    if unknown.any():  # fill from the process's comm table by pointer
-        comm_hash = comm_hash.copy()
-        ptr = {(c.pid, c.comm): c.comm_hash for c in rec.communicators}
-        calls = raw[is_call]
-        pid_comm = zip(calls["pid"][unknown].tolist(), calls["comm"][unknown].tolist(), strict=True)
-        comm_hash[unknown] = [ptr.get(k, 0) for k in pid_comm]
-    pids, inv = np.unique(raw["pid"] if every else raw["pid"][is_call], return_inverse=True)
-    proc = np.array([proc_index[(rec.host, int(p))] for p in pids], dtype=np.int64)[inv]
-    pos, ok = _comm_index(hashes, comm_hash)
-    crank = table.lookup(proc, pos)
-    crank = np.where(crank >= 0, crank, raw["rank"] if every else raw["rank"][is_call])
-    keep = ok & (crank >= 0)
-    n = int(keep.sum())
-    dst = out[:n]
-    whole = every and n == len(raw)  # the common case: plain strided copies, no gathers
-    sel = slice(None) if whole else np.flatnonzero(is_call)[keep]
-    dst["comm"] = pos if whole else pos[keep]
-    dst["crank"] = crank if whole else crank[keep]
-    dst["proc"] = proc if whole else proc[keep]
-    for name, src in CALL_FIELDS:
-        dst[name] = raw[src][sel]
-    return n
+        host = e.source.recording.host
+        procs = np.array([proc_index.get((host, int(p)), -1) for p in e.scope], dtype=np.int64)
+        proc = procs[stage["proc"][sl]]  # every pid of a call row has a proc (_procs)
+        pos, ok = _comm_index(hashes, stage["hash"][sl])
+        crank = table.lookup(proc, pos)
+        unset = crank < 0
+        if unset.any():  # not a member by the comm tables: the row's own rank
+            crank[unset] = stage["crank"][sl][unset]
+        crank[~ok] = -1
+        valid = valid and bool((crank >= 0).all())
+        stage["proc"][sl], stage["comm"][sl], stage["crank"][sl] = proc, pos, crank
+    rows = stage.select(CALL_DTYPE.names or ())
+    if not valid:
+        rows = rows[rows["crank"] >= 0]
+    return order_calls(rows, np.array([c.nranks for c in comms], dtype=np.int64))
 
 
 def _comm_index(hashes: np.ndarray, comm_hash: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -346,8 +458,7 @@ def _comm_index(hashes: np.ndarray, comm_hash: np.ndarray) -> tuple[np.ndarray, 
         known = i < len(hashes) and hashes[i] == comm_hash[0]
         pos = np.full(len(comm_hash), min(i, len(hashes) - 1), dtype=np.int64)
         return pos, np.full(len(comm_hash), known, dtype=bool)
-    pos = np.clip(np.searchsorted(hashes, comm_hash), 0, len(hashes) - 1)
-    return pos, hashes[pos] == comm_hash
+    return _positions(hashes, comm_hash)
 
 
 CALL_FIELDS = (

@@ -87,7 +87,7 @@ def last_call_text(a: Analysis, proc: int) -> str:
     mine = rows[rows["proc"] == proc]
     if not len(mine):
         return "no NCCL call recorded"
-    r = mine[int(np.argmax(mine["ts"]))]
+    r = mine.record(int(np.argmax(mine["ts"])))
     comm = a.incident.comms[int(r["comm"])]
     state = "in flight" if int(r["end"]) == 0 else "returned"
     return f"last call {op_name(int(r['op']))} seq {int(r['seq'])} on {comm.name} ({state})"

@@ -42,6 +42,7 @@ from dumpers.errors import DumpFormatError, DumpVersionError
 from dumpers.schema import DataType, Op, State
 
 from .model import CALL_DTYPE, SCHED_DTYPE, TCP_RETRANS_DTYPE, Calls, Comm, Incident, Proc
+from .table import Table
 
 OPS: dict[str, Op] = {
     "all_reduce": Op.ALL_REDUCE,
@@ -163,9 +164,15 @@ def read_flightrec(path: str) -> FrDump:
     if not isinstance(entries, list):
         raise DumpFormatError(f"{path}: field 'entries': expected a list")
     names: dict[str, int] = {}
-    rows = [_entry(path, i, e, names) for i, e in enumerate(entries)]
+    arr = _entries_by_column(entries, names)
+    if arr is None:  # something is malformed: entry by entry, to say which and why
+        names = {}
+        rows = [_entry(path, i, e, names) for i, e in enumerate(entries)]
+        try:
+            arr = np.array(rows, dtype=FR_ENTRY) if rows else np.zeros(0, dtype=FR_ENTRY)
+        except (OverflowError, ValueError, TypeError) as exc:
+            raise DumpFormatError(f"{path}: entries: a value out of range: {exc}") from None
     status = _pg_status(path, doc.get("pg_status", {}))
-    arr = np.array(rows, dtype=FR_ENTRY) if rows else np.zeros(0, dtype=FR_ENTRY)
     return FrDump(path, rank, version, ranks, desc, status, tuple(names), arr)
 
 
@@ -186,14 +193,20 @@ def _pg_config(path: str, cfg: object) -> tuple[dict[str, tuple[int, ...]], dict
     for name, c in cfg.items():
         try:
             r = c["ranks"]
-            r = ast.literal_eval(r) if isinstance(r, str) else r
-            ranks[str(name)] = tuple(int(x) for x in r)
+            ranks[str(name)] = _ranks_text(r) if isinstance(r, str) else tuple(int(x) for x in r)
             desc[str(name)] = str(c.get("desc", ""))
         except (KeyError, TypeError, ValueError, SyntaxError, AttributeError):
             raise DumpFormatError(
                 f"{path}: pg_config[{name!r}]: expected 'ranks' as a list"
             ) from None
     return ranks, desc
+
+
+@functools.lru_cache(maxsize=256)
+def _ranks_text(text: str) -> tuple[int, ...]:
+    """A group's ranks as torch writes them ("[0, 1, ...]"): parsed once for
+    all the dumps that repeat them."""
+    return tuple(int(x) for x in ast.literal_eval(text))
 
 
 def _pg_status(path: str, st: object) -> dict[int, tuple[int, int]]:
@@ -251,6 +264,47 @@ def _entry(path: str, i: int, e: object, names: dict[str, int]) -> tuple[object,
         raise DumpFormatError(f"{path}: entries[{i}]: missing or malformed field {exc}") from None
 
 
+def _entries_by_column(entries: list[Any], names: dict[str, int]) -> np.ndarray | None:
+    """The entries as FR_ENTRY rows, one field of every entry at a time (a
+    comprehension per field costs a fraction of a function call per entry).
+    None if any entry is malformed: ``_entry`` then finds which."""
+    out = np.zeros(len(entries), dtype=FR_ENTRY)
+    if not entries:
+        return out
+    try:
+        p2p = [bool(e.get("is_p2p", False)) for e in entries]
+        out["is_p2p"] = p2p
+        out["pg_id"] = [int(e.get("pg_id", -1)) for e in entries]
+        groups = [str(e["process_group"][0]) for e in entries]
+        out["pg"] = [names.setdefault(g, len(names)) for g in groups]
+        out["seq"] = [
+            int(e["p2p_seq_id"] if p else e["collective_seq_id"])
+            for e, p in zip(entries, p2p, strict=True)
+        ]
+        ops = [_op_and_peer(str(e["profiling_name"])) for e in entries]
+        out["op"] = [o for o, _ in ops]
+        out["peer"] = [peer for _, peer in ops]
+        out["count"] = [_count_fast(e.get("input_sizes")) for e in entries]
+        dtypes = [e.get("input_dtypes") or e.get("output_dtypes") for e in entries]
+        out["datatype"] = [
+            DTYPES.get(str(d[0]), UNKNOWN_DTYPE) if d else UNKNOWN_DTYPE for d in dtypes
+        ]
+        out["state"] = [STATES.get(str(e.get("state")), State.SCHEDULED) for e in entries]
+        out["created"] = [int(e.get("time_created_ns") or 0) for e in entries]
+        out["completed"] = [int(e.get("time_discovered_completed_ns") or 0) for e in entries]
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError, OverflowError):
+        names.clear()
+        return None
+    return out
+
+
+def _count_fast(sizes: object) -> int:
+    """``_count`` for the usual shape, a list of lists of ints."""
+    if isinstance(sizes, list):
+        return sum(map(math.prod, sizes))
+    return 0
+
+
 def _comm_hash(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"pg:{name}".encode(), digest_size=8).digest(), "little")
 
@@ -287,7 +341,7 @@ def _incident(folder: str, dumps: list[FrDump]) -> Incident:
         host_now=tuple(None for _ in procs),
         procs=procs,
         comms=comms,
-        calls=Calls(rows),
+        calls=Calls(Table.from_records(rows)),
         retransmits=np.zeros(0, dtype=TCP_RETRANS_DTYPE),
         sched=np.zeros(0, dtype=SCHED_DTYPE),
         sources=tuple(d.path for d in dumps),

@@ -1,7 +1,8 @@
 """Stage "match": each communicator's n-th collective across its ranks.
 
-Collective calls are sorted by (communicator, seq, comm rank) with one
-argsort of a packed key, then cut into groups, one per (comm, seq).  Per
+Collective calls are ordered by (communicator, seq, comm rank), through a
+grid of those slots when it is dense (no sort), else with one argsort of a
+packed key, then cut into groups, one per (comm, seq).  Per
 (comm, rank) *pair* the window that rank retained is computed: first and last
 seq entered, last seq returned, and its last row.  Progress counters that some
 inputs carry without rows (Flight Recorder ``pg_status``) are merged in.
@@ -19,15 +20,16 @@ import numpy as np
 from dumpers.schema import Op
 
 from .model import Calls, Incident
+from .table import Table
 
-IN_PLACE_ABOVE_BYTES = 3 << 30  # larger tables are permuted field by field, in place
 IS_P2P = np.zeros(256, dtype=bool)
 IS_P2P[[Op.SEND, Op.RECV]] = True
+GRID_SLACK = 4  # order through a grid of (comm, seq, rank) slots up to this many per row
 
 
 @dataclass(frozen=True, slots=True)
 class Matched:
-    rows: np.ndarray  # collective calls sorted by (comm, seq, crank)
+    rows: Table  # collective calls sorted by (comm, seq, crank)
     gid: np.ndarray  # group of each row
     group_start: np.ndarray  # first row of each group; groups are (comm, seq)
     group_size: np.ndarray
@@ -47,12 +49,65 @@ class Matched:
         return slice(int(lo), int(hi))
 
 
+def _seq_range(comm: np.ndarray, seq: np.ndarray, ncomms: int) -> tuple[np.ndarray, np.ndarray]:
+    """Lowest and highest seq of each communicator (hi < lo: no rows)."""
+    lo = np.full(ncomms, np.iinfo(np.int64).max, dtype=np.int64)
+    hi = np.full(ncomms, np.iinfo(np.int64).min, dtype=np.int64)
+    if ncomms == 1:  # the common case: no scatter
+        lo[0], hi[0] = int(seq.min()), int(seq.max())
+    else:
+        np.minimum.at(lo, comm, seq)
+        np.maximum.at(hi, comm, seq)
+    return lo, hi
+
+
+def _grid_order(
+    comm: np.ndarray, seq: np.ndarray, crank: np.ndarray, nranks: np.ndarray
+) -> np.ndarray | None:
+    """The order by (comm, seq, crank) without a sort: each row has a slot in
+    a grid of every (comm, seq, rank) in range; rows dropped in their slots,
+    read back in slot order.  None when the grid would be sparse (seqs far
+    apart) or two rows share a slot (a duplicate): then sort."""
+    n = len(comm)
+    lo, hi = _seq_range(comm, seq, len(nranks))
+    span = np.maximum(hi - lo + 1, 0)
+    width = np.maximum(nranks, 1).astype(np.int64)
+    size = span * width
+    total = int(size.sum())
+    if total > GRID_SLACK * n + 1024 or total >= np.iinfo(np.int64).max // 4:
+        return None
+    if len(nranks) == 1:  # no per-row gathers of the comm's numbers
+        slot = seq - int(lo[0])
+        slot *= int(width[0])
+    else:
+        base = np.zeros(len(nranks), dtype=np.int64)
+        base[1:] = np.cumsum(size)[:-1]
+        slot = seq - lo[comm]
+        slot *= width[comm]
+        slot += base[comm]
+    slot += crank
+    kind = np.int32 if n < (1 << 31) else np.int64
+    grid: np.ndarray = np.full(total, -1, dtype=kind)
+    grid[slot] = np.arange(n, dtype=kind)
+    del slot
+    order = grid[grid >= 0]
+    if len(order) != n:  # a slot held two rows
+        return None
+    return order.astype(np.int64)
+
+
 def _sort_order(
-    comm: np.ndarray, seq: np.ndarray, crank: np.ndarray, nranks_max: int
+    comm: np.ndarray, seq: np.ndarray, crank: np.ndarray, nranks: np.ndarray
 ) -> np.ndarray:
-    """Order by (comm, seq, crank): one argsort of a packed key when it fits."""
+    """Order by (comm, seq, crank), ties in input order.  ``crank`` must be
+    within ``nranks`` of its comm."""
     if not len(comm):
         return np.zeros(0, dtype=np.int64)
+    seq = seq.astype(np.int64, copy=False)
+    order = _grid_order(comm, seq, crank, nranks)
+    if order is not None:
+        return order
+    nranks_max = int(nranks.max()) if len(nranks) else 1
     lo = int(seq.min())
     seq_span = int(seq.max()) - lo + 1
     ncomms = int(comm.max()) + 1
@@ -63,23 +118,12 @@ def _sort_order(
         key += crank
         if span < (1 << 32):  # a narrower key sorts a third faster
             key = key.astype(np.uint32)
-        order: np.ndarray = np.argsort(key, kind="stable")
-        return order
+        out: np.ndarray = np.argsort(key, kind="stable")
+        return out
     return np.lexsort((crank, seq, comm))
 
 
-def take_rows(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """``rows[index]`` of a structured table, as plain blocks of bytes: numpy
-    copies structured records field by field, several times slower."""
-    if not rows.flags.c_contiguous or rows.dtype.hasobject:
-        same: np.ndarray = rows[index]
-        return same
-    blocks = rows.view(np.dtype((np.void, rows.dtype.itemsize)))
-    out: np.ndarray = np.take(blocks, index).view(rows.dtype)
-    return out
-
-
-def _collective(rows: np.ndarray, nranks: np.ndarray) -> np.ndarray:
+def _collective(rows: Table, nranks: np.ndarray) -> np.ndarray:
     keep: np.ndarray = ~IS_P2P[rows["op"]]
     if len(nranks) and int(nranks.min()) == int(nranks.max()):  # one size: no gather
         keep &= rows["crank"] < int(nranks[0])
@@ -88,25 +132,22 @@ def _collective(rows: np.ndarray, nranks: np.ndarray) -> np.ndarray:
     return keep
 
 
-def order_calls(rows: np.ndarray, nranks: np.ndarray) -> Calls:
+def order_calls(rows: Table, nranks: np.ndarray) -> Calls:
     """Sort a calls table: matched collectives first, by (comm, seq, crank),
-    the rest after.  A large table is permuted in place, field by field, so
-    that no second copy of it ever exists."""
+    the rest after.  The table is permuted in place, column by column."""
     keep = _collective(rows, nranks)
-    top = int(nranks.max()) if len(nranks) else 1
     if keep.all():  # the common case: no p2p, no index to apply to the keys
-        good = np.arange(len(rows))
-        order = _sort_order(rows["comm"], rows["seq"], rows["crank"], top)
+        good = len(rows)
+        order = _sort_order(rows["comm"], rows["seq"], rows["crank"], nranks)
     else:
-        good = np.flatnonzero(keep)
-        comm, seq, crank = (rows[f][good] for f in ("comm", "seq", "crank"))
-        order = good[_sort_order(comm, seq, crank, top)]
+        idx = np.flatnonzero(keep)
+        good = len(idx)
+        comm, seq, crank = (rows[f][idx] for f in ("comm", "seq", "crank"))
+        order = idx[_sort_order(comm, seq, crank, nranks)]
         order = np.concatenate([order, np.flatnonzero(~keep)])
-    if rows.nbytes <= IN_PLACE_ABOVE_BYTES:
-        return Calls(take_rows(rows, order), len(good))  # one gather of whole records
-    for name in rows.dtype.names or ():
-        rows[name] = rows[name][order]
-    return Calls(rows, len(good))
+    del keep
+    rows.permute(order)
+    return Calls(rows, good)
 
 
 def match(inc: Incident) -> Matched:
@@ -116,12 +157,10 @@ def match(inc: Incident) -> Matched:
         rows = raw[: inc.calls.matched]
     else:
         idx = np.flatnonzero(_collective(raw, nranks))
-        top = int(nranks.max()) if len(nranks) else 1
         comm, seq, crank = (raw[f][idx] for f in ("comm", "seq", "crank"))
-        rows = take_rows(raw, idx[_sort_order(comm, seq, crank, top)])
+        rows = raw.take(idx[_sort_order(comm, seq, crank, nranks)])
     n = len(rows)
-    # each field read from the records is a sweep of the table: read each once
-    comm, seq, crank = (np.ascontiguousarray(rows[f]) for f in ("comm", "seq", "crank"))
+    comm, seq, crank = rows["comm"], rows["seq"], rows["crank"]
     new = np.ones(n, dtype=bool)
     if n:
         new[1:] = (comm[1:] != comm[:-1]) | (seq[1:] != seq[:-1])

@@ -16,8 +16,9 @@ import numpy as np
 
 from dumpers.schema import Op
 
-from .match import Matched, take_rows
+from .match import Matched
 from .model import Incident
+from .table import Table
 
 ROOTED_OPS = np.array([Op.BROADCAST, Op.REDUCE, Op.GATHER, Op.SCATTER], dtype=np.uint8)
 STALL_MIN_NS = 1_000_000_000  # a frontier older than this (and than 4x p99) is stuck
@@ -61,11 +62,11 @@ class Frontier:
 
 
 def _age(inc: Incident, m: Matched, row: int, proc_host: list[int]) -> int | None:
-    r = m.rows[row]
-    now = inc.host_now[proc_host[int(r["proc"])]]
+    r = m.rows
+    now = inc.host_now[proc_host[int(r["proc"][row])]]
     if now is None:
         return None
-    return now - int(max(r["ts"], r["end"]))
+    return now - int(max(r["ts"][row], r["end"][row]))
 
 
 def _stall_threshold(m: Matched, comm: int) -> int:
@@ -202,7 +203,7 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
         if c.nranks < 2:
             continue
         sl = m.comm_rows(comm)
-        rows, gid = m.rows[sl], m.gid[sl]
+        rows, gid = m.rows.select(("ts", "end", "crank", "proc"))[sl], m.gid[sl]
         if not len(rows):
             continue
         if int(gid[-1] - gid[0]) >= RECENT_GROUPS:  # what led to the stall, not all history
@@ -213,7 +214,7 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
             continue
         if not complete.all():  # else keep the views: no copy of the table
             keep = np.flatnonzero(complete)
-            rows, gid = take_rows(np.ascontiguousarray(rows), keep), gid[keep]
+            rows, gid = rows.take(keep), gid[keep]
         scores = _wait_scores(inc, comm, rows, gid, c.nranks)
         if np.median(rows["end"] - rows["ts"]) < ASYNC_BELOW_NS:  # calls return at once
             scores += _lateness_scores(inc, comm, rows, gid, c.nranks)
@@ -222,7 +223,7 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
     return out
 
 
-def _period(rows: np.ndarray, gid: np.ndarray) -> int:
+def _period(rows: Table, gid: np.ndarray) -> int:
     """Median interval between one rank's entries into consecutive
     collectives of a communicator (one clock: the rank's host's)."""
     if len(rows) < 2:
@@ -245,7 +246,7 @@ def _period(rows: np.ndarray, gid: np.ndarray) -> int:
     return int(np.median(gaps[ok] / steps[ok]))
 
 
-def _complete_groups(m: Matched, rows: np.ndarray, gid: np.ndarray, nranks: int) -> np.ndarray:
+def _complete_groups(m: Matched, rows: Table, gid: np.ndarray, nranks: int) -> np.ndarray:
     full = m.group_size[gid] == nranks
     returned = np.minimum.reduceat(rows["end"], np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]]))
     first = np.r_[True, gid[1:] != gid[:-1]]
@@ -272,7 +273,7 @@ def _median_per_rank(values: np.ndarray, crank: np.ndarray, nranks: int) -> np.n
 
 
 def _wait_scores(
-    inc: Incident, comm: int, rows: np.ndarray, gid: np.ndarray, nranks: int
+    inc: Incident, comm: int, rows: Table, gid: np.ndarray, nranks: int
 ) -> list[ArrivalScore]:
     dur = rows["end"] - rows["ts"]
     starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
@@ -320,7 +321,7 @@ def _late_within(key: np.ndarray, ts: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 
 def _lateness_scores(
-    inc: Incident, comm: int, rows: np.ndarray, gid: np.ndarray, nranks: int
+    inc: Incident, comm: int, rows: Table, gid: np.ndarray, nranks: int
 ) -> list[ArrivalScore]:
     """Entry lateness: against the ranks of the same host (one clock); a rank
     alone on its host against all ranks (clocks of several hosts: the
@@ -374,7 +375,8 @@ def retransmits_in_windows(inc: Incident, m: Matched) -> list[HostRetransmits]:
         sel = rt["host"] == h
         if not sel.any():
             continue
-        rows = m.rows[(phost[m.rows["proc"]] == h) & (m.rows["end"] > 0)] if len(m.rows) else m.rows
+        times = m.rows.select(("ts", "end"))
+        rows = times[(phost[m.rows["proc"]] == h) & (m.rows["end"] > 0)] if len(m.rows) else times
         inside[sel] = _within(rt["ts"][sel], rows["ts"], rows["end"])
     sent = rt[inside & (rt["local"] >= 0)]
     got = rt[inside & (rt["remote"] >= 0)]

@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench check clean
+.PHONY: setup demo test bench bench-compare check clean
 
 setup:
 	bash scripts/setup
@@ -15,6 +15,12 @@ test: setup
 	$(PY) -m pytest
 
 bench: setup
+	$(PY) -m bench
+
+# the benchmarks with torch installed, so that torchfrtrace (torch's Flight
+# Recorder analyzer) is measured beside ours on the same files
+bench-compare: setup
+	$(PY) -m pip install --quiet 'torch==2.13.0'
 	$(PY) -m bench
 
 check: setup

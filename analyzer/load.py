@@ -9,10 +9,13 @@ JSON form), else our msgpack dump.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from dumpers.errors import DumpError
@@ -21,6 +24,7 @@ from dumpers.format import read_dump
 from .align import Source
 from .flightrec import FrDump, looks_like_flightrec, read_flightrec
 from .model import InputStatus, SourceKind
+from .parallel import threads
 
 Loaded = Source | FrDump
 PROGRESS_EVERY_S = 0.5
@@ -69,14 +73,63 @@ def load_one(path: str) -> tuple[Loaded | None, InputStatus]:
         return None, InputStatus(path, False, str(exc))
 
 
+# Flight Recorder pickles cost seconds of unpickling per thousand entries,
+# all of it under the GIL: many of them are read in worker processes.
+POOL_MIN_BYTES = 16 << 20  # of Flight Recorder files, below which one process reads them
+
+
+def _is_flightrec(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return looks_like_flightrec(f.read(16))
+    except OSError:
+        return False
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def _pool_for(files: list[str]) -> tuple[ProcessPoolExecutor, int] | None:
+    """Worker processes for the Flight Recorder files, when they are many
+    and big enough to pay for starting them."""
+    workers = min(threads(), len(files))
+    if workers < 2 or sum(_size(f) for f in files) < POOL_MIN_BYTES:
+        return None
+    # fork is instant, but not safe beside other threads: then a fresh interpreter
+    method = "fork" if threading.active_count() == 1 else "forkserver"
+    try:
+        return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)), workers
+    except (OSError, ValueError):
+        return None
+
+
+def _read_all(files: list[str]) -> Iterator[tuple[Loaded | None, InputStatus]]:
+    """load_one of each file, in order; Flight Recorder files on worker
+    processes when they pay, the rest here meanwhile."""
+    fr = [f for f in files if _is_flightrec(f)]
+    pooled = _pool_for(fr)
+    if pooled is None:
+        yield from map(load_one, files)
+        return
+    pool, workers = pooled
+    with pool:
+        results = pool.map(load_one, fr, chunksize=max(1, len(fr) // (8 * workers)))
+        wanted = set(fr)
+        for f in files:  # results come in the order of fr: the order of files
+            yield next(results) if f in wanted else load_one(f)
+
+
 def load_inputs(
     paths: Sequence[str], progress: bool = False
 ) -> tuple[list[Loaded], list[InputStatus]]:
     files, statuses = expand(paths)
     loaded: list[Loaded] = []
     last = time.monotonic()
-    for i, path in enumerate(files, 1):
-        item, status = load_one(path)
+    for i, (item, status) in enumerate(_read_all(files), 1):
         statuses.append(status)
         if item is not None:
             loaded.append(item)

@@ -7,8 +7,9 @@ Figures (one run each, in a child process so that peak RSS is the analysis'):
   rank hung at the last step): load + analyze time (< 1 s) and peak RSS
   (< 1 GB);
 - with --big, 16,384 ranks x 2,000 (< 30 s, < 8 GB);
-- PyTorch Flight Recorder pickles of 512 ranks x 2,000 entries: our time;
-  torchfrtrace's beside it when torch is installed (it is not here).
+- PyTorch Flight Recorder pickles of 512 ranks x 2,000 entries: our time
+  (on every core, and on one); when torch is installed (``pip install
+  '.[compare]'``), torchfrtrace's on the same files and the ratio (>= 10x).
 
 The child prints its verdict so that a benchmark of a wrong answer fails.
 """
@@ -16,6 +17,7 @@ The child prints its verdict so that a benchmark of a wrong answer fails.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pickle
@@ -129,13 +131,37 @@ def child(folder: str) -> None:
     )
 
 
-def measure(folder: Path) -> dict[str, object]:
+def torch_child(folder: str) -> None:
+    """torchfrtrace (torch's own Flight Recorder analyzer) on the folder;
+    its report goes to /dev/null, its time and peak RSS to stdout."""
+    import contextlib
+
+    from torch.distributed.flight_recorder.fr_trace import main as fr_trace
+
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        t0 = time.perf_counter()
+        fr_trace([folder])
+        elapsed = time.perf_counter() - t0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"seconds": elapsed, "rss": rss}))
+
+
+def has_torchfrtrace() -> bool:
+    return importlib.util.find_spec("torch") is not None and (
+        importlib.util.find_spec("torch.distributed.flight_recorder.fr_trace") is not None
+    )
+
+
+def measure(
+    folder: Path, mode: str = "--child", env: dict[str, str] | None = None
+) -> dict[str, object]:
     out = subprocess.run(
-        [sys.executable, "-m", "bench.bench_analyzer", "--child", str(folder)],
+        [sys.executable, "-m", "bench.bench_analyzer", mode, str(folder)],
         check=True,
         capture_output=True,
         text=True,
         cwd=Path(__file__).resolve().parent.parent,
+        env={**os.environ, **(env or {})},
     )
     doc: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
     return doc
@@ -168,22 +194,57 @@ def _ours(nranks: int, steps: int, t_max: float, gb_max: float, tag: str) -> lis
     ]
 
 
-def _fr(nranks: int, entries: int) -> list[Figure]:
+def _fr(nranks: int, entries: int, judged: bool = True) -> list[Figure]:
+    """Ours (on every core, and on one) and torchfrtrace on the same files.
+    The 10x target is judged at full size only (``judged``)."""
     with tempfile.TemporaryDirectory(prefix="bench-fr-") as tmp:
         write_flightrec(Path(tmp), nranks, entries)
         r = measure(Path(tmp))
-    right = r["kind"] == "missing_rank" and r["ranks"] == [7]
-    anchor = "torchfrtrace: torch not installed, not measured"
-    secs = float(r["seconds"])  # type: ignore[arg-type]
+        one = measure(Path(tmp), env={"STALLWATCH_THREADS": "1"})
+        theirs = measure(Path(tmp), "--torchfrtrace") if has_torchfrtrace() else None
+    right = all(x["kind"] == "missing_rank" and x["ranks"] == [7] for x in (r, one))
+    wrong = "" if right else "; WRONG verdict"
+    secs, secs1 = float(r["seconds"]), float(one["seconds"])  # type: ignore[arg-type]
+    tag = f"analyze FR {nranks} ranks x {entries} entries"
+    if theirs is None:
+        return [
+            Figure(
+                f"{tag}: time",
+                secs,
+                "s",
+                "10x faster than torchfrtrace",
+                None if right else False,
+                "torchfrtrace: torch not installed, not measured" + wrong,
+            ),
+        ]
+    t_theirs = float(theirs["seconds"])  # type: ignore[arg-type]
+    gb_theirs, gb = float(theirs["rss"]) / 1e9, float(r["rss"]) / 1e9  # type: ignore[arg-type]
     return [
+        Figure(f"{tag}: time", secs, "s", "-", None, f"peak RSS {gb:.2f} GB" + wrong),
         Figure(
-            f"analyze FR {nranks} ranks x {entries} entries: time",
-            secs,
+            f"{tag}: torchfrtrace time",
+            t_theirs,
             "s",
-            "10x faster than torchfrtrace",
-            None if right else False,
-            anchor + ("" if right else "; WRONG verdict"),
-        )
+            "-",
+            None,
+            f"torch's analyzer, same files; peak RSS {gb_theirs:.2f} GB",
+        ),
+        Figure(
+            f"{tag}: torchfrtrace / ours",
+            t_theirs / secs,
+            "x",
+            ">= 10x" if judged else "-",
+            (t_theirs / secs >= 10 and right) if judged else (None if right else False),
+            f"ours {secs:.2f} s vs {t_theirs:.1f} s",
+        ),
+        Figure(
+            f"{tag}: torchfrtrace / ours, one thread",
+            t_theirs / secs1,
+            "x",
+            "-",
+            None,
+            f"STALLWATCH_THREADS=1: ours {secs1:.2f} s",
+        ),
     ]
 
 
@@ -192,7 +253,7 @@ def figures(quick: bool = False, big: bool = False) -> list[Figure]:
     figs = _ours(n, steps, 1.0, 1.0, str(n))
     if big:
         figs += _ours(16384, 2000, 30.0, 8.0, "16384")
-    figs += _fr(64 if quick else 512, 200 if quick else 2000)
+    figs += _fr(64 if quick else 512, 200 if quick else 2000, judged=not quick)
     return figs
 
 
@@ -201,9 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes")
     parser.add_argument("--big", action="store_true", help="also 16,384 ranks x 2,000")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--torchfrtrace", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         child(args.child)
+        return 0
+    if args.torchfrtrace:
+        torch_child(args.torchfrtrace)
         return 0
     figs = figures(quick=args.quick, big=args.big)
     print(render(figs))

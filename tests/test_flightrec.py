@@ -160,3 +160,74 @@ def test_malformed_entry_names_file_and_field(tmp_path: Path) -> None:
     p.write_bytes(pickle.dumps({"version": "2.9", "pg_config": {}, "entries": [{"pg_id": 0}]}))
     with pytest.raises(DumpFormatError, match=r"_dump_3: entries\[0\]"):
         read_flightrec(str(p))
+
+
+def test_column_reading_matches_entry_by_entry(fixtures_dir: Path) -> None:
+    """The fast reader (a field of every entry at a time) gives the rows the
+    validating one (entry by entry) gives, on every real dump."""
+    from analyzer import flightrec
+
+    checked = 0
+    for p in sorted(_fr(fixtures_dir).glob("*/*")):
+        entries = flightrec._parse(str(p), p.read_bytes())["entries"]
+        names: dict[str, int] = {}
+        slow = [flightrec._entry(str(p), i, e, names) for i, e in enumerate(entries)]
+        fast_names: dict[str, int] = {}
+        fast = flightrec._entries_by_column(entries, fast_names)
+        assert fast is not None and fast_names == names
+        assert fast.tolist() == [tuple(r) for r in slow]
+        checked += len(slow)
+    assert checked > 900  # every entry of the 64 dumps
+
+
+def test_a_malformed_entry_among_good_ones_is_still_named(tmp_path: Path) -> None:
+    good = {
+        "collective_seq_id": 1,
+        "p2p_seq_id": 0,
+        "is_p2p": False,
+        "pg_id": 0,
+        "process_group": ("0", "default_pg"),
+        "profiling_name": "nccl:all_reduce",
+        "input_sizes": [[4]],
+        "input_dtypes": ["Float"],
+        "state": "completed",
+        "time_created_ns": 5,
+        "time_discovered_completed_ns": 6,
+    }
+    bad = {**good, "collective_seq_id": None}
+    p = tmp_path / "_dump_1"
+    p.write_bytes(pickle.dumps({"version": "2.9", "pg_config": {}, "entries": [good, bad, good]}))
+    with pytest.raises(DumpFormatError, match=r"_dump_1: entries\[1\]"):
+        read_flightrec(str(p))
+
+
+def test_worker_processes_read_what_one_process_reads(
+    fixtures_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many Flight Recorder files are read on worker processes: the same
+    dumps, in the same order, and a bad file still reported on its own."""
+    from analyzer import load
+
+    folder = tmp_path / "gpu_error_1st"
+    folder.mkdir()
+    for p in (_fr(fixtures_dir) / "gpu_error_1st").iterdir():
+        (folder / p.name).write_bytes(p.read_bytes())
+    (folder / "_dump_99").write_bytes(b"\x80\x04garbage")
+    monkeypatch.setenv("STALLWATCH_THREADS", "1")
+    one, one_status = load_inputs([str(folder)])
+    monkeypatch.setenv("STALLWATCH_THREADS", "2")
+    monkeypatch.setattr(load, "POOL_MIN_BYTES", 0)
+    pooled = load._pool_for([str(p) for p in folder.iterdir()])
+    assert pooled is not None  # the path under test really uses processes
+    pooled[0].shutdown()
+    many, many_status = load_inputs([str(folder)])
+    assert [s.ok for s in many_status] == [s.ok for s in one_status]
+    assert [s.error for s in many_status if not s.ok] == [
+        s.error for s in one_status if not s.ok
+    ] and "_dump_99" in str(many_status[-1].error)
+    assert [d.path for d in many] == [d.path for d in one]  # type: ignore[union-attr]
+    assert all((a.entries == b.entries).all() for a, b in zip(many, one, strict=True))  # type: ignore[union-attr]
+    verdicts = [analyze_incident(inc).verdicts for inc in group_incidents(many)]
+    assert [v.to_json() for v in verdicts[0]] == [
+        v.to_json() for v in analyze_incident(group_incidents(one)[0]).verdicts
+    ]

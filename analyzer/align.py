@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from dumpers.errors import DumpError
+from dumpers.format import DeferredRing
 from dumpers.model import CommInfo, Recording
 from dumpers.schema import NCCL_EVENT, ExitEvent, Op, TcpEvent
 
@@ -37,6 +40,8 @@ IS_CALL[[int(op) for op in Op if op.is_collective or op.is_p2p]] = True
 class Source:
     path: str
     recording: Recording
+    # rings left in the file by the loader, read when their rows are wanted
+    deferred: Mapping[str, DeferredRing] = field(default_factory=dict)
 
 
 SCOPED_RINGS = ("sched", "exit")  # nccl rows are scoped as they are read (_extract)
@@ -102,7 +107,7 @@ def incident_from_recordings(
 ) -> Incident:
     """One incident from its dumps.  With ``consume`` the recordings' nccl
     rings are released as they are read (the caller gives them up)."""
-    sources = [Source(s.path, in_scope(s.recording, consume)) for s in sources]
+    sources = [dataclasses.replace(s, recording=in_scope(s.recording, consume)) for s in sources]
     sources = sorted(sources, key=lambda s: (s.recording.host, s.path))
     hosts = tuple(sorted({s.recording.host for s in sources}))
     stage, extracts = _extract_all(sources, consume)
@@ -121,6 +126,7 @@ def incident_from_recordings(
         retransmits=_retransmits(sources, hosts),
         sched=_sched(sources, hosts),
         sources=tuple(s.path for s in sources),
+        notes=tuple(f"{e.error}: its NCCL calls are left out" for e in extracts if e.error),
     )
 
 
@@ -137,6 +143,7 @@ class _Extract:
     pids: tuple[int, ...]  # pids of its call rows, beyond its communicator table's
     # (comm_hash, pid, rank, nranks) of call rows whose comm its table lacks
     row_members: tuple[tuple[int, int, int, int], ...]
+    error: str | None = None  # why its rows could not be read
 
 
 # the stage: CALL_DTYPE's columns, "proc" holding indices into the source's
@@ -148,20 +155,35 @@ NO_PIDS = np.zeros(0, dtype=np.uint32)
 
 def _extract_all(sources: list[Source], consume: bool) -> tuple[Table, list[_Extract]]:
     """Every source's call rows into one stage table, a few threads each
-    taking a run of sources (and its own run of the table)."""
-    sizes = [
-        len(s.recording.rings["nccl"].rows) if "nccl" in s.recording.rings else 0 for s in sources
-    ]
+    taking a run of sources (and its own run of the table).  A ring left in
+    its file is read into the thread's one buffer, copied out, forgotten."""
+    sizes = [_nccl_rows(s) for s in sources]
     stage = Table.empty(STAGE_DTYPE, sum(sizes))  # filled in place: no list of parts to join
 
     def run(part: tuple[int, int, int]) -> list[_Extract]:
         first, stop, at = part
         out: list[_Extract] = []
+        buffer = bytearray()
         for s in sources[first:stop]:
-            out.append(_extract(s, stage, at))
+            later = s.deferred.get("nccl")
+            if later is None:
+                ring = s.recording.rings.get("nccl")
+                rows = ring.rows if ring is not None else None
+                complete = ring is None or ring.overwritten == 0
+                out.append(_extract(s, rows, complete, stage, at))
+                if consume:  # the caller gave the recordings up: free each ring once read
+                    s.recording.rings.pop("nccl", None)
+            else:
+                if len(buffer) < later.nbytes:
+                    buffer = bytearray(later.nbytes)
+                try:
+                    rows = later.read(buffer)
+                except DumpError as exc:
+                    out.append(_Extract(s, slice(at, at), True, None, NO_PIDS, (), (), str(exc)))
+                    continue
+                out.append(_extract(s, rows, later.overwritten == 0, stage, at))
+                del rows  # a view of the buffer, which the next file reuses
             at = out[-1].rows.stop
-            if consume:  # the caller gave the recordings up: free each ring once read
-                s.recording.rings.pop("nccl", None)
         return out
 
     parts = _runs(sizes, threads())
@@ -198,13 +220,19 @@ def _runs(sizes: list[int], n: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _extract(s: Source, stage: Table, at: int) -> _Extract:
+def _nccl_rows(s: Source) -> int:
+    later = s.deferred.get("nccl")
+    if later is not None:
+        return later.rows
+    ring = s.recording.rings.get("nccl")
+    return len(ring.rows) if ring is not None else 0
+
+
+def _extract(s: Source, raw: np.ndarray | None, complete: bool, stage: Table, at: int) -> _Extract:
     rec = s.recording
-    ring = rec.rings.get("nccl")
-    complete = ring is None or ring.overwritten == 0
-    if ring is None or not len(ring.rows):
+    if raw is None or not len(raw):
         return _Extract(s, slice(at, at), complete, None, NO_PIDS, (), ())
-    raw = ring.rows if ring.rows.dtype == NCCL_EVENT else ring.rows.astype(NCCL_EVENT)
+    raw = raw if raw.dtype == NCCL_EVENT else raw.astype(NCCL_EVENT)
     keep = IS_CALL[raw["op"]]
     listed = {p.pid for p in rec.processes} | {c.pid for c in rec.communicators}
     # an agent's process table is its scope (one node); without one, every pid

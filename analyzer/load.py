@@ -14,12 +14,12 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from dumpers.errors import DumpError
-from dumpers.format import read_dump
+from dumpers.format import read_dump_deferred
 
 from .align import Source
 from .flightrec import FrDump, looks_like_flightrec, read_flightrec
@@ -57,7 +57,9 @@ def expand(paths: Sequence[str]) -> tuple[list[str], list[InputStatus]]:
     return files, bad
 
 
-def load_one(path: str) -> tuple[Loaded | None, InputStatus]:
+def load_one(path: str, defer: Collection[str] = ()) -> tuple[Loaded | None, InputStatus]:
+    """One input; our dumps' rings named in ``defer`` are left in the file
+    (read when their rows are wanted, see ``Source.deferred``)."""
     try:
         with open(path, "rb") as f:
             head = f.read(16)
@@ -67,8 +69,8 @@ def load_one(path: str) -> tuple[Loaded | None, InputStatus]:
         if looks_like_flightrec(head):
             fr = read_flightrec(path)
             return fr, InputStatus(path, True, None, SourceKind.FLIGHT_RECORDER)
-        rec = read_dump(path)
-        return Source(path, rec), InputStatus(path, True, None, SourceKind.STALLWATCH)
+        rec, deferred = read_dump_deferred(path, defer)
+        return Source(path, rec, deferred), InputStatus(path, True, None, SourceKind.STALLWATCH)
     except DumpError as exc:
         return None, InputStatus(path, False, str(exc))
 
@@ -107,29 +109,33 @@ def _pool_for(files: list[str]) -> tuple[ProcessPoolExecutor, int] | None:
         return None
 
 
-def _read_all(files: list[str]) -> Iterator[tuple[Loaded | None, InputStatus]]:
+def _read_all(
+    files: list[str], defer: Collection[str]
+) -> Iterator[tuple[Loaded | None, InputStatus]]:
     """load_one of each file, in order; Flight Recorder files on worker
     processes when they pay, the rest here meanwhile."""
     fr = [f for f in files if _is_flightrec(f)]
     pooled = _pool_for(fr)
     if pooled is None:
-        yield from map(load_one, files)
+        yield from (load_one(f, defer) for f in files)
         return
     pool, workers = pooled
     with pool:
         results = pool.map(load_one, fr, chunksize=max(1, len(fr) // (8 * workers)))
         wanted = set(fr)
         for f in files:  # results come in the order of fr: the order of files
-            yield next(results) if f in wanted else load_one(f)
+            yield next(results) if f in wanted else load_one(f, defer)
 
 
 def load_inputs(
-    paths: Sequence[str], progress: bool = False
+    paths: Sequence[str], progress: bool = False, defer: Collection[str] = ()
 ) -> tuple[list[Loaded], list[InputStatus]]:
+    """Every input named (files, folders); with ``defer``, our dumps' rings
+    of those names stay in their files until wanted."""
     files, statuses = expand(paths)
     loaded: list[Loaded] = []
     last = time.monotonic()
-    for i, (item, status) in enumerate(_read_all(files), 1):
+    for i, (item, status) in enumerate(_read_all(files, defer), 1):
         statuses.append(status)
         if item is not None:
             loaded.append(item)

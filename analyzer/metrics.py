@@ -214,7 +214,11 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
             continue
         if not complete.all():  # else keep the views: no copy of the table
             keep = np.flatnonzero(complete)
-            rows, gid = rows.take(keep), gid[keep]
+            first, last = int(keep[0]), int(keep[-1])
+            if last - first + 1 == len(keep):  # one run (the frontier is cut off): views
+                rows, gid = rows[first : last + 1], gid[first : last + 1]
+            else:
+                rows, gid = rows.take(keep), gid[keep]
         scores = _wait_scores(inc, comm, rows, gid, c.nranks)
         if np.median(rows["end"] - rows["ts"]) < ASYNC_BELOW_NS:  # calls return at once
             scores += _lateness_scores(inc, comm, rows, gid, c.nranks)

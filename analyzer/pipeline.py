@@ -146,8 +146,10 @@ def group_incidents(loaded: Iterable[Loaded], consume: bool = False) -> list[Inc
 
 
 def analyze_paths(paths: Sequence[str], progress: bool = False) -> AnalysisResult:
-    loaded, statuses = load_inputs(paths, progress=progress)
+    # NCCL rings stay in their files until align reads each, copies what it
+    # needs and forgets it: a cluster's dumps are never all in memory
+    loaded, statuses = load_inputs(paths, progress=progress, defer=("nccl",))
     incidents = group_incidents(loaded, consume=True)
-    del loaded  # the raw rings: the incidents hold what analysis needs
+    del loaded
     results = tuple(analyze_incident(inc) for inc in incidents)
     return AnalysisResult(results, tuple(statuses))

@@ -22,6 +22,7 @@ def to_json(result: AnalysisResult) -> str:
                 "id": r.incident.id,
                 "hosts": list(r.incident.hosts),
                 "verdicts": [v.to_json() for v in r.verdicts],
+                "notes": list(r.incident.notes),
             }
             for r in result.incidents
         ],
@@ -46,6 +47,7 @@ def to_text(result: AnalysisResult) -> str:
 def _incident_text(r: IncidentResult) -> list[str]:
     inc = r.incident
     lines = [f"incident {inc.id}: {len(inc.hosts)} host(s), {len(inc.procs)} rank(s)"]
+    lines += [f"  note: {n}" for n in inc.notes]
     for v in r.verdicts:
         lines.append(f"  {v.kind.value.upper()}: {v.summary}")
         if v.kind is not VerdictKind.HEALTHY:

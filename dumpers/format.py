@@ -44,7 +44,8 @@ import re
 import secrets
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, NoReturn
 
@@ -388,9 +389,10 @@ class _Source:
     """The file as msgpack's Unpacker reads it, plus the bytes that
     ``_read_bin`` takes straight from the file, around the Unpacker."""
 
-    def __init__(self, stream: BinaryIO, size: int) -> None:
+    def __init__(self, stream: BinaryIO, size: int, defer: frozenset[str] = frozenset()) -> None:
         self.stream = stream
         self.size = size
+        self.defer = defer  # rings whose data is skipped, not read (_skip_bin)
         self.pos = 0  # bytes taken from the stream
         self.bypassed = 0  # of which read around the Unpacker
         self.up = msgpack.Unpacker(
@@ -447,6 +449,35 @@ def _read_bin(src: _Source, c: _Checker, path: str) -> np.ndarray:
     return payload
 
 
+@dataclass(frozen=True, slots=True)
+class _Skipped:
+    """A bin object left in the file: where its bytes are."""
+
+    offset: int
+    nbytes: int
+
+
+def _skip_bin(src: _Source, c: _Checker, path: str) -> _Skipped:
+    """A bin object's place in the file, its bytes skipped (a seek)."""
+    marker = src.up.read_bytes(1)
+    width = _BIN_LENGTH_BYTES.get(marker[0]) if marker else None
+    if width is None:
+        c.fail(path, "expected binary data")
+    raw = src.up.read_bytes(width)
+    n = int.from_bytes(raw, "big")
+    start = src.offset()
+    if len(raw) != width or n > src.size - start:
+        c.fail(path, "truncated: the file ends inside the data")
+    buffered = min(n, src.pos - start)
+    src.up.read_bytes(buffered)
+    rest = n - buffered
+    if rest:
+        src.stream.seek(rest, io.SEEK_CUR)
+        src.pos += rest
+        src.bypassed += rest
+    return _Skipped(start, n)
+
+
 def _walk_map(src: _Source, c: _Checker, path: str) -> dict[str, object]:
     """A map whose ``rings.*.data`` values are read by ``_read_bin``; every
     other value is unpacked by msgpack."""
@@ -463,7 +494,8 @@ def _walk_map(src: _Source, c: _Checker, path: str) -> dict[str, object]:
         if sub == "rings" or (path == "rings" and key in RING_DTYPES):
             out[key] = _walk_map(src, c, sub)
         elif path.startswith("rings.") and key == "data":
-            out[key] = _read_bin(src, c, sub)
+            skip = path[len("rings.") :] in src.defer
+            out[key] = _skip_bin(src, c, sub) if skip else _read_bin(src, c, sub)
         else:
             out[key] = src.up.unpack()
         if path == "document" and key in ("format", "version") and len(out) == 2:
@@ -471,12 +503,14 @@ def _walk_map(src: _Source, c: _Checker, path: str) -> dict[str, object]:
     return out
 
 
-def _unpack(stream: BinaryIO, size: int, name: str) -> tuple[dict[str, object], int]:
+def _unpack(
+    stream: BinaryIO, size: int, name: str, defer: frozenset[str] = frozenset()
+) -> tuple[dict[str, object], int]:
     """The document, and how many bytes follow it."""
     if size == 0:
         raise DumpFormatError(f"{name}: empty file, not a stallwatch dump")
     c = _Checker(name)
-    src = _Source(stream, size)
+    src = _Source(stream, size, defer)
     try:
         doc = _walk_map(src, c, "document")
     except (DumpFormatError, DumpVersionError):
@@ -558,7 +592,59 @@ def _read_comm(obj: object, path: str, c: _Checker) -> CommInfo:
     )
 
 
-def _read_ring(name: str, obj: object, c: _Checker) -> Ring:
+@dataclass(frozen=True, slots=True)
+class DeferredRing:
+    """A ring whose rows were left in the file (``read_dump_deferred``):
+    where they are, read when wanted into a buffer the caller reuses, so that
+    a large set of dumps is never all in memory at once."""
+
+    path: str
+    name: str
+    offset: int  # of the rows in the file
+    rows: int
+    overwritten: int
+    lost: int
+    stamp: tuple[int, int, int]  # the file's (inode, size, mtime ns) when it was read
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * RING_DTYPES[self.name].itemsize
+
+    def read(self, buffer: bytearray | None = None) -> np.ndarray:
+        """The rows, in ``buffer`` (at least ``nbytes`` long; the result is a
+        view of it) or in fresh memory.  DumpError if the file is gone or
+        changed since it was read."""
+        out = buffer if buffer is not None else bytearray(self.nbytes)
+        if len(out) < self.nbytes:
+            raise ValueError(f"buffer of {len(out)} bytes for {self.nbytes}")
+        view = memoryview(out)[: self.nbytes]
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                st = os.fstat(f.fileno())
+                if (st.st_ino, st.st_size, st.st_mtime_ns) != self.stamp:
+                    raise DumpError(f"{self.path}: changed since it was first read")
+                f.seek(self.offset)
+                while view:
+                    got = f.readinto(view)
+                    if not got:
+                        raise DumpError(f"{self.path}: truncated since it was first read")
+                    view = view[got:]
+        except FileNotFoundError:
+            raise DumpError(f"{self.path}: removed since it was first read") from None
+        except OSError as exc:
+            raise DumpError(f"{self.path}: cannot read: {exc.strerror or exc}") from None
+        return np.frombuffer(out, dtype=RING_DTYPES[self.name], count=self.rows)
+
+
+@dataclass(frozen=True, slots=True)
+class _Deferred:
+    offset: int
+    rows: int
+    overwritten: int
+    lost: int
+
+
+def _read_ring(name: str, obj: object, c: _Checker) -> Ring | _Deferred:
     path = f"rings.{name[:40]}"
     expected = _EXPECTED_DESCR.get(name)
     if expected is None:
@@ -569,12 +655,19 @@ def _read_ring(name: str, obj: object, c: _Checker) -> Ring:
     dtype = RING_DTYPES[name]
     rows = c.integer(r["rows"], f"{path}.rows")
     data = r["data"]
-    if not isinstance(data, np.ndarray):  # _walk_map reads every ring's data itself
+    if not isinstance(data, np.ndarray | _Skipped):  # _walk_map reads every ring's data itself
         c.fail(f"{path}.data", f"expected binary, found {_kind(data)}")
     if data.nbytes != rows * dtype.itemsize:
         c.fail(
             f"{path}.data",
             f"expected {rows * dtype.itemsize} bytes for {rows} rows, found {data.nbytes}",
+        )
+    if isinstance(data, _Skipped):
+        return _Deferred(
+            data.offset,
+            rows,
+            c.integer(r["overwritten"], f"{path}.overwritten"),
+            c.integer(r["lost"], f"{path}.lost"),
         )
     return Ring(
         rows=data.view(dtype),
@@ -583,7 +676,7 @@ def _read_ring(name: str, obj: object, c: _Checker) -> Ring:
     )
 
 
-def _read_rings(obj: object, c: _Checker) -> dict[str, Ring]:
+def _read_rings(obj: object, c: _Checker) -> dict[str, Ring | _Deferred]:
     rings = c.map(obj, "rings", None)
     return {name: _read_ring(name, ring, c) for name, ring in rings.items()}
 
@@ -603,8 +696,14 @@ def decode(data: bytes, name: str) -> Recording:
 
 
 def _decode_stream(stream: BinaryIO, size: int, name: str) -> Recording:
+    return _decode_parts(stream, size, name, frozenset())[0]
+
+
+def _decode_parts(
+    stream: BinaryIO, size: int, name: str, defer: frozenset[str]
+) -> tuple[Recording, dict[str, _Deferred]]:
     c = _Checker(name)
-    doc, trailing = _unpack(stream, size, name)
+    doc, trailing = _unpack(stream, size, name, defer)
     _check_header(doc, c)
     if trailing:
         c.fail("document", f"{trailing} unexpected bytes after the document")
@@ -613,7 +712,8 @@ def _decode_stream(stream: BinaryIO, size: int, name: str) -> Recording:
     clock = c.map(doc["clock"], "clock", ("monotonic_ns", "realtime_ns"))
     procs = c.array(doc["processes"], "processes")
     comms = c.array(doc["communicators"], "communicators")
-    return Recording(
+    rings = _read_rings(doc["rings"], c)
+    rec = Recording(
         host=c.string(doc["host"], "host"),
         boot_id=c.string(doc["boot_id"], "boot_id"),
         clock=Clock(
@@ -622,21 +722,37 @@ def _decode_stream(stream: BinaryIO, size: int, name: str) -> Recording:
         ),
         processes=tuple(_read_process(p, f"processes[{i}]", c) for i, p in enumerate(procs)),
         communicators=tuple(_read_comm(m, f"communicators[{i}]", c) for i, m in enumerate(comms)),
-        rings=_read_rings(doc["rings"], c),
+        rings={k: r for k, r in rings.items() if isinstance(r, Ring)},
         agent_version=c.string(agent["version"], "agent.version"),
         agent_args=c.strings(agent["args"], "agent.args"),
         trigger=_read_trigger(doc["trigger"], c),
         counters=_read_counters(doc["counters"], c),
     )
+    return rec, {k: r for k, r in rings.items() if isinstance(r, _Deferred)}
 
 
 def read_dump(path: str | os.PathLike[str]) -> Recording:
     """Read and validate one dump file.  DumpError if it cannot be opened,
     DumpFormatError/DumpVersionError if it is not a dump this reader accepts."""
+    return read_dump_deferred(path, ())[0]
+
+
+def read_dump_deferred(
+    path: str | os.PathLike[str], defer: Collection[str]
+) -> tuple[Recording, dict[str, DeferredRing]]:
+    """``read_dump``, leaving the rows of the rings named in ``defer`` in the
+    file: those rings are validated (dtype, size) and returned apart, to be
+    read when wanted (``DeferredRing.read``); the recording lacks them."""
     name = os.fspath(path)
     try:
         with open(path, "rb", buffering=0) as stream:
-            return _decode_stream(stream, os.fstat(stream.fileno()).st_size, name)
+            st = os.fstat(stream.fileno())
+            rec, deferred = _decode_parts(stream, st.st_size, name, frozenset(defer))
+            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+            return rec, {
+                k: DeferredRing(name, k, d.offset, d.rows, d.overwritten, d.lost, stamp)
+                for k, d in deferred.items()
+            }
     except IsADirectoryError:
         raise DumpFormatError(f"{name}: is a directory, not a dump file") from None
     except FileNotFoundError:

@@ -132,3 +132,32 @@ def test_through_the_stallwatch_command(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["analyze", str(tmp_path)]) == 1
     assert "RANK_EXITED: rank 1 " in capsys.readouterr().out
     assert main(["analyze", str(tmp_path / "nothing-here")]) == 2
+
+
+def test_a_dump_changed_during_analysis_is_noted_and_the_rest_analyzed(tmp_path: Path) -> None:
+    """Rings are read when wanted: a file rewritten between the two reads is
+    named in a note, its calls left out, and its peers still judged."""
+    from analyzer.load import load_inputs
+    from analyzer.pipeline import analyze_incident, group_incidents
+
+    paths = write(tmp_path, hang=(1, 12))
+    loaded, statuses = load_inputs([str(tmp_path)], defer=("nccl",))
+    assert all(s.ok for s in statuses)
+    paths[0].write_bytes(paths[0].read_bytes()[:100])
+    (inc,) = group_incidents(loaded, consume=True)
+    assert len(inc.notes) == 1 and paths[0].name in inc.notes[0] and "left out" in inc.notes[0]
+    assert len(inc.calls) > 0  # the other node's calls
+    assert analyze_incident(inc).verdicts
+
+
+def test_deferred_and_in_memory_rings_give_one_answer(tmp_path: Path) -> None:
+    from analyzer.load import load_inputs
+    from analyzer.pipeline import analyze_incident, group_incidents
+
+    write(tmp_path, hang=(2, 20))
+    answers = []
+    for defer in ((), ("nccl",)):
+        loaded, _ = load_inputs([str(tmp_path)], defer=defer)
+        (inc,) = group_incidents(loaded, consume=True)
+        answers.append([v.to_json() for v in analyze_incident(inc).verdicts])
+    assert answers[0] == answers[1] and answers[0][0]["ranks"] == [2]

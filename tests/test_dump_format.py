@@ -317,3 +317,40 @@ def test_the_benchmark_runs_on_a_small_size(tmp_path: Path) -> None:
     assert "4 agents" in figures[2].name and figures[2].value < 5  # converged, or raised
     assert "5,000 nccl entries" in figures[0].name
     assert list(tmp_path.iterdir()) == []  # its temporary folder is gone
+
+
+def test_deferred_rings_stay_in_the_file_until_read(tmp_path: Path) -> None:
+    rec = sample_recording(n_rows=300)
+    path = fmt.write_dump(tmp_path, rec)
+    head, later = fmt.read_dump_deferred(path, ("nccl", "tcp"))
+    assert set(head.rings) == set(rec.rings) - {"nccl", "tcp"}
+    assert set(later) == {"nccl", "tcp"}
+    full = fmt.read_dump(path)
+    buffer = bytearray(later["nccl"].nbytes + later["tcp"].nbytes)  # one buffer, reused
+    for name in ("nccl", "tcp"):
+        rows = later[name].read(buffer)
+        assert rows.dtype == RING_DTYPES[name]
+        assert np.array_equal(rows, full.rings[name].rows)
+        assert later[name].overwritten == full.rings[name].overwritten
+    assert np.array_equal(later["nccl"].read(), full.rings["nccl"].rows)  # fresh memory
+
+
+def test_deferred_ring_of_a_changed_or_removed_file_is_refused(tmp_path: Path) -> None:
+    path = fmt.write_dump(tmp_path, sample_recording(n_rows=50))
+    _, later = fmt.read_dump_deferred(path, ("nccl",))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # truncated in place
+    with pytest.raises(DumpError, match="changed since it was first read"):
+        later["nccl"].read()
+    path.unlink()
+    with pytest.raises(DumpError, match="removed since it was first read"):
+        later["nccl"].read()
+
+
+def test_deferred_read_still_validates_sizes(tmp_path: Path) -> None:
+    path = fmt.write_dump(tmp_path, sample_recording(n_rows=50))
+    _, later = fmt.read_dump_deferred(path, ("nccl",))
+    cut = tmp_path / "cut.msgpack"
+    cut.write_bytes(path.read_bytes()[: later["nccl"].offset + 10])  # inside the skipped rows
+    with pytest.raises(DumpFormatError, match=r"cut\.msgpack: rings\.nccl\.data: truncated"):
+        fmt.read_dump_deferred(cut, ("nccl",))

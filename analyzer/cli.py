@@ -14,6 +14,9 @@ examples:
   stallwatch analyze dumps/                      every dump under a folder
   stallwatch analyze dumps/*.msgpack --json      for programs
   stallwatch analyze fr_traces/                  PyTorch Flight Recorder dumps (_dump_<rank>)
+  STALLWATCH_THREADS=1 stallwatch analyze dumps/ on one core (default: up to 4)
+
+exit codes: 0 healthy, 1 findings, 2 nothing could be read
 """
 
 

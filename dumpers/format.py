@@ -434,16 +434,34 @@ class _Source:
             self.bypassed += got
         return out
 
+    def skip_payload(self, n: int) -> bool:
+        """Pass over ``n`` bytes (a seek); False if the file ends first."""
+        if n > self.size - self.offset():
+            return False
+        buffered = min(n, self.pos - self.offset())
+        self.up.read_bytes(buffered)
+        if n > buffered:
+            self.stream.seek(n - buffered, io.SEEK_CUR)
+            self.pos += n - buffered
+            self.bypassed += n - buffered
+        return True
 
-def _read_bin(src: _Source, c: _Checker, path: str) -> np.ndarray:
-    """A bin object read straight into an array: one copy, however large."""
+
+def _bin_length(src: _Source, c: _Checker, path: str) -> int:
+    """The length in a bin object's header (its bytes follow)."""
     marker = src.up.read_bytes(1)
     width = _BIN_LENGTH_BYTES.get(marker[0]) if marker else None
     if width is None:
         c.fail(path, "expected binary data")
     raw = src.up.read_bytes(width)
-    n = int.from_bytes(raw, "big")
-    payload = src.read_payload(n) if len(raw) == width else None
+    if len(raw) != width:
+        c.fail(path, "truncated: the file ends inside the data")
+    return int.from_bytes(raw, "big")
+
+
+def _read_bin(src: _Source, c: _Checker, path: str) -> np.ndarray:
+    """A bin object read straight into an array: one copy, however large."""
+    payload = src.read_payload(_bin_length(src, c, path))
     if payload is None:
         c.fail(path, "truncated: the file ends inside the data")
     return payload
@@ -459,22 +477,10 @@ class _Skipped:
 
 def _skip_bin(src: _Source, c: _Checker, path: str) -> _Skipped:
     """A bin object's place in the file, its bytes skipped (a seek)."""
-    marker = src.up.read_bytes(1)
-    width = _BIN_LENGTH_BYTES.get(marker[0]) if marker else None
-    if width is None:
-        c.fail(path, "expected binary data")
-    raw = src.up.read_bytes(width)
-    n = int.from_bytes(raw, "big")
+    n = _bin_length(src, c, path)
     start = src.offset()
-    if len(raw) != width or n > src.size - start:
+    if not src.skip_payload(n):
         c.fail(path, "truncated: the file ends inside the data")
-    buffered = min(n, src.pos - start)
-    src.up.read_bytes(buffered)
-    rest = n - buffered
-    if rest:
-        src.stream.seek(rest, io.SEEK_CUR)
-        src.pos += rest
-        src.bypassed += rest
     return _Skipped(start, n)
 
 

@@ -30,6 +30,7 @@ from dumpers.schema import NCCL_EVENT, ExitEvent, Op, TcpEvent
 from .match import order_calls
 from .model import CALL_DTYPE, SCHED_DTYPE, TCP_RETRANS_DTYPE, Calls, Comm, Incident, Proc
 from .parallel import in_parallel, threads
+from .progress import Progress
 from .table import Table
 
 IS_CALL = np.zeros(256, dtype=bool)  # op -> is a collective or p2p call
@@ -103,14 +104,17 @@ def _positions(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.nda
 
 
 def incident_from_recordings(
-    incident_id: str, sources: list[Source], consume: bool = False
+    incident_id: str, sources: list[Source], consume: bool = False, progress: bool = False
 ) -> Incident:
     """One incident from its dumps.  With ``consume`` the recordings' nccl
-    rings are released as they are read (the caller gives them up)."""
+    rings are released as they are read (the caller gives them up); with
+    ``progress``, reading them is shown on stderr."""
     sources = [dataclasses.replace(s, recording=in_scope(s.recording, consume)) for s in sources]
     sources = sorted(sources, key=lambda s: (s.recording.host, s.path))
     hosts = tuple(sorted({s.recording.host for s in sources}))
-    stage, extracts = _extract_all(sources, consume)
+    shown = Progress("read the NCCL calls of {}/{} dumps", len(sources), progress)
+    stage, extracts = _extract_all(sources, consume, shown)
+    shown.close()
     now = _host_now(extracts)
     procs, proc_index = _procs(extracts)
     comms, membership = _comms(extracts, proc_index)
@@ -153,7 +157,9 @@ STAGE_DTYPE = np.dtype([*((n, CALL_DTYPE[n]) for n in CALL_DTYPE.names or ()), (
 NO_PIDS = np.zeros(0, dtype=np.uint32)
 
 
-def _extract_all(sources: list[Source], consume: bool) -> tuple[Table, list[_Extract]]:
+def _extract_all(
+    sources: list[Source], consume: bool, shown: Progress | None = None
+) -> tuple[Table, list[_Extract]]:
     """Every source's call rows into one stage table, a few threads each
     taking a run of sources (and its own run of the table).  A ring left in
     its file is read into the thread's one buffer, copied out, forgotten."""
@@ -184,6 +190,8 @@ def _extract_all(sources: list[Source], consume: bool) -> tuple[Table, list[_Ext
                 out.append(_extract(s, rows, later.overwritten == 0, stage, at))
                 del rows  # a view of the buffer, which the next file reuses
             at = out[-1].rows.stop
+            if shown is not None:
+                shown.step()
         return out
 
     parts = _runs(sizes, threads())

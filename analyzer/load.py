@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import sys
 import threading
-import time
 from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -25,9 +23,9 @@ from .align import Source
 from .flightrec import FrDump, looks_like_flightrec, read_flightrec
 from .model import InputStatus, SourceKind
 from .parallel import threads
+from .progress import Progress
 
 Loaded = Source | FrDump
-PROGRESS_EVERY_S = 0.5
 
 
 SKIPPED_IN_FOLDERS = (".log", ".txt", ".md", ".json.tmp", ".tmp")
@@ -134,20 +132,12 @@ def load_inputs(
     of those names stay in their files until wanted."""
     files, statuses = expand(paths)
     loaded: list[Loaded] = []
-    last = time.monotonic()
-    for i, (item, status) in enumerate(_read_all(files, defer), 1):
+    shown = Progress("loaded {}/{} files", len(files), progress)
+    for item, status in _read_all(files, defer):
         statuses.append(status)
         if item is not None:
             loaded.append(item)
-        if progress and time.monotonic() - last >= PROGRESS_EVERY_S:
-            last = time.monotonic()
-            print(f"stallwatch analyze: loaded {i}/{len(files)} files", file=sys.stderr, flush=True)
-    if (
-        progress
-        and len(files) > 1
-        and time.monotonic() - last < PROGRESS_EVERY_S
-        and len(files) >= 100
-    ):
-        print(f"stallwatch analyze: loaded {len(files)}/{len(files)} files", file=sys.stderr)
+        shown.step()
+    shown.close()
     statuses.sort(key=lambda s: os.fspath(s.path))
     return loaded, statuses

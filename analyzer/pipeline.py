@@ -129,7 +129,9 @@ def _merge_disjoint(groups: dict[str, list[Source]]) -> dict[str, list[Source]]:
     return {"+".join(sorted(groups)): merged}
 
 
-def group_incidents(loaded: Iterable[Loaded], consume: bool = False) -> list[Incident]:
+def group_incidents(
+    loaded: Iterable[Loaded], consume: bool = False, progress: bool = False
+) -> list[Incident]:
     ours: dict[str, list[Source]] = {}
     fr: list[FrDump] = []
     for item in loaded:
@@ -140,7 +142,7 @@ def group_incidents(loaded: Iterable[Loaded], consume: bool = False) -> list[Inc
             key = trig.incident_id if trig is not None and trig.incident_id else "snapshot"
             ours.setdefault(key, []).append(item)
     groups = sorted(_merge_disjoint(ours).items())
-    out = [incident_from_recordings(k, v, consume) for k, v in groups]
+    out = [incident_from_recordings(k, v, consume, progress) for k, v in groups]
     out.extend(incidents_from_flightrec(fr))
     return out
 
@@ -149,7 +151,7 @@ def analyze_paths(paths: Sequence[str], progress: bool = False) -> AnalysisResul
     # NCCL rings stay in their files until align reads each, copies what it
     # needs and forgets it: a cluster's dumps are never all in memory
     loaded, statuses = load_inputs(paths, progress=progress, defer=("nccl",))
-    incidents = group_incidents(loaded, consume=True)
+    incidents = group_incidents(loaded, consume=True, progress=progress)
     del loaded
     results = tuple(analyze_incident(inc) for inc in incidents)
     return AnalysisResult(results, tuple(statuses))

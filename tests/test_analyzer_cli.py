@@ -103,13 +103,22 @@ def test_nothing_readable_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_progress_on_stderr_for_long_loads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from analyzer import load
+    from analyzer import load, progress
+    from analyzer.pipeline import analyze_paths
 
     write(tmp_path)
-    monkeypatch.setattr(load, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 0.0)
     loaded, statuses = load.load_inputs([str(tmp_path)], progress=True)
     assert len(loaded) == 2 and all(s.ok for s in statuses)
-    assert "loaded 1/2 files" in capsys.readouterr().err
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "stallwatch analyze: loaded 1/2 files",
+        "stallwatch analyze: loaded 2/2 files",
+    ]
+    analyze_paths([str(tmp_path)], progress=True)  # rings are read after the rest
+    assert "stallwatch analyze: read the NCCL calls of 2/2 dumps" in capsys.readouterr().err
+    analyze_paths([str(tmp_path)], progress=False)
+    assert not capsys.readouterr().err
 
 
 def test_one_stall_named_twice_is_one_incident_and_two_stalls_stay_two(tmp_path: Path) -> None:

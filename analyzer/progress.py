@@ -1,0 +1,47 @@
+"""Progress of the long stages of ``analyze`` on stderr, for people waiting.
+
+A line at most every ``PROGRESS_EVERY_S`` ("stallwatch analyze: loaded
+120/2048 files"), and the final count when any line was shown.  Steps may
+come from several threads.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+PROGRESS_EVERY_S = 0.5
+
+
+class Progress:
+    def __init__(self, template: str, total: int, enabled: bool) -> None:
+        """``template`` takes the count and the total: "loaded {}/{} files"."""
+        self.template = template
+        self.total = total
+        self.enabled = enabled
+        self.count = 0
+        self.shown = -1
+        self.last = time.monotonic()
+        self._lock = threading.Lock()
+
+    def step(self, n: int = 1) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            self.count += n
+            now = time.monotonic()
+            if now - self.last >= PROGRESS_EVERY_S:
+                self.last = now
+                self._show()
+
+    def close(self) -> None:
+        """The final count, if a line was shown and it is not the last one."""
+        with self._lock:
+            if self.enabled and self.shown >= 0 and self.shown != self.count:
+                self._show()
+
+    def _show(self) -> None:
+        self.shown = self.count
+        text = self.template.format(self.count, self.total)
+        print(f"stallwatch analyze: {text}", file=sys.stderr, flush=True)

@@ -479,7 +479,9 @@ def _calls(
         crank[~ok] = -1
         valid = valid and bool((crank >= 0).all())
         stage["proc"][sl], stage["comm"][sl], stage["crank"][sl] = proc, pos, crank
-    rows = stage.select(CALL_DTYPE.names or ())
+    # the columns move out of the stage: ordering them frees each old one
+    rows = Table({name: stage.pop(name) for name in CALL_DTYPE.names or ()})
+    stage.pop("hash")
     if not valid:
         rows = rows[rows["crank"] >= 0]
     return order_calls(rows, np.array([c.nranks for c in comms], dtype=np.int64))

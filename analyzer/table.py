@@ -83,6 +83,13 @@ class Table:
         """A table of these columns only (no copy)."""
         return Table({name: self._cols[name] for name in names})
 
+    def pop(self, name: str) -> np.ndarray:
+        """Take a column out of the table (the table no longer holds it)."""
+        col = self._cols.pop(name)
+        if not self._cols:
+            self._n = 0
+        return col
+
     def record(self, i: int) -> dict[str, int]:
         """Row ``i`` as Python integers."""
         return {name: int(c[i]) for name, c in self._cols.items()}

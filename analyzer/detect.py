@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dumpers.schema import RedOp, datatype_name, op_name
+from dumpers.schema import Op, RedOp, datatype_name, op_name
 
 from .match import Matched
 from .metrics import (
@@ -24,6 +24,7 @@ from .metrics import (
     HostRetransmits,
     Member,
     MemberState,
+    P2pGap,
     proc_hosts,
 )
 from .model import Incident, Proc
@@ -61,6 +62,7 @@ class Analysis:
     retransmits: tuple[HostRetransmits, ...]
     sched_delay: np.ndarray  # per proc, ns
     slowdowns: tuple[CommSlowdown, ...] = ()
+    p2p: tuple[P2pGap, ...] = ()
 
 
 Detector = Callable[[Analysis], list[Verdict]]
@@ -566,3 +568,77 @@ DETECTORS: tuple[Detector, ...] = (
     detect_stragglers,
     detect_network,
 )
+
+
+P2P_STALL_NS = 1_000_000_000  # a side waiting on its peer's post, idle at least this long
+
+
+def detect_p2p_missing(a: Analysis) -> list[Verdict]:
+    """A stall no collective shows: a rank posted sends (receives) that its
+    peer never matched, and has done nothing since.  The peers that never
+    posted are the culprits, unless they are themselves waiting on someone
+    in the same way (a chain: its end is named; a cycle: all of it)."""
+    inc = a.incident
+    gaps = [
+        g
+        for g in a.p2p
+        if g.idle_ns is not None
+        and g.idle_ns >= P2P_STALL_NS
+        and (g.missing < 0 or not inc.procs[g.missing].died_badly)
+    ]
+    if not gaps:
+        return []
+    waiting = {g.waiting for g in gaps}
+    culprits = [g for g in gaps if g.missing < 0 or g.missing not in waiting] or gaps
+    main = min(culprits, key=lambda g: (g.comm, g.missing_crank, g.src, g.dst))
+    procs = sorted({g.missing for g in culprits if g.missing >= 0})
+    ranks, hosts, pids = _who(inc, procs)
+    absent = sorted({g.missing_crank for g in culprits if g.missing < 0 and g.comm == main.comm})
+    if absent and _is_world(inc, main.comm):
+        ranks = tuple(sorted({*ranks, *absent}))
+    comm = inc.comms[main.comm]
+    wanted = "RECV" if main.op == Op.SEND else "SEND"
+    who = inc.procs[main.waiting].label()
+    age = "" if main.age_ns is None else f" for {main.age_ns / 1e9:.1f} s"
+    names = ", ".join(str(r) for r in ranks)
+    summary = (
+        f"rank {names} never posted the {wanted} matching {op_name(main.op)} seq {main.seq} "
+        f"of comm rank {main.src if main.op == Op.SEND else main.dst} on {comm.name}; "
+        f"{who} waits there{age}"
+    )
+    evidence = [_gap_text(inc, g) for g in culprits[:MAX_LISTED]]
+    return [
+        Verdict(
+            VerdictKind.MISSING_RANK,
+            ranks,
+            hosts,
+            pids,
+            comm.hash_text,
+            main.seq,
+            wanted,
+            summary,
+            tuple(evidence),
+            tuple(sorted({g.missing_crank for g in culprits if g.comm == main.comm})),
+        )
+    ]
+
+
+def _gap_text(inc: Incident, g: P2pGap) -> str:
+    comm = inc.comms[g.comm]
+    other = (
+        inc.procs[g.missing].label() if g.missing >= 0 else f"comm rank {g.missing_crank} (no dump)"
+    )
+    mine = "sends" if g.op == Op.SEND else "receives"
+    theirs = "receives" if g.op == Op.SEND else "sends"
+    last = "none" if g.other_last < 0 else f"seq {g.other_last}"
+    idle = "" if g.idle_ns is None else f", idle for {g.idle_ns / 1e9:.1f} s"
+    return (
+        f"{inc.procs[g.waiting].label()} posted {g.posted} {mine} from comm rank {g.src} to "
+        f"{g.dst} on {comm.name} from seq {g.seq} that {other} never matched (its last "
+        f"{theirs[:-1]}: {last}){idle}"
+    )
+
+
+# run when no detector above finds anything: a collective verdict explains
+# the p2p calls around it better than they explain themselves
+FALLBACK_DETECTORS: tuple[Detector, ...] = (detect_p2p_missing,)

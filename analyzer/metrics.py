@@ -494,3 +494,88 @@ def _slowdown(
     base = clean if len(clean) >= BASELINE_MIN_GROUPS else dur
     q = 50 if len(clean) >= BASELINE_MIN_GROUPS else 25
     return len(dur), n_hit, int(np.median(dur[ghit])), int(np.percentile(base, q))
+
+
+@dataclass(frozen=True, slots=True)
+class P2pGap:
+    """Point-to-point messages of one direction (``src`` to ``dst`` on a
+    communicator) that one side posted and the other has not: the n-th send
+    from src to dst matches the n-th receive at dst from src."""
+
+    comm: int
+    src: int  # comm ranks
+    dst: int
+    waiting: int  # proc that posted the unmatched calls
+    missing: int  # proc of the other side, -1 without a dump
+    missing_crank: int
+    op: int  # what the waiting side posted: SEND or RECV
+    seq: int  # its first unmatched one
+    posted: int  # how many it posted beyond the other side
+    other_last: int  # the other side's last seq in this direction, -1 if none
+    age_ns: int | None  # since the waiting side posted the first unmatched call
+    idle_ns: int | None  # since the waiting side last did anything at all
+
+
+P2P_OPS = (int(Op.SEND), int(Op.RECV))
+
+
+def p2p_gaps(inc: Incident) -> list[P2pGap]:
+    """Every direction whose sends and receives do not pair up at the dump.
+    A side whose ring wrapped past every row of the direction is unknown,
+    not missing: no gap is made of it."""
+    rows = inc.calls.rows
+    start = max(inc.calls.matched, 0)
+    p2p = rows[start:] if start else rows
+    sel = np.flatnonzero(np.isin(p2p["op"], P2P_OPS) & (p2p["root"] >= 0))
+    if not len(sel):
+        return []
+    t = p2p.select(("comm", "crank", "root", "op", "seq", "ts", "proc")).take(sel)
+    is_send = t["op"] == Op.SEND
+    # the direction of each row, as (comm, src, dst)
+    src = np.where(is_send, t["crank"], t["root"]).astype(np.int64)
+    dst = np.where(is_send, t["root"], t["crank"]).astype(np.int64)
+    # the last seq posted per (comm, src, dst, is_send)
+    last: dict[tuple[int, int, int, bool], int] = {}
+    keys = np.rec.fromarrays([t["comm"], src, dst, is_send])
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    top = np.full(len(uniq), -1, dtype=np.int64)
+    np.maximum.at(top, inverse, t["seq"].astype(np.int64))
+    for (comm, s, d, send), seq in zip(uniq.tolist(), top.tolist(), strict=True):
+        last[(int(comm), int(s), int(d), bool(send))] = int(seq)
+    hosts = proc_hosts(inc)
+    latest = _latest_per_proc(inc)
+    out = []
+    for (comm, s, d, send), seq in sorted(last.items()):
+        other = last.get((comm, s, d, not send), -1)
+        if seq <= other:
+            continue
+        members = inc.comms[comm].members
+        missing_crank = d if send else s
+        if not (0 <= missing_crank < len(members)):
+            continue
+        missing = members[missing_crank]
+        if other < 0 and missing >= 0 and not inc.procs[missing].window_complete:
+            continue  # its ring wrapped: unknown
+        mine = (t["comm"] == comm) & (src == s) & (dst == d) & (is_send == send)
+        mine &= t["seq"] > other
+        first = int(np.argmin(np.where(mine, t["seq"], np.iinfo(np.int64).max)))
+        waiting = int(t["proc"][first])
+        now = inc.host_now[hosts[waiting]]
+        age = None if now is None else now - int(t["ts"][first])
+        idle = None if now is None else now - int(latest[waiting])
+        op = int(Op.SEND if send else Op.RECV)
+        posted = seq - other
+        out.append(
+            P2pGap(comm, s, d, waiting, missing, missing_crank, op, int(t["seq"][first]),
+                   posted, other, age, idle)
+        )  # fmt: skip
+    return out
+
+
+def _latest_per_proc(inc: Incident) -> np.ndarray:
+    """Each proc's latest timestamp (entry or return) over all its calls."""
+    rows = inc.calls.rows
+    out = np.zeros(len(inc.procs), dtype=np.int64)
+    if len(rows):
+        np.maximum.at(out, rows["proc"], np.maximum(rows["ts"], rows["end"]))
+    return out

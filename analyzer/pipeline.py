@@ -2,8 +2,10 @@
 match -> metrics -> detect -> verdicts -> report.
 
 Known limits:
-- Point-to-point calls are matched by no detector; they only appear as "what
-  a rank last did".
+- Point-to-point calls are judged only when no collective explains the
+  stall: a rank that posted sends (receives) its peer never matched and has
+  been idle 1 s since names that peer (``detect_p2p_missing``).  Their
+  sizes and timing are not judged.
 - A hang is told from a snapshot by how long the frontier made no progress
   (the dump time of the host, against its own timestamps): at least 1 s and
   4x the communicator's p99 call duration.
@@ -34,11 +36,12 @@ Known limits:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .align import Source, incident_from_recordings
-from .detect import DETECTORS, Analysis, Detector
+from .detect import DETECTORS, FALLBACK_DETECTORS, Analysis, Detector
 from .flightrec import FrDump, incidents_from_flightrec
 from .load import Loaded, load_inputs
 from .match import match
@@ -47,6 +50,7 @@ from .metrics import (
     arrival_scores,
     disagreements,
     frontier,
+    p2p_gaps,
     proc_hosts,
     retransmit_slowdowns,
     retransmits_in_windows,
@@ -94,6 +98,9 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
         slowdowns=tuple(retransmit_slowdowns(inc, m)),
     )
     verdicts = [v for d in detectors for v in d(a)]
+    if not verdicts and detectors is DETECTORS:
+        a = dataclasses.replace(a, p2p=tuple(p2p_gaps(inc)))
+        verdicts = [v for d in FALLBACK_DETECTORS for v in d(a)]
     if not verdicts:
         verdicts.append(_healthy(a))
     return IncidentResult(inc, tuple(sorted(verdicts, key=Verdict.sort_key)), fronts)

@@ -534,40 +534,42 @@ def p2p_gaps(inc: Incident) -> list[P2pGap]:
     # the direction of each row, as (comm, src, dst)
     src = np.where(is_send, t["crank"], t["root"]).astype(np.int64)
     dst = np.where(is_send, t["root"], t["crank"]).astype(np.int64)
-    # the last seq posted per (comm, src, dst, is_send)
-    last: dict[tuple[int, int, int, bool], int] = {}
-    keys = np.rec.fromarrays([t["comm"], src, dst, is_send])
-    uniq, inverse = np.unique(keys, return_inverse=True)
+    # per direction and side (comm, src, dst, is_send): the last seq posted
+    n = max(c.nranks for c in inc.comms)
+    packed = ((t["comm"].astype(np.int64) * n + src) * n + dst) * 2 + is_send
+    keys, inverse = np.unique(packed, return_inverse=True)  # len(comms) * n * n * 2 < 2**63
+    uniq = np.rec.fromarrays([keys // (2 * n * n), keys // (2 * n) % n, keys // 2 % n, keys % 2])
     top = np.full(len(uniq), -1, dtype=np.int64)
-    np.maximum.at(top, inverse, t["seq"].astype(np.int64))
-    for (comm, s, d, send), seq in zip(uniq.tolist(), top.tolist(), strict=True):
-        last[(int(comm), int(s), int(d), bool(send))] = int(seq)
+    seq = t["seq"].astype(np.int64)
+    np.maximum.at(top, inverse, seq)
+    # the other side of each: the same direction, the other op
+    pos = np.minimum(np.searchsorted(keys, keys ^ 1), len(keys) - 1)
+    other = np.where(keys[pos] == keys ^ 1, top[pos], -1)
+    # each side's first call beyond what the other side posted
+    ahead = np.flatnonzero(seq > other[inverse])
+    ahead = ahead[np.lexsort((seq[ahead], inverse[ahead]))]
+    sides, first = np.unique(inverse[ahead], return_index=True)
     hosts = proc_hosts(inc)
     latest = _latest_per_proc(inc)
     out = []
-    for (comm, s, d, send), seq in sorted(last.items()):
-        other = last.get((comm, s, d, not send), -1)
-        if seq <= other:
-            continue
+    for side, row in zip(sides.tolist(), ahead[first].tolist(), strict=True):
+        comm, s, d, send = (int(x) for x in uniq[side])
         members = inc.comms[comm].members
         missing_crank = d if send else s
         if not (0 <= missing_crank < len(members)):
             continue
         missing = members[missing_crank]
-        if other < 0 and missing >= 0 and not inc.procs[missing].window_complete:
+        if other[side] < 0 and missing >= 0 and not inc.procs[missing].window_complete:
             continue  # its ring wrapped: unknown
-        mine = (t["comm"] == comm) & (src == s) & (dst == d) & (is_send == send)
-        mine &= t["seq"] > other
-        first = int(np.argmin(np.where(mine, t["seq"], np.iinfo(np.int64).max)))
-        waiting = int(t["proc"][first])
+        waiting = int(t["proc"][row])
         now = inc.host_now[hosts[waiting]]
-        age = None if now is None else now - int(t["ts"][first])
-        idle = None if now is None else now - int(latest[waiting])
-        op = int(Op.SEND if send else Op.RECV)
-        posted = seq - other
         out.append(
-            P2pGap(comm, s, d, waiting, missing, missing_crank, op, int(t["seq"][first]),
-                   posted, other, age, idle)
+            P2pGap(
+                comm, s, d, waiting, missing, missing_crank, int(Op.SEND if send else Op.RECV),
+                int(seq[row]), int(top[side] - other[side]), int(other[side]),
+                None if now is None else now - int(t["ts"][row]),
+                None if now is None else now - int(latest[waiting]),
+            )
         )  # fmt: skip
     return out
 

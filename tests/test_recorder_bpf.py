@@ -357,10 +357,12 @@ def lossy_link() -> Iterator[tuple[str, str]]:
             _sh("ip", "-n", ns, "addr", "add", addr, "dev", dev)
             _sh("ip", "-n", ns, "link", "set", dev, "up")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        nft = ("ip", "netns", "exec", a, "nft")
+        # loss on the receiver's side: a drop in the sender's own output hook
+        # comes back to TCP as a local send error, not always as a retransmit
+        nft = ("ip", "netns", "exec", b, "nft")
         _sh(*nft, "add table inet loss")
-        _sh(*nft, "add chain inet loss out { type filter hook output priority 0; }")
-        _sh(*nft, "add rule inet loss out tcp dport 7777 numgen random mod 100 lt 30 drop")
+        _sh(*nft, "add chain inet loss in { type filter hook input priority 0; }")
+        _sh(*nft, "add rule inet loss in tcp dport 7777 numgen random mod 100 lt 10 drop")
         yield a, b
     finally:
         for ns in (a, b):
@@ -380,6 +382,7 @@ sys.stdin.readline()
 for _ in range(50):
     try:
         c = socket.create_connection(("10.77.0.2", 7777), timeout=5)
+        c.settimeout(None)  # losses back off the sender for seconds at times
         break
     except OSError:
         time.sleep(0.1)
@@ -407,3 +410,21 @@ def test_tcp_retransmits_attributed_to_the_owning_process(
     assert len(retrans) > 0, "no retransmit attributed to the sending process"
     assert (retrans["dport"] == 7777).all()
     assert bytes(retrans[0]["daddr"][:4]) == bytes([10, 77, 0, 2])
+
+
+def test_an_excluded_process_is_dropped_in_the_kernel(agent: Agent, fake: FakeNccl) -> None:
+    """A process user space excludes (another namespace) leaves no row: the
+    programs drop it (this agent is in host scope: user space filters
+    nothing); the others are recorded as before."""
+    code = (
+        f"import ctypes\nlib = ctypes.CDLL({str(fake.lib)!r})\n"
+        "for _ in range(5):\n    lib.ncclAllReduce(None, None, 1, 7, 0, None, None)\n"
+    )
+    with waiting_python(code) as out, waiting_python(code) as kept:
+        agent.source.set_scope(out.pid, tracked=False, excluded=True)
+        for p in (out, kept):
+            _go(p)
+            assert p.wait(30) == 0
+    rec = agent.snapshot()
+    assert len(rows_of(rec, "nccl", kept.pid)) == 5
+    assert len(rows_of(rec, "nccl", out.pid)) == 0

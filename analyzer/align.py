@@ -186,9 +186,9 @@ def _extract_all(
                     rows = later.read(buffer)
                 except DumpError as exc:
                     out.append(_Extract(s, slice(at, at), True, None, NO_PIDS, (), (), str(exc)))
-                    continue
-                out.append(_extract(s, rows, later.overwritten == 0, stage, at))
-                del rows  # a view of the buffer, which the next file reuses
+                else:
+                    out.append(_extract(s, rows, later.overwritten == 0, stage, at))
+                    del rows  # a view of the buffer, which the next file reuses
             at = out[-1].rows.stop
             if shown is not None:
                 shown.step()

@@ -526,7 +526,9 @@ def p2p_gaps(inc: Incident) -> list[P2pGap]:
     rows = inc.calls.rows
     start = max(inc.calls.matched, 0)
     p2p = rows[start:] if start else rows
-    sel = np.flatnonzero(np.isin(p2p["op"], P2P_OPS) & (p2p["root"] >= 0))
+    n = max((c.nranks for c in inc.comms), default=0)
+    peer = p2p["root"]
+    sel = np.flatnonzero(np.isin(p2p["op"], P2P_OPS) & (peer >= 0) & (peer < n))
     if not len(sel):
         return []
     t = p2p.select(("comm", "crank", "root", "op", "seq", "ts", "proc")).take(sel)
@@ -535,7 +537,6 @@ def p2p_gaps(inc: Incident) -> list[P2pGap]:
     src = np.where(is_send, t["crank"], t["root"]).astype(np.int64)
     dst = np.where(is_send, t["root"], t["crank"]).astype(np.int64)
     # per direction and side (comm, src, dst, is_send): the last seq posted
-    n = max(c.nranks for c in inc.comms)
     packed = ((t["comm"].astype(np.int64) * n + src) * n + dst) * 2 + is_send
     keys, inverse = np.unique(packed, return_inverse=True)  # len(comms) * n * n * 2 < 2**63
     uniq = np.rec.fromarrays([keys // (2 * n * n), keys // (2 * n) % n, keys // 2 % n, keys % 2])

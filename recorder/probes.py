@@ -454,6 +454,9 @@ class Probes:
         table = self.bpf[map_name.encode()]
         key = table.Key(pid)
         if present:
+            if map_name == "excluded":  # the programs look at `excluded` from now on
+                flag = self.bpf[b"any_excluded"]
+                flag[flag.Key(0)] = flag.Leaf(1)
             table[key] = table.Leaf(1)
         else:
             with contextlib.suppress(KeyError):

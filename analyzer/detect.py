@@ -152,11 +152,6 @@ def detect_missing_rank(a: Analysis) -> list[Verdict]:
     if not pairs:
         return []
     main = _primary(a, [f for f, _ in pairs])
-    procs = sorted({m.proc for _, m in pairs if m.proc >= 0})
-    ranks, hosts, pids = _who(inc, procs)
-    absent = sorted({m.crank for f, m in pairs if m.proc < 0 and f.comm == main.comm})
-    if absent and _is_world(inc, main.comm):
-        ranks = tuple(sorted({*ranks, *absent}))
     comms = inc.comms
 
     def order(fm: tuple[Frontier, Member]) -> tuple[int, int, int]:
@@ -166,29 +161,56 @@ def detect_missing_rank(a: Analysis) -> list[Verdict]:
 
     evidence = [_member_text(a, f, m) for f, m in sorted(pairs, key=order)[:MAX_LISTED]]
     age = "" if main.age_ns is None else f" for {main.age_ns / 1e9:.1f} s"
-    names = ", ".join(str(r) for r in ranks)
     missing_dumps = sum(1 for _, m in pairs if m.proc < 0)
     if missing_dumps:
         evidence.append(f"{missing_dumps} rank(s) have no dump; judged from their peers' records")
-    summary = (
-        f"rank {names} never entered {op_name(main.op)} seq {main.seq} on "
-        f"{inc.comms[main.comm].name}; the other ranks wait there{age}"
-    )
-    crank = tuple(m.crank for f, m in pairs if f.comm == main.comm)
     return [
-        Verdict(
-            VerdictKind.MISSING_RANK,
-            ranks,
-            hosts,
-            pids,
-            inc.comms[main.comm].hash_text,
+        _missing_rank(
+            inc,
+            main.comm,
+            [m.proc for _, m in pairs],
+            [(m.crank, m.proc) for f, m in pairs if f.comm == main.comm],
             main.seq,
             op_name(main.op),
-            summary,
-            tuple(evidence),
-            crank,
+            lambda names: (
+                f"rank {names} never entered {op_name(main.op)} seq {main.seq} on "
+                f"{comms[main.comm].name}; the other ranks wait there{age}"
+            ),
+            evidence,
         )
     ]
+
+
+def _missing_rank(
+    inc: Incident,
+    comm: int,
+    procs: list[int],
+    members: list[tuple[int, int]],
+    seq: int,
+    op: str,
+    summary: Callable[[str], str],
+    evidence: list[str],
+) -> Verdict:
+    """A missing_rank verdict on ``comm``: the culprits' procs on any
+    communicator (-1: no dump), and their (comm rank, proc) in ``comm``.  A
+    rank without a dump is named by its world rank when ``comm`` is the world."""
+    ranks, hosts, pids = _who(inc, sorted({p for p in procs if p >= 0}))
+    absent = sorted({r for r, p in members if p < 0})
+    if absent and _is_world(inc, comm):
+        ranks = tuple(sorted({*ranks, *absent}))
+    names = ", ".join(str(r) for r in ranks)
+    return Verdict(
+        VerdictKind.MISSING_RANK,
+        ranks,
+        hosts,
+        pids,
+        inc.comms[comm].hash_text,
+        seq,
+        op,
+        summary(names),
+        tuple(evidence),
+        tuple(r for r, _ in members),
+    )
 
 
 def _field_text(field: str, value: int) -> str:
@@ -591,34 +613,26 @@ def detect_p2p_missing(a: Analysis) -> list[Verdict]:
     waiting = {g.waiting for g in gaps}
     culprits = [g for g in gaps if g.missing < 0 or g.missing not in waiting] or gaps
     main = min(culprits, key=lambda g: (g.comm, g.missing_crank, g.src, g.dst))
-    procs = sorted({g.missing for g in culprits if g.missing >= 0})
-    ranks, hosts, pids = _who(inc, procs)
-    absent = sorted({g.missing_crank for g in culprits if g.missing < 0 and g.comm == main.comm})
-    if absent and _is_world(inc, main.comm):
-        ranks = tuple(sorted({*ranks, *absent}))
     comm = inc.comms[main.comm]
     wanted = "RECV" if main.op == Op.SEND else "SEND"
     who = inc.procs[main.waiting].label()
     age = "" if main.age_ns is None else f" for {main.age_ns / 1e9:.1f} s"
-    names = ", ".join(str(r) for r in ranks)
-    summary = (
-        f"rank {names} never posted the {wanted} matching {op_name(main.op)} seq {main.seq} "
-        f"of comm rank {main.src if main.op == Op.SEND else main.dst} on {comm.name}; "
-        f"{who} waits there{age}"
-    )
-    evidence = [_gap_text(inc, g) for g in culprits[:MAX_LISTED]]
+    poster = main.src if main.op == Op.SEND else main.dst
+    on_main = sorted({(g.missing_crank, g.missing) for g in culprits if g.comm == main.comm})
     return [
-        Verdict(
-            VerdictKind.MISSING_RANK,
-            ranks,
-            hosts,
-            pids,
-            comm.hash_text,
+        _missing_rank(
+            inc,
+            main.comm,
+            [g.missing for g in culprits],
+            on_main,
             main.seq,
             wanted,
-            summary,
-            tuple(evidence),
-            tuple(sorted({g.missing_crank for g in culprits if g.comm == main.comm})),
+            lambda names: (
+                f"rank {names} never posted the {wanted} matching "
+                f"{op_name(main.op)} seq {main.seq} of comm rank {poster} on {comm.name}; "
+                f"{who} waits there{age}"
+            ),
+            [_gap_text(inc, g) for g in culprits[:MAX_LISTED]],
         )
     ]
 

@@ -71,7 +71,7 @@ def test_receiver_that_never_posts_is_named() -> None:
     rows = [*_pipeline(10, end), _p2p(0, 1, Op.SEND, 10, end + MS, end + MS + 10000)]
     (v,) = _analyze(_with(recordings(JOB), rows)).verdicts
     assert v.kind is VerdictKind.MISSING_RANK and v.ranks == (1,) and v.op == "RECV"
-    assert v.seq == 10 and "rank 1 never posted the RECV" in v.summary
+    assert v.seq == 10 and "rank 1 never posted the RECV" in v.summary and v.comm_ranks == (1,)
     assert "posted 1 sends from comm rank 0 to 1" in v.evidence[0]
 
 
@@ -109,6 +109,6 @@ def test_a_collective_verdict_comes_before_p2p() -> None:
     recs = recordings(job)
     rows = [*_pipeline(10, end), _p2p(0, 1, Op.SEND, 10, end + MS, end + MS + 10000)]
     verdicts = _analyze(_with(recs, rows)).verdicts
-    assert [(v.kind, v.ranks, v.op) for v in verdicts] == [
-        (VerdictKind.MISSING_RANK, (3,), "ALL_REDUCE")
+    assert [(v.kind, v.ranks, v.op, v.comm_ranks) for v in verdicts] == [
+        (VerdictKind.MISSING_RANK, (3,), "ALL_REDUCE", (3,))
     ]

@@ -52,9 +52,7 @@ def in_scope(rec: Recording, consume: bool = False) -> Recording:
     """The recording without rows of processes its agent does not list: an
     agent's process table is its scope (one node), whatever leaked past it.
     With ``consume``, rings replaced by a filtered copy leave the original."""
-    scope = np.array(
-        sorted({p.pid for p in rec.processes} | {c.pid for c in rec.communicators}), dtype=np.uint32
-    )
+    scope = _listed_pids(rec)
     if not len(scope):
         return rec
     rings = dict(rec.rings)
@@ -70,6 +68,13 @@ def in_scope(rec: Recording, consume: bool = False) -> Recording:
     if all(rings[k] is rec.rings.get(k) for k in rings):
         return rec  # nothing out of scope: the same recording, not a copy
     return dataclasses.replace(rec, rings=rings)
+
+
+def _listed_pids(rec: Recording) -> np.ndarray:
+    """The pids of the agent's process and communicator tables (sorted): its
+    scope."""
+    pids = {p.pid for p in rec.processes} | {c.pid for c in rec.communicators}
+    return np.array(sorted(pids), dtype=np.uint32)
 
 
 def _member_of(values: np.ndarray, known: np.ndarray) -> np.ndarray:
@@ -242,9 +247,10 @@ def _extract(s: Source, raw: np.ndarray | None, complete: bool, stage: Table, at
         return _Extract(s, slice(at, at), complete, None, NO_PIDS, (), ())
     raw = raw if raw.dtype == NCCL_EVENT else raw.astype(NCCL_EVENT)
     keep = IS_CALL[raw["op"]]
-    listed = {p.pid for p in rec.processes} | {c.pid for c in rec.communicators}
     # an agent's process table is its scope (one node); without one, every pid
-    scope = np.array(sorted(listed), dtype=np.uint32) if listed else np.unique(raw["pid"][keep])
+    scope = _listed_pids(rec)
+    if not len(scope):
+        scope = np.unique(raw["pid"][keep])
     index, inside = _positions(scope, raw["pid"])
     keep &= inside
     n = int(np.count_nonzero(keep))

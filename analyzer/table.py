@@ -43,12 +43,6 @@ class Table:
         names = records.dtype.names or ()
         return cls({name: np.ascontiguousarray(records[name]) for name in names})
 
-    @classmethod
-    def concat(cls, tables: Sequence[Table], dtype: np.dtype) -> Table:
-        if not tables:
-            return cls.empty(dtype)
-        return cls({name: np.concatenate([t[name] for t in tables]) for name in dtype.names or ()})
-
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self._cols)

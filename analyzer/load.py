@@ -55,14 +55,18 @@ def expand(paths: Sequence[str]) -> tuple[list[str], list[InputStatus]]:
     return files, bad
 
 
-def load_one(path: str, defer: Collection[str] = ()) -> tuple[Loaded | None, InputStatus]:
+def load_one(
+    path: str, defer: Collection[str] = (), head: bytes | None = None
+) -> tuple[Loaded | None, InputStatus]:
     """One input; our dumps' rings named in ``defer`` are left in the file
-    (read when their rows are wanted, see ``Source.deferred``)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(16)
-    except OSError as exc:
-        return None, InputStatus(path, False, f"{path}: cannot read: {exc.strerror or exc}")
+    (read when their rows are wanted, see ``Source.deferred``).  ``head``:
+    its first bytes, when the caller has read them already."""
+    if head is None:
+        try:
+            with open(path, "rb") as f:
+                head = f.read(16)
+        except OSError as exc:
+            return None, InputStatus(path, False, f"{path}: cannot read: {exc.strerror or exc}")
     try:
         if looks_like_flightrec(head):
             fr = read_flightrec(path)
@@ -78,12 +82,14 @@ def load_one(path: str, defer: Collection[str] = ()) -> tuple[Loaded | None, Inp
 POOL_MIN_BYTES = 16 << 20  # of Flight Recorder files, below which one process reads them
 
 
-def _is_flightrec(path: str) -> bool:
+def _head(path: str) -> bytes | None:
+    """The first bytes, which tell the kind of file; None if unreadable
+    (load_one then says why)."""
     try:
         with open(path, "rb") as f:
-            return looks_like_flightrec(f.read(16))
+            return f.read(16)
     except OSError:
-        return False
+        return None
 
 
 def _size(path: str) -> int:
@@ -112,17 +118,18 @@ def _read_all(
 ) -> Iterator[tuple[Loaded | None, InputStatus]]:
     """load_one of each file, in order; Flight Recorder files on worker
     processes when they pay, the rest here meanwhile."""
-    fr = [f for f in files if _is_flightrec(f)]
+    heads = {f: _head(f) for f in files}
+    fr = [f for f in files if (head := heads[f]) is not None and looks_like_flightrec(head)]
     pooled = _pool_for(fr)
     if pooled is None:
-        yield from (load_one(f, defer) for f in files)
+        yield from (load_one(f, defer, heads[f]) for f in files)
         return
     pool, workers = pooled
     with pool:
         results = pool.map(load_one, fr, chunksize=max(1, len(fr) // (8 * workers)))
         wanted = set(fr)
         for f in files:  # results come in the order of fr: the order of files
-            yield next(results) if f in wanted else load_one(f, defer)
+            yield next(results) if f in wanted else load_one(f, defer, heads[f])
 
 
 def load_inputs(

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +36,7 @@ from recorder.model import CommProgress, InflightCall
 from recorder.source import ReplaySource
 from recorder.tables import ProcessTable
 
+from .test_recorder_bpf import wait_for
 from .test_recorder_lab import lab_run
 
 GONE_PID = 4_000_000  # above pid_max: no such process
@@ -59,14 +60,6 @@ ENDS: dict[str, tuple[str, int | None, int | None]] = {
     "sigsegv": ("os.kill(os.getpid(), signal.SIGSEGV)", None, signal.SIGSEGV),
     "abort": ("os.abort()", None, signal.SIGABRT),
 }  # fmt: skip
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

@@ -392,17 +392,41 @@ def _sched_heavy(a: Analysis) -> set[int]:
     return {int(i) for i in np.flatnonzero((d >= SCHED_MIN_NS) & (d >= SCHED_DOMINANCE * typical))}
 
 
-def _late_somewhere(a: Analysis, proc: int) -> ArrivalScore | None:
-    """Its clearest lateness, if it is late in at least half of some group's collectives."""
+def _late_somewhere(a: Analysis, proc: int, heavy: set[int]) -> tuple[ArrivalScore, float] | None:
+    """Its clearest lateness, and the share of collectives it names: in some
+    communicator it, or a rank starved with it, is the last to arrive in at
+    least half of the collectives (more often than their share of the members
+    would give), and it arrives later than its peers by the margin (median).
+    Ranks starved alike (sharing a hogged CPU) take turns at being last: each
+    alone may be last in less than half, and waits for the other about as long
+    as the others do; so they are measured against the unstarved members,
+    which wait far longer than either."""
+    members: dict[int, list[ArrivalScore]] = {}
+    for s in a.arrivals:
+        if s.method == "wait":
+            members.setdefault(s.comm, []).append(s)
+
+    def judged(s: ArrivalScore) -> tuple[float, int]:
+        """(share of collectives last, margin)"""
+        starved = [x for x in members.get(s.comm, ()) if x.proc in heavy]
+        others = [x for x in members.get(s.comm, ()) if x.proc not in heavy]
+        share = sum(x.last_fraction for x in starved)
+        if s.method != "wait" or not others or share <= len(starved) / max(s.nranks, 2):
+            return s.last_fraction, s.margin_ns
+        margin = min(x.own_wait_ns for x in others) - s.own_wait_ns
+        return min(share, 1.0), max(s.margin_ns, margin)
+
     late = [
-        s
+        (s, share, margin)
         for s in a.arrivals
-        if s.proc == proc
-        and s.groups >= STRAGGLER_MIN_GROUPS
-        and s.last_fraction >= 0.5
-        and s.margin_ns >= STRAGGLER_MARGIN_NS
+        if s.proc == proc and s.groups >= STRAGGLER_MIN_GROUPS
+        for share, margin in [judged(s)]
+        if share >= 0.5 and margin >= STRAGGLER_MARGIN_NS
     ]
-    return max(late, key=lambda s: (s.margin_ns, s.groups)) if late else None
+    if not late:
+        return None
+    s, share, _ = max(late, key=lambda x: (x[2], x[0].groups))
+    return s, share
 
 
 def _concentration_min(nhosts: int) -> float:
@@ -457,7 +481,9 @@ def _starved_hosts(a: Analysis) -> set[int]:
     return {hosts[p] for p in _sched_heavy(a)}
 
 
-def _straggler_verdict(a: Analysis, s: ArrivalScore, kind: VerdictKind) -> Verdict:
+def _straggler_verdict(
+    a: Analysis, s: ArrivalScore, kind: VerdictKind, starved_share: float | None = None
+) -> Verdict:
     inc = a.incident
     p = inc.procs[s.proc]
     comm = inc.comms[s.comm]
@@ -477,6 +503,11 @@ def _straggler_verdict(a: Analysis, s: ArrivalScore, kind: VerdictKind) -> Verdi
         f"last to arrive in {s.last_fraction:.0%} of {s.groups} collectives on {comm.name}",
         how,
     ]
+    if starved_share is not None:
+        evidence.append(
+            f"it or another rank starved of CPU is the last to arrive in {starved_share:.0%} "
+            "of them: ranks sharing a hogged CPU take turns at being last"
+        )
     if kind is VerdictKind.CPU_INTERFERENCE:
         typical = float(np.percentile(a.sched_delay, 25))
         evidence.append(
@@ -514,9 +545,11 @@ def detect_stragglers(a: Analysis) -> list[Verdict]:
         elif a.incident.procs[s.proc].host not in lossy:
             out.append(_straggler_verdict(a, s, VerdictKind.COMPUTE_STRAGGLER))
     for proc in sorted(heavy - named):  # starved, and late (if less consistently)
-        late = _late_somewhere(a, proc)
+        late = _late_somewhere(a, proc, heavy)
         if late is not None:
-            out.append(_straggler_verdict(a, late, VerdictKind.CPU_INTERFERENCE))
+            s, share = late
+            shared = share if share > s.last_fraction else None
+            out.append(_straggler_verdict(a, s, VerdictKind.CPU_INTERFERENCE, shared))
     return out
 
 

@@ -50,6 +50,7 @@ class Job:
     slow: tuple[int, float] | None = None  # (rank, extra ms per step)
     loss_node: int | None = None
     cpuhog: int | None = None  # rank
+    hog_shared: int | None = None  # a rank sharing the hogged CPU: starved alike
     skew_ns: dict[int, int] = field(default_factory=dict)  # node -> offset
     wrap: dict[int, int] = field(default_factory=dict)  # node -> rows dropped (oldest)
     split: bool = False
@@ -102,6 +103,7 @@ def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[W
     slow_rank, slow_ms = job.slow if job.slow else (-1, 0.0)
     if job.cpuhog is not None:
         slow_rank, slow_ms = job.cpuhog, 15.0
+    slowed = {slow_rank} | ({job.hog_shared} if job.hog_shared is not None else set())
     for step in range(job.steps):
         # a lossy link slows the collectives whose packets it drops (half of
         # them), by far more than the jitter: retransmits fall inside exactly those
@@ -109,7 +111,7 @@ def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[W
         xfer = job.xfer_ms * (8 if lossy else 1)
         arrive = {}
         for r in range(n):
-            extra = slow_ms if r == slow_rank else 0.0
+            extra = slow_ms if r in slowed else 0.0
             ms = job.compute_ms + extra + rng.uniform(0, job.jitter_ms)
             arrive[r] = t + int(ms * MS)
         entered = [r for r in range(n) if step < stop[r]]
@@ -263,7 +265,8 @@ def _sched(job: Job, k: int, windows: list[Window], skew: int) -> np.ndarray:
     ranks = [r for r in range(job.nranks) if job.node_of(r) == k]
     rows = []
     for r in ranks:
-        n, delay = (40, 12 * MS) if r == job.cpuhog else (2, int(0.2 * MS))
+        starved = r in (job.cpuhog, job.hog_shared)
+        n, delay = (40, 12 * MS) if starved else (2, int(0.2 * MS))
         for i in range(min(n, len(windows))):
             x = np.zeros(1, dtype=SCHED_EVENT)[0]
             x["pid"], x["tid"], x["delay_ns"] = pid_of(r), pid_of(r), delay

@@ -408,10 +408,12 @@ def _late_somewhere(a: Analysis, proc: int, heavy: set[int]) -> tuple[ArrivalSco
 
     def judged(s: ArrivalScore) -> tuple[float, int]:
         """(share of collectives last, margin)"""
-        starved = [x for x in members.get(s.comm, ()) if x.proc in heavy]
-        others = [x for x in members.get(s.comm, ()) if x.proc not in heavy]
+        if s.method != "wait":
+            return s.last_fraction, s.margin_ns
+        starved = [x for x in members[s.comm] if x.proc in heavy]
+        others = [x for x in members[s.comm] if x.proc not in heavy]
         share = sum(x.last_fraction for x in starved)
-        if s.method != "wait" or not others or share <= len(starved) / max(s.nranks, 2):
+        if not others or share <= len(starved) / max(s.nranks, 2):
             return s.last_fraction, s.margin_ns
         margin = min(x.own_wait_ns for x in others) - s.own_wait_ns
         return min(share, 1.0), max(s.margin_ns, margin)

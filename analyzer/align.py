@@ -21,17 +21,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+from stallwatch.dumpers import addresses
+from stallwatch.dumpers.errors import DumpError
+from stallwatch.dumpers.format import DeferredRing
+from stallwatch.dumpers.model import CommInfo, Recording
+from stallwatch.dumpers.schema import NCCL_EVENT, ExitEvent, Op, TcpEvent
 
-from dumpers.errors import DumpError
-from dumpers.format import DeferredRing
-from dumpers.model import CommInfo, Recording
-from dumpers.schema import NCCL_EVENT, ExitEvent, Op, TcpEvent
-
+from .columns import Columns
 from .match import order_calls
 from .model import CALL_DTYPE, SCHED_DTYPE, TCP_RETRANS_DTYPE, Calls, Comm, Incident, Proc
 from .parallel import in_parallel, threads
 from .progress import Progress
-from .table import Table
 
 IS_CALL = np.zeros(256, dtype=bool)  # op -> is a collective or p2p call
 IS_CALL[[int(op) for op in Op if op.is_collective or op.is_p2p]] = True
@@ -164,12 +164,12 @@ NO_PIDS = np.zeros(0, dtype=np.uint32)
 
 def _extract_all(
     sources: list[Source], consume: bool, shown: Progress | None = None
-) -> tuple[Table, list[_Extract]]:
+) -> tuple[Columns, list[_Extract]]:
     """Every source's call rows into one stage table, a few threads each
     taking a run of sources (and its own run of the table).  A ring left in
     its file is read into the thread's one buffer, copied out, forgotten."""
     sizes = [_nccl_rows(s) for s in sources]
-    stage = Table.empty(STAGE_DTYPE, sum(sizes))  # filled in place: no list of parts to join
+    stage = Columns.empty(STAGE_DTYPE, sum(sizes))  # filled in place: no list of parts to join
 
     def run(part: tuple[int, int, int]) -> list[_Extract]:
         first, stop, at = part
@@ -241,7 +241,9 @@ def _nccl_rows(s: Source) -> int:
     return len(ring.rows) if ring is not None else 0
 
 
-def _extract(s: Source, raw: np.ndarray | None, complete: bool, stage: Table, at: int) -> _Extract:
+def _extract(
+    s: Source, raw: np.ndarray | None, complete: bool, stage: Columns, at: int
+) -> _Extract:
     rec = s.recording
     if raw is None or not len(raw):
         return _Extract(s, slice(at, at), complete, None, NO_PIDS, (), ())
@@ -459,7 +461,7 @@ DENSE_TABLE_MAX = 16 << 20  # entries (8 bytes each) of the dense (proc, comm) -
 
 
 def _calls(
-    stage: Table,
+    stage: Columns,
     extracts: list[_Extract],
     proc_index: dict[tuple[str, int], int],
     comms: list[Comm],
@@ -486,7 +488,7 @@ def _calls(
         valid = valid and bool((crank >= 0).all())
         stage["proc"][sl], stage["comm"][sl], stage["crank"][sl] = proc, pos, crank
     # the columns move out of the stage: ordering them frees each old one
-    rows = Table({name: stage.pop(name) for name in CALL_DTYPE.names or ()})
+    rows = Columns({name: stage.pop(name) for name in CALL_DTYPE.names or ()})
     stage.pop("hash")
     if not valid:
         rows = rows[rows["crank"] >= 0]
@@ -524,21 +526,6 @@ def _addr_keys(addrs: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(addrs).view("V16").ravel()
 
 
-AF_INET = 2
-V4_MAPPED = np.array([0] * 10 + [0xFF, 0xFF], dtype=np.uint8)
-V6_LOOPBACK = np.array([0] * 15 + [1], dtype=np.uint8)
-
-
-def _loopback(addrs: np.ndarray, family: np.ndarray) -> np.ndarray:
-    """Per row: 127.0.0.0/8, ::1 or ::ffff:127.0.0.0/104 (IPv4 addresses
-    fill the first 4 of the 16 bytes)."""
-    v4 = (family == AF_INET) & (addrs[:, 0] == 127)
-    mapped = (addrs[:, :12] == V4_MAPPED).all(axis=1) & (addrs[:, 12] == 127)
-    one = (addrs == V6_LOOPBACK).all(axis=1) & (family != AF_INET)
-    out: np.ndarray = v4 | mapped | one
-    return out
-
-
 def _own_address(rec: Recording) -> bytes | None:
     """The host's address: the commonest non-loopback source address of
     connections its ranks own (the owner attribution is not perfect)."""
@@ -547,7 +534,7 @@ def _own_address(rec: Recording) -> bytes | None:
         return None
     ranks = np.array(sorted({c.pid for c in rec.communicators}), dtype=np.uint32)
     rows = ring.rows[np.isin(ring.rows["pid"], ranks)]
-    rows = rows[~_loopback(rows["saddr"], rows["family"])]
+    rows = rows[~addresses.is_loopback(rows["saddr"], rows["family"])]
     if not len(rows):
         return None
     keys, counts = np.unique(_addr_keys(rows["saddr"]), return_counts=True)
@@ -571,7 +558,8 @@ def _retransmits(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
             continue
         rows = ring.rows[ring.rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB]
         fam = rows["family"]
-        rows = rows[~(_loopback(rows["saddr"], fam) | _loopback(rows["daddr"], fam))]
+        loop = addresses.is_loopback(rows["saddr"], fam) | addresses.is_loopback(rows["daddr"], fam)
+        rows = rows[~loop]
         h = hosts.index(s.recording.host)
         src, dst = _addr_keys(rows["saddr"]).tolist(), _addr_keys(rows["daddr"]).tolist()
         for i in range(len(rows)):

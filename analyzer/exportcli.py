@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dumpers.errors import UsageError
-from dumpers.model import Recording
+from stallwatch.dumpers.errors import UsageError
+from stallwatch.dumpers.model import Recording
 
 from .model import InputStatus
 from .perfetto import Marker

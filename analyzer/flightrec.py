@@ -42,12 +42,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from stallwatch.dumpers.errors import DumpFormatError, DumpVersionError
+from stallwatch.dumpers.schema import DataType, Op, State
 
-from dumpers.errors import DumpFormatError, DumpVersionError
-from dumpers.schema import DataType, Op, State
-
+from .columns import Columns
 from .model import CALL_DTYPE, SCHED_DTYPE, TCP_RETRANS_DTYPE, Calls, Comm, Incident, Proc
-from .table import Table
 
 OPS: dict[str, Op] = {
     "all_reduce": Op.ALL_REDUCE,
@@ -394,7 +393,7 @@ def _incident(folder: str, dumps: list[FrDump]) -> Incident:
         host_now=tuple(None for _ in procs),
         procs=procs,
         comms=comms,
-        calls=Calls(Table.from_records(rows)),
+        calls=Calls(Columns.from_records(rows)),
         retransmits=np.zeros(0, dtype=TCP_RETRANS_DTYPE),
         sched=np.zeros(0, dtype=SCHED_DTYPE),
         sources=tuple(d.path for d in dumps),

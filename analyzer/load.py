@@ -16,8 +16,8 @@ from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from dumpers.errors import DumpError
-from dumpers.format import read_dump_deferred
+from stallwatch.dumpers.errors import DumpError
+from stallwatch.dumpers.format import read_dump_deferred
 
 from .align import Source
 from .flightrec import FrDump, looks_like_flightrec, read_flightrec

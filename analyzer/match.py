@@ -16,11 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from stallwatch.dumpers.schema import Op
 
-from dumpers.schema import Op
-
+from .columns import Columns
 from .model import Calls, Incident
-from .table import Table
 
 IS_P2P = np.zeros(256, dtype=bool)
 IS_P2P[[Op.SEND, Op.RECV]] = True
@@ -29,7 +28,7 @@ GRID_SLACK = 4  # order through a grid of (comm, seq, rank) slots up to this man
 
 @dataclass(frozen=True, slots=True)
 class Matched:
-    rows: Table  # collective calls sorted by (comm, seq, crank)
+    rows: Columns  # collective calls sorted by (comm, seq, crank)
     gid: np.ndarray  # group of each row
     group_start: np.ndarray  # first row of each group; groups are (comm, seq)
     group_size: np.ndarray
@@ -123,7 +122,7 @@ def _sort_order(
     return np.lexsort((crank, seq, comm))
 
 
-def _collective(rows: Table, nranks: np.ndarray) -> np.ndarray:
+def _collective(rows: Columns, nranks: np.ndarray) -> np.ndarray:
     keep: np.ndarray = ~IS_P2P[rows["op"]]
     if len(nranks) and int(nranks.min()) == int(nranks.max()):  # one size: no gather
         keep &= rows["crank"] < int(nranks[0])
@@ -132,7 +131,7 @@ def _collective(rows: Table, nranks: np.ndarray) -> np.ndarray:
     return keep
 
 
-def order_calls(rows: Table, nranks: np.ndarray) -> Calls:
+def order_calls(rows: Columns, nranks: np.ndarray) -> Calls:
     """Sort a calls table: matched collectives first, by (comm, seq, crank),
     the rest after.  The table is permuted in place, column by column."""
     keep = _collective(rows, nranks)

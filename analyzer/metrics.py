@@ -13,12 +13,11 @@ import enum
 from dataclasses import dataclass
 
 import numpy as np
+from stallwatch.dumpers.schema import Op
 
-from dumpers.schema import Op
-
+from .columns import Columns
 from .match import Matched
 from .model import Incident
-from .table import Table
 
 ROOTED_OPS = np.array([Op.BROADCAST, Op.REDUCE, Op.GATHER, Op.SCATTER], dtype=np.uint8)
 STALL_MIN_NS = 1_000_000_000  # a frontier older than this (and than 4x p99) is stuck
@@ -227,7 +226,7 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
     return out
 
 
-def _period(rows: Table, gid: np.ndarray) -> int:
+def _period(rows: Columns, gid: np.ndarray) -> int:
     """Median interval between one rank's entries into consecutive
     collectives of a communicator (one clock: the rank's host's)."""
     if len(rows) < 2:
@@ -250,7 +249,7 @@ def _period(rows: Table, gid: np.ndarray) -> int:
     return int(np.median(gaps[ok] / steps[ok]))
 
 
-def _complete_groups(m: Matched, rows: Table, gid: np.ndarray, nranks: int) -> np.ndarray:
+def _complete_groups(m: Matched, rows: Columns, gid: np.ndarray, nranks: int) -> np.ndarray:
     full = m.group_size[gid] == nranks
     returned = np.minimum.reduceat(rows["end"], np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]]))
     first = np.r_[True, gid[1:] != gid[:-1]]
@@ -277,7 +276,7 @@ def _median_per_rank(values: np.ndarray, crank: np.ndarray, nranks: int) -> np.n
 
 
 def _wait_scores(
-    inc: Incident, comm: int, rows: Table, gid: np.ndarray, nranks: int
+    inc: Incident, comm: int, rows: Columns, gid: np.ndarray, nranks: int
 ) -> list[ArrivalScore]:
     dur = rows["end"] - rows["ts"]
     starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
@@ -325,7 +324,7 @@ def _late_within(key: np.ndarray, ts: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 
 def _lateness_scores(
-    inc: Incident, comm: int, rows: Table, gid: np.ndarray, nranks: int
+    inc: Incident, comm: int, rows: Columns, gid: np.ndarray, nranks: int
 ) -> list[ArrivalScore]:
     """Entry lateness: against the ranks of the same host (one clock); a rank
     alone on its host against all ranks (clocks of several hosts: the

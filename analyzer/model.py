@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .table import Table
+from .columns import Columns
 
 
 class SourceKind(enum.Enum):
@@ -101,12 +101,12 @@ CALL_DTYPE = np.dtype(
 
 @dataclass(frozen=True, slots=True)
 class Calls:
-    """Columnar NCCL calls of one incident (a ``Table`` of CALL_DTYPE's
+    """Columnar NCCL calls of one incident (a ``Columns`` of CALL_DTYPE's
     fields).  When ``matched`` >= 0, ``rows[:matched]`` are the collective
     calls sorted by (comm, seq, comm rank) and the rest follow (p2p):
     matching is then a view, not a copy."""
 
-    rows: Table
+    rows: Columns
     matched: int = -1
 
     def __len__(self) -> int:

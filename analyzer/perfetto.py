@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-from dumpers.errors import UsageError
-from dumpers.model import Recording
-from dumpers.schema import State, TcpEvent, datatype_name, op_name
+from stallwatch.dumpers.errors import UsageError
+from stallwatch.dumpers.model import Recording
+from stallwatch.dumpers.schema import State, TcpEvent, datatype_name, op_name
 
 _STATE_NAMES = {int(s): s.name.lower() for s in State}
 _KERNEL_TRACK = "kernel"

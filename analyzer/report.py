@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from dumpers.schema import op_name
+from stallwatch.dumpers.schema import op_name
 
 from .metrics import Frontier, MemberState
 from .pipeline import AnalysisResult, IncidentResult

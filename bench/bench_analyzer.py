@@ -29,11 +29,19 @@ import time
 from pathlib import Path
 
 import numpy as np
+from stallwatch.dumpers.format import write_dump
+from stallwatch.dumpers.model import (
+    Clock,
+    CommInfo,
+    ProcessInfo,
+    Recording,
+    Ring,
+    Trigger,
+    TriggerKind,
+)
+from stallwatch.dumpers.schema import NCCL_EVENT, DataType, Op, State
 
 from bench.common import Figure, render
-from dumpers.format import write_dump
-from dumpers.model import Clock, CommInfo, ProcessInfo, Recording, Ring, Trigger, TriggerKind
-from dumpers.schema import NCCL_EVENT, DataType, Op, State
 
 WORLD = 0xBE7C_0000_0000_0001
 MS = 1_000_000
@@ -129,7 +137,7 @@ def peak_rss() -> int:
 
 
 def child(folder: str) -> None:
-    from analyzer.pipeline import analyze_paths
+    from stallwatch.analyzer.pipeline import analyze_paths
 
     t0 = time.perf_counter()
     res = analyze_paths([folder])

@@ -28,14 +28,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+from stallwatch.dumpers.format import read_dump, write_dump
+from stallwatch.dumpers.model import Clock, Recording, Ring, Trigger, TriggerKind
+from stallwatch.dumpers.schema import NCCL_EVENT, Op, State
+from stallwatch.recorder.model import CommProgress, InflightCall, ProcessState, TickState
+from stallwatch.recorder.peers import peer_notifier
+from stallwatch.recorder.watchdog import DumpScheduler, Incidents, Watchdog
 
 from bench.common import Figure, median_time, render
-from dumpers.format import read_dump, write_dump
-from dumpers.model import Clock, Recording, Ring, Trigger, TriggerKind
-from dumpers.schema import NCCL_EVENT, Op, State
-from recorder.model import CommProgress, InflightCall, ProcessState, TickState
-from recorder.peers import peer_notifier
-from recorder.watchdog import DumpScheduler, Incidents, Watchdog
 
 WRITE_TARGET_S = 0.5
 READ_TARGET_S = 0.2
@@ -142,7 +142,7 @@ def _converged(agents: list[_Agent]) -> bool:
 
 
 def _one_incident(folder: Path, rec: Recording) -> float:
-    from analyzer.http import serve_http
+    from stallwatch.query.http import serve_http
 
     agents = [_Agent(f"node{n}", folder / f"node{n}", rec) for n in range(4)]
     servers = [serve_http(a, "127.0.0.1:0", token="bench") for a in agents]

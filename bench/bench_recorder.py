@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Figure, render
-from bench.fakenccl import FakeNccl, build
+from bench.fakenccl import CSRC, FakeNccl, build
 
 PACE_RATE = 100_000
 COLLECTIVES_PER_S = 1_000
@@ -58,8 +58,8 @@ def _median_pair(fake: FakeNccl, calls: int, repeats: int) -> tuple[float, float
 
 @contextlib.contextmanager
 def _agent(fake: FakeNccl, ring_size: int) -> Iterator[Any]:
-    from recorder.agent import Agent, AgentConfig
-    from recorder.source import BccSource
+    from stallwatch.recorder.agent import Agent, AgentConfig
+    from stallwatch.recorder.source import BccSource
 
     with tempfile.TemporaryDirectory() as tmp:
         agent = Agent(AgentConfig(dump_dir=Path(tmp)), BccSource(ring_size, 1_000_000))
@@ -210,12 +210,12 @@ def agent_cpu(fake: FakeNccl, quick: bool) -> list[Figure]:
 def figures(quick: bool) -> list[Figure]:
     if os.geteuid() != 0:
         raise RuntimeError("bench_recorder needs root (eBPF)")
-    from recorder.probes import BareProbe
+    from stallwatch.recorder.probes import BareProbe
 
     fake = build()
     repeats = 3 if quick else 7
     unprobed = statistics.median(_loop_ns(fake, 20_000, "baseline") for _ in range(repeats))
-    bare = BareProbe(str(fake.lib), "benchBaseline")
+    bare = BareProbe(str(fake.lib), "benchBaseline", CSRC / "noop.c")
     try:
         with _agent(fake, 1 << 17) as agent:
             method = f"{bare.attach_method}, agent {agent.source.probes.attach_method}"

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from stallwatch.dumpers.model import Clock, CommInfo, ProcessInfo, Recording, Ring
+from stallwatch.dumpers.schema import NCCL_EVENT, TCP_EVENT, DataType, Op, Result, State, TcpEvent
+from stallwatch.dumpers.sqltables import SEED_QUERY
 
 from bench.common import Figure, median_time, render
-from dumpers.model import Clock, CommInfo, ProcessInfo, Recording, Ring
-from dumpers.schema import NCCL_EVENT, TCP_EVENT, DataType, Op, Result, State, TcpEvent
-from dumpers.tables import SEED_QUERY
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE_NS = 1_000_000_000_000
@@ -130,8 +130,8 @@ def synthetic_recording(s: Synthetic) -> Recording:
 
 
 def _seed_figures(rows: int, repeats: int) -> list[Figure]:
-    from analyzer.sql import LOCAL, QueryEngine
-    from dumpers.tables import tables
+    from stallwatch.dumpers.sqltables import tables
+    from stallwatch.query.sql import LOCAL, QueryEngine
 
     # steps * ranks = rows; one step in 100 slow.
     shape = Synthetic(ranks=8, steps=rows // 8, step_ns=1_000_000, slow_every=100, tcp_rows=rows)
@@ -162,7 +162,7 @@ def serve_worker(first: int, count: int) -> None:
     """In a worker process: ``count`` agents (one HTTP server and engine
     each, on its own loopback port) serving synthetic recordings; prints their
     addresses on one line, serves until stdin closes."""
-    from analyzer.http import RecordingsBackend, serve_http
+    from stallwatch.query.http import RecordingsBackend, serve_http
 
     handles = []
     for i in range(first, first + count):
@@ -209,7 +209,7 @@ def agent_processes(agents: int, processes: int) -> Iterator[list[str]]:
 
 
 def _fanout_figure(agents: int, repeats: int, processes: int) -> Figure:
-    from analyzer.fanout import close_connections, query_agents
+    from stallwatch.query.fanout import close_connections, query_agents
 
     processes = min(agents, processes)
     with agent_processes(agents, processes) as addrs:

@@ -14,9 +14,21 @@
 
 Messages say what was expected and what was found, and name the file, field
 or argument.  The command line prints them in one line, without a traceback.
+
+``ExitCode`` is the one meaning of a command's exit status, for every command.
 """
 
 from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    """What every stallwatch command's exit status means."""
+
+    OK = 0  # clean: nothing found, every input read, the job verified
+    FINDINGS = 1  # findings (analyze), a partial result, a lab job that failed
+    USAGE = 2  # bad input or usage, or nothing could be read
 
 
 class StallwatchError(Exception):

@@ -1,10 +1,12 @@
 """Builds the lab's NCCL-compatible ``libnccl.so.2`` from ``lab/csrc`` with the
-system C compiler, into ``build/lab/`` at the repository root (plus a
-``libnccl.so`` link).  Rebuilds only when a source (or this file) is newer
-than the library; concurrent callers serialise on a lock file.
+system C compiler (plus a ``libnccl.so`` link), into ``build/lab/`` of a
+source checkout, or, installed, into ``$XDG_CACHE_HOME/stallwatch/lab``
+(``~/.cache``); ``STALLWATCH_LAB_BUILD`` names another folder.  Rebuilds only
+when a source (or this file) is newer than the library; concurrent callers
+serialise on a lock file.
 
-``python -m lab.build`` builds (or says it is up to date); ``ensure_built()``
-does the same from Python and returns the library's path.
+``python -m stallwatch.lab.build`` builds (or says it is up to date);
+``ensure_built()`` does the same from Python and returns the library's path.
 
 Flags: entry points must begin with ``push %rbp`` like real libnccl's, so that
 a uprobe on them is emulated rather than single-stepped: hence frame pointers,
@@ -22,12 +24,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dumpers.errors import LabError
+from stallwatch.dumpers.errors import LabError
 
 LAB_DIR = Path(__file__).resolve().parent
-ROOT = LAB_DIR.parent
 SOURCE_DIR = LAB_DIR / "csrc"
-BUILD_DIR = ROOT / "build" / "lab"
+
+
+def _build_dir() -> Path:
+    named = os.environ.get("STALLWATCH_LAB_BUILD")
+    if named:
+        return Path(named)
+    checkout = LAB_DIR.parent
+    if (checkout / "pyproject.toml").is_file():
+        return checkout / "build" / "lab"
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "stallwatch" / "lab"
+
+
+BUILD_DIR = _build_dir()
 LIB_NAME = "libnccl.so.2"
 LINK_NAME = "libnccl.so"
 CFLAGS = (
@@ -111,7 +125,7 @@ def ensure_built() -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lab.build", description=f"Build the lab's {LIB_NAME}."
+        prog="python -m stallwatch.lab.build", description=f"Build the lab's {LIB_NAME}."
     )
     parser.parse_args(argv)
     fresh = is_up_to_date()
@@ -120,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     except LabError as exc:
         print(f"lab.build: {exc}", file=sys.stderr)
         return 2
-    print(f"lab.build: {lib.relative_to(ROOT)} {'up to date' if fresh else 'built'}")
+    print(f"lab.build: {lib} {'up to date' if fresh else 'built'}")
     return 0
 
 

@@ -11,9 +11,9 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from dumpers.errors import LabError
-from lab import faults as F
-from lab.job import DEFAULT_COMPUTE_MS, DEFAULT_ELEMENTS
+from stallwatch.dumpers.errors import LabError
+from stallwatch.lab import faults as F
+from stallwatch.lab.job import DEFAULT_COMPUTE_MS, DEFAULT_ELEMENTS
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -89,7 +89,7 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from lab import runner  # the lab's machinery loads only when it runs
+    from stallwatch.lab import runner  # the lab's machinery loads only when it runs
 
     if args.dump_at_end and not args.record:
         raise LabError("--dump-at-end needs --record (the agents write the dumps)")
@@ -116,7 +116,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from lab.demo import add_parser
+    from stallwatch.lab.demo import add_parser
 
     add_parser(sub)
 

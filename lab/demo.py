@@ -37,8 +37,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import TextIO
 
-from dumpers.errors import LabError, UsageError
-from dumpers.tables import SEED_QUERY
+from stallwatch.dumpers.errors import LabError, UsageError
+from stallwatch.dumpers.sqltables import SEED_QUERY
 
 EXIT_FOUND, EXIT_MISSED, EXIT_USAGE = 0, 1, 2
 STEPS = 16

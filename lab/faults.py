@@ -22,7 +22,7 @@ import signal
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from dumpers.errors import UsageError
+from stallwatch.dumpers.errors import UsageError
 
 SPEC_HELP = (
     "hang:rank=R,step=S                 rank R blocks before its first collective of step S",

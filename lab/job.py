@@ -1,4 +1,4 @@
-"""One rank of the lab's training job: ``python -m lab.job --rank R ...``.
+"""One rank of the lab's training job: ``python -m stallwatch.lab.job --rank R ...``.
 
 Each rank is its own process and drives the lab's ``libnccl.so.2`` through
 ctypes, as a framework would.  Rank 0 makes the unique id and publishes it in
@@ -43,11 +43,10 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-
-from dumpers.errors import LabError, StallwatchError
-from dumpers.schema import DataType, RedOp, fold_unique_id, split_hash
-from lab import faults as F
-from lab.nccl import LabNccl, NcclError, UniqueId, unique_id_from_bytes
+from stallwatch.dumpers.errors import LabError, StallwatchError
+from stallwatch.dumpers.schema import DataType, RedOp, fold_unique_id, split_hash
+from stallwatch.lab import faults as F
+from stallwatch.lab.nccl import LabNccl, NcclError, UniqueId, unique_id_from_bytes
 
 LIB_ENV = "STALLWATCH_LAB_LIB"
 ASYNC_ENV = "LABNCCL_ASYNC"
@@ -468,7 +467,9 @@ def verify(r: Rank, checks: Sequence[Check]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m lab.job", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m stallwatch.lab.job", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--ranks-per-node", type=int, required=True)

@@ -31,9 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from dumpers.errors import LabError
-from dumpers.schema import UNIQUE_ID_BYTES, DataType, RedOp, Result
+from stallwatch.dumpers.errors import LabError
+from stallwatch.dumpers.schema import UNIQUE_ID_BYTES, DataType, RedOp, Result
 
 __all__ = [
     "NCCL_SPLIT_NOCOLOR",
@@ -183,7 +182,7 @@ class LabNccl:
 
     def __init__(self, path: str | Path | None = None) -> None:
         if path is None:
-            from lab.build import ensure_built
+            from stallwatch.lab.build import ensure_built
 
             path = ensure_built()
         self.path = Path(path)

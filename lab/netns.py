@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from dumpers.errors import LabError
+from stallwatch.dumpers.errors import LabError
 
 PREFIX = "swlab-"
 RUNS_DIR = Path("/run/stallwatch-lab")

@@ -6,7 +6,7 @@ One run:
 2. makes the nodes (``lab.netns``), applies link faults, and with ``--record``
    starts one agent per node inside its namespace (``stallwatch record --scope
    netns``) and waits for its ``/healthz``;
-3. starts one ``python -m lab.job`` per rank inside its node, and CPU hogs;
+3. starts one ``python -m stallwatch.lab.job`` per rank inside its node, and CPU hogs;
 4. waits: the job ends, or no rank makes progress for ``--stall-timeout``
    seconds (progress is read from the ranks' reports), or ``--timeout`` passes;
    a recorded job that fails is given time for every agent to write its dump;
@@ -40,11 +40,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from dumpers.errors import LabError
-from lab import faults as F
-from lab import job, netns
+from stallwatch.dumpers.errors import LabError
+from stallwatch.lab import faults as F
+from stallwatch.lab import job, netns
 
-ROOT = Path(__file__).resolve().parent.parent
 AGENT_PORT = 9400
 AGENT_START_TIMEOUT = 90.0
 DUMP_GRACE = 20.0  # after the job is given up: time for agents to dump
@@ -179,7 +178,7 @@ def preflight(cfg: RunConfig) -> Path:
 def library(explicit: Path | None) -> Path:
     path = explicit or (Path(os.environ[job.LIB_ENV]) if os.environ.get(job.LIB_ENV) else None)
     if path is None:
-        from lab.build import ensure_built
+        from stallwatch.lab.build import ensure_built
 
         path = ensure_built()
     if not path.is_file():
@@ -216,14 +215,13 @@ class Lab:
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
-            cwd=ROOT,
+            cwd=self.run_dir,
             env=self.env(),
             start_new_session=True,  # Ctrl-C reaches the runner only; it tears down
         )
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         env[job.LIB_ENV] = str(self.lib)
         env["NCCL_SOCKET_IFNAME"] = netns.NODE_DEV
         env.setdefault("NCCL_DEBUG", "WARN")
@@ -388,7 +386,15 @@ def _renice_autogroup(pid: int, nice: int) -> None:
 
 def rank_argv(lab: Lab, rank: int) -> list[str]:
     cfg = lab.cfg
-    argv = [sys.executable, "-m", "lab.job", "--rank", str(rank), "--nodes", str(cfg.nodes)]
+    argv = [
+        sys.executable,
+        "-m",
+        "stallwatch.lab.job",
+        "--rank",
+        str(rank),
+        "--nodes",
+        str(cfg.nodes),
+    ]
     argv += ["--ranks-per-node", str(cfg.ranks_per_node), "--steps", str(cfg.steps)]
     argv += ["--run-dir", str(lab.run_dir), "--lib", str(lab.lib), "--mode", cfg.mode]
     argv += ["--elements", str(cfg.elements), "--compute-ms", f"{cfg.compute_ms:g}"]

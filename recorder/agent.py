@@ -7,18 +7,9 @@ new rows of the small ``comm`` and ``exit`` rings and the ``comms`` and
 Every 250 ms it scans for processes that map libnccl, attaches once to each
 distinct library file and puts each process in scope or out of it.
 
-Scope ``netns`` keeps only the processes of the agent's network namespace
-(others are excluded in the kernel, and their rows recorded before they were
-classified are dropped from snapshots and from the watchdog's input; a pid
-gone before it could be classified is dropped too, as it may be another
-node's) and the TCP events of sockets whose own (source) address belongs to
-this namespace, or, for loopback and unbound sockets, whose owner is in
-scope: a connection between two nodes shows in each node's dump through that
-node's end only.  A kept TCP row owned by a process out of scope (the agent's
-own peer requests, say) has pid 0 in snapshots.
-
-``/metrics`` renders ``analyzer.http.agent_metrics`` of ``Agent.stats()``,
-then the other counters; peers are asked through ``recorder.peers``.
+Which processes and TCP rows it keeps is its scope (``recorder.scope``).
+``/metrics`` is rendered by ``recorder.metrics`` from ``Agent.stats()`` and
+the plain counters; peers are asked through ``recorder.peers``.
 
 Known limits: communicators created before the agent started have hash 0
 and their ``seq`` counts from the agent's start; rank and nranks of split
@@ -26,54 +17,40 @@ communicators are left to the analyzer (-1 here); a process that exits
 without glibc's ``_exit`` (a raw exit_group) has no exit code, only its
 signal or its end (SIGKILL: the kernel's kill of its other threads); in
 ``netns`` scope, a rank that ends within a discovery period of its start is
-not recorded; the TCP scope filter knows this namespace's addresses as
-they were at most ``ADDRESS_REFRESH_S`` ago.
+not recorded.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from analyzer.http import AgentStats, Metric, RingStats, agent_metrics, render_metrics
-from dumpers.errors import ProbeError
-from dumpers.model import Clock, Recording, Ring, Trigger
-from dumpers.schema import NCCL_SYMBOLS
+from stallwatch.dumpers.errors import ProbeError
+from stallwatch.dumpers.model import Clock, Recording, Ring, Trigger
+from stallwatch.dumpers.schema import NCCL_SYMBOLS
 
 from . import discovery
+from .metrics import AgentStats, RingStats, agent_metrics_text
 from .model import CommProgress, ProcessState, TickState
 from .peers import peer_notifier
+from .registry import CommRegistry, ProcessRegistry
 from .rings import complete_rows
+from .scope import Scope
 from .source import EventSource
-from .tables import CommTable, ProcessTable
 from .watchdog import DumpScheduler, Incidents, Watchdog
 
 log = logging.getLogger("stallwatch.record")
 
 TICK_S = 0.2
 DISCOVERY_S = 0.25
-ADDRESS_REFRESH_S = 5.0
 DUMP_RETRY_S = 5.0
 PEER_TIMEOUT_S = 3.0  # a peer answers once its dump is written
-_GAUGES = frozenset({"dumps_pending"})
-_HELP = {
-    "kernel_inflight_full": "NCCL calls not recorded: the in-flight map was full.",
-    "kernel_comms_full": "Communicators not tracked: the communicator map was full.",
-    "kernel_sock_owner_full": "Sockets left unattributed: the socket-owner map was full.",
-    "kernel_runq_maps_full": "Run-queue samples lost: the run-queue maps were full.",
-    "attach_failures": "Libraries or probes that could not be attached.",
-    "symbols_skipped": "NCCL symbols an attached library lacks.",
-    "dumps_pending": "Dumps waiting to be written (retried).",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,49 +103,6 @@ def sample_clock() -> Clock:
     return Clock(mono, real)
 
 
-def local_addresses() -> set[bytes]:
-    """Addresses of this network namespace as 16-byte tcp_event fields.
-    Loopback addresses exist in every namespace and say nothing: left out."""
-    import psutil
-
-    out: set[bytes] = set()
-    for addrs in psutil.net_if_addrs().values():
-        for a in addrs:
-            if a.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            try:
-                ip = ipaddress.ip_address(a.address.split("%")[0])
-            except ValueError:
-                continue
-            if not ip.is_loopback:
-                out.add(ip.packed.ljust(16, b"\0"))
-    return out
-
-
-_V4_MAPPED = bytes(10) + b"\xff\xff"
-_V6_LOOPBACK = bytes(15) + b"\x01"
-
-
-def _ipv4_unmapped(addrs: np.ndarray) -> np.ndarray:
-    """16-byte address fields with IPv4-mapped IPv6 (``::ffff:a.b.c.d``)
-    rewritten as IPv4 (four bytes, then zeros), as ``local_addresses`` has them."""
-    out = np.ascontiguousarray(addrs, dtype=np.uint8).reshape(-1, 16).copy()
-    mapped = (out[:, :12] == np.frombuffer(_V4_MAPPED, np.uint8)).all(axis=1)
-    out[mapped, :4] = out[mapped, 12:]
-    out[mapped, 4:] = 0
-    return out
-
-
-def _shared_address(addrs: np.ndarray) -> np.ndarray:
-    """Addresses every namespace has: unspecified, 127.0.0.0/8, ::1."""
-    v4_rest_zero = (addrs[:, 4:] == 0).all(axis=1)
-    unspecified = (addrs == 0).all(axis=1)
-    v4_loopback = v4_rest_zero & (addrs[:, 0] == 127)
-    v6_loopback = (addrs == np.frombuffer(_V6_LOOPBACK, np.uint8)).all(axis=1)
-    shared: np.ndarray = unspecified | v4_loopback | v6_loopback
-    return shared
-
-
 class Agent:
     """One node's recorder: the source, the tables, dumps."""
 
@@ -177,16 +111,12 @@ class Agent:
         self.source = source
         self.host = config.host_name or socket.gethostname()
         self.boot_id = boot_id()
-        self.comms = CommTable()
-        self.procs = ProcessTable()
+        self.comms = CommRegistry()
+        self.procs = ProcessRegistry()
         self.counters = Counters()
         self.scanner = discovery.ProcessScanner()
         self.libraries: dict[discovery.LibraryId, AttachedLibrary] = {}
-        self.in_scope: set[int] = set()
-        self.out_of_scope: set[int] = set()
-        self.my_netns = discovery.netns_of(os.getpid())
-        self._addresses: set[bytes] = set()
-        self._addresses_at = 0.0
+        self.scope = Scope(config.scope, self.classify)
         self._heads = {"comm": -1, "exit": -1}
         self._lock = threading.RLock()
         self._libcs: set[discovery.LibraryId] = set()
@@ -260,20 +190,19 @@ class Agent:
 
     def classify(self, pid: int, libs: tuple[str, ...] = ()) -> bool:
         """Put a process in scope or out of it (in the kernel too)."""
-        if pid in self.in_scope or pid in self.out_of_scope:
-            return pid in self.in_scope
+        known = self.scope.placed(pid)
+        if known is not None:
+            return known
         info = discovery.process_info(pid, libs)
         if info is None:
             return False
-        inside = self.config.scope == "host" or info.netns == self.my_netns
+        inside = self.scope.admits(info.netns)
         self.source.set_scope(pid, tracked=inside, excluded=not inside)
+        self.scope.record(pid, inside)
         if inside:
-            self.in_scope.add(pid)
             self.procs.add(info)
             self._attach_exit_probe(pid)
             log.info("recording pid %d (%s): %s", pid, info.comm, info.cmdline[:120])
-        else:
-            self.out_of_scope.add(pid)
         return inside
 
     def _attach_exit_probe(self, pid: int) -> None:
@@ -320,17 +249,17 @@ class Agent:
         with self._lock:
             comm_rows = self._new_rows("comm", again=self.comms.pending)
             if comm_rows is not None:
-                self.comms.apply_rows(self._in_scope_rows(comm_rows))
+                self.comms.apply_rows(self.scope.rows(comm_rows))
             exit_rows = self._new_rows("exit")
             if exit_rows is not None:
-                self.procs.apply_exit_rows(self._in_scope_rows(exit_rows))
-            progress = [p for p in self.source.comm_progress() if self._keep_pid(p.pid)]
+                self.procs.apply_exit_rows(self.scope.rows(exit_rows))
+            progress = [p for p in self.source.comm_progress() if self.scope.keep_pid(p.pid)]
             now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
             self.comms.apply_progress(progress, now)
             return self._tick_state(progress, now)
 
     def _tick_state(self, progress: list[CommProgress], now: int) -> TickState:
-        inflight = tuple(c for c in self.source.inflight_calls() if self._keep_pid(c.pid))
+        inflight = tuple(c for c in self.source.inflight_calls() if self.scope.keep_pid(c.pid))
         holders = {p.pid for p in progress if not p.destroyed}
         states = []
         for info in self.procs.infos():
@@ -350,49 +279,6 @@ class Agent:
     def tick_state(self) -> TickState:
         return self.tick()
 
-    # ---- scope ----------------------------------------------------------
-
-    def _keep_pid(self, pid: int) -> bool:
-        """In scope.  A process gone before discovery classified it has no
-        namespace left to check: the host scope keeps it, ``netns`` cannot
-        tell whose it was and drops it (it may be another node's rank)."""
-        if pid in self.in_scope:
-            return True
-        if pid in self.out_of_scope:
-            return False
-        if self.classify(pid):
-            return True
-        return self.config.scope == "host" and not os.path.exists(f"/proc/{pid}")
-
-    def _pid_mask(self, pids: np.ndarray) -> np.ndarray:
-        unique = np.unique(pids)
-        drop = [int(p) for p in unique if not self._keep_pid(int(p))]
-        return (
-            ~np.isin(pids, np.array(drop, dtype=pids.dtype)) if drop else np.ones(len(pids), bool)
-        )
-
-    def _in_scope_rows(self, rows: np.ndarray) -> np.ndarray:
-        return rows[self._pid_mask(rows["pid"])] if len(rows) else rows
-
-    def _tcp_mask(self, rows: np.ndarray) -> np.ndarray:
-        """A connection between two nodes shows in each node's dump through
-        that node's end only: a row belongs here when the socket's own
-        (source) address is one of this namespace's; a loopback or unbound
-        socket, whose address every namespace has, when its owner is in scope."""
-        now = time.monotonic()
-        if now - self._addresses_at > ADDRESS_REFRESH_S:
-            self._addresses = local_addresses()
-            self._addresses_at = now
-        saddr = _ipv4_unmapped(rows["saddr"])
-        local = np.array([list(a) for a in self._addresses] or [[0] * 16], dtype=np.uint8)
-        is_local = (saddr[:, None, :] == local[None, :, :]).all(axis=2).any(axis=1)
-        owned = np.isin(rows["pid"], self._scope_pids(rows["pid"].dtype))
-        mask: np.ndarray = np.where(_shared_address(saddr), owned, is_local)
-        return mask
-
-    def _scope_pids(self, dtype: np.dtype) -> np.ndarray:
-        return np.array(sorted(self.in_scope), dtype=dtype)
-
     # ---- snapshot and dumps ---------------------------------------------
 
     def snapshot(self, trigger: Trigger | None = None) -> Recording:
@@ -411,7 +297,7 @@ class Agent:
                 communicators=tuple(
                     c
                     for c in self.comms.infos()
-                    if c.pid in self.in_scope or self.config.scope == "host"
+                    if c.pid in self.scope.inside or not self.scope.filters
                 ),
                 rings=rings,
                 agent_version=self.config.version,
@@ -421,18 +307,11 @@ class Agent:
             )
 
     def _rings(self) -> dict[str, Ring]:
-        netns = self.config.scope == "netns"
         out = {}
         for name, buf in self.source.rings().items():
-            keep: Callable[[np.ndarray], np.ndarray] | None = None
-            if netns:
-                keep = self._tcp_mask if name == "tcp" else (lambda r: self._pid_mask(r["pid"]))
-            ring = buf.snapshot(keep)
-            if netns and name == "tcp" and len(ring.rows):
-                # A socket of this node owned by a process out of scope (or
-                # not yet classified) stays, unattributed.
-                pids = ring.rows["pid"]
-                pids[~np.isin(pids, self._scope_pids(pids.dtype))] = 0
+            ring = buf.snapshot(self.scope.ring_filter(name))
+            if self.scope.filters and name == "tcp" and len(ring.rows):
+                self.scope.unattribute_foreign(ring.rows)
             out[name] = ring
         return out
 
@@ -447,15 +326,9 @@ class Agent:
         return {"host": self.host, **answer}
 
     def _make_incidents(self) -> Incidents:
-        from dumpers.format import read_dump, write_dump
-        from dumpers.retention import enforce
-
         cfg = self.config
-        scheduler = DumpScheduler(
-            snapshot=self.snapshot,
-            write=lambda rec: write_dump(cfg.dump_dir, rec),
-            retention=lambda path: enforce(cfg.dump_dir, cfg.max_dumps, cfg.max_dump_bytes, path),
-            read=read_dump,
+        scheduler = DumpScheduler.for_directory(
+            cfg.dump_dir, self.snapshot, cfg.max_dumps, cfg.max_dump_bytes
         )
         watchdog = Watchdog(int(cfg.stall_timeout_s * 1e9), self.host)
         notify = (
@@ -466,7 +339,7 @@ class Agent:
     # ---- metrics --------------------------------------------------------
 
     def stats(self) -> AgentStats:
-        """What ``/metrics`` reports (analyzer.http renders it)."""
+        """What ``/metrics`` reports besides the plain counters."""
         kernel = self.source.kernel_counters()
         rings = tuple(
             RingStats(
@@ -490,26 +363,14 @@ class Agent:
         )
 
     def metrics_text(self) -> str:
-        """Prometheus text: the families of ``agent_metrics``, then the other
-        counters of the kernel side, the agent and the watchdog."""
-        covered = {"dumps_written", "dump_write_failures", "stalls_detected"}
-        extra = {
+        """Prometheus text: ``stats()`` and the plain counters of the kernel
+        side (losses are in the ring families), the agent and the watchdog."""
+        counters = {
             **{k: v for k, v in self.source.kernel_counters().items() if "_lost_" not in k},
             **self.counters.values,
-            **{k: v for k, v in self.incidents.counters().items() if k not in covered},
+            **self.incidents.counters(),
         }
-        families = agent_metrics(self.stats())
-        for name, value in sorted(extra.items()):
-            gauge = name in _GAUGES
-            families.append(
-                Metric(
-                    f"stallwatch_{name}" if gauge else f"stallwatch_{name}_total",
-                    _HELP.get(name, name.replace("_", " ").capitalize() + "."),
-                    "gauge" if gauge else "counter",
-                    (({}, float(value)),),
-                )
-            )
-        return render_metrics(families)
+        return agent_metrics_text(self.stats(), counters)
 
     def close(self) -> None:
         self.source.close()

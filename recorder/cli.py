@@ -13,10 +13,10 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from dumpers.errors import AgentError, UsageError
+from stallwatch.dumpers.errors import AgentError, UsageError
 
 if TYPE_CHECKING:
-    from analyzer.http import ServerHandle
+    from stallwatch.query.http import ServerHandle
 
     from .agent import Agent, AgentConfig, Stop
 
@@ -234,7 +234,7 @@ def run_agent(config: AgentConfig) -> int:
 
 
 def _serve(agent: Agent, config: AgentConfig) -> ServerHandle:
-    from analyzer.http import serve_http
+    from stallwatch.query.http import serve_http
 
     handle = serve_http(agent, config.listen, config.token)
     logging.getLogger("stallwatch.record").info("listening on http://%s", handle.address)

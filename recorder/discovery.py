@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dumpers.model import ProcessInfo
+from stallwatch.dumpers.model import ProcessInfo
 
 NCCL_LIB = re.compile(r"/libnccl\.so[^/]*$")
 LIBC = re.compile(r"/libc(\.so\.6|-[0-9.]+\.so)$")

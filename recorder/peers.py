@@ -22,8 +22,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 
-from dumpers.errors import UsageError
-from dumpers.model import Trigger
+from stallwatch.dumpers.errors import UsageError
+from stallwatch.dumpers.model import Trigger
 
 log = logging.getLogger("stallwatch.peers")
 

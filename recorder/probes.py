@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import enum
 import errno
+import importlib.resources
 import logging
 import mmap
 import os
@@ -36,15 +37,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from dumpers.errors import ProbeError
-from dumpers.schema import NCCL_SYMBOLS, RING_DTYPES
+from stallwatch.dumpers.errors import ProbeError
+from stallwatch.dumpers.schema import NCCL_SYMBOLS, RING_DTYPES
 
 from . import discovery
+from .rings import check_ring_size
 
 log = logging.getLogger("stallwatch.record")
 
-BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"
+
+def _bpf_dir() -> Path:
+    """The BPF sources, shipped as package data of ``stallwatch.bpf``."""
+    return Path(str(importlib.resources.files("stallwatch.bpf")))
+
+
+BPF_DIR = _bpf_dir()
 SOURCES = ("common.h", "nccl.c", "tcp.c", "sched.c", "proc.c")
 
 # uprobe_multi: one entry program for every symbol (cookie = SYMBOL_COOKIES).
@@ -114,8 +121,7 @@ class RingSizes:
 
     @classmethod
     def from_nccl(cls, slots: int) -> RingSizes:
-        if slots < 16 or slots & (slots - 1):
-            raise ProbeError(f"--ring-size must be a power of two >= 16, got {slots}")
+        check_ring_size(slots)
         return cls(
             nccl=slots,
             comm=max(64, slots // 64),
@@ -488,18 +494,19 @@ class Probes:
 
 
 class BareProbe:
-    """A do-nothing uprobe+uretprobe pair on one symbol (bpf/noop.c): the
-    physical floor the benchmark compares the agent's probes with, attached
-    the way the agent's are (``attach_method``)."""
+    """A do-nothing uprobe+uretprobe pair on one symbol: the physical floor
+    the benchmark compares the agent's probes with, attached the way the
+    agent's are (``attach_method``).  ``source`` is a C file defining
+    ``handle_noop`` (the benchmark keeps its own)."""
 
-    def __init__(self, path: str, symbol: str) -> None:
+    def __init__(self, path: str, symbol: str, source: Path) -> None:
         import bcc
 
         self._links: list[int] = []
         try:
-            self.bpf = bcc.BPF(src_file=str(BPF_DIR / "noop.c").encode())
+            self.bpf = bcc.BPF(src_file=str(source).encode())
         except Exception as exc:  # BCC raises bare Exception
-            raise ProbeError(f"cannot load {BPF_DIR / 'noop.c'}: {_short(exc)}") from exc
+            raise ProbeError(f"cannot load {source}: {_short(exc)}") from exc
         fn = discovery.elf_functions(path, [symbol]).get(symbol)
         if fn is None:
             raise ProbeError(f"cannot attach handle_noop to {symbol} in {path}: no such function")

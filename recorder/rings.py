@@ -20,8 +20,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from stallwatch.dumpers.errors import UsageError
+from stallwatch.dumpers.model import Ring
 
-from dumpers.model import Ring
+MIN_RING_SLOTS = 16
+
+
+def check_ring_size(slots: int) -> int:
+    """``--ring-size``: the NCCL ring's slots, a power of two (the BPF
+    programs index slots with a mask), at least ``MIN_RING_SLOTS``."""
+    if slots < MIN_RING_SLOTS or slots & (slots - 1):
+        raise UsageError(f"--ring-size: expected a power of two >= {MIN_RING_SLOTS}, got {slots}")
+    return slots
 
 
 @dataclass(frozen=True, slots=True)

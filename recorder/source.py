@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
-
-from dumpers.schema import RING_DTYPES
+from stallwatch.dumpers.schema import RING_DTYPES
 
 from .model import CommProgress, InflightCall
 from .rings import RingBuffer, RingWriter
@@ -147,7 +146,7 @@ class ReplaySource:
         return list(self.inflight)
 
     def attach(self, path: str, symbol: str) -> None:
-        from dumpers.errors import ProbeError
+        from stallwatch.dumpers.errors import ProbeError
 
         if symbol in self.missing_symbols:
             raise ProbeError(f"cannot attach {symbol} in {path}: no such symbol")

@@ -69,9 +69,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dumpers.errors import DumpError, DumpWriteError
-from dumpers.model import Recording, Trigger, TriggerKind
-from dumpers.schema import op_name
+from stallwatch.dumpers.errors import DumpError, DumpWriteError
+from stallwatch.dumpers.model import Recording, Trigger, TriggerKind
+from stallwatch.dumpers.schema import op_name
 
 from .model import TickState
 
@@ -438,8 +438,8 @@ class DumpScheduler:
         max_bytes: int | None = None,
     ) -> DumpScheduler:
         """The production wiring: atomic writes into ``dump_dir``, retention."""
-        from dumpers.format import read_dump, write_dump
-        from dumpers.retention import enforce
+        from stallwatch.dumpers.format import read_dump, write_dump
+        from stallwatch.dumpers.retention import enforce
 
         return cls(
             snapshot,

@@ -14,7 +14,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from dumpers.errors import StallwatchError
+from stallwatch.dumpers.errors import StallwatchError
 
 from . import __version__
 
@@ -24,11 +24,11 @@ EXIT_USAGE = 2
 
 # Modules that define register(subparsers); each adds its subcommands.
 COMMAND_MODULES = (
-    "recorder.cli",
-    "analyzer.cli",
-    "analyzer.sqlcli",
-    "analyzer.exportcli",
-    "lab.cli",
+    "stallwatch.recorder.cli",
+    "stallwatch.analyzer.cli",
+    "stallwatch.sqlcli",
+    "stallwatch.analyzer.exportcli",
+    "stallwatch.lab.cli",
 )
 
 EPILOG = """\

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import numpy as np
 from hypothesis import strategies as st
-
-from dumpers.model import (
+from stallwatch.dumpers.model import (
     Clock,
     CommInfo,
     ProcessInfo,
@@ -20,7 +19,7 @@ from dumpers.model import (
     Trigger,
     TriggerKind,
 )
-from dumpers.schema import RING_DTYPES, Op, State
+from stallwatch.dumpers.schema import RING_DTYPES, Op, State
 
 U64_MAX = 2**64 - 1
 

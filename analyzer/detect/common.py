@@ -1,0 +1,97 @@
+"""What every detector shares: the ``Analysis`` it reads, and the texts that
+name a rank, a member of a communicator and what a rank last did."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from stallwatch.dumpers.schema import op_name
+
+from ..match import Matched
+from ..metrics import (
+    ArrivalScore,
+    CommSlowdown,
+    Disagreement,
+    Frontier,
+    HostRetransmits,
+    Member,
+    MemberState,
+    P2pGap,
+)
+from ..model import Incident
+from ..verdict import Verdict
+
+MAX_LISTED = 16  # evidence lines of one kind in a verdict
+
+
+@dataclass(frozen=True, slots=True)
+class Analysis:
+    incident: Incident
+    matched: Matched
+    frontiers: tuple[Frontier, ...]
+    disagreements: tuple[Disagreement, ...]
+    arrivals: tuple[ArrivalScore, ...]
+    retransmits: tuple[HostRetransmits, ...]
+    sched_delay: np.ndarray  # per proc, ns
+    slowdowns: tuple[CommSlowdown, ...] = ()
+    p2p: tuple[P2pGap, ...] = ()
+
+
+Detector = Callable[[Analysis], list[Verdict]]
+
+
+def ms(ns: float) -> str:
+    return f"{ns / 1e6:.1f} ms"
+
+
+def who(
+    inc: Incident, procs: list[int]
+) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...]]:
+    ps = [inc.procs[p] for p in procs]
+    return (
+        tuple(p.world_rank for p in ps),
+        tuple(sorted({p.host for p in ps})),
+        tuple(p.pid for p in ps),
+    )
+
+
+def last_call_text(a: Analysis, proc: int) -> str:
+    """What a rank last did: its latest call on any communicator."""
+    rows = a.incident.calls.rows
+    mine = rows[rows["proc"] == proc]
+    if not len(mine):
+        return "no NCCL call recorded"
+    r = mine.record(int(np.argmax(mine["ts"])))
+    comm = a.incident.comms[int(r["comm"])]
+    state = "in flight" if int(r["end"]) == 0 else "returned"
+    return f"last call {op_name(int(r['op']))} seq {int(r['seq'])} on {comm.name} ({state})"
+
+
+def member_text(a: Analysis, f: Frontier, m: Member) -> str:
+    inc = a.incident
+    comm = inc.comms[f.comm]
+    if m.state is MemberState.NO_DUMP:
+        world = f" (world rank {m.crank})" if is_world(inc, f.comm) else ""
+        return (
+            f"comm rank {m.crank}{world} of {comm.name}: no dump holds it; its "
+            f"{sum(1 for x in f.members if x.state is MemberState.AT_FRONTIER)} peers entered "
+            f"seq {f.seq} and it is absent"
+        )
+    p = inc.procs[m.proc]
+    entered = "nothing" if m.last_seq < 0 else f"seq {m.last_seq}"
+    return (
+        f"{p.label()} comm rank {m.crank} of {comm.name}: last entered {entered}, "
+        f"peers at seq {f.seq}; {last_call_text(a, m.proc)}"
+    )
+
+
+def is_world(inc: Incident, comm: int) -> bool:
+    c = inc.comms[comm]
+    return not c.is_split and c.nranks == max(x.nranks for x in inc.comms if not x.is_split)
+
+
+def primary(a: Analysis, frontiers: list[Frontier]) -> Frontier:
+    comms = a.incident.comms
+    return min(frontiers, key=lambda f: (-comms[f.comm].nranks, comms[f.comm].comm_hash))

@@ -1,0 +1,448 @@
+"""The agent's HTTP surface, served by the live agent and by ``stallwatch serve``.
+
+    POST /query    {"sql": str, "limit": int?}
+                   -> 200 {"host", "columns", "types", "rows", "truncated", "elapsed_ms"}
+                   -> 400 {"error"} (bad JSON, refused or failed query)
+    POST /dump     {"reason": str?, "incident_id": str?, "origin": str?}
+                   -> 200 whatever the backend returns; 501 if it cannot dump
+    GET  /metrics  Prometheus text exposition format (version 0.0.4)
+    GET  /healthz  -> 200 {"status": "ok", "host", "version"}
+
+Every error is a JSON object ``{"error": "..."}``.  With a token, every request
+needs ``Authorization: Bearer <token>`` (compared in constant time) or gets
+401.  A listener on a non-loopback address without a token is refused at
+start.  Request bodies above ``MAX_BODY`` bytes get 413 unread.  Queries run in
+the sandbox of ``query.sql`` with its network limits (rows, time, memory).
+
+JSON: integers are written exactly, whatever their size (communicator hashes
+are UBIGINT and often above 2**63; Python's ``json`` reads them back exactly,
+JavaScript's ``JSON.parse`` does not — read them with a big-integer aware
+parser, or select ``printf('%x', comm_id_hash)``).  Timestamps become ISO 8601
+strings, non-finite floats ``null``, bytes hex strings.
+
+Any failure inside a request handler becomes a 500 response; it never reaches
+the server loop or the agent that hosts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import decimal
+import hmac
+import ipaddress
+import json
+import logging
+import math
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol
+
+from stallwatch.dumpers.errors import QueryError, StallwatchError, UsageError
+from stallwatch.dumpers.model import Recording
+
+from stallwatch import __version__
+
+from .sql import NETWORK, Limits, QueryEngine
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 64 * 1024
+SNAPSHOT_CACHE_S = 0.5
+
+
+VERSION = __version__
+
+
+class Backend(Protocol):
+    """What the server needs from whoever hosts it (the agent, or dumps).
+
+    A backend that can dump also has ``request_dump(reason, incident_id,
+    origin) -> JSON-able answer`` (:class:`DumpingBackend`); it may raise
+    ``StallwatchError`` (``UsageError`` answers 400, others 500).  Without it,
+    ``POST /dump`` answers 501.  ``recording()`` is called at most every
+    ``SNAPSHOT_CACHE_S`` seconds, and only when a query comes."""
+
+    @property
+    def host(self) -> str: ...
+
+    def recording(self) -> Recording: ...
+
+    def metrics_text(self) -> str: ...
+
+
+class DumpingBackend(Backend, Protocol):
+    def request_dump(self, reason: str, incident_id: str | None, origin: str | None) -> object: ...
+
+
+# ---- metrics of served dumps ----------------------------------------------
+
+
+def recording_metrics_text(recordings: Sequence[Recording]) -> str:
+    """Ring metrics of recordings: rows held, overwritten and lost per ring
+    (Prometheus text, rendered by ``prometheus_client``)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    labels = ["host", "kind"]
+    held = GaugeMetricFamily("stallwatch_ring_rows", "Rows held in each ring.", labels=labels)
+    over = CounterMetricFamily(
+        "stallwatch_events_overwritten", "Rows a ring dropped to make room.", labels=labels
+    )
+    lost = CounterMetricFamily(
+        "stallwatch_events_lost",
+        "Events the kernel could not record (ring buffer full).",
+        labels=labels,
+    )
+    for rec in recordings:
+        for name, ring in sorted(rec.rings.items()):
+            held.add_metric([rec.host, name], float(len(ring.rows)))
+            over.add_metric([rec.host, name], float(ring.overwritten))
+            lost.add_metric([rec.host, name], float(ring.lost))
+
+    class _Collector:
+        def collect(self) -> list[Any]:
+            return [held, over, lost]
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector())
+    return generate_latest(registry).decode()
+
+
+# ---- backends --------------------------------------------------------------
+
+
+class RecordingsBackend:
+    """Recorded dumps served like a live agent (``stallwatch serve``)."""
+
+    def __init__(self, recordings: Sequence[Recording]) -> None:
+        if not recordings:
+            raise UsageError("nothing to serve: no recordings given")
+        self.recordings = tuple(recordings)
+        hosts = dict.fromkeys(r.host for r in self.recordings)
+        self.host = ",".join(hosts)
+
+    def recording(self) -> Recording:
+        return self.recordings[0]
+
+    def metrics_text(self) -> str:
+        return recording_metrics_text(self.recordings)
+
+
+# ---- JSON ------------------------------------------------------------------
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, datetime.datetime | datetime.date | datetime.time):
+        return value.isoformat()
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, decimal.Decimal):
+        return float(value)
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value).hex()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    return str(value)
+
+
+def _finite(value: object) -> object:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    return value
+
+
+def encode_json(doc: object) -> bytes:
+    """Strict JSON (no NaN tokens), exact integers."""
+    try:
+        text = json.dumps(doc, default=_json_default, allow_nan=False)
+    except ValueError:
+        text = json.dumps(_finite(doc), default=_json_default, allow_nan=False)
+    return text.encode()
+
+
+# ---- server ----------------------------------------------------------------
+
+
+class HttpError(Exception):
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    backend: Backend
+    engine: QueryEngine
+    token: bytes | None
+    max_body: int
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "stallwatch"
+    timeout = 60  # an idle keep-alive connection frees its thread after this
+    disable_nagle_algorithm = True  # headers and body leave at once: no delayed-ACK stall
+    config: ServerConfig  # set on the per-server subclass
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def _dispatch(self, method: str) -> None:
+        try:
+            self._authorize()
+            route = _ROUTES.get(self.path.split("?", 1)[0])
+            if route is None:
+                raise HttpError(HTTPStatus.NOT_FOUND, f"no such endpoint: {self.path}")
+            if route[0] != method:
+                raise HttpError(HTTPStatus.METHOD_NOT_ALLOWED, f"{self.path} takes {route[0]}")
+            status, content_type, body = route[1](self)
+        except HttpError as exc:
+            status, content_type = exc.status, "application/json"
+            body = encode_json({"error": str(exc)})
+        except Exception as exc:  # never let a request take the server down
+            log.exception("request %s %s failed", method, self.path)
+            status, content_type = HTTPStatus.INTERNAL_SERVER_ERROR, "application/json"
+            body = encode_json({"error": f"internal error: {type(exc).__name__}: {exc}"})
+        self._send(status, content_type, body)
+
+    def _authorize(self) -> None:
+        token = self.config.token
+        if token is None:
+            return
+        header = self.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token):
+            self.close_connection = True
+            raise HttpError(HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token")
+
+    def _send(self, status: HTTPStatus, content_type: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        if status == HTTPStatus.UNAUTHORIZED:
+            self.send_header("WWW-Authenticate", 'Bearer realm="stallwatch"')
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def read_json(self) -> dict[str, Any]:
+        length_text = self.headers.get("Content-Length")
+        if length_text is None:
+            self.close_connection = True
+            raise HttpError(HTTPStatus.LENGTH_REQUIRED, "Content-Length is required")
+        try:
+            length = int(length_text)
+        except ValueError:
+            self.close_connection = True
+            raise HttpError(HTTPStatus.BAD_REQUEST, "Content-Length is not a number") from None
+        if length < 0 or length > self.config.max_body:
+            self.close_connection = True  # the body stays unread
+            raise HttpError(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"request body is {length} bytes, the limit is {self.config.max_body}",
+            )
+        raw = self.rfile.read(length)
+        try:
+            doc = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"request body is not JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise HttpError(HTTPStatus.BAD_REQUEST, "request body must be a JSON object")
+        return doc
+
+
+def _field(doc: Mapping[str, Any], name: str, kind: type, required: bool = False) -> Any:
+    value = doc.get(name)
+    if value is None:
+        if required:
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"field {name!r} is required")
+        return None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise HttpError(
+            HTTPStatus.BAD_REQUEST,
+            f"field {name!r} must be {kind.__name__}, got {type(value).__name__}",
+        )
+    return value
+
+
+Response = tuple[HTTPStatus, str, bytes]
+
+
+def _query(h: _Handler) -> Response:
+    doc = h.read_json()
+    sql = _field(doc, "sql", str, required=True)
+    limit = _field(doc, "limit", int)
+    try:
+        result = h.config.engine.query(sql, limit)
+    except QueryError as exc:
+        raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+    body = {
+        "host": h.config.backend.host,
+        "columns": list(result.columns),
+        "types": list(result.types),
+        "rows": result.rows,
+        "truncated": result.truncated,
+        "elapsed_ms": round(result.elapsed_ms, 3),
+    }
+    return HTTPStatus.OK, "application/json", encode_json(body)
+
+
+def _dump(h: _Handler) -> Response:
+    doc = h.read_json()
+    request_dump = getattr(h.config.backend, "request_dump", None)
+    if request_dump is None:
+        raise HttpError(HTTPStatus.NOT_IMPLEMENTED, "this server serves recorded dumps only")
+    reason = _field(doc, "reason", str) or "requested over HTTP (POST /dump)"
+    incident = _field(doc, "incident_id", str)
+    origin = _field(doc, "origin", str)
+    try:
+        answer = request_dump(reason, incident, origin)
+    except UsageError as exc:
+        raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+    except StallwatchError as exc:
+        raise HttpError(HTTPStatus.INTERNAL_SERVER_ERROR, f"dump failed: {exc}") from None
+    return HTTPStatus.OK, "application/json", encode_json(answer)
+
+
+def _metrics(h: _Handler) -> Response:
+    text = h.config.backend.metrics_text()
+    return HTTPStatus.OK, "text/plain; version=0.0.4; charset=utf-8", text.encode()
+
+
+def _healthz(h: _Handler) -> Response:
+    doc = {"status": "ok", "host": h.config.backend.host, "version": VERSION}
+    return HTTPStatus.OK, "application/json", encode_json(doc)
+
+
+_ROUTES: dict[str, tuple[str, Callable[[_Handler], Response]]] = {
+    "/query": ("POST", _query),
+    "/dump": ("POST", _dump),
+    "/metrics": ("GET", _metrics),
+    "/healthz": ("GET", _healthz),
+}
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``ADDR:PORT``, ``[V6ADDR]:PORT`` or ``:PORT`` (loopback)."""
+    host, sep, port_text = listen.rpartition(":")
+    if not sep or not port_text.isdigit() or int(port_text) > 65535:
+        raise UsageError(f"--listen {listen!r}: expected ADDR:PORT, e.g. 127.0.0.1:9400")
+    host = host.strip("[]") or "127.0.0.1"
+    return host, int(port_text)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _Server(ThreadingHTTPServer):
+    """Keeps its open connections, so that closing the server also ends the
+    keep-alive connections its handler threads still serve."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+    def server_activate(self) -> None:
+        self.open_connections: set[socket.socket] = set()
+        self.connections_lock = threading.Lock()
+        super().server_activate()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self.connections_lock:
+            self.open_connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self.connections_lock:
+            self.open_connections.discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        with self.connections_lock:
+            connections = list(self.open_connections)
+        for sock in connections:
+            with contextlib.suppress(OSError):  # already gone
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+@dataclass(slots=True)
+class ServerHandle:
+    """A running server: ``address`` is ``host:port`` as clients reach it."""
+
+    address: str
+    server: _Server
+    thread: threading.Thread
+    engine: QueryEngine
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.server.close_connections()
+        self.thread.join(timeout=5)
+        self.engine.close()
+
+
+def _engine_for(backend: Backend, limits: Limits) -> QueryEngine:
+    if isinstance(backend, RecordingsBackend):
+        return QueryEngine(backend.recordings, limits, materialize=True)
+    return QueryEngine(lambda: [backend.recording()], limits, cache_s=SNAPSHOT_CACHE_S)
+
+
+def serve_http(
+    backend: Backend,
+    listen: str,
+    token: str | None,
+    limits: Limits = NETWORK,
+    max_body: int = MAX_BODY,
+) -> ServerHandle:
+    """Start the HTTP surface in a daemon thread; port 0 picks a free port."""
+    host, port = parse_listen(listen)
+    if not is_loopback(host) and not token:
+        raise UsageError(
+            f"--listen {listen}: refusing to listen on a non-loopback address without a "
+            "token; pass --token-file FILE (clients send it as a Bearer token)"
+        )
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    server_class = type("_FamilyServer", (_Server,), {"address_family": family})
+    engine = _engine_for(backend, limits)
+    config = ServerConfig(backend, engine, token.encode() if token else None, max_body)
+    handler = type("_BoundHandler", (_Handler,), {"config": config})
+    try:
+        server = server_class((host, port), handler)
+    except OSError as exc:
+        engine.close()
+        raise UsageError(f"--listen {listen}: cannot listen: {exc.strerror or exc}") from None
+    bound_host, bound_port = server.server_address[:2]
+    address = (
+        f"[{bound_host}]:{bound_port}" if family == socket.AF_INET6 else f"{host}:{bound_port}"
+    )
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.1}, name=f"http {address}"
+    )
+    thread.daemon = True
+    thread.start()
+    return ServerHandle(address, server, thread, engine)

@@ -1,0 +1,327 @@
+"""The one SQL layer: DuckDB over the tables of ``dumpers.tables``.
+
+The same :class:`QueryEngine` serves ``stallwatch query`` on dumps, ``stallwatch
+serve`` and the live agent's ``POST /query``; there is never a second.
+
+DuckDB scans the Arrow tables in place (``register``: no copy into DuckDB
+storage) and plans range joins (IEJoin) for the ``BETWEEN`` windows that the
+seed query of DESIGN.md uses.
+
+Sandbox, applied to every query whatever its origin:
+
+- the connection is opened with ``enable_external_access=false`` (no file,
+  network or ``glob``/``read_*`` access; no ``ATTACH``/``COPY``/``EXPORT``
+  targets), extension auto-install and auto-load off, no temporary directory,
+  no allowed directories, no Python replacement scans (a query cannot name
+  a Python variable of the server as a table), then ``lock_configuration=true``
+  (no ``SET``);
+- exactly one statement, and it must parse (with DuckDB's own parser,
+  ``extract_statements``) as a ``SELECT`` (``WITH``, ``FROM``, ``VALUES``,
+  ``DESCRIBE``, ``SUMMARIZE`` included), so ``CREATE``, ``INSERT``, ``PRAGMA``,
+  ``CALL``, ``INSTALL``/``LOAD``, ``SET`` never reach the executor;
+- limits (:class:`Limits`): query text size, rows returned (the rest is cut and
+  the result marked truncated), wall time (a timer thread calls
+  ``interrupt()`` on the connection), memory and threads.
+
+Known limits: one connection per engine, so queries on one engine run one at a
+time (a query waits at most its time limit for the one before it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+from stallwatch.dumpers.errors import QueryError, QueryRefused
+from stallwatch.dumpers.model import Recording
+from stallwatch.dumpers.sqltables import tables
+
+Source = Sequence[Recording] | Callable[[], Sequence[Recording]]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one query may use; None means unlimited."""
+
+    max_rows: int | None = 10_000
+    time_limit_s: float | None = 10.0
+    max_sql_bytes: int | None = 64 * 1024
+    memory_limit: str | None = "1GB"
+    threads: int | None = 1
+
+
+# For people querying their own dumps on their own machine.
+LOCAL = Limits(
+    max_rows=None, time_limit_s=None, max_sql_bytes=None, memory_limit=None, threads=None
+)
+# For queries that come from the network (the agent, `stallwatch serve`).
+NETWORK = Limits()
+
+
+@dataclass(frozen=True, slots=True)
+class QueryResult:
+    columns: tuple[str, ...]
+    types: tuple[str, ...]
+    rows: list[tuple[Any, ...]]
+    truncated: bool
+    elapsed_ms: float
+
+
+def _config(limits: Limits) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "enable_external_access": False,
+        "autoinstall_known_extensions": False,
+        "autoload_known_extensions": False,
+        "allow_community_extensions": False,
+        "temp_directory": "",
+    }
+    if limits.memory_limit is not None:
+        config["memory_limit"] = limits.memory_limit
+    if limits.threads is not None:
+        config["threads"] = limits.threads
+    return config
+
+
+def sandboxed_connection(limits: Limits) -> duckdb.DuckDBPyConnection:
+    """An in-memory connection that cannot reach files, the network or
+    extensions, and whose settings cannot be changed any more."""
+    con = duckdb.connect(":memory:", config=_config(limits))
+    con.execute("SET enable_progress_bar = false")
+    # No Python variable of the caller's frames becomes a table by its name.
+    con.execute("SET python_enable_replacements = false")
+    con.execute("SET lock_configuration = true")
+    return con
+
+
+def check_statement(con: duckdb.DuckDBPyConnection, sql: str, limits: Limits) -> duckdb.Statement:
+    """Refuse anything but exactly one SELECT, before it is bound or run;
+    returns the parsed statement, which is what runs (never the text again)."""
+    size = len(sql.encode())
+    if limits.max_sql_bytes is not None and size > limits.max_sql_bytes:
+        raise QueryRefused(f"query is {size} bytes, the limit is {limits.max_sql_bytes}")
+    try:
+        statements = con.extract_statements(sql)
+    except duckdb.Error as exc:
+        raise QueryError(str(exc)) from None
+    if len(statements) != 1:
+        raise QueryRefused(f"expected exactly one SQL statement, found {len(statements)}")
+    kind = statements[0].type
+    if kind != duckdb.StatementType.SELECT:
+        raise QueryRefused(f"only SELECT queries are allowed, not {kind.name}")
+    return statements[0]
+
+
+class _Watchdog:
+    """One long-lived thread per engine that interrupts the connection when
+    the running query passes its deadline.  Arming costs a lock and a notify,
+    not a thread start per query."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._con: duckdb.DuckDBPyConnection | None = None
+        self._deadline = 0.0
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def arm(self, con: duckdb.DuckDBPyConnection, seconds: float) -> None:
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="sql deadline", daemon=True)
+                self._thread.start()
+            self._con, self._deadline = con, time.monotonic() + seconds
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._con = None
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed, self._con = True, None
+            self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                if self._con is None:
+                    self._cond.wait()
+                    continue
+                remaining = self._deadline - time.monotonic()
+                if remaining > 0:
+                    self._cond.wait(remaining)
+                    continue
+                self._con.interrupt()
+                self._con = None
+
+
+class QueryEngine:
+    """DuckDB over recordings: a fixed list (dumps) or a callable returning a
+    fresh snapshot (a live agent), re-read at most every ``cache_s`` seconds.
+
+    The tables are Arrow tables that DuckDB scans in place.  ``materialize``
+    copies them, column by column, into DuckDB's own storage once instead:
+    for a server that answers many queries on the same dumps, where it saves
+    about a millisecond per table per query."""
+
+    def __init__(
+        self,
+        source: Source,
+        limits: Limits | None = NETWORK,
+        cache_s: float = 0.5,
+        materialize: bool = False,
+    ) -> None:
+        self.limits = limits or LOCAL
+        self._materialize = materialize
+        self._source = source
+        self._cache_s = cache_s
+        self._loaded_at: float | None = None
+        self._lock = threading.Lock()
+        self._watchdog = _Watchdog()
+        self._con: duckdb.DuckDBPyConnection | None = sandboxed_connection(self.limits)
+        _OPEN.add(self)
+
+    def _connection(self) -> duckdb.DuckDBPyConnection:
+        if self._con is None:
+            raise QueryError("the query engine is closed")
+        return self._con
+
+    def _refresh(self, con: duckdb.DuckDBPyConnection) -> None:
+        now = time.monotonic()
+        static = not callable(self._source)
+        if self._loaded_at is not None and (static or now - self._loaded_at < self._cache_s):
+            return
+        recordings = list(self._source() if callable(self._source) else self._source)
+        for name, table in tables(recordings).items():
+            if not self._materialize:
+                con.register(name, table)
+                continue
+            con.register("_arrow", table)
+            con.execute(f"CREATE OR REPLACE TABLE {name} AS SELECT * FROM _arrow")
+            con.unregister("_arrow")
+        self._loaded_at = now
+
+    def _acquire(self) -> None:
+        wait = self.limits.time_limit_s
+        if not self._lock.acquire(timeout=-1 if wait is None else wait):
+            raise QueryError(f"the query engine is busy (waited {wait:g} s for another query)")
+
+    def query(self, sql: str, limit: int | None = None) -> QueryResult:
+        """Run one SELECT; at most ``limit`` rows (and never more than the
+        engine's row limit) come back, ``truncated`` says whether more existed."""
+        start = time.perf_counter()
+        max_rows = _row_limit(limit, self.limits.max_rows)
+        self._acquire()
+        try:
+            con = self._connection()
+            statement = check_statement(con, sql, self.limits)
+            self._refresh(con)
+            columns, types, rows = self._run(con, statement, max_rows)
+        finally:
+            self._lock.release()
+        truncated = max_rows is not None and len(rows) > max_rows
+        if truncated:
+            del rows[max_rows:]
+        elapsed = (time.perf_counter() - start) * 1e3
+        return QueryResult(columns, types, rows, truncated, elapsed)
+
+    def _run(
+        self, con: duckdb.DuckDBPyConnection, statement: duckdb.Statement, max_rows: int | None
+    ) -> tuple[tuple[str, ...], tuple[str, ...], list[tuple[Any, ...]]]:
+        seconds = self.limits.time_limit_s
+        if seconds is not None:
+            self._watchdog.arm(con, seconds)
+        try:
+            try:
+                return _execute(con, statement, max_rows)
+            except duckdb.InterruptException:
+                raise QueryError(f"query cut off: it ran longer than {seconds:g} s") from None
+            except duckdb.OutOfMemoryException:
+                limit = self.limits.memory_limit
+                raise QueryError(f"query cut off: it needs more than {limit} of memory") from None
+            except duckdb.Error as exc:
+                raise QueryError(str(exc)) from None
+        finally:
+            self._watchdog.disarm()
+            con.abort()  # drop rows past the limit, if any
+
+    def close(self) -> None:
+        with self._lock:
+            if self._con is not None:
+                self._con.close()
+            # Drop the object too: DuckDB's bindings report a leak when a
+            # connection object outlives the interpreter, closed or not.
+            self._con = None
+        self._watchdog.close()
+        _OPEN.discard(self)
+
+    def __enter__(self) -> QueryEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# DuckDB's bindings report leaks when a connection outlives the interpreter.
+_OPEN: weakref.WeakSet[QueryEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_engines() -> None:
+    for engine in list(_OPEN):
+        engine.close()
+
+
+Rows = list[tuple[Any, ...]]
+
+
+def _execute(
+    con: duckdb.DuckDBPyConnection, statement: duckdb.Statement, max_rows: int | None
+) -> tuple[tuple[str, ...], tuple[str, ...], Rows]:
+    """Stream the result, stopping after one row past the limit (so the
+    caller knows it truncated)."""
+    con.execute(statement)
+    description = con.description or []
+    columns = tuple(d[0] for d in description)
+    types = tuple(str(d[1]) for d in description)
+    try:
+        rows = con.fetchall() if max_rows is None else con.fetchmany(max_rows + 1)
+    except duckdb.InvalidInputException as exc:
+        if "pytz" not in str(exc):
+            raise
+        rows = _via_arrow(con, statement.query, max_rows)  # zoned times: Arrow needs no pytz
+    return columns, types, rows
+
+
+def _via_arrow(con: duckdb.DuckDBPyConnection, sql: str, max_rows: int | None) -> Rows:
+    con.abort()
+    rel = con.sql(sql)
+    table = (rel if max_rows is None else rel.limit(max_rows + 1)).to_arrow_table()
+    return list(zip(*(_pylist(c) for c in table.columns), strict=True))
+
+
+def _pylist(column: pa.ChunkedArray) -> list[Any]:
+    """Python values of a result column; times become text (``datetime``
+    cannot hold nanoseconds, and zoned times would need pytz)."""
+    kind = column.type
+    if pa.types.is_timestamp(kind) or pa.types.is_date(kind) or pa.types.is_time(kind):
+        column = column.cast(pa.string())
+    try:
+        values: list[Any] = column.to_pylist()
+    except (ValueError, pa.ArrowException):
+        values = column.cast(pa.string()).to_pylist()
+    return values
+
+
+def _row_limit(requested: int | None, cap: int | None) -> int | None:
+    if requested is not None and (not isinstance(requested, int) or requested < 0):
+        raise QueryRefused(f"limit must be a non-negative integer, got {requested!r}")
+    if requested is None:
+        return cap
+    return requested if cap is None else min(requested, cap)

@@ -1,0 +1,150 @@
+"""The agent's own metrics, for ``GET /metrics``.
+
+The agent owns its metrics (names, help, kinds) and ``prometheus_client``
+renders the exposition format: ``agent_metrics_text`` is what the HTTP
+surface of the query layer serves through ``Agent.metrics_text``.  Counter
+families are named without ``_total``; the client adds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+GAUGES = frozenset({"dumps_pending"})
+HELP = {
+    "kernel_inflight_full": "NCCL calls not recorded: the in-flight map was full.",
+    "kernel_comms_full": "Communicators not tracked: the communicator map was full.",
+    "kernel_sock_owner_full": "Sockets left unattributed: the socket-owner map was full.",
+    "kernel_runq_maps_full": "Run-queue samples lost: the run-queue maps were full.",
+    "attach_failures": "Libraries or probes that could not be attached.",
+    "symbols_skipped": "NCCL symbols an attached library lacks.",
+    "dumps_pending": "Dumps waiting to be written (retried).",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RingStats:
+    kind: str  # ring name: nccl, comm, tcp, sched, exit
+    recorded: int  # events written since the recording began
+    lost: int  # events the kernel could not record
+    overwritten: int  # rows dropped to make room
+    held: int  # rows in the ring now
+    capacity: int
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStats:
+    """What a live agent reports on ``/metrics``, besides its plain counters."""
+
+    rings: tuple[RingStats, ...]
+    dumps_written: int
+    dump_failures: int
+    stalls_detected: int
+    libraries_attached: int
+    processes_watched: int
+
+
+# counters that AgentStats already reports under a name of its own
+COVERED = frozenset({"dumps_written", "dump_write_failures", "stalls_detected"})
+
+
+def _per_ring(
+    stats: AgentStats, family: CounterMetricFamily | GaugeMetricFamily, value: Callable[..., float]
+) -> Metric:
+    for r in stats.rings:
+        family.add_metric([r.kind], float(value(r)))
+    return family
+
+
+def stats_families(stats: AgentStats) -> Iterator[Metric]:
+    """The families of :class:`AgentStats`."""
+    yield _per_ring(
+        stats,
+        CounterMetricFamily(
+            "stallwatch_events_recorded", "Events recorded, per kind.", labels=["kind"]
+        ),
+        lambda r: r.recorded,
+    )
+    yield _per_ring(
+        stats,
+        CounterMetricFamily(
+            "stallwatch_events_lost",
+            "Events the kernel could not record (ring full), per kind.",
+            labels=["kind"],
+        ),
+        lambda r: r.lost,
+    )
+    yield _per_ring(
+        stats,
+        CounterMetricFamily(
+            "stallwatch_events_overwritten",
+            "Rows a ring dropped to make room, per kind.",
+            labels=["kind"],
+        ),
+        lambda r: r.overwritten,
+    )
+    yield _per_ring(
+        stats,
+        GaugeMetricFamily(
+            "stallwatch_ring_fill_ratio", "Share of each ring holding rows.", labels=["kind"]
+        ),
+        lambda r: r.held / r.capacity if r.capacity else 0.0,
+    )
+    yield CounterMetricFamily(
+        "stallwatch_dumps_written", "Dumps written.", value=stats.dumps_written
+    )
+    yield CounterMetricFamily(
+        "stallwatch_dump_failures", "Dumps that could not be written.", value=stats.dump_failures
+    )
+    yield CounterMetricFamily(
+        "stallwatch_stalls_detected", "Stalls the watchdog detected.", value=stats.stalls_detected
+    )
+    yield GaugeMetricFamily(
+        "stallwatch_libraries_attached",
+        "NCCL libraries with probes attached.",
+        value=stats.libraries_attached,
+    )
+    yield GaugeMetricFamily(
+        "stallwatch_processes_watched",
+        "Processes in the agent's scope.",
+        value=stats.processes_watched,
+    )
+
+
+def counter_families(counters: Mapping[str, int]) -> Iterator[Metric]:
+    """Plain counters of the kernel side, the agent and the watchdog, one
+    family each (a few are gauges)."""
+    for name, value in sorted(counters.items()):
+        if name in COVERED:
+            continue
+        help_text = HELP.get(name, name.replace("_", " ").capitalize() + ".")
+        if name in GAUGES:
+            yield GaugeMetricFamily(f"stallwatch_{name}", help_text, value=float(value))
+        else:
+            yield CounterMetricFamily(f"stallwatch_{name}", help_text, value=float(value))
+
+
+class _Families:
+    """A collector of fixed families, for one rendering."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = list(families)
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
+
+
+def render(families: Iterable[Metric]) -> str:
+    """Prometheus text exposition format."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))
+    return generate_latest(registry).decode()
+
+
+def agent_metrics_text(stats: AgentStats, counters: Mapping[str, int]) -> str:
+    return render([*stats_families(stats), *counter_families(counters)])

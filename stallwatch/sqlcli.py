@@ -1,0 +1,296 @@
+"""``stallwatch query`` and ``stallwatch serve``: SQL on dumps, on live agents,
+and dumps served like a live agent.
+
+Exit codes of ``query``: 0 every input answered; 1 a partial result (some
+agents failed, or ``--skip-bad`` skipped unreadable dumps: the rows printed
+miss their data, and each missing input is named on stderr); 2 bad usage, a
+refused or failed query, an unreadable dump (without ``--skip-bad``), or no
+agent answered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from stallwatch.analyzer.load import SKIPPED_IN_FOLDERS
+from stallwatch.dumpers.errors import DumpError, UsageError
+from stallwatch.dumpers.model import Recording
+
+EXIT_OK, EXIT_PARTIAL, EXIT_USAGE = 0, 1, 2
+DEFAULT_LISTEN = "127.0.0.1:9400"
+
+QUERY_EPILOG = """\
+tables: nccl_events, comm_events, tcp_events, sched_events, exit_events,
+        processes, communicators (each with a host column; timestamp_ns is the
+        host's monotonic clock, wall_time the same instant in UTC).
+        The rows of every dump given share one table: where hosts must not
+        mix (a time-window join), join on host too (t.host = s.host).
+
+examples:
+  stallwatch query dumps/ "SELECT host, op, count(*) FROM nccl_events GROUP BY ALL"
+  stallwatch query dumps/*.msgpack --format csv \\
+      "SELECT rank, seq, duration_ns/1e6 AS ms FROM nccl_events ORDER BY ms DESC LIMIT 10"
+  stallwatch query --agents node1:9400,node2:9400 --token-file /etc/stallwatch/token \\
+      "SELECT * FROM tcp_events WHERE event = 'tcp_retransmit_skb' LIMIT 20"
+
+exit codes: 0 all inputs answered, 1 partial result (failed agents or skipped
+dumps are named on stderr), 2 bad usage, failed query, or nothing answered.
+Only one SELECT statement is allowed; queries cannot read files or the network.
+With --agents, an ORDER BY ... LIMIT applies on each agent, and rows come back
+grouped by agent in the order given.
+"""
+
+SERVE_EPILOG = """\
+examples:
+  stallwatch serve dumps/incident-42/          # on 127.0.0.1:9400
+  stallwatch serve dumps/*.msgpack --listen 0.0.0.0:9400 --token-file token.txt
+  stallwatch query --agents 127.0.0.1:9400 "SELECT count(*) FROM nccl_events"
+
+Serves POST /query, GET /metrics and GET /healthz like a live agent (POST /dump
+answers 501). A non-loopback --listen needs --token-file.
+"""
+
+
+def register(subparsers: Any) -> None:
+    q = subparsers.add_parser(
+        "query",
+        usage="stallwatch query [options] PATH... SQL\n"
+        "       stallwatch query [options] --agents HOST:PORT,... SQL",
+        help="run one SQL query on dumps, or on live agents in parallel",
+        description="Run one read-only SQL SELECT on dump files and folders, or send it "
+        "to live agents (--agents) in parallel and merge their rows.",
+        epilog=QUERY_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    q.add_argument(
+        "args", nargs="+", metavar="PATH|SQL", help="dump files or folders, then the SQL (last)"
+    )
+    q.add_argument("--agents", metavar="HOST:PORT,...", help="query these live agents instead")
+    q.add_argument("--token-file", metavar="FILE", help="bearer token for the agents")
+    q.add_argument("--timeout", type=float, default=5.0, metavar="SEC", help="per agent (5)")
+    q.add_argument("--format", choices=("table", "json", "csv"), default="table")
+    q.add_argument("--limit", type=int, metavar="N", help="at most N rows (per agent)")
+    q.add_argument("--skip-bad", action="store_true", help="skip unreadable dumps, exit 1")
+    q.set_defaults(func=run_query)
+
+    s = subparsers.add_parser(
+        "serve",
+        help="serve dumps over HTTP like a live agent",
+        description="Serve recorded dumps through the agent's HTTP surface, to share an "
+        "incident or to query many recordings with `stallwatch query --agents`.",
+        epilog=SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument("paths", nargs="+", metavar="DUMP", help="dump files or folders")
+    s.add_argument("--listen", default=DEFAULT_LISTEN, metavar="ADDR:PORT")
+    s.add_argument("--token-file", metavar="FILE", help="require this bearer token")
+    s.set_defaults(func=run_serve)
+
+
+# ---- inputs ----------------------------------------------------------------
+
+
+def read_token(path: str | None) -> str | None:
+    """The token in a file (surrounding whitespace ignored), or None."""
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise UsageError(f"--token-file {path}: cannot read: {exc.strerror or exc}") from None
+    if not token:
+        raise UsageError(f"--token-file {path}: the file is empty")
+    return token
+
+
+def _in_folder(f: Path) -> bool:
+    """Folders hold dumps beside the agents' logs and writers' temporaries."""
+    return f.is_file() and not f.name.startswith(".") and not f.name.endswith(SKIPPED_IN_FOLDERS)
+
+
+def dump_files(paths: Sequence[str]) -> list[Path]:
+    """Files named, and the files under folders named (recursively, in name
+    order, hidden files such as a writer's temporary files left out)."""
+    files: list[Path] = []
+    for p in paths:
+        path = Path(p)
+        if path.is_dir():
+            found = sorted(f for f in path.rglob("*") if _in_folder(f))
+            if not found:
+                raise UsageError(f"{p}: folder holds no files")
+            files.extend(found)
+        elif path.exists():
+            files.append(path)
+        else:
+            raise UsageError(f"{p}: no such file or folder")
+    return files
+
+
+def read_recordings(paths: Sequence[str], skip_bad: bool) -> tuple[list[Recording], list[str]]:
+    """Dumps read, and the errors of those skipped (only with ``skip_bad``)."""
+    from stallwatch.dumpers.format import read_dump
+
+    recordings, errors = [], []
+    for path in dump_files(paths):
+        try:
+            recordings.append(read_dump(path))
+        except DumpError as exc:
+            if not skip_bad:
+                raise
+            errors.append(str(exc))
+    return recordings, errors
+
+
+# ---- output ----------------------------------------------------------------
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, float):
+        return f"{value:.6g}" if abs(value) < 1e15 else repr(value)
+    return str(value)
+
+
+def format_table(
+    columns: Sequence[str], types: Sequence[str], rows: Sequence[Sequence[Any]]
+) -> str:
+    """Aligned columns for people: numbers right-aligned, NULL spelled out."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+    numeric = [_is_numeric(t) for t in types]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [
+            v.rjust(w) if num else v.ljust(w)
+            for v, w, num in zip(values, widths, numeric, strict=True)
+        ]
+        return "  ".join(parts).rstrip()
+
+    out = [line(columns), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells]
+    out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return "\n".join(out)
+
+
+def _is_numeric(sql_type: str) -> bool:
+    head = sql_type.split("(")[0].upper()
+    return head in {
+        "TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT",
+        "UINTEGER", "UBIGINT", "UHUGEINT", "FLOAT", "DOUBLE", "DECIMAL",
+    }  # fmt: skip
+
+
+def format_csv(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(columns)
+    writer.writerows([["" if v is None else v for v in r] for r in rows])
+    return buf.getvalue().rstrip("\n")
+
+
+def render(fmt: str, doc: dict[str, Any]) -> str:
+    if fmt == "json":
+        from stallwatch.query.http import encode_json
+
+        return encode_json(doc).decode()
+    if fmt == "csv":
+        return format_csv(doc["columns"], doc["rows"])
+    return format_table(doc["columns"], doc["types"], doc["rows"])
+
+
+# ---- commands --------------------------------------------------------------
+
+
+def _split_args(args: argparse.Namespace) -> tuple[list[str], str]:
+    *paths, sql = args.args
+    if args.agents and paths:
+        raise UsageError("with --agents, give only the SQL (no dump paths)")
+    if not args.agents and not paths:
+        raise UsageError("give dump files or folders, then the SQL (or --agents HOST:PORT,...)")
+    if args.limit is not None and args.limit < 0:
+        raise UsageError(f"--limit must be 0 or more, got {args.limit}")
+    return paths, sql
+
+
+def run_query(args: argparse.Namespace) -> int:
+    paths, sql = _split_args(args)
+    if args.agents:
+        return _query_agents(args, sql)
+    recordings, skipped = read_recordings(paths, args.skip_bad)
+    for error in skipped:
+        print(f"stallwatch query: skipped: {error}", file=sys.stderr)
+    if not recordings:
+        raise UsageError("no readable dump among the inputs")
+    from stallwatch.query.sql import LOCAL, QueryEngine
+
+    with QueryEngine(recordings, LOCAL) as engine:
+        result = engine.query(sql, args.limit)
+    doc = {
+        "columns": list(result.columns),
+        "types": list(result.types),
+        "rows": result.rows,
+        "truncated": result.truncated,
+        "skipped": skipped,
+    }
+    print(render(args.format, doc))
+    return EXIT_PARTIAL if skipped else EXIT_OK
+
+
+def _query_agents(args: argparse.Namespace, sql: str) -> int:
+    from stallwatch.query.fanout import close_connections, query_agents
+
+    agents = [a for a in args.agents.split(",") if a.strip()]
+    token = read_token(args.token_file)
+    try:
+        result = query_agents(agents, sql, token, args.timeout, args.limit)
+    finally:
+        close_connections()
+    for f in result.failed:
+        print(f"stallwatch query: agent {f.agent}: {f.error}", file=sys.stderr)
+    if not result.answers:
+        print(f"stallwatch query: none of {len(agents)} agents answered", file=sys.stderr)
+        return EXIT_USAGE
+    doc = {
+        "columns": list(result.columns),
+        "types": list(result.types),
+        "rows": result.rows,
+        "truncated": result.truncated,
+        "failed": [{"agent": f.agent, "error": f.error} for f in result.failed],
+    }
+    print(render(args.format, doc))
+    return EXIT_PARTIAL if result.failed else EXIT_OK
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from stallwatch.query.http import RecordingsBackend, serve_http
+
+    token = read_token(args.token_file)
+    recordings, _ = read_recordings(args.paths, skip_bad=False)
+    backend = RecordingsBackend(recordings)
+    handle = serve_http(backend, args.listen, token)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print(
+        f"stallwatch serve: {len(recordings)} dump(s) of {backend.host} on "
+        f"http://{handle.address} (Ctrl-C to stop)",
+        file=sys.stderr,
+        flush=True,
+    )
+    print(f"listening on {handle.address}", flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        handle.close()
+    return EXIT_OK

@@ -1,0 +1,303 @@
+"""Synthetic multi-node jobs as ``Recording``s, for the analyzer's unit tests.
+
+A job of ``nodes * ranks_per_node`` ranks runs ``steps`` AllReduces on one
+world communicator (and optionally a split one).  Each step a rank computes
+for ``compute_ms`` (plus ``slow_ms`` for the slow rank), then enters the
+collective; in blocking mode every rank returns when the last one has
+arrived plus the transfer time, so the last to arrive waits least.  In async
+mode calls return at once and the step ends when the transfer is done.
+Faults shape the last steps the way the lab's faults do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+from stallwatch.dumpers.model import (
+    Clock,
+    CommInfo,
+    ProcessInfo,
+    Recording,
+    Ring,
+    Trigger,
+    TriggerKind,
+)
+from stallwatch.dumpers.schema import (
+    EXIT_EVENT,
+    NCCL_EVENT,
+    SCHED_EVENT,
+    TCP_EVENT,
+    DataType,
+    ExitEvent,
+    Op,
+    State,
+    TcpEvent,
+    split_hash,
+)
+
+WORLD = 0x5EED_0000_0000_0001
+MS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Job:
+    nodes: int = 2
+    ranks_per_node: int = 2
+    steps: int = 40
+    mode: str = "blocking"  # or "async"
+    compute_ms: float = 10.0
+    xfer_ms: float = 2.0
+    jitter_ms: float = 0.5
+    hang: tuple[int, int] | None = None  # (rank, step)
+    crash: tuple[int, int, int] | None = None  # (rank, step, signal)
+    peers_fail: bool = False  # after a crash, the others' calls fail and they exit 4
+    mismatch: tuple[int, int, str] | None = None  # (rank, step, field)
+    slow: tuple[int, float] | None = None  # (rank, extra ms per step)
+    loss_node: int | None = None
+    cpuhog: int | None = None  # rank
+    hog_shared: int | None = None  # a rank sharing the hogged CPU: starved alike
+    skew_ns: dict[int, int] = field(default_factory=dict)  # node -> offset
+    wrap: dict[int, int] = field(default_factory=dict)  # node -> rows dropped (oldest)
+    split: bool = False
+    seed: int = 1
+
+    @property
+    def nranks(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+
+def pid_of(rank: int) -> int:
+    return 1000 + rank
+
+
+def host_of(node: int) -> str:
+    return f"node{node}"
+
+
+def _row(
+    rank: int, nranks: int, seq: int, ts: int, end: int, comm_hash: int, crank: int
+) -> np.void:
+    r: np.void = np.zeros(1, dtype=NCCL_EVENT)[0]
+    r["ts_ns"], r["end_ns"], r["pid"], r["tid"] = ts, end, pid_of(rank), pid_of(rank)
+    r["kind"], r["size"] = 1, NCCL_EVENT.itemsize
+    r["comm"], r["comm_hash"], r["count"], r["bytes"] = 0x1000 + rank, comm_hash, 1024, 4096
+    r["seq"], r["rank"], r["nranks"], r["peer"] = seq, crank, nranks, -1
+    r["result"] = 0 if end else -1
+    r["op"], r["datatype"], r["redop"] = Op.ALL_REDUCE, DataType.FLOAT32, 0
+    r["state"] = State.COMPLETED if end else State.SCHEDULED
+    return r
+
+
+Window = tuple[int, int, bool]  # entry, return, whether a lossy link slowed it
+
+
+def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[Window]]]:
+    """Rows per node (true time), the end of the job, and windows per node."""
+    rng = np.random.default_rng(job.seed)
+    n = job.nranks
+    rows: dict[int, list[np.void]] = {k: [] for k in range(job.nodes)}
+    windows: dict[int, list[Window]] = {k: [] for k in range(job.nodes)}
+    t = 1_000 * MS
+    stop = {r: job.steps for r in range(n)}
+    for fault in (job.hang, job.crash):
+        if fault is not None:
+            stop[fault[0]] = fault[1]
+    slow_rank, slow_ms = job.slow if job.slow else (-1, 0.0)
+    if job.cpuhog is not None:
+        slow_rank, slow_ms = job.cpuhog, 15.0
+    slowed = {slow_rank} | ({job.hog_shared} if job.hog_shared is not None else set())
+    for step in range(job.steps):
+        # a lossy link slows the collectives whose packets it drops (half of
+        # them), by far more than the jitter: retransmits fall inside exactly those
+        lossy = job.loss_node is not None and step % 2 == 0
+        xfer = job.xfer_ms * (8 if lossy else 1)
+        arrive = {}
+        for r in range(n):
+            extra = slow_ms if r in slowed else 0.0
+            ms = job.compute_ms + extra + rng.uniform(0, job.jitter_ms)
+            arrive[r] = t + int(ms * MS)
+        entered = [r for r in range(n) if step < stop[r]]
+        hung = len(entered) < n or (job.mismatch is not None and step == job.mismatch[1])
+        done = max(arrive.values()) + int(xfer * MS)
+        for r in entered:
+            blocked_end = 0 if hung else done
+            end = arrive[r] + 20_000 if job.mode == "async" else blocked_end
+            rows[job.node_of(r)].append(_row(r, n, step, arrive[r], end, WORLD, r))
+            windows[job.node_of(r)].append((arrive[r], done, lossy))
+        t = done
+        if hung:
+            return rows, t, windows
+    return rows, t, windows
+
+
+def _split_rows(job: Job, rows: dict[int, list[np.void]]) -> None:
+    """A split communicator (color = rank % 2) doing one collective per world step."""
+    sh = split_hash(WORLD, 0, 0)
+    for lst in rows.values():
+        extra = []
+        for r in lst:
+            rank = int(r["rank"])
+            if rank % 2 == 0:
+                x = r.copy()
+                x["comm_hash"], x["rank"], x["nranks"], x["comm"] = sh, -1, -1, 0x2000 + rank
+                x["ts_ns"] += 1
+                extra.append(x)
+        lst.extend(extra)
+
+
+def recordings(job: Job, incident: str = "inc-1") -> list[Recording]:
+    rows, t_end, windows = _timeline(job)
+    if job.split:
+        _split_rows(job, rows)
+    if job.mismatch is not None:
+        _apply_mismatch(job, rows)
+    now = t_end + 5_000 * MS
+    return [_node(job, k, rows[k], windows[k], now, incident) for k in range(job.nodes)]
+
+
+def _apply_mismatch(job: Job, rows: dict[int, list[np.void]]) -> None:
+    assert job.mismatch is not None
+    rank, step, fld = job.mismatch
+    for r in rows[job.node_of(rank)]:
+        if int(r["rank"]) == rank and int(r["seq"]) == step and int(r["comm_hash"]) == WORLD:
+            if fld == "count":
+                r["count"] = 2048
+            elif fld == "dtype":
+                r["datatype"] = DataType.FLOAT16
+            elif fld == "op":
+                r["op"] = Op.ALL_GATHER
+
+
+def _node(
+    job: Job, k: int, lst: list[np.void], windows: list[Window], now: int, incident: str
+) -> Recording:
+    skew = job.skew_ns.get(k, 0)
+    ranks = [r for r in range(job.nranks) if job.node_of(r) == k]
+    arr = np.array(sorted(lst, key=lambda r: int(r["ts_ns"])), dtype=NCCL_EVENT)
+    arr["ts_ns"] = arr["ts_ns"].astype(np.int64) + skew
+    arr["end_ns"] = np.where(arr["end_ns"] > 0, arr["end_ns"].astype(np.int64) + skew, 0)
+    dropped = job.wrap.get(k, 0)
+    arr = arr[dropped:]
+    procs, comms = [], []
+    for r in ranks:
+        code, sig = None, None
+        if job.crash is not None and job.crash[0] == r:
+            sig = job.crash[2]
+        elif job.crash is not None and job.peers_fail:
+            code = 4
+            mine = np.flatnonzero(arr["pid"] == pid_of(r))
+            last = mine[-1]  # its pending call returned REMOTE_ERROR
+            arr["end_ns"][last], arr["result"][last] = int(arr["ts_ns"][last]) + 5 * MS, 6
+        procs.append(
+            ProcessInfo(
+                pid_of(r),
+                "python",
+                "train.py",
+                1,
+                0,
+                ("libnccl.so.2",),
+                exit_code=code,
+                exit_signal=sig,
+            )
+        )
+        comms.append(CommInfo(pid_of(r), 0x1000 + r, WORLD, r, job.nranks))
+        if job.split and r % 2 == 0:
+            comms.append(
+                CommInfo(
+                    pid_of(r),
+                    0x2000 + r,
+                    split_hash(WORLD, 0, 0),
+                    -1,
+                    -1,
+                    parent_hash=WORLD,
+                    color=0,
+                    key=0,
+                )
+            )
+    rings = {
+        "nccl": Ring(arr, overwritten=dropped),
+        "tcp": Ring(_tcp(job, k, windows, skew)),
+        "sched": Ring(_sched(job, k, windows, skew)),
+        "exit": Ring(_exit(job, k, now + skew)),
+    }
+    trig = Trigger(TriggerKind.PEER, "test", incident, now + skew)
+    return Recording(
+        host_of(k),
+        f"boot{k}",
+        Clock(now + skew, 1_700_000_000 * 10**9),
+        tuple(procs),
+        tuple(comms),
+        rings,
+        trigger=trig,
+    )
+
+
+def _addr(node: int) -> np.ndarray:
+    a = np.zeros(16, dtype=np.uint8)
+    a[:4] = (10, 0, 0, node + 1)
+    return a
+
+
+def _tcp(job: Job, k: int, windows: list[Window], skew: int) -> np.ndarray:
+    out = np.zeros(0, dtype=TCP_EVENT)
+    windows = [w for w in windows if w[2]]
+    if job.loss_node is None or not windows:
+        return out
+    peers = [p for p in range(job.nodes) if p != k]
+    # retransmits where this node sends into the lossy link: the lossy node on
+    # all its connections, the others only towards it
+    targets = peers if k == job.loss_node else ([job.loss_node] if k != job.loss_node else [])
+    n = len(windows) * len(targets) // (1 if k == job.loss_node else 3)
+    out = np.zeros(max(n, 0), dtype=TCP_EVENT)
+    for i in range(len(out)):
+        a, b, _ = windows[(i * 7) % len(windows)]
+        out[i]["ts_ns"] = (a + b) // 2 + skew
+        out[i]["pid"] = pid_of(k * job.ranks_per_node)
+        out[i]["event"] = TcpEvent.TCP_RETRANSMIT_SKB
+        out[i]["saddr"] = _addr(k)
+        out[i]["daddr"] = _addr(targets[i % len(targets)])
+        out[i]["family"] = 2
+    if k != job.loss_node and not len(out):
+        return out
+    # a state-change row so that every host's own address is known
+    return out
+
+
+def _sched(job: Job, k: int, windows: list[Window], skew: int) -> np.ndarray:
+    ranks = [r for r in range(job.nranks) if job.node_of(r) == k]
+    rows = []
+    for r in ranks:
+        starved = r in (job.cpuhog, job.hog_shared)
+        n, delay = (40, 12 * MS) if starved else (2, int(0.2 * MS))
+        for i in range(min(n, len(windows))):
+            x = np.zeros(1, dtype=SCHED_EVENT)[0]
+            x["pid"], x["tid"], x["delay_ns"] = pid_of(r), pid_of(r), delay
+            x["ts_ns"] = windows[i][0] + skew
+            rows.append(x)
+    return np.array(rows, dtype=SCHED_EVENT)
+
+
+def _exit(job: Job, k: int, now: int) -> np.ndarray:
+    if job.crash is None or job.node_of(job.crash[0]) != k:
+        return np.zeros(0, dtype=EXIT_EVENT)
+    x = np.zeros(1, dtype=EXIT_EVENT)
+    x["pid"], x["event"], x["signal"], x["code"] = (
+        pid_of(job.crash[0]),
+        ExitEvent.SIGNAL,
+        job.crash[2],
+        -1,
+    )
+    x["ts_ns"] = now - 4_000 * MS
+    return x
+
+
+def with_(job: Job, **changes: object) -> Job:
+    return dataclasses.replace(job, **changes)  # type: ignore[arg-type]
+
+
+BASE_JOB = Job()

@@ -1,0 +1,911 @@
+"""The deployment files under deploy/: systemd unit, Kubernetes DaemonSet, Slurm scripts.
+
+The unit is checked by ``systemd-analyze`` (verify, and its offline security
+score), and its ExecStart line is run for real: this machine's PID 1 is not
+systemd, so the test runs the command in what systemd would give it (the
+unit's capability bounding set, no-new-privileges, a read-only file system but
+/tmp and the dump folder), sees the agent answer /healthz and record calls to
+the real libnccl, then stops it with the unit's KillSignal within
+TimeoutStopSec.
+The DaemonSet is parsed and its security properties checked, and the Slurm
+prolog/epilog run against a fake ``scontrol`` and a fake agent that records
+its arguments and serves /healthz.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from stallwatch.dumpers.format import read_dump
+from stallwatch.dumpers.schema import Op, Result
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+UNIT = DEPLOY / "systemd" / "stallwatch.service"
+DAEMONSET = DEPLOY / "kubernetes" / "stallwatch-daemonset.yaml"
+SLURM = DEPLOY / "slurm"
+STALLWATCH = Path(sys.executable).parent / "stallwatch"
+Doc = dict[str, Any]  # one parsed Kubernetes object
+
+# What eBPF uprobes and tracepoints need, and why: see the unit's comments.
+EBPF_CAPS = {
+    "CAP_BPF",
+    "CAP_PERFMON",
+    "CAP_SYS_RESOURCE",
+    "CAP_SYS_PTRACE",
+    "CAP_DAC_READ_SEARCH",
+}
+
+
+@pytest.fixture(scope="module")
+def libnccl() -> Path:
+    """The real libnccl.so.2 of the nvidia-nccl-cu12 wheel (loads without a GPU)."""
+    try:
+        import nvidia.nccl  # type: ignore[import-not-found]
+    except ImportError:
+        pytest.fail("nvidia-nccl-cu12 is not installed (pip install nvidia-nccl-cu12)")
+    lib = Path(next(iter(nvidia.nccl.__path__))) / "lib" / "libnccl.so.2"
+    if not lib.is_file():
+        pytest.fail(f"{lib} not found in the nvidia-nccl-cu12 wheel")
+    return lib
+
+
+# --------------------------------------------------------------------------- systemd
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """A systemd unit file: section -> key -> every value, in order."""
+
+    sections: dict[str, dict[str, list[str]]]
+
+    def values(self, section: str, key: str) -> list[str]:
+        return self.sections.get(section, {}).get(key, [])
+
+    def get(self, section: str, key: str) -> str:
+        values = self.values(section, key)
+        if not values:
+            raise KeyError(f"{UNIT.name}: [{section}] has no {key}=")
+        return values[-1]
+
+    def words(self, section: str, key: str) -> set[str]:
+        return {w for v in self.values(section, key) for w in v.split()}
+
+
+def parse_unit(text: str) -> Unit:
+    sections: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] | None = None
+    for raw in text.replace("\\\n", " ").splitlines():
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], {})
+            continue
+        assert current is not None, f"{UNIT.name}: {line!r} before any section"
+        key, sep, value = line.partition("=")
+        assert sep, f"{UNIT.name}: {line!r} is not KEY=VALUE"
+        current.setdefault(key.strip(), []).append(value.strip())
+    return Unit(sections)
+
+
+@pytest.fixture(scope="module")
+def unit() -> Unit:
+    return parse_unit(UNIT.read_text())
+
+
+def unit_env(unit: Unit) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for assignment in unit.values("Service", "Environment"):
+        for word in shlex.split(assignment):
+            key, _, value = word.partition("=")
+            env[key] = value
+    return env
+
+
+def exec_start_argv(unit: Unit, env: dict[str, str]) -> list[str]:
+    """ExecStart as systemd expands it: ``${X}`` one word, ``$X`` split on spaces."""
+    argv: list[str] = []
+    for word in shlex.split(unit.get("Service", "ExecStart")):
+        bare = re.fullmatch(r"\$([A-Za-z_][A-Za-z0-9_]*)", word)
+        if bare:
+            argv.extend(env.get(bare.group(1), "").split())
+            continue
+        argv.append(re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", lambda m: env.get(m[1], ""), word))
+    return argv
+
+
+def option(argv: list[str], name: str) -> str:
+    for i, word in enumerate(argv):
+        if word == name:
+            return argv[i + 1]
+        if word.startswith(name + "="):
+            return word.split("=", 1)[1]
+    raise AssertionError(f"{name} not in {argv}")
+
+
+def seconds(text: str) -> float:
+    """A systemd time span such as ``10s``, ``1min 30s``, ``500ms`` or ``5``."""
+    units = {"ms": 0.001, "s": 1.0, "sec": 1.0, "min": 60.0, "m": 60.0, "h": 3600.0}
+    total = 0.0
+    for number, unit in re.findall(r"(\d+(?:\.\d+)?)\s*([a-z]*)", text):
+        total += float(number) * units[unit or "s"]
+    return total
+
+
+def systemd_analyze() -> str:
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.skip("systemd-analyze not installed (Debian package: systemd)")
+    return tool
+
+
+def runnable_copy(tmp_path: Path) -> Path:
+    """The unit with ExecStart's binary pointed at this checkout's stallwatch."""
+    unit_text = UNIT.read_text()
+    binary = shlex.split(parse_unit(unit_text).get("Service", "ExecStart"))[0]
+    target = tmp_path / UNIT.name
+    target.write_text(unit_text.replace(binary, str(STALLWATCH)))
+    return target
+
+
+def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    tool = systemd_analyze()
+    proc = subprocess.run(
+        [tool, "verify", str(runnable_copy(tmp_path))], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    # verify exits 0 on unknown keys and bad values, but says so on stderr.
+    assert proc.stderr.strip() == "", proc.stderr
+
+
+def test_systemd_analyze_verify_reports_a_broken_unit(tmp_path: Path) -> None:
+    """The check above can fail: a misspelt hardening key does not pass silently."""
+    tool = systemd_analyze()
+    copy = runnable_copy(tmp_path)
+    copy.write_text(copy.read_text().replace("ProtectSystem=strict", "ProtectSytem=strict"))
+    proc = subprocess.run([tool, "verify", str(copy)], capture_output=True, text=True, timeout=60)
+    assert "ProtectSytem" in proc.stderr
+
+
+def test_unit_exposure_score_is_low(tmp_path: Path) -> None:
+    tool = systemd_analyze()
+    proc = subprocess.run(
+        [tool, "security", "--offline=true", "--threshold=45", str(runnable_copy(tmp_path))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    score = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", proc.stdout)
+    assert score, proc.stdout[-2000:] + proc.stderr
+    assert proc.returncode == 0, f"exposure {score[1]} above 4.5:\n{proc.stdout}"
+
+
+def test_unit_grants_only_the_ebpf_capabilities(unit: Unit) -> None:
+    assert unit.words("Service", "CapabilityBoundingSet") == EBPF_CAPS
+    assert unit.words("Service", "AmbientCapabilities") == EBPF_CAPS
+    assert unit.get("Service", "NoNewPrivileges") == "yes"
+
+
+def test_unit_is_hardened_and_restarts(unit: Unit) -> None:
+    service = {key: values[-1] for key, values in unit.sections["Service"].items()}
+    expected = {
+        "ProtectSystem": "strict",
+        "ProtectHome": "read-only",
+        "PrivateTmp": "yes",
+        "Restart": "on-failure",
+        "KillSignal": "SIGTERM",
+        "LimitMEMLOCK": "infinity",
+    }
+    assert {k: service.get(k) for k in expected} == expected
+    assert "stallwatch" in unit.words("Service", "StateDirectory")
+    assert 0 < seconds(service["RestartSec"]) <= 60
+    assert 0 < seconds(service["TimeoutStopSec"]) <= 120
+    assert re.fullmatch(r"\d+[KMG]", service["MemoryMax"])
+    assert 0 < int(service["CPUQuota"].rstrip("%")) <= 100
+    assert int(service["Nice"]) >= 0
+    # BCC needs the kernel headers and every rank's /proc/PID.
+    assert "ProtectKernelModules" not in service
+    assert service.get("ProtectProc", "default") == "default"
+
+
+def test_unit_dump_dir_is_writable_under_the_sandbox(unit: Unit) -> None:
+    dump_dir = Path(option(exec_start_argv(unit, unit_env(unit)), "--dump-dir"))
+    writable = [Path(p.lstrip("-")) for p in unit.words("Service", "ReadWritePaths")]
+    writable += [Path("/var/lib") / d for d in unit.words("Service", "StateDirectory")]
+    assert any(dump_dir == w or w in dump_dir.parents for w in writable), (dump_dir, writable)
+
+
+def test_unit_exec_start_parses_with_the_real_cli(unit: Unit) -> None:
+    from stallwatch.cli import build_parser
+
+    env = unit_env(unit) | {"STALLWATCH_ARGS": "--peers node2:9400,node3:9400"}
+    argv = exec_start_argv(unit, env)
+    assert Path(argv[0]).name == "stallwatch" and Path(argv[0]).is_absolute()
+    args = build_parser().parse_args(argv[1:])
+    assert args.command == "record"
+    assert option(argv, "--listen") == "127.0.0.1:9400"
+
+
+# --------------------------------------------------------------------------- the unit, run
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def http_json(url: str, body: dict[str, object] | None = None) -> tuple[int, object]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
+    request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")
+
+
+@dataclass(frozen=True, slots=True)
+class RunningAgent:
+    proc: subprocess.Popen[bytes]
+    base: str  # http://127.0.0.1:PORT
+    log: Path
+    dump_dir: Path
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.base + "/metrics", timeout=10) as response:
+            text: str = response.read().decode()
+            return text
+
+    def wait_healthy(self, timeout: float) -> dict[str, object]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"agent exited with {self.proc.returncode} before /healthz answered:\n"
+                    + self.log_tail()
+                )
+            try:
+                status, doc = http_json(self.base + "/healthz")
+            except OSError:
+                time.sleep(0.2)
+                continue
+            assert status == 200, (status, doc)
+            assert isinstance(doc, dict)
+            return doc
+        raise AssertionError(f"no answer from {self.base} within {timeout} s:\n{self.log_tail()}")
+
+
+def capability_sandbox(bounding: set[str]) -> list[str]:
+    """setpriv with a bounding set and no-new-privileges (what systemd applies)."""
+    caps = ",".join("+" + c.removeprefix("CAP_").lower() for c in sorted(bounding))
+    return ["setpriv", f"--bounding-set=-all,{caps}", "--inh-caps=-all", "--no-new-privs"]
+
+
+# ProtectSystem=strict, ProtectHome=read-only, ReadWritePaths=, PrivateTmp=, in
+# a private mount namespace: every mount read-only but the API file systems,
+# /tmp and the writable paths (given colon-separated as $1).
+READ_ONLY_SANDBOX = """
+set -e
+writable=$1; shift
+for w in ${writable//:/ }; do mount --bind "$w" "$w"; done
+while read -r _ _ _ _ mp _; do
+    case "$mp" in /proc|/proc/*|/sys|/sys/*|/dev|/dev/*) continue;; esac
+    case ":$writable:" in *":$mp:"*) continue;; esac
+    mount -o remount,bind,ro "$mp" || { echo "sandbox: cannot make $mp read-only" >&2; exit 1; }
+done < /proc/self/mountinfo
+exec "$@"
+"""
+
+
+def filesystem_sandbox(unit: Unit, dump_dir: Path) -> list[str]:
+    assert unit.get("Service", "ProtectSystem") == "strict"
+    assert unit.get("Service", "PrivateTmp") == "yes"
+    writable = ["/tmp", str(dump_dir)]
+    unshare = ["unshare", "--mount", "--propagation", "private"]
+    return [*unshare, "bash", "-c", READ_ONLY_SANDBOX, "sandbox", ":".join(writable)]
+
+
+NCCL_CALLER = textwrap.dedent(
+    """
+    import ctypes, sys
+    import os
+    lib = ctypes.CDLL(sys.argv[1])
+    n = int(sys.argv[2])
+    results = [lib.ncclAllReduce(None, None, ctypes.c_size_t(1024), 7, 0, None, None)
+               for _ in range(n)]
+    print(os.getpid(), *sorted(set(results)))
+    """
+)
+
+
+def call_real_nccl(lib: Path, times: int) -> str:
+    """Calls ncclAllReduce on a null communicator; prints its pid and the results."""
+    return subprocess.run(
+        [sys.executable, "-c", NCCL_CALLER, str(lib), str(times)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+
+
+@pytest.fixture
+def agent_from_unit(unit: Unit, libnccl: Path, tmp_path: Path) -> Iterator[RunningAgent]:
+    port = free_port()
+    env = unit_env(unit) | {
+        "STALLWATCH_LISTEN": f"127.0.0.1:{port}",
+        # The unit's documented way to add arguments: the real libnccl by path.
+        "STALLWATCH_ARGS": f"--lib {libnccl}",
+    }
+    argv = exec_start_argv(unit, env)
+    argv[0] = str(STALLWATCH)
+    dump_dir = tmp_path / "dumps"
+    dump_dir.mkdir()  # systemd creates it (StateDirectory=)
+    argv = [str(dump_dir) if w == option(argv, "--dump-dir") else w for w in argv]
+    log_path = tmp_path / "agent.log"
+    with log_path.open("wb") as log:
+        caps = unit.words("Service", "CapabilityBoundingSet")
+        sandbox = filesystem_sandbox(unit, dump_dir) + capability_sandbox(caps)
+        proc = subprocess.Popen(sandbox + argv, stdout=log, stderr=log)
+    try:
+        yield RunningAgent(proc, f"http://127.0.0.1:{port}", log_path, dump_dir)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+@pytest.mark.bpf
+@pytest.mark.slow
+@pytest.mark.realnccl
+def test_unit_exec_start_records_and_stops_on_kill_signal(
+    unit: Unit, agent_from_unit: RunningAgent, libnccl: Path
+) -> None:
+    agent = agent_from_unit
+    assert agent.wait_healthy(timeout=60)["status"] == "ok"
+    attached = re.search(r"^stallwatch_libraries_attached ([\d.]+)$", agent.metrics(), re.M)
+    assert attached and float(attached[1]) >= 1, agent.metrics()
+    pid, *results = map(int, call_real_nccl(libnccl, times=3).split())
+    assert results == [Result.INVALID_ARGUMENT]  # a null communicator is refused, not run
+
+    status, answer = http_json(agent.base + "/dump", {"reason": "deploy test"})
+    assert status == 200, (answer, agent.log_tail())
+    dumps = sorted(agent.dump_dir.glob("*.msgpack"))
+    assert len(dumps) == 1, (answer, dumps)
+    rows = read_dump(dumps[0]).rings["nccl"].rows
+    mine = rows[rows["pid"] == pid]
+    assert len(mine) == 3, f"{len(mine)} rows recorded for pid {pid}: {mine}"
+    assert set(mine["op"]) == {Op.ALL_REDUCE}
+    assert set(mine["count"]) == {1024}
+    assert set(mine["result"]) == {Result.INVALID_ARGUMENT}
+
+    stop_signal = signal.Signals[unit.get("Service", "KillSignal")]
+    timeout = seconds(unit.get("Service", "TimeoutStopSec"))
+    started = time.monotonic()
+    agent.proc.send_signal(stop_signal)
+    try:
+        code = agent.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(
+            f"agent still running {timeout} s after {stop_signal.name}:\n{agent.log_tail()}"
+        )
+    assert code == 0, f"agent exited {code} on {stop_signal.name}:\n{agent.log_tail()}"
+    assert time.monotonic() - started < timeout
+
+
+@pytest.mark.bpf
+@pytest.mark.realnccl
+@pytest.mark.parametrize("dropped", ["CAP_BPF", "CAP_PERFMON"])
+def test_unit_capabilities_cannot_lose_bpf_or_perfmon(
+    unit: Unit, dropped: str, libnccl: Path, tmp_path: Path
+) -> None:
+    """The set is not larger than needed there: without either, no probe loads."""
+    caps = unit.words("Service", "CapabilityBoundingSet") - {dropped}
+    argv = [str(STALLWATCH), "record", "--dump-dir", str(tmp_path), "--lib", str(libnccl)]
+    argv += ["--listen", f"127.0.0.1:{free_port()}"]
+    proc = subprocess.run(
+        capability_sandbox(caps) + argv, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "BPF" in proc.stderr.splitlines()[-1], proc.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- Kubernetes
+
+
+@pytest.fixture(scope="module")
+def manifests() -> list[Doc]:
+    docs = [d for d in yaml.safe_load_all(DAEMONSET.read_text()) if d]
+    assert all(isinstance(d, dict) for d in docs)
+    return docs
+
+
+def of_kind(docs: list[Doc], kind: str) -> Doc:
+    found = [d for d in docs if d.get("kind") == kind]
+    assert len(found) == 1, f"{DAEMONSET.name}: expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def pod(manifests: list[Doc]) -> Doc:
+    ds = of_kind(manifests, "DaemonSet")
+    assert ds["metadata"]["namespace"] == "stallwatch"
+    assert of_kind(manifests, "Namespace")["metadata"]["name"] == "stallwatch"
+    selector = ds["spec"]["selector"]["matchLabels"]
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= labels.items()
+    spec: Doc = ds["spec"]["template"]["spec"]
+    return spec
+
+
+@pytest.fixture(scope="module")
+def agent(pod: Doc) -> Doc:
+    (container,) = pod["containers"]
+    result: Doc = container
+    return result
+
+
+def k8s_argv(agent: Doc) -> list[str]:
+    """command + args, with the downward-API variables Kubernetes substitutes."""
+    argv = [*agent["command"], *agent.get("args", [])]
+    return [w.replace("$(NODE_IP)", "10.1.2.3") for w in argv]
+
+
+def mounts_by_path(pod: Doc, agent: Doc) -> dict[str, tuple[Doc, Doc]]:
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    return {m["mountPath"]: (m, volumes[m["name"]]) for m in agent["volumeMounts"]}
+
+
+def test_daemonset_shares_host_pid_and_network(pod: Doc) -> None:
+    assert pod["hostPID"] is True
+    assert pod["hostNetwork"] is True
+    assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert pod.get("automountServiceAccountToken") is False
+
+
+def test_daemonset_capabilities_match_the_unit(agent: Doc) -> None:
+    sc = agent["securityContext"]
+    assert sc["privileged"] is False
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert sc["seccompProfile"]["type"] == "RuntimeDefault"
+    assert sc["appArmorProfile"]["type"] == "Unconfined"  # maps of other profiles
+    assert {"CAP_" + c for c in sc["capabilities"]["add"]} == EBPF_CAPS
+
+
+def test_daemonset_mounts_what_ebpf_needs(pod: Doc, agent: Doc) -> None:
+    mounts = mounts_by_path(pod, agent)
+    for path in ("/sys/kernel/debug", "/sys/kernel/tracing", "/sys/fs/bpf", "/lib/modules"):
+        _, volume = mounts[path]
+        assert volume["hostPath"]["path"] == path
+    for path in ("/lib/modules", "/usr/src"):
+        assert mounts[path][0].get("readOnly") is True, path
+    assert "emptyDir" in mounts["/tmp"][1]
+
+
+def test_daemonset_writes_only_dumps_and_tmp(pod: Doc, agent: Doc) -> None:
+    dump_dir = option(k8s_argv(agent), "--dump-dir")
+    mounts = mounts_by_path(pod, agent)
+    _, volume = mounts[dump_dir]
+    assert volume["hostPath"]["path"] == "/var/lib/stallwatch/dumps"
+    assert volume["hostPath"]["type"] == "DirectoryOrCreate"
+    writable = {p for p, (m, _) in mounts.items() if not m.get("readOnly")}
+    assert writable == {dump_dir, "/tmp"}
+
+
+def test_daemonset_token_secret_backs_the_token_file(pod: Doc, agent: Doc) -> None:
+    argv = k8s_argv(agent)
+    listen_host = option(argv, "--listen").rpartition(":")[0]
+    assert listen_host not in ("127.0.0.1", "localhost", "::1")  # so the token is needed
+    token_file = Path(option(argv, "--token-file"))
+    mount, volume = mounts_by_path(pod, agent)[str(token_file.parent)]
+    assert mount["readOnly"] is True
+    assert volume["secret"]["secretName"] == "stallwatch-token"
+    assert volume["secret"]["defaultMode"] == 0o400
+
+
+def test_daemonset_args_parse_with_the_real_cli(agent: Doc) -> None:
+    from stallwatch.cli import build_parser
+
+    argv = k8s_argv(agent)
+    assert argv[0] == "stallwatch"
+    assert build_parser().parse_args(argv[1:]).command == "record"
+    port = int(option(argv, "--listen").rpartition(":")[2])
+    assert [p["containerPort"] for p in agent["ports"]] == [port]
+
+
+def cpu_millis(q: str) -> float:
+    return float(q[:-1]) if q.endswith("m") else float(q) * 1000
+
+
+def mem_bytes(q: str) -> float:
+    suffixes = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "K": 1e3, "M": 1e6, "G": 1e9}
+    for suffix, factor in suffixes.items():
+        if q.endswith(suffix):
+            return float(q[: -len(suffix)]) * factor
+    return float(q)
+
+
+def test_daemonset_bounds_resources(agent: Doc) -> None:
+    res = agent["resources"]
+    assert 0 < cpu_millis(res["requests"]["cpu"]) <= cpu_millis(res["limits"]["cpu"]) <= 1000
+    assert 0 < mem_bytes(res["requests"]["memory"]) <= mem_bytes(res["limits"]["memory"])
+    assert mem_bytes(res["limits"]["memory"]) <= 2 * 2**30
+
+
+def test_daemonset_runs_on_gpu_nodes(pod: Doc) -> None:
+    assert pod["nodeSelector"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+
+
+def probe_target(probe: Doc) -> str:
+    if "httpGet" in probe:
+        return str(probe["httpGet"]["path"])
+    return " ".join(probe["exec"]["command"])
+
+
+def test_daemonset_probes_healthz_and_stops_in_time(pod: Doc, agent: Doc, unit: Unit) -> None:
+    for name in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert "/healthz" in probe_target(agent[name]), name
+    stop = seconds(unit.get("Service", "TimeoutStopSec"))
+    assert stop < pod["terminationGracePeriodSeconds"] <= 150
+
+
+@dataclass(frozen=True, slots=True)
+class _HealthOnly:
+    """The least an HTTP backend is: enough for /healthz."""
+
+    host: str = "probe-test"
+
+    def recording(self) -> object:
+        raise NotImplementedError
+
+    def metrics_text(self) -> str:
+        return ""
+
+
+def run_probe(agent: Doc, name: str, port: int, token_file: Path) -> int:
+    """The probe's command as the kubelet runs it, pointed at a local server."""
+    command = [
+        w.replace("/etc/stallwatch/token", str(token_file)).replace(":9400/", f":{port}/")
+        for w in agent[name]["exec"]["command"]
+    ]
+    command[0] = sys.executable  # the image's python3
+    env = os.environ | {"NODE_IP": "127.0.0.1"}
+    return subprocess.run(command, env=env, capture_output=True, timeout=30).returncode
+
+
+def test_daemonset_probe_passes_the_agents_token_check(agent: Doc, tmp_path: Path) -> None:
+    from stallwatch.query.http import serve_http
+
+    token_file = Path(option(k8s_argv(agent), "--token-file"))
+    assert str(token_file) in " ".join(agent["livenessProbe"]["exec"]["command"])
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.write_text("correct-horse\n")
+    bad.write_text("wrong\n")
+    handle = serve_http(_HealthOnly(), "127.0.0.1:0", token="correct-horse")  # type: ignore[arg-type]
+    try:
+        port = int(handle.address.rpartition(":")[2])
+        for name in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert run_probe(agent, name, port, good) == 0, name
+        assert run_probe(agent, "livenessProbe", port, bad) != 0
+    finally:
+        handle.close()
+
+
+# --------------------------------------------------------------------------- Slurm
+
+FAKE_AGENT = """\
+#!{python}
+# A stand-in for `stallwatch record`: records its argv, serves GET /healthz on
+# --listen's port (bearer token checked as the real agent does), writes two
+# dumps, and exits 0 on SIGTERM (unless FAKE_IGNORE_TERM is set).
+import http.server, json, os, signal, sys, threading
+from pathlib import Path
+
+argv = sys.argv[1:]
+state = Path(os.environ["FAKE_STATE"])
+(state / "argv.json").write_text(json.dumps(argv))
+opt = lambda name: argv[argv.index(name) + 1] if name in argv else None
+token = Path(opt("--token-file")).read_text().strip() if opt("--token-file") else None
+dump_dir = Path(opt("--dump-dir"))
+for name in ("incident-1.msgpack", "incident-2.msgpack"):
+    (dump_dir / name).write_bytes(os.urandom(256))
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        ok = token is None or self.headers.get("Authorization") == "Bearer " + token
+        with (state / "healthz.log").open("a") as f:
+            f.write(("authorized" if ok else "refused") + "\\n")
+        self.send_response(200 if ok else 401)
+        self.end_headers()
+        self.wfile.write(b'{{"status": "ok"}}')
+    def log_message(self, *args):
+        pass
+
+server = http.server.HTTPServer(("127.0.0.1", int(opt("--listen").rpartition(":")[2])), Handler)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+
+def stop(signum, frame):
+    (state / "stopped").write_text(signal.Signals(signum).name)
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, signal.SIG_IGN if os.environ.get("FAKE_IGNORE_TERM") else stop)
+while True:
+    signal.pause()
+"""
+
+FAKE_SCONTROL = """\
+#!/bin/sh
+# scontrol show hostnames LIST: the expansion is given by the test.
+[ "$1 $2" = "show hostnames" ] || exit 1
+[ "$3" = "$FAKE_NODELIST" ] || exit 1
+for h in $FAKE_HOSTS; do echo "$h"; done
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class SlurmNode:
+    env: dict[str, str]
+    state: Path  # the fake agent's notes
+    state_dir: Path
+    collect: Path
+    port: int
+
+    @property
+    def dump_dir(self) -> Path:
+        return self.state_dir / self.env["SLURM_JOB_ID"]
+
+    @property
+    def pid_file(self) -> Path:
+        return Path(self.env["STALLWATCH_RUN_DIR"]) / (self.env["SLURM_JOB_ID"] + ".pid")
+
+    def run(self, script: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", str(SLURM / script)],
+            env=self.env | extra,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    def argv(self) -> list[str]:
+        argv: list[str] = json.loads((self.state / "argv.json").read_text())
+        return argv
+
+
+def write_executable(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(0o755)
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[SlurmNode]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    write_executable(bin_dir / "scontrol", FAKE_SCONTROL)
+    write_executable(bin_dir / "stallwatch", FAKE_AGENT.format(python=sys.executable))
+    (tmp_path / "fake").mkdir()
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    port = free_port()
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "gpu[1-3]",
+        "SLURMD_NODENAME": "gpu2",
+        "FAKE_NODELIST": "gpu[1-3]",
+        "FAKE_HOSTS": "gpu1 gpu2 gpu3",
+        "FAKE_STATE": str(tmp_path / "fake"),
+        "STALLWATCH_CONF": str(tmp_path / "no-such-conf"),
+        "STALLWATCH_BIN": str(bin_dir / "stallwatch"),
+        "STALLWATCH_STATE_DIR": str(tmp_path / "state"),
+        "STALLWATCH_RUN_DIR": str(tmp_path / "run"),
+        "STALLWATCH_TOKEN_FILE": str(token),
+        "STALLWATCH_PORT": str(port),
+        "STALLWATCH_READY_TIMEOUT": "20",
+        "STALLWATCH_COLLECT_DIR": str(tmp_path / "shared"),
+    }
+    n = SlurmNode(env, tmp_path / "fake", tmp_path / "state", tmp_path / "shared", port)
+    yield n
+    pid = n.pid_file.read_text().strip() if n.pid_file.exists() else ""
+    if pid and Path(f"/proc/{pid}").exists():
+        os.kill(int(pid), signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is not running: it is waiting for its parent
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("script", ["prolog.sh", "epilog.sh", "common.sh"])
+def test_slurm_scripts_parse(script: str) -> None:
+    proc = subprocess.run(["bash", "-n", str(SLURM / script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_slurm_scripts_pass_shellcheck() -> None:
+    tool = shutil.which("shellcheck")
+    if tool is None:
+        pytest.skip("shellcheck not installed (Debian package: shellcheck)")
+    scripts = [str(SLURM / s) for s in ("prolog.sh", "epilog.sh", "common.sh")]
+    proc = subprocess.run([tool, "-x", *scripts], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
+def test_prolog_starts_one_agent_for_the_job(node: SlurmNode) -> None:
+    proc = node.run("prolog.sh")
+    assert proc.returncode == 0, proc.stderr
+    port = str(node.port)
+    assert node.argv() == [
+        "record",
+        "--dump-dir",
+        str(node.dump_dir),
+        "--stall-timeout",
+        "60",
+        "--listen",
+        f"0.0.0.0:{port}",
+        "--token-file",
+        node.env["STALLWATCH_TOKEN_FILE"],
+        "--peers",
+        f"gpu1:{port},gpu3:{port}",
+    ]
+    pid = int(node.pid_file.read_text())
+    assert alive(pid)
+    assert "record" in Path(f"/proc/{pid}/cmdline").read_text()
+    # The prolog waited for /healthz, with the token.
+    assert "authorized" in (node.state / "healthz.log").read_text().split()
+    assert node.dump_dir.stat().st_mode & 0o777 == 0o700
+
+    again = node.run("prolog.sh")
+    assert again.returncode == 0
+    assert "already running" in again.stderr
+    assert int(node.pid_file.read_text()) == pid
+
+
+def test_epilog_stops_the_agent_and_collects_its_dumps(node: SlurmNode) -> None:
+    assert node.run("prolog.sh").returncode == 0
+    pid = int(node.pid_file.read_text())
+    originals = {p.name: p.read_bytes() for p in node.dump_dir.glob("*.msgpack")}
+    assert len(originals) == 2
+
+    proc = node.run("epilog.sh")
+    assert proc.returncode == 0, proc.stderr
+    assert not alive(pid)
+    assert (node.state / "stopped").read_text() == "SIGTERM"
+    assert not node.pid_file.exists()
+    shared = node.collect / "4242"
+    collected = {p.name: p.read_bytes() for p in shared.glob("*.msgpack")}
+    assert collected == {f"gpu2-{name}": data for name, data in originals.items()}
+    assert "started agent" in (shared / "gpu2-agent.log").read_text()
+    assert not list(shared.glob("*.part"))
+    assert not node.dump_dir.exists()  # collected, so no longer kept on the node
+
+
+def test_epilog_keeps_dumps_on_the_node_without_a_collect_dir(node: SlurmNode) -> None:
+    assert node.run("prolog.sh").returncode == 0
+    assert node.run("epilog.sh", STALLWATCH_COLLECT_DIR="").returncode == 0
+    assert len(list(node.dump_dir.glob("*.msgpack"))) == 2
+    assert not node.collect.exists()
+
+
+def test_epilog_kills_an_agent_that_ignores_sigterm(node: SlurmNode) -> None:
+    assert node.run("prolog.sh", FAKE_IGNORE_TERM="1").returncode == 0
+    pid = int(node.pid_file.read_text())
+    started = time.monotonic()
+    proc = node.run("epilog.sh", STALLWATCH_STOP_TIMEOUT="1")
+    assert proc.returncode == 0
+    assert 1 <= time.monotonic() - started < 10
+    assert not alive(pid)
+    assert "SIGKILL" in proc.stderr
+
+
+def test_epilog_leaves_a_reused_pid_alone(node: SlurmNode) -> None:
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        node.pid_file.parent.mkdir(parents=True)
+        node.pid_file.write_text(f"{other.pid}\n")
+        assert node.run("epilog.sh").returncode == 0
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_prolog_without_token_listens_on_loopback_alone(node: SlurmNode) -> None:
+    proc = node.run("prolog.sh", STALLWATCH_TOKEN_FILE=str(node.state / "absent"))
+    assert proc.returncode == 0, proc.stderr
+    argv = node.argv()
+    assert option(argv, "--listen") == f"127.0.0.1:{node.port}"
+    assert "--peers" not in argv and "--token-file" not in argv
+
+
+def test_prolog_single_node_job_has_no_peers_and_takes_extra_args(node: SlurmNode) -> None:
+    extra = "--lib /opt/nccl/lib/libnccl.so.2 --scope host"
+    proc = node.run("prolog.sh", FAKE_HOSTS="gpu2", STALLWATCH_EXTRA_ARGS=extra)
+    assert proc.returncode == 0, proc.stderr
+    argv = node.argv()
+    assert "--peers" not in argv
+    assert argv[-4:] == extra.split()
+
+
+@pytest.mark.bpf
+@pytest.mark.slow
+def test_slurm_scripts_run_the_real_agent(node: SlurmNode) -> None:
+    """Prolog, a dump asked over HTTP with the token, epilog: with `stallwatch record`."""
+    real = {
+        "STALLWATCH_BIN": str(STALLWATCH),
+        "STALLWATCH_READY_TIMEOUT": "90",
+        # Peers on loopback (no traffic leaves the machine): the agent itself.
+        "FAKE_HOSTS": "127.0.0.2 gpu2 127.0.0.3",
+    }
+    proc = node.run("prolog.sh", **real)
+    assert proc.returncode == 0, proc.stderr
+    assert "not healthy" not in proc.stderr and "exited" not in proc.stderr, proc.stderr
+    pid = int(node.pid_file.read_text())
+    token = Path(node.env["STALLWATCH_TOKEN_FILE"]).read_text().strip()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{node.port}/dump",
+        data=json.dumps({"reason": "slurm test"}).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+
+    proc = node.run("epilog.sh", **real)
+    assert proc.returncode == 0
+    logs = [node.state_dir / "4242.log", node.collect / "4242" / "gpu2-agent.log"]
+    agent_log = "".join(p.read_text() for p in logs if p.exists())
+    assert "SIGKILL" not in proc.stderr, proc.stderr + agent_log
+    assert not alive(pid)
+    collected = sorted((node.collect / "4242").glob("gpu2-*.msgpack"))
+    assert collected
+    assert read_dump(collected[0]).trigger is not None
+
+
+def test_scripts_refuse_a_job_id_that_is_not_one(node: SlurmNode) -> None:
+    for script in ("prolog.sh", "epilog.sh"):
+        proc = node.run(script, SLURM_JOB_ID="../../etc")
+        assert proc.returncode == 0
+        assert "not a job id" in proc.stderr
+    assert not node.state_dir.exists()
+    assert not Path(node.env["STALLWATCH_RUN_DIR"]).exists()
+
+
+def test_prolog_never_fails_the_job(node: SlurmNode) -> None:
+    proc = node.run("prolog.sh", STALLWATCH_BIN=str(node.state / "missing"))
+    assert proc.returncode == 0
+    assert "not executable" in proc.stderr
+    assert not node.pid_file.exists()

@@ -1,0 +1,356 @@
+"""The dump format: round trip, validation, foreign inputs, the atomic writer."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import pickle
+import re
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from stallwatch.dumpers import format as fmt
+from stallwatch.dumpers.errors import DumpError, DumpFormatError, DumpVersionError, DumpWriteError
+from stallwatch.dumpers.model import FORMAT_VERSION, Recording, Ring
+from stallwatch.dumpers.schema import RING_DTYPES
+
+from tests.dump_samples import (
+    U64_MAX,
+    assert_same,
+    nccl_rows,
+    recordings,
+    remount,
+    sample_recording,
+    tmpfs,
+)
+
+
+def _doc(rec: Recording) -> dict[str, object]:
+    return msgpack.unpackb(fmt.encode(rec), raw=False)  # type: ignore[no-any-return]
+
+
+def _decode_doc(doc: object, name: str = "dumps/n1.msgpack") -> Recording:
+    return fmt.decode(msgpack.packb(doc, use_bin_type=True), name)
+
+
+# ---------------------------------------------------------------- round trip
+
+
+def test_round_trip_through_a_file(tmp_path: Path) -> None:
+    rec = sample_recording(1000)
+    path = fmt.write_dump(tmp_path, rec)
+    back = fmt.read_dump(path)
+    assert_same(rec, back)
+    assert back.trigger is not None and back.trigger.comm_hash > 2**63
+    assert back.rings["nccl"].rows.flags.writeable
+
+
+def test_round_trip_with_empty_rings_and_no_trigger() -> None:
+    rings = {name: Ring(np.zeros(0, dt)) for name, dt in RING_DTYPES.items()}
+    rec = dataclasses.replace(sample_recording(), rings=rings, trigger=None, counters={})
+    assert_same(rec, fmt.decode(fmt.encode(rec), "x"))
+
+
+def test_u64_extremes_survive() -> None:
+    rows = nccl_rows(3)
+    rows["comm_hash"] = [0, 2**63, U64_MAX]
+    rows["seq"] = U64_MAX
+    rec = dataclasses.replace(sample_recording(), rings={"nccl": Ring(rows, U64_MAX, U64_MAX)})
+    back = fmt.decode(fmt.encode(rec), "x")
+    assert back.rings["nccl"].rows["comm_hash"].tolist() == [0, 2**63, U64_MAX]
+    assert back.rings["nccl"].lost == U64_MAX
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(recordings)
+def test_round_trip_any_recording(rec: Recording) -> None:
+    assert_same(rec, fmt.decode(fmt.encode(rec), "hypothesis"))
+
+
+def test_file_name_is_host_incident_time_and_sanitized(tmp_path: Path) -> None:
+    rec = sample_recording(host="gpu node/7", incident="../../etc/passwd")
+    path = fmt.write_dump(tmp_path, rec)
+    assert path.parent == tmp_path
+    assert re.fullmatch(r"gpu_node_7-etc_passwd-\d{8}T\d{9}Z\.msgpack", path.name), path.name
+    again = fmt.write_dump(tmp_path, rec)
+    assert again != path and again.exists() and path.exists()
+
+
+def test_write_to_an_explicit_path(tmp_path: Path) -> None:
+    target = tmp_path / "mine.msgpack"
+    assert fmt.write_dump(target, sample_recording()) == target
+    assert [p.name for p in tmp_path.iterdir()] == ["mine.msgpack"]
+
+
+def test_encode_refuses_a_recording_that_breaks_the_model(tmp_path: Path) -> None:
+    bad_name = dataclasses.replace(sample_recording(), rings={"gpu": Ring(nccl_rows(2))})
+    bad_dtype = dataclasses.replace(sample_recording(), rings={"tcp": Ring(nccl_rows(2))})
+    for rec, words in ((bad_name, "unknown ring"), (bad_dtype, "schema dtype")):
+        with pytest.raises(ValueError, match=words):
+            fmt.write_dump(tmp_path, rec)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- validation
+
+
+def test_newer_version_is_refused_with_its_message() -> None:
+    doc = _doc(sample_recording())
+    doc["version"] = FORMAT_VERSION + 1
+    doc["something_new"] = [1, 2, 3]
+    with pytest.raises(DumpVersionError) as err:
+        _decode_doc(doc)
+    assert str(err.value) == (
+        f"dumps/n1.msgpack: written by a newer stallwatch (format version "
+        f"{FORMAT_VERSION + 1}, this reader understands up to {FORMAT_VERSION})"
+    )
+
+
+def test_newer_version_with_another_layout_is_still_a_version_error() -> None:
+    doc = _doc(sample_recording())
+    doc["version"] = FORMAT_VERSION + 1
+    doc["rings"]["nccl"]["data"] = [b"chunk", b"chunk"]  # whatever a later version does
+    del doc["host"]
+    with pytest.raises(DumpVersionError, match="written by a newer stallwatch"):
+        _decode_doc(doc)
+
+
+def test_a_missing_dump_folder_is_created(tmp_path: Path) -> None:
+    path = fmt.write_dump(tmp_path / "a" / "b", sample_recording())
+    assert path.parent == tmp_path / "a" / "b" and path.exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(DumpWriteError, match="cannot create the dump folder"):
+        fmt.write_dump(tmp_path / "file" / "dumps", sample_recording())
+
+
+def _ring_data_too_short(doc: dict) -> None:
+    doc["rings"]["nccl"]["data"] = b"12345"
+
+
+def _set(path: str, value: object):  # type: ignore[no-untyped-def]
+    def mutate(doc: dict) -> None:
+        *parents, last = path.split(".")
+        node = doc
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if isinstance(node, list):
+            node[int(last)] = value
+        else:
+            node[last] = value
+
+    return mutate
+
+
+def _delete(path: str):  # type: ignore[no-untyped-def]
+    def mutate(doc: dict) -> None:
+        *parents, last = path.split(".")
+        node = doc
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        del node[last]
+
+    return mutate
+
+
+BAD_FIELDS = [
+    (_ring_data_too_short, "rings.nccl.data: expected 11200 bytes for 100 rows, found 5"),
+    (_set("rings.nccl.rows", 99), "rings.nccl.data: expected 11088 bytes for 99 rows"),
+    (_set("rings.nccl.rows", -1), "rings.nccl.rows: expected an integer in"),
+    (_set("rings.nccl.data", "text"), "rings.nccl.data: expected binary data"),
+    (_set("rings.nccl.dtype", [["pos", "<u8"]]), "rings.nccl.dtype: does not match"),
+    (_set("rings.gpu", {"dtype": [], "rows": 0}), "rings.gpu: unknown ring"),
+    (_set("rings.tcp.lost", True), "rings.tcp.lost: expected an integer, found boolean"),
+    (_delete("rings.tcp.overwritten"), "rings.tcp: missing field 'overwritten'"),
+    (_set("format", "other-dump"), "format: not a stallwatch dump"),
+    (_set("version", "1"), "version: expected an integer, found string"),
+    (_set("version", 0), "version: expected a format version from 1"),
+    (_delete("host"), "document: missing field 'host'"),
+    (_set("host", b"node"), "host: expected a string, found binary"),
+    (_set("extra", 1), "document: unexpected field 'extra'"),
+    (_set("clock.monotonic_ns", -5), "clock.monotonic_ns: expected an integer in [0, "),
+    (_set("clock", [1, 2]), "clock: expected a map, found array"),
+    (_set("agent.args", ["a", 3]), "agent.args[1]: expected a string, found int"),
+    (_set("trigger.kind", "bored"), "trigger.kind: unknown trigger kind 'bored'"),
+    (_set("trigger.pid", 2**32), "trigger.pid: expected an integer in [0, 4294967295]"),
+    (_set("trigger.time_ns", 1.5), "trigger.time_ns: expected an integer, found float"),
+    (_set("processes.1.exit_code", 2**40), "processes[1].exit_code: expected an integer in"),
+    (_set("processes.0.libs", "x"), "processes[0].libs: expected an array, found string"),
+    (_set("processes", {}), "processes: expected an array, found map"),
+    (_delete("communicators.1.rank"), "communicators[1]: missing field 'rank'"),
+    (_set("communicators.0.comm_hash", None), "communicators[0].comm_hash: expected an integ"),
+    (_set("counters.drops", -1), "counters.drops: expected an integer in"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "message"), BAD_FIELDS)
+def test_every_field_is_checked(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+    doc = _doc(sample_recording(100))
+    mutate(doc)
+    with pytest.raises(DumpFormatError) as err:
+        _decode_doc(doc)
+    assert str(err.value).startswith(f"dumps/n1.msgpack: {message}"), str(err.value)
+
+
+def test_trailing_bytes_and_truncation_are_refused() -> None:
+    data = fmt.encode(sample_recording())
+    with pytest.raises(DumpFormatError, match="x: document: 3 unexpected bytes after"):
+        fmt.decode(data + b"abc", "x")
+    for cut in (1, 40, len(data) // 2, len(data) - 1):
+        with pytest.raises(DumpFormatError, match=r"^x: .*truncated"):
+            fmt.decode(data[:cut], "x")
+
+
+# ---------------------------------------------------------------- foreign inputs
+
+
+def test_foreign_files_are_refused_naming_the_file(tmp_path: Path, fixtures_dir: Path) -> None:
+    fr_dump = next((fixtures_dir / "pytorch-fr-nccl-16rank").glob("*/_dump_0"))
+    inputs = {
+        "json.msgpack": json.dumps({"format": "stallwatch-dump", "version": 1}).encode(),
+        "pickle.msgpack": pickle.dumps({"format": "stallwatch-dump"}),
+        "empty.msgpack": b"",
+        "text.msgpack": b"hello, world\n",
+        "random.msgpack": np.random.default_rng(1).bytes(4096),
+        "fr.msgpack": fr_dump.read_bytes(),
+        "array.msgpack": msgpack.packb([1, 2, 3]),
+    }
+    for name, data in inputs.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        with pytest.raises(DumpFormatError, match=f"^{re.escape(str(path))}: "):
+            fmt.read_dump(path)
+
+
+def test_directory_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(DumpFormatError, match="is a directory"):
+        fmt.read_dump(tmp_path)
+    missing = tmp_path / "nope.msgpack"
+    with pytest.raises(DumpError, match=f"^{re.escape(str(missing))}: no such file"):
+        fmt.read_dump(missing)
+
+
+# ---------------------------------------------------------------- atomic writer
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+@pytest.mark.parametrize("failing", ["fsync", "replace", "write"])
+def test_failed_write_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    def no_space(*args: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def half_written(rec: Recording):  # type: ignore[no-untyped-def]
+        yield b"\x8b" * 1000
+        no_space()
+
+    if failing == "write":
+        monkeypatch.setattr(fmt, "_chunks", half_written)
+    else:
+        monkeypatch.setattr(fmt.os, failing, no_space)
+    with pytest.raises(DumpWriteError, match="cannot write dump: No space left on device"):
+        fmt.write_dump(tmp_path, sample_recording())
+    assert _files(tmp_path) == []
+
+
+def test_no_partial_file_is_visible_while_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[list[str]] = []
+    real_fsync = os.fsync
+
+    def watching_fsync(fd: int) -> None:
+        seen.append(_files(tmp_path))
+        real_fsync(fd)
+
+    monkeypatch.setattr(fmt.os, "fsync", watching_fsync)
+    path = fmt.write_dump(tmp_path, sample_recording())
+    file_sync = seen[0]
+    assert len(file_sync) == 1 and file_sync[0].startswith(f".{path.name}.tmp-")
+    assert seen[1] == [path.name]  # the directory, after the rename
+    assert _files(tmp_path) == [path.name]
+
+
+def test_interrupted_encoding_cleans_the_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def chunks(rec: Recording):  # type: ignore[no-untyped-def]
+        yield b"\x8b"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fmt, "_chunks", chunks)
+    with pytest.raises(KeyboardInterrupt):
+        fmt.write_dump(tmp_path, sample_recording())
+    assert _files(tmp_path) == []
+
+
+@pytest.mark.bpf
+def test_disk_full_and_read_only_on_a_real_tmpfs(tmp_path: Path) -> None:
+    rec = sample_recording(20_000)  # about 2.3 MB
+    with tmpfs(tmp_path / "mnt", "1m") as mnt:
+        with pytest.raises(DumpWriteError) as err:
+            fmt.write_dump(mnt, rec)
+        assert str(err.value).startswith(f"{mnt}/node-1-inc-1-")
+        assert str(err.value).endswith("cannot write dump: No space left on device")
+        assert _files(mnt) == []
+        remount(mnt, "size=8m")
+        remount(mnt, "ro")
+        with pytest.raises(DumpWriteError, match="cannot write dump: Read-only file system"):
+            fmt.write_dump(mnt, rec)
+        remount(mnt, "rw")
+        assert_same(rec, fmt.read_dump(fmt.write_dump(mnt, rec)))
+
+
+def test_the_benchmark_runs_on_a_small_size(tmp_path: Path) -> None:
+    from bench import bench_dumps
+
+    figures = bench_dumps.figures(rows=5000, repeats=1, folder=tmp_path)
+    assert [f.ok for f in figures[:2]] == [True, True]
+    assert "4 agents" in figures[2].name and figures[2].value < 5  # converged, or raised
+    assert "5,000 nccl entries" in figures[0].name
+    assert list(tmp_path.iterdir()) == []  # its temporary folder is gone
+
+
+def test_deferred_rings_stay_in_the_file_until_read(tmp_path: Path) -> None:
+    rec = sample_recording(n_rows=300)
+    path = fmt.write_dump(tmp_path, rec)
+    head, later = fmt.read_dump_deferred(path, ("nccl", "tcp"))
+    assert set(head.rings) == set(rec.rings) - {"nccl", "tcp"}
+    assert set(later) == {"nccl", "tcp"}
+    full = fmt.read_dump(path)
+    buffer = bytearray(later["nccl"].nbytes + later["tcp"].nbytes)  # one buffer, reused
+    for name in ("nccl", "tcp"):
+        rows = later[name].read(buffer)
+        assert rows.dtype == RING_DTYPES[name]
+        assert np.array_equal(rows, full.rings[name].rows)
+        assert later[name].overwritten == full.rings[name].overwritten
+    assert np.array_equal(later["nccl"].read(), full.rings["nccl"].rows)  # fresh memory
+
+
+def test_deferred_ring_of_a_changed_or_removed_file_is_refused(tmp_path: Path) -> None:
+    path = fmt.write_dump(tmp_path, sample_recording(n_rows=50))
+    _, later = fmt.read_dump_deferred(path, ("nccl",))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # truncated in place
+    with pytest.raises(DumpError, match="changed since it was first read"):
+        later["nccl"].read()
+    path.unlink()
+    with pytest.raises(DumpError, match="removed since it was first read"):
+        later["nccl"].read()
+
+
+def test_deferred_read_still_validates_sizes(tmp_path: Path) -> None:
+    path = fmt.write_dump(tmp_path, sample_recording(n_rows=50))
+    _, later = fmt.read_dump_deferred(path, ("nccl",))
+    cut = tmp_path / "cut.msgpack"
+    cut.write_bytes(path.read_bytes()[: later["nccl"].offset + 10])  # inside the skipped rows
+    with pytest.raises(DumpFormatError, match=r"cut\.msgpack: rings\.nccl\.data: truncated"):
+        fmt.read_dump_deferred(cut, ("nccl",))

@@ -1,0 +1,158 @@
+"""``stallwatch lab demo``: the analysis names the injected rank, for a fixed
+seed and for random ones; the files it names exist; the commands it prints
+run as printed.  The lab tests run the real demo (root, namespaces, eBPF)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stallwatch.dumpers.errors import UsageError
+from stallwatch.dumpers.format import read_dump
+from stallwatch.lab.demo import (
+    SEED_QUERY,
+    STEPS,
+    check_dump_dir,
+    choose_injection,
+    command_text,
+    culprit_found,
+    paths_for,
+)
+from tests.analyzer.test_export import assert_every_call_once, check_trace_format
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO_TIMEOUT = 240
+
+
+# --- fast ---------------------------------------------------------------------------
+
+
+def test_injection_is_drawn_from_the_seed_alone_and_fits_the_job() -> None:
+    assert choose_injection(42, 4, 2) == choose_injection(42, 4, 2)
+    drawn = {choose_injection(seed, 4, 2) for seed in range(200)}
+    assert {i.rank for i in drawn} == set(range(8))
+    for inj in drawn:
+        assert 3 <= inj.step < STEPS - 2
+        assert inj.node == inj.rank // 2
+        assert inj.spec == f"hang:rank={inj.rank},step={inj.step}"
+
+
+def test_culprit_found_needs_every_missing_rank_verdict_to_name_exactly_the_rank() -> None:
+    hang = {"kind": "missing_rank", "ranks": [5]}
+    other = {"kind": "network_straggler", "ranks": [0, 1]}
+    assert culprit_found([hang, other], 5)
+    assert not culprit_found([hang], 4)
+    assert not culprit_found([other], 5)
+    assert not culprit_found([{"kind": "missing_rank", "ranks": [5, 6]}], 5)
+    assert not culprit_found([hang, {"kind": "missing_rank", "ranks": [2]}], 5)
+
+
+def test_printed_commands_split_back_into_the_argv_that_ran() -> None:
+    argv = [sys.executable, "-m", "stallwatch", "query", "/tmp/a b", SEED_QUERY, "it's"]
+    assert shlex.split(command_text(argv)) == argv
+    assert "'\"'\"'" not in command_text(["q", SEED_QUERY])  # readable SQL quoting
+
+
+def test_dump_dir_with_dumps_is_refused_and_the_trace_stays_outside(tmp_path: Path) -> None:
+    dump_dir, trace = paths_for(tmp_path / "d")
+    assert not trace.is_relative_to(dump_dir)
+    (dump_dir / "node0").mkdir(parents=True)
+    check_dump_dir(dump_dir)  # empty: fine
+    (dump_dir / "node0" / "x.msgpack").write_bytes(b"")
+    with pytest.raises(UsageError, match="already holds dumps"):
+        check_dump_dir(dump_dir)
+
+
+# --- the real demo --------------------------------------------------------------------
+
+
+def run_demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "stallwatch", "lab", "demo", *args]
+    argv += ["--dump-dir", str(tmp_path / "dumps")]
+    return subprocess.run(
+        argv, cwd=tmp_path, capture_output=True, text=True, timeout=DEMO_TIMEOUT, check=False
+    )
+
+
+def check_json_run(tmp_path: Path, seed: int, nodes: int = 4) -> dict[str, Any]:
+    done = run_demo(tmp_path, "--seed", str(seed), "--json", "--nodes", str(nodes))
+    assert done.returncode in (0, 1), done.stderr
+    doc: dict[str, Any] = json.loads(done.stdout)
+    inj = choose_injection(seed, nodes, 2)
+    assert doc["injected"] == {"rank": inj.rank, "step": inj.step, "node": inj.node}
+    assert doc["culprit_found"] is True, f"seed {seed}: {json.dumps(doc['verdicts'], indent=1)}"
+    assert done.returncode == 0
+    dumps = [Path(p) for p in doc["dumps"]]
+    assert len(dumps) == nodes and all(p.is_file() and p.stat().st_size for p in dumps)
+    trace = json.loads(Path(str(doc["trace"])).read_text())
+    assert_every_call_once(check_trace_format(trace), [read_dump(p) for p in dumps])
+    print(f"demo seed {seed}, {nodes} nodes: seconds {doc['seconds']}", file=sys.stderr)
+    return doc
+
+
+@pytest.mark.lab
+def test_demo_fixed_seed_names_the_injected_rank(tmp_path: Path) -> None:
+    doc = check_json_run(tmp_path, 7)
+    seconds: dict[str, float] = doc["seconds"]
+    assert 0 < seconds["dumps_written"] < seconds["total"]
+    assert set(doc["commands"]) >= {"lab_run", "analyze", "query", "export"}
+
+
+@pytest.mark.lab
+def test_demo_random_seed_smaller_job(tmp_path: Path) -> None:
+    check_json_run(tmp_path, secrets.randbelow(1_000_000), nodes=2)
+
+
+def shown_report(stdout: str, marker: str) -> tuple[str, str]:
+    """The command printed after ``$`` that contains ``marker``, and the output
+    the demo showed under it (indented by four spaces)."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("$ ") and marker in line)
+    command, end = lines[start][2:], start + 1
+    while not _complete(command):  # a quoted argument spans lines (the SQL)
+        command, end = f"{command}\n{lines[end]}", end + 1
+    body = []
+    for line in lines[end:]:
+        if not line.startswith("    "):
+            break
+        body.append(line[4:])
+    return command, "\n".join(body)
+
+
+def _complete(command: str) -> bool:
+    try:
+        shlex.split(command)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.lab
+def test_demo_random_seed_output_and_commands_run_as_printed(tmp_path: Path) -> None:
+    seed = secrets.randbelow(1_000_000)
+    done = run_demo(tmp_path, "--seed", str(seed))
+    inj = choose_injection(seed, 4, 2)
+    assert done.returncode == 0, f"seed {seed}, {inj}:\n{done.stdout}\n{done.stderr}"
+    out = done.stdout
+    assert f"rank {inj.rank} (on node{inj.node})" in out and f"step {inj.step}" in out
+    assert f"the analyzer named rank {inj.rank}" in out
+    assert "ui.perfetto.dev" in out
+    command, report = shown_report(out, " analyze ")
+    assert f"MISSING_RANK: rank {inj.rank} never entered" in report
+    by_hand = out[out.index("== run it by hand") :]
+    assert command in by_hand and "lab run" in by_hand and "export --perfetto" in by_hand
+    again = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 1  # findings
+    assert again.stdout.rstrip("\n") == report
+    query, _ = shown_report(out, " query ")
+    assert shlex.split(query)[-1] == SEED_QUERY
+    rerun = subprocess.run(shlex.split(query), capture_output=True, text=True, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "[" in done.stderr and "dump written" in done.stderr  # progress on stderr

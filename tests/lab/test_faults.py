@@ -1,0 +1,123 @@
+"""Fault specs: parsing, canonical form, validation against the topology."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from stallwatch.dumpers.errors import UsageError
+from stallwatch.lab import faults as F
+
+TOPO = F.Topology(nodes=2, ranks_per_node=2)
+
+
+@pytest.mark.parametrize(
+    ("spec", "fault"),
+    [
+        ("hang:rank=3,step=5", F.Hang(rank=3, step=5)),
+        ("slow:rank=0,ms=40", F.Slow(rank=0, ms=40.0)),
+        ("loss:node=1,pct=5", F.Loss(node=1, pct=5)),
+        ("rate:node=0,mbit=2.5", F.Rate(node=0, mbit=2.5)),
+        ("mismatch:rank=2,step=1,field=dtype", F.Mismatch(2, 1, F.MismatchField.DTYPE)),
+        ("crash:rank=1,step=4", F.Crash(rank=1, step=4, signal=None)),
+        ("crash:rank=1,step=4,signal=KILL", F.Crash(1, 4, signal.SIGKILL)),
+        ("crash:rank=1,step=4,signal=sigsegv", F.Crash(1, 4, signal.SIGSEGV)),
+        ("crash:rank=1,step=4,signal=6", F.Crash(1, 4, signal.SIGABRT)),
+        ("cpuhog:rank=3", F.CpuHog(rank=3)),
+        (" HANG: step=2 , rank=1 ", F.Hang(rank=1, step=2)),
+    ],
+)
+def test_parse(spec: str, fault: F.Fault) -> None:
+    assert F.parse_fault(spec) == fault
+    assert F.parse_fault(F.format_fault(fault)) == fault
+
+
+@pytest.mark.parametrize(
+    ("spec", "names"),
+    [
+        ("explode:rank=1", "unknown kind 'explode'"),
+        ("hang:rank=1", "hang needs step=<an integer>"),
+        ("hang:rank=x,step=1", "rank='x' is not an integer"),
+        ("hang:rank=1,step=2,color=red", "unknown key(s) for hang: color"),
+        ("hang:rank=1,rank=2,step=1", "'rank' given twice"),
+        ("hang:rank=1,step", "expected key=value, got 'step'"),
+        ("loss:node=0,pct=0", "pct=0 is out of range 1..100"),
+        ("loss:node=0,pct=101", "pct=101 is out of range 1..100"),
+        ("rate:node=0,mbit=0", "mbit=0 must be > 0"),
+        ("slow:rank=0,ms=-5", "ms=-5 must be > 0"),
+        ("mismatch:rank=0,step=1,field=root", "field='root' must be one of count, dtype, op"),
+        ("crash:rank=0,step=1,signal=NOPE", "signal='NOPE' is not a signal name"),
+        ("hang:rank=-1,step=1", "rank=-1 is out of range"),
+        ("", "unknown kind ''"),
+    ],
+)
+def test_bad_specs_say_what_is_wrong(spec: str, names: str) -> None:
+    with pytest.raises(UsageError) as info:
+        F.parse_fault(spec)
+    message = str(info.value)
+    assert names in message
+    assert repr(spec) in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("spec", "names"),
+    [
+        ("hang:rank=4,step=1", "rank 4 does not exist (ranks are 0..3)"),
+        ("cpuhog:rank=9", "rank 9 does not exist"),
+        ("loss:node=2,pct=5", "node 2 does not exist (nodes are 0..1)"),
+        ("rate:node=7,mbit=5", "node 7 does not exist"),
+        ("crash:rank=0,step=20", "step 20 is never reached (steps are 0..19)"),
+    ],
+)
+def test_validate_against_topology(spec: str, names: str) -> None:
+    with pytest.raises(UsageError, match=names.replace("(", r"\(").replace(")", r"\)")):
+        F.validate([F.parse_fault(spec)], TOPO, steps=20)
+
+
+def test_validate_accepts_the_edges() -> None:
+    specs = ["hang:rank=3,step=19", "loss:node=1,pct=100", "cpuhog:rank=0"]
+    F.validate(F.parse_faults(specs), TOPO, steps=20)
+
+
+def test_the_same_fault_twice_on_one_target_is_refused() -> None:
+    with pytest.raises(UsageError, match="given twice"):
+        F.validate(F.parse_faults(["slow:rank=1,ms=5", "slow:rank=1,ms=9"]), TOPO, steps=5)
+
+
+def test_for_rank_picks_only_that_ranks_faults() -> None:
+    faults = F.parse_faults(["slow:rank=1,ms=5", "hang:rank=2,step=1", "loss:node=0,pct=3"])
+    assert F.for_rank(faults, 1) == (F.Slow(1, 5.0),)
+    assert F.for_rank(faults, 0) == ()
+
+
+def test_topology_maps_ranks_to_nodes() -> None:
+    topo = F.Topology(nodes=3, ranks_per_node=4)
+    assert topo.world_size == 12
+    assert [topo.node_of(r) for r in (0, 3, 4, 11)] == [0, 0, 1, 2]
+    assert [topo.local_rank(r) for r in (0, 3, 4, 11)] == [0, 3, 0, 3]
+
+
+_faults = st.one_of(
+    st.builds(F.Hang, st.integers(0, 999), st.integers(0, 999)),
+    st.builds(F.Slow, st.integers(0, 999), st.floats(0.001, 1e5).map(lambda x: float(f"{x:g}"))),
+    st.builds(F.Loss, st.integers(0, 99), st.integers(1, 100)),
+    st.builds(F.Rate, st.integers(0, 99), st.floats(0.01, 1e4).map(lambda x: float(f"{x:g}"))),
+    st.builds(
+        F.Mismatch, st.integers(0, 999), st.integers(0, 999), st.sampled_from(F.MismatchField)
+    ),
+    st.builds(
+        F.Crash,
+        st.integers(0, 999),
+        st.integers(0, 999),
+        st.sampled_from([None, signal.SIGKILL, signal.SIGSEGV, signal.SIGTERM]),
+    ),
+    st.builds(F.CpuHog, st.integers(0, 999)),
+)
+
+
+@given(_faults)
+def test_format_and_parse_round_trip(fault: F.Fault) -> None:
+    assert F.parse_fault(F.format_fault(fault)) == fault

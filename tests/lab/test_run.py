@@ -1,0 +1,426 @@
+"""``stallwatch lab run``: the real job in network namespaces, healthy and with
+every fault, each fault's effect seen from outside the job; bad input; and
+nothing left behind after success, failure and Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from stallwatch.lab import netns, runner
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Run:
+    run_id: str
+    code: int
+    out: str
+    err: str
+
+    @property
+    def result(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(self.out)
+        return data
+
+    def rank(self, world_rank: int) -> dict[str, Any]:
+        ranks: list[dict[str, Any]] = self.result["ranks"]
+        return next(r for r in ranks if r["world_rank"] == world_rank)
+
+    def node(self, index: int) -> dict[str, Any]:
+        nodes: list[dict[str, Any]] = self.result["nodes_seen"]
+        return next(n for n in nodes if n["index"] == index)
+
+
+def lab_run(*args: str, timeout: float = 120.0, env: dict[str, str] | None = None) -> Run:
+    run_id = "t" + secrets.token_hex(3)
+    done = subprocess.run(
+        [sys.executable, "-m", "stallwatch", "lab", "run", "--run-id", run_id, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+        check=False,
+    )
+    run = Run(run_id, done.returncode, done.stdout, done.stderr)
+    assert_nothing_left(run_id)
+    return run
+
+
+def assert_nothing_left(run_id: str) -> None:
+    assert [ns for ns in netns.list_netns() if netns.run_of(ns) == run_id] == []
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    assert f"{netns.PREFIX}{run_id}-" not in listed.stdout
+    assert not (netns.RUNS_DIR / run_id).exists()
+    marker = str(netns.RUNS_DIR / run_id)
+    left = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if marker in cmdline:  # ranks, hogs and agents all name the run directory
+            left.append((proc.info["pid"], cmdline))
+    assert left == []
+
+
+def median_step_ms(run: Run) -> float:
+    return float(statistics.median(ms for r in run.result["ranks"] for ms in r["step_ms"]))
+
+
+@pytest.fixture(scope="module")
+def healthy() -> Run:
+    return lab_run("--nodes", "2", "--ranks-per-node", "2", "--steps", "20", "--json")
+
+
+def assert_all_done(run: Run, world: int, steps: int) -> None:
+    assert run.code == 0, run.err
+    result = run.result
+    assert result["ok"] is True
+    assert result["gave_up"] is None
+    assert [r["world_rank"] for r in result["ranks"]] == list(range(world))
+    for r in result["ranks"]:
+        assert r["status"] == "done", r
+        assert (r["steps_done"], r["exit_code"], r["exit_signal"]) == (steps, 0, None)
+        assert r["verified"] is True and r["verified_failed"] == 0
+        assert r["verified_ok"] >= 5 * steps
+        assert isinstance(r["pid"], int)
+
+
+# --- healthy ------------------------------------------------------------------
+
+
+@pytest.mark.lab
+def test_healthy_blocking_job(healthy: Run) -> None:
+    assert_all_done(healthy, world=4, steps=20)
+    result = healthy.result
+    assert (result["nodes"], result["ranks_per_node"], result["mode"]) == (2, 2, "blocking")
+    assert result["dumps"] == [] and result["faults"] == []
+    assert [r["node"] for r in result["ranks"]] == [0, 0, 1, 1]
+    assert len({r["pid"] for r in result["ranks"]}) == 4
+
+
+@pytest.mark.lab
+def test_healthy_job_counts_every_nccl_call(healthy: Run) -> None:
+    for r in healthy.result["ranks"]:
+        calls = r["calls"]
+        assert calls["ncclAllReduce"] == {"dp": 20, "world": 20}
+        assert calls["ncclAllGather"] == {"tp": 20}
+        assert calls["ncclReduceScatter"] == {"tp": 20}
+        assert calls["ncclBroadcast"] == {"world": 20}
+        assert calls["ncclGroupStart"] == calls["ncclGroupEnd"] == {"none": 20}
+        assert calls["ncclCommSplit"] == {"tp": 1, "dp": 1}
+        assert calls["ncclCommInitRank"] == {"world": 1}
+        assert calls["ncclCommDestroy"] == {"world": 1, "tp": 1, "dp": 1}
+        # pipeline: dp rank 0 (node 0) sends, dp rank 1 (node 1) receives
+        p2p = "ncclSend" if r["node"] == 0 else "ncclRecv"
+        assert calls[p2p] == {"dp": 20}
+        assert ("ncclGetUniqueId" in calls) == (r["world_rank"] == 0)
+    # every member of a communicator computed the same id
+    worlds = {r["comms"]["world"]["id_hash"] for r in healthy.result["ranks"]}
+    assert len(worlds) == 1
+
+
+@pytest.mark.lab
+def test_healthy_async_job() -> None:
+    run = lab_run("--ranks-per-node", "2", "--steps", "20", "--mode", "async", "--json")
+    assert_all_done(run, world=4, steps=20)
+    for r in run.result["ranks"]:
+        assert r["calls"]["labStreamSynchronize"] == {"world": 20, "tp": 20, "dp": 20}
+
+
+@pytest.mark.lab
+def test_healthy_four_nodes() -> None:
+    run = lab_run("--nodes", "4", "--ranks-per-node", "2", "--steps", "20", "--json")
+    assert_all_done(run, world=8, steps=20)
+    assert sorted({r["node"] for r in run.result["ranks"]}) == [0, 1, 2, 3]
+    assert len({n["ip"] for n in run.result["nodes_seen"]}) == 4
+
+
+@pytest.mark.lab
+def test_summary_for_people_is_a_table() -> None:
+    run = lab_run("--nodes", "1", "--ranks-per-node", "2", "--steps", "3")
+    assert run.code == 0, run.err
+    lines = run.out.splitlines()
+    assert "ok: every rank finished and verified" in lines[0]
+    assert lines[1].split()[:4] == ["rank", "node", "pid", "steps"]
+    assert [line.split()[3] for line in lines[2:4]] == ["3/3", "3/3"]
+
+
+# --- faults -------------------------------------------------------------------
+
+
+@pytest.mark.lab
+def test_hang_blocks_the_others_and_the_lab_gives_up() -> None:
+    started = time.monotonic()
+    run = lab_run("--steps", "20", "--fault", "hang:rank=3,step=4", "--stall-timeout", "3",
+                  "--json")  # fmt: skip
+    assert time.monotonic() - started < 30
+    assert run.code == 1, run.err
+    result = run.result
+    assert "no rank made progress for 3 s" in result["gave_up"]
+    assert result["stuck_ranks"] == [0, 1, 2, 3]
+    assert run.rank(3)["status"] == "hung"
+    for r in result["ranks"]:
+        assert r["steps_done"] == 4  # nobody got past the step where rank 3 stopped
+        assert r["killed_by_lab"] and r["exit_signal"] == "SIGKILL"
+        assert r["status"] in ("stuck", "hung")
+
+
+@pytest.mark.lab
+def test_slow_rank_makes_slower_steps(healthy: Run) -> None:
+    run = lab_run("--steps", "6", "--fault", "slow:rank=1,ms=150", "--json")
+    assert run.code == 0, run.err
+    slow_cpu = run.rank(1)["cpu_s"]
+    others = [run.rank(r)["cpu_s"] for r in (0, 2, 3)]
+    assert slow_cpu - max(others) > 0.6 * 6 * 0.150  # the extra compute really ran
+    # and everybody waited for it (part of the wait overlaps work the others
+    # had to queue for on two cores anyway, hence half)
+    for r in run.result["ranks"]:
+        assert statistics.median(r["step_ms"]) > median_step_ms(healthy) + 75
+
+
+@pytest.mark.lab
+def test_loss_raises_the_nodes_retransmit_counter(healthy: Run) -> None:
+    run = lab_run("--steps", "10", "--fault", "loss:node=1,pct=5", "--json")
+    assert run.code == 0, run.err  # TCP recovers: results still right
+    lossy = run.node(1)["tcp_retrans_segs"]
+    baseline = max(n["tcp_retrans_segs"] for n in healthy.result["nodes_seen"])
+    assert lossy >= 50
+    assert lossy > 10 * (baseline + 1)
+    assert run.result["faults"][0]["spec"] == "loss:node=1,pct=5"
+
+
+@pytest.mark.lab
+def test_rate_cap_slows_the_steps(healthy: Run) -> None:
+    run = lab_run("--steps", "6", "--fault", "rate:node=1,mbit=40", "--json")
+    assert run.code == 0, run.err
+    assert median_step_ms(run) > 2.5 * median_step_ms(healthy)
+
+
+@pytest.mark.lab
+@pytest.mark.parametrize("field", ["count", "dtype", "op"])
+def test_mismatch_is_an_error_in_the_ranks(field: str) -> None:
+    run = lab_run("--steps", "6", "--fault", f"mismatch:rank=2,step=3,field={field}", "--json",
+                  "--stall-timeout", "5")  # fmt: skip
+    assert run.code == 1
+    culprit = run.rank(2)
+    assert culprit["status"] == "error" and culprit["exit_code"] == 4
+    assert "INVALID_USAGE" in culprit["error"]
+    assert "ncclAllReduce on world" in culprit["error"]
+    assert culprit["steps_done"] == 3
+    erred = [r for r in run.result["ranks"] if r["exit_code"] not in (0, None)]
+    assert len(erred) >= 2  # the culprit and at least one peer it was matched with
+
+
+@pytest.mark.lab
+def test_crash_exit_code_is_seen() -> None:
+    run = lab_run("--steps", "10", "--fault", "crash:rank=1,step=2", "--stall-timeout", "5",
+                  "--json")  # fmt: skip
+    assert run.code == 1
+    crashed = run.rank(1)
+    assert (crashed["exit_code"], crashed["exit_signal"]) == (3, None)
+    assert crashed["status"] == "crashed" and crashed["steps_done"] == 2
+    assert not crashed["killed_by_lab"]
+
+
+@pytest.mark.lab
+def test_crash_by_signal_is_seen() -> None:
+    run = lab_run("--steps", "10", "--fault", "crash:rank=2,step=1,signal=KILL",
+                  "--stall-timeout", "5", "--json")  # fmt: skip
+    assert run.code == 1
+    crashed = run.rank(2)
+    assert (crashed["exit_code"], crashed["exit_signal"]) == (None, "SIGKILL")
+    assert not crashed["killed_by_lab"]
+    assert crashed["steps_done"] == 1
+
+
+@pytest.mark.lab
+def test_cpuhog_takes_the_ranks_cpu() -> None:
+    # compute longer than a scheduler slice: a shorter burst runs on wake-up credit
+    run = lab_run("--nodes", "2", "--ranks-per-node", "1", "--steps", "5", "--compute-ms", "10",
+                  "--fault", "cpuhog:rank=0", "--json")  # fmt: skip
+    assert run.code == 0, run.err
+    hogged, other = run.rank(0), run.rank(1)
+    assert hogged["run_delay_ms"] > 1.5 * other["run_delay_ms"]
+    assert hogged["compute_cpu_share"] < 0.5
+    assert hogged["compute_cpu_share"] < other["compute_cpu_share"]
+
+
+# --- bad input ------------------------------------------------------------------
+
+
+@pytest.mark.lab
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["--fault", "hang:rank=1"], "hang needs step="),
+        (["--fault", "boom:rank=1"], "unknown kind 'boom'"),
+        (["--fault", "hang:rank=4,step=1"], "rank 4 does not exist (ranks are 0..3)"),
+        (["--fault", "loss:node=2,pct=5"], "node 2 does not exist (nodes are 0..1)"),
+        (["--fault", "crash:rank=0,step=20"], "step 20 is never reached"),
+        (["--nodes", "0"], "--nodes: must be at least 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args: list[str], names: str) -> None:
+    run = lab_run(*args)
+    assert run.code == 2
+    assert names in run.err
+    assert len(run.err.strip().splitlines()) == 1 or "usage:" in run.err
+    assert "Traceback" not in run.err
+
+
+@pytest.mark.lab
+def test_missing_tools_is_one_line_and_exit_2() -> None:
+    env = dict(os.environ, PATH="/nonexistent")
+    run = lab_run("--steps", "2", env=env)
+    assert run.code == 2
+    assert run.err.strip().count("\n") == 0
+    assert "the lab needs ip, nft, tc, nsenter on PATH" in run.err
+
+
+@pytest.mark.lab
+def test_not_root_is_one_line_and_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stallwatch.cli import main
+
+    monkeypatch.setattr(runner, "_euid", lambda: 1000)
+    before = netns.list_netns()
+    assert main(["lab", "run", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs root" in err
+    assert netns.list_netns() == before
+
+
+# --- teardown on Ctrl-C -----------------------------------------------------------
+
+
+@pytest.mark.lab
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_tears_everything_down(sig: signal.Signals) -> None:
+    run_id = "t" + secrets.token_hex(3)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stallwatch",
+            "lab",
+            "run",
+            "--run-id",
+            run_id,
+            "--steps",
+            "100000",
+            "--fault",
+            "cpuhog:rank=1",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not list((netns.RUNS_DIR / run_id).glob("rank-*.json")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the job never started"
+            time.sleep(0.1)
+        assert len([ns for ns in netns.list_netns() if netns.run_of(ns) == run_id]) == 3
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "interrupted" in err
+    assert_nothing_left(run_id)
+
+
+# --- --record plumbing (the agent is another part: only its command line here) ----
+
+
+def test_agent_command_line(tmp_path: Path) -> None:
+    cfg = runner.RunConfig(nodes=3, record=True, dump_dir=tmp_path / "d", stall_timeout=7.5)
+    lab = runner.Lab(cfg, Path("/x/libnccl.so.2"), "abc", tmp_path)
+    nodes = tuple(netns.Node(k, f"swlab-abc-n{k}", f"10.201.9.{k + 1}", f"n{k}") for k in range(3))
+    lab.net = netns.Network("abc", "swlab-abc-sw", nodes)
+    argv = runner.agent_argv(lab, nodes[1], tmp_path / "token")
+    assert argv[:6] == [sys.executable, "-m", "stallwatch", "record", "--scope", "netns"]
+
+    def opt(name: str) -> str:
+        return argv[argv.index(name) + 1]
+
+    assert opt("--dump-dir") == str(tmp_path / "d" / "node1")
+    assert opt("--stall-timeout") == "7.5"
+    assert opt("--listen") == "10.201.9.2:9400"
+    assert opt("--token-file") == str(tmp_path / "token")
+    assert opt("--peers") == "10.201.9.1:9400,10.201.9.3:9400"
+    assert opt("--lib") == "/x/libnccl.so.2"
+    assert opt("--host-name") == "node1"
+    # the agent runs inside the node's namespace
+    assert nodes[1].exec_prefix() == ["nsenter", "--net=/run/netns/swlab-abc-n1", "--"]
+
+
+def test_rank_command_line_carries_its_faults(tmp_path: Path) -> None:
+    from stallwatch.lab import faults
+
+    specs = ["cpuhog:rank=1", "slow:rank=1,ms=5", "hang:rank=0,step=2", "loss:node=0,pct=5"]
+    cfg = runner.RunConfig(faults=faults.parse_faults(specs))
+    lab = runner.Lab(cfg, Path("/x/lib.so"), "abc", tmp_path)
+    argv = runner.rank_argv(lab, 1)
+    assert argv[1:3] == ["-m", "stallwatch.lab.job"]
+    given = [argv[i + 1] for i, a in enumerate(argv) if a == "--fault"]
+    assert given == ["cpuhog:rank=1", "slow:rank=1,ms=5"]
+    ncpu = os.cpu_count() or 1
+    assert argv[argv.index("--cpu") + 1] == str(1 % ncpu)
+    argv0 = runner.rank_argv(lab, 0)
+    assert argv0[argv0.index("--cpu") + 1] == "0"  # with a hog, every rank is pinned
+    healthy = runner.Lab(runner.RunConfig(), Path("/x/lib.so"), "abc", tmp_path)
+    assert "--cpu" not in runner.rank_argv(healthy, 0)
+
+
+@pytest.mark.lab
+def test_a_failure_during_setup_leaves_nothing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stallwatch.dumpers.errors import LabError
+
+    from stallwatch.cli import main
+
+    def broken(*_args: object) -> None:
+        raise LabError("nft: simulated failure")
+
+    monkeypatch.setattr(netns, "add_loss", broken)
+    run_id = "t" + secrets.token_hex(3)
+    assert main(["lab", "run", "--run-id", run_id, "--fault", "loss:node=1,pct=5"]) == 2
+    assert "simulated failure" in capsys.readouterr().err
+    assert_nothing_left(run_id)
+
+
+@pytest.mark.lab
+def test_an_agent_that_dies_at_start_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from stallwatch.cli import main
+
+    def dying_agent(*_args: object) -> list[str]:
+        return [sys.executable, "-c", "import sys; sys.exit('no BPF for you')"]
+
+    monkeypatch.setattr(runner, "agent_argv", dying_agent)
+    run_id = "t" + secrets.token_hex(3)
+    argv = ["lab", "run", "--run-id", run_id, "--record", "--dump-dir", str(tmp_path)]
+    assert main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after one progress line
+    assert last.startswith("stallwatch lab: error: the agent of node 0 exited with 1")
+    assert last.endswith("no BPF for you")
+    assert_nothing_left(run_id)

@@ -1,0 +1,355 @@
+"""The agent's HTTP surface: /query, /dump, /metrics, /healthz, the token,
+the limits, and a server that keeps answering whatever it is sent."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+from stallwatch.dumpers.errors import DumpWriteError, UsageError
+from stallwatch.dumpers.model import Recording
+from stallwatch.query.http import (
+    RecordingsBackend,
+    ServerHandle,
+    is_loopback,
+    parse_listen,
+    serve_http,
+)
+from stallwatch.query.sql import Limits
+
+from bench.bench_sql import COMM_HASH, SEED_QUERY, Synthetic, synthetic_recording
+
+TOKEN = "s3cret-token"
+# what a live agent serves: the server passes it through untouched
+METRICS_TEXT = """\
+# HELP stallwatch_events_recorded_total Events recorded, per kind.
+# TYPE stallwatch_events_recorded_total counter
+stallwatch_events_recorded_total{kind="nccl"} 401.0
+stallwatch_events_recorded_total{kind="tcp"} 200.0
+# HELP stallwatch_ring_fill_ratio Ring fill.
+# TYPE stallwatch_ring_fill_ratio gauge
+stallwatch_ring_fill_ratio 0.25
+# HELP stallwatch_attached_libraries Libraries attached ("libnccl").
+# TYPE stallwatch_attached_libraries gauge
+stallwatch_attached_libraries{path="/opt/lib \\"x\\"\\\\libnccl.so.2"} 1.0
+"""
+
+
+def request(
+    address: str,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any]:
+    host, port = address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=10)
+    try:
+        conn.request(method, path, body, headers or {})
+        resp = conn.getresponse()
+        data = resp.read()
+    finally:
+        conn.close()
+    ctype = resp.getheader("Content-Type", "")
+    return resp.status, json.loads(data) if ctype.startswith("application/json") else data
+
+
+def query(address: str, sql: str, token: str | None = None, **extra: Any) -> tuple[int, Any]:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    body = json.dumps({"sql": sql, **extra}).encode()
+    return request(address, "POST", "/query", body, headers)
+
+
+class FakeAgent:
+    """A live agent's side of the seam: a snapshot, metrics, dumps on request."""
+
+    def __init__(self, rec: Recording) -> None:
+        self.rec = rec
+        self.host = rec.host
+        self.dumps: list[tuple[str, str | None, str | None]] = []
+        self.fail_dump = False
+        self.snapshots = 0
+
+    def recording(self) -> Recording:
+        self.snapshots += 1
+        return self.rec
+
+    def request_dump(self, reason: str, incident_id: str | None, origin: str | None) -> object:
+        if self.fail_dump:
+            raise DumpWriteError("/var/lib/stallwatch: No space left on device")
+        self.dumps.append((reason, incident_id, origin))
+        return {"path": f"/dumps/{self.host}.msgpack", "incident_id": incident_id or "i-1"}
+
+    def metrics_text(self) -> str:
+        return METRICS_TEXT
+
+
+@pytest.fixture
+def agent() -> FakeAgent:
+    return FakeAgent(synthetic_recording(Synthetic(host="node7", steps=50, tcp_rows=300)))
+
+
+@pytest.fixture
+def server(agent: FakeAgent) -> Iterator[ServerHandle]:
+    handle = serve_http(agent, "127.0.0.1:0", None, Limits(time_limit_s=0.5, max_rows=100))
+    yield handle
+    handle.close()
+
+
+@pytest.fixture
+def guarded(agent: FakeAgent) -> Iterator[ServerHandle]:
+    handle = serve_http(agent, "127.0.0.1:0", TOKEN)
+    yield handle
+    handle.close()
+
+
+def test_query_answers_with_host_columns_types_rows(server: ServerHandle) -> None:
+    status, doc = query(server.address, SEED_QUERY)
+    assert status == 200, doc
+    assert doc["host"] == "node7"
+    assert doc["columns"] == ["rank", "ms", "retransmits_in_window"]
+    assert doc["types"] == ["INTEGER", "DOUBLE", "BIGINT"]
+    assert len(doc["rows"]) == 20 and doc["truncated"] is False
+    assert doc["elapsed_ms"] > 0
+
+
+def test_uint64_hashes_survive_json_exactly(server: ServerHandle) -> None:
+    status, doc = query(server.address, "SELECT DISTINCT comm_id_hash FROM communicators")
+    assert status == 200
+    assert doc["rows"] == [[COMM_HASH]] and COMM_HASH > 2**63
+
+
+def test_row_limit_and_requested_limit(server: ServerHandle) -> None:
+    _, capped = query(server.address, "SELECT * FROM nccl_events")
+    _, asked = query(server.address, "SELECT * FROM nccl_events", limit=5)
+    assert len(capped["rows"]) == 100 and capped["truncated"]
+    assert len(asked["rows"]) == 5 and asked["truncated"]
+
+
+def test_timestamps_and_nulls_are_json(server: ServerHandle) -> None:
+    status, doc = query(
+        server.address,
+        "SELECT wall_time, duration_ns, 'nan'::double AS x FROM nccl_events "
+        "WHERE state = 'scheduled'",
+    )
+    assert status == 200, doc
+    ((wall, duration, nan),) = doc["rows"]
+    assert wall.startswith("2026-") and duration is None and nan is None
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT * FROM read_csv('/etc/passwd')",
+        "SELECT content FROM read_text('/etc/passwd')",
+        "COPY (SELECT 1) TO '/tmp/stallwatch-http-leak.csv'",
+        "ATTACH '/tmp/stallwatch-http-leak.db' AS leak",
+        "INSTALL httpfs",
+        "LOAD httpfs",
+        "SET enable_external_access = true",
+        "PRAGMA enable_profiling",
+        "CREATE TABLE leak AS SELECT * FROM nccl_events",
+        "SELECT 1; SELECT 2",
+        "SELECT getenv('HOME')",
+        "SELECT * FROM glob('/*')",
+        "SELECT * FROM read_parquet('http://127.0.0.1:1/x.parquet')",
+    ],
+)
+def test_sandbox_refusals_over_http(server: ServerHandle, agent: FakeAgent, sql: str) -> None:
+    status, doc = query(server.address, sql)
+    assert status == 400
+    assert isinstance(doc["error"], str) and doc["error"]
+    status, doc = query(server.address, "SELECT count(*) FROM nccl_events")
+    assert (status, doc["rows"]) == (200, [[len(agent.rec.rings["nccl"].rows)]])
+
+
+def test_slow_query_is_cut_off_and_the_server_answers(server: ServerHandle) -> None:
+    status, doc = query(
+        server.address, "SELECT sum(a.range * b.range) FROM range(1000000) a, range(1000000) b"
+    )
+    assert status == 400 and "longer than 0.5 s" in doc["error"]
+    assert request(server.address, "GET", "/healthz")[0] == 200
+
+
+def test_oversized_request_gets_413(server: ServerHandle) -> None:
+    body = json.dumps({"sql": "SELECT 1 -- " + "x" * 70_000}).encode()
+    status, doc = request(server.address, "POST", "/query", body)
+    assert status == 413 and "limit is 65536" in doc["error"]
+    assert query(server.address, "SELECT 1")[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (b"{not json", "not JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b'{"limit": 5}', "'sql' is required"),
+        (b'{"sql": 42}', "must be str"),
+        (b'{"sql": "SELECT 1", "limit": "ten"}', "must be int"),
+        (b'{"sql": "SELECT 1", "limit": -1}', "non-negative"),
+        (b"\xff\xfe", "not JSON"),
+    ],
+)
+def test_bad_requests_get_400(server: ServerHandle, body: bytes, needle: str) -> None:
+    status, doc = request(server.address, "POST", "/query", body)
+    assert status == 400 and needle in doc["error"]
+
+
+def test_routes_and_methods(server: ServerHandle) -> None:
+    assert request(server.address, "GET", "/nope")[0] == 404
+    assert request(server.address, "GET", "/query")[0] == 405
+    assert request(server.address, "POST", "/healthz", b"{}")[0] == 405
+    status, doc = request(server.address, "GET", "/healthz")
+    assert status == 200 and doc["status"] == "ok" and doc["host"] == "node7" and doc["version"]
+
+
+def test_token_is_required_and_checked(guarded: ServerHandle) -> None:
+    assert query(guarded.address, "SELECT 1")[0] == 401
+    assert query(guarded.address, "SELECT 1", token="wrong")[0] == 401
+    assert query(guarded.address, "SELECT 1", token=TOKEN + "x")[0] == 401
+    assert request(guarded.address, "GET", "/metrics")[0] == 401
+    status, doc = query(guarded.address, "SELECT 1", token=TOKEN)
+    assert (status, doc["rows"]) == (200, [[1]])
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert request(guarded.address, "GET", "/healthz", headers=auth)[0] == 200
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:0", "10.1.2.3:9400", "[::]:0", "node1:9400"])
+def test_non_loopback_without_token_is_refused(agent: FakeAgent, listen: str) -> None:
+    with pytest.raises(UsageError, match="without a token"):
+        serve_http(agent, listen, None)
+
+
+def test_loopback_addresses() -> None:
+    assert is_loopback("127.0.0.2") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.1")
+    assert parse_listen(":9400") == ("127.0.0.1", 9400)
+    assert parse_listen("[::1]:80") == ("::1", 80)
+    with pytest.raises(UsageError, match="ADDR:PORT"):
+        parse_listen("localhost")
+
+
+def test_listening_on_another_loopback_address(agent: FakeAgent) -> None:
+    handle = serve_http(agent, "127.0.0.2:0", None)
+    try:
+        assert handle.address.startswith("127.0.0.2:")
+        assert query(handle.address, "SELECT 1")[0] == 200
+    finally:
+        handle.close()
+
+
+def test_metrics_parse_with_the_prometheus_parser(server: ServerHandle) -> None:
+    status, text = request(server.address, "GET", "/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(text.decode())}
+    recorded = families["stallwatch_events_recorded"]
+    assert recorded.type == "counter"
+    by_kind = {s.labels["kind"]: s.value for s in recorded.samples if s.name.endswith("_total")}
+    assert by_kind == {"nccl": 401.0, "tcp": 200.0}
+    assert families["stallwatch_ring_fill_ratio"].samples[0].value == 0.25
+    (lib,) = families["stallwatch_attached_libraries"].samples
+    assert lib.labels["path"] == '/opt/lib "x"\\libnccl.so.2'
+
+
+def test_served_dumps_have_ring_metrics() -> None:
+    recs = [synthetic_recording(Synthetic(host=f"n{i}")) for i in range(2)]
+    text = RecordingsBackend(recs).metrics_text()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    rows = {
+        (s.labels["host"], s.labels["kind"]): s.value
+        for s in families["stallwatch_ring_rows"].samples
+    }
+    assert rows[("n1", "nccl")] == 401 and rows[("n0", "tcp")] == 200
+    over = families["stallwatch_events_overwritten"].samples
+    assert {s.value for s in over if s.labels["kind"] == "tcp"} == {3.0}
+
+
+def test_dump_goes_to_the_backend(server: ServerHandle, agent: FakeAgent) -> None:
+    body = json.dumps({"reason": "loss spike", "incident_id": "i-42", "origin": "node3"})
+    status, doc = request(server.address, "POST", "/dump", body.encode())
+    assert status == 200 and doc["incident_id"] == "i-42"
+    assert agent.dumps == [("loss spike", "i-42", "node3")]
+
+
+def test_failed_dump_is_500_and_the_server_keeps_going(
+    server: ServerHandle, agent: FakeAgent
+) -> None:
+    agent.fail_dump = True
+    status, doc = request(server.address, "POST", "/dump", b"{}")
+    assert status == 500 and "No space left" in doc["error"]
+    assert query(server.address, "SELECT 1")[0] == 200
+
+
+def test_serve_answers_dump_with_501() -> None:
+    handle = serve_http(RecordingsBackend([synthetic_recording(Synthetic())]), "127.0.0.1:0", None)
+    try:
+        status, doc = request(handle.address, "POST", "/dump", b"{}")
+        assert status == 501 and "recorded dumps" in doc["error"]
+    finally:
+        handle.close()
+
+
+class BrokenAgent(FakeAgent):
+    def recording(self) -> Recording:
+        raise RuntimeError("ring snapshot failed")
+
+
+def test_a_backend_exception_is_a_500_not_a_crash() -> None:
+    agent = BrokenAgent(synthetic_recording(Synthetic()))
+    handle = serve_http(agent, "127.0.0.1:0", None)
+    try:
+        status, doc = query(handle.address, "SELECT 1")
+        assert status == 500 and "ring snapshot failed" in doc["error"]
+        assert request(handle.address, "GET", "/healthz")[0] == 200
+    finally:
+        handle.close()
+
+
+def test_keep_alive_serves_many_requests_on_one_connection(server: ServerHandle) -> None:
+    host, port = server.address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        for i in range(5):
+            conn.request("POST", "/query", json.dumps({"sql": f"SELECT {i}"}).encode())
+            resp = conn.getresponse()
+            assert json.loads(resp.read())["rows"] == [[i]]
+    finally:
+        conn.close()
+
+
+def test_live_snapshot_is_reused_briefly(server: ServerHandle, agent: FakeAgent) -> None:
+    for _ in range(3):
+        assert query(server.address, "SELECT count(*) FROM tcp_events")[0] == 200
+    assert agent.snapshots == 1
+
+
+@pytest.fixture(scope="module")
+def shared_server() -> Iterator[ServerHandle]:
+    agent = FakeAgent(synthetic_recording(Synthetic(host="fuzz")))
+    handle = serve_http(agent, "127.0.0.1:0", None, Limits(time_limit_s=0.5, max_rows=10))
+    yield handle
+    handle.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    body=st.one_of(
+        st.binary(max_size=200),
+        st.dictionaries(
+            st.sampled_from(["sql", "limit", "x"]),
+            st.one_of(st.text(max_size=60), st.integers(), st.none(), st.floats()),
+        ).map(lambda d: json.dumps(d).encode()),
+    )
+)
+def test_any_body_gets_an_answer_never_a_crash(shared_server: ServerHandle, body: bytes) -> None:
+    status, doc = request(shared_server.address, "POST", "/query", body)
+    assert status in (200, 400)
+    assert isinstance(doc, dict) and ("error" in doc) == (status == 400)

@@ -1,0 +1,295 @@
+"""The SQL tables over recordings, and the sandboxed query engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+import pytest
+from stallwatch.dumpers.errors import QueryError, QueryRefused
+from stallwatch.dumpers.model import Recording, Ring
+from stallwatch.dumpers.schema import EXIT_EVENT, SCHED_EVENT, TCP_EVENT, ExitEvent, Op, TcpEvent
+from stallwatch.dumpers.sqltables import TABLE_NAMES, tables
+from stallwatch.query.sql import LOCAL, Limits, QueryEngine, sandboxed_connection
+
+from bench.bench_sql import COMM_HASH, SEED_QUERY, Synthetic, synthetic_recording
+
+SLOW_NS = 50_000_000
+
+
+def expected_seed_rows(rec: Recording) -> list[tuple[int, float, int]]:
+    """The seed query computed in plain Python over the same rings."""
+    rank_of = {(c.pid, c.comm): c.rank for c in rec.communicators}
+    tcp = rec.rings["tcp"].rows
+    retransmits = [int(t["ts_ns"]) for t in tcp if t["event"] == TcpEvent.TCP_RETRANSMIT_SKB]
+    out = []
+    for r in rec.rings["nccl"].rows:
+        start, end = int(r["ts_ns"]), int(r["end_ns"])
+        if r["op"] != Op.ALL_REDUCE or end == 0 or end - start <= SLOW_NS:
+            continue
+        rank = int(r["rank"]) if r["rank"] >= 0 else rank_of[(int(r["pid"]), int(r["comm"]))]
+        count = sum(1 for ts in retransmits if start <= ts <= end)
+        out.append((rank, (end - start) / 1e6, count))
+    return sorted(out)
+
+
+@pytest.fixture(scope="module")
+def lossy() -> Recording:
+    # 5 slow steps x 4 ranks = 20 slow AllReduces: LIMIT 20 cuts nothing.
+    return synthetic_recording(Synthetic(host="node1", steps=50, tcp_rows=400, first_rank=4))
+
+
+def test_seed_query_counts_retransmits_inside_slow_allreduces(lossy: Recording) -> None:
+    with QueryEngine([lossy]) as engine:
+        result = engine.query(SEED_QUERY)
+    assert result.columns == ("rank", "ms", "retransmits_in_window")
+    expected = expected_seed_rows(lossy)
+    assert len(expected) == 20 and sum(n for *_, n in expected) > 0
+    assert sorted(result.rows) == expected
+    ms = [row[1] for row in result.rows]
+    assert ms == sorted(ms, reverse=True)
+
+
+def test_seed_query_on_a_quiet_node_finds_no_retransmits() -> None:
+    quiet = synthetic_recording(Synthetic(host="node0", steps=50, tcp_rows=0))
+    with QueryEngine([quiet]) as engine:
+        rows = engine.query(SEED_QUERY).rows
+    assert len(rows) == 20
+    assert all(n == 0 for *_, n in rows)
+
+
+def test_every_table_has_a_host_column(lossy: Recording) -> None:
+    t = tables([lossy])
+    assert set(t) == set(TABLE_NAMES)
+    for name, table in t.items():
+        assert table.schema.names[0] == "host", name
+
+
+def test_nccl_events_columns(lossy: Recording) -> None:
+    with QueryEngine([lossy], LOCAL) as engine:
+        r = engine.query(
+            "SELECT op, state, datatype, count(*), count(duration_ns), count(result), "
+            "min(rank), max(rank), min(nranks), any_value(comm_id_hash) "
+            "FROM nccl_events GROUP BY ALL ORDER BY state"
+        )
+    done, in_flight = r.rows
+    assert done[:3] == ("ALL_REDUCE", "completed", "float32")
+    assert done[3] == done[4] == done[5] == 200
+    # rank/nranks came from the communicator table (the rows hold -1)
+    assert (done[6], done[7], done[8]) == (4, 7, 16)
+    assert done[9] == COMM_HASH  # UBIGINT above 2**63, exact
+    assert in_flight[1] == "scheduled"
+    assert in_flight[3] == 1 and in_flight[4] == 0 and in_flight[5] == 0  # NULL while in flight
+
+
+def test_wall_time_is_the_monotonic_timestamp_converted(lossy: Recording) -> None:
+    with QueryEngine([lossy], LOCAL) as engine:
+        ((ts, wall_us),) = engine.query(
+            "SELECT timestamp_ns, epoch_us(wall_time) FROM nccl_events ORDER BY 1 LIMIT 1"
+        ).rows
+    assert wall_us == lossy.clock.to_wall_ns(ts) // 1000
+
+
+def _tcp_row(family: int, saddr: bytes, daddr: bytes) -> np.ndarray:
+    row = np.zeros(1, TCP_EVENT)
+    row["family"] = family
+    row["saddr"][0, : len(saddr)] = list(saddr)
+    row["daddr"][0, : len(daddr)] = list(daddr)
+    row["event"] = TcpEvent.TCP_RETRANSMIT_SKB
+    row["sport"], row["dport"] = 40000, 29500
+    return row
+
+
+def test_tcp_addresses_as_text_ipv4_and_ipv6() -> None:
+    v6 = bytes.fromhex("fd000000000000000000000000000002")
+    rows = np.concatenate(
+        [
+            _tcp_row(2, bytes([10, 0, 0, 1]), bytes([10, 0, 0, 2])),
+            _tcp_row(10, bytes(15) + b"\x01", v6),
+            _tcp_row(2, bytes([10, 0, 0, 1]), bytes([10, 0, 0, 3])),
+        ]
+    )
+    rec = synthetic_recording(Synthetic(tcp_rows=0))
+    rec = dataclasses.replace(rec, rings={**rec.rings, "tcp": Ring(rows)})
+    with QueryEngine([rec], LOCAL) as engine:
+        got = engine.query("SELECT event, saddr, daddr, sport, dport FROM tcp_events").rows
+    assert got == [
+        ("tcp_retransmit_skb", "10.0.0.1", "10.0.0.2", 40000, 29500),
+        ("tcp_retransmit_skb", "::1", "fd00::2", 40000, 29500),
+        ("tcp_retransmit_skb", "10.0.0.1", "10.0.0.3", 40000, 29500),
+    ]
+
+
+def test_sched_and_exit_events() -> None:
+    sched = np.zeros(2, SCHED_EVENT)
+    sched["ts_ns"], sched["pid"], sched["delay_ns"], sched["cpu"] = [5, 6], 1000, [7, 9], 1
+    exits = np.zeros(1, EXIT_EVENT)
+    exits["pid"], exits["code"], exits["signal"], exits["event"] = 1001, -1, 9, ExitEvent.SIGNAL
+    rec = synthetic_recording(Synthetic())
+    rings = {**rec.rings, "sched": Ring(sched), "exit": Ring(exits)}
+    with QueryEngine([dataclasses.replace(rec, rings=rings)], LOCAL) as engine:
+        assert engine.query("SELECT sum(delay_ns), max(cpu) FROM sched_events").rows == [(16, 1)]
+        assert engine.query("SELECT pid, event, signal FROM exit_events").rows == [
+            (1001, "signal", 9)
+        ]
+
+
+def test_many_recordings_concatenate_with_their_host() -> None:
+    recs = [synthetic_recording(Synthetic(host=f"node{i}", steps=10 + i)) for i in range(3)]
+    with QueryEngine(recs, LOCAL) as engine:
+        rows = engine.query(
+            "SELECT host, count(*) FROM nccl_events GROUP BY host ORDER BY host"
+        ).rows
+        procs = engine.query("SELECT host, count(*) FROM processes GROUP BY ALL ORDER BY 1").rows
+    assert rows == [(f"node{i}", len(r.rings["nccl"].rows)) for i, r in enumerate(recs)]
+    assert procs == [(f"node{i}", 4) for i in range(3)]
+
+
+def test_materialized_tables_answer_the_same(lossy: Recording) -> None:
+    with (
+        QueryEngine([lossy], LOCAL) as scanned,
+        QueryEngine([lossy], LOCAL, materialize=True) as copied,
+    ):
+        for sql in (SEED_QUERY, "SELECT * FROM tcp_events", "SELECT * FROM communicators"):
+            a, b = scanned.query(sql), copied.query(sql)
+            assert (a.columns, a.types) == (b.columns, b.types)
+            assert sorted(map(repr, a.rows)) == sorted(map(repr, b.rows))
+        with pytest.raises(QueryRefused):
+            copied.query("DELETE FROM nccl_events")
+
+
+def test_no_recordings_gives_empty_tables() -> None:
+    with QueryEngine([], LOCAL) as engine:
+        assert engine.query("SELECT count(*) FROM nccl_events").rows == [(0,)]
+        assert engine.query("SELECT count(*) FROM communicators").rows == [(0,)]
+
+
+@pytest.mark.parametrize(
+    ("sql", "needle"),
+    [
+        ("SELECT * FROM read_csv('/etc/passwd')", "disabled by configuration"),
+        ("SELECT * FROM read_text('/etc/hostname')", "disabled by configuration"),
+        ("SELECT * FROM glob('/etc/*')", "disabled by configuration"),
+        ("SELECT * FROM '/etc/passwd'", "/etc/passwd"),
+        ("SELECT getenv('HOME')", "getenv"),
+        ("COPY nccl_events TO '/tmp/stallwatch-leak.csv'", "COPY"),
+        ("ATTACH '/tmp/stallwatch-leak.db'", "ATTACH"),
+        ("INSTALL httpfs", "LOAD"),
+        ("LOAD httpfs", "LOAD"),
+        ("SET threads = 8", "SET"),
+        ("PRAGMA database_list", "PRAGMA"),
+        ("CREATE TABLE t AS SELECT 1", "CREATE"),
+        ("CALL pragma_version()", "CALL"),
+        ("EXPORT DATABASE '/tmp/stallwatch-leak'", "EXPORT"),
+        ("SELECT 1; SELECT 2", "exactly one"),
+        ("SELECT 1; DROP TABLE nccl_events", "exactly one"),
+        ("", "found 0"),
+    ],
+)
+def test_sandbox_refuses(sql: str, needle: str) -> None:
+    with QueryEngine([synthetic_recording(Synthetic())]) as engine:
+        with pytest.raises(QueryError, match=needle):
+            engine.query(sql)
+        assert engine.query("SELECT count(*) FROM nccl_events").rows == [(401,)]
+
+
+def test_statements_other_than_select_are_refused_before_running() -> None:
+    with QueryEngine([synthetic_recording(Synthetic())]) as engine:
+        with pytest.raises(QueryRefused, match="CREATE"):
+            engine.query("CREATE TABLE x AS SELECT 1")
+        with pytest.raises(QueryError, match="does not exist"):
+            engine.query("SELECT * FROM x")
+
+
+def test_connection_settings_are_locked_down() -> None:
+    con = sandboxed_connection(Limits())
+    try:
+        settings = dict(
+            con.execute(
+                "SELECT name, value FROM duckdb_settings() WHERE name IN "
+                "('enable_external_access', 'lock_configuration', 'allowed_directories', "
+                "'autoinstall_known_extensions', 'autoload_known_extensions', "
+                "'python_enable_replacements')"
+            ).fetchall()
+        )
+    finally:
+        con.close()
+    assert settings == {
+        "enable_external_access": "false",
+        "lock_configuration": "true",
+        "allowed_directories": "[]",
+        "autoinstall_known_extensions": "false",
+        "autoload_known_extensions": "false",
+        "python_enable_replacements": "false",
+    }
+
+
+def test_row_limit_truncates() -> None:
+    with QueryEngine([synthetic_recording(Synthetic())], Limits(max_rows=50)) as engine:
+        full = engine.query("SELECT * FROM nccl_events")
+        small = engine.query("SELECT seq FROM nccl_events ORDER BY seq", limit=3)
+        exact = engine.query("SELECT * FROM range(50)")
+    assert len(full.rows) == 50 and full.truncated
+    assert small.rows == [(0,), (0,), (0,)] and small.truncated
+    assert len(exact.rows) == 50 and not exact.truncated
+
+
+def test_query_size_limit() -> None:
+    with (
+        QueryEngine([], Limits(max_sql_bytes=100)) as engine,
+        pytest.raises(QueryRefused, match="limit is 100"),
+    ):
+        engine.query("SELECT 1 -- " + "x" * 100)
+
+
+def test_slow_query_is_cut_off_and_the_engine_answers_afterwards() -> None:
+    with QueryEngine([], Limits(time_limit_s=0.3)) as engine:
+        start = time.monotonic()
+        with pytest.raises(QueryError, match=r"longer than 0\.3 s"):
+            engine.query("SELECT sum(a.range * b.range) FROM range(1000000) a, range(1000000) b")
+        assert time.monotonic() - start < 5
+        assert engine.query("SELECT 42").rows == [(42,)]
+
+
+def test_zoned_timestamps_come_back_as_text() -> None:
+    with QueryEngine([], LOCAL) as engine:
+        ((now,),) = engine.query("SELECT TIMESTAMPTZ '2026-01-02 03:04:05+00'").rows
+    assert isinstance(now, str) and now.startswith("2026-01-02 03:04:05")
+
+
+def test_live_source_is_snapshotted_and_cached_briefly() -> None:
+    calls = []
+    recs = [synthetic_recording(Synthetic(steps=s)) for s in (10, 20)]
+
+    def snapshot() -> list[Recording]:
+        calls.append(1)
+        return [recs[min(len(calls), 2) - 1]]
+
+    with QueryEngine(snapshot, cache_s=0.2) as engine:
+        first = engine.query("SELECT count(*) FROM nccl_events").rows
+        again = engine.query("SELECT count(*) FROM nccl_events").rows
+        time.sleep(0.25)
+        later = engine.query("SELECT count(*) FROM nccl_events").rows
+    assert first == again == [(41,)] and later == [(81,)]
+    assert len(calls) == 2
+
+
+def test_concurrent_queries_on_one_engine() -> None:
+    errors: list[BaseException] = []
+    with QueryEngine([synthetic_recording(Synthetic())]) as engine:
+
+        def work() -> None:
+            try:
+                for _ in range(5):
+                    assert engine.query(SEED_QUERY).rows
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors

@@ -1,0 +1,49 @@
+"""The agent's metrics families, rendered by prometheus_client, parse back."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+from stallwatch.recorder.metrics import AgentStats, RingStats, agent_metrics_text
+
+
+def test_agent_metrics_render_and_parse() -> None:
+    stats = AgentStats(
+        rings=(
+            RingStats("nccl", recorded=5000, lost=7, overwritten=904, held=4096, capacity=4096),
+            RingStats("tcp", recorded=12, lost=0, overwritten=0, held=12, capacity=1024),
+        ),
+        dumps_written=2,
+        dump_failures=1,
+        stalls_detected=3,
+        libraries_attached=1,
+        processes_watched=4,
+    )
+    text = agent_metrics_text(stats, {})
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def values(name: str) -> dict[str, float]:
+        samples = families[name].samples
+        return {
+            s.labels.get("kind", ""): s.value for s in samples if not s.name.endswith("_created")
+        }
+
+    assert families["stallwatch_events_recorded"].type == "counter"
+    assert values("stallwatch_events_recorded") == {"nccl": 5000, "tcp": 12}
+    assert values("stallwatch_events_lost") == {"nccl": 7, "tcp": 0}
+    assert values("stallwatch_ring_fill_ratio") == {"nccl": 1.0, "tcp": 12 / 1024}
+    assert values("stallwatch_dumps_written") == {"": 2}
+    assert values("stallwatch_stalls_detected") == {"": 3}
+    assert families["stallwatch_libraries_attached"].type == "gauge"
+
+
+def test_plain_counters_are_counters_and_pending_dumps_a_gauge() -> None:
+    stats = AgentStats((), 0, 0, 0, 0, 0)
+    text = agent_metrics_text(
+        stats, {"attach_failures": 2, "dumps_pending": 1, "stalls_detected": 9}
+    )
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["stallwatch_attach_failures"].type == "counter"
+    assert families["stallwatch_attach_failures"].samples[0].value == 2
+    assert families["stallwatch_dumps_pending"].type == "gauge"
+    # reported once, by AgentStats, not again as a plain counter
+    assert [s.value for s in families["stallwatch_stalls_detected"].samples] == [0.0]

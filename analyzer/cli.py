@@ -1,4 +1,4 @@
-"""``stallwatch analyze PATH... [--json]``: name the culprit rank, and why.
+"""``stallwatch analyze PATH... [--format table|json]``: name the culprit rank, and why.
 
 Exit codes: 0 healthy, 1 findings, 2 nothing could be read.
 """
@@ -9,10 +9,12 @@ import argparse
 import sys
 from typing import Any
 
+from stallwatch.query.output import HelpFormatter, add_format_option
+
 EXAMPLES = """\
 examples:
   stallwatch analyze dumps/                      every dump under a folder
-  stallwatch analyze dumps/*.msgpack --json      for programs
+  stallwatch analyze dumps/*.msgpack --json      for programs (= --format json)
   stallwatch analyze fr_traces/                  PyTorch Flight Recorder dumps (_dump_<rank>)
   STALLWATCH_THREADS=1 stallwatch analyze dumps/ on one core (default: up to 4)
 
@@ -27,10 +29,10 @@ def register(subparsers: Any) -> None:
         description="Load dumps (ours, and PyTorch Flight Recorder's), match each "
         "communicator's n-th collective across its ranks, report verdicts.",
         epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="dump files or folders")
-    p.add_argument("--json", action="store_true", help="print the JSON document")
+    add_format_option(p)
     p.set_defaults(func=run)
 
 
@@ -39,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from .report import to_json, to_text
 
     result = analyze_paths(args.paths, progress=sys.stderr.isatty() or len(args.paths) > 1)
-    print(to_json(result) if args.json else to_text(result))
+    print(to_json(result) if args.format == "json" else to_text(result))
     if not result.anything_read:
         return 2
     return 0 if result.healthy else 1

@@ -1,4 +1,4 @@
-"""``stallwatch export --perfetto PATH... -o FILE``: the incident as a timeline.
+"""``stallwatch export PATH... --perfetto -o FILE``: the incident as a timeline.
 
 Dumps are read by the analyzer's loader (files or folders; unreadable files
 are named one per line on stderr and the others still used), analyzed, and
@@ -14,24 +14,24 @@ Exit codes: 0 the trace was written; 2 bad usage or nothing could be read.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stallwatch.dumpers.errors import UsageError
+from stallwatch.dumpers.errors import ExitCode, UsageError
 from stallwatch.dumpers.model import Recording
+from stallwatch.query.output import HelpFormatter, add_format_option
 
 from .model import InputStatus
 from .perfetto import Marker
 
-EXIT_OK, EXIT_USAGE = 0, 2
-
 EXAMPLES = """\
 examples:
   stallwatch export --perfetto dumps/ -o trace.json
-  stallwatch export --perfetto dumps/node*/*.msgpack -o incident.json
+  stallwatch export dumps/node*/*.msgpack --perfetto -o incident.json
 
 Open the file at https://ui.perfetto.dev (Open trace file) or chrome://tracing.
 exit codes: 0 written, 2 bad usage or no dump could be read.
@@ -57,12 +57,17 @@ def register(subparsers: Any) -> None:
         "track per rank and communicator, every NCCL call a slice, kernel events as "
         "instants, the analyzer's verdicts as markers.",
         epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("paths", nargs="+", metavar="PATH", help="dump files or folders")
+    kind = p.add_mutually_exclusive_group(required=True)
+    kind.add_argument(
+        "--perfetto", action="store_true", help="a trace-event JSON file for ui.perfetto.dev"
     )
     p.add_argument(
-        "--perfetto", nargs="+", required=True, metavar="PATH", help="dump files or folders"
+        "-o", "--output", required=True, type=Path, metavar="FILE", help="where to write"
     )
-    p.add_argument("-o", "--output", required=True, type=Path, metavar="FILE")
+    add_format_option(p)
     p.set_defaults(func=run)
 
 
@@ -95,13 +100,24 @@ def _nothing_read(statuses: Sequence[InputStatus]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = export(args.perfetto, args.output)
+    result = export(args.paths, args.output)
     for s in result.inputs:
         if not s.ok:
             print(f"stallwatch export: skipped {s.error}", file=sys.stderr)
-    kinds = ", ".join(m.kind for m in result.markers) or "none"
-    print(
-        f"wrote {result.path}: {result.recordings} dump(s), {result.calls} NCCL call(s), "
-        f"verdicts: {kinds}\nopen it at https://ui.perfetto.dev (Open trace file)"
-    )
-    return EXIT_OK
+    kinds = [m.kind for m in result.markers]
+    if args.format == "json":
+        doc = {
+            "path": str(result.path),
+            "dumps": result.recordings,
+            "calls": result.calls,
+            "verdicts": kinds,
+            "inputs": [{"path": s.path, "ok": s.ok, "error": s.error} for s in result.inputs],
+        }
+        print(json.dumps(doc, indent=2))
+    else:
+        print(
+            f"wrote {result.path}: {result.recordings} dump(s), {result.calls} NCCL call(s), "
+            f"verdicts: {', '.join(kinds) or 'none'}\n"
+            "open it at https://ui.perfetto.dev (Open trace file)"
+        )
+    return ExitCode.OK

@@ -11,12 +11,10 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from stallwatch.dumpers.errors import LabError
+from stallwatch.dumpers.errors import ExitCode, LabError
 from stallwatch.lab import faults as F
 from stallwatch.lab.job import DEFAULT_COMPUTE_MS, DEFAULT_ELEMENTS
-
-EXIT_OK = 0
-EXIT_FAILED = 1
+from stallwatch.query.output import HelpFormatter, add_format_option
 
 RUN_EPILOG = f"""\
 fault specs (ranks are global: node n holds ranks n*R .. n*R+R-1):
@@ -31,6 +29,14 @@ examples:
 
 exit codes: 0 every rank finished and verified; 1 the job failed (faults, stuck or
 crashed ranks); 2 bad input, or the lab could not be set up (root, tools)."""
+
+
+LAB_EPILOG = """\
+examples:
+  stallwatch lab demo                      the guided example (a hang, found)
+  stallwatch lab run --nodes 4 --fault hang:rank=5,step=10 --record --dump-dir dumps/
+  stallwatch lab run --help                the job's options and fault specs
+"""
 
 
 def _positive_int(text: str) -> int:
@@ -54,15 +60,19 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Run the lab's training job: nodes are network namespaces, ranks are "
         "processes doing real collectives over TCP through the lab's libnccl.",
         epilog=RUN_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--nodes", type=_positive_int, default=2, metavar="N")
-    p.add_argument("--ranks-per-node", type=_positive_int, default=2, metavar="R")
-    p.add_argument("--steps", type=_positive_int, default=20, metavar="S")
-    p.add_argument("--mode", choices=("blocking", "async"), default="blocking")
-    p.add_argument("--fault", action="append", default=[], metavar="SPEC", help="repeatable")
+    p.add_argument("--nodes", type=_positive_int, default=2, metavar="N", help="nodes")
+    p.add_argument("--ranks-per-node", type=_positive_int, default=2, metavar="R",
+                   help="ranks on each node")  # fmt: skip
+    p.add_argument("--steps", type=_positive_int, default=20, metavar="S", help="training steps")
+    p.add_argument("--mode", choices=("blocking", "async"), default="blocking",
+                   help="blocking collectives, or returning at once like real NCCL")  # fmt: skip
+    p.add_argument("--fault", action="append", default=[], metavar="SPEC",
+                   help="a fault to inject (repeatable; specs below)")  # fmt: skip
     p.add_argument("--record", action="store_true", help="one stallwatch agent per node")
-    p.add_argument("--dump-dir", type=Path, default=Path("dumps"), metavar="DIR")
+    p.add_argument("--dump-dir", type=Path, default=Path("dumps"), metavar="DIR",
+                   help="with --record: where the agents write dumps")  # fmt: skip
     p.add_argument(
         "--dump-at-end",
         action="store_true",
@@ -78,13 +88,14 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--timeout", type=_positive_float, default=None, metavar="SEC", help="give up after SEC"
     )
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_format_option(p)
     p.add_argument("--elements", type=_positive_int, default=DEFAULT_ELEMENTS, metavar="N",
                    help="float32 elements of the gradient AllReduce")  # fmt: skip
     p.add_argument("--compute-ms", type=_positive_float, default=DEFAULT_COMPUTE_MS, metavar="MS",
                    help="CPU time of each step's simulated compute")  # fmt: skip
     p.add_argument("--run-id", default=None, help="names the namespaces (default: random)")
-    p.add_argument("--lib", type=Path, default=None, help="the lab's libnccl.so.2 to use")
+    p.add_argument("--lib", type=Path, default=None,
+                   help="the lab's libnccl.so.2 to use (default: built from lab/csrc)")  # fmt: skip
     p.set_defaults(func=cmd_run)
 
 
@@ -110,9 +121,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         run_id=args.run_id,
         lib=args.lib,
     )
-    result = runner.run(cfg, progress_out=None if args.json else sys.stderr)
-    print(result.to_json() if args.json else runner.summary(result))
-    return EXIT_OK if result.ok else EXIT_FAILED
+    as_json = args.format == "json"
+    result = runner.run(cfg, progress_out=None if as_json else sys.stderr)
+    print(result.to_json() if as_json else runner.summary(result))
+    return ExitCode.OK if result.ok else ExitCode.FINDINGS
 
 
 def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -133,6 +145,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="a multi-node training job on this machine, with faults on demand",
         description="The lab: nodes as network namespaces, ranks as processes, real "
         "collectives over TCP through the lab's NCCL-compatible library.",
+        epilog=LAB_EPILOG,
+        formatter_class=HelpFormatter,
     )
     sub = lab.add_subparsers(dest="lab_command", metavar="LAB_COMMAND")
     sub.required = True

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import secrets
@@ -37,10 +38,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import TextIO
 
-from stallwatch.dumpers.errors import LabError, UsageError
+from stallwatch.dumpers.errors import ExitCode, LabError, UsageError
 from stallwatch.dumpers.sqltables import SEED_QUERY
+from stallwatch.query.output import HelpFormatter, add_format_option
 
-EXIT_FOUND, EXIT_MISSED, EXIT_USAGE = 0, 1, 2
 STEPS = 16
 FIRST_HANG_STEP = 3  # every communicator has seen a few collectives by then
 STALL_TIMEOUT = 5.0
@@ -154,26 +155,27 @@ def culprit_found(verdicts: Sequence[Mapping[str, object]], rank: int) -> bool:
 
 
 def default_folder(now: datetime | None = None) -> Path:
+    """A new folder under the user's cache (``$XDG_CACHE_HOME``, else
+    ``~/.cache``): the demo never writes into the current folder unasked."""
     stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
-    return Path.cwd() / f"stallwatch-demo-{stamp}"
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "stallwatch" / f"demo-{stamp}"
 
 
-def paths_for(dump_dir: Path | None) -> tuple[Path, Path]:
-    """(dump folder, trace file).  The trace stays outside the dump folder, so
-    that ``analyze DIR`` reads dumps only."""
-    if dump_dir is None:
-        root = default_folder()
-        return root / "dumps", root / "trace.json"
-    dump_dir = dump_dir.resolve()
-    return dump_dir, dump_dir.with_name(f"{dump_dir.name}-trace.json")
+def paths_for(out: Path | None) -> tuple[Path, Path]:
+    """(dump folder, trace file) inside the demo's folder (``--out``, or a new
+    one under the cache).  The trace stays outside the dump folder, so that
+    ``analyze DIR`` reads dumps only."""
+    root = default_folder() if out is None else out.resolve()
+    return root / "dumps", root / "trace.json"
 
 
 def check_dump_dir(dump_dir: Path) -> None:
     if dump_dir.exists() and not dump_dir.is_dir():
-        raise UsageError(f"--dump-dir {dump_dir}: exists and is not a folder")
+        raise UsageError(f"--out: {dump_dir} exists and is not a folder")
     if dump_dir.is_dir() and any(dump_dir.rglob("*.msgpack")):
         raise UsageError(
-            f"--dump-dir {dump_dir}: already holds dumps; the demo's would mix with them "
+            f"--out: {dump_dir} already holds dumps; the demo's would mix with them "
             "(give an empty or new folder)"
         )
 
@@ -428,7 +430,7 @@ def run_lab(cfg: DemoConfig, inj: Injection, console: Console) -> tuple[LabProce
     except BaseException:
         lab.finish()
         raise
-    if lab.proc.poll() is not None and lab.proc.returncode == EXIT_USAGE:
+    if lab.proc.poll() is not None and lab.proc.returncode == ExitCode.USAGE:
         lab.finish()
         raise LabError("lab run failed: " + (lab.stderr[-1] if lab.stderr else "no message"))
     return lab, watch
@@ -583,10 +585,11 @@ EPILOG = f"""\
 examples:
   stallwatch lab demo                       a random rank hangs; the analyzer finds it
   stallwatch lab demo --seed 7 --json       reproducible, for programs
-  stallwatch lab demo --nodes 2 --dump-dir /tmp/demo-dumps
+  stallwatch lab demo --nodes 2 --out /tmp/demo
 
-needs root (network namespaces, eBPF). Dumps stay in --dump-dir (default
-./stallwatch-demo-<time>/dumps) so the printed commands can be run again.
+needs root (network namespaces, eBPF). The dumps and the trace stay in the
+demo's folder (--out, else a new one under ~/.cache/stallwatch/, printed) so
+that the printed commands can be run again.
 exit codes: 0 the analysis named the injected rank, 1 it did not, 2 bad usage
 or the lab could not run. Open the trace at {PERFETTO_UI}."""
 
@@ -612,15 +615,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "analyze the dumps, run the seed SQL query, write a Perfetto trace, and print "
         "each command for running it by hand.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--seed", type=_at_least(0), default=None, metavar="N",
                    help="picks the hung rank and step (default: random, printed)")  # fmt: skip
-    p.add_argument("--nodes", type=_at_least(1), default=4, metavar="N")
-    p.add_argument("--ranks-per-node", type=_at_least(1), default=2, metavar="R")
-    p.add_argument("--dump-dir", type=Path, default=None, metavar="DIR",
-                   help="an empty or new folder for the dumps")  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print a JSON summary instead")
+    p.add_argument("--nodes", type=_at_least(1), default=4, metavar="N", help="nodes")
+    p.add_argument("--ranks-per-node", type=_at_least(1), default=2, metavar="R",
+                   help="ranks on each node")  # fmt: skip
+    p.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help="the demo's folder: DIR/dumps (must hold no dumps yet) and "
+                   "DIR/trace.json (default: a new folder under ~/.cache/stallwatch)")  # fmt: skip
+    add_format_option(p)
     p.add_argument(
         "--keep",
         action="store_true",
@@ -632,15 +637,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.nodes * args.ranks_per_node < 2:
         raise UsageError("--nodes x --ranks-per-node must be at least 2: a hang needs peers")
-    dump_dir, trace = paths_for(args.dump_dir)
+    dump_dir, trace = paths_for(args.out)
     cfg = DemoConfig(
         seed=new_seed() if args.seed is None else args.seed,
         nodes=args.nodes,
         ranks_per_node=args.ranks_per_node,
         dump_dir=dump_dir,
         trace=trace,
-        json=args.json,
+        json=args.format == "json",
         keep=args.keep,
     )
     result = run_demo(cfg)
-    return EXIT_FOUND if result.culprit_found else EXIT_MISSED
+    return ExitCode.OK if result.culprit_found else ExitCode.FINDINGS

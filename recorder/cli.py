@@ -13,7 +13,10 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from stallwatch.dumpers.errors import AgentError, UsageError
+from stallwatch.dumpers.errors import AgentError, ExitCode, UsageError
+from stallwatch.query.output import HelpFormatter, add_format_option
+
+from .rings import check_ring_size
 
 if TYPE_CHECKING:
     from stallwatch.query.http import ServerHandle
@@ -26,10 +29,20 @@ examples:
   stallwatch record --scope netns --peers node2:9400,node3:9400
   stallwatch record --lib /opt/venv/lib/python3.11/site-packages/nvidia/nccl/lib/libnccl.so.2
   kill -USR1 $(pidof stallwatch)       dump now
+
+exit codes: 0 stopped cleanly; 2 bad usage, missing privileges or paths (checked
+before anything is compiled or attached).
 """
 
-EXIT_OK = 0
-EXIT_USAGE = 2
+DUMP_EPILOG = """\
+examples:
+  stallwatch dump                                  the agent on this node
+  stallwatch dump --agent node3:9400 --token-file /etc/stallwatch/token \\
+      --reason "loss spike at step 1200"
+
+exit codes: 0 the agent wrote (or is retrying) the dump; 2 the agent could not be
+reached or refused.
+"""
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -44,15 +57,17 @@ def _register_record(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         description="Record every NCCL call of every process on this node, and the kernel "
         "events that explain a stall; dump the rings when a job stalls.",
         epilog=RECORD_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--dump-dir", type=Path, default=Path("dumps"), help="default: ./dumps")
+    p.add_argument(
+        "--dump-dir", type=Path, default=Path("dumps"), metavar="DIR", help="where dumps go"
+    )
     p.add_argument(
         "--stall-timeout",
         type=float,
         default=60.0,
         metavar="SEC",
-        help="dump when a call or a communicator is stuck this long (default 60)",
+        help="dump when a call or a communicator is stuck this long",
     )
     p.add_argument(
         "--lib",
@@ -92,7 +107,7 @@ def _register_record(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         "--listen",
         default="127.0.0.1:9400",
         metavar="ADDR:PORT",
-        help="HTTP surface: /query /dump /metrics /healthz (default 127.0.0.1:9400)",
+        help="HTTP surface: /query /dump /metrics /healthz",
     )
     p.add_argument(
         "--token-file",
@@ -109,7 +124,7 @@ def _register_record(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         metavar="MS",
         help="record run-queue waits of rank threads longer than this",
     )
-    p.add_argument("--host-name", default="", help="host name in dumps (default: hostname)")
+    p.add_argument("--host-name", default="", help="host name in dumps (default: the hostname)")
     p.add_argument("--print-bpf", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=_record)
 
@@ -119,10 +134,18 @@ def _register_dump(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
         "dump",
         help="ask a running agent to dump its rings now",
         description="POST /dump to a running agent and print where it wrote the dump.",
+        epilog=DUMP_EPILOG,
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--agent", default="127.0.0.1:9400", metavar="ADDR:PORT")
-    p.add_argument("--reason", default="requested by stallwatch dump", metavar="TEXT")
-    p.add_argument("--token-file", type=Path, metavar="FILE")
+    p.add_argument("--agent", default="127.0.0.1:9400", metavar="ADDR:PORT", help="the agent")
+    p.add_argument(
+        "--reason",
+        default="requested by stallwatch dump",
+        metavar="TEXT",
+        help="why: kept in the dump's trigger",
+    )
+    p.add_argument("--token-file", type=Path, metavar="FILE", help="the agent's bearer token")
+    add_format_option(p, ("json", "table"), default="json")
     p.set_defaults(func=_dump)
 
 
@@ -139,9 +162,7 @@ def _read_token(path: Path | None) -> str | None:
 
 
 def _check_record_args(args: argparse.Namespace) -> None:
-    n = args.ring_size
-    if n < 16 or n & (n - 1):
-        raise UsageError(f"--ring-size: expected a power of two >= 16, got {n}")
+    check_ring_size(args.ring_size)
     if args.stall_timeout <= 0:
         raise UsageError(f"--stall-timeout: expected seconds > 0, got {args.stall_timeout}")
     if args.runq_threshold_ms < 0:
@@ -164,13 +185,33 @@ def _setup_logging() -> None:
     )
 
 
+def _check_privileges() -> None:
+    from .privileges import missing_for_recording, refusal
+
+    missing = missing_for_recording()
+    if missing:
+        raise UsageError(refusal(missing))
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    for lib in args.lib:
+        if not Path(lib).is_file():
+            raise UsageError(f"--lib {lib}: no such file")
+    for pid in args.pid:
+        if not Path(f"/proc/{pid}").is_dir():
+            raise UsageError(f"--pid {pid}: no such process")
+
+
 def _record(args: argparse.Namespace) -> int:
     _check_record_args(args)
+    if not args.print_bpf:
+        _check_privileges()
+        _check_paths(args)
     if args.print_bpf:
         from .probes import bpf_source
 
         print(bpf_source())
-        return EXIT_OK
+        return ExitCode.OK
     from stallwatch import __version__
 
     from .agent import AgentConfig
@@ -230,7 +271,7 @@ def run_agent(config: AgentConfig) -> int:
             server.close()
         agent.close()
     log.info("stopped")
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _serve(agent: Agent, config: AgentConfig) -> ServerHandle:
@@ -272,5 +313,9 @@ def _dump(args: argparse.Namespace) -> int:
         raise AgentError(f"agent {args.agent} refused the dump: {exc.code} {detail}") from None
     except (OSError, ValueError) as exc:
         raise AgentError(f"agent {args.agent} unreachable: {exc}") from None
-    print(json.dumps(answer, indent=2, sort_keys=True))
-    return EXIT_OK
+    if args.format == "table":
+        for key, value in sorted(answer.items()):
+            print(f"{key:<14} {value}")
+    else:
+        print(json.dumps(answer, indent=2, sort_keys=True))
+    return ExitCode.OK

@@ -4,7 +4,11 @@ Each part registers its own subcommands (``register(subparsers)``) and imports
 its heavy dependencies (BCC, DuckDB) only when its command runs, so that
 ``stallwatch analyze`` works on a laptop with no BCC and no root.
 
-Exit codes everywhere: 0 clean, 1 findings, 2 bad input or usage.
+One grammar for every command: options go before or after its paths
+(``parse``), each prints data with ``--format`` (``--json`` its short form)
+and shows its defaults and examples in ``--help`` (``query.output``).
+
+Exit codes everywhere (``ExitCode``): 0 clean, 1 findings, 2 bad input or usage.
 """
 
 from __future__ import annotations
@@ -13,14 +17,11 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from stallwatch.dumpers.errors import StallwatchError
+from stallwatch.dumpers.errors import ExitCode, StallwatchError
 
 from . import __version__
-
-EXIT_OK = 0
-EXIT_FINDINGS = 1
-EXIT_USAGE = 2
 
 # Modules that define register(subparsers); each adds its subcommands.
 COMMAND_MODULES = (
@@ -42,12 +43,8 @@ examples:
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse exits 2 on usage errors already; keep its one-line message."""
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = argparse.ArgumentParser(
         prog="stallwatch",
         description="Flight recorder for distributed training: records every NCCL call "
         "and the kernel events that explain a stall, then names the rank that caused it.",
@@ -62,19 +59,57 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _commands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction[Any] | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action
+    return None
+
+
+def _exit_options(parser: argparse.ArgumentParser, head: list[str]) -> None:
+    """Options before a command name: only those that print and exit
+    (``--help``, ``--version``) belong to the parser above the command."""
+    exits = (argparse._HelpAction, argparse._VersionAction)
+    for action in parser._actions:
+        if isinstance(action, exits) and set(action.option_strings) & set(head):
+            parser.parse_args([action.option_strings[-1]])
+    parser.error(f"unrecognized arguments: {' '.join(head)} (options go after the command name)")
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """Options anywhere: before or after a command's paths.  argparse mixes
+    options and positionals freely only in a parser without subcommands, so
+    the command names are taken first and the command's own parser reads the
+    rest, intermixed."""
+    argv = list(argv)
+    commands = _commands(parser)
+    if commands is None:
+        return parser.parse_intermixed_args(argv)
+    for i, token in enumerate(argv):
+        if token in commands.choices:
+            if argv[:i]:
+                _exit_options(parser, argv[:i])
+            args = parse(commands.choices[token], argv[i + 1 :])
+            setattr(args, commands.dest, token)
+            return args
+        if not token.startswith("-"):
+            break
+    return parser.parse_args(argv)  # help, version, or argparse's message, exit 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, sys.argv[1:] if argv is None else argv)
     try:
         code: int = args.func(args)
     except StallwatchError as exc:
         print(f"stallwatch {args.command}: error: {exc}", file=sys.stderr)
-        return getattr(exc, "exit_code", EXIT_USAGE)
+        return getattr(exc, "exit_code", ExitCode.USAGE)
     except KeyboardInterrupt:
         print(f"stallwatch {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        return EXIT_OK
+        return ExitCode.OK
     return code
 
 

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from stallwatch.analyzer.load import SKIPPED_IN_FOLDERS
-from stallwatch.dumpers.errors import DumpError, UsageError
+from stallwatch.dumpers.errors import DumpError, ExitCode, UsageError
 from stallwatch.dumpers.model import Recording
+from stallwatch.query.output import HelpFormatter, add_format_option
 
-EXIT_OK, EXIT_PARTIAL, EXIT_USAGE = 0, 1, 2
 DEFAULT_LISTEN = "127.0.0.1:9400"
 
 QUERY_EPILOG = """\
@@ -38,6 +38,7 @@ examples:
   stallwatch query dumps/ "SELECT host, op, count(*) FROM nccl_events GROUP BY ALL"
   stallwatch query dumps/*.msgpack --format csv \\
       "SELECT rank, seq, duration_ns/1e6 AS ms FROM nccl_events ORDER BY ms DESC LIMIT 10"
+  stallwatch query dumps/ "SELECT count(*) FROM tcp_events" --json
   stallwatch query --agents node1:9400,node2:9400 --token-file /etc/stallwatch/token \\
       "SELECT * FROM tcp_events WHERE event = 'tcp_retransmit_skb' LIMIT 20"
 
@@ -68,15 +69,15 @@ def register(subparsers: Any) -> None:
         description="Run one read-only SQL SELECT on dump files and folders, or send it "
         "to live agents (--agents) in parallel and merge their rows.",
         epilog=QUERY_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     q.add_argument(
         "args", nargs="+", metavar="PATH|SQL", help="dump files or folders, then the SQL (last)"
     )
     q.add_argument("--agents", metavar="HOST:PORT,...", help="query these live agents instead")
     q.add_argument("--token-file", metavar="FILE", help="bearer token for the agents")
-    q.add_argument("--timeout", type=float, default=5.0, metavar="SEC", help="per agent (5)")
-    q.add_argument("--format", choices=("table", "json", "csv"), default="table")
+    q.add_argument("--timeout", type=float, default=5.0, metavar="SEC", help="per agent")
+    add_format_option(q, ("table", "json", "csv"))
     q.add_argument("--limit", type=int, metavar="N", help="at most N rows (per agent)")
     q.add_argument("--skip-bad", action="store_true", help="skip unreadable dumps, exit 1")
     q.set_defaults(func=run_query)
@@ -87,10 +88,12 @@ def register(subparsers: Any) -> None:
         description="Serve recorded dumps through the agent's HTTP surface, to share an "
         "incident or to query many recordings with `stallwatch query --agents`.",
         epilog=SERVE_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     s.add_argument("paths", nargs="+", metavar="DUMP", help="dump files or folders")
-    s.add_argument("--listen", default=DEFAULT_LISTEN, metavar="ADDR:PORT")
+    s.add_argument(
+        "--listen", default=DEFAULT_LISTEN, metavar="ADDR:PORT", help="address to serve on"
+    )
     s.add_argument("--token-file", metavar="FILE", help="require this bearer token")
     s.set_defaults(func=run_serve)
 
@@ -242,7 +245,7 @@ def run_query(args: argparse.Namespace) -> int:
         "skipped": skipped,
     }
     print(render(args.format, doc))
-    return EXIT_PARTIAL if skipped else EXIT_OK
+    return ExitCode.FINDINGS if skipped else ExitCode.OK
 
 
 def _query_agents(args: argparse.Namespace, sql: str) -> int:
@@ -258,7 +261,7 @@ def _query_agents(args: argparse.Namespace, sql: str) -> int:
         print(f"stallwatch query: agent {f.agent}: {f.error}", file=sys.stderr)
     if not result.answers:
         print(f"stallwatch query: none of {len(agents)} agents answered", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     doc = {
         "columns": list(result.columns),
         "types": list(result.types),
@@ -267,7 +270,7 @@ def _query_agents(args: argparse.Namespace, sql: str) -> int:
         "failed": [{"agent": f.agent, "error": f.error} for f in result.failed],
     }
     print(render(args.format, doc))
-    return EXIT_PARTIAL if result.failed else EXIT_OK
+    return ExitCode.FINDINGS if result.failed else ExitCode.OK
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -293,4 +296,4 @@ def run_serve(args: argparse.Namespace) -> int:
         pass
     finally:
         handle.close()
-    return EXIT_OK
+    return ExitCode.OK

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from stallwatch.dumpers.errors import UsageError
 from stallwatch.dumpers.format import read_dump
 from stallwatch.lab.demo import (
@@ -25,6 +24,7 @@ from stallwatch.lab.demo import (
     culprit_found,
     paths_for,
 )
+
 from tests.analyzer.test_export import assert_every_call_once, check_trace_format
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,6 +63,7 @@ def test_printed_commands_split_back_into_the_argv_that_ran() -> None:
 def test_dump_dir_with_dumps_is_refused_and_the_trace_stays_outside(tmp_path: Path) -> None:
     dump_dir, trace = paths_for(tmp_path / "d")
     assert not trace.is_relative_to(dump_dir)
+    assert dump_dir.is_relative_to(tmp_path / "d") and trace.is_relative_to(tmp_path / "d")
     (dump_dir / "node0").mkdir(parents=True)
     check_dump_dir(dump_dir)  # empty: fine
     (dump_dir / "node0" / "x.msgpack").write_bytes(b"")
@@ -70,12 +71,23 @@ def test_dump_dir_with_dumps_is_refused_and_the_trace_stays_outside(tmp_path: Pa
         check_dump_dir(dump_dir)
 
 
+def test_without_out_the_demo_writes_under_the_cache_not_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    dump_dir, trace = paths_for(None)
+    assert dump_dir.is_relative_to(tmp_path / "cache" / "stallwatch")
+    assert trace.parent == dump_dir.parent
+    assert not dump_dir.is_relative_to(tmp_path / "d")
+
+
 # --- the real demo --------------------------------------------------------------------
 
 
 def run_demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "stallwatch", "lab", "demo", *args]
-    argv += ["--dump-dir", str(tmp_path / "dumps")]
+    argv += ["--out", str(tmp_path / "demo")]
     return subprocess.run(
         argv, cwd=tmp_path, capture_output=True, text=True, timeout=DEMO_TIMEOUT, check=False
     )

@@ -1,0 +1,197 @@
+"""One command-line grammar: options before or after a command's paths, one
+output option (``--format``, ``--json`` its short form), defaults and examples
+in every ``--help``, and ``record`` refusing, in one line and before it
+compiles anything, what it cannot do."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from stallwatch.dumpers.format import write_dump
+
+from stallwatch.cli import build_parser, main, parse
+from tests.analyzer.synth import BASE_JOB, recordings
+
+NOBODY = 65534
+
+
+def leaves(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """Every command that runs (``lab`` is a group: ``lab run``, ``lab demo``)."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+        return
+    for name, sub in subs[0].choices.items():
+        yield from leaves(sub, (*path, name))
+
+
+COMMANDS = {" ".join(p): sub for p, sub in leaves(build_parser())}
+
+
+def test_every_command_is_known() -> None:
+    want = {"record", "dump", "analyze", "query", "serve", "export", "lab run", "lab demo"}
+    assert want <= set(COMMANDS)
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_help_shows_examples_and_every_default(name: str) -> None:
+    sub = COMMANDS[name]
+    text = sub.format_help()
+    assert "examples:" in text, name
+    flat = " ".join(text.split())
+    for action in sub._actions:
+        default = action.default
+        if not action.option_strings or action.help == argparse.SUPPRESS:
+            continue
+        if default in (None, False, argparse.SUPPRESS, []) or isinstance(
+            action, argparse._StoreConstAction | argparse._HelpAction
+        ):
+            continue
+        assert f"default: {default}" in flat, f"{name} {action.option_strings[0]}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (["analyze", "--format", "json", "d1", "d2"], {"paths": ["d1", "d2"], "format": "json"}),
+        (["analyze", "d1", "--json", "d2"], {"paths": ["d1", "d2"], "format": "json"}),
+        (["analyze", "d1", "d2", "--format", "table"], {"paths": ["d1", "d2"], "format": "table"}),
+        (["query", "d/", "--format", "csv", "SQL"], {"args": ["d/", "SQL"], "format": "csv"}),
+        (["query", "--limit", "3", "d/", "SQL"], {"args": ["d/", "SQL"], "limit": 3}),
+        (["query", "d/", "SQL", "--json"], {"args": ["d/", "SQL"], "format": "json"}),
+        (["serve", "d/", "--listen", "127.0.0.1:1"], {"paths": ["d/"], "listen": "127.0.0.1:1"}),
+        (["serve", "--listen", "127.0.0.1:1", "d/"], {"paths": ["d/"], "listen": "127.0.0.1:1"}),
+        (["export", "d/", "--perfetto", "-o", "t.json"], {"paths": ["d/"], "perfetto": True}),
+        (["export", "--perfetto", "d/", "-o", "t.json"], {"paths": ["d/"], "perfetto": True}),
+        (["export", "-o", "t.json", "d/", "--perfetto"], {"paths": ["d/"], "perfetto": True}),
+        (["record", "--lib", "/x", "--stall-timeout", "5"], {"lib": ["/x"], "stall_timeout": 5}),
+        (["dump", "--reason", "r", "--format", "table"], {"reason": "r", "format": "table"}),
+        (["lab", "run", "--nodes", "3", "--json"], {"nodes": 3, "format": "json"}),
+        (["lab", "demo", "--seed", "7", "--json"], {"seed": 7, "format": "json"}),
+    ],
+)  # fmt: skip
+def test_options_before_or_after_the_paths(argv: list[str], want: dict[str, object]) -> None:
+    args = parse(build_parser(), argv)
+    got = {k: getattr(args, k) for k in want}
+    if "output" in vars(args):
+        assert str(args.output) == "t.json"
+    assert got == want
+    assert args.command == argv[0]
+
+
+def test_usage_errors_exit_2_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["bogus"], ["--bogus", "analyze", "x"], ["analyze"], ["lab"], []):
+        with pytest.raises(SystemExit) as exc:
+            parse(build_parser(), argv)
+        assert exc.value.code == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("stallwatch"), (argv, err)
+        assert "Traceback" not in "\n".join(err)
+
+
+def test_version_before_a_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(build_parser(), ["--version", "analyze", "x"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("stallwatch ")
+
+
+@pytest.fixture
+def dumps(tmp_path: Path) -> Path:
+    folder = tmp_path / "dumps"
+    for rec in recordings(BASE_JOB):
+        write_dump(folder, rec)
+    return folder
+
+
+def test_analyze_query_export_end_to_end_either_order(
+    dumps: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def out(argv: list[str]) -> tuple[int, str]:
+        code = main(argv)
+        return code, capsys.readouterr().out
+
+    a = out(["analyze", str(dumps), "--format", "json"])
+    b = out(["analyze", "--json", str(dumps)])
+    assert a[0] == b[0] == 0 and json.loads(a[1]) == json.loads(b[1])
+    sql = "SELECT host, count(*) AS n FROM nccl_events GROUP BY host ORDER BY host"
+    q1 = out(["query", str(dumps), "--format", "csv", sql])
+    q2 = out(["query", "--format", "csv", str(dumps), sql])
+    q3 = out(["query", str(dumps), sql, "--format", "csv"])
+    assert q1 == q2 == q3 and q1[1].splitlines()[0] == "host,n"
+    for i, argv in enumerate(
+        (
+            ["--perfetto", str(dumps)],
+            [str(dumps), "--perfetto"],
+            [str(dumps), "--json", "--perfetto"],
+        )
+    ):
+        trace = tmp_path / f"t{i}.json"
+        code, text = out(["export", *argv, "-o", str(trace)])
+        assert code == 0 and trace.stat().st_size > 0, text
+    assert json.loads(text)["path"] == str(trace)
+
+
+def _as_nobody(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``stallwatch record`` as an unprivileged user, with a ``bcc`` module
+    first on the path that fails loudly if anything imports it: a refusal
+    must come before any BPF program is compiled."""
+    trap = tmp_path / "trap"
+    (trap / "bcc").mkdir(parents=True)
+    (trap / "bcc" / "__init__.py").write_text("raise SystemExit('bcc was imported')\n")
+    os.chmod(tmp_path, 0o755)
+    for p in (trap, trap / "bcc", trap / "bcc" / "__init__.py"):
+        os.chmod(p, 0o755)
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(trap), "HOME": str(tmp_path)}
+    cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+           "--inh-caps=-all", sys.executable, "-m", "stallwatch", *argv]  # fmt: skip
+    return subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv"
+)
+def test_record_as_non_root_says_what_is_missing_before_compiling(tmp_path: Path) -> None:
+    done = _as_nobody(["record", "--dump-dir", str(tmp_path / "d")], tmp_path)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1, done.stderr
+    assert "CAP_BPF" in lines[0] and "CAP_PERFMON" in lines[0] and "root" in lines[0]
+    assert "bcc was imported" not in done.stderr
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv"
+)
+def test_record_checks_its_flags_first(tmp_path: Path) -> None:
+    done = _as_nobody(["record", "--ring-size", "100"], tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "stallwatch record: error: --ring-size: expected a power of two >= 16, got 100"
+    ]
+
+
+def test_record_names_a_missing_library_before_compiling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import stallwatch.recorder.privileges as privileges
+
+    monkeypatch.setattr(privileges, "missing_for_recording", list)
+    monkeypatch.setitem(sys.modules, "bcc", None)  # importing it now fails
+    code = main(["record", "--lib", str(tmp_path / "nope.so"), "--dump-dir", str(tmp_path)])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"stallwatch record: error: --lib {tmp_path / 'nope.so'}: no such file"
+    )

@@ -11,7 +11,9 @@ setup:
 demo: setup
 	$(VENV)/bin/stallwatch lab demo
 
+# lint, types and the import contract first (scripts/check), then the suite
 test: setup
+	bash scripts/check
 	$(PY) -m pytest
 
 bench: setup

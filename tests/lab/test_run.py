@@ -192,12 +192,16 @@ def test_slow_rank_makes_slower_steps(healthy: Run) -> None:
 
 @pytest.mark.lab
 def test_loss_raises_the_nodes_retransmit_counter(healthy: Run) -> None:
-    run = lab_run("--steps", "10", "--fault", "loss:node=1,pct=5", "--json")
+    steps = 10
+    run = lab_run("--steps", str(steps), "--fault", "loss:node=1,pct=5", "--json")
     assert run.code == 0, run.err  # TCP recovers: results still right
     lossy = run.node(1)["tcp_retrans_segs"]
+    # per step: the healthy run is longer, and on a busy machine a healthy
+    # run sees a few spurious retransmits per step (57 in 20 steps, seen)
     baseline = max(n["tcp_retrans_segs"] for n in healthy.result["nodes_seen"])
+    per_step, healthy_per_step = lossy / steps, baseline / healthy.result["steps"]
     assert lossy >= 50
-    assert lossy > 10 * (baseline + 1)
+    assert per_step > 5 * (healthy_per_step + 0.1), (lossy, baseline)
     assert run.result["faults"][0]["spec"] == "loss:node=1,pct=5"
 
 

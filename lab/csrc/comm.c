@@ -1,58 +1,15 @@
-/* The NCCL API: communicators (registry, lifecycle, the async "stream"),
- * argument checks, groups, error strings.  Every exported function is here. */
+/* The NCCL API: communicators (registry, lifecycle, the async "stream", the
+ * CUDA streams of the lab's runtime), argument checks, groups, error strings.
+ * Every exported function is here. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "internal.h"
-
-/* ---- names and errors ---- */
-
-static const char *const OP_NAMES[] = {
-    "?",          "ncclAllReduce", "ncclAllGather", "ncclReduceScatter", "ncclBroadcast", "ncclReduce",
-    "ncclAlltoAll", "ncclGather",  "ncclScatter",   "ncclSend",          "ncclRecv",      "ncclCommSplit"};
-static const char *const TYPE_NAMES[] = {"int8",    "uint8",   "int32",   "uint32", "int64",
-                                         "uint64",  "float16", "float32", "float64", "bfloat16"};
-static const char *const REDOP_NAMES[] = {"sum", "prod", "max", "min", "avg"};
-
-const char *labOpName(int kind) {
-    return kind > 0 && kind <= OP_SPLIT ? OP_NAMES[kind] : "?";
-}
-const char *labTypeName(int dtype) {
-    return dtype >= 0 && dtype < ncclNumTypes ? TYPE_NAMES[dtype] : "?";
-}
-const char *labRedOpName(int redop) {
-    return redop >= 0 && redop < ncclNumOps ? REDOP_NAMES[redop] : "?";
-}
-
-static pthread_mutex_t gErrLock = PTHREAD_MUTEX_INITIALIZER;
-static char gLastError[LAB_ERR_LEN];
-
-ncclResult_t labError(ncclComm_t comm, ncclResult_t res, const char *fmt, ...) {
-    char msg[LAB_ERR_LEN];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    if (comm) {
-        pthread_mutex_lock(&comm->mu);
-        memcpy(comm->lastError, msg, sizeof msg);
-        pthread_mutex_unlock(&comm->mu);
-    }
-    pthread_mutex_lock(&gErrLock);
-    memcpy(gLastError, msg, sizeof msg);
-    pthread_mutex_unlock(&gErrLock);
-    const char *debug = getenv("NCCL_DEBUG");
-    if (debug && *debug && strcasecmp(debug, "VERSION") != 0)
-        fprintf(stderr, "%d:%ld [%d] NCCL WARN %s\n", getpid(), (long)syscall(SYS_gettid),
-                comm ? comm->rank : -1, msg);
-    return res;
-}
 
 /* ---- the registry of live communicators: an invalid handle is never dereferenced ---- */
 
@@ -497,7 +454,7 @@ NCCL_API const char *ncclGetLastError(ncclComm_t comm) {
     pthread_mutex_lock(&gLock);
     int known = findLocked(comm) >= 0;
     pthread_mutex_unlock(&gLock);
-    return known ? comm->lastError : gLastError;
+    return known ? comm->lastError : labLastError();
 }
 
 /* ---- calls: checks, then the group queue, the stream, or inline ---- */

@@ -94,12 +94,15 @@ struct ncclComm {
     labWork *tail;
 };
 
-/* comm.c */
+/* errors.c: calls no other file of the library */
 ncclResult_t labError(ncclComm_t comm, ncclResult_t res, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 const char *labOpName(int kind);
 const char *labTypeName(int dtype);
 const char *labRedOpName(int redop);
+const char *labLastError(void);
+
+/* comm.c */
 ncclResult_t labCreateComm(ncclComm_t *out, int rank, int nranks, uint64_t tag, int listenFd,
                            const struct sockaddr_in *self, const struct sockaddr_in *addrs);
 

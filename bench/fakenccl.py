@@ -1,6 +1,7 @@
 """Build the tiny NCCL-ABI library and C driver of ``bench/csrc`` (recorder
 tests and benchmarks): ``libnccl.so.2`` whose entry points begin with
-``push``, and ``ncclloop`` linked against it (or against another library)."""
+``push``, and ``ncclloop`` linked against it (or against another library).
+Both take NCCL's declarations from the lab's header, ``lab/csrc/labnccl.h``."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
+NCCL_HEADER_DIR = Path(__file__).resolve().parent.parent / "lab" / "csrc"  # labnccl.h
 LIB_FLAGS = (
     "-O0",
     "-fno-omit-frame-pointer",
     "-fcf-protection=none",
     "-shared",
     "-fPIC",
+    f"-I{NCCL_HEADER_DIR}",
     "-Wl,-soname,libnccl.so.2",
 )
 
@@ -30,8 +33,8 @@ class FakeNccl:
 
 def _digest() -> str:
     h = hashlib.sha256()
-    for name in ("fakenccl.c", "ncclloop.c"):
-        h.update((CSRC / name).read_bytes())
+    for path in (CSRC / "fakenccl.c", CSRC / "ncclloop.c", NCCL_HEADER_DIR / "labnccl.h"):
+        h.update(path.read_bytes())
     return h.hexdigest()[:12]
 
 
@@ -45,7 +48,16 @@ def link_loop(lib: Path, out: Path) -> Path:
     """``ncclloop`` linked against ``lib`` (any libnccl.so.2 with NCCL's ABI)."""
     cc = shutil.which("cc") or "gcc"
     _run(
-        [cc, "-O2", "-o", str(out), str(CSRC / "ncclloop.c"), str(lib), f"-Wl,-rpath,{lib.parent}"]
+        [
+            cc,
+            "-O2",
+            f"-I{NCCL_HEADER_DIR}",
+            "-o",
+            str(out),
+            str(CSRC / "ncclloop.c"),
+            str(lib),
+            f"-Wl,-rpath,{lib.parent}",
+        ]
     )
     return out
 

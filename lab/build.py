@@ -1,17 +1,27 @@
-"""Builds the lab's NCCL-compatible ``libnccl.so.2`` from ``lab/csrc`` with the
-system C compiler (plus a ``libnccl.so`` link), into ``build/lab/`` of a
-source checkout, or, installed, into ``$XDG_CACHE_HOME/stallwatch/lab``
-(``~/.cache``); ``STALLWATCH_LAB_BUILD`` names another folder.  Rebuilds only
-when a source (or this file) is newer than the library; concurrent callers
-serialise on a lock file.
+"""Builds the lab's libraries with the system C compiler, into ``build/lab/``
+of a source checkout, or, installed, into ``$XDG_CACHE_HOME/stallwatch/lab``
+(``~/.cache``); ``STALLWATCH_LAB_BUILD`` names another folder:
 
-``python -m stallwatch.lab.build`` builds (or says it is up to date);
-``ensure_built()`` does the same from Python and returns the library's path.
+- ``libnccl.so.2`` (plus a ``libnccl.so`` link) from ``lab/csrc/*.c``: NCCL's
+  public ABI;
+- ``libcudart.so.12`` from ``lab/csrc/cudart/*.c``: the CUDA runtime's stream
+  and event ABI, whose streams the lab's libnccl runs its collectives on (it
+  finds the runtime the process loaded, or the one beside it).
 
-Flags: entry points must begin with ``push %rbp`` like real libnccl's, so that
-a uprobe on them is emulated rather than single-stepped: hence frame pointers,
-no CET ``endbr64`` (``-fcf-protection=none``), and no shrink-wrapping or
-sibling calls that could move the prologue or replace it with a jump.
+Each is rebuilt only when one of its sources (or this file) is newer;
+concurrent callers serialise on a lock file.
+
+``python -m stallwatch.lab.build`` builds (or says they are up to date); ``ensure_built()``
+does the same from Python and returns libnccl's path, ``ensure_cudart()`` the
+runtime's.
+
+Flags: entry points must begin with ``push %rbp`` like the real libraries',
+so that a uprobe on them is emulated rather than single-stepped: hence frame
+pointers, no CET ``endbr64`` (``-fcf-protection=none``), and no shrink-wrapping
+or sibling calls that could move the prologue or replace it with a jump.
+``ensure_built(frame_pointers=False)`` builds a variant of libnccl without
+frame pointers into ``build/lab/nofp/`` (for tests that read stacks without
+them); its entry points need not begin with ``push``.
 """
 
 from __future__ import annotations
@@ -22,12 +32,14 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from stallwatch.dumpers.errors import LabError
 
 LAB_DIR = Path(__file__).resolve().parent
 SOURCE_DIR = LAB_DIR / "csrc"
+CUDART_DIR = SOURCE_DIR / "cudart"
 
 
 def _build_dir() -> Path:
@@ -42,48 +54,101 @@ def _build_dir() -> Path:
 
 
 BUILD_DIR = _build_dir()
+NOFP_DIR = BUILD_DIR / "nofp"
 LIB_NAME = "libnccl.so.2"
 LINK_NAME = "libnccl.so"
-CFLAGS = (
+CUDART_NAME = "libcudart.so.12"
+COMMON_FLAGS = (
     "-std=gnu11",
     "-O2",
     "-g",
     "-fPIC",
     "-shared",
     "-pthread",
-    "-fno-omit-frame-pointer",
     "-fcf-protection=none",
-    "-fno-shrink-wrap",
-    "-fno-optimize-sibling-calls",
-    "-fno-schedule-insns2",
-    "-mno-omit-leaf-frame-pointer",
     "-fvisibility=hidden",
     "-Wall",
     "-Wextra",
     "-Wno-unused-parameter",
-    f"-Wl,-soname,{LIB_NAME}",
+)
+FRAME_POINTER_FLAGS = (
+    "-fno-omit-frame-pointer",
+    "-fno-shrink-wrap",
+    "-fno-optimize-sibling-calls",
+    "-fno-schedule-insns2",
+    "-mno-omit-leaf-frame-pointer",
+)
+NO_FRAME_POINTER_FLAGS = ("-fomit-frame-pointer", "-momit-leaf-frame-pointer")
+CFLAGS = (*COMMON_FLAGS, *FRAME_POINTER_FLAGS, f"-Wl,-soname,{LIB_NAME}")
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One library: where its sources are and how it is linked."""
+
+    name: str
+    out_dir: Path
+    source_dir: Path
+    flags: tuple[str, ...]
+
+    @property
+    def path(self) -> Path:
+        return self.out_dir / self.name
+
+    def sources(self) -> list[Path]:
+        return sorted(self.source_dir.glob("*.c"))
+
+    def inputs(self) -> list[Path]:
+        headers = [*SOURCE_DIR.glob("*.h"), *self.source_dir.glob("*.h")]
+        maps = list(self.source_dir.glob("*.map"))
+        return [*self.sources(), *headers, *maps, Path(__file__).resolve()]
+
+
+def _nccl_target(frame_pointers: bool) -> Target:
+    fp = FRAME_POINTER_FLAGS if frame_pointers else NO_FRAME_POINTER_FLAGS
+    # the runtime is found beside the library (or one folder up, for variants)
+    rpath = "-Wl,-rpath,$ORIGIN:$ORIGIN/.."
+    flags = (*COMMON_FLAGS, *fp, f"-Wl,-soname,{LIB_NAME}", rpath, "-ldl")
+    return Target(LIB_NAME, BUILD_DIR if frame_pointers else NOFP_DIR, SOURCE_DIR, flags)
+
+
+CUDART = Target(
+    CUDART_NAME,
+    BUILD_DIR,
+    CUDART_DIR,
+    (
+        *COMMON_FLAGS,
+        *FRAME_POINTER_FLAGS,
+        f"-I{SOURCE_DIR}",
+        f"-Wl,-soname,{CUDART_NAME}",
+        f"-Wl,--version-script={CUDART_DIR / 'libcudart.map'}",
+    ),
 )
 
 
-def library_path() -> Path:
-    """Where the built library lives (whether or not it is built yet)."""
-    return BUILD_DIR / LIB_NAME
+def library_path(frame_pointers: bool = True) -> Path:
+    """Where the built libnccl lives (whether or not it is built yet)."""
+    return _nccl_target(frame_pointers).path
+
+
+def cudart_path() -> Path:
+    """Where the built runtime lives (whether or not it is built yet)."""
+    return CUDART.path
 
 
 def sources() -> list[Path]:
-    return sorted(SOURCE_DIR.glob("*.c"))
+    return _nccl_target(True).sources()
 
 
-def _inputs() -> list[Path]:
-    return [*sources(), *SOURCE_DIR.glob("*.h"), Path(__file__).resolve()]
-
-
-def is_up_to_date() -> bool:
-    lib = library_path()
-    if not lib.exists():
+def _fresh(target: Target) -> bool:
+    if not target.path.exists():
         return False
-    newest = max(p.stat().st_mtime_ns for p in _inputs())
-    return lib.stat().st_mtime_ns >= newest
+    newest = max(p.stat().st_mtime_ns for p in target.inputs())
+    return target.path.stat().st_mtime_ns >= newest
+
+
+def is_up_to_date(frame_pointers: bool = True) -> bool:
+    return _fresh(_nccl_target(frame_pointers)) and _fresh(CUDART)
 
 
 def _compiler() -> str:
@@ -93,39 +158,55 @@ def _compiler() -> str:
     return cc
 
 
-def _compile(out: Path) -> None:
-    cmd = [_compiler(), *CFLAGS, "-o", str(out), *map(str, sources())]
+def _compile(target: Target, out: Path) -> None:
+    cmd = [_compiler(), *target.flags, "-o", str(out), *map(str, target.sources())]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         detail = proc.stderr.strip().splitlines()[:20]
-        raise LabError(f"building {LIB_NAME} failed: {' '.join(cmd)}\n" + "\n".join(detail))
+        raise LabError(f"building {target.name} failed: {' '.join(cmd)}\n" + "\n".join(detail))
 
 
-def ensure_built() -> Path:
-    """Builds the library if any source is newer; returns its path."""
-    lib = library_path()
-    if is_up_to_date():
-        return lib
+def _build(target: Target) -> None:
+    """Builds ``target`` if it is stale; the caller holds the lock."""
+    if _fresh(target):
+        return
+    target.out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = target.out_dir / f".{target.name}.{os.getpid()}.tmp"
+    try:
+        _compile(target, tmp)
+        os.replace(tmp, target.path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def ensure_built(frame_pointers: bool = True) -> Path:
+    """Builds the libraries if any source is newer; returns libnccl's path
+    (``frame_pointers=False``: the variant without frame pointers)."""
+    nccl = _nccl_target(frame_pointers)
+    if _fresh(nccl) and _fresh(CUDART):
+        return nccl.path
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     with open(BUILD_DIR / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not is_up_to_date():
-            tmp = BUILD_DIR / f".{LIB_NAME}.{os.getpid()}.tmp"
-            try:
-                _compile(tmp)
-                os.replace(tmp, lib)
-            finally:
-                tmp.unlink(missing_ok=True)
-        link = BUILD_DIR / LINK_NAME
+        _build(CUDART)
+        _build(nccl)
+        link = nccl.out_dir / LINK_NAME
         if not link.is_symlink() or os.readlink(link) != LIB_NAME:
             link.unlink(missing_ok=True)
             link.symlink_to(LIB_NAME)
-    return lib
+    return nccl.path
+
+
+def ensure_cudart() -> Path:
+    """Builds the libraries if needed; returns the runtime's path."""
+    ensure_built()
+    return CUDART.path
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m stallwatch.lab.build", description=f"Build the lab's {LIB_NAME}."
+        prog="python -m stallwatch.lab.build",
+        description=f"Build the lab's {LIB_NAME} and {CUDART_NAME}.",
     )
     parser.parse_args(argv)
     fresh = is_up_to_date()
@@ -134,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     except LabError as exc:
         print(f"lab.build: {exc}", file=sys.stderr)
         return 2
-    print(f"lab.build: {lib} {'up to date' if fresh else 'built'}")
+    state = "up to date" if fresh else "built"
+    print(f"lab.build: {lib} and {CUDART.path.name} {state}")
     return 0
 
 

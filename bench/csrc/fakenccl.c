@@ -1,18 +1,19 @@
 /* A tiny library with NCCL's public ABI for recorder tests and benchmarks:
- * the same symbol names and signatures, no communication.  Built with frame
- * pointers and without CET so that every entry point begins with `push`
- * (a uprobe on push is emulated, not single-stepped). */
+ * the lab's NCCL header (lab/csrc/labnccl.h) for names and signatures, no
+ * communication.  Built with frame pointers and without CET so that every
+ * entry point begins with `push` (a uprobe on push is emulated, not
+ * single-stepped). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-typedef struct { char internal[128]; } ncclUniqueId;
-typedef struct fakeComm { int rank, nranks; } *ncclComm_t;
-typedef int ncclResult_t;
+#include "labnccl.h"
 
-#define OK 0
-#define INVALID 4
+struct ncclComm { int rank, nranks; };
+
+#define OK ncclSuccess
+#define INVALID ncclInvalidArgument
 
 ncclResult_t ncclGetUniqueId(ncclUniqueId *id)
 {
@@ -48,7 +49,7 @@ ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int
 }
 
 ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank,
-				    void *config)
+				    ncclConfig_t *config)
 {
 	(void)config;
 	return ncclCommInitRank(comm, nranks, id, rank);
@@ -62,7 +63,8 @@ ncclResult_t ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist)
 	return OK;
 }
 
-ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, void *config)
+ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
+			   ncclConfig_t *config)
 {
 	(void)config;
 	if (!comm || !newcomm)
@@ -78,41 +80,41 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm) { return closing(comm); }
 
 static ncclResult_t op(ncclComm_t comm) { return comm ? OK : INVALID; }
 
-ncclResult_t ncclAllReduce(const void *s, void *r, size_t count, int dt, int redop,
-			   ncclComm_t comm, void *stream)
+ncclResult_t ncclAllReduce(const void *s, void *r, size_t count, ncclDataType_t dt, ncclRedOp_t redop,
+			   ncclComm_t comm, cudaStream_t stream)
 { (void)s; (void)r; (void)count; (void)dt; (void)redop; (void)stream; return op(comm); }
-ncclResult_t ncclReduceScatter(const void *s, void *r, size_t count, int dt, int redop,
-			       ncclComm_t comm, void *stream)
+ncclResult_t ncclReduceScatter(const void *s, void *r, size_t count, ncclDataType_t dt, ncclRedOp_t redop,
+			       ncclComm_t comm, cudaStream_t stream)
 { (void)s; (void)r; (void)count; (void)dt; (void)redop; (void)stream; return op(comm); }
-ncclResult_t ncclBroadcast(const void *s, void *r, size_t count, int dt, int root,
-			   ncclComm_t comm, void *stream)
+ncclResult_t ncclBroadcast(const void *s, void *r, size_t count, ncclDataType_t dt, int root,
+			   ncclComm_t comm, cudaStream_t stream)
 { (void)s; (void)r; (void)count; (void)dt; (void)root; (void)stream; return op(comm); }
-ncclResult_t ncclGather(const void *s, void *r, size_t count, int dt, int root,
-			ncclComm_t comm, void *stream)
+ncclResult_t ncclGather(const void *s, void *r, size_t count, ncclDataType_t dt, int root,
+			ncclComm_t comm, cudaStream_t stream)
 { (void)s; (void)r; (void)count; (void)dt; (void)root; (void)stream; return op(comm); }
-ncclResult_t ncclScatter(const void *s, void *r, size_t count, int dt, int root,
-			 ncclComm_t comm, void *stream)
+ncclResult_t ncclScatter(const void *s, void *r, size_t count, ncclDataType_t dt, int root,
+			 ncclComm_t comm, cudaStream_t stream)
 { (void)s; (void)r; (void)count; (void)dt; (void)root; (void)stream; return op(comm); }
-ncclResult_t ncclBcast(void *b, size_t count, int dt, int root, ncclComm_t comm, void *stream)
+ncclResult_t ncclBcast(void *b, size_t count, ncclDataType_t dt, int root, ncclComm_t comm, cudaStream_t stream)
 { (void)b; (void)count; (void)dt; (void)root; (void)stream; return op(comm); }
-ncclResult_t ncclReduce(const void *s, void *r, size_t count, int dt, int redop, int root,
-			ncclComm_t comm, void *stream)
+ncclResult_t ncclReduce(const void *s, void *r, size_t count, ncclDataType_t dt, ncclRedOp_t redop, int root,
+			ncclComm_t comm, cudaStream_t stream)
 { (void)s; (void)r; (void)count; (void)dt; (void)redop; (void)root; (void)stream; return op(comm); }
-ncclResult_t ncclAllGather(const void *s, void *r, size_t count, int dt, ncclComm_t comm,
-			   void *stream)
+ncclResult_t ncclAllGather(const void *s, void *r, size_t count, ncclDataType_t dt, ncclComm_t comm,
+			   cudaStream_t stream)
 { (void)s; (void)r; (void)count; (void)dt; (void)stream; return op(comm); }
-ncclResult_t ncclAlltoAll(const void *s, void *r, size_t count, int dt, ncclComm_t comm,
-			  void *stream)
+ncclResult_t ncclAlltoAll(const void *s, void *r, size_t count, ncclDataType_t dt, ncclComm_t comm,
+			  cudaStream_t stream)
 { (void)s; (void)r; (void)count; (void)dt; (void)stream; return op(comm); }
-ncclResult_t ncclSend(const void *b, size_t count, int dt, int peer, ncclComm_t comm, void *stream)
+ncclResult_t ncclSend(const void *b, size_t count, ncclDataType_t dt, int peer, ncclComm_t comm, cudaStream_t stream)
 { (void)b; (void)count; (void)dt; (void)peer; (void)stream; return op(comm); }
-ncclResult_t ncclRecv(void *b, size_t count, int dt, int peer, ncclComm_t comm, void *stream)
+ncclResult_t ncclRecv(void *b, size_t count, ncclDataType_t dt, int peer, ncclComm_t comm, cudaStream_t stream)
 { (void)b; (void)count; (void)dt; (void)peer; (void)stream; return op(comm); }
 ncclResult_t ncclGroupStart(void) { return OK; }
 ncclResult_t ncclGroupEnd(void) { return OK; }
 
 /* Not an NCCL symbol: the same shape as ncclAllReduce, for the benchmark's
  * bare uprobe+uretprobe baseline. */
-ncclResult_t benchBaseline(const void *s, void *r, size_t count, int dt, int redop,
-			   ncclComm_t comm, void *stream)
+ncclResult_t benchBaseline(const void *s, void *r, size_t count, ncclDataType_t dt, ncclRedOp_t redop,
+			   ncclComm_t comm, cudaStream_t stream)
 { (void)s; (void)r; (void)count; (void)dt; (void)redop; (void)stream; return op(comm); }

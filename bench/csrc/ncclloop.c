@@ -7,6 +7,8 @@
  *   ncclloop pace SECONDS RATE              RATE AllReduce calls per second
  *   ncclloop wrap N                         init a communicator, N AllReduce on it
  *
+ * Declarations come from the lab's NCCL header (lab/csrc/labnccl.h).
+ *
  * Each mode first waits for a line on stdin when WAIT=1 is set, so that a
  * test can attach probes before the first call.
  */
@@ -17,34 +19,12 @@
 #include <time.h>
 #include <unistd.h>
 
-typedef struct { char internal[128]; } ncclUniqueId;
-typedef void *ncclComm_t;
-typedef int ncclResult_t;
+#include "labnccl.h"
 
-ncclResult_t ncclGetUniqueId(ncclUniqueId *);
-ncclResult_t ncclCommInitRank(ncclComm_t *, int, ncclUniqueId, int);
-ncclResult_t ncclCommInitRankConfig(ncclComm_t *, int, ncclUniqueId, int, void *);
-ncclResult_t ncclCommInitAll(ncclComm_t *, int, const int *);
-ncclResult_t ncclCommSplit(ncclComm_t, int, int, ncclComm_t *, void *);
-ncclResult_t ncclCommDestroy(ncclComm_t);
-ncclResult_t ncclCommAbort(ncclComm_t);
-ncclResult_t ncclCommFinalize(ncclComm_t);
-ncclResult_t ncclAllReduce(const void *, void *, size_t, int, int, ncclComm_t, void *);
-ncclResult_t ncclReduceScatter(const void *, void *, size_t, int, int, ncclComm_t, void *);
-ncclResult_t ncclBroadcast(const void *, void *, size_t, int, int, ncclComm_t, void *);
-ncclResult_t ncclGather(const void *, void *, size_t, int, int, ncclComm_t, void *);
-ncclResult_t ncclScatter(const void *, void *, size_t, int, int, ncclComm_t, void *);
-ncclResult_t ncclBcast(void *, size_t, int, int, ncclComm_t, void *);
-ncclResult_t ncclReduce(const void *, void *, size_t, int, int, int, ncclComm_t, void *);
-ncclResult_t ncclAllGather(const void *, void *, size_t, int, ncclComm_t, void *);
-ncclResult_t ncclAlltoAll(const void *, void *, size_t, int, ncclComm_t, void *);
-ncclResult_t ncclSend(const void *, size_t, int, int, ncclComm_t, void *);
-ncclResult_t ncclRecv(void *, size_t, int, int, ncclComm_t, void *);
-ncclResult_t ncclGroupStart(void);
-ncclResult_t ncclGroupEnd(void);
+/* Not an NCCL symbol: the fake library's baseline for a bare uprobe pair. */
 ncclResult_t benchBaseline(const void *, void *, size_t, int, int, ncclComm_t, void *);
 
-static void *const STREAM = (void *)0x5157;
+static const cudaStream_t STREAM = (cudaStream_t)0x5157;
 
 static void print_id(const char *name, const ncclUniqueId *id)
 {
@@ -73,7 +53,7 @@ static uint64_t now_ns(void)
 static int scenario(const char *idhex, int rank, int nranks)
 {
 	ncclUniqueId id, id2;
-	ncclComm_t comm = NULL, comm2 = NULL, comm3 = NULL, sub = NULL, none = (void *)1;
+	ncclComm_t comm = NULL, comm2 = NULL, comm3 = NULL, sub = NULL, none = (ncclComm_t)1;
 	ncclComm_t all[2] = {0};
 	char buf[64];
 	printf("pid %d\n", (int)getpid());
@@ -123,7 +103,7 @@ static int scenario(const char *idhex, int rank, int nranks)
 static int loop(long n, const char *what)
 {
 	char buf[8];
-	ncclComm_t comm = (void *)buf; /* the library never dereferences it */
+	ncclComm_t comm = (ncclComm_t)buf; /* the library never dereferences it */
 	int base = strcmp(what, "baseline") == 0;
 	uint64_t t0 = now_ns();
 	for (long i = 0; i < n; i++) {
@@ -139,7 +119,7 @@ static int loop(long n, const char *what)
 static int pace(double seconds, long rate)
 {
 	char buf[8];
-	ncclComm_t comm = (void *)buf;
+	ncclComm_t comm = (ncclComm_t)buf;
 	uint64_t t0 = now_ns(), period = 1000000000ULL / (uint64_t)rate;
 	uint64_t end = t0 + (uint64_t)(seconds * 1e9), next = t0;
 	long calls = 0;

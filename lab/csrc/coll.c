@@ -253,7 +253,7 @@ ncclResult_t labSplitExchange(ncclComm_t c, const int32_t mine[2], int32_t *all,
     splitEntry *e = calloc((size_t)n, sizeof *e);
     if (!e) return oom(c);
     e[c->rank] = (splitEntry){mine[0], mine[1], *self};
-    labOp op = {OP_SPLIT, NULL, NULL, 1, ncclUint8, 0, -1, c};
+    labOp op = {OP_SPLIT, NULL, NULL, 1, ncclUint8, 0, -1, c, NULL};
     step s;
     ncclResult_t res = stepBegin(&s, c, &op, c->seq++, 0);
     s.es = sizeof *e;

@@ -130,6 +130,47 @@ static ncclResult_t enqueue(ncclComm_t c, const labOp *ops, int nops) {
     return ncclSuccess;
 }
 
+/* ---- execution on a CUDA stream of the lab's runtime ---- */
+
+static void cudaStreamWorkMain(void *arg) {
+    labWork *w = arg;
+    ncclComm_t c = w->ops[0].comm;
+    if (!atomic_load(&c->aborting)) execute(c, w->ops, w->nops);
+    free(w);
+    pthread_mutex_lock(&c->mu);
+    c->onStreams--;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* The ops run, in order, when the stream reaches them; errors after the
+ * launch are the comm's sticky error, as on the async mode's own thread. */
+static ncclResult_t launchOnStream(ncclComm_t c, const labOp *ops, int nops) {
+    labWork *w = malloc(sizeof *w + sizeof *ops * (size_t)nops);
+    if (!w) return labError(c, ncclSystemError, "out of memory");
+    w->next = NULL;
+    w->nops = nops;
+    memcpy(w->ops, ops, sizeof *ops * (size_t)nops);
+    pthread_mutex_lock(&c->mu);
+    c->onStreams++;
+    pthread_mutex_unlock(&c->mu);
+    ncclResult_t res = labLaunchHost(c, ops[0].stream, cudaStreamWorkMain, w, labOpName(ops[0].kind));
+    if (res != ncclSuccess) {
+        free(w);
+        pthread_mutex_lock(&c->mu);
+        c->onStreams--;
+        pthread_cond_broadcast(&c->cv);
+        pthread_mutex_unlock(&c->mu);
+    }
+    return res;
+}
+
+static void drainCudaStreams(ncclComm_t c) {
+    pthread_mutex_lock(&c->mu);
+    while (c->onStreams > 0) pthread_cond_wait(&c->cv, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+}
+
 static void drainStream(ncclComm_t c) {
     pthread_mutex_lock(&c->mu);
     while (c->head || c->busy) pthread_cond_wait(&c->cv, &c->mu);
@@ -339,6 +380,7 @@ NCCL_API ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclCom
     }
     *newcomm = NULL;
     if (comm->async) drainStream(comm);
+    drainCudaStreams(comm); /* the exchange uses the sockets its queued ops use */
     struct sockaddr_in self = comm->self;
     int lfd = color == NCCL_SPLIT_NOCOLOR ? -1 : labListen(&self);
     int32_t *all = malloc(sizeof *all * 2 * (size_t)comm->nranks);
@@ -362,6 +404,7 @@ NCCL_API ncclResult_t ncclCommFinalize(ncclComm_t comm) {
     ncclResult_t res = acquire(comm, "ncclCommFinalize");
     if (res != ncclSuccess) return res;
     if (comm->async) drainStream(comm);
+    drainCudaStreams(comm);
     pthread_mutex_lock(&comm->mu);
     res = comm->error;
     pthread_mutex_unlock(&comm->mu);
@@ -373,6 +416,7 @@ NCCL_API ncclResult_t ncclCommDestroy(ncclComm_t comm) {
     if (!unregisterComm(comm))
         return labError(NULL, ncclInvalidArgument, "ncclCommDestroy: invalid communicator %p", (void *)comm);
     stopStream(comm, 0); /* runs what is queued, as NCCL flushes before destroy */
+    drainCudaStreams(comm);
     freeComm(comm);
     return ncclSuccess;
 }
@@ -390,6 +434,7 @@ NCCL_API ncclResult_t ncclCommAbort(ncclComm_t comm) {
     if (!ok || !unregisterComm(comm))
         return labError(NULL, ncclInvalidArgument, "ncclCommAbort: invalid communicator %p", (void *)comm);
     stopStream(comm, 1);
+    drainCudaStreams(comm); /* queued ops see `aborting` and skip */
     freeComm(comm);
     return ncclSuccess;
 }
@@ -529,6 +574,7 @@ static ncclResult_t submit(const labOp *op) {
     if (res == ncclSuccess) res = stickyError(c);
     if (res == ncclSuccess) {
         if (grp.depth > 0) res = groupAdd(op);
+        else if (op->stream) res = launchOnStream(c, op, 1);
         else if (c->async) res = enqueue(c, op, 1);
         else res = execute(c, op, 1);
     }
@@ -539,83 +585,72 @@ static ncclResult_t submit(const labOp *op) {
 NCCL_API ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
                                     ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
                                     cudaStream_t stream) {
-    (void)stream;
-    labOp o = {OP_ALLREDUCE, sendbuff, recvbuff, count, datatype, op, -1, comm};
+    labOp o = {OP_ALLREDUCE, sendbuff, recvbuff, count, datatype, op, -1, comm, stream};
     return submit(&o);
 }
 
 NCCL_API ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count,
                                     ncclDataType_t datatype, int root, ncclComm_t comm,
                                     cudaStream_t stream) {
-    (void)stream;
-    labOp o = {OP_BROADCAST, sendbuff, recvbuff, count, datatype, 0, root, comm};
+    labOp o = {OP_BROADCAST, sendbuff, recvbuff, count, datatype, 0, root, comm, stream};
     return submit(&o);
 }
 
 NCCL_API ncclResult_t ncclBcast(void *buff, size_t count, ncclDataType_t datatype, int root,
                                 ncclComm_t comm, cudaStream_t stream) {
-    (void)stream;
-    labOp o = {OP_BROADCAST, buff, buff, count, datatype, 0, root, comm};
+    labOp o = {OP_BROADCAST, buff, buff, count, datatype, 0, root, comm, stream};
     return submit(&o);
 }
 
 NCCL_API ncclResult_t ncclReduce(const void *sendbuff, void *recvbuff, size_t count,
                                  ncclDataType_t datatype, ncclRedOp_t op, int root,
                                  ncclComm_t comm, cudaStream_t stream) {
-    (void)stream;
-    labOp o = {OP_REDUCE, sendbuff, recvbuff, count, datatype, op, root, comm};
+    labOp o = {OP_REDUCE, sendbuff, recvbuff, count, datatype, op, root, comm, stream};
     return submit(&o);
 }
 
 NCCL_API ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, size_t sendcount,
                                     ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream) {
-    (void)stream;
-    labOp o = {OP_ALLGATHER, sendbuff, recvbuff, sendcount, datatype, 0, -1, comm};
+    labOp o = {OP_ALLGATHER, sendbuff, recvbuff, sendcount, datatype, 0, -1, comm, stream};
     return submit(&o);
 }
 
 NCCL_API ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff, size_t recvcount,
                                         ncclDataType_t datatype, ncclRedOp_t op,
                                         ncclComm_t comm, cudaStream_t stream) {
-    (void)stream;
-    labOp o = {OP_REDUCESCATTER, sendbuff, recvbuff, recvcount, datatype, op, -1, comm};
+    labOp o = {OP_REDUCESCATTER, sendbuff, recvbuff, recvcount, datatype, op, -1, comm, stream};
     return submit(&o);
 }
 
 NCCL_API ncclResult_t ncclAlltoAll(const void *sendbuff, void *recvbuff, size_t count,
                                    ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream) {
-    (void)stream;
-    labOp o = {OP_ALLTOALL, sendbuff, recvbuff, count, datatype, 0, -1, comm};
+    labOp o = {OP_ALLTOALL, sendbuff, recvbuff, count, datatype, 0, -1, comm, stream};
     return submit(&o);
 }
 
 NCCL_API ncclResult_t ncclGather(const void *sendbuff, void *recvbuff, size_t count,
                                  ncclDataType_t datatype, int root, ncclComm_t comm,
                                  cudaStream_t stream) {
-    (void)stream;
-    labOp o = {OP_GATHER, sendbuff, recvbuff, count, datatype, 0, root, comm};
+    labOp o = {OP_GATHER, sendbuff, recvbuff, count, datatype, 0, root, comm, stream};
     return submit(&o);
 }
 
 NCCL_API ncclResult_t ncclScatter(const void *sendbuff, void *recvbuff, size_t count,
                                   ncclDataType_t datatype, int root, ncclComm_t comm,
                                   cudaStream_t stream) {
-    (void)stream;
-    labOp o = {OP_SCATTER, sendbuff, recvbuff, count, datatype, 0, root, comm};
+    labOp o = {OP_SCATTER, sendbuff, recvbuff, count, datatype, 0, root, comm, stream};
     return submit(&o);
 }
 
 NCCL_API ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatype,
                                int peer, ncclComm_t comm, cudaStream_t stream) {
-    (void)stream;
-    labOp o = {OP_SEND, sendbuff, NULL, count, datatype, 0, peer, comm};
+    labOp o = {OP_SEND, sendbuff, NULL, count, datatype, 0, peer, comm, stream};
     return submit(&o);
 }
 
 NCCL_API ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int peer,
                                ncclComm_t comm, cudaStream_t stream) {
-    (void)stream;
-    labOp o = {OP_RECV, NULL, recvbuff, count, datatype, 0, peer, comm};
+    labOp o = {OP_RECV, NULL, recvbuff, count, datatype, 0, peer, comm, stream};
     return submit(&o);
 }
 
@@ -666,7 +701,8 @@ static void startPart(groupPart *g, int alone) {
     g->res = acquire(g->comm, "ncclGroupEnd");
     if (g->res != ncclSuccess) return;
     g->held = 1;
-    if (g->comm->async) g->res = enqueue(g->comm, g->ops, g->nops);
+    if (g->ops[0].stream) g->res = launchOnStream(g->comm, g->ops, g->nops);
+    else if (g->comm->async) g->res = enqueue(g->comm, g->ops, g->nops);
     else if (alone) g->res = execute(g->comm, g->ops, g->nops);
     else if (pthread_create(&g->thread, NULL, groupPartMain, g) == 0) g->threaded = 1;
     else g->res = labError(g->comm, ncclSystemError, "ncclGroupEnd: cannot start a thread");

@@ -55,6 +55,7 @@ typedef struct {
     int redop;
     int root; /* root of a rooted collective, or the peer of send/recv */
     ncclComm_t comm;
+    cudaStream_t stream; /* NULL: inline (blocking) or the comm's own thread (async) */
 } labOp;
 
 typedef struct labWork {
@@ -85,6 +86,8 @@ struct ncclComm {
     char lastError[LAB_ERR_LEN];
     int active; /* API calls inside this comm right now (guarded by registry lock) */
 
+    int onStreams; /* ops queued on CUDA streams and not yet run (guarded by mu) */
+
     /* the background "stream" of async mode */
     pthread_t stream;
     int hasStream;
@@ -101,6 +104,10 @@ const char *labOpName(int kind);
 const char *labTypeName(int dtype);
 const char *labRedOpName(int redop);
 const char *labLastError(void);
+
+/* cuda.c: runs fn(arg) on a stream of the process's CUDA runtime */
+ncclResult_t labLaunchHost(ncclComm_t c, cudaStream_t stream, void (*fn)(void *), void *arg,
+                           const char *what);
 
 /* comm.c */
 ncclResult_t labCreateComm(ncclComm_t *out, int rank, int nranks, uint64_t tag, int listenFd,

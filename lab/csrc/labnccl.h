@@ -2,6 +2,10 @@
  * orders, enum values, result codes, the 128-byte unique id), written from the
  * documented ABI facts, plus two lab extras (labStreamSynchronize, the
  * stand-in for cudaStreamSynchronize, and the async-mode switch LABNCCL_ASYNC).
+ *
+ * A collective given a non-NULL stream runs on that stream of the lab's CUDA
+ * runtime (labcudart.h); with a NULL stream it runs inline (blocking) or on
+ * the communicator's own thread (LABNCCL_ASYNC=1).
  */
 #ifndef LABNCCL_H
 #define LABNCCL_H
@@ -34,7 +38,10 @@ typedef struct {
 } ncclUniqueId;
 
 typedef struct ncclComm *ncclComm_t;
-typedef void *cudaStream_t;
+#ifndef LAB_CUDA_STREAM_T
+#define LAB_CUDA_STREAM_T
+typedef struct CUstream_st *cudaStream_t;
+#endif
 
 typedef enum {
     ncclSuccess = 0,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from stallwatch.dumpers.errors import ExitCode, LabError
 from stallwatch.lab import faults as F
-from stallwatch.lab.job import DEFAULT_COMPUTE_MS, DEFAULT_ELEMENTS
+from stallwatch.lab.job import DEFAULT_COMPUTE_MS, DEFAULT_ELEMENTS, MODES
 from stallwatch.query.output import HelpFormatter, add_format_option
 
 RUN_EPILOG = f"""\
@@ -24,6 +24,7 @@ examples:
   stallwatch lab run --nodes 2 --ranks-per-node 2 --steps 20 --json
   stallwatch lab run --nodes 4 --fault hang:rank=5,step=10 --stall-timeout 5
   stallwatch lab run --fault loss:node=1,pct=5 --mode async
+  stallwatch lab run --nodes 4 --mode gpu --fault gpuslow:rank=5,ms=20 --record --dump-at-end
   stallwatch lab run --nodes 4 --fault hang:rank=5,step=10 --record --dump-dir dumps/
   stallwatch lab run --nodes 2 --record --dump-at-end --dump-dir dumps/
 
@@ -66,8 +67,9 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--ranks-per-node", type=_positive_int, default=2, metavar="R",
                    help="ranks on each node")  # fmt: skip
     p.add_argument("--steps", type=_positive_int, default=20, metavar="S", help="training steps")
-    p.add_argument("--mode", choices=("blocking", "async"), default="blocking",
-                   help="blocking collectives, or returning at once like real NCCL")  # fmt: skip
+    p.add_argument("--mode", choices=MODES, default="blocking",
+                   help="blocking collectives; async: returning at once like real NCCL; gpu: on "
+                   "CUDA streams of the lab's libcudart, used as PyTorch does")  # fmt: skip
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="a fault to inject (repeatable; specs below)")  # fmt: skip
     p.add_argument("--record", action="store_true", help="one stallwatch agent per node")

@@ -9,6 +9,8 @@ A spec is ``kind:key=value,key=value``:
     mismatch:rank=R,step=S,field=F     rank R passes a different count|dtype|op at step S
     crash:rank=R,step=S[,signal=SIG]   rank R exits with code 3 at step S, or kills itself with SIG
     cpuhog:rank=R                      busy processes pinned to rank R's CPU
+    gpuslow:rank=R,ms=M                (gpu mode) rank R's device work takes M ms longer every step
+    gpuhang:rank=R,step=S              (gpu mode) rank R's device stops at step S (its host goes on)
 
 Ranks are global (node n holds ranks n*R .. n*R+R-1).  Parsing gives frozen
 records; ``validate`` checks them against the topology.  Errors are one line
@@ -32,6 +34,8 @@ SPEC_HELP = (
     "mismatch:rank=R,step=S,field=F     rank R passes another count|dtype|op at step S",
     "crash:rank=R,step=S[,signal=SIG]   rank R exits with code 3 at step S, or dies of SIG",
     "cpuhog:rank=R                      busy processes pinned to rank R's CPU",
+    "gpuslow:rank=R,ms=M                (gpu mode) rank R's device work is M ms slower a step",
+    "gpuhang:rank=R,step=S              (gpu mode) rank R's device stops at step S",
 )
 MAX_PCT = 100
 MAX_STEP = 10**9
@@ -104,8 +108,21 @@ class CpuHog:
     rank: int
 
 
-Fault = Hang | Slow | Loss | Rate | Mismatch | Crash | CpuHog
-RankFault = Hang | Slow | Mismatch | Crash | CpuHog
+@dataclass(frozen=True, slots=True)
+class GpuSlow:
+    rank: int
+    ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class GpuHang:
+    rank: int
+    step: int
+
+
+Fault = Hang | Slow | Loss | Rate | Mismatch | Crash | CpuHog | GpuSlow | GpuHang
+RankFault = Hang | Slow | Mismatch | Crash | CpuHog | GpuSlow | GpuHang
+GPU_FAULTS = (GpuSlow, GpuHang)
 NodeFault = Loss | Rate
 
 CRASH_EXIT_CODE = 3
@@ -216,6 +233,14 @@ def _cpuhog(f: _Fields) -> Fault:
     return CpuHog(rank=f.integer("rank", 0, MAX_STEP))
 
 
+def _gpuslow(f: _Fields) -> Fault:
+    return GpuSlow(rank=f.integer("rank", 0, MAX_STEP), ms=f.number("ms", 0.0, 600_000.0))
+
+
+def _gpuhang(f: _Fields) -> Fault:
+    return GpuHang(rank=f.integer("rank", 0, MAX_STEP), step=f.integer("step", 0, MAX_STEP))
+
+
 _PARSERS: Mapping[str, Callable[[_Fields], Fault]] = {
     "hang": _hang,
     "slow": _slow,
@@ -224,6 +249,8 @@ _PARSERS: Mapping[str, Callable[[_Fields], Fault]] = {
     "mismatch": _mismatch,
     "crash": _crash,
     "cpuhog": _cpuhog,
+    "gpuslow": _gpuslow,
+    "gpuhang": _gpuhang,
 }
 
 
@@ -246,10 +273,15 @@ def parse_faults(specs: Iterable[str]) -> tuple[Fault, ...]:
     return tuple(parse_fault(spec) for spec in specs)
 
 
-def validate(faults: Iterable[Fault], topology: Topology, steps: int) -> None:
-    """Ranks, nodes and steps must exist in this job."""
+def validate(
+    faults: Iterable[Fault], topology: Topology, steps: int, mode: str | None = None
+) -> None:
+    """Ranks, nodes and steps must exist in this job; device faults need a
+    device (``mode`` gpu; None: not checked)."""
     for fault in faults:
         where = f"fault {format_fault(fault)!r}"
+        if mode is not None and mode != "gpu" and isinstance(fault, GPU_FAULTS):
+            raise UsageError(f"{where} needs --mode gpu (the ranks have no device in {mode} mode)")
         if isinstance(fault, Loss | Rate):
             if fault.node >= topology.nodes:
                 raise UsageError(
@@ -294,6 +326,10 @@ def format_fault(fault: Fault) -> str:
             return f"crash:rank={rank},step={step}{tail}"
         case CpuHog(rank):
             return f"cpuhog:rank={rank}"
+        case GpuSlow(rank, ms):
+            return f"gpuslow:rank={rank},ms={ms:g}"
+        case GpuHang(rank, step):
+            return f"gpuhang:rank={rank},step={step}"
     raise AssertionError(fault)
 
 

@@ -17,8 +17,15 @@ communicator label (``world``, ``tp``, ``dp``; ``none`` for group calls);
 ``ncclCommSplit`` is counted under the label of the communicator it creates,
 ``ncclGetUniqueId`` and ``ncclCommInitRank`` under ``world``.
 
+In ``gpu`` mode (``lab.gpu``) the same collectives are queued on CUDA streams
+of the lab's ``libcudart.so.12`` the way PyTorch queues them (compute on a
+compute stream, events around each collective, a watchdog thread polling
+them, one stream synchronisation per step), and the report logs when each
+collective returned and when the host first saw it complete.
+
 In-rank faults (``lab.faults``): hang, slow, mismatch (applied to the loss
-AllReduce on world, the one collective every rank joins), crash.
+AllReduce on world, the one collective every rank joins), crash; in gpu mode
+gpuslow (longer device compute) and gpuhang (the device stops).
 
 Exit codes: 0 done and verified, 1 results wrong, 2 setup error (library, id),
 3 crash fault, 4 an NCCL call failed.
@@ -36,7 +43,8 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,9 +54,13 @@ import numpy.typing as npt
 from stallwatch.dumpers.errors import LabError, StallwatchError
 from stallwatch.dumpers.schema import DataType, RedOp, fold_unique_id, split_hash
 from stallwatch.lab import faults as F
+from stallwatch.lab.gpu import DEFAULT_POLL_MS, Device
 from stallwatch.lab.nccl import LabNccl, NcclError, UniqueId, unique_id_from_bytes
 
 LIB_ENV = "STALLWATCH_LAB_LIB"
+CUDART_ENV = "STALLWATCH_LAB_CUDART"
+CUDART_NAME = "libcudart.so.12"
+MODES = ("blocking", "async", "gpu")
 ASYNC_ENV = "LABNCCL_ASYNC"
 UID_FILE = "world.uid"
 NO_COMM = "none"
@@ -102,6 +114,7 @@ class RankReport:
     run_delay_ms: float  # time its threads waited on a run queue since then
     compute_cpu_share: float  # CPU time / wall time inside the compute phases
     injected: list[str]
+    device_log: list[dict[str, Any]]  # gpu mode: each collective's return and completion seen
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -207,6 +220,8 @@ class Rank:
     compute_wall: float = 0.0
     compute_cpu: float = 0.0
     keep: list[npt.NDArray[Any]] = field(default_factory=list)
+    gpu: Device | None = None
+    device_stopped: str | None = None  # the gpuhang fault fired
 
     @property
     def rank(self) -> int:
@@ -235,6 +250,7 @@ class Rank:
             run_delay_ms=round(delay - self.base[2], 3),
             compute_cpu_share=round(self.compute_cpu / max(self.compute_wall, 1e-9), 4),
             injected=[F.format_fault(f) for f in self.faults],
+            device_log=self.gpu.log() if self.gpu is not None else [],
         )
         write_atomic(report_path(self.args.run_dir, self.rank), rep.to_json())
 
@@ -333,7 +349,10 @@ def destroy_comms(r: Rank) -> None:
 def run_step(r: Rank, step: int) -> None:
     started = time.perf_counter()
     slow = r.fault(F.Slow)
-    r.compute(r.args.compute_ms + (slow.ms if isinstance(slow, F.Slow) else 0.0))
+    if r.gpu is None:
+        r.compute(r.args.compute_ms + (slow.ms if isinstance(slow, F.Slow) else 0.0))
+    else:
+        device_compute(r, r.gpu, step, slow.ms if isinstance(slow, F.Slow) else 0.0)
     inject_before_collectives(r, step)
     checks: list[Check] = []
     checks += tp_collectives(r, step)
@@ -342,9 +361,37 @@ def run_step(r: Rank, step: int) -> None:
     if r.args.mode == "async":
         for label in ("tp", "dp", "world"):
             r.nccl("labStreamSynchronize", label, ctypes.c_void_p(r.comms[label].handle))
+    if r.gpu is not None:
+        # what was queued is known even if the synchronisation never returns
+        r.report(STATUS_HUNG if r.device_stopped else STATUS_RUNNING, error=r.device_stopped)
+        r.gpu.synchronize()
     verify(r, checks)
     r.keep.clear()
     r.step_ms.append((time.perf_counter() - started) * 1000.0)
+
+
+def device_compute(r: Rank, gpu: Device, step: int, host_ms: float) -> None:
+    """The step's compute, as device work (a slow fault still costs CPU)."""
+    if host_ms:
+        r.compute(host_ms)
+    if r.fault(F.GpuHang, step) is not None:
+        r.device_stopped = f"gpuhang fault: the device stops at step {step}"
+        r.report(STATUS_HUNG, error=r.device_stopped)
+        gpu.stop_device()  # the host goes on queueing; nothing after this runs
+        return
+    slow = r.fault(F.GpuSlow)
+    gpu.compute_for(r.args.compute_ms + (slow.ms if isinstance(slow, F.GpuSlow) else 0.0))
+
+
+@contextmanager
+def on_device(r: Rank, label: str, kind: str = "coll") -> Iterator[ctypes.c_void_p | None]:
+    """Yields the stream for a call on ``label`` (None outside gpu mode),
+    with the events around it that a framework records."""
+    if r.gpu is None:
+        yield None
+        return
+    with r.gpu.collective(label, kind) as stream:
+        yield ctypes.c_void_p(stream)
 
 
 def inject_before_collectives(r: Rank, step: int) -> None:
@@ -376,14 +423,16 @@ def tp_collectives(r: Rank, step: int) -> list[Check]:
     tp, n = r.comms["tp"], r.sizes.shard
     send = pattern(n, tp.rank + 1, step)
     gathered = np.zeros(n * tp.nranks, np.float32)
-    r.nccl("ncclAllGather", "tp", _buf(r, send), _buf(r, gathered), n, F32, _comm(r, "tp"), None)
+    with on_device(r, "tp") as s:
+        r.nccl("ncclAllGather", "tp", _buf(r, send), _buf(r, gathered), n, F32, _comm(r, "tp"), s)
     want_g = np.concatenate([pattern(n, k + 1, step) for k in range(tp.nranks)])
     full = pattern(n * tp.nranks, tp.rank + 1, step)
     shard = np.zeros(n, np.float32)
-    r.nccl(
-        "ncclReduceScatter", "tp", _buf(r, full), _buf(r, shard), n, F32, int(RedOp.SUM),
-        _comm(r, "tp"), None,
-    )  # fmt: skip
+    with on_device(r, "tp") as s:
+        r.nccl(
+            "ncclReduceScatter", "tp", _buf(r, full), _buf(r, shard), n, F32, int(RedOp.SUM),
+            _comm(r, "tp"), s,
+        )  # fmt: skip
     summed = sum(pattern(n * tp.nranks, k + 1, step) for k in range(tp.nranks))
     want_rs = np.asarray(summed, np.float32)[tp.rank * n : (tp.rank + 1) * n]
     return [Check("tp allgather", gathered, want_g), Check("tp reducescatter", shard, want_rs)]
@@ -392,10 +441,11 @@ def tp_collectives(r: Rank, step: int) -> list[Check]:
 def dp_collectives(r: Rank, step: int) -> list[Check]:
     dp, n = r.comms["dp"], r.sizes.grad
     grads = pattern(n, dp.rank + 1, step)
-    r.nccl(
-        "ncclAllReduce", "dp", _buf(r, grads), _buf(r, grads), n, F32, int(RedOp.SUM),
-        _comm(r, "dp"), None,
-    )  # fmt: skip
+    with on_device(r, "dp") as s:
+        r.nccl(
+            "ncclAllReduce", "dp", _buf(r, grads), _buf(r, grads), n, F32, int(RedOp.SUM),
+            _comm(r, "dp"), s,
+        )  # fmt: skip
     want = np.asarray(sum(pattern(n, k + 1, step) for k in range(dp.nranks)), np.float32)
     checks = [Check("dp allreduce", grads, want)]
     if dp.nranks > 1:
@@ -408,12 +458,13 @@ def pipeline(r: Rank, step: int, dp: Comm) -> list[Check]:
     n = r.sizes.act
     act = pattern(n, dp.rank + 1, step)
     inbox = np.zeros(n, np.float32)
-    r.nccl("ncclGroupStart", NO_COMM)
-    if dp.rank + 1 < dp.nranks:
-        r.nccl("ncclSend", "dp", _buf(r, act), n, F32, dp.rank + 1, _comm(r, "dp"), None)
-    if dp.rank > 0:
-        r.nccl("ncclRecv", "dp", _buf(r, inbox), n, F32, dp.rank - 1, _comm(r, "dp"), None)
-    r.nccl("ncclGroupEnd", NO_COMM)
+    with on_device(r, "dp", "p2p") as s:
+        r.nccl("ncclGroupStart", NO_COMM)
+        if dp.rank + 1 < dp.nranks:
+            r.nccl("ncclSend", "dp", _buf(r, act), n, F32, dp.rank + 1, _comm(r, "dp"), s)
+        if dp.rank > 0:
+            r.nccl("ncclRecv", "dp", _buf(r, inbox), n, F32, dp.rank - 1, _comm(r, "dp"), s)
+        r.nccl("ncclGroupEnd", NO_COMM)
     if dp.rank == 0:
         return []
     return [Check("dp recv", inbox, pattern(n, dp.rank, step))]
@@ -423,10 +474,11 @@ def world_collectives(r: Rank, step: int) -> list[Check]:
     world = r.comms["world"]
     root, n = step % world.nranks, r.sizes.bcast
     data = pattern(n, root + 1, step) if world.rank == root else np.zeros(n, np.float32)
-    r.nccl(
-        "ncclBroadcast", "world", _buf(r, data), _buf(r, data), n, F32, root,
-        _comm(r, "world"), None,
-    )  # fmt: skip
+    with on_device(r, "world") as s:
+        r.nccl(
+            "ncclBroadcast", "world", _buf(r, data), _buf(r, data), n, F32, root,
+            _comm(r, "world"), s,
+        )  # fmt: skip
     checks = [Check("world broadcast", data, pattern(n, root + 1, step))]
     return [*checks, loss_allreduce(r, step, world)]
 
@@ -437,10 +489,11 @@ def loss_allreduce(r: Rank, step: int, world: Comm) -> Check:
     if isinstance(mismatch, F.Mismatch):
         count, dtype, op = _mismatched(mismatch.field, count, dtype, op)
     loss = np.array([float(world.rank + step), 0.0], np.float64)
-    r.nccl(
-        "ncclAllReduce", "world", _buf(r, loss), _buf(r, loss), count, dtype, op,
-        _comm(r, "world"), None,
-    )  # fmt: skip
+    with on_device(r, "world") as s:
+        r.nccl(
+            "ncclAllReduce", "world", _buf(r, loss), _buf(r, loss), count, dtype, op,
+            _comm(r, "world"), s,
+        )  # fmt: skip
     want = sum(k + step for k in range(world.nranks))
     return Check("world loss allreduce", loss[:1], np.array([want], np.float64))
 
@@ -476,7 +529,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--lib", type=Path, default=os.environ.get(LIB_ENV))
-    p.add_argument("--mode", choices=("blocking", "async"), default="blocking")
+    p.add_argument("--mode", choices=MODES, default="blocking")
+    p.add_argument("--cudart", type=Path, default=os.environ.get(CUDART_ENV),
+                   help=f"gpu mode: the lab's {CUDART_NAME} (default: beside --lib)")  # fmt: skip
+    p.add_argument("--poll-ms", type=float, default=DEFAULT_POLL_MS,
+                   help="gpu mode: how often the watchdog thread polls its events")  # fmt: skip
     p.add_argument("--fault", action="append", default=[])
     p.add_argument("--elements", type=int, default=DEFAULT_ELEMENTS)
     p.add_argument("--compute-ms", type=float, default=DEFAULT_COMPUTE_MS)
@@ -494,7 +551,11 @@ def start(args: argparse.Namespace) -> Rank:
         os.sched_setaffinity(0, {args.cpu})
     topo = F.Topology(args.nodes, args.ranks_per_node)
     faults = F.for_rank(F.parse_faults(args.fault), args.rank)
-    return Rank(args, topo, Nccl(args.lib), faults, Sizes.from_elements(args.elements))
+    rank = Rank(args, topo, Nccl(args.lib), faults, Sizes.from_elements(args.elements))
+    if args.mode == "gpu":
+        cudart = args.cudart or Path(args.lib).parent / CUDART_NAME
+        rank.gpu = Device.open(cudart, ("tp", "dp", "world"), args.poll_ms)
+    return rank
 
 
 def train(r: Rank) -> int:
@@ -505,6 +566,10 @@ def train(r: Rank) -> int:
         run_step(r, step)
         r.steps_done = step + 1
         r.report(STATUS_RUNNING)
+    if r.gpu is not None:
+        r.gpu.close()
+        if r.gpu.error:
+            raise LabError(f"the watchdog's event query failed: {r.gpu.error}")
     destroy_comms(r)
     if r.failed:
         r.report("verify_failed", error=f"{r.failed} result check(s) failed", code=EXIT_VERIFY)

@@ -106,6 +106,7 @@ class RankOutcome:
     wall_s: float
     run_delay_ms: float
     compute_cpu_share: float
+    device_log: list[dict[str, Any]]  # gpu mode: each collective's return and completion seen
 
     @property
     def healthy(self) -> bool:
@@ -166,7 +167,7 @@ def preflight(cfg: RunConfig) -> Path:
     """Everything that can be refused before anything is made; returns the library."""
     if cfg.nodes < 1 or cfg.ranks_per_node < 1 or cfg.steps < 1:
         raise LabError("--nodes, --ranks-per-node and --steps must be at least 1")
-    F.validate(cfg.faults, cfg.topology, cfg.steps)
+    F.validate(cfg.faults, cfg.topology, cfg.steps, cfg.mode)
     if _euid() != 0:
         raise LabError("lab run needs root (it makes network namespaces): run it with sudo")
     netns.check_tools()
@@ -184,6 +185,11 @@ def library(explicit: Path | None) -> Path:
     if not path.is_file():
         raise LabError(f"the lab's NCCL library {path} does not exist")
     return path.resolve()
+
+
+def cudart_of(lib: Path) -> Path:
+    """The lab's CUDA runtime beside its libnccl (gpu mode)."""
+    return lib.parent / job.CUDART_NAME
 
 
 # --- the processes ----------------------------------------------------------
@@ -435,6 +441,8 @@ def agent_argv(lab: Lab, node: netns.Node, token_file: Path) -> list[str]:
     argv += ["--host-name", f"node{node.index}"]  # namespaces share the machine's hostname
     if peers:
         argv += ["--peers", ",".join(peers)]
+    if lab.cfg.mode == "gpu":
+        argv += ["--lib", str(cudart_of(lab.lib))]
     return [*argv, "--lib", str(lab.lib)]
 
 
@@ -619,6 +627,7 @@ def outcome(lab: Lab, rank: int, stuck: dict[int, job.RankReport | None]) -> Ran
         wall_s=rep.wall_s if rep is not None else 0.0,
         run_delay_ms=rep.run_delay_ms if rep is not None else 0.0,
         compute_cpu_share=rep.compute_cpu_share if rep is not None else 0.0,
+        device_log=rep.device_log if rep is not None else [],
     )
 
 

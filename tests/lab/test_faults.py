@@ -26,6 +26,8 @@ TOPO = F.Topology(nodes=2, ranks_per_node=2)
         ("crash:rank=1,step=4,signal=sigsegv", F.Crash(1, 4, signal.SIGSEGV)),
         ("crash:rank=1,step=4,signal=6", F.Crash(1, 4, signal.SIGABRT)),
         ("cpuhog:rank=3", F.CpuHog(rank=3)),
+        ("gpuslow:rank=5,ms=20", F.GpuSlow(rank=5, ms=20.0)),
+        ("gpuhang:rank=2,step=7", F.GpuHang(rank=2, step=7)),
         (" HANG: step=2 , rank=1 ", F.Hang(rank=1, step=2)),
     ],
 )
@@ -82,6 +84,14 @@ def test_validate_accepts_the_edges() -> None:
     F.validate(F.parse_faults(specs), TOPO, steps=20)
 
 
+def test_device_faults_need_gpu_mode() -> None:
+    faults = F.parse_faults(["gpuslow:rank=1,ms=5", "gpuhang:rank=0,step=2"])
+    F.validate(faults, TOPO, steps=5, mode="gpu")
+    for fault in faults:
+        with pytest.raises(UsageError, match="needs --mode gpu"):
+            F.validate([fault], TOPO, steps=5, mode="blocking")
+
+
 def test_the_same_fault_twice_on_one_target_is_refused() -> None:
     with pytest.raises(UsageError, match="given twice"):
         F.validate(F.parse_faults(["slow:rank=1,ms=5", "slow:rank=1,ms=9"]), TOPO, steps=5)
@@ -115,6 +125,8 @@ _faults = st.one_of(
         st.sampled_from([None, signal.SIGKILL, signal.SIGSEGV, signal.SIGTERM]),
     ),
     st.builds(F.CpuHog, st.integers(0, 999)),
+    st.builds(F.GpuSlow, st.integers(0, 999), st.floats(0.001, 1e5).map(lambda x: float(f"{x:g}"))),
+    st.builds(F.GpuHang, st.integers(0, 999), st.integers(0, 999)),
 )
 
 

@@ -147,6 +147,55 @@ def test_healthy_four_nodes() -> None:
     assert len({n["ip"] for n in run.result["nodes_seen"]}) == 4
 
 
+def _device_logs_complete(run: Run, steps: int) -> None:
+    """Every collective of every rank was seen complete after its call returned."""
+    for r in run.result["ranks"]:
+        log = r["device_log"]
+        assert len(log) == 6 * steps, r["world_rank"]  # tp 2, dp 1 + p2p group, world 2
+        for work in log:
+            assert work["seen_ns"] >= work["returned_ns"] > 0
+            assert work["seen_by"] in ("poll", "sync")
+        assert sum(w["seen_by"] == "poll" for w in log) > len(log) // 2  # the watchdog's
+
+
+@pytest.mark.lab
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_healthy_gpu_job(nodes: int) -> None:
+    run = lab_run("--nodes", str(nodes), "--steps", "8", "--mode", "gpu", "--json")
+    assert_all_done(run, world=2 * nodes, steps=8)
+    assert run.result["mode"] == "gpu"
+    _device_logs_complete(run, steps=8)
+
+
+@pytest.mark.lab
+def test_gpuslow_slows_the_device_not_the_host() -> None:
+    run = lab_run("--nodes", "2", "--steps", "6", "--mode", "gpu", "--fault",
+                  "gpuslow:rank=1,ms=60", "--json")  # fmt: skip
+    assert_all_done(run, world=4, steps=6)
+    cpu = {r["world_rank"]: r["cpu_s"] for r in run.result["ranks"]}
+    assert cpu[1] < max(cpu[k] for k in (0, 2, 3)) + 0.2  # no extra CPU burnt
+    for r in run.result["ranks"]:  # everyone's steps wait for rank 1's device
+        assert statistics.median(r["step_ms"]) > 60
+
+
+@pytest.mark.lab
+def test_gpuhang_stops_every_rank_in_its_step_synchronisation() -> None:
+    run = lab_run("--steps", "8", "--mode", "gpu", "--fault", "gpuhang:rank=2,step=3",
+                  "--stall-timeout", "3", "--json")  # fmt: skip
+    assert run.code == 1, run.err
+    result = run.result
+    assert result["stuck_ranks"] == [0, 1, 2, 3]
+    assert run.rank(2)["status"] == "hung" and "device stops at step 3" in run.rank(2)["error"]
+    for r in result["ranks"]:
+        assert r["steps_done"] == 3
+        log = r["device_log"]
+        assert len(log) == 24  # the hung step's collectives were all queued ...
+        assert all(w["seen_ns"] for w in log[:18])
+        assert not any(w["seen_ns"] for w in log[18:] if w["label"] == "world")  # ... not done
+    # the stopped device started none of them
+    assert not any(w["seen_ns"] or w["started_seen_ns"] for w in run.rank(2)["device_log"][18:])
+
+
 @pytest.mark.lab
 def test_summary_for_people_is_a_table() -> None:
     run = lab_run("--nodes", "1", "--ranks-per-node", "2", "--steps", "3")
@@ -274,6 +323,7 @@ def test_cpuhog_takes_the_ranks_cpu() -> None:
         (["--fault", "loss:node=2,pct=5"], "node 2 does not exist (nodes are 0..1)"),
         (["--fault", "crash:rank=0,step=20"], "step 20 is never reached"),
         (["--nodes", "0"], "--nodes: must be at least 1"),
+        (["--fault", "gpuslow:rank=1,ms=5"], "needs --mode gpu"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: list[str], names: str) -> None:

@@ -43,7 +43,8 @@
 #define DROP_COMMS_FULL 6    /* `comms` full: the communicator is unknown */
 #define DROP_OWNER_FULL 7    /* `sock_owner` full: a socket stays unattributed */
 #define DROP_RQ_FULL 8       /* run-queue maps full */
-#define DROP_SLOTS 9
+#define DROP_CUDA_QUEUE 9    /* a stream queued more calls than cuda.h keeps */
+#define DROP_SLOTS 10
 
 #define MAX_TRACKED 4096
 

@@ -42,10 +42,11 @@
 #define OP_COMM_FINALIZE 19
 #define OP_GET_UNIQUE_ID 20
 
-/* Lifecycle, as in PyTorch's Flight Recorder. */
+/* Lifecycle: the furthest state a call reached, as the host observed it. */
 #define STATE_SCHEDULED 0 /* the host entered the call */
-#define STATE_STARTED 1   /* the call returned: enqueued or launched */
-#define STATE_COMPLETED 2 /* completion observed (no GPU source yet) */
+#define STATE_ENQUEUED 1  /* the call returned: queued on its stream (or done, if blocking) */
+#define STATE_STARTED 2   /* the device began it (its start event was seen done) */
+#define STATE_COMPLETED 3 /* the device finished it (its end event, or a sync, was seen done) */
 
 /* tcp_event.event */
 #define TCP_RETRANSMIT_SKB 1
@@ -69,7 +70,10 @@ struct event_header {
 };
 _Static_assert(sizeof(struct event_header) == 32, "event_header size");
 
-/* One row per NCCL API call: opened at entry, completed at return. */
+/* One row per NCCL API call: opened at entry, completed at return; the CUDA
+ * probes (cuda.c) add when the device started and completed it, each as the
+ * first observation that says so and the last that said not yet: the device
+ * event lies in (*_after_ns, *_ns].  0 = not observed. */
 struct nccl_event {
 	struct event_header hdr;
 	__u64 end_ns;     /* return time, 0 while in flight */
@@ -88,8 +92,12 @@ struct nccl_event {
 	__u8 redop;
 	__u8 state;
 	__u32 _pad1;
+	__u64 started_ns;
+	__u64 started_after_ns;
+	__u64 completed_ns;
+	__u64 completed_after_ns;
 };
-_Static_assert(sizeof(struct nccl_event) == 112, "nccl_event size");
+_Static_assert(sizeof(struct nccl_event) == 144, "nccl_event size");
 
 /* Communicator lifecycle (init, split, destroy, abort, finalize, unique id). */
 struct comm_event {

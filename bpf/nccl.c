@@ -6,7 +6,9 @@
  * that symbol's arguments.  Older kernels get one entry program per symbol.
  *
  * Every call is one row of `nccl_ring`: opened at entry (state SCHEDULED,
- * result -1) and completed at return (result, end time, state STARTED last).
+ * result -1) and completed at return (result, end time, state ENQUEUED last).
+ * A collective's position is queued on its stream (cuda.h) when CUDA probes
+ * are attached, for cuda.c to add its device start and completion.
  * Lifecycle calls also write a row of the small `comm_ring`, so that the
  * communicator table never depends on the big ring.  `comms` maps
  * (pid, ncclComm_t) to the folded ncclUniqueId, rank, nranks and progress.
@@ -14,6 +16,7 @@
  * Only probe arguments, user memory and helpers are read: no kernel struct.
  */
 #include "common.h"
+#include "cuda.h"
 
 #define MAX_COMMS 8192
 #define MAX_INFLIGHT 8192
@@ -269,8 +272,14 @@ static __always_inline void open_nccl_row(struct call_state *cs, struct call_arg
 	e->redop = a->redop;
 	e->state = STATE_SCHEDULED;
 	e->_pad1 = 0;
+	e->started_ns = 0;
+	e->started_after_ns = 0;
+	e->completed_ns = 0;
+	e->completed_after_ns = 0;
 	publish(&e->hdr, pos);
 	cs->pos = pos;
+	if (is_data_op(a->op))
+		cuda_enqueue(cs->pid, a->stream, pos);
 }
 
 /* Lifecycle calls: a comm_ring row opened at entry.  InitRank* read the
@@ -573,7 +582,7 @@ static __always_inline void finish_comm_row(struct call_state *cs, s32 result, u
 	c->end_ns = ts;
 	c->result = result;
 	asm volatile("" ::: "memory");
-	*(volatile __u8 *)&c->state = STATE_STARTED;
+	*(volatile __u8 *)&c->state = STATE_ENQUEUED;
 }
 
 /* ncclCommInitAll: ids do not exist; all ranks are in this process, so a
@@ -607,7 +616,7 @@ static __always_inline void finish_init_all(struct call_state *cs, u32 tid, s32 
 		c->color = -1;
 		c->key = -1;
 		c->op = OP_COMM_INIT_ALL;
-		c->state = STATE_STARTED;
+		c->state = STATE_ENQUEUED;
 		c->_pad1 = 0;
 		c->result = result;
 		__builtin_memset(c->unique_id, 0, sizeof(c->unique_id));
@@ -632,7 +641,9 @@ static __always_inline void finish_nccl_row(struct call_state *cs, s32 result, u
 	e->end_ns = ts;
 	e->result = result;
 	asm volatile("" ::: "memory");
-	*(volatile __u8 *)&e->state = STATE_STARTED;
+	/* a synchronisation on another thread may have completed it already */
+	if (e->state == STATE_SCHEDULED)
+		*(volatile __u8 *)&e->state = STATE_ENQUEUED;
 }
 
 int handle_nccl_return(struct pt_regs *ctx)

@@ -1,10 +1,10 @@
 """The dump file: one node's ``Recording`` as a msgpack document.
 
-Layout (format version 1; every key is required, no other key is allowed;
+Layout (format version 2; every key is required, no other key is allowed;
 ``format`` and ``version`` come first, in this version and every later one,
 so that a newer layout is recognised as such before anything else is read)::
 
-    {"format": "stallwatch-dump", "version": 1,
+    {"format": "stallwatch-dump", "version": 2,
      "host": str, "boot_id": str,
      "agent": {"version": str, "args": [str, ...]},
      "trigger": null | {"kind": str, "reason": str, "incident_id": str, "time_ns": u64,
@@ -23,6 +23,11 @@ rows (``rows * itemsize`` bytes), so writing and reading cost one copy and no
 per-row Python.  Ring names must be those of ``dumpers.schema.RING_DTYPES`` and
 their dtype must equal that entry exactly: a ring this reader does not know is
 refused, not skipped, because a new ring means a new format version.
+
+Older versions are read and brought to today's records: version 1's NCCL
+rows lack the device columns (``started_ns`` ... ``completed_after_ns``, 0
+here: not observed) and numbered the lifecycle scheduled 0, returned 1,
+completed 2 (returned is ``ENQUEUED`` now; completed is 3).
 
 The reader refuses anything else with ``DumpFormatError`` (or
 ``DumpVersionError`` for a newer version), naming the file and the field; it
@@ -64,7 +69,7 @@ from .model import (
     Trigger,
     TriggerKind,
 )
-from .schema import RING_DTYPES
+from .schema import RING_DTYPES, State, ring_dtype
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +98,21 @@ def _descr(dtype: np.dtype) -> list[object]:
 
 
 _EXPECTED_DESCR = {name: _descr(dt) for name, dt in RING_DTYPES.items()}
+V1_COMPLETED = 2  # version 1's number for the completed state
+
+
+def upgrade_rows(name: str, rows: np.ndarray, version: int) -> np.ndarray:
+    """Rows of ring ``name`` from a dump of format ``version``, in today's
+    dtype (a copy when they differ; the rows themselves when not)."""
+    today = RING_DTYPES[name]
+    if rows.dtype == today:
+        return rows
+    out = np.zeros(len(rows), dtype=today)
+    for field in rows.dtype.names or ():
+        out[field] = rows[field]
+    if name == "nccl" and version <= 1:
+        out["state"][rows["state"] == V1_COMPLETED] = State.COMPLETED
+    return out
 
 
 def _trigger_doc(t: Trigger | None) -> dict[str, object] | None:
@@ -531,7 +551,7 @@ def _unpack(
     return doc, size - src.offset()
 
 
-def _check_header(doc: dict[str, object], c: _Checker) -> None:
+def _check_header(doc: dict[str, object], c: _Checker) -> int:
     fmt = doc.get("format")
     if fmt != FORMAT_NAME:
         found = repr(fmt)[:60] if "format" in doc else "no format field"
@@ -544,6 +564,7 @@ def _check_header(doc: dict[str, object], c: _Checker) -> None:
         )
     if version < 1:
         c.fail("version", f"expected a format version from 1 to {FORMAT_VERSION}, found {version}")
+    return version
 
 
 def _read_trigger(obj: object, c: _Checker) -> Trigger | None:
@@ -611,15 +632,17 @@ class DeferredRing:
     overwritten: int
     lost: int
     stamp: tuple[int, int, int]  # the file's (inode, size, mtime ns) when it was read
+    version: int = FORMAT_VERSION  # of the file: older rows are converted when read
 
     @property
     def nbytes(self) -> int:
-        return self.rows * RING_DTYPES[self.name].itemsize
+        return self.rows * ring_dtype(self.name, self.version).itemsize
 
     def read(self, buffer: bytearray | None = None) -> np.ndarray:
         """The rows, in ``buffer`` (at least ``nbytes`` long; the result is a
-        view of it) or in fresh memory.  DumpError if the file is gone or
-        changed since it was read."""
+        view of it, unless the file is of an older format: then converted
+        rows in fresh memory) or in fresh memory.  DumpError if the file is
+        gone or changed since it was read."""
         out = buffer if buffer is not None else bytearray(self.nbytes)
         if len(out) < self.nbytes:
             raise ValueError(f"buffer of {len(out)} bytes for {self.nbytes}")
@@ -639,7 +662,8 @@ class DeferredRing:
             raise DumpError(f"{self.path}: removed since it was first read") from None
         except OSError as exc:
             raise DumpError(f"{self.path}: cannot read: {exc.strerror or exc}") from None
-        return np.frombuffer(out, dtype=RING_DTYPES[self.name], count=self.rows)
+        rows = np.frombuffer(out, dtype=ring_dtype(self.name, self.version), count=self.rows)
+        return upgrade_rows(self.name, rows, self.version)
 
 
 @dataclass(frozen=True, slots=True)
@@ -648,17 +672,20 @@ class _Deferred:
     rows: int
     overwritten: int
     lost: int
+    version: int
 
 
-def _read_ring(name: str, obj: object, c: _Checker) -> Ring | _Deferred:
+def _read_ring(name: str, obj: object, c: _Checker, version: int) -> Ring | _Deferred:
     path = f"rings.{name[:40]}"
-    expected = _EXPECTED_DESCR.get(name)
-    if expected is None:
+    if name not in RING_DTYPES:
         c.fail(path, f"unknown ring (this reader knows {', '.join(RING_DTYPES)})")
+    dtype = ring_dtype(name, version)
     r = c.map(obj, path, _RING_KEYS)
-    if r["dtype"] != expected:
-        c.fail(f"{path}.dtype", "does not match this reader's schema for that ring")
-    dtype = RING_DTYPES[name]
+    if r["dtype"] != _descr(dtype):
+        c.fail(
+            f"{path}.dtype",
+            f"does not match this reader's schema for that ring (version {version})",
+        )
     rows = c.integer(r["rows"], f"{path}.rows")
     data = r["data"]
     if not isinstance(data, np.ndarray | _Skipped):  # _walk_map reads every ring's data itself
@@ -674,17 +701,18 @@ def _read_ring(name: str, obj: object, c: _Checker) -> Ring | _Deferred:
             rows,
             c.integer(r["overwritten"], f"{path}.overwritten"),
             c.integer(r["lost"], f"{path}.lost"),
+            version,
         )
     return Ring(
-        rows=data.view(dtype),
+        rows=upgrade_rows(name, data.view(dtype), version),
         overwritten=c.integer(r["overwritten"], f"{path}.overwritten"),
         lost=c.integer(r["lost"], f"{path}.lost"),
     )
 
 
-def _read_rings(obj: object, c: _Checker) -> dict[str, Ring | _Deferred]:
+def _read_rings(obj: object, c: _Checker, version: int) -> dict[str, Ring | _Deferred]:
     rings = c.map(obj, "rings", None)
-    return {name: _read_ring(name, ring, c) for name, ring in rings.items()}
+    return {name: _read_ring(name, ring, c, version) for name, ring in rings.items()}
 
 
 def _read_counters(obj: object, c: _Checker) -> dict[str, int]:
@@ -710,7 +738,7 @@ def _decode_parts(
 ) -> tuple[Recording, dict[str, _Deferred]]:
     c = _Checker(name)
     doc, trailing = _unpack(stream, size, name, defer)
-    _check_header(doc, c)
+    version = _check_header(doc, c)
     if trailing:
         c.fail("document", f"{trailing} unexpected bytes after the document")
     doc = c.map(doc, "document", _TOP_KEYS)
@@ -718,7 +746,7 @@ def _decode_parts(
     clock = c.map(doc["clock"], "clock", ("monotonic_ns", "realtime_ns"))
     procs = c.array(doc["processes"], "processes")
     comms = c.array(doc["communicators"], "communicators")
-    rings = _read_rings(doc["rings"], c)
+    rings = _read_rings(doc["rings"], c, version)
     rec = Recording(
         host=c.string(doc["host"], "host"),
         boot_id=c.string(doc["boot_id"], "boot_id"),
@@ -756,7 +784,7 @@ def read_dump_deferred(
             rec, deferred = _decode_parts(stream, st.st_size, name, frozenset(defer))
             stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
             return rec, {
-                k: DeferredRing(name, k, d.offset, d.rows, d.overwritten, d.lost, stamp)
+                k: DeferredRing(name, k, d.offset, d.rows, d.overwritten, d.lost, stamp, d.version)
                 for k, d in deferred.items()
             }
     except IsADirectoryError:

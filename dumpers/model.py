@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 FORMAT_NAME = "stallwatch-dump"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: nccl rows carry device start and completion
 
 
 class TriggerKind(enum.Enum):

@@ -90,10 +90,31 @@ NCCL_SYMBOLS: dict[str, Op] = {
 }
 
 
+# CUDA runtime functions probed (bpf/cuda.c), in every libcudart.so.<major>:
+# symbol -> whether its return is probed too (the answer of a query or sync).
+CUDA_SYMBOLS: dict[str, bool] = {
+    "cudaEventRecord": False,
+    "cudaEventRecord_ptsz": False,
+    "cudaEventRecordWithFlags": False,
+    "cudaEventRecordWithFlags_ptsz": False,
+    "cudaStreamWaitEvent": False,
+    "cudaStreamWaitEvent_ptsz": False,
+    "cudaEventQuery": True,
+    "cudaEventSynchronize": True,
+    "cudaStreamQuery": True,
+    "cudaStreamQuery_ptsz": True,
+    "cudaStreamSynchronize": True,
+    "cudaStreamSynchronize_ptsz": True,
+}
+
+
 class State(enum.IntEnum):
-    SCHEDULED = 0
-    STARTED = 1
-    COMPLETED = 2
+    """How far a call got, as the host observed it (bpf/events.h STATE_*)."""
+
+    SCHEDULED = 0  # entered
+    ENQUEUED = 1  # returned: queued on its stream (done, for a blocking library)
+    STARTED = 2  # the device began it
+    COMPLETED = 3  # the device finished it
 
 
 class DataType(enum.IntEnum):
@@ -172,27 +193,29 @@ _HEADER = [
     ("_pad0", "<u4"),
 ]
 
-NCCL_EVENT = np.dtype(
-    [
-        *_HEADER,
-        ("end_ns", "<u8"),
-        ("comm", "<u8"),
-        ("comm_hash", "<u8"),
-        ("count", "<u8"),
-        ("bytes", "<u8"),
-        ("stream", "<u8"),
-        ("seq", "<u8"),
-        ("rank", "<i4"),
-        ("nranks", "<i4"),
-        ("peer", "<i4"),
-        ("result", "<i4"),
-        ("op", "u1"),
-        ("datatype", "u1"),
-        ("redop", "u1"),
-        ("state", "u1"),
-        ("_pad1", "<u4"),
-    ]
-)
+_NCCL_V1_FIELDS: list[tuple[str, str]] = [
+    *_HEADER,
+    ("end_ns", "<u8"),
+    ("comm", "<u8"),
+    ("comm_hash", "<u8"),
+    ("count", "<u8"),
+    ("bytes", "<u8"),
+    ("stream", "<u8"),
+    ("seq", "<u8"),
+    ("rank", "<i4"),
+    ("nranks", "<i4"),
+    ("peer", "<i4"),
+    ("result", "<i4"),
+    ("op", "u1"),
+    ("datatype", "u1"),
+    ("redop", "u1"),
+    ("state", "u1"),
+    ("_pad1", "<u4"),
+]
+# The device-side columns the CUDA probes fill (format version 2 on).
+DEVICE_FIELDS = ("started_ns", "started_after_ns", "completed_ns", "completed_after_ns")
+NCCL_EVENT = np.dtype([*_NCCL_V1_FIELDS, *((name, "<u8") for name in DEVICE_FIELDS)])
+NCCL_EVENT_V1 = np.dtype(_NCCL_V1_FIELDS)
 
 COMM_EVENT = np.dtype(
     [
@@ -243,6 +266,18 @@ RING_DTYPES: dict[str, np.dtype] = {
     "sched": SCHED_EVENT,
     "exit": EXIT_EVENT,
 }
+
+# Dump format version -> the rings whose dtype was different then (dumpers.format
+# reads them and converts their rows to today's dtype).
+RING_DTYPES_BEFORE: dict[int, dict[str, np.dtype]] = {1: {"nccl": NCCL_EVENT_V1}}
+
+
+def ring_dtype(name: str, version: int) -> np.dtype:
+    """The dtype of ring ``name`` in a dump of format ``version``."""
+    for v in sorted(RING_DTYPES_BEFORE):
+        if version <= v and name in RING_DTYPES_BEFORE[v]:
+            return RING_DTYPES_BEFORE[v][name]
+    return RING_DTYPES[name]
 
 
 def splitmix64(x: int) -> int:

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from stallwatch.dumpers.errors import ProbeError
 from stallwatch.dumpers.model import Clock, Recording, Ring, Trigger
-from stallwatch.dumpers.schema import NCCL_SYMBOLS
+from stallwatch.dumpers.schema import CUDA_SYMBOLS, NCCL_SYMBOLS
 
 from . import discovery
 from .metrics import AgentStats, RingStats, agent_metrics_text
@@ -125,23 +125,29 @@ class Agent:
     # ---- discovery ------------------------------------------------------
 
     def attach_library(self, path: str, required: bool = False) -> AttachedLibrary | None:
-        """Attach every NCCL symbol ``path`` defines, once per file."""
+        """Attach every NCCL symbol ``path`` defines, or every CUDA runtime
+        symbol we probe if it is a CUDA runtime, once per file."""
         try:
             lib_id = discovery.library_id(path)
             functions = discovery.elf_functions(path, NCCL_SYMBOLS)
+            wanted: tuple[str, ...] = tuple(NCCL_SYMBOLS)
+            if not functions:
+                functions = discovery.elf_functions(path, CUDA_SYMBOLS)
+                wanted = tuple(CUDA_SYMBOLS)
         except (OSError, ValueError) as exc:
             return self._attach_failed(path, f"cannot read {path}: {exc}", required)
         if lib_id in self.libraries:
             return self.libraries[lib_id]
         if not functions:
-            return self._attach_failed(path, f"{path} defines no NCCL symbol", required)
+            why = f"{path} defines no NCCL symbol (nor the CUDA runtime's)"
+            return self._attach_failed(path, why, required)
         firsts = {n: discovery.first_instruction(path, f) for n, f in functions.items()}
         try:
             for name in functions:
                 self.source.attach(path, name)
         except ProbeError as exc:
             return self._attach_failed(path, str(exc), required)
-        skipped = tuple(s for s in NCCL_SYMBOLS if s not in functions)
+        skipped = tuple(s for s in wanted if s not in functions)
         lib = AttachedLibrary(path, tuple(functions), skipped, firsts)
         self.libraries[lib_id] = lib
         self._log_attached(lib)

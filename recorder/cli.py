@@ -74,7 +74,7 @@ def _register_record(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         action="append",
         default=[],
         metavar="PATH",
-        help="attach to this libnccl too (repeatable)",
+        help="attach to this libnccl (or CUDA runtime, libcudart.so.N) too (repeatable)",
     )
     p.add_argument(
         "--pid",

@@ -2,9 +2,10 @@
 
 - ``ProcessScanner`` lists ``/proc`` and reads the maps of processes it has
   not classified yet: a library named ``libnccl.so*`` anywhere on disk
-  (virtual environments included).  Processes that map no NCCL are re-read
-  while young (a Python rank loads NCCL a few seconds after it starts), then
-  rarely, so a scan stays cheap.
+  (virtual environments included: the cu12 and cu13 wheels alike), and the
+  CUDA runtime ``libcudart.so.<major>`` the same process maps.  Processes
+  that map no NCCL are re-read while young (a Python rank loads NCCL a few
+  seconds after it starts), then rarely, so a scan stays cheap.
 - ``elf_functions`` reads the ELF symbol tables (``.dynsym`` and ``.symtab``)
   of a file: which NCCL entry points it defines and where they start, so a
   missing symbol is skipped rather than failing the attach, a statically
@@ -30,6 +31,10 @@ from pathlib import Path
 from stallwatch.dumpers.model import ProcessInfo
 
 NCCL_LIB = re.compile(r"/libnccl\.so[^/]*$")
+# NCCL and the CUDA runtime a process maps beside it (any major version:
+# libcudart.so.12 from nvidia-cuda-runtime-cu12, .13 from nvidia-cuda-runtime)
+GPU_LIBS = re.compile(r"/(libnccl\.so[^/]*|libcudart\.so\.[0-9]+(\.[0-9.]+)?)$")
+CUDART_LIB = re.compile(r"/libcudart\.so\.[0-9]+(\.[0-9.]+)?$")
 LIBC = re.compile(r"/libc(\.so\.6|-[0-9.]+\.so)$")
 YOUNG_S = 30.0  # a process this young may still load NCCL: its maps are re-read
 YOUNG_RESCAN_S = 0.5  # this often (a new process is read at its first scan)
@@ -136,8 +141,12 @@ def library_id(path: str) -> LibraryId:
 
 
 def mapped_nccl_libs(pid: int) -> tuple[str, ...] | None:
-    """Paths of libnccl* files mapped by ``pid``; None if it is gone."""
-    return mapped_files(pid, NCCL_LIB, "libnccl")
+    """Paths of the libnccl* files mapped by ``pid``, and of the CUDA runtime
+    beside them (empty if it maps no libnccl); None if it is gone."""
+    libs = mapped_files(pid, GPU_LIBS, "libnccl")
+    if libs and not any(NCCL_LIB.search(p) for p in libs):
+        return ()
+    return libs
 
 
 def mapped_libc(pid: int) -> str | None:

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 from stallwatch.dumpers.errors import ProbeError
-from stallwatch.dumpers.schema import NCCL_SYMBOLS, RING_DTYPES
+from stallwatch.dumpers.schema import CUDA_SYMBOLS, NCCL_SYMBOLS, RING_DTYPES
 
 from . import discovery
 from .rings import check_ring_size
@@ -52,7 +52,8 @@ def _bpf_dir() -> Path:
 
 
 BPF_DIR = _bpf_dir()
-SOURCES = ("common.h", "nccl.c", "tcp.c", "sched.c", "proc.c")
+# cuda.h before nccl.c: BCC rewrites map accesses only in the text it is given
+SOURCES = ("common.h", "cuda.h", "nccl.c", "cuda.c", "tcp.c", "sched.c", "proc.c")
 
 # uprobe_multi: one entry program for every symbol (cookie = SYMBOL_COOKIES).
 MULTI_ENTRY_PROGRAM = "handle_nccl_enter"
@@ -86,6 +87,28 @@ SYMBOL_COOKIES: dict[str, int] = {name: i + 1 for i, name in enumerate(ENTRY_PRO
 EXIT_PROGRAM = "handle_libc_exit"
 assert set(ENTRY_PROGRAMS) == set(NCCL_SYMBOLS), "ENTRY_PROGRAMS out of sync with schema"
 
+# The CUDA runtime (bpf/cuda.c): one entry program told the symbol by its
+# cookie (CSYM_<symbol>), one return program for the queries and syncs.
+CUDA_ENTRY_PROGRAM = "handle_cuda_enter"
+CUDA_RETURN_PROGRAM = "handle_cuda_return"
+CUDA_ENTRY_PROGRAMS: dict[str, str] = {
+    "cudaEventRecord": "handle_enter_event_record",
+    "cudaEventRecord_ptsz": "handle_enter_event_record_ptsz",
+    "cudaEventRecordWithFlags": "handle_enter_event_record_flags",
+    "cudaEventRecordWithFlags_ptsz": "handle_enter_event_record_flags_ptsz",
+    "cudaStreamWaitEvent": "handle_enter_stream_wait_event",
+    "cudaStreamWaitEvent_ptsz": "handle_enter_stream_wait_event_ptsz",
+    "cudaEventQuery": "handle_enter_event_query",
+    "cudaEventSynchronize": "handle_enter_event_synchronize",
+    "cudaStreamQuery": "handle_enter_stream_query",
+    "cudaStreamQuery_ptsz": "handle_enter_stream_query_ptsz",
+    "cudaStreamSynchronize": "handle_enter_stream_synchronize",
+    "cudaStreamSynchronize_ptsz": "handle_enter_stream_synchronize_ptsz",
+}
+CUDA_COOKIES: dict[str, int] = {name: i + 1 for i, name in enumerate(CUDA_ENTRY_PROGRAMS)}
+assert set(CUDA_ENTRY_PROGRAMS) == set(CUDA_SYMBOLS), "CUDA_ENTRY_PROGRAMS out of sync"
+ELF_SYMBOLS = (*NCCL_SYMBOLS, *CUDA_SYMBOLS, "_exit")
+
 # Ring name -> (index of its head in `heads`, BPF map name, cflag for its slots).
 RING_MAPS: dict[str, tuple[int, str, str]] = {
     "nccl": (0, "nccl_ring", "NCCL_RING_SLOTS"),
@@ -105,6 +128,7 @@ DROP_NAMES = (
     "kernel_comms_full",
     "kernel_sock_owner_full",
     "kernel_runq_maps_full",
+    "kernel_cuda_queue_full",
 )
 HEAD_STRIDE_U64 = 8  # struct ring_head: one 64-byte line per ring
 
@@ -154,6 +178,7 @@ def cflags(sizes: RingSizes, runq_threshold_ns: int) -> list[str]:
     flags = [f"-I{BPF_DIR}", f"-DRUNQ_THRESHOLD_NS={runq_threshold_ns}ULL"]
     flags += [f"-D{RING_MAPS[name][2]}={n}" for name, n in sizes.as_dict().items()]
     flags += [f"-DSYM_{name}={cookie}" for name, cookie in SYMBOL_COOKIES.items()]
+    flags += [f"-DCSYM_{name}={cookie}" for name, cookie in CUDA_COOKIES.items()]
     return flags
 
 
@@ -364,7 +389,8 @@ class Probes:
         self._multi = False
         # BCC caches programs by name, and one loaded for uprobe_multi cannot
         # be attached to a perf event: BCC must load them again.
-        for name in (MULTI_ENTRY_PROGRAM, RETURN_PROGRAM, EXIT_PROGRAM):
+        for name in (MULTI_ENTRY_PROGRAM, RETURN_PROGRAM, EXIT_PROGRAM, CUDA_ENTRY_PROGRAM,
+                     CUDA_RETURN_PROGRAM):  # fmt: skip
             fn = self.bpf.funcs.pop(name.encode(), None)
             if fn is not None:
                 os.close(fn.fd)
@@ -377,7 +403,7 @@ class Probes:
     def _offset(self, path: str, symbol: str, program: str) -> int:
         if path not in self._offsets:
             try:
-                self._offsets[path] = discovery.elf_functions(path, [*NCCL_SYMBOLS, "_exit"])
+                self._offsets[path] = discovery.elf_functions(path, ELF_SYMBOLS)
             except (OSError, ValueError) as exc:
                 raise ProbeError(
                     f"cannot attach uprobe program {program} to {symbol} in {path}: {exc}"
@@ -422,11 +448,26 @@ class Probes:
         return True
 
     def attach_symbol(self, path: str, symbol: str) -> None:
+        if symbol in CUDA_SYMBOLS:
+            self._attach_cuda(path, symbol)
+            return
         programs = ((MULTI_ENTRY_PROGRAM, LinkKind.ENTRY), (RETURN_PROGRAM, LinkKind.RETURN))
         if self._link(path, symbol, SYMBOL_COOKIES[symbol], programs):
             return
         programs = ((ENTRY_PROGRAMS[symbol], LinkKind.ENTRY), (RETURN_PROGRAM, LinkKind.RETURN))
         for program, kind in programs:
+            self._perf_uprobe(path, symbol, program, kind)
+
+    def _attach_cuda(self, path: str, symbol: str) -> None:
+        """A CUDA runtime function; from the first one on, nccl.c queues every
+        collective on its stream (the `cuda_on` flag)."""
+        flag = self.bpf[b"cuda_on"]
+        flag[flag.Key(0)] = flag.Leaf(1)
+        returns = ((CUDA_RETURN_PROGRAM, LinkKind.RETURN),) if CUDA_SYMBOLS[symbol] else ()
+        programs = ((CUDA_ENTRY_PROGRAM, LinkKind.ENTRY), *returns)
+        if self._link(path, symbol, CUDA_COOKIES[symbol], programs):
+            return
+        for program, kind in ((CUDA_ENTRY_PROGRAMS[symbol], LinkKind.ENTRY), *returns):
             self._perf_uprobe(path, symbol, program, kind)
 
     def attach_exit(self, libc: str) -> None:

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from stallwatch.dumpers import format as fmt
 from stallwatch.dumpers.errors import DumpError, DumpFormatError, DumpVersionError, DumpWriteError
 from stallwatch.dumpers.model import FORMAT_VERSION, Recording, Ring
-from stallwatch.dumpers.schema import RING_DTYPES
+from stallwatch.dumpers.schema import DEVICE_FIELDS, NCCL_EVENT_V1, RING_DTYPES, State
 
 from tests.dump_samples import (
     U64_MAX,
@@ -99,6 +99,46 @@ def test_encode_refuses_a_recording_that_breaks_the_model(tmp_path: Path) -> Non
 # ---------------------------------------------------------------- validation
 
 
+def _as_version_1(rec: Recording) -> bytes:
+    """``rec`` written as format version 1 wrote it: NCCL rows without the
+    device columns, the completed state numbered 2."""
+    doc = _doc(rec)
+    doc["version"] = 1
+    rows = rec.rings["nccl"].rows
+    old = np.zeros(len(rows), NCCL_EVENT_V1)
+    for name in NCCL_EVENT_V1.names or ():
+        old[name] = rows[name]
+    old["state"][rows["state"] == State.COMPLETED] = 2
+    ring = doc["rings"]["nccl"]  # type: ignore[index]
+    ring["dtype"] = fmt._descr(NCCL_EVENT_V1)
+    ring["data"] = old.tobytes()
+    return msgpack.packb(doc, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def test_version_1_dumps_are_read_into_todays_rows(tmp_path: Path) -> None:
+    rec = sample_recording(50)
+    rows = rec.rings["nccl"].rows
+    rows["state"][:10] = State.ENQUEUED  # version 1 called it "started": returned
+    for name in DEVICE_FIELDS:
+        rows[name] = 0  # version 1 had none
+    path = tmp_path / "old.msgpack"
+    path.write_bytes(_as_version_1(rec))
+    back = fmt.read_dump(path)
+    assert back.rings["nccl"].rows.dtype == RING_DTYPES["nccl"]
+    assert (back.rings["nccl"].rows == rows).all()
+    assert (rows["state"] == State.COMPLETED).any()  # 2 then, 3 now
+    _, deferred = fmt.read_dump_deferred(path, ["nccl"])
+    assert deferred["nccl"].nbytes == 50 * NCCL_EVENT_V1.itemsize
+    assert (deferred["nccl"].read(bytearray(deferred["nccl"].nbytes)) == rows).all()
+
+
+def test_a_version_1_lab_dump_still_reads() -> None:
+    back = fmt.read_dump(Path(__file__).parent / "data" / "lab-hang-2x2" / "node0.msgpack")
+    rows = back.rings["nccl"].rows
+    assert len(rows) > 100 and set(np.unique(rows["state"])) == {State.SCHEDULED, State.ENQUEUED}
+    assert not rows["completed_ns"].any()
+
+
 def test_newer_version_is_refused_with_its_message() -> None:
     doc = _doc(sample_recording())
     doc["version"] = FORMAT_VERSION + 1
@@ -158,8 +198,8 @@ def _delete(path: str):  # type: ignore[no-untyped-def]
 
 
 BAD_FIELDS = [
-    (_ring_data_too_short, "rings.nccl.data: expected 11200 bytes for 100 rows, found 5"),
-    (_set("rings.nccl.rows", 99), "rings.nccl.data: expected 11088 bytes for 99 rows"),
+    (_ring_data_too_short, "rings.nccl.data: expected 14400 bytes for 100 rows, found 5"),
+    (_set("rings.nccl.rows", 99), "rings.nccl.data: expected 14256 bytes for 99 rows"),
     (_set("rings.nccl.rows", -1), "rings.nccl.rows: expected an integer in"),
     (_set("rings.nccl.data", "text"), "rings.nccl.data: expected binary data"),
     (_set("rings.nccl.dtype", [["pos", "<u8"]]), "rings.nccl.dtype: does not match"),

@@ -129,7 +129,7 @@ def check_scenario(agent: Agent, fake: FakeNccl) -> None:
     rec = agent.snapshot()
     rows = rows_of(rec, "nccl", pid)
     assert [Op(o) for o in rows["op"]] == [Op.GET_UNIQUE_ID, *SCENARIO_OPS]
-    assert (rows["state"] == State.STARTED).all()
+    assert (rows["state"] == State.ENQUEUED).all()
     assert (rows["end_ns"] >= rows["ts_ns"]).all()
     init = rows[1]
     assert (init["rank"], init["nranks"], init["comm"], init["comm_hash"]) == (2, 4, comm, h)

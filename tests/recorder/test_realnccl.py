@@ -74,7 +74,7 @@ def test_agent_records_real_libnccl_calls(tmp_path: Path) -> None:
     rows = rows[rows["pid"] == pid]
     assert [Op(o) for o in rows["op"]] == [Op.GET_UNIQUE_ID, Op.ALL_REDUCE, Op.BROADCAST]
     assert list(rows["result"]) == [0, Result.INVALID_ARGUMENT, Result.INVALID_ARGUMENT]
-    assert (rows["state"] == State.STARTED).all()
+    assert (rows["state"] == State.ENQUEUED).all()
     assert list(rows["count"][1:]) == [10, 3] and rows[2]["peer"] == 1
     comm_rows = rec.rings["comm"].rows
     (id_row,) = comm_rows[(comm_rows["pid"] == pid) & (comm_rows["op"] == Op.GET_UNIQUE_ID)]

@@ -32,7 +32,7 @@ def _uid(port: int) -> bytes:
 def _comm_row(op: Op, pid: int, comm: int, h: int, **kw: object) -> np.ndarray:
     row = np.zeros(1, dtype=COMM_EVENT)
     row["op"], row["pid"], row["comm"], row["comm_hash"] = op, pid, comm, h
-    row["state"], row["result"], row["ts_ns"] = State.STARTED, 0, kw.pop("ts", 100)
+    row["state"], row["result"], row["ts_ns"] = State.ENQUEUED, 0, kw.pop("ts", 100)
     row["rank"], row["nranks"], row["color"], row["key"] = -1, -1, -1, -1
     for k, v in kw.items():
         row[k] = np.frombuffer(v, np.uint8) if isinstance(v, bytes) else v
@@ -68,7 +68,7 @@ def test_split_rows_leave_rank_to_the_analyzer_and_pending_rows_wait() -> None:
     split["pos"] = 1
     table.apply_rows(split)
     assert table.infos() == ()
-    split["state"] = State.STARTED
+    split["state"] = State.ENQUEUED
     table.apply_rows(split)
     (info,) = table.infos()
     assert (info.rank, info.nranks, info.parent_hash, info.color, info.key) == (
@@ -212,12 +212,12 @@ def test_a_file_without_nccl_is_reported_not_fatal_unless_required(tmp_path: Pat
 
 
 def test_pid_with_nccl_linked_in_statically_attaches_to_its_executable(tmp_path: Path) -> None:
-    from bench.fakenccl import CSRC
+    from bench.fakenccl import CSRC, NCCL_HEADER_DIR
 
     exe = tmp_path / "static-trainer"
     cc = shutil.which("cc") or "gcc"
     subprocess.run(
-        [cc, "-O0", "-fcf-protection=none", "-o", str(exe),
+        [cc, "-O0", "-fcf-protection=none", f"-I{NCCL_HEADER_DIR}", "-o", str(exe),
          str(CSRC / "ncclloop.c"), str(CSRC / "fakenccl.c")],
         check=True,
     )  # fmt: skip

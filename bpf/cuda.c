@@ -127,7 +127,8 @@ static __always_inline void mark_completed(struct nccl_event *e, u64 ts, u64 aft
 
 static __always_inline void mark_started(struct nccl_event *e, u64 ts, u64 after)
 {
-	if (e->started_ns)
+	/* seen complete first (a sync): when it started was not observed */
+	if (e->started_ns || e->completed_ns)
 		return;
 	e->started_after_ns = max_u64(e->hdr.ts_ns, after);
 	e->started_ns = ts;

@@ -47,13 +47,14 @@ def lab_run(*args: str, timeout: float = 240) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def lab_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
-    from stallwatch.lab.build import ensure_built
+    from stallwatch.lab.build import ensure_built, ensure_cudart
 
     lib = ensure_built()
     agent = Agent(
         AgentConfig(dump_dir=tmp_path_factory.mktemp("dumps")), BccSource(1 << 16, 1_000_000)
     )
     agent.attach_library(str(lib), required=True)
+    agent.attach_library(str(ensure_cudart()), required=True)
     yield agent
     agent.close()
 
@@ -100,6 +101,46 @@ def test_one_row_per_call_with_ranks_seq_and_comm_ids(lab_agent: Agent, mode: st
     split_ids = set().union(*hashes.values())
     assert not world & split_ids  # and different between communicators
     assert all(len(v) <= 2 for v in hashes.values())  # tp/dp: one id per group
+
+
+def _device_rows(rows: np.ndarray, rank: dict[str, Any]) -> list[tuple[np.void, dict[str, Any]]]:
+    """Each collective row of a rank with the rank's own log of that call:
+    the n-th collective on a communicator is its n-th logged "coll" work."""
+    pairs = []
+    for label, comm in rank["comms"].items():
+        h = int(comm["id_hash"], 16)
+        mine = rows[(rows["comm_hash"] == h) & np.isin(rows["op"], list(range(1, 9)))]
+        works = [w for w in rank["device_log"] if w["label"] == label and w["kind"] == "coll"]
+        assert len(mine) == len(works), f"rank {rank['world_rank']} {label}"
+        pairs += zip(np.sort(mine, order="seq"), works, strict=True)
+    return pairs
+
+
+def test_gpu_mode_completion_lies_between_return_and_the_next_observation(
+    lab_agent: Agent,
+) -> None:
+    """Every collective's device completion, taken by the kernel from the
+    runtime's event and stream calls, is after the call returned and no later
+    than the first successful poll or synchronisation the rank itself saw."""
+    result = lab_run("--nodes", "2", "--ranks-per-node", "2", "--steps", "10", "--mode", "gpu")
+    assert result["ok"], result
+    rows = lab_agent.snapshot().rings["nccl"].rows
+    pairs = [
+        p for rank in result["ranks"] for p in _device_rows(rows[rows["pid"] == rank["pid"]], rank)
+    ]
+    assert len(pairs) == 4 * 10 * 5
+    completed = [(row, work) for row, work in pairs if row["completed_ns"]]
+    assert len(completed) >= 0.99 * len(pairs)
+    for row, work in completed:
+        assert row["state"] == State.COMPLETED
+        assert row["end_ns"] <= row["completed_after_ns"] < row["completed_ns"]
+        assert row["completed_ns"] <= work["seen_ns"], (row, work)
+        if row["started_ns"]:
+            assert (
+                row["ts_ns"] <= row["started_after_ns"] < row["started_ns"] <= row["completed_ns"]
+            )
+    started = sum(1 for row, _ in pairs if row["started_ns"])
+    assert started >= 0.9 * len(pairs)  # the watchdog polls start events too
 
 
 def _dumps_by_node(result: dict[str, Any]) -> dict[int, Recording]:

@@ -23,7 +23,11 @@ clock pair.
 
 Nullable columns: ``end_ns``/``duration_ns``/``result`` of ``nccl_events`` are
 NULL while the call is in flight; ``rank``/``nranks`` are NULL when neither
-the event nor the communicator table knows them.
+the event nor the communicator table knows them; ``started_ns``,
+``completed_ns`` and their ``*_after_ns`` bounds are NULL where the device side
+was not observed (no CUDA runtime probed, or the call never got there).
+``state`` is the furthest of scheduled / enqueued / started / completed the
+call reached.
 
 Known limits: a communicator pointer reused by the same process after a
 destroy is told apart by its init/destroy times only.
@@ -40,6 +44,7 @@ import pyarrow as pa
 from . import addresses
 from .model import CommInfo, Recording
 from .schema import (
+    DEVICE_FIELDS,
     RING_DTYPES,
     ExitEvent,
     RedOp,
@@ -202,6 +207,18 @@ def nccl_columns(rec: Recording) -> Columns:
     cols["result"] = _maybe_null(result, result == Result.PENDING)
     cols["comm"] = pa.array(rows["comm"].astype(np.uint64))
     cols["stream"] = pa.array(rows["stream"].astype(np.uint64))
+    cols.update(_device_columns(rows))
+    return cols
+
+
+def _device_columns(rows: np.ndarray) -> Columns:
+    """When the device started and completed the call, as first observed
+    (NULL: never), and the latest time it was still seen not to have: the
+    device event lies in (``*_after_ns``, ``*_ns``]."""
+    cols: Columns = {}
+    for name in DEVICE_FIELDS:
+        values = rows[name].astype(np.int64)
+        cols[name] = _maybe_null(values, values == 0)
     return cols
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from stallwatch.dumpers.errors import QueryError, QueryRefused
 from stallwatch.dumpers.model import Recording, Ring
-from stallwatch.dumpers.schema import EXIT_EVENT, SCHED_EVENT, TCP_EVENT, ExitEvent, Op, TcpEvent
+from stallwatch.dumpers.schema import EXIT_EVENT, SCHED_EVENT, TCP_EVENT, ExitEvent, Op, State, TcpEvent
 from stallwatch.dumpers.sqltables import TABLE_NAMES, tables
 from stallwatch.query.sql import LOCAL, Limits, QueryEngine, sandboxed_connection
 
@@ -82,6 +82,32 @@ def test_nccl_events_columns(lossy: Recording) -> None:
     assert done[9] == COMM_HASH  # UBIGINT above 2**63, exact
     assert in_flight[1] == "scheduled"
     assert in_flight[3] == 1 and in_flight[4] == 0 and in_flight[5] == 0  # NULL while in flight
+
+
+def test_device_start_and_completion_columns(lossy: Recording) -> None:
+    rows = lossy.rings["nccl"].rows.copy()
+    returned = rows["end_ns"] != 0
+    rows["state"][returned] = State.ENQUEUED
+    first = np.flatnonzero(returned)[:3]
+    rows["started_after_ns"][first] = rows["end_ns"][first] + 1
+    rows["started_ns"][first] = rows["end_ns"][first] + 5
+    rows["completed_after_ns"][first] = rows["end_ns"][first] + 5
+    rows["completed_ns"][first] = rows["end_ns"][first] + 9
+    rows["state"][first] = State.COMPLETED
+    rows["state"][first[2]] = State.STARTED
+    rows["completed_ns"][first[2]] = rows["completed_after_ns"][first[2]] = 0
+    rec = dataclasses.replace(lossy, rings={**lossy.rings, "nccl": Ring(rows)})
+    with QueryEngine([rec], LOCAL) as engine:
+        r = engine.query(
+            "SELECT state, count(*), count(started_ns), count(completed_ns), "
+            "max(completed_ns - end_ns), max(completed_ns - completed_after_ns) "
+            "FROM nccl_events GROUP BY state ORDER BY state"
+        )
+    by_state = {row[0]: row[1:] for row in r.rows}
+    assert set(by_state) == {"scheduled", "enqueued", "started", "completed"}
+    assert by_state["completed"] == (2, 2, 2, 9, 4)
+    assert by_state["started"] == (1, 1, 0, None, None)
+    assert by_state["enqueued"][1:3] == (0, 0)  # never observed: NULL
 
 
 def test_wall_time_is_the_monotonic_timestamp_converted(lossy: Recording) -> None:

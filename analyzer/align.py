@@ -249,6 +249,7 @@ def _extract(
         return _Extract(s, slice(at, at), complete, None, NO_PIDS, (), ())
     raw = raw if raw.dtype == NCCL_EVENT else raw.astype(NCCL_EVENT)
     keep = IS_CALL[raw["op"]]
+    times = _device_timeline(raw, keep)
     # an agent's process table is its scope (one node); without one, every pid
     scope = _listed_pids(rec)
     if not len(scope):
@@ -260,7 +261,7 @@ def _extract(
     dst = slice(at, at + n)
     stage["proc"][dst] = index[sel]
     for name, src in (*CALL_FIELDS, ("crank", "rank"), ("hash", "comm_hash")):
-        stage[name][dst] = raw[src][sel]
+        stage[name][dst] = (times[name] if name in times else raw[src])[sel]
     index, rank, comm_hash = stage["proc"][dst], stage["crank"][dst], stage["hash"][dst]
     unknown = comm_hash == 0
     if unknown.any():  # fill from the process's comm table by pointer
@@ -288,6 +289,25 @@ def _extract(
     latest = int(max(stage["ts"][dst].max(), stage["end"][dst].max())) if n else None
     pids = tuple(int(p) for p in scope[used])
     return _Extract(s, dst, complete, latest, scope, pids, members)
+
+
+def _device_timeline(raw: np.ndarray, keep: np.ndarray) -> dict[str, np.ndarray]:
+    """Calls of processes whose device side was observed (any call seen
+    completed: the CUDA probes), on the device's timeline: entered when the
+    device started them, returned when it completed them (0: still running
+    there).  A call the device never reached is left out (``keep``): at a
+    hang, the rank whose device stopped is the one that never "entered".
+    A call seen completed but not started keeps its host entry.  Other
+    processes keep their host times.  Updates ``keep``; returns ts and end."""
+    done = raw["completed_ns"] > 0
+    if not done.any():
+        return {}
+    gpu = np.isin(raw["pid"], np.unique(raw["pid"][done])) & keep
+    started = raw["started_ns"] > 0
+    ts = np.where(gpu & started, raw["started_ns"], raw["ts_ns"]).astype(np.int64)
+    end = np.where(gpu, raw["completed_ns"], raw["end_ns"]).astype(np.int64)
+    keep &= ~(gpu & ~started & ~done)
+    return {"ts": ts, "end": end}
 
 
 def _host_now(extracts: list[_Extract]) -> dict[str, int]:

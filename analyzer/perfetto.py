@@ -1,7 +1,9 @@
 """An incident as a Chrome/Perfetto trace (the JSON trace-event format).
 
 One trace process per host, one track (thread) per rank and communicator,
-each NCCL call a complete slice ("X") carrying op, seq, bytes and state;
+each NCCL call a complete slice ("X") carrying op, seq, bytes and state,
+and where the CUDA probes saw it complete, its device span (seen started, or
+queued, to seen completed) on a "device" track beside the host's;
 TCP retransmits and run-queue delays are instant events on the owning rank's
 "kernel" track; each verdict is a global instant marker.  Times are wall
 clock microseconds (each host's monotonic stamps converted with the clock
@@ -27,6 +29,7 @@ from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.schema import State, TcpEvent, datatype_name, op_name
 
 _STATE_NAMES = {int(s): s.name.lower() for s in State}
+_DEVICE_TRACK = "device"
 _KERNEL_TRACK = "kernel"
 
 
@@ -132,7 +135,40 @@ def _nccl_slices(rec: Recording, tracks: _Tracks, ranks: dict[int, int]) -> list
                 },
             }
         )
+        device = _device_slice(rec, tracks, row, label, op)
+        if device is not None:
+            out.append(device)
     return out
+
+
+def _device_slice(
+    rec: Recording, tracks: _Tracks, row: np.void, label: str, op: str
+) -> dict[str, object] | None:
+    """The call on the device, on a track beside the host's: from when it was
+    seen started (or, unseen, when the host queued it) to when it was seen
+    completed.  None where no completion was observed."""
+    done = int(row["completed_ns"])
+    if not done:
+        return None
+    begin = int(row["started_ns"]) or int(row["end_ns"]) or int(row["ts_ns"])
+    hp, tid = tracks.track(rec.host, int(row["pid"]), f"{label} {_DEVICE_TRACK}")
+    to_us = rec.clock.realtime_ns - rec.clock.monotonic_ns
+    return {
+        "ph": "X",
+        "name": op,
+        "cat": "device",
+        "pid": hp,
+        "tid": tid,
+        "ts": (begin + to_us) / 1e3,
+        "dur": max(done - begin, 0) / 1e3,
+        "args": {
+            "seq": int(row["seq"]),
+            "started_seen": bool(row["started_ns"]),
+            "started_after_ns": int(row["started_after_ns"]),
+            "completed_after_ns": int(row["completed_after_ns"]),
+            "completed_ns": done,
+        },
+    }
 
 
 def _instants(rec: Recording, tracks: _Tracks, ranks: dict[int, int]) -> list[dict[str, object]]:

@@ -81,7 +81,7 @@ def slice_keys(events: Sequence[Event]) -> Counter[tuple[str, int, int, int, str
     hosts = host_names(events)
     out: Counter[tuple[str, int, int, int, str, int]] = Counter()
     for e in events:
-        if e["ph"] == "X":
+        if e["ph"] == "X" and e.get("cat") == "nccl":
             a: dict[str, Any] = e["args"]
             key = (hosts[int(e["pid"])], a["pid"], a["tid"], a["ts_ns"], a["op"], a["seq"])
             out[key] += 1

@@ -39,6 +39,23 @@
 #define CALL_EVENT_DONE 3  /* query / synchronize an event */
 #define CALL_STREAM_DONE 4 /* query / synchronize a stream */
 
+/* What the probes saw, per CPU (user space sums them into the counters of
+ * every dump): calls by kind, and the answers of queries and syncs. */
+#define SEEN_RECORD 0
+#define SEEN_WAIT 1
+#define SEEN_DONE 2      /* a query or sync answered cudaSuccess */
+#define SEEN_NOT_READY 3 /* cudaErrorNotReady */
+#define SEEN_ERROR 4     /* any other code (no device, bad handle, ...) */
+#define SEEN_SLOTS 5
+BPF_PERCPU_ARRAY(cuda_seen, u64, SEEN_SLOTS);
+
+static __always_inline void count_seen(u32 slot)
+{
+	u64 *n = cuda_seen.lookup(&slot);
+	if (n)
+		*n += 1;
+}
+
 struct event_key {
 	u32 pid;
 	u32 _pad;
@@ -259,10 +276,12 @@ static __always_inline int cuda_enter(struct pt_regs *ctx, u64 sym)
 		return 0;
 	int kind = cuda_kind(sym);
 	if (kind == CALL_RECORD) {
+		count_seen(SEEN_RECORD);
 		on_record(pid, PT_REGS_PARM1(ctx), stream_arg(sym, PT_REGS_PARM2(ctx)));
 		return 0;
 	}
 	if (kind == CALL_WAIT) {
+		count_seen(SEEN_WAIT);
 		on_wait(pid, stream_arg(sym, PT_REGS_PARM1(ctx)), PT_REGS_PARM2(ctx));
 		return 0;
 	}
@@ -315,6 +334,7 @@ int handle_cuda_return(struct pt_regs *ctx)
 	c->kind = 0;
 	s32 rc = (s32)PT_REGS_RC(ctx);
 	u64 ts = bpf_ktime_get_ns();
+	count_seen(rc == CUDA_SUCCESS ? SEEN_DONE : rc == CUDA_NOT_READY ? SEEN_NOT_READY : SEEN_ERROR);
 	if (call.kind == CALL_EVENT_DONE) {
 		if (rc == CUDA_SUCCESS)
 			event_seen_done(pid, call.handle, ts);

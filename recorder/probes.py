@@ -130,6 +130,14 @@ DROP_NAMES = (
     "kernel_runq_maps_full",
     "kernel_cuda_queue_full",
 )
+# Index in the per-CPU `cuda_seen` array (bpf/cuda.c SEEN_*) -> counter name.
+CUDA_SEEN_NAMES = (
+    "cuda_event_records",
+    "cuda_stream_waits",
+    "cuda_answers_done",
+    "cuda_answers_not_ready",
+    "cuda_answers_error",
+)
 HEAD_STRIDE_U64 = 8  # struct ring_head: one 64-byte line per ring
 
 
@@ -515,6 +523,11 @@ class Probes:
         for i, name in enumerate(DROP_NAMES):
             out[name] = int(sum(table[table.Key(i)]))
         return out
+
+    def cuda_seen(self) -> dict[str, int]:
+        """The CUDA runtime calls the probes saw, and their answers."""
+        table = self.bpf[b"cuda_seen"]
+        return {name: int(sum(table[table.Key(i)])) for i, name in enumerate(CUDA_SEEN_NAMES)}
 
     def items(self, map_name: str) -> Iterator[tuple[Any, Any]]:
         yield from self.bpf[map_name.encode()].items()

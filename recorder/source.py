@@ -64,7 +64,7 @@ class BccSource:
         return self._rings
 
     def kernel_counters(self) -> dict[str, int]:
-        return self.probes.drops()
+        return {**self.probes.drops(), **self.probes.cuda_seen()}
 
     def comm_progress(self) -> list[CommProgress]:
         return [

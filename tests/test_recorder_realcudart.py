@@ -90,3 +90,32 @@ def test_agent_attaches_the_real_runtime_and_sees_its_error_codes(
     assert Op(row["op"]) is Op.ALL_REDUCE and row["stream"] == 0x5157
     assert row["result"] == Result.INVALID_ARGUMENT
     assert row["state"] == State.ENQUEUED and row["completed_ns"] == 0 == row["started_ns"]
+
+
+HOLD = (
+    "import ctypes, sys; [ctypes.CDLL(p) for p in sys.argv[1:]]; print('up', flush=True); input()"
+)
+
+
+@pytest.mark.parametrize("major", [12, 13])
+def test_discovery_finds_the_runtime_beside_nccl_and_only_there(major: int) -> None:
+    from lab.build import ensure_built
+    from recorder import discovery
+
+    nccl, cudart = ensure_built(), _real_libcudart(major)
+    found = {}
+    for libs in ((nccl, cudart), (cudart,)):
+        with subprocess.Popen(
+            [sys.executable, "-c", HOLD, *map(str, libs)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as proc:
+            assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+            found[len(libs)] = discovery.mapped_nccl_libs(proc.pid)
+            proc.communicate("\n", timeout=30)
+    assert found[2] is not None and {Path(p).name for p in found[2]} == {
+        "libnccl.so.2",
+        f"libcudart.so.{major}",
+    }
+    assert found[1] == ()  # a runtime without NCCL is no rank of ours

@@ -262,6 +262,7 @@ def _extract(
     stage["proc"][dst] = index[sel]
     for name, src in (*CALL_FIELDS, ("crank", "rank"), ("hash", "comm_hash")):
         stage[name][dst] = (times[name] if name in times else raw[src])[sel]
+    stage["device"][dst] = times["device"][sel] if "device" in times else 0
     index, rank, comm_hash = stage["proc"][dst], stage["crank"][dst], stage["hash"][dst]
     unknown = comm_hash == 0
     if unknown.any():  # fill from the process's comm table by pointer
@@ -307,7 +308,7 @@ def _device_timeline(raw: np.ndarray, keep: np.ndarray) -> dict[str, np.ndarray]
     ts = np.where(gpu & started, raw["started_ns"], raw["ts_ns"]).astype(np.int64)
     end = np.where(gpu, raw["completed_ns"], raw["end_ns"]).astype(np.int64)
     keep &= ~(gpu & ~started & ~done)
-    return {"ts": ts, "end": end}
+    return {"ts": ts, "end": end, "device": (gpu & started).astype(np.uint8)}
 
 
 def _host_now(extracts: list[_Extract]) -> dict[str, int]:

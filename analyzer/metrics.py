@@ -23,6 +23,13 @@ ROOTED_OPS = np.array([Op.BROADCAST, Op.REDUCE, Op.GATHER, Op.SCATTER], dtype=np
 STALL_MIN_NS = 1_000_000_000  # a frontier older than this (and than 4x p99) is stuck
 NEVER = -1
 ASYNC_BELOW_NS = 1_000_000  # median call duration under which calls are taken as async
+# A collective timed on the device whose members' waits differ little says
+# nothing about who was late (the collectives that follow the first one after
+# a compute phase start together): left out of arrival scores are those whose
+# spread of waits is under this, or under half of the communicator's large
+# spreads (its 90th percentile).
+DEVICE_WAIT_SPREAD_NS = 5_000_000
+DEVICE_WAIT_SPREAD_SHARE = 0.5
 RECENT_GROUPS = 512  # stragglers are judged on each communicator's latest collectives
 P99_SAMPLE = 1 << 20  # durations sampled for the stall threshold's p99
 
@@ -202,13 +209,13 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
         if c.nranks < 2:
             continue
         sl = m.comm_rows(comm)
-        rows, gid = m.rows.select(("ts", "end", "crank", "proc"))[sl], m.gid[sl]
+        rows, gid = m.rows.select(("ts", "end", "crank", "proc", "device"))[sl], m.gid[sl]
         if not len(rows):
             continue
         if int(gid[-1] - gid[0]) >= RECENT_GROUPS:  # what led to the stall, not all history
             start = int(np.searchsorted(gid, gid[-1] - RECENT_GROUPS + 1))
             rows, gid = rows[start:], gid[start:]
-        complete = _complete_groups(m, rows, gid, c.nranks)
+        complete = _complete_groups(m, rows, gid, c.nranks) & _telling(rows, gid)
         if not complete.any():
             continue
         if not complete.all():  # else keep the views: no copy of the table
@@ -247,6 +254,22 @@ def _period(rows: Columns, gid: np.ndarray) -> int:
     if not ok.any():
         return 0
     return int(np.median(gaps[ok] / steps[ok]))
+
+
+def _telling(rows: Columns, gid: np.ndarray) -> np.ndarray:
+    """Per row: False in a device-timed group whose waits barely differ."""
+    if not rows["device"].any():
+        return np.ones(len(gid), dtype=bool)
+    starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
+    size = np.diff(np.append(starts, len(gid)))
+    dur = rows["end"] - rows["ts"]
+    spread = np.maximum.reduceat(dur, starts) - np.minimum.reduceat(dur, starts)
+    device = np.minimum.reduceat(rows["device"], starts) == 1
+    floor = DEVICE_WAIT_SPREAD_NS
+    if device.any():
+        floor = max(floor, DEVICE_WAIT_SPREAD_SHARE * float(np.percentile(spread[device], 90)))
+    out: np.ndarray = np.repeat(~device | (spread >= floor), size)
+    return out
 
 
 def _complete_groups(m: Matched, rows: Columns, gid: np.ndarray, nranks: int) -> np.ndarray:

@@ -95,6 +95,7 @@ CALL_DTYPE = np.dtype(
         ("redop", "u1"),
         ("state", "u1"),
         ("result", "<i4"),  # ncclResult_t, -1 while in flight
+        ("device", "u1"),  # 1: ts/end are the device's start/completion (CUDA probes)
     ]
 )
 

@@ -1,0 +1,108 @@
+"""End to end in the lab's gpu mode: real agents with the CUDA probes record
+the ranks' collectives and their device start and completion, then
+``analyze`` judges them on the device's timeline.
+
+- gpuslow: a rank whose device is slower (its host is not) is named
+  ``compute_straggler`` in at least 9 of 10 seeded 4x2 runs (the slow rank
+  drawn from the seed); on the same dumps with the device columns erased,
+  host arrival order names nobody: the hosts all wait for their devices in
+  the step's synchronisation, and enter the next step together.
+- gpuhang: a rank whose device stops has its collective queued everywhere
+  and completed nowhere; the verdict names that rank, whose device never
+  started it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from analyzer.pipeline import AnalysisResult, analyze_paths
+from analyzer.verdict import VerdictKind
+from dumpers.format import read_dump, write_dump
+from dumpers.model import Ring
+from dumpers.schema import DEVICE_FIELDS, State
+
+pytestmark = [pytest.mark.lab, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+SEEDS = range(10)
+SLOW_MS = "80"
+
+
+def lab_run(folder: Path, *args: str) -> list[Path]:
+    cmd = [sys.executable, "-m", "stallwatch", "lab", "run", "--mode", "gpu"]
+    cmd += ["--nodes", "4", "--ranks-per-node", "2", "--steps", "16", "--record"]
+    cmd += ["--dump-dir", str(folder), "--stall-timeout", "5", "--timeout", "120", *args]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    dumps = sorted(folder.rglob("*.msgpack"))
+    assert len(dumps) == 4, f"one dump per node expected: {dumps}\n{done.stdout}{done.stderr}"
+    return dumps
+
+
+def slow_rank(seed: int) -> int:
+    return random.Random(seed).randrange(8)
+
+
+@pytest.fixture(scope="module")
+def gpuslow_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    runs = {}
+    for seed in SEEDS:
+        folder = tmp_path_factory.mktemp(f"gpuslow-{seed}")
+        fault = f"gpuslow:rank={slow_rank(seed)},ms={SLOW_MS}"
+        lab_run(folder, "--dump-at-end", "--fault", fault)
+        runs[seed] = folder
+    return runs
+
+
+def stragglers(result: AnalysisResult) -> set[int]:
+    (incident,) = result.incidents
+    return {
+        r for v in incident.verdicts if v.kind is VerdictKind.COMPUTE_STRAGGLER for r in v.ranks
+    }
+
+
+def test_gpuslow_is_the_compute_straggler_in_9_of_10_seeded_runs(
+    gpuslow_runs: dict[int, Path],
+) -> None:
+    named = {seed: stragglers(analyze_paths([str(f)])) for seed, f in gpuslow_runs.items()}
+    right = [seed for seed, ranks in named.items() if ranks == {slow_rank(seed)}]
+    assert len(right) >= 9, {seed: (slow_rank(seed), ranks) for seed, ranks in named.items()}
+
+
+def _host_only(dumps: list[Path], out: Path) -> None:
+    """The same dumps as an agent without the CUDA probes would have written them."""
+    out.mkdir()
+    for path in dumps:
+        rec = read_dump(path)
+        rows = rec.rings["nccl"].rows.copy()
+        for name in DEVICE_FIELDS:
+            rows[name] = 0
+        rows["state"] = np.minimum(rows["state"], State.ENQUEUED)
+        ring = rec.rings["nccl"]
+        rings = {**rec.rings, "nccl": Ring(rows, ring.overwritten, ring.lost)}
+        write_dump(out / path.name, dataclasses.replace(rec, rings=rings))
+
+
+def test_arrival_order_alone_would_not_name_it(
+    gpuslow_runs: dict[int, Path], tmp_path: Path
+) -> None:
+    seed = SEEDS[0]
+    dumps = sorted(gpuslow_runs[seed].rglob("*.msgpack"))
+    assert stragglers(analyze_paths([str(gpuslow_runs[seed])])) == {slow_rank(seed)}
+    _host_only(dumps, tmp_path / "host-only")
+    assert slow_rank(seed) not in stragglers(analyze_paths([str(tmp_path / "host-only")]))
+
+
+def test_gpuhang_names_the_rank_whose_device_stopped(tmp_path: Path) -> None:
+    lab_run(tmp_path, "--fault", "gpuhang:rank=6,step=7")
+    (incident,) = analyze_paths([str(tmp_path)]).incidents
+    first = incident.verdicts[0]
+    assert first.kind is VerdictKind.MISSING_RANK, [v.summary for v in incident.verdicts]
+    assert list(first.ranks) == [6] and list(first.hosts) == ["node3"]

@@ -198,6 +198,7 @@ class ArrivalScore:
     method: str  # "wait" (blocking durations) or "host-lateness" / "lateness"
     nranks: int = 2
     period_ns: int = 0  # median time between a rank's entries into consecutive collectives
+    device: bool = False  # judged on the device's timeline (CUDA probes)
 
 
 def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
@@ -229,7 +230,11 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
         if np.median(rows["end"] - rows["ts"]) < ASYNC_BELOW_NS:  # calls return at once
             scores += _lateness_scores(inc, comm, rows, gid, c.nranks)
         period = _period(rows, gid)
-        out.extend(dataclasses.replace(s, nranks=c.nranks, period_ns=period) for s in scores)
+        device = bool(rows["device"].all())
+        out.extend(
+            dataclasses.replace(s, nranks=c.nranks, period_ns=period, device=device)
+            for s in scores
+        )
     return out
 
 
@@ -265,7 +270,7 @@ def _telling(rows: Columns, gid: np.ndarray) -> np.ndarray:
     dur = rows["end"] - rows["ts"]
     spread = np.maximum.reduceat(dur, starts) - np.minimum.reduceat(dur, starts)
     device = np.minimum.reduceat(rows["device"], starts) == 1
-    floor = DEVICE_WAIT_SPREAD_NS
+    floor = float(DEVICE_WAIT_SPREAD_NS)
     if device.any():
         floor = max(floor, DEVICE_WAIT_SPREAD_SHARE * float(np.percentile(spread[device], 90)))
     out: np.ndarray = np.repeat(~device | (spread >= floor), size)

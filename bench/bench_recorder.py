@@ -5,6 +5,13 @@
   any uprobe-based recorder pays).  Calls are made from a C loop
   (``bench/csrc/ncclloop.c``) on a small NCCL-ABI library whose entry points
   begin with ``push``, so Python does not dominate.
+- Cost of the CUDA event probes per collective: a C loop doing per
+  collective what PyTorch does (record a start event, the AllReduce on a
+  stream, record an end event, query both) on the lab's CUDA runtime, with
+  the NCCL probe alone and then with the runtime's probes too; the
+  difference beside the bare uprobe pair of the same run.  The NCCL call
+  figure above is measured after that, with the runtime attached (each
+  collective then also queues itself on its stream in the kernel).
 - Throughput into the rings: calls from two C loops at full speed, every one
   a row the BPF programs write straight into the mmapped ring; and loss at
   100,000 calls per second into a ring large enough for them.
@@ -69,6 +76,44 @@ def _agent(fake: FakeNccl, ring_size: int) -> Iterator[Any]:
             yield agent
         finally:
             agent.close()
+
+
+def _events_ns(fake: FakeNccl, calls: int, repeats: int, cudart: Path) -> float:
+    runs = []
+    for _ in range(repeats):
+        out = subprocess.run(
+            [str(fake.loop), "events", str(calls), str(cudart)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        runs.append(float(out.stdout.split()[-1]))
+    return statistics.median(runs)
+
+
+def event_cost(
+    fake: FakeNccl, quick: bool, agent: Any, bare_ns: float, unprobed: float
+) -> list[Figure]:
+    """Per collective: the runtime's probes (2 records, 2 queries: 2 uprobes and
+    2 uprobe+uretprobe pairs) against one bare uprobe+uretprobe pair."""
+    from lab.build import ensure_cudart
+
+    cudart = ensure_cudart()
+    calls, repeats = (5_000, 3) if quick else (50_000, 7)
+    without = _events_ns(fake, calls, repeats, cudart)
+    for symbol in ("cudaEventRecord", "cudaEventQuery"):
+        agent.source.attach(str(cudart), symbol)
+    with_probes = _events_ns(fake, calls, repeats, cudart)
+    extra = with_probes - without
+    pair = bare_ns - unprobed
+    anchor = (
+        f"PyTorch's pattern per collective: {without:,.0f} ns with the NCCL probe only, "
+        f"{with_probes:,.0f} ns with the runtime's too; bare uprobe pair {pair:,.0f} ns"
+    )
+    return [
+        Figure("CUDA event probes per collective", extra, "ns", "", None, anchor),
+        Figure("event probes vs bare uprobe pair", extra / pair, "x", "", None, anchor),
+    ]
 
 
 def call_cost(fake: FakeNccl, quick: bool, unprobed: float, method: str) -> list[Figure]:
@@ -219,7 +264,9 @@ def figures(quick: bool) -> list[Figure]:
     try:
         with _agent(fake, 1 << 17) as agent:
             method = f"{bare.attach_method}, agent {agent.source.probes.attach_method}"
-            figs = [*call_cost(fake, quick, unprobed, method), *throughput(fake, quick, agent)]
+            bare_ns = statistics.median(_loop_ns(fake, 20_000, "baseline") for _ in range(repeats))
+            figs = event_cost(fake, quick, agent, bare_ns, unprobed)
+            figs += [*call_cost(fake, quick, unprobed, method), *throughput(fake, quick, agent)]
     finally:
         bare.close()
     return [*figs, *agent_cpu(fake, quick)]

@@ -51,14 +51,23 @@ def _is_straggling(s: ArrivalScore) -> bool:
 
 def _waits_on_others(a: Analysis) -> set[int]:
     """Procs that, somewhere, wait clearly longer than their peers: they are
-    held up by someone, so their lateness elsewhere is inherited."""
+    held up by someone, so their lateness elsewhere is inherited.  On the
+    device's timeline, clearly means by the margin a straggler must show
+    against the same pace: device timings are observed by polling, and a few
+    ms of wait in a large communicator holds nobody up."""
     return {
         s.proc
         for s in a.arrivals
         if s.method == "wait"
         and s.groups >= STRAGGLER_MIN_GROUPS
-        and s.margin_ns <= -STRAGGLER_MARGIN_NS
+        and s.margin_ns <= -_held_margin(s)
     }
+
+
+def _held_margin(s: ArrivalScore) -> float:
+    if not s.device:
+        return STRAGGLER_MARGIN_NS
+    return max(STRAGGLER_MARGIN_NS, STRAGGLER_PERIOD_SHARE * s.period_ns)
 
 
 def straggler_candidates(a: Analysis) -> list[ArrivalScore]:

@@ -6,6 +6,10 @@
  *   ncclloop loop N allreduce|baseline      N calls, prints ns per call
  *   ncclloop pace SECONDS RATE              RATE AllReduce calls per second
  *   ncclloop wrap N                         init a communicator, N AllReduce on it
+ *   ncclloop events N CUDART                N times what PyTorch does per collective,
+ *                                           on the CUDA runtime CUDART: record a start
+ *                                           event, the AllReduce, record an end event,
+ *                                           query both; prints ns per collective
  *
  * Declarations come from the lab's NCCL header (lab/csrc/labnccl.h).
  *
@@ -17,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include "labnccl.h"
@@ -151,6 +156,39 @@ static int wrap(long n)
 	return 0;
 }
 
+typedef int (*rt_fn1)(void *);
+typedef int (*rt_fn2)(void *, void *);
+
+static int events(long n, const char *cudart)
+{
+	void *rt = dlopen(cudart, RTLD_NOW);
+	if (!rt) {
+		fprintf(stderr, "%s\n", dlerror());
+		return 2;
+	}
+	rt_fn1 stream_create = (rt_fn1)dlsym(rt, "cudaStreamCreate");
+	rt_fn1 event_create = (rt_fn1)dlsym(rt, "cudaEventCreate");
+	rt_fn2 record = (rt_fn2)dlsym(rt, "cudaEventRecord");
+	rt_fn1 query = (rt_fn1)dlsym(rt, "cudaEventQuery");
+	rt_fn1 sync = (rt_fn1)dlsym(rt, "cudaStreamSynchronize");
+	void *stream = NULL, *start = NULL, *end = NULL;
+	char buf[8];
+	ncclComm_t comm = (ncclComm_t)buf;
+	if (!stream_create || !event_create || !record || !query || !sync || stream_create(&stream) ||
+	    event_create(&start) || event_create(&end))
+		return 2;
+	uint64_t t0 = now_ns();
+	for (long i = 0; i < n; i++) {
+		record(start, stream);
+		ncclAllReduce(buf, buf, 8, 7, 0, comm, (cudaStream_t)stream);
+		record(end, stream);
+		query(start);
+		query(end);
+	}
+	printf("%.1f\n", (double)(now_ns() - t0) / (double)n);
+	return sync(stream);
+}
+
 int main(int argc, char **argv)
 {
 	char line[16];
@@ -168,6 +206,8 @@ int main(int argc, char **argv)
 		return pace(atof(argv[2]), atol(argv[3]));
 	if (argc == 3 && strcmp(argv[1], "wrap") == 0)
 		return wrap(atol(argv[2]));
+	if (argc == 4 && strcmp(argv[1], "events") == 0)
+		return events(atol(argv[2]), argv[3]);
 	fprintf(stderr, "usage: ncclloop scenario IDHEX|- RANK NRANKS | loop N WHAT | pace S RATE | wrap N\n");
 	return 2;
 }

@@ -232,8 +232,7 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
         period = _period(rows, gid)
         device = bool(rows["device"].all())
         out.extend(
-            dataclasses.replace(s, nranks=c.nranks, period_ns=period, device=device)
-            for s in scores
+            dataclasses.replace(s, nranks=c.nranks, period_ns=period, device=device) for s in scores
         )
     return out
 

@@ -96,7 +96,7 @@ def event_cost(
 ) -> list[Figure]:
     """Per collective: the runtime's probes (2 records, 2 queries: 2 uprobes and
     2 uprobe+uretprobe pairs) against one bare uprobe+uretprobe pair."""
-    from lab.build import ensure_cudart
+    from stallwatch.lab.build import ensure_cudart
 
     cudart = ensure_cudart()
     calls, repeats = (5_000, 3) if quick else (50_000, 7)

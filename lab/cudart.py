@@ -27,7 +27,7 @@ import enum
 from pathlib import Path
 from typing import Any
 
-from dumpers.errors import LabError
+from stallwatch.dumpers.errors import LabError
 
 __all__ = ["FOREVER", "CudaError", "CudaResult", "LabCudart"]
 
@@ -100,7 +100,7 @@ class LabCudart:
 
     def __init__(self, path: str | Path | None = None) -> None:
         if path is None:
-            from lab.build import ensure_cudart
+            from stallwatch.lab.build import ensure_cudart
 
             path = ensure_cudart()
         self.path = Path(path)

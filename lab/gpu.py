@@ -29,8 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dumpers.errors import LabError
-from lab.cudart import FOREVER, CudaResult, LabCudart
+from stallwatch.dumpers.errors import LabError
+from stallwatch.lab.cudart import FOREVER, CudaResult, LabCudart
 
 DEFAULT_POLL_MS = 2.0
 SEEN_BY_POLL = "poll"

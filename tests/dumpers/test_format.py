@@ -133,7 +133,7 @@ def test_version_1_dumps_are_read_into_todays_rows(tmp_path: Path) -> None:
 
 
 def test_a_version_1_lab_dump_still_reads() -> None:
-    back = fmt.read_dump(Path(__file__).parent / "data" / "lab-hang-2x2" / "node0.msgpack")
+    back = fmt.read_dump(Path(__file__).parent.parent / "data" / "lab-hang-2x2" / "node0.msgpack")
     rows = back.rings["nccl"].rows
     assert len(rows) > 100 and set(np.unique(rows["state"])) == {State.SCHEDULED, State.ENQUEUED}
     assert not rows["completed_ns"].any()

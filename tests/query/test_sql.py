@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 from stallwatch.dumpers.errors import QueryError, QueryRefused
 from stallwatch.dumpers.model import Recording, Ring
-from stallwatch.dumpers.schema import EXIT_EVENT, SCHED_EVENT, TCP_EVENT, ExitEvent, Op, State, TcpEvent
+from stallwatch.dumpers.schema import (
+    EXIT_EVENT,
+    SCHED_EVENT,
+    TCP_EVENT,
+    ExitEvent,
+    Op,
+    State,
+    TcpEvent,
+)
 from stallwatch.dumpers.sqltables import TABLE_NAMES, tables
 from stallwatch.query.sql import LOCAL, Limits, QueryEngine, sandboxed_connection
 

@@ -17,11 +17,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from stallwatch.dumpers.schema import CUDA_SYMBOLS, Op, Result, State
+from stallwatch.recorder.agent import Agent, AgentConfig
+from stallwatch.recorder.source import BccSource
 
-from dumpers.schema import CUDA_SYMBOLS, Op, Result, State
-from recorder.agent import Agent, AgentConfig
-from recorder.source import BccSource
-from tests.test_recorder_realnccl import _real_libnccl
+from tests.recorder.test_realnccl import _real_libnccl
 
 pytestmark = [pytest.mark.bpf, pytest.mark.realnccl]
 
@@ -99,8 +99,8 @@ HOLD = (
 
 @pytest.mark.parametrize("major", [12, 13])
 def test_discovery_finds_the_runtime_beside_nccl_and_only_there(major: int) -> None:
-    from lab.build import ensure_built
-    from recorder import discovery
+    from stallwatch.lab.build import ensure_built
+    from stallwatch.recorder import discovery
 
     nccl, cudart = ensure_built(), _real_libcudart(major)
     found = {}

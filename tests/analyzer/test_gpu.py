@@ -22,12 +22,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from analyzer.pipeline import AnalysisResult, analyze_paths
-from analyzer.verdict import VerdictKind
-from dumpers.format import read_dump, write_dump
-from dumpers.model import Ring
-from dumpers.schema import DEVICE_FIELDS, State
+from stallwatch.analyzer.pipeline import AnalysisResult, analyze_paths
+from stallwatch.analyzer.verdict import VerdictKind
+from stallwatch.dumpers.format import read_dump, write_dump
+from stallwatch.dumpers.model import Ring
+from stallwatch.dumpers.schema import DEVICE_FIELDS, State
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from dumpers.schema import DataType, RedOp, Result
-from lab.build import cudart_path, ensure_built, ensure_cudart
-from lab.cudart import FOREVER, CudaError, CudaResult, LabCudart
-from lab.nccl import LabNccl, NcclError
+from stallwatch.dumpers.schema import DataType, RedOp, Result
+from stallwatch.lab.build import cudart_path, ensure_built, ensure_cudart
+from stallwatch.lab.cudart import FOREVER, CudaError, CudaResult, LabCudart
+from stallwatch.lab.nccl import LabNccl, NcclError
 
 MS = 1_000_000
 

@@ -24,7 +24,7 @@ examples:
   stallwatch lab run --nodes 2 --ranks-per-node 2 --steps 20 --json
   stallwatch lab run --nodes 4 --fault hang:rank=5,step=10 --stall-timeout 5
   stallwatch lab run --fault loss:node=1,pct=5 --mode async
-  stallwatch lab run --nodes 4 --mode gpu --fault gpuslow:rank=5,ms=20 --record --dump-at-end
+  stallwatch lab run --nodes 4 --mode gpu --fault gpuslow:rank=5,ms=80 --record --dump-at-end
   stallwatch lab run --nodes 4 --fault hang:rank=5,step=10 --record --dump-dir dumps/
   stallwatch lab run --nodes 2 --record --dump-at-end --dump-dir dumps/
 

@@ -2,9 +2,8 @@
 
 Each node's dump holds its own processes, communicators and rings; this stage
 joins them: one proc per (host, pid), communicators with their members in
-comm-rank order (split communicators whose ranks were not recorded get them
-derived the way NCCL does: members ordered by (key, rank in the parent)),
-world ranks (rank in the largest non-split communicator a process belongs to),
+comm-rank order and world ranks (``dumpers.ranks``: split communicators
+whose ranks were not recorded get them derived the way NCCL does),
 and one columnar table of calls.  A ring that overwrote rows marks its procs'
 windows as incomplete, so that a seq older than what a rank retained is
 "unknown", never "missing".
@@ -16,12 +15,11 @@ in which files were given.
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-from stallwatch.dumpers import addresses
+from stallwatch.dumpers import addresses, ranks
 from stallwatch.dumpers.errors import DumpError
 from stallwatch.dumpers.format import DeferredRing
 from stallwatch.dumpers.model import CommInfo, Recording
@@ -122,8 +120,8 @@ def incident_from_recordings(
     shown.close()
     now = _host_now(extracts)
     procs, proc_index = _procs(extracts)
-    comms, membership = _comms(extracts, proc_index)
-    procs = _with_world_ranks(procs, comms)
+    comms, membership, world = _comms(extracts, proc_index)
+    procs = _with_world_ranks(procs, world)
     calls = _calls(stage, extracts, proc_index, comms, membership)
     return Incident(
         id=incident_id,
@@ -363,51 +361,25 @@ def _procs(extracts: list[_Extract]) -> tuple[list[Proc], dict[tuple[str, int], 
 
 def _comms(
     extracts: list[_Extract], proc_index: dict[tuple[str, int], int]
-) -> tuple[list[Comm], dict[tuple[int, int], int]]:
-    """Communicators and a map (proc, comm_hash) -> comm rank."""
-    infos: dict[int, list[tuple[int, CommInfo]]] = defaultdict(list)
+) -> tuple[list[Comm], dict[tuple[int, int], int], dict[int, int]]:
+    """Communicators, a map (proc, comm_hash) -> comm rank, and world ranks
+    (proc -> rank), by the rules of ``dumpers.ranks``."""
+    entries: list[tuple[int, CommInfo]] = []
     for e in extracts:
         rec = e.source.recording
-        for ci in rec.communicators:
-            if ci.comm_hash:
-                infos[ci.comm_hash].append((proc_index[(rec.host, ci.pid)], ci))
+        entries += [
+            (proc_index[(rec.host, ci.pid)], ci) for ci in rec.communicators if ci.comm_hash
+        ]
+    tabled = {(p, ci.comm_hash) for p, ci in entries}
     for rows_hash, proc, rank, nranks in _row_members(extracts, proc_index):
-        if rows_hash not in infos or not any(p == proc for p, _ in infos[rows_hash]):
-            infos[rows_hash].append((proc, CommInfo(0, 0, rows_hash, rank, nranks)))
-    known: dict[tuple[int, int], int] = {}
-    for h, lst in infos.items():
-        for p, ci in lst:
-            if ci.rank >= 0:
-                known[(p, h)] = ci.rank
-    comms: list[Comm] = []
-    membership: dict[tuple[int, int], int] = {}
-    for h in sorted(infos):
-        members = _members(infos[h], known)
-        split = any(ci.parent_hash for _, ci in infos[h])
-        comms.append(Comm(h, tuple(members), is_split=split))
-        for r, p in enumerate(members):
-            if p >= 0:
-                membership[(p, h)] = r
-    return comms, membership
-
-
-def _members(lst: list[tuple[int, CommInfo]], known: dict[tuple[int, int], int]) -> list[int]:
-    nranks = max(ci.nranks for _, ci in lst)
-    if all(ci.rank >= 0 for _, ci in lst):
-        size = max(nranks, max(ci.rank for _, ci in lst) + 1)
-        members = [-1] * size
-        for p, ci in sorted(lst, key=lambda x: x[0]):
-            if members[ci.rank] == -1:
-                members[ci.rank] = p
-        return members
-
-    # ncclCommSplit: new ranks ordered by (key, rank in the parent), as NCCL does.
-    def order(item: tuple[int, CommInfo]) -> tuple[int, int, int]:
-        p, ci = item
-        return (ci.key, known.get((p, ci.parent_hash), 1 << 30), p)
-
-    uniq = {p: ci for p, ci in lst}
-    return [p for p, _ in sorted(uniq.items(), key=order)]
+        if (proc, rows_hash) not in tabled:
+            entries.append((proc, CommInfo(0, 0, rows_hash, rank, nranks)))
+    found = ranks.resolve(entries)
+    comms = [
+        Comm(h, tuple(-1 if p is None else p for p in found.members[h]), is_split=h in found.split)
+        for h in sorted(found.members)
+    ]
+    return comms, found.ranks(), found.world_ranks()
 
 
 def _row_members(
@@ -424,19 +396,8 @@ def _row_members(
     return out
 
 
-def _with_world_ranks(procs: list[Proc], comms: list[Comm]) -> list[Proc]:
-    best: dict[int, tuple[int, int, int]] = {}
-    for c in comms:
-        if c.is_split:
-            continue
-        for r, p in enumerate(c.members):
-            cand = (-c.nranks, c.comm_hash, r)
-            if p >= 0 and (p not in best or cand < best[p]):
-                best[p] = cand
-    return [
-        dataclasses.replace(proc, world_rank=best[i][2] if i in best else -1)
-        for i, proc in enumerate(procs)
-    ]
+def _with_world_ranks(procs: list[Proc], world: dict[int, int]) -> list[Proc]:
+    return [dataclasses.replace(proc, world_rank=world.get(i, -1)) for i, proc in enumerate(procs)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -177,6 +177,24 @@ class TcpEvent(enum.IntEnum):
     INET_SOCK_SET_STATE = 2
 
 
+class TcpState(enum.IntEnum):
+    """The kernel's TCP states (include/net/tcp_states.h)."""
+
+    ESTABLISHED = 1
+    SYN_SENT = 2
+    SYN_RECV = 3
+    FIN_WAIT1 = 4
+    FIN_WAIT2 = 5
+    TIME_WAIT = 6
+    CLOSE = 7
+    CLOSE_WAIT = 8
+    LAST_ACK = 9
+    LISTEN = 10
+    CLOSING = 11
+    NEW_SYN_RECV = 12
+    BOUND_INACTIVE = 13
+
+
 class ExitEvent(enum.IntEnum):
     EXIT_GROUP = 1
     SIGNAL = 2

@@ -21,13 +21,26 @@ same instant as a wall-clock timestamp (UTC, without a zone, as DuckDB
 ``TIMESTAMP_NS``) converted with the dump's sampled
 clock pair.
 
-Nullable columns: ``end_ns``/``duration_ns``/``result`` of ``nccl_events`` are
-NULL while the call is in flight; ``rank``/``nranks`` are NULL when neither
-the event nor the communicator table knows them; ``started_ns``,
-``completed_ns`` and their ``*_after_ns`` bounds are NULL where the device side
-was not observed (no CUDA runtime probed, or the call never got there).
-``state`` is the furthest of scheduled / enqueued / started / completed the
-call reached.
+Every column holds NULL where the value is unknown or means nothing for the
+row (never -1 or 0 standing for "unknown"): ``end_ns``/``duration_ns``/
+``result`` while a call is in flight (``elapsed_ns`` then counts up to the
+recording's time instead), ``datatype``/``count``/``redop``/``seq`` of calls
+that move no data (``GET_UNIQUE_ID``, ``GROUP_START``, lifecycle calls), a
+``pid`` no process is known to own; ``started_ns``, ``completed_ns`` and
+their ``*_after_ns`` bounds where the device side was not observed (no CUDA
+runtime probed, or the call never got there).  ``state`` is the furthest of
+scheduled / enqueued / started / completed the call reached.
+
+Ids are one text form everywhere, the form the reports print: communicator
+ids (``comm_id_hash``, ``parent_hash``) and pointers (``comm``, ``stream``,
+``skaddr``) are ``'0x'`` and 16 hex digits, interned.
+
+Ranks: ``rank`` is the rank in the row's communicator (recorded by the probe,
+or for split communicators derived from every member's key and parent rank,
+``dumpers.ranks``, over all the recordings queried together), ``world_rank``
+the process's rank in the largest non-split communicator it holds.  Both are
+NULL where they cannot be known exactly (one node alone cannot rank a split
+whose members span nodes).
 
 Known limits: a communicator pointer reused by the same process after a
 destroy is told apart by its init/destroy times only.
@@ -36,21 +49,24 @@ destroy is told apart by its init/destroy times only.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
 import pyarrow as pa
 
-from . import addresses
+from . import addresses, ranks
 from .model import CommInfo, Recording
 from .schema import (
     DEVICE_FIELDS,
     RING_DTYPES,
     ExitEvent,
+    Op,
     RedOp,
     Result,
     State,
     TcpEvent,
+    TcpState,
     datatype_name,
     op_name,
 )
@@ -80,6 +96,33 @@ TABLE_NAMES = (
 
 
 Columns = dict[str, pa.Array]
+Member = tuple[str, int]  # (host, pid)
+
+DATA_OPS = np.zeros(256, dtype=bool)  # ops that move data: count, datatype, seq mean something
+DATA_OPS[[int(op) for op in Op if op.is_collective or op.is_p2p]] = True
+REDUCING_OPS = np.zeros(256, dtype=bool)  # ops that take a reduction operator
+REDUCING_OPS[[Op.ALL_REDUCE, Op.REDUCE, Op.REDUCE_SCATTER]] = True
+FAMILIES = {2: "ipv4", 10: "ipv6"}
+
+
+@dataclass(frozen=True, slots=True)
+class Ranks:
+    """Communicator and world ranks known over a set of recordings queried
+    together (``dumpers.ranks``, exact: unknown rather than guessed)."""
+
+    comm: dict[tuple[Member, int], int]  # ((host, pid), comm hash) -> rank
+    nranks: dict[int, int]  # comm hash -> size, where every rank is known
+    world: dict[Member, int]
+
+    @classmethod
+    def of(cls, recordings: Iterable[Recording]) -> Ranks:
+        entries = [((r.host, c.pid), c) for r in recordings for c in r.communicators]
+        found = ranks.resolve(entries, exact=True)
+        sizes = {h: len(m) for h, m in found.members.items() if m and None not in m}
+        return cls(found.ranks(), sizes, found.world_ranks())
+
+    def world_of(self, host: str) -> dict[int, int]:
+        return {pid: r for (h, pid), r in self.world.items() if h == host}
 
 
 def _enum_names(names: Callable[[int], str], size: int = 256) -> pa.Array:
@@ -96,6 +139,13 @@ def _lower_name(enum_type: type, prefix: str) -> Callable[[int], str]:
     return name
 
 
+def _tcp_state_name(value: int) -> str:
+    try:
+        return TcpState(value).name
+    except ValueError:
+        return f"TCP_STATE_{value}"
+
+
 @cache
 def _dictionaries() -> dict[str, pa.Array]:
     """Fixed dictionaries indexed by the u8 code stored in the rings."""
@@ -105,14 +155,14 @@ def _dictionaries() -> dict[str, pa.Array]:
         "redop": _enum_names(_lower_name(RedOp, "redop")),
         "state": _enum_names(_lower_name(State, "state")),
         "tcp_event": _enum_names(_lower_name(TcpEvent, "tcp_event")),
+        "tcp_state": _enum_names(_tcp_state_name),
         "exit_event": _enum_names(_lower_name(ExitEvent, "exit_event")),
     }
 
 
-def _coded(codes: np.ndarray, dictionary: str) -> pa.DictionaryArray:
-    return pa.DictionaryArray.from_arrays(
-        pa.array(codes.astype(np.uint8, copy=False)), _dictionaries()[dictionary]
-    )
+def _coded(codes: np.ndarray, dictionary: str, null: np.ndarray | None = None) -> pa.Array:
+    indices = pa.array(codes.astype(np.uint8, copy=False), mask=null)
+    return pa.DictionaryArray.from_arrays(indices, _dictionaries()[dictionary])
 
 
 def _host(host: str, n: int) -> pa.DictionaryArray:
@@ -121,6 +171,23 @@ def _host(host: str, n: int) -> pa.DictionaryArray:
 
 def _i64(values: np.ndarray) -> pa.Array:
     return pa.array(values.astype(np.int64, copy=False))
+
+
+def _hex(values: np.ndarray) -> pa.DictionaryArray:
+    """64-bit ids as ``0x%016x`` text, interned (a few distinct per table);
+    0 (no id) is NULL."""
+    values = values.astype(np.uint64, copy=False)
+    encoded = pa.array(values, mask=values == 0).dictionary_encode()
+    names = [f"0x{v:016x}" for v in encoded.dictionary.to_pylist()]
+    return pa.DictionaryArray.from_arrays(encoded.indices, pa.array(names, pa.string()))
+
+
+def _by_pid(pids: np.ndarray, values: dict[int, int]) -> pa.Array:
+    """Per row, ``values`` of its pid (NULL where it has none): each distinct
+    pid looked up once."""
+    encoded = pa.array(pids.astype(np.int64, copy=False)).dictionary_encode()
+    per_pid = pa.array([values.get(p) for p in encoded.dictionary.to_pylist()], pa.int32())
+    return per_pid.take(encoded.indices)
 
 
 def _wall(rec: Recording, ts: np.ndarray) -> pa.Array:
@@ -153,11 +220,20 @@ def _comm_matches(c: CommInfo, pid: np.ndarray, comm: np.ndarray, ts: np.ndarray
     return match
 
 
+def _comm_rank(rec: Recording, c: CommInfo, known: Ranks) -> tuple[int, int]:
+    """(rank, nranks) of a communicator table entry, derived where the
+    recording did not know them; -1 where unknown."""
+    rank = c.rank if c.rank >= 0 else known.comm.get(((rec.host, c.pid), c.comm_hash), -1)
+    nranks = c.nranks if c.nranks >= 0 else known.nranks.get(c.comm_hash, -1)
+    return rank, nranks
+
+
 def _fill_from_comms(
-    rec: Recording, rows: np.ndarray, ts: np.ndarray
+    rec: Recording, rows: np.ndarray, ts: np.ndarray, known: Ranks
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """rank, nranks and comm hash, completed from the communicator table where
-    the event itself did not know them (-1, or hash 0)."""
+    """rank, nranks and comm hash, completed from the communicator table
+    (and the ranks derived from it) where the event did not know them (-1,
+    or hash 0)."""
     rank = rows["rank"].astype(np.int32)
     nranks = rows["nranks"].astype(np.int32)
     comm_hash = rows["comm_hash"].astype(np.uint64)
@@ -170,10 +246,11 @@ def _fill_from_comms(
     pid, comm, when = rows["pid"][need], rows["comm"][need], ts[need]
     for c in rec.communicators:
         at = need[_comm_matches(c, pid, comm, when)]
-        if c.rank >= 0:
-            rank[at[rank[at] < 0]] = c.rank
-        if c.nranks >= 0:
-            nranks[at[nranks[at] < 0]] = c.nranks
+        c_rank, c_nranks = _comm_rank(rec, c, known)
+        if c_rank >= 0:
+            rank[at[rank[at] < 0]] = c_rank
+        if c_nranks >= 0:
+            nranks[at[nranks[at] < 0]] = c_nranks
         if c.comm_hash:
             comm_hash[at[comm_hash[at] == 0]] = c.comm_hash
     return rank, nranks, comm_hash
@@ -183,30 +260,44 @@ def _maybe_null(values: np.ndarray, null: np.ndarray) -> pa.Array:
     return pa.array(values, mask=null) if null.any() else pa.array(values)
 
 
-def nccl_columns(rec: Recording) -> Columns:
+def _now(rec: Recording) -> int:
+    """The recording's own time (host monotonic): when it was dumped, or
+    snapshotted."""
+    return rec.clock.monotonic_ns
+
+
+def nccl_columns(rec: Recording, known: Ranks | None = None) -> Columns:
+    """``nccl_events`` of one recording (``known``: ranks derived over every
+    recording queried with it; by default over this one alone)."""
+    known = known if known is not None else Ranks.of([rec])
     rows = _ring(rec, "nccl")
     ts, cols = _header(rec, rows)
-    rank, nranks, comm_hash = _fill_from_comms(rec, rows, ts)
+    rank, nranks, comm_hash = _fill_from_comms(rec, rows, ts, known)
     end = rows["end_ns"].astype(np.int64)
     pending = end == 0
+    moves = DATA_OPS[rows["op"]]
+    idle = ~moves
     cols["end_ns"] = _maybe_null(end, pending)
     cols["duration_ns"] = _maybe_null(end - ts, pending)
+    cols["elapsed_ns"] = pa.array(np.where(pending, np.maximum(_now(rec) - ts, 0), end - ts))
     cols["op"] = _coded(rows["op"], "op")
     cols["rank"] = _maybe_null(rank, rank < 0)
+    cols["world_rank"] = _by_pid(rows["pid"], known.world_of(rec.host))
     cols["nranks"] = _maybe_null(nranks, nranks < 0)
-    cols["comm_id_hash"] = pa.array(comm_hash)
-    for name in ("seq", "pid", "tid"):
-        cols[name] = _i64(rows[name])
-    cols["count"] = _i64(rows["count"])
-    cols["bytes"] = _i64(rows["bytes"])
-    cols["datatype"] = _coded(rows["datatype"], "datatype")
-    cols["redop"] = _coded(rows["redop"], "redop")
-    cols["peer"] = _maybe_null(rows["peer"].astype(np.int32), rows["peer"] < 0)
+    cols["comm_id_hash"] = _hex(comm_hash)
+    cols["seq"] = _maybe_null(rows["seq"].astype(np.int64), idle)
+    cols["pid"] = _i64(rows["pid"])
+    cols["tid"] = _i64(rows["tid"])
+    cols["count"] = _maybe_null(rows["count"].astype(np.int64), idle)
+    cols["bytes"] = _maybe_null(rows["bytes"].astype(np.int64), idle)
+    cols["datatype"] = _coded(rows["datatype"], "datatype", idle)
+    cols["redop"] = _coded(rows["redop"], "redop", ~REDUCING_OPS[rows["op"]])
+    cols["peer"] = _maybe_null(rows["peer"].astype(np.int32), (rows["peer"] < 0) | idle)
     cols["state"] = _coded(rows["state"], "state")
     result = rows["result"].astype(np.int32)
     cols["result"] = _maybe_null(result, result == Result.PENDING)
-    cols["comm"] = pa.array(rows["comm"].astype(np.uint64))
-    cols["stream"] = pa.array(rows["stream"].astype(np.uint64))
+    cols["comm"] = _hex(rows["comm"])
+    cols["stream"] = _hex(rows["stream"])
     cols.update(_device_columns(rows))
     return cols
 
@@ -225,10 +316,16 @@ def _device_columns(rows: np.ndarray) -> Columns:
 def _root_addresses(unique_ids: np.ndarray) -> pa.Array:
     from .schema import decode_root_address
 
-    return pa.array([decode_root_address(bytes(u)) or "" for u in unique_ids], pa.string())
+    return pa.array([decode_root_address(bytes(u)) for u in unique_ids], pa.string())
 
 
-def comm_event_columns(rec: Recording) -> Columns:
+def _unless_negative(values: np.ndarray) -> pa.Array:
+    values = values.astype(np.int32)
+    return _maybe_null(values, values < 0)
+
+
+def comm_event_columns(rec: Recording, known: Ranks | None = None) -> Columns:
+    known = known if known is not None else Ranks.of([rec])
     rows = _ring(rec, "comm")
     ts, cols = _header(rec, rows)
     end = rows["end_ns"].astype(np.int64)
@@ -238,11 +335,17 @@ def comm_event_columns(rec: Recording) -> Columns:
     cols["op"] = _coded(rows["op"], "op")
     cols["pid"] = _i64(rows["pid"])
     cols["tid"] = _i64(rows["tid"])
-    cols["comm"] = pa.array(rows["comm"].astype(np.uint64))
-    cols["comm_id_hash"] = pa.array(rows["comm_hash"].astype(np.uint64))
-    cols["parent_hash"] = pa.array(rows["parent_hash"].astype(np.uint64))
-    for name in ("rank", "nranks", "color", "key"):
-        cols[name] = pa.array(rows[name].astype(np.int32))
+    cols["world_rank"] = _by_pid(rows["pid"], known.world_of(rec.host))
+    cols["comm"] = _hex(rows["comm"])
+    cols["comm_id_hash"] = _hex(rows["comm_hash"])
+    cols["parent_hash"] = _hex(rows["parent_hash"])
+    rank = rows["rank"].astype(np.int32)
+    for i in np.flatnonzero(rank < 0).tolist():  # a split's own rank, where derived
+        member = (rec.host, int(rows["pid"][i]))
+        rank[i] = known.comm.get((member, int(rows["comm_hash"][i])), -1)
+    cols["rank"] = _maybe_null(rank, rank < 0)
+    for name in ("nranks", "color", "key"):
+        cols[name] = _unless_negative(rows[name])
     cols["state"] = _coded(rows["state"], "state")
     result = rows["result"].astype(np.int32)
     cols["result"] = _maybe_null(result, result == Result.PENDING)
@@ -280,41 +383,84 @@ def _addresses(family: np.ndarray, raw: np.ndarray) -> pa.DictionaryArray:
     )
 
 
-def tcp_columns(rec: Recording) -> Columns:
+def _connection_keys(rows: np.ndarray) -> np.ndarray:
+    """One key per connection (addresses and ports of both ends)."""
+    with np.errstate(over="ignore"):
+        key = _address_keys(rows["family"], rows["saddr"])
+        key = key * np.uint64(0x9E3779B97F4A7C15) ^ _address_keys(rows["family"], rows["daddr"])
+        ports = (rows["sport"].astype(np.uint64) << np.uint64(16)) | rows["dport"]
+        out: np.ndarray = key * np.uint64(0xBF58476D1CE4E5B9) ^ ports
+    return out
+
+
+def tcp_owners(rows: np.ndarray) -> np.ndarray:
+    """The owning pid of each row, 0 where unknown: the row's own, else that
+    of another row of the same connection, else (an accepted connection,
+    whose first state changes run in softirq) the owner of the socket that
+    listens on its local port on this host."""
+    pid = rows["pid"].astype(np.int64)
+    unknown = pid == 0
+    if not unknown.any() or unknown.all():
+        return pid
+    keys = _connection_keys(rows)
+    owner: dict[int, int] = dict(zip(keys[~unknown].tolist(), pid[~unknown].tolist(), strict=True))
+    listening = (rows["newstate"] == TcpState.LISTEN) & ~unknown
+    by_port: dict[int, int] = dict(
+        zip(rows["sport"][listening].tolist(), pid[listening].tolist(), strict=True)
+    )
+    for i in np.flatnonzero(unknown).tolist():
+        pid[i] = owner.get(int(keys[i]), by_port.get(int(rows["sport"][i]), 0))
+    return pid
+
+
+def tcp_columns(rec: Recording, known: Ranks | None = None) -> Columns:
+    known = known if known is not None else Ranks.of([rec])
     rows = _ring(rec, "tcp")
     _, cols = _header(rec, rows)
+    pid = tcp_owners(rows)
+    retransmit = rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB
     cols["event"] = _coded(rows["event"], "tcp_event")
-    cols["pid"] = _i64(rows["pid"])
-    cols["tid"] = _i64(rows["tid"])
+    cols["pid"] = _maybe_null(pid, pid == 0)
+    cols["world_rank"] = _by_pid(pid, known.world_of(rec.host))
+    cols["tid"] = _maybe_null(rows["tid"].astype(np.int64), rows["tid"] == 0)
     cols["saddr"] = _addresses(rows["family"], rows["saddr"])
     cols["daddr"] = _addresses(rows["family"], rows["daddr"])
     cols["sport"] = pa.array(rows["sport"].astype(np.int32))
     cols["dport"] = pa.array(rows["dport"].astype(np.int32))
-    cols["family"] = pa.array(rows["family"].astype(np.int32))
-    cols["state"] = pa.array(rows["state"].astype(np.int32))
-    cols["newstate"] = pa.array(rows["newstate"].astype(np.int32))
-    cols["skaddr"] = pa.array(rows["skaddr"].astype(np.uint64))
+    family = rows["family"].astype(np.int64)
+    cols["family"] = pa.array(
+        [FAMILIES.get(f, f"family_{f}") for f in family.tolist()], pa.string()
+    )
+    cols["state"] = _coded(rows["state"], "tcp_state", rows["state"] <= 0)
+    cols["newstate"] = _coded(rows["newstate"], "tcp_state", retransmit | (rows["newstate"] <= 0))
+    cols["skaddr"] = _hex(rows["skaddr"])
     return cols
 
 
-def sched_columns(rec: Recording) -> Columns:
+def sched_columns(rec: Recording, known: Ranks | None = None) -> Columns:
+    known = known if known is not None else Ranks.of([rec])
     rows = _ring(rec, "sched")
     _, cols = _header(rec, rows)
     cols["pid"] = _i64(rows["pid"])
+    cols["world_rank"] = _by_pid(rows["pid"], known.world_of(rec.host))
     cols["tid"] = _i64(rows["tid"])
     cols["delay_ns"] = _i64(rows["delay_ns"])
     cols["cpu"] = pa.array(rows["cpu"].astype(np.int32))
     return cols
 
 
-def exit_columns(rec: Recording) -> Columns:
+def exit_columns(rec: Recording, known: Ranks | None = None) -> Columns:
+    known = known if known is not None else Ranks.of([rec])
     rows = _ring(rec, "exit")
     _, cols = _header(rec, rows)
     cols["pid"] = _i64(rows["pid"])
+    cols["world_rank"] = _by_pid(rows["pid"], known.world_of(rec.host))
     cols["tid"] = _i64(rows["tid"])
     cols["event"] = _coded(rows["event"], "exit_event")
-    cols["code"] = pa.array(rows["code"].astype(np.int32))
-    cols["signal"] = pa.array(rows["signal"].astype(np.int32))
+    code = rows["code"].astype(np.int32)
+    cols["code"] = _maybe_null(code, rows["event"] != ExitEvent.EXIT_GROUP)
+    signal = rows["signal"].astype(np.int32)
+    cols["signal"] = _maybe_null(signal, signal <= 0)
     return cols
 
 
@@ -323,17 +469,20 @@ def _wall_or_null(rec: Recording, values: list[int]) -> pa.Array:
     return pa.array([v + offset if v else None for v in values], pa.timestamp("ns"))
 
 
-def process_columns(rec: Recording) -> Columns:
+def process_columns(rec: Recording, known: Ranks | None = None) -> Columns:
+    known = known if known is not None else Ranks.of([rec])
     procs = rec.processes
     start = [p.start_ns for p in procs]
     exit_ns = [p.exit_ns for p in procs]
+    world = known.world_of(rec.host)
     return {
         "host": _host(rec.host, len(procs)),
         "pid": pa.array([p.pid for p in procs], pa.int64()),
-        "comm": pa.array([p.comm for p in procs], pa.string()),
-        "cmdline": pa.array([p.cmdline for p in procs], pa.string()),
-        "netns": pa.array([p.netns for p in procs], pa.int64()),
-        "start_ns": pa.array(start, pa.int64()),
+        "world_rank": pa.array([world.get(p.pid) for p in procs], pa.int32()),
+        "comm": pa.array([p.comm or None for p in procs], pa.string()),
+        "cmdline": pa.array([p.cmdline or None for p in procs], pa.string()),
+        "netns": pa.array([p.netns or None for p in procs], pa.int64()),
+        "start_ns": pa.array([s or None for s in start], pa.int64()),
         "exit_ns": pa.array([e or None for e in exit_ns], pa.int64()),
         "exit_code": pa.array([p.exit_code for p in procs], pa.int32()),
         "exit_signal": pa.array([p.exit_signal for p in procs], pa.int32()),
@@ -343,27 +492,35 @@ def process_columns(rec: Recording) -> Columns:
     }
 
 
-def communicator_columns(rec: Recording) -> Columns:
+def communicator_columns(rec: Recording, known: Ranks | None = None) -> Columns:
+    known = known if known is not None else Ranks.of([rec])
     comms = rec.communicators
     comm_of = {p.pid: p.comm for p in rec.processes}
+    world = known.world_of(rec.host)
+    rank, nranks = (
+        zip(*(_comm_rank(rec, c, known) for c in comms), strict=True) if comms else ((), ())
+    )
     return {
         "host": _host(rec.host, len(comms)),
         "pid": pa.array([c.pid for c in comms], pa.int64()),
-        "process": pa.array([comm_of.get(c.pid, "") for c in comms], pa.string()),
-        "comm": pa.array([c.comm for c in comms], pa.uint64()),
-        "comm_id_hash": pa.array([c.comm_hash for c in comms], pa.uint64()),
-        "rank": pa.array([c.rank if c.rank >= 0 else None for c in comms], pa.int32()),
-        "nranks": pa.array([c.nranks if c.nranks >= 0 else None for c in comms], pa.int32()),
-        "parent_hash": pa.array([c.parent_hash for c in comms], pa.uint64()),
-        "color": pa.array([c.color for c in comms], pa.int32()),
-        "key": pa.array([c.key for c in comms], pa.int32()),
-        "root_addr": pa.array([c.root_addr for c in comms], pa.string()),
+        "world_rank": pa.array([world.get(c.pid) for c in comms], pa.int32()),
+        "process": pa.array([comm_of.get(c.pid) or None for c in comms], pa.string()),
+        "comm": _hex(np.array([c.comm for c in comms], np.uint64)),
+        "comm_id_hash": _hex(np.array([c.comm_hash for c in comms], np.uint64)),
+        "rank": pa.array([r if r >= 0 else None for r in rank], pa.int32()),
+        "nranks": pa.array([n if n >= 0 else None for n in nranks], pa.int32()),
+        "parent_hash": _hex(np.array([c.parent_hash for c in comms], np.uint64)),
+        "color": pa.array([c.color if c.color >= 0 else None for c in comms], pa.int32()),
+        "key": pa.array([c.key if c.key >= 0 else None for c in comms], pa.int32()),
+        "root_addr": pa.array([c.root_addr or None for c in comms], pa.string()),
         "init_ns": pa.array([c.init_ns or None for c in comms], pa.int64()),
         "destroy_ns": pa.array([c.destroy_ns or None for c in comms], pa.int64()),
     }
 
 
-_BUILDERS: dict[str, Callable[[Recording], Columns]] = {
+Builder = Callable[[Recording, Ranks | None], Columns]
+
+BUILDERS: dict[str, Builder] = {
     "nccl_events": nccl_columns,
     "comm_events": comm_event_columns,
     "tcp_events": tcp_columns,
@@ -377,20 +534,21 @@ _BUILDERS: dict[str, Callable[[Recording], Columns]] = {
 def _unify(parts: Sequence[pa.Table]) -> pa.Table:
     if len(parts) == 1:
         return parts[0]
-    # Each part has its own host dictionary; Arrow keeps them chunk by chunk.
+    # Each part has its own dictionaries (host, ids); Arrow keeps them chunk by chunk.
     return pa.concat_tables(parts)
 
 
 def tables(recordings: Recording | Iterable[Recording]) -> dict[str, pa.Table]:
     """Every SQL table over one or many recordings, rows concatenated in the
-    order the recordings are given."""
+    order the recordings are given; ranks derived over all of them."""
     recs = [recordings] if isinstance(recordings, Recording) else list(recordings)
+    known = Ranks.of(recs)
     out: dict[str, pa.Table] = {}
-    for name, build in _BUILDERS.items():
+    for name, build in BUILDERS.items():
         if recs:
-            out[name] = _unify([pa.table(build(r)) for r in recs])
+            out[name] = _unify([pa.table(build(r, known)) for r in recs])
         else:
-            out[name] = pa.table(build(_EMPTY))
+            out[name] = pa.table(build(_EMPTY, known))
     return out
 
 

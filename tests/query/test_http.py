@@ -122,9 +122,10 @@ def test_query_answers_with_host_columns_types_rows(server: ServerHandle) -> Non
 
 
 def test_uint64_hashes_survive_json_exactly(server: ServerHandle) -> None:
-    status, doc = query(server.address, "SELECT DISTINCT comm_id_hash FROM communicators")
+    sql = "SELECT DISTINCT comm_id_hash, comm_id_hash::UBIGINT FROM communicators"
+    status, doc = query(server.address, sql)
     assert status == 200
-    assert doc["rows"] == [[COMM_HASH]] and COMM_HASH > 2**63
+    assert doc["rows"] == [[f"0x{COMM_HASH:016x}", COMM_HASH]] and COMM_HASH > 2**63
 
 
 def test_row_limit_and_requested_limit(server: ServerHandle) -> None:

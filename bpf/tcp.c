@@ -5,6 +5,11 @@
  * process itself touches the socket: sock_send_length / sock_recv_length
  * (process context) and inet_sock_set_state to SYN_SENT (connect).  The hash is written only when an entry is missing or changes,
  * never once per send to user space, and forgotten when the socket closes.
+ *
+ * The agent's own connections (its HTTP surface, its requests to peers) are
+ * not the job's: `agent_self` names the agent's process and listening port,
+ * and rows of sockets it owns or of connections to or from that port are
+ * never written (unless user space leaves it empty).
  */
 #include "common.h"
 
@@ -13,6 +18,7 @@
 #define IPPROTO_TCP 6
 #define TCP_SYN_SENT 2
 #define TCP_CLOSE 7
+#define TCP_LISTEN 10
 
 BPF_F_TABLE("array", u32, struct tcp_event, tcp_ring, TCP_RING_SLOTS, BPF_F_MMAPABLE);
 
@@ -26,6 +32,23 @@ static __always_inline struct tcp_event *claim_tcp(u64 *pos)
 	return row;
 }
 BPF_HASH(sock_owner, u64, u32, MAX_SOCKETS);
+
+struct agent_self {
+	u32 tgid; /* the agent's process, 0 = none */
+	u32 port; /* its listening port, 0 = none */
+};
+BPF_ARRAY(agent_self, struct agent_self, 1);
+
+static __always_inline int own_traffic(u32 owner, u16 sport, u16 dport)
+{
+	u32 zero = 0;
+	struct agent_self *me = agent_self.lookup(&zero);
+	if (!me)
+		return 0;
+	if (me->tgid && owner == me->tgid)
+		return 1;
+	return me->port && (sport == me->port || dport == me->port);
+}
 
 /* Any process not excluded: a rank connects before discovery has classified
  * it (user space keeps only the rows of processes in scope). */
@@ -87,6 +110,8 @@ TRACEPOINT_PROBE(sock, sock_recv_length)
 
 TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
 {
+	if (own_traffic(owner_of((u64)args->skaddr), args->sport, args->dport))
+		return 0;
 	struct tcp_event *e;
 	u64 pos;
 	e = claim_tcp(&pos);
@@ -104,11 +129,17 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 	if (args->protocol != IPPROTO_TCP)
 		return 0;
 	u64 skaddr = (u64)args->skaddr;
-	/* Only connect() (-> SYN_SENT) is sure to run in the owner's context.
-	 * Other changes may run in softirq, in whatever task was interrupted or
-	 * sent the packet: over a veth, a rank of another namespace. */
-	if (args->newstate == TCP_SYN_SENT)
+	/* Only connect() (-> SYN_SENT) and listen() (-> LISTEN) are sure to run
+	 * in the owner's context.  Other changes may run in softirq, in whatever
+	 * task was interrupted or sent the packet: over a veth, a rank of
+	 * another namespace. */
+	if (args->newstate == TCP_SYN_SENT || args->newstate == TCP_LISTEN)
 		learn_owner(skaddr);
+	if (own_traffic(owner_of(skaddr), args->sport, args->dport)) {
+		if (args->newstate == TCP_CLOSE)
+			sock_owner.delete(&skaddr);
+		return 0;
+	}
 	struct tcp_event *e;
 	u64 pos;
 	e = claim_tcp(&pos);

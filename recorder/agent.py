@@ -67,6 +67,7 @@ class AgentConfig:
     max_dumps: int | None = None
     max_dump_bytes: int | None = None
     runq_threshold_ms: float = 1.0
+    keep_own_traffic: bool = False  # record the agent's own TCP connections too
     host_name: str = ""
     args: tuple[str, ...] = ()
     version: str = ""
@@ -199,6 +200,8 @@ class Agent:
         known = self.scope.placed(pid)
         if known is not None:
             return known
+        # placed from its rows before the scan found it: its libraries too
+        libs = libs or discovery.mapped_nccl_libs(pid) or ()
         info = discovery.process_info(pid, libs)
         if info is None:
             return False
@@ -377,6 +380,12 @@ class Agent:
             **self.incidents.counters(),
         }
         return agent_metrics_text(self.stats(), counters)
+
+    def serving(self, port: int) -> None:
+        """The HTTP surface listens on ``port``: its connections, and the
+        agent's requests to peers, are not the job's (unless asked for)."""
+        if not self.config.keep_own_traffic:
+            self.source.ignore_own_traffic(os.getpid(), port)
 
     def close(self) -> None:
         self.source.close()

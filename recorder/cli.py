@@ -124,6 +124,12 @@ def _register_record(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         metavar="MS",
         help="record run-queue waits of rank threads longer than this",
     )
+    p.add_argument(
+        "--keep-own-traffic",
+        action="store_true",
+        help="record the agent's own connections (its HTTP surface, its requests to peers) "
+        "in tcp_events too",
+    )
     p.add_argument("--host-name", default="", help="host name in dumps (default: the hostname)")
     p.add_argument("--print-bpf", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=_record)
@@ -229,6 +235,7 @@ def _record(args: argparse.Namespace) -> int:
         max_dumps=args.max_dumps,
         max_dump_bytes=args.max_dump_bytes,
         runq_threshold_ms=args.runq_threshold_ms,
+        keep_own_traffic=args.keep_own_traffic,
         host_name=args.host_name,
         args=tuple(sys.argv[1:]),
         version=__version__,
@@ -255,6 +262,7 @@ def run_agent(config: AgentConfig) -> int:
         sizes.memory_bytes() / 2**20,
     )
     agent = Agent(config, source)
+    agent.serving(_port(config.listen))  # from the start: clients that wait for it too
     stop = Stop()
     server = None
     try:
@@ -279,7 +287,16 @@ def _serve(agent: Agent, config: AgentConfig) -> ServerHandle:
 
     handle = serve_http(agent, config.listen, config.token)
     logging.getLogger("stallwatch.record").info("listening on http://%s", handle.address)
+    agent.serving(_port(handle.address))
     return handle
+
+
+def _port(address: str) -> int:
+    """The port of ``host:port`` (0 if it has none)."""
+    try:
+        return int(address.rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return 0
 
 
 def _install_signals(stop: Stop) -> None:

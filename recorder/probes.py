@@ -517,6 +517,14 @@ class Probes:
             with contextlib.suppress(KeyError):
                 del table[key]
 
+    def set_agent_self(self, tgid: int, port: int) -> None:
+        """Whose TCP rows the programs leave out: the agent's process and
+        its listening port (0: none)."""
+        table = self.bpf[b"agent_self"]
+        leaf = table.Leaf()
+        leaf.tgid, leaf.port = tgid, port
+        table[table.Key(0)] = leaf
+
     def drops(self) -> dict[str, int]:
         table = self.bpf[b"drops"]
         out = {}

@@ -38,6 +38,10 @@ class EventSource(Protocol):
 
     def set_scope(self, pid: int, tracked: bool, excluded: bool) -> None: ...
 
+    def ignore_own_traffic(self, pid: int, port: int) -> None:
+        """Record no TCP rows of process ``pid`` (the agent) nor of sockets
+        whose local port is ``port`` (its listener); 0 for none."""
+
     def close(self) -> None: ...
 
 
@@ -109,6 +113,9 @@ class BccSource:
         self.probes.set_pid("tracked", pid, tracked)
         self.probes.set_pid("excluded", pid, excluded)
 
+    def ignore_own_traffic(self, pid: int, port: int) -> None:
+        self.probes.set_agent_self(pid, port)
+
     def close(self) -> None:
         self.probes.close()
 
@@ -126,6 +133,7 @@ class ReplaySource:
     missing_symbols: Sequence[str] = ()
     tracked: set[int] = field(default_factory=set)
     excluded: set[int] = field(default_factory=set)
+    own_traffic: tuple[int, int] = (0, 0)  # (pid, port) whose TCP rows are left out
     closed: bool = False
 
     def __post_init__(self) -> None:
@@ -158,6 +166,9 @@ class ReplaySource:
     def set_scope(self, pid: int, tracked: bool, excluded: bool) -> None:
         (self.tracked.add if tracked else self.tracked.discard)(pid)
         (self.excluded.add if excluded else self.excluded.discard)(pid)
+
+    def ignore_own_traffic(self, pid: int, port: int) -> None:
+        self.own_traffic = (pid, port)
 
     def close(self) -> None:
         self.closed = True

@@ -22,7 +22,7 @@ import numpy as np
 from stallwatch.dumpers import addresses, ranks
 from stallwatch.dumpers.errors import DumpError
 from stallwatch.dumpers.format import DeferredRing
-from stallwatch.dumpers.model import CommInfo, Recording
+from stallwatch.dumpers.model import CommInfo, Recording, TriggerKind
 from stallwatch.dumpers.schema import NCCL_EVENT, ExitEvent, Op, TcpEvent
 
 from .columns import Columns
@@ -134,7 +134,28 @@ def incident_from_recordings(
         sched=_sched(sources, hosts),
         sources=tuple(s.path for s in sources),
         notes=tuple(f"{e.error}: its NCCL calls are left out" for e in extracts if e.error),
+        wall_ns=(detected := _detection(sources))[0],
+        detected_by=detected[1],
     )
+
+
+def _detection(sources: list[Source]) -> tuple[int | None, str]:
+    """When the incident was detected (wall clock) and by whom: the earliest
+    trigger of an agent that saw it itself (a peer's request only names
+    that agent), else the latest snapshot time."""
+    triggers = [
+        (s.recording.clock.to_wall_ns(t.time_ns), t.kind is TriggerKind.PEER, s.recording.host, t)
+        for s in sources
+        if (t := s.recording.trigger) is not None and t.time_ns > 0
+    ]
+    if not triggers:
+        walls = [s.recording.clock.realtime_ns for s in sources]
+        return (max(walls) if walls else None), ""
+    wall, peer, host, t = min(triggers, key=lambda x: (x[1], x[0]))
+    if peer:  # the peers' reason reads "origin: why"
+        origin = t.origin_host or host
+        return wall, f"{origin} ({t.reason.removeprefix(f'{origin}: ')})"
+    return wall, f"{host} ({t.reason})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,10 +11,13 @@ from typing import Any
 
 from stallwatch.query.output import HelpFormatter, add_format_option
 
+from .report import MAX_TABLE_ROWS, MAX_TABLES
+
 EXAMPLES = """\
 examples:
   stallwatch analyze dumps/                      every dump under a folder
   stallwatch analyze dumps/*.msgpack --json      for programs (= --format json)
+  stallwatch analyze dumps/ --all                every communicator, every rank
   stallwatch analyze fr_traces/                  PyTorch Flight Recorder dumps (_dump_<rank>)
   STALLWATCH_THREADS=1 stallwatch analyze dumps/ on one core (default: up to 4)
 
@@ -33,15 +36,25 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="dump files or folders")
     add_format_option(p)
+    p.add_argument(
+        "--all",
+        dest="show_all",
+        action="store_true",
+        help=f"show every communicator and every rank (default: the {MAX_TABLES} most "
+        f"telling communicators, {MAX_TABLE_ROWS} ranks each; --json always has them all)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from .pipeline import analyze_paths
-    from .report import to_json, to_text
+    from .report import print_report, to_json
 
     result = analyze_paths(args.paths, progress=sys.stderr.isatty() or len(args.paths) > 1)
-    print(to_json(result) if args.format == "json" else to_text(result))
+    if args.format == "json":
+        print(to_json(result))
+    else:
+        print_report(result, args.show_all)
     if not result.anything_read:
         return 2
     return 0 if result.healthy else 1

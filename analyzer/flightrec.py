@@ -46,7 +46,16 @@ from stallwatch.dumpers.errors import DumpFormatError, DumpVersionError
 from stallwatch.dumpers.schema import DataType, Op, State
 
 from .columns import Columns
-from .model import CALL_DTYPE, SCHED_DTYPE, TCP_RETRANS_DTYPE, Calls, Comm, Incident, Proc
+from .model import (
+    CALL_DTYPE,
+    SCHED_DTYPE,
+    TCP_RETRANS_DTYPE,
+    Calls,
+    Comm,
+    Incident,
+    Proc,
+    SourceKind,
+)
 
 OPS: dict[str, Op] = {
     "all_reduce": Op.ALL_REDUCE,
@@ -371,7 +380,7 @@ def incidents_from_flightrec(dumps: list[FrDump]) -> list[Incident]:
 
 
 def _incident(folder: str, dumps: list[FrDump]) -> Incident:
-    procs = tuple(Proc(Path(d.path).name, 0, d.rank, d.path) for d in dumps)
+    procs = tuple(Proc(Path(d.path).name, 0, d.rank, d.path, from_file=True) for d in dumps)
     by_rank = {d.rank: i for i, d in enumerate(dumps)}
     pg_ranks: dict[str, tuple[int, ...]] = {}
     for d in dumps:
@@ -381,7 +390,13 @@ def _incident(folder: str, dumps: list[FrDump]) -> Incident:
             pg_ranks.setdefault(n, ())
     names = sorted(pg_ranks, key=lambda n: (_comm_hash(n), n))
     comms = tuple(
-        Comm(_comm_hash(n), tuple(by_rank.get(r, -1) for r in pg_ranks[n]), label=n) for n in names
+        Comm(
+            _comm_hash(n),
+            tuple(by_rank.get(r, -1) for r in pg_ranks[n]),
+            label=n,
+            desc=next((d.pg_desc[n] for d in dumps if d.pg_desc.get(n)), ""),
+        )
+        for n in names
     )
     index = {n: i for i, n in enumerate(names)}
     rows = np.concatenate(
@@ -398,6 +413,8 @@ def _incident(folder: str, dumps: list[FrDump]) -> Incident:
         sched=np.zeros(0, dtype=SCHED_DTYPE),
         sources=tuple(d.path for d in dumps),
         progress=_progress(dumps, pg_ranks, index),
+        kind=SourceKind.FLIGHT_RECORDER,
+        wall_ns=int(rows["ts"].max()) if len(rows) else None,  # the latest entry
     )
 
 

@@ -46,6 +46,9 @@ class Proc:
     exit_code: int | None = None
     exit_signal: int | None = None
     window_complete: bool = True  # its ring never overwrote a row
+    # ``host`` is the input file's name: the input names no host (nor pid),
+    # as Flight Recorder dumps do not
+    from_file: bool = False
 
     @property
     def died_badly(self) -> bool:
@@ -53,6 +56,8 @@ class Proc:
 
     def label(self) -> str:
         rank = f"rank {self.world_rank}" if self.world_rank >= 0 else "rank ?"
+        if self.from_file:
+            return f"{rank} (file {self.host})"
         return f"{rank} (host {self.host}, pid {self.pid})"
 
 
@@ -63,8 +68,9 @@ class Comm:
 
     comm_hash: int
     members: tuple[int, ...]
-    label: str = ""
+    label: str = ""  # the process group's name, where the input names it
     is_split: bool = False
+    desc: str = ""  # the process group's description (Flight Recorder's pg_config)
 
     @property
     def nranks(self) -> int:
@@ -75,9 +81,16 @@ class Comm:
         return f"0x{self.comm_hash & 0xFFFFFFFFFFFFFFFF:016x}"
 
     @property
+    def group(self) -> str:
+        """The process group, for people: "group 58: TENSOR_MODEL_PARALLEL_GROUP"."""
+        if not self.label:
+            return ""
+        return f"group {self.label}: {self.desc}" if self.desc else f"group {self.label}"
+
+    @property
     def name(self) -> str:
-        """For people: the hash, and the process group's name when known."""
-        return f"{self.hash_text} ({self.label})" if self.label else self.hash_text
+        """For people: the hash, and the process group when known."""
+        return f"{self.hash_text} ({self.group})" if self.label else self.hash_text
 
 
 CALL_DTYPE = np.dtype(
@@ -139,6 +152,12 @@ class Incident:
     # progress counters rather than rows (Flight Recorder pg_status)
     progress: tuple[tuple[int, int, int, int], ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
+    kind: SourceKind = SourceKind.STALLWATCH
+    # when the incident was detected (wall clock, ns since the epoch, UTC) and
+    # by whom and why; for inputs without a dump time (Flight Recorder) the
+    # time of their latest entry, and no detector
+    wall_ns: int | None = None
+    detected_by: str = ""
 
     def host_index(self, host: str) -> int:
         return self.hosts.index(host)

@@ -1,8 +1,9 @@
 """Progress of the long stages of ``analyze`` on stderr, for people waiting.
 
-A line at most every ``PROGRESS_EVERY_S`` ("stallwatch analyze: loaded
-120/2048 files"), and the final count when any line was shown.  Steps may
-come from several threads.
+On a terminal, a rich progress bar that disappears when the stage ends.
+Elsewhere (a log, a pipe), a line at most every ``PROGRESS_EVERY_S``
+("stallwatch analyze: loaded 120/2048 files") and the final count when any
+line was shown.  Steps may come from several threads.
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ from __future__ import annotations
 import sys
 import threading
 import time
+
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as Bar
+from stallwatch.query.output import console
 
 PROGRESS_EVERY_S = 0.5
 
@@ -24,9 +29,17 @@ class Progress:
         self.shown = -1
         self.last = time.monotonic()
         self._lock = threading.Lock()
+        self._bar: Bar | None = None
+        if enabled and sys.stderr.isatty():
+            self._bar = _bar(template)
+            self._task = self._bar.add_task("", total=total)
+            self._bar.start()
 
     def step(self, n: int = 1) -> None:
         if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.advance(self._task, n)  # rich locks and redraws on its own thread
             return
         with self._lock:
             self.count += n
@@ -37,6 +50,9 @@ class Progress:
 
     def close(self) -> None:
         """The final count, if a line was shown and it is not the last one."""
+        if self._bar is not None:
+            self._bar.stop()
+            return
         with self._lock:
             if self.enabled and self.shown >= 0 and self.shown != self.count:
                 self._show()
@@ -45,3 +61,16 @@ class Progress:
         self.shown = self.count
         text = self.template.format(self.count, self.total)
         print(f"stallwatch analyze: {text}", file=sys.stderr, flush=True)
+
+
+def _bar(template: str) -> Bar:
+    """A transient bar: "stallwatch analyze: loaded files ━━━━ 120/2048 0:00:03"."""
+    what = template.replace("{}/{}", "").replace("  ", " ").strip()
+    return Bar(
+        TextColumn(f"stallwatch analyze: {what}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console(sys.stderr, terminal=True),
+        transient=True,
+    )

@@ -1,18 +1,219 @@
-"""Stage "report": verdicts first, then evidence, then per-communicator
-frontier tables; or the JSON document of DESIGN.md."""
+"""Stage "report": what people read at 3 a.m., and the JSON for programs.
+
+Text, per incident, in this order: the verdicts (kind and one line, the
+culprits, the evidence), when it happened (wall clock, UTC) and which agent
+detected it and why, the inputs that could not be read, then one table per
+communicator: its frontier (the latest seq any member entered), whether it
+is stuck, and per member the last seq entered and returned, its state, and
+beside every member not at the frontier, why.  On a terminal the tables are
+rich's, boxed; anywhere else plain aligned text.  By default the
+``MAX_TABLES`` most telling communicators (with laggards first, then stuck
+ones, then the largest), ``MAX_TABLE_ROWS`` members each; ``show_all``
+shows every one.
+
+Flight Recorder dumps name no host and no pid: their ranks are shown with
+the file they came from, and process groups by their name and description.
+
+JSON (DESIGN.md's document), with, per incident, its time and detector and
+the communicator tables, always whole.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
 
+import numpy as np
+from rich.console import Console
+from rich.padding import Padding
+from rich.text import Text
 from stallwatch.dumpers.schema import op_name
+from stallwatch.query.output import new_table, plain_text, show
 
-from .metrics import Frontier, MemberState
+from .metrics import Frontier, Member, MemberState
+from .model import Incident, InputStatus, SourceKind
 from .pipeline import AnalysisResult, IncidentResult
-from .verdict import VerdictKind
+from .verdict import Verdict, VerdictKind
 
 MAX_TABLES = 8
 MAX_TABLE_ROWS = 64
+MAX_LISTED = 10  # values of a list shown in a line; the rest are counted
+
+
+# ---- what the tables hold -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MemberRow:
+    rank: int  # in the communicator
+    world_rank: int | None
+    host: str | None  # the file, for inputs that name no host
+    pid: int | None
+    last_entered: int | None
+    last_returned: int | None
+    state: str
+    in_flight: bool
+    reason: str  # why it is not at the frontier ("" when it is)
+
+
+@dataclass(frozen=True, slots=True)
+class CommTable:
+    comm_id_hash: str
+    group: str  # the process group, where the input names it
+    nranks: int
+    is_split: bool
+    seq: int  # the frontier
+    op: str
+    status: str  # stuck | idle (every member returned) | moving
+    age_ns: int | None  # how long the frontier has made no progress
+    members: tuple[MemberRow, ...]
+    laggards: int
+
+    @property
+    def headline(self) -> str:
+        age = f" for {self.age_ns / 1e9:.1f} s" if self.age_ns is not None else ""
+        status = {
+            "stuck": f"stuck{age}",
+            "idle": f"every rank returned, none called again{age}",
+            "moving": "moving",
+        }[self.status]
+        return f"{self.nranks} ranks, frontier seq {self.seq} {self.op}, {status}"
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "comm_id_hash": self.comm_id_hash,
+            "group": self.group or None,
+            "nranks": self.nranks,
+            "is_split": self.is_split,
+            "frontier_seq": self.seq,
+            "op": self.op,
+            "status": self.status,
+            "age_s": None if self.age_ns is None else round(self.age_ns / 1e9, 3),
+            "members": [
+                {
+                    "rank": m.rank,
+                    "world_rank": m.world_rank,
+                    "host": m.host,
+                    "pid": m.pid,
+                    "last_entered": m.last_entered,
+                    "last_returned": m.last_returned,
+                    "state": m.state,
+                    "in_flight": m.in_flight,
+                    "reason": m.reason or None,
+                }
+                for m in self.members
+            ],
+        }
+
+
+def comm_tables(r: IncidentResult) -> list[CommTable]:
+    """Every communicator's table, the most telling first."""
+    last = _last_calls(r.incident)
+    tables = [_comm_table(r.incident, f, last) for f in r.frontiers]
+    rank = {"stuck": 0, "idle": 1, "moving": 2}
+    return sorted(tables, key=lambda t: (not t.laggards, rank[t.status], -t.nranks))
+
+
+def _status(f: Frontier) -> str:
+    if not f.stuck:
+        return "moving"
+    waiting = any(m.in_flight and m.state is MemberState.AT_FRONTIER for m in f.members)
+    return "stuck" if f.laggards or waiting else "idle"
+
+
+def _comm_table(inc: Incident, f: Frontier, last: dict[int, int]) -> CommTable:
+    comm = inc.comms[f.comm]
+    rows = tuple(_member_row(inc, f, m, last) for m in f.members)
+    return CommTable(
+        comm.hash_text,
+        comm.group,
+        comm.nranks,
+        comm.is_split,
+        f.seq,
+        op_name(f.op),
+        _status(f),
+        f.age_ns,
+        rows,
+        len(f.laggards),
+    )
+
+
+def _member_row(inc: Incident, f: Frontier, m: Member, last: dict[int, int]) -> MemberRow:
+    p = inc.procs[m.proc] if m.proc >= 0 else None
+    state = m.state.value
+    if m.state is MemberState.AT_FRONTIER:
+        state += ", in flight" if m.in_flight else ", returned"
+    return MemberRow(
+        rank=m.crank,
+        world_rank=p.world_rank if p is not None and p.world_rank >= 0 else None,
+        host=p.host if p is not None else None,
+        pid=p.pid if p is not None and not p.from_file else None,
+        last_entered=m.last_seq if m.last_seq >= 0 else None,
+        last_returned=m.last_returned if m.last_returned >= 0 else None,
+        state=state,
+        in_flight=m.in_flight,
+        reason=_reason(inc, f, m, last),
+    )
+
+
+_REASONS = {
+    MemberState.NO_ROWS: "no call on this communicator in its recorded window",
+    MemberState.UNKNOWN: "its ring wrapped past this communicator's calls",
+    MemberState.NO_DUMP: "no input holds this rank (its host's dump is missing)",
+}
+
+
+def _reason(inc: Incident, f: Frontier, m: Member, last: dict[int, int]) -> str:
+    """Why a member is not at the frontier: how it ended, or its last call."""
+    if m.state is MemberState.AT_FRONTIER:
+        return ""
+    if m.state in _REASONS:
+        return _REASONS[m.state]
+    p = inc.procs[m.proc]
+    if p.died_badly:
+        return f"exited ({_exit_text(p.exit_code, p.exit_signal)})"
+    row = last.get(m.proc)
+    if row is None:
+        return "no call recorded"
+    calls = inc.calls.rows
+    comm, end = int(calls["comm"][row]), int(calls["end"][row])
+    where = "" if comm == f.comm else f" on {inc.comms[comm].name}"
+    what = f"last call {op_name(int(calls['op'][row]))} seq {int(calls['seq'][row])}{where}"
+    now = inc.host_now[inc.hosts.index(p.host)] if p.host in inc.hosts else None
+    since = now - max(int(calls["ts"][row]), end) if now is not None else None
+    age = f" {since / 1e9:.1f} s ago" if since is not None and since >= 0 else ""
+    if end == 0:
+        return f"{what}, in flight" + (f" (entered{age})" if age else "")
+    return f"{what}, returned{age}"
+
+
+def _exit_text(code: int | None, signal: int | None) -> str:
+    return f"killed by signal {signal}" if signal else f"exit code {code}"
+
+
+def _last_calls(inc: Incident) -> dict[int, int]:
+    """Each proc's latest call (row index), by its host's clock."""
+    rows = inc.calls.rows
+    if not len(rows):
+        return {}
+    proc, ts = rows["proc"], np.maximum(rows["ts"], rows["end"])
+    order = np.lexsort((ts, proc))
+    last = order[np.flatnonzero(np.diff(proc[order], append=-1) != 0)]
+    return dict(zip(proc[last].tolist(), last.tolist(), strict=True))
+
+
+# ---- JSON -------------------------------------------------------------------
+
+
+def _wall(ns: int | None, iso: bool = False) -> str | None:
+    if ns is None:
+        return None
+    t = datetime.fromtimestamp(ns / 1e9, tz=UTC)
+    if iso:
+        return t.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return t.strftime("%Y-%m-%d %H:%M:%S.") + f"{t.microsecond // 1000:03d} UTC"
 
 
 def to_json(result: AnalysisResult) -> str:
@@ -20,9 +221,13 @@ def to_json(result: AnalysisResult) -> str:
         "incidents": [
             {
                 "id": r.incident.id,
+                "kind": r.incident.kind.value,
                 "hosts": list(r.incident.hosts),
+                "time": _wall(r.incident.wall_ns, iso=True),
+                "detected_by": r.incident.detected_by or None,
                 "verdicts": [v.to_json() for v in r.verdicts],
                 "notes": list(r.incident.notes),
+                "communicators": [t.to_json() for t in comm_tables(r)],
             }
             for r in result.incidents
         ],
@@ -31,74 +236,133 @@ def to_json(result: AnalysisResult) -> str:
     return json.dumps(doc, indent=2)
 
 
-def to_text(result: AnalysisResult) -> str:
-    lines: list[str] = []
-    for r in result.incidents:
-        lines += _incident_text(r)
+# ---- text -------------------------------------------------------------------
+
+
+def to_text(result: AnalysisResult, show_all: bool = False) -> str:
+    """The report as plain text (what is printed when not on a terminal)."""
+    return plain_text(lambda c: render(c, result, show_all))
+
+
+def print_report(result: AnalysisResult, show_all: bool = False) -> None:
+    """The report on stdout: rich tables on a terminal, plain text elsewhere."""
+    show(lambda c: render(c, result, show_all))
+
+
+def render(c: Console, result: AnalysisResult, show_all: bool = False) -> None:
     bad = [s for s in result.inputs if not s.ok]
-    if bad:
-        lines.append(f"inputs not read ({len(bad)} of {len(result.inputs)}):")
-        lines += [f"  {s.error}" for s in bad]
+    for i, r in enumerate(result.incidents):
+        _incident(c, r, bad if i == 0 else [], len(result.inputs), show_all)
     if not result.incidents:
-        lines.append("nothing could be analyzed")
-    return "\n".join(lines)
+        _unread(c, bad, len(result.inputs), 0)
+        _line(c, 0, "nothing could be analyzed")
 
 
-def _incident_text(r: IncidentResult) -> list[str]:
+def _line(c: Console, indent: int, text: str, style: str = "") -> None:
+    c.print(Text(" " * indent + text, style=style if c.is_terminal else ""))
+
+
+def _listing(word: str, values: Sequence[object]) -> str:
+    """ "rank 5", "ranks 3, 5", "ranks 0, 1, ..., 9 (120 in all)"."""
+    shown = ", ".join(str(v) for v in values[:MAX_LISTED])
+    more = f", ... ({len(values)} in all)" if len(values) > MAX_LISTED else ""
+    return f"{word}{'s' if len(values) != 1 else ''} {shown}{more}"
+
+
+def _header(inc: Incident) -> str:
+    ranks = f"{len(inc.procs)} rank{'s' if len(inc.procs) != 1 else ''}"
+    if inc.kind is SourceKind.FLIGHT_RECORDER:
+        n = len(inc.sources)
+        return f"incident {inc.id}: {n} Flight Recorder file{'s' if n != 1 else ''}, {ranks}"
+    hosts = f"{len(inc.hosts)} host{'s' if len(inc.hosts) != 1 else ''}"
+    names = ", ".join(inc.hosts[:MAX_LISTED]) + (", ..." if len(inc.hosts) > MAX_LISTED else "")
+    return f"incident {inc.id}: {hosts} ({names}), {ranks}"
+
+
+def _incident(
+    c: Console, r: IncidentResult, bad: list[InputStatus], n_inputs: int, show_all: bool
+) -> None:
     inc = r.incident
-    lines = [f"incident {inc.id}: {len(inc.hosts)} host(s), {len(inc.procs)} rank(s)"]
-    lines += [f"  note: {n}" for n in inc.notes]
+    _line(c, 0, _header(inc), "bold")
+    for note in inc.notes:
+        _line(c, 2, f"note: {note}")
     for v in r.verdicts:
-        lines.append(f"  {v.kind.value.upper()}: {v.summary}")
-        if v.kind is not VerdictKind.HEALTHY:
-            where = ", ".join(
-                x
-                for x in (
-                    f"ranks {list(v.ranks)}",
-                    f"hosts {list(v.hosts)}",
-                    f"pids {list(v.pids)}",
-                    f"comm {v.comm_id_hash}" if v.comm_id_hash else "",
-                    f"seq {v.seq}" if v.seq is not None else "",
-                    f"op {v.op}" if v.op else "",
-                )
-                if x
-            )
-            lines.append(f"    {where}")
-        lines += [f"    - {e}" for e in v.evidence]
-    shown = sorted(r.frontiers, key=lambda f: (not f.laggards, -inc.comms[f.comm].nranks))
-    for f in shown[:MAX_TABLES]:
-        lines += _frontier_table(r, f)
-    if len(shown) > MAX_TABLES:
-        lines.append(f"  ({len(shown) - MAX_TABLES} more communicators not shown)")
-    lines.append("")
-    return lines
+        _verdict(c, inc, v)
+    _when(c, inc)
+    _unread(c, bad, n_inputs, 2)
+    tables = comm_tables(r)
+    shown = tables if show_all else tables[:MAX_TABLES]
+    for t in shown:
+        _table(c, inc, t, show_all)
+    if len(shown) < len(tables):
+        _line(c, 2, f"({len(tables) - len(shown)} more communicators not shown; --all shows them)")
+    _line(c, 0, "")
 
 
-def _frontier_table(r: IncidentResult, f: Frontier) -> list[str]:
-    inc = r.incident
-    comm = inc.comms[f.comm]
-    label = f" ({comm.label})" if comm.label else ""
-    stuck = "stuck" if f.stuck else "moving"
-    lines = [
-        f"  communicator {comm.hash_text}{label}: {comm.nranks} ranks, frontier seq {f.seq} "
-        f"{op_name(f.op)} ({stuck})",
-        "    rank  world  host                 pid      last entered  last returned  state",
-    ]
-    for m in f.members[:MAX_TABLE_ROWS]:
-        p = inc.procs[m.proc] if m.proc >= 0 else None
-        state = m.state.value + (
-            " (in flight)" if m.in_flight and m.state is MemberState.AT_FRONTIER else ""
-        )
-        lines.append(
-            f"    {m.crank:<5} {p.world_rank if p else '?':<6} {(p.host if p else '-')[:20]:<20} "
-            f"{p.pid if p else '-':<8} {_seq(m.last_seq):<13} {_seq(m.last_returned):<14} {state}"
-        )
-    if len(f.members) > MAX_TABLE_ROWS:
-        rest = f.members[MAX_TABLE_ROWS:]
-        lag = sum(1 for m in rest if m.state is not MemberState.AT_FRONTIER)
-        lines.append(f"    ... {len(rest)} more ranks, {lag} of them not at the frontier")
-    return lines
+def _verdict(c: Console, inc: Incident, v: Verdict) -> None:
+    bad = v.kind is not VerdictKind.HEALTHY
+    _line(c, 2, f"{v.kind.value.upper()}: {v.summary}", "bold red" if bad else "bold green")
+    if bad:
+        files = inc.kind is SourceKind.FLIGHT_RECORDER
+        where = [
+            _listing("rank", v.ranks) if v.ranks else "",
+            _listing("file" if files else "host", v.hosts) if v.hosts else "",
+            _listing("pid", v.pids) if v.pids and any(v.pids) else "",
+            f"comm {v.comm_id_hash}" if v.comm_id_hash else "",
+            f"seq {v.seq}" if v.seq is not None else "",
+            f"op {v.op}" if v.op else "",
+        ]
+        _line(c, 4, "; ".join(w for w in where if w))
+    for e in v.evidence:
+        _line(c, 4, f"- {e}")
 
 
-def _seq(s: int) -> str:
-    return "-" if s < 0 else str(s)
+def _when(c: Console, inc: Incident) -> None:
+    if inc.wall_ns is None:
+        return
+    if inc.kind is SourceKind.FLIGHT_RECORDER:
+        _line(c, 2, f"time: {_wall(inc.wall_ns)}, the latest entry (the dumps carry no dump time)")
+    elif inc.detected_by:
+        _line(c, 2, f"time: {_wall(inc.wall_ns)}, detected by {inc.detected_by}")
+    else:
+        _line(c, 2, f"time: {_wall(inc.wall_ns)}, when the latest snapshot was taken")
+
+
+def _unread(c: Console, bad: list[InputStatus], n_inputs: int, indent: int) -> None:
+    if not bad:
+        return
+    _line(c, indent, f"inputs not read ({len(bad)} of {n_inputs}):", "yellow")
+    for s in bad:
+        _line(c, indent + 2, f"- {s.error or s.path}")
+
+
+def _table(c: Console, inc: Incident, t: CommTable, show_all: bool) -> None:
+    group = f" ({t.group})" if t.group else ""
+    style = "bold" if t.status == "stuck" else ""
+    _line(c, 2, f"communicator {t.comm_id_hash}{group}: {t.headline}", style)
+    files = inc.kind is SourceKind.FLIGHT_RECORDER
+    columns = [("rank", True), ("world", True), ("file" if files else "host", False)]
+    columns += [] if files else [("pid", True)]
+    columns += [("last entered", True), ("last returned", True), ("state", False), ("why", False)]
+    table = new_table(c, columns)
+    rows = t.members if show_all else t.members[:MAX_TABLE_ROWS]
+    for m in rows:
+        cells = [str(m.rank), _cell(m.world_rank), _cell(m.host)]
+        cells += [] if files else [_cell(m.pid)]
+        cells += [_cell(m.last_entered), _cell(m.last_returned), m.state, m.reason]
+        table.add_row(*(Text(x) for x in cells), style=_row_style(c, m))
+    c.print(Padding(table, (0, 0, 0, 4), expand=False))
+    if len(rows) < len(t.members):
+        rest = t.members[len(rows) :]
+        lag = sum(1 for m in rest if not m.state.startswith(MemberState.AT_FRONTIER.value))
+        _line(c, 4, f"... {len(rest)} more ranks, {lag} of them not at the frontier")
+
+
+def _row_style(c: Console, m: MemberRow) -> str:
+    if not c.is_terminal or not m.reason:
+        return ""
+    return "red"
+
+
+def _cell(value: object) -> str:
+    return "-" if value is None else str(value)

@@ -18,12 +18,15 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.text import Text
 
 from stallwatch.analyzer.load import SKIPPED_IN_FOLDERS
 from stallwatch.dumpers.errors import DumpError, ExitCode, UsageError
 from stallwatch.dumpers.model import Recording
-from stallwatch.query.output import HelpFormatter, add_format_option
+from stallwatch.query.output import HelpFormatter, add_format_option, new_table, text_for
 
 DEFAULT_LISTEN = "127.0.0.1:9400"
 
@@ -164,24 +167,22 @@ def _cell(value: object) -> str:
 
 
 def format_table(
-    columns: Sequence[str], types: Sequence[str], rows: Sequence[Sequence[Any]]
+    columns: Sequence[str],
+    types: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    file: TextIO | None = None,
 ) -> str:
-    """Aligned columns for people: numbers right-aligned, NULL spelled out."""
-    cells = [[_cell(v) for v in row] for row in rows]
-    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
-    numeric = [_is_numeric(t) for t in types]
+    """Aligned columns for people (rich's table on a terminal, plain text
+    for ``file`` otherwise): numbers right-aligned, NULL spelled out."""
 
-    def line(values: Sequence[str]) -> str:
-        parts = [
-            v.rjust(w) if num else v.ljust(w)
-            for v, w, num in zip(values, widths, numeric, strict=True)
-        ]
-        return "  ".join(parts).rstrip()
+    def draw(c: Console) -> None:
+        table = new_table(c, [(n, _is_numeric(t)) for n, t in zip(columns, types, strict=True)])
+        for row in rows:
+            table.add_row(*(Text(_cell(v)) for v in row))
+        c.print(table)
+        c.print(Text(f"({len(rows)} row{'s' if len(rows) != 1 else ''})"))
 
-    out = [line(columns), "  ".join("-" * w for w in widths)]
-    out += [line(r) for r in cells]
-    out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
-    return "\n".join(out)
+    return text_for(draw, file)
 
 
 def _is_numeric(sql_type: str) -> bool:

@@ -180,3 +180,24 @@ def test_help_has_examples(run: Run, capsys: pytest.CaptureFixture[str]) -> None
     assert exit_info.value.code == 0
     help_text = capsys.readouterr().out
     assert "examples:" in help_text and "--agents" in help_text and "exit codes" in help_text
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_query_table_is_rich_on_a_terminal_and_plain_elsewhere() -> None:
+    from stallwatch.sqlcli import format_table
+
+    args = (("rank", "op"), ("INTEGER", "VARCHAR"), [(5, "ALL_REDUCE"), (None, "SEND")])
+    plain = format_table(*args, file=io.StringIO()).splitlines()
+    assert plain == [
+        "rank   op",
+        "----- -----------",
+        "   5   ALL_REDUCE",
+        "NULL   SEND",
+        "(2 rows)",
+    ]
+    boxed = format_table(*args, file=_Terminal())
+    assert "\x1b[" in boxed and "─" in boxed and "ALL_REDUCE" in boxed

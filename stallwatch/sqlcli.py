@@ -33,7 +33,9 @@ DEFAULT_LISTEN = "127.0.0.1:9400"
 QUERY_EPILOG = """\
 tables: nccl_events, comm_events, tcp_events, sched_events, exit_events,
         processes, communicators (each with a host column; timestamp_ns is the
-        host's monotonic clock, wall_time the same instant in UTC).
+        host's monotonic clock, wall_time the same instant in UTC; rank is the
+        rank in the row's communicator, world_rank the process's; ids are
+        '0x...' text as the reports print them; NULL where unknown).
         The rows of every dump given share one table: where hosts must not
         mix (a time-window join), join on host too (t.host = s.host).
 
@@ -42,6 +44,8 @@ examples:
   stallwatch query dumps/*.msgpack --format csv \\
       "SELECT rank, seq, duration_ns/1e6 AS ms FROM nccl_events ORDER BY ms DESC LIMIT 10"
   stallwatch query dumps/ "SELECT count(*) FROM tcp_events" --json
+  stallwatch query dumps/ \\
+      "SELECT comm_id_hash, list(world_rank ORDER BY rank) FROM communicators GROUP BY 1"
   stallwatch query --agents node1:9400,node2:9400 --token-file /etc/stallwatch/token \\
       "SELECT * FROM tcp_events WHERE event = 'tcp_retransmit_skb' LIMIT 20"
 

@@ -102,7 +102,9 @@ DATA_OPS = np.zeros(256, dtype=bool)  # ops that move data: count, datatype, seq
 DATA_OPS[[int(op) for op in Op if op.is_collective or op.is_p2p]] = True
 REDUCING_OPS = np.zeros(256, dtype=bool)  # ops that take a reduction operator
 REDUCING_OPS[[Op.ALL_REDUCE, Op.REDUCE, Op.REDUCE_SCATTER]] = True
-FAMILIES = {2: "ipv4", 10: "ipv6"}
+FAMILY_CODES = np.full(1 << 16, -1, dtype=np.int8)  # AF_* -> index into FAMILY_NAMES
+FAMILY_CODES[[2, 10]] = [0, 1]
+FAMILY_NAMES = ("ipv4", "ipv6")
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,11 +185,15 @@ def _hex(values: np.ndarray) -> pa.DictionaryArray:
 
 
 def _by_pid(pids: np.ndarray, values: dict[int, int]) -> pa.Array:
-    """Per row, ``values`` of its pid (NULL where it has none): each distinct
-    pid looked up once."""
-    encoded = pa.array(pids.astype(np.int64, copy=False)).dictionary_encode()
-    per_pid = pa.array([values.get(p) for p in encoded.dictionary.to_pylist()], pa.int32())
-    return per_pid.take(encoded.indices)
+    """Per row, ``values`` of its pid (NULL where it has none), by a binary
+    search among the few pids that have one."""
+    if not values:
+        return pa.nulls(len(pids), pa.int32())
+    keys = np.array(sorted(values), dtype=np.int64)
+    found = np.array([values[k] for k in keys.tolist()], dtype=np.int32)
+    pids = pids.astype(np.int64, copy=False)
+    pos = np.minimum(np.searchsorted(keys, pids), len(keys) - 1)
+    return _maybe_null(found[pos], keys[pos] != pids)
 
 
 def _wall(rec: Recording, ts: np.ndarray) -> pa.Array:
@@ -413,6 +419,12 @@ def tcp_owners(rows: np.ndarray) -> np.ndarray:
     return pid
 
 
+def _families(family: np.ndarray) -> pa.DictionaryArray:
+    codes = FAMILY_CODES[family]
+    indices = pa.array(codes, mask=codes < 0)
+    return pa.DictionaryArray.from_arrays(indices, pa.array(FAMILY_NAMES, pa.string()))
+
+
 def tcp_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     known = known if known is not None else Ranks.of([rec])
     rows = _ring(rec, "tcp")
@@ -427,10 +439,7 @@ def tcp_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     cols["daddr"] = _addresses(rows["family"], rows["daddr"])
     cols["sport"] = pa.array(rows["sport"].astype(np.int32))
     cols["dport"] = pa.array(rows["dport"].astype(np.int32))
-    family = rows["family"].astype(np.int64)
-    cols["family"] = pa.array(
-        [FAMILIES.get(f, f"family_{f}") for f in family.tolist()], pa.string()
-    )
+    cols["family"] = _families(rows["family"])
     cols["state"] = _coded(rows["state"], "tcp_state", rows["state"] <= 0)
     cols["newstate"] = _coded(rows["newstate"], "tcp_state", retransmit | (rows["newstate"] <= 0))
     cols["skaddr"] = _hex(rows["skaddr"])

@@ -1,35 +1,50 @@
-"""One SQL query sent to many agents at once, answers merged with their host.
+"""One SQL query sent to many agents at once, answered as one table.
 
-:func:`query_agents` posts the query to every agent's ``/query`` in parallel
-(a process-wide pool of up to 128 client threads, HTTP/1.1 keep-alive
-connections kept between calls), waits at most ``timeout`` seconds for all
-of them together, and merges the rows.  Every table already has a ``host``
-column; when a query's result lacks one, a leading ``host`` column names the
-agent's host.
+:func:`query_agents` plans the query (``query.plan``: what each agent must
+send so that the client can answer the query over the union of all agents'
+tables), posts the fetch queries to every agent's ``/fetch`` in parallel, and
+runs the final query over the union in the client's own DuckDB.  The result
+is what the same SQL returns over all the agents' dumps in one local query:
+``ORDER BY``, ``LIMIT``, aggregates, ``DISTINCT`` and ``GROUP BY host`` apply
+across the cluster.  Every table has a ``host`` column, filled by the agent
+that sent the row.
 
-Rows are concatenated in the order the agents were given, each agent's rows in
-the order that agent returned them: an ``ORDER BY ... LIMIT n`` applies per
-agent (up to n rows from each), not to the merged result.
+Bounded: at most ``concurrency`` agents are asked at once (a process-wide
+pool of client threads, HTTP/1.1 keep-alive connections kept between calls);
+each agent has ``timeout`` seconds from the moment it is asked.  An agent
+that cannot be reached, answers late, refuses or sends rows of another shape
+is named in ``failed`` with the reason; the others' rows are still merged (a
+partial result).  An agent that had more rows than it may send
+(``Limits.max_fetch_rows``) is named in ``truncated``.
 
-An agent that cannot be reached, answers late, refuses the query or returns
-columns that differ from the others' is named in ``failed`` with the reason;
-the others' rows are still returned (a partial result).
+TLS: with a :class:`~stallwatch.query.tls.ClientTls` (or an ``https://``
+address), agents are reached over HTTPS, their certificate verified against
+the CA file, the client's own certificate presented if given (mutual TLS).
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import ssl
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 from stallwatch.dumpers.errors import AgentError, UsageError
 
+from .http import ARROW_FRAMES, Frame, decode_frames
+from .plan import Plan, final_connection, merge_tables, plan
+from .sql import run_on_tables
+from .tls import ClientTls, describe_failure
+
 DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_CONCURRENCY = 128
 _RETRYABLE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 
 
@@ -37,11 +52,8 @@ _RETRYABLE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeEr
 class AgentAnswer:
     agent: str  # the address as given
     host: str  # the host name the agent reports
-    columns: tuple[str, ...]
-    types: tuple[str, ...]
-    rows: list[list[Any]]
-    truncated: bool
-    elapsed_ms: float  # the agent's own query time
+    truncated: bool  # the agent had more rows than it may send
+    elapsed_ms: float  # asked to answered, as the client saw it
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,38 +70,71 @@ class FanoutResult:
     answers: tuple[AgentAnswer, ...]
     failed: tuple[AgentFailure, ...]
     elapsed_ms: float  # end to end, as the caller saw it
+    limited: bool = False  # more rows than the caller's limit
 
     @property
     def truncated(self) -> bool:
-        return any(a.truncated for a in self.answers)
+        return self.limited or any(a.truncated for a in self.answers)
+
+    @property
+    def partial(self) -> bool:
+        """Some agent's rows are missing from the answer, in part or whole."""
+        return bool(self.failed) or any(a.truncated for a in self.answers)
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    agent: str
+    host: str
+    port: int
+    tls: bool
 
 
 def parse_agent(agent: str) -> tuple[str, int]:
-    """``host:port``, ``[v6]:port`` or ``http://host:port``."""
-    text = agent.strip().removeprefix("http://").rstrip("/")
+    """``host:port``, ``[v6]:port``, ``http://host:port`` or ``https://...``."""
+    target = _target(agent, False)
+    return target.host, target.port
+
+
+def _target(agent: str, tls: bool) -> _Target:
+    text = agent.strip().rstrip("/")
+    if text.startswith("https://"):
+        tls = True
+    text = text.removeprefix("https://").removeprefix("http://")
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"agent {agent!r}: expected HOST:PORT, e.g. node1:9400")
-    return host.strip("[]"), int(port)
+    return _Target(agent, host.strip("[]"), int(port), tls)
 
 
 class _Pool:
     """Idle keep-alive connections per agent, safe to share between threads."""
 
     def __init__(self) -> None:
-        self._idle: dict[tuple[str, int, float], list[http.client.HTTPConnection]] = {}
+        self._idle: dict[tuple[Any, ...], list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
 
-    def take(self, host: str, port: int, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
+    def take(
+        self, t: _Target, timeout: float, tls: ssl.SSLContext | None
+    ) -> tuple[http.client.HTTPConnection, bool]:
+        key = (t.host, t.port, timeout, id(tls))
         with self._lock:
-            idle = self._idle.get((host, port, timeout))
+            idle = self._idle.get(key)
             if idle:
                 return idle.pop(), True
-        return http.client.HTTPConnection(host, port, timeout=timeout), False
+        if tls is None:
+            return http.client.HTTPConnection(t.host, t.port, timeout=timeout), False
+        return http.client.HTTPSConnection(t.host, t.port, timeout=timeout, context=tls), False
 
-    def give(self, host: str, port: int, timeout: float, conn: http.client.HTTPConnection) -> None:
+    def give(
+        self,
+        t: _Target,
+        timeout: float,
+        tls: ssl.SSLContext | None,
+        conn: http.client.HTTPConnection,
+    ) -> None:
         with self._lock:
-            self._idle.setdefault((host, port, timeout), []).append(conn)
+            self._idle.setdefault((t.host, t.port, timeout, id(tls)), []).append(conn)
 
     def clear(self) -> None:
         with self._lock:
@@ -100,27 +145,41 @@ class _Pool:
 
 
 _POOL = _Pool()
-_WORKERS = 128  # agents asked at once; more wait for a free thread
 _executor: ThreadPoolExecutor | None = None
+_executor_size = 0
 _executor_lock = threading.Lock()
 
 
-def _threads() -> ThreadPoolExecutor:
+def _threads(concurrency: int) -> ThreadPoolExecutor:
     """One pool of client threads for the process, started on first use:
     a fan-out does not pay for starting a thread per agent each time."""
-    global _executor
+    global _executor, _executor_size
     with _executor_lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="fanout")
+        if _executor is None or _executor_size != concurrency:
+            if _executor is not None:
+                _executor.shutdown(wait=False)
+            _executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="fanout")
+            _executor_size = concurrency
         return _executor
 
 
-def _post(agent: str, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int, bytes]:
-    host, port = parse_agent(agent)
+@dataclass(frozen=True, slots=True)
+class _Request:
+    body: bytes
+    headers: dict[str, str]
+    timeout: float
+    tls: ssl.SSLContext | None  # for https targets
+    ca: Path | None  # named in certificate errors
+
+
+def _post(t: _Target, req: _Request) -> tuple[int, str, bytes]:
+    context = req.tls if t.tls else None
+    if t.tls and context is None:
+        context = ssl.create_default_context()
     for _ in range(2):  # a pooled connection the agent closed: retry once, fresh
-        conn, reused = _POOL.take(host, port, timeout)
+        conn, reused = _POOL.take(t, req.timeout, context)
         try:
-            conn.request("POST", "/query", body, headers)
+            conn.request("POST", "/fetch", req.body, req.headers)
             resp = conn.getresponse()
             data = resp.read()
         except _RETRYABLE:
@@ -134,9 +193,9 @@ def _post(agent: str, body: bytes, headers: dict[str, str], timeout: float) -> t
         if resp.will_close:
             conn.close()
         else:
-            _POOL.give(host, port, timeout, conn)
-        return resp.status, data
-    raise AgentError(f"{agent}: connection closed twice")  # pragma: no cover
+            _POOL.give(t, req.timeout, context, conn)
+        return resp.status, resp.getheader("Content-Type", ""), data
+    raise AgentError(f"{t.agent}: connection closed twice")  # pragma: no cover
 
 
 def _error_text(status: int, data: bytes) -> str:
@@ -146,53 +205,29 @@ def _error_text(status: int, data: bytes) -> str:
         return f"HTTP {status}: {data[:200].decode(errors='replace')}"
 
 
-def _ask(agent: str, body: bytes, headers: dict[str, str], timeout: float) -> AgentAnswer:
+def _ask(
+    index: int, t: _Target, req: _Request, started: dict[int, float]
+) -> tuple[float, list[Frame]]:
+    started[index] = time.monotonic()
     try:
-        status, data = _post(agent, body, headers, timeout)
+        status, content_type, data = _post(t, req)
     except TimeoutError:
-        raise AgentError(f"no answer within {timeout:g} s") from None
+        raise AgentError(f"no answer within {req.timeout:g} s") from None
+    except ssl.SSLError as exc:
+        raise AgentError(describe_failure(exc, req.ca)) from None
     except OSError as exc:
         raise AgentError(f"cannot reach the agent: {exc.strerror or exc}") from None
     except http.client.HTTPException as exc:
         raise AgentError(f"bad HTTP answer: {type(exc).__name__} {exc}") from None
     if status != 200:
         raise AgentError(_error_text(status, data))
+    if content_type != ARROW_FRAMES:
+        raise AgentError(f"the answer is {content_type or 'untyped'}, not rows: an older agent?")
     try:
-        doc = json.loads(data)
-        return AgentAnswer(
-            agent=agent,
-            host=str(doc["host"]),
-            columns=tuple(doc["columns"]),
-            types=tuple(doc["types"]),
-            rows=doc["rows"],
-            truncated=bool(doc["truncated"]),
-            elapsed_ms=float(doc["elapsed_ms"]),
-        )
-    except (ValueError, KeyError, TypeError) as exc:
-        raise AgentError(f"the answer is not a query result: {exc}") from None
-
-
-def _merge(
-    answers: list[AgentAnswer], failed: list[AgentFailure]
-) -> tuple[tuple[str, ...], tuple[str, ...], list[list[Any]], list[AgentAnswer]]:
-    if not answers:
-        return (), (), [], []
-    columns, types = answers[0].columns, answers[0].types
-    kept, rows = [], []
-    for a in answers:
-        if a.columns != columns:
-            failed.append(
-                AgentFailure(a.agent, f"columns {list(a.columns)} differ from {list(columns)}")
-            )
-            continue
-        kept.append(a)
-        if "host" in columns:
-            rows.extend(a.rows)
-        else:
-            rows.extend([a.host, *r] for r in a.rows)
-    if "host" not in columns:
-        columns, types = ("host", *columns), ("VARCHAR", *types)
-    return columns, types, rows, kept
+        frames = decode_frames(data)
+    except ValueError as exc:
+        raise AgentError(f"the answer is not rows: {exc}") from None
+    return (time.monotonic() - started[index]) * 1e3, frames
 
 
 def query_agents(
@@ -201,46 +236,122 @@ def query_agents(
     token: str | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
     limit: int | None = None,
+    tls: ClientTls | None = None,
+    concurrency: int = DEFAULT_CONCURRENCY,
 ) -> FanoutResult:
-    """Send ``sql`` to every agent in parallel and merge what comes back
-    within ``timeout`` seconds."""
+    """The answer to ``sql`` over the union of every agent's tables, from
+    the agents that answered within ``timeout`` seconds of being asked.
+    QueryError/QueryRefused for a query that fails before any agent is asked."""
     if not agents:
         raise UsageError("no agents given")
-    for agent in agents:
-        parse_agent(agent)
+    if concurrency < 1:
+        raise UsageError(f"--concurrency must be 1 or more, got {concurrency}")
+    targets = [_target(a, tls is not None) for a in agents]
     start = time.perf_counter()
-    doc: dict[str, Any] = {"sql": sql} if limit is None else {"sql": sql, "limit": limit}
-    body = json.dumps(doc).encode()
+    the_plan = plan(sql)
+    req = _request(the_plan, token, timeout, tls)
+    answers, failed, tables = _gather(targets, req, the_plan, concurrency)
+    if not answers:
+        elapsed = (time.perf_counter() - start) * 1e3
+        return FanoutResult((), (), [], (), tuple(failed), elapsed)
+    result = run_on_tables(tables, the_plan.final_sql, limit, final_connection())
+    rows = [list(r) for r in result.rows]
+    columns, types = the_plan.columns, the_plan.types
+    if result.columns != columns or result.types != types:
+        rows = _cast(tables, the_plan, limit)
+    elapsed = (time.perf_counter() - start) * 1e3
+    return FanoutResult(
+        columns, types, rows, tuple(answers), tuple(failed), elapsed, result.truncated
+    )
+
+
+def _request(the_plan: Plan, token: str | None, timeout: float, tls: ClientTls | None) -> _Request:
+    body = json.dumps({"queries": [f.sql for f in the_plan.fetches]}).encode()
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    pool = _threads()
-    futures = {a: pool.submit(_ask, a, body, headers, timeout) for a in agents}
-    wait(futures.values(), timeout=timeout)
-    for future in futures.values():
-        future.cancel()  # not started yet (more agents than threads): give up on it
-    answers, failed = _collect(futures, timeout)
-    columns, types, rows, kept = _merge(answers, failed)
-    elapsed = (time.perf_counter() - start) * 1e3
-    return FanoutResult(columns, types, rows, tuple(kept), tuple(failed), elapsed)
+    context = tls.context() if tls is not None else None
+    return _Request(body, headers, timeout, context, tls.ca if tls else None)
 
 
-def _collect(
-    futures: dict[str, Future[AgentAnswer]], timeout: float
-) -> tuple[list[AgentAnswer], list[AgentFailure]]:
+def _gather(
+    targets: list[_Target], req: _Request, the_plan: Plan, concurrency: int
+) -> tuple[list[AgentAnswer], list[AgentFailure], dict[str, pa.Table]]:
+    started: dict[int, float] = {}
+    pool = _threads(concurrency)
+    futures = {pool.submit(_ask, i, t, req, started): i for i, t in enumerate(targets)}
+    done = _wait(futures, started, req.timeout)
     answers, failed = [], []
-    for agent, future in futures.items():
-        if future.cancelled() or not future.done():
-            failed.append(AgentFailure(agent, f"no answer within {timeout:g} s"))
+    parts: list[list[pa.Table]] = [[] for _ in the_plan.fetches]
+    for future, i in futures.items():
+        t = targets[i]
+        error = _failure(future, done, req.timeout)
+        frames: list[Frame] = []
+        if error is None:
+            elapsed, frames = future.result()
+            if len(frames) != len(the_plan.fetches):
+                error = f"sent {len(frames)} tables for {len(the_plan.fetches)} queries"
+        if error is not None:
+            failed.append(AgentFailure(t.agent, error))
             continue
-        exc = future.exception()
-        if exc is None:
-            answers.append(future.result())
-        elif isinstance(exc, AgentError):
-            failed.append(AgentFailure(agent, str(exc)))
-        else:
-            failed.append(AgentFailure(agent, f"{type(exc).__name__}: {exc}"))
-    return answers, failed
+        host = frames[0].host if frames else t.host
+        answers.append(AgentAnswer(t.agent, host, any(f.truncated for f in frames), elapsed))
+        for i, frame in enumerate(frames):
+            parts[i].append(frame.table)
+    return answers, failed, _union(the_plan, parts)
+
+
+def _wait(
+    futures: dict[Future[Any], int], started: dict[int, float], timeout: float
+) -> set[Future[Any]]:
+    """Wait until every agent answered or had ``timeout`` seconds since it
+    was asked (agents past ``concurrency`` wait for a free thread first)."""
+    pending = set(futures)
+    done: set[Future[Any]] = set()
+    while pending:
+        now = time.monotonic()
+        asked = {f: started[futures[f]] for f in pending if futures[f] in started}
+        pending -= {f for f, at in asked.items() if now >= at + timeout}
+        if not pending:
+            break
+        next_end = min((at + timeout for f, at in asked.items() if f in pending), default=now)
+        finished, _ = wait(pending, timeout=max(0.02, next_end - now))
+        done |= finished
+        pending -= finished
+    for future in futures:
+        future.cancel()  # not started yet: give up on it
+    return done
+
+
+def _failure(future: Future[Any], done: set[Future[Any]], timeout: float) -> str | None:
+    if future not in done:
+        return f"no answer within {timeout:g} s"
+    exc = future.exception()
+    if exc is None:
+        return None
+    if isinstance(exc, AgentError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _union(the_plan: Plan, parts: list[list[pa.Table]]) -> dict[str, pa.Table]:
+    return {
+        fetch.table: merge_tables(tables_of_fetch)
+        for fetch, tables_of_fetch in zip(the_plan.fetches, parts, strict=True)
+        if tables_of_fetch
+    }
+
+
+def _cast(tables: dict[str, pa.Table], the_plan: Plan, limit: int | None) -> list[list[Any]]:
+    """The final query again, its columns cast to the names and types the
+    same query gives over dumps (a sum of partial sums is a DECIMAL where
+    the local sum is a HUGEINT, for example)."""
+    items = ", ".join(
+        f'CAST(#{i + 1} AS {t}) AS "{c.replace(chr(34), chr(34) * 2)}"'
+        for i, (c, t) in enumerate(zip(the_plan.columns, the_plan.types, strict=True))
+    )
+    sql = f"SELECT {items} FROM ({the_plan.final_sql.rstrip().rstrip(';')})"
+    return [list(r) for r in run_on_tables(tables, sql, limit, final_connection()).rows]
 
 
 def close_connections() -> None:

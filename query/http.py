@@ -3,16 +3,32 @@
     POST /query    {"sql": str, "limit": int?}
                    -> 200 {"host", "columns", "types", "rows", "truncated", "elapsed_ms"}
                    -> 400 {"error"} (bad JSON, refused or failed query)
+    POST /fetch    {"queries": [str, ...]}   (what a fan-out asks, ``query.plan``)
+                   -> 200 application/x-stallwatch-arrow: per query, in order, an
+                      8-byte big-endian length and an Arrow IPC stream of its rows
+                      (schema metadata ``stallwatch.truncated``: b"1" if cut at
+                      ``Limits.max_fetch_rows``); header X-Stallwatch-Host
     POST /dump     {"reason": str?, "incident_id": str?, "origin": str?}
                    -> 200 whatever the backend returns; 501 if it cannot dump
     GET  /metrics  Prometheus text exposition format (version 0.0.4)
     GET  /healthz  -> 200 {"status": "ok", "host", "version"}
 
+A route is a function of the request handler returning (status, content type,
+body), listed in ``ROUTES``: another endpoint is one function and one entry.
+
 Every error is a JSON object ``{"error": "..."}``.  With a token, every request
 needs ``Authorization: Bearer <token>`` (compared in constant time) or gets
-401.  A listener on a non-loopback address without a token is refused at
-start.  Request bodies above ``MAX_BODY`` bytes get 413 unread.  Queries run in
-the sandbox of ``query.sql`` with its network limits (rows, time, memory).
+401.  A token crosses the network only inside TLS: a listener on a
+non-loopback address is refused at start without TLS (``--tls-cert``,
+``--tls-key``) and a token, and a request with a token over plain HTTP from
+a non-loopback peer gets 403.  A plain-HTTP client of a TLS listener gets a
+plain 400 saying so, and the connection is closed.  With a client CA
+(``--tls-client-ca``), clients must present a certificate it signed (mutual
+TLS); the TLS handshake runs on the connection's own thread, under a time
+limit, so a slow or silent client holds up no one else.  Request bodies
+above ``MAX_BODY`` bytes get 413 unread.  Queries run in the sandbox of
+``query.sql`` with its network limits (rows, time, memory).  At most
+``MAX_CONNECTIONS`` connections are served at once; more are closed at once.
 
 JSON: integers are written exactly, whatever their size (communicator hashes
 are UBIGINT and often above 2**63; Python's ``json`` reads them back exactly,
@@ -21,7 +37,13 @@ parser, or select ``printf('%x', comm_id_hash)``).  Timestamps become ISO 8601
 strings, non-finite floats ``null``, bytes hex strings.
 
 Any failure inside a request handler becomes a 500 response; it never reaches
-the server loop or the agent that hosts it.
+the server loop or the agent that hosts it.  A client that goes away (reset,
+broken pipe, timeout, failed handshake) is logged in one line.
+
+The server is the standard library's threading HTTP server: the surface is
+five small routes on a small number of clients, the agent stays free of web
+framework dependencies, and what a library would add (a worker pool, TLS
+wrapping) is the few lines of ``_Server``.
 """
 
 from __future__ import annotations
@@ -35,6 +57,9 @@ import json
 import logging
 import math
 import socket
+import ssl
+import struct
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -43,17 +68,22 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
+import pyarrow as pa
 from stallwatch.dumpers.errors import QueryError, StallwatchError, UsageError
 from stallwatch.dumpers.model import Recording
 
 from stallwatch import __version__
 
 from .sql import NETWORK, Limits, QueryEngine
+from .tls import ServerTls
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 64 * 1024
+MAX_CONNECTIONS = 512
+HANDSHAKE_TIMEOUT_S = 10.0
 SNAPSHOT_CACHE_S = 0.5
+ARROW_FRAMES = "application/x-stallwatch-arrow"
 
 
 VERSION = __version__
@@ -171,6 +201,57 @@ def encode_json(doc: object) -> bytes:
     return text.encode()
 
 
+# ---- Arrow frames (POST /fetch) ---------------------------------------------
+
+_LENGTH = struct.Struct(">Q")
+
+
+def encode_frames(host: str, results: Sequence[tuple[pa.Table, bool]]) -> bytes:
+    """Each table as an Arrow IPC stream behind its 8-byte length; the host
+    and whether the table was cut short ride in its schema metadata."""
+    out = bytearray()
+    for table, truncated in results:
+        meta = {b"stallwatch.truncated": b"1" if truncated else b"0",
+                b"stallwatch.host": host.encode()}  # fmt: skip
+        table = table.replace_schema_metadata(meta)
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        frame = sink.getvalue()
+        out += _LENGTH.pack(frame.size)
+        out += frame.to_pybytes()
+    return bytes(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    table: pa.Table
+    truncated: bool
+    host: str
+
+
+def decode_frames(data: bytes) -> list[Frame]:
+    """The inverse of :func:`encode_frames`; ValueError on a malformed body."""
+    results, at = [], 0
+    while at < len(data):
+        if at + _LENGTH.size > len(data):
+            raise ValueError("a frame length is cut short")
+        (size,) = _LENGTH.unpack_from(data, at)
+        at += _LENGTH.size
+        if at + size > len(data):
+            raise ValueError(f"a frame of {size} bytes is cut short")
+        try:
+            table = pa.ipc.open_stream(pa.py_buffer(data[at : at + size])).read_all()
+        except pa.ArrowException as exc:
+            raise ValueError(f"a frame is not an Arrow stream: {exc}") from None
+        at += size
+        meta = table.schema.metadata or {}
+        truncated = meta.get(b"stallwatch.truncated") == b"1"
+        host = meta.get(b"stallwatch.host", b"").decode(errors="replace")
+        results.append(Frame(table.replace_schema_metadata(None), truncated, host))
+    return results
+
+
 # ---- server ----------------------------------------------------------------
 
 
@@ -186,6 +267,7 @@ class ServerConfig:
     engine: QueryEngine
     token: bytes | None
     max_body: int
+    tls: bool
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -207,7 +289,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         try:
             self._authorize()
-            route = _ROUTES.get(self.path.split("?", 1)[0])
+            route = ROUTES.get(self.path.split("?", 1)[0])
             if route is None:
                 raise HttpError(HTTPStatus.NOT_FOUND, f"no such endpoint: {self.path}")
             if route[0] != method:
@@ -226,6 +308,11 @@ class _Handler(BaseHTTPRequestHandler):
         token = self.config.token
         if token is None:
             return
+        if not self.config.tls and not is_loopback(str(self.client_address[0])):
+            self.close_connection = True
+            raise HttpError(
+                HTTPStatus.FORBIDDEN, "a token is accepted only over TLS or from loopback"
+            )
         header = self.headers.get("Authorization", "")
         scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token):
@@ -305,6 +392,18 @@ def _query(h: _Handler) -> Response:
     return HTTPStatus.OK, "application/json", encode_json(body)
 
 
+def _fetch(h: _Handler) -> Response:
+    doc = h.read_json()
+    queries = _field(doc, "queries", list, required=True)
+    if not all(isinstance(q, str) for q in queries):
+        raise HttpError(HTTPStatus.BAD_REQUEST, "field 'queries' must be a list of SQL texts")
+    try:
+        results = [h.config.engine.fetch_arrow(q) for q in queries]
+    except QueryError as exc:
+        raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+    return HTTPStatus.OK, ARROW_FRAMES, encode_frames(h.config.backend.host, results)
+
+
 def _dump(h: _Handler) -> Response:
     doc = h.read_json()
     request_dump = getattr(h.config.backend, "request_dump", None)
@@ -332,8 +431,9 @@ def _healthz(h: _Handler) -> Response:
     return HTTPStatus.OK, "application/json", encode_json(doc)
 
 
-_ROUTES: dict[str, tuple[str, Callable[[_Handler], Response]]] = {
+ROUTES: dict[str, tuple[str, Callable[[_Handler], Response]]] = {
     "/query": ("POST", _query),
+    "/fetch": ("POST", _fetch),
     "/dump": ("POST", _dump),
     "/metrics": ("GET", _metrics),
     "/healthz": ("GET", _healthz),
@@ -358,32 +458,104 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _peer(client_address: Any) -> str:
+    try:
+        host, port = client_address[:2]
+    except (TypeError, ValueError):
+        return str(client_address)
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS: {exc.reason or exc.strerror or exc}"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
+
+
+_PLAIN_REFUSAL = encode_json(
+    {"error": "this agent speaks HTTPS only: use https:// (stallwatch: --tls-ca FILE)"}
+)
+
+
 class _Server(ThreadingHTTPServer):
-    """Keeps its open connections, so that closing the server also ends the
-    keep-alive connections its handler threads still serve."""
+    """Keeps its open connections (at most ``MAX_CONNECTIONS``), so that
+    closing the server also ends the keep-alive connections its handler
+    threads still serve; with ``tls``, each connection's handshake runs on
+    its own thread."""
 
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128
+    tls: ssl.SSLContext | None = None  # set on the per-server subclass
 
     def server_activate(self) -> None:
-        self.open_connections: set[socket.socket] = set()
+        # raw socket -> the socket to shut down (its TLS wrapper, once made)
+        self.open_connections: dict[socket.socket, socket.socket] = {}
         self.connections_lock = threading.Lock()
         super().server_activate()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self.connections_lock:
-            self.open_connections.add(request)
+            full = len(self.open_connections) >= MAX_CONNECTIONS
+            if not full:
+                self.open_connections[request] = request
+        if full:
+            log.warning("refused %s: %d connections open", _peer(client_address), MAX_CONNECTIONS)
+            request.close()
+            return
         super().process_request(request, client_address)
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        if self.tls is None:
+            super().finish_request(request, client_address)
+            return
+        wrapped = self._handshake(self.tls, request, client_address)
+        if wrapped is None:
+            return
+        with self.connections_lock:
+            self.open_connections[request] = wrapped
+        try:
+            super().finish_request(wrapped, client_address)
+        finally:
+            wrapped.close()
+
+    def _handshake(
+        self, tls: ssl.SSLContext, request: socket.socket, client_address: Any
+    ) -> ssl.SSLSocket | None:
+        request.settimeout(HANDSHAKE_TIMEOUT_S)
+        try:
+            first = request.recv(1, socket.MSG_PEEK)
+            if not first:
+                return None
+            if first[0] != 0x16:  # not a TLS handshake record: plain HTTP, most likely
+                log.info("client %s: plain HTTP on a TLS listener, refused", _peer(client_address))
+                head = "HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
+                head += f"Content-Length: {len(_PLAIN_REFUSAL)}\r\nConnection: close\r\n\r\n"
+                request.sendall(head.encode() + _PLAIN_REFUSAL)
+                return None
+            return tls.wrap_socket(request, server_side=True)
+        except OSError as exc:  # ssl.SSLError and timeouts included
+            log.info("client %s: no TLS session: %s", _peer(client_address), _reason(exc))
+            return None
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away is one line in the log, not a traceback."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            log.info("client %s went away: %s", _peer(client_address), _reason(exc))
+        else:
+            log.error("connection from %s failed", _peer(client_address), exc_info=exc)
 
     def shutdown_request(self, request: Any) -> None:
         with self.connections_lock:
-            self.open_connections.discard(request)
+            self.open_connections.pop(request, None)
         super().shutdown_request(request)
 
     def close_connections(self) -> None:
         with self.connections_lock:
-            connections = list(self.open_connections)
+            connections = list(self.open_connections.values())
         for sock in connections:
             with contextlib.suppress(OSError):  # already gone
                 sock.shutdown(socket.SHUT_RDWR)
@@ -397,6 +569,10 @@ class ServerHandle:
     server: _Server
     thread: threading.Thread
     engine: QueryEngine
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.server.tls else 'http'}://{self.address}"
 
     def close(self) -> None:
         self.server.shutdown()
@@ -418,18 +594,22 @@ def serve_http(
     token: str | None,
     limits: Limits = NETWORK,
     max_body: int = MAX_BODY,
+    tls: ServerTls | None = None,
 ) -> ServerHandle:
-    """Start the HTTP surface in a daemon thread; port 0 picks a free port."""
+    """Start the HTTP surface in a daemon thread; port 0 picks a free port.
+    A non-loopback ``listen`` needs ``tls`` and a ``token``."""
     host, port = parse_listen(listen)
-    if not is_loopback(host) and not token:
+    if not is_loopback(host) and (not token or tls is None):
         raise UsageError(
-            f"--listen {listen}: refusing to listen on a non-loopback address without a "
-            "token; pass --token-file FILE (clients send it as a Bearer token)"
+            f"--listen {listen}: a non-loopback address needs TLS and a token: pass "
+            "--tls-cert FILE --tls-key FILE and --token-file FILE"
         )
+    context = tls.context() if tls is not None else None
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    server_class = type("_FamilyServer", (_Server,), {"address_family": family})
+    server_class = type("_FamilyServer", (_Server,), {"address_family": family, "tls": context})
     engine = _engine_for(backend, limits)
-    config = ServerConfig(backend, engine, token.encode() if token else None, max_body)
+    secret = token.encode() if token else None
+    config = ServerConfig(backend, engine, secret, max_body, context is not None)
     handler = type("_BoundHandler", (_Handler,), {"config": config})
     try:
         server = server_class((host, port), handler)

@@ -35,7 +35,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import duckdb
 import pyarrow as pa
@@ -43,6 +43,7 @@ from stallwatch.dumpers.errors import QueryError, QueryRefused
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.sqltables import tables
 
+_T = TypeVar("_T")
 Source = Sequence[Recording] | Callable[[], Sequence[Recording]]
 
 
@@ -51,6 +52,9 @@ class Limits:
     """What one query may use; None means unlimited."""
 
     max_rows: int | None = 10_000
+    # rows a fan-out may take from one table in columnar form (a ring holds
+    # at most 65,536 rows of a table)
+    max_fetch_rows: int | None = 1_000_000
     time_limit_s: float | None = 10.0
     max_sql_bytes: int | None = 64 * 1024
     memory_limit: str | None = "1GB"
@@ -59,7 +63,12 @@ class Limits:
 
 # For people querying their own dumps on their own machine.
 LOCAL = Limits(
-    max_rows=None, time_limit_s=None, max_sql_bytes=None, memory_limit=None, threads=None
+    max_rows=None,
+    max_fetch_rows=None,
+    time_limit_s=None,
+    max_sql_bytes=None,
+    memory_limit=None,
+    threads=None,
 )
 # For queries that come from the network (the agent, `stallwatch serve`).
 NETWORK = Limits()
@@ -231,15 +240,35 @@ class QueryEngine:
         elapsed = (time.perf_counter() - start) * 1e3
         return QueryResult(columns, types, rows, truncated, elapsed)
 
+    def fetch_arrow(self, sql: str) -> tuple[pa.Table, bool]:
+        """Run one SELECT and return its rows as an Arrow table, at most
+        ``max_fetch_rows`` of them (the flag says whether more existed): the
+        rows a fan-out merges (``query.plan``)."""
+        cap = self.limits.max_fetch_rows
+        self._acquire()
+        try:
+            con = self._connection()
+            statement = check_statement(con, sql, self.limits)
+            self._refresh(con)
+            table = self._guarded(con, lambda: _arrow_rows(con, statement.query, cap))
+        finally:
+            self._lock.release()
+        truncated = cap is not None and table.num_rows > cap
+        return (table.slice(0, cap) if truncated else table), truncated
+
     def _run(
         self, con: duckdb.DuckDBPyConnection, statement: duckdb.Statement, max_rows: int | None
     ) -> tuple[tuple[str, ...], tuple[str, ...], list[tuple[Any, ...]]]:
+        return self._guarded(con, lambda: _execute(con, statement, max_rows))
+
+    def _guarded(self, con: duckdb.DuckDBPyConnection, run: Callable[[], _T]) -> _T:
+        """``run`` under the time limit, DuckDB's errors as QueryError."""
         seconds = self.limits.time_limit_s
         if seconds is not None:
             self._watchdog.arm(con, seconds)
         try:
             try:
-                return _execute(con, statement, max_rows)
+                return run()
             except duckdb.InterruptException:
                 raise QueryError(f"query cut off: it ran longer than {seconds:g} s") from None
             except duckdb.OutOfMemoryException:
@@ -297,6 +326,38 @@ def _execute(
             raise
         rows = _via_arrow(con, statement.query, max_rows)  # zoned times: Arrow needs no pytz
     return columns, types, rows
+
+
+def _arrow_rows(con: duckdb.DuckDBPyConnection, sql: str, cap: int | None) -> pa.Table:
+    rel = con.sql(sql)
+    return (rel if cap is None else rel.limit(cap + 1)).to_arrow_table()
+
+
+def run_on_tables(
+    named: dict[str, pa.Table],
+    sql: str,
+    limit: int | None = None,
+    con: duckdb.DuckDBPyConnection | None = None,
+) -> QueryResult:
+    """One query over Arrow tables given by name, in a sandboxed connection
+    (``con``, a cursor of one, is closed after; without it, a new one): the
+    client side of a fan-out (``query.plan``)."""
+    start = time.perf_counter()
+    con = con or sandboxed_connection(LOCAL)
+    try:
+        for name, table in named.items():
+            con.register(name, table)
+        statement = check_statement(con, sql, LOCAL)
+        try:
+            columns, types, rows = _execute(con, statement, limit)
+        except duckdb.Error as exc:
+            raise QueryError(str(exc)) from None
+    finally:
+        con.close()
+    truncated = limit is not None and len(rows) > limit
+    if truncated:
+        del rows[limit:]
+    return QueryResult(columns, types, rows, truncated, (time.perf_counter() - start) * 1e3)
 
 
 def _via_arrow(con: duckdb.DuckDBPyConnection, sql: str, max_rows: int | None) -> Rows:

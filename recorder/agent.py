@@ -34,6 +34,7 @@ import numpy as np
 from stallwatch.dumpers.errors import ProbeError
 from stallwatch.dumpers.model import Clock, Recording, Ring, Trigger
 from stallwatch.dumpers.schema import CUDA_SYMBOLS, NCCL_SYMBOLS
+from stallwatch.query.tls import ClientTls, ServerTls
 
 from . import discovery
 from .metrics import AgentStats, RingStats, agent_metrics_text
@@ -64,6 +65,8 @@ class AgentConfig:
     peers: tuple[str, ...] = ()
     listen: str = "127.0.0.1:9400"
     token: str | None = None
+    tls: ServerTls | None = None  # HTTPS for the agent's surface
+    peer_tls: ClientTls | None = None  # HTTPS to the peers
     max_dumps: int | None = None
     max_dump_bytes: int | None = None
     runq_threshold_ms: float = 1.0
@@ -341,7 +344,9 @@ class Agent:
         )
         watchdog = Watchdog(int(cfg.stall_timeout_s * 1e9), self.host)
         notify = (
-            peer_notifier(cfg.peers, self.host, cfg.token, PEER_TIMEOUT_S) if cfg.peers else None
+            peer_notifier(cfg.peers, self.host, cfg.token, PEER_TIMEOUT_S, cfg.peer_tls)
+            if cfg.peers
+            else None
         )
         return Incidents(watchdog, scheduler, notify)
 

@@ -14,6 +14,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from stallwatch.dumpers.errors import AgentError, ExitCode, UsageError
+from stallwatch.query import tls
 from stallwatch.query.output import HelpFormatter, add_format_option
 
 from .rings import check_ring_size
@@ -27,6 +28,9 @@ RECORD_EPILOG = """\
 examples:
   stallwatch record --dump-dir /var/lib/stallwatch --stall-timeout 60
   stallwatch record --scope netns --peers node2:9400,node3:9400
+  stallwatch record --listen 10.0.0.1:9400 --token-file /etc/stallwatch/token \\
+      --tls-cert /etc/stallwatch/node.pem --tls-key /etc/stallwatch/node.key \\
+      --tls-ca /etc/stallwatch/ca.pem --peers node2:9400,node3:9400
   stallwatch record --lib /opt/venv/lib/python3.11/site-packages/nvidia/nccl/lib/libnccl.so.2
   kill -USR1 $(pidof stallwatch)       dump now
 
@@ -38,7 +42,7 @@ DUMP_EPILOG = """\
 examples:
   stallwatch dump                                  the agent on this node
   stallwatch dump --agent node3:9400 --token-file /etc/stallwatch/token \\
-      --reason "loss spike at step 1200"
+      --tls-ca /etc/stallwatch/ca.pem --reason "loss spike at step 1200"
 
 exit codes: 0 the agent wrote (or is retrying) the dump; 2 the agent could not be
 reached or refused.
@@ -115,6 +119,8 @@ def _register_record(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         metavar="FILE",
         help="bearer token (required for a non-loopback --listen)",
     )
+    tls.add_server_options(p)
+    tls.add_client_options(p, what="the peers")
     p.add_argument("--max-dumps", type=int, metavar="N", help="keep at most N dumps")
     p.add_argument("--max-dump-bytes", type=int, metavar="N", help="keep at most N bytes of dumps")
     p.add_argument(
@@ -151,6 +157,7 @@ def _register_dump(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
         help="why: kept in the dump's trigger",
     )
     p.add_argument("--token-file", type=Path, metavar="FILE", help="the agent's bearer token")
+    tls.add_client_options(p, what="the agent")
     add_format_option(p, ("json", "table"), default="json")
     p.set_defaults(func=_dump)
 
@@ -181,6 +188,20 @@ def _check_record_args(args: argparse.Namespace) -> None:
         host, sep, port = peer.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise UsageError(f"--peers: expected HOST:PORT,..., got {peer!r}")
+    server = tls.server_from(args)
+    if server is not None:
+        server.context()  # a bad certificate or key is named before anything is compiled
+    _peer_tls(args)
+
+
+def _peer_tls(args: argparse.Namespace) -> tls.ClientTls | None:
+    """Peers are reached over HTTPS when the agent serves HTTPS or is given
+    a CA for them; the agent's own certificate is its client certificate."""
+    if args.tls_ca is None and args.tls_cert is None:
+        return None
+    peer = tls.ClientTls(args.tls_ca, args.tls_cert, args.tls_key)
+    peer.context()
+    return peer
 
 
 def _setup_logging() -> None:
@@ -232,6 +253,8 @@ def _record(args: argparse.Namespace) -> int:
         peers=tuple(filter(None, args.peers.split(","))),
         listen=args.listen,
         token=_read_token(args.token_file),
+        tls=tls.server_from(args),
+        peer_tls=_peer_tls(args),
         max_dumps=args.max_dumps,
         max_dump_bytes=args.max_dump_bytes,
         runq_threshold_ms=args.runq_threshold_ms,
@@ -285,8 +308,8 @@ def run_agent(config: AgentConfig) -> int:
 def _serve(agent: Agent, config: AgentConfig) -> ServerHandle:
     from stallwatch.query.http import serve_http
 
-    handle = serve_http(agent, config.listen, config.token)
-    logging.getLogger("stallwatch.record").info("listening on http://%s", handle.address)
+    handle = serve_http(agent, config.listen, config.token, tls=config.tls)
+    logging.getLogger("stallwatch.record").info("listening on %s", handle.url)
     agent.serving(_port(handle.address))
     return handle
 
@@ -313,9 +336,12 @@ def _install_signals(stop: Stop) -> None:
 
 def _dump(args: argparse.Namespace) -> int:
     token = _read_token(args.token_file)
+    client_tls = tls.client_from(args)
+    context = client_tls.context() if client_tls is not None else None
+    scheme = "https" if context is not None else "http"
     body = json.dumps({"reason": args.reason}).encode()
     req = urllib.request.Request(
-        f"http://{args.agent}/dump",
+        f"{scheme}://{args.agent}/dump",
         data=body,
         method="POST",
         headers={"Content-Type": "application/json"},
@@ -323,13 +349,15 @@ def _dump(args: argparse.Namespace) -> int:
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
+        with urllib.request.urlopen(req, timeout=30, context=context) as resp:
             answer = json.loads(resp.read() or b"{}")
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace").strip()
         raise AgentError(f"agent {args.agent} refused the dump: {exc.code} {detail}") from None
     except (OSError, ValueError) as exc:
-        raise AgentError(f"agent {args.agent} unreachable: {exc}") from None
+        reason = getattr(exc, "reason", None) or exc
+        why = tls.describe_failure(reason, args.tls_ca)
+        raise AgentError(f"agent {args.agent} unreachable: {why}") from None
     if args.format == "table":
         for key, value in sorted(answer.items()):
             print(f"{key:<14} {value}")

@@ -7,7 +7,10 @@ Client side of ``POST /dump`` (the server is ``analyzer.http``)::
     -> 200 {"incident_id": str, "status": "written|queued|duplicate|cooldown", "path": str|null}
 
 All peers are asked at once, one thread each, and the whole round ends after
-``timeout`` seconds whatever the peers do.  ``notify_in_background`` runs a
+``timeout`` seconds whatever the peers do.  With TLS (an ``ssl.SSLContext``
+from ``query.tls.ClientTls``: the CA that signed the peers' certificates, and
+the agent's own certificate for peers that ask for one), peers are reached
+over HTTPS.  ``notify_in_background`` runs a
 round on a daemon thread, so that the agent's tick never waits for the network.
 Proxies from the environment are ignored: peers are reached directly.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import threading
 import time
 import urllib.error
@@ -24,11 +28,20 @@ from collections.abc import Callable, Sequence
 
 from stallwatch.dumpers.errors import UsageError
 from stallwatch.dumpers.model import Trigger
+from stallwatch.query.tls import ClientTls
 
 log = logging.getLogger("stallwatch.peers")
 
 DEFAULT_TIMEOUT_S = 1.0
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _opener(tls: ssl.SSLContext | None) -> urllib.request.OpenerDirector:
+    if tls is None:
+        return _OPENER
+    return urllib.request.build_opener(
+        urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=tls)
+    )
 
 
 def parse_peers(text: str) -> list[str]:
@@ -41,25 +54,39 @@ def parse_peers(text: str) -> list[str]:
     return peers
 
 
-def _url(peer: str) -> str:
-    base = peer if peer.startswith(("http://", "https://")) else f"http://{peer}"
+def _url(peer: str, tls: bool) -> str:
+    scheme = "https" if tls else "http"
+    base = peer if peer.startswith(("http://", "https://")) else f"{scheme}://{peer}"
     return base.rstrip("/") + "/dump"
 
 
-def ask_peer(peer: str, body: bytes, token: str | None, timeout: float) -> str:
+def ask_peer(
+    peer: str,
+    body: bytes,
+    token: str | None,
+    timeout: float,
+    tls: ssl.SSLContext | None = None,
+    opener: urllib.request.OpenerDirector | None = None,
+) -> str:
     """One request; the peer's status, or ``error: <why>``."""
     request = urllib.request.Request(
-        _url(peer), data=body, method="POST", headers={"Content-Type": "application/json"}
+        _url(peer, tls is not None),
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json"},
     )
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     try:
-        with _OPENER.open(request, timeout=timeout) as response:
+        with (opener or _opener(tls)).open(request, timeout=timeout) as response:
             answer = json.loads(response.read(65536))
     except urllib.error.HTTPError as exc:
         return f"error: HTTP {exc.code} {exc.reason}"
-    except (OSError, ValueError) as exc:  # refused, unreachable, timed out, not JSON
-        return f"error: {getattr(exc, 'reason', None) or exc}"
+    except (OSError, ValueError) as exc:  # refused, unreachable, timed out, not JSON, TLS
+        reason = getattr(exc, "reason", None) or exc
+        if isinstance(reason, ssl.SSLCertVerificationError):
+            return f"error: TLS: the peer's certificate is not trusted: {reason.verify_message}"
+        return f"error: {reason}"
     status = answer.get("status") if isinstance(answer, dict) else None
     return status if isinstance(status, str) else "error: answer without a status"
 
@@ -71,15 +98,17 @@ def notify_peers(
     origin_host: str,
     token: str | None,
     timeout: float = DEFAULT_TIMEOUT_S,
+    tls: ssl.SSLContext | None = None,
 ) -> dict[str, str]:
     """Ask every peer to dump ``incident_id``; returns peer -> its status
     (``written``, ``queued``, ``duplicate``, ``cooldown``) or ``error: ...``.
     Returns within ``timeout`` seconds (plus thread start-up)."""
     body = json.dumps({"reason": reason, "incident_id": incident_id, "origin": origin_host})
     results: dict[str, str] = {}
+    opener = _opener(tls)
 
     def ask(peer: str) -> None:
-        results[peer] = ask_peer(peer, body.encode(), token, timeout)
+        results[peer] = ask_peer(peer, body.encode(), token, timeout, tls, opener)
 
     threads = [threading.Thread(target=ask, args=(p,), daemon=True) for p in peers]
     deadline = time.monotonic() + timeout
@@ -98,11 +127,12 @@ def notify_in_background(
     token: str | None,
     timeout: float = DEFAULT_TIMEOUT_S,
     done: Callable[[dict[str, str]], object] | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> threading.Thread:
     """``notify_peers`` on a daemon thread; logs each answer, then calls ``done``."""
 
     def run() -> None:
-        results = notify_peers(peers, incident_id, reason, origin_host, token, timeout)
+        results = notify_peers(peers, incident_id, reason, origin_host, token, timeout, tls)
         for peer, status in results.items():
             level = logging.WARNING if status.startswith("error") else logging.INFO
             log.log(level, "incident %s: peer %s: %s", incident_id, peer, status)
@@ -115,15 +145,23 @@ def notify_in_background(
 
 
 def peer_notifier(
-    peers: Sequence[str], host: str, token: str | None, timeout: float = DEFAULT_TIMEOUT_S
+    peers: Sequence[str],
+    host: str,
+    token: str | None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    tls: ClientTls | None = None,
 ) -> Callable[[Trigger], object]:
     """The ``notify`` callable of ``recorder.watchdog.Incidents``: each local
-    incident is sent to every peer in the background."""
+    incident is sent to every peer in the background (over HTTPS with
+    ``tls``; its files are read now, once)."""
+    context = tls.context() if tls is not None else None
 
     def notify(trigger: Trigger) -> object:
         if not peers:
             return None
         reason = f"{host}: {trigger.reason}"
-        return notify_in_background(peers, trigger.incident_id, reason, host, token, timeout)
+        return notify_in_background(
+            peers, trigger.incident_id, reason, host, token, timeout, tls=context
+        )
 
     return notify

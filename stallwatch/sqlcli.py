@@ -26,6 +26,7 @@ from rich.text import Text
 from stallwatch.analyzer.load import SKIPPED_IN_FOLDERS
 from stallwatch.dumpers.errors import DumpError, ExitCode, UsageError
 from stallwatch.dumpers.model import Recording
+from stallwatch.query import tls
 from stallwatch.query.output import HelpFormatter, add_format_option, new_table, text_for
 
 DEFAULT_LISTEN = "127.0.0.1:9400"
@@ -47,23 +48,30 @@ examples:
   stallwatch query dumps/ \\
       "SELECT comm_id_hash, list(world_rank ORDER BY rank) FROM communicators GROUP BY 1"
   stallwatch query --agents node1:9400,node2:9400 --token-file /etc/stallwatch/token \\
-      "SELECT * FROM tcp_events WHERE event = 'tcp_retransmit_skb' LIMIT 20"
+      --tls-ca /etc/stallwatch/ca.pem \\
+      "SELECT host, count(*) FROM tcp_events WHERE event = 'tcp_retransmit_skb' GROUP BY host"
 
 exit codes: 0 all inputs answered, 1 partial result (failed agents or skipped
 dumps are named on stderr), 2 bad usage, failed query, or nothing answered.
 Only one SELECT statement is allowed; queries cannot read files or the network.
-With --agents, an ORDER BY ... LIMIT applies on each agent, and rows come back
-grouped by agent in the order given.
+With --agents, the answer is what the same SQL returns over all the agents'
+dumps in one query: ORDER BY, LIMIT, DISTINCT and aggregates apply across the
+cluster (each agent sends only the rows or partial aggregates the query needs;
+the client runs the query over their union). At most --concurrency agents are
+asked at once, each given --timeout seconds; agents that did not answer are
+named on stderr, and the rows are those of the others (exit 1).
 """
 
 SERVE_EPILOG = """\
 examples:
   stallwatch serve dumps/incident-42/          # on 127.0.0.1:9400
-  stallwatch serve dumps/*.msgpack --listen 0.0.0.0:9400 --token-file token.txt
+  stallwatch serve dumps/*.msgpack --listen 0.0.0.0:9400 --token-file token.txt \\
+      --tls-cert node.pem --tls-key node.key
   stallwatch query --agents 127.0.0.1:9400 "SELECT count(*) FROM nccl_events"
 
-Serves POST /query, GET /metrics and GET /healthz like a live agent (POST /dump
-answers 501). A non-loopback --listen needs --token-file.
+Serves POST /query, POST /fetch, GET /metrics and GET /healthz like a live
+agent (POST /dump answers 501). A non-loopback --listen needs TLS (--tls-cert,
+--tls-key) and --token-file.
 """
 
 
@@ -83,9 +91,13 @@ def register(subparsers: Any) -> None:
     )
     q.add_argument("--agents", metavar="HOST:PORT,...", help="query these live agents instead")
     q.add_argument("--token-file", metavar="FILE", help="bearer token for the agents")
-    q.add_argument("--timeout", type=float, default=5.0, metavar="SEC", help="per agent")
+    q.add_argument(
+        "--timeout", type=float, default=5.0, metavar="SEC", help="per agent, once it is asked"
+    )
+    q.add_argument("--concurrency", type=int, default=128, metavar="N", help="agents asked at once")
+    tls.add_client_options(q)
     add_format_option(q, ("table", "json", "csv"))
-    q.add_argument("--limit", type=int, metavar="N", help="at most N rows (per agent)")
+    q.add_argument("--limit", type=int, metavar="N", help="at most N rows")
     q.add_argument("--skip-bad", action="store_true", help="skip unreadable dumps, exit 1")
     q.set_defaults(func=run_query)
 
@@ -102,6 +114,7 @@ def register(subparsers: Any) -> None:
         "--listen", default=DEFAULT_LISTEN, metavar="ADDR:PORT", help="address to serve on"
     )
     s.add_argument("--token-file", metavar="FILE", help="require this bearer token")
+    tls.add_server_options(s)
     s.set_defaults(func=run_serve)
 
 
@@ -258,38 +271,57 @@ def _query_agents(args: argparse.Namespace, sql: str) -> int:
 
     agents = [a for a in args.agents.split(",") if a.strip()]
     token = read_token(args.token_file)
+    client_tls = tls.client_from(args)
     try:
-        result = query_agents(agents, sql, token, args.timeout, args.limit)
+        result = query_agents(
+            agents, sql, token, args.timeout, args.limit, client_tls, args.concurrency
+        )
     finally:
         close_connections()
     for f in result.failed:
         print(f"stallwatch query: agent {f.agent}: {f.error}", file=sys.stderr)
+    for a in result.answers:
+        if a.truncated:
+            print(
+                f"stallwatch query: agent {a.agent}: had more rows than it may send; "
+                "the answer lacks the rest",
+                file=sys.stderr,
+            )
     if not result.answers:
         print(f"stallwatch query: none of {len(agents)} agents answered", file=sys.stderr)
         return ExitCode.USAGE
+    if result.partial:
+        print(
+            f"stallwatch query: partial result: {sum(not a.truncated for a in result.answers)} "
+            f"of {len(agents)} "
+            "agents answered in full",
+            file=sys.stderr,
+        )
     doc = {
         "columns": list(result.columns),
         "types": list(result.types),
         "rows": result.rows,
         "truncated": result.truncated,
+        "agents": len(agents),
         "failed": [{"agent": f.agent, "error": f.error} for f in result.failed],
     }
     print(render(args.format, doc))
-    return ExitCode.FINDINGS if result.failed else ExitCode.OK
+    return ExitCode.FINDINGS if result.partial else ExitCode.OK
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from stallwatch.query.http import RecordingsBackend, serve_http
 
     token = read_token(args.token_file)
+    server_tls = tls.server_from(args)
     recordings, _ = read_recordings(args.paths, skip_bad=False)
     backend = RecordingsBackend(recordings)
-    handle = serve_http(backend, args.listen, token)
+    handle = serve_http(backend, args.listen, token, tls=server_tls)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print(
         f"stallwatch serve: {len(recordings)} dump(s) of {backend.host} on "
-        f"http://{handle.address} (Ctrl-C to stop)",
+        f"{handle.url} (Ctrl-C to stop)",
         file=sys.stderr,
         flush=True,
     )

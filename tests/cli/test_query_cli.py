@@ -150,8 +150,11 @@ def test_serve_then_query_agents(run: Run, served: tuple[str, str], dump_dir: Pa
     )
     assert code == 0, err
     doc = json.loads(out)
-    assert doc["columns"] == ["host", "rank", "ms", "retransmits_in_window"]
-    assert {r[0] for r in doc["rows"]} == {"node1"} and doc["failed"] == []
+    assert doc["columns"] == ["rank", "ms", "retransmits_in_window"] and doc["failed"] == []
+    served_dump = sorted(dump_dir.iterdir())[1]
+    with QueryEngine([read_dump(served_dump)], LOCAL) as engine:
+        local = engine.query(SEED_QUERY)
+    assert sorted(map(tuple, doc["rows"])) == sorted(local.rows)
     code, _, err = run("query", "--agents", address, "SELECT 1")
     assert code == 2 and "401" in err
 
@@ -160,18 +163,19 @@ def test_query_agents_partial_and_none(run: Run, served: tuple[str, str]) -> Non
     address, token_file = served
     dead = "127.0.0.1:1"
     code, out, err = run(
-        "query", "--agents", f"{address},{dead}", "--token-file", token_file, "SELECT 1 AS one"
-    )
+        "query", "--agents", f"{address},{dead}", "--token-file", token_file,
+        "SELECT host, count(*) AS n FROM nccl_events GROUP BY host",
+    )  # fmt: skip
     assert code == 1
-    assert f"agent {dead}: cannot reach" in err
-    assert out.splitlines()[2].split() == ["node1", "1"]
+    assert f"agent {dead}: cannot reach" in err and "partial result: 1 of 2" in err
+    assert out.splitlines()[2].split() == ["node1", "201"]
     code, out, err = run("query", "--agents", dead, "SELECT 1", "--timeout", "1")
     assert code == 2 and "none of 1 agents answered" in err and out == ""
 
 
-def test_serve_refuses_non_loopback_without_token(run: Run, dump_dir: Path) -> None:
+def test_serve_refuses_non_loopback_without_tls_and_token(run: Run, dump_dir: Path) -> None:
     code, _, err = run("serve", str(dump_dir), "--listen", "0.0.0.0:0")
-    assert code == 2 and "--token-file" in err
+    assert code == 2 and "--token-file" in err and "--tls-cert" in err
 
 
 def test_help_has_examples(run: Run, capsys: pytest.CaptureFixture[str]) -> None:

@@ -224,9 +224,11 @@ def test_token_is_required_and_checked(guarded: ServerHandle) -> None:
 
 
 @pytest.mark.parametrize("listen", ["0.0.0.0:0", "10.1.2.3:9400", "[::]:0", "node1:9400"])
-def test_non_loopback_without_token_is_refused(agent: FakeAgent, listen: str) -> None:
-    with pytest.raises(UsageError, match="without a token"):
-        serve_http(agent, listen, None)
+def test_non_loopback_without_tls_and_token_is_refused(agent: FakeAgent, listen: str) -> None:
+    # a token alone would cross the network in clear text
+    for token in (None, TOKEN):
+        with pytest.raises(UsageError, match="needs TLS and a token: pass --tls-cert"):
+            serve_http(agent, listen, token)
 
 
 def test_loopback_addresses() -> None:

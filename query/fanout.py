@@ -170,6 +170,7 @@ class _Request:
     timeout: float
     tls: ssl.SSLContext | None  # for https targets
     ca: Path | None  # named in certificate errors
+    client_cert: bool
 
 
 def _post(t: _Target, req: _Request) -> tuple[int, str, bytes]:
@@ -214,7 +215,7 @@ def _ask(
     except TimeoutError:
         raise AgentError(f"no answer within {req.timeout:g} s") from None
     except ssl.SSLError as exc:
-        raise AgentError(describe_failure(exc, req.ca)) from None
+        raise AgentError(describe_failure(exc, req.ca, req.client_cert)) from None
     except OSError as exc:
         raise AgentError(f"cannot reach the agent: {exc.strerror or exc}") from None
     except http.client.HTTPException as exc:
@@ -271,7 +272,8 @@ def _request(the_plan: Plan, token: str | None, timeout: float, tls: ClientTls |
     if token:
         headers["Authorization"] = f"Bearer {token}"
     context = tls.context() if tls is not None else None
-    return _Request(body, headers, timeout, context, tls.ca if tls else None)
+    has_cert = tls is not None and tls.cert is not None
+    return _Request(body, headers, timeout, context, tls.ca if tls else None, has_cert)
 
 
 def _gather(

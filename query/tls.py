@@ -109,14 +109,17 @@ def _why(exc: ssl.SSLError) -> str:
     return str(exc.reason or exc.strerror or exc).lower().replace("_", " ")
 
 
-def describe_failure(exc: BaseException, ca: Path | None) -> str:
+def describe_failure(exc: BaseException, ca: Path | None, client_cert: bool = True) -> str:
     """One line for a failed TLS connection, naming the CA file that did not
     trust the agent."""
     if isinstance(exc, ssl.SSLCertVerificationError):
         trusted = f"--tls-ca {ca}" if ca is not None else "the system's CAs"
         return f"TLS: the agent's certificate is not trusted by {trusted}: {exc.verify_message}"
     if isinstance(exc, ssl.SSLError):
-        return f"TLS: {_why(exc)}"
+        # Refusing a client without a certificate, a TLS 1.3 server closes
+        # after the handshake: the client sees an alert or just the close.
+        hint = "" if client_cert else " (does it ask for a client certificate: --tls-cert?)"
+        return f"TLS: {_why(exc)}{hint}"
     return str(exc)
 
 

@@ -356,7 +356,7 @@ def _dump(args: argparse.Namespace) -> int:
         raise AgentError(f"agent {args.agent} refused the dump: {exc.code} {detail}") from None
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", None) or exc
-        why = tls.describe_failure(reason, args.tls_ca)
+        why = tls.describe_failure(reason, args.tls_ca, args.tls_cert is not None)
         raise AgentError(f"agent {args.agent} unreachable: {why}") from None
     if args.format == "table":
         for key, value in sorted(answer.items()):

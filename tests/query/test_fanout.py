@@ -39,7 +39,9 @@ def recordings() -> list[Recording]:
     return [
         distinct_durations(
             synthetic_recording(
-                Synthetic(host=f"node{i}", first_rank=4 * i, steps=50, tcp_rows=300 - 60 * i, seed=i)
+                Synthetic(
+                    host=f"node{i}", first_rank=4 * i, steps=50, tcp_rows=300 - 60 * i, seed=i
+                )
             ),
             salt=i,
         )
@@ -66,7 +68,7 @@ def _norm(rows: list[Any]) -> list[tuple[Any, ...]]:
     """Rows comparable across addition orders (float sums differ in their
     last bits)."""
     return [
-        tuple(round(v, 6 - int(math.floor(math.log10(abs(v))))) if isinstance(v, float) and v
+        tuple(round(v, 6 - math.floor(math.log10(abs(v)))) if isinstance(v, float) and v
               else v for v in row)
         for row in rows
     ]  # fmt: skip
@@ -186,7 +188,9 @@ def test_a_slow_agent_times_out_and_the_rest_answer(
     slow = serve_http(_Slow(recordings[0], 1.5), "127.0.0.1:0", None)
     try:
         start = time.monotonic()
-        result = query_agents([*agents, slow.address], "SELECT count(*) FROM tcp_events", timeout=0.5)
+        result = query_agents(
+            [*agents, slow.address], "SELECT count(*) FROM tcp_events", timeout=0.5
+        )
         assert time.monotonic() - start < 1.4
         assert [f.agent for f in result.failed] == [slow.address]
         assert "within 0.5 s" in result.failed[0].error
@@ -242,7 +246,9 @@ def test_token_reaches_the_agents(recordings: list[Recording]) -> None:
         denied = query_agents(addrs, "SELECT 1")
         assert len(denied.failed) == 2 and all("401" in f.error for f in denied.failed)
         assert not denied.answers and denied.rows == []
-        allowed = query_agents(addrs, "SELECT host FROM processes GROUP BY host ORDER BY host", TOKEN)
+        allowed = query_agents(
+            addrs, "SELECT host FROM processes GROUP BY host ORDER BY host", TOKEN
+        )
         assert not allowed.failed and allowed.rows == [["node0"], ["node1"]]
     finally:
         for h in handles:

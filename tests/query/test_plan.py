@@ -31,7 +31,7 @@ def test_aggregates_are_sent_as_partials_per_group() -> None:
     p = plan("SELECT host, count(*) AS n, avg(duration_ns) FROM nccl_events GROUP BY host")
     assert p.kind == "aggregate"
     fetch = fetch_of(p, "nccl_events")
-    assert "GROUP BY \"host\"" in fetch and "count_star()" in fetch
+    assert 'GROUP BY "host"' in fetch and "count_star()" in fetch
     assert "sum(duration_ns)" in fetch and "count(duration_ns)" in fetch  # avg = sum / count
     assert "sum(_sw_p0) AS n" in p.final_sql and "(sum(_sw_p1) /" in p.final_sql
 
@@ -42,7 +42,9 @@ def test_where_goes_to_the_agents_and_leaves_the_final_query() -> None:
 
 
 def test_top_rows_and_distinct_are_pushed() -> None:
-    top = plan("SELECT rank, duration_ns / 1e6 AS ms FROM nccl_events ORDER BY ms DESC LIMIT 5 OFFSET 3")
+    top = plan(
+        "SELECT rank, duration_ns / 1e6 AS ms FROM nccl_events ORDER BY ms DESC LIMIT 5 OFFSET 3"
+    )
     fetch = fetch_of(top, "nccl_events")
     assert "ORDER BY (duration_ns / 1e6) DESC" in fetch and fetch.endswith("LIMIT 8")
     distinct = plan("SELECT DISTINCT rank FROM nccl_events")

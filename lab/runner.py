@@ -5,7 +5,9 @@ One run:
    what dead runs left behind;
 2. makes the nodes (``lab.netns``), applies link faults, and with ``--record``
    starts one agent per node inside its namespace (``stallwatch record --scope
-   netns``) and waits for its ``/healthz``;
+   netns``, listening on the node's address with a token and mutual TLS,
+   certificates made for the run by ``lab.certs``) and waits for its
+   ``/healthz``;
 3. starts one ``python -m stallwatch.lab.job`` per rank inside its node, and CPU hogs;
 4. waits: the job ends, or no rank makes progress for ``--stall-timeout``
    seconds (progress is read from the ranks' reports), or ``--timeout`` passes;
@@ -29,6 +31,7 @@ import json
 import os
 import secrets
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -43,6 +46,7 @@ from typing import Any, TextIO
 from stallwatch.dumpers.errors import LabError
 from stallwatch.lab import faults as F
 from stallwatch.lab import job, netns
+from stallwatch.lab.certs import LabCerts, make_certs
 
 AGENT_PORT = 9400
 AGENT_START_TIMEOUT = 90.0
@@ -211,6 +215,7 @@ class Lab:
     logs: list[TextIO] = field(default_factory=list)
     applied: list[dict[str, str]] = field(default_factory=list)
     token: str = ""  # the agents' bearer token
+    certs: LabCerts | None = None  # the agents' TLS (made per run, mutual)
     torn_down: bool = False
 
     def spawn(self, node: netns.Node, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -438,6 +443,8 @@ def agent_argv(lab: Lab, node: netns.Node, token_file: Path) -> list[str]:
     argv += ["--dump-dir", str(agent_dump_dir(lab.cfg, node.index))]
     argv += ["--stall-timeout", f"{lab.cfg.stall_timeout:g}"]
     argv += ["--listen", f"{node.ip}:{AGENT_PORT}", "--token-file", str(token_file)]
+    assert lab.certs is not None
+    argv += lab.certs.agent_args(node.index)
     argv += ["--host-name", f"node{node.index}"]  # namespaces share the machine's hostname
     if peers:
         argv += ["--peers", ",".join(peers)]
@@ -452,6 +459,7 @@ def start_agents(lab: Lab) -> None:
     token_file = lab.run_dir / "agent.token"
     token_file.touch(mode=0o600)
     token_file.write_text(token)
+    lab.certs = make_certs(lab.run_dir / "tls", {n.index: n.ip for n in lab.net.nodes})
     lab.cfg.dump_dir.mkdir(parents=True, exist_ok=True)
     for node in lab.net.nodes:
         agent_dump_dir(lab.cfg, node.index).mkdir(parents=True, exist_ok=True)
@@ -463,7 +471,8 @@ def start_agents(lab: Lab) -> None:
 
 def wait_healthy(lab: Lab, node: netns.Node, token: str) -> None:
     proc = lab.agents[node.index]
-    url = f"http://{node.ip}:{AGENT_PORT}/healthz"
+    url = f"https://{node.ip}:{AGENT_PORT}/healthz"
+    context = _client_context(lab)
     deadline = time.monotonic() + AGENT_START_TIMEOUT
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -472,16 +481,21 @@ def wait_healthy(lab: Lab, node: netns.Node, token: str) -> None:
                 f"the agent of node {node.index} exited with {proc.returncode} "
                 f"before answering {url}: {_last_line(log)}"
             )
-        if netns.in_netns(node.netns, lambda: _healthz(url, token)):
+        if netns.in_netns(node.netns, lambda: _healthz(url, token, context)):
             return
         time.sleep(0.25)
     raise LabError(f"the agent of node {node.index} did not answer {url} in {AGENT_START_TIMEOUT}s")
 
 
-def _healthz(url: str, token: str) -> bool:
+def _client_context(lab: Lab) -> ssl.SSLContext:
+    assert lab.certs is not None
+    return lab.certs.client().context()
+
+
+def _healthz(url: str, token: str, context: ssl.SSLContext) -> bool:
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
     try:
-        with urllib.request.urlopen(request, timeout=1.0) as response:
+        with urllib.request.urlopen(request, timeout=1.0, context=context) as response:
             return int(response.status) == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -520,9 +534,11 @@ def request_end_dumps(lab: Lab) -> list[str]:
         {"reason": "end of lab run", "incident_id": f"lab-{lab.run_id}-end", "origin": "lab"}
     ).encode()
     problems = []
+    context = _client_context(lab)
     for node in lab.net.nodes:
-        url = f"http://{node.ip}:{AGENT_PORT}/dump"
-        answer = netns.in_netns(node.netns, functools.partial(_post_dump, url, body, lab.token))
+        url = f"https://{node.ip}:{AGENT_PORT}/dump"
+        ask = functools.partial(_post_dump, url, body, lab.token, context)
+        answer = netns.in_netns(node.netns, ask)
         if answer is not None:
             problems.append(f"the agent of node {node.index} refused to dump: {answer}")
     deadline = time.monotonic() + DUMP_GRACE
@@ -538,12 +554,12 @@ def _dump_count(cfg: RunConfig, node: int) -> int:
     return sum(1 for p in agent_dump_dir(cfg, node).glob("*.msgpack") if not p.name.startswith("."))
 
 
-def _post_dump(url: str, body: bytes, token: str) -> str | None:
+def _post_dump(url: str, body: bytes, token: str, context: ssl.SSLContext) -> str | None:
     """None when the agent took the request, else why not."""
     headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")
     try:
-        with urllib.request.urlopen(request, timeout=30.0) as response:
+        with urllib.request.urlopen(request, timeout=30.0, context=context) as response:
             return None if int(response.status) == 200 else f"HTTP {response.status}"
     except (urllib.error.URLError, OSError) as exc:
         return str(exc)

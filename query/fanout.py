@@ -271,9 +271,21 @@ def _request(the_plan: Plan, token: str | None, timeout: float, tls: ClientTls |
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    context = tls.context() if tls is not None else None
+    context = _context(tls) if tls is not None else None
     has_cert = tls is not None and tls.cert is not None
     return _Request(body, headers, timeout, context, tls.ca if tls else None, has_cert)
+
+
+_contexts: dict[ClientTls, ssl.SSLContext] = {}
+
+
+def _context(tls: ClientTls) -> ssl.SSLContext:
+    """One context per set of files, so that pooled connections are found
+    again by the next fan-out (they are pooled per context)."""
+    with _executor_lock:
+        if tls not in _contexts:
+            _contexts[tls] = tls.context()
+        return _contexts[tls]
 
 
 def _gather(
@@ -365,5 +377,6 @@ def close_connections() -> None:
     _POOL.clear()
     with _executor_lock:
         executor, _executor = _executor, None
+        _contexts.clear()
     if executor is not None:
         executor.shutdown(wait=True)

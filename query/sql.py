@@ -30,6 +30,7 @@ time (a query waits at most its time limit for the one before it).
 from __future__ import annotations
 
 import atexit
+import math
 import threading
 import time
 import weakref
@@ -129,13 +130,17 @@ def check_statement(con: duckdb.DuckDBPyConnection, sql: str, limits: Limits) ->
 
 class _Watchdog:
     """One long-lived thread per engine that interrupts the connection when
-    the running query passes its deadline.  Arming costs a lock and a notify,
-    not a thread start per query."""
+    the running query passes its deadline.  Arming takes a lock; it wakes the
+    thread only when the thread would sleep past the new deadline (it was
+    idle): queries that follow one another leave it asleep until the first
+    deadline, where it looks again.  A wake-up per query cost a thread switch
+    per query, milliseconds on a loaded machine."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._con: duckdb.DuckDBPyConnection | None = None
         self._deadline = 0.0
+        self._wake_at = math.inf  # when the waiting thread wakes by itself
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -145,7 +150,8 @@ class _Watchdog:
                 self._thread = threading.Thread(target=self._run, name="sql deadline", daemon=True)
                 self._thread.start()
             self._con, self._deadline = con, time.monotonic() + seconds
-            self._cond.notify()
+            if self._deadline < self._wake_at:
+                self._cond.notify()
 
     def disarm(self) -> None:
         with self._cond:
@@ -159,15 +165,14 @@ class _Watchdog:
     def _run(self) -> None:
         with self._cond:
             while not self._closed:
-                if self._con is None:
-                    self._cond.wait()
+                now = time.monotonic()
+                if self._con is not None and now >= self._deadline:
+                    self._con.interrupt()
+                    self._con = None
                     continue
-                remaining = self._deadline - time.monotonic()
-                if remaining > 0:
-                    self._cond.wait(remaining)
-                    continue
-                self._con.interrupt()
-                self._con = None
+                armed = self._con is not None
+                self._wake_at = self._deadline if armed else math.inf
+                self._cond.wait(self._deadline - now if armed else None)
 
 
 class QueryEngine:
@@ -329,8 +334,18 @@ def _execute(
 
 
 def _arrow_rows(con: duckdb.DuckDBPyConnection, sql: str, cap: int | None) -> pa.Table:
-    rel = con.sql(sql)
-    return (rel if cap is None else rel.limit(cap + 1)).to_arrow_table()
+    """The rows, read in batches until one past ``cap`` (a ``LIMIT`` on the
+    relation would cost a second plan)."""
+    reader = con.sql(sql).to_arrow_reader(64 * 1024)
+    if cap is None:
+        return reader.read_all()
+    batches, rows = [], 0
+    for batch in reader:
+        batches.append(batch)
+        rows += batch.num_rows
+        if rows > cap:
+            break
+    return pa.Table.from_batches(batches, schema=reader.schema)
 
 
 def run_on_tables(

@@ -6,29 +6,36 @@ query over each node's dump returns the same rows as that node's agent did
 live, for the same window (collectives that ended before a cut-off taken
 before the live query).
 
-The agents listen on their node's address inside its network namespace, so
-the client runs inside node 0's namespace, as a client on a cluster node would.
+The agents listen on their node's address inside its network namespace, with
+a token and mutual TLS (the run's own CA), so the client runs inside node 0's
+namespace with the lab's client certificate, as a client on a cluster node
+would.  The merged answer is the same query over the four dumps in one
+local query.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import http.client
 import json
 import secrets
+import ssl
 import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
+from stallwatch.dumpers.errors import QueryError
 from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.model import Recording
 from stallwatch.lab import faults, netns, runner
 from stallwatch.lab.runner import AGENT_PORT, Lab, agent_dump_dir
 from stallwatch.query.fanout import FanoutResult, close_connections, query_agents
 from stallwatch.query.sql import LOCAL, QueryEngine
+from stallwatch.query.tls import ClientTls
 
 from bench.bench_sql import SEED_QUERY
 
@@ -40,7 +47,7 @@ LOSSY = 1
 SLOW = "AND duration_ns > 50000000)"
 
 
-def windowed(cutoff_ns: int) -> str:
+def windowed(cutoff_ns: int | str) -> str:
     """The seed query over collectives that ended before the cut-off, every
     row (no LIMIT: ties at the limit would make the comparison arbitrary)."""
     assert SLOW in SEED_QUERY and "LIMIT 20" in SEED_QUERY
@@ -102,15 +109,24 @@ def _token(lab: Lab) -> str:
     return (lab.run_dir / "agent.token").read_text().strip()
 
 
-def _ask_dump(agent: str, token: str, incident: str) -> dict[str, object]:
+def _tls(lab: Lab) -> ClientTls:
+    assert lab.certs is not None
+    return lab.certs.client()
+
+
+def _ask(lab: Lab, agents: list[str], sql: str) -> FanoutResult:
+    return _in_node0(lab, lambda: query_agents(agents, sql, _token(lab), 10, tls=_tls(lab)))
+
+
+def _ask_dump(agent: str, token: str, incident: str, context: ssl.SSLContext) -> dict[str, object]:
     body = json.dumps({"reason": "sql e2e", "incident_id": incident}).encode()
     req = urllib.request.Request(
-        f"http://{agent}/dump",
+        f"https://{agent}/dump",
         data=body,
         method="POST",
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(req, timeout=30) as resp:
+    with urllib.request.urlopen(req, timeout=30, context=context) as resp:
         answer: dict[str, object] = json.loads(resp.read())
     return answer
 
@@ -127,41 +143,64 @@ def _dump_of(lab: Lab, node: int, incident: str, timeout: float = 60) -> Recordi
     raise AssertionError(f"node {node} wrote no dump for {incident} in {folder}")
 
 
-def _by_host(result: FanoutResult) -> dict[str, list[tuple[object, ...]]]:
-    out: dict[str, list[tuple[object, ...]]] = {}
-    for host, *rest in result.rows:
-        out.setdefault(host, []).append(tuple(rest))
-    return {h: _sorted(rows) for h, rows in out.items()}
-
-
-def _sorted(rows: list[tuple[object, ...]]) -> list[tuple[object, ...]]:
+def _sorted(rows: list[Any]) -> list[tuple[object, ...]]:
     """In a stable order, NULL (an unknown rank) included."""
-    return sorted(rows, key=lambda row: [(v is not None, v if v is not None else 0) for v in row])
+    return sorted(
+        (tuple(r) for r in rows),
+        key=lambda row: [(v is not None, v if v is not None else 0) for v in row],
+    )
+
+
+# The seed query, each host's windows joined with its own retransmits only.
+BY_HOST = """
+WITH slow AS (
+  SELECT host, timestamp_ns, duration_ns, rank FROM nccl_events
+  WHERE op = 'ALL_REDUCE' AND duration_ns > 50000000)
+SELECT s.host, s.rank, s.duration_ns / 1e6 AS ms, count(t.timestamp_ns) AS retransmits_in_window
+FROM slow s LEFT JOIN tcp_events t
+  ON t.host = s.host AND t.event = 'tcp_retransmit_skb'
+ AND t.timestamp_ns BETWEEN s.timestamp_ns AND s.timestamp_ns + s.duration_ns
+GROUP BY ALL
+"""
+MERGED = [
+    "SELECT host, count(*) AS n FROM nccl_events WHERE end_ns <= {cut} GROUP BY host",
+    "SELECT DISTINCT host, op FROM nccl_events WHERE end_ns <= {cut}",
+    "SELECT op, count(*), sum(bytes), max(duration_ns) FROM nccl_events "
+    "WHERE end_ns <= {cut} GROUP BY ALL",
+    "SELECT host, seq, duration_ns FROM nccl_events WHERE end_ns <= {cut} "
+    "ORDER BY duration_ns DESC, host, seq LIMIT 5",
+]
 
 
 def test_fanout_to_live_agents_then_the_same_rows_from_their_dumps(lab: Lab) -> None:
     agents, token = _agents(lab), _token(lab)
-    live = _in_node0(lab, lambda: query_agents(agents, SEED_QUERY, token, timeout=10))
+    live = _ask(lab, agents, SEED_QUERY)
     assert not live.failed, live.failed
     assert {a.host for a in live.answers} == {f"node{k}" for k in range(NODES)}
-    assert live.columns == ("host", "rank", "ms", "retransmits_in_window")
-    lossy = [r for r in live.rows if r[0] == f"node{LOSSY}"]
+    assert live.columns == ("rank", "ms", "retransmits_in_window")
+    by_host = _ask(lab, agents, BY_HOST)
+    lossy = [r for r in by_host.rows if r[0] == f"node{LOSSY}"]
     assert lossy and max(r[3] for r in lossy) > 0, "no retransmit inside node 1's slow AllReduces"
 
     cutoff = time.monotonic_ns()  # one monotonic clock: the nodes share the kernel
-    sql = windowed(cutoff)
-    live_window = _in_node0(lab, lambda: query_agents(agents, sql, token, timeout=10))
-    assert not live_window.failed, live_window.failed
-    live_rows = _by_host(live_window)
-    assert live_rows.get(f"node{LOSSY}"), "no slow AllReduce on the lossy node before the cut-off"
+    live_rows = {
+        sql: _ask(lab, agents, sql.format(cut=cutoff)) for sql in [*MERGED, windowed("{cut}")]
+    }
+    assert all(not r.failed for r in live_rows.values())
 
     incident = "sql-e2e-" + secrets.token_hex(3)
+    context = _tls(lab).context()
     for agent in agents:
-        _in_node0(lab, functools.partial(_ask_dump, agent, token, incident))
-    for k in range(NODES):
-        with QueryEngine([_dump_of(lab, k, incident)], LOCAL) as engine:
-            dumped = _sorted(engine.query(sql).rows)
-        assert dumped == live_rows.get(f"node{k}", []), f"node{k}: dump and live agent differ"
+        _in_node0(lab, functools.partial(_ask_dump, agent, token, incident, context))
+    dumps = [_dump_of(lab, k, incident) for k in range(NODES)]
+    with QueryEngine(dumps, LOCAL) as engine:
+        for sql, live_result in live_rows.items():
+            local = engine.query(sql.format(cut=cutoff)).rows
+            assert local, f"nothing to compare: {sql}"
+            if "ORDER BY" in sql and "LIMIT" in sql:
+                assert [tuple(r) for r in live_result.rows] == local, sql
+            else:
+                assert _sorted(live_result.rows) == _sorted(local), sql
 
 
 def test_metrics_of_live_agents_parse(lab: Lab) -> None:
@@ -169,11 +208,13 @@ def test_metrics_of_live_agents_parse(lab: Lab) -> None:
 
     token = _token(lab)
 
+    context = _tls(lab).context()
+
     def scrape(agent: str) -> str:
         req = urllib.request.Request(
-            f"http://{agent}/metrics", headers={"Authorization": f"Bearer {token}"}
+            f"https://{agent}/metrics", headers={"Authorization": f"Bearer {token}"}
         )
-        with urllib.request.urlopen(req, timeout=10) as resp:
+        with urllib.request.urlopen(req, timeout=10, context=context) as resp:
             return str(resp.read().decode())
 
     for agent in _agents(lab):
@@ -184,17 +225,39 @@ def test_metrics_of_live_agents_parse(lab: Lab) -> None:
 
 def test_a_live_agent_refuses_file_access_and_keeps_recording(lab: Lab) -> None:
     agents, token = _agents(lab), _token(lab)
-    before = _in_node0(
-        lab, lambda: query_agents(agents[:1], "SELECT count(*) AS n FROM nccl_events", token)
+    before = _ask(lab, agents[:1], "SELECT count(*) AS n FROM nccl_events")
+    with pytest.raises(QueryError, match="read_text"):  # refused before it is sent
+        _ask(lab, agents[:1], "SELECT * FROM read_text('/etc/shadow')")
+    body = json.dumps({"sql": "SELECT * FROM read_text('/etc/shadow')"}).encode()
+    refused = _in_node0(lab, functools.partial(_post_query, agents[0], token, body, _tls(lab)))
+    assert refused[0] == 400
+    after = _ask(lab, agents[:1], "SELECT count(*) AS n FROM nccl_events")
+    assert not after.failed and after.rows[0][0] >= before.rows[0][0] > 0
+
+
+def test_plain_http_with_the_token_is_refused_and_no_certificate_gets_nothing(lab: Lab) -> None:
+    agent, token = _agents(lab)[0], _token(lab)
+    body = json.dumps({"sql": "SELECT 1"}).encode()
+    status, answer = _in_node0(lab, functools.partial(_post_query, agent, token, body, None))
+    assert status == 400 and "HTTPS only" in answer
+    no_cert = ClientTls(_tls(lab).ca)
+    result = _in_node0(lab, lambda: query_agents([agent], "SELECT 1", token, 10, tls=no_cert))
+    assert len(result.failed) == 1 and result.failed[0].error.startswith("TLS: ")
+
+
+def _post_query(agent: str, token: str, body: bytes, tls: ClientTls | None) -> tuple[int, str]:
+    host, port = agent.rsplit(":", 1)
+    conn = (
+        http.client.HTTPSConnection(host, int(port), context=tls.context(), timeout=10)
+        if tls is not None
+        else http.client.HTTPConnection(host, int(port), timeout=10)
     )
-    bad = _in_node0(
-        lab, lambda: query_agents(agents[:1], "SELECT * FROM read_text('/etc/shadow')", token)
-    )
-    assert len(bad.failed) == 1 and "HTTP 400" in bad.failed[0].error
-    after = _in_node0(
-        lab, lambda: query_agents(agents[:1], "SELECT count(*) AS n FROM nccl_events", token)
-    )
-    assert not after.failed and after.rows[0][1] >= before.rows[0][1] > 0
+    try:
+        conn.request("POST", "/query", body, {"Authorization": f"Bearer {token}"})
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    finally:
+        conn.close()
 
 
 def test_windowed_query_keeps_the_seed_query() -> None:

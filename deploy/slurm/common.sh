@@ -17,9 +17,17 @@ STALLWATCH_STATE_DIR=${STALLWATCH_STATE_DIR:-/var/lib/stallwatch}
 STALLWATCH_RUN_DIR=${STALLWATCH_RUN_DIR:-/run/stallwatch}
 STALLWATCH_PORT=${STALLWATCH_PORT:-9400}
 STALLWATCH_STALL_TIMEOUT=${STALLWATCH_STALL_TIMEOUT:-60}
-# Same file, same contents, on every node. Without it the agent listens on
-# loopback only and has no peers: each node still dumps on its own stalls.
+# Same file, same contents, on every node. Without it (or without the TLS
+# files below) the agent listens on loopback only and has no peers: each node
+# still dumps on its own stalls.
 STALLWATCH_TOKEN_FILE=${STALLWATCH_TOKEN_FILE:-/etc/stallwatch/token}
+# TLS, needed to listen beyond loopback (the token must not cross the network
+# in clear text): node.pem (this node's certificate, its host name among the
+# subject alternative names), node.key, and ca.pem (the CA that signed every
+# node's certificate; peers are verified against it).
+STALLWATCH_TLS_DIR=${STALLWATCH_TLS_DIR:-/etc/stallwatch/tls}
+# Set to 1 to also require a client certificate of that CA (mutual TLS).
+STALLWATCH_TLS_MUTUAL=${STALLWATCH_TLS_MUTUAL:-0}
 # Extra `stallwatch record` arguments, for example "--lib /opt/nccl/lib/libnccl.so.2".
 STALLWATCH_EXTRA_ARGS=${STALLWATCH_EXTRA_ARGS:-}
 # Seconds the prolog waits for the agent's /healthz (so the job's first

@@ -13,6 +13,8 @@ set -uo pipefail
 here=$(dirname "$(readlink -f "$0")")
 # shellcheck source-path=SCRIPTDIR source=common.sh
 . "$here/common.sh"
+tls=$STALLWATCH_TLS_DIR
+serving_tls=
 
 peers_of_job() {
     local host peers=()
@@ -23,15 +25,29 @@ peers_of_job() {
     echo "${peers[*]}"
 }
 
+# What is missing to listen beyond loopback (the token and TLS files), or nothing.
+missing_for_network() {
+    local f missing=()
+    for f in "$STALLWATCH_TOKEN_FILE" "$tls/node.pem" "$tls/node.key" "$tls/ca.pem"; do
+        [ -r "$f" ] || missing+=("$f")
+    done
+    echo "${missing[*]}"
+}
+
 agent_args() {
     args=(record --dump-dir "$dump_dir" --stall-timeout "$STALLWATCH_STALL_TIMEOUT")
-    if [ -r "$STALLWATCH_TOKEN_FILE" ]; then
+    local missing
+    missing=$(missing_for_network)
+    if [ -z "$missing" ]; then
         args+=(--listen "0.0.0.0:$STALLWATCH_PORT" --token-file "$STALLWATCH_TOKEN_FILE")
+        args+=(--tls-cert "$tls/node.pem" --tls-key "$tls/node.key" --tls-ca "$tls/ca.pem")
+        [ "$STALLWATCH_TLS_MUTUAL" = 1 ] && args+=(--tls-client-ca "$tls/ca.pem")
         local peers
         peers=$(peers_of_job) || say prolog "scontrol show hostnames failed: no peers"
         [ -n "$peers" ] && args+=(--peers "$peers")
+        serving_tls=1
     else
-        say prolog "no token file $STALLWATCH_TOKEN_FILE: loopback only, no peers"
+        say prolog "no $missing: loopback only, no peers"
         args+=(--listen "127.0.0.1:$STALLWATCH_PORT")
     fi
     # shellcheck disable=SC2206  # word splitting is the point
@@ -39,14 +55,18 @@ agent_args() {
 }
 
 # /healthz over bash's /dev/tcp (no curl needed on compute nodes), with the
-# token the agent then requires of every request.
+# token the agent then requires of every request.  An agent serving TLS
+# answers plain HTTP with its own 400 ("HTTPS only"), sent by the running
+# server: that answer is enough to know it is up (and the token is not sent).
 healthy() {
     (
         exec 3<>"/dev/tcp/127.0.0.1/$STALLWATCH_PORT" || exit 1
         auth=
-        [ -r "$STALLWATCH_TOKEN_FILE" ] && auth="Authorization: Bearer $(head -n1 "$STALLWATCH_TOKEN_FILE")"$'\r\n'
+        [ -z "$serving_tls" ] && [ -r "$STALLWATCH_TOKEN_FILE" ] &&
+            auth="Authorization: Bearer $(head -n1 "$STALLWATCH_TOKEN_FILE")"$'\r\n'
         printf 'GET /healthz HTTP/1.0\r\nHost: localhost\r\n%s\r\n' "$auth" >&3
-        read -r -t 2 _ status _ <&3 && [ "$status" = 200 ]
+        read -r -t 2 _ status _ <&3 || exit 1
+        [ "$status" = 200 ] || { [ -n "$serving_tls" ] && [ "$status" = 400 ]; }
     ) 2>/dev/null
 }
 

@@ -21,6 +21,7 @@ import shlex
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import textwrap
@@ -36,6 +37,9 @@ import pytest
 import yaml
 from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.schema import Op, Result
+from stallwatch.query.tls import ServerTls
+
+from tests.query.certs import make_certs
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -530,6 +534,16 @@ def test_daemonset_token_secret_backs_the_token_file(pod: Doc, agent: Doc) -> No
     assert volume["secret"]["defaultMode"] == 0o400
 
 
+def test_daemonset_tls_secret_backs_the_certificate_files(pod: Doc, agent: Doc) -> None:
+    argv = k8s_argv(agent)
+    files = {option(argv, flag) for flag in ("--tls-cert", "--tls-key", "--tls-ca")}
+    folders = {str(Path(f).parent) for f in files}
+    assert len(files) == 3 and len(folders) == 1
+    mount, volume = mounts_by_path(pod, agent)[folders.pop()]
+    assert mount["readOnly"] is True and volume["secret"]["secretName"] == "stallwatch-tls"
+    assert {Path(f).name for f in files} == {"tls.crt", "tls.key", "ca.crt"}  # kubernetes.io/tls
+
+
 def test_daemonset_args_parse_with_the_real_cli(agent: Doc) -> None:
     from stallwatch.cli import build_parser
 
@@ -592,10 +606,12 @@ class _HealthOnly:
         return ""
 
 
-def run_probe(agent: Doc, name: str, port: int, token_file: Path) -> int:
+def run_probe(agent: Doc, name: str, port: int, token_file: Path, tls: Path) -> int:
     """The probe's command as the kubelet runs it, pointed at a local server."""
     command = [
-        w.replace("/etc/stallwatch/token", str(token_file)).replace(":9400/", f":{port}/")
+        w.replace("/etc/stallwatch/token", str(token_file))
+        .replace(":9400/", f":{port}/")
+        .replace("/etc/stallwatch-tls/", f"{tls}/")
         for w in agent[name]["exec"]["command"]
     ]
     command[0] = sys.executable  # the image's python3
@@ -611,12 +627,24 @@ def test_daemonset_probe_passes_the_agents_token_check(agent: Doc, tmp_path: Pat
     good, bad = tmp_path / "good", tmp_path / "bad"
     good.write_text("correct-horse\n")
     bad.write_text("wrong\n")
-    handle = serve_http(_HealthOnly(), "127.0.0.1:0", token="correct-horse")  # type: ignore[arg-type]
+    certs = make_certs(tmp_path, "node-a.example")  # not the probe's address: names unchecked
+    certs.ca.rename(tmp_path / "ca.crt")
+    (tmp_path / "other").mkdir()
+    other = make_certs(tmp_path / "other")
+    other.other_ca.rename(tmp_path / "other" / "ca.crt")  # a CA that signed nothing here
+    handle = serve_http(
+        _HealthOnly(),  # type: ignore[arg-type]
+        "127.0.0.1:0",
+        token="correct-horse",
+        tls=ServerTls(certs.cert, certs.key),
+    )
     try:
         port = int(handle.address.rpartition(":")[2])
         for name in ("startupProbe", "livenessProbe", "readinessProbe"):
-            assert run_probe(agent, name, port, good) == 0, name
-        assert run_probe(agent, "livenessProbe", port, bad) != 0
+            assert run_probe(agent, name, port, good, tmp_path) == 0, name
+        assert run_probe(agent, "livenessProbe", port, bad, tmp_path) != 0
+        # an agent whose certificate another CA signed is not taken for ours
+        assert run_probe(agent, "livenessProbe", port, good, tmp_path / "other") != 0
     finally:
         handle.close()
 
@@ -636,6 +664,7 @@ state = Path(os.environ["FAKE_STATE"])
 (state / "argv.json").write_text(json.dumps(argv))
 opt = lambda name: argv[argv.index(name) + 1] if name in argv else None
 token = Path(opt("--token-file")).read_text().strip() if opt("--token-file") else None
+tls = opt("--tls-cert") is not None  # plain HTTP then gets the real agent's 400
 dump_dir = Path(opt("--dump-dir"))
 for name in ("incident-1.msgpack", "incident-2.msgpack"):
     (dump_dir / name).write_bytes(os.urandom(256))
@@ -643,9 +672,11 @@ for name in ("incident-1.msgpack", "incident-2.msgpack"):
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         ok = token is None or self.headers.get("Authorization") == "Bearer " + token
+        sent = "Authorization" in self.headers
+        note = "plain-refused" if tls else ("authorized" if ok else "refused")
         with (state / "healthz.log").open("a") as f:
-            f.write(("authorized" if ok else "refused") + "\\n")
-        self.send_response(200 if ok else 401)
+            f.write(note + (" with-token" if sent else "") + "\\n")
+        self.send_response(400 if tls else 200 if ok else 401)
         self.end_headers()
         self.wfile.write(b'{{"status": "ok"}}')
     def log_message(self, *args):
@@ -716,6 +747,11 @@ def node(tmp_path: Path) -> Iterator[SlurmNode]:
     (tmp_path / "fake").mkdir()
     token = tmp_path / "token"
     token.write_text("s3cret\n")
+    tls = tmp_path / "tls"
+    tls.mkdir()
+    certs = make_certs(tls, "127.0.0.1", "127.0.0.2", "127.0.0.3", "gpu2")
+    certs.cert.rename(tls / "node.pem")
+    certs.key.rename(tls / "node.key")
     port = free_port()
     env = {
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
@@ -730,6 +766,7 @@ def node(tmp_path: Path) -> Iterator[SlurmNode]:
         "STALLWATCH_STATE_DIR": str(tmp_path / "state"),
         "STALLWATCH_RUN_DIR": str(tmp_path / "run"),
         "STALLWATCH_TOKEN_FILE": str(token),
+        "STALLWATCH_TLS_DIR": str(tls),
         "STALLWATCH_PORT": str(port),
         "STALLWATCH_READY_TIMEOUT": "20",
         "STALLWATCH_COLLECT_DIR": str(tmp_path / "shared"),
@@ -768,7 +805,7 @@ def test_slurm_scripts_pass_shellcheck() -> None:
 def test_prolog_starts_one_agent_for_the_job(node: SlurmNode) -> None:
     proc = node.run("prolog.sh")
     assert proc.returncode == 0, proc.stderr
-    port = str(node.port)
+    port, tls = str(node.port), node.env["STALLWATCH_TLS_DIR"]
     assert node.argv() == [
         "record",
         "--dump-dir",
@@ -779,14 +816,20 @@ def test_prolog_starts_one_agent_for_the_job(node: SlurmNode) -> None:
         f"0.0.0.0:{port}",
         "--token-file",
         node.env["STALLWATCH_TOKEN_FILE"],
+        "--tls-cert",
+        f"{tls}/node.pem",
+        "--tls-key",
+        f"{tls}/node.key",
+        "--tls-ca",
+        f"{tls}/ca.pem",
         "--peers",
         f"gpu1:{port},gpu3:{port}",
     ]
     pid = int(node.pid_file.read_text())
     assert alive(pid)
     assert "record" in Path(f"/proc/{pid}/cmdline").read_text()
-    # The prolog waited for /healthz, with the token.
-    assert "authorized" in (node.state / "healthz.log").read_text().split()
+    # The prolog waited for the agent's answer, and never sent the token in clear.
+    assert set((node.state / "healthz.log").read_text().split()) == {"plain-refused"}
     assert node.dump_dir.stat().st_mode & 0o777 == 0o700
 
     again = node.run("prolog.sh")
@@ -844,12 +887,24 @@ def test_epilog_leaves_a_reused_pid_alone(node: SlurmNode) -> None:
         other.wait()
 
 
-def test_prolog_without_token_listens_on_loopback_alone(node: SlurmNode) -> None:
-    proc = node.run("prolog.sh", STALLWATCH_TOKEN_FILE=str(node.state / "absent"))
+@pytest.mark.parametrize("absent", ["STALLWATCH_TOKEN_FILE", "STALLWATCH_TLS_DIR"])
+def test_prolog_without_token_or_tls_listens_on_loopback_alone(
+    node: SlurmNode, absent: str
+) -> None:
+    proc = node.run("prolog.sh", **{absent: str(node.state / "absent")})
     assert proc.returncode == 0, proc.stderr
+    assert "loopback only" in proc.stderr and str(node.state / "absent") in proc.stderr
     argv = node.argv()
     assert option(argv, "--listen") == f"127.0.0.1:{node.port}"
-    assert "--peers" not in argv and "--token-file" not in argv
+    assert "--peers" not in argv and "--token-file" not in argv and "--tls-cert" not in argv
+    # the loopback agent was asked for /healthz with the token
+    assert "authorized" in (node.state / "healthz.log").read_text().split()
+
+
+def test_prolog_asks_for_client_certificates_when_told(node: SlurmNode) -> None:
+    assert node.run("prolog.sh", STALLWATCH_TLS_MUTUAL="1").returncode == 0
+    tls = node.env["STALLWATCH_TLS_DIR"]
+    assert option(node.argv(), "--tls-client-ca") == f"{tls}/ca.pem"
 
 
 def test_prolog_single_node_job_has_no_peers_and_takes_extra_args(node: SlurmNode) -> None:
@@ -877,11 +932,13 @@ def test_slurm_scripts_run_the_real_agent(node: SlurmNode) -> None:
     pid = int(node.pid_file.read_text())
     token = Path(node.env["STALLWATCH_TOKEN_FILE"]).read_text().strip()
     request = urllib.request.Request(
-        f"http://127.0.0.1:{node.port}/dump",
+        f"https://127.0.0.1:{node.port}/dump",
         data=json.dumps({"reason": "slurm test"}).encode(),
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=30) as response:
+    ca = Path(node.env["STALLWATCH_TLS_DIR"]) / "ca.pem"
+    context = ssl.create_default_context(cafile=str(ca))
+    with urllib.request.urlopen(request, timeout=30, context=context) as response:
         assert response.status == 200
 
     proc = node.run("epilog.sh", **real)

@@ -30,7 +30,6 @@ import ssl
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,22 +144,7 @@ class _Pool:
 
 
 _POOL = _Pool()
-_executor: ThreadPoolExecutor | None = None
-_executor_size = 0
-_executor_lock = threading.Lock()
-
-
-def _threads(concurrency: int) -> ThreadPoolExecutor:
-    """One pool of client threads for the process, started on first use:
-    a fan-out does not pay for starting a thread per agent each time."""
-    global _executor, _executor_size
-    with _executor_lock:
-        if _executor is None or _executor_size != concurrency:
-            if _executor is not None:
-                _executor.shutdown(wait=False)
-            _executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="fanout")
-            _executor_size = concurrency
-        return _executor
+_contexts_lock = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,10 +190,7 @@ def _error_text(status: int, data: bytes) -> str:
         return f"HTTP {status}: {data[:200].decode(errors='replace')}"
 
 
-def _ask(
-    index: int, t: _Target, req: _Request, started: dict[int, float]
-) -> tuple[float, list[Frame]]:
-    started[index] = time.monotonic()
+def _ask(t: _Target, req: _Request) -> list[Frame]:
     try:
         status, content_type, data = _post(t, req)
     except TimeoutError:
@@ -225,10 +206,77 @@ def _ask(
     if content_type != ARROW_FRAMES:
         raise AgentError(f"the answer is {content_type or 'untyped'}, not rows: an older agent?")
     try:
-        frames = decode_frames(data)
+        return decode_frames(data)
     except ValueError as exc:
         raise AgentError(f"the answer is not rows: {exc}") from None
-    return (time.monotonic() - started[index]) * 1e3, frames
+
+
+class _Batch:
+    """One fan-out: at most ``concurrency`` threads take the next agent until
+    none is left; each agent's answer, error and the moment it was asked.
+
+    The threads are started by the caller for this fan-out (a thread start is
+    tens of microseconds), so they share its network namespace, and the
+    whole batch is handed out at once: no per-agent future to create and
+    signal, which on a busy machine costs more than the request itself."""
+
+    def __init__(self, targets: list[_Target], req: _Request) -> None:
+        self.targets, self.req = targets, req
+        self.asked: list[float | None] = [None] * len(targets)
+        self.frames: list[list[Frame] | None] = [None] * len(targets)
+        self.errors: list[str | None] = [None] * len(targets)
+        self.took: list[float | None] = [None] * len(targets)  # seconds, once answered
+        self.finished = 0
+        self._next = 0
+        self.cond = threading.Condition()
+
+    def run(self, concurrency: int) -> None:
+        for k in range(min(concurrency, len(self.targets))):
+            threading.Thread(target=self._work, name=f"fanout-{k}", daemon=True).start()
+
+    def _work(self) -> None:
+        n = len(self.targets)
+        while True:
+            with self.cond:
+                if self._next >= n:
+                    return
+                i, self._next = self._next, self._next + 1
+                self.asked[i] = asked = time.monotonic()
+            frames, error = None, None
+            try:
+                frames = _ask(self.targets[i], self.req)
+            except AgentError as exc:
+                error = str(exc)
+            except Exception as exc:  # a bug must not hang the fan-out
+                error = f"{type(exc).__name__}: {exc}"
+            with self.cond:
+                self.frames[i], self.errors[i] = frames, error
+                self.took[i] = time.monotonic() - asked
+                self.finished += 1
+                if self.finished == n:
+                    self.cond.notify()
+
+    def wait(self) -> list[bool]:
+        """Wait until every agent answered or had ``timeout`` seconds since
+        it was asked (agents past ``concurrency`` wait for a free thread
+        first); which ones answered in time.  Woken once all have answered,
+        otherwise it looks every 50 ms at most (a wake-up per answer would
+        cost a scan of every agent per answer)."""
+        n, timeout = len(self.targets), self.req.timeout
+        with self.cond:
+            while self.finished < n:
+                now = time.monotonic()
+                ends = [
+                    at + timeout
+                    for i, at in enumerate(self.asked)
+                    if at is not None and self.took[i] is None
+                ]
+                if self._next >= n and all(end <= now for end in ends):
+                    break
+                upcoming = min((end for end in ends if end > now), default=now + 0.05)
+                self.cond.wait(min(0.05, max(0.005, upcoming - now)))
+            self._next = n  # nobody asks the rest
+            return [t is not None for t in self.took]
 
 
 def query_agents(
@@ -282,7 +330,7 @@ _contexts: dict[ClientTls, ssl.SSLContext] = {}
 def _context(tls: ClientTls) -> ssl.SSLContext:
     """One context per set of files, so that pooled connections are found
     again by the next fan-out (they are pooled per context)."""
-    with _executor_lock:
+    with _contexts_lock:
         if tls not in _contexts:
             _contexts[tls] = tls.context()
         return _contexts[tls]
@@ -291,61 +339,26 @@ def _context(tls: ClientTls) -> ssl.SSLContext:
 def _gather(
     targets: list[_Target], req: _Request, the_plan: Plan, concurrency: int
 ) -> tuple[list[AgentAnswer], list[AgentFailure], dict[str, pa.Table]]:
-    started: dict[int, float] = {}
-    pool = _threads(concurrency)
-    futures = {pool.submit(_ask, i, t, req, started): i for i, t in enumerate(targets)}
-    done = _wait(futures, started, req.timeout)
+    batch = _Batch(targets, req)
+    batch.run(concurrency)
+    answered = batch.wait()
     answers, failed = [], []
     parts: list[list[pa.Table]] = [[] for _ in the_plan.fetches]
-    for future, i in futures.items():
-        t = targets[i]
-        error = _failure(future, done, req.timeout)
-        frames: list[Frame] = []
-        if error is None:
-            elapsed, frames = future.result()
-            if len(frames) != len(the_plan.fetches):
-                error = f"sent {len(frames)} tables for {len(the_plan.fetches)} queries"
-        if error is not None:
-            failed.append(AgentFailure(t.agent, error))
+    for i, t in enumerate(targets):
+        frames, error = batch.frames[i], batch.errors[i]
+        if not answered[i]:
+            error = f"no answer within {req.timeout:g} s"
+        elif frames is not None and len(frames) != len(the_plan.fetches):
+            error = f"sent {len(frames)} tables for {len(the_plan.fetches)} queries"
+        if error is not None or frames is None:
+            failed.append(AgentFailure(t.agent, error or "no answer"))
             continue
         host = frames[0].host if frames else t.host
+        elapsed = (batch.took[i] or 0.0) * 1e3
         answers.append(AgentAnswer(t.agent, host, any(f.truncated for f in frames), elapsed))
-        for i, frame in enumerate(frames):
-            parts[i].append(frame.table)
+        for k, frame in enumerate(frames):
+            parts[k].append(frame.table)
     return answers, failed, _union(the_plan, parts)
-
-
-def _wait(
-    futures: dict[Future[Any], int], started: dict[int, float], timeout: float
-) -> set[Future[Any]]:
-    """Wait until every agent answered or had ``timeout`` seconds since it
-    was asked (agents past ``concurrency`` wait for a free thread first)."""
-    pending = set(futures)
-    done: set[Future[Any]] = set()
-    while pending:
-        now = time.monotonic()
-        asked = {f: started[futures[f]] for f in pending if futures[f] in started}
-        pending -= {f for f, at in asked.items() if now >= at + timeout}
-        if not pending:
-            break
-        next_end = min((at + timeout for f, at in asked.items() if f in pending), default=now)
-        finished, _ = wait(pending, timeout=max(0.02, next_end - now))
-        done |= finished
-        pending -= finished
-    for future in futures:
-        future.cancel()  # not started yet: give up on it
-    return done
-
-
-def _failure(future: Future[Any], done: set[Future[Any]], timeout: float) -> str | None:
-    if future not in done:
-        return f"no answer within {timeout:g} s"
-    exc = future.exception()
-    if exc is None:
-        return None
-    if isinstance(exc, AgentError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _union(the_plan: Plan, parts: list[list[pa.Table]]) -> dict[str, pa.Table]:
@@ -369,14 +382,7 @@ def _cast(tables: dict[str, pa.Table], the_plan: Plan, limit: int | None) -> lis
 
 
 def close_connections() -> None:
-    """Close the pooled keep-alive connections and stop the client threads
-    (tests, long-lived callers).  The next fan-out starts fresh threads from
-    its caller, so they share the caller's network namespace: a thread keeps
-    the namespace of the thread that started it."""
-    global _executor
+    """Close the pooled keep-alive connections (tests, long-lived callers)."""
     _POOL.clear()
-    with _executor_lock:
-        executor, _executor = _executor, None
+    with _contexts_lock:
         _contexts.clear()
-    if executor is not None:
-        executor.shutdown(wait=True)

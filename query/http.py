@@ -82,6 +82,7 @@ log = logging.getLogger(__name__)
 MAX_BODY = 64 * 1024
 MAX_CONNECTIONS = 512
 HANDSHAKE_TIMEOUT_S = 10.0
+POLL_S = 2.0
 SNAPSHOT_CACHE_S = 0.5
 ARROW_FRAMES = "application/x-stallwatch-arrow"
 
@@ -575,11 +576,23 @@ class ServerHandle:
         return f"{'https' if self.server.tls else 'http'}://{self.address}"
 
     def close(self) -> None:
-        self.server.shutdown()
+        stopping = threading.Thread(target=self.server.shutdown, daemon=True)
+        stopping.start()
+        _wake(self.server)
+        stopping.join()
         self.server.server_close()
         self.server.close_connections()
         self.thread.join(timeout=5)
         self.engine.close()
+
+
+def _wake(server: _Server) -> None:
+    """Connect to the server, so that its loop, waiting for a connection,
+    sees the shutdown at once instead of at its next poll."""
+    host, port = server.server_address[:2]
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(str(host), str(host))
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
+        pass
 
 
 def _engine_for(backend: Backend, limits: Limits) -> QueryEngine:
@@ -620,8 +633,10 @@ def serve_http(
     address = (
         f"[{bound_host}]:{bound_port}" if family == socket.AF_INET6 else f"{host}:{bound_port}"
     )
+    # The loop wakes every POLL_S to look for a shutdown (close() also wakes
+    # it at once): ten wake-ups a second were idle cost for the agent.
     thread = threading.Thread(
-        target=server.serve_forever, kwargs={"poll_interval": 0.1}, name=f"http {address}"
+        target=server.serve_forever, kwargs={"poll_interval": POLL_S}, name=f"http {address}"
     )
     thread.daemon = True
     thread.start()

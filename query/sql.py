@@ -255,7 +255,7 @@ class QueryEngine:
             con = self._connection()
             statement = check_statement(con, sql, self.limits)
             self._refresh(con)
-            table = self._guarded(con, lambda: _arrow_rows(con, statement.query, cap))
+            table = self._guarded(con, lambda: _arrow_rows(con, statement, cap))
         finally:
             self._lock.release()
         truncated = cap is not None and table.num_rows > cap
@@ -333,10 +333,12 @@ def _execute(
     return columns, types, rows
 
 
-def _arrow_rows(con: duckdb.DuckDBPyConnection, sql: str, cap: int | None) -> pa.Table:
+def _arrow_rows(
+    con: duckdb.DuckDBPyConnection, statement: duckdb.Statement, cap: int | None
+) -> pa.Table:
     """The rows, read in batches until one past ``cap`` (a ``LIMIT`` on the
-    relation would cost a second plan)."""
-    reader = con.sql(sql).to_arrow_reader(64 * 1024)
+    relation would cost a second plan; the parsed statement saves a parse)."""
+    reader = con.sql(statement).to_arrow_reader(64 * 1024)
     if cap is None:
         return reader.read_all()
     batches, rows = [], 0

@@ -23,7 +23,8 @@ parser, ``json_serialize_sql``):
   conjuncts on one side of an inner (or the inner side of a left) join are
   pushed to the agents when they name that table alone; a one-table query's
   ``ORDER BY ... LIMIT n`` is pushed as is (the top n of the union are among
-  the top n of each part), and its ``DISTINCT`` too.  The final query is the
+  the top n of each part), a ``LIMIT n`` without an order too (any n rows
+  answer it), and its ``DISTINCT``.  The final query is the
   original, unchanged.
 
 Either way the client's final query is the user's SQL over the union, so the
@@ -525,8 +526,10 @@ def _top_rows(node: Node) -> list[Node]:
     """``ORDER BY ... LIMIT limit+offset`` for the agents, with the order
     written over the table's columns; [] if it cannot be."""
     order, bounds = _modifier(node, "ORDER_MODIFIER"), _limit_of(node)
-    if order is None or bounds is None:
+    if bounds is None:
         return []
+    if order is None:  # any limit+offset rows of each part hold limit rows of the whole
+        return [_limit(sum(bounds))]
     items = node["select_list"]
     aliases = {i["alias"]: i for i in items if i.get("alias")}
     orders = []
@@ -548,14 +551,17 @@ def _top_rows(node: Node) -> list[Node]:
         ):
             return []
         orders.append(dict(o, expression=dict(copy.deepcopy(expr), alias="")))
-    limit = {
+    return [{"type": "ORDER_MODIFIER", "orders": orders}, _limit(sum(bounds))]
+
+
+def _limit(rows: int) -> Node:
+    return {
         "type": "LIMIT_MODIFIER",
         "limit": {"class": "CONSTANT", "type": "VALUE_CONSTANT", "alias": "",
-                  "literal": {"kind": "INTEGER", "text": str(sum(bounds))}},
+                  "literal": {"kind": "INTEGER", "text": str(rows)}},
         "offset": None,
         "limit_type": "ROW_COUNT",
     }  # fmt: skip
-    return [{"type": "ORDER_MODIFIER", "orders": orders}, limit]
 
 
 def _pushed_filters(planner: _Planner, root: Node, ctes: set[str]) -> dict[str, list[str | None]]:

@@ -139,6 +139,13 @@ def test_the_seed_query_joins_windows_across_hosts_as_one_table_would(
     assert sum(r[2] for r in merged.rows) > 4 * sum(r[2] for r in own) > 0
 
 
+def test_a_limit_without_an_order_takes_rows_of_the_cluster(agents: list[str]) -> None:
+    result = query_agents(agents, "SELECT host, seq FROM nccl_events LIMIT 10")
+    assert len(result.rows) == 10 and not result.partial
+    everything = query_agents(agents, "SELECT host, seq FROM nccl_events")
+    assert {tuple(r) for r in result.rows} <= {tuple(r) for r in everything.rows}
+
+
 def test_a_dead_agent_gives_a_partial_result_naming_it(
     agents: list[str], recordings: list[Recording]
 ) -> None:

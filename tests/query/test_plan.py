@@ -49,6 +49,10 @@ def test_top_rows_and_distinct_are_pushed() -> None:
     assert "ORDER BY (duration_ns / 1e6) DESC" in fetch and fetch.endswith("LIMIT 8")
     distinct = plan("SELECT DISTINCT rank FROM nccl_events")
     assert fetch_of(distinct, "nccl_events").startswith("SELECT DISTINCT host, rank")
+    # a limit without an order: any rows do, so no agent sends more
+    assert fetch_of(plan("SELECT * FROM tcp_events LIMIT 10 OFFSET 2"), "tcp_events").endswith(
+        "LIMIT 12"
+    )
     # DISTINCT then LIMIT: the top rows of each part are not the top distinct ones
     both = plan("SELECT DISTINCT rank FROM nccl_events ORDER BY rank LIMIT 2")
     assert "LIMIT" not in fetch_of(both, "nccl_events")

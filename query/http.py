@@ -480,6 +480,16 @@ _PLAIN_REFUSAL = encode_json(
 )
 
 
+def _drain(sock: socket.socket, limit: int = 64 * 1024) -> None:
+    """Read what the client sent (unread bytes at close make the kernel reset
+    the connection, and the client would see that instead of the answer)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(0.5)
+        while limit > 0 and (chunk := sock.recv(min(limit, 16384))):
+            limit -= len(chunk)
+
+
 class _Server(ThreadingHTTPServer):
     """Keeps its open connections (at most ``MAX_CONNECTIONS``), so that
     closing the server also ends the keep-alive connections its handler
@@ -535,6 +545,7 @@ class _Server(ThreadingHTTPServer):
                 head = "HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
                 head += f"Content-Length: {len(_PLAIN_REFUSAL)}\r\nConnection: close\r\n\r\n"
                 request.sendall(head.encode() + _PLAIN_REFUSAL)
+                _drain(request)
                 return None
             return tls.wrap_socket(request, server_side=True)
         except OSError as exc:  # ssl.SSLError and timeouts included

@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 import pytest
 from stallwatch.lab import netns, runner
+from stallwatch.lab.certs import LabCerts, make_certs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -408,6 +409,8 @@ def test_agent_command_line(tmp_path: Path) -> None:
     lab = runner.Lab(cfg, Path("/x/libnccl.so.2"), "abc", tmp_path)
     nodes = tuple(netns.Node(k, f"swlab-abc-n{k}", f"10.201.9.{k + 1}", f"n{k}") for k in range(3))
     lab.net = netns.Network("abc", "swlab-abc-sw", nodes)
+    tls = tmp_path / "tls"
+    lab.certs = LabCerts(tls, tls / "ca.pem", tls / "client.pem", tls / "client.key")
     argv = runner.agent_argv(lab, nodes[1], tmp_path / "token")
     assert argv[:6] == [sys.executable, "-m", "stallwatch", "record", "--scope", "netns"]
 
@@ -418,6 +421,9 @@ def test_agent_command_line(tmp_path: Path) -> None:
     assert opt("--stall-timeout") == "7.5"
     assert opt("--listen") == "10.201.9.2:9400"
     assert opt("--token-file") == str(tmp_path / "token")
+    # its own certificate, and the run's CA for its clients (mutual TLS) and its peers
+    assert (opt("--tls-cert"), opt("--tls-key")) == (str(tls / "node1.pem"), str(tls / "node1.key"))
+    assert opt("--tls-client-ca") == opt("--tls-ca") == str(tls / "ca.pem")
     assert opt("--peers") == "10.201.9.1:9400,10.201.9.3:9400"
     assert opt("--lib") == "/x/libnccl.so.2"
     assert opt("--host-name") == "node1"
@@ -478,3 +484,23 @@ def test_an_agent_that_dies_at_start_is_a_clear_error(
     assert last.startswith("stallwatch lab: error: the agent of node 0 exited with 1")
     assert last.endswith("no BPF for you")
     assert_nothing_left(run_id)
+
+
+def test_lab_certificates_serve_and_verify(tmp_path: Path) -> None:
+    """The run's certificates, made by openssl, are what the agents and the
+    lab's own requests use: a node's certificate names its address and
+    chains to the run's CA; the client's does too."""
+    import ssl
+
+    certs = make_certs(tmp_path / "tls", {0: "10.201.9.1", 1: "10.201.9.2"})
+    for index in (0, 1):
+        certs.server(index).context()  # loads: key matches certificate, CA parses
+    client = certs.client().context()
+    assert client.verify_mode == ssl.CERT_REQUIRED and client.check_hostname
+    assert not (tmp_path / "tls" / "ca.key").exists()  # nothing more can be signed
+    assert (tmp_path / "tls" / "node1.key").stat().st_mode & 0o077 == 0
+    text = subprocess.run(
+        ["openssl", "x509", "-in", str(tmp_path / "tls" / "node1.pem"), "-noout", "-text"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "IP Address:10.201.9.2" in text and "TLS Web Client Authentication" in text

@@ -11,6 +11,7 @@ import logging
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -313,3 +314,24 @@ def test_a_client_that_goes_away_is_one_line_not_a_traceback(
     assert deadline_lines, [r.getMessage() for r in caplog.records]
     assert all(r.exc_info is None and "\n" not in r.getMessage() for r in deadline_lines)
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_plain_post_with_a_body_gets_the_refusal_not_a_reset(
+    certs: Certs, servers: Callable[..., list[ServerHandle]]
+) -> None:
+    """The body comes after the server has answered: what the client sent is
+    read before the server closes, or the kernel would reset the connection
+    and the client would see a reset, not the answer."""
+    (handle,) = servers(certs.server(), count=1)
+    host, port = handle.address.rsplit(":", 1)
+    body = json.dumps({"sql": "SELECT 1", "pad": "x" * 30000}).encode()
+    head = f"POST /query HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+    head += f"Content-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head.encode())
+        time.sleep(0.2)  # the server has answered by now
+        sock.sendall(body)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400") and b"HTTPS only" in answer

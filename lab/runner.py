@@ -470,21 +470,33 @@ def start_agents(lab: Lab) -> None:
 
 
 def wait_healthy(lab: Lab, node: netns.Node, token: str) -> None:
+    """Ask the agent's /healthz once its log says it listens: a connection
+    refused before that would be recorded by its own, already attached
+    probes as a connection of the node (it learns its port a moment later)."""
     proc = lab.agents[node.index]
     url = f"https://{node.ip}:{AGENT_PORT}/healthz"
+    log = lab.cfg.dump_dir / f"node{node.index}.agent.log"
     context = _client_context(lab)
     deadline = time.monotonic() + AGENT_START_TIMEOUT
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            log = lab.cfg.dump_dir / f"node{node.index}.agent.log"
             raise LabError(
                 f"the agent of node {node.index} exited with {proc.returncode} "
                 f"before answering {url}: {_last_line(log)}"
             )
-        if netns.in_netns(node.netns, lambda: _healthz(url, token, context)):
+        if _says_listening(log) and netns.in_netns(
+            node.netns, lambda: _healthz(url, token, context)
+        ):
             return
         time.sleep(0.25)
     raise LabError(f"the agent of node {node.index} did not answer {url} in {AGENT_START_TIMEOUT}s")
+
+
+def _says_listening(log: Path) -> bool:
+    try:
+        return "listening on " in log.read_text(errors="replace")
+    except OSError:
+        return False
 
 
 def _client_context(lab: Lab) -> ssl.SSLContext:

@@ -45,14 +45,19 @@ T = TypeVar("T")
 NODES = 4
 LOSSY = 1
 SLOW = "AND duration_ns > 50000000)"
+RANK = "duration_ns, rank, nranks"
 
 
 def windowed(cutoff_ns: int | str) -> str:
     """The seed query over collectives that ended before the cut-off, every
-    row (no LIMIT: ties at the limit would make the comparison arbitrary)."""
-    assert SLOW in SEED_QUERY and "LIMIT 20" in SEED_QUERY
+    row (no LIMIT: ties at the limit would make the comparison arbitrary),
+    by world rank: the rank in a split communicator is derived over the
+    recordings queried together, which one agent cannot do alone (its rows
+    say NULL there), so that one column differs between live agents and
+    their dumps read together."""
+    assert SLOW in SEED_QUERY and "LIMIT 20" in SEED_QUERY and RANK in SEED_QUERY
     sql = SEED_QUERY.replace(SLOW, f"AND duration_ns > 50000000 AND end_ns <= {cutoff_ns})")
-    return sql.replace(" LIMIT 20", "")
+    return sql.replace(" LIMIT 20", "").replace(RANK, "duration_ns, world_rank AS rank, nranks")
 
 
 @pytest.fixture(scope="module")
@@ -263,3 +268,4 @@ def _post_query(agent: str, token: str, body: bytes, tls: ClientTls | None) -> t
 def test_windowed_query_keeps_the_seed_query() -> None:
     sql = windowed(123)
     assert "end_ns <= 123" in sql and "LIMIT" not in sql and "tcp_retransmit_skb" in sql
+    assert "world_rank AS rank" in sql

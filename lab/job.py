@@ -271,7 +271,12 @@ class Rank:
 
 
 def _comm_json(comm: Comm) -> dict[str, Any]:
-    return {"rank": comm.rank, "nranks": comm.nranks, "id_hash": f"0x{comm.id_hash:016x}"}
+    return {
+        "rank": comm.rank,
+        "nranks": comm.nranks,
+        "id_hash": f"0x{comm.id_hash:016x}",
+        "handle": f"0x{comm.handle:x}",
+    }
 
 
 def _cpu_s() -> float:

@@ -218,7 +218,9 @@ class Lab:
     certs: LabCerts | None = None  # the agents' TLS (made per run, mutual)
     torn_down: bool = False
 
-    def spawn(self, node: netns.Node, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    def spawn(
+        self, node: netns.Node, argv: list[str], log: Path, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         out = log.open("w")
         self.logs.append(out)
         return subprocess.Popen(
@@ -227,7 +229,7 @@ class Lab:
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=self.run_dir,
-            env=self.env(),
+            env={**self.env(), **(env or {})},
             start_new_session=True,  # Ctrl-C reaches the runner only; it tears down
         )
 
@@ -417,12 +419,25 @@ def rank_argv(lab: Lab, rank: int) -> list[str]:
     return argv
 
 
+def launcher_env(lab: Lab, rank: int) -> dict[str, str]:
+    """What torchrun sets in every rank's environment: who it is, in which job."""
+    topo = lab.cfg.topology
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(topo.local_rank(rank)),
+        "GROUP_RANK": str(topo.node_of(rank)),
+        "WORLD_SIZE": str(topo.world_size),
+        "LOCAL_WORLD_SIZE": str(topo.ranks_per_node),
+        "TORCHELASTIC_RUN_ID": lab.run_id,
+    }
+
+
 def start_ranks(lab: Lab) -> None:
     topo = lab.cfg.topology
     for rank in range(topo.world_size):
         node = lab.node(topo.node_of(rank))
         log = lab.run_dir / f"rank-{rank}.log"
-        lab.ranks[rank] = lab.spawn(node, rank_argv(lab, rank), log)
+        lab.ranks[rank] = lab.spawn(node, rank_argv(lab, rank), log, launcher_env(lab, rank))
     for fault in lab.cfg.faults:
         if not isinstance(fault, F.Loss | F.Rate | F.CpuHog):
             lab.applied.append({"spec": F.format_fault(fault), "how": "inside the rank"})

@@ -1,0 +1,386 @@
+"""Walks a thread's user stack from outside its process, with no frame pointers
+and no ptrace: from the stack pointer and instruction pointer the kernel saved
+when the thread entered the kernel (``/proc/PID/task/TID/syscall``), reading
+its memory through ``/proc/PID/mem`` while it keeps running or sleeping.
+
+Each frame is stepped with the call frame information of the module that holds
+its instruction (``recorder.cfi``): the caller's stack pointer (the CFA) is a
+known register plus an offset, the return address is saved at CFA-8, and the
+callee-saved registers that later frames may need (rbp, rbx, r12-r15) are read
+where the rule says they were saved.  Only rsp is known at the start.  A frame
+whose CFA is based on a register not known yet (rbp, in code built with frame
+pointers, when no inner frame saved it) is recovered by scanning up the stack
+for its return address: the first word that points just past a call to that
+very function (a direct call, a call through the PLT or a rip-relative
+pointer that resolves to the function's start); failing that, the first word
+just past an indirect call.  Such frames are marked ``scanned``.
+
+A frame in an address no module covers, or a module without call frame
+information, ends the walk (``how`` of the last frame says why).
+
+Known limits: x86-64 only; DWARF expressions in rules (PLT stubs, signal
+trampolines) end the walk; a scanned frame can be wrong when a stale return
+address from an earlier call to the same function lies below the real one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import struct
+from dataclasses import dataclass, field
+
+from .cfi import RA, RBP, RSP, CfiError, FrameTable, Rule
+from .elfimage import ElfError, ElfImage, Symbol, file_key
+
+CALLEE_SAVED = (3, RBP, 12, 13, 14, 15)  # rbx, rbp, r12-r15 (DWARF numbers)
+MAX_FRAMES = 64
+SCAN_BYTES = 64 * 1024  # how far up the stack a frame's return address is looked for
+PAGE = 4096
+READ_PAGES = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Mapping:
+    start: int
+    end: int
+    perms: str
+    offset: int
+    inode: int
+    path: str
+
+
+class ProcessMaps:
+    """``/proc/PID/maps``, sorted, for address lookups."""
+
+    def __init__(self, text: str) -> None:
+        maps = []
+        for line in text.splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) < 5:
+                continue
+            lo, _, hi = fields[0].partition("-")
+            path = fields[5].strip() if len(fields) == 6 else ""
+            maps.append(
+                Mapping(int(lo, 16), int(hi, 16), fields[1], int(fields[2], 16),
+                        int(fields[4]), path)
+            )  # fmt: skip
+        maps.sort(key=lambda m: m.start)
+        self.maps = maps
+        self._starts = [m.start for m in maps]
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessMaps | None:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                return cls(f.read())
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    def find(self, addr: int) -> Mapping | None:
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i >= 0 and addr < self.maps[i].end:
+            return self.maps[i]
+        return None
+
+
+class ProcessMemory:
+    """Reads of another process's memory, a few pages at a time, cached for
+    the duration of one snapshot (the thread is asleep; a page read twice
+    would not be worth the syscall)."""
+
+    def __init__(self, pid: int) -> None:
+        self.fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+        self.pages: dict[int, bytes] = {}
+        self.reads = 0
+
+    def read(self, addr: int, n: int) -> bytes | None:
+        out = b""
+        while len(out) < n:
+            page = (addr + len(out)) & ~(PAGE - 1)
+            data = self.pages.get(page)
+            if data is None:
+                data = self._fetch(page)
+                if data is None:
+                    return None
+            lo = addr + len(out) - page
+            out += data[lo : lo + n - len(out)]
+        return out
+
+    def _fetch(self, page: int) -> bytes | None:
+        self.reads += 1
+        try:
+            data = os.pread(self.fd, READ_PAGES * PAGE, page)
+        except OSError:
+            try:
+                data = os.pread(self.fd, PAGE, page)
+            except OSError:
+                return None
+        if len(data) < PAGE:
+            return None
+        for i in range(len(data) // PAGE):
+            self.pages[page + i * PAGE] = data[i * PAGE : (i + 1) * PAGE]
+        return self.pages[page]
+
+    def u64(self, addr: int) -> int | None:
+        data = self.read(addr, 8)
+        return None if data is None else int.from_bytes(data, "little")
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+@dataclass(slots=True)
+class Module:
+    image: ElfImage
+    frames: FrameTable | None
+    cfi_error: str = ""
+
+
+@dataclass(slots=True)
+class ModuleCache:
+    """Parsed ELF files by (device, inode, mtime): shared across processes and
+    snapshots, so the Python binary and libc are read once per agent."""
+
+    modules: dict[tuple[int, int, int], Module | None] = field(default_factory=dict)
+
+    def get(self, path: str) -> Module | None:
+        key = file_key(path)
+        if key is None:
+            return None
+        if key not in self.modules:
+            self.modules[key] = self._open(path)
+        return self.modules[key]
+
+    @staticmethod
+    def _open(path: str) -> Module | None:
+        try:
+            image = ElfImage(path)
+        except ElfError:
+            return None
+        try:
+            return Module(image, FrameTable(image))
+        except (CfiError, ValueError, IndexError, struct.error) as exc:
+            return Module(image, None, str(exc))
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    pc: int  # run-time address (a return address, except in the first frame)
+    sp: int  # the frame's stack pointer
+    cfa: int  # its caller's stack pointer; 0 if not known
+    path: str  # module file as the process maps it; "" if none
+    vaddr: int  # pc as the module's virtual address
+    symbol: Symbol | None
+    how: str  # "first", "cfi", "scanned"; the last frame may say why the walk ended
+
+    def label(self) -> str:
+        mod = os.path.basename(self.path) if self.path else "?"
+        if self.symbol is None:
+            return f"{mod}+{self.vaddr:#x}" if self.path else f"{self.pc:#x}"
+        return f"{mod}!{self.symbol.name}+{self.vaddr - self.symbol.start:#x}"
+
+
+@dataclass(slots=True)
+class _Place:
+    mapping: Mapping
+    module: Module
+    vaddr: int
+    bias: int  # run-time address minus the module's virtual address
+
+
+class Unwinder:
+    """Stack walks in one process."""
+
+    def __init__(self, pid: int, maps: ProcessMaps, mem: ProcessMemory, cache: ModuleCache) -> None:
+        self.pid, self.maps, self.mem, self.cache = pid, maps, mem, cache
+        self._modules: dict[str, Module | None] = {}
+
+    def module(self, path: str) -> Module | None:
+        if path not in self._modules:
+            self._modules[path] = self.cache.get(_reachable(self.pid, path))
+        return self._modules[path]
+
+    def place(self, addr: int) -> _Place | None:
+        m = self.maps.find(addr)
+        if m is None or "x" not in m.perms or not m.path.startswith("/"):
+            return None
+        mod = self.module(m.path)
+        if mod is None:
+            return None
+        vaddr = mod.image.vaddr_of_offset(addr - m.start + m.offset)
+        if vaddr is None:
+            return None
+        return _Place(m, mod, vaddr, addr - vaddr)
+
+    def walk(self, pc: int, sp: int, max_frames: int = MAX_FRAMES) -> list[Frame]:
+        regs: dict[int, int] = {RSP: sp}
+        frames: list[Frame] = []
+        how = "first"
+        while len(frames) < max_frames:
+            place = self.place(pc)
+            sym = place.module.image.symbol(place.vaddr) if place else None
+            path, vaddr = (place.mapping.path, place.vaddr) if place else ("", 0)
+            step = self._step(place, pc, regs, first=not frames) if place else None
+            cfa = step[0] if isinstance(step, tuple) else 0
+            frames.append(Frame(pc, regs[RSP], cfa, path, vaddr, sym, how))
+            if not isinstance(step, tuple):
+                if step is not None and step != "end":
+                    frames[-1] = _ended(frames[-1], step)
+                break
+            cfa, ra, regs, how = step
+            pc = ra
+        return frames
+
+    def _step(
+        self, place: _Place, pc: int, regs: dict[int, int], first: bool
+    ) -> tuple[int, int, dict[int, int], str] | str:
+        """(cfa, return address, caller's registers, how) or why the walk ends."""
+        table = place.module.frames
+        if table is None:
+            return f"no call frame information ({place.module.cfi_error})"
+        # A return address points past its call: look up the call itself.
+        rule = table.rule(place.vaddr if first else place.vaddr - 1)
+        if rule is None:
+            return "no call frame information for this address"
+        if rule.cfa_reg < 0:
+            return "call frame rule is an expression"
+        how = "cfi"
+        base = regs.get(rule.cfa_reg)
+        if base is not None:
+            cfa = base + rule.cfa_offset
+        else:
+            found = self._scan(regs[RSP], rule.fn_start + place.bias)
+            if found is None:
+                return "return address not found by scanning"
+            cfa, how = found, "scanned"
+        return self._caller(rule, cfa, regs, how)
+
+    def _caller(
+        self, rule: Rule, cfa: int, regs: dict[int, int], how: str
+    ) -> tuple[int, int, dict[int, int], str] | str:
+        ra_rule = rule.regs.get(RA)
+        if ra_rule is not None and ra_rule.kind == "undefined":
+            return "end"
+        if cfa <= regs[RSP] or cfa & 7:
+            return "stack pointer does not grow towards the caller"
+        off = ra_rule.value if ra_rule is not None and ra_rule.kind == "offset" else -8
+        ra = self.mem.u64(cfa + off)
+        if not ra:
+            return "end" if ra == 0 else "stack not readable"
+        caller: dict[int, int] = {RSP: cfa}
+        for reg in CALLEE_SAVED:
+            value = self._register(rule, reg, cfa, regs)
+            if value is not None:
+                caller[reg] = value
+        return cfa, ra, caller, how
+
+    def _register(self, rule: Rule, reg: int, cfa: int, regs: dict[int, int]) -> int | None:
+        r = rule.regs.get(reg)
+        if r is None or r.kind == "same":
+            return regs.get(reg)
+        if r.kind == "offset":
+            return self.mem.u64(cfa + r.value)
+        if r.kind == "val_offset":
+            return cfa + r.value
+        if r.kind == "register":
+            return regs.get(r.value)
+        return None
+
+    # -- recovery by scanning ------------------------------------------------
+
+    def _scan(self, sp: int, fn_start: int) -> int | None:
+        """The CFA of the frame of the function at ``fn_start``, whose sp is
+        ``sp``: one past the first stack word that returns from a call to it
+        (failing that, from an indirect call)."""
+        stack = self.maps.find(sp)
+        end = min(sp + SCAN_BYTES, stack.end if stack else sp)
+        weak: int | None = None
+        for slot in range(sp, end - 7, 8):
+            word = self.mem.u64(slot)
+            if word is None:
+                break
+            kind = self.call_before(word, fn_start)
+            if kind == "direct":
+                return slot + 8
+            if kind == "indirect" and weak is None:
+                weak = slot + 8
+        return weak
+
+    def call_before(self, ra: int, target: int) -> str:
+        """ "direct" if the instruction before ``ra`` calls ``target`` (directly,
+        through a PLT stub or a pointer in memory); "indirect" for a call
+        through a register or memory this cannot resolve; "" otherwise."""
+        place = self.place(ra)
+        if place is None:
+            return ""
+        code = place.module.image.code(place.vaddr - 7, 7)
+        if len(code) != 7:
+            return ""
+        if code[2] == 0xE8:  # call rel32
+            dest = ra + int.from_bytes(code[3:], "little", signed=True)
+            if dest == target or self._plt_target(dest) == target:
+                return "direct"
+            return ""
+        if code[1:3] == b"\xff\x15":  # call *rel32(%rip)
+            ptr = self.mem.u64(ra + int.from_bytes(code[3:], "little", signed=True))
+            return "direct" if ptr == target else ""
+        return "indirect" if _indirect_call(code) else ""
+
+    def _plt_target(self, stub: int) -> int | None:
+        """Where a PLT stub jumps: ``jmp *rel32(%rip)``, maybe after endbr64/bnd."""
+        place = self.place(stub)
+        if place is None or not place.module.image.in_plt(place.vaddr):
+            return None
+        code = place.module.image.code(place.vaddr, 16)
+        for at in (0, 4):
+            for prefix in (b"\xff\x25", b"\xf2\xff\x25"):
+                if code[at : at + len(prefix)] == prefix:
+                    rel_at = at + len(prefix)
+                    rel = int.from_bytes(code[rel_at : rel_at + 4], "little", signed=True)
+                    return self.mem.u64(stub + rel_at + 4 + rel)
+        return None
+
+
+def _indirect_call(code: bytes) -> bool:
+    """Whether the 7 bytes before a return address end with ``call *...``
+    through a register or memory (ModRM reg field 2)."""
+    for length in (2, 3, 4, 6, 7):
+        op = code[7 - length :]
+        start = 1 if op[0] in range(0x40, 0x50) else 0  # REX prefix
+        if len(op) - start < 2 or op[start] != 0xFF:
+            continue
+        modrm = op[start + 1]
+        if (modrm >> 3) & 7 != 2:
+            continue
+        if _modrm_length(modrm, op[start + 2 : start + 3]) == len(op) - start - 1:
+            return True
+    return False
+
+
+def _modrm_length(modrm: int, sib: bytes) -> int:
+    """Bytes taken by a ModRM byte and what follows it (SIB, displacement)."""
+    mod, rm = modrm >> 6, modrm & 7
+    if mod == 3:
+        return 1
+    n = 1
+    if rm == 4:
+        n += 1
+        if mod == 0 and sib and sib[0] & 7 == 5:
+            return n + 4
+    if mod == 0 and rm == 5:
+        return n + 4
+    return n + {0: 0, 1: 1, 2: 4}[mod]
+
+
+def _ended(frame: Frame, why: str) -> Frame:
+    return Frame(frame.pc, frame.sp, frame.cfa, frame.path, frame.vaddr, frame.symbol,
+                 f"{frame.how}; walk ended: {why}")  # fmt: skip
+
+
+def _reachable(pid: int, path: str) -> str:
+    if path.endswith(" (deleted)"):
+        path = path[: -len(" (deleted)")]
+    if os.path.exists(path):
+        return path
+    return f"/proc/{pid}/root{path}"

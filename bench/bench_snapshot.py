@@ -1,0 +1,216 @@
+"""Thread positions (``stallwatch snapshot``): what a snapshot of a node costs,
+and that it pauses no rank.
+
+- Time of one snapshot of a node with 8 ranks: a 1-node, 8-rank lab job that
+  hung (rank 3 blocked before a collective, the other seven inside NCCL
+  collectives); every thread of every process that maps libnccl is read and
+  its stack walked.  Cold is a fresh reader, as ``stallwatch snapshot`` runs:
+  every module's symbols and call frame tables parsed; warm is an agent's
+  reader with them cached.  Medians over repeats.
+- Pauses: 8 processes that map libnccl, pinned to one CPU, each sleep 1 ms
+  at a time and measure how late they wake; the reader runs on the other CPU,
+  so that its own CPU time is not mistaken for a pause.  Windows of 0.5 s
+  rotate between: snapshots back to back; the same snapshots with each
+  process stopped (SIGSTOP) while it is read, as a ptrace-based stack dumper
+  does (the control: the measure must see that); the reader spinning instead;
+  idle.  The figure is the median over windows of the 99th percentile of
+  every wake-up's lateness, snapshots against spinning, in the same run.
+
+``python -m bench.bench_snapshot [--quick]`` prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from bench.common import Figure, render
+from lab import build
+from lab.job import LIB_ENV, read_report
+from recorder.threads import Reader
+
+ROOT = Path(__file__).resolve().parent.parent
+RANKS = 8
+HUNG = 3
+SNAPSHOT_TARGET_S = 0.1
+WINDOW_S = 0.5
+
+SLEEPER = """
+import ctypes, json, os, sys, time
+ctypes.CDLL(sys.argv[1])  # maps libnccl: the snapshot reads this process
+t0, windows, n = float(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+if sys.argv[5] != "-":
+    os.sched_setaffinity(0, {int(sys.argv[5])})
+late = [[] for _ in range(windows)]
+while True:
+    before = time.monotonic()
+    w = int((before - t0) / n)
+    if w >= windows:
+        break
+    time.sleep(0.001)
+    if w >= 0:
+        late[w].append(round((time.monotonic() - before - 0.001) * 1000, 3))
+print(json.dumps(late))
+"""
+
+
+@contextmanager
+def hung_job(lib: Path, run_dir: Path) -> Iterator[list[int]]:
+    """A 1x8 lab job with rank HUNG hung and the others inside collectives."""
+    env = {**os.environ, LIB_ENV: str(lib), "PYTHONPATH": str(ROOT)}
+    procs = []
+    for rank in range(RANKS):
+        argv = [sys.executable, "-m", "lab.job", "--rank", str(rank), "--nodes", "1"]
+        argv += ["--ranks-per-node", str(RANKS), "--steps", "50", "--run-dir", str(run_dir)]
+        argv += ["--elements", "4096", "--fault", f"hang:rank={HUNG},step=2"]
+        out = subprocess.DEVNULL  # the ranks' complaints when the job is torn down
+        procs.append(subprocess.Popen(argv, env=env, cwd=ROOT, stdout=out, stderr=out))
+    try:
+        pids = [p.pid for p in procs]
+        _wait_hung(run_dir, pids)
+        yield pids
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _wait_hung(run_dir: Path, pids: list[int]) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        report = read_report(run_dir, HUNG)
+        snap = Reader().snapshot(pids)
+        waiting = sum(1 for p in snap.processes if p.nccl_threads())
+        if report is not None and report.status == "hung" and waiting == RANKS - 1:
+            return
+        time.sleep(0.2)
+    raise RuntimeError("the bench's lab job did not hang as asked")
+
+
+def snapshot_times(pids: list[int], repeats: int) -> tuple[float, float]:
+    """Median seconds of a snapshot of every NCCL process: (cold, warm)."""
+    cold, warm = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        reader = Reader()
+        snap = reader.snapshot()  # finds the NCCL processes itself, as the command does
+        cold.append(time.perf_counter() - t0)
+        assert {p.pid for p in snap.processes} >= set(pids)
+        t0 = time.perf_counter()
+        reader.snapshot(pids)
+        warm.append(time.perf_counter() - t0)
+    return statistics.median(cold), statistics.median(warm)
+
+
+PHASES = ("snapshots", "stopped while read", "spinning", "idle")
+
+
+def lateness(lib: Path, rounds: int) -> tuple[dict[str, float], int]:
+    """Per phase, the median over its windows of the 99th percentile of the
+    8 sleepers' wake-up lateness (ms); and the snapshots taken."""
+    windows = len(PHASES) * rounds
+    t0 = time.monotonic() + 2.0  # the sleepers start before the first window
+    code = textwrap.dedent(SLEEPER)
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = len(cpus) >= 2
+    args = [str(lib), f"{t0:.6f}", str(windows), str(WINDOW_S), str(cpus[0]) if pinned else "-"]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True)
+        for _ in range(RANKS)
+    ]
+    pids = [p.pid for p in procs]
+    reader = Reader()
+    taken = 0
+    if pinned:
+        os.sched_setaffinity(0, {cpus[1]})
+    try:
+        taken = _rotate(reader, pids, t0, windows)
+    finally:
+        os.sched_setaffinity(0, cpus)
+    late = [json.loads(p.communicate()[0]) for p in procs]
+    p99 = [_p99([x for rank in late for x in rank[w]]) for w in range(windows)]
+    k = len(PHASES)
+    return {name: statistics.median(p99[i::k]) for i, name in enumerate(PHASES)}, taken
+
+
+def _p99(values: list[float]) -> float:
+    values.sort()
+    return values[int(len(values) * 0.99)] if values else 0.0
+
+
+def _rotate(reader: Reader, pids: list[int], t0: float, windows: int) -> int:
+    taken = 0
+    while (now := time.monotonic()) < t0 + windows * WINDOW_S:
+        phase = PHASES[int((now - t0) / WINDOW_S) % len(PHASES)] if now >= t0 else "idle"
+        if phase == "snapshots":
+            reader.snapshot(pids)
+            taken += 1
+        elif phase == "stopped while read":
+            for pid in pids:
+                _read_stopped(reader, pid)
+        elif phase == "spinning":
+            _spin(0.01)
+        else:
+            time.sleep(0.01)
+    return taken
+
+
+def _read_stopped(reader: Reader, pid: int) -> None:
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        reader.process(pid)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def figures(quick: bool) -> list[Figure]:
+    lib = build.ensure_built()
+    with (
+        tempfile.TemporaryDirectory(prefix="sw-bench-snap-") as tmp,
+        hung_job(lib, Path(tmp)) as pids,
+    ):
+        cold, warm = snapshot_times(pids, 3 if quick else 9)
+    p99, taken = lateness(lib, 3 if quick else 10)
+    snap, spin = p99["snapshots"], p99["spinning"]
+    anchor = ", ".join(f"{name} {v:.2f} ms" for name, v in p99.items() if name != "snapshots")
+    anchor += f" ({taken} snapshots)"
+    return [
+        Figure(
+            "snapshot of 8 ranks (cold)", cold * 1000, "ms", "< 100 ms",
+            cold < SNAPSHOT_TARGET_S, "fresh reader: modules parsed, /proc scanned",
+        ),
+        Figure("snapshot of 8 ranks (warm)", warm * 1000, "ms", "", None, f"cold {cold:.3f} s"),
+        Figure(
+            "rank wake-up lateness p99, snapshots running", snap, "ms", "<= spinning + 0.5 ms",
+            snap <= spin + 0.5, anchor,
+        ),
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_snapshot", description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    figs = figures(parser.parse_args(argv).quick)
+    print(render(figs))
+    return 0 if all(f.ok is not False for f in figs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""The snapshot benchmark runs, with tiny sizes, and its figures are sane.
+The targets are judged by ``python -m bench`` on a quiet machine, not here."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import bench_snapshot
+from bench.common import render
+
+pytestmark = [pytest.mark.lab, pytest.mark.slow]
+
+
+def test_bench_snapshot_quick_figures() -> None:
+    figures = {f.name: f for f in bench_snapshot.figures(quick=True)}
+    table = render(list(figures.values()))
+    cold = figures["snapshot of 8 ranks (cold)"].value
+    warm = figures["snapshot of 8 ranks (warm)"].value
+    assert 0 < warm and 0 < cold < 1000, table  # ms
+    assert figures["rank wake-up lateness p99, snapshots running"].value >= 0, table

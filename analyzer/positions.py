@@ -1,0 +1,375 @@
+"""Judging a hang from thread positions: where every rank's threads were,
+read from outside while the job was stuck (``stallwatch snapshot``, an agent's
+start-up, every dump), with or without a recording of the calls before.
+
+Per rank (a process, named by its launcher's ``RANK`` or by the recording):
+the NCCL API calls its threads are inside, with their arguments, in the last
+reading of its node; and whether that position held across the node's
+readings (``stallwatch snapshot`` reads each node several times; an agent
+reads at start-up and again at every dump).  Then, per job:
+
+- missing rank: some ranks wait inside NCCL collectives (or send/receive)
+  and others are inside no NCCL call at all: the latter are the culprits.
+  When the recording knows which communicator each waiting rank is in and
+  who its members are, only ranks of those communicators are named.
+- desync: every rank is inside an NCCL call, but not the same one: on one
+  communicator (when the recording names communicators) or, without that,
+  by the call and its arguments (op, count, datatype, reduction, root).  The
+  ranks outside the largest group are the culprits; a tie names nobody.
+
+Nothing is judged when a reading shows the waiting ranks moving on (their
+position changed between readings: the job progresses), when every rank
+waits in the same call (no rank departs: the collective itself does not
+finish), or when no rank is inside an NCCL call.
+
+Known limits: a rank whose node left no reading cannot be judged, and is
+listed as such; the blocked call of an asynchronous NCCL (real GPUs, the
+lab's async mode) has returned to the host long before, so host threads show
+the synchronisation they wait in, not the collective: positions alone judge
+blocking calls only.  Communicator pointers mean something only inside their
+process: without a recording, ranks are grouped by the call's arguments.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from dumpers.model import CommInfo
+from dumpers.schema import Op, RedOp, datatype_name
+from dumpers.threads import NcclCall, ProcessThreads, ThreadSnapshot, ThreadState
+
+from .verdict import Verdict, VerdictKind
+
+MAX_FRAMES_SHOWN = 4
+MAX_LISTED = 16
+
+
+@dataclass(frozen=True, slots=True)
+class HostReadings:
+    """One node's thread readings (oldest first) and what its recording knows
+    about communicators (empty without a recording)."""
+
+    host: str
+    snapshots: tuple[ThreadSnapshot, ...]
+    communicators: tuple[CommInfo, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CommRef:
+    """A waiting call's communicator, as the recording knows it."""
+
+    comm_hash: int
+    rank: int  # in the communicator, -1 if unknown
+    nranks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    thread: ThreadState
+    call: NcclCall
+    comm: CommRef | None  # None without a recording that knows the pointer
+
+
+@dataclass(frozen=True, slots=True)
+class RankPosition:
+    host: str
+    pid: int
+    world_rank: int  # -1 if unknown
+    world_size: int | None
+    job: str  # the launcher's job id, "" if none
+    waiting: tuple[Waiting, ...]  # threads inside NCCL calls, in the last reading
+    main: ThreadState | None  # the thread that stands for the process
+    readings: int  # how many readings of its node hold it
+    held_ns: int  # how long its position stayed the same, up to the last reading
+    error: str = ""
+    member_of: frozenset[int] = frozenset()  # communicators it holds, per the recording
+
+    @property
+    def inside(self) -> bool:
+        return bool(self.waiting)
+
+    def label(self) -> str:
+        rank = f"rank {self.world_rank}" if self.world_rank >= 0 else "rank ?"
+        return f"{rank} (host {self.host}, pid {self.pid})"
+
+
+# -- positions ----------------------------------------------------------------
+
+
+def rank_positions(
+    readings: Sequence[HostReadings], known_ranks: Mapping[tuple[str, int], int] | None = None
+) -> list[RankPosition]:
+    """One position per (host, pid) seen in the last reading of its host."""
+    out = []
+    for hr in sorted(readings, key=lambda h: h.host):
+        snaps = sorted(hr.snapshots, key=lambda s: s.taken_ns)
+        if not snaps:
+            continue
+        comms = {(c.pid, c.comm): c for c in hr.communicators if not c.destroy_ns}
+        for proc in snaps[-1].processes:
+            history = [p for s in snaps for p in s.processes if p.pid == proc.pid]
+            pos = _position(hr.host, proc, history, comms, known_ranks or {})
+            held = frozenset(c.comm_hash for (pid, _), c in comms.items() if pid == proc.pid)
+            out.append(replace(pos, member_of=held))
+    return out
+
+
+def _position(
+    host: str,
+    proc: ProcessThreads,
+    history: list[ProcessThreads],
+    comms: Mapping[tuple[int, int], CommInfo],
+    known_ranks: Mapping[tuple[str, int], int],
+) -> RankPosition:
+    rank = proc.world_rank
+    if rank is None:
+        rank = known_ranks.get((host, proc.pid), -1)
+    waiting = tuple(
+        Waiting(t, t.nccl, _comm_ref(comms.get((proc.pid, t.nccl.comm))))
+        for t in proc.threads
+        if t.nccl is not None and (t.nccl.op.is_collective or t.nccl.op.is_p2p)
+    )
+    main = (
+        waiting[0].thread if waiting else next((t for t in proc.threads if t.tid == proc.pid), None)
+    )
+    held = _held_ns(history)
+    return RankPosition(
+        host, proc.pid, rank, proc.world_size, _job(proc), waiting, main, len(history), held,
+        proc.error,
+    )  # fmt: skip
+
+
+def _comm_ref(c: CommInfo | None) -> CommRef | None:
+    return None if c is None else CommRef(c.comm_hash, c.rank, c.nranks)
+
+
+def _job(proc: ProcessThreads) -> str:
+    env = dict(proc.env)
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        if env.get(name):
+            return f"{name}={env[name]}"
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    return ""
+
+
+def _signature(p: ProcessThreads) -> tuple[object, ...]:
+    """What must not change for a position to have held: every thread's NCCL
+    call with its arguments, and the stack and system call of the others."""
+    out: list[object] = []
+    for t in sorted(p.threads, key=lambda t: t.tid):
+        out.append((t.tid, t.nccl, t.frames if t.nccl is None else (), t.syscall))
+    return tuple(out)
+
+
+def _held_ns(history: list[ProcessThreads]) -> int:
+    """Time from the first reading of the run of identical readings that ends
+    with the last one, to the last one."""
+    last = history[-1]
+    first = last
+    for p in reversed(history[:-1]):
+        if _signature(p) != _signature(last):
+            break
+        first = p
+    return last.taken_ns - first.taken_ns
+
+
+# -- text ---------------------------------------------------------------------
+
+
+def call_text(call: NcclCall) -> str:
+    if call.count < 0:
+        return f"{call.symbol}(arguments not read)"
+    parts = [f"count={call.count}", datatype_name(call.datatype)]
+    if call.op in (Op.ALL_REDUCE, Op.REDUCE, Op.REDUCE_SCATTER):
+        parts.append(_redop(call.redop))
+    if call.op in (Op.BROADCAST, Op.REDUCE, Op.GATHER, Op.SCATTER):
+        parts.append(f"root={call.root}")
+    if call.op.is_p2p:
+        parts.append(f"peer={call.root}")
+    parts.append(f"comm=0x{call.comm:x}")
+    return f"{call.symbol}({', '.join(parts)})"
+
+
+def _redop(value: int) -> str:
+    try:
+        return RedOp(value).name.lower()
+    except ValueError:
+        return f"redop_{value}"
+
+
+def _thread_text(t: ThreadState) -> str:
+    where = t.syscall_name or ("running" if t.state == "R" else "user code")
+    wchan = f" ({t.wchan})" if t.wchan else ""
+    frames = " <- ".join(t.frames[:MAX_FRAMES_SHOWN]) or "stack not read"
+    return f"thread {t.tid} '{t.name}' state {t.state}, in {where}{wchan}, at {frames}"
+
+
+def _held_text(p: RankPosition) -> str:
+    if p.readings < 2:
+        return "one reading"
+    if p.held_ns <= 0:
+        return f"changed between the last readings ({p.readings} readings)"
+    return f"unchanged for {p.held_ns / 1e9:.1f} s over {p.readings} readings"
+
+
+def position_text(p: RankPosition) -> str:
+    if p.error:
+        return f"{p.label()}: not read ({p.error})"
+    if p.waiting:
+        calls = "; ".join(
+            f"{call_text(w.call)}{_comm_text(w.comm)} [{_thread_text(w.thread)}]" for w in p.waiting
+        )
+        return f"{p.label()}: inside {calls}; {_held_text(p)}"
+    main = _thread_text(p.main) if p.main is not None else "no thread read"
+    return f"{p.label()}: inside no NCCL call; {main}; {_held_text(p)}"
+
+
+def _comm_text(c: CommRef | None) -> str:
+    if c is None:
+        return ""
+    rank = f" as rank {c.rank} of {c.nranks}" if c.rank >= 0 else ""
+    return f" on communicator 0x{c.comm_hash:016x}{rank}"
+
+
+# -- judging ----------------------------------------------------------------
+
+
+def judge(positions: Sequence[RankPosition]) -> list[Verdict]:
+    by_job: dict[str, list[RankPosition]] = defaultdict(list)
+    for p in positions:
+        by_job[p.job].append(p)
+    verdicts = []
+    for job in sorted(by_job):
+        verdicts += judge_job(by_job[job])
+    return verdicts
+
+
+def judge_job(ps: Sequence[RankPosition]) -> list[Verdict]:
+    ps = sorted(ps, key=lambda p: (p.world_rank < 0, p.world_rank, p.host, p.pid))
+    read = [p for p in ps if not p.error]
+    waiting = [p for p in read if p.inside]
+    if not waiting or any(p.readings >= 2 and p.held_ns <= 0 for p in waiting):
+        return []  # nobody waits, or the waiting ranks move on: no hang to judge
+    outside = [p for p in read if not p.inside]
+    if outside:
+        return [_missing(ps, waiting, _culprits(waiting, outside))]
+    return _desync(ps, waiting)
+
+
+def _culprits(waiting: list[RankPosition], outside: list[RankPosition]) -> list[RankPosition]:
+    """Of the ranks inside no NCCL call, those the waiting ranks wait for: the
+    members of their communicators where the recording knows who they are,
+    else all of them."""
+    comms = {w.comm.comm_hash for p in waiting for w in p.waiting if w.comm is not None}
+    members = [p for p in outside if p.member_of & comms]
+    return members or outside
+
+
+def _missing(
+    ps: Sequence[RankPosition], waiting: list[RankPosition], culprits: list[RankPosition]
+) -> Verdict:
+    calls = Counter(w.call.symbol for p in waiting for w in p.waiting)
+    ops = Counter(p.waiting[0].call.op for p in waiting)
+    op = ops.most_common(1)[0][0]
+    names = ", ".join(p.label() for p in culprits[:MAX_LISTED])
+    waits = ", ".join(f"{sym} x{n}" for sym, n in calls.most_common())
+    summary = (
+        f"{_ranks_text(culprits)} inside no NCCL call while {len(waiting)} rank(s) wait inside "
+        f"NCCL calls ({waits}); by thread positions{_held_summary(waiting)}"
+    )
+    return _verdict(VerdictKind.MISSING_RANK, culprits, ps, op, _comm_of(waiting), summary, names)
+
+
+def _desync(ps: Sequence[RankPosition], waiting: list[RankPosition]) -> list[Verdict]:
+    groups: dict[tuple[object, ...], list[RankPosition]] = defaultdict(list)
+    for p in waiting:
+        groups[_call_key(p)].append(p)
+    if len(groups) < 2:
+        return []  # all in the same call: no rank departs
+    sizes = sorted((len(g) for g in groups.values()), reverse=True)
+    if sizes[0] == sizes[1]:
+        return []  # no majority to depart from
+    majority = max(groups.values(), key=len)
+    culprits = [p for p in waiting if p not in majority]
+    want = call_text(majority[0].waiting[0].call)
+    summary = (
+        f"{_ranks_text(culprits)} wait inside a different NCCL call than the "
+        f"{len(majority)} rank(s) inside {want.split('(')[0]}: "
+        f"the ranks do not call collectives in the same order; by thread positions"
+        f"{_held_summary(waiting)}"
+    )
+    op = majority[0].waiting[0].call.op
+    names = ", ".join(p.label() for p in culprits[:MAX_LISTED])
+    return [_verdict(VerdictKind.DESYNC, culprits, ps, op, _comm_of(majority), summary, names)]
+
+
+def _call_key(p: RankPosition) -> tuple[object, ...]:
+    """The first waiting call: its communicator where the recording names it,
+    else its op and arguments."""
+    w = p.waiting[0]
+    c = w.call
+    return (w.comm.comm_hash if w.comm is not None else None, c.op, c.count, c.datatype,
+            c.redop, c.root if c.op.is_collective else None)  # fmt: skip
+
+
+def _comm_of(ps: list[RankPosition]) -> str | None:
+    hashes = Counter(w.comm.comm_hash for p in ps for w in p.waiting if w.comm is not None)
+    if not hashes:
+        return None
+    return f"0x{hashes.most_common(1)[0][0]:016x}"
+
+
+def _ranks_text(ps: list[RankPosition]) -> str:
+    ranks = [str(p.world_rank) for p in ps if p.world_rank >= 0]
+    if len(ranks) == len(ps):
+        return (
+            ("rank " if len(ps) == 1 else "ranks ")
+            + ", ".join(ranks[:MAX_LISTED])
+            + (" is" if len(ps) == 1 else " are")
+        )
+    return ", ".join(p.label() for p in ps[:MAX_LISTED]) + (" is" if len(ps) == 1 else " are")
+
+
+def _held_summary(waiting: list[RankPosition]) -> str:
+    held = [p.held_ns for p in waiting if p.readings >= 2]
+    if not held:
+        return " (one reading)"
+    return f" held at least {min(held) / 1e9:.1f} s"
+
+
+def _verdict(
+    kind: VerdictKind,
+    culprits: list[RankPosition],
+    ps: Sequence[RankPosition],
+    op: Op,
+    comm: str | None,
+    summary: str,
+    names: str,
+) -> Verdict:
+    evidence = [f"culprit(s): {names}"]
+    evidence += [position_text(p) for p in ps]
+    missing = _unread_ranks(ps)
+    if missing:
+        evidence.append(f"ranks with no reading (their node left no snapshot): {missing}")
+    return Verdict(
+        kind,
+        tuple(p.world_rank for p in culprits),
+        tuple(dict.fromkeys(p.host for p in culprits)),
+        tuple(p.pid for p in culprits),
+        comm,
+        None,
+        op.name,
+        summary,
+        tuple(evidence),
+    )
+
+
+def _unread_ranks(ps: Sequence[RankPosition]) -> list[int]:
+    sizes = {p.world_size for p in ps if p.world_size}
+    if len(sizes) != 1:
+        return []
+    seen = {p.world_rank for p in ps if not p.error}
+    return [r for r in range(sizes.pop()) if r not in seen]

@@ -1,0 +1,146 @@
+"""Judging from thread positions alone (``analyzer.positions``), on positions
+built by hand: the chains a hang makes across communicators, desyncs of
+order, and the cases that must not be judged."""
+
+from __future__ import annotations
+
+from analyzer.positions import HostReadings, judge, rank_positions
+from analyzer.verdict import VerdictKind
+from dumpers.model import CommInfo
+from dumpers.schema import DataType, RedOp
+from dumpers.threads import ArgsFrom, NcclCall, ProcessThreads, ThreadSnapshot, ThreadState
+
+LIB = "/opt/nccl/lib/libnccl.so.2"
+S = 1_000_000_000
+
+
+def _call(symbol: str, comm: int, count: int = 1024, root: int = -1) -> NcclCall:
+    return NcclCall(symbol, LIB, ArgsFrom.FRAME, comm, count, DataType.FLOAT32, RedOp.SUM, root,
+                    0x1000, 0x2000)  # fmt: skip
+
+
+def _thread(pid: int, call: NcclCall | None) -> ThreadState:
+    if call is None:
+        frames = ("libc.so.6+0x85f16", "libpython3.11.so.1.0!PyThread_acquire_lock_timed+0x80")
+        return ThreadState(pid, "python", "S", "futex_do_wait", 202, (0,) * 6, 1, 2, frames, "cfi")
+    frames = ("libc.so.6!poll+0x4f", f"libnccl.so.2!{call.symbol}+0x3a")
+    return ThreadState(pid, "python", "S", "poll_schedule_timeout", 7, (0,) * 6, 1, 2, frames,
+                       "cfi", call)  # fmt: skip
+
+
+def _proc(rank: int, call: NcclCall | None, at: int, job: str = "job1") -> ProcessThreads:
+    pid = 1000 + rank
+    env = (("RANK", str(rank)), ("TORCHELASTIC_RUN_ID", job), ("WORLD_SIZE", "8"))
+    return ProcessThreads(pid, at, 1000, env, (_thread(pid, call),))
+
+
+def _readings(
+    calls: dict[int, NcclCall | None], times: tuple[int, ...] = (0, S), per_node: int = 2
+) -> list[HostReadings]:
+    hosts: dict[int, list[int]] = {}
+    for rank in calls:
+        hosts.setdefault(rank // per_node, []).append(rank)
+    return [
+        HostReadings(
+            f"node{n}",
+            tuple(
+                ThreadSnapshot(t, 1000, "request", tuple(_proc(r, calls[r], t) for r in ranks))
+                for t in times
+            ),
+        )
+        for n, ranks in sorted(hosts.items())
+    ]
+
+
+def _chain() -> dict[int, NcclCall | None]:
+    """A 4x2 job whose rank 5 hung before the step's tensor-parallel
+    AllGather: its tp partner 4 waits there, the data-parallel AllReduce
+    groups wait for 4 and 5, and rank 5 is inside no call."""
+    dp0, dp1, tp2 = 0xD0, 0xD1, 0x72
+    calls: dict[int, NcclCall | None] = {r: _call("ncclAllReduce", dp0) for r in (0, 2, 6)}
+    calls |= {r: _call("ncclAllReduce", dp1) for r in (1, 3, 7)}
+    calls[4] = _call("ncclAllGather", tp2, count=64)
+    calls[5] = None
+    return calls
+
+
+def test_the_rank_inside_no_call_is_named_not_the_ranks_chained_behind_it() -> None:
+    verdicts = judge(rank_positions(_readings(_chain())))
+    assert len(verdicts) == 1
+    v = verdicts[0]
+    assert v.kind is VerdictKind.MISSING_RANK
+    assert (v.ranks, v.hosts, v.pids, v.op) == ((5,), ("node2",), (1005,), "ALL_REDUCE")
+    assert "ncclAllReduce x6, ncclAllGather x1" in v.summary and "held at least 1.0 s" in v.summary
+    text = "\n".join(v.evidence)
+    assert "rank 5 (host node2, pid 1005): inside no NCCL call" in text
+    assert "rank 4 (host node2, pid 1004): inside ncclAllGather(count=64, float32" in text
+    assert "unchanged for 1.0 s over 2 readings" in text
+
+
+def test_a_call_out_of_order_is_a_desync() -> None:
+    calls: dict[int, NcclCall | None] = {r: _call("ncclAllReduce", 0xAA) for r in range(8)}
+    calls[6] = _call("ncclBroadcast", 0xAA, root=0)
+    verdicts = judge(rank_positions(_readings(calls)))
+    assert [(v.kind, v.ranks, v.op) for v in verdicts] == [(VerdictKind.DESYNC, (6,), "ALL_REDUCE")]
+
+
+def test_nothing_departs_when_every_rank_waits_in_the_same_call() -> None:
+    calls: dict[int, NcclCall | None] = {r: _call("ncclAllReduce", 0xAA) for r in range(8)}
+    assert judge(rank_positions(_readings(calls))) == []
+
+
+def test_no_majority_names_nobody() -> None:
+    calls: dict[int, NcclCall | None] = {r: _call("ncclAllReduce", 0xAA) for r in range(4)}
+    calls |= {r: _call("ncclAllGather", 0xAA) for r in range(4, 8)}
+    assert judge(rank_positions(_readings(calls))) == []
+
+
+def test_ranks_that_move_on_between_readings_are_not_hung() -> None:
+    first = rank_positions(_readings(_chain()))
+    later = _chain()
+    later[0] = _call("ncclAllReduce", 0xD0, count=2048)  # a different call: it progressed
+    snaps = _readings(_chain(), times=(0,))
+    moved = _readings(later, times=(S,))
+    both = [
+        HostReadings(a.host, a.snapshots + b.snapshots) for a, b in zip(snaps, moved, strict=True)
+    ]
+    assert judge(first) and judge(rank_positions(both)) == []
+
+
+def test_one_reading_still_judges_and_says_so() -> None:
+    v = judge(rank_positions(_readings(_chain(), times=(0,))))
+    assert [x.ranks for x in v] == [(5,)] and "(one reading)" in v[0].summary
+
+
+def test_ranks_whose_node_left_no_reading_are_listed_not_blamed() -> None:
+    calls = {r: c for r, c in _chain().items() if r not in (6, 7)}  # node3 left nothing
+    v = judge(rank_positions(_readings(calls)))
+    assert v[0].ranks == (5,)
+    assert any("no reading" in e and "[6, 7]" in e for e in v[0].evidence)
+
+
+def test_the_recording_narrows_the_culprits_to_members_of_the_waited_communicator() -> None:
+    """Two ranks outside any call; the recording knows the others wait on a
+    communicator only rank 3 belongs to: rank 3 is named, not rank 1."""
+    world = 0x1234
+    calls: dict[int, NcclCall | None] = {r: _call("ncclAllReduce", 0xC000 + r) for r in (0, 2)}
+    calls[1] = calls[3] = None
+    readings = _readings(calls)
+    comms = {
+        0: (CommInfo(1000, 0xC000, world, 0, 3), CommInfo(1001, 0xC001, 0x999, 0, 2)),
+        1: (CommInfo(1002, 0xC002, world, 1, 3), CommInfo(1003, 0xC003, world, 2, 3)),
+    }
+    readings = [HostReadings(h.host, h.snapshots, comms[i]) for i, h in enumerate(readings)]
+    v = judge(rank_positions(readings))
+    assert [(x.kind, x.ranks, x.comm_id_hash) for x in v] == [
+        (VerdictKind.MISSING_RANK, (3,), f"0x{world:016x}")
+    ]
+    assert "on communicator 0x0000000000001234 as rank 0 of 3" in "\n".join(v[0].evidence)
+
+
+def test_jobs_are_judged_apart() -> None:
+    readings = _readings(_chain())
+    other = ThreadSnapshot(0, 1, "request", (_proc(0, None, S, job="job2"),))
+    readings.append(HostReadings("node9", (other,)))
+    v = judge(rank_positions(readings))
+    assert [x.ranks for x in v] == [(5,)]  # job2's lone idle rank waits for nobody

@@ -1,10 +1,10 @@
 """The dump file: one node's ``Recording`` as a msgpack document.
 
-Layout (format version 2; every key is required, no other key is allowed;
+Layout (format version 3; every key is required, no other key is allowed;
 ``format`` and ``version`` come first, in this version and every later one,
 so that a newer layout is recognised as such before anything else is read)::
 
-    {"format": "stallwatch-dump", "version": 2,
+    {"format": "stallwatch-dump", "version": 3,
      "host": str, "boot_id": str,
      "agent": {"version": str, "args": [str, ...]},
      "trigger": null | {"kind": str, "reason": str, "incident_id": str, "time_ns": u64,
@@ -14,6 +14,7 @@ so that a newer layout is recognised as such before anything else is read)::
                     "exit_ns", "exit_code": i32 | null, "exit_signal": i32 | null}, ...],
      "communicators": [{"pid", "comm", "comm_hash", "rank", "nranks", "parent_hash",
                         "color", "key", "root_addr", "init_ns", "destroy_ns"}, ...],
+     "snapshots": [thread positions, as in dumpers.snapshotdoc],
      "rings": {name: {"dtype": numpy descr as lists, "rows": n, "data": bin,
                       "overwritten": u64, "lost": u64}},
      "counters": {str: u64}}
@@ -28,6 +29,8 @@ Older versions are read and brought to today's records: version 1's NCCL
 rows lack the device columns (``started_ns`` ... ``completed_after_ns``, 0
 here: not observed) and numbered the lifecycle scheduled 0, returned 1,
 completed 2 (returned is ``ENQUEUED`` now; completed is 3).
+Versions 1 and 2 have no ``snapshots``: they are read as recordings without
+thread positions.
 
 The reader refuses anything else with ``DumpFormatError`` (or
 ``DumpVersionError`` for a newer version), naming the file and the field; it
@@ -70,6 +73,7 @@ from .model import (
     TriggerKind,
 )
 from .schema import RING_DTYPES, State, ring_dtype
+from .snapshotdoc import read_snapshots, snapshots_doc
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +175,7 @@ def _header_doc(rec: Recording) -> dict[str, object]:
         "clock": {"monotonic_ns": rec.clock.monotonic_ns, "realtime_ns": rec.clock.realtime_ns},
         "processes": [_process_doc(p) for p in rec.processes],
         "communicators": [_comm_doc(c) for c in rec.communicators],
+        "snapshots": snapshots_doc(rec.snapshots),
     }
 
 
@@ -383,7 +388,7 @@ def _kind(obj: object) -> str:
     )
 
 
-_TOP_KEYS = (
+_TOP_KEYS_V2 = (
     "format",
     "version",
     "host",
@@ -396,6 +401,7 @@ _TOP_KEYS = (
     "rings",
     "counters",
 )
+_TOP_KEYS = (*_TOP_KEYS_V2, "snapshots")  # version 3
 _TRIGGER_KEYS = ("kind", "reason", "incident_id", "time_ns", "pid", "comm_hash", "origin_host")
 _PROCESS_KEYS = tuple(ProcessInfo.__dataclass_fields__)
 _COMM_KEYS = tuple(CommInfo.__dataclass_fields__)
@@ -741,7 +747,7 @@ def _decode_parts(
     version = _check_header(doc, c)
     if trailing:
         c.fail("document", f"{trailing} unexpected bytes after the document")
-    doc = c.map(doc, "document", _TOP_KEYS)
+    doc = c.map(doc, "document", _TOP_KEYS_V2 if version <= 2 else _TOP_KEYS)
     agent = c.map(doc["agent"], "agent", ("version", "args"))
     clock = c.map(doc["clock"], "clock", ("monotonic_ns", "realtime_ns"))
     procs = c.array(doc["processes"], "processes")
@@ -761,6 +767,7 @@ def _decode_parts(
         agent_args=c.strings(agent["args"], "agent.args"),
         trigger=_read_trigger(doc["trigger"], c),
         counters=_read_counters(doc["counters"], c),
+        snapshots=read_snapshots(doc["snapshots"], c) if version >= 3 else (),
     )
     return rec, {k: r for k, r in rings.items() if isinstance(r, _Deferred)}
 

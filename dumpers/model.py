@@ -13,8 +13,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .threads import ThreadSnapshot
+
 FORMAT_NAME = "stallwatch-dump"
-FORMAT_VERSION = 2  # 2: nccl rows carry device start and completion
+# 2: nccl rows carry device start and completion; 3: thread position snapshots.
+# Older files are still read (their rows converted, no snapshots).
+FORMAT_VERSION = 3
 
 
 class TriggerKind(enum.Enum):
@@ -99,3 +103,5 @@ class Recording:
     agent_args: tuple[str, ...] = ()
     trigger: Trigger | None = None  # None for a live snapshot
     counters: dict[str, int] = field(default_factory=dict)
+    # where every thread of the node's NCCL processes was (dumpers.threads), oldest first
+    snapshots: tuple[ThreadSnapshot, ...] = ()

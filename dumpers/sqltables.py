@@ -10,6 +10,7 @@ the SQL tables of DESIGN.md, each with a ``host`` column:
     exit_events    exit_group, fatal signals, process exits (ring "exit")
     processes      the processes the agent watched
     communicators  the communicators they held
+    thread_states  where every thread of every NCCL process was, per snapshot
 
 Columns are built from the ring's numpy fields with vectorised operations,
 never row by row.  Small string domains (host, op, datatype, state, event,
@@ -42,6 +43,17 @@ the process's rank in the largest non-split communicator it holds.  Both are
 NULL where they cannot be known exactly (one node alone cannot rank a split
 whose members span nodes).
 
+``thread_states`` has one row per thread per snapshot (``stallwatch
+snapshot``, agent start-up, every dump): ``snapshot`` numbers the recording's
+snapshots from 0 (oldest), ``timestamp_ns`` is when its process was read.
+``nccl_call``/``op`` are NULL for a thread inside no NCCL call; the call's
+arguments are NULL where they could not be read; ``comm`` is the call's
+communicator pointer, ``comm_id_hash``, ``rank`` and ``nranks`` come from the
+communicator table (NULL without a recording that saw the communicator
+made); ``world_rank`` is the recording's, else the launcher's ``RANK`` (or
+Slurm's, Open MPI's), ``world_size`` the launcher's.  A process that could not
+be read is one row with a NULL ``tid`` and its ``error``.
+
 Known limits: a communicator pointer reused by the same process after a
 destroy is told apart by its init/destroy times only.
 """
@@ -70,6 +82,7 @@ from .schema import (
     datatype_name,
     op_name,
 )
+from .threads import ArgsFrom, NcclCall, ProcessThreads, ThreadState, syscall_name
 
 # The query DESIGN.md ("SQL") promises runs unchanged on dumps and on live
 # agents; the demo, the benchmarks and the tests all use this one copy.
@@ -92,6 +105,7 @@ TABLE_NAMES = (
     "exit_events",
     "processes",
     "communicators",
+    "thread_states",
 )
 
 
@@ -527,6 +541,102 @@ def communicator_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     }
 
 
+_THREAD_COLUMNS: dict[str, pa.DataType] = {
+    "snapshot": pa.int32(),
+    "reason": pa.string(),
+    "timestamp_ns": pa.int64(),
+    "pid": pa.int64(),
+    "world_rank": pa.int32(),
+    "world_size": pa.int32(),
+    "tid": pa.int64(),
+    "thread_name": pa.string(),
+    "state": pa.string(),
+    "wchan": pa.string(),
+    "syscall": pa.string(),
+    "syscall_nr": pa.int64(),
+    "nccl_call": pa.string(),
+    "op": pa.string(),
+    "rank": pa.int32(),
+    "nranks": pa.int32(),
+    "count": pa.int64(),
+    "datatype": pa.string(),
+    "redop": pa.string(),
+    "root": pa.int32(),
+    "frames": pa.list_(pa.string()),
+    "unwind": pa.string(),
+    "python_stack": pa.list_(pa.string()),
+    "error": pa.string(),
+}
+
+
+def _thread_row(
+    rec: Recording, p: ProcessThreads, t: ThreadState | None, known: Ranks
+) -> dict[str, object]:
+    world = known.world_of(rec.host).get(p.pid, p.world_rank)
+    row: dict[str, object] = {
+        "pid": p.pid,
+        "timestamp_ns": p.taken_ns,
+        "world_rank": world,
+        "world_size": p.world_size,
+        "error": p.error or None,
+    }
+    if t is None:
+        return row
+    row |= {
+        "tid": t.tid,
+        "thread_name": t.name,
+        "state": t.state,
+        "wchan": t.wchan or None,
+        "syscall": syscall_name(t.syscall) or None,
+        "syscall_nr": t.syscall if t.syscall >= 0 else None,
+        "frames": list(t.frames),
+        "unwind": t.unwind,
+        "python_stack": list(t.python) or None,
+    }
+    return row | _call_row(rec, p.pid, t.nccl, known)
+
+
+def _call_row(rec: Recording, pid: int, call: NcclCall | None, known: Ranks) -> dict[str, object]:
+    if call is None:
+        return {}
+    read = call.args_from is not ArgsFrom.NONE
+    found = (c for c in rec.communicators if (c.pid, c.comm) == (pid, call.comm))
+    live = next((c for c in found if not c.destroy_ns), None) if call.comm else None
+    rank, nranks = _comm_rank(rec, live, known) if live is not None else (-1, -1)
+    return {
+        "nccl_call": call.symbol,
+        "op": op_name(call.op),
+        "comm": call.comm,
+        "comm_id_hash": live.comm_hash if live is not None else 0,
+        "rank": rank if rank >= 0 else None,
+        "nranks": nranks if nranks >= 0 else None,
+        "count": call.count if read else None,
+        "datatype": datatype_name(call.datatype) if read else None,
+        "redop": _lower_name(RedOp, "redop")(call.redop) if read and call.op in _REDUCING else None,
+        "root": call.root if read and call.root >= 0 else None,
+    }
+
+
+_REDUCING = (Op.ALL_REDUCE, Op.REDUCE, Op.REDUCE_SCATTER)
+
+
+def thread_state_columns(rec: Recording, known: Ranks | None = None) -> Columns:
+    known = known if known is not None else Ranks.of([rec])
+    rows = []
+    for i, snap in enumerate(rec.snapshots):
+        for p in snap.processes:
+            for t in p.threads or (None,):
+                rows.append({"snapshot": i, "reason": snap.reason} | _thread_row(rec, p, t, known))
+    cols: Columns = {"host": _host(rec.host, len(rows))}
+    for name, kind in _THREAD_COLUMNS.items():
+        cols[name] = pa.array([r.get(name) for r in rows], kind)
+    for name in ("comm", "comm_id_hash"):  # ids as every table writes them
+        cols[name] = _hex(np.array([r.get(name) or 0 for r in rows], np.uint64))
+    ts = np.array([r["timestamp_ns"] for r in rows], dtype=np.int64)
+    cols["wall_time"] = _wall(rec, ts)
+    return cols
+
+
 Builder = Callable[[Recording, Ranks | None], Columns]
 
 BUILDERS: dict[str, Builder] = {
@@ -537,6 +647,7 @@ BUILDERS: dict[str, Builder] = {
     "exit_events": exit_columns,
     "processes": process_columns,
     "communicators": communicator_columns,
+    "thread_states": thread_state_columns,
 }
 
 

@@ -19,7 +19,14 @@ from stallwatch.dumpers.model import (
     Trigger,
     TriggerKind,
 )
-from stallwatch.dumpers.schema import RING_DTYPES, Op, State
+from stallwatch.dumpers.schema import RING_DTYPES, DataType, Op, RedOp, State
+from stallwatch.dumpers.threads import (
+    ArgsFrom,
+    NcclCall,
+    ProcessThreads,
+    ThreadSnapshot,
+    ThreadState,
+)
 
 U64_MAX = 2**64 - 1
 
@@ -99,7 +106,27 @@ def sample_recording(
             origin_host=host,
         ),
         counters={"events_total": 123456, "drops": 0},
+        snapshots=(sample_snapshot(1000, 4 * 10**9), sample_snapshot(1000, 5 * 10**9)),
     )
+
+
+def sample_snapshot(pid: int, taken_ns: int) -> ThreadSnapshot:
+    """One rank inside ncclAllReduce, its helper thread in user code."""
+    call = NcclCall(
+        "ncclAllReduce", "/usr/lib/libnccl.so.2", ArgsFrom.FRAME, 0x7F00_0000_1000, 1 << 20,
+        DataType.FLOAT32, RedOp.SUM, -1, 0x7F12_0000_0000, 0x7F13_0000_0000,
+    )  # fmt: skip
+    waiting = ThreadState(
+        pid, "python3", "S", "poll_schedule_timeout.constprop.0", 7, (1, 2, 200, 0, 0, 2**64 - 1),
+        0x7FFD_0000_1000, 0x7F00_1234_5678,
+        ("libc.so.6!poll+0x4f", "libnccl.so.2!ncclAllReduce+0x31", "python3!_start+0x21"),
+        "cfi+scanned", call, ("train_step (train.py:88)",),
+    )  # fmt: skip
+    helper = ThreadState(pid + 7, "pt_helper", "R", "", -2, (), 0, 0, (), "running: not read")
+    env = (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "2"))
+    proc = ProcessThreads(pid, taken_ns, 2_000_000, env, (waiting, helper))
+    gone = ProcessThreads(pid + 1, taken_ns, 1000, (), (), "process gone")
+    return ThreadSnapshot(taken_ns, 3_000_000, "request", (proc, gone), "py-spy 0.4.0")
 
 
 def assert_same(a: Recording, b: Recording) -> None:
@@ -114,6 +141,7 @@ def assert_same(a: Recording, b: Recording) -> None:
         "agent_args",
         "trigger",
         "counters",
+        "snapshots",
     ):
         assert getattr(a, name) == getattr(b, name), name
     assert list(a.rings) == list(b.rings)
@@ -176,6 +204,54 @@ communicators = st.builds(
     destroy_ns=u64,
 )
 
+calls = st.builds(
+    NcclCall,
+    symbol=text,
+    lib=text,
+    args_from=st.sampled_from(ArgsFrom),
+    comm=u64,
+    count=st.integers(-(2**63), 2**63 - 1),
+    datatype=i32,
+    redop=i32,
+    root=i32,
+    sendbuff=u64,
+    recvbuff=u64,
+)
+threads = st.builds(
+    ThreadState,
+    tid=u32,
+    name=text,
+    state=text,
+    wchan=text,
+    syscall=st.integers(-(2**63), 2**63 - 1),
+    syscall_args=st.just(()) | st.tuples(u64, u64, u64, u64, u64, u64),
+    sp=u64,
+    pc=u64,
+    frames=st.lists(text, max_size=4).map(tuple),
+    unwind=text,
+    nccl=st.none() | calls,
+    python=st.lists(text, max_size=3).map(tuple),
+)
+snapshots = st.builds(
+    ThreadSnapshot,
+    taken_ns=u64,
+    took_ns=u64,
+    reason=text,
+    processes=st.lists(
+        st.builds(
+            ProcessThreads,
+            pid=u32,
+            taken_ns=u64,
+            took_ns=u64,
+            env=st.lists(st.tuples(text, text), max_size=3).map(tuple),
+            threads=st.lists(threads, max_size=3).map(tuple),
+            error=text,
+        ),
+        max_size=3,
+    ).map(tuple),
+    python_tool=text,
+)
+
 triggers = st.builds(
     Trigger,
     kind=st.sampled_from(TriggerKind),
@@ -199,6 +275,7 @@ recordings = st.builds(
     agent_args=st.lists(text, max_size=4).map(tuple),
     trigger=st.none() | triggers,
     counters=st.dictionaries(text, u64, max_size=5),
+    snapshots=st.lists(snapshots, max_size=2).map(tuple),
 )
 
 

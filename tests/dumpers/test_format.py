@@ -224,6 +224,21 @@ BAD_FIELDS = [
     (_delete("communicators.1.rank"), "communicators[1]: missing field 'rank'"),
     (_set("communicators.0.comm_hash", None), "communicators[0].comm_hash: expected an integ"),
     (_set("counters.drops", -1), "counters.drops: expected an integer in"),
+    (_delete("snapshots"), "document: missing field 'snapshots'"),
+    (_set("snapshots.0.processes.0.pid", -1), "snapshots[0].processes[0].pid: expected an int"),
+    (_set("snapshots.1.processes.0.env.0", ["A"]), "snapshots[1].processes[0].env[0]: expected"),
+    (
+        _set("snapshots.0.processes.0.threads.0.syscall_args", [1]),
+        "snapshots[0].processes[0].threads[0].syscall_args: expected 0 or 6 arguments, found 1",
+    ),
+    (
+        _set("snapshots.0.processes.0.threads.0.nccl.args_from", "guess"),
+        "snapshots[0].processes[0].threads[0].nccl.args_from: unknown value 'guess'",
+    ),
+    (
+        _delete("snapshots.0.processes.0.threads.1.unwind"),
+        "snapshots[0].processes[0].threads[1]: missing field 'unwind'",
+    ),
 ]
 
 
@@ -234,6 +249,24 @@ def test_every_field_is_checked(mutate, message: str) -> None:  # type: ignore[n
     with pytest.raises(DumpFormatError) as err:
         _decode_doc(doc)
     assert str(err.value).startswith(f"dumps/n1.msgpack: {message}"), str(err.value)
+
+
+def test_version_1_files_are_read_without_thread_positions() -> None:
+    doc = _doc(sample_recording())
+    doc["version"] = 1
+    del doc["snapshots"]
+    rec = _decode_doc(doc)
+    assert rec.snapshots == () and rec.host == "node-1" and len(rec.rings["nccl"].rows) == 100
+    doc["snapshots"] = []
+    with pytest.raises(DumpFormatError, match="document: unexpected field 'snapshots'"):
+        _decode_doc(doc)
+
+
+def test_version_1_dumps_from_disk_still_read() -> None:
+    for path in sorted((Path(__file__).parent / "data" / "lab-hang-2x2").glob("*.msgpack")):
+        assert msgpack.unpackb(path.read_bytes(), raw=False)["version"] == 1
+        rec = fmt.read_dump(path)
+        assert rec.snapshots == () and len(rec.rings["nccl"].rows) > 0
 
 
 def test_trailing_bytes_and_truncation_are_refused() -> None:

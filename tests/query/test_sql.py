@@ -327,3 +327,32 @@ def test_concurrent_queries_on_one_engine() -> None:
         for t in threads:
             t.join()
     assert not errors
+
+
+def test_thread_states_one_row_per_thread_per_snapshot() -> None:
+    from tests.dump_samples import sample_recording
+
+    rec = sample_recording()
+    with QueryEngine([rec], LOCAL) as engine:
+        r = engine.query(
+            "SELECT snapshot, pid, tid, world_rank, state, syscall, nccl_call, op, comm, "
+            "comm_id_hash, "
+            "rank, nranks, count, datatype, redop, root, frames[2], python_stack, error "
+            "FROM thread_states ORDER BY snapshot, pid, tid"
+        )
+        waiting = engine.query(
+            "SELECT host, count(*) FROM thread_states WHERE op = 'ALL_REDUCE' GROUP BY host"
+        ).rows
+    c = rec.communicators[0]
+    ids = (f"0x{c.comm:016x}", f"0x{c.comm_hash:016x}")  # as every table writes ids
+    call = (0, 1000, 1000, 0, "S", "poll", "ncclAllReduce", "ALL_REDUCE", *ids, 0, 2, 1 << 20,
+            "float32", "sum", None, "libnccl.so.2!ncclAllReduce+0x31",
+            ["train_step (train.py:88)"], None)  # fmt: skip
+    helper = (0, 1000, 1007, 0, "R", "running", None, None, None, None, None, None, None, None,
+              None, None, None, None, None)  # fmt: skip
+    # its rank from the recording (it holds the communicator), no launcher variables
+    gone = (0, 1001, None, 1, None, None, None, None, None, None, None, None, None, None, None,
+            None, None, None, "process gone")  # fmt: skip
+    assert r.rows[:3] == [call, helper, gone]
+    assert len(r.rows) == 6 and r.rows[3][0] == 1
+    assert waiting == [("node-1", 2)]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from .schema import NCCL_SYMBOLS, Op
+from .schema import NCCL_SYMBOLS, Op, RedOp, datatype_name
 
 # The environment variables launchers set that name a process's rank and job
 # (torchrun/torchelastic, Slurm, Open MPI, PMI), and nothing else.
@@ -92,6 +92,27 @@ class NcclCall:
     @property
     def op(self) -> Op:
         return NCCL_SYMBOLS.get(self.symbol, Op.UNKNOWN)
+
+    def describe(self) -> str:
+        """``ncclAllReduce(count=1024, float32, sum, comm=0x55d0...)``."""
+        if self.args_from is ArgsFrom.NONE:
+            return f"{self.symbol}(arguments not read)"
+        parts = [f"count={self.count}", datatype_name(self.datatype)]
+        if self.op in (Op.ALL_REDUCE, Op.REDUCE, Op.REDUCE_SCATTER):
+            parts.append(_redop(self.redop))
+        if self.op in (Op.BROADCAST, Op.REDUCE, Op.GATHER, Op.SCATTER):
+            parts.append(f"root={self.root}")
+        if self.op.is_p2p:
+            parts.append(f"peer={self.root}")
+        parts.append(f"comm=0x{self.comm:x}")
+        return f"{self.symbol}({', '.join(parts)})"
+
+
+def _redop(value: int) -> str:
+    try:
+        return RedOp(value).name.lower()
+    except ValueError:
+        return f"redop_{value}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ from . import discovery
 from .metrics import AgentStats, RingStats, agent_metrics_text
 from .model import CommProgress, ProcessState, TickState
 from .peers import peer_notifier
+from .positions import PositionKeeper, snapshot_summary
 from .registry import CommRegistry, ProcessRegistry
 from .rings import complete_rows
 from .scope import Scope
@@ -125,6 +126,9 @@ class Agent:
         self._lock = threading.RLock()
         self._libcs: set[discovery.LibraryId] = set()
         self.incidents = self._make_incidents()
+        self.positions = PositionKeeper(
+            lambda: sorted(self.scope.inside), int(config.stall_timeout_s * 1e9)
+        )
 
     # ---- discovery ------------------------------------------------------
 
@@ -272,6 +276,7 @@ class Agent:
 
     def _tick_state(self, progress: list[CommProgress], now: int) -> TickState:
         inflight = tuple(c for c in self.source.inflight_calls() if self.scope.keep_pid(c.pid))
+        inflight += tuple(self.positions.inflight(now, progress))  # began before the attach
         holders = {p.pid for p in progress if not p.destroyed}
         states = []
         for info in self.procs.infos():
@@ -316,6 +321,7 @@ class Agent:
                 agent_args=self.config.args,
                 trigger=trigger,
                 counters=counters,
+                snapshots=self.positions.for_recording(dump=trigger is not None),
             )
 
     def _rings(self) -> dict[str, Ring]:
@@ -336,6 +342,14 @@ class Agent:
         """``POST /dump``, ``stallwatch dump``, SIGUSR1, peers."""
         answer = self.incidents.request_dump(reason, incident_id, origin)
         return {"host": self.host, **answer}
+
+    def request_snapshot(
+        self, reason: str, incident_id: str | None = None, samples: int = 3, interval_s: float = 0.5
+    ) -> dict[str, object]:
+        """``POST /snapshot``: read this node's threads, then dump with them."""
+        snaps = self.positions.take_series(samples, interval_s, "request")
+        answer = self.request_dump(reason, incident_id)
+        return {**answer, "positions": snapshot_summary(snaps[-1])}
 
     def _make_incidents(self) -> Incidents:
         cfg = self.config
@@ -412,6 +426,8 @@ def run_loop(agent: Agent, stop: Stop) -> None:
         if now >= next_discovery:
             agent.discover()
             next_discovery = now + DISCOVERY_S
+        if agent.positions.startup is None:
+            agent.positions.take_startup()  # what the job was doing before we came
         if stop.dump_requested:
             stop.dump_requested = False
             agent.request_dump("SIGUSR1")

@@ -225,6 +225,11 @@ class Watchdog:
                 f"{op_name(call.op)} seq {call.seq} on communicator {call.comm_hash:#018x} "
                 f"in flight for {age / SECOND_NS:.1f} s (pid {call.pid}, tid {call.tid})"
             )
+            if call.seq < 0:  # found on the thread's stack (recorder.positions)
+                reason = (
+                    f"{op_name(call.op)} in flight since before the agent started, "
+                    f"{age / SECOND_NS:.1f} s ago (pid {call.pid}, tid {call.tid}: thread position)"
+                )
             key = (TriggerKind.IN_FLIGHT, call.pid, call.tid, call.entered_ns)
             out[key] = _Condition(
                 TriggerKind.IN_FLIGHT, reason, call.entered_ns, call.pid, call.comm_hash

@@ -10,6 +10,10 @@
                       ``Limits.max_fetch_rows``); header X-Stallwatch-Host
     POST /dump     {"reason": str?, "incident_id": str?, "origin": str?}
                    -> 200 whatever the backend returns; 501 if it cannot dump
+    POST /snapshot {"reason": str?, "incident_id": str?, "samples": int?, "interval_s": float?}
+                   -> 200 {"host", "incident_id", "status", "path", "positions"}: the
+                   node's thread positions read ``samples`` times, then a dump; 501
+                   if the backend cannot read them (dumps served by ``serve``)
     GET  /metrics  Prometheus text exposition format (version 0.0.4)
     GET  /healthz  -> 200 {"status": "ok", "host", "version"}
 
@@ -109,6 +113,16 @@ class Backend(Protocol):
 
 class DumpingBackend(Backend, Protocol):
     def request_dump(self, reason: str, incident_id: str | None, origin: str | None) -> object: ...
+
+
+class SnapshottingBackend(Backend, Protocol):
+    def request_snapshot(
+        self, reason: str, incident_id: str | None, samples: int, interval_s: float
+    ) -> object: ...
+
+
+MAX_SNAPSHOT_SAMPLES = 20
+MAX_SNAPSHOT_INTERVAL_S = 10.0
 
 
 # ---- metrics of served dumps ----------------------------------------------
@@ -422,6 +436,33 @@ def _dump(h: _Handler) -> Response:
     return HTTPStatus.OK, "application/json", encode_json(answer)
 
 
+def _snapshot(h: _Handler) -> Response:
+    doc = h.read_json()
+    request_snapshot = getattr(h.config.backend, "request_snapshot", None)
+    if request_snapshot is None:
+        raise HttpError(HTTPStatus.NOT_IMPLEMENTED, "this server serves recorded dumps only")
+    reason = _field(doc, "reason", str) or "requested over HTTP (POST /snapshot)"
+    incident = _field(doc, "incident_id", str)
+    samples = _field(doc, "samples", int)
+    samples = 3 if samples is None else samples
+    interval = doc.get("interval_s", 0.5)
+    if isinstance(interval, bool) or not isinstance(interval, int | float):
+        raise HttpError(HTTPStatus.BAD_REQUEST, "field 'interval_s' must be a number")
+    if not 1 <= samples <= MAX_SNAPSHOT_SAMPLES:
+        raise HttpError(HTTPStatus.BAD_REQUEST, f"samples: expected 1 to {MAX_SNAPSHOT_SAMPLES}")
+    if not 0 <= interval <= MAX_SNAPSHOT_INTERVAL_S:
+        raise HttpError(
+            HTTPStatus.BAD_REQUEST, f"interval_s: expected 0 to {MAX_SNAPSHOT_INTERVAL_S:g}"
+        )
+    try:
+        answer = request_snapshot(reason, incident, samples, interval)
+    except UsageError as exc:
+        raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+    except StallwatchError as exc:
+        raise HttpError(HTTPStatus.INTERNAL_SERVER_ERROR, f"snapshot failed: {exc}") from None
+    return HTTPStatus.OK, "application/json", encode_json(answer)
+
+
 def _metrics(h: _Handler) -> Response:
     text = h.config.backend.metrics_text()
     return HTTPStatus.OK, "text/plain; version=0.0.4; charset=utf-8", text.encode()
@@ -436,6 +477,7 @@ ROUTES: dict[str, tuple[str, Callable[[_Handler], Response]]] = {
     "/query": ("POST", _query),
     "/fetch": ("POST", _fetch),
     "/dump": ("POST", _dump),
+    "/snapshot": ("POST", _snapshot),
     "/metrics": ("GET", _metrics),
     "/healthz": ("GET", _healthz),
 }

@@ -26,6 +26,7 @@ from . import __version__
 # Modules that define register(subparsers); each adds its subcommands.
 COMMAND_MODULES = (
     "stallwatch.recorder.cli",
+    "stallwatch.recorder.snapshotcli",
     "stallwatch.analyzer.cli",
     "stallwatch.sqlcli",
     "stallwatch.analyzer.exportcli",
@@ -37,6 +38,7 @@ examples:
   stallwatch lab demo                         a 4-node job hangs; find the rank
   stallwatch record --dump-dir /var/lib/stallwatch --stall-timeout 60
   stallwatch dump --reason "loss spike at step 1200"
+  stallwatch snapshot --agents node1:9400,node2:9400   where every rank is, now
   stallwatch analyze dumps/                   name the culprit rank, and why
   stallwatch query dumps/*.msgpack "SELECT op, count(*) FROM nccl_events GROUP BY op"
   stallwatch query --agents node1:9400,node2:9400 "SELECT * FROM tcp_events LIMIT 5"

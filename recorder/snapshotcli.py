@@ -1,0 +1,237 @@
+"""``stallwatch snapshot``: where every rank's threads are now, as a dump.
+
+Without ``--agents`` it reads this node (every process that maps a libnccl,
+or the ``--pid``s given) and writes a dump that holds the readings and no
+recording: ``stallwatch analyze`` judges from the positions alone.  With
+``--agents`` every agent is asked at once (``POST /snapshot``) to read its
+node and dump, all under one incident id, with whatever it has recorded.
+
+Each node is read ``--samples`` times, ``--interval`` apart (default 3 over
+1 s): the analyzer judges a hang only from positions that held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from dumpers.errors import AgentError, UsageError
+from dumpers.model import Clock, ProcessInfo, Recording, Ring, Trigger, TriggerKind
+from dumpers.schema import RING_DTYPES
+from dumpers.threads import ThreadSnapshot
+
+from . import discovery
+from .positions import snapshot_summary, summary_lines
+from .threads import Reader, nccl_pids
+
+EXIT_OK = 0
+EPILOG = """\
+examples:
+  stallwatch snapshot                               this node, into ./dumps
+  stallwatch snapshot --pid 4242 --pid 4243 --dump-dir /tmp/hang
+  stallwatch snapshot --agents node1:9400,node2:9400   every node, one incident
+  stallwatch analyze dumps/                         then: which rank is missing
+"""
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "snapshot",
+        help="where every rank's threads are now (a dump analyze can judge)",
+        description="Read where every thread of every NCCL process is (the NCCL call it is "
+        "blocked in and its arguments, the system call it sleeps in, its stack), without "
+        "stopping it, and write it as a dump.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--pid",
+        action="append",
+        type=int,
+        default=[],
+        metavar="PID",
+        help="read this process (repeatable; default: every process mapping libnccl)",
+    )
+    p.add_argument(
+        "--scope",
+        choices=("host", "netns"),
+        default="host",
+        help="netns: only processes in this network namespace (as record --scope)",
+    )
+    p.add_argument(
+        "--agents",
+        default="",
+        metavar="HOST:PORT,...",
+        help="ask these agents to read their nodes and dump, as one incident",
+    )
+    p.add_argument("--dump-dir", type=Path, default=Path("dumps"), help="default: ./dumps")
+    p.add_argument("--samples", type=int, default=3, metavar="N", help="readings (default 3)")
+    p.add_argument(
+        "--interval", type=float, default=0.5, metavar="SEC", help="between readings (default 0.5)"
+    )
+    p.add_argument(
+        "--python-stacks",
+        action="store_true",
+        help="also Python stacks, if py-spy is installed (slower)",
+    )
+    p.add_argument("--reason", default="stallwatch snapshot", metavar="TEXT")
+    p.add_argument("--token-file", type=Path, metavar="FILE", help="the agents' bearer token")
+    p.add_argument("--host-name", default="", help="host name in the dump (default: hostname)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_snapshot)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.samples < 1:
+        raise UsageError(f"--samples: expected >= 1, got {args.samples}")
+    if not 0 <= args.interval <= 60:
+        raise UsageError(f"--interval: expected seconds from 0 to 60, got {args.interval}")
+    if args.agents and (args.pid or args.scope != "host"):
+        raise UsageError("--pid and --scope choose what this node reads: not with --agents")
+    for pid in args.pid:
+        if pid <= 0 or not os.path.exists(f"/proc/{pid}"):
+            raise UsageError(f"--pid {pid}: no such process")
+
+
+def _snapshot(args: argparse.Namespace) -> int:
+    _check(args)
+    if args.agents:
+        return _ask_agents(args)
+    return _local(args)
+
+
+# -- this node -------------------------------------------------------------
+
+
+def read_series(
+    reader: Reader, pids: list[int] | None, samples: int, interval_s: float, reason: str
+) -> list[ThreadSnapshot]:
+    out = []
+    for i in range(samples):
+        if i:
+            time.sleep(interval_s)
+        out.append(reader.snapshot(pids, reason))
+    return out
+
+
+def snapshot_recording(
+    host: str, snaps: list[ThreadSnapshot], reason: str, incident_id: str
+) -> Recording:
+    """A dump of readings alone: no rings, no communicators."""
+    from .agent import boot_id, sample_clock
+
+    clock: Clock = sample_clock()
+    pids = sorted({p.pid for s in snaps for p in s.processes})
+    infos = tuple(i for pid in pids if (i := _info(pid)) is not None)
+    rings = {name: Ring(np.zeros(0, dtype)) for name, dtype in RING_DTYPES.items()}
+    trigger = Trigger(TriggerKind.MANUAL, reason, incident_id, clock.monotonic_ns,
+                      origin_host=host)  # fmt: skip
+    return Recording(host, boot_id(), clock, infos, (), rings, _version(),
+                     tuple(sys.argv[1:]), trigger, {}, tuple(snaps))  # fmt: skip
+
+
+def _info(pid: int) -> ProcessInfo | None:
+    libs = discovery.mapped_nccl_libs(pid)
+    return discovery.process_info(pid, libs or ())
+
+
+def _version() -> str:
+    from stallwatch import __version__
+
+    return __version__
+
+
+def _local(args: argparse.Namespace) -> int:
+    from dumpers.format import write_dump
+
+    from .watchdog import new_incident_id
+
+    host = args.host_name or socket.gethostname()
+    reader = Reader(python_stacks=args.python_stacks)
+    pids = list(args.pid) or nccl_pids()
+    if args.scope == "netns":
+        mine = discovery.netns_of(os.getpid())
+        pids = [p for p in pids if discovery.netns_of(p) == mine]
+    snaps = read_series(reader, pids, args.samples, args.interval, "request")
+    rec = snapshot_recording(host, snaps, args.reason, new_incident_id(host))
+    path = write_dump(args.dump_dir, rec)
+    if args.json:
+        doc = {"host": host, "path": str(path), "positions": snapshot_summary(snaps[-1])}
+        print(json.dumps(doc, indent=2, sort_keys=True))
+        return EXIT_OK
+    print(f"{host}: {len(snaps[-1].processes)} process(es), {len(snaps)} reading(s)")
+    for line in summary_lines(snapshot_summary(snaps[-1])):
+        print(f"  {line}")
+    print(f"wrote {path}")
+    return EXIT_OK
+
+
+# -- every node, through its agent --------------------------------------------
+
+
+def _ask_agents(args: argparse.Namespace) -> int:
+    from .cli import _read_token
+    from .peers import parse_peers
+    from .watchdog import new_incident_id
+
+    agents = parse_peers(args.agents)
+    token = _read_token(args.token_file)
+    incident = new_incident_id(args.host_name or socket.gethostname())
+    body = {"reason": args.reason, "incident_id": incident, "samples": args.samples,
+            "interval_s": args.interval}  # fmt: skip
+    timeout = args.samples * args.interval + 60
+    with ThreadPoolExecutor(len(agents)) as pool:
+        answers = list(pool.map(lambda a: _ask(a, body, token, timeout), agents))
+    failed = [(a, ans) for a, ans in zip(agents, answers, strict=True) if isinstance(ans, str)]
+    if args.json:
+        doc = {"incident_id": incident, "agents": dict(zip(agents, answers, strict=True))}
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        _print_answers(incident, agents, answers)
+    if failed:
+        raise AgentError("; ".join(f"{a}: {why}" for a, why in failed))
+    return EXIT_OK
+
+
+Answer = dict[str, object] | str  # the agent's JSON object, or why there is none
+
+
+def _ask(agent: str, body: dict[str, object], token: str | None, timeout: float) -> Answer:
+    base = agent if agent.startswith(("http://", "https://")) else f"http://{agent}"
+    req = urllib.request.Request(
+        base.rstrip("/") + "/snapshot", data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with _OPENER.open(req, timeout=timeout) as resp:
+            answer = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace").strip()[:200]
+        return f"refused: HTTP {exc.code} {detail}"
+    except (OSError, ValueError) as exc:
+        return f"unreachable: {getattr(exc, 'reason', None) or exc}"
+    return answer if isinstance(answer, dict) else "answered something other than a JSON object"
+
+
+def _print_answers(incident: str, agents: list[str], answers: list[Answer]) -> None:
+    print(f"incident {incident}")
+    for agent, ans in zip(agents, answers, strict=True):
+        if isinstance(ans, str):
+            print(f"{agent}: error: {ans}")
+            continue
+        print(f"{ans.get('host', agent)}: {ans.get('status')} {ans.get('path')}")
+        for line in summary_lines(ans.get("positions", [])):
+            print(f"  {line}")

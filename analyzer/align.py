@@ -29,6 +29,7 @@ from .columns import Columns
 from .match import order_calls
 from .model import CALL_DTYPE, SCHED_DTYPE, TCP_RETRANS_DTYPE, Calls, Comm, Incident, Proc
 from .parallel import in_parallel, threads
+from .positions import host_readings
 from .progress import Progress
 
 IS_CALL = np.zeros(256, dtype=bool)  # op -> is a collective or p2p call
@@ -136,6 +137,7 @@ def incident_from_recordings(
         notes=tuple(f"{e.error}: its NCCL calls are left out" for e in extracts if e.error),
         wall_ns=(detected := _detection(sources))[0],
         detected_by=detected[1],
+        readings=host_readings(s.recording for s in sources),
     )
 
 

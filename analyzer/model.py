@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .columns import Columns
+
+if TYPE_CHECKING:
+    from .positions import HostReadings
 
 
 class SourceKind(enum.Enum):
@@ -158,6 +162,7 @@ class Incident:
     # time of their latest entry, and no detector
     wall_ns: int | None = None
     detected_by: str = ""
+    readings: tuple[HostReadings, ...] = ()  # thread positions per host (analyzer.positions)
 
     def host_index(self, host: str) -> int:
         return self.hosts.index(host)

@@ -8,6 +8,10 @@ reading of its node; and whether that position held across the node's
 readings (``stallwatch snapshot`` reads each node several times; an agent
 reads at start-up and again at every dump).  Then, per job:
 
+Ranks are grouped into jobs by the launcher's job id (or rendezvous address)
+and world size; where ranks are known, a process that maps libnccl without
+being one (no ``RANK`` and no rank in the recording) is left out.
+
 - missing rank: some ranks wait inside NCCL collectives (or send/receive)
   and others are inside no NCCL call at all: the latter are the culprits.
   When the recording knows which communicator each waiting rank is in and
@@ -33,14 +37,18 @@ process: without a recording, ranks are grouped by the call's arguments.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from dumpers.model import CommInfo
-from dumpers.schema import Op, RedOp, datatype_name
+from dumpers.model import CommInfo, Recording
+from dumpers.schema import Op
 from dumpers.threads import NcclCall, ProcessThreads, ThreadSnapshot, ThreadState
 
 from .verdict import Verdict, VerdictKind
+
+if TYPE_CHECKING:
+    from .detect.common import Analysis
 
 MAX_FRAMES_SHOWN = 4
 MAX_LISTED = 16
@@ -95,6 +103,21 @@ class RankPosition:
         return f"{rank} (host {self.host}, pid {self.pid})"
 
 
+def host_readings(recordings: Iterable[Recording]) -> tuple[HostReadings, ...]:
+    """Each host's readings (a host may have dumped several times: all of
+    them, in time order) with every communicator its recordings know."""
+    snaps: dict[str, list[ThreadSnapshot]] = defaultdict(list)
+    comms: dict[str, list[CommInfo]] = defaultdict(list)
+    for rec in recordings:
+        if rec.snapshots:
+            snaps[rec.host] += rec.snapshots
+            comms[rec.host] += rec.communicators
+    return tuple(
+        HostReadings(h, tuple(sorted(set(snaps[h]), key=lambda s: s.taken_ns)), tuple(comms[h]))
+        for h in sorted(snaps)
+    )
+
+
 # -- positions ----------------------------------------------------------------
 
 
@@ -146,13 +169,15 @@ def _comm_ref(c: CommInfo | None) -> CommRef | None:
 
 
 def _job(proc: ProcessThreads) -> str:
+    """The launcher's job id (or rendezvous address), and the world size."""
     env = dict(proc.env)
+    size = f"/{proc.world_size}" if proc.world_size else ""
     for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
         if env.get(name):
-            return f"{name}={env[name]}"
+            return f"{name}={env[name]}{size}"
     if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-        return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
-    return ""
+        return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}{size}"
+    return size
 
 
 def _signature(p: ProcessThreads) -> tuple[object, ...]:
@@ -180,24 +205,7 @@ def _held_ns(history: list[ProcessThreads]) -> int:
 
 
 def call_text(call: NcclCall) -> str:
-    if call.count < 0:
-        return f"{call.symbol}(arguments not read)"
-    parts = [f"count={call.count}", datatype_name(call.datatype)]
-    if call.op in (Op.ALL_REDUCE, Op.REDUCE, Op.REDUCE_SCATTER):
-        parts.append(_redop(call.redop))
-    if call.op in (Op.BROADCAST, Op.REDUCE, Op.GATHER, Op.SCATTER):
-        parts.append(f"root={call.root}")
-    if call.op.is_p2p:
-        parts.append(f"peer={call.root}")
-    parts.append(f"comm=0x{call.comm:x}")
-    return f"{call.symbol}({', '.join(parts)})"
-
-
-def _redop(value: int) -> str:
-    try:
-        return RedOp(value).name.lower()
-    except ValueError:
-        return f"redop_{value}"
+    return call.describe()
 
 
 def _thread_text(t: ThreadState) -> str:
@@ -237,6 +245,16 @@ def _comm_text(c: CommRef | None) -> str:
 # -- judging ----------------------------------------------------------------
 
 
+def detect_positions(a: Analysis) -> list[Verdict]:
+    """The fallback detector: when the recording shows no hang (it began too
+    late, or there is none), the thread positions may."""
+    inc = a.incident
+    if not inc.readings:
+        return []
+    known = {(p.host, p.pid): p.world_rank for p in inc.procs if p.world_rank >= 0}
+    return judge(rank_positions(inc.readings, known))
+
+
 def judge(positions: Sequence[RankPosition]) -> list[Verdict]:
     by_job: dict[str, list[RankPosition]] = defaultdict(list)
     for p in positions:
@@ -249,6 +267,10 @@ def judge(positions: Sequence[RankPosition]) -> list[Verdict]:
 
 def judge_job(ps: Sequence[RankPosition]) -> list[Verdict]:
     ps = sorted(ps, key=lambda p: (p.world_rank < 0, p.world_rank, p.host, p.pid))
+    if any(p.world_rank >= 0 for p in ps):
+        # ranks are known: a process with none that maps libnccl is no member
+        # (a tool, a data loader), whatever it does
+        ps = [p for p in ps if p.world_rank >= 0]
     read = [p for p in ps if not p.error]
     waiting = [p for p in read if p.inside]
     if not waiting or any(p.readings >= 2 and p.held_ns <= 0 for p in waiting):

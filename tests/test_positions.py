@@ -144,3 +144,16 @@ def test_jobs_are_judged_apart() -> None:
     readings.append(HostReadings("node9", (other,)))
     v = judge(rank_positions(readings))
     assert [x.ranks for x in v] == [(5,)]  # job2's lone idle rank waits for nobody
+
+
+def test_a_process_that_is_no_rank_is_not_blamed() -> None:
+    readings = _readings(_chain())
+    env = (("TORCHELASTIC_RUN_ID", "job1"), ("WORLD_SIZE", "8"))  # the job's, but no RANK
+    tool = ProcessThreads(4242, S, 1000, env, (_thread(4242, None),))
+    last = readings[0].snapshots[-1]
+    readings[0] = HostReadings(
+        "node0",
+        (*readings[0].snapshots[:-1], ThreadSnapshot(S, 1, "request", (*last.processes, tool))),
+    )
+    v = judge(rank_positions(readings))
+    assert [x.ranks for x in v] == [(5,)]

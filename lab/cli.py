@@ -95,6 +95,16 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="float32 elements of the gradient AllReduce")  # fmt: skip
     p.add_argument("--compute-ms", type=_positive_float, default=DEFAULT_COMPUTE_MS, metavar="MS",
                    help="CPU time of each step's simulated compute")  # fmt: skip
+    p.add_argument(
+        "--snapshot-when-stuck",
+        action="store_true",
+        help="once no rank progresses: stallwatch snapshot in every node, dumps in --dump-dir",
+    )
+    p.add_argument(
+        "--late-agents",
+        action="store_true",
+        help="with --record: start the agents only once the job is stuck, then a snapshot",
+    )
     p.add_argument("--run-id", default=None, help="names the namespaces (default: random)")
     p.add_argument("--lib", type=Path, default=None,
                    help="the lab's libnccl.so.2 to use (default: built from lab/csrc)")  # fmt: skip
@@ -106,6 +116,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.dump_at_end and not args.record:
         raise LabError("--dump-at-end needs --record (the agents write the dumps)")
+    if args.late_agents and not args.record:
+        raise LabError("--late-agents needs --record")
 
     cfg = runner.RunConfig(
         nodes=args.nodes,
@@ -122,6 +134,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         compute_ms=args.compute_ms,
         run_id=args.run_id,
         lib=args.lib,
+        snapshot_when_stuck=args.snapshot_when_stuck,
+        late_agents=args.late_agents,
     )
     as_json = args.format == "json"
     result = runner.run(cfg, progress_out=None if as_json else sys.stderr)

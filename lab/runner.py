@@ -14,6 +14,11 @@ One run:
    a recorded job that fails is given time for every agent to write its dump;
    with ``--dump-at-end`` a job that finished has every agent asked for one
    (``POST /dump``, one incident ``lab-<run id>-end``);
+   a job that stopped progressing can be looked at as someone arriving late
+   would: ``--snapshot-when-stuck`` runs ``stallwatch snapshot`` in every node
+   (dumps of thread positions, no recording); ``--late-agents`` starts the
+   agents only then and asks each for a snapshot (``POST /snapshot``, one
+   incident ``lab-<run id>-snapshot``);
 5. tears everything down, always (``finally``, SIGINT, SIGTERM, ``atexit``):
    ranks, hogs and agents are killed, namespaces (and with them links,
    nftables tables and qdiscs) deleted, the run directory removed.
@@ -39,6 +44,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -77,6 +83,8 @@ class RunConfig:
     compute_ms: float = job.DEFAULT_COMPUTE_MS
     run_id: str | None = None
     lib: Path | None = None
+    snapshot_when_stuck: bool = False  # stallwatch snapshot in every node once stuck
+    late_agents: bool = False  # with record: agents start once the job is stuck
 
     @property
     def topology(self) -> F.Topology:
@@ -350,7 +358,7 @@ def make_lab(cfg: RunConfig, lib: Path) -> Lab:
 def set_up(lab: Lab) -> None:
     lab.net = netns.create(lab.run_id, lab.cfg.nodes)
     apply_link_faults(lab)
-    if lab.cfg.record:
+    if lab.cfg.record and not lab.cfg.late_agents:
         start_agents(lab)
     start_hogs(lab)
     start_ranks(lab)
@@ -536,6 +544,10 @@ def _last_line(path: Path) -> str:
     return lines[-1] if lines else "(empty log)"
 
 
+def _dumps(cfg: RunConfig) -> bool:
+    return cfg.record or cfg.snapshot_when_stuck
+
+
 def dumps_found(cfg: RunConfig) -> list[Path]:
     if not cfg.dump_dir.is_dir():
         return []
@@ -575,6 +587,61 @@ def request_end_dumps(lab: Lab) -> list[str]:
         time.sleep(0.25)
     late = [i for i, n in before.items() if _dump_count(lab.cfg, i) <= n]
     return [*problems, f"no dump at the end from node(s) {late} within {DUMP_GRACE:g} s"]
+
+
+SNAPSHOT_TIMEOUT = 120.0
+
+
+def snapshot_nodes(lab: Lab) -> list[str]:
+    """``stallwatch snapshot`` inside every node at once, as someone who logs
+    in to each would; the dumps go to ``<dump dir>/node<N>``.  Returns problems."""
+    assert lab.net is not None
+    procs = {}
+    for node in lab.net.nodes:
+        out = agent_dump_dir(lab.cfg, node.index)
+        out.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "stallwatch", "snapshot", "--scope", "netns"]
+        argv += ["--host-name", f"node{node.index}", "--dump-dir", str(out)]
+        procs[node.index] = lab.spawn(node, argv, lab.cfg.dump_dir / f"node{node.index}.snap.log")
+    problems = []
+    for index, proc in procs.items():
+        try:
+            code = proc.wait(timeout=SNAPSHOT_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            code = None
+        if code != 0:
+            log = lab.cfg.dump_dir / f"node{index}.snap.log"
+            problems.append(f"stallwatch snapshot on node {index} failed: {_last_line(log)}")
+    return problems
+
+
+def request_snapshots(lab: Lab) -> list[str]:
+    """Ask every node's agent for a snapshot and a dump, one incident for all."""
+    assert lab.net is not None
+    before = {n.index: _dump_count(lab.cfg, n.index) for n in lab.net.nodes}
+    body = json.dumps(
+        {"reason": "lab: snapshot of a stuck job", "incident_id": f"lab-{lab.run_id}-snapshot"}
+    ).encode()
+
+    def ask(node: netns.Node) -> str | None:  # every node at once, as the command does
+        url = f"http://{node.ip}:{AGENT_PORT}/snapshot"
+        return netns.in_netns(node.netns, functools.partial(_post_dump, url, body, lab.token))
+
+    with ThreadPoolExecutor(len(lab.net.nodes)) as pool:
+        answers = list(pool.map(ask, lab.net.nodes))
+    problems = [
+        f"the agent of node {node.index} refused the snapshot: {answer}"
+        for node, answer in zip(lab.net.nodes, answers, strict=True)
+        if answer is not None
+    ]
+    deadline = time.monotonic() + DUMP_GRACE
+    while time.monotonic() < deadline:
+        if all(_dump_count(lab.cfg, i) > n for i, n in before.items()):
+            return problems
+        time.sleep(0.25)
+    late = [i for i, n in before.items() if _dump_count(lab.cfg, i) <= n]
+    return [*problems, f"no snapshot dump from node(s) {late} within {DUMP_GRACE:g} s"]
 
 
 def _dump_count(cfg: RunConfig, node: int) -> int:
@@ -709,6 +776,7 @@ def run(cfg: RunConfig, progress_out: TextIO | None = None) -> RunResult:
             gave_up = wait_for_job(lab, started)
             if gave_up is not None:
                 _say(progress_out, f"lab run {lab.run_id}: {gave_up}; giving up")
+                problems += look_late(lab, progress_out)
             if cfg.record and (
                 gave_up is not None or any(p.returncode for p in lab.ranks.values())
             ):
@@ -737,10 +805,24 @@ def run(cfg: RunConfig, progress_out: TextIO | None = None) -> RunResult:
         duration_s=round(time.monotonic() - started, 3),
         gave_up=gave_up,
         recorded=cfg.record,
-        dump_dir=str(cfg.dump_dir) if cfg.record else None,
-        dumps=[str(p) for p in dumps_found(cfg)] if cfg.record else [],
+        dump_dir=str(cfg.dump_dir) if _dumps(cfg) else None,
+        dumps=[str(p) for p in dumps_found(cfg)] if _dumps(cfg) else [],
         problems=problems,
     )
+
+
+def look_late(lab: Lab, progress_out: TextIO | None) -> list[str]:
+    """What someone arriving after the hang does (--snapshot-when-stuck,
+    --late-agents); returns problems."""
+    problems = []
+    if lab.cfg.snapshot_when_stuck:
+        _say(progress_out, f"lab run {lab.run_id}: stallwatch snapshot in every node")
+        problems += snapshot_nodes(lab)
+    if lab.cfg.record and lab.cfg.late_agents:
+        _say(progress_out, f"lab run {lab.run_id}: starting the agents now, then a snapshot")
+        start_agents(lab)
+        problems += request_snapshots(lab)
+    return problems
 
 
 def _say(out: TextIO | None, text: str) -> None:

@@ -41,9 +41,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from dumpers.model import CommInfo, Recording
-from dumpers.schema import Op
-from dumpers.threads import NcclCall, ProcessThreads, ThreadSnapshot, ThreadState
+from stallwatch.dumpers.model import CommInfo, Recording
+from stallwatch.dumpers.schema import Op
+from stallwatch.dumpers.threads import NcclCall, ProcessThreads, ThreadSnapshot, ThreadState
 
 from .verdict import Verdict, VerdictKind
 

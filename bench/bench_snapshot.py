@@ -35,12 +35,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.common import Figure, render
-from lab import build
-from lab.job import LIB_ENV, read_report
-from recorder.threads import Reader
+from stallwatch.lab import build
+from stallwatch.lab.job import LIB_ENV, read_report
+from stallwatch.recorder.threads import Reader
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.common import Figure, render
+
 RANKS = 8
 HUNG = 3
 SNAPSHOT_TARGET_S = 0.1
@@ -68,14 +68,14 @@ print(json.dumps(late))
 @contextmanager
 def hung_job(lib: Path, run_dir: Path) -> Iterator[list[int]]:
     """A 1x8 lab job with rank HUNG hung and the others inside collectives."""
-    env = {**os.environ, LIB_ENV: str(lib), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, LIB_ENV: str(lib)}
     procs = []
     for rank in range(RANKS):
-        argv = [sys.executable, "-m", "lab.job", "--rank", str(rank), "--nodes", "1"]
+        argv = [sys.executable, "-m", "stallwatch.lab.job", "--rank", str(rank), "--nodes", "1"]
         argv += ["--ranks-per-node", str(RANKS), "--steps", "50", "--run-dir", str(run_dir)]
         argv += ["--elements", "4096", "--fault", f"hang:rank={HUNG},step=2"]
         out = subprocess.DEVNULL  # the ranks' complaints when the job is torn down
-        procs.append(subprocess.Popen(argv, env=env, cwd=ROOT, stdout=out, stderr=out))
+        procs.append(subprocess.Popen(argv, env=env, cwd=run_dir, stdout=out, stderr=out))
     try:
         pids = [p.pid for p in procs]
         _wait_hung(run_dir, pids)

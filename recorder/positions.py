@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from dumpers.threads import RUNNING, ThreadSnapshot, ThreadState, syscall_name
+from stallwatch.dumpers.threads import RUNNING, ThreadSnapshot, ThreadState, syscall_name
 
 from .model import CommProgress, InflightCall
 from .threads import Reader

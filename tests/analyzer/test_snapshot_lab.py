@@ -26,10 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from stallwatch.lab.job import DEFAULT_ELEMENTS
 
-from lab.job import DEFAULT_ELEMENTS
-
-ROOT = Path(__file__).resolve().parent.parent
 NODES, PER_NODE = 4, 2
 SEEDS = range(10)
 
@@ -45,20 +43,21 @@ class Outcome:
 def _run(
     tmp: Path, hung: int, step: int, *extra: str, stall: str = "3"
 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    tmp.mkdir(parents=True, exist_ok=True)
     dumps = tmp / "dumps"
     lab = subprocess.run(
         [sys.executable, "-m", "stallwatch", "lab", "run", "--run-id", "s" + secrets.token_hex(3),
          "--nodes", str(NODES), "--ranks-per-node", str(PER_NODE), "--steps", "40",
          "--fault", f"hang:rank={hung},step={step}", "--stall-timeout", stall,
          "--dump-dir", str(dumps), "--json", *extra],
-        capture_output=True, text=True, cwd=ROOT, timeout=600, check=False,
+        capture_output=True, text=True, cwd=tmp, timeout=600, check=False,
     )  # fmt: skip
     assert lab.stdout, lab.stderr
     result = json.loads(lab.stdout)
     assert result["problems"] == [], result["problems"]
     done = subprocess.run(
         [sys.executable, "-m", "stallwatch", "analyze", str(dumps), "--json"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300, check=False,
+        capture_output=True, text=True, cwd=tmp, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 1, done.stderr
     return result, json.loads(done.stdout)

@@ -4,11 +4,17 @@ order, and the cases that must not be judged."""
 
 from __future__ import annotations
 
-from analyzer.positions import HostReadings, judge, rank_positions
-from analyzer.verdict import VerdictKind
-from dumpers.model import CommInfo
-from dumpers.schema import DataType, RedOp
-from dumpers.threads import ArgsFrom, NcclCall, ProcessThreads, ThreadSnapshot, ThreadState
+from stallwatch.analyzer.positions import HostReadings, judge, rank_positions
+from stallwatch.analyzer.verdict import VerdictKind
+from stallwatch.dumpers.model import CommInfo
+from stallwatch.dumpers.schema import DataType, RedOp
+from stallwatch.dumpers.threads import (
+    ArgsFrom,
+    NcclCall,
+    ProcessThreads,
+    ThreadSnapshot,
+    ThreadState,
+)
 
 LIB = "/opt/nccl/lib/libnccl.so.2"
 S = 1_000_000_000

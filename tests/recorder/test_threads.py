@@ -28,16 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from dumpers.schema import NCCL_SYMBOLS, DataType
-from dumpers.threads import ArgsFrom, ProcessThreads, ThreadSnapshot
-from lab import build
-from lab.job import LIB_ENV, Sizes, read_report
-from recorder import discovery
-from recorder.cfi import RA, RBP, RSP, FrameTable
-from recorder.elfimage import ElfImage
-from recorder.threads import Reader, api_name
-from recorder.unwind import Frame
+from stallwatch.dumpers.schema import NCCL_SYMBOLS, DataType
+from stallwatch.dumpers.threads import ArgsFrom, ProcessThreads, ThreadSnapshot
+from stallwatch.lab import build
+from stallwatch.lab.job import LIB_ENV, Sizes, read_report
+from stallwatch.recorder import discovery
+from stallwatch.recorder.cfi import RA, RBP, RSP, FrameTable
+from stallwatch.recorder.elfimage import ElfImage
+from stallwatch.recorder.threads import Reader, api_name
+from stallwatch.recorder.unwind import Frame
 
 ROOT = Path(__file__).resolve().parent.parent
 ELEMENTS = 4096

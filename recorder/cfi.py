@@ -53,6 +53,7 @@ class Rule:
     cfa_offset: int
     regs: dict[int, RegRule]
     fn_start: int  # the FDE's first address (the function's start)
+    fn_end: int  # one past its last
     signal_frame: bool = False
 
 
@@ -243,7 +244,7 @@ class FrameTable:
         regs = dict(state.regs)
         if cie.ra_reg != RA and cie.ra_reg in regs:
             regs[RA] = regs[cie.ra_reg]
-        return Rule(state.cfa_reg, state.cfa_offset, regs, start, cie.signal)
+        return Rule(state.cfa_reg, state.cfa_offset, regs, start, start + size, cie.signal)
 
 
 def _run(prog: bytes, cie: _Cie, st: _State, loc: int, until: int, init: _State | None) -> None:

@@ -43,8 +43,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from dumpers.schema import NCCL_SYMBOLS
-from dumpers.threads import (
+from stallwatch.dumpers.schema import NCCL_SYMBOLS
+from stallwatch.dumpers.threads import (
     JOB_ENV,
     NOT_IN_SYSCALL,
     RUNNING,
@@ -59,6 +59,7 @@ from . import discovery
 from .unwind import Frame, ModuleCache, ProcessMaps, ProcessMemory, Unwinder
 
 RUNNING_RETRIES = 3
+READ_RETRIES = 4
 PYSPY_TIMEOUT_S = 10.0
 _COLD = re.compile(r"\.(cold|part|isra|constprop)(\.\d+)*$")
 ARG_BLOCK = 48  # sendbuff, recvbuff, count, datatype:4, op:4, root:4, pad:4, comm
@@ -176,37 +177,60 @@ def _syscall(pid: int, tid: int) -> _Syscall | None:
     return _Syscall(RUNNING, (), 0, 0)
 
 
+@dataclass(frozen=True, slots=True)
+class _Reading:
+    name: str
+    state: str
+    wchan: str
+    syscall: _Syscall
+    frames: list[Frame]
+
+
 def read_thread(pid: int, tid: int, unwinder: Unwinder) -> ThreadState | None:
-    stat = _read(f"/proc/{pid}/task/{tid}/stat")
-    if stat is None:
+    got = _read_still(pid, tid, unwinder)
+    if got is None:
         return None
-    name = stat[stat.find("(") + 1 : stat.rfind(")")]
-    state = stat[stat.rfind(")") + 2 : stat.rfind(")") + 3]
-    wchan = _read(f"/proc/{pid}/task/{tid}/wchan") or ""
-    sc = _syscall(pid, tid)
-    if sc is None:
-        return None
-    frames: list[Frame] = []
-    for _ in range(2):
-        if sc.nr == RUNNING:
-            break
-        frames = unwinder.walk(sc.pc, sc.sp)
-        again = _syscall(pid, tid)
-        if again is None or again == sc:
-            break
-        sc, frames = again, []  # it woke and moved on: read it where it is now
-    nccl = nccl_call(frames, unwinder)
+    r, still = got
+    sc = r.syscall
+    how = _how(r.frames, sc.nr) + ("" if still else "; it ran while read")
     return ThreadState(
-        tid, name, state, "" if wchan == "0" else wchan, sc.nr, sc.args, sc.sp, sc.pc,
-        tuple(f.label() for f in frames), _how(frames, sc.nr), nccl,
+        tid, r.name, r.state, r.wchan, sc.nr, sc.args, sc.sp, sc.pc,
+        tuple(f.label() for f in r.frames), how, nccl_call(r.frames, unwinder),
     )  # fmt: skip
+
+
+def _read_still(pid: int, tid: int, unwinder: Unwinder) -> tuple[_Reading, bool] | None:
+    """The thread's state, registers and stack, read while it did not run:
+    its scheduler statistics and saved registers are the same before and
+    after (a thread that wakes and comes back to the same call in between
+    would leave a stack read half before, half after).  Retried a few times;
+    the flag says whether one reading was still."""
+    task = f"/proc/{pid}/task/{tid}"
+    reading: _Reading | None = None
+    for _ in range(READ_RETRIES):
+        before = _read(f"{task}/schedstat")
+        stat = _read(f"{task}/stat")
+        sc = _syscall(pid, tid)
+        if stat is None or sc is None:
+            return None
+        wchan = _read(f"{task}/wchan") or ""
+        name = stat[stat.find("(") + 1 : stat.rfind(")")]
+        state = stat[stat.rfind(")") + 2 : stat.rfind(")") + 3]
+        if sc.nr == RUNNING:
+            return _Reading(name, state, "", sc, []), True
+        unwinder.mem.pages.clear()  # what was read before it ran is stale
+        frames = unwinder.walk(sc.pc, sc.sp)
+        reading = _Reading(name, state, "" if wchan == "0" else wchan, sc, frames)
+        if _syscall(pid, tid) == sc and _read(f"{task}/schedstat") == before:
+            return reading, True
+    return (reading, False) if reading is not None else None
 
 
 def _how(frames: list[Frame], nr: int) -> str:
     if not frames:
         return "running: not read" if nr == RUNNING else "not read"
     hows = {f.how.split(";")[0] for f in frames[1:]}
-    method = "cfi+scanned" if "scanned" in hows else "cfi"
+    method = "+".join(k for k in ("cfi", "scanned", "uretprobe") if k in hows or k == "cfi")
     ended = frames[-1].how.partition("; walk ended: ")[2]
     return f"{method}; stopped: {ended}" if ended else method
 

@@ -18,6 +18,15 @@ just past an indirect call.  Such frames are marked ``scanned``.
 A frame in an address no module covers, or a module without call frame
 information, ends the walk (``how`` of the last frame says why).
 
+A function with a uretprobe (stallwatch's own, or any other tracer's) returns
+through the kernel's trampoline (the ``[uprobes]`` page): its return address
+on the stack is the trampoline's, the real one is held by the kernel.  The
+frame of its caller is then unknown; the walk resumes at the caller's own
+return address, the first word above that is a return address from a call to
+a function that calls the probed one (directly or through the PLT), failing
+that from a call to a function with an indirect call in it.  The caller shows
+as a ``[uprobes]`` frame.
+
 Known limits: x86-64 only; DWARF expressions in rules (PLT stubs, signal
 trampolines) end the walk; a scanned frame can be wrong when a stale return
 address from an earlier call to the same function lies below the real one.
@@ -28,13 +37,14 @@ from __future__ import annotations
 import bisect
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .cfi import RA, RBP, RSP, CfiError, FrameTable, Rule
 from .elfimage import ElfError, ElfImage, Symbol, file_key
 
 CALLEE_SAVED = (3, RBP, 12, 13, 14, 15)  # rbx, rbp, r12-r15 (DWARF numbers)
 MAX_FRAMES = 64
+UPROBES = "[uprobes]"  # the kernel's page of uprobe trampolines
 SCAN_BYTES = 64 * 1024  # how far up the stack a frame's return address is looked for
 PAGE = 4096
 READ_PAGES = 4
@@ -172,9 +182,12 @@ class Frame:
     path: str  # module file as the process maps it; "" if none
     vaddr: int  # pc as the module's virtual address
     symbol: Symbol | None
-    how: str  # "first", "cfi", "scanned"; the last frame may say why the walk ended
+    how: str  # "first", "cfi", "scanned", "uretprobe"; the last may say why the walk ended
+    fn_start: int = 0  # run-time address of its function's start (call frame information)
 
     def label(self) -> str:
+        if self.path == UPROBES:
+            return "[uprobes: caller hidden by a uretprobe]"
         mod = os.path.basename(self.path) if self.path else "?"
         if self.symbol is None:
             return f"{mod}+{self.vaddr:#x}" if self.path else f"{self.pc:#x}"
@@ -218,24 +231,93 @@ class Unwinder:
         frames: list[Frame] = []
         how = "first"
         while len(frames) < max_frames:
+            if frames and self._trampoline(pc):
+                frames.append(Frame(pc, regs[RSP], 0, UPROBES, 0, None, "uretprobe"))
+                resumed = self._after_trampoline(regs[RSP], frames[-2].fn_start)
+                if resumed is None:
+                    frames[-1] = _ended(frames[-1], "no return address found above the uretprobe")
+                    break
+                pc, regs, how = resumed
+                continue
             place = self.place(pc)
-            sym = place.module.image.symbol(place.vaddr) if place else None
-            path, vaddr = (place.mapping.path, place.vaddr) if place else ("", 0)
-            step = self._step(place, pc, regs, first=not frames) if place else None
-            cfa = step[0] if isinstance(step, tuple) else 0
-            frames.append(Frame(pc, regs[RSP], cfa, path, vaddr, sym, how))
-            if not isinstance(step, tuple):
-                if step is not None and step != "end":
-                    frames[-1] = _ended(frames[-1], step)
+            if place is None:
+                why = "address outside any mapped file" if frames else "no module at the pc"
+                frames.append(_ended(Frame(pc, regs[RSP], 0, "", 0, None, how), why))
                 break
-            cfa, ra, regs, how = step
-            pc = ra
+            sym = place.module.image.symbol(place.vaddr)
+            step = self._step(place, pc, regs, first=not frames)
+            cfa, start = (step[0], step[4]) if isinstance(step, tuple) else (0, 0)
+            frame = Frame(pc, regs[RSP], cfa, place.mapping.path, place.vaddr, sym, how, start)
+            frames.append(frame)
+            if not isinstance(step, tuple):
+                if step != "end":
+                    frames[-1] = _ended(frame, step)
+                break
+            _, pc, regs, how, _ = step
         return frames
+
+    def _trampoline(self, addr: int) -> bool:
+        m = self.maps.find(addr)
+        return m is not None and m.path == UPROBES
+
+    def _after_trampoline(self, sp: int, probed: int) -> tuple[int, dict[int, int], str] | None:
+        """Where the walk resumes above a caller whose return address a
+        uretprobe hides: (pc, registers, how), or None."""
+        stack = self.maps.find(sp)
+        end = min(sp + SCAN_BYTES, stack.end if stack else sp)
+        weak: int | None = None
+        for slot in range(sp, end - 7, 8):
+            word = self.mem.u64(slot)
+            if word is None:
+                break
+            kind = self._returns_past_a_caller_of(word, probed)
+            if kind == "direct":
+                return word, {RSP: slot + 8}, "scanned"
+            if kind == "indirect" and weak is None:
+                weak = slot
+        if weak is None:
+            return None
+        word = self.mem.u64(weak)
+        return (word, {RSP: weak + 8}, "scanned") if word else None
+
+    def _returns_past_a_caller_of(self, ra: int, probed: int) -> str:
+        """ "direct" if ``ra`` returns from a call to a function that calls
+        ``probed`` (directly or through the PLT), "indirect" if from a call
+        to a function with an indirect call or through a register, else ""."""
+        place = self.place(ra)
+        if place is None or not probed:
+            return ""
+        code = place.module.image.code(place.vaddr - 5, 5)
+        if len(code) == 5 and code[0] == 0xE8:
+            callee = ra + int.from_bytes(code[1:], "little", signed=True)
+            callee = self._plt_target(callee) or callee
+            return self._calls(callee, probed)
+        full = place.module.image.code(place.vaddr - 7, 7)
+        return "indirect" if len(full) == 7 and _indirect_call(full) else ""
+
+    def _calls(self, fn: int, target: int) -> str:
+        """How the function starting at ``fn`` may call ``target``."""
+        place = self.place(fn)
+        table = place.module.frames if place is not None else None
+        rule = table.rule(place.vaddr) if table is not None and place is not None else None
+        if place is None or rule is None or rule.fn_start != place.vaddr:
+            return ""
+        body = place.module.image.code(place.vaddr, min(rule.fn_end - rule.fn_start, 1 << 16))
+        indirect = False
+        for i in range(len(body) - 4):
+            if body[i] == 0xE8:
+                dest = fn + i + 5 + int.from_bytes(body[i + 1 : i + 5], "little", signed=True)
+                if dest == target or (dest != fn and self._plt_target(dest) == target):
+                    return "direct"
+            elif body[i] == 0xFF and (body[i + 1] >> 3) & 7 == 2:
+                indirect = True
+        return "indirect" if indirect else ""
 
     def _step(
         self, place: _Place, pc: int, regs: dict[int, int], first: bool
-    ) -> tuple[int, int, dict[int, int], str] | str:
-        """(cfa, return address, caller's registers, how) or why the walk ends."""
+    ) -> tuple[int, int, dict[int, int], str, int] | str:
+        """(cfa, return address, caller's registers, how, the function's
+        run-time start) or why the walk ends."""
         table = place.module.frames
         if table is None:
             return f"no call frame information ({place.module.cfi_error})"
@@ -254,7 +336,8 @@ class Unwinder:
             if found is None:
                 return "return address not found by scanning"
             cfa, how = found, "scanned"
-        return self._caller(rule, cfa, regs, how)
+        caller = self._caller(rule, cfa, regs, how)
+        return caller if isinstance(caller, str) else (*caller, rule.fn_start + place.bias)
 
     def _caller(
         self, rule: Rule, cfa: int, regs: dict[int, int], how: str
@@ -374,8 +457,7 @@ def _modrm_length(modrm: int, sib: bytes) -> int:
 
 
 def _ended(frame: Frame, why: str) -> Frame:
-    return Frame(frame.pc, frame.sp, frame.cfa, frame.path, frame.vaddr, frame.symbol,
-                 f"{frame.how}; walk ended: {why}")  # fmt: skip
+    return replace(frame, how=f"{frame.how}; walk ended: {why}")
 
 
 def _reachable(pid: int, path: str) -> str:

@@ -38,7 +38,6 @@ from stallwatch.recorder.elfimage import ElfImage
 from stallwatch.recorder.threads import Reader, api_name
 from stallwatch.recorder.unwind import Frame
 
-ROOT = Path(__file__).resolve().parent.parent
 ELEMENTS = 4096
 HUNG = 1
 NRANKS = 3
@@ -52,41 +51,60 @@ class HungJob:
 
 
 def _start_rank(rank: int, run_dir: Path, lib: Path) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "lab.job", "--rank", str(rank), "--nodes", "1"]
+    argv = [sys.executable, "-m", "stallwatch.lab.job", "--rank", str(rank), "--nodes", "1"]
     argv += ["--ranks-per-node", str(NRANKS), "--steps", "40", "--run-dir", str(run_dir)]
     argv += ["--elements", str(ELEMENTS), "--fault", f"hang:rank={HUNG},step=2"]
     env = {**os.environ, LIB_ENV: str(lib), "RANK": str(rank), "WORLD_SIZE": str(NRANKS)}
-    env["PYTHONPATH"] = str(ROOT)
     with (run_dir / f"rank-{rank}.log").open("w") as log:
-        return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(argv, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _waiting(snap: ThreadSnapshot) -> int:
     return sum(1 for p in snap.processes if p.nccl_threads())
 
 
-@pytest.fixture(params=[True, False], ids=["frame-pointers", "no-frame-pointers"])
-def hung_job(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[HungJob]:
-    lib = build.ensure_built(frame_pointers=request.param)
-    procs = [_start_rank(r, tmp_path, lib) for r in range(NRANKS)]
+@dataclass(slots=True)
+class _Job:
+    procs: list[subprocess.Popen[bytes]]
+    pids: dict[int, int]
+    tp_handles: dict[int, int]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+def _hung(run_dir: Path, lib: Path) -> _Job:
+    """The job, once rank HUNG hung and the others wait inside a collective."""
+    procs = [_start_rank(r, run_dir, lib) for r in range(NRANKS)]
+    job = _Job(procs, {r: p.pid for r, p in enumerate(procs)}, {})
     try:
-        pids = {r: p.pid for r, p in enumerate(procs)}
         deadline = time.monotonic() + 60
         while True:
-            hung = read_report(tmp_path, HUNG)
-            snap = Reader().snapshot(pids.values())
+            hung = read_report(run_dir, HUNG)
+            snap = Reader().snapshot(job.pids.values())
             if hung is not None and hung.status == "hung" and _waiting(snap) == NRANKS - 1:
                 break
             assert time.monotonic() < deadline, "the job did not hang as asked"
             assert all(p.poll() is None for p in procs), "a rank exited"
             time.sleep(0.2)
-        reports = {r: read_report(tmp_path, r) for r in pids}
-        tp = {r: int(rep.comms["tp"]["handle"], 16) for r, rep in reports.items() if rep}
-        yield HungJob(lib, pids, tp)
+    except BaseException:
+        job.stop()
+        raise
+    reports = {r: read_report(run_dir, r) for r in job.pids}
+    job.tp_handles = {r: int(rep.comms["tp"]["handle"], 16) for r, rep in reports.items() if rep}
+    return job
+
+
+@pytest.fixture(params=[True, False], ids=["frame-pointers", "no-frame-pointers"])
+def hung_job(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[HungJob]:
+    lib = build.ensure_built(frame_pointers=request.param)
+    job = _hung(tmp_path, lib)
+    try:
+        yield HungJob(lib, job.pids, job.tp_handles)
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        job.stop()
 
 
 def _by_pid(snap: ThreadSnapshot) -> dict[int, ProcessThreads]:
@@ -148,6 +166,35 @@ def test_reading_stops_no_thread(hung_job: HungJob) -> None:
         status = Path(f"/proc/{pid}/status").read_text()
         assert re.search(r"^TracerPid:\s+0$", status, re.M)
         assert re.search(r"^State:\s+S", status, re.M)
+
+
+@pytest.mark.lab
+@pytest.mark.bpf
+def test_calls_the_agent_records_are_read_through_its_uretprobes(tmp_path: Path) -> None:
+    """With the agent attached, every NCCL call returns through the kernel's
+    uretprobe trampoline: the API frame's return address on the stack is the
+    trampoline's.  The walk steps over the hidden caller and goes on."""
+    from stallwatch.recorder.agent import Agent, AgentConfig
+    from stallwatch.recorder.source import BccSource
+
+    lib = build.ensure_built(frame_pointers=False)
+    agent = Agent(AgentConfig(dump_dir=tmp_path / "dumps"), BccSource(1024, 1_000_000))
+    try:
+        agent.attach_library(str(lib), required=True)
+        job = _hung(tmp_path, lib)
+        try:
+            snap = Reader().snapshot(job.pids.values())
+        finally:
+            job.stop()
+    finally:
+        agent.close()
+    waiting = [t for p in snap.processes for t in p.nccl_threads()]
+    assert len(waiting) == NRANKS - 1
+    for t in waiting:
+        assert "[uprobes: caller hidden by a uretprobe]" in t.frames, t.frames
+        assert t.unwind == "cfi+scanned+uretprobe", t.unwind
+        assert t.frames[-1].startswith("python3") and "!_start+" in t.frames[-1], t.frames
+        assert t.nccl is not None and t.nccl.count == Sizes.from_elements(ELEMENTS).shard
 
 
 # -- call frame information against readelf --------------------------------

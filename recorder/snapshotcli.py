@@ -24,11 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-
-from dumpers.errors import AgentError, UsageError
-from dumpers.model import Clock, ProcessInfo, Recording, Ring, Trigger, TriggerKind
-from dumpers.schema import RING_DTYPES
-from dumpers.threads import ThreadSnapshot
+from stallwatch.dumpers.errors import AgentError, UsageError
+from stallwatch.dumpers.model import Clock, ProcessInfo, Recording, Ring, Trigger, TriggerKind
+from stallwatch.dumpers.schema import RING_DTYPES
+from stallwatch.dumpers.threads import ThreadSnapshot
+from stallwatch.query.output import HelpFormatter, add_format_option
 
 from . import discovery
 from .positions import snapshot_summary, summary_lines
@@ -41,6 +41,12 @@ examples:
   stallwatch snapshot --pid 4242 --pid 4243 --dump-dir /tmp/hang
   stallwatch snapshot --agents node1:9400,node2:9400   every node, one incident
   stallwatch analyze dumps/                         then: which rank is missing
+
+Reading another process's threads needs the right to trace it (root, or the
+same user with ptrace allowed); nothing is stopped or attached.
+
+exit codes: 0 read and dumped; 2 bad usage, or an agent could not be reached
+or refused (the others' answers are printed).
 """
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -53,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "blocked in and its arguments, the system call it sleeps in, its stack), without "
         "stopping it, and write it as a dump.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--pid",
@@ -71,24 +77,31 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument(
         "--agents",
-        default="",
+        default=None,
         metavar="HOST:PORT,...",
         help="ask these agents to read their nodes and dump, as one incident",
     )
-    p.add_argument("--dump-dir", type=Path, default=Path("dumps"), help="default: ./dumps")
-    p.add_argument("--samples", type=int, default=3, metavar="N", help="readings (default 3)")
     p.add_argument(
-        "--interval", type=float, default=0.5, metavar="SEC", help="between readings (default 0.5)"
+        "--dump-dir",
+        type=Path,
+        default=Path("dumps"),
+        help="where this node's dump goes (with --agents, each agent writes into its own)",
+    )
+    p.add_argument("--samples", type=int, default=3, metavar="N", help="readings of each node")
+    p.add_argument(
+        "--interval", type=float, default=0.5, metavar="SEC", help="seconds between readings"
     )
     p.add_argument(
         "--python-stacks",
         action="store_true",
         help="also Python stacks, if py-spy is installed (slower)",
     )
-    p.add_argument("--reason", default="stallwatch snapshot", metavar="TEXT")
+    p.add_argument(
+        "--reason", default="stallwatch snapshot", metavar="TEXT", help="written in the dump"
+    )
     p.add_argument("--token-file", type=Path, metavar="FILE", help="the agents' bearer token")
     p.add_argument("--host-name", default="", help="host name in the dump (default: hostname)")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    add_format_option(p)
     p.set_defaults(func=_snapshot)
 
 
@@ -153,7 +166,7 @@ def _version() -> str:
 
 
 def _local(args: argparse.Namespace) -> int:
-    from dumpers.format import write_dump
+    from stallwatch.dumpers.format import write_dump
 
     from .watchdog import new_incident_id
 
@@ -166,7 +179,7 @@ def _local(args: argparse.Namespace) -> int:
     snaps = read_series(reader, pids, args.samples, args.interval, "request")
     rec = snapshot_recording(host, snaps, args.reason, new_incident_id(host))
     path = write_dump(args.dump_dir, rec)
-    if args.json:
+    if args.format == "json":
         doc = {"host": host, "path": str(path), "positions": snapshot_summary(snaps[-1])}
         print(json.dumps(doc, indent=2, sort_keys=True))
         return EXIT_OK
@@ -194,7 +207,7 @@ def _ask_agents(args: argparse.Namespace) -> int:
     with ThreadPoolExecutor(len(agents)) as pool:
         answers = list(pool.map(lambda a: _ask(a, body, token, timeout), agents))
     failed = [(a, ans) for a, ans in zip(agents, answers, strict=True) if isinstance(ans, str)]
-    if args.json:
+    if args.format == "json":
         doc = {"incident_id": incident, "agents": dict(zip(agents, answers, strict=True))}
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:

@@ -88,6 +88,14 @@ class FakeAgent:
         self.dumps.append((reason, incident_id, origin))
         return {"path": f"/dumps/{self.host}.msgpack", "incident_id": incident_id or "i-1"}
 
+    def request_snapshot(
+        self, reason: str, incident_id: str | None, samples: int, interval_s: float
+    ) -> object:
+        self.dumps.append(
+            (f"snapshot x{samples} every {interval_s:g} s: {reason}", incident_id, None)
+        )
+        return {"host": self.host, "incident_id": incident_id or "i-1", "positions": []}
+
     def metrics_text(self) -> str:
         return METRICS_TEXT
 
@@ -295,6 +303,38 @@ def test_serve_answers_dump_with_501() -> None:
     handle = serve_http(RecordingsBackend([synthetic_recording(Synthetic())]), "127.0.0.1:0", None)
     try:
         status, doc = request(handle.address, "POST", "/dump", b"{}")
+        assert status == 501 and "recorded dumps" in doc["error"]
+    finally:
+        handle.close()
+
+
+def test_snapshot_goes_to_the_backend_with_checked_sampling(
+    server: ServerHandle, agent: FakeAgent
+) -> None:
+    body = json.dumps({"reason": "hang?", "incident_id": "i-9", "samples": 2, "interval_s": 1})
+    status, doc = request(server.address, "POST", "/snapshot", body.encode())
+    assert status == 200 and doc == {"host": "node7", "incident_id": "i-9", "positions": []}
+    status, _ = request(server.address, "POST", "/snapshot", b"{}")
+    assert status == 200
+    assert agent.dumps == [
+        ("snapshot x2 every 1 s: hang?", "i-9", None),
+        ("snapshot x3 every 0.5 s: requested over HTTP (POST /snapshot)", None, None),
+    ]
+    for bad, needle in (
+        ({"samples": 0}, "samples: expected 1 to 20"),
+        ({"samples": "3"}, "field 'samples' must be int"),
+        ({"interval_s": -1}, "interval_s: expected 0 to 10"),
+        ({"interval_s": True}, "field 'interval_s' must be a number"),
+    ):
+        status, doc = request(server.address, "POST", "/snapshot", json.dumps(bad).encode())
+        assert status == 400 and needle in doc["error"], doc
+    assert len(agent.dumps) == 2
+
+
+def test_serve_answers_snapshot_with_501() -> None:
+    handle = serve_http(RecordingsBackend([synthetic_recording(Synthetic())]), "127.0.0.1:0", None)
+    try:
+        status, doc = request(handle.address, "POST", "/snapshot", b"{}")
         assert status == 501 and "recorded dumps" in doc["error"]
     finally:
         handle.close()

@@ -276,6 +276,9 @@ def _header(inc: Incident) -> str:
         return f"incident {inc.id}: {n} Flight Recorder file{'s' if n != 1 else ''}, {ranks}"
     hosts = f"{len(inc.hosts)} host{'s' if len(inc.hosts) != 1 else ''}"
     names = ", ".join(inc.hosts[:MAX_LISTED]) + (", ..." if len(inc.hosts) > MAX_LISTED else "")
+    read = sum(len(h.snapshots[-1].processes) for h in inc.readings if h.snapshots)
+    if read:  # a job that hung before anyone recorded has no ranks, only positions
+        ranks += f", {read} process{'es' if read != 1 else ''} read by thread snapshot"
     return f"incident {inc.id}: {hosts} ({names}), {ranks}"
 
 

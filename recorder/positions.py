@@ -96,8 +96,10 @@ class PositionKeeper:
         """The start-up's blocked calls that have not been seen to move."""
         if not self._blocked:
             return []
-        moved = {p.pid for p in progress if p.last_enter_ns > self._blocked[0].since_ns}
-        self._blocked = [b for b in self._blocked if b.pid not in moved]
+        entered: dict[int, int] = {}
+        for p in progress:
+            entered[p.pid] = max(entered.get(p.pid, 0), p.last_enter_ns)
+        self._blocked = [b for b in self._blocked if entered.get(b.pid, 0) <= b.since_ns]
         if self._blocked and self._recheck_due(now_ns):
             self._recheck()
         return [

@@ -39,6 +39,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -317,8 +318,17 @@ def _writable(addr: int, unwinder: Unwinder) -> bool:
 # -- Python stacks (bonus) ---------------------------------------------------
 
 
+def pyspy() -> str | None:
+    """py-spy on the PATH, or installed beside this Python (a virtual environment)."""
+    found = shutil.which("py-spy")
+    if found is None:
+        beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+        found = beside if os.access(beside, os.X_OK) else None
+    return found
+
+
 def pyspy_version() -> str:
-    exe = shutil.which("py-spy")
+    exe = pyspy()
     if exe is None:
         return ""
     try:
@@ -330,7 +340,7 @@ def pyspy_version() -> str:
 
 def python_stacks(pid: int) -> dict[int, tuple[str, ...]]:
     """tid -> Python frames (innermost first) from ``py-spy dump --nonblocking``."""
-    exe = shutil.which("py-spy")
+    exe = pyspy()
     if exe is None:
         return {}
     cmd = [exe, "dump", "--pid", str(pid), "--nonblocking", "--json"]

@@ -15,6 +15,7 @@ from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.model import Recording
 from stallwatch.lab import build
 from stallwatch.query.http import ServerHandle, serve_http
+from stallwatch.recorder.threads import pyspy
 
 SLEEPER = """
 import ctypes, sys, time
@@ -129,3 +130,15 @@ def test_every_agent_at_once_under_one_incident() -> None:
     assert "pid 7 rank 1: thread 7 inside ncclAllReduce(count=8" in done.stdout
     assert dead.returncode == 2 and "127.0.0.1:1: unreachable" in dead.stderr
     assert "n0: written" in dead.stdout  # the agents that answered are still shown
+
+
+@pytest.mark.skipif(pyspy() is None, reason="py-spy is in the test extras")
+def test_python_stacks_are_a_marked_bonus(tmp_path: Path, sleeper: int) -> None:
+    done = _cli("--pid", str(sleeper), "--samples", "1", "--python-stacks",
+                "--dump-dir", str(tmp_path), "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rec = read_dump(json.loads(done.stdout)["path"])
+    snap = rec.snapshots[-1]
+    assert snap.python_tool.startswith("py-spy ")
+    main = next(t for t in snap.processes[0].threads if t.tid == sleeper)
+    assert main.python == ("<module> (<string>:5)",), main.python

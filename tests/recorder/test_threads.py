@@ -149,7 +149,9 @@ def test_every_stack_is_walked_to_the_entry_point(hung_job: HungJob) -> None:
         main = next(t for t in proc.threads if t.tid == proc.pid)
         assert main.frames[-1].startswith("python3") and "!_start+" in main.frames[-1], main
         assert "stopped" not in main.unwind, main.unwind
-        if main.nccl is not None:
+        # any agent on this machine may hide callers behind its uretprobes (the
+        # walk then resumes by scanning: test_calls_the_agent_records_...)
+        if main.nccl is not None and "uretprobe" not in main.unwind:
             assert main.unwind == ("cfi+scanned" if fp else "cfi")
         others = [t for t in proc.threads if t.tid != proc.pid]
         for t in others:  # the BLAS pool's threads: walked to the thread start in libc
@@ -165,7 +167,7 @@ def test_reading_stops_no_thread(hung_job: HungJob) -> None:
     for pid in hung_job.pids.values():
         status = Path(f"/proc/{pid}/status").read_text()
         assert re.search(r"^TracerPid:\s+0$", status, re.M)
-        assert re.search(r"^State:\s+S", status, re.M)
+        assert re.search(r"^State:\s+[RS] ", status, re.M)  # never T (stopped) nor t (traced)
 
 
 @pytest.mark.lab

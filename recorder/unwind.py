@@ -37,7 +37,10 @@ from __future__ import annotations
 import bisect
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from .cfi import RA, RBP, RSP, CfiError, FrameTable, Rule
 from .elfimage import ElfError, ElfImage, Symbol, file_key
@@ -46,6 +49,7 @@ CALLEE_SAVED = (3, RBP, 12, 13, 14, 15)  # rbx, rbp, r12-r15 (DWARF numbers)
 MAX_FRAMES = 64
 UPROBES = "[uprobes]"  # the kernel's page of uprobe trampolines
 SCAN_BYTES = 64 * 1024  # how far up the stack a frame's return address is looked for
+WEAK_LEAD = 4096  # past an indirect-call candidate, how far a direct one is still looked for
 PAGE = 4096
 READ_PAGES = 4
 
@@ -78,6 +82,15 @@ class ProcessMaps:
         maps.sort(key=lambda m: m.start)
         self.maps = maps
         self._starts = [m.start for m in maps]
+        code = [m for m in maps if "x" in m.perms and m.path.startswith("/")]
+        self.code_lo = np.array([m.start for m in code], dtype=np.uint64)
+        self.code_hi = np.array([m.end for m in code], dtype=np.uint64)
+
+    def code_words(self, words: np.ndarray) -> np.ndarray:
+        """Indices of the words that point into executable file mappings."""
+        i = np.searchsorted(self.code_lo, words, side="right") - 1
+        inside = (i >= 0) & (words < self.code_hi[np.maximum(i, 0)])
+        return np.flatnonzero(inside)
 
     @classmethod
     def of(cls, pid: int) -> ProcessMaps | None:
@@ -136,6 +149,16 @@ class ProcessMemory:
         data = self.read(addr, 8)
         return None if data is None else int.from_bytes(data, "little")
 
+    def words(self, start: int, end: int) -> np.ndarray:
+        """The u64 words of [start, end) that can be read, from ``start`` on."""
+        data = b""
+        while start + len(data) < end:
+            chunk = self.read(start + len(data), min(PAGE, end - start - len(data)) & ~7)
+            if not chunk:
+                break
+            data += chunk
+        return np.frombuffer(data[: len(data) & ~7], dtype="<u8")
+
     def close(self) -> None:
         os.close(self.fd)
 
@@ -145,6 +168,23 @@ class Module:
     image: ElfImage
     frames: FrameTable | None
     cfi_error: str = ""
+    # function start (vaddr) -> (targets of its direct calls, has an indirect call)
+    calls: dict[int, tuple[frozenset[int], bool]] = field(default_factory=dict)
+
+    def calls_of(self, start: int, end: int) -> tuple[frozenset[int], bool]:
+        """What the function [start, end) calls, read from its bytes once (a
+        byte scan: an opcode inside another instruction can add a target)."""
+        found = self.calls.get(start)
+        if found is None:
+            body = np.frombuffer(self.image.code(start, min(end - start, 1 << 16)), np.uint8)
+            at = np.flatnonzero(body[:-4] == 0xE8)
+            b = body.astype(np.int64)
+            rel32 = b[at + 1] | b[at + 2] << 8 | b[at + 3] << 16 | b[at + 4] << 24
+            rel32 = np.where(rel32 >= 1 << 31, rel32 - (1 << 32), rel32)
+            targets = frozenset((start + at + 5 + rel32).tolist())
+            indirect = bool(np.any((body[:-1] == 0xFF) & ((body[1:] >> 3) & 7 == 2)))
+            found = self.calls[start] = (targets, indirect)
+        return found
 
 
 @dataclass(slots=True)
@@ -208,6 +248,7 @@ class Unwinder:
     def __init__(self, pid: int, maps: ProcessMaps, mem: ProcessMemory, cache: ModuleCache) -> None:
         self.pid, self.maps, self.mem, self.cache = pid, maps, mem, cache
         self._modules: dict[str, Module | None] = {}
+        self._plt: dict[int, int | None] = {}
 
     def module(self, path: str) -> Module | None:
         if path not in self._modules:
@@ -263,22 +304,31 @@ class Unwinder:
     def _after_trampoline(self, sp: int, probed: int) -> tuple[int, dict[int, int], str] | None:
         """Where the walk resumes above a caller whose return address a
         uretprobe hides: (pc, registers, how), or None."""
+        found = self._find_return(sp, lambda ra: self._returns_past_a_caller_of(ra, probed))
+        if found is None:
+            return None
+        slot, word = found
+        return word, {RSP: slot + 8}, "scanned"
+
+    def _find_return(self, sp: int, judge: Callable[[int], str]) -> tuple[int, int] | None:
+        """(slot, word) of the first stack word above ``sp`` that ``judge``
+        calls "direct", else of the first it calls "indirect" if no direct one
+        follows within WEAK_LEAD bytes.  Only words that point into code are
+        judged (the window is filtered in one vectorised pass)."""
         stack = self.maps.find(sp)
         end = min(sp + SCAN_BYTES, stack.end if stack else sp)
-        weak: int | None = None
-        for slot in range(sp, end - 7, 8):
-            word = self.mem.u64(slot)
-            if word is None:
+        words = self.mem.words(sp, end)
+        weak: tuple[int, int] | None = None
+        for i in self.maps.code_words(words):
+            slot, word = sp + 8 * int(i), int(words[i])
+            if weak is not None and slot - weak[0] > WEAK_LEAD:
                 break
-            kind = self._returns_past_a_caller_of(word, probed)
+            kind = judge(word)
             if kind == "direct":
-                return word, {RSP: slot + 8}, "scanned"
+                return slot, word
             if kind == "indirect" and weak is None:
-                weak = slot
-        if weak is None:
-            return None
-        word = self.mem.u64(weak)
-        return (word, {RSP: weak + 8}, "scanned") if word else None
+                weak = (slot, word)
+        return weak
 
     def _returns_past_a_caller_of(self, ra: int, probed: int) -> str:
         """ "direct" if ``ra`` returns from a call to a function that calls
@@ -287,13 +337,14 @@ class Unwinder:
         place = self.place(ra)
         if place is None or not probed:
             return ""
-        code = place.module.image.code(place.vaddr - 5, 5)
-        if len(code) == 5 and code[0] == 0xE8:
-            callee = ra + int.from_bytes(code[1:], "little", signed=True)
+        code = place.module.image.code(place.vaddr - 7, 7)
+        if len(code) != 7:
+            return ""
+        if code[2] == 0xE8:
+            callee = ra + int.from_bytes(code[3:], "little", signed=True)
             callee = self._plt_target(callee) or callee
             return self._calls(callee, probed)
-        full = place.module.image.code(place.vaddr - 7, 7)
-        return "indirect" if len(full) == 7 and _indirect_call(full) else ""
+        return "indirect" if _indirect_call(code) else ""
 
     def _calls(self, fn: int, target: int) -> str:
         """How the function starting at ``fn`` may call ``target``."""
@@ -302,15 +353,12 @@ class Unwinder:
         rule = table.rule(place.vaddr) if table is not None and place is not None else None
         if place is None or rule is None or rule.fn_start != place.vaddr:
             return ""
-        body = place.module.image.code(place.vaddr, min(rule.fn_end - rule.fn_start, 1 << 16))
-        indirect = False
-        for i in range(len(body) - 4):
-            if body[i] == 0xE8:
-                dest = fn + i + 5 + int.from_bytes(body[i + 1 : i + 5], "little", signed=True)
-                if dest == target or (dest != fn and self._plt_target(dest) == target):
-                    return "direct"
-            elif body[i] == 0xFF and (body[i + 1] >> 3) & 7 == 2:
-                indirect = True
+        targets, indirect = place.module.calls_of(rule.fn_start, rule.fn_end)
+        if target - place.bias in targets:
+            return "direct"
+        for dest in targets:
+            if place.module.image.in_plt(dest) and self._plt_target(dest + place.bias) == target:
+                return "direct"
         return "indirect" if indirect else ""
 
     def _step(
@@ -376,19 +424,8 @@ class Unwinder:
         """The CFA of the frame of the function at ``fn_start``, whose sp is
         ``sp``: one past the first stack word that returns from a call to it
         (failing that, from an indirect call)."""
-        stack = self.maps.find(sp)
-        end = min(sp + SCAN_BYTES, stack.end if stack else sp)
-        weak: int | None = None
-        for slot in range(sp, end - 7, 8):
-            word = self.mem.u64(slot)
-            if word is None:
-                break
-            kind = self.call_before(word, fn_start)
-            if kind == "direct":
-                return slot + 8
-            if kind == "indirect" and weak is None:
-                weak = slot + 8
-        return weak
+        found = self._find_return(sp, lambda ra: self.call_before(ra, fn_start))
+        return None if found is None else found[0] + 8
 
     def call_before(self, ra: int, target: int) -> str:
         """ "direct" if the instruction before ``ra`` calls ``target`` (directly,
@@ -412,6 +449,11 @@ class Unwinder:
 
     def _plt_target(self, stub: int) -> int | None:
         """Where a PLT stub jumps: ``jmp *rel32(%rip)``, maybe after endbr64/bnd."""
+        if stub not in self._plt:
+            self._plt[stub] = self._read_plt(stub)
+        return self._plt[stub]
+
+    def _read_plt(self, stub: int) -> int | None:
         place = self.place(stub)
         if place is None or not place.module.image.in_plt(place.vaddr):
             return None

@@ -128,6 +128,11 @@ class ElfImage:
         self._symbols: _Symbols | None = None
         self._symbol_at: dict[int, Symbol | None] = {}
         self._by_name = {s.name: s for s in self.sections}
+        self._plt = [
+            (sec.addr, sec.addr + sec.size)
+            for name in (".plt", ".plt.sec", ".plt.got")
+            if (sec := self._by_name.get(name)) is not None
+        ]
 
     def _segments(self) -> tuple[Segment, ...]:
         (phoff,) = struct.unpack_from("<Q", self.data, 0x20)
@@ -205,11 +210,7 @@ class ElfImage:
         return sym
 
     def in_plt(self, vaddr: int) -> bool:
-        for name in (".plt", ".plt.sec", ".plt.got"):
-            sec = self.section(name)
-            if sec is not None and sec.addr <= vaddr < sec.addr + sec.size:
-                return True
-        return False
+        return any(lo <= vaddr < hi for lo, hi in self._plt)
 
     def close(self) -> None:
         self.data.close()

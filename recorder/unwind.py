@@ -168,10 +168,11 @@ class Module:
     image: ElfImage
     frames: FrameTable | None
     cfi_error: str = ""
-    # function start (vaddr) -> (targets of its direct calls, has an indirect call)
-    calls: dict[int, tuple[frozenset[int], bool]] = field(default_factory=dict)
+    # function start (vaddr) -> (targets of its direct calls, those in the PLT,
+    # has an indirect call)
+    calls: dict[int, tuple[frozenset[int], tuple[int, ...], bool]] = field(default_factory=dict)
 
-    def calls_of(self, start: int, end: int) -> tuple[frozenset[int], bool]:
+    def calls_of(self, start: int, end: int) -> tuple[frozenset[int], tuple[int, ...], bool]:
         """What the function [start, end) calls, read from its bytes once (a
         byte scan: an opcode inside another instruction can add a target)."""
         found = self.calls.get(start)
@@ -182,8 +183,9 @@ class Module:
             rel32 = b[at + 1] | b[at + 2] << 8 | b[at + 3] << 16 | b[at + 4] << 24
             rel32 = np.where(rel32 >= 1 << 31, rel32 - (1 << 32), rel32)
             targets = frozenset((start + at + 5 + rel32).tolist())
+            plt = tuple(t for t in targets if self.image.in_plt(t))
             indirect = bool(np.any((body[:-1] == 0xFF) & ((body[1:] >> 3) & 7 == 2)))
-            found = self.calls[start] = (targets, indirect)
+            found = self.calls[start] = (targets, plt, indirect)
         return found
 
 
@@ -353,12 +355,11 @@ class Unwinder:
         rule = table.rule(place.vaddr) if table is not None and place is not None else None
         if place is None or rule is None or rule.fn_start != place.vaddr:
             return ""
-        targets, indirect = place.module.calls_of(rule.fn_start, rule.fn_end)
+        targets, plt, indirect = place.module.calls_of(rule.fn_start, rule.fn_end)
         if target - place.bias in targets:
             return "direct"
-        for dest in targets:
-            if place.module.image.in_plt(dest) and self._plt_target(dest + place.bias) == target:
-                return "direct"
+        if any(self._plt_target(stub + place.bias) == target for stub in plt):
+            return "direct"
         return "indirect" if indirect else ""
 
     def _step(

@@ -104,7 +104,7 @@ class NcclCall:
             parts.append(f"root={self.root}")
         if self.op.is_p2p:
             parts.append(f"peer={self.root}")
-        parts.append(f"comm=0x{self.comm:x}")
+        parts.append(f"comm=0x{self.comm:016x}")
         return f"{self.symbol}({', '.join(parts)})"
 
 

@@ -275,7 +275,7 @@ def _comm_json(comm: Comm) -> dict[str, Any]:
         "rank": comm.rank,
         "nranks": comm.nranks,
         "id_hash": f"0x{comm.id_hash:016x}",
-        "handle": f"0x{comm.handle:x}",
+        "handle": f"0x{comm.handle:016x}",
     }
 
 

@@ -14,7 +14,8 @@ pytestmark = [pytest.mark.lab, pytest.mark.slow]
 def test_bench_snapshot_quick_figures() -> None:
     figures = {f.name: f for f in bench_snapshot.figures(quick=True)}
     table = render(list(figures.values()))
-    cold = figures["snapshot of 8 ranks (cold)"].value
-    warm = figures["snapshot of 8 ranks (warm)"].value
+    cold = figures["snapshot of 8 ranks (fresh reader)"].value
+    warm = figures["snapshot of 8 ranks (agent's reader)"].value
     assert warm > 0 and 0 < cold < 1000, table  # ms
+    assert figures["finding the NCCL processes (/proc scan)"].value > 0, table
     assert figures["rank wake-up lateness p99, snapshots running"].value >= 0, table

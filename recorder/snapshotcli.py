@@ -173,7 +173,8 @@ def _local(args: argparse.Namespace) -> int:
     host = args.host_name or socket.gethostname()
     reader = Reader(python_stacks=args.python_stacks)
     pids = list(args.pid) or nccl_pids()
-    if args.scope == "netns":
+    netns = args.scope == "netns"
+    if netns:
         mine = discovery.netns_of(os.getpid())
         pids = [p for p in pids if discovery.netns_of(p) == mine]
     snaps = read_series(reader, pids, args.samples, args.interval, "request")
@@ -184,6 +185,9 @@ def _local(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2, sort_keys=True))
         return EXIT_OK
     print(f"{host}: {len(snaps[-1].processes)} process(es), {len(snaps)} reading(s)")
+    if not snaps[-1].processes:
+        where = " in this network namespace" if netns else ""
+        print(f"  {'no --pid process is' if args.pid else 'no process maps a libnccl'}{where}")
     for line in summary_lines(snapshot_summary(snaps[-1])):
         print(f"  {line}")
     print(f"wrote {path}")

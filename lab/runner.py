@@ -624,9 +624,12 @@ def request_snapshots(lab: Lab) -> list[str]:
         {"reason": "lab: snapshot of a stuck job", "incident_id": f"lab-{lab.run_id}-snapshot"}
     ).encode()
 
+    context = _client_context(lab)
+
     def ask(node: netns.Node) -> str | None:  # every node at once, as the command does
-        url = f"http://{node.ip}:{AGENT_PORT}/snapshot"
-        return netns.in_netns(node.netns, functools.partial(_post_dump, url, body, lab.token))
+        url = f"https://{node.ip}:{AGENT_PORT}/snapshot"
+        post = functools.partial(_post_dump, url, body, lab.token, context)
+        return netns.in_netns(node.netns, post)
 
     with ThreadPoolExecutor(len(lab.net.nodes)) as pool:
         answers = list(pool.map(ask, lab.net.nodes))

@@ -13,13 +13,16 @@ Each node is read ``--samples`` times, ``--interval`` apart (default 3 over
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
+import ssl
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,6 +31,7 @@ from stallwatch.dumpers.errors import AgentError, UsageError
 from stallwatch.dumpers.model import Clock, ProcessInfo, Recording, Ring, Trigger, TriggerKind
 from stallwatch.dumpers.schema import RING_DTYPES
 from stallwatch.dumpers.threads import ThreadSnapshot
+from stallwatch.query import tls
 from stallwatch.query.output import HelpFormatter, add_format_option
 
 from . import discovery
@@ -49,6 +53,13 @@ exit codes: 0 read and dumped; 2 bad usage, or an agent could not be reached
 or refused (the others' answers are printed).
 """
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _https_opener(context: ssl.SSLContext) -> urllib.request.OpenerDirector:
+    """No proxy (agents are on the cluster network), the agents' CA."""
+    return urllib.request.build_opener(
+        urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context)
+    )
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -100,6 +111,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--reason", default="stallwatch snapshot", metavar="TEXT", help="written in the dump"
     )
     p.add_argument("--token-file", type=Path, metavar="FILE", help="the agents' bearer token")
+    tls.add_client_options(p, what="the agents")
     p.add_argument("--host-name", default="", help="host name in the dump (default: hostname)")
     add_format_option(p)
     p.set_defaults(func=_snapshot)
@@ -208,8 +220,14 @@ def _ask_agents(args: argparse.Namespace) -> int:
     body = {"reason": args.reason, "incident_id": incident, "samples": args.samples,
             "interval_s": args.interval}  # fmt: skip
     timeout = args.samples * args.interval + 60
+    client_tls = tls.client_from(args)
+    context = client_tls.context() if client_tls is not None else None
+    ask = functools.partial(
+        _ask, body=body, token=token, timeout=timeout, context=context,
+        describe=lambda exc: tls.describe_failure(exc, args.tls_ca, args.tls_cert is not None),
+    )  # fmt: skip
     with ThreadPoolExecutor(len(agents)) as pool:
-        answers = list(pool.map(lambda a: _ask(a, body, token, timeout), agents))
+        answers = list(pool.map(ask, agents))
     failed = [(a, ans) for a, ans in zip(agents, answers, strict=True) if isinstance(ans, str)]
     if args.format == "json":
         doc = {"incident_id": incident, "agents": dict(zip(agents, answers, strict=True))}
@@ -224,8 +242,16 @@ def _ask_agents(args: argparse.Namespace) -> int:
 Answer = dict[str, object] | str  # the agent's JSON object, or why there is none
 
 
-def _ask(agent: str, body: dict[str, object], token: str | None, timeout: float) -> Answer:
-    base = agent if agent.startswith(("http://", "https://")) else f"http://{agent}"
+def _ask(
+    agent: str,
+    body: dict[str, object],
+    token: str | None,
+    timeout: float,
+    context: ssl.SSLContext | None = None,
+    describe: Callable[[BaseException], str] = str,
+) -> Answer:
+    scheme = "https" if context is not None else "http"
+    base = agent if agent.startswith(("http://", "https://")) else f"{scheme}://{agent}"
     req = urllib.request.Request(
         base.rstrip("/") + "/snapshot", data=json.dumps(body).encode(), method="POST",
         headers={"Content-Type": "application/json"},
@@ -233,13 +259,15 @@ def _ask(agent: str, body: dict[str, object], token: str | None, timeout: float)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
-        with _OPENER.open(req, timeout=timeout) as resp:
+        opener = _OPENER if context is None else _https_opener(context)
+        with opener.open(req, timeout=timeout) as resp:
             answer = json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace").strip()[:200]
         return f"refused: HTTP {exc.code} {detail}"
     except (OSError, ValueError) as exc:
-        return f"unreachable: {getattr(exc, 'reason', None) or exc}"
+        reason = getattr(exc, "reason", None)
+        return f"unreachable: {describe(reason if isinstance(reason, BaseException) else exc)}"
     return answer if isinstance(answer, dict) else "answered something other than a JSON object"
 
 

@@ -132,6 +132,31 @@ def test_every_agent_at_once_under_one_incident() -> None:
     assert "n0: written" in dead.stdout  # the agents that answered are still shown
 
 
+def test_every_agent_over_mutual_tls_and_a_wrong_ca_named(tmp_path: Path) -> None:
+    from tests.query.certs import make_certs
+
+    certs = make_certs(tmp_path)
+    agents = [_Agent("n0"), _Agent("n1")]
+    servers = [serve_http(a, "127.0.0.1:0", "tok", tls=certs.server(mutual=True)) for a in agents]
+    token = tmp_path / "token"
+    token.write_text("tok")
+    client = ["--token-file", str(token), "--tls-cert", str(certs.client_cert)]
+    client += ["--tls-key", str(certs.client_key)]
+    try:
+        where = ",".join(s.address for s in servers)
+        done = _cli("--agents", where, "--tls-ca", str(certs.ca), *client, "--interval", "0.1")
+        wrong = _cli("--agents", where, "--tls-ca", str(certs.other_ca), *client)
+    finally:
+        for s in servers:
+            s.close()
+    assert done.returncode == 0, done.stderr
+    assert all(len(a.asked) == 1 for a in agents)
+    assert "n0: written /d/n0.msgpack" in done.stdout
+    assert wrong.returncode == 2
+    assert f"not trusted by --tls-ca {certs.other_ca}" in wrong.stderr, wrong.stderr
+    assert "Traceback" not in wrong.stderr
+
+
 @pytest.mark.skipif(pyspy() is None, reason="py-spy is in the test extras")
 def test_python_stacks_are_a_marked_bonus(tmp_path: Path, sleeper: int) -> None:
     done = _cli("--pid", str(sleeper), "--samples", "1", "--python-stacks",

@@ -284,6 +284,7 @@ def _extract(
     for name, src in (*CALL_FIELDS, ("crank", "rank"), ("hash", "comm_hash")):
         stage[name][dst] = (times[name] if name in times else raw[src])[sel]
     stage["device"][dst] = times["device"][sel] if "device" in times else 0
+    stage["shape"][dst] = 0  # our rings record counts, not tensor shapes
     index, rank, comm_hash = stage["proc"][dst], stage["crank"][dst], stage["hash"][dst]
     unknown = comm_hash == 0
     if unknown.any():  # fill from the process's comm table by pointer
@@ -345,23 +346,28 @@ def _host_now(extracts: list[_Extract]) -> dict[str, int]:
     return out
 
 
-def _exit_status(rec: Recording) -> dict[int, tuple[int | None, int | None]]:
-    """(exit code, fatal signal) per pid: the process table's when it has one,
-    else the exit ring's.  exit_group() kills the other threads with SIGKILL:
-    a signal row after an exit_group row of the same pid is not a death cause."""
-    status: dict[int, tuple[int | None, int | None]] = {}
+def _exit_status(rec: Recording) -> dict[int, tuple[int | None, int | None, int | None]]:
+    """(exit code, fatal signal, when: wall clock) per pid: the process
+    table's when it has one, else the exit ring's.  exit_group() kills the
+    other threads with SIGKILL: a signal row after an exit_group row of the
+    same pid is not a death cause."""
+    status: dict[int, tuple[int | None, int | None, int | None]] = {}
     ring = rec.rings.get("exit")
     if ring is not None and len(ring.rows):
         rows = ring.rows[np.argsort(ring.rows["ts_ns"], kind="stable")]
-        for pid, event, code, sig in rows[["pid", "event", "code", "signal"]].tolist():
-            old_code, old_sig = status.get(pid, (None, None))
-            if event == ExitEvent.EXIT_GROUP and old_code is None and old_sig is None:
-                status[pid] = (int(code), None)
-            elif event == ExitEvent.SIGNAL and sig > 0 and old_code is None and old_sig is None:
-                status[pid] = (None, int(sig))
+        for pid, event, code, sig, ts in rows[["pid", "event", "code", "signal", "ts_ns"]].tolist():
+            known = pid in status
+            wall = rec.clock.to_wall_ns(int(ts))
+            if event == ExitEvent.EXIT_GROUP and not known:
+                status[pid] = (int(code), None, wall)
+            elif event == ExitEvent.SIGNAL and sig > 0 and not known:
+                status[pid] = (None, int(sig), wall)
     for p in rec.processes:
         if p.exit_code is not None or p.exit_signal is not None:
-            status[p.pid] = (p.exit_code, p.exit_signal)
+            when = status.get(p.pid, (None, None, None))[2]
+            if p.exit_ns:
+                when = rec.clock.to_wall_ns(p.exit_ns)
+            status[p.pid] = (p.exit_code, p.exit_signal, when)
     return status
 
 
@@ -376,9 +382,9 @@ def _procs(extracts: list[_Extract]) -> tuple[list[Proc], dict[tuple[str, int], 
             key = (rec.host, pid)
             if key in index:
                 continue
-            code, sig = status.get(pid, (None, None))
+            code, sig, when = status.get(pid, (None, None, None))
             index[key] = len(procs)
-            procs.append(Proc(rec.host, pid, -1, e.source.path, code, sig, e.complete))
+            procs.append(Proc(rec.host, pid, -1, e.source.path, code, sig, e.complete, when))
     return procs, index
 
 

@@ -1,6 +1,7 @@
 """``stallwatch analyze PATH... [--format table|json]``: name the culprit rank, and why.
 
-Exit codes: 0 healthy, 1 findings, 2 nothing could be read.
+Exit codes: 0 healthy, 1 findings (an inconclusive verdict, or an input that
+could not be read, counts as one), 2 nothing could be read.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ examples:
   stallwatch analyze fr_traces/                  PyTorch Flight Recorder dumps (_dump_<rank>)
   STALLWATCH_THREADS=1 stallwatch analyze dumps/ on one core (default: up to 4)
 
-exit codes: 0 healthy, 1 findings, 2 nothing could be read
+exit codes: 0 healthy, 1 findings (inconclusive, or an input lost), 2 nothing could be read
 """
 
 
@@ -51,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     from .report import print_report, to_json
 
     result = analyze_paths(args.paths, progress=sys.stderr.isatty() or len(args.paths) > 1)
+    for s in result.lost:
+        print(f"stallwatch analyze: lost input: {s.error}", file=sys.stderr)
     if args.format == "json":
         print(to_json(result))
     else:

@@ -1,24 +1,32 @@
-"""PyTorch Flight Recorder dumps (format versions 2.x), pickle or JSON.
+"""PyTorch Flight Recorder dumps, pickle or JSON: one file read into a ``FrDump``.
 
 A dump is data, never code: pickles are read with an unpickler whose
 ``find_class`` refuses every global, so only dicts, lists, tuples, strings,
 bytes, numbers, booleans and None can be built.  One dump per rank; the rank
 comes from a ``rank`` field when present, else from the file name
-(``..._<rank>``, as torch names them).  All dumps of one folder form one
-incident.
+(``..._<rank>``, as torch names them).  ``frincident`` turns the dumps of a
+folder into one incident.
 
-Mapping: a process group (``process_group`` name, members from ``pg_config``)
-is a communicator; ``collective_seq_id`` (``p2p_seq_id`` for p2p) is seq;
-``profiling_name`` ("nccl:all_reduce") gives the op; ``input_sizes`` and
-``input_dtypes`` give count and datatype; ``time_created_ns`` and
-``time_discovered_completed_ns`` give entry and completion (wall clock of the
-rank's host, compared only within one rank).  ``pg_status`` progress counters
-are used for groups that run collectives only (torch counts p2p ops in them
-too), mapped to names through the ``pg_id`` that member ranks share.
+Field sets read (the format's ``version``):
+- 1.x: ``seq_id`` (one sequence for every op), ``pg_id`` names the group,
+  no ``process_group``, ``is_p2p`` or dtypes (p2p told by the op's name).
+- 2.0-2.1: ``process_group`` (name, desc), ``collective_seq_id`` and
+  ``p2p_seq_id``, ``op_id`` (one per op inside a coalesced group).
+- 2.2+: ``is_p2p``, ``input_dtypes``/``output_dtypes``; later ``pg_status``
+  (per ``pg_id``: last enqueued, started, completed), ``nccl_version`` (2.9)
+  then ``comm_lib_version`` (2.10), ``duration_ms`` when timing is on.
+The JSON form writes ``process_group`` as a list, absent times as 0 and the
+``pg_status`` counters as strings.
 
-Known limits: dumps that keep only active entries (as these do) say nothing
-of completed work except through ``pg_status``; ``all_to_all`` counts differ
-by design and are not compared.
+What each field means here: ``profiling_name`` ("nccl:all_reduce",
+"gloo:broadcast", "nccl:send 0->1") gives the op and the peer; the sizes and
+dtypes of the side that carries this rank's own data give count, shape and
+datatype (the output side for scatter, reduce_scatter and recv: a scatter's
+non-root ranks have no input); an entry has ended when it is ``retired``,
+``completed`` or has a completion time (gloo never fills ``state``, and
+retires a work that failed as it retires one that succeeded).  Ops of one
+coalesced group share a ``collective_seq_id``: they become one call, its
+count the sum and its shape the list of theirs.
 """
 
 from __future__ import annotations
@@ -27,17 +35,14 @@ import ast
 import contextlib
 import functools
 import gc
-import hashlib
 import io
 import json
 import math
 import pickle
 import re
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import repeat
-from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -45,40 +50,47 @@ import numpy as np
 from stallwatch.dumpers.errors import DumpFormatError, DumpVersionError
 from stallwatch.dumpers.schema import DataType, Op, State
 
-from .columns import Columns
-from .model import (
-    CALL_DTYPE,
-    SCHED_DTYPE,
-    TCP_RETRANS_DTYPE,
-    Calls,
-    Comm,
-    Incident,
-    Proc,
-    SourceKind,
-)
-
-OPS: dict[str, Op] = {
+COALESCED = 254  # an end-of-group marker entry ("nccl:coalesced"), folded away
+OPS: dict[str, int] = {
     "all_reduce": Op.ALL_REDUCE,
     "allreduce": Op.ALL_REDUCE,
     "allreduce_coalesced": Op.ALL_REDUCE,
     "all_gather": Op.ALL_GATHER,
     "allgather": Op.ALL_GATHER,
+    "all_gather_single": Op.ALL_GATHER,
+    "all_gather_v": Op.ALL_GATHER,
     "_all_gather_base": Op.ALL_GATHER,
     "all_gather_into_tensor_coalesced": Op.ALL_GATHER,
     "allgather_coalesced": Op.ALL_GATHER,
+    "ALLGATHER_coalesced": Op.ALL_GATHER,
     "reduce_scatter": Op.REDUCE_SCATTER,
+    "reduce_scatter_single": Op.REDUCE_SCATTER,
+    "reduce_scatter_v": Op.REDUCE_SCATTER,
     "_reduce_scatter_base": Op.REDUCE_SCATTER,
     "reduce_scatter_tensor_coalesced": Op.REDUCE_SCATTER,
+    "REDUCE_SCATTER_coalesced": Op.REDUCE_SCATTER,
     "broadcast": Op.BROADCAST,
+    "_broadcast_oop": Op.BROADCAST,
     "reduce": Op.REDUCE,
+    "_reduce_oop": Op.REDUCE,
     "all_to_all": Op.ALL_TO_ALL,
+    "all_to_all_single": Op.ALL_TO_ALL,
+    "all_to_all_v_single": Op.ALL_TO_ALL,
     "alltoall": Op.ALL_TO_ALL,
     "alltoall_base": Op.ALL_TO_ALL,
     "gather": Op.GATHER,
     "scatter": Op.SCATTER,
+    "barrier": Op.BARRIER,
+    "all_reduce_barrier": Op.BARRIER,
     "send": Op.SEND,
     "recv": Op.RECV,
+    "coalesced": COALESCED,
 }
+# ops whose own data is their output (a scatter's non-root ranks pass no input)
+OUTPUT_SIDE = np.zeros(256, dtype=bool)
+OUTPUT_SIDE[[Op.SCATTER, Op.REDUCE_SCATTER, Op.RECV]] = True
+IS_P2P_OP = np.zeros(256, dtype=bool)
+IS_P2P_OP[[Op.SEND, Op.RECV]] = True
 DTYPES: dict[str, int] = {
     "Float": DataType.FLOAT32,
     "BFloat16": DataType.BFLOAT16,
@@ -107,12 +119,15 @@ FR_ENTRY = np.dtype(
     [
         ("pg_id", "<i8"),
         ("pg", "<i4"),  # index into FrDump.pg_names
-        ("seq", "<i8"),
+        ("seq", "<i8"),  # collective_seq_id, or p2p_seq_id for p2p
+        ("op_id", "<i8"),
         ("is_p2p", "?"),
         ("op", "u1"),
-        ("count", "<u8"),
+        ("count", "<u8"),  # elements of this rank's own data
+        ("shape", "<u4"),  # index into FrDump.shapes
         ("datatype", "u1"),
         ("state", "u1"),
+        ("ended", "?"),  # retired or completed (failed or not)
         ("created", "<i8"),
         ("completed", "<i8"),
         ("peer", "<i4"),
@@ -125,17 +140,27 @@ class FrDump:
     path: str
     rank: int
     version: str
-    pg_ranks: dict[str, tuple[int, ...]]  # group name -> world ranks
-    pg_desc: dict[str, str]
+    backend: str  # "nccl", "gloo", ... from the ops' names; "" without entries
+    pg_ranks: dict[str, tuple[int, ...]]  # group name -> world ranks (pg_config, non-empty)
+    pg_desc: dict[str, str]  # group name -> description (entries, pg_config)
     pg_status: dict[int, tuple[int, int]]  # pg_id -> (last enqueued, last completed)
     pg_names: tuple[str, ...]  # the groups its entries name
-    entries: np.ndarray  # FR_ENTRY
+    shapes: tuple[str, ...]  # entries' "shape" indexes it
+    entries: np.ndarray  # FR_ENTRY, in record order
+    wrapped: bool  # its ring overwrote entries (the first kept is not record 0)
+    notes: tuple[str, ...] = ()  # what of it could not be used, and why
 
 
 def looks_like_flightrec(head: bytes) -> bool:
     if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
         return True  # a pickle (msgpack's 0x80 is an empty map: never a dump)
     return head.lstrip()[:1] == b"{"
+
+
+def rank_in_name(path: str) -> int | None:
+    """The rank torch puts at the end of a dump's file name, if any."""
+    m = _RANK_IN_NAME.search(Path(path).name)
+    return int(m.group(1)) if m else None
 
 
 def _parse(path: str, data: bytes) -> dict[str, Any]:
@@ -188,49 +213,77 @@ def _read(path: str, data: bytes) -> FrDump:
     version = doc.get("version")
     if not isinstance(version, str):
         raise DumpFormatError(f"{path}: field 'version': expected a string, found {version!r}")
-    if not version.startswith("2."):
-        raise DumpVersionError(f"{path}: Flight Recorder version {version}; this reader knows 2.x")
+    if version.split(".")[0] not in ("1", "2"):
+        raise DumpVersionError(
+            f"{path}: Flight Recorder version {version}; this reader knows 1.x and 2.x"
+        )
     rank = _rank(path, doc)
-    ranks, desc = _pg_config(path, doc.get("pg_config", {}))
+    notes: list[str] = []
+    ranks, desc = _pg_config(path, doc.get("pg_config", {}), notes)
     entries = doc.get("entries", [])
     if not isinstance(entries, list):
         raise DumpFormatError(f"{path}: field 'entries': expected a list")
     names: dict[str, int] = {}
-    arr = _entries_by_column(entries, names)
+    shapes: dict[str, int] = {"": 0}
+    arr = _entries_by_column(entries, names, shapes)
     if arr is None:  # something is malformed: entry by entry, to say which and why
-        names = {}
-        rows = [_entry(path, i, e, names) for i, e in enumerate(entries)]
+        names, shapes = {}, {"": 0}
+        rows = [_entry(path, i, e, names, shapes) for i, e in enumerate(entries)]
         try:
             arr = np.array(rows, dtype=FR_ENTRY) if rows else np.zeros(0, dtype=FR_ENTRY)
         except (OverflowError, ValueError, TypeError) as exc:
             raise DumpFormatError(f"{path}: entries: a value out of range: {exc}") from None
+    arr, shape_list = _fold_coalesced(arr, list(shapes))
+    for name, d in _descs(entries).items():
+        desc.setdefault(name, d)
     status = _pg_status(path, doc.get("pg_status", {}))
-    return FrDump(path, rank, version, ranks, desc, status, tuple(names), arr)
+    return FrDump(
+        path,
+        rank,
+        version,
+        _backend(entries),
+        ranks,
+        desc,
+        status,
+        tuple(names),
+        tuple(shape_list),
+        arr,
+        _wrapped(entries),
+        tuple(notes),
+    )
 
 
 def _rank(path: str, doc: dict[str, Any]) -> int:
     if isinstance(doc.get("rank"), int):
         return int(doc["rank"])
-    m = _RANK_IN_NAME.search(Path(path).name)
-    if m is None:
+    rank = rank_in_name(path)
+    if rank is None:
         raise DumpFormatError(f"{path}: no 'rank' field and no rank at the end of the file name")
-    return int(m.group(1))
+    return rank
 
 
-def _pg_config(path: str, cfg: object) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
-    if not isinstance(cfg, dict):
-        raise DumpFormatError(f"{path}: field 'pg_config': expected a dict")
+def _pg_config(
+    path: str, cfg: object, notes: list[str]
+) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """Groups' members and descriptions, as far as they can be read: torch
+    writes groups under an empty name, or ranks as '[]'; those name no group
+    and say nothing (membership then comes from the entries)."""
     ranks: dict[str, tuple[int, ...]] = {}
     desc: dict[str, str] = {}
+    if not isinstance(cfg, dict):
+        notes.append(f"{path}: pg_config is not a dict: group members from the entries")
+        return ranks, desc
     for name, c in cfg.items():
         try:
             r = c["ranks"]
-            ranks[str(name)] = _ranks_text(r) if isinstance(r, str) else tuple(int(x) for x in r)
-            desc[str(name)] = str(c.get("desc", ""))
-        except (KeyError, TypeError, ValueError, SyntaxError, AttributeError):
-            raise DumpFormatError(
-                f"{path}: pg_config[{name!r}]: expected 'ranks' as a list"
-            ) from None
+            members = _ranks_text(r) if isinstance(r, str) else tuple(int(x) for x in r)
+        except (KeyError, TypeError, ValueError, SyntaxError, AttributeError, MemoryError):
+            notes.append(f"{path}: pg_config[{name!r}]: ranks unreadable: members from the entries")
+            continue
+        if str(name) and members:
+            ranks[str(name)] = members
+            if isinstance(c.get("desc"), str) and c["desc"]:
+                desc[str(name)] = c["desc"]
     return ranks, desc
 
 
@@ -255,13 +308,35 @@ def _pg_status(path: str, st: object) -> dict[int, tuple[int, int]]:
     return out
 
 
-def _count(sizes: object) -> int:
-    total = 0
-    if isinstance(sizes, list):
-        for shape in sizes:
-            if isinstance(shape, list):
-                total += math.prod(int(x) for x in shape)
-    return total
+def _descs(entries: list[Any]) -> dict[str, str]:
+    """Group name -> description, from the entries' ``process_group``."""
+    out: dict[str, str] = {}
+    seen: set[object] = set()
+    for e in entries:
+        g = e.get("process_group") if isinstance(e, dict) else None
+        if isinstance(g, (list, tuple)) and len(g) == 2:
+            key = (str(g[0]), str(g[1]))
+            if key not in seen:
+                seen.add(key)
+                out.setdefault(key[0], key[1])
+    return out
+
+
+def _backend(entries: list[Any]) -> str:
+    for e in entries[:1]:
+        name = e.get("profiling_name") if isinstance(e, dict) else None
+        if isinstance(name, str):
+            return name.split(":", 1)[0]
+    return ""
+
+
+def _wrapped(entries: list[Any]) -> bool:
+    first = entries[0] if entries else None
+    return (
+        isinstance(first, dict)
+        and isinstance(first.get("record_id"), int)
+        and (first["record_id"] > 0)
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -271,76 +346,148 @@ def _op_and_peer(name: str) -> tuple[int, int]:
     return int(OPS.get(short, Op.UNKNOWN)), int(peer.group(2)) if peer else -1
 
 
-def _entry(path: str, i: int, e: object, names: dict[str, int]) -> tuple[object, ...]:
+def _count(sizes: object) -> int:
+    total = 0
+    if isinstance(sizes, list):
+        for shape in sizes:
+            if isinstance(shape, list):
+                total += math.prod(int(x) for x in shape)
+    return total
+
+
+def _group(e: dict[str, Any]) -> str:
+    g = e.get("process_group")
+    return str(g[0]) if g is not None else str(e["pg_id"])
+
+
+def _seq(e: dict[str, Any], p2p: bool) -> int:
+    if "collective_seq_id" not in e:  # 1.x: one sequence
+        return int(e["seq_id"])
+    return int(e["p2p_seq_id"] if p2p else e["collective_seq_id"])
+
+
+def _entry(
+    path: str, i: int, e: object, names: dict[str, int], shapes: dict[str, int]
+) -> tuple[object, ...]:
     if not isinstance(e, dict):
         raise DumpFormatError(f"{path}: entries[{i}]: expected a dict")
     try:
-        is_p2p = bool(e.get("is_p2p", False))
         op, peer = _op_and_peer(str(e["profiling_name"]))
-        dtypes = e.get("input_dtypes") or e.get("output_dtypes")
-        pg = names.setdefault(str(e["process_group"][0]), len(names))
+        is_p2p = bool(e["is_p2p"]) if "is_p2p" in e else bool(IS_P2P_OP[op])
+        sizes, dtypes = _own_side(op, e)
+        completed = int(e.get("time_discovered_completed_ns") or 0)
+        state = STATES.get(str(e.get("state")), State.SCHEDULED)
+        seq = _seq(e, is_p2p)
         return (
             int(e.get("pg_id", -1)),
-            pg,
-            int(e["p2p_seq_id"] if is_p2p else e["collective_seq_id"]),
+            names.setdefault(_group(e), len(names)),
+            seq,
+            int(e.get("op_id", seq)),
             is_p2p,
             op,
-            _count(e.get("input_sizes")),
+            _count(sizes),
+            shapes.setdefault(_shape_text(sizes), len(shapes)),
             DTYPES.get(str(dtypes[0]), UNKNOWN_DTYPE) if dtypes else UNKNOWN_DTYPE,
-            STATES.get(str(e.get("state")), State.SCHEDULED),
+            state,
+            bool(e.get("retired")) or state == State.COMPLETED or completed > 0,
             int(e.get("time_created_ns") or 0),
-            int(e.get("time_discovered_completed_ns") or 0),
+            completed,
             peer,
         )
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise DumpFormatError(f"{path}: entries[{i}]: missing or malformed field {exc}") from None
 
 
-def _entries_by_column(entries: list[Any], names: dict[str, int]) -> np.ndarray | None:
+def _own_side(op: int, e: dict[str, Any]) -> tuple[object, list[Any]]:
+    """The sizes and dtypes of the side carrying this rank's own data."""
+    first, second = ("output", "input") if OUTPUT_SIDE[op] else ("input", "output")
+    sizes = e.get(f"{first}_sizes")
+    dtypes = e.get(f"{first}_dtypes") or e.get(f"{second}_dtypes") or []
+    return sizes, dtypes
+
+
+def _shape_text(sizes: object) -> str:
+    return str(sizes) if isinstance(sizes, list) else ""
+
+
+def _entries_by_column(
+    entries: list[Any], names: dict[str, int], shapes: dict[str, int]
+) -> np.ndarray | None:
     """The entries as FR_ENTRY rows, one field of every entry at a time: a
     pass of C code per field (``map``), strings coded through a small table
-    of the distinct values.  None if any entry is malformed: ``_entry`` then
-    finds which."""
+    of the distinct values.  None if any entry is malformed, or of a field
+    set other than 2.2+'s: ``_entry`` then reads each (and says which)."""
     out = np.zeros(len(entries), dtype=FR_ENTRY)
     if not entries:
         return out
     try:
         if not all(type(e) is dict for e in entries):
             return None
-        p2p = np.array(list(map(bool, map(dict.get, entries, repeat("is_p2p")))), dtype=bool)
+        p2p = np.array(list(map(bool, map(dict.__getitem__, entries, repeat("is_p2p")))))
         out["is_p2p"] = p2p
         out["pg_id"] = list(map(dict.get, entries, repeat("pg_id"), repeat(-1)))
-        groups = [g[0] for g in map(itemgetter("process_group"), entries)]
+        groups = [g[0] for g in map(dict.__getitem__, entries, repeat("process_group"))]
         out["pg"] = _coded(groups, lambda g: names.setdefault(str(g), len(names)))
+        cseq = list(map(dict.__getitem__, entries, repeat("collective_seq_id")))
         if p2p.any():
-            out["seq"] = [
-                e["p2p_seq_id"] if p else e["collective_seq_id"]
-                for e, p in zip(entries, p2p.tolist(), strict=True)
-            ]
+            pseq = list(map(dict.__getitem__, entries, repeat("p2p_seq_id")))
+            out["seq"] = np.where(p2p, pseq, cseq)
         else:
-            out["seq"] = list(map(itemgetter("collective_seq_id"), entries))
-        names_of_ops, which = _distinct(list(map(itemgetter("profiling_name"), entries)))
-        op_peer = np.array([_op_and_peer(str(n)) for n in names_of_ops], dtype=np.int64)
-        out["op"], out["peer"] = op_peer[which, 0], op_peer[which, 1]
-        out["count"] = list(map(_count_fast, map(dict.get, entries, repeat("input_sizes"))))
-        firsts = [d[0] if d else None for d in map(dict.get, entries, repeat("input_dtypes"))]
-        if None in firsts:  # no input: the output's
-            firsts = [
-                (e.get("input_dtypes") or e.get("output_dtypes") or (None,))[0] for e in entries
-            ]
-        out["datatype"] = _coded(
-            firsts, lambda d: DTYPES.get(str(d), UNKNOWN_DTYPE) if d else UNKNOWN_DTYPE
+            out["seq"] = cseq
+        out["op_id"] = list(map(dict.get, entries, repeat("op_id"), cseq))
+        names_of_ops, which = _distinct(
+            list(map(dict.__getitem__, entries, repeat("profiling_name")))
         )
-        states = list(map(dict.get, entries, repeat("state")))
-        out["state"] = _coded(states, lambda v: STATES.get(str(v), State.SCHEDULED))
-        out["created"] = [t or 0 for t in map(dict.get, entries, repeat("time_created_ns"))]
-        out["completed"] = [
-            t or 0 for t in map(dict.get, entries, repeat("time_discovered_completed_ns"))
-        ]
+        op_peer = np.array([_op_and_peer(str(n)) for n in names_of_ops], dtype=np.int64)
+        op = op_peer[which, 0]
+        out["op"], out["peer"] = op, op_peer[which, 1]
+        _sizes_by_column(entries, OUTPUT_SIDE[op], out, shapes)
+        _times_by_column(entries, out)
     except (AttributeError, KeyError, TypeError, ValueError, IndexError, OverflowError):
         names.clear()
+        shapes.clear()
+        shapes[""] = 0
         return None
     return out
+
+
+def _sizes_by_column(
+    entries: list[Any], output_side: np.ndarray, out: np.ndarray, shapes: dict[str, int]
+) -> None:
+    """count, shape and datatype of each entry's own side."""
+    sizes = list(map(dict.get, entries, repeat("input_sizes")))
+    firsts = [d[0] if d else None for d in map(dict.get, entries, repeat("input_dtypes"))]
+    if output_side.any():
+        for i in np.flatnonzero(output_side).tolist():
+            sizes[i], dtypes = _own_side(Op.SCATTER, entries[i])
+            firsts[i] = dtypes[0] if dtypes else None
+    if None in firsts:  # no input: the output's
+        firsts = [
+            f if f is not None else _first(_own_side(Op.UNKNOWN, e)[1])
+            for f, e in zip(firsts, entries, strict=True)
+        ]
+    out["count"] = list(map(_count_fast, sizes))
+    out["shape"] = _coded(
+        list(map(_shape_text, sizes)), lambda s: shapes.setdefault(s, len(shapes))
+    )
+    out["datatype"] = _coded(
+        firsts, lambda d: DTYPES.get(str(d), UNKNOWN_DTYPE) if d else UNKNOWN_DTYPE
+    )
+
+
+def _first(values: list[Any]) -> Any:
+    return values[0] if values else None
+
+
+def _times_by_column(entries: list[Any], out: np.ndarray) -> None:
+    states = list(map(dict.get, entries, repeat("state")))
+    out["state"] = _coded(states, lambda v: STATES.get(str(v), State.SCHEDULED))
+    out["created"] = [t or 0 for t in map(dict.get, entries, repeat("time_created_ns"))]
+    out["completed"] = [
+        t or 0 for t in map(dict.get, entries, repeat("time_discovered_completed_ns"))
+    ]
+    retired = np.array(list(map(bool, map(dict.get, entries, repeat("retired")))))
+    out["ended"] = retired | (out["state"] == State.COMPLETED) | (out["completed"] > 0)
 
 
 def _coded(values: list[Any], code: Callable[[Any], int]) -> np.ndarray:
@@ -366,101 +513,48 @@ def _count_fast(sizes: object) -> int:
     return 0
 
 
-def _comm_hash(name: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"pg:{name}".encode(), digest_size=8).digest(), "little")
+def _fold_coalesced(arr: np.ndarray, shapes: list[str]) -> tuple[np.ndarray, list[str]]:
+    """Entries of one coalesced group (a rank's collectives sharing a group
+    and a collective_seq_id, closed by a "coalesced" marker) as one call:
+    its op the ops' own when they agree, its count their sum, its shape
+    their shapes in order; it has ended when its marker (else every op) has.
+    Markers of point-to-point groups are dropped."""
+    coll = ~arr["is_p2p"]
+    key = arr["pg"].astype(np.int64) * (1 << 40) + arr["seq"]
+    marker = arr["op"] == COALESCED
+    if not marker.any() and len(np.unique(key[coll])) == int(coll.sum()):
+        return arr, shapes
+    keep = np.ones(len(arr), dtype=bool)
+    keep[marker & ~coll] = False
+    idx = np.flatnonzero(coll)
+    order = idx[np.argsort(key[idx], kind="stable")]
+    bounds = np.flatnonzero(np.diff(key[order])) + 1
+    for run in np.split(order, bounds):
+        if len(run) > 1:
+            _fold(arr, run, shapes)
+            keep[run[1:]] = False
+    arr = arr[keep]
+    arr["op"][arr["op"] == COALESCED] = Op.UNKNOWN
+    return arr, shapes
 
 
-def incidents_from_flightrec(dumps: list[FrDump]) -> list[Incident]:
-    groups: dict[str, list[FrDump]] = defaultdict(list)
-    for d in dumps:
-        groups[str(Path(d.path).parent)].append(d)
-    return [
-        _incident(k, sorted(v, key=lambda d: (d.rank, d.path))) for k, v in sorted(groups.items())
-    ]
-
-
-def _incident(folder: str, dumps: list[FrDump]) -> Incident:
-    procs = tuple(Proc(Path(d.path).name, 0, d.rank, d.path, from_file=True) for d in dumps)
-    by_rank = {d.rank: i for i, d in enumerate(dumps)}
-    pg_ranks: dict[str, tuple[int, ...]] = {}
-    for d in dumps:
-        for k, v in d.pg_ranks.items():
-            pg_ranks.setdefault(k, v)
-        for n in d.pg_names:
-            pg_ranks.setdefault(n, ())
-    names = sorted(pg_ranks, key=lambda n: (_comm_hash(n), n))
-    comms = tuple(
-        Comm(
-            _comm_hash(n),
-            tuple(by_rank.get(r, -1) for r in pg_ranks[n]),
-            label=n,
-            desc=next((d.pg_desc[n] for d in dumps if d.pg_desc.get(n)), ""),
-        )
-        for n in names
-    )
-    index = {n: i for i, n in enumerate(names)}
-    rows = np.concatenate(
-        [_rows(p, d, pg_ranks, index) for p, d in enumerate(dumps)] or [np.zeros(0, CALL_DTYPE)]
-    )
-    return Incident(
-        id=Path(folder).name,
-        hosts=tuple(p.host for p in procs),
-        host_now=tuple(None for _ in procs),
-        procs=procs,
-        comms=comms,
-        calls=Calls(Columns.from_records(rows)),
-        retransmits=np.zeros(0, dtype=TCP_RETRANS_DTYPE),
-        sched=np.zeros(0, dtype=SCHED_DTYPE),
-        sources=tuple(d.path for d in dumps),
-        progress=_progress(dumps, pg_ranks, index),
-        kind=SourceKind.FLIGHT_RECORDER,
-        wall_ns=int(rows["ts"].max()) if len(rows) else None,  # the latest entry
-    )
-
-
-def _rows(
-    p: int, d: FrDump, pg_ranks: dict[str, tuple[int, ...]], index: dict[str, int]
-) -> np.ndarray:
-    """One dump's entries as calls; entries of groups it is not a member of are dropped."""
-    comm = np.array([index[n] for n in d.pg_names], dtype=np.int64)
-    crank = np.array(
-        [pg_ranks[n].index(d.rank) if d.rank in pg_ranks[n] else -1 for n in d.pg_names],
-        dtype=np.int64,
-    )
-    e = d.entries
-    if not len(e):
-        return np.zeros(0, dtype=CALL_DTYPE)
-    e = e[crank[e["pg"]] >= 0]
-    out = np.zeros(len(e), dtype=CALL_DTYPE)
-    out["comm"], out["crank"], out["proc"] = comm[e["pg"]], crank[e["pg"]], p
-    out["seq"], out["ts"], out["end"] = e["seq"], e["created"], e["completed"]
-    out["count"], out["root"], out["op"] = e["count"], e["peer"], e["op"]
-    out["datatype"], out["state"] = e["datatype"], e["state"]
-    return out
-
-
-def _progress(
-    dumps: list[FrDump], pg_ranks: dict[str, tuple[int, ...]], index: dict[str, int]
-) -> tuple[tuple[int, int, int, int], ...]:
-    """pg_status counters of collective-only groups, by the pg_id their members share."""
-    named: dict[int, set[str]] = defaultdict(set)
-    has_p2p: set[str] = set()
-    for d in dumps:
-        if not len(d.entries):
-            continue
-        e = d.entries
-        key = e["pg"].astype(np.int64) * 2 + e["is_p2p"]  # (group, p2p): no structured sort
-        for k in np.unique(key).tolist():
-            pg, p2p = divmod(k, 2)
-            for pg_id in np.unique(e["pg_id"][key == k]).tolist():
-                named[int(pg_id)].add(d.pg_names[pg])
-            if p2p:
-                has_p2p.add(d.pg_names[pg])
-    out = []
-    for d in dumps:
-        for pg_id, (enq, done) in d.pg_status.items():
-            cands = [n for n in named.get(pg_id, ()) if d.rank in pg_ranks[n] and n not in has_p2p]
-            if len(cands) == 1:
-                n = cands[0]
-                out.append((index[n], pg_ranks[n].index(d.rank), enq, done))
-    return tuple(sorted(out))
+def _fold(arr: np.ndarray, run: np.ndarray, shapes: list[str]) -> None:
+    """Fold the entries ``run`` (record order) into the first of them."""
+    rows = arr[run]
+    ops = rows[rows["op"] != COALESCED]
+    mark = rows[rows["op"] == COALESCED]
+    first = int(run[0])
+    kinds = set(ops["op"].tolist())
+    arr["op"][first] = kinds.pop() if len(kinds) == 1 else Op.UNKNOWN
+    arr["count"][first] = int(ops["count"].sum())
+    text = "+".join(shapes[int(s)] for s in ops["shape"].tolist())
+    if text not in shapes:
+        shapes.append(text)
+    arr["shape"][first] = shapes.index(text)
+    if len(ops):
+        arr["datatype"][first] = ops["datatype"][0]
+    ends = mark if len(mark) else rows
+    arr["ended"][first] = bool(ends["ended"].all())
+    arr["state"][first] = int(ends["state"].min())
+    arr["completed"][first] = int(ends["completed"].max()) if arr["ended"][first] else 0
+    arr["created"][first] = int(rows["created"].min())

@@ -63,8 +63,14 @@ class Frontier:
 
     @property
     def laggards(self) -> tuple[Member, ...]:
-        lag = (MemberState.BEHIND, MemberState.NO_ROWS, MemberState.NO_DUMP)
+        """Members whose own dump shows them behind the frontier."""
+        lag = (MemberState.BEHIND, MemberState.NO_ROWS)
         return tuple(m for m in self.members if m.state in lag)
+
+    @property
+    def unseen(self) -> tuple[Member, ...]:
+        """Members no readable dump holds: known only from their peers."""
+        return tuple(m for m in self.members if m.state is MemberState.NO_DUMP)
 
 
 def _age(inc: Incident, m: Matched, row: int, proc_host: list[int]) -> int | None:
@@ -100,18 +106,22 @@ def frontier(
     if not len(last) or last.max() < 0:
         return None
     f = int(last.max())
+    # a collective any member completed proves that every member entered it
+    proven = int(m.pair_last_returned[sl].max())
     proc_host = proc_host if proc_host is not None else proc_hosts(inc)
     members = []
     ages: list[int | None] = []
     op = 0
+    flying = False
     for crank, proc in enumerate(inc.comms[comm].members):
         p = sl.start + crank
         row = int(m.pair_last_row[p])
         seq, ret = int(m.pair_last_seq[p]), int(m.pair_last_returned[p])
         flight = row >= 0 and int(m.rows["end"][row]) == 0
         if proc < 0:
-            state = MemberState.NO_DUMP
+            state, seq, flight = MemberState.NO_DUMP, proven, False
         elif seq == f:
+            flying |= flight
             state = MemberState.AT_FRONTIER
             if row >= 0 and int(m.rows["seq"][row]) == f:
                 ages.append(_age(inc, m, row, proc_host))
@@ -127,7 +137,8 @@ def frontier(
         members.append(Member(crank, proc, state, seq, ret, flight))
     known = [a for a in ages if a is not None]
     age = int(np.median(known)) if known else None
-    stuck = age is None or age >= _stall_threshold(m, comm)
+    # no dump time (Flight Recorder): stuck while a call is pending there
+    stuck = flying if age is None else age >= _stall_threshold(m, comm)
     return Frontier(comm, f, op, stuck, age, tuple(members))
 
 
@@ -141,24 +152,31 @@ class Disagreement:
     tie: bool
 
 
-DESYNC_FIELDS = ("op", "count", "datatype", "redop", "root")
+# in the order a disagreement is told: the first one found explains the rest
+DESYNC_FIELDS = ("op", "count", "datatype", "redop", "root", "shape")
 
 
 def disagreements(m: Matched) -> list[Disagreement]:
-    """Groups whose members disagree on a field, with the majority value."""
+    """Groups whose members disagree on a field, with the majority value.
+    Counts and shapes are of each rank's own data (inputs, or the outputs of
+    scatter and reduce_scatter); all-to-all splits are uneven by design and
+    not compared; a shape is compared where every member's is known."""
     if not len(m.rows):
         return []
     out = []
-    rooted = np.isin(m.rows["op"], ROOTED_OPS)
+    op = m.rows["op"]
     for field in DESYNC_FIELDS:
         vals = m.rows[field]
         if field == "root":
-            vals = np.where(rooted, vals, -1)
-        elif field == "count":  # all-to-all splits are uneven by design
-            vals = np.where(m.rows["op"] == Op.ALL_TO_ALL, -1, vals.astype(np.int64))
+            vals = np.where(np.isin(op, ROOTED_OPS), vals, -1)
+        elif field in ("count", "shape"):
+            vals = np.where(op == Op.ALL_TO_ALL, -1, vals.astype(np.int64))
+            if field == "shape":
+                vals[vals == 0] = -1
         lo = np.minimum.reduceat(vals, m.group_start)
         hi = np.maximum.reduceat(vals, m.group_start)
-        for g in np.flatnonzero(lo != hi).tolist():
+        odd = (lo != hi) & (lo >= 0) if field == "shape" else lo != hi
+        for g in np.flatnonzero(odd).tolist():
             out.append(_majority(m, vals, g, field))
     return out
 

@@ -53,6 +53,7 @@ class Proc:
     # ``host`` is the input file's name: the input names no host (nor pid),
     # as Flight Recorder dumps do not
     from_file: bool = False
+    exit_wall_ns: int | None = None  # when it died, wall clock of its host
 
     @property
     def died_badly(self) -> bool:
@@ -75,6 +76,11 @@ class Comm:
     label: str = ""  # the process group's name, where the input names it
     is_split: bool = False
     desc: str = ""  # the process group's description (Flight Recorder's pg_config)
+    world_ranks: tuple[int, ...] = ()  # world rank of each comm rank, when known
+
+    def world_rank(self, crank: int) -> int:
+        """The world rank of a member, -1 if unknown."""
+        return self.world_ranks[crank] if crank < len(self.world_ranks) else -1
 
     @property
     def nranks(self) -> int:
@@ -113,6 +119,7 @@ CALL_DTYPE = np.dtype(
         ("state", "u1"),
         ("result", "<i4"),  # ncclResult_t, -1 while in flight
         ("device", "u1"),  # 1: ts/end are the device's start/completion (CUDA probes)
+        ("shape", "<u2"),  # index into Incident.shapes, 0 where unknown
     ]
 )
 
@@ -163,6 +170,11 @@ class Incident:
     wall_ns: int | None = None
     detected_by: str = ""
     readings: tuple[HostReadings, ...] = ()  # thread positions per host (analyzer.positions)
+    # the tensor shapes a call passed, as text ("[[2, 32]]"); 0 is unknown
+    shapes: tuple[str, ...] = ("",)
+    # completion is the device's (Flight Recorder of NCCL: a CUDA event),
+    # not a host call returning
+    device_completion: bool = False
 
     def host_index(self, host: str) -> int:
         return self.hosts.index(host)

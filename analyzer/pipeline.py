@@ -28,10 +28,16 @@ Known limits:
 - Packet loss between exactly two nodes looks the same from both ends: both
   hosts are named.  With three or more, the host involved in nearly every
   retransmit (halfway between its even share, 2 of n hosts, and all).
-- Of several dead ranks, those whose last call returned an error died of a
-  peer's death and are not blamed.
+- Of several dead ranks, the first to die is the cause; those whose call
+  returned an error, or that exited with an error after it (by each host's
+  wall clock; across hosts only beyond 50 ms of skew, or after a rank killed
+  by a signal), died of it and are named in its evidence, not blamed.
 - Flight Recorder dumps carry wall-clock times of their own host and no dump
-  time: their pending entries are taken as stuck.
+  time: a frontier where an entry is still pending is taken as stuck.
+- A rank without a readable dump is judged only from its peers' records (a
+  collective any member completed proves every member entered it) and never
+  blamed beyond them: when only such ranks could hold a stall up, or nothing
+  departs but they cannot be seen, the verdict is ``inconclusive``.
 """
 
 from __future__ import annotations
@@ -42,7 +48,10 @@ from dataclasses import dataclass
 
 from .align import Source, incident_from_recordings
 from .detect import DETECTORS, FALLBACK_DETECTORS, Analysis, Detector
-from .flightrec import FrDump, incidents_from_flightrec
+from .detect.causes import in_causal_order
+from .detect.inconclusive import detect_inconclusive, unjudged
+from .flightrec import FrDump
+from .frincident import incidents_from_flightrec
 from .load import Loaded, load_inputs
 from .match import match
 from .metrics import (
@@ -65,6 +74,7 @@ class IncidentResult:
     incident: Incident
     verdicts: tuple[Verdict, ...]
     frontiers: tuple[Frontier, ...]
+    unjudged: tuple[str, ...] = ()  # what no readable dump could show
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +87,19 @@ class AnalysisResult:
         return any(s.ok for s in self.inputs)
 
     @property
+    def lost(self) -> tuple[InputStatus, ...]:
+        """Inputs that could not be read."""
+        return tuple(s for s in self.inputs if not s.ok)
+
+    @property
     def healthy(self) -> bool:
-        return all(v.kind is VerdictKind.HEALTHY for r in self.incidents for v in r.verdicts)
+        """Every incident healthy, and nothing lost on the way."""
+        verdicts = [v for r in self.incidents for v in r.verdicts]
+        return (
+            bool(verdicts)
+            and not self.lost
+            and all(v.kind is VerdictKind.HEALTHY for v in verdicts)
+        )
 
 
 def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -> IncidentResult:
@@ -101,9 +122,10 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
     if not verdicts and detectors is DETECTORS:
         a = dataclasses.replace(a, p2p=tuple(p2p_gaps(inc)))
         verdicts = [v for d in FALLBACK_DETECTORS for v in d(a)]
+    verdicts = in_causal_order(a, sorted(verdicts, key=Verdict.sort_key))
     if not verdicts:
-        verdicts.append(_healthy(a))
-    return IncidentResult(inc, tuple(sorted(verdicts, key=Verdict.sort_key)), fronts)
+        verdicts = detect_inconclusive(a) or [_healthy(a)]
+    return IncidentResult(inc, tuple(verdicts), fronts, tuple(unjudged(a)))
 
 
 def _healthy(a: Analysis) -> Verdict:
@@ -137,8 +159,13 @@ def _merge_disjoint(groups: dict[str, list[Source]]) -> dict[str, list[Source]]:
 
 
 def group_incidents(
-    loaded: Iterable[Loaded], consume: bool = False, progress: bool = False
+    loaded: Iterable[Loaded],
+    consume: bool = False,
+    progress: bool = False,
+    lost: Sequence[str] = (),
 ) -> list[Incident]:
+    """Inputs into incidents; ``lost``: the paths of inputs that could not be
+    read (a Flight Recorder file among dumps of its folder names a rank)."""
     ours: dict[str, list[Source]] = {}
     fr: list[FrDump] = []
     for item in loaded:
@@ -150,7 +177,7 @@ def group_incidents(
             ours.setdefault(key, []).append(item)
     groups = sorted(_merge_disjoint(ours).items())
     out = [incident_from_recordings(k, v, consume, progress) for k, v in groups]
-    out.extend(incidents_from_flightrec(fr))
+    out.extend(incidents_from_flightrec(fr, lost))
     return out
 
 
@@ -158,7 +185,8 @@ def analyze_paths(paths: Sequence[str], progress: bool = False) -> AnalysisResul
     # NCCL rings stay in their files until align reads each, copies what it
     # needs and forgets it: a cluster's dumps are never all in memory
     loaded, statuses = load_inputs(paths, progress=progress, defer=("nccl",))
-    incidents = group_incidents(loaded, consume=True, progress=progress)
+    lost = [s.path for s in statuses if not s.ok]
+    incidents = group_incidents(loaded, consume=True, progress=progress, lost=lost)
     del loaded
     results = tuple(analyze_incident(inc) for inc in incidents)
     return AnalysisResult(results, tuple(statuses))

@@ -1,8 +1,9 @@
 """Stage "report": what people read at 3 a.m., and the JSON for programs.
 
-Text, per incident, in this order: the verdicts (kind and one line, the
-culprits, the evidence), when it happened (wall clock, UTC) and which agent
-detected it and why, the inputs that could not be read, then one table per
+Text, per incident, in this order: the inputs that could not be read and
+what could not be judged without them (the verdicts were reached without
+them), the verdicts (kind and one line, the culprits, the evidence), when it
+happened (wall clock, UTC) and which agent detected it and why, then one table per
 communicator: its frontier (the latest seq any member entered), whether it
 is stuck, and per member the last seq entered and returned, its state, and
 beside every member not at the frontier, why.  On a terminal the tables are
@@ -161,7 +162,7 @@ def _member_row(inc: Incident, f: Frontier, m: Member, last: dict[int, int]) -> 
 _REASONS = {
     MemberState.NO_ROWS: "no call on this communicator in its recorded window",
     MemberState.UNKNOWN: "its ring wrapped past this communicator's calls",
-    MemberState.NO_DUMP: "no input holds this rank (its host's dump is missing)",
+    MemberState.NO_DUMP: "no readable input holds this rank",
 }
 
 
@@ -169,6 +170,8 @@ def _reason(inc: Incident, f: Frontier, m: Member, last: dict[int, int]) -> str:
     """Why a member is not at the frontier: how it ended, or its last call."""
     if m.state is MemberState.AT_FRONTIER:
         return ""
+    if m.state is MemberState.NO_DUMP and m.last_seq >= 0:
+        return f"{_REASONS[m.state]}: its peers' completions prove it entered seq {m.last_seq}"
     if m.state in _REASONS:
         return _REASONS[m.state]
     p = inc.procs[m.proc]
@@ -227,6 +230,7 @@ def to_json(result: AnalysisResult) -> str:
                 "detected_by": r.incident.detected_by or None,
                 "verdicts": [v.to_json() for v in r.verdicts],
                 "notes": list(r.incident.notes),
+                "unjudged": list(r.unjudged),
                 "communicators": [t.to_json() for t in comm_tables(r)],
             }
             for r in result.incidents
@@ -289,10 +293,12 @@ def _incident(
     _line(c, 0, _header(inc), "bold")
     for note in inc.notes:
         _line(c, 2, f"note: {note}")
+    _unread(c, bad, n_inputs, 2)
+    for u in r.unjudged:
+        _line(c, 2, f"not judged: {u}", "yellow")
     for v in r.verdicts:
         _verdict(c, inc, v)
     _when(c, inc)
-    _unread(c, bad, n_inputs, 2)
     tables = comm_tables(r)
     shown = tables if show_all else tables[:MAX_TABLES]
     for t in shown:
@@ -304,7 +310,8 @@ def _incident(
 
 def _verdict(c: Console, inc: Incident, v: Verdict) -> None:
     bad = v.kind is not VerdictKind.HEALTHY
-    _line(c, 2, f"{v.kind.value.upper()}: {v.summary}", "bold red" if bad else "bold green")
+    style = "bold yellow" if v.kind is VerdictKind.INCONCLUSIVE else "bold red"
+    _line(c, 2, f"{v.kind.value.upper()}: {v.summary}", style if bad else "bold green")
     if bad:
         files = inc.kind is SourceKind.FLIGHT_RECORDER
         where = [

@@ -13,6 +13,7 @@ class VerdictKind(enum.Enum):
     COMPUTE_STRAGGLER = "compute_straggler"
     NETWORK_STRAGGLER = "network_straggler"
     CPU_INTERFERENCE = "cpu_interference"
+    INCONCLUSIVE = "inconclusive"  # the inputs do not allow a judgement
     HEALTHY = "healthy"
 
     @property

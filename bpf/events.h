@@ -41,6 +41,7 @@
 #define OP_COMM_ABORT 18
 #define OP_COMM_FINALIZE 19
 #define OP_GET_UNIQUE_ID 20
+#define OP_BARRIER 21 /* never recorded here: Flight Recorder dumps name it */
 
 /* Lifecycle: the furthest state a call reached, as the host observed it. */
 #define STATE_SCHEDULED 0 /* the host entered the call */

@@ -50,10 +50,11 @@ class Op(enum.IntEnum):
     COMM_ABORT = 18
     COMM_FINALIZE = 19
     GET_UNIQUE_ID = 20
+    BARRIER = 21  # Flight Recorder only: NCCL has no barrier call (torch reduces a word)
 
     @property
     def is_collective(self) -> bool:
-        return Op.ALL_REDUCE <= self <= Op.SCATTER
+        return Op.ALL_REDUCE <= self <= Op.SCATTER or self is Op.BARRIER
 
     @property
     def is_p2p(self) -> bool:
@@ -62,7 +63,7 @@ class Op(enum.IntEnum):
 
 COLLECTIVE_OPS = frozenset(op for op in Op if op.is_collective)
 P2P_OPS = frozenset({Op.SEND, Op.RECV})
-LIFECYCLE_OPS = frozenset(op for op in Op if op >= Op.COMM_INIT_RANK)
+LIFECYCLE_OPS = frozenset(op for op in Op if Op.COMM_INIT_RANK <= op <= Op.GET_UNIQUE_ID)
 
 # NCCL symbol -> op.  ncclBcast is the in-place ncclBroadcast.
 NCCL_SYMBOLS: dict[str, Op] = {

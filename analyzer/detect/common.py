@@ -73,18 +73,32 @@ def member_text(a: Analysis, f: Frontier, m: Member) -> str:
     inc = a.incident
     comm = inc.comms[f.comm]
     if m.state is MemberState.NO_DUMP:
-        world = f" (world rank {m.crank})" if is_world(inc, f.comm) else ""
-        return (
-            f"comm rank {m.crank}{world} of {comm.name}: no dump holds it; its "
-            f"{sum(1 for x in f.members if x.state is MemberState.AT_FRONTIER)} peers entered "
-            f"seq {f.seq} and it is absent"
+        world = world_of(inc, f.comm, m.crank)
+        who = f" (world rank {world})" if world >= 0 else ""
+        known = (
+            f"its peers' completions prove it entered seq {m.last_seq}"
+            if m.last_seq >= 0
+            else "nothing of it is known"
         )
+        return f"comm rank {m.crank}{who} of {comm.name}: no readable dump holds it; {known}"
     p = inc.procs[m.proc]
     entered = "nothing" if m.last_seq < 0 else f"seq {m.last_seq}"
     return (
         f"{p.label()} comm rank {m.crank} of {comm.name}: last entered {entered}, "
         f"peers at seq {f.seq}; {last_call_text(a, m.proc)}"
     )
+
+
+def world_of(inc: Incident, comm: int, crank: int) -> int:
+    """The world rank of a communicator's member, -1 if it cannot be told
+    (a member without a dump, outside the world communicator)."""
+    c = inc.comms[comm]
+    proc = c.members[crank]
+    if proc >= 0 and inc.procs[proc].world_rank >= 0:
+        return inc.procs[proc].world_rank
+    if c.world_rank(crank) >= 0:
+        return c.world_rank(crank)
+    return crank if is_world(inc, comm) else -1
 
 
 def is_world(inc: Incident, comm: int) -> bool:

@@ -1,4 +1,13 @@
-"""Rank exited: a process holding a communicator died (exit code or signal)."""
+"""Rank exited: a process holding a communicator died (exit code or signal).
+
+When ranks die one after another, the first departure is the cause and the
+ranks that exited with an error after it are its consequences: their error
+surfaced in a recorded NCCL call (it returned an error), or later, where the
+recorder does not see it (a stream synchronisation, an async error check).
+"After" is told by each host's clock converted to wall time; across hosts a
+death within ``SKEW_NS`` of another cannot be ordered by clocks, and then a
+rank killed by a signal (it did not react to anything) is the cause of an
+error exit, never the reverse."""
 
 from __future__ import annotations
 
@@ -16,6 +25,39 @@ def _death(p: Proc) -> str:
     return f"exited with code {p.exit_code}"
 
 
+SKEW_NS = 50_000_000  # clocks of two hosts may disagree by this much (a few ms, and margin)
+
+
+def _before(p: Proc, q: Proc) -> bool:
+    """Did ``p`` surely die before ``q``?  Same host: one clock; across hosts,
+    by more than the skew."""
+    if p.exit_wall_ns is None or q.exit_wall_ns is None:
+        return False
+    margin = 0 if p.host == q.host else SKEW_NS
+    return p.exit_wall_ns < q.exit_wall_ns - margin
+
+
+def _consequences(a: Analysis, dead: list[int]) -> set[int]:
+    """Dead ranks that died of another's death: a call of theirs returned an
+    error, or they exited with an error code after (or, across hosts, not
+    clearly before) a peer was killed by a signal, or clearly after a peer
+    exited with an error."""
+    procs = a.incident.procs
+    out = _failed_calls(a) & set(dead)
+    for i in dead:
+        p = procs[i]
+        if p.exit_signal or p.exit_wall_ns is None:
+            continue
+        for j in dead:
+            q = procs[j]
+            if j == i or q.exit_wall_ns is None:
+                continue
+            if _before(q, p) or (q.exit_signal and not _before(p, q)):
+                out.add(i)
+                break
+    return out
+
+
 def _failed_calls(a: Analysis) -> set[int]:
     """Procs whose last call returned an error: they died of a peer's death."""
     rows = a.incident.calls.rows
@@ -23,20 +65,30 @@ def _failed_calls(a: Analysis) -> set[int]:
     return {int(p) for p in np.unique(bad["proc"])}
 
 
+def _earliest(a: Analysis, dead: list[int]) -> list[int]:
+    """When every death looks like another's consequence: the first by time."""
+    procs = a.incident.procs
+    timed = [i for i in dead if procs[i].exit_wall_ns is not None]
+    if not timed:
+        return dead
+    return [min(timed, key=lambda i: (procs[i].exit_wall_ns, i))]
+
+
 def detect_rank_exited(a: Analysis) -> list[Verdict]:
     inc = a.incident
     dead = [i for i, p in enumerate(inc.procs) if p.died_badly]
     if not dead:
         return []
-    failed = _failed_calls(a)
-    culprits = [i for i in dead if i not in failed]
+    after = _consequences(a, dead)
+    culprits = [i for i in dead if i not in after]
     if not culprits and a.disagreements:
         return []  # they exited on the error a desync caused: the desync is the finding
-    culprits = culprits or dead
+    culprits = culprits or _earliest(a, dead)
     out = []
     for i in culprits:
         p = inc.procs[i]
         lag = [(f, m) for f in a.frontiers for m in f.laggards if m.proc == i]
+        lag = [(f, m) for f, m in lag if f.stuck] or lag
         where = primary(a, [f for f, _ in lag]) if lag else None
         comm = inc.comms[where.comm].hash_text if where else None
         summary = f"{p.label()} {_death(p)}"
@@ -44,10 +96,11 @@ def detect_rank_exited(a: Analysis) -> list[Verdict]:
             summary += f"; its peers wait at {op_name(where.op)} seq {where.seq} on {comm}"
         evidence = [f"{p.label()} {_death(p)}", last_call_text(a, i)]
         evidence += [member_text(a, f, m) for f, m in lag[:MAX_LISTED]]
-        others = [inc.procs[j].label() for j in dead if j not in culprits]
+        others = [f"{inc.procs[j].label()} {_death(inc.procs[j])}" for j in dead if j in after]
         if others:
             evidence.append(
-                "also exited, after a call failed on a peer's error: " + ", ".join(others)
+                "then, of the error it caused (a call failed, or they exited with an error "
+                "after it died): " + "; ".join(others[:MAX_LISTED])
             )
         out.append(
             Verdict(

@@ -11,67 +11,137 @@ from stallwatch.dumpers.schema import Op, op_name
 from ..metrics import Frontier, Member, MemberState, P2pGap
 from ..model import Incident
 from ..verdict import Verdict, VerdictKind
-from .common import MAX_LISTED, Analysis, is_world, member_text, primary, who
+from .common import MAX_LISTED, Analysis, member_text, primary, who
 
 P2P_STALL_NS = 1_000_000_000  # a side waiting on its peer's post, idle at least this long
 
 
-def _victims(frontiers: tuple[Frontier, ...]) -> set[int]:
-    """Procs that lag somewhere only because they wait, at the frontier of a
-    stuck communicator, for some other rank."""
-    out: set[int] = set()
+def _victims(frontiers: tuple[Frontier, ...]) -> dict[int, bool]:
+    """Procs that lag somewhere only because they wait, inside a collective
+    of a stuck communicator, for a member that never entered it (a gather's
+    root waits for its sources while the others have gone on): proc -> whether
+    only members without a dump are among those it waits for."""
+    out: dict[int, bool] = {}
     for f in frontiers:
         if not f.stuck:
             continue
-        lagging = {m.proc for m in f.laggards}
-        if not lagging:
-            continue
         for m in f.members:
-            if m.state is MemberState.AT_FRONTIER and m.in_flight and m.proc not in lagging:
-                out.add(m.proc)
+            if m.proc < 0 or not m.in_flight:
+                continue
+            behind = [x for x in f.members if x is not m and x.last_seq < m.last_seq]
+            if behind:
+                unseen_only = all(x.proc < 0 for x in behind)
+                out[m.proc] = out.get(m.proc, True) and unseen_only
     return out
 
 
 def stuck_laggards(a: Analysis) -> list[tuple[Frontier, Member]]:
+    """Members whose own dumps show them behind a stuck frontier; those that
+    lag only because they wait for someone elsewhere are left out.  When
+    every one waits for another (a cycle), all are named; when they wait for
+    members without a dump, none is (that is inconclusive)."""
     pairs = [(f, m) for f in a.frontiers if f.stuck for m in f.laggards]
     victims = _victims(a.frontiers)
-    culprits = [(f, m) for f, m in pairs if m.proc < 0 or m.proc not in victims]
-    return culprits or pairs
+    culprits = [(f, m) for f, m in pairs if m.proc not in victims]
+    if culprits or any(victims.get(m.proc) for _, m in pairs):
+        return culprits
+    return pairs
+
+
+def device_laggards(a: Analysis) -> list[tuple[Frontier, Member, int]]:
+    """(frontier, member, the most its peers completed) for members of a
+    stuck communicator that entered as far as their peers but whose device
+    completed less: a collective completes on all its members, so a member
+    whose completions stop short of its peers' is the one whose GPU (or the
+    thread that watches it) stopped.  Only where completion is the device's
+    (Flight Recorder of NCCL)."""
+    if not a.incident.device_completion:
+        return []
+    out = []
+    for f in a.frontiers:
+        if not f.stuck:
+            continue
+        seen = [m for m in f.members if m.proc >= 0]
+        best = max((m.last_returned for m in seen), default=-1)
+        out += [
+            (f, m, best)
+            for m in seen
+            if m.state is MemberState.AT_FRONTIER and 0 <= m.last_returned < best
+        ]
+    return out
+
+
+def _device_text(a: Analysis, f: Frontier, m: Member, best: int) -> str:
+    p = a.incident.procs[m.proc]
+    return (
+        f"{p.label()} comm rank {m.crank} of {a.incident.comms[f.comm].name}: entered seq "
+        f"{m.last_seq} like its peers, but completed nothing after seq {m.last_returned} "
+        f"where a peer completed up to seq {best}"
+    )
 
 
 def detect_missing_rank(a: Analysis) -> list[Verdict]:
     inc = a.incident
-    pairs = [(f, m) for f, m in stuck_laggards(a) if m.proc < 0 or not inc.procs[m.proc].died_badly]
-    if not pairs:
+    pairs = [(f, m) for f, m in stuck_laggards(a) if not inc.procs[m.proc].died_badly]
+    host = {m.proc for _, m in pairs}
+    device: dict[int, tuple[Frontier, Member, int]] = {}
+    for f, m, best in device_laggards(a):
+        if m.proc not in host and not inc.procs[m.proc].died_badly:
+            cur = device.get(m.proc)
+            if cur is None or best - m.last_returned > cur[2] - cur[1].last_returned:
+                device[m.proc] = (f, m, best)
+    if not pairs and not device:
         return []
-    main = primary(a, [f for f, _ in pairs])
+    main = primary(a, [f for f, _ in pairs] or [f for f, _, _ in device.values()])
     comms = inc.comms
 
     def order(fm: tuple[Frontier, Member]) -> tuple[int, int, int]:
         f, m = fm
-        world = inc.procs[m.proc].world_rank if m.proc >= 0 else m.crank
-        return (world, -comms[f.comm].nranks, comms[f.comm].comm_hash)
+        return (inc.procs[m.proc].world_rank, -comms[f.comm].nranks, comms[f.comm].comm_hash)
 
     evidence = [member_text(a, f, m) for f, m in sorted(pairs, key=order)[:MAX_LISTED]]
+    evidence += [_device_text(a, *device[p]) for p in sorted(device)][:MAX_LISTED]
     age = "" if main.age_ns is None else f" for {main.age_ns / 1e9:.1f} s"
-    missing_dumps = sum(1 for _, m in pairs if m.proc < 0)
-    if missing_dumps:
-        evidence.append(f"{missing_dumps} rank(s) have no dump; judged from their peers' records")
     return [
         _missing_rank(
             inc,
             main.comm,
-            [m.proc for _, m in pairs],
-            [(m.crank, m.proc) for f, m in pairs if f.comm == main.comm],
+            [m.proc for _, m in pairs] + sorted(device),
+            [(m.crank, m.proc) for f, m in pairs if f.comm == main.comm]
+            + [(m.crank, m.proc) for f, m, _ in device.values() if f.comm == main.comm],
             main.seq,
             op_name(main.op),
-            lambda names: (
-                f"rank {names} never entered {op_name(main.op)} seq {main.seq} on "
-                f"{comms[main.comm].name}; the other ranks wait there{age}"
-            ),
+            lambda names: _summary(a, main, host, device, age),
             evidence,
         )
     ]
+
+
+def _summary(
+    a: Analysis,
+    main: Frontier,
+    host: set[int],
+    device: dict[int, tuple[Frontier, Member, int]],
+    age: str,
+) -> str:
+    inc = a.incident
+
+    def ranks(procs: set[int] | list[int]) -> str:
+        return ", ".join(str(r) for r in sorted(inc.procs[p].world_rank for p in procs))
+
+    where = f"{op_name(main.op)} seq {main.seq} on {inc.comms[main.comm].name}"
+    parts = []
+    if host:
+        parts.append(f"rank {ranks(host)} never entered {where}; the other ranks wait there{age}")
+    if device:
+        stop = ", ".join(
+            f"seq {m.last_returned}" for _, m, _ in (device[p] for p in sorted(device))
+        )
+        parts.append(
+            f"rank {ranks(list(device))} entered as far as their peers but completed nothing "
+            f"after {stop} (their peers completed more)"
+        )
+    return "; ".join(parts)
 
 
 def _missing_rank(
@@ -85,12 +155,8 @@ def _missing_rank(
     evidence: list[str],
 ) -> Verdict:
     """A missing_rank verdict on ``comm``: the culprits' procs on any
-    communicator (-1: no dump), and their (comm rank, proc) in ``comm``.  A
-    rank without a dump is named by its world rank when ``comm`` is the world."""
+    communicator, and their (comm rank, proc) in ``comm``."""
     ranks, hosts, pids = who(inc, sorted({p for p in procs if p >= 0}))
-    absent = sorted({r for r, p in members if p < 0})
-    if absent and is_world(inc, comm):
-        ranks = tuple(sorted({*ranks, *absent}))
     names = ", ".join(str(r) for r in ranks)
     return Verdict(
         VerdictKind.MISSING_RANK,
@@ -117,12 +183,13 @@ def detect_p2p_missing(a: Analysis) -> list[Verdict]:
         for g in a.p2p
         if g.idle_ns is not None
         and g.idle_ns >= P2P_STALL_NS
-        and (g.missing < 0 or not inc.procs[g.missing].died_badly)
+        and g.missing >= 0  # a peer without a dump is not blamed: inconclusive
+        and not inc.procs[g.missing].died_badly
     ]
     if not gaps:
         return []
     waiting = {g.waiting for g in gaps}
-    culprits = [g for g in gaps if g.missing < 0 or g.missing not in waiting] or gaps
+    culprits = [g for g in gaps if g.missing not in waiting] or gaps
     main = min(culprits, key=lambda g: (g.comm, g.missing_crank, g.src, g.dst))
     comm = inc.comms[main.comm]
     wanted = "RECV" if main.op == Op.SEND else "SEND"

@@ -53,6 +53,10 @@ class Job:
     hang: tuple[int, int] | None = None  # (rank, step)
     crash: tuple[int, int, int] | None = None  # (rank, step, signal)
     peers_fail: bool = False  # after a crash, the others' calls fail and they exit 4
+    # after a crash, the others exit 4 this long after it, no call of theirs
+    # failing (their error surfaced outside NCCL calls: a stream sync)
+    peers_exit_ms: float | None = None
+    wall_skew_ns: dict[int, int] = field(default_factory=dict)  # node -> wall clock offset
     mismatch: tuple[int, int, str] | None = None  # (rank, step, field)
     slow: tuple[int, float] | None = None  # (rank, extra ms per step)
     loss_node: int | None = None
@@ -187,7 +191,9 @@ def _node(
     for r in ranks:
         code, sig = None, None
         if job.crash is not None and job.crash[0] == r:
-            sig = job.crash[2]
+            sig, code = (job.crash[2], None) if job.crash[2] else (None, 1)
+        elif job.crash is not None and job.peers_exit_ms is not None:
+            code = 4
         elif job.crash is not None and job.peers_fail:
             code = 4
             mine = np.flatnonzero(arr["pid"] == pid_of(r))
@@ -229,7 +235,7 @@ def _node(
     return Recording(
         host_of(k),
         f"boot{k}",
-        Clock(now + skew, 1_700_000_000 * 10**9),
+        Clock(now + skew, 1_700_000_000 * 10**9 + job.wall_skew_ns.get(k, 0)),
         tuple(procs),
         tuple(comms),
         rings,
@@ -283,16 +289,32 @@ def _sched(job: Job, k: int, windows: list[Window], skew: int) -> np.ndarray:
 
 
 def _exit(job: Job, k: int, now: int) -> np.ndarray:
-    if job.crash is None or job.node_of(job.crash[0]) != k:
+    """The crash (a signal, or exit code 1 when its signal is 0) 4 s before
+    the dump; with ``peers_exit_ms``, every other rank's exit 4 after it."""
+    if job.crash is None:
         return np.zeros(0, dtype=EXIT_EVENT)
-    x = np.zeros(1, dtype=EXIT_EVENT)
-    x["pid"], x["event"], x["signal"], x["code"] = (
-        pid_of(job.crash[0]),
-        ExitEvent.SIGNAL,
-        job.crash[2],
-        -1,
-    )
-    x["ts_ns"] = now - 4_000 * MS
+    rows = []
+    crashed_at = now - 4_000 * MS
+    rank, _, sig = job.crash
+    if job.node_of(rank) == k:
+        event = ExitEvent.SIGNAL if sig else ExitEvent.EXIT_GROUP
+        rows.append((pid_of(rank), event, sig, -1 if sig else 1, crashed_at))
+    if job.peers_exit_ms is not None:
+        later = crashed_at + int(job.peers_exit_ms * MS)
+        rows += [
+            (pid_of(r), ExitEvent.EXIT_GROUP, 0, 4, later)
+            for r in range(job.nranks)
+            if r != rank and job.node_of(r) == k
+        ]
+    x = np.zeros(len(rows), dtype=EXIT_EVENT)
+    for i, (pid, event, signal, code, ts) in enumerate(rows):
+        x[i]["pid"], x[i]["event"], x[i]["signal"], x[i]["code"], x[i]["ts_ns"] = (
+            pid,
+            event,
+            signal,
+            code,
+            ts,
+        )
     return x
 
 

@@ -49,23 +49,41 @@ def _frontier(r: IncidentResult, label: str) -> Frontier:
     return next(f for f in r.frontiers if r.incident.comms[f.comm].label == label)
 
 
-def test_gpu_error_1st_names_rank_12(fixtures_dir: Path) -> None:
+def test_gpu_error_1st_names_ranks_12_and_14(fixtures_dir: Path) -> None:
     r = _result(fixtures_dir, "gpu_error_1st")
     lag = _lagging(r)
-    # Rank 12 is the only rank behind anywhere, and it is behind in every
-    # collective group it shares with 13-15: in its tensor-parallel group
-    # ("41", ranks 12-13) it last entered seq 42817 while rank 13 has
-    # _all_gather_base seq 42826 pending; in "58", "69", "74", "94" it is one
-    # or two seqs behind.  Its own last entry is all_to_all 20536 on "74",
-    # which 13-15 completed and left behind (they are at 20538): rank 12 is
-    # the one that stopped making progress; the others wait for it.
+    # Rank 12 is the only rank behind anywhere on the host side, and it is
+    # behind in every collective group it shares with 13-15: in its
+    # tensor-parallel group ("41", ranks 12-13) it last entered seq 42817
+    # while rank 13 has _all_gather_base seq 42826 pending; in "58", "69",
+    # "74", "94" it is one or two seqs behind.
     assert {w for g in lag.values() for w in g} == {12}
     assert lag["41"][12] == (42817, 42826)
     assert set(lag) == {"41", "58", "69", "74", "94"}
     # Every pending entry is still "scheduled": nothing completed after the fault.
     assert set(r.incident.calls.rows["state"].tolist()) == {0}
+    # Rank 14 entered as far as its peers, but its device completed nothing
+    # after seq 42805 of "42" (ranks 14-15) while rank 15 completed up to
+    # 42818: a collective completes on all its members, so rank 14's GPU (or
+    # the thread watching it) stopped where rank 12's did.
+    f = _frontier(r, "42")
+    by_world = {r.incident.procs[m.proc].world_rank: m for m in f.members}
+    assert by_world[14].state is MemberState.AT_FRONTIER
+    assert (by_world[14].last_returned, by_world[15].last_returned) == (42805, 42818)
     (v,) = r.verdicts
-    assert v.kind is VerdictKind.MISSING_RANK and v.ranks == (12,)
+    assert v.kind is VerdictKind.MISSING_RANK and v.ranks == (12, 14)
+    assert any("rank 14" in e and "completed nothing after seq 42805" in e for e in v.evidence)
+
+
+def test_device_lag_is_read_only_where_completion_is_the_device_s(fixtures_dir: Path) -> None:
+    """The same dumps, as if completion were a host call returning: rank 14
+    is no longer named (a rank whose calls return later is not behind)."""
+    import dataclasses
+
+    r = _result(fixtures_dir, "gpu_error_1st")
+    inc = dataclasses.replace(r.incident, device_completion=False)
+    (v,) = analyze_incident(inc).verdicts
+    assert v.ranks == (12,)
 
 
 def test_gpu_error_2nd_names_ranks_9_and_14(fixtures_dir: Path) -> None:
@@ -166,22 +184,133 @@ def test_malformed_entry_names_file_and_field(tmp_path: Path) -> None:
         read_flightrec(str(p))
 
 
+CORPUS = Path(__file__).resolve().parents[1] / "data" / "fr-torch"
+
+
 def test_column_reading_matches_entry_by_entry(fixtures_dir: Path) -> None:
     """The fast reader (a field of every entry at a time) gives the rows the
     validating one (entry by entry) gives, on every real dump."""
     from stallwatch.analyzer import flightrec
 
     checked = 0
-    for p in sorted(_fr(fixtures_dir).glob("*/*")):
+    paths = sorted(_fr(fixtures_dir).glob("*/*")) + sorted(CORPUS.glob("*/*/nccl_trace_rank_*"))
+    for p in paths:
         entries = flightrec._parse(str(p), p.read_bytes())["entries"]
         names: dict[str, int] = {}
-        slow = [flightrec._entry(str(p), i, e, names) for i, e in enumerate(entries)]
+        shapes: dict[str, int] = {"": 0}
+        slow = [flightrec._entry(str(p), i, e, names, shapes) for i, e in enumerate(entries)]
         fast_names: dict[str, int] = {}
-        fast = flightrec._entries_by_column(entries, fast_names)
-        assert fast is not None and fast_names == names
-        assert fast.tolist() == [tuple(r) for r in slow]
+        fast_shapes: dict[str, int] = {"": 0}
+        fast = flightrec._entries_by_column(entries, fast_names, fast_shapes)
+        assert fast is not None and fast_names == names and fast_shapes == shapes
+        assert fast.tolist() == [tuple(r) for r in slow], p
         checked += len(slow)
-    assert checked > 900  # every entry of the 64 dumps
+    assert checked > 2000  # every entry of the 64 dumps and of the corpus
+
+
+def _entry(seq: int, **over: object) -> dict[str, object]:
+    e: dict[str, object] = {
+        "record_id": seq,
+        "collective_seq_id": seq,
+        "p2p_seq_id": 0,
+        "op_id": seq,
+        "is_p2p": False,
+        "pg_id": 0,
+        "process_group": ("0", "default_pg"),
+        "profiling_name": "nccl:all_reduce",
+        "input_sizes": [[4]],
+        "output_sizes": [[4]],
+        "input_dtypes": ["Float"],
+        "output_dtypes": ["Float"],
+        "state": "completed",
+        "retired": True,
+        "time_created_ns": 5 + seq,
+        "time_discovered_completed_ns": 6 + seq,
+    }
+    e.update(over)
+    return e
+
+
+def _write(folder: Path, rank: int, doc: dict[str, object]) -> Path:
+    folder.mkdir(exist_ok=True)
+    p = folder / f"nccl_trace_rank_{rank}"
+    p.write_bytes(pickle.dumps(doc))
+    return p
+
+
+def test_field_set_of_version_1(tmp_path: Path) -> None:
+    """1.x: one ``seq_id``, groups by ``pg_id``, no process_group, no dtypes."""
+    old = {"version": "1.4", "pg_config": {}, "entries": []}
+    for rank in range(3):
+        entries = [
+            {
+                "seq_id": s,
+                "pg_id": 0,
+                "profiling_name": "nccl:all_reduce",
+                "input_sizes": [[8]],
+                "output_sizes": [[8]],
+                "state": "completed" if s < 3 else "scheduled",
+                "time_created_ns": s,
+            }
+            for s in range(1, 3 if rank == 2 else 4)
+        ]
+        _write(tmp_path, rank, {**old, "entries": entries})
+    d = read_flightrec(str(tmp_path / "nccl_trace_rank_0"))
+    assert d.pg_names == ("0",) and d.entries["seq"].tolist() == [1, 2, 3]
+    (v,) = analyze_paths([str(tmp_path)]).incidents[0].verdicts
+    assert v.kind is VerdictKind.MISSING_RANK and v.ranks == (2,) and v.seq == 3
+
+
+def test_coalesced_ops_are_one_call(tmp_path: Path) -> None:
+    """NCCL records each op of a coalesced group under one collective_seq_id,
+    closed by a "coalesced" marker: one call, its count the sum, its shape
+    the list; a rank that coalesced other sizes departs."""
+    for rank in range(3):
+        sizes = [[3], [5]] if rank != 1 else [[4], [4]]
+        entries = [
+            _entry(1),
+            _entry(2, op_id=2, input_sizes=[sizes[0]]),
+            _entry(2, op_id=3, input_sizes=[sizes[1]]),
+            _entry(2, op_id=4, profiling_name="nccl:coalesced", input_sizes=[], output_sizes=[]),
+            _entry(3, op_id=5),
+        ]
+        _write(tmp_path, rank, {"version": "2.9", "pg_config": {}, "entries": entries})
+    d = read_flightrec(str(tmp_path / "nccl_trace_rank_0"))
+    assert d.entries["seq"].tolist() == [1, 2, 3]
+    assert d.entries["count"].tolist() == [4, 8, 4]
+    assert d.shapes[int(d.entries["shape"][1])] == "[[3]]+[[5]]"
+    (v,) = analyze_paths([str(tmp_path)]).incidents[0].verdicts
+    assert v.kind is VerdictKind.DESYNC and v.ranks == (1,) and v.seq == 2
+    assert "shape=[[4]]+[[4]]" in v.summary
+
+
+def test_unreadable_pg_config_is_a_note_not_a_lost_dump(tmp_path: Path) -> None:
+    for rank in range(2):
+        cfg = {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1"}}
+        _write(tmp_path, rank, {"version": "2.10", "pg_config": cfg, "entries": [_entry(1)]})
+    res = analyze_paths([str(tmp_path)])
+    assert all(s.ok for s in res.inputs)
+    (inc,) = res.incidents
+    assert any("ranks unreadable" in n for n in inc.incident.notes)
+    assert [v.kind for v in inc.verdicts] == [VerdictKind.HEALTHY]
+
+
+def test_gloo_groups_are_read_from_the_entries() -> None:
+    """torch 2.13's gloo: pg_config keyed by '' (no group of the entries), the
+    same pg_id naming other subgroups on other ranks: members come from the
+    default group's description and from which dumps hold a group."""
+    r = analyze_paths([str(CORPUS / "groups-healthy-8" / "pickle")]).incidents[0]
+    members = {
+        c.label: sorted(r.incident.procs[p].world_rank for p in c.members) for c in r.incident.comms
+    }
+    assert members["0"] == list(range(8))
+    assert sorted(members.values()) == sorted(
+        [list(range(8)), [0, 1, 2, 3], [0, 1], [2, 3], [4, 5], [6, 7]]
+    )
+    assert any("members are the ranks whose dumps hold" in n for n in r.incident.notes)
+    assert [v.kind for v in r.verdicts] == [VerdictKind.HEALTHY]
+    # every rank's pg_status read, per its own pg_ids: world, half, pair
+    assert len(r.incident.progress) == 8 + 4 + 8
 
 
 def test_a_malformed_entry_among_good_ones_is_still_named(tmp_path: Path) -> None:

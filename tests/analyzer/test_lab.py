@@ -11,6 +11,7 @@ the fault was injected into, and its host, and nothing else.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -34,6 +35,12 @@ RUNS: dict[str, list[str]] = {
     "hang-async-4": ["--nodes", "4", "--mode", "async", "--fault", "hang:rank=5,step=8"],
     "hang-4": ["--nodes", "4", "--fault", "hang:rank=6,step=7"],
     "crash": ["--nodes", "2", "--fault", "crash:rank=2,step=8,signal=KILL"],
+    # async: the others' errors surface in a stream synchronisation, not in a
+    # recorded call, and they exit 4 right after rank 4 is killed
+    "crash-async-4": [
+        *("--nodes", "4", "--mode", "async", "--steps", "24"),
+        *("--fault", "crash:rank=4,step=19,signal=KILL"),
+    ],
     "mismatch": ["--nodes", "2", "--fault", "mismatch:rank=1,step=8,field=count"],
     "slow": ["--nodes", "2", "--fault", "slow:rank=1,ms=100", "--dump-at-end"],
     # The hog is pinned to rank 2's CPU; on a machine with two CPUs rank 0
@@ -133,6 +140,7 @@ FIRST = [
     # (run, expected first verdict, culprit ranks, culprit hosts)
     ("crash", VerdictKind.RANK_EXITED, [2], ["node1"]),
     ("mismatch", VerdictKind.DESYNC, [1], ["node0"]),
+    ("crash-async-4", VerdictKind.RANK_EXITED, [4], ["node2"]),
 ]
 
 
@@ -175,3 +183,48 @@ def test_loss_names_the_lossy_host_only(recorded: Callable[[str], Recorded]) -> 
     assert len(net) == 1, run.texts()
     assert net[0].hosts == ("node2",) and net[0].ranks == (2,)
     assert VerdictKind.MISSING_RANK not in run.kinds()
+
+
+def test_the_killed_rank_is_the_cause_and_the_error_exits_its_consequences(
+    recorded: Callable[[str], Recorded],
+) -> None:
+    run = recorded("crash-async-4")
+    exited = [v for v in run.verdicts if v.kind is VerdictKind.RANK_EXITED]
+    assert [v.ranks for v in exited] == [(4,)], run.texts()
+    died = [p for p in run.result.incidents[0].incident.procs if p.died_badly]
+    assert len(died) > 1  # the others did exit with errors: named as consequences
+    for p in died:
+        if p.world_rank != 4:
+            assert any(f"rank {p.world_rank} " in e for e in exited[0].evidence)
+
+
+def _lose_two_nodes(run: Recorded, tmp: Path) -> tuple[Path, list[Path]]:
+    """A copy of the run's dumps, node 0's truncated and node 1's not a dump."""
+    folder = tmp / "dumps"
+    shutil.copytree(run.folder, folder)
+    node0 = sorted((folder / "node0").glob("*.msgpack"))[0]
+    node1 = sorted((folder / "node1").glob("*.msgpack"))[0]
+    node0.write_bytes(node0.read_bytes()[: node0.stat().st_size // 3])
+    node1.write_text("these are not the dumps you are looking for\n")
+    return folder, [node0, node1]
+
+
+def test_hang_with_two_nodes_lost_names_the_hung_rank_and_the_lost_inputs(
+    recorded: Callable[[str], Recorded], tmp_path: Path
+) -> None:
+    run = recorded("hang-4")  # rank 6 hangs, on node3
+    folder, lost = _lose_two_nodes(run, tmp_path)
+    res = analyze_paths([str(folder)])
+    assert sorted(s.path for s in res.lost) == sorted(str(p) for p in lost)
+    (incident,) = res.incidents
+    first = incident.verdicts[0]
+    assert first.kind is VerdictKind.MISSING_RANK and first.ranks == (6,), first.summary
+    assert first.hosts == ("node3",)
+    # the lost nodes' ranks are not judged, and the report says so
+    assert any("0, 1, 2, 3" in u for u in incident.unjudged), incident.unjudged
+    cmd = [sys.executable, "-m", "stallwatch", "analyze", str(folder)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1
+    for p in lost:
+        assert done.stderr.count(str(p)) == 1
+        assert done.stdout.index(str(p)) < done.stdout.index("MISSING_RANK")

@@ -72,7 +72,34 @@ def test_crash_names_the_dead_rank_not_those_its_death_failed() -> None:
     vs = verdicts(with_(BASE, crash=(1, 20, 9), peers_fail=True))
     assert kinds(vs) == [VerdictKind.RANK_EXITED]
     assert vs[0].ranks == (1,)
-    assert any("failed on a peer's error" in e for e in vs[0].evidence)
+    assert any("of the error it caused" in e and "rank 3" in e for e in vs[0].evidence)
+
+
+# An asynchronous job: rank 1 is killed; its peers' errors surface outside any
+# recorded call (a stream synchronisation) and they exit 4 a few ms later.
+# Clocks of the hosts disagree by up to 20 ms either way: the kill still
+# comes first, and the error exits are its consequences.
+@pytest.mark.parametrize("skew", [{}, {0: 20 * MS}, {1: -20 * MS}, {0: -20 * MS, 1: 20 * MS}])
+def test_the_first_death_is_the_cause_of_later_error_exits(skew: dict[int, int]) -> None:
+    job = with_(BASE, mode="async", crash=(1, 20, 9), peers_exit_ms=3.0, wall_skew_ns=skew)
+    vs = verdicts(job)
+    assert kinds(vs) == [VerdictKind.RANK_EXITED], [v.summary for v in vs]
+    assert vs[0].ranks == (1,)
+    assert any("exited with code 4" in e and "rank 0" in e for e in vs[0].evidence)
+
+
+def test_an_error_exit_clearly_first_is_the_cause() -> None:
+    # rank 2 exits with code 1 (no signal); the others exit 4 a second later
+    job = with_(BASE, mode="async", crash=(2, 20, 0), peers_exit_ms=1000.0)
+    vs = verdicts(with_(job, wall_skew_ns={0: 30 * MS}))
+    assert kinds(vs) == [VerdictKind.RANK_EXITED] and vs[0].ranks == (2,)
+
+
+def test_error_exits_closer_than_the_skew_are_not_ordered() -> None:
+    # two error exits 10 ms apart on different hosts: clocks cannot order them
+    job = with_(BASE, mode="async", crash=(2, 20, 0), peers_exit_ms=10.0)
+    vs = verdicts(job)
+    assert {r for v in vs if v.kind is VerdictKind.RANK_EXITED for r in v.ranks} == {0, 1, 2}
 
 
 # Blocking calls give durations, which name a rank 20 ms slow; async calls
@@ -220,11 +247,28 @@ def test_rings_wrapped_at_different_points_give_no_false_missing_rank() -> None:
 
 def test_missing_dump_is_judged_from_its_peers() -> None:
     # node 1 (ranks 2, 3) wrote no dump; rank 3 hung: its peers on node 0 are
-    # at the frontier, both ranks of node 1 are absent from it.
+    # at the frontier, and nothing shows whether rank 2 or rank 3 (or both)
+    # never entered it: neither is blamed, and the stall is not "healthy"
     vs = verdicts(with_(BASE, hang=(3, 30)), drop_node=1)
-    assert kinds(vs) == [VerdictKind.MISSING_RANK]
+    assert kinds(vs) == [VerdictKind.INCONCLUSIVE]
     assert vs[0].ranks == (2, 3)
-    assert any("no dump" in e for e in vs[0].evidence)
+    assert vs[0].seq == 30
+    # their peers completed seq 29: that much is proven of them
+    assert any("no readable dump" in e and "entered seq 29" in e for e in vs[0].evidence)
+
+
+def test_a_lost_dump_beside_the_hung_rank_names_the_hung_rank_only() -> None:
+    # 3 nodes; node 2 (ranks 4, 5) wrote no dump; rank 3 hung on node 1
+    job = with_(BASE, nodes=3, hang=(3, 30))
+    vs = verdicts(job, drop_node=2)
+    assert kinds(vs) == [VerdictKind.MISSING_RANK]
+    assert vs[0].ranks == (3,)
+
+
+def test_a_lost_dump_of_a_healthy_job_is_inconclusive() -> None:
+    vs = verdicts(BASE, drop_node=1)
+    assert kinds(vs) == [VerdictKind.INCONCLUSIVE]
+    assert vs[0].ranks == (2, 3)
 
 
 def test_split_communicator_ranks_are_derived() -> None:

@@ -1,0 +1,57 @@
+"""Cause before consequence, across verdict families.
+
+A desync is a cause: ranks that disagree on a collective wait for each other
+forever or fail on the size they receive, and then hang, crash, exit or
+leave no dump.  When a desync is found it comes first, and what followed it
+(the other verdicts, members that left no readable dump, ranks that died) is
+named in its evidence as a consequence.  The order of deaths among
+themselves is ``exits``' business.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..verdict import Verdict, VerdictKind
+from .common import MAX_LISTED, Analysis, world_of
+
+
+def in_causal_order(a: Analysis, verdicts: list[Verdict]) -> list[Verdict]:
+    desyncs = sorted(
+        (v for v in verdicts if v.kind is VerdictKind.DESYNC),
+        key=lambda v: (v.seq if v.seq is not None else -1, v.ranks),
+    )
+    if not desyncs:
+        return verdicts
+    cause = desyncs[0]
+    rest = [v for v in verdicts if v.kind is not VerdictKind.DESYNC]
+    after = [f"after it: {v.summary}" for v in rest]
+    after += _lost_after(a, cause)
+    named = {r for v in rest for r in v.ranks}
+    after += [
+        f"after it: {p.label()} died ({_death(p.exit_code, p.exit_signal)})"
+        for p in a.incident.procs
+        if p.died_badly and p.world_rank not in named
+    ][:MAX_LISTED]
+    first = dataclasses.replace(cause, evidence=cause.evidence + tuple(after))
+    return [first, *desyncs[1:], *rest]
+
+
+def _lost_after(a: Analysis, cause: Verdict) -> list[str]:
+    """Members of the desync's communicator without a readable dump."""
+    inc = a.incident
+    out = []
+    for f in a.frontiers:
+        if inc.comms[f.comm].hash_text != cause.comm_id_hash or not f.unseen:
+            continue
+        ranks = [world_of(inc, f.comm, m.crank) for m in f.unseen]
+        names = ", ".join(str(r) for r in ranks if r >= 0) or f"{len(ranks)} member(s)"
+        out.append(
+            f"after it: rank(s) {names} left no readable dump (a rank that fails on the size "
+            "it receives may die): a consequence, not judged"
+        )
+    return out
+
+
+def _death(code: int | None, signal: int | None) -> str:
+    return f"signal {signal}" if signal else f"exit code {code}"

@@ -1,0 +1,102 @@
+"""Inconclusive: the inputs do not allow a judgement.
+
+Said when nothing departs from consensus among what could be seen, yet a
+"healthy" would claim more than the inputs show: no call could be matched at
+all, or members of a communicator left no readable dump.  Those members are
+judged only from their peers' records: a collective any member completed
+proves every member entered it; after that, nothing is known of them.  A stall
+that only such members can hold up (every member with a dump entered the
+frontier collective, none completed it) is inconclusive too: they may never
+have entered it, or the collective may be stuck for everyone.
+"""
+
+from __future__ import annotations
+
+from stallwatch.dumpers.schema import op_name
+
+from ..metrics import Frontier
+from ..verdict import Verdict, VerdictKind
+from .common import MAX_LISTED, Analysis, primary, world_of
+
+
+def _unseen_ranks(a: Analysis, frontiers: list[Frontier]) -> list[int]:
+    ranks = {world_of(a.incident, f.comm, m.crank) for f in frontiers for m in f.unseen}
+    return sorted(r for r in ranks if r >= 0)
+
+
+def _name(a: Analysis, f: Frontier, crank: int) -> str:
+    world = world_of(a.incident, f.comm, crank)
+    return str(world) if world >= 0 else f"comm rank {crank}"
+
+
+def unjudged(a: Analysis) -> list[str]:
+    """For people, per communicator: which members no readable dump holds,
+    and what their peers' records still prove of them."""
+    out = []
+    for f in a.frontiers:
+        if not f.unseen:
+            continue
+        comm = a.incident.comms[f.comm]
+        names = ", ".join(_name(a, f, m.crank) for m in f.unseen)
+        proven = f.unseen[0].last_seq
+        known = (
+            f"their peers' completions prove they entered seq {proven}; after that nothing "
+            "is known of them"
+            if proven >= 0
+            else "none of their collectives is known to have completed"
+        )
+        out.append(f"{comm.name}: rank(s) {names} have no readable dump: {known}")
+    return out
+
+
+def detect_inconclusive(a: Analysis) -> list[Verdict]:
+    """Run when no detector found anything."""
+    inc = a.incident
+    notes = list(inc.notes)
+    if not len(inc.calls):
+        return [
+            _verdict(
+                a,
+                (),
+                None,
+                f"nothing could be matched: 0 calls from {len(inc.sources)} input(s)",
+                notes,
+            )
+        ]
+    lost = [f for f in a.frontiers if f.unseen]
+    if not lost:
+        return []
+    stalls = [f for f in lost if f.stuck]
+    ranks = _unseen_ranks(a, stalls or lost)
+    who = ", ".join(map(str, ranks)) or "members"
+    if stalls:
+        f = primary(a, stalls)
+        summary = (
+            f"a collective is stuck at {op_name(f.op)} seq {f.seq} on {inc.comms[f.comm].name}, "
+            f"and rank(s) {who} left no readable dump: no rank with a dump is behind but for "
+            "waiting; those without may never have entered it, or it may be stuck for all"
+        )
+    else:
+        f = primary(a, lost)
+        summary = (
+            f"no rank with a dump departs from consensus, but rank(s) {who} left no readable "
+            "dump: what they did cannot be told"
+        )
+    return [_verdict(a, tuple(ranks), f, summary, unjudged(a)[:MAX_LISTED] + notes)]
+
+
+def _verdict(
+    a: Analysis, ranks: tuple[int, ...], f: Frontier | None, summary: str, evidence: list[str]
+) -> Verdict:
+    comm = a.incident.comms[f.comm] if f is not None else None
+    return Verdict(
+        VerdictKind.INCONCLUSIVE,
+        ranks,
+        (),
+        (),
+        comm.hash_text if comm is not None else None,
+        f.seq if f is not None else None,
+        op_name(f.op) if f is not None else None,
+        summary,
+        tuple(evidence),
+    )

@@ -5,10 +5,12 @@ are named one per line on stderr and the others still used), analyzed, and
 drawn with ``analyzer.perfetto``: one trace process per host, one track per
 rank and communicator, each verdict as a marker.
 
-PyTorch Flight Recorder dumps count for the verdicts but are not drawn: they
-carry no ring rows of ours.
+PyTorch Flight Recorder dumps are drawn too: one trace process per dump
+(named by its file), their entries as slices on each rank's wall clock.
 
-Exit codes: 0 the trace was written; 2 bad usage or nothing could be read.
+Exit codes: 0 the trace was written from every input; 1 it was written, but
+inputs that could not be read were skipped (named on stderr); 2 bad usage or
+nothing could be read.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ examples:
   stallwatch export dumps/node*/*.msgpack --perfetto -o incident.json
 
 Open the file at https://ui.perfetto.dev (Open trace file) or chrome://tracing.
-exit codes: 0 written, 2 bad usage or no dump could be read.
+exit codes: 0 written, 1 written with unreadable inputs skipped, 2 bad usage or no
+dump could be read.
 """
 
 
@@ -79,15 +82,22 @@ def markers_of(verdicts: Sequence[Any]) -> tuple[Marker, ...]:
 def export(paths: Sequence[str], output: Path) -> Exported:
     """Load, analyze, draw, write.  Raises UsageError when nothing is readable."""
     from .align import Source
+    from .flightrec import FrDump
+    from .frincident import incidents_from_flightrec, recordings_of
     from .load import load_inputs
     from .perfetto import build_trace, write_trace
     from .pipeline import analyze_incident, group_incidents
 
     loaded, statuses = load_inputs(paths)
-    recordings: list[Recording] = [s.recording for s in loaded if isinstance(s, Source)]
     if not loaded:
         raise UsageError(_nothing_read(statuses))
-    verdicts = [v for inc in group_incidents(loaded) for v in analyze_incident(inc).verdicts]
+    ours = [s for s in loaded if isinstance(s, Source)]
+    recordings: list[Recording] = [s.recording for s in ours]
+    lost = [s.path for s in statuses if not s.ok]
+    fr = incidents_from_flightrec([d for d in loaded if isinstance(d, FrDump)], lost)
+    recordings += [r for inc in fr for r in recordings_of(inc)]
+    incidents = [*group_incidents(ours), *fr]
+    verdicts = [v for inc in incidents for v in analyze_incident(inc).verdicts]
     markers = markers_of(verdicts)
     write_trace(output, build_trace(recordings, markers))
     calls = sum(len(r.rings["nccl"].rows) for r in recordings if "nccl" in r.rings)
@@ -120,4 +130,4 @@ def run(args: argparse.Namespace) -> int:
             f"verdicts: {', '.join(kinds) or 'none'}\n"
             "open it at https://ui.perfetto.dev (Open trace file)"
         )
-    return ExitCode.OK
+    return ExitCode.FINDINGS if any(not s.ok for s in result.inputs) else ExitCode.OK

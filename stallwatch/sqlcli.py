@@ -158,18 +158,38 @@ def dump_files(paths: Sequence[str]) -> list[Path]:
 
 
 def read_recordings(paths: Sequence[str], skip_bad: bool) -> tuple[list[Recording], list[str]]:
-    """Dumps read, and the errors of those skipped (only with ``skip_bad``)."""
+    """Dumps read (ours, and PyTorch Flight Recorder dumps as one recording
+    per rank), and the errors of those skipped (only with ``skip_bad``)."""
+    from stallwatch.analyzer.flightrec import looks_like_flightrec
+    from stallwatch.analyzer.frincident import read_as_recordings
     from stallwatch.dumpers.format import read_dump
 
-    recordings, errors = [], []
+    recordings, errors, fr = [], [], []
     for path in dump_files(paths):
+        if looks_like_flightrec(_head(path)):
+            fr.append(str(path))
+            continue
         try:
             recordings.append(read_dump(path))
         except DumpError as exc:
             if not skip_bad:
                 raise
             errors.append(str(exc))
+    if fr:
+        more, bad, _ = read_as_recordings(fr)
+        if bad and not skip_bad:
+            raise DumpError(bad[0])
+        recordings += more
+        errors += bad
     return recordings, errors
+
+
+def _head(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(16)
+    except OSError:
+        return b""  # read_dump says why
 
 
 # ---- output ----------------------------------------------------------------

@@ -179,6 +179,42 @@ def test_export_command_reads_dumps_and_adds_the_analyzers_verdicts(tmp_path: Pa
     assert len(missing) == 1 and missing[0]["args"]["ranks"] == [2]
 
 
+CORPUS = ROOT / "tests" / "data" / "fr-torch"
+
+
+@pytest.mark.parametrize("form", ["pickle", "json"])
+def test_flight_recorder_dumps_are_drawn(
+    form: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every entry of every rank's Flight Recorder dump is one slice on its
+    rank's track, at its wall-clock time; the analyzer's verdict is marked."""
+    import pickle as pk
+
+    folder = CORPUS / "allreduce-hang-4" / form
+    out = tmp_path / "trace.json"
+    assert main(["export", "--perfetto", str(folder), "-o", str(out)]) == 0
+    assert "15 NCCL call(s)" in capsys.readouterr().out  # 4 all_reduces each, 3 on rank 2
+    events = check_trace_format(json.loads(out.read_text()))
+    hosts = host_names(events)
+    assert sorted(hosts.values()) == sorted(p.name for p in folder.iterdir())
+    entries = Counter()
+    for p in sorted((CORPUS / "allreduce-hang-4" / "pickle").iterdir()):
+        with open(p, "rb") as f:
+            doc = pk.load(f)  # trusted test data: our reader's result is compared with it
+        for e in doc["entries"]:
+            if e["profiling_name"] != "gloo:barrier":
+                entries[(p.name, e["time_created_ns"], e["collective_seq_id"])] += 1
+    drawn = Counter(
+        (hosts[int(e["pid"])].removesuffix(".json"), e["args"]["ts_ns"], e["args"]["seq"])
+        for e in events
+        if e["ph"] == "X"
+    )
+    assert drawn == entries and sum(drawn.values()) == 15
+    marks = [e for e in events if e.get("cat") == "verdict" and e["s"] == "g"]
+    assert [e["name"] for e in marks] == ["verdict: missing_rank"]
+    assert marks[0]["args"]["ranks"] == [2]
+
+
 def test_export_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.msgpack"
     bad.write_bytes(b"garbage")
@@ -187,8 +223,11 @@ def test_export_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert not (tmp_path / "t.json").exists()
     rec = recordings(Job(steps=4))[0]
     write_dump(tmp_path / "ok.msgpack", rec)
-    args = [str(tmp_path / "ok.msgpack"), str(bad), "-o", str(tmp_path / "t.json")]
+    args = [str(tmp_path / "ok.msgpack"), "-o", str(tmp_path / "t.json")]
     assert main(["export", "--perfetto", *args]) == 0
+    capsys.readouterr()
+    args = [str(tmp_path / "ok.msgpack"), str(bad), "-o", str(tmp_path / "t.json")]
+    assert main(["export", "--perfetto", *args]) == 1  # written, an input skipped
     captured = capsys.readouterr()
     assert "skipped" in captured.err and "bad.msgpack" in captured.err
     assert "ui.perfetto.dev" in captured.out

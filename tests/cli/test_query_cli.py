@@ -106,6 +106,46 @@ def test_query_refuses_a_file_that_is_not_a_dump(run: Run, dump_dir: Path, tmp_p
     assert out.splitlines()[2].strip() == "201"
 
 
+CORPUS = Path(__file__).resolve().parents[1] / "data" / "fr-torch"
+
+
+@pytest.mark.parametrize("form", ["pickle", "json"])
+def test_query_reads_flight_recorder_dumps(run: Run, form: str, tmp_path: Path) -> None:
+    """Their entries are nccl_events rows, host the file they came from, rank
+    and nranks in their process group; an unreadable one is skipped and
+    named, and the exit code says the result is partial."""
+    folder = CORPUS / "rooted-hang-4" / form
+    sql = (
+        "SELECT host, rank, nranks, op, count(*) AS n, max(seq) AS last, "
+        "sum(CASE WHEN end_ns IS NULL THEN 1 ELSE 0 END) AS pending "
+        "FROM nccl_events GROUP BY ALL ORDER BY host, op"
+    )
+    code, out, err = run("query", str(folder), sql, "--format", "json")
+    assert code == 0, err
+    rows = json.loads(out)["rows"]
+    hosts = sorted(p.name for p in folder.iterdir())
+    assert sorted({r[0] for r in rows}) == hosts
+    assert {(r[1], r[2]) for r in rows} == {(0, 4), (1, 4), (2, 4), (3, 4)}
+    ops = {r[3] for r in rows}
+    assert ops >= {"BROADCAST", "REDUCE", "SCATTER", "GATHER"}
+    # rank 2 stopped before the last gather: one pending call on each other
+    # rank, none on rank 2
+    pending = {r[1]: 0 for r in rows}
+    for r in rows:
+        pending[r[1]] += r[6]
+    assert pending[2] == 0 and all(pending[k] == 1 for k in (0, 1, 3))
+    lost = tmp_path / "lost"
+    lost.mkdir()
+    for p in folder.iterdir():
+        (lost / p.name).write_bytes(p.read_bytes())
+    broken = sorted(lost.iterdir())[0]
+    broken.write_bytes(broken.read_bytes()[:40])
+    code, out, err = run("query", str(lost), "SELECT count(*) FROM nccl_events", "--skip-bad")
+    assert code == 1 and broken.name in err
+    code, _, err = run("query", str(lost), "SELECT count(*) FROM nccl_events")
+    assert code == 2 and broken.name in err
+
+
 def test_query_usage_errors(run: Run, dump_dir: Path, tmp_path: Path) -> None:
     code, _, err = run("query", "SELECT 1")
     assert code == 2 and "give dump files" in err

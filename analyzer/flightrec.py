@@ -309,16 +309,17 @@ def _pg_status(path: str, st: object) -> dict[int, tuple[int, int]]:
 
 
 def _descs(entries: list[Any]) -> dict[str, str]:
-    """Group name -> description, from the entries' ``process_group``."""
+    """Group name -> description, from the entries' ``process_group`` (every
+    entry is a dict by now: a malformed one was refused)."""
+    groups = filter(None, map(dict.get, entries, repeat("process_group")))
+    try:
+        distinct = dict.fromkeys(map(tuple, groups))
+    except TypeError:
+        return {}
     out: dict[str, str] = {}
-    seen: set[object] = set()
-    for e in entries:
-        g = e.get("process_group") if isinstance(e, dict) else None
-        if isinstance(g, (list, tuple)) and len(g) == 2:
-            key = (str(g[0]), str(g[1]))
-            if key not in seen:
-                seen.add(key)
-                out.setdefault(key[0], key[1])
+    for g in distinct:
+        if len(g) == 2:
+            out.setdefault(str(g[0]), str(g[1]))
     return out
 
 
@@ -386,7 +387,7 @@ def _entry(
             is_p2p,
             op,
             _count(sizes),
-            shapes.setdefault(_shape_text(sizes), len(shapes)),
+            _shape_code(shapes, str(sizes)),
             DTYPES.get(str(dtypes[0]), UNKNOWN_DTYPE) if dtypes else UNKNOWN_DTYPE,
             state,
             bool(e.get("retired")) or state == State.COMPLETED or completed > 0,
@@ -406,8 +407,9 @@ def _own_side(op: int, e: dict[str, Any]) -> tuple[object, list[Any]]:
     return sizes, dtypes
 
 
-def _shape_text(sizes: object) -> str:
-    return str(sizes) if isinstance(sizes, list) else ""
+def _shape_code(shapes: dict[str, int], text: str) -> int:
+    """The code of a shape's text (``str`` of its sizes), 0 for none."""
+    return 0 if text == "None" else shapes.setdefault(text, len(shapes))
 
 
 def _entries_by_column(
@@ -454,7 +456,8 @@ def _entries_by_column(
 def _sizes_by_column(
     entries: list[Any], output_side: np.ndarray, out: np.ndarray, shapes: dict[str, int]
 ) -> None:
-    """count, shape and datatype of each entry's own side."""
+    """count, shape and datatype of each entry's own side; counts computed
+    once per distinct shape (a job repeats a few)."""
     sizes = list(map(dict.get, entries, repeat("input_sizes")))
     firsts = [d[0] if d else None for d in map(dict.get, entries, repeat("input_dtypes"))]
     if output_side.any():
@@ -466,10 +469,10 @@ def _sizes_by_column(
             f if f is not None else _first(_own_side(Op.UNKNOWN, e)[1])
             for f, e in zip(firsts, entries, strict=True)
         ]
-    out["count"] = list(map(_count_fast, sizes))
-    out["shape"] = _coded(
-        list(map(_shape_text, sizes)), lambda s: shapes.setdefault(s, len(shapes))
-    )
+    texts, which = _distinct(list(map(str, sizes)))
+    first = np.unique(which, return_index=True)[1].tolist()
+    out["count"] = np.array([_count_fast(sizes[i]) for i in first], dtype=np.uint64)[which]
+    out["shape"] = np.array([_shape_code(shapes, t) for t in texts], dtype=np.int64)[which]
     out["datatype"] = _coded(
         firsts, lambda d: DTYPES.get(str(d), UNKNOWN_DTYPE) if d else UNKNOWN_DTYPE
     )
@@ -522,7 +525,8 @@ def _fold_coalesced(arr: np.ndarray, shapes: list[str]) -> tuple[np.ndarray, lis
     coll = ~arr["is_p2p"]
     key = arr["pg"].astype(np.int64) * (1 << 40) + arr["seq"]
     marker = arr["op"] == COALESCED
-    if not marker.any() and len(np.unique(key[coll])) == int(coll.sum()):
+    ordered = np.sort(key[coll])
+    if not marker.any() and not (ordered[1:] == ordered[:-1]).any():
         return arr, shapes
     keep = np.ones(len(arr), dtype=bool)
     keep[marker & ~coll] = False

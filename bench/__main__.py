@@ -10,7 +10,14 @@ import traceback
 
 from bench.common import Figure, render
 
-MODULES = ("bench_recorder", "bench_dumps", "bench_analyzer", "bench_sql", "bench_snapshot")
+MODULES = (
+    "bench_recorder",
+    "bench_dumps",
+    "bench_analyzer",
+    "bench_accuracy",
+    "bench_sql",
+    "bench_snapshot",
+)
 
 
 def main(argv: list[str] | None = None) -> int:

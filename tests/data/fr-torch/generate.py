@@ -371,7 +371,7 @@ SCENARIOS = [
         "wrap-hang",
         wrap_job,
         "hang",
-        "the same, rank k stops before the 13th step",
+        "14 steps, rings of 6 + 3*rank entries; rank k stops before the 13th step",
         "missing_rank",
         buffer=wrap_buffer,
     ),

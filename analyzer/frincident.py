@@ -17,6 +17,11 @@ gloo counts every op (``op_id``, send and recv included, which gloo never
 records), translated through the rank's entries; NCCL counts collectives and
 p2p ops apart in one counter, so groups with p2p ops are left out.
 
+Completion: NCCL's is the device's (a CUDA event).  gloo ends a work that
+failed on a peer's death as it ends one that succeeded: a rank's entry
+counts as completed only when the rank went on to a later call, and gloo's
+completion counters are not used.
+
 Known limits: times are wall clock of each rank's host, compared only within
 one rank; a group no dump holds an entry of is not seen; a member of a
 subgroup that recorded nothing in it is not known to be one.
@@ -172,8 +177,15 @@ def _rows(
     # an entry that ended without a completion time (gloo) ended when it began,
     # as far as anyone can tell
     done = np.where(e["completed"] > 0, e["completed"], np.maximum(e["created"], 1))
-    out["end"] = np.where(e["ended"], done, 0)
-    out["result"] = np.where(e["ended"], 0, -1)
+    ended = e["ended"]
+    if d.backend == "gloo":
+        # gloo retires a work that failed as one that succeeded: only a rank
+        # that went on to a later call shows its call succeeded; its last
+        # call's outcome is unknown, and counts as pending
+        ended = ended.copy()
+        ended[-1] = False
+    out["end"] = np.where(ended, done, 0)
+    out["result"] = np.where(ended, 0, -1)
     out["count"], out["root"], out["op"] = e["count"], e["peer"], e["op"]
     out["datatype"], out["state"] = e["datatype"], e["state"]
     out["shape"] = np.minimum(shape[e["shape"]], np.iinfo(np.uint16).max)
@@ -216,8 +228,8 @@ def _progress(
                 name = cands[0] if len(cands) == 1 else None
             if name is None or d.rank not in members[name]:
                 continue
-            if d.backend == "gloo":
-                enq, done = _seq_of_op(d, name, enq), _seq_of_op(d, name, done)
+            if d.backend == "gloo":  # its completions may be failures: entries tell
+                enq, done = _seq_of_op(d, name, enq), -1
             elif name in p2p:
                 continue
             if enq >= 0:

@@ -114,6 +114,7 @@ def _incident(folder: str, dumps: list[FrDump], lost: list[str]) -> Incident:
         notes=tuple(n for d in dumps for n in d.notes) + tuple(notes),
         shapes=tuple(shapes),
         device_completion=any(d.backend not in ("", "gloo") for d in dumps),
+        ends_are_completions=True,
         kind=SourceKind.FLIGHT_RECORDER,
         wall_ns=int(rows["ts"].max()) if len(rows) else None,  # the latest entry
     )

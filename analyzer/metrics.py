@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 
 import numpy as np
-from stallwatch.dumpers.schema import Op
+from stallwatch.dumpers.schema import Op, State
 
 from .columns import Columns
 from .match import Matched
@@ -93,6 +93,23 @@ def _stall_threshold(m: Matched, comm: int) -> int:
     return max(STALL_MIN_NS, int(4 * p99))
 
 
+def _proven(inc: Incident, m: Matched, comm: int) -> int:
+    """The last seq of a communicator that a member completed: a collective
+    any member completed proves that every member entered it.  A call that
+    returned proves it where calls complete at return: blocking calls (the
+    communicator's returned calls take time), or a completion seen (state
+    completed, Flight Recorder); an asynchronous return is only an enqueue."""
+    if inc.ends_are_completions:
+        return int(m.pair_last_returned[m.pairs_of(comm)].max())
+    rows = m.rows[m.comm_rows(comm)]
+    ok = (rows["end"] > 0) & (rows["result"] == 0)
+    if not ok.any():
+        return -1
+    blocking = float(np.median((rows["end"] - rows["ts"])[ok])) >= ASYNC_BELOW_NS
+    proof = ok if blocking else ok & (rows["state"] == State.COMPLETED)
+    return int(rows["seq"][proof].max()) if proof.any() else -1
+
+
 def proc_hosts(inc: Incident) -> list[int]:
     index = {h: i for i, h in enumerate(inc.hosts)}
     return [index[p.host] for p in inc.procs]
@@ -106,8 +123,8 @@ def frontier(
     if not len(last) or last.max() < 0:
         return None
     f = int(last.max())
-    # a collective any member completed proves that every member entered it
-    proven = int(m.pair_last_returned[sl].max())
+    unseen = any(p < 0 for p in inc.comms[comm].members)
+    proven = _proven(inc, m, comm) if unseen else -1
     proc_host = proc_host if proc_host is not None else proc_hosts(inc)
     members = []
     ages: list[int | None] = []

@@ -175,6 +175,9 @@ class Incident:
     # completion is the device's (Flight Recorder of NCCL: a CUDA event),
     # not a host call returning
     device_completion: bool = False
+    # a call that ended completed (Flight Recorder): not only enqueued, as an
+    # asynchronous NCCL call returns
+    ends_are_completions: bool = False
 
     def host_index(self, host: str) -> int:
         return self.hosts.index(host)

@@ -13,7 +13,7 @@ from stallwatch.analyzer.align import Source
 from stallwatch.analyzer.pipeline import analyze_incident, analyze_paths, group_incidents
 from stallwatch.analyzer.verdict import Verdict, VerdictKind
 from stallwatch.dumpers.model import Recording, Ring
-from stallwatch.dumpers.schema import TCP_EVENT, TcpEvent
+from stallwatch.dumpers.schema import TCP_EVENT, State, TcpEvent
 
 from tests.analyzer.synth import MS, Job, _addr, host_of, pid_of, recordings, with_
 
@@ -255,6 +255,20 @@ def test_missing_dump_is_judged_from_its_peers() -> None:
     assert vs[0].seq == 30
     # their peers completed seq 29: that much is proven of them
     assert any("no readable dump" in e and "entered seq 29" in e for e in vs[0].evidence)
+
+
+def test_an_asynchronous_return_proves_nothing_of_a_lost_rank() -> None:
+    # calls return at once (enqueued, not completed): their returns do not
+    # prove that the ranks of the lost node entered anything
+    recs = recordings(with_(BASE, mode="async", hang=(3, 30)))
+    for r in recs:
+        rows = r.rings["nccl"].rows
+        rows["state"][rows["end_ns"] > 0] = State.STARTED
+    (inc,) = group_incidents([Source(r.host, r) for i, r in enumerate(recs) if i != 1])
+    res = analyze_incident(inc)
+    assert [v.kind for v in res.verdicts] == [VerdictKind.INCONCLUSIVE]
+    assert res.verdicts[0].ranks == (2, 3)
+    assert any("none of their collectives is known to have completed" in u for u in res.unjudged)
 
 
 def test_a_lost_dump_beside_the_hung_rank_names_the_hung_rank_only() -> None:

@@ -384,7 +384,9 @@ def _procs(extracts: list[_Extract]) -> tuple[list[Proc], dict[tuple[str, int], 
                 continue
             code, sig, when = status.get(pid, (None, None, None))
             index[key] = len(procs)
-            procs.append(Proc(rec.host, pid, -1, e.source.path, code, sig, e.complete, when))
+            procs.append(
+                Proc(rec.host, pid, -1, e.source.path, code, sig, e.complete, exit_wall_ns=when)
+            )
     return procs, index
 
 

@@ -387,7 +387,7 @@ def _entry(
             is_p2p,
             op,
             _count(sizes),
-            _shape_code(shapes, str(sizes)),
+            _shape_code(shapes, repr(sizes)),
             DTYPES.get(str(dtypes[0]), UNKNOWN_DTYPE) if dtypes else UNKNOWN_DTYPE,
             state,
             bool(e.get("retired")) or state == State.COMPLETED or completed > 0,
@@ -408,7 +408,7 @@ def _own_side(op: int, e: dict[str, Any]) -> tuple[object, list[Any]]:
 
 
 def _shape_code(shapes: dict[str, int], text: str) -> int:
-    """The code of a shape's text (``str`` of its sizes), 0 for none."""
+    """The code of a shape's text (``repr`` of its sizes), 0 for none."""
     return 0 if text == "None" else shapes.setdefault(text, len(shapes))
 
 
@@ -423,7 +423,7 @@ def _entries_by_column(
     if not entries:
         return out
     try:
-        if not all(type(e) is dict for e in entries):
+        if set(map(type, entries)) != {dict}:
             return None
         p2p = np.array(list(map(bool, map(dict.__getitem__, entries, repeat("is_p2p")))))
         out["is_p2p"] = p2p
@@ -469,7 +469,7 @@ def _sizes_by_column(
             f if f is not None else _first(_own_side(Op.UNKNOWN, e)[1])
             for f, e in zip(firsts, entries, strict=True)
         ]
-    texts, which = _distinct(list(map(str, sizes)))
+    texts, which = _distinct(list(map(repr, sizes)))  # repr: str's, without a detour
     first = np.unique(which, return_index=True)[1].tolist()
     out["count"] = np.array([_count_fast(sizes[i]) for i in first], dtype=np.uint64)[which]
     out["shape"] = np.array([_shape_code(shapes, t) for t in texts], dtype=np.int64)[which]

@@ -96,17 +96,19 @@ def _incident(folder: str, dumps: list[FrDump], lost: list[str]) -> Incident:
     )
     index = {n: i for i, n in enumerate(names)}
     shapes: dict[str, int] = {"": 0}
-    rows = np.concatenate(
-        [_rows(p, d, members, index, shapes) for p, d in enumerate(dumps)]
-        or [np.zeros(0, CALL_DTYPE)]
-    )
+    # straight into columns, each dump's slice in turn: no records to join
+    rows = Columns.zeros(CALL_DTYPE, sum(len(d.entries) for d in dumps))
+    at = 0
+    for p, d in enumerate(dumps):
+        _rows(rows[at : at + len(d.entries)], p, d, members, index, shapes)
+        at += len(d.entries)
     return Incident(
         id=Path(folder).name,
         hosts=tuple(p.host for p in procs),
         host_now=tuple(None for _ in procs),
         procs=procs,
         comms=comms,
-        calls=Calls(Columns.from_records(rows)),
+        calls=Calls(rows),
         retransmits=np.zeros(0, dtype=TCP_RETRANS_DTYPE),
         sched=np.zeros(0, dtype=SCHED_DTYPE),
         sources=tuple(d.path for d in dumps),
@@ -159,22 +161,24 @@ def _memberships(
 
 
 def _rows(
+    out: Columns,
     p: int,
     d: FrDump,
     members: dict[str, tuple[int, ...]],
     index: dict[str, int],
     shapes: dict[str, int],
-) -> np.ndarray:
-    """One dump's entries as calls."""
+) -> None:
+    """One dump's entries as calls, written into ``out`` (views of its slice
+    of the incident's columns, zeroed)."""
     e = d.entries
     if not len(e):
-        return np.zeros(0, dtype=CALL_DTYPE)
+        return
     comm = np.array([index[n] for n in d.pg_names], dtype=np.int64)
     crank = np.array([members[n].index(d.rank) for n in d.pg_names], dtype=np.int64)
     shape = np.array([shapes.setdefault(s, len(shapes)) for s in d.shapes], dtype=np.int64)
-    out = np.zeros(len(e), dtype=CALL_DTYPE)
-    out["comm"], out["crank"], out["proc"] = comm[e["pg"]], crank[e["pg"]], p
-    out["seq"], out["ts"] = e["seq"], e["created"]
+    pg = e["pg"]
+    out["comm"][:], out["crank"][:], out["proc"][:] = comm[pg], crank[pg], p
+    out["seq"][:], out["ts"][:] = e["seq"], e["created"]
     # an entry that ended without a completion time (gloo) ended when it began,
     # as far as anyone can tell
     done = np.where(e["completed"] > 0, e["completed"], np.maximum(e["created"], 1))
@@ -185,12 +189,11 @@ def _rows(
         # call's outcome is unknown, and counts as pending
         ended = ended.copy()
         ended[-1] = False
-    out["end"] = np.where(ended, done, 0)
-    out["result"] = np.where(ended, 0, -1)
-    out["count"], out["root"], out["op"] = e["count"], e["peer"], e["op"]
-    out["datatype"], out["state"] = e["datatype"], e["state"]
-    out["shape"] = np.minimum(shape[e["shape"]], np.iinfo(np.uint16).max)
-    return out
+    out["end"][:] = np.where(ended, done, 0)
+    out["result"][:] = np.where(ended, 0, -1)
+    out["count"][:], out["root"][:], out["op"][:] = e["count"], e["peer"], e["op"]
+    out["datatype"][:], out["state"][:] = e["datatype"], e["state"]
+    out["shape"][:] = np.minimum(shape[e["shape"]], np.iinfo(np.uint16).max)
 
 
 def _pg_names(dumps: list[FrDump]) -> tuple[list[dict[int, str]], dict[int, set[str]], set[str]]:

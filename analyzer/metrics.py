@@ -251,6 +251,9 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
         if int(gid[-1] - gid[0]) >= RECENT_GROUPS:  # what led to the stall, not all history
             start = int(np.searchsorted(gid, gid[-1] - RECENT_GROUPS + 1))
             rows, gid = rows[start:], gid[start:]
+        if rows["device"].any():
+            rows = rows.select(rows.names)  # its own columns: "end" is replaced
+            rows["end"] = _shared_completion(rows, gid)
         complete = _complete_groups(m, rows, gid, c.nranks) & _telling(rows, gid)
         if not complete.any():
             continue
@@ -295,8 +298,30 @@ def _period(rows: Columns, gid: np.ndarray) -> int:
     return int(np.median(gaps[ok] / steps[ok]))
 
 
+def _shared_completion(rows: Columns, gid: np.ndarray) -> np.ndarray:
+    """Per row, its return; in a group timed on the device, the earliest
+    completion any member's watchdog saw.  A collective completes on all its
+    members together: what one watchdog sees later is the lag of its poll
+    (under CPU contention tens of ms), not a longer wait, so on the device a
+    member waits from its start to that shared completion.  A start seen
+    after it (the same lag on the start's side) counts as no wait."""
+    starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
+    size = np.diff(np.append(starts, len(gid)))
+    end = rows["end"]
+    device = np.repeat(np.minimum.reduceat(rows["device"], starts) == 1, size)
+    done = np.where(end > 0, end, np.iinfo(np.int64).max)
+    first = np.repeat(np.minimum.reduceat(done, starts), size)
+    shared = np.where(first == np.iinfo(np.int64).max, 0, np.maximum(first, rows["ts"]))
+    out: np.ndarray = np.where(device, shared, end).astype(end.dtype)
+    return out
+
+
 def _telling(rows: Columns, gid: np.ndarray) -> np.ndarray:
-    """Per row: False in a device-timed group whose waits barely differ."""
+    """Per row: False in a device-timed group whose waits barely differ, and
+    in a group where the device's start of some member's call is unknown (the
+    watchdog saw it completed at its first look): its wait there is unknown,
+    and host and device times do not compare.  Groups of processes without
+    the CUDA probes are all telling."""
     if not rows["device"].any():
         return np.ones(len(gid), dtype=bool)
     starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
@@ -304,10 +329,11 @@ def _telling(rows: Columns, gid: np.ndarray) -> np.ndarray:
     dur = rows["end"] - rows["ts"]
     spread = np.maximum.reduceat(dur, starts) - np.minimum.reduceat(dur, starts)
     device = np.minimum.reduceat(rows["device"], starts) == 1
+    host = np.maximum.reduceat(rows["device"], starts) == 0
     floor = float(DEVICE_WAIT_SPREAD_NS)
     if device.any():
         floor = max(floor, DEVICE_WAIT_SPREAD_SHARE * float(np.percentile(spread[device], 90)))
-    out: np.ndarray = np.repeat(~device | (spread >= floor), size)
+    out: np.ndarray = np.repeat(host | (device & (spread >= floor)), size)
     return out
 
 

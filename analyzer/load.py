@@ -82,7 +82,7 @@ def load_one(
 POOL_MIN_BYTES = 16 << 20  # of Flight Recorder files, below which one process reads them
 
 
-def _head(path: str) -> bytes | None:
+def head_of(path: str) -> bytes | None:
     """The first bytes, which tell the kind of file; None if unreadable
     (load_one then says why)."""
     try:
@@ -118,7 +118,7 @@ def _read_all(
 ) -> Iterator[tuple[Loaded | None, InputStatus]]:
     """load_one of each file, in order; Flight Recorder files on worker
     processes when they pay, the rest here meanwhile."""
-    heads = {f: _head(f) for f in files}
+    heads = {f: head_of(f) for f in files}
     fr = [f for f in files if (head := heads[f]) is not None and looks_like_flightrec(head)]
     pooled = _pool_for(fr)
     if pooled is None:

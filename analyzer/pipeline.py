@@ -43,16 +43,22 @@ Known limits:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from stallwatch.dumpers.errors import DumpError
+from stallwatch.dumpers.format import read_dump_deferred
+from stallwatch.dumpers.schema import RING_DTYPES
 
 from .align import Source, incident_from_recordings
 from .detect import DETECTORS, FALLBACK_DETECTORS, Analysis, Detector
 from .detect.causes import in_causal_order
 from .detect.inconclusive import detect_inconclusive, unjudged
-from .flightrec import FrDump
+from .flightrec import FrDump, looks_like_flightrec
 from .frincident import incidents_from_flightrec
-from .load import Loaded, load_inputs
+from .load import Loaded, expand, head_of, load_inputs
 from .match import match
 from .metrics import (
     Frontier,
@@ -65,8 +71,10 @@ from .metrics import (
     retransmits_in_windows,
     sched_delay_per_proc,
 )
-from .model import Incident, InputStatus
+from .model import Incident, InputStatus, SourceKind
 from .verdict import Verdict, VerdictKind
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,17 +153,47 @@ def _healthy(a: Analysis) -> Verdict:
     )
 
 
-def _merge_disjoint(groups: dict[str, list[Source]]) -> dict[str, list[Source]]:
+def _merge_disjoint(groups: dict[str, list[T]], host: Callable[[T], str]) -> dict[str, list[T]]:
     """Agents that detected one stall apart may name it twice; when no host
     has dumps in two incidents, the dumps are one job's: one incident."""
     if len(groups) < 2:
         return groups
-    hosts = [[s.recording.host for s in v] for v in groups.values()]
+    hosts = [[host(s) for s in v] for v in groups.values()]
     flat = [h for hs in hosts for h in hs]
     if len(flat) != len(set(flat)):
         return groups
     merged = [s for k in sorted(groups) for s in groups[k]]
     return {"+".join(sorted(groups)): merged}
+
+
+def incident_plan(paths: Sequence[str]) -> tuple[dict[str, list[str]], list[InputStatus]]:
+    """The incidents of the inputs, as ``analyze`` groups them, each with its
+    files; no ring is read (our dumps' rings stay in their files, Flight
+    Recorder dumps are grouped by folder)."""
+    files, statuses = expand(paths)
+    ours: dict[str, list[tuple[str, str]]] = {}
+    fr: dict[str, list[str]] = {}
+    for f in files:
+        head = head_of(f)
+        if head is not None and looks_like_flightrec(head):
+            fr.setdefault(Path(f).parent.name, []).append(f)
+            statuses.append(InputStatus(f, True, None, SourceKind.FLIGHT_RECORDER))
+            continue
+        try:
+            rec, _ = read_dump_deferred(f, RING_DTYPES)
+        except DumpError as exc:
+            statuses.append(InputStatus(f, False, str(exc)))
+            continue
+        statuses.append(InputStatus(f, True, None, SourceKind.STALLWATCH))
+        trig = rec.trigger
+        key = trig.incident_id if trig is not None and trig.incident_id else "snapshot"
+        ours.setdefault(key, []).append((rec.host, f))
+    merged = _merge_disjoint(ours, lambda x: x[0])
+    plan = {k: sorted(f for _, f in v) for k, v in sorted(merged.items())}
+    for k, v in sorted(fr.items()):
+        plan.setdefault(k, []).extend(v)
+    statuses.sort(key=lambda s: s.path)
+    return plan, statuses
 
 
 def group_incidents(
@@ -175,7 +213,7 @@ def group_incidents(
             trig = item.recording.trigger
             key = trig.incident_id if trig is not None and trig.incident_id else "snapshot"
             ours.setdefault(key, []).append(item)
-    groups = sorted(_merge_disjoint(ours).items())
+    groups = sorted(_merge_disjoint(ours, lambda s: s.recording.host).items())
     out = [incident_from_recordings(k, v, consume, progress) for k, v in groups]
     out.extend(incidents_from_flightrec(fr, lost))
     return out

@@ -662,6 +662,23 @@ def p2p_gaps(inc: Incident) -> list[P2pGap]:
     return out
 
 
+def waiting_in_p2p(inc: Incident) -> frozenset[int]:
+    """Procs blocked in a point-to-point call (posted, never returned): each
+    waits for its peer, like a rank in flight at a collective's frontier.
+    (Asynchronous calls return at once: none is ever found here.)"""
+    rows = inc.calls.rows
+    start = max(inc.calls.matched, 0)
+    p2p = rows[start:] if start else rows
+    if not len(p2p):
+        return frozenset()
+    stuck = IS_P2P_OP[p2p["op"]] & (p2p["end"] == 0)
+    return frozenset(int(p) for p in np.unique(p2p["proc"][stuck]).tolist())
+
+
+IS_P2P_OP = np.zeros(256, dtype=bool)
+IS_P2P_OP[list(P2P_OPS)] = True
+
+
 def _latest_per_proc(inc: Incident) -> np.ndarray:
     """Each proc's latest timestamp (entry or return) over all its calls."""
     rows = inc.calls.rows

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from stallwatch.dumpers.schema import Op, op_name
 
-from ..metrics import Frontier, Member, MemberState, P2pGap
+from ..metrics import Frontier, Member, MemberState, P2pGap, waiting_in_p2p
 from ..model import Incident
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, member_text, primary, who
@@ -37,11 +37,18 @@ def _victims(frontiers: tuple[Frontier, ...]) -> dict[int, bool]:
 
 def stuck_laggards(a: Analysis) -> list[tuple[Frontier, Member]]:
     """Members whose own dumps show them behind a stuck frontier; those that
-    lag only because they wait for someone elsewhere are left out.  When
-    every one waits for another (a cycle), all are named; when they wait for
-    members without a dump, none is (that is inconclusive)."""
+    lag only because they wait for someone elsewhere are left out: in flight
+    at another stuck frontier, or blocked in a point-to-point call (a
+    pipeline stage waiting for its neighbour lags at the data-parallel
+    collectives only because it waits).  When every one waits for another (a
+    cycle), all are named; when they wait for members without a dump, none
+    is (that is inconclusive)."""
     pairs = [(f, m) for f in a.frontiers if f.stuck for m in f.laggards]
+    if not pairs:
+        return []
     victims = _victims(a.frontiers)
+    for p in waiting_in_p2p(a.incident):
+        victims.setdefault(p, False)  # its peer is not known to be without a dump
     culprits = [(f, m) for f, m in pairs if m.proc not in victims]
     if culprits or any(victims.get(m.proc) for _, m in pairs):
         return culprits

@@ -27,6 +27,7 @@ from stallwatch.dumpers.schema import NCCL_EVENT, ExitEvent, Op, TcpEvent
 
 from .columns import Columns
 from .match import order_calls
+from .metrics import RECENT_GROUPS
 from .model import CALL_DTYPE, SCHED_DTYPE, TCP_RETRANS_DTYPE, Calls, Comm, Incident, Proc
 from .parallel import in_parallel, threads
 from .positions import host_readings
@@ -189,7 +190,7 @@ def _extract_all(
     """Every source's call rows into one stage table, a few threads each
     taking a run of sources (and its own run of the table).  A ring left in
     its file is read into the thread's one buffer, copied out, forgotten."""
-    sizes = [_nccl_rows(s) for s in sources]
+    sizes = [_window(s)[1] for s in sources]
     stage = Columns.empty(STAGE_DTYPE, sum(sizes))  # filled in place: no list of parts to join
 
     def run(part: tuple[int, int, int]) -> list[_Extract]:
@@ -198,22 +199,25 @@ def _extract_all(
         buffer = bytearray()
         for s in sources[first:stop]:
             later = s.deferred.get("nccl")
+            skip, _ = _window(s)
             if later is None:
                 ring = s.recording.rings.get("nccl")
-                rows = ring.rows if ring is not None else None
-                complete = ring is None or ring.overwritten == 0
+                rows = ring.rows[skip:] if ring is not None else None
+                complete = ring is None or (ring.overwritten == 0 and not skip)
                 out.append(_extract(s, rows, complete, stage, at))
                 if consume:  # the caller gave the recordings up: free each ring once read
                     s.recording.rings.pop("nccl", None)
             else:
-                if len(buffer) < later.nbytes:
-                    buffer = bytearray(later.nbytes)
+                nbytes = later.nbytes - skip * NCCL_EVENT.itemsize
+                if len(buffer) < nbytes:
+                    buffer = bytearray(nbytes)
                 try:
-                    rows = later.read(buffer)
+                    rows = later.read(buffer, skip)
                 except DumpError as exc:
                     out.append(_Extract(s, slice(at, at), True, None, NO_PIDS, (), (), str(exc)))
                 else:
-                    out.append(_extract(s, rows, later.overwritten == 0, stage, at))
+                    complete = later.overwritten == 0 and not skip
+                    out.append(_extract(s, rows, complete, stage, at))
                     del rows  # a view of the buffer, which the next file reuses
             at = out[-1].rows.stop
             if shown is not None:
@@ -254,12 +258,23 @@ def _runs(sizes: list[int], n: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _nccl_rows(s: Source) -> int:
+# Of each rank, its latest calls are read (the straggler detectors' window,
+# RECENT_GROUPS, and the frontier of every communicator it used since):
+# an incident of 131,072 ranks is not read whole.  A ring holds a node's
+# ranks interleaved: its last WINDOW_CALLS x (ranks it lists) rows.  Older
+# rows are left in the file, like rows the ring overwrote: a communicator a
+# rank used only before them is unknown for that rank, never missing.
+WINDOW_CALLS = RECENT_GROUPS
+
+
+def _window(s: Source) -> tuple[int, int]:
+    """Rows of the source's NCCL ring to skip (the oldest) and to read."""
     later = s.deferred.get("nccl")
-    if later is not None:
-        return later.rows
     ring = s.recording.rings.get("nccl")
-    return len(ring.rows) if ring is not None else 0
+    total = later.rows if later is not None else (len(ring.rows) if ring is not None else 0)
+    ranks = len(_listed_pids(s.recording))
+    keep = min(total, WINDOW_CALLS * ranks) if ranks else total
+    return total - keep, keep
 
 
 def _extract(
@@ -431,48 +446,6 @@ def _with_world_ranks(procs: list[Proc], world: dict[int, int]) -> list[Proc]:
     return [dataclasses.replace(proc, world_rank=world.get(i, -1)) for i, proc in enumerate(procs)]
 
 
-@dataclass(frozen=True, slots=True)
-class _RankTable:
-    """(proc, comm index) -> comm rank: a dense table when it is small enough,
-    else sorted keys for searchsorted."""
-
-    ncomms: int
-    dense: np.ndarray | None
-    keys: np.ndarray
-    vals: np.ndarray
-
-    @classmethod
-    def build(
-        cls, nprocs: int, hashes: np.ndarray, membership: dict[tuple[int, int], int]
-    ) -> _RankTable:
-        n = len(hashes)
-        procs = np.array([p for p, _ in membership], dtype=np.int64)
-        comms = np.searchsorted(hashes, np.array([h for _, h in membership], dtype=np.uint64))
-        vals = np.array(list(membership.values()), dtype=np.int64)
-        if nprocs * max(n, 1) <= DENSE_TABLE_MAX:
-            dense = np.full((max(nprocs, 1), max(n, 1)), -1, dtype=np.int64)
-            dense[procs, comms] = vals
-            return cls(n, dense, np.zeros(0, np.int64), np.zeros(0, np.int64))
-        keys = procs * (n + 1) + comms
-        order = np.argsort(keys)
-        return cls(n, None, keys[order], vals[order])
-
-    def lookup(self, proc: np.ndarray, comm: np.ndarray) -> np.ndarray:
-        if self.dense is not None:
-            if len(comm) and comm[0] == comm[-1] and (comm == comm[0]).all():  # one comm
-                column = self.dense[:, min(int(comm[0]), self.dense.shape[1] - 1)]
-                return np.asarray(column[proc])
-            return np.asarray(self.dense[proc, np.minimum(comm, self.dense.shape[1] - 1)])
-        if not len(self.keys):
-            return np.full(len(proc), -1, dtype=np.int64)
-        k = proc.astype(np.int64) * (self.ncomms + 1) + comm
-        pos = np.clip(np.searchsorted(self.keys, k), 0, len(self.keys) - 1)
-        return np.where(self.keys[pos] == k, self.vals[pos], -1)
-
-
-DENSE_TABLE_MAX = 16 << 20  # entries (8 bytes each) of the dense (proc, comm) -> rank table
-
-
 def _calls(
     stage: Columns,
     extracts: list[_Extract],
@@ -481,9 +454,11 @@ def _calls(
     membership: dict[tuple[int, int], int],
 ) -> Calls:
     """The stage's pids, comm hashes and own ranks resolved into procs, comm
-    indices and comm ranks; rows of no known communicator dropped."""
+    indices and comm ranks; rows of no known communicator dropped.  Each
+    source is resolved against its own few communicators (its table and
+    the comms its rows name): a lookup in a small table per row, however
+    many communicators the incident has."""
     hashes = np.array([c.comm_hash for c in comms], dtype=np.uint64)
-    table = _RankTable.build(len(proc_index), hashes, membership)
     valid = True
     for e in extracts:
         sl = e.rows
@@ -491,21 +466,41 @@ def _calls(
             continue
         host = e.source.recording.host
         procs = np.array([proc_index.get((host, int(p)), -1) for p in e.scope], dtype=np.int64)
-        proc = procs[stage["proc"][sl]]  # every pid of a call row has a proc (_procs)
-        pos, ok = _comm_index(hashes, stage["hash"][sl])
-        crank = table.lookup(proc, pos)
+        scope_index = stage["proc"][sl]
+        local = _local_comms(e)
+        where = np.minimum(np.searchsorted(hashes, local), max(len(hashes) - 1, 0))
+        known = hashes[where] == local if len(hashes) else np.zeros(len(local), dtype=bool)
+        lpos, ok = _comm_index(local, stage["hash"][sl])
+        ok &= known[lpos]
+        ranks = np.full((len(procs), len(local)), -1, dtype=np.int64)
+        for i, p in enumerate(procs.tolist()):
+            for j, h in enumerate(local.tolist()):
+                ranks[i, j] = membership.get((p, h), -1)
+        crank = ranks[scope_index, lpos]
         unset = crank < 0
         if unset.any():  # not a member by the comm tables: the row's own rank
             crank[unset] = stage["crank"][sl][unset]
         crank[~ok] = -1
         valid = valid and bool((crank >= 0).all())
-        stage["proc"][sl], stage["comm"][sl], stage["crank"][sl] = proc, pos, crank
+        stage["proc"][sl], stage["comm"][sl], stage["crank"][sl] = (
+            procs[scope_index],
+            where[lpos],
+            crank,
+        )
     # the columns move out of the stage: ordering them frees each old one
     rows = Columns({name: stage.pop(name) for name in CALL_DTYPE.names or ()})
     stage.pop("hash")
     if not valid:
         rows = rows[rows["crank"] >= 0]
     return order_calls(rows, np.array([c.nranks for c in comms], dtype=np.int64))
+
+
+def _local_comms(e: _Extract) -> np.ndarray:
+    """The comm hashes a source's rows can name (sorted): its table's, and
+    those of comms its table lacks."""
+    known = {c.comm_hash for c in e.source.recording.communicators if c.comm_hash}
+    known |= {h for h, _, _, _ in e.row_members}
+    return np.array(sorted(known), dtype=np.uint64)
 
 
 def _comm_index(hashes: np.ndarray, comm_hash: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

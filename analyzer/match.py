@@ -39,13 +39,13 @@ class Matched:
     pair_first_seq: np.ndarray  # -1 if nothing retained
     pair_last_seq: np.ndarray  # -1 if nothing retained
     pair_last_returned: np.ndarray  # -1 if none returned
+    comm_start: np.ndarray  # comm -> its first row; comm_start[comm + 1] its end
 
     def pairs_of(self, comm: int) -> slice:
         return slice(int(self.pair_offset[comm]), int(self.pair_offset[comm + 1]))
 
     def comm_rows(self, comm: int) -> slice:
-        lo, hi = np.searchsorted(self.rows["comm"], [comm, comm + 1])
-        return slice(int(lo), int(hi))
+        return slice(int(self.comm_start[comm]), int(self.comm_start[comm + 1]))
 
 
 def _seq_range(comm: np.ndarray, seq: np.ndarray, ncomms: int) -> tuple[np.ndarray, np.ndarray]:
@@ -195,6 +195,7 @@ def match(inc: Incident) -> Matched:
         pair_first_seq=first_seq.astype(np.int64),
         pair_last_seq=last_seq.astype(np.int64),
         pair_last_returned=returned,
+        comm_start=np.searchsorted(comm, np.arange(len(nranks) + 1, dtype=comm.dtype)),
     )
 
 

@@ -73,17 +73,9 @@ class Frontier:
         return tuple(m for m in self.members if m.state is MemberState.NO_DUMP)
 
 
-def _age(inc: Incident, m: Matched, row: int, proc_host: list[int]) -> int | None:
-    r = m.rows
-    now = inc.host_now[proc_host[int(r["proc"][row])]]
-    if now is None:
-        return None
-    return now - int(max(r["ts"][row], r["end"][row]))
-
-
 def _stall_threshold(m: Matched, comm: int) -> int:
-    rows = m.rows[m.comm_rows(comm)]
-    end, ts = rows["end"], rows["ts"]
+    sl = m.comm_rows(comm)
+    end, ts = m.rows["end"][sl], m.rows["ts"][sl]
     done = end > 0
     if not done.any():
         return STALL_MIN_NS
@@ -115,48 +107,82 @@ def proc_hosts(inc: Incident) -> list[int]:
     return [index[p.host] for p in inc.procs]
 
 
-def frontier(
-    inc: Incident, m: Matched, comm: int, proc_host: list[int] | None = None
-) -> Frontier | None:
-    sl = m.pairs_of(comm)
-    last = m.pair_last_seq[sl]
-    if not len(last) or last.max() < 0:
-        return None
-    f = int(last.max())
+def frontiers(inc: Incident, m: Matched, proc_host: list[int]) -> tuple[Frontier, ...]:
+    """The frontier of every communicator with rows, the per-member numbers
+    taken for all pairs at once (an incident of 131,072 ranks has tens of
+    thousands of communicators: no numpy call per member)."""
+    pairs = int(m.pair_offset[-1])
+    if not pairs or not len(m.rows):
+        return ()
+    last = m.pair_last_seq
+    starts = m.pair_offset[:-1]
+    sized = np.diff(m.pair_offset) > 0
+    top = np.full(len(inc.comms), -1, dtype=np.int64)
+    top[sized] = np.maximum.reduceat(last, starts[sized])
+    comm_of = np.repeat(np.arange(len(inc.comms)), np.diff(m.pair_offset))
+    row = m.pair_last_row
+    has = row >= 0
+    at = np.where(has, row, 0)
+    r = m.rows
+    flight = has & (r["end"][at] == 0)
+    front = has & (r["seq"][at] == top[comm_of])
+    host = np.array(proc_host, dtype=np.int64)[r["proc"][at]] if len(proc_host) else at * 0
+    now = np.array([-1 if t is None else t for t in inc.host_now], dtype=np.int64)[host]
+    age = now - np.maximum(r["ts"][at], r["end"][at])
+    aged = front & (now >= 0)
+    ops = r["op"][at]
+    members = [p for c in inc.comms for p in c.members]
+    complete = [p.window_complete for p in inc.procs]
+    out = []
+    cols = (last.tolist(), m.pair_last_returned.tolist(), flight.tolist(), front.tolist(),
+            aged.tolist(), age.tolist(), ops.tolist())  # fmt: skip
+    for comm in np.flatnonzero(top >= 0).tolist():
+        f = _frontier_of(inc, m, comm, int(top[comm]), members, complete, cols)
+        out.append(f)
+    return tuple(out)
+
+
+def _frontier_of(
+    inc: Incident,
+    m: Matched,
+    comm: int,
+    f: int,
+    members: list[int],
+    complete: list[bool],
+    cols: tuple[list[int], list[int], list[bool], list[bool], list[bool], list[int], list[int]],
+) -> Frontier:
+    last, ret, flight, front, aged, age, ops = cols
+    lo, hi = int(m.pair_offset[comm]), int(m.pair_offset[comm + 1])
     unseen = any(p < 0 for p in inc.comms[comm].members)
     proven = _proven(inc, m, comm) if unseen else -1
-    proc_host = proc_host if proc_host is not None else proc_hosts(inc)
-    members = []
-    ages: list[int | None] = []
+    out = []
+    ages: list[int] = []
     op = 0
     flying = False
-    for crank, proc in enumerate(inc.comms[comm].members):
-        p = sl.start + crank
-        row = int(m.pair_last_row[p])
-        seq, ret = int(m.pair_last_seq[p]), int(m.pair_last_returned[p])
-        flight = row >= 0 and int(m.rows["end"][row]) == 0
+    for p in range(lo, hi):
+        proc, seq, in_flight = members[p], last[p], flight[p]
         if proc < 0:
-            state, seq, flight = MemberState.NO_DUMP, proven, False
+            state, seq, in_flight = MemberState.NO_DUMP, proven, False
         elif seq == f:
-            flying |= flight
+            flying |= in_flight
             state = MemberState.AT_FRONTIER
-            if row >= 0 and int(m.rows["seq"][row]) == f:
-                ages.append(_age(inc, m, row, proc_host))
-                op = int(m.rows["op"][row])
-            else:
-                ages.append(None)
+            if front[p]:
+                op = ops[p]
+                if aged[p]:
+                    ages.append(age[p])
         elif seq >= 0:
             state = MemberState.BEHIND
-        elif inc.procs[proc].window_complete:
+        elif complete[proc]:
             state = MemberState.NO_ROWS
         else:
             state = MemberState.UNKNOWN
-        members.append(Member(crank, proc, state, seq, ret, flight))
-    known = [a for a in ages if a is not None]
-    age = int(np.median(known)) if known else None
+        out.append(Member(p - lo, proc, state, seq, ret[p], in_flight))
+    median = int(np.median(ages)) if ages else None
     # no dump time (Flight Recorder): stuck while a call is pending there
-    stuck = flying if age is None else age >= _stall_threshold(m, comm)
-    return Frontier(comm, f, op, stuck, age, tuple(members))
+    stuck = flying if median is None else (
+        median >= STALL_MIN_NS and median >= _stall_threshold(m, comm)
+    )
+    return Frontier(comm, f, op, stuck, median, tuple(out))
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,8 +267,12 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
     (durations tiny): entry lateness against peers, on the same host when it
     has peers there, else against all (the detector demands a large margin)."""
     out: list[ArrivalScore] = []
+    done = set()
+    for comm, scores in _grid_scores(inc, m):
+        done.add(comm)
+        out.extend(scores)
     for comm, c in enumerate(inc.comms):
-        if c.nranks < 2:
+        if c.nranks < 2 or comm in done:
             continue
         sl = m.comm_rows(comm)
         rows, gid = m.rows.select(("ts", "end", "crank", "proc", "device"))[sl], m.gid[sl]
@@ -271,6 +301,94 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
         device = bool(rows["device"].all())
         out.extend(
             dataclasses.replace(s, nranks=c.nranks, period_ns=period, device=device) for s in scores
+        )
+    return out
+
+
+GRID_CHUNK = 1 << 22  # calls scored at once by _grid_scores (bounds its temporaries)
+
+
+def _grid_windows(m: Matched, nranks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per communicator: the first row and the number of the complete groups
+    (every member entered and returned) of its straggler window, and whether
+    they are one run of two or more (then their rows are one slice; whether
+    each group holds one row per rank in rank order is the caller's check)."""
+    ncomms = len(nranks)
+    gcomm = m.group_comm.astype(np.int64)
+    lowest_end = np.minimum.reduceat(m.rows["end"], m.group_start)
+    complete = (m.group_size == nranks[gcomm]) & (lowest_end > 0)
+    g_lo = np.searchsorted(gcomm, np.arange(ncomms))
+    g_hi = np.searchsorted(gcomm, np.arange(ncomms), side="right")
+    w_lo = np.maximum(g_lo, g_hi - RECENT_GROUPS)
+    before = np.r_[0, np.cumsum(complete)]
+    count = before[g_hi] - before[w_lo]
+    which = np.flatnonzero(complete)
+    if not len(which):
+        return np.zeros(ncomms, np.int64), count, np.zeros(ncomms, dtype=bool)
+    first = which[np.minimum(before[w_lo], len(which) - 1)]
+    last = which[np.maximum(before[g_hi] - 1, 0)]
+    ok = (count >= 2) & (nranks >= 2) & (last - first + 1 == count)
+    return m.group_start[first], count, ok
+
+
+def _grid_scores(inc: Incident, m: Matched) -> list[tuple[int, list[ArrivalScore]]]:
+    """``_wait_scores`` (and the period) of every communicator whose window
+    is a grid (``_grid_windows``), communicators of one size and window
+    length together, a chunk at a time: the same numbers, without a round
+    of numpy calls per communicator."""
+    if not len(m.rows) or not len(inc.comms):
+        return []
+    nranks = np.array([c.nranks for c in inc.comms], dtype=np.int64)
+    start, groups, ok = _grid_windows(m, nranks)
+    out: list[tuple[int, list[ArrivalScore]]] = []
+    cand = np.flatnonzero(ok)
+    shapes = np.unique(np.stack([nranks[cand], groups[cand]]), axis=1) if len(cand) else []
+    for n, g in np.asarray(shapes).T.tolist():
+        comms = cand[(nranks[cand] == n) & (groups[cand] == g)]
+        per = max(1, GRID_CHUNK // (n * g))
+        for i in range(0, len(comms), per):
+            out += _grid_chunk(inc, m, comms[i : i + per], start, int(n), int(g))
+    return out
+
+
+def _grid_chunk(
+    inc: Incident, m: Matched, comms: np.ndarray, start: np.ndarray, n: int, g: int
+) -> list[tuple[int, list[ArrivalScore]]]:
+    index = start[comms][:, None] + np.arange(g * n)[None, :]
+    crank = m.rows["crank"][index].reshape(-1, g, n)
+    grid = (crank == np.arange(n)).all(axis=(1, 2))
+    ts = m.rows["ts"][index].reshape(-1, g, n)
+    dur = m.rows["end"][index].reshape(-1, g, n) - ts
+    grid &= np.median(dur.reshape(len(comms), -1), axis=1) >= ASYNC_BELOW_NS
+    comms, ts, dur = comms[grid], ts[grid], dur[grid]
+    if not len(comms):
+        return []
+    gmin = dur.min(axis=2, keepdims=True)
+    peers = (dur.sum(axis=2, keepdims=True) - dur) / (n - 1)
+    mins = (dur == gmin).sum(axis=1)
+    k = (g - 1) // 2
+
+    def lower_median(values: np.ndarray) -> np.ndarray:
+        cols = np.ascontiguousarray(values.transpose(0, 2, 1))  # a row per rank
+        cols.partition(k, axis=2)
+        return np.asarray(cols[:, :, k], dtype=np.int64)
+
+    margin, own, peer = lower_median(peers - dur), lower_median(dur), lower_median(peers)
+    period = np.median(np.diff(ts, axis=1).reshape(len(comms), -1), axis=1).astype(np.int64)
+    out = []
+    for i, comm in enumerate(comms.tolist()):
+        members = inc.comms[comm].members
+        out.append(
+            (
+                comm,
+                [
+                    ArrivalScore(
+                        comm, r, members[r], g, float(mins[i, r]) / g, int(margin[i, r]),
+                        int(peer[i, r]), int(own[i, r]), "wait", n, int(period[i]),
+                    )  # fmt: skip
+                    for r in range(n)
+                ],
+            )
         )
     return out
 

@@ -64,7 +64,7 @@ from .metrics import (
     Frontier,
     arrival_scores,
     disagreements,
-    frontier,
+    frontiers,
     p2p_gaps,
     proc_hosts,
     retransmit_slowdowns,
@@ -113,9 +113,7 @@ class AnalysisResult:
 def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -> IncidentResult:
     m = match(inc)
     hosts = proc_hosts(inc)
-    fronts = tuple(
-        f for c in range(len(inc.comms)) if (f := frontier(inc, m, c, hosts)) is not None
-    )
+    fronts = frontiers(inc, m, hosts)
     a = Analysis(
         incident=inc,
         matched=m,

@@ -608,7 +608,34 @@ def _read_process(obj: object, path: str, c: _Checker) -> ProcessInfo:
     )
 
 
+# per field of a communicator entry: the bounds of its integer, or None for text
+_COMM_BOUNDS: dict[str, tuple[int, int] | None] = {
+    "pid": U32, "comm": U64, "comm_hash": U64, "rank": I32, "nranks": I32,
+    "parent_hash": U64, "color": I32, "key": I32, "root_addr": None, "init_ns": U64,
+    "destroy_ns": U64,
+}  # fmt: skip
+
+
+def _comm_fast(obj: object) -> CommInfo | None:
+    """A well-formed communicator entry, checked in one pass (a host's
+    table lists one entry per rank and communicator: thousands of dumps
+    repeat it); None when anything is off, for ``_read_comm`` to name it."""
+    if type(obj) is not dict or obj.keys() != _COMM_BOUNDS.keys():
+        return None
+    for k, bounds in _COMM_BOUNDS.items():
+        v = obj[k]
+        if bounds is None:
+            if type(v) is not str:
+                return None
+        elif type(v) is not int or not bounds[0] <= v <= bounds[1]:
+            return None
+    return CommInfo(**obj)
+
+
 def _read_comm(obj: object, path: str, c: _Checker) -> CommInfo:
+    fast = _comm_fast(obj)
+    if fast is not None:
+        return fast
     m = c.map(obj, path, _COMM_KEYS)
     return CommInfo(
         pid=c.integer(m["pid"], f"{path}.pid", U32),
@@ -644,21 +671,25 @@ class DeferredRing:
     def nbytes(self) -> int:
         return self.rows * ring_dtype(self.name, self.version).itemsize
 
-    def read(self, buffer: bytearray | None = None) -> np.ndarray:
-        """The rows, in ``buffer`` (at least ``nbytes`` long; the result is a
-        view of it, unless the file is of an older format: then converted
-        rows in fresh memory) or in fresh memory.  DumpError if the file is
-        gone or changed since it was read."""
-        out = buffer if buffer is not None else bytearray(self.nbytes)
-        if len(out) < self.nbytes:
-            raise ValueError(f"buffer of {len(out)} bytes for {self.nbytes}")
-        view = memoryview(out)[: self.nbytes]
+    def read(self, buffer: bytearray | None = None, first: int = 0) -> np.ndarray:
+        """The rows from ``first`` on (the latest ones: rings are oldest
+        first), in ``buffer`` (long enough; the result is a view of it,
+        unless the file is of an older format: then converted rows in fresh
+        memory) or in fresh memory.  DumpError if the file is gone or
+        changed since it was read."""
+        first = min(max(first, 0), self.rows)
+        size = ring_dtype(self.name, self.version).itemsize
+        nbytes = (self.rows - first) * size
+        out = buffer if buffer is not None else bytearray(nbytes)
+        if len(out) < nbytes:
+            raise ValueError(f"buffer of {len(out)} bytes for {nbytes}")
+        view = memoryview(out)[:nbytes]
         try:
             with open(self.path, "rb", buffering=0) as f:
                 st = os.fstat(f.fileno())
                 if (st.st_ino, st.st_size, st.st_mtime_ns) != self.stamp:
                     raise DumpError(f"{self.path}: changed since it was first read")
-                f.seek(self.offset)
+                f.seek(self.offset + first * size)
                 while view:
                     got = f.readinto(view)
                     if not got:
@@ -668,7 +699,8 @@ class DeferredRing:
             raise DumpError(f"{self.path}: removed since it was first read") from None
         except OSError as exc:
             raise DumpError(f"{self.path}: cannot read: {exc.strerror or exc}") from None
-        rows = np.frombuffer(out, dtype=ring_dtype(self.name, self.version), count=self.rows)
+        dtype = ring_dtype(self.name, self.version)
+        rows = np.frombuffer(out, dtype=dtype, count=self.rows - first)
         return upgrade_rows(self.name, rows, self.version)
 
 

@@ -137,8 +137,11 @@ BUCKET = 50_000_000  # gradient elements per DP bucket
 
 def schedule(shape: Shape, stage: int) -> Schedule:
     calls: list[tuple[int, int, int, int, int]] = []
-    tp = [(TP_KIND, Op.ALL_GATHER, AG_COUNT, DataType.BFLOAT16, -1),
-          (TP_KIND, Op.REDUCE_SCATTER, AG_COUNT, DataType.BFLOAT16, -1)] * (2 * shape.layers)  # fmt: skip
+    layer = [
+        (TP_KIND, Op.ALL_GATHER, AG_COUNT, DataType.BFLOAT16, -1),
+        (TP_KIND, Op.REDUCE_SCATTER, AG_COUNT, DataType.BFLOAT16, -1),
+    ]
+    tp = layer * (2 * shape.layers)  # attention and MLP of each layer
     first, last = stage == 0, stage == shape.pp - 1
     for _ in range(shape.microbatches):  # forward
         if not first:

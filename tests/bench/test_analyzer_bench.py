@@ -1,4 +1,6 @@
-"""The analyzer benchmark runs (small sizes) and its figures meet their targets."""
+"""The analyzer benchmark runs (small sizes) and its figures meet their
+targets: the 3-D incidents' verdicts name the injected rank, hang and
+straggler alike."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from bench import bench_analyzer
 def test_bench_quick_meets_targets() -> None:
     figures = bench_analyzer.figures(quick=True)
     # torchfrtrace's rows only where torch is installed (not by the test extra)
-    assert len(figures) == (6 if bench_analyzer.has_torchfrtrace() else 3)
+    assert len(figures) == (8 if bench_analyzer.has_torchfrtrace() else 5)
     assert all(f.ok is not False for f in figures), [(f.name, f.value, f.anchor) for f in figures]
-    assert all("right" in f.anchor for f in figures if "our dumps): time" in f.name)
+    timed = [f for f in figures if f.name.startswith("analyze 3-D") and f.name.endswith("time")]
+    assert [f.name.split()[2] for f in timed] == ["hang", "straggler"]
+    assert all("(right)" in f.anchor for f in timed)

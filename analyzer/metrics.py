@@ -30,7 +30,7 @@ ASYNC_BELOW_NS = 1_000_000  # median call duration under which calls are taken a
 # spreads (its 90th percentile).
 DEVICE_WAIT_SPREAD_NS = 5_000_000
 DEVICE_WAIT_SPREAD_SHARE = 0.5
-RECENT_GROUPS = 512  # stragglers are judged on each communicator's latest collectives
+RECENT_GROUPS = 256  # stragglers are judged on each communicator's latest collectives
 P99_SAMPLE = 1 << 20  # durations sampled for the stall threshold's p99
 
 

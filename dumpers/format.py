@@ -616,26 +616,25 @@ _COMM_BOUNDS: dict[str, tuple[int, int] | None] = {
 }  # fmt: skip
 
 
-def _comm_fast(obj: object) -> CommInfo | None:
-    """A well-formed communicator entry, checked in one pass (a host's
-    table lists one entry per rank and communicator: thousands of dumps
-    repeat it); None when anything is off, for ``_read_comm`` to name it."""
-    if type(obj) is not dict or obj.keys() != _COMM_BOUNDS.keys():
+def _comms_fast(objs: list[object]) -> tuple[CommInfo, ...] | None:
+    """A well-formed communicator table, checked field by field across all
+    its entries (a host's table lists one entry per rank and communicator,
+    and thousands of dumps repeat it); None when anything is off, for
+    ``_read_comm`` to name the entry and field."""
+    keys = tuple(_COMM_BOUNDS)
+    if not objs or not all(type(m) is dict and tuple(m) == keys for m in objs):
         return None
-    for k, bounds in _COMM_BOUNDS.items():
-        v = obj[k]
+    columns = list(zip(*(m.values() for m in objs), strict=True))  # type: ignore[union-attr]
+    for col, bounds in zip(columns, _COMM_BOUNDS.values(), strict=True):
         if bounds is None:
-            if type(v) is not str:
+            if set(map(type, col)) != {str}:
                 return None
-        elif type(v) is not int or not bounds[0] <= v <= bounds[1]:
+        elif set(map(type, col)) != {int} or min(col) < bounds[0] or max(col) > bounds[1]:
             return None
-    return CommInfo(**obj)
+    return tuple(CommInfo(*values) for values in zip(*columns, strict=True))
 
 
 def _read_comm(obj: object, path: str, c: _Checker) -> CommInfo:
-    fast = _comm_fast(obj)
-    if fast is not None:
-        return fast
     m = c.map(obj, path, _COMM_KEYS)
     return CommInfo(
         pid=c.integer(m["pid"], f"{path}.pid", U32),
@@ -793,7 +792,8 @@ def _decode_parts(
             realtime_ns=c.integer(clock["realtime_ns"], "clock.realtime_ns"),
         ),
         processes=tuple(_read_process(p, f"processes[{i}]", c) for i, p in enumerate(procs)),
-        communicators=tuple(_read_comm(m, f"communicators[{i}]", c) for i, m in enumerate(comms)),
+        communicators=_comms_fast(comms)
+        or tuple(_read_comm(m, f"communicators[{i}]", c) for i, m in enumerate(comms)),
         rings={k: r for k, r in rings.items() if isinstance(r, Ring)},
         agent_version=c.string(agent["version"], "agent.version"),
         agent_args=c.strings(agent["args"], "agent.args"),

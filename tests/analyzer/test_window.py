@@ -1,0 +1,74 @@
+"""What the analyzer reads of each dump: every rank's latest calls (the
+frontier and the straggler window), not the whole ring; and incidents shaped
+like 3-D parallel jobs, where the stages blocked in send/recv are not blamed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from stallwatch.analyzer import align
+from stallwatch.analyzer.metrics import MemberState
+from stallwatch.analyzer.pipeline import analyze_paths
+from stallwatch.analyzer.verdict import VerdictKind
+from stallwatch.dumpers.format import read_dump, read_dump_deferred, write_dump
+
+from bench.incident3d import Shape, write_incident
+from tests.analyzer.synth import Job, recordings
+
+
+def _write(job: Job, folder: Path) -> Path:
+    for rec in recordings(job):
+        write_dump(folder, rec)
+    return folder
+
+
+def test_a_deferred_ring_reads_its_latest_rows(tmp_path: Path) -> None:
+    path = next(_write(Job(steps=30), tmp_path).iterdir())
+    whole = read_dump(path).rings["nccl"].rows
+    _, deferred = read_dump_deferred(path, ("nccl",))
+    ring = deferred["nccl"]
+    assert np.array_equal(ring.read(), whole)
+    assert np.array_equal(ring.read(bytearray(ring.nbytes), 7), whole[7:])
+    assert len(ring.read(None, ring.rows)) == 0
+
+
+def test_each_rank_is_read_from_its_latest_calls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(align, "WINDOW_CALLS", 12)
+    job = Job(nodes=2, ranks_per_node=2, steps=40, hang=(3, 30))
+    res = analyze_paths([str(_write(job, tmp_path))])
+    (r,) = res.incidents
+    assert len(r.incident.calls) == 4 * 12  # of 30 or 31 calls per rank
+    assert not any(p.window_complete for p in r.incident.procs)
+    (v,) = r.verdicts
+    assert v.kind is VerdictKind.MISSING_RANK and v.ranks == (3,)
+
+
+def test_a_comm_used_only_before_the_window_is_unknown_not_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the split communicator's one collective per step is outside a window of
+    # one call for half of the ranks' rows: it must never make a laggard
+    monkeypatch.setattr(align, "WINDOW_CALLS", 1)
+    res = analyze_paths([str(_write(Job(steps=20, split=True), tmp_path))])
+    (r,) = res.incidents
+    states = {m.state for f in r.frontiers for m in f.members}
+    assert MemberState.BEHIND not in states and MemberState.NO_ROWS not in states
+    assert [v.kind for v in r.verdicts] == [VerdictKind.HEALTHY]
+
+
+@pytest.mark.parametrize("fault", ["hang", "straggler"])
+def test_3d_incidents_name_the_injected_rank(tmp_path: Path, fault: str) -> None:
+    shape = Shape(256, calls=400, fault=fault, pp=4)
+    truth = write_incident(shape, tmp_path)
+    res = analyze_paths([str(tmp_path)])
+    (r,) = res.incidents
+    v = r.verdicts[0]
+    assert (v.kind.value, list(v.ranks)) == (truth["kind"], truth["ranks"])
+    assert len(r.incident.comms) == 1 + shape.hosts + shape.dp * 8 + shape.pp * 8
+    if fault == "hang":  # stages waiting in send/recv lag at the DP collectives, unblamed
+        lagging = {m.proc for f in r.frontiers if f.stuck for m in f.laggards}
+        assert len(lagging) > 1

@@ -2,6 +2,10 @@
 match -> metrics -> detect -> verdicts -> report.
 
 Known limits:
+- Of each rank only its latest calls are read (``align.WINDOW_CALLS``):
+  the frontier of every communicator it used since and the straggler
+  window.  Older rows are treated as a wrapped ring's: unknown, never
+  missing; a desync older than them is not seen.
 - Point-to-point calls are judged only when no collective explains the
   stall: a rank that posted sends (receives) its peer never matched and has
   been idle 1 s since names that peer (``detect_p2p_missing``).  Their

@@ -90,11 +90,12 @@ def _positions(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.nda
     there.  When the keys' low bits tell them apart (a node's pids, a few comm
     hashes), a table indexed by those bits answers with one gather per value:
     a binary search mispredicts its branches on values in no order and costs
-    several times as much."""
+    several times as much.  Finding those bits costs a few sets of the keys:
+    for a handful of values the search is cheaper."""
     n = len(keys)
     if not n:
         return np.zeros(len(values), dtype=np.int64), np.zeros(len(values), dtype=bool)
-    if n <= 1 << LOW_BITS_MAX:
+    if n <= 1 << LOW_BITS_MAX and len(values) >= 64 * n:
         ks = [int(k) for k in keys.tolist()]
         for bits in range(max(1, (n - 1).bit_length()), LOW_BITS_MAX + 1):
             mask = (1 << bits) - 1

@@ -179,9 +179,7 @@ def _frontier_of(
         out.append(Member(p - lo, proc, state, seq, ret[p], in_flight))
     median = int(np.median(ages)) if ages else None
     # no dump time (Flight Recorder): stuck while a call is pending there
-    stuck = flying if median is None else (
-        median >= STALL_MIN_NS and median >= _stall_threshold(m, comm)
-    )
+    stuck = flying if median is None else median >= _stall_threshold(m, comm)
     return Frontier(comm, f, op, stuck, median, tuple(out))
 
 
@@ -342,8 +340,10 @@ def _grid_scores(inc: Incident, m: Matched) -> list[tuple[int, list[ArrivalScore
     start, groups, ok = _grid_windows(m, nranks)
     out: list[tuple[int, list[ArrivalScore]]] = []
     cand = np.flatnonzero(ok)
-    shapes = np.unique(np.stack([nranks[cand], groups[cand]]), axis=1) if len(cand) else []
-    for n, g in np.asarray(shapes).T.tolist():
+    shapes: list[list[int]] = (
+        np.unique(np.stack([nranks[cand], groups[cand]]), axis=1).T.tolist() if len(cand) else []
+    )
+    for n, g in shapes:
         comms = cand[(nranks[cand] == n) & (groups[cand] == g)]
         per = max(1, GRID_CHUNK // (n * g))
         for i in range(0, len(comms), per):
@@ -383,9 +383,18 @@ def _grid_chunk(
                 comm,
                 [
                     ArrivalScore(
-                        comm, r, members[r], g, float(mins[i, r]) / g, int(margin[i, r]),
-                        int(peer[i, r]), int(own[i, r]), "wait", n, int(period[i]),
-                    )  # fmt: skip
+                        comm,
+                        r,
+                        members[r],
+                        g,
+                        float(mins[i, r]) / g,
+                        int(margin[i, r]),
+                        int(peer[i, r]),
+                        int(own[i, r]),
+                        "wait",
+                        n,
+                        int(period[i]),
+                    )
                     for r in range(n)
                 ],
             )

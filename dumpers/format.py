@@ -624,9 +624,10 @@ def _comms_fast(objs: list[object]) -> tuple[CommInfo, ...] | None:
     and thousands of dumps repeat it); None when anything is off, for
     ``_read_comm`` to name the entry and field."""
     keys = tuple(_COMM_BOUNDS)
-    if not objs or not all(type(m) is dict and tuple(m) == keys for m in objs):
+    maps = [m for m in objs if type(m) is dict and tuple(m) == keys]
+    if not maps or len(maps) != len(objs):
         return None
-    columns = list(zip(*(m.values() for m in objs), strict=True))  # type: ignore[union-attr]
+    columns = list(zip(*(m.values() for m in maps), strict=True))
     for col, bounds in zip(columns, _COMM_BOUNDS.values(), strict=True):
         if bounds is None:
             if set(map(type, col)) != {str}:

@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench bench-compare check clean
+.PHONY: setup demo test bench bench-compare bench-clean check clean
 
 setup:
 	bash scripts/setup
@@ -18,6 +18,11 @@ test: setup
 
 bench: setup
 	$(PY) -m bench
+
+# the big incidents' dumps (tens of GB) are kept in a cache folder between
+# runs; this removes them
+bench-clean:
+	$(PY) -m bench.bench_analyzer --clean-cache
 
 # the benchmarks with torch installed, so that torchfrtrace (torch's Flight
 # Recorder analyzer) is measured beside ours on the same files

@@ -191,7 +191,12 @@ def _extract_all(
     """Every source's call rows into one stage table, a few threads each
     taking a run of sources (and its own run of the table).  A ring left in
     its file is read into the thread's one buffer, copied out, forgotten."""
-    sizes = [_window(s)[1] for s in sources]
+    windows = [_window(s) for s in sources]
+    sizes = [keep for _, keep in windows]
+    for s, (skip, _) in zip(sources, windows, strict=True):
+        later = s.deferred.get("nccl")
+        if later is not None:  # the rows of every dump fetched from disk side by side
+            later.prefetch(skip)
     stage = Columns.empty(STAGE_DTYPE, sum(sizes))  # filled in place: no list of parts to join
 
     def run(part: tuple[int, int, int]) -> list[_Extract]:

@@ -17,7 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from stallwatch.dumpers.errors import DumpError
-from stallwatch.dumpers.format import read_dump_deferred
+from stallwatch.dumpers.format import prefetch_head, read_dump_deferred
 
 from .align import Source
 from .flightrec import FrDump, looks_like_flightrec, read_flightrec
@@ -118,6 +118,9 @@ def _read_all(
 ) -> Iterator[tuple[Loaded | None, InputStatus]]:
     """load_one of each file, in order; Flight Recorder files on worker
     processes when they pay, the rest here meanwhile."""
+    if defer:  # thousands of dumps: their headers fetched from disk side by side
+        for f in files:
+            prefetch_head(f)
     heads = {f: head_of(f) for f in files}
     fr = [f for f in files if (head := heads[f]) is not None and looks_like_flightrec(head)]
     pooled = _pool_for(fr)

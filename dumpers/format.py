@@ -654,6 +654,29 @@ def _read_comm(obj: object, path: str, c: _Checker) -> CommInfo:
     )
 
 
+def _advise(path: str, offset: int, length: int) -> None:
+    """posix_fadvise(WILLNEED) on a range of a file, if the system has it."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None or length <= 0:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        advise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def prefetch_head(path: str | os.PathLike[str], length: int = 1 << 16) -> None:
+    """Ask the kernel to start reading a file's first bytes (its header),
+    without waiting: done for many files before any is parsed."""
+    _advise(os.fspath(path), 0, length)
+
+
 @dataclass(frozen=True, slots=True)
 class DeferredRing:
     """A ring whose rows were left in the file (``read_dump_deferred``):
@@ -672,6 +695,15 @@ class DeferredRing:
     @property
     def nbytes(self) -> int:
         return self.rows * ring_dtype(self.name, self.version).itemsize
+
+    def prefetch(self, first: int = 0) -> None:
+        """Ask the kernel to start reading the rows from ``first`` on (no
+        wait): many dumps' rows are then fetched from disk side by side
+        rather than one file after another.  Best effort: errors are left
+        for ``read`` to report."""
+        first = min(max(first, 0), self.rows)
+        size = RING_DTYPES[self.name].itemsize
+        _advise(self.path, self.offset + first * size, (self.rows - first) * size)
 
     def read(self, buffer: bytearray | None = None, first: int = 0) -> np.ndarray:
         """The rows from ``first`` on (the latest ones: rings are oldest

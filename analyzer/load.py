@@ -80,6 +80,7 @@ def load_one(
 # Flight Recorder pickles cost seconds of unpickling per thousand entries,
 # all of it under the GIL: many of them are read in worker processes.
 POOL_MIN_BYTES = 16 << 20  # of Flight Recorder files, below which one process reads them
+POOL_MIN_DUMPS = 1024  # of our dumps, from which their headers are parsed on workers too
 
 
 def head_of(path: str) -> bytes | None:
@@ -99,11 +100,13 @@ def _size(path: str) -> int:
         return 0
 
 
-def _pool_for(files: list[str]) -> tuple[ProcessPoolExecutor, int] | None:
+def _pool_for(
+    files: list[str], min_bytes: int = POOL_MIN_BYTES
+) -> tuple[ProcessPoolExecutor, int] | None:
     """Worker processes for the Flight Recorder files, when they are many
     and big enough to pay for starting them."""
     workers = min(threads(), len(files))
-    if workers < 2 or sum(_size(f) for f in files) < POOL_MIN_BYTES:
+    if workers < 2 or (min_bytes and sum(_size(f) for f in files) < min_bytes):
         return None
     # fork is instant, but not safe beside other threads: then a fresh interpreter
     method = "fork" if threading.active_count() == 1 else "forkserver"
@@ -124,15 +127,28 @@ def _read_all(
     heads = {f: head_of(f) for f in files}
     fr = [f for f in files if (head := heads[f]) is not None and looks_like_flightrec(head)]
     pooled = _pool_for(fr)
+    if pooled is None and len(files) - len(fr) >= POOL_MIN_DUMPS and defer:
+        # thousands of our dumps: their headers (tables, validation) are
+        # parsed on worker processes too, the rings staying in the files
+        fr, pooled = files, _pool_for(files, 0)
     if pooled is None:
         yield from (load_one(f, defer, heads[f]) for f in files)
         return
     pool, workers = pooled
     with pool:
-        results = pool.map(load_one, fr, chunksize=max(1, len(fr) // (8 * workers)))
+        results = pool.map(
+            _load_one_deferred,
+            fr,
+            [tuple(defer)] * len(fr),
+            chunksize=max(1, len(fr) // (8 * workers)),
+        )
         wanted = set(fr)
         for f in files:  # results come in the order of fr: the order of files
             yield next(results) if f in wanted else load_one(f, defer, heads[f])
+
+
+def _load_one_deferred(path: str, defer: tuple[str, ...]) -> tuple[Loaded | None, InputStatus]:
+    return load_one(path, defer)
 
 
 def load_inputs(

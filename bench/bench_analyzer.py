@@ -89,13 +89,20 @@ def peak_rss() -> int:
 def child(folder: str) -> None:
     from stallwatch.analyzer.pipeline import analyze_paths
 
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0 = time.perf_counter(), _cpu()
     res = analyze_paths([folder])
-    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    elapsed, cpu = time.perf_counter() - t0, _cpu() - c0
     rss = peak_rss()
+    workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     v = res.incidents[0].verdicts[0]
-    doc = {"seconds": elapsed, "cpu": cpu, "rss": rss, "kind": v.kind.value, "ranks": list(v.ranks)}
-    print(json.dumps(doc))
+    doc = {"seconds": elapsed, "cpu": cpu, "rss": rss, "workers_rss": workers}
+    print(json.dumps({**doc, "kind": v.kind.value, "ranks": list(v.ranks)}))
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and of its worker processes (reaped)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def torch_child(folder: str) -> None:
@@ -139,20 +146,30 @@ def _judge(r: dict[str, object], truth: dict[str, object]) -> tuple[bool, str]:
     return right, f"verdict {r['kind']} {r['ranks']} ({'right' if right else 'WRONG'})"
 
 
-def _ours(shape: Shape, t_max: float, gb_max: float, cached: bool = False) -> list[Figure]:
-    """One 3-D incident analyzed: its time and peak RSS against targets."""
+def _median_run(folder: Path, repeats: int) -> dict[str, object]:
+    """The run of median time among ``repeats`` (these machines are shared)."""
+    runs = sorted((measure(folder) for _ in range(repeats)), key=lambda r: float(r["seconds"]))  # type: ignore[arg-type]
+    return runs[len(runs) // 2]
+
+
+def _ours(
+    shape: Shape, t_max: float, gb_max: float, cached: bool = False, repeats: int = 3
+) -> list[Figure]:
+    """One 3-D incident analyzed: its time (median of ``repeats`` runs) and
+    peak RSS against targets."""
     tag = f"analyze 3-D {shape.fault} {shape.nranks:,} ranks x {shape.calls:,}"
     if cached:
         shown = _progress(f"bench: writing the {tag} dumps (once, into {incident3d.cache_root()})")
         folder = incident3d.cached_incident(shape, shown)
-        r, truth = measure(folder), incident3d.truth_of(folder)
+        r, truth = _median_run(folder, repeats), incident3d.truth_of(folder)
     else:
         with tempfile.TemporaryDirectory(prefix="bench-analyzer-") as tmp:
             truth = incident3d.write_incident(shape, Path(tmp))
-            r = measure(Path(tmp))
+            r = _median_run(Path(tmp), repeats)
     right, verdict = _judge(r, truth)
     secs, cpu = float(r["seconds"]), float(r["cpu"])  # type: ignore[arg-type]
     gb = float(r["rss"]) / 1e9  # type: ignore[arg-type]
+    workers = float(r["workers_rss"]) / 1e9  # type: ignore[arg-type]
     return [
         Figure(
             f"{tag}: time",
@@ -160,7 +177,7 @@ def _ours(shape: Shape, t_max: float, gb_max: float, cached: bool = False) -> li
             "s",
             f"< {t_max:g} s",
             secs < t_max and right,
-            f"{verdict}; CPU {cpu:.1f} s",
+            f"{verdict}; CPU {cpu:.1f} s; median of {repeats}",
         ),
         Figure(
             f"{tag}: peak RSS",
@@ -168,7 +185,7 @@ def _ours(shape: Shape, t_max: float, gb_max: float, cached: bool = False) -> li
             "GB",
             f"< {gb_max:g} GB",
             gb < gb_max and right,
-            "child process VmHWM",
+            f"child process VmHWM (its header-reading workers: {workers:.2f} GB each at most)",
         ),
     ]
 
@@ -248,7 +265,7 @@ def figures(quick: bool = False, big: bool = False) -> list[Figure]:
     if big:
         figs += _ours(Shape(16384), 5.0, 2.0, cached=True)
         figs += _ours(Shape(16384, fault="straggler"), 5.0, 2.0, cached=True)
-        figs += _ours(Shape(131072), 60.0, 12.0, cached=True)
+        figs += _ours(Shape(131072), 60.0, 12.0, cached=True, repeats=1)
     figs += _fr(64 if quick else 512, 200 if quick else 2000, judged=not quick)
     return figs
 

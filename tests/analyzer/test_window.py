@@ -72,3 +72,31 @@ def test_3d_incidents_name_the_injected_rank(tmp_path: Path, fault: str) -> None
     if fault == "hang":  # stages waiting in send/recv lag at the DP collectives, unblamed
         lagging = {m.proc for f in r.frontiers if f.stuck for m in f.laggards}
         assert len(lagging) > 1
+
+
+def test_worker_processes_read_the_headers_one_process_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stallwatch.analyzer import load
+
+    folder = _write(Job(nodes=4, ranks_per_node=2, steps=30, hang=(5, 20)), tmp_path)
+    monkeypatch.setattr(load, "POOL_MIN_DUMPS", 2)
+    monkeypatch.setenv("STALLWATCH_THREADS", "2")
+    pools = []
+    real = load._pool_for
+
+    def counted(files: list[str], min_bytes: int = load.POOL_MIN_BYTES) -> object:
+        got = real(files, min_bytes)
+        pools.append(got)
+        return got
+
+    monkeypatch.setattr(load, "_pool_for", counted)
+    pooled = analyze_paths([str(folder)])
+    assert any(p is not None for p in pools)  # the headers were read on workers
+    monkeypatch.setenv("STALLWATCH_THREADS", "1")
+    alone = analyze_paths([str(folder)])
+    assert pooled.inputs == alone.inputs
+    assert [r.verdicts for r in pooled.incidents] == [r.verdicts for r in alone.incidents]
+    assert pooled.incidents[0].incident.procs == alone.incidents[0].incident.procs
+    (v,) = pooled.incidents[0].verdicts
+    assert v.kind is VerdictKind.MISSING_RANK and v.ranks == (5,)

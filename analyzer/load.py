@@ -101,12 +101,13 @@ def _size(path: str) -> int:
 
 
 def _pool_for(
-    files: list[str], min_bytes: int = POOL_MIN_BYTES
+    files: list[str], min_bytes: int | None = None
 ) -> tuple[ProcessPoolExecutor, int] | None:
-    """Worker processes for the Flight Recorder files, when they are many
-    and big enough to pay for starting them."""
+    """Worker processes for the files, when they are many and big enough
+    (``min_bytes``, POOL_MIN_BYTES by default) to pay for starting them."""
     workers = min(threads(), len(files))
-    if workers < 2 or (min_bytes and sum(_size(f) for f in files) < min_bytes):
+    least = POOL_MIN_BYTES if min_bytes is None else min_bytes
+    if workers < 2 or (least and sum(_size(f) for f in files) < least):
         return None
     # fork is instant, but not safe beside other threads: then a fresh interpreter
     method = "fork" if threading.active_count() == 1 else "forkserver"

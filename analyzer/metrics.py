@@ -357,6 +357,9 @@ def _grid_chunk(
     index = start[comms][:, None] + np.arange(g * n)[None, :]
     crank = m.rows["crank"][index].reshape(-1, g, n)
     grid = (crank == np.arange(n)).all(axis=(1, 2))
+    # device-timed calls keep the per-communicator path (_telling leaves out
+    # the collectives whose waits barely differ)
+    grid &= ~m.rows["device"][index].any(axis=1)
     ts = m.rows["ts"][index].reshape(-1, g, n)
     dur = m.rows["end"][index].reshape(-1, g, n) - ts
     grid &= np.median(dur.reshape(len(comms), -1), axis=1) >= ASYNC_BELOW_NS

@@ -63,7 +63,7 @@ from stallwatch.dumpers.model import (
 )
 from stallwatch.dumpers.schema import NCCL_EVENT, DataType, Op, RedOp, State
 
-GENERATOR_VERSION = 1  # bump when the incidents change: cached ones are made anew
+GENERATOR_VERSION = 2  # bump when the incidents change: cached ones are made anew
 MS = 1_000_000
 TP = 8
 TP_KIND, PP_KIND, DP_KIND = 0, 1, 2
@@ -336,7 +336,7 @@ def _rows(shape: Shape, host: int, sim: _Stage, row: int, sched: Schedule, seqs:
     rows["bytes"] = rows["count"] * np.where(sched.dtype[k] == DataType.FLOAT32, 4, 2)
     rows["peer"], rows["redop"] = sched.peer[k], RedOp.SUM
     done = rows["end_ns"] > 0
-    rows["state"] = np.where(done, State.COMPLETED, State.SCHEDULED)
+    rows["state"] = np.where(done, State.ENQUEUED, State.SCHEDULED)  # blocking: returned = done
     rows["result"] = np.where(done, 0, -1)
     overwritten = int((total - np.minimum(total, shape.calls)).sum())
     return rows, overwritten

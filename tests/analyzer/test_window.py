@@ -85,7 +85,7 @@ def test_worker_processes_read_the_headers_one_process_reads(
     pools = []
     real = load._pool_for
 
-    def counted(files: list[str], min_bytes: int = load.POOL_MIN_BYTES) -> object:
+    def counted(files: list[str], min_bytes: int | None = None) -> object:
         got = real(files, min_bytes)
         pools.append(got)
         return got

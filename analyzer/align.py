@@ -214,7 +214,7 @@ def _extract_all(
                 if consume:  # the caller gave the recordings up: free each ring once read
                     s.recording.rings.pop("nccl", None)
             else:
-                nbytes = later.nbytes - skip * NCCL_EVENT.itemsize
+                nbytes = later.nbytes // max(later.rows, 1) * (later.rows - skip)
                 if len(buffer) < nbytes:
                     buffer = bytearray(nbytes)
                 try:

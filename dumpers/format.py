@@ -702,7 +702,7 @@ class DeferredRing:
         rather than one file after another.  Best effort: errors are left
         for ``read`` to report."""
         first = min(max(first, 0), self.rows)
-        size = RING_DTYPES[self.name].itemsize
+        size = ring_dtype(self.name, self.version).itemsize
         _advise(self.path, self.offset + first * size, (self.rows - first) * size)
 
     def read(self, buffer: bytearray | None = None, first: int = 0) -> np.ndarray:

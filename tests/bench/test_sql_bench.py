@@ -13,6 +13,7 @@ def test_quick_bench_measures_every_figure() -> None:
     names = [f.name for f in figures]
     assert any("seed query" in n for n in names)
     assert any("fan-out seed query to 4 agents" in n for n in names)
+    assert any("scanning agents / DuckDB agents" in n for n in names)
     assert all(f.value > 0 for f in figures)
     # the seed query finds retransmits in the windows (not an empty join)
     seed = next(f for f in figures if "seed query" in f.name)

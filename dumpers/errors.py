@@ -7,6 +7,7 @@
     |   +-- DumpVersionError  a dump of a newer format version
     |   +-- DumpWriteError    a dump could not be written (disk full, permissions)
     +-- ProbeError            a BPF program failed to load or attach
+    +-- PinError              a pinned recording cannot be made, adopted or removed
     +-- QueryError            an SQL query was refused or failed
     |   +-- QueryRefused      the query is not allowed (sandbox)
     +-- AgentError            a live agent could not be reached or answered badly
@@ -56,6 +57,10 @@ class DumpWriteError(DumpError):
 
 
 class ProbeError(StallwatchError):
+    pass
+
+
+class PinError(StallwatchError):
     pass
 
 

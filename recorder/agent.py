@@ -31,15 +31,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from stallwatch.dumpers.errors import ProbeError
-from stallwatch.dumpers.model import Clock, Recording, Ring, Trigger
+from stallwatch.dumpers.errors import DumpWriteError, PinError, ProbeError
+from stallwatch.dumpers.model import Clock, Recording, Ring, Trigger, TriggerKind
 from stallwatch.dumpers.schema import CUDA_SYMBOLS, NCCL_SYMBOLS
 from stallwatch.query.tls import ClientTls, ServerTls
 
 from . import discovery
 from .metrics import AgentStats, RingStats, agent_metrics_text
 from .model import CommProgress, ProcessState, TickState
+from .notify import Notifier
 from .peers import peer_notifier
+from .pinning import PinSet
 from .positions import PositionKeeper, snapshot_summary
 from .registry import CommRegistry, ProcessRegistry
 from .rings import complete_rows
@@ -75,6 +77,8 @@ class AgentConfig:
     host_name: str = ""
     args: tuple[str, ...] = ()
     version: str = ""
+    pin_dir: Path | None = None  # the recording is pinned there (None: it dies with us)
+    replace_pinned: bool = False  # replace a pin set of another layout
 
 
 @dataclass(slots=True)
@@ -111,7 +115,9 @@ def sample_clock() -> Clock:
 class Agent:
     """One node's recorder: the source, the tables, dumps."""
 
-    def __init__(self, config: AgentConfig, source: EventSource) -> None:
+    def __init__(self, config: AgentConfig, source: EventSource, netns: int | None = None) -> None:
+        """``netns``: the network namespace of the scope (default: this
+        process's; a pinned recording read elsewhere gives its agent's)."""
         self.config = config
         self.source = source
         self.host = config.host_name or socket.gethostname()
@@ -121,7 +127,7 @@ class Agent:
         self.counters = Counters()
         self.scanner = discovery.ProcessScanner()
         self.libraries: dict[discovery.LibraryId, AttachedLibrary] = {}
-        self.scope = Scope(config.scope, self.classify)
+        self.scope = Scope(config.scope, self.classify, netns=netns)
         self._heads = {"comm": -1, "exit": -1}
         self._lock = threading.RLock()
         self._libcs: set[discovery.LibraryId] = set()
@@ -129,6 +135,35 @@ class Agent:
         self.positions = PositionKeeper(
             lambda: sorted(self.scope.inside), int(config.stall_timeout_s * 1e9)
         )
+        self._take_over()
+
+    def _take_over(self) -> None:
+        """What an earlier agent left in the kernel: the processes it placed
+        in scope or out of it, and (pinned) its watchdog's incidents."""
+        tracked, excluded = self.source.scope_pids()
+        for pid in excluded:
+            self.scope.record(pid, False)
+        for pid in tracked:
+            self.scope.record(pid, True)
+            info = discovery.process_info(pid, discovery.mapped_nccl_libs(pid) or ())
+            if info is not None:
+                self.procs.add(info)
+        pins = self.source.pinset
+        if pins is None:
+            return
+        self.incidents.watchdog.restore(pins.load_state().get("watchdog", {}))
+        if tracked or excluded:
+            log.info(
+                "took over %d processes in scope, %d out of it, from the pinned recording",
+                len(tracked),
+                len(excluded),
+            )
+
+    @property
+    def read_only(self) -> bool:
+        """Reading a pinned recording with no agent: nothing is attached."""
+        pins = self.source.pinset
+        return pins is not None and pins.read_only
 
     # ---- discovery ------------------------------------------------------
 
@@ -217,7 +252,8 @@ class Agent:
         self.scope.record(pid, inside)
         if inside:
             self.procs.add(info)
-            self._attach_exit_probe(pid)
+            if not self.read_only:
+                self._attach_exit_probe(pid)
             log.info("recording pid %d (%s): %s", pid, info.comm, info.cmdline[:120])
         return inside
 
@@ -357,12 +393,28 @@ class Agent:
             cfg.dump_dir, self.snapshot, cfg.max_dumps, cfg.max_dump_bytes
         )
         watchdog = Watchdog(int(cfg.stall_timeout_s * 1e9), self.host)
-        notify = (
-            peer_notifier(cfg.peers, self.host, cfg.token, PEER_TIMEOUT_S, cfg.peer_tls)
-            if cfg.peers
-            else None
-        )
-        return Incidents(watchdog, scheduler, notify)
+        incidents = Incidents(watchdog, scheduler)
+        if cfg.peers:
+            incidents.notify = peer_notifier(
+                cfg.peers,
+                self.host,
+                cfg.token,
+                PEER_TIMEOUT_S,
+                cfg.peer_tls,
+                incidents.peer_answered,
+            )
+        pins = self.source.pinset
+        if pins is not None and not pins.read_only:
+            watchdog.on_change = lambda: self._save_state(pins)
+        return incidents
+
+    def _save_state(self, pins: PinSet) -> None:
+        """The watchdog's incidents, kept with the pinned recording: an agent
+        restarted during a stall knows the incident it already dumped."""
+        try:
+            pins.save_state({"watchdog": self.incidents.watchdog.state()})
+        except (OSError, PinError) as exc:
+            log.warning("cannot keep the watchdog's state in %s: %s", pins.path, exc)
 
     # ---- metrics --------------------------------------------------------
 
@@ -418,8 +470,10 @@ class Stop:
         self.dump_requested = False
 
 
-def run_loop(agent: Agent, stop: Stop) -> None:
-    """Discovery every 250 ms; each tick (200 ms) the watchdog checks and dumps."""
+def run_loop(agent: Agent, stop: Stop, notifier: Notifier | None = None) -> None:
+    """Discovery every 250 ms; each tick (200 ms) the watchdog checks and
+    dumps, and the service manager hears that the loop turns (a wedged
+    agent stops pinging and is restarted)."""
     next_discovery = 0.0
     while not stop.event.is_set():
         now = time.monotonic()
@@ -432,4 +486,55 @@ def run_loop(agent: Agent, stop: Stop) -> None:
             stop.dump_requested = False
             agent.request_dump("SIGUSR1")
         agent.incidents.tick(agent.tick())
+        if notifier is not None:
+            notifier.ping()
         stop.event.wait(TICK_S)
+
+
+def dump_pinned(
+    pin_dir: Path, dump_dir: Path | None, reason: str, args: tuple[str, ...] = ()
+) -> dict[str, object]:
+    """``stallwatch dump --pinned``: a dump of the pinned recording at
+    ``pin_dir``, read with no agent (and no BCC).  It is run where the agent
+    ran: in ``netns`` scope, its TCP rows are kept by this namespace's
+    addresses."""
+    from stallwatch.dumpers.format import write_dump
+
+    from stallwatch import __version__
+
+    from .pinning import PinSet
+    from .source import PinnedSource
+    from .watchdog import new_incident_id
+
+    pins = PinSet.open(pin_dir, read_only=True)
+    about = pins.description
+    if pins.locked_by_other():
+        log.warning(
+            "an agent (pid %s) records into %s: dumping its pins all the same",
+            about.get("agent_pid", "?"),
+            pin_dir,
+        )
+    target = dump_dir or Path(str(about.get("dump_dir", "dumps")))
+    config = AgentConfig(
+        dump_dir=target,
+        scope=str(about.get("scope", "host")),
+        host_name=str(about.get("host_name", "")),
+        args=args,
+        version=__version__,
+    )
+    netns = about.get("netns")
+    agent = Agent(config, PinnedSource(pins), netns=int(netns) if netns else None)
+    try:
+        now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        incident = new_incident_id(agent.host)
+        why = f"{reason} (from the pinned recording at {pin_dir}, no agent)"
+        trigger = Trigger(TriggerKind.MANUAL, why, incident, now, origin_host=agent.host)
+        rec = agent.snapshot(trigger)
+    finally:
+        agent.close()
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        path = write_dump(target, rec)
+    except OSError as exc:
+        raise DumpWriteError(f"--dump-dir {target}: {exc.strerror or exc}") from None
+    return {"host": agent.host, "incident_id": incident, "status": "written", "path": str(path)}

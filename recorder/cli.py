@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
+import socket
 import sys
 import urllib.error
 import urllib.request
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from stallwatch.query.http import ServerHandle
 
     from .agent import Agent, AgentConfig, Stop
+    from .pinning import PinOptions
 
 RECORD_EPILOG = """\
 examples:
@@ -33,9 +36,15 @@ examples:
       --tls-ca /etc/stallwatch/ca.pem --peers node2:9400,node3:9400
   stallwatch record --lib /opt/venv/lib/python3.11/site-packages/nvidia/nccl/lib/libnccl.so.2
   kill -USR1 $(pidof stallwatch)       dump now
+  stallwatch record --cleanup          remove the pinned recording (stop for good)
 
-exit codes: 0 stopped cleanly; 2 bad usage, missing privileges or paths (checked
-before anything is compiled or attached).
+the recording is pinned under --pin-dir (one folder per agent): rings, tables,
+counters and probes stay in the kernel when the agent stops or dies, the kernel
+goes on recording, and the next agent started with the same --pin-dir takes
+them over. stallwatch dump --pinned writes a dump from them with no agent.
+
+exit codes: 0 stopped cleanly; 2 bad usage, missing privileges or paths, or a
+pinned recording it cannot adopt (checked before anything is attached).
 """
 
 DUMP_EPILOG = """\
@@ -43,9 +52,11 @@ examples:
   stallwatch dump                                  the agent on this node
   stallwatch dump --agent node3:9400 --token-file /etc/stallwatch/token \\
       --tls-ca /etc/stallwatch/ca.pem --reason "loss spike at step 1200"
+  stallwatch dump --pinned                         no agent running: dump what the
+                                                   kernel recorded into the pins
 
 exit codes: 0 the agent wrote (or is retrying) the dump; 2 the agent could not be
-reached or refused.
+reached or refused, or nothing is pinned at --pin-dir.
 """
 
 
@@ -137,8 +148,36 @@ def _register_record(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         "in tcp_events too",
     )
     p.add_argument("--host-name", default="", help="host name in dumps (default: the hostname)")
+    _add_pin_dir(p)
+    p.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="record without pinning: the recording ends with the agent",
+    )
+    p.add_argument(
+        "--replace-pinned",
+        action="store_true",
+        help="replace a pinned recording of another layout (its rows are lost)",
+    )
+    p.add_argument(
+        "--cleanup",
+        action="store_true",
+        help="remove the pinned recording at --pin-dir (probes, rings) and exit",
+    )
     p.add_argument("--print-bpf", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=_record)
+
+
+def _add_pin_dir(p: argparse.ArgumentParser) -> None:
+    from .pinning import DEFAULT_PIN_DIR
+
+    p.add_argument(
+        "--pin-dir",
+        type=Path,
+        default=DEFAULT_PIN_DIR,
+        metavar="DIR",
+        help="the agent's folder on bpffs for its pinned recording (one per agent)",
+    )
 
 
 def _register_dump(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -158,6 +197,18 @@ def _register_dump(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     )
     p.add_argument("--token-file", type=Path, metavar="FILE", help="the agent's bearer token")
     tls.add_client_options(p, what="the agent")
+    p.add_argument(
+        "--pinned",
+        action="store_true",
+        help="no agent: write a dump from the pinned recording at --pin-dir (root)",
+    )
+    _add_pin_dir(p)
+    p.add_argument(
+        "--dump-dir",
+        type=Path,
+        metavar="DIR",
+        help="with --pinned: where the dump goes (default: the agent's --dump-dir)",
+    )
     add_format_option(p, ("json", "table"), default="json")
     p.set_defaults(func=_dump)
 
@@ -230,6 +281,8 @@ def _check_paths(args: argparse.Namespace) -> None:
 
 
 def _record(args: argparse.Namespace) -> int:
+    if args.cleanup:
+        return _cleanup(args.pin_dir)
     _check_record_args(args)
     if not args.print_bpf:
         _check_privileges()
@@ -262,6 +315,8 @@ def _record(args: argparse.Namespace) -> int:
         host_name=args.host_name,
         args=tuple(sys.argv[1:]),
         version=__version__,
+        pin_dir=None if args.no_pin else args.pin_dir,
+        replace_pinned=args.replace_pinned,
     )
     try:
         config.dump_dir.mkdir(parents=True, exist_ok=True)
@@ -274,10 +329,18 @@ def _record(args: argparse.Namespace) -> int:
 def run_agent(config: AgentConfig) -> int:
     """Load, attach, serve, loop until SIGTERM/SIGINT, detach."""
     from .agent import Agent, Stop, run_loop
+    from .notify import Notifier
     from .source import BccSource
 
     log = logging.getLogger("stallwatch.record")
-    source = BccSource(config.ring_size, int(config.runq_threshold_ms * 1e6))
+    source = BccSource(
+        config.ring_size,
+        int(config.runq_threshold_ms * 1e6),
+        pins=_pin_options(config),
+        about=_about(config),
+    )
+    if source.pinset is not None:
+        source.pinset.note_agent(os.getpid(), config.version, _about(config))
     sizes = source.sizes
     log.info(
         "rings: %s slots, %.1f MiB in total",
@@ -288,6 +351,7 @@ def run_agent(config: AgentConfig) -> int:
     agent.serving(_port(config.listen))  # from the start: clients that wait for it too
     stop = Stop()
     server = None
+    notifier = Notifier()
     try:
         for lib in config.libs:
             agent.attach_library(lib, required=True)
@@ -295,13 +359,56 @@ def run_agent(config: AgentConfig) -> int:
             agent.attach_pid(pid)
         server = _serve(agent, config)
         _install_signals(stop)
-        run_loop(agent, stop)
+        notifier.ready(f"recording, serving on {server.address}")
+        run_loop(agent, stop, notifier)
     finally:
-        log.info("stopping: detaching probes")
+        notifier.stopping("stopping")
+        pins = source.pinset
+        if pins is None:
+            log.info("stopping: detaching probes")
+        else:
+            log.info(
+                "stopping: the recording stays pinned at %s (the kernel goes on recording; "
+                "stallwatch record --cleanup removes it)",
+                pins.path,
+            )
         if server is not None:
             server.close()
         agent.close()
     log.info("stopped")
+    return ExitCode.OK
+
+
+def _pin_options(config: AgentConfig) -> PinOptions | None:
+    from .pinning import PinOptions, check_pin_dir
+
+    if config.pin_dir is None:
+        return None
+    check_pin_dir(config.pin_dir)
+    return PinOptions(config.pin_dir, config.replace_pinned)
+
+
+def _about(config: AgentConfig) -> dict[str, object]:
+    """What a pin set says of the agent recording into it (for dump --pinned)."""
+    from .discovery import netns_of
+
+    return {
+        "agent_version": config.version,
+        "host_name": config.host_name or socket.gethostname(),
+        "scope": config.scope,
+        "netns": netns_of(os.getpid()),
+        "dump_dir": str(config.dump_dir.resolve()),
+        "args": list(config.args),
+    }
+
+
+def _cleanup(pin_dir: Path) -> int:
+    from .pinning import cleanup
+
+    if cleanup(pin_dir):
+        print(f"removed the pinned recording at {pin_dir}")
+    else:
+        print(f"nothing pinned at {pin_dir}")
     return ExitCode.OK
 
 
@@ -335,6 +442,12 @@ def _install_signals(stop: Stop) -> None:
 
 
 def _dump(args: argparse.Namespace) -> int:
+    if args.pinned:
+        from .agent import dump_pinned
+
+        answer = dump_pinned(args.pin_dir, args.dump_dir, args.reason, tuple(sys.argv[1:]))
+        _print_answer(answer, args.format)
+        return ExitCode.OK
     token = _read_token(args.token_file)
     client_tls = tls.client_from(args)
     context = client_tls.context() if client_tls is not None else None
@@ -358,9 +471,13 @@ def _dump(args: argparse.Namespace) -> int:
         reason = getattr(exc, "reason", None) or exc
         why = tls.describe_failure(reason, args.tls_ca, args.tls_cert is not None)
         raise AgentError(f"agent {args.agent} unreachable: {why}") from None
-    if args.format == "table":
+    _print_answer(answer, args.format)
+    return ExitCode.OK
+
+
+def _print_answer(answer: dict[str, object], fmt: str) -> None:
+    if fmt == "table":
         for key, value in sorted(answer.items()):
             print(f"{key:<14} {value}")
     else:
         print(json.dumps(answer, indent=2, sort_keys=True))
-    return ExitCode.OK

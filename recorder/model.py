@@ -37,6 +37,7 @@ class CommProgress:
     calls: int  # collective + p2p calls entered so far
     inflight: int  # calls entered and not returned
     destroyed: bool
+    init_ns: int = 0  # when its init returned; 0: made before the agent attached
 
 
 @dataclass(frozen=True, slots=True)

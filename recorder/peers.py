@@ -69,6 +69,19 @@ def ask_peer(
     opener: urllib.request.OpenerDirector | None = None,
 ) -> str:
     """One request; the peer's status, or ``error: <why>``."""
+    return ask_peer_answer(peer, body, token, timeout, tls, opener)[0]
+
+
+def ask_peer_answer(
+    peer: str,
+    body: bytes,
+    token: str | None,
+    timeout: float,
+    tls: ssl.SSLContext | None = None,
+    opener: urllib.request.OpenerDirector | None = None,
+) -> tuple[str, str | None]:
+    """One request; the peer's status (or ``error: <why>``) and the incident
+    id it answered with (its own, when it says ``duplicate``)."""
     request = urllib.request.Request(
         _url(peer, tls is not None),
         data=body,
@@ -81,14 +94,17 @@ def ask_peer(
         with (opener or _opener(tls)).open(request, timeout=timeout) as response:
             answer = json.loads(response.read(65536))
     except urllib.error.HTTPError as exc:
-        return f"error: HTTP {exc.code} {exc.reason}"
+        return f"error: HTTP {exc.code} {exc.reason}", None
     except (OSError, ValueError) as exc:  # refused, unreachable, timed out, not JSON, TLS
         reason = getattr(exc, "reason", None) or exc
         if isinstance(reason, ssl.SSLCertVerificationError):
-            return f"error: TLS: the peer's certificate is not trusted: {reason.verify_message}"
-        return f"error: {reason}"
-    status = answer.get("status") if isinstance(answer, dict) else None
-    return status if isinstance(status, str) else "error: answer without a status"
+            why = f"TLS: the peer's certificate is not trusted: {reason.verify_message}"
+            return f"error: {why}", None
+        return f"error: {reason}", None
+    if not isinstance(answer, dict) or not isinstance(answer.get("status"), str):
+        return "error: answer without a status", None
+    incident = answer.get("incident_id")
+    return answer["status"], incident if isinstance(incident, str) else None
 
 
 def notify_peers(
@@ -99,16 +115,21 @@ def notify_peers(
     token: str | None,
     timeout: float = DEFAULT_TIMEOUT_S,
     tls: ssl.SSLContext | None = None,
+    answered: Callable[[str, str, str | None], object] | None = None,
 ) -> dict[str, str]:
     """Ask every peer to dump ``incident_id``; returns peer -> its status
     (``written``, ``queued``, ``duplicate``, ``cooldown``) or ``error: ...``.
-    Returns within ``timeout`` seconds (plus thread start-up)."""
+    Returns within ``timeout`` seconds (plus thread start-up).  ``answered``
+    gets (peer, status, the incident id it answered with) as each answers."""
     body = json.dumps({"reason": reason, "incident_id": incident_id, "origin": origin_host})
     results: dict[str, str] = {}
     opener = _opener(tls)
 
     def ask(peer: str) -> None:
-        results[peer] = ask_peer(peer, body.encode(), token, timeout, tls, opener)
+        status, their_id = ask_peer_answer(peer, body.encode(), token, timeout, tls, opener)
+        results[peer] = status
+        if answered is not None:
+            answered(peer, status, their_id)
 
     threads = [threading.Thread(target=ask, args=(p,), daemon=True) for p in peers]
     deadline = time.monotonic() + timeout
@@ -128,11 +149,14 @@ def notify_in_background(
     timeout: float = DEFAULT_TIMEOUT_S,
     done: Callable[[dict[str, str]], object] | None = None,
     tls: ssl.SSLContext | None = None,
+    answered: Callable[[str, str, str | None], object] | None = None,
 ) -> threading.Thread:
     """``notify_peers`` on a daemon thread; logs each answer, then calls ``done``."""
 
     def run() -> None:
-        results = notify_peers(peers, incident_id, reason, origin_host, token, timeout, tls)
+        results = notify_peers(
+            peers, incident_id, reason, origin_host, token, timeout, tls, answered
+        )
         for peer, status in results.items():
             level = logging.WARNING if status.startswith("error") else logging.INFO
             log.log(level, "incident %s: peer %s: %s", incident_id, peer, status)
@@ -150,18 +174,25 @@ def peer_notifier(
     token: str | None,
     timeout: float = DEFAULT_TIMEOUT_S,
     tls: ClientTls | None = None,
+    answered: Callable[[Trigger, str, str | None], object] | None = None,
 ) -> Callable[[Trigger], object]:
     """The ``notify`` callable of ``recorder.watchdog.Incidents``: each local
     incident is sent to every peer in the background (over HTTPS with
-    ``tls``; its files are read now, once)."""
+    ``tls``; its files are read now, once); ``answered`` gets (the trigger, a
+    peer's status, the id it answered with)."""
     context = tls.context() if tls is not None else None
 
     def notify(trigger: Trigger) -> object:
         if not peers:
             return None
         reason = f"{host}: {trigger.reason}"
+
+        def each(_peer: str, status: str, their_id: str | None) -> None:
+            if answered is not None:
+                answered(trigger, status, their_id)
+
         return notify_in_background(
-            peers, trigger.incident_id, reason, host, token, timeout, tls=context
+            peers, trigger.incident_id, reason, host, token, timeout, tls=context, answered=each
         )
 
     return notify

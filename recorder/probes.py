@@ -1,46 +1,50 @@
 """Load the BPF programs of ``bpf/`` with BCC and attach them.
 
-This is the only module that imports ``bcc``.  The four probe families are
+This is the only module that imports ``bcc``.  The probe families are
 loaded as one BPF module (BCC rewrites map accesses and generates tracepoint
 argument structs only in its main source, so the files are passed together,
 each after a ``#line`` marker that keeps compiler messages pointing at the
 right file).  Every load or attach failure raises ``ProbeError`` naming the
 program, the library and the symbol.
 
-Uprobes are attached through uprobe_multi links (kernel 6.6+): one entry
-program, ``handle_nccl_enter``, told the symbol by the link's cookie, and one
-return program.  Closing a link waits one RCU grace period, not one per
-probe, and ``close`` closes all links at once from threads so that their
-grace periods overlap: stopping takes a fraction of a second.  Where the
-kernel has no uprobe_multi, each probe is a BCC perf-event uprobe (one entry
-program per symbol), and stopping takes ~0.1 s per probe.
+Attachments are BPF links made here, not by BCC: uprobes through
+uprobe_multi links (kernel 6.6+: one entry program, ``handle_nccl_enter``,
+told the symbol by the link's cookie, and one return program), tracepoints
+through ``BPF_PERF_EVENT`` links.  A link can be pinned, and so the whole
+recording can outlive the agent (``recorder.pinning``): with pins, the maps,
+the programs links are made from and every link are pinned as they are
+made, and an agent that finds a pin set of its own layout adopts it instead
+of loading anything (BCC still compiles the source, to know the layout).
+Closing an unpinned link waits one RCU grace period; ``close`` closes all
+links at once from threads so that their waits overlap, and stopping takes a
+fraction of a second.  Where the kernel has no uprobe_multi, each uprobe is
+a BCC perf-event uprobe (one entry program per symbol; ~0.1 s each to stop)
+and nothing is pinned.
 
-Known limits: x86-64 only (argument registers, syscall number); uprobes on a
-library fire for every process that maps it, filtering is by the
+Known limits: x86-64 only (argument registers, syscall numbers); uprobes on
+a library fire for every process that maps it, filtering is by the
 ``excluded`` map.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import enum
 import errno
 import importlib.resources
 import logging
-import mmap
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from stallwatch.dumpers.errors import ProbeError
+from stallwatch.dumpers.errors import PinError, ProbeError
 from stallwatch.dumpers.schema import CUDA_SYMBOLS, NCCL_SYMBOLS, RING_DTYPES
 
-from . import discovery
+from . import bpfsys, discovery, pinning
+from .maps import RING_MAPS, BpfMap, Layout, MapSet, MapSpec
 from .rings import check_ring_size
 
 log = logging.getLogger("stallwatch.record")
@@ -85,6 +89,10 @@ ENTRY_PROGRAMS: dict[str, str] = {
 # NCCL symbol -> its cookie, SYM_<symbol> in bpf/nccl.c (0 means unknown).
 SYMBOL_COOKIES: dict[str, int] = {name: i + 1 for i, name in enumerate(ENTRY_PROGRAMS)}
 EXIT_PROGRAM = "handle_libc_exit"
+# Every program attached through uprobe_multi links: loaded (and pinned) at
+# start, so that an agent adopting a pin set can attach new libraries with them.
+UPROBE_PROGRAMS = (MULTI_ENTRY_PROGRAM, RETURN_PROGRAM, EXIT_PROGRAM)
+TRACEPOINT_PREFIX = "tracepoint__"
 assert set(ENTRY_PROGRAMS) == set(NCCL_SYMBOLS), "ENTRY_PROGRAMS out of sync with schema"
 
 # The CUDA runtime (bpf/cuda.c): one entry program told the symbol by its
@@ -108,37 +116,11 @@ CUDA_ENTRY_PROGRAMS: dict[str, str] = {
 CUDA_COOKIES: dict[str, int] = {name: i + 1 for i, name in enumerate(CUDA_ENTRY_PROGRAMS)}
 assert set(CUDA_ENTRY_PROGRAMS) == set(CUDA_SYMBOLS), "CUDA_ENTRY_PROGRAMS out of sync"
 ELF_SYMBOLS = (*NCCL_SYMBOLS, *CUDA_SYMBOLS, "_exit")
+UPROBE_PROGRAMS += (CUDA_ENTRY_PROGRAM, CUDA_RETURN_PROGRAM)
 
-# Ring name -> (index of its head in `heads`, BPF map name, cflag for its slots).
-RING_MAPS: dict[str, tuple[int, str, str]] = {
-    "nccl": (0, "nccl_ring", "NCCL_RING_SLOTS"),
-    "comm": (1, "comm_ring", "COMM_RING_SLOTS"),
-    "tcp": (2, "tcp_ring", "TCP_RING_SLOTS"),
-    "sched": (3, "sched_ring", "SCHED_RING_SLOTS"),
-    "exit": (4, "exit_ring", "EXIT_RING_SLOTS"),
-}
-# Index in the per-CPU `drops` array -> counter name (bpf/common.h DROP_*).
-DROP_NAMES = (
-    "kernel_lost_nccl",
-    "kernel_lost_comm",
-    "kernel_lost_tcp",
-    "kernel_lost_sched",
-    "kernel_lost_exit",
-    "kernel_inflight_full",
-    "kernel_comms_full",
-    "kernel_sock_owner_full",
-    "kernel_runq_maps_full",
-    "kernel_cuda_queue_full",
-)
-# Index in the per-CPU `cuda_seen` array (bpf/cuda.c SEEN_*) -> counter name.
-CUDA_SEEN_NAMES = (
-    "cuda_event_records",
-    "cuda_stream_waits",
-    "cuda_answers_done",
-    "cuda_answers_not_ready",
-    "cuda_answers_error",
-)
-HEAD_STRIDE_U64 = 8  # struct ring_head: one 64-byte line per ring
+# What bpf(2) says when the kernel has no uprobe_multi links.
+UNSUPPORTED_ERRNOS = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.E2BIG})
+CLOSE_THREADS = 64  # links closed at once (their grace periods overlap)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +143,10 @@ class RingSizes:
             sched=max(64, slots // 8),
             exit=max(64, slots // 256),
         )
+
+    @classmethod
+    def of(cls, maps: MapSet) -> RingSizes:
+        return cls(**maps.ring_slots())
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in RING_MAPS}
@@ -195,51 +181,7 @@ def _short(exc: Exception, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _mmap_array(table: Any, what: str) -> mmap.mmap:
-    """Map an mmapable BPF array (element size is rounded up to 8 bytes)."""
-    elem = (ctypes.sizeof(table.Leaf) + 7) & ~7
-    length = elem * table.max_entries
-    length = (length + mmap.PAGESIZE - 1) & ~(mmap.PAGESIZE - 1)
-    try:
-        return mmap.mmap(
-            table.map_fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
-        )
-    except OSError as exc:
-        raise ProbeError(f"cannot mmap BPF map {what} (fd {table.map_fd}): {exc}") from exc
-
-
-# ---- uprobe_multi links through bpf(2) -------------------------------------
-
-SYS_BPF = 321  # x86-64
-BPF_LINK_CREATE = 28
-BPF_TRACE_UPROBE_MULTI = 48  # enum bpf_attach_type, Linux 6.6+
-BPF_F_UPROBE_MULTI_RETURN = 1
-# What bpf(2) says when the kernel has no uprobe_multi links.
-UNSUPPORTED_ERRNOS = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.E2BIG})
-CLOSE_THREADS = 64  # links closed at once (their grace periods overlap)
-
-
-class _UprobeMultiAttr(ctypes.Structure):
-    """``union bpf_attr``, ``link_create`` with its ``uprobe_multi`` member."""
-
-    _fields_ = [
-        ("prog_fd", ctypes.c_uint32),
-        ("target_fd", ctypes.c_uint32),
-        ("attach_type", ctypes.c_uint32),
-        ("flags", ctypes.c_uint32),
-        ("path", ctypes.c_uint64),
-        ("offsets", ctypes.c_uint64),
-        ("ref_ctr_offsets", ctypes.c_uint64),
-        ("cookies", ctypes.c_uint64),
-        ("cnt", ctypes.c_uint32),
-        ("multi_flags", ctypes.c_uint32),
-        ("pid", ctypes.c_uint32),
-        ("_pad", ctypes.c_uint32),
-    ]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
+# ---- links -----------------------------------------------------------------
 
 
 class LinkKind(enum.Enum):
@@ -252,29 +194,14 @@ def uprobe_multi_link(
 ) -> int:
     """A uprobe_multi link of ``prog_fd`` on ``offsets`` (file offsets) of
     ``path`` in every process; returns its fd, raises OSError."""
-    n = len(offsets)
-    c_path = ctypes.create_string_buffer(os.fsencode(path))
-    c_offsets = (ctypes.c_uint64 * n)(*offsets)
-    c_cookies = (ctypes.c_uint64 * n)(*cookies)
-    attr = _UprobeMultiAttr(
-        prog_fd=prog_fd,
-        attach_type=BPF_TRACE_UPROBE_MULTI,
-        path=ctypes.addressof(c_path),
-        offsets=ctypes.addressof(c_offsets),
-        cookies=ctypes.addressof(c_cookies),
-        cnt=n,
-        multi_flags=BPF_F_UPROBE_MULTI_RETURN if kind is LinkKind.RETURN else 0,
+    return bpfsys.uprobe_multi_link(
+        prog_fd, path, list(offsets), list(cookies), kind is LinkKind.RETURN
     )
-    fd = _libc.syscall(SYS_BPF, BPF_LINK_CREATE, ctypes.byref(attr), ctypes.sizeof(attr))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return int(fd)
 
 
 def close_links(fds: Sequence[int]) -> None:
-    """Close link (or tracepoint perf event) fds concurrently: each close
-    waits for a grace period, and concurrent waits share one."""
+    """Close link (or perf event) fds concurrently: each close of an
+    unpinned link waits for a grace period, and concurrent waits share one."""
     if not fds:
         return
     with ThreadPoolExecutor(max_workers=min(CLOSE_THREADS, len(fds))) as pool:
@@ -326,89 +253,245 @@ class PerfUprobes:
         self.fds.append(fd)
 
 
-class Probes:
-    """The loaded BPF module: rings mapped into numpy, maps, attachments."""
+# ---- the BCC module ----------------------------------------------------------
 
-    def __init__(self, sizes: RingSizes, runq_threshold_ns: int, uprobe_multi: bool = True) -> None:
+
+def _module_class(bcc: Any) -> Any:
+    class Module(bcc.BPF):  # type: ignore[misc]
+        """BCC's BPF without its tracepoint autoload: tracepoints are
+        attached here through links, which can be pinned."""
+
+        def _trace_autoload(self) -> None:
+            return None
+
+    return Module
+
+
+def _lib_functions(lib: Any) -> None:
+    lib.bpf_num_tables.restype = ctypes.c_ulonglong
+    lib.bpf_num_tables.argtypes = [ctypes.c_void_p]
+    lib.bpf_table_name.restype = ctypes.c_char_p
+    lib.bpf_table_name.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
+
+
+def layout_of(bpf: Any, lib: Any, flags: Sequence[str]) -> Layout:
+    """Every map of the compiled module, with numpy dtypes of its records."""
+    import numpy as np
+
+    _lib_functions(lib)
+    maps: dict[str, MapSpec] = {}
+    for i in range(lib.bpf_num_tables(bpf.module)):
+        name = lib.bpf_table_name(bpf.module, i)
+        table = bpf[name]
+        map_id = table.map_id
+        maps[name.decode()] = MapSpec(
+            name=name.decode(),
+            type=int(lib.bpf_table_type_id(bpf.module, map_id)),
+            key=np.dtype(table.Key),
+            value=np.dtype(table.Leaf),
+            max_entries=int(lib.bpf_table_max_entries_id(bpf.module, map_id)),
+            flags=int(lib.bpf_table_flags_id(bpf.module, map_id)),
+        )
+    defines = tuple(sorted(f for f in flags if f.startswith("-D")))
+    return Layout(maps, defines)
+
+
+def _tracepoints(bpf: Any, lib: Any) -> list[tuple[str, str, str]]:
+    """(program, category, event) of every TRACEPOINT_PROBE of the module."""
+    out = []
+    for i in range(lib.bpf_num_functions(bpf.module)):
+        name = lib.bpf_function_name(bpf.module, i).decode()
+        if name.startswith(TRACEPOINT_PREFIX):
+            category, _, event = name[len(TRACEPOINT_PREFIX) :].partition("__")
+            out.append((name, category, event))
+    return out
+
+
+class Probes:
+    """The loaded (or adopted) BPF recording: maps mapped into numpy, links."""
+
+    def __init__(
+        self,
+        sizes: RingSizes,
+        runq_threshold_ns: int,
+        uprobe_multi: bool = True,
+        pins: pinning.PinOptions | None = None,
+        about: dict[str, Any] | None = None,
+    ) -> None:
         """``uprobe_multi=False`` attaches perf-event uprobes even where the
-        kernel has uprobe_multi links (the fallback, for tests)."""
+        kernel has uprobe_multi links (the fallback, for tests).  With
+        ``pins``, the recording is pinned there, or adopted from there."""
         import bcc  # the only import of bcc in stallwatch
 
         self._bcc = bcc
-        self.sizes = sizes
+        flags = cflags(sizes, runq_threshold_ns)
         try:
-            self.bpf = bcc.BPF(text=bpf_source().encode(), cflags=cflags(sizes, runq_threshold_ns))
+            self.bpf = _module_class(bcc)(text=bpf_source().encode(), cflags=flags)
         except Exception as exc:  # BCC raises bare Exception
             raise ProbeError(f"cannot load BPF programs from {BPF_DIR}: {_short(exc)}") from exc
-        self._maps: list[mmap.mmap] = []
-        self.heads = self._map_heads()
-        self.ring_arrays = {name: self._map_ring(name) for name in RING_MAPS}
-        self.inflight = self._map_inflight()
-        self._links: list[int] = []  # uprobe_multi link fds
+        self._lib = bcc.libbcc.lib
+        self.layout = layout_of(self.bpf, self._lib, flags)
+        self._links: list[int] = []  # link fds
+        self._linked: set[str] = set()  # pin names of the links made or adopted
+        self._progs: dict[str, int] = {}  # uprobe_multi programs: name -> fd
         self._offsets: dict[str, dict[str, discovery.ElfFunction]] = {}
-        self._perf = PerfUprobes(bcc.libbcc.lib._name)  # fallback: kernels before 6.6
+        self._perf = PerfUprobes(self._lib._name)  # fallback: kernels before 6.6
         self._multi: bool | None = None if uprobe_multi else False  # None: untried
+        self.pinset: pinning.PinSet | None = None
+        self.adopted = False
+        try:
+            self.maps = self._open(pins, about or {})
+        except BaseException:
+            self.close()
+            raise
+        self.sizes = RingSizes.of(self.maps)
 
-    def _map_heads(self) -> np.ndarray:
-        mem = _mmap_array(self.bpf[b"heads"], "heads")
-        self._maps.append(mem)
-        return np.frombuffer(mem, dtype="<u8", count=8 * HEAD_STRIDE_U64)
+    # ---- loading or adopting ---------------------------------------------
 
-    def _map_ring(self, name: str) -> np.ndarray:
-        _, map_name, _ = RING_MAPS[name]
-        table = self.bpf[map_name.encode()]
-        dtype = RING_DTYPES[name]
-        if ctypes.sizeof(table.Leaf) != dtype.itemsize:
-            raise ProbeError(
-                f"BPF map {map_name}: record is {ctypes.sizeof(table.Leaf)} bytes, "
-                f"dumpers.schema says {dtype.itemsize}"
+    def _open(self, pins: pinning.PinOptions | None, about: dict[str, Any]) -> MapSet:
+        if pins is not None and self._multi is not False and self._can_multi():
+            opened = pinning.open_for_agent(pins, self.layout, about)
+            if opened.adopted is not None:
+                return self._adopt(opened.adopted)
+            assert opened.building is not None
+            return self._build(opened.building)
+        if pins is not None:
+            log.warning(
+                "this kernel has no uprobe_multi links: the recording is not pinned "
+                "(it ends with the agent)"
             )
-        mem = _mmap_array(table, map_name)
-        self._maps.append(mem)
-        return np.frombuffer(mem, dtype=dtype, count=table.max_entries)
+        maps = self._bcc_maps()
+        self._attach_tracepoints(None)
+        return maps
 
-    def _map_inflight(self) -> np.ndarray:
-        """The per-thread call slots (bpf/nccl.c struct call_state)."""
-        table = self.bpf[b"inflight"]
-        mem = _mmap_array(table, "inflight")
-        self._maps.append(mem)
-        return np.frombuffer(mem, dtype=np.dtype(table.Leaf), count=table.max_entries)
+    def _can_multi(self) -> bool:
+        """Whether the entry program loads for uprobe_multi links (6.6+)."""
+        return self._multi_program(MULTI_ENTRY_PROGRAM) is not None
+
+    def _bcc_maps(self) -> MapSet:
+        maps = {
+            name: BpfMap(spec, int(self.bpf[name.encode()].map_fd), owned=False)
+            for name, spec in self.layout.maps.items()
+        }
+        return MapSet(self.layout, maps)
+
+    def _build(self, building: pinning.Building) -> MapSet:
+        """A fresh recording, pinned into a new folder renamed into place."""
+        try:
+            maps = self._bcc_maps()
+            for name, m in maps.maps.items():
+                building.pin_map(name, m.fd)
+            for program in UPROBE_PROGRAMS:
+                fd = self._multi_program(program)
+                if fd is None:
+                    raise ProbeError(f"cannot load uprobe program {program} for uprobe_multi links")
+                building.pin_prog(program, fd)
+            self._attach_tracepoints(building)
+            self.pinset = building.finish()
+        except BaseException:
+            building.abandon()
+            raise
+        self.pinset.lock()
+        log.info("recording pinned at %s (layout %s)", self.pinset.path, self.layout.fingerprint)
+        return maps
+
+    def _adopt(self, pinset: pinning.PinSet) -> MapSet:
+        """Take over a pinned recording: its maps, programs and links."""
+        self.pinset = pinset
+        self.adopted = True
+        maps = MapSet(pinset.layout, pinset.open_maps())
+        for program in UPROBE_PROGRAMS:
+            fd = pinset.prog_fd(program)
+            if fd is None:
+                raise PinError(f"{pinset.path}: program {program} is not pinned there")
+            self._progs[program] = fd
+        self._linked = pinset.links()
+        self._multi = True
+        # the module's own maps and programs are not used: free them now
+        for fn in self.bpf.funcs.values():
+            os.close(fn.fd)
+        self.bpf.funcs.clear()
+        self.bpf.tables.clear()
+        self.bpf.cleanup()
+        made = pinset.description.get("created_realtime_ns", 0)
+        log.info(
+            "adopted the pinned recording at %s (made by stallwatch %s, pid %s, %d links)",
+            pinset.path,
+            pinset.description.get("agent_version", "?"),
+            pinset.description.get("agent_pid", "?"),
+            len(self._linked),
+        )
+        log.debug("pin set created at %d", made)
+        return maps
+
+    def _attach_tracepoints(self, building: pinning.Building | None) -> None:
+        for program, category, event in _tracepoints(self.bpf, self._lib):
+            try:
+                fn = self.bpf.load_func(program.encode(), self._bcc.BPF.TRACEPOINT)
+                try:
+                    fd = bpfsys.tracepoint_link(int(fn.fd), category, event)
+                except OSError as exc:  # no perf-event links before 5.15: BCC's way
+                    if building is not None or not _unsupported(exc):
+                        raise
+                    self.bpf.attach_tracepoint(tp=f"{category}:{event}".encode(), fn_name=fn.name)
+                    continue
+            except Exception as exc:  # BCC raises bare Exception; OSError from bpf(2)
+                raise ProbeError(
+                    f"cannot attach tracepoint program {program} to {category}:{event}: "
+                    f"{_short(exc)}"
+                ) from exc
+            self._links.append(fd)
+            if building is not None:
+                building.pin_link(pinning.tracepoint_link_name(category, event), fd)
+
+    # ---- views -------------------------------------------------------------
+
+    @property
+    def ring_arrays(self) -> dict[str, Any]:
+        return self.maps.ring_arrays
+
+    @property
+    def inflight(self) -> Any:
+        return self.maps.inflight
 
     def head(self, ring: str) -> int:
-        return int(self.heads[RING_MAPS[ring][0] * HEAD_STRIDE_U64])
+        return self.maps.head(ring)
 
     # ---- attach ---------------------------------------------------------
 
     def _multi_program(self, name: str) -> int | None:
         """The fd of program ``name`` loaded for uprobe_multi links; None
         (and perf events from now on) when this kernel cannot load it so."""
+        if name in self._progs:
+            return self._progs[name]
         try:
             fn = self.bpf.load_func(
-                name.encode(), self._bcc.BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI
+                name.encode(), self._bcc.BPF.KPROBE, attach_type=bpfsys.BPF_TRACE_UPROBE_MULTI
             )
         except Exception as exc:  # BCC raises bare Exception
             if self._multi:
                 raise ProbeError(f"cannot load uprobe program {name}: {_short(exc)}") from exc
             self._no_multi(f"cannot load {name} for uprobe_multi links: {_short(exc)}")
             return None
-        return int(fn.fd)
+        self._progs[name] = int(fn.fd)
+        return self._progs[name]
 
     def _no_multi(self, why: str) -> None:
         self._multi = False
         # BCC caches programs by name, and one loaded for uprobe_multi cannot
         # be attached to a perf event: BCC must load them again.
-        for name in (MULTI_ENTRY_PROGRAM, RETURN_PROGRAM, EXIT_PROGRAM, CUDA_ENTRY_PROGRAM,
-                     CUDA_RETURN_PROGRAM):  # fmt: skip
+        for name in UPROBE_PROGRAMS:
             fn = self.bpf.funcs.pop(name.encode(), None)
             if fn is not None:
                 os.close(fn.fd)
+            self._progs.pop(name, None)
         log.warning(
             "%s; falling back to one perf-event uprobe per probe: stopping will take "
             "~0.1 s per attached probe",
             why,
         )
 
-    def _offset(self, path: str, symbol: str, program: str) -> int:
+    def _function(self, path: str, symbol: str, program: str) -> discovery.ElfFunction:
         if path not in self._offsets:
             try:
                 self._offsets[path] = discovery.elf_functions(path, ELF_SYMBOLS)
@@ -422,26 +505,35 @@ class Probes:
                 f"cannot attach uprobe program {program} to {symbol} in {path}: "
                 "no such function in its symbol tables"
             )
-        return fn.file_offset
+        return fn
+
+    def _link_name(self, program: str, path: str, offset: int, kind: LinkKind) -> str:
+        st = os.stat(path)
+        name = pinning.link_name(program, st.st_dev, st.st_ino, offset)
+        return name if kind is LinkKind.ENTRY else "r" + name
 
     def _link(
         self, path: str, symbol: str, cookie: int, programs: Sequence[tuple[str, LinkKind]]
     ) -> bool:
         """One uprobe_multi link per (program, kind) on ``symbol``; False,
-        with nothing attached, when this kernel has no uprobe_multi links."""
+        with nothing attached, when this kernel has no uprobe_multi links.
+        A link already pinned (adopted) is not made again."""
         if self._multi is False:
             return False
-        offset = self._offset(path, symbol, programs[0][0])
-        made: list[int] = []
+        offset = self._function(path, symbol, programs[0][0]).file_offset
+        made: list[tuple[str, int]] = []
         for program, kind in programs:
+            name = self._link_name(program, path, offset, kind)
+            if name in self._linked:
+                continue
             prog_fd = self._multi_program(program)
             if prog_fd is None:
-                close_links(made)
+                close_links([fd for _, fd in made])
                 return False
             try:
-                made.append(uprobe_multi_link(prog_fd, path, [offset], [cookie], kind))
+                made.append((name, uprobe_multi_link(prog_fd, path, [offset], [cookie], kind)))
             except OSError as exc:
-                close_links(made)
+                close_links([fd for _, fd in made])
                 if self._multi is None and _unsupported(exc):
                     self._no_multi(f"uprobe_multi link refused: {exc.strerror}")
                     return False
@@ -452,7 +544,11 @@ class Probes:
         if self._multi is None:
             log.info("uprobes attached through uprobe_multi links")
             self._multi = True
-        self._links += made
+        for name, fd in made:
+            self._links.append(fd)
+            self._linked.add(name)
+            if self.pinset is not None:
+                self.pinset.pin_link(name, fd)
         return True
 
     def attach_symbol(self, path: str, symbol: str) -> None:
@@ -469,8 +565,7 @@ class Probes:
     def _attach_cuda(self, path: str, symbol: str) -> None:
         """A CUDA runtime function; from the first one on, nccl.c queues every
         collective on its stream (the `cuda_on` flag)."""
-        flag = self.bpf[b"cuda_on"]
-        flag[flag.Key(0)] = flag.Leaf(1)
+        self.maps.maps["cuda_on"].update(0, 1)
         returns = ((CUDA_RETURN_PROGRAM, LinkKind.RETURN),) if CUDA_SYMBOLS[symbol] else ()
         programs = ((CUDA_ENTRY_PROGRAM, LinkKind.ENTRY), *returns)
         if self._link(path, symbol, CUDA_COOKIES[symbol], programs):
@@ -484,7 +579,7 @@ class Probes:
             self._perf_uprobe(libc, "_exit", EXIT_PROGRAM, LinkKind.ENTRY)
 
     def _perf_uprobe(self, path: str, symbol: str, program: str, kind: LinkKind) -> None:
-        offset = self._offset(path, symbol, program)
+        offset = self._function(path, symbol, program).file_offset
         try:
             fn = self.bpf.load_func(program.encode(), self._bcc.BPF.KPROBE)
             self._perf.attach(int(fn.fd), path, offset, kind)
@@ -506,53 +601,37 @@ class Probes:
     # ---- maps -----------------------------------------------------------
 
     def set_pid(self, map_name: str, pid: int, present: bool) -> None:
-        table = self.bpf[map_name.encode()]
-        key = table.Key(pid)
-        if present:
-            if map_name == "excluded":  # the programs look at `excluded` from now on
-                flag = self.bpf[b"any_excluded"]
-                flag[flag.Key(0)] = flag.Leaf(1)
-            table[key] = table.Leaf(1)
-        else:
-            with contextlib.suppress(KeyError):
-                del table[key]
+        self.maps.set_pid(map_name, pid, present)
 
     def set_agent_self(self, tgid: int, port: int) -> None:
         """Whose TCP rows the programs leave out: the agent's process and
         its listening port (0: none)."""
-        table = self.bpf[b"agent_self"]
-        leaf = table.Leaf()
-        leaf.tgid, leaf.port = tgid, port
-        table[table.Key(0)] = leaf
+        self.maps.set_agent_self(tgid, port)
 
     def drops(self) -> dict[str, int]:
-        table = self.bpf[b"drops"]
-        out = {}
-        for i, name in enumerate(DROP_NAMES):
-            out[name] = int(sum(table[table.Key(i)]))
-        return out
+        return self.maps.drops()
 
     def cuda_seen(self) -> dict[str, int]:
         """The CUDA runtime calls the probes saw, and their answers."""
-        table = self.bpf[b"cuda_seen"]
-        return {name: int(sum(table[table.Key(i)])) for i, name in enumerate(CUDA_SEEN_NAMES)}
-
-    def items(self, map_name: str) -> Iterator[tuple[Any, Any]]:
-        yield from self.bpf[map_name.encode()].items()
+        return self.maps.cuda_seen()
 
     def close(self) -> None:
-        """Detach everything at once: uprobe_multi links, tracepoints and
-        perf-event uprobes (old kernels: those take ~0.1 s each, in turn)."""
+        """Detach everything at once: links (unpinned ones wait a grace
+        period each, together) and perf-event uprobes (old kernels: those
+        take ~0.1 s each, in turn).  A pinned recording stays as it is."""
         links, self._links = self._links + self._perf.fds, []
         self._perf.fds = []
-        # BCC would close its tracepoint perf events one by one (~0.08 s
-        # each); closed together their waits overlap too.
-        tracepoints = list(self.bpf.tracepoint_fds.values())
-        self.bpf.tracepoint_fds.clear()
-        close_links(links + tracepoints)
+        close_links(links)
+        maps = getattr(self, "maps", None)
+        if maps is not None:
+            maps.close()
+        for name, fd in list(self._progs.items()):
+            if self.adopted:  # ours, from the pins; BCC's are closed by BCC
+                os.close(fd)
+            del self._progs[name]
+        if self.pinset is not None:
+            self.pinset.close()
         self.bpf.cleanup()
-        # The numpy views keep the mappings alive until they are collected.
-        self._maps.clear()
 
 
 class BareProbe:
@@ -575,7 +654,7 @@ class BareProbe:
         self.attach_method = "uprobe_multi"
         try:
             prog = self.bpf.load_func(
-                b"handle_noop", bcc.BPF.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI
+                b"handle_noop", bcc.BPF.KPROBE, attach_type=bpfsys.BPF_TRACE_UPROBE_MULTI
             )
             for kind in LinkKind:
                 self._links.append(uprobe_multi_link(prog.fd, path, [fn.file_offset], [0], kind))

@@ -55,11 +55,13 @@ class Scope:
     ``place`` decides a process once (``None``: it is gone); ``keep_pid``
     decides a pid seen in a row, placing it first if it is new."""
 
-    def __init__(self, kind: str, place: Callable[[int], bool | None]) -> None:
+    def __init__(
+        self, kind: str, place: Callable[[int], bool | None], netns: int | None = None
+    ) -> None:
         self.kind = kind
         self.inside: set[int] = set()
         self.outside: set[int] = set()
-        self.netns = discovery.netns_of(os.getpid())
+        self.netns = netns if netns is not None else discovery.netns_of(os.getpid())
         self._place = place
         self.addresses: set[bytes] = set()
         self.addresses_at = 0.0

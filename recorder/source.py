@@ -1,7 +1,9 @@
 """The seam between the agent and the kernel: one ``EventSource`` interface.
 
 ``BccSource`` is the real thing (BPF programs loaded by ``recorder.probes``,
-rings mapped from the kernel); ``ReplaySource`` holds rings and map contents
+or a pinned recording adopted, rings mapped from the kernel);
+``PinnedSource`` reads a pinned recording with no agent and no BCC
+(``stallwatch dump --pinned``); ``ReplaySource`` holds rings and map contents
 in process memory, filled by tests with the same ring protocol the BPF
 programs use, so that ring, table and watchdog logic has fast unit tests.
 """
@@ -10,17 +12,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
+from stallwatch.dumpers.errors import ProbeError
 from stallwatch.dumpers.schema import RING_DTYPES
 
+from .maps import RING_MAPS, MapSet
 from .model import CommProgress, InflightCall
+from .pinning import PinOptions, PinSet
 from .rings import RingBuffer, RingWriter
 
 
 class EventSource(Protocol):
     """Where events come from, and the few maps the agent reads each tick."""
+
+    @property
+    def pinset(self) -> PinSet | None:
+        """The pinned recording this source reads, if any (state is kept there)."""
 
     def rings(self) -> dict[str, RingBuffer]: ...
 
@@ -42,24 +51,27 @@ class EventSource(Protocol):
         """Record no TCP rows of process ``pid`` (the agent) nor of sockets
         whose local port is ``port`` (its listener); 0 for none."""
 
+    def scope_pids(self) -> tuple[set[int], set[int]]:
+        """(tracked, excluded) as the kernel holds them (an earlier agent's, if adopted)."""
+
     def close(self) -> None: ...
 
 
-class BccSource:
-    """The BPF programs of ``bpf/``, loaded and read through BCC."""
+class MapSource:
+    """What the agent reads from the maps of a recording, whoever opened them."""
 
-    def __init__(self, ring_slots: int, runq_threshold_ns: int) -> None:
-        from .probes import RING_MAPS, Probes, RingSizes
+    @property
+    def pinset(self) -> PinSet | None:
+        return None
 
-        self.sizes = RingSizes.from_nccl(ring_slots)
-        self.probes = Probes(self.sizes, runq_threshold_ns)
-        drops = self.probes.drops
+    def __init__(self, maps: MapSet) -> None:
+        self.maps = maps
         self._rings = {
             name: RingBuffer(
                 name,
-                self.probes.ring_arrays[name],
-                lambda n=name: self.probes.head(n),  # type: ignore[misc]
-                lambda n=name: drops()[f"kernel_lost_{n}"],  # type: ignore[misc]
+                maps.ring_arrays[name],
+                lambda n=name: maps.head(n),  # type: ignore[misc]
+                lambda n=name: maps.drops()[f"kernel_lost_{n}"],  # type: ignore[misc]
             )
             for name in RING_MAPS
         }
@@ -68,27 +80,29 @@ class BccSource:
         return self._rings
 
     def kernel_counters(self) -> dict[str, int]:
-        return {**self.probes.drops(), **self.probes.cuda_seen()}
+        return {**self.maps.drops(), **self.maps.cuda_seen()}
 
     def comm_progress(self) -> list[CommProgress]:
+        keys, values = self.maps.items("comms")
         return [
             CommProgress(
-                pid=int(k.pid),
-                comm=int(k.comm),
-                comm_hash=int(v.hash),
-                rank=int(v.rank),
-                nranks=int(v.nranks),
-                last_enter_ns=int(v.last_enter_ns),
-                last_return_ns=int(v.last_return_ns),
-                calls=int(v.calls),
-                inflight=max(0, int(v.inflight)),
-                destroyed=bool(v.destroyed),
+                pid=int(k["pid"]),
+                comm=int(k["comm"]),
+                comm_hash=int(v["hash"]),
+                rank=int(v["rank"]),
+                nranks=int(v["nranks"]),
+                last_enter_ns=int(v["last_enter_ns"]),
+                last_return_ns=int(v["last_return_ns"]),
+                calls=int(v["calls"]),
+                inflight=max(0, int(v["inflight"])),
+                destroyed=bool(v["destroyed"]),
+                init_ns=int(v["init_ns"]),
             )
-            for k, v in self.probes.items("comms")
+            for k, v in zip(keys, values, strict=True)
         ]
 
     def inflight_calls(self) -> list[InflightCall]:
-        slots = self.probes.inflight
+        slots = self.maps.inflight
         live = slots[np.flatnonzero(slots["tid"])]  # a copy of the few busy slots
         live = live[live["entered_ns"] != 0]
         return [
@@ -102,6 +116,37 @@ class BccSource:
             )
             for row in live
         ]
+
+    def scope_pids(self) -> tuple[set[int], set[int]]:
+        """(tracked, excluded): the processes an earlier agent placed."""
+        return self.maps.pids("tracked"), self.maps.pids("excluded")
+
+
+class BccSource(MapSource):
+    """The BPF programs of ``bpf/``, loaded (or adopted, with ``pins``) and read."""
+
+    def __init__(
+        self,
+        ring_slots: int,
+        runq_threshold_ns: int,
+        pins: PinOptions | None = None,
+        about: dict[str, Any] | None = None,
+    ) -> None:
+        from .probes import Probes, RingSizes
+
+        self.probes = Probes(
+            RingSizes.from_nccl(ring_slots), runq_threshold_ns, pins=pins, about=about
+        )
+        self.sizes = self.probes.sizes
+        super().__init__(self.probes.maps)
+
+    @property
+    def pinset(self) -> PinSet | None:
+        return self.probes.pinset
+
+    @property
+    def adopted(self) -> bool:
+        return self.probes.adopted
 
     def attach(self, path: str, symbol: str) -> None:
         self.probes.attach_symbol(path, symbol)
@@ -120,6 +165,35 @@ class BccSource:
         self.probes.close()
 
 
+class PinnedSource(MapSource):
+    """A pinned recording read with no agent running (``stallwatch dump
+    --pinned``): nothing is attached and nothing written."""
+
+    def __init__(self, pinset: PinSet) -> None:
+        self._pins = pinset
+        super().__init__(MapSet(pinset.layout, pinset.open_maps(read_only=True)))
+
+    @property
+    def pinset(self) -> PinSet:
+        return self._pins
+
+    def attach(self, path: str, symbol: str) -> None:
+        raise ProbeError(f"reading the pinned recording at {self.pinset.path}: nothing is attached")
+
+    def attach_exit(self, libc: str) -> None:
+        self.attach(libc, "_exit")
+
+    def set_scope(self, pid: int, tracked: bool, excluded: bool) -> None:
+        return None  # the pinned maps are the recording's, not this reader's
+
+    def ignore_own_traffic(self, pid: int, port: int) -> None:
+        return None
+
+    def close(self) -> None:
+        self.maps.close()
+        self.pinset.close()
+
+
 @dataclass(slots=True)
 class ReplaySource:
     """Rings and maps in memory; tests append rows and set map contents."""
@@ -135,6 +209,10 @@ class ReplaySource:
     excluded: set[int] = field(default_factory=set)
     own_traffic: tuple[int, int] = (0, 0)  # (pid, port) whose TCP rows are left out
     closed: bool = False
+
+    @property
+    def pinset(self) -> PinSet | None:
+        return None
 
     def __post_init__(self) -> None:
         for name, dtype in RING_DTYPES.items():
@@ -169,6 +247,9 @@ class ReplaySource:
 
     def ignore_own_traffic(self, pid: int, port: int) -> None:
         self.own_traffic = (pid, port)
+
+    def scope_pids(self) -> tuple[set[int], set[int]]:
+        return set(self.tracked), set(self.excluded)
 
     def close(self) -> None:
         self.closed = True

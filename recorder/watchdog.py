@@ -38,7 +38,9 @@ incident is refused ("cooldown"): this node's last dump already holds the
 recent past, and a flapping peer must not flood the disk.  Incident ids begin
 with the UTC time, so the smaller id is the earlier detection; the node
 holding the larger id relabels its dump (``Decision.replaces``), the other
-answers "duplicate".
+answers "duplicate" with its id; a detector told so by a peer relabels its
+own dump to that earlier id too (``Incidents.peer_answered``: an agent
+restarted during a stall finds it again after its peers dumped it).
 
 ``DumpScheduler`` writes.  It snapshots the recording at trigger time (that
 window is what matters; a later snapshot could have overwritten the stall),
@@ -55,6 +57,7 @@ through an injected callable.  Thread-safe: one lock around all of it, so
 
 from __future__ import annotations
 
+import calendar
 import contextlib
 import dataclasses
 import enum
@@ -81,6 +84,7 @@ SECOND_NS = 1_000_000_000
 MIN_COOLDOWN_NS = 300 * SECOND_NS
 DEFAULT_MERGE_WINDOW_NS = 10 * SECOND_NS
 KNOWN_INCIDENTS = 1024  # ids remembered for duplicate detection
+STATE_INCIDENTS = 64  # of which an agent restarted on this node is told
 _PRIORITY = {TriggerKind.EXIT: 0, TriggerKind.IN_FLIGHT: 1, TriggerKind.NO_PROGRESS: 2}
 
 
@@ -94,6 +98,20 @@ _SUFFIX_BITS = 24
 # ones of 24 bits did, once in about 130 runs of 500 ids); each agent starts
 # at its own random point
 _SUFFIXES = itertools.count(secrets.randbits(_SUFFIX_BITS))
+
+
+ID_CLOCK_SLACK_NS = SECOND_NS  # clocks of two nodes, and ids to the ms
+
+
+def incident_wall_ns(incident_id: str) -> int | None:
+    """When an incident id says it was raised (UTC, to the ms), or None."""
+    stamp = incident_id.split("-", 1)[0]
+    try:
+        when = calendar.timegm(time.strptime(stamp[:15], "%Y%m%dT%H%M%S"))
+        ms = int(stamp[15:18])
+    except ValueError:
+        return None
+    return when * SECOND_NS + ms * 1_000_000
 
 
 def new_incident_id(host: str, wall_ns: int | None = None) -> str:
@@ -173,6 +191,34 @@ class Watchdog:
         self._exits: OrderedDict[tuple[object, ...], None] = OrderedDict()
         self._known: OrderedDict[str, int] = OrderedDict()  # incident id -> monotonic ns
         self._last: tuple[str, int] | None = None  # (incident id, monotonic ns)
+        self.on_change: Callable[[], None] | None = None  # the incidents changed
+        self._began: dict[str, int] = {}  # own incident -> when its episode began (monotonic)
+
+    # ---- state that outlives the agent --------------------------------
+
+    def state(self) -> dict[str, object]:
+        """The incidents this node raised or joined (monotonic times: valid
+        until the machine reboots), for an agent restarted on this node."""
+        known = list(self._known.items())[-STATE_INCIDENTS:]
+        return {"last": list(self._last) if self._last else None, "known": known}
+
+    def restore(self, state: dict[str, object]) -> None:
+        """Take up an earlier agent's incidents: a stall it dumped is not
+        dumped again (its cool-down goes on) and its peers' requests for
+        that incident are duplicates.  Anything malformed is ignored."""
+        try:
+            last = state.get("last")
+            known = state.get("known") or []
+            if isinstance(last, list):
+                self._last = (str(last[0]), int(last[1]))
+            for item in known if isinstance(known, list) else ():
+                self._known[str(item[0])] = int(item[1])
+        except (TypeError, ValueError, IndexError):
+            log.warning("ignoring an unreadable watchdog state: %r", state)
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     # ---- automatic triggers -------------------------------------------
 
@@ -193,7 +239,9 @@ class Watchdog:
             return []
         cond = min(fresh.values(), key=lambda c: (_PRIORITY[c.kind], c.since_ns))
         self.stats.stalls_detected += 1
-        return [self._incident(cond.kind, cond.reason, state.now_ns, cond.pid, cond.comm_hash)]
+        trigger = self._incident(cond.kind, cond.reason, state.now_ns, cond.pid, cond.comm_hash)
+        self._began[trigger.incident_id] = cond.since_ns
+        return [trigger]
 
     def in_cooldown(self, now_ns: int) -> bool:
         return self._last is not None and now_ns - self._last[1] < self.cooldown_ns
@@ -288,6 +336,7 @@ class Watchdog:
         self._remember(incident, now_ns)
         self._last = (incident, now_ns)
         log.warning("incident %s (%s): %s", incident, kind.value, reason)
+        self._changed()
         return Trigger(kind, reason, incident, now_ns, pid, comm_hash, origin or self.host)
 
     def _remember(self, incident_id: str, now_ns: int) -> None:
@@ -331,6 +380,27 @@ class Watchdog:
         (see the module docstring) needs ``decide``: use ``Incidents``."""
         return self.decide(kind, reason, incident_id, origin).trigger
 
+    def adopt_earlier(self, own_id: str, their_id: str) -> bool:
+        """Take ``their_id`` for this node's incident ``own_id`` if it is
+        earlier, was raised after ``own_id``'s stall began (so it is that
+        stall, seen from another node: not an older incident whose cool-down
+        the peer is in) and ``own_id`` is still the current one; True if taken."""
+        if self._last is None or self._last[0] != own_id or their_id >= own_id:
+            return False
+        raised = incident_wall_ns(their_id)
+        began = self._began.get(own_id)
+        if raised is None or began is None:
+            return False
+        began_wall = self.wall_clock() - (self.clock() - began)
+        if raised < began_wall - ID_CLOCK_SLACK_NS:
+            return False
+        self._remember(their_id, self._last[1])
+        self._last = (their_id, self._last[1])
+        self.stats.merged += 1
+        log.warning("incident %s is a peer's %s: relabelling", own_id, their_id)
+        self._changed()
+        return True
+
     def _recent(self, now_ns: int) -> bool:
         return self._last is not None and now_ns - self._last[1] <= self.merge_window_ns
 
@@ -340,9 +410,11 @@ class Watchdog:
         self._remember(incident_id, now)
         if incident_id > own_id:  # ours is earlier: the peer will adopt it
             self.stats.duplicates += 1
+            self._changed()
             return Decision(None, Status.DUPLICATE, own_id)
         self.stats.merged += 1
         self._last = (incident_id, own_ns)
+        self._changed()
         log.warning("incident %s is %s's %s: relabelling", own_id, origin or "a peer", incident_id)
         trigger = Trigger(TriggerKind.PEER, reason, incident_id, now, origin_host=origin or "")
         return Decision(trigger, None, incident_id, replaces=own_id)
@@ -587,6 +659,23 @@ class Incidents:
             "status": outcome.status.value,
             "path": str(outcome.path) if outcome.path else None,
         }
+
+    def peer_answered(self, trigger: Trigger, status: str, their_id: str | None) -> None:
+        """A peer asked to dump ``trigger``'s incident said it holds an
+        earlier one for the same stall (``duplicate`` or ``cooldown`` with a
+        smaller id raised after this stall began): this node's dump takes
+        that id, so every node's dump of a stall has one.
+        (An agent restarted during a stall detects it again under a new id
+        after its peers dumped theirs; this is how it converges.)"""
+        if status not in (Status.DUPLICATE.value, Status.COOLDOWN.value) or not their_id:
+            return
+        with self._lock:
+            ours = trigger.incident_id
+            if not self.watchdog.adopt_earlier(ours, their_id):
+                return
+            peer = dataclasses.replace(trigger, kind=TriggerKind.PEER, incident_id=their_id)
+            with contextlib.suppress(DumpWriteError):
+                self.scheduler.relabel(ours, peer)
 
     def _dump(self, trigger: Trigger) -> DumpOutcome:
         if self.notify is not None and trigger.kind != TriggerKind.PEER:

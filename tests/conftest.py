@@ -2,7 +2,9 @@
 
 Tests marked ``bpf``/``lab``/``realnccl`` need root and a kernel with eBPF;
 off CI they are skipped where that is missing.  On CI (``CI=true``) a skipped
-test fails the run: a skip must never pass for a test that ran.
+test fails the run: a skip must never pass for a test that ran.  A test that
+pins a recording under /sys/fs/bpf does it in a folder of ``tests.pins`` and
+removes it: a folder of this session left at its end fails the run.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from tests import pins
+
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"
 ON_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 _skipped: list[str] = []
+_left_pins: list[str] = []
 
 
 def _can_bpf() -> str | None:
@@ -43,9 +48,19 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if ON_CI and _skipped and exitstatus == 0:
         session.exitstatus = 1
+    left = pins.leftovers()
+    for path in left:  # a test that pins must unpin: fail the run, then clean
+        pins.remove(path)
+    if left:
+        _left_pins.extend(str(p) for p in left)
+        session.exitstatus = 1
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _left_pins:
+        terminalreporter.write_line(
+            f"pins left behind under /sys/fs/bpf by this run: {', '.join(_left_pins)}", red=True
+        )
     if ON_CI and _skipped:
         terminalreporter.write_line(
             f"CI: {len(_skipped)} test(s) skipped; on CI every test must run: "

@@ -16,6 +16,7 @@ import pytest
 from stallwatch.dumpers.schema import NCCL_SYMBOLS
 
 from stallwatch.cli import main
+from tests import pins
 
 
 def _free_port() -> int:
@@ -57,13 +58,31 @@ def test_print_bpf_shows_every_probe_family(capsys: pytest.CaptureFixture[str]) 
 
 
 @pytest.mark.bpf
-def test_record_serves_dumps_and_stops_within_seconds_of_sigterm(tmp_path: Path) -> None:
+def test_record_serves_dumps_stops_within_seconds_and_cleanup_unpins(tmp_path: Path) -> None:
     from bench.fakenccl import build
 
     port = _free_port()
+    pinned = pins.pin_dir("cli")
     argv = [sys.executable, "-m", "stallwatch", "record", "--lib", str(build().lib)]
     argv += ["--dump-dir", str(tmp_path / "dumps"), "--listen", f"127.0.0.1:{port}"]
-    argv += ["--ring-size", "1024", "--host-name", "cli-test"]
+    argv += ["--ring-size", "1024", "--host-name", "cli-test", "--pin-dir", str(pinned)]
+    try:
+        _record_and_stop(argv, port, tmp_path)
+        # the recording outlives the agent; --cleanup removes every pin
+        assert {"maps", "progs", "links", "meta"} <= {p.name for p in pinned.iterdir()}
+        assert len(list((pinned / "links").iterdir())) >= 2 * len(NCCL_SYMBOLS)
+        cleanup = [sys.executable, "-m", "stallwatch", "record", "--cleanup", "--pin-dir"]
+        done = subprocess.run([*cleanup, str(pinned)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert f"removed the pinned recording at {pinned}" in done.stdout
+        assert not pinned.exists()
+        again = subprocess.run([*cleanup, str(pinned)], capture_output=True, text=True, timeout=60)
+        assert (again.returncode, again.stdout.strip()) == (0, f"nothing pinned at {pinned}")
+    finally:
+        pins.remove(pinned)
+
+
+def _record_and_stop(argv: list[str], port: int, tmp_path: Path) -> None:
     with subprocess.Popen(argv, stderr=subprocess.PIPE, text=True) as agent:
         assert agent.stderr is not None
         log: list[str] = []
@@ -102,3 +121,4 @@ def test_record_serves_dumps_and_stops_within_seconds_of_sigterm(tmp_path: Path)
         reader.join(10)
     assert len(list((tmp_path / "dumps").glob("*.msgpack"))) == 2  # POST /dump and SIGUSR1
     assert "stopped" in log[-1]
+    assert any("the recording stays pinned at" in line for line in log), log

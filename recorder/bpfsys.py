@@ -1,0 +1,439 @@
+"""The few bpf(2) and perf_event_open(2) calls the agent makes itself.
+
+BCC compiles and loads the programs; everything that must outlive the agent
+or be read without BCC goes through here: pinning objects under bpffs and
+opening them again, describing a map or a program (``BPF_OBJ_GET_INFO_BY_FD``),
+map lookups, updates and iteration on a bare fd, links (uprobe_multi, and
+``BPF_PERF_EVENT`` links for tracepoints, so that a tracepoint attachment can
+be pinned like a uprobe one), and run-time statistics of programs.
+
+Every call raises ``OSError`` with the kernel's errno.  x86-64 syscall
+numbers (the agent is x86-64 only, as its argument decoding is).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+SYS_BPF = 321
+SYS_PERF_EVENT_OPEN = 298
+
+# enum bpf_cmd
+BPF_MAP_CREATE = 0
+BPF_MAP_LOOKUP_ELEM = 1
+BPF_MAP_UPDATE_ELEM = 2
+BPF_MAP_DELETE_ELEM = 3
+BPF_MAP_GET_NEXT_KEY = 4
+BPF_OBJ_PIN = 6
+BPF_OBJ_GET = 7
+BPF_OBJ_GET_INFO_BY_FD = 15
+BPF_LINK_CREATE = 28
+BPF_ENABLE_STATS = 32
+
+# enum bpf_attach_type
+BPF_PERF_EVENT = 41
+BPF_TRACE_UPROBE_MULTI = 48  # Linux 6.6+
+BPF_F_UPROBE_MULTI_RETURN = 1
+
+# map types and flags
+BPF_MAP_TYPE_HASH = 1
+BPF_MAP_TYPE_ARRAY = 2
+BPF_MAP_TYPE_PERCPU_HASH = 5
+BPF_MAP_TYPE_PERCPU_ARRAY = 6
+BPF_MAP_TYPE_LRU_PERCPU_HASH = 10
+PERCPU_TYPES = frozenset({BPF_MAP_TYPE_PERCPU_HASH, BPF_MAP_TYPE_PERCPU_ARRAY, 10})
+BPF_F_RDONLY = 1 << 3
+BPF_ANY = 0
+BPF_STATS_RUN_TIME = 0
+
+PERF_TYPE_TRACEPOINT = 2
+PERF_SAMPLE_RAW = 1 << 10
+PERF_FLAG_FD_CLOEXEC = 1 << 3
+PERF_EVENT_IOC_ENABLE = 0x2400
+TRACEFS = Path("/sys/kernel/tracing")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _check(ret: int) -> int:
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int(ret)
+
+
+def bpf(cmd: int, attr: ctypes.Structure) -> int:
+    return _check(_libc.syscall(SYS_BPF, cmd, ctypes.byref(attr), ctypes.sizeof(attr)))
+
+
+def _addr(buf: ctypes.Array[ctypes.c_char] | None) -> int:
+    return ctypes.addressof(buf) if buf is not None else 0
+
+
+# ---- objects under bpffs ---------------------------------------------------
+
+
+class _ObjAttr(ctypes.Structure):
+    _fields_ = [
+        ("pathname", ctypes.c_uint64),
+        ("bpf_fd", ctypes.c_uint32),
+        ("file_flags", ctypes.c_uint32),
+    ]
+
+
+def obj_pin(fd: int, path: str | Path) -> None:
+    """Pin the map, program or link ``fd`` at ``path`` (on a bpffs)."""
+    name = ctypes.create_string_buffer(os.fsencode(str(path)))
+    bpf(BPF_OBJ_PIN, _ObjAttr(pathname=_addr(name), bpf_fd=fd))
+
+
+def obj_get(path: str | Path, read_only: bool = False) -> int:
+    """A new fd on the object pinned at ``path``."""
+    name = ctypes.create_string_buffer(os.fsencode(str(path)))
+    flags = BPF_F_RDONLY if read_only else 0
+    fd = bpf(BPF_OBJ_GET, _ObjAttr(pathname=_addr(name), file_flags=flags))
+    _cloexec(fd)
+    return fd
+
+
+def _cloexec(fd: int) -> None:
+    flags = fcntl.fcntl(fd, fcntl.F_GETFD)
+    fcntl.fcntl(fd, fcntl.F_SETFD, flags | fcntl.FD_CLOEXEC)
+
+
+# ---- describing objects ----------------------------------------------------
+
+
+class _InfoAttr(ctypes.Structure):
+    _fields_ = [
+        ("bpf_fd", ctypes.c_uint32),
+        ("info_len", ctypes.c_uint32),
+        ("info", ctypes.c_uint64),
+    ]
+
+
+class _MapInfo(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_uint32),
+        ("id", ctypes.c_uint32),
+        ("key_size", ctypes.c_uint32),
+        ("value_size", ctypes.c_uint32),
+        ("max_entries", ctypes.c_uint32),
+        ("map_flags", ctypes.c_uint32),
+        ("name", ctypes.c_char * 16),
+        ("_rest", ctypes.c_uint8 * 48),
+    ]
+
+
+class _ProgInfo(ctypes.Structure):
+    """``struct bpf_prog_info`` up to ``run_cnt`` (the kernel fills what it has)."""
+
+    _fields_ = [
+        ("type", ctypes.c_uint32),
+        ("id", ctypes.c_uint32),
+        ("tag", ctypes.c_uint8 * 8),
+        ("jited_prog_len", ctypes.c_uint32),
+        ("xlated_prog_len", ctypes.c_uint32),
+        ("jited_prog_insns", ctypes.c_uint64),
+        ("xlated_prog_insns", ctypes.c_uint64),
+        ("load_time", ctypes.c_uint64),
+        ("created_by_uid", ctypes.c_uint32),
+        ("nr_map_ids", ctypes.c_uint32),
+        ("map_ids", ctypes.c_uint64),
+        ("name", ctypes.c_char * 16),
+        ("ifindex", ctypes.c_uint32),
+        ("gpl_compatible", ctypes.c_uint32),
+        ("netns_dev", ctypes.c_uint64),
+        ("netns_ino", ctypes.c_uint64),
+        ("nr_jited_ksyms", ctypes.c_uint32),
+        ("nr_jited_func_lens", ctypes.c_uint32),
+        ("jited_ksyms", ctypes.c_uint64),
+        ("jited_func_lens", ctypes.c_uint64),
+        ("btf_id", ctypes.c_uint32),
+        ("func_info_rec_size", ctypes.c_uint32),
+        ("func_info", ctypes.c_uint64),
+        ("nr_func_info", ctypes.c_uint32),
+        ("nr_line_info", ctypes.c_uint32),
+        ("line_info", ctypes.c_uint64),
+        ("jited_line_info", ctypes.c_uint64),
+        ("nr_jited_line_info", ctypes.c_uint32),
+        ("line_info_rec_size", ctypes.c_uint32),
+        ("jited_line_info_rec_size", ctypes.c_uint32),
+        ("nr_prog_tags", ctypes.c_uint32),
+        ("prog_tags", ctypes.c_uint64),
+        ("run_time_ns", ctypes.c_uint64),
+        ("run_cnt", ctypes.c_uint64),
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class MapInfo:
+    type: int
+    id: int
+    key_size: int
+    value_size: int
+    max_entries: int
+    flags: int
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ProgInfo:
+    type: int
+    id: int
+    name: str
+    run_time_ns: int  # while statistics are enabled (enable_stats)
+    run_cnt: int
+
+
+def _info(fd: int, info: ctypes.Structure) -> None:
+    attr = _InfoAttr(bpf_fd=fd, info_len=ctypes.sizeof(info), info=ctypes.addressof(info))
+    bpf(BPF_OBJ_GET_INFO_BY_FD, attr)
+
+
+def map_info(fd: int) -> MapInfo:
+    info = _MapInfo()
+    _info(fd, info)
+    return MapInfo(
+        info.type,
+        info.id,
+        info.key_size,
+        info.value_size,
+        info.max_entries,
+        info.map_flags,
+        info.name.decode(errors="replace"),
+    )
+
+
+def prog_info(fd: int) -> ProgInfo:
+    info = _ProgInfo()
+    _info(fd, info)
+    return ProgInfo(
+        info.type, info.id, info.name.decode(errors="replace"), info.run_time_ns, info.run_cnt
+    )
+
+
+class _StatsAttr(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_uint32)]
+
+
+def enable_stats() -> int:
+    """Count every program's run time while the returned fd is open
+    (``kernel.bpf_stats_enabled`` without touching the sysctl)."""
+    return bpf(BPF_ENABLE_STATS, _StatsAttr(type=BPF_STATS_RUN_TIME))
+
+
+# ---- maps -----------------------------------------------------------------
+
+
+class _ElemAttr(ctypes.Structure):
+    _fields_ = [
+        ("map_fd", ctypes.c_uint32),
+        ("_pad", ctypes.c_uint32),
+        ("key", ctypes.c_uint64),
+        ("value", ctypes.c_uint64),  # next_key for GET_NEXT_KEY
+        ("flags", ctypes.c_uint64),
+    ]
+
+
+class _CreateAttr(ctypes.Structure):
+    _fields_ = [
+        ("map_type", ctypes.c_uint32),
+        ("key_size", ctypes.c_uint32),
+        ("value_size", ctypes.c_uint32),
+        ("max_entries", ctypes.c_uint32),
+        ("map_flags", ctypes.c_uint32),
+        ("inner_map_fd", ctypes.c_uint32),
+        ("numa_node", ctypes.c_uint32),
+        ("map_name", ctypes.c_char * 16),
+    ]
+
+
+def map_create(map_type: int, key_size: int, value_size: int, max_entries: int, name: str) -> int:
+    attr = _CreateAttr(
+        map_type=map_type,
+        key_size=key_size,
+        value_size=value_size,
+        max_entries=max_entries,
+        map_name=name.encode()[:15],
+    )
+    fd = bpf(BPF_MAP_CREATE, attr)
+    _cloexec(fd)
+    return fd
+
+
+def possible_cpus() -> int:
+    """Per-CPU map values hold one slot per possible CPU."""
+    text = Path("/sys/devices/system/cpu/possible").read_text().strip()
+    count = 0
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        count += int(hi or lo) - int(lo) + 1
+    return count
+
+
+def value_bytes(info: MapInfo) -> int:
+    """Bytes a lookup of one element writes (per-CPU maps: one 8-aligned slot per CPU)."""
+    if info.type in PERCPU_TYPES:
+        return ((info.value_size + 7) & ~7) * possible_cpus()
+    return info.value_size
+
+
+def map_lookup(fd: int, key: bytes, size: int) -> bytes | None:
+    """The value of ``key`` (``size`` bytes, see ``value_bytes``), None if absent."""
+    kbuf = ctypes.create_string_buffer(key, len(key))
+    vbuf = ctypes.create_string_buffer(size)
+    attr = _ElemAttr(map_fd=fd, key=_addr(kbuf), value=_addr(vbuf))
+    try:
+        bpf(BPF_MAP_LOOKUP_ELEM, attr)
+    except FileNotFoundError:
+        return None
+    return vbuf.raw
+
+
+def map_update(fd: int, key: bytes, value: bytes) -> None:
+    kbuf = ctypes.create_string_buffer(key, len(key))
+    vbuf = ctypes.create_string_buffer(value, len(value))
+    bpf(
+        BPF_MAP_UPDATE_ELEM, _ElemAttr(map_fd=fd, key=_addr(kbuf), value=_addr(vbuf), flags=BPF_ANY)
+    )
+
+
+def map_delete(fd: int, key: bytes) -> bool:
+    """False when the key was not there."""
+    kbuf = ctypes.create_string_buffer(key, len(key))
+    try:
+        bpf(BPF_MAP_DELETE_ELEM, _ElemAttr(map_fd=fd, key=_addr(kbuf)))
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def map_keys(fd: int, key_size: int) -> Iterator[bytes]:
+    """Every key of a hash map (each at most once, in the kernel's order)."""
+    cur = None
+    nxt = ctypes.create_string_buffer(key_size)
+    while True:
+        attr = _ElemAttr(map_fd=fd, key=_addr(cur), value=_addr(nxt))
+        try:
+            bpf(BPF_MAP_GET_NEXT_KEY, attr)
+        except FileNotFoundError:
+            return
+        key = nxt.raw
+        yield key
+        cur = ctypes.create_string_buffer(key, key_size)
+
+
+# ---- links ----------------------------------------------------------------
+
+
+class _UprobeMultiAttr(ctypes.Structure):
+    """``union bpf_attr``, ``link_create`` with its ``uprobe_multi`` member."""
+
+    _fields_ = [
+        ("prog_fd", ctypes.c_uint32),
+        ("target_fd", ctypes.c_uint32),
+        ("attach_type", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("path", ctypes.c_uint64),
+        ("offsets", ctypes.c_uint64),
+        ("ref_ctr_offsets", ctypes.c_uint64),
+        ("cookies", ctypes.c_uint64),
+        ("cnt", ctypes.c_uint32),
+        ("multi_flags", ctypes.c_uint32),
+        ("pid", ctypes.c_uint32),
+        ("_pad", ctypes.c_uint32),
+    ]
+
+
+def uprobe_multi_link(
+    prog_fd: int, path: str, offsets: list[int], cookies: list[int], ret: bool
+) -> int:
+    """A uprobe_multi link of ``prog_fd`` on ``offsets`` (file offsets) of
+    ``path`` in every process (a uretprobe if ``ret``); returns its fd."""
+    n = len(offsets)
+    c_path = ctypes.create_string_buffer(os.fsencode(path))
+    c_offsets = (ctypes.c_uint64 * n)(*offsets)
+    c_cookies = (ctypes.c_uint64 * n)(*cookies)
+    attr = _UprobeMultiAttr(
+        prog_fd=prog_fd,
+        attach_type=BPF_TRACE_UPROBE_MULTI,
+        path=ctypes.addressof(c_path),
+        offsets=ctypes.addressof(c_offsets),
+        cookies=ctypes.addressof(c_cookies),
+        cnt=n,
+        multi_flags=BPF_F_UPROBE_MULTI_RETURN if ret else 0,
+    )
+    fd = bpf(BPF_LINK_CREATE, attr)
+    _cloexec(fd)
+    return fd
+
+
+class _PerfLinkAttr(ctypes.Structure):
+    _fields_ = [
+        ("prog_fd", ctypes.c_uint32),
+        ("target_fd", ctypes.c_uint32),
+        ("attach_type", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("bpf_cookie", ctypes.c_uint64),
+        ("_pad", ctypes.c_uint64 * 4),
+    ]
+
+
+class _PerfEventAttr(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_uint32),
+        ("size", ctypes.c_uint32),
+        ("config", ctypes.c_uint64),
+        ("sample_period", ctypes.c_uint64),
+        ("sample_type", ctypes.c_uint64),
+        ("read_format", ctypes.c_uint64),
+        ("flags", ctypes.c_uint64),
+        ("wakeup_events", ctypes.c_uint32),
+        ("bp_type", ctypes.c_uint32),
+        ("config1", ctypes.c_uint64),
+        ("config2", ctypes.c_uint64),
+        ("_rest", ctypes.c_uint8 * 56),
+    ]
+
+
+def tracepoint_id(category: str, event: str) -> int:
+    path = TRACEFS / "events" / category / event / "id"
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise OSError(
+            getattr(exc, "errno", 2) or 2, f"tracepoint {category}:{event}: {exc}"
+        ) from exc
+
+
+def tracepoint_link(prog_fd: int, category: str, event: str) -> int:
+    """Attach a tracepoint program through a ``BPF_PERF_EVENT`` link: the
+    link holds the perf event, so pinning the link keeps the attachment."""
+    attr = _PerfEventAttr(
+        type=PERF_TYPE_TRACEPOINT,
+        size=ctypes.sizeof(_PerfEventAttr),
+        config=tracepoint_id(category, event),
+        sample_period=1,
+        sample_type=PERF_SAMPLE_RAW,
+        wakeup_events=1,
+    )
+    pfd = _check(
+        _libc.syscall(SYS_PERF_EVENT_OPEN, ctypes.byref(attr), -1, 0, -1, PERF_FLAG_FD_CLOEXEC)
+    )
+    try:
+        link = bpf(
+            BPF_LINK_CREATE,
+            _PerfLinkAttr(prog_fd=prog_fd, target_fd=pfd, attach_type=BPF_PERF_EVENT),
+        )
+        _cloexec(link)
+        fcntl.ioctl(pfd, PERF_EVENT_IOC_ENABLE, 0)
+    finally:
+        os.close(pfd)  # the link keeps the event
+    return link

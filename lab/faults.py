@@ -11,10 +11,18 @@ A spec is ``kind:key=value,key=value``:
     cpuhog:rank=R                      busy processes pinned to rank R's CPU
     gpuslow:rank=R,ms=M                (gpu mode) rank R's device work takes M ms longer every step
     gpuhang:rank=R,step=S              (gpu mode) rank R's device stops at step S (its host goes on)
+    agentkill:node=N,step=S[,after=SEC][,signal=SIG]
+                                       node N's agent is killed (SIGKILL) once a rank
+                                       reaches step S (SEC later); supervision restarts it
+    agentoom:node=N,step=S             node N's agent is killed by its memory bound
+                                       (cgroup) at step S; supervision restarts it
+    agentlate:node=N,step=S            node N's agent starts only once a rank reaches step S
 
-Ranks are global (node n holds ranks n*R .. n*R+R-1).  Parsing gives frozen
-records; ``validate`` checks them against the topology.  Errors are one line
-and name the part of the spec that is wrong.
+Agent faults need ``--record``: the lab supervises each agent as its systemd
+unit would (``lab.supervise``).  Ranks are global (node n holds ranks
+n*R .. n*R+R-1).  Parsing gives frozen records; ``validate`` checks them
+against the topology.  Errors are one line and name the part of the spec
+that is wrong.
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ SPEC_HELP = (
     "cpuhog:rank=R                      busy processes pinned to rank R's CPU",
     "gpuslow:rank=R,ms=M                (gpu mode) rank R's device work is M ms slower a step",
     "gpuhang:rank=R,step=S              (gpu mode) rank R's device stops at step S",
+    "agentkill:node=N,step=S[,after=SEC][,signal=SIG]  node N's agent killed at step S, restarted",
+    "agentoom:node=N,step=S             node N's agent killed by its memory bound, restarted",
+    "agentlate:node=N,step=S            node N's agent started only at step S",
 )
 MAX_PCT = 100
 MAX_STEP = 10**9
@@ -120,10 +131,44 @@ class GpuHang:
     step: int
 
 
-Fault = Hang | Slow | Loss | Rate | Mismatch | Crash | CpuHog | GpuSlow | GpuHang
+@dataclass(frozen=True, slots=True)
+class AgentKill:
+    node: int
+    step: int
+    after_s: float = 0.0
+    signal: signal.Signals = signal.SIGKILL
+
+
+@dataclass(frozen=True, slots=True)
+class AgentOom:
+    node: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class AgentLate:
+    node: int
+    step: int
+
+
+Fault = (
+    Hang
+    | Slow
+    | Loss
+    | Rate
+    | Mismatch
+    | Crash
+    | CpuHog
+    | GpuSlow
+    | GpuHang
+    | AgentKill
+    | AgentOom
+    | AgentLate
+)
 RankFault = Hang | Slow | Mismatch | Crash | CpuHog | GpuSlow | GpuHang
 GPU_FAULTS = (GpuSlow, GpuHang)
 NodeFault = Loss | Rate
+AgentFault = AgentKill | AgentOom | AgentLate
 
 CRASH_EXIT_CODE = 3
 
@@ -241,6 +286,23 @@ def _gpuhang(f: _Fields) -> Fault:
     return GpuHang(rank=f.integer("rank", 0, MAX_STEP), step=f.integer("step", 0, MAX_STEP))
 
 
+def _agentkill(f: _Fields) -> Fault:
+    node, step = f.integer("node", 0, MAX_STEP), f.integer("step", 0, MAX_STEP)
+    after = 0.0
+    if "after" in f.values:
+        after = f.number("after", -1e-9, 3600.0)
+    sig = _signal_or_fail(f) or signal.SIGKILL
+    return AgentKill(node=node, step=step, after_s=after, signal=sig)
+
+
+def _agentoom(f: _Fields) -> Fault:
+    return AgentOom(node=f.integer("node", 0, MAX_STEP), step=f.integer("step", 0, MAX_STEP))
+
+
+def _agentlate(f: _Fields) -> Fault:
+    return AgentLate(node=f.integer("node", 0, MAX_STEP), step=f.integer("step", 0, MAX_STEP))
+
+
 _PARSERS: Mapping[str, Callable[[_Fields], Fault]] = {
     "hang": _hang,
     "slow": _slow,
@@ -251,6 +313,9 @@ _PARSERS: Mapping[str, Callable[[_Fields], Fault]] = {
     "cpuhog": _cpuhog,
     "gpuslow": _gpuslow,
     "gpuhang": _gpuhang,
+    "agentkill": _agentkill,
+    "agentoom": _agentoom,
+    "agentlate": _agentlate,
 }
 
 
@@ -282,10 +347,14 @@ def validate(
         where = f"fault {format_fault(fault)!r}"
         if mode is not None and mode != "gpu" and isinstance(fault, GPU_FAULTS):
             raise UsageError(f"{where} needs --mode gpu (the ranks have no device in {mode} mode)")
-        if isinstance(fault, Loss | Rate):
+        if isinstance(fault, Loss | Rate | AgentFault):
             if fault.node >= topology.nodes:
                 raise UsageError(
                     f"{where}: node {fault.node} does not exist (nodes are 0..{topology.nodes - 1})"
+                )
+            if isinstance(fault, AgentFault) and fault.step >= steps:
+                raise UsageError(
+                    f"{where}: step {fault.step} is never reached (steps are 0..{steps - 1})"
                 )
             continue
         if fault.rank >= topology.world_size:
@@ -302,7 +371,8 @@ def validate(
 def _check_duplicates(faults: Iterable[Fault]) -> None:
     seen: set[tuple[type, int]] = set()
     for fault in faults:
-        key = (type(fault), fault.node if isinstance(fault, Loss | Rate) else fault.rank)
+        target = fault.node if isinstance(fault, Loss | Rate | AgentFault) else fault.rank
+        key = (type(fault), target)
         if key in seen:
             raise UsageError(f"fault {format_fault(fault)!r} is given twice for the same target")
         seen.add(key)
@@ -330,6 +400,14 @@ def format_fault(fault: Fault) -> str:
             return f"gpuslow:rank={rank},ms={ms:g}"
         case GpuHang(rank, step):
             return f"gpuhang:rank={rank},step={step}"
+        case AgentKill(node, step, after_s, sig):
+            after = f",after={after_s:g}" if after_s else ""
+            tail = f",signal={sig.name.removeprefix('SIG')}" if sig != signal.SIGKILL else ""
+            return f"agentkill:node={node},step={step}{after}{tail}"
+        case AgentOom(node, step):
+            return f"agentoom:node={node},step={step}"
+        case AgentLate(node, step):
+            return f"agentlate:node={node},step={step}"
     raise AssertionError(fault)
 
 

@@ -43,6 +43,9 @@ from stallwatch.dumpers.errors import LabError
 
 PREFIX = "swlab-"
 RUNS_DIR = Path("/run/stallwatch-lab")
+# the agents' pinned recordings (stallwatch record --pin-dir): one per node
+PIN_ROOT = Path("/sys/fs/bpf/stallwatch")
+PIN_PREFIX = "lab-"
 NETNS_DIR = Path("/run/netns")
 TOOLS = ("ip", "nft", "tc", "nsenter")
 NODE_DEV = "eth0"
@@ -296,4 +299,16 @@ def cleanup_stale() -> list[str]:
     for run_dir in RUNS_DIR.glob("*") if RUNS_DIR.is_dir() else []:
         if not run_alive(run_dir.name):
             shutil.rmtree(run_dir, ignore_errors=True)
+    for pins in PIN_ROOT.glob(f"{PREFIX_PINS_GLOB}") if PIN_ROOT.is_dir() else []:
+        run_id = pins.name.removeprefix(PIN_PREFIX).split("-", 1)[0]
+        if not run_alive(run_id):
+            remove_pins(pins)
     return removed
+
+
+PREFIX_PINS_GLOB = f"{PIN_PREFIX}*"
+
+
+def remove_pins(path: Path) -> None:
+    """Unpin an agent's recording: its probes detach once no agent holds them."""
+    shutil.rmtree(path, ignore_errors=True)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -53,6 +54,8 @@ from stallwatch.dumpers.errors import LabError
 from stallwatch.lab import faults as F
 from stallwatch.lab import job, netns
 from stallwatch.lab.certs import LabCerts, make_certs
+from stallwatch.lab.chaos import Chaos, post_query
+from stallwatch.lab.supervise import Service, Supervisor
 
 AGENT_PORT = 9400
 AGENT_START_TIMEOUT = 90.0
@@ -64,7 +67,19 @@ HOG_CODE = (  # the comment names the run, so leftovers can be found
 )
 HOG_NICE = -10  # a waking rank would otherwise run at once on sleeper credit
 AGENT_STOP_GRACE = 30.0  # detaching uprobes from a library takes the agent seconds
+CHAOS_GRACE = 90.0  # with agent faults: time for restarted agents to come back
 POLL = 0.1
+# Each node's agent runs as its systemd unit would (deploy/systemd): bounded
+# memory, the notify protocol and its watchdog, restarted on failure.  The
+# lab's nodes share the machine's CPUs, so no CPU quota here.
+AGENT_SERVICE = Service(
+    memory_max=1 << 30,
+    cpu_quota_pct=None,
+    watchdog_s=30.0,
+    restart_s=1.0,
+    start_timeout_s=AGENT_START_TIMEOUT,
+    stop_timeout_s=AGENT_STOP_GRACE,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +167,9 @@ class RunResult:
     dump_dir: str | None
     dumps: list[str]
     problems: list[str] = field(default_factory=list)  # teardown trouble
+    # per node, what its agent's supervisor saw (starts, exits, restarts) and
+    # the agent faults applied to it
+    agents: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -180,6 +198,9 @@ def preflight(cfg: RunConfig) -> Path:
     if cfg.nodes < 1 or cfg.ranks_per_node < 1 or cfg.steps < 1:
         raise LabError("--nodes, --ranks-per-node and --steps must be at least 1")
     F.validate(cfg.faults, cfg.topology, cfg.steps, cfg.mode)
+    agent_faults = [F.format_fault(f) for f in cfg.faults if isinstance(f, F.AgentFault)]
+    if agent_faults and not cfg.record:
+        raise LabError(f"fault {agent_faults[0]!r} needs --record (an agent per node)")
     if _euid() != 0:
         raise LabError("lab run needs root (it makes network namespaces): run it with sudo")
     netns.check_tools()
@@ -218,7 +239,8 @@ class Lab:
     net: netns.Network | None = None
     ranks: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     hogs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    agents: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    agents: dict[int, Supervisor] = field(default_factory=dict)
+    chaos: Chaos | None = None
     killed: set[int] = field(default_factory=set)
     logs: list[TextIO] = field(default_factory=list)
     applied: list[dict[str, str]] = field(default_factory=list)
@@ -226,11 +248,15 @@ class Lab:
     certs: LabCerts | None = None  # the agents' TLS (made per run, mutual)
     torn_down: bool = False
 
+    def log_file(self, log: Path) -> TextIO:
+        out = log.open("w")
+        self.logs.append(out)
+        return out
+
     def spawn(
         self, node: netns.Node, argv: list[str], log: Path, env: dict[str, str] | None = None
     ) -> subprocess.Popen[bytes]:
-        out = log.open("w")
-        self.logs.append(out)
+        out = self.log_file(log)
         return subprocess.Popen(
             [*node.exec_prefix(), *argv],
             stdin=subprocess.DEVNULL,
@@ -267,6 +293,8 @@ class Lab:
             problems += netns.destroy(self.net)
         for out in self.logs:
             out.close()
+        for index in range(self.cfg.nodes):  # the agents' pinned recordings
+            netns.remove_pins(agent_pin_dir(self.run_id, index))
         _remove_tree(self.run_dir)
         return problems
 
@@ -279,19 +307,14 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=5)
 
 
-def _stop_agents(agents: dict[int, subprocess.Popen[bytes]]) -> list[str]:
-    for proc in agents.values():
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
+def _stop_agents(agents: dict[int, Supervisor]) -> list[str]:
+    for sup in agents.values():  # all at once: each may take seconds to stop
+        sup.request_stop()
     problems = []
     deadline = time.monotonic() + AGENT_STOP_GRACE
-    for node, proc in agents.items():
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+    for node, sup in agents.items():
+        if sup.wait_stopped(deadline - time.monotonic()) is not None:
             problems.append(f"agent of node {node} ignored SIGTERM for {AGENT_STOP_GRACE:g} s")
-            _kill(proc)
     return problems
 
 
@@ -358,6 +381,8 @@ def make_lab(cfg: RunConfig, lib: Path) -> Lab:
 def set_up(lab: Lab) -> None:
     lab.net = netns.create(lab.run_id, lab.cfg.nodes)
     apply_link_faults(lab)
+    if lab.cfg.record:
+        lab.chaos = make_chaos(lab)
     if lab.cfg.record and not lab.cfg.late_agents:
         start_agents(lab)
     start_hogs(lab)
@@ -458,6 +483,11 @@ def agent_dump_dir(cfg: RunConfig, node: int) -> Path:
     return cfg.dump_dir.resolve() / f"node{node}"  # agents run elsewhere
 
 
+def agent_pin_dir(run_id: str, node: int) -> Path:
+    """The node's agent's pinned recording (removed at teardown)."""
+    return netns.PIN_ROOT / f"{netns.PIN_PREFIX}{run_id}-node{node}"
+
+
 def agent_argv(lab: Lab, node: netns.Node, token_file: Path) -> list[str]:
     """``stallwatch record`` for one node, listening on the node's own address."""
     assert lab.net is not None
@@ -469,6 +499,7 @@ def agent_argv(lab: Lab, node: netns.Node, token_file: Path) -> list[str]:
     assert lab.certs is not None
     argv += lab.certs.agent_args(node.index)
     argv += ["--host-name", f"node{node.index}"]  # namespaces share the machine's hostname
+    argv += ["--pin-dir", str(agent_pin_dir(lab.run_id, node.index))]
     if peers:
         argv += ["--peers", ",".join(peers)]
     if lab.cfg.mode == "gpu":
@@ -476,35 +507,65 @@ def agent_argv(lab: Lab, node: netns.Node, token_file: Path) -> list[str]:
     return [*argv, "--lib", str(lab.lib)]
 
 
+def _token_file(lab: Lab) -> Path:
+    return lab.run_dir / "agent.token"
+
+
 def start_agents(lab: Lab) -> None:
+    """Every node's agent, under its supervisor (but those that start late)."""
     assert lab.net is not None
     token = lab.token = secrets.token_hex(16)
-    token_file = lab.run_dir / "agent.token"
+    token_file = _token_file(lab)
     token_file.touch(mode=0o600)
     token_file.write_text(token)
     lab.certs = make_certs(lab.run_dir / "tls", {n.index: n.ip for n in lab.net.nodes})
     lab.cfg.dump_dir.mkdir(parents=True, exist_ok=True)
+    late = lab.chaos.late_nodes() if lab.chaos is not None else set()
     for node in lab.net.nodes:
         agent_dump_dir(lab.cfg, node.index).mkdir(parents=True, exist_ok=True)
-        log = lab.cfg.dump_dir / f"node{node.index}.agent.log"
-        lab.agents[node.index] = lab.spawn(node, agent_argv(lab, node, token_file), log)
+        if node.index not in late:
+            start_agent(lab, node.index)
     for node in lab.net.nodes:
-        wait_healthy(lab, node, token)
+        if node.index not in late:
+            wait_healthy(lab, node, token)
+
+
+def start_agent(lab: Lab, index: int) -> None:
+    node = lab.node(index)
+    log = lab.cfg.dump_dir / f"node{index}.agent.log"
+    sup = Supervisor(
+        name=f"{netns.PREFIX}{lab.run_id}-agent{index}",
+        argv=[*node.exec_prefix(), *agent_argv(lab, node, _token_file(lab))],
+        service=AGENT_SERVICE,
+        notify_path=lab.run_dir / f"notify-node{index}.sock",
+        log_file=lab.log_file(log),
+        env=lab.env(),
+        cwd=lab.run_dir,
+    )
+    try:
+        sup.start()
+    except OSError as exc:  # no cgroup hierarchy to bound it in: run it unbounded
+        sup.service = dataclasses.replace(AGENT_SERVICE, memory_max=None)
+        sup.note(f"no memory bound: {exc}")
+        sup.start()
+    lab.agents[index] = sup
 
 
 def wait_healthy(lab: Lab, node: netns.Node, token: str) -> None:
     """Ask the agent's /healthz once its log says it listens: a connection
     refused before that would be recorded by its own, already attached
     probes as a connection of the node (it learns its port a moment later)."""
-    proc = lab.agents[node.index]
+    sup = lab.agents[node.index]
     url = f"https://{node.ip}:{AGENT_PORT}/healthz"
     log = lab.cfg.dump_dir / f"node{node.index}.agent.log"
     context = _client_context(lab)
     deadline = time.monotonic() + AGENT_START_TIMEOUT
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        exits = [e for e in sup.events if e.kind == "exited"]
+        if exits:
+            code = exits[0].code
             raise LabError(
-                f"the agent of node {node.index} exited with {proc.returncode} "
+                f"the agent of node {node.index} exited with {code} "
                 f"before answering {url}: {_last_line(log)}"
             )
         if _says_listening(log) and netns.in_netns(
@@ -525,6 +586,40 @@ def _says_listening(log: Path) -> bool:
 def _client_context(lab: Lab) -> ssl.SSLContext:
     assert lab.certs is not None
     return lab.certs.client().context()
+
+
+def make_chaos(lab: Lab) -> Chaos:
+    def query(index: int, body: bytes) -> None:
+        node = lab.node(index)
+        url = f"https://{node.ip}:{AGENT_PORT}/query"
+        context = _client_context(lab)
+        netns.in_netns(node.netns, functools.partial(post_query, url, lab.token, body, context))
+
+    agent_faults = [f for f in lab.cfg.faults if isinstance(f, F.AgentFault)]
+    return Chaos(
+        faults=agent_faults,
+        agents=lab.agents,
+        start_agent=lambda index: start_agent(lab, index),
+        reached=lambda: max(progress(lab)[0], default=0) - 1,
+        query=query,
+        stall_timeout_s=lab.cfg.stall_timeout,
+    )
+
+
+def agent_outcomes(lab: Lab) -> list[dict[str, Any]]:
+    out = []
+    for index, sup in sorted(lab.agents.items()):
+        mine = [f for f in lab.cfg.faults if isinstance(f, F.AgentFault) and f.node == index]
+        starts = sum(1 for e in sup.events if e.kind == "started")
+        out.append(
+            {
+                "node": index,
+                "starts": starts,
+                "faults": [F.format_fault(f) for f in mine],
+                "events": [e.text() for e in sup.events],
+            }
+        )
+    return out
 
 
 def _healthz(url: str, token: str, context: ssl.SSLContext) -> bool:
@@ -555,11 +650,18 @@ def dumps_found(cfg: RunConfig) -> list[Path]:
 
 
 def wait_for_dumps(lab: Lab) -> None:
-    """Every node's agent writes a dump for the incident, or DUMP_GRACE passes."""
-    deadline = time.monotonic() + lab.cfg.stall_timeout + DUMP_GRACE
+    """Every node's agent writes a dump for the incident, or DUMP_GRACE passes.
+    With agent faults, also until they were all applied and the agents they
+    touched had time to raise the stall again (``Chaos.settled``)."""
+    chaos = lab.chaos
+    grace = DUMP_GRACE + (CHAOS_GRACE if chaos is not None and chaos.faults else 0)
+    deadline = time.monotonic() + lab.cfg.stall_timeout + grace
     nodes = range(lab.cfg.nodes)
     while time.monotonic() < deadline:
-        if all(any(agent_dump_dir(lab.cfg, n).glob("*.msgpack")) for n in nodes):
+        if chaos is not None:
+            chaos.poll()
+        dumped = all(any(agent_dump_dir(lab.cfg, n).glob("*.msgpack")) for n in nodes)
+        if dumped and (chaos is None or chaos.settled()):
             return
         time.sleep(0.25)
 
@@ -678,6 +780,8 @@ def wait_for_job(lab: Lab, started: float) -> str | None:
     """None when every rank exited; otherwise why the lab stopped waiting."""
     last, last_change = progress(lab), time.monotonic()
     while True:
+        if lab.chaos is not None:
+            lab.chaos.poll()
         now = time.monotonic()
         current = progress(lab)
         if len(current[1]) == len(lab.ranks):
@@ -790,6 +894,7 @@ def run(cfg: RunConfig, progress_out: TextIO | None = None) -> RunResult:
             stuck = stop_stuck(lab)
             ranks = [outcome(lab, r, stuck) for r in range(cfg.topology.world_size)]
             nodes = node_outcomes(lab)
+            agents = agent_outcomes(lab)
     finally:
         with signals_ignored():
             problems += lab.teardown()
@@ -811,6 +916,7 @@ def run(cfg: RunConfig, progress_out: TextIO | None = None) -> RunResult:
         dump_dir=str(cfg.dump_dir) if _dumps(cfg) else None,
         dumps=[str(p) for p in dumps_found(cfg)] if _dumps(cfg) else [],
         problems=problems,
+        agents=agents,
     )
 
 

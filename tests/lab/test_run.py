@@ -427,6 +427,7 @@ def test_agent_command_line(tmp_path: Path) -> None:
     assert opt("--peers") == "10.201.9.1:9400,10.201.9.3:9400"
     assert opt("--lib") == "/x/libnccl.so.2"
     assert opt("--host-name") == "node1"
+    assert opt("--pin-dir") == "/sys/fs/bpf/stallwatch/lab-abc-node1"  # removed at teardown
     # the agent runs inside the node's namespace
     assert nodes[1].exec_prefix() == ["nsenter", "--net=/run/netns/swlab-abc-n1", "--"]
 

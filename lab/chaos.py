@@ -1,0 +1,134 @@
+"""Agent faults while the job runs: what a node's recorder goes through.
+
+- ``agentkill``: the agent is killed (SIGKILL unless said otherwise) once a
+  rank reaches the step, ``after`` seconds later; its supervisor restarts it
+  (``Restart=on-failure``), and the new agent takes over the pinned recording.
+- ``agentoom``: the agent's cgroup bound is lowered to what it uses now plus
+  a little, and a query makes it allocate: the kernel kills it for its
+  memory bound; the supervisor restores the unit's bound and restarts it.
+- ``agentlate``: the node's agent is started only once a rank reaches the
+  step: it attaches while the job runs (communicators already made).
+
+``Chaos.poll`` runs from the runner's waiting loops; ``settled`` says when
+every fault was applied and every agent it touched has been back for long
+enough to have detected a stall on its own (stall timeout plus a margin):
+only then are a hung job's dumps final.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import ssl
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from stallwatch.dumpers.errors import LabError
+from stallwatch.lab import faults as F
+from stallwatch.lab.supervise import Supervisor
+
+OOM_MARGIN = 1 << 20  # the bound: what the agent uses now plus this
+SETTLE_MARGIN_S = 3.0  # past the stall timeout, for a restarted agent's first ticks
+OOM_QUERY = "SELECT count(*) AS n, sum(bytes) AS b FROM nccl_events"
+
+
+@dataclass
+class _Pending:
+    fault: F.AgentFault
+    due: float | None = None  # monotonic, once its step is reached
+    done: bool = False
+
+
+@dataclass
+class Chaos:
+    """The agent faults of one run and what became of them."""
+
+    faults: Sequence[F.AgentFault]
+    agents: dict[int, Supervisor]
+    start_agent: Callable[[int], None]
+    reached: Callable[[], int]  # the highest step a rank has reached
+    query: Callable[[int, bytes], None]  # POST /query to a node's agent (in its namespace)
+    stall_timeout_s: float
+    log: list[str] = field(default_factory=list)
+    _pending: list[_Pending] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._pending = [_Pending(f) for f in self.faults]
+
+    def late_nodes(self) -> set[int]:
+        return {f.node for f in self.faults if isinstance(f, F.AgentLate)}
+
+    def poll(self) -> None:
+        if all(p.done for p in self._pending):
+            return
+        step = self.reached()
+        now = time.monotonic()
+        for p in self._pending:
+            if p.done:
+                continue
+            if p.due is None and step >= p.fault.step:
+                after = p.fault.after_s if isinstance(p.fault, F.AgentKill) else 0.0
+                p.due = now + after
+            if p.due is not None and now >= p.due:
+                self._apply(p.fault)
+                p.done = True
+
+    def _apply(self, fault: F.AgentFault) -> None:
+        node = fault.node
+        if isinstance(fault, F.AgentLate):
+            self._say(f"node {node}: starting its agent at step {fault.step}")
+            self.start_agent(node)
+            return
+        sup = self.agents.get(node)
+        if sup is None:
+            raise LabError(f"fault {F.format_fault(fault)!r}: node {node} has no agent to kill")
+        if isinstance(fault, F.AgentKill):
+            pid = sup.kill(fault.signal)
+            self._say(f"node {node}: agent pid {pid} sent {fault.signal.name}")
+            return
+        self._oom(node, sup)
+
+    def _oom(self, node: int, sup: Supervisor) -> None:
+        if sup.cgroup is None:
+            raise LabError(f"node {node}: its agent runs in no cgroup: no memory bound to hit")
+        used = sup.cgroup.memory_current()
+        sup.cgroup.set_memory_max(used + OOM_MARGIN)
+        self._say(f"node {node}: agent pid {sup.pid} bounded to {used + OOM_MARGIN} bytes")
+        body = json.dumps({"sql": OOM_QUERY}).encode()
+        # the query never answers if the bound kills the agent: off the loop
+        threading.Thread(target=self.query, args=(node, body), daemon=True).start()
+
+    def settled(self) -> bool:
+        """Every fault applied, and every agent it touched up again for a
+        stall timeout and a margin."""
+        if not all(p.done for p in self._pending):
+            return False
+        now = time.monotonic()
+        for node in {p.fault.node for p in self._pending}:
+            sup = self.agents.get(node)
+            if sup is None:
+                return False
+            ready = [e.at for e in sup.events if e.kind == "ready"]
+            last_start = max((e.at for e in sup.events if e.kind == "started"), default=None)
+            if last_start is None or not ready or ready[-1] < last_start:
+                return False
+            if now - ready[-1] < self.stall_timeout_s + SETTLE_MARGIN_S:
+                return False
+        return True
+
+    def _say(self, text: str) -> None:
+        self.log.append(text)
+
+
+def post_query(url: str, token: str, body: bytes, context: ssl.SSLContext | None = None) -> None:
+    """Best effort: the agent may die answering."""
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    with (
+        contextlib.suppress(OSError),
+        urllib.request.urlopen(request, timeout=30.0, context=context) as response,
+    ):
+        response.read()

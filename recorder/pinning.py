@@ -172,14 +172,7 @@ class PinSet:
         self._lock_fd = fd
 
     def locked_by_other(self) -> bool:
-        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-        return False
+        return _flocked(self.path)
 
     # ---- maps, programs, links --------------------------------------------
 
@@ -424,16 +417,26 @@ def cleanup(path: Path) -> bool:
         return False
     if not is_bpffs(path):
         raise PinError(f"--pin-dir {path}: not on a BPF file system; nothing of ours is there")
-    try:
-        found: PinSet | None = PinSet.open(path, read_only=True)
-    except PinError:
-        found = None  # half made or foreign: removed all the same
-    if found is not None:
-        busy, who = found.locked_by_other(), found.description.get("agent_pid", "?")
-        found.close()
-        if busy:
-            raise PinError(f"--pin-dir {path}: an agent (pid {who}) records into it; stop it first")
+    if _flocked(path):  # the lock needs no bpf(2): root without CAP_BPF can check it
+        who = "?"
+        with contextlib.suppress(PinError, OSError):
+            found = PinSet.open(path, read_only=True)
+            who = found.description.get("agent_pid", "?")
+            found.close()
+        raise PinError(f"--pin-dir {path}: an agent (pid {who}) records into it; stop it first")
     return remove(path)
+
+
+def _flocked(path: Path) -> bool:
+    """Whether a process holds the folder's lock (an agent recording into it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def map_specs(description: dict[str, Any]) -> dict[str, MapSpec]:

@@ -39,6 +39,9 @@ STALLWATCH_READY_TIMEOUT=${STALLWATCH_READY_TIMEOUT:-20}
 STALLWATCH_STOP_TIMEOUT=${STALLWATCH_STOP_TIMEOUT:-60}
 # Shared folder (all nodes) for the job's dumps; empty to leave them on the node.
 STALLWATCH_COLLECT_DIR=${STALLWATCH_COLLECT_DIR:-}
+# The agent pins its recording in a per-job folder here (bpffs): a crashed
+# agent loses nothing; the epilog removes it with the job.
+STALLWATCH_PIN_ROOT=${STALLWATCH_PIN_ROOT:-/sys/fs/bpf/stallwatch}
 
 job=${SLURM_JOB_ID:?SLURM_JOB_ID is not set: run me as the Slurm Prolog or Epilog}
 # It names files and folders: digits only, as Slurm's job ids are.
@@ -49,6 +52,8 @@ fi
 # shellcheck disable=SC2034  # used by prolog.sh and epilog.sh
 node=${SLURMD_NODENAME:-$(hostname -s)}
 dump_dir=$STALLWATCH_STATE_DIR/$job
+# shellcheck disable=SC2034  # used by prolog.sh and epilog.sh
+pin_dir=$STALLWATCH_PIN_ROOT/slurm-$job
 pid_file=$STALLWATCH_RUN_DIR/$job.pid
 log_file=$STALLWATCH_STATE_DIR/$job.log
 

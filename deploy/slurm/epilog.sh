@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Slurm Epilog: stop this job's stallwatch agent and collect its dumps.
+# Slurm Epilog: stop this job's stallwatch agent for good and collect its dumps.
 #
 # SIGTERM, wait up to $STALLWATCH_STOP_TIMEOUT seconds, SIGKILL as a last
-# resort; then, if $STALLWATCH_COLLECT_DIR is set, copy the node's dumps (and
+# resort; remove the job's pinned recording (the agent leaves it pinned when it
+# stops, so that a crashed agent loses nothing); then, if $STALLWATCH_COLLECT_DIR is set, copy the node's dumps (and
 # the agent's log) to $STALLWATCH_COLLECT_DIR/$SLURM_JOB_ID/, each file named
 # after this node, so that `stallwatch analyze $STALLWATCH_COLLECT_DIR/$SLURM_JOB_ID`
 # sees every node of the job. Copies only: no analysis runs here.
@@ -37,6 +38,13 @@ stop_agent() {
     rm -f "$pid_file"
 }
 
+# The job is over: its recording need not outlive the agent any more.
+unpin() {
+    [ -x "$STALLWATCH_BIN" ] || return 0
+    "$STALLWATCH_BIN" record --cleanup --pin-dir "$pin_dir" >>"$log_file" 2>&1 \
+        || say epilog "could not remove the pinned recording $pin_dir"
+}
+
 # Copy to a temporary name, then rename: readers of the shared folder never
 # see half a dump.
 copy_one() {
@@ -63,6 +71,7 @@ collect() {
 
 main() {
     stop_agent
+    unpin
     # Local copies go only once the shared folder has every one of them.
     if collect && [ -n "$STALLWATCH_COLLECT_DIR" ]; then
         rm -rf -- "$dump_dir" "$log_file"

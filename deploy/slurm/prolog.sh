@@ -36,6 +36,7 @@ missing_for_network() {
 
 agent_args() {
     args=(record --dump-dir "$dump_dir" --stall-timeout "$STALLWATCH_STALL_TIMEOUT")
+    args+=(--pin-dir "$pin_dir")
     local missing
     missing=$(missing_for_network)
     if [ -z "$missing" ]; then

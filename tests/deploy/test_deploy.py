@@ -41,9 +41,12 @@ from stallwatch.query.tls import ServerTls
 
 from tests.query.certs import make_certs
 
+from tests import pins
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 UNIT = DEPLOY / "systemd" / "stallwatch.service"
+CLEANUP_UNIT = DEPLOY / "systemd" / "stallwatch-cleanup.service"
 DAEMONSET = DEPLOY / "kubernetes" / "stallwatch-daemonset.yaml"
 SLURM = DEPLOY / "slurm"
 STALLWATCH = Path(sys.executable).parent / "stallwatch"
@@ -162,23 +165,84 @@ def systemd_analyze() -> str:
     return tool
 
 
-def runnable_copy(tmp_path: Path) -> Path:
+def runnable_copy(tmp_path: Path, unit: Path = UNIT) -> Path:
     """The unit with ExecStart's binary pointed at this checkout's stallwatch."""
-    unit_text = UNIT.read_text()
+    unit_text = unit.read_text()
     binary = shlex.split(parse_unit(unit_text).get("Service", "ExecStart"))[0]
-    target = tmp_path / UNIT.name
+    target = tmp_path / unit.name
     target.write_text(unit_text.replace(binary, str(STALLWATCH)))
     return target
 
 
-def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+@pytest.mark.parametrize("path", [UNIT, CLEANUP_UNIT], ids=lambda p: p.name)
+def test_unit_passes_systemd_analyze_verify(tmp_path: Path, path: Path) -> None:
     tool = systemd_analyze()
-    proc = subprocess.run(
-        [tool, "verify", str(runnable_copy(tmp_path))], capture_output=True, text=True, timeout=60
-    )
+    copy = runnable_copy(tmp_path, path)
+    if path == CLEANUP_UNIT:  # its Conflicts= and After= name the agent's unit
+        runnable_copy(tmp_path, UNIT)
+    proc = subprocess.run([tool, "verify", str(copy)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     # verify exits 0 on unknown keys and bad values, but says so on stderr.
     assert proc.stderr.strip() == "", proc.stderr
+
+
+def test_unit_supervises_the_agent_and_keeps_its_recording_pinned(unit: Unit) -> None:
+    """Type=notify with a watchdog (the agent speaks the protocol: lab and
+    recorder tests), restarts on failure but not on bad usage (exit 2), and
+    names the pin folder that the cleanup unit removes."""
+    service = {key: values[-1] for key, values in unit.sections["Service"].items()}
+    assert service["Type"] == "notify" and service["NotifyAccess"] == "main"
+    assert 10 <= seconds(service["WatchdogSec"]) <= 120
+    assert seconds(service["TimeoutStartSec"]) >= 60  # BCC compiles at start
+    assert service["RestartPreventExitStatus"] == "2"
+    pin_dir = option(exec_start_argv(unit, unit_env(unit)), "--pin-dir")
+    assert pin_dir.startswith("/sys/fs/bpf/")
+    cleanup = parse_unit(CLEANUP_UNIT.read_text())
+    argv = shlex.split(cleanup.get("Service", "ExecStart"))
+    assert argv[1:] == ["record", "--cleanup", "--pin-dir", pin_dir]
+    assert cleanup.get("Unit", "Conflicts") == UNIT.name
+    assert cleanup.get("Unit", "After") == UNIT.name
+    assert cleanup.get("Service", "Type") == "oneshot"
+
+
+@pytest.mark.bpf
+def test_cleanup_units_command_removes_the_pins_without_capabilities(tmp_path: Path) -> None:
+    """The cleanup unit runs as root with no capability at all: unpinning is
+    file removal on bpffs, and the lock check needs no bpf(2)."""
+    from bench.fakenccl import build
+
+    pinned = pins.pin_dir("cleanup-unit")
+    argv = [str(STALLWATCH), "record", "--lib", str(build().lib), "--dump-dir", str(tmp_path)]
+    argv += ["--listen", f"127.0.0.1:{free_port()}", "--pin-dir", str(pinned)]
+    log = tmp_path / "agent.log"
+    with log.open("wb") as out:
+        agent = subprocess.Popen(argv, stderr=out)
+    try:
+        deadline = time.monotonic() + 120
+        while not (pinned / "links").is_dir() or len(list((pinned / "links").iterdir())) < 40:
+            assert agent.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        cleanup = parse_unit(CLEANUP_UNIT.read_text())
+        caps = cleanup.get("Service", "CapabilityBoundingSet").split()
+        command = [str(STALLWATCH), *shlex.split(cleanup.get("Service", "ExecStart"))[1:]]
+        command[command.index("--pin-dir") + 1] = str(pinned)
+        busy = subprocess.run(
+            capability_sandbox(set(caps)) + command, capture_output=True, text=True
+        )
+        assert busy.returncode == 2 and "records into it; stop it first" in busy.stderr
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(60) == 0
+        assert pinned.is_dir()  # a stopped agent leaves its recording pinned
+        done = subprocess.run(
+            capability_sandbox(set(caps)) + command, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        assert not pinned.exists()
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        pins.remove(pinned)
 
 
 def test_systemd_analyze_verify_reports_a_broken_unit(tmp_path: Path) -> None:
@@ -276,6 +340,19 @@ class RunningAgent:
     base: str  # http://127.0.0.1:PORT
     log: Path
     dump_dir: Path
+    notify: socket.socket  # what the agent tells the service manager
+
+    def notified(self, timeout: float) -> list[str]:
+        """The notify datagrams received within ``timeout`` seconds."""
+        out: list[str] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                out.append(self.notify.recv(4096).decode())
+            except TimeoutError:
+                if out:
+                    break
+        return out
 
     def log_tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
@@ -306,8 +383,8 @@ class RunningAgent:
 
 def capability_sandbox(bounding: set[str]) -> list[str]:
     """setpriv with a bounding set and no-new-privileges (what systemd applies)."""
-    caps = ",".join("+" + c.removeprefix("CAP_").lower() for c in sorted(bounding))
-    return ["setpriv", f"--bounding-set=-all,{caps}", "--inh-caps=-all", "--no-new-privs"]
+    caps = "".join(",+" + c.removeprefix("CAP_").lower() for c in sorted(bounding))
+    return ["setpriv", f"--bounding-set=-all{caps}", "--inh-caps=-all", "--no-new-privs"]
 
 
 # ProtectSystem=strict, ProtectHome=read-only, ReadWritePaths=, PrivateTmp=, in
@@ -370,18 +447,27 @@ def agent_from_unit(unit: Unit, libnccl: Path, tmp_path: Path) -> Iterator[Runni
     argv[0] = str(STALLWATCH)
     dump_dir = tmp_path / "dumps"
     dump_dir.mkdir()  # systemd creates it (StateDirectory=)
-    argv = [str(dump_dir) if w == option(argv, "--dump-dir") else w for w in argv]
+    pinned = pins.pin_dir("unit")  # the unit's own folder, for a test
+    swap = {option(argv, "--dump-dir"): str(dump_dir), option(argv, "--pin-dir"): str(pinned)}
+    argv = [swap.get(w, w) for w in argv]
     log_path = tmp_path / "agent.log"
+    notify = tmp_path / "notify.sock"  # Type=notify: systemd's socket, here the test's
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.bind(str(notify))
+    receiver.settimeout(0.2)
     with log_path.open("wb") as log:
         caps = unit.words("Service", "CapabilityBoundingSet")
         sandbox = filesystem_sandbox(unit, dump_dir) + capability_sandbox(caps)
-        proc = subprocess.Popen(sandbox + argv, stdout=log, stderr=log)
+        env_run = os.environ | {"NOTIFY_SOCKET": str(notify)}
+        proc = subprocess.Popen(sandbox + argv, stdout=log, stderr=log, env=env_run)
     try:
-        yield RunningAgent(proc, f"http://127.0.0.1:{port}", log_path, dump_dir)
+        yield RunningAgent(proc, f"http://127.0.0.1:{port}", log_path, dump_dir, receiver)
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+        receiver.close()
+        pins.remove(pinned)
 
 
 @pytest.mark.bpf
@@ -392,6 +478,8 @@ def test_unit_exec_start_records_and_stops_on_kill_signal(
 ) -> None:
     agent = agent_from_unit
     assert agent.wait_healthy(timeout=60)["status"] == "ok"
+    ready = agent.notified(timeout=10)
+    assert any(m.startswith("READY=1") for m in ready), ready  # Type=notify: the start ends
     attached = re.search(r"^stallwatch_libraries_attached ([\d.]+)$", agent.metrics(), re.M)
     assert attached and float(attached[1]) >= 1, agent.metrics()
     pid, *results = map(int, call_real_nccl(libnccl, times=3).split())
@@ -420,6 +508,7 @@ def test_unit_exec_start_records_and_stops_on_kill_signal(
         )
     assert code == 0, f"agent exited {code} on {stop_signal.name}:\n{agent.log_tail()}"
     assert time.monotonic() - started < timeout
+    assert any("STOPPING=1" in m for m in agent.notified(timeout=2)), agent.log_tail()
 
 
 @pytest.mark.bpf
@@ -431,7 +520,7 @@ def test_unit_capabilities_cannot_lose_bpf_or_perfmon(
     """The set is not larger than needed there: without either, no probe loads."""
     caps = unit.words("Service", "CapabilityBoundingSet") - {dropped}
     argv = [str(STALLWATCH), "record", "--dump-dir", str(tmp_path), "--lib", str(libnccl)]
-    argv += ["--listen", f"127.0.0.1:{free_port()}"]
+    argv += ["--listen", f"127.0.0.1:{free_port()}", "--pin-dir", str(pins.pin_dir("caps"))]
     proc = subprocess.run(
         capability_sandbox(caps) + argv, capture_output=True, text=True, timeout=120
     )
@@ -513,14 +602,19 @@ def test_daemonset_mounts_what_ebpf_needs(pod: Doc, agent: Doc) -> None:
     assert "emptyDir" in mounts["/tmp"][1]
 
 
-def test_daemonset_writes_only_dumps_and_tmp(pod: Doc, agent: Doc) -> None:
-    dump_dir = option(k8s_argv(agent), "--dump-dir")
+def test_daemonset_writes_only_dumps_pins_and_tmp(pod: Doc, agent: Doc) -> None:
+    argv = k8s_argv(agent)
+    dump_dir = option(argv, "--dump-dir")
     mounts = mounts_by_path(pod, agent)
     _, volume = mounts[dump_dir]
     assert volume["hostPath"]["path"] == "/var/lib/stallwatch/dumps"
     assert volume["hostPath"]["type"] == "DirectoryOrCreate"
     writable = {p for p, (m, _) in mounts.items() if not m.get("readOnly")}
-    assert writable == {dump_dir, "/tmp"}
+    assert writable == {dump_dir, "/tmp", "/sys/fs/bpf"}
+    # the node's own bpffs, so that the pinned recording outlives the pod
+    assert option(argv, "--pin-dir").startswith("/sys/fs/bpf/")
+    _, bpffs = mounts["/sys/fs/bpf"]
+    assert bpffs["hostPath"]["path"] == "/sys/fs/bpf"
 
 
 def test_daemonset_token_secret_backs_the_token_file(pod: Doc, agent: Doc) -> None:
@@ -661,6 +755,9 @@ from pathlib import Path
 
 argv = sys.argv[1:]
 state = Path(os.environ["FAKE_STATE"])
+if "--cleanup" in argv:  # the epilog unpins the job's recording
+    (state / "cleanup.json").write_text(json.dumps(argv))
+    sys.exit(0)
 (state / "argv.json").write_text(json.dumps(argv))
 opt = lambda name: argv[argv.index(name) + 1] if name in argv else None
 token = Path(opt("--token-file")).read_text().strip() if opt("--token-file") else None
@@ -714,6 +811,10 @@ class SlurmNode:
     @property
     def dump_dir(self) -> Path:
         return self.state_dir / self.env["SLURM_JOB_ID"]
+
+    @property
+    def pin_dir(self) -> str:
+        return f"{self.env['STALLWATCH_PIN_ROOT']}/slurm-{self.env['SLURM_JOB_ID']}"
 
     @property
     def pid_file(self) -> Path:
@@ -770,12 +871,14 @@ def node(tmp_path: Path) -> Iterator[SlurmNode]:
         "STALLWATCH_PORT": str(port),
         "STALLWATCH_READY_TIMEOUT": "20",
         "STALLWATCH_COLLECT_DIR": str(tmp_path / "shared"),
+        "STALLWATCH_PIN_ROOT": str(pins.pin_dir("slurm")),
     }
     n = SlurmNode(env, tmp_path / "fake", tmp_path / "state", tmp_path / "shared", port)
     yield n
     pid = n.pid_file.read_text().strip() if n.pid_file.exists() else ""
     if pid and Path(f"/proc/{pid}").exists():
         os.kill(int(pid), signal.SIGKILL)
+    pins.remove(Path(env["STALLWATCH_PIN_ROOT"]))
 
 
 def alive(pid: int) -> bool:
@@ -812,6 +915,8 @@ def test_prolog_starts_one_agent_for_the_job(node: SlurmNode) -> None:
         str(node.dump_dir),
         "--stall-timeout",
         "60",
+        "--pin-dir",
+        node.pin_dir,
         "--listen",
         f"0.0.0.0:{port}",
         "--token-file",
@@ -853,6 +958,8 @@ def test_epilog_stops_the_agent_and_collects_its_dumps(node: SlurmNode) -> None:
     collected = {p.name: p.read_bytes() for p in shared.glob("*.msgpack")}
     assert collected == {f"gpu2-{name}": data for name, data in originals.items()}
     assert "started agent" in (shared / "gpu2-agent.log").read_text()
+    cleanup = json.loads((node.state / "cleanup.json").read_text())
+    assert cleanup == ["record", "--cleanup", "--pin-dir", node.pin_dir]
     assert not list(shared.glob("*.part"))
     assert not node.dump_dir.exists()  # collected, so no longer kept on the node
 
@@ -950,6 +1057,7 @@ def test_slurm_scripts_run_the_real_agent(node: SlurmNode) -> None:
     collected = sorted((node.collect / "4242").glob("gpu2-*.msgpack"))
     assert collected
     assert read_dump(collected[0]).trigger is not None
+    assert not Path(node.pin_dir).exists(), agent_log  # the job's recording is unpinned
 
 
 def test_scripts_refuse_a_job_id_that_is_not_one(node: SlurmNode) -> None:

@@ -40,6 +40,7 @@ class _Pending:
     fault: F.AgentFault
     due: float | None = None  # monotonic, once its step is reached
     done: bool = False
+    applied: float = 0.0  # monotonic
 
 
 @dataclass
@@ -74,7 +75,7 @@ class Chaos:
                 p.due = now + after
             if p.due is not None and now >= p.due:
                 self._apply(p.fault)
-                p.done = True
+                p.done, p.applied = True, time.monotonic()
 
     def _apply(self, fault: F.AgentFault) -> None:
         node = fault.node
@@ -102,20 +103,22 @@ class Chaos:
         threading.Thread(target=self.query, args=(node, body), daemon=True).start()
 
     def settled(self) -> bool:
-        """Every fault applied, and every agent it touched up again for a
-        stall timeout and a margin."""
-        if not all(p.done for p in self._pending):
-            return False
+        """Every fault applied and its effect seen (a killed agent exited),
+        and every agent it touched ready again for a stall timeout and a
+        margin."""
         now = time.monotonic()
-        for node in {p.fault.node for p in self._pending}:
-            sup = self.agents.get(node)
-            if sup is None:
+        for p in self._pending:
+            sup = self.agents.get(p.fault.node)
+            if not p.done or sup is None:
                 return False
-            ready = [e.at for e in sup.events if e.kind == "ready"]
-            last_start = max((e.at for e in sup.events if e.kind == "started"), default=None)
-            if last_start is None or not ready or ready[-1] < last_start:
-                return False
-            if now - ready[-1] < self.stall_timeout_s + SETTLE_MARGIN_S:
+            since = p.applied
+            if not isinstance(p.fault, F.AgentLate):
+                exits = [e.at for e in sup.events if e.kind == "exited" and e.at >= since]
+                if not exits:
+                    return False
+                since = exits[0]
+            ready = [e.at for e in sup.events if e.kind == "ready" and e.at >= since]
+            if not ready or now - ready[0] < self.stall_timeout_s + SETTLE_MARGIN_S:
                 return False
         return True
 

@@ -167,8 +167,9 @@ class RunResult:
     dump_dir: str | None
     dumps: list[str]
     problems: list[str] = field(default_factory=list)  # teardown trouble
-    # per node, what its agent's supervisor saw (starts, exits, restarts) and
-    # the agent faults applied to it
+    # per node, what its agent's supervisor saw (starts, exits, restarts; at_ns
+    # is CLOCK_MONOTONIC, the clock of the recorded rows) and the agent faults
+    # applied to it
     agents: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -616,7 +617,10 @@ def agent_outcomes(lab: Lab) -> list[dict[str, Any]]:
                 "node": index,
                 "starts": starts,
                 "faults": [F.format_fault(f) for f in mine],
-                "events": [e.text() for e in sup.events],
+                "events": [
+                    {"at_ns": int(e.at * 1e9), "kind": e.kind, "pid": e.pid, "detail": e.detail}
+                    for e in sup.events
+                ],
             }
         )
     return out

@@ -1,0 +1,252 @@
+"""The recording pinned under bpffs: it outlives the agent.
+
+Real agents (``stallwatch record`` processes) on the small NCCL-ABI library,
+killed with SIGKILL as the OOM killer or an operator would; a C loop calls
+ncclAllReduce at a steady rate across the agent's life, its death, the time
+no agent runs and the next agent's life.  Every pin folder is this
+session's own (``tests.pins``) and removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from stallwatch.dumpers.errors import PinError
+from stallwatch.dumpers.format import read_dump
+from stallwatch.dumpers.model import Recording
+from stallwatch.recorder import pinning
+from stallwatch.recorder.maps import Layout, MapSpec
+
+from bench.fakenccl import FakeNccl, build
+from tests import pins
+
+STALLWATCH = [sys.executable, "-m", "stallwatch"]
+
+
+# ---------------------------------------------------------------- layouts (no kernel)
+
+
+def _layout(value: str = "<u8", entries: int = 64, defines: tuple[str, ...] = ()) -> Layout:
+    key = np.dtype("<u4")
+    maps = {
+        "ring": MapSpec("ring", 2, key, np.dtype([("pos", "<u8"), ("v", value)]), entries, 1024),
+        "hash": MapSpec("hash", 1, np.dtype([("a", "<u4"), ("b", "<u4")]), key, 128, 0),
+    }
+    return Layout(maps, defines)
+
+
+def test_a_layout_survives_json_and_its_fingerprint_names_every_difference() -> None:
+    base = _layout()
+    again = Layout.from_json(json.loads(json.dumps(base.to_json())))
+    assert again == base and again.fingerprint == base.fingerprint
+    others = {
+        "map ring: entries 64 there, 128 here": _layout(entries=128),
+        "map ring: its record's fields differ": _layout(value="<i8"),
+        "map ring: value bytes 16 there, 12 here": _layout(value="<u4"),
+        "built with other settings (-DX=1)": _layout(defines=("-DX=1",)),
+    }
+    for words, other in others.items():
+        assert other.fingerprint != base.fingerprint
+        assert other.difference(base) == words
+    fewer = Layout({"ring": base.maps["ring"]}, ())
+    assert fewer.difference(base) == "it has a map hash this agent does not know"
+    assert base.difference(base) == "nothing"
+
+
+# ---------------------------------------------------------------- real agents
+
+
+@pytest.fixture(scope="module")
+def fake() -> FakeNccl:
+    return build()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Agent:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, line: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while line not in self.text():
+            assert self.proc.poll() is None, self.text()[-3000:]
+            assert time.monotonic() < deadline, f"no {line!r} in:\n{self.text()[-3000:]}"
+            time.sleep(0.1)
+
+    def dump(self, reason: str) -> Recording:
+        body = json.dumps({"reason": reason}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/dump", data=body, method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return read_dump(json.loads(response.read())["path"])
+
+
+def start_agent(fake: FakeNccl, pin_dir: Path, tmp: Path, *extra: str) -> Agent:
+    port = _free_port()
+    log = tmp / f"agent-{port}.log"
+    argv = [*STALLWATCH, "record", "--lib", str(fake.lib), "--dump-dir", str(tmp / "dumps")]
+    argv += ["--listen", f"127.0.0.1:{port}", "--pin-dir", str(pin_dir), *extra]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=out)
+    return Agent(proc, port, log)
+
+
+def stop(agent: Agent) -> None:
+    if agent.proc.poll() is None:
+        agent.proc.send_signal(signal.SIGTERM)
+        agent.proc.wait(60)
+
+
+@pytest.fixture
+def pin_dir() -> Iterator[Path]:
+    path = pins.pin_dir("pinning")
+    yield path
+    pins.remove(path)
+
+
+def pace_rows(rec: Recording, pid: int) -> np.ndarray:
+    rows = rec.rings["nccl"].rows
+    mine = rows[rows["pid"] == pid]
+    return mine[np.argsort(mine["seq"])]
+
+
+@pytest.mark.bpf
+@pytest.mark.slow
+def test_killed_agent_loses_nothing_and_the_next_one_records_on(
+    fake: FakeNccl, pin_dir: Path, tmp_path: Path
+) -> None:
+    """A C loop calls ncclAllReduce 300 times a second for 14 s.  The first
+    agent is SIGKILLed 3 s in; the kernel records alone; `dump --pinned`
+    reads what it recorded; a second agent adopts the pins: its dump holds
+    every call once, in order, from before, during and after the absence."""
+    first = start_agent(fake, pin_dir, tmp_path)
+    second = None
+    try:
+        first.wait_for("listening on")
+        loop = subprocess.Popen(
+            [str(fake.loop), "pace", "14", "300"], stdout=subprocess.PIPE, text=True
+        )
+        time.sleep(3)
+        first.proc.kill()
+        first.proc.wait()
+        killed = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        time.sleep(2)
+        pinned = subprocess.run(
+            [*STALLWATCH, "dump", "--pinned", "--pin-dir", str(pin_dir), "--reason", "no agent"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert pinned.returncode == 0, pinned.stderr
+        alone = read_dump(json.loads(pinned.stdout)["path"])
+        assert alone.trigger is not None and "no agent" in alone.trigger.reason
+        rows = pace_rows(alone, loop.pid)
+        assert list(rows["seq"]) == list(range(len(rows)))
+        assert (rows["ts_ns"] > killed).sum() > 300, "the kernel recorded nothing alone"
+        second = start_agent(fake, pin_dir, tmp_path)
+        second.wait_for("listening on")
+        assert "adopted the pinned recording" in second.text()
+        adopted = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        out, _ = loop.communicate(timeout=60)
+        calls = int(out.split()[-1])
+        rec = second.dump("after the restart")
+        rows = pace_rows(rec, loop.pid)
+        assert len(rows) == calls, f"{len(rows)} rows for {calls} calls"
+        assert list(rows["seq"]) == list(range(calls))  # no gap, nothing twice
+        assert len(np.unique(rows["pos"])) == calls
+        ts = rows["ts_ns"]
+        assert (ts < killed).sum() > 300 and ((ts > killed) & (ts < adopted)).sum() > 300
+        assert (ts > adopted).sum() > 30
+    finally:
+        for agent in (first, second):
+            if agent is not None:
+                stop(agent)
+    assert pin_dir.is_dir()  # stopped, the agent left the recording pinned
+
+
+@pytest.mark.bpf
+@pytest.mark.slow
+def test_a_pin_set_of_another_layout_is_named_and_left_unless_replaced(
+    fake: FakeNccl, pin_dir: Path, tmp_path: Path
+) -> None:
+    first = start_agent(fake, pin_dir, tmp_path, "--ring-size", "4096")
+    try:
+        first.wait_for("listening on")
+        busy = start_agent(fake, pin_dir, tmp_path, "--ring-size", "4096")
+        assert busy.proc.wait(180) == 2
+        last = busy.text().strip().splitlines()[-1]
+        assert "another agent (pid" in last and "records into it" in last, last
+    finally:
+        stop(first)
+    made = json.dumps(sorted(os.listdir(pin_dir / "maps")))
+    other = start_agent(fake, pin_dir, tmp_path, "--ring-size", "8192")
+    assert other.proc.wait(180) == 2
+    last = other.text().strip().splitlines()[-1]
+    assert last.startswith("stallwatch record: error: pinned recording at"), last
+    assert "has another layout (map " in last and "left in place" in last, last
+    assert json.dumps(sorted(os.listdir(pin_dir / "maps"))) == made  # untouched
+    replaced = start_agent(fake, pin_dir, tmp_path, "--ring-size", "8192", "--replace-pinned")
+    try:
+        replaced.wait_for("listening on")
+        assert "recording pinned at" in replaced.text()
+    finally:
+        stop(replaced)
+    found = pinning.PinSet.open(pin_dir, read_only=True)
+    try:
+        assert found.layout.maps["nccl_ring"].max_entries == 8192
+    finally:
+        found.close()
+
+
+@pytest.mark.bpf
+def test_dump_pinned_with_nothing_pinned_is_one_line(tmp_path: Path) -> None:
+    absent = pins.pin_dir("absent")
+    proc = subprocess.run(
+        [*STALLWATCH, "dump", "--pinned", "--pin-dir", str(absent), "--dump-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"stallwatch dump: error: no pinned recording at {absent}"
+
+
+@pytest.mark.bpf
+def test_a_folder_left_half_made_by_a_dead_agent_is_removed(pin_dir: Path) -> None:
+    half = pin_dir.with_name(f"{pin_dir.name}{pinning.NEW_MARK}999999999")
+    (half / "maps").mkdir(parents=True)
+    live = pin_dir.with_name(f"{pin_dir.name}{pinning.NEW_MARK}{os.getpid()}")
+    live.mkdir()
+    try:
+        pinning._remove_abandoned(pin_dir)
+        assert not half.exists()  # its agent is dead: it was never finished
+        assert live.exists()  # its maker lives: it may be finishing it
+    finally:
+        pins.remove(half)
+        pins.remove(live)
+
+
+@pytest.mark.bpf
+def test_cleanup_of_something_else_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(PinError, match="not on a BPF file system"):
+        pinning.cleanup(tmp_path)
+    assert tmp_path.is_dir()

@@ -18,6 +18,13 @@
 - Agent CPU: ``stallwatch record`` as a separate process while a C loop makes
   1,000 NCCL calls per second and a socket churn makes about 10,000 TCP state
   events per second.
+- Idle cost: the agent with no NCCL job, on this machine as it is, and on a
+  loaded machine: busy loops on every CPU, a few hundred more processes, and
+  a process started (exec'd) 20 times a second.  The agent runs in a network
+  namespace of its own with ``--scope netns``, so that NCCL jobs of other
+  tenants of a shared machine are not its work (it excludes them); what a
+  /proc scan every 250 ms (its discovery before kernel events) costs on the
+  same machine is measured beside it.
 
 ``python -m bench.bench_recorder [--quick]`` prints the table (root needed).
 """
@@ -27,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -252,6 +260,135 @@ def agent_cpu(fake: FakeNccl, quick: bool) -> list[Figure]:
     return [Figure("agent CPU", used * 100, "% of a core", "< 1%", used < 0.01, anchor)]
 
 
+IDLE_TARGET = 0.002  # of a core
+EXECS_PER_S = 20
+EXTRA_PROCESSES = 300
+
+
+def _start_idle_agent(workdir: str, pin_dir: Path) -> subprocess.Popen[bytes]:
+    """``stallwatch record`` alone in a network namespace of its own."""
+    record = [sys.executable, "-m", "stallwatch", "record", "--scope", "netns"]
+    record += ["--dump-dir", workdir, "--listen", "127.0.0.1:0", "--pin-dir", str(pin_dir)]
+    inside = "ip link set lo up && exec " + " ".join(record)
+    log = Path(workdir) / "agent.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(["unshare", "--net", "sh", "-c", inside], stderr=out)
+    deadline = time.monotonic() + 180
+    while "listening on" not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"stallwatch record did not start: {log.read_text()[-2000:]}")
+        time.sleep(0.1)
+    return proc
+
+
+def _counters(proc: subprocess.Popen[bytes], workdir: str) -> dict[str, int]:
+    """The agent's own counters, from a dump it writes on SIGUSR1."""
+    from stallwatch.dumpers.format import read_dump
+
+    before = set(Path(workdir).glob("*.msgpack"))
+    proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        new = set(Path(workdir).glob("*.msgpack")) - before
+        if new:
+            return read_dump(new.pop()).counters
+        time.sleep(0.1)
+    return {}
+
+
+def _cpu_share(pid: int, seconds: float) -> float:
+    import psutil
+
+    agent = psutil.Process(pid)
+    c0, t0 = agent.cpu_times(), time.perf_counter()
+    time.sleep(seconds)
+    c1, t1 = agent.cpu_times(), time.perf_counter()
+    return (c1.user + c1.system - c0.user - c0.system) / (t1 - t0)
+
+
+@contextlib.contextmanager
+def _loaded_machine() -> Iterator[None]:
+    """Busy loops on every CPU, EXTRA_PROCESSES sleepers, EXECS_PER_S execs."""
+    busy = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(os.cpu_count() or 1)
+    ]
+    sleepers = [subprocess.Popen(["sleep", "600"]) for _ in range(EXTRA_PROCESSES)]
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.wait(1 / EXECS_PER_S):
+            subprocess.run(["/bin/true"], check=False)
+
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    try:
+        time.sleep(1.0)
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        for p in [*busy, *sleepers]:
+            p.kill()
+            p.wait()
+
+
+def _scan_share(seconds: float) -> float:
+    """CPU share of the /proc scan the agent used to run every 250 ms."""
+    from stallwatch.recorder.discovery import ProcessScanner
+
+    scanner = ProcessScanner()
+    scanner.scan()
+    scans = max(1, int(seconds / 0.25))
+    t0 = time.process_time()
+    for _ in range(scans):
+        scanner.scan()
+    return (time.process_time() - t0) / (scans * 0.25)
+
+
+def idle_cost(quick: bool) -> list[Figure]:
+    from stallwatch.recorder.pinning import PIN_ROOT, remove
+
+    seconds = 4.0 if quick else 20.0
+    pin_dir = PIN_ROOT / f"bench-{os.getpid()}"
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = _start_idle_agent(tmp, pin_dir)
+        try:
+            time.sleep(5.0)  # past start-up (the first scan, attaching what it finds)
+            for loaded in (False, True):
+                out.append(_idle_figure(proc, tmp, seconds, loaded))
+        finally:
+            proc.terminate()
+            proc.wait(120)
+            remove(pin_dir)
+    return out
+
+
+def _idle_figure(
+    proc: subprocess.Popen[bytes], workdir: str, seconds: float, loaded: bool
+) -> Figure:
+    before = _counters(proc, workdir)
+    with _loaded_machine() if loaded else contextlib.nullcontext():
+        used = _cpu_share(proc.pid, seconds)
+        scan = _scan_share(min(seconds, 5.0))
+        after = _counters(proc, workdir)
+    seen = after.get("discovery_processes", 0) - before.get("discovery_processes", 0)
+    read = after.get("discovery_maps_read", 0) - before.get("discovery_maps_read", 0)
+    anchor = (
+        f"{seconds:g} s; {seen / seconds:.1f} processes/s in discovery events, "
+        f"{read / seconds:.1f} maps read/s; a /proc scan every 250 ms, as before: "
+        f"{scan * 100:.2f}% of a core"
+    )
+    if loaded:
+        anchor += (
+            f"; load: a busy loop per CPU, {EXTRA_PROCESSES} more processes, {EXECS_PER_S} execs/s"
+        )
+    name = f"agent CPU when idle, {'loaded' if loaded else 'idle'} machine"
+    return Figure(name, used * 100, "% of a core", "< 0.2%", used < IDLE_TARGET, anchor)
+
+
 def figures(quick: bool) -> list[Figure]:
     if os.geteuid() != 0:
         raise RuntimeError("bench_recorder needs root (eBPF)")
@@ -269,7 +406,7 @@ def figures(quick: bool) -> list[Figure]:
             figs += [*call_cost(fake, quick, unprobed, method), *throughput(fake, quick, agent)]
     finally:
         bare.close()
-    return [*figs, *agent_cpu(fake, quick)]
+    return [*figs, *agent_cpu(fake, quick), *idle_cost(quick)]
 
 
 def main(argv: list[str] | None = None) -> int:

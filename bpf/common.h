@@ -32,6 +32,9 @@
 #ifndef EXIT_RING_SLOTS
 #define EXIT_RING_SLOTS 1024
 #endif
+#ifndef DISC_RING_SLOTS
+#define DISC_RING_SLOTS 1024
+#endif
 
 /* Index of each ring's head in `heads`, and of the loss counters in `drops`. */
 #define RING_NCCL 0
@@ -39,6 +42,7 @@
 #define RING_TCP 2
 #define RING_SCHED 3
 #define RING_EXIT 4
+#define RING_DISC 7 /* the discovery ring (not dumped): the last head */
 #define DROP_INFLIGHT_FULL 5 /* `inflight` full: the call is not recorded */
 #define DROP_COMMS_FULL 6    /* `comms` full: the communicator is unknown */
 #define DROP_OWNER_FULL 7    /* `sock_owner` full: a socket stays unattributed */

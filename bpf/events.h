@@ -18,6 +18,7 @@
 #define EVENT_TCP 3
 #define EVENT_SCHED 4
 #define EVENT_EXIT 5
+#define EVENT_DISC 16 /* discovery: not a dump ring */
 
 /* NCCL call kinds (nccl_event.op, comm_event.op). */
 #define OP_UNKNOWN 0
@@ -52,6 +53,10 @@
 /* tcp_event.event */
 #define TCP_RETRANSMIT_SKB 1
 #define TCP_SET_STATE 2
+
+/* disc_event.event: what tells the agent a process may map a new library */
+#define DISC_EXEC 1     /* sched_process_exec: a new program image */
+#define DISC_LINKMAP 2  /* the dynamic loader's _dl_debug_state(): libraries came or went */
 
 /* exit_event.event */
 #define EXIT_GROUP 1      /* exit code seen (uprobe on libc _exit(status)) */
@@ -151,5 +156,14 @@ struct exit_event {
 	__u8 _pad1[7];
 };
 _Static_assert(sizeof(struct exit_event) == 48, "exit_event size");
+
+/* Discovery: not a dump ring.  The agent reads it each tick instead of
+ * scanning /proc; one row per event, the pid in the header. */
+struct disc_event {
+	struct event_header hdr;
+	__u32 event; /* DISC_* */
+	__u32 _pad1;
+};
+_Static_assert(sizeof(struct disc_event) == 40, "disc_event size");
 
 #endif

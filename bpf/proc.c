@@ -2,6 +2,12 @@
  * fatal signals (generated for them, delivered to them) and the death of the
  * thread group.  sched_process_exit carries no exit code and task structs are
  * not read by pointer, hence the three sources.
+ *
+ * And how the agent learns of processes that may map a new libnccl, instead
+ * of scanning /proc: a program image replaced (sched_process_exec) and the
+ * dynamic loader's _dl_debug_state(), which it calls whenever its list of
+ * loaded objects changed (at start-up, dlopen, dlclose; debuggers break
+ * there for the same reason).  One row each in `disc_ring`.
  */
 #include "common.h"
 
@@ -19,6 +25,7 @@
 #define SIG_DFL 0
 
 BPF_F_TABLE("array", u32, struct exit_event, exit_ring, EXIT_RING_SLOTS, BPF_F_MMAPABLE);
+BPF_F_TABLE("array", u32, struct disc_event, disc_ring, DISC_RING_SLOTS, BPF_F_MMAPABLE);
 
 /* tgid -> 1: tracked processes whose end has begun (libc _exit, or a fatal
  * signal delivered with its default action).  The kernel then kills the other
@@ -132,5 +139,56 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 		emit_exit(tgid, (u32)id, -1, 0, EXIT_PROCESS);
 		exiting.delete(&tgid);
 	}
+	return 0;
+}
+
+/* tgid -> when its last DISC_LINKMAP row was written: a process loading
+ * hundreds of libraries in a row (a Python import) writes one row per
+ * DISC_PERIOD_NS, not one per library.  The agent looks at a process more
+ * than DISC_PERIOD_NS after a row, so a library loaded in a skipped call is
+ * still seen. */
+#define DISC_PERIOD_NS 100000000ULL
+BPF_TABLE("lru_hash", u32, u64, disc_last, MAX_TRACKED);
+
+static __always_inline int disc_too_soon(u32 tgid, u64 now)
+{
+	u64 *last = disc_last.lookup(&tgid);
+	if (last && now - *last < DISC_PERIOD_NS)
+		return 1;
+	disc_last.update(&tgid, &now);
+	return 0;
+}
+
+static __always_inline void emit_discovery(u32 event)
+{
+	u64 id = bpf_get_current_pid_tgid();
+	u32 tgid = id >> 32;
+	if (is_excluded(tgid))
+		return;
+	u64 now = bpf_ktime_get_ns();
+	if (event == DISC_LINKMAP && (is_tracked(tgid) || disc_too_soon(tgid, now)))
+		return; /* a rank already recorded: its libraries are attached */
+	u64 pos = claim_position(RING_DISC);
+	u32 slot = slot_of(pos, DISC_RING_SLOTS);
+	struct disc_event *e = pos ? disc_ring.lookup(&slot) : NULL;
+	if (!e)
+		return; /* the agent notices a lost row by the head and scans /proc */
+	fill_header(&e->hdr, EVENT_DISC, sizeof(*e), tgid, (u32)id, now);
+	e->event = event;
+	e->_pad1 = 0;
+	publish(&e->hdr, pos);
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exec)
+{
+	emit_discovery(DISC_EXEC);
+	return 0;
+}
+
+/* uprobe_multi on ld.so's _dl_debug_state (user space attaches it to each
+ * dynamic loader it finds). */
+int handle_dl_state(struct pt_regs *ctx)
+{
+	emit_discovery(DISC_LINKMAP);
 	return 0;
 }

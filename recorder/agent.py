@@ -44,7 +44,6 @@ from .peers import peer_notifier
 from .pinning import PinSet
 from .positions import PositionKeeper, snapshot_summary
 from .registry import CommRegistry, ProcessRegistry
-from .rings import complete_rows
 from .scope import Scope
 from .source import EventSource
 from .watchdog import DumpScheduler, Incidents, Watchdog
@@ -52,7 +51,11 @@ from .watchdog import DumpScheduler, Incidents, Watchdog
 log = logging.getLogger("stallwatch.record")
 
 TICK_S = 0.2
-DISCOVERY_S = 0.25
+DISCOVERY_S = 0.25  # the /proc scan's period where there are no kernel events
+# A tick reads the communicator and in-flight maps only while a process in
+# scope is alive or ended less than this ago (or the small rings moved): an
+# idle agent reads a few ring heads and nothing else.
+QUIET_NS = 10_000_000_000
 DUMP_RETRY_S = 5.0
 PEER_TIMEOUT_S = 3.0  # a peer answers once its dump is written
 
@@ -126,6 +129,14 @@ class Agent:
         self.procs = ProcessRegistry()
         self.counters = Counters()
         self.scanner = discovery.ProcessScanner()
+        ring = source.discovery_ring()
+        self.events = discovery.KernelDiscovery(ring) if ring is not None else None
+        self._scan_everything = True
+        self._own_root = discovery.root_id(os.getpid())
+        self._loaders: set[discovery.LibraryId] = set()
+        self._pacer = discovery.Pacer()
+        self._maps_busy = True  # the last read of the maps found something
+        self._gone_since: dict[int, int] = {}  # pids seen gone, not in the process table
         self.libraries: dict[discovery.LibraryId, AttachedLibrary] = {}
         self.scope = Scope(config.scope, self.classify, netns=netns)
         self._heads = {"comm": -1, "exit": -1}
@@ -250,6 +261,8 @@ class Agent:
         inside = self.scope.admits(info.netns)
         self.source.set_scope(pid, tracked=inside, excluded=not inside)
         self.scope.record(pid, inside)
+        if not inside:  # what it made before it was excluded: not this node's to watch
+            self.source.forget_process(pid, keep_scope=True)
         if inside:
             self.procs.add(info)
             if not self.read_only:
@@ -276,39 +289,132 @@ class Agent:
         log.info("attached exit-code probe to %s", path)
 
     def discover(self) -> None:
+        """New NCCL processes: from the kernel's discovery events where the
+        source has them (a /proc scan at the first call and after lost
+        events), else from an incremental /proc scan."""
+        if self.events is None:
+            self._scan_incrementally()
+            return
+        if self._scan_everything:
+            self._scan_everything = False
+            self._full_scan()
+        execs, changed, lost = self.events.pending()
+        if lost:
+            self.counters.add("discovery_rescans")
+            self._scan_everything = True
+        for pid in execs:
+            self._new_image(pid)
+        # A dynamically linked program's loader reports its first libraries:
+        # an exec alone (a static program) is not looked into.
+        due = self._pacer.due(changed, time.monotonic())
+        self.counters.add("discovery_processes", len(execs | changed))
+        for pid in due:
+            self._examine(pid)
+
+    def _scan_incrementally(self) -> None:
         found, gone = self.scanner.scan()
         for pid, libs in found.items():
-            for lib in libs:
-                self.attach_library(discovery.reachable_path(pid, lib))
-            self.classify(pid, libs)
+            self._found(pid, libs)
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         for pid in gone:
             self.procs.mark_gone(pid, now)
 
+    def _found(self, pid: int, libs: tuple[str, ...]) -> None:
+        for lib in libs:
+            self.attach_library(discovery.reachable_path(pid, lib))
+        self.classify(pid, libs)
+
+    def _full_scan(self) -> None:
+        """Every process's maps, once: its libnccl, and its dynamic loader
+        (probed, so that its later libraries are seen as they come)."""
+        own = discovery.mapped_loader(os.getpid())
+        if own is not None:
+            self._attach_loader(own, os.getpid())
+        for pid, (libs, loader) in discovery.scan_all(os.getpid()).items():
+            if loader is not None:
+                self._attach_loader(loader, pid)
+            if libs:
+                self._found(pid, libs)
+
+    def _new_image(self, pid: int) -> None:
+        """A process exec'd: under another root (a container) its dynamic
+        loader may be one not probed yet."""
+        root = discovery.root_id(pid)
+        if root is None or root == self._own_root:
+            return
+        loader = discovery.mapped_loader(pid)
+        if loader is not None:
+            self._attach_loader(loader, pid)
+
+    def _examine(self, pid: int) -> None:
+        if pid == os.getpid() or self.scope.placed(pid) is not None:
+            return  # known: a process in scope keeps its libraries attached
+        self.counters.add("discovery_maps_read")
+        libs = discovery.mapped_nccl_libs(pid)
+        if libs:
+            self._found(pid, libs)
+
+    def _attach_loader(self, loader: str, pid: int) -> None:
+        path = discovery.reachable_path(pid, loader)
+        try:
+            lib_id = discovery.library_id(path)
+            if lib_id in self._loaders:
+                return
+            self._loaders.add(lib_id)
+            self.source.attach_loader(path)
+        except (OSError, ProbeError) as exc:
+            self.counters.add("attach_failures")
+            log.error("libraries loaded through %s will be found late: %s", path, exc)
+            return
+        log.info("discovery probe on the dynamic loader %s", path)
+
     # ---- tick -----------------------------------------------------------
 
-    def _new_rows(self, ring: str, again: bool = False) -> np.ndarray | None:
-        """The ring's complete rows if its head moved (or ``again``)."""
+    def _new_rows(self, ring: str, after: int, again: bool = False) -> np.ndarray | None:
+        """The ring's complete rows after position ``after`` if its head
+        moved (or ``again``): only the new slots are copied."""
         buf = self.source.rings()[ring]
-        head = buf.read_head()
-        if head == self._heads[ring] and not again:
+        if buf.read_head() == self._heads[ring] and not again:
             return None
-        self._heads[ring] = head
-        return complete_rows(buf.slots.copy(), buf.read_head())
+        rows, self._heads[ring] = buf.rows_since(after)
+        return rows
 
     def tick(self) -> TickState:
         """Update the tables from the small rings and maps; the watchdog's input."""
         with self._lock:
-            comm_rows = self._new_rows("comm", again=self.comms.pending)
+            comm_rows = self._new_rows("comm", self.comms.done, again=self.comms.pending)
             if comm_rows is not None:
                 self.comms.apply_rows(self.scope.rows(comm_rows))
-            exit_rows = self._new_rows("exit")
+            exit_rows = self._new_rows("exit", self.procs.done)
             if exit_rows is not None:
                 self.procs.apply_exit_rows(self.scope.rows(exit_rows))
-            progress = [p for p in self.source.comm_progress() if self.scope.keep_pid(p.pid)]
             now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+            moved = comm_rows is not None or exit_rows is not None
+            if not moved and not self._maps_busy and not self.procs.watched(now, QUIET_NS):
+                return TickState(now, (), (), ())  # nothing to watch: the maps are not read
+            raw = self.source.comm_progress()
+            self._forget_ended(raw, now)
+            progress = [p for p in raw if self.scope.keep_pid(p.pid)]
             self.comms.apply_progress(progress, now)
-            return self._tick_state(progress, now)
+            state = self._tick_state(progress, now)
+            self._maps_busy = bool(raw) or bool(state.inflight)
+            return state
+
+    def _forget_ended(self, progress: list[CommProgress], now: int) -> None:
+        """Processes ended more than QUIET_NS ago leave the kernel's maps
+        (their communicators stay in the tables and dumps): the maps do not
+        fill up over days of jobs, and an idle agent has nothing to read."""
+        for pid in {p.pid for p in progress}:
+            info = self.procs.get(pid)
+            if info is not None and info.exit_ns:
+                ended = info.exit_ns
+            elif os.path.exists(f"/proc/{pid}"):
+                continue
+            else:
+                ended = self._gone_since.setdefault(pid, now)
+            if now - ended > QUIET_NS:
+                self.source.forget_process(pid)
+                self._gone_since.pop(pid, None)
 
     def _tick_state(self, progress: list[CommProgress], now: int) -> TickState:
         inflight = tuple(c for c in self.source.inflight_calls() if self.scope.keep_pid(c.pid))
@@ -317,6 +423,8 @@ class Agent:
         states = []
         for info in self.procs.infos():
             alive = not info.exit_ns and os.path.exists(f"/proc/{info.pid}")
+            if not alive and not info.exit_ns:  # gone without an exit row
+                self.procs.mark_gone(info.pid, now)
             states.append(
                 ProcessState(
                     pid=info.pid,
@@ -471,13 +579,14 @@ class Stop:
 
 
 def run_loop(agent: Agent, stop: Stop, notifier: Notifier | None = None) -> None:
-    """Discovery every 250 ms; each tick (200 ms) the watchdog checks and
-    dumps, and the service manager hears that the loop turns (a wedged
-    agent stops pinging and is restarted)."""
+    """Each tick (200 ms): discovery (the kernel's events, or a /proc scan
+    every 250 ms where there are none), the watchdog checks and dumps, and
+    the service manager hears that the loop turns (a wedged agent stops
+    pinging and is restarted)."""
     next_discovery = 0.0
     while not stop.event.is_set():
         now = time.monotonic()
-        if now >= next_discovery:
+        if agent.events is not None or now >= next_discovery:
             agent.discover()
             next_discovery = now + DISCOVERY_S
         if agent.positions.startup is None:

@@ -32,6 +32,7 @@ BPF_MAP_GET_NEXT_KEY = 4
 BPF_OBJ_PIN = 6
 BPF_OBJ_GET = 7
 BPF_OBJ_GET_INFO_BY_FD = 15
+BPF_MAP_LOOKUP_BATCH = 24
 BPF_LINK_CREATE = 28
 BPF_ENABLE_STATS = 32
 
@@ -328,6 +329,57 @@ def map_keys(fd: int, key_size: int) -> Iterator[bytes]:
         key = nxt.raw
         yield key
         cur = ctypes.create_string_buffer(key, key_size)
+
+
+class _BatchAttr(ctypes.Structure):
+    _fields_ = [
+        ("in_batch", ctypes.c_uint64),
+        ("out_batch", ctypes.c_uint64),
+        ("keys", ctypes.c_uint64),
+        ("values", ctypes.c_uint64),
+        ("count", ctypes.c_uint32),
+        ("map_fd", ctypes.c_uint32),
+        ("elem_flags", ctypes.c_uint64),
+        ("flags", ctypes.c_uint64),
+    ]
+
+
+class BatchReader:
+    """Every (key, value) of a hash map in a syscall or two
+    (``BPF_MAP_LOOKUP_BATCH``, Linux 5.6+), into buffers allocated once."""
+
+    def __init__(self, fd: int, key_size: int, value_size: int, max_entries: int) -> None:
+        self.fd = fd
+        self.key_size, self.value_size = key_size, value_size
+        self.max_entries = max_entries
+        self.keys = ctypes.create_string_buffer(key_size * max_entries)
+        self.values = ctypes.create_string_buffer(value_size * max_entries)
+        self._tokens = (ctypes.c_uint32 * 2)()  # the hash map's bucket cursor
+
+    def read(self) -> tuple[bytes, bytes]:
+        """(keys, values), each ``n * size`` bytes; OSError if the kernel
+        has no batch lookup for this map."""
+        n = 0
+        first = True
+        while n < self.max_entries:
+            attr = _BatchAttr(
+                in_batch=0 if first else ctypes.addressof(self._tokens),
+                out_batch=ctypes.addressof(self._tokens) + 4,
+                keys=ctypes.addressof(self.keys) + n * self.key_size,
+                values=ctypes.addressof(self.values) + n * self.value_size,
+                count=self.max_entries - n,
+                map_fd=self.fd,
+            )
+            try:
+                bpf(BPF_MAP_LOOKUP_BATCH, attr)
+            except FileNotFoundError:  # the last batch: count says how many came
+                n += attr.count
+                break
+            n += attr.count
+            self._tokens[0] = self._tokens[1]
+            first = False
+        keys = ctypes.string_at(self.keys, n * self.key_size)
+        return keys, ctypes.string_at(self.values, n * self.value_size)
 
 
 # ---- links ----------------------------------------------------------------

@@ -1,11 +1,21 @@
 """Find the NCCL libraries that processes map, and what is inside them.
 
-- ``ProcessScanner`` lists ``/proc`` and reads the maps of processes it has
-  not classified yet: a library named ``libnccl.so*`` anywhere on disk
-  (virtual environments included: the cu12 and cu13 wheels alike), and the
-  CUDA runtime ``libcudart.so.<major>`` the same process maps.  Processes
-  that map no NCCL are re-read while young (a Python rank loads NCCL a few
-  seconds after it starts), then rarely, so a scan stays cheap.
+- ``KernelDiscovery`` reads the kernel's discovery events (``bpf/proc.c``): a
+  process that replaced its image (exec) or whose dynamic loader changed its
+  list of loaded objects (``_dl_debug_state``: start-up, dlopen).  Only those
+  processes' maps are read, when it happens: no periodic scan of /proc.  A
+  process whose root is not the agent's (a container) may run another
+  dynamic loader: its exec makes the agent find that loader and probe it too.
+- ``scan_all`` reads every process's maps once (at start, and if the
+  discovery ring ever overflows): NCCL libraries and dynamic loaders.
+- What is looked for in a process's maps: a library named ``libnccl.so*``
+  anywhere on disk (virtual environments included: the cu12 and cu13 wheels
+  alike), and the CUDA runtime ``libcudart.so.<major>`` the same process maps.
+- ``ProcessScanner`` is the fallback where there are no kernel events (the
+  replay source of tests): it lists ``/proc`` and reads the maps of
+  processes it has not classified yet.  Processes that map no NCCL are
+  re-read while young (a Python rank loads NCCL a few seconds after it
+  starts), then rarely.
 - ``elf_functions`` reads the ELF symbol tables (``.dynsym`` and ``.symtab``)
   of a file: which NCCL entry points it defines and where they start, so a
   missing symbol is skipped rather than failing the attach, a statically
@@ -28,7 +38,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from stallwatch.dumpers.model import ProcessInfo
+
+from .maps import DISC_EXEC, DISC_LINKMAP
+from .rings import RingBuffer
 
 NCCL_LIB = re.compile(r"/libnccl\.so[^/]*$")
 # NCCL and the CUDA runtime a process maps beside it (any major version:
@@ -36,6 +50,7 @@ NCCL_LIB = re.compile(r"/libnccl\.so[^/]*$")
 GPU_LIBS = re.compile(r"/(libnccl\.so[^/]*|libcudart\.so\.[0-9]+(\.[0-9.]+)?)$")
 CUDART_LIB = re.compile(r"/libcudart\.so\.[0-9]+(\.[0-9.]+)?$")
 LIBC = re.compile(r"/libc(\.so\.6|-[0-9.]+\.so)$")
+LOADER = re.compile(r"/ld-linux[^/]*\.so[^/]*$")
 YOUNG_S = 30.0  # a process this young may still load NCCL: its maps are re-read
 YOUNG_RESCAN_S = 0.5  # this often (a new process is read at its first scan)
 OLD_RESCAN_S = 10.0  # older processes this often
@@ -154,28 +169,88 @@ def mapped_libc(pid: int) -> str | None:
     return libs[0] if libs else None
 
 
+def mapped_loader(pid: int) -> str | None:
+    """The dynamic loader a process runs under (None: static, or gone)."""
+    libs = mapped_files(pid, LOADER, "ld-linux")
+    return libs[0] if libs else None
+
+
+def root_id(pid: int | str) -> tuple[int, int] | None:
+    """(device, inode) of a process's root directory; None if it is gone."""
+    try:
+        st = os.stat(f"/proc/{pid}/root")
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def scan_all(self_pid: int) -> dict[int, tuple[tuple[str, ...], str | None]]:
+    """Every process: (libnccl paths, dynamic loader) from one read of its maps."""
+    out: dict[int, tuple[tuple[str, ...], str | None]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == self_pid:
+            continue
+        pid = int(entry)
+        try:
+            text = Path(f"/proc/{pid}/maps").read_text()
+        except (OSError, UnicodeDecodeError):
+            continue
+        libs, loader = _paths(text, GPU_LIBS, "libnccl"), _paths(text, LOADER, "ld-linux")
+        if not any(NCCL_LIB.search(p) for p in libs):
+            libs = ()  # a CUDA runtime alone is not a rank
+        if libs or loader:
+            out[pid] = (libs, loader[0] if loader else None)
+    return out
+
+
+def _paths(text: str, name: re.Pattern[str], hint: str) -> tuple[str, ...]:
+    if hint not in text:  # the common case, without parsing a line
+        return ()
+    found: list[str] = []
+    for line in text.splitlines():
+        fields = line.split(maxsplit=5)
+        path = fields[5].strip() if len(fields) == 6 else ""
+        if path.startswith("/") and name.search(path) and path not in found:
+            found.append(path)
+    return tuple(found)
+
+
 def mapped_files(pid: int, name: re.Pattern[str], hint: str) -> tuple[str, ...] | None:
     """Paths of files matching ``name`` mapped by ``pid``; None if it is gone."""
     try:
         text = Path(f"/proc/{pid}/maps").read_text()
     except (OSError, UnicodeDecodeError):
         return None
-    libs: list[str] = []
-    if hint not in text:  # the common case, without parsing a line
-        return ()
-    for line in text.splitlines():
-        fields = line.split(maxsplit=5)
-        path = fields[5].strip() if len(fields) == 6 else ""
-        if path.startswith("/") and name.search(path) and path not in libs:
-            libs.append(path)
-    return tuple(libs)
+    return _paths(text, name, hint)
 
 
 def reachable_path(pid: int, path: str) -> str:
-    """The path as this process sees it (through the target's root if needed)."""
-    if os.path.exists(path):
-        return path
+    """The file a process maps, as this process reaches it.  The maps name
+    it as its own mount namespace does: a container's /lib64/ld-linux or
+    libnccl is another file than the host's of that name, reached through
+    /proc/PID/root; a chroot's shows its full path.  The inode the maps
+    give decides."""
+    inode = _mapped_inode(pid, path)
+    for candidate in (path, f"/proc/{pid}/root{path}"):
+        try:
+            st = os.stat(candidate)
+        except OSError:
+            continue
+        if inode is None or st.st_ino == inode:
+            return candidate
     return f"/proc/{pid}/root{path}"
+
+
+def _mapped_inode(pid: int, path: str) -> int | None:
+    try:
+        text = Path(f"/proc/{pid}/maps").read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+    for line in text.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].strip() == path and fields[4].isdigit():
+            return int(fields[4])
+    return None
 
 
 def netns_of(pid: int) -> int:
@@ -270,3 +345,72 @@ class ProcessScanner:
 
     def known(self) -> dict[int, tuple[str, ...]]:
         return dict(self._nccl)
+
+
+@dataclass(slots=True)
+class KernelDiscovery:
+    """The processes the kernel's discovery ring names since the last read.
+
+    ``pending`` returns (pids that exec'd, pids whose loader changed its
+    objects, whether rows were lost): the ring overwrites its oldest rows, so
+    more events between two reads than it holds mean a /proc scan."""
+
+    ring: RingBuffer
+    seen: int = -1  # ring positions up to this one were read
+
+    def pending(self) -> tuple[set[int], set[int], bool]:
+        head = self.ring.read_head()
+        if self.seen < 0:
+            self.seen = head  # the scan at start covers what came before
+        if head == self.seen:
+            return set(), set(), False
+        lost = head - self.seen > self.ring.capacity
+        rows, head = self.ring.rows_since(self.seen)
+        self.seen = _first_gap(rows["pos"], self.seen, head, self.ring.capacity)
+        execs = rows["pid"][rows["event"] == DISC_EXEC]
+        links = rows["pid"][rows["event"] == DISC_LINKMAP]
+        return {int(p) for p in np.unique(execs)}, {int(p) for p in np.unique(links)}, lost
+
+
+def _first_gap(positions: np.ndarray, seen: int, head: int, capacity: int) -> int:
+    """The position up to which every row still in the ring was read: a row
+    being written (its position claimed, not yet published) is read next
+    time (and the rows after it again: handling them is idempotent)."""
+    low = max(seen, head - capacity)
+    expected = np.arange(low + 1, head + 1, dtype=np.uint64)
+    if len(positions) == len(expected):
+        return head
+    missing = np.setdiff1d(expected, positions.astype(np.uint64))
+    return int(missing[0]) - 1 if len(missing) else head
+
+
+@dataclass(slots=True)
+class Pacer:
+    """When to look at a process an event named: ``delay_s`` after its
+    first event (a short-lived process, a shell's /bin/true, is gone by
+    then: nothing to read), then at most once per ``every_s``, the later
+    events of a burst (a Python process importing modules dlopens hundreds
+    of libraries) together, so that a library loaded in the middle of a
+    burst is still seen."""
+
+    delay_s: float = 0.15  # longer than the kernel's DISC_PERIOD_NS (bpf/proc.c)
+    every_s: float = 1.0
+    _last: dict[int, float] = field(default_factory=dict)
+    _waiting: dict[int, float] = field(default_factory=dict)  # pid -> due
+
+    def due(self, pids: set[int], now: float) -> set[int]:
+        for pid in pids:
+            if pid not in self._waiting:
+                last = self._last.get(pid)
+                after = now + self.delay_s  # past any call the kernel skipped
+                self._waiting[pid] = after if last is None else max(after, last + self.every_s)
+        out = {p for p, when in self._waiting.items() if when <= now}
+        for pid in out:
+            del self._waiting[pid]
+            self._last[pid] = now
+        if len(self._last) > PACER_KEPT:
+            self._last = {p: t for p, t in self._last.items() if now - t < self.every_s}
+        return out
+
+
+PACER_KEPT = 4096

@@ -62,6 +62,22 @@ CUDA_SEEN_NAMES = (
     "cuda_answers_error",
 )
 HEAD_STRIDE_U64 = 8  # struct ring_head: one 64-byte line per ring
+# The discovery ring (bpf/proc.c): read each tick, never dumped.
+DISCOVERY_MAP, DISCOVERY_HEAD = "disc_ring", 7
+DISCOVERY_EVENT = np.dtype(
+    [
+        ("pos", "<u8"),
+        ("ts_ns", "<u8"),
+        ("kind", "<u2"),
+        ("size", "<u2"),
+        ("pid", "<u4"),
+        ("tid", "<u4"),
+        ("_pad0", "<u4"),
+        ("event", "<u4"),
+        ("_pad1", "<u4"),
+    ]
+)
+DISC_EXEC, DISC_LINKMAP = 1, 2
 BPF_F_MMAPABLE = 1 << 10
 
 
@@ -169,6 +185,7 @@ class BpfMap:
         self.fd = fd
         self.owned = owned
         self.read_only = read_only
+        self._batch: bpfsys.BatchReader | bool | None = None  # False: not supported
         info = bpfsys.MapInfo(spec.type, 0, spec.key.itemsize, spec.value.itemsize, 0, 0, "")
         self._value_bytes = bpfsys.value_bytes(info)
 
@@ -190,6 +207,20 @@ class BpfMap:
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """Every (key, value) of a hash map, as two structured arrays."""
+        if self._batch is None and self.spec.type == bpfsys.BPF_MAP_TYPE_HASH:
+            self._batch = bpfsys.BatchReader(
+                self.fd, self.spec.key.itemsize, self.spec.value.itemsize, self.spec.max_entries
+            )
+        if isinstance(self._batch, bpfsys.BatchReader):
+            try:
+                raw_keys, raw_values = self._batch.read()
+            except OSError:  # no batch lookup in this kernel: one key at a time
+                self._batch = False
+            else:
+                return (
+                    np.frombuffer(raw_keys, dtype=self.spec.key),
+                    np.frombuffer(raw_values, dtype=self.spec.value),
+                )
         keys = list(bpfsys.map_keys(self.fd, self.spec.key.itemsize))
         values = []
         kept = []
@@ -235,6 +266,7 @@ class MapSet:
     ring_arrays: dict[str, np.ndarray] = field(default_factory=dict)
     heads: np.ndarray = field(default_factory=lambda: np.zeros(0, "<u8"))
     inflight: np.ndarray = field(default_factory=lambda: np.zeros(0, "<u8"))
+    discovery: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.heads = self._view("heads").view("<u8")
@@ -248,6 +280,8 @@ class MapSet:
                 )
             self.ring_arrays[ring] = self._view(map_name).view(expected)
         self.inflight = self._view("inflight")
+        if DISCOVERY_MAP in self.maps:
+            self.discovery = self._view(DISCOVERY_MAP).view(DISCOVERY_EVENT)
 
     def _view(self, name: str) -> np.ndarray:
         mem, view = self.maps[name].mmap()
@@ -256,6 +290,9 @@ class MapSet:
 
     def head(self, ring: str) -> int:
         return int(self.heads[RING_MAPS[ring][0] * HEAD_STRIDE_U64])
+
+    def discovery_head(self) -> int:
+        return int(self.heads[DISCOVERY_HEAD * HEAD_STRIDE_U64])
 
     def ring_slots(self) -> dict[str, int]:
         return {ring: len(a) for ring, a in self.ring_arrays.items()}
@@ -289,6 +326,30 @@ class MapSet:
             table.update(pid, 1)
         else:
             table.delete(pid)
+
+    def forget(self, pid: int, keep_scope: bool = False) -> None:
+        """Every entry of process ``pid`` in the hash maps that hold one:
+        keyed by it (a ``pid`` field, or the key itself), or, for the
+        run-queue maps, by its threads (``rq_tids`` names their process).
+        ``keep_scope``: not its place in ``tracked``/``excluded``."""
+        tids: list[int] = []
+        if "rq_tids" in self.maps:
+            keys, values = self.items("rq_tids")
+            tids = [int(k) for k, v in zip(keys, values, strict=True) if int(v) == pid]
+        for name, m in self.maps.items():
+            if m.spec.type != bpfsys.BPF_MAP_TYPE_HASH:
+                continue
+            if name in ("rq_tids", "rq_enqueued", "rq_totals"):
+                for tid in tids:
+                    m.delete(tid)
+                continue
+            key = m.spec.key
+            if key.names is not None and "pid" in key.names:
+                keys, _ = m.items()
+                for k in keys[keys["pid"] == pid]:
+                    bpfsys.map_delete(m.fd, k.tobytes())
+            elif key.names is None and name in ("tracked", "excluded") and not keep_scope:
+                m.delete(pid)
 
     def pids(self, map_name: str) -> set[int]:
         """The keys of a pid set (``tracked``, ``excluded``)."""

@@ -89,9 +89,12 @@ ENTRY_PROGRAMS: dict[str, str] = {
 # NCCL symbol -> its cookie, SYM_<symbol> in bpf/nccl.c (0 means unknown).
 SYMBOL_COOKIES: dict[str, int] = {name: i + 1 for i, name in enumerate(ENTRY_PROGRAMS)}
 EXIT_PROGRAM = "handle_libc_exit"
+LOADER_PROGRAM = "handle_dl_state"  # ld.so's _dl_debug_state: discovery
+LOADER_SYMBOL = "_dl_debug_state"
 # Every program attached through uprobe_multi links: loaded (and pinned) at
-# start, so that an agent adopting a pin set can attach new libraries with them.
-UPROBE_PROGRAMS = (MULTI_ENTRY_PROGRAM, RETURN_PROGRAM, EXIT_PROGRAM)
+# start, so that an agent adopting a pin set can attach new libraries with
+# them.  A program added to bpf/ that links are made from goes here.
+UPROBE_PROGRAMS = (MULTI_ENTRY_PROGRAM, RETURN_PROGRAM, EXIT_PROGRAM, LOADER_PROGRAM)
 TRACEPOINT_PREFIX = "tracepoint__"
 assert set(ENTRY_PROGRAMS) == set(NCCL_SYMBOLS), "ENTRY_PROGRAMS out of sync with schema"
 
@@ -494,7 +497,7 @@ class Probes:
     def _function(self, path: str, symbol: str, program: str) -> discovery.ElfFunction:
         if path not in self._offsets:
             try:
-                self._offsets[path] = discovery.elf_functions(path, ELF_SYMBOLS)
+                self._offsets[path] = discovery.elf_functions(path, [*ELF_SYMBOLS, LOADER_SYMBOL])
             except (OSError, ValueError) as exc:
                 raise ProbeError(
                     f"cannot attach uprobe program {program} to {symbol} in {path}: {exc}"
@@ -577,6 +580,11 @@ class Probes:
         """The exit-code probe on libc's ``_exit``."""
         if not self._link(libc, "_exit", 0, ((EXIT_PROGRAM, LinkKind.ENTRY),)):
             self._perf_uprobe(libc, "_exit", EXIT_PROGRAM, LinkKind.ENTRY)
+
+    def attach_loader(self, ldso: str) -> None:
+        """The discovery probe on a dynamic loader's ``_dl_debug_state``."""
+        if not self._link(ldso, LOADER_SYMBOL, 0, ((LOADER_PROGRAM, LinkKind.ENTRY),)):
+            self._perf_uprobe(ldso, LOADER_SYMBOL, LOADER_PROGRAM, LinkKind.ENTRY)
 
     def _perf_uprobe(self, path: str, symbol: str, program: str, kind: LinkKind) -> None:
         offset = self._function(path, symbol, program).file_offset

@@ -37,6 +37,11 @@ class CommRegistry:
         self._done = 0  # comm ring positions below this are final
         self.pending = False  # rows still in flight: read the ring again
 
+    @property
+    def done(self) -> int:
+        """Ring positions up to this one are applied for good."""
+        return self._done
+
     def apply_rows(self, rows: np.ndarray) -> None:
         """New rows of the comm ring (oldest first)."""
         rows = rows[rows["pos"] > self._done]
@@ -133,6 +138,10 @@ class ProcessRegistry:
     def get(self, pid: int) -> ProcessInfo | None:
         return self._procs.get(pid)
 
+    @property
+    def done(self) -> int:
+        return self._done
+
     def apply_exit_rows(self, rows: np.ndarray) -> None:
         rows = rows[rows["pos"] > self._done]
         for row in rows:
@@ -158,6 +167,10 @@ class ProcessRegistry:
         info = self._procs.get(pid)
         if info is not None and not info.exit_ns:
             self._procs[pid] = dataclasses.replace(info, exit_ns=now_ns)
+
+    def watched(self, now_ns: int, horizon_ns: int) -> bool:
+        """Any process alive, or ended less than ``horizon_ns`` ago."""
+        return any(not i.exit_ns or now_ns - i.exit_ns < horizon_ns for i in self._procs.values())
 
     def alive(self) -> list[int]:
         return [p for p, i in self._procs.items() if not i.exit_ns]

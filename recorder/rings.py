@@ -52,6 +52,18 @@ class RingBuffer:
     def capacity(self) -> int:
         return len(self.slots)
 
+    def rows_since(self, after: int) -> tuple[np.ndarray, int]:
+        """The complete rows after position ``after`` (oldest first) and the
+        head: only those slots are copied, not the ring."""
+        head = self.read_head()
+        n = min(head - after, self.capacity)
+        if n <= 0:
+            return self.slots[:0].copy(), head
+        want = np.arange(head - n + 1, head + 1, dtype=np.int64)
+        rows = self.slots[(want - 1) & (self.capacity - 1)]  # a copy
+        rows = rows[rows["pos"].astype(np.int64) == want]
+        return rows, head
+
     def snapshot(self, keep: Callable[[np.ndarray], np.ndarray] | None = None) -> Ring:
         """Complete rows, oldest first; ``keep`` filters them (a boolean mask)."""
         copy = self.slots.copy()

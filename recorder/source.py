@@ -45,6 +45,12 @@ class EventSource(Protocol):
     def attach_exit(self, libc: str) -> None:
         """Attach the exit-code probe to a libc; ProbeError on failure."""
 
+    def attach_loader(self, ldso: str) -> None:
+        """Attach the discovery probe to a dynamic loader; ProbeError on failure."""
+
+    def discovery_ring(self) -> RingBuffer | None:
+        """The kernel's discovery events, or None (then /proc is scanned)."""
+
     def set_scope(self, pid: int, tracked: bool, excluded: bool) -> None: ...
 
     def ignore_own_traffic(self, pid: int, port: int) -> None:
@@ -53,6 +59,10 @@ class EventSource(Protocol):
 
     def scope_pids(self) -> tuple[set[int], set[int]]:
         """(tracked, excluded) as the kernel holds them (an earlier agent's, if adopted)."""
+
+    def forget_process(self, pid: int, keep_scope: bool = False) -> None:
+        """An ended process (or, ``keep_scope``, one out of scope) leaves
+        the kernel's maps: communicators, threads, and its place in scope."""
 
     def close(self) -> None: ...
 
@@ -78,6 +88,10 @@ class MapSource:
 
     def rings(self) -> dict[str, RingBuffer]:
         return self._rings
+
+    def discovery_ring(self) -> RingBuffer | None:
+        view = self.maps.discovery
+        return RingBuffer("discovery", view, self.maps.discovery_head) if view is not None else None
 
     def kernel_counters(self) -> dict[str, int]:
         return {**self.maps.drops(), **self.maps.cuda_seen()}
@@ -121,6 +135,9 @@ class MapSource:
         """(tracked, excluded): the processes an earlier agent placed."""
         return self.maps.pids("tracked"), self.maps.pids("excluded")
 
+    def forget_process(self, pid: int, keep_scope: bool = False) -> None:
+        self.maps.forget(pid, keep_scope)
+
 
 class BccSource(MapSource):
     """The BPF programs of ``bpf/``, loaded (or adopted, with ``pins``) and read."""
@@ -154,6 +171,9 @@ class BccSource(MapSource):
     def attach_exit(self, libc: str) -> None:
         self.probes.attach_exit(libc)
 
+    def attach_loader(self, ldso: str) -> None:
+        self.probes.attach_loader(ldso)
+
     def set_scope(self, pid: int, tracked: bool, excluded: bool) -> None:
         self.probes.set_pid("tracked", pid, tracked)
         self.probes.set_pid("excluded", pid, excluded)
@@ -183,10 +203,16 @@ class PinnedSource(MapSource):
     def attach_exit(self, libc: str) -> None:
         self.attach(libc, "_exit")
 
+    def attach_loader(self, ldso: str) -> None:
+        self.attach(ldso, "_dl_debug_state")
+
     def set_scope(self, pid: int, tracked: bool, excluded: bool) -> None:
         return None  # the pinned maps are the recording's, not this reader's
 
     def ignore_own_traffic(self, pid: int, port: int) -> None:
+        return None
+
+    def forget_process(self, pid: int, keep_scope: bool = False) -> None:
         return None
 
     def close(self) -> None:
@@ -241,6 +267,12 @@ class ReplaySource:
     def attach_exit(self, libc: str) -> None:
         self.attached.append((libc, "_exit"))
 
+    def attach_loader(self, ldso: str) -> None:
+        self.attached.append((ldso, "_dl_debug_state"))
+
+    def discovery_ring(self) -> RingBuffer | None:
+        return None  # no kernel: the agent scans /proc
+
     def set_scope(self, pid: int, tracked: bool, excluded: bool) -> None:
         (self.tracked.add if tracked else self.tracked.discard)(pid)
         (self.excluded.add if excluded else self.excluded.discard)(pid)
@@ -250,6 +282,12 @@ class ReplaySource:
 
     def scope_pids(self) -> tuple[set[int], set[int]]:
         return set(self.tracked), set(self.excluded)
+
+    def forget_process(self, pid: int, keep_scope: bool = False) -> None:
+        self.comms = [c for c in self.comms if c.pid != pid]
+        if not keep_scope:
+            self.tracked.discard(pid)
+            self.excluded.discard(pid)
 
     def close(self) -> None:
         self.closed = True

@@ -432,3 +432,58 @@ def test_an_excluded_process_is_dropped_in_the_kernel(agent: Agent, fake: FakeNc
     rec = agent.snapshot()
     assert len(rows_of(rec, "nccl", kept.pid)) == 5
     assert len(rows_of(rec, "nccl", out.pid)) == 0
+
+
+def test_a_process_under_another_root_is_found_through_its_own_loader(
+    agent: Agent, fake: FakeNccl, tmp_path: Path
+) -> None:
+    """A chroot, as a container: its own dynamic loader, libc and libnccl,
+    at the paths the host has too.  Its exec is a discovery event; the agent
+    finds its loader (another file than the host's /lib64/ld-linux), probes
+    it, and attaches its libnccl: each by its own inode."""
+    root = tmp_path / "root"
+    for sub in ("lib", "lib64"):
+        (root / sub).mkdir(parents=True)
+    shutil.copy(
+        os.path.realpath("/lib64/ld-linux-x86-64.so.2"), root / "lib64" / "ld-linux-x86-64.so.2"
+    )
+    shutil.copy(os.path.realpath("/lib/x86_64-linux-gnu/libc.so.6"), root / "lib" / "libc.so.6")
+    shutil.copy(fake.lib, root / "lib" / "libnccl.so.2")
+    shutil.copy(fake.loop, root / "ncclloop")
+    agent.discover()
+    env = {"WAIT": "1", "LD_LIBRARY_PATH": "/lib"}
+    with spawn(
+        [shutil.which("chroot") or "/usr/sbin/chroot", str(root), "/ncclloop", "wrap", "3"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+    ) as proc:  # fmt: skip
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().startswith("ready")
+        wanted = {
+            os.stat(root / "lib64" / "ld-linux-x86-64.so.2").st_ino,
+            os.stat(root / "lib" / "libnccl.so.2").st_ino,
+        }
+
+        def attached() -> set[int]:
+            agent.discover()
+            libs = {lid.inode for lid in agent.libraries}
+            return libs | {lid.inode for lid in agent._loaders}
+
+        wait_for("the container's loader and libnccl", lambda: wanted <= attached())
+        assert proc.pid in agent.scope.inside
+        _go(proc)
+        proc.wait(10)
+    rows = rows_of(agent.snapshot(), "nccl", proc.pid)
+    assert list(rows["op"]) == [Op.GET_UNIQUE_ID, Op.COMM_INIT_RANK] + [Op.ALL_REDUCE] * 3
+
+
+def test_an_ended_process_leaves_the_kernels_maps(agent: Agent, fake: FakeNccl) -> None:
+    out = run_driver(fake.loop, "wrap", "2")
+    comm = int(out["comm"], 16)
+    source = agent.source
+    assert isinstance(source, BccSource)
+    pids = {int(k["pid"]) for k in source.maps.items("comms")[0]}
+    (pid,) = [p for p in pids if not Path(f"/proc/{p}").exists()][-1:]
+    source.forget_process(pid)
+    keys, _ = source.maps.items("comms")
+    assert pid not in {int(k) for k in keys["pid"]}
+    assert (pid, comm) not in {(int(k["pid"]), int(k["comm"])) for k in keys}

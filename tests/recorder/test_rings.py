@@ -74,3 +74,29 @@ def test_keep_filter_and_lost_counter() -> None:
 def test_slot_count_must_be_a_power_of_two() -> None:
     with pytest.raises(ValueError, match="power of two"):
         RingBuffer("nccl", np.zeros(6, dtype=NCCL_EVENT), lambda: 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    slots_log2=st.integers(min_value=2, max_value=6),
+    batches=st.lists(st.integers(min_value=0, max_value=100), min_size=1, max_size=8),
+    after=st.integers(min_value=0, max_value=400),
+)
+def test_rows_since_copies_only_the_new_slots_and_agrees_with_a_snapshot(
+    slots_log2: int, batches: list[int], after: int
+) -> None:
+    writer = RingWriter("nccl", NCCL_EVENT, 1 << slots_log2)
+    total = 0
+    for n in batches:
+        writer.append(_rows(total, n))
+        total += n
+    rows, head = writer.buffer.rows_since(after)
+    assert head == total
+    every = writer.buffer.snapshot().rows
+    assert list(rows["pos"]) == [p for p in every["pos"].tolist() if p > after]
+    slot = writer.buffer.slots
+    if total and after < total:
+        last = (total - 1) & (len(slot) - 1)
+        slot[last]["pos"] = 0  # the newest row is being written: not shown
+        rows, _ = writer.buffer.rows_since(after)
+        assert total not in rows["pos"].tolist()

@@ -42,12 +42,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from bench.common import Figure, render
-from bench.fakenccl import CSRC, FakeNccl, build
+from bench.fakenccl import CSRC, FakeNccl, build, build_private
 
 PACE_RATE = 100_000
 COLLECTIVES_PER_S = 1_000
@@ -128,11 +128,106 @@ def call_cost(fake: FakeNccl, quick: bool, unprobed: float, method: str) -> list
     calls, repeats = (20_000, 3) if quick else (200_000, 7)
     base, rec = _median_pair(fake, calls, repeats)
     ratio = rec / base
-    anchor = f"bare uprobe+uretprobe ({method}) {base:,.0f} ns, no probe {unprobed:,.0f} ns"
+    anchor = (
+        f"bare uprobe+uretprobe ({method}) {base:,.0f} ns, no probe {unprobed:,.0f} ns; "
+        "the calling thread's CPU time per call"
+    )
     return [
         Figure("NCCL call, agent attached", rec, "ns", "", None, anchor),
         Figure("NCCL call cost vs bare uprobe pair", ratio, "x", "<= 1.3x", ratio <= 1.3, anchor),
     ]
+
+
+# What each piece of the agent's programs is for, and why it stays.
+PIECES = {
+    "piece_ids": "pid/tid (the process filter, the row, the thread's slot)",
+    "piece_clock": "a timestamp (entry; return: the call's duration)",
+    "piece_stack_arg": "the stream, NCCL's 7th argument, read from the caller's stack",
+    "piece_comm_lookup": "the communicator's state by (pid, ncclComm_t): its seq",
+    "piece_thread_slot": "the thread's in-flight slot (pairs the return with its entry)",
+    "piece_ring_row": "the ring row (claimed with an atomic add, 144 bytes)",
+}
+# How often each piece runs in the entry and return programs of an AllReduce.
+ENTRY_PIECES = {
+    "piece_ids": 1,
+    "piece_clock": 1,
+    "piece_stack_arg": 1,
+    "piece_comm_lookup": 1,
+    "piece_thread_slot": 1,
+    "piece_ring_row": 1,
+}
+RETURN_PIECES = {"piece_ids": 1, "piece_clock": 1, "piece_thread_slot": 1}
+
+
+def _prog_ns(prog_fd: int, run: Callable[[], object]) -> float:
+    from stallwatch.recorder import bpfsys
+
+    before = bpfsys.prog_info(prog_fd)
+    run()
+    after = bpfsys.prog_info(prog_fd)
+    return (after.run_time_ns - before.run_time_ns) / max(1, after.run_cnt - before.run_cnt)
+
+
+def _piece_costs(fake: FakeNccl, calls: int, repeats: int) -> tuple[float, dict[str, float]]:
+    """ns of a program that does nothing, as the kernel times programs, and
+    of each piece alone over it (the kernel's timing is in both: it cancels)."""
+    import bcc
+    from stallwatch.recorder import bpfsys, discovery
+    from stallwatch.recorder.probes import close_links
+
+    offset = discovery.elf_functions(str(fake.lib), ["benchBaseline"])["benchBaseline"]
+    module = bcc.BPF(src_file=str(CSRC / "components.c").encode())
+    times: dict[str, list[float]] = {}
+    try:
+        for _ in range(repeats):
+            for name in ("piece_nothing", *PIECES):
+                prog = module.load_func(
+                    name.encode(), bcc.BPF.KPROBE, attach_type=bpfsys.BPF_TRACE_UPROBE_MULTI
+                )
+                link = bpfsys.uprobe_multi_link(
+                    prog.fd, str(fake.lib), [offset.file_offset], [0], False
+                )
+                try:
+                    ns = _prog_ns(prog.fd, lambda: _loop_ns(fake, calls, "baseline"))
+                finally:
+                    close_links([link])
+                times.setdefault(name, []).append(ns)
+    finally:
+        module.cleanup()
+    nothing = statistics.median(times.pop("piece_nothing"))
+    return nothing, {name: statistics.median(t) - nothing for name, t in times.items()}
+
+
+def call_account(fake: FakeNccl, quick: bool, agent: Any) -> list[Figure]:
+    """Where the agent's per-call nanoseconds go: its two programs as the
+    kernel times them, and the pieces they are made of, each timed alone."""
+    from stallwatch.recorder import bpfsys
+
+    calls, repeats = (20_000, 2) if quick else (200_000, 3)
+    stats = bpfsys.enable_stats()
+    try:
+        progs = agent.source.probes._progs
+        noop, pieces_ns = _piece_costs(fake, calls, repeats)
+        entry = statistics.median(
+            _prog_ns(progs["handle_enter_all_reduce"], lambda: _loop_ns(fake, calls, "allreduce"))
+            for _ in range(repeats)
+        )
+        ret = statistics.median(
+            _prog_ns(progs["handle_nccl_return"], lambda: _loop_ns(fake, calls, "allreduce"))
+            for _ in range(repeats)
+        )
+    finally:
+        os.close(stats)
+    out = []
+    for name, prog_ns, pieces in (
+        ("entry", entry - noop, ENTRY_PIECES),
+        ("return", ret - noop, RETURN_PIECES),
+    ):
+        known = sum(pieces_ns[p] * n for p, n in pieces.items())
+        parts = "; ".join(f"{PIECES[p]} {pieces_ns[p]:.0f}" for p in pieces)
+        anchor = f"{parts}; the rest (decoding, the slot's and row's fields) {prog_ns - known:.0f}"
+        out.append(Figure(f"agent {name} program, AllReduce", prog_ns, "ns", "", None, anchor))
+    return out
 
 
 def _parallel_loops(fake: FakeNccl, calls: int, n: int, what: str = "allreduce") -> float:
@@ -394,19 +489,29 @@ def figures(quick: bool) -> list[Figure]:
         raise RuntimeError("bench_recorder needs root (eBPF)")
     from stallwatch.recorder.probes import BareProbe
 
-    fake = build()
-    repeats = 3 if quick else 7
-    unprobed = statistics.median(_loop_ns(fake, 20_000, "baseline") for _ in range(repeats))
-    bare = BareProbe(str(fake.lib), "benchBaseline", CSRC / "noop.c")
-    try:
-        with _agent(fake, 1 << 17) as agent:
-            method = f"{bare.attach_method}, agent {agent.source.probes.attach_method}"
-            bare_ns = statistics.median(_loop_ns(fake, 20_000, "baseline") for _ in range(repeats))
-            figs = event_cost(fake, quick, agent, bare_ns, unprobed)
-            figs += [*call_cost(fake, quick, unprobed, method), *throughput(fake, quick, agent)]
-    finally:
-        bare.close()
-    return [*figs, *agent_cpu(fake, quick), *idle_cost(quick)]
+    with tempfile.TemporaryDirectory() as private:
+        # the call's library of its own: no other agent on the machine probes it
+        fake = build_private(Path(private))
+        repeats = 3 if quick else 7
+        unprobed = statistics.median(_loop_ns(fake, 20_000, "baseline") for _ in range(repeats))
+        bare = BareProbe(str(fake.lib), "benchBaseline", CSRC / "noop.c")
+        try:
+            with _agent(fake, 1 << 17) as agent:
+                method = f"{bare.attach_method}, agent {agent.source.probes.attach_method}"
+                bare_ns = statistics.median(
+                    _loop_ns(fake, 20_000, "baseline") for _ in range(repeats)
+                )
+                # the NCCL probes alone first; the CUDA runtime's probes, once
+                # attached, queue each collective on its stream (event_cost)
+                figs = [
+                    *call_cost(fake, quick, unprobed, method),
+                    *call_account(fake, quick, agent),
+                    *event_cost(fake, quick, agent, bare_ns, unprobed),
+                    *throughput(fake, quick, agent),
+                ]
+        finally:
+            bare.close()
+    return [*figs, *agent_cpu(build(), quick), *idle_cost(quick)]
 
 
 def main(argv: list[str] | None = None) -> int:

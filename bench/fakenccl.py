@@ -80,3 +80,18 @@ def build(root: Path | None = None) -> FakeNccl:
         return FakeNccl(lib, loop)
     link_loop(lib, loop)
     return FakeNccl(lib, loop)
+
+
+PRIVATE_SONAME = "libswbenchcalls.so"
+
+
+def build_private(root: Path) -> FakeNccl:
+    """A copy of its own in ``root``, named so that no NCCL discovery finds
+    it (neither ``libnccl.so*`` nor its soname): on a shared machine, other
+    agents attach their probes to the shared build's file too, and a call
+    then pays for theirs."""
+    cc = shutil.which("cc") or "gcc"
+    lib = root / PRIVATE_SONAME
+    flags = [f for f in LIB_FLAGS if not f.startswith("-Wl,-soname")]
+    _run([cc, *flags, f"-Wl,-soname,{PRIVATE_SONAME}", "-o", str(lib), str(CSRC / "fakenccl.c")])
+    return FakeNccl(lib, link_loop(lib, root / "ncclloop"))

@@ -1,9 +1,8 @@
 /* NCCL API calls, by uprobe at entry and uretprobe at return (x86-64 SysV).
  *
- * On kernels with uprobe_multi links (6.6+) one entry program serves every
- * symbol: user space gives each attached offset a cookie, SYM_<symbol>
- * (defined by recorder/probes.py through cflags), and the program decodes
- * that symbol's arguments.  Older kernels get one entry program per symbol.
+ * One entry program per symbol (SYM_<symbol>, defined by recorder/probes.py
+ * through cflags, selects its argument layout), attached through a
+ * uprobe_multi link (6.6+) or, on older kernels, a perf event.
  *
  * Every call is one row of `nccl_ring`: opened at entry (state SCHEDULED,
  * result -1) and completed at return (result, end time, state ENQUEUED last).
@@ -52,15 +51,19 @@ struct comm_key {
 	u64 comm;
 };
 
+/* NCCL requires the calls on one communicator to be made one at a time (by
+ * one thread, or serialized by the caller): its counters are updated with
+ * plain stores, not atomics (a lock-prefixed add costs ~20 ns a call). */
 struct comm_state {
 	u64 hash;
 	s32 rank;
 	s32 nranks;
 	u64 seq;            /* collectives entered on this communicator */
 	u64 last_enter_ns;
-	u64 last_return_ns;
+	u64 last_pos;       /* nccl_ring position + 1 of its last call: user space
+			     * reads that row's end_ns, so a return touches no
+			     * communicator state (a hash lookup, ~60 ns) */
 	u64 calls;          /* collective + p2p calls entered */
-	s64 inflight;       /* entered and not returned */
 	u64 split_count;    /* ncclCommSplit calls made on it */
 	u64 init_ns;
 	u64 destroy_ns;
@@ -217,45 +220,48 @@ static __always_inline u64 next_p2p_seq(u32 pid, u64 comm, s32 peer, u8 op)
 	u64 *n = p2p_seq.lookup_or_try_init(&k, &zero);
 	if (!n)
 		return 0;
-	return __sync_fetch_and_add(n, 1);
+	return (*n)++;
 }
 
-/* Updates the communicator's progress at entry; fills hash/rank/seq. */
-static __always_inline void enter_comm(struct call_state *cs, struct call_args *a, u64 ts)
+/* Updates the communicator's progress at entry; fills hash/rank/seq.
+ * Returns its state for a collective or p2p call (NULL otherwise). */
+static __always_inline struct comm_state *enter_comm(struct call_state *cs, struct call_args *a,
+						      u64 ts)
 {
 	struct comm_state *st = comm_for(cs->pid, a->comm, is_data_op(a->op));
 	if (!st)
-		return;
+		return NULL;
 	cs->comm_hash = st->hash;
 	cs->rank = st->rank;
 	cs->nranks = st->nranks;
 	if (a->op == OP_COMM_SPLIT) {
 		cs->parent_hash = st->hash;
-		cs->split_index = __sync_fetch_and_add(&st->split_count, 1);
-		return;
+		cs->split_index = st->split_count++;
+		return NULL;
 	}
 	if (is_close_op(a->op)) {
 		st->destroyed = 1;
 		st->destroy_ns = ts;
-		return;
+		return NULL;
 	}
 	if (a->op == OP_SEND || a->op == OP_RECV)
 		cs->seq = next_p2p_seq(cs->pid, a->comm, a->peer, a->op);
 	else
-		cs->seq = __sync_fetch_and_add(&st->seq, 1);
+		cs->seq = st->seq++;
 	st->last_enter_ns = ts;
-	__sync_fetch_and_add(&st->calls, 1);
-	__sync_fetch_and_add(&st->inflight, 1);
+	st->calls++;
+	return st;
 }
 
-static __always_inline void open_nccl_row(struct call_state *cs, struct call_args *a, u32 tid)
+static __always_inline void open_nccl_row(struct call_state *cs, struct call_args *a, u32 tid,
+					  u64 ts)
 {
 	struct nccl_event *e;
 	u64 pos;
 	e = claim_nccl(&pos);
 	if (!e)
 		return;
-	fill_header(&e->hdr, EVENT_NCCL, sizeof(*e), cs->pid, tid, cs->entered_ns);
+	fill_header(&e->hdr, EVENT_NCCL, sizeof(*e), cs->pid, tid, ts);
 	e->end_ns = 0;
 	e->comm = a->comm;
 	e->comm_hash = cs->comm_hash;
@@ -285,14 +291,14 @@ static __always_inline void open_nccl_row(struct call_state *cs, struct call_arg
 /* Lifecycle calls: a comm_ring row opened at entry.  InitRank* read the
  * 128-byte id from the caller's stack (passed by value) and fold it. */
 static __always_inline void open_comm_row(struct pt_regs *ctx, struct call_state *cs,
-					  struct call_args *a, u32 tid, int id_on_stack)
+					  struct call_args *a, u32 tid, int id_on_stack, u64 ts)
 {
 	struct comm_event *c;
 	u64 pos;
 	c = claim_comm(&pos);
 	if (!c)
 		return;
-	fill_header(&c->hdr, EVENT_COMM, sizeof(*c), cs->pid, tid, cs->entered_ns);
+	fill_header(&c->hdr, EVENT_COMM, sizeof(*c), cs->pid, tid, ts);
 	c->end_ns = 0;
 	c->comm = a->comm;
 	c->parent_hash = cs->parent_hash;
@@ -337,27 +343,37 @@ static __always_inline int nccl_enter(struct pt_regs *ctx, struct call_args *a)
 		count_drop(DROP_INFLIGHT_FULL);
 		return 0;
 	}
-	struct call_state cs = {};
-	cs.tid = tid;
-	cs.pid = pid;
-	cs.op = a->op;
-	cs.comm = a->comm;
-	cs.out = a->out;
-	cs.rank = -1;
-	cs.nranks = -1;
-	cs.color = a->color;
-	cs.key = a->key;
-	cs.entered_ns = bpf_ktime_get_ns();
-	if (a->comm)
-		enter_comm(&cs, a, cs.entered_ns);
+	/* The slot is filled in place (no copy of a stack-built one); its
+	 * time is written last: a reader trusts a slot whose time is set. */
+	u64 ts = bpf_ktime_get_ns();
+	struct call_state *cs = slot;
+	cs->pid = pid;
+	cs->op = a->op;
+	cs->depth = 0;
+	cs->comm = a->comm;
+	cs->out = a->out;
+	cs->rank = -1;
+	cs->nranks = -1;
+	cs->color = a->color;
+	cs->key = a->key;
+	cs->pos = 0;
+	cs->comm_pos = 0;
+	cs->comm_hash = 0;
+	cs->parent_hash = 0;
+	cs->seq = 0;
+	cs->split_index = 0;
+	struct comm_state *st = a->comm ? enter_comm(cs, a, ts) : NULL;
 	if (a->op == OP_COMM_INIT_RANK || a->op == OP_COMM_INIT_RANK_CONFIG)
-		open_comm_row(ctx, &cs, a, tid, 1);
+		open_comm_row(ctx, cs, a, tid, 1, ts);
 	else if (a->op >= OP_COMM_SPLIT)
-		open_comm_row(ctx, &cs, a, tid, 0);
+		open_comm_row(ctx, cs, a, tid, 0, ts);
 	else if (a->op == OP_COMM_INIT_ALL)
-		cs.nranks = a->nranks;
-	open_nccl_row(&cs, a, tid);
-	*slot = cs;
+		cs->nranks = a->nranks;
+	open_nccl_row(cs, a, tid, ts);
+	if (st)
+		st->last_pos = cs->pos;
+	asm volatile("" ::: "memory");
+	*(volatile __u64 *)&cs->entered_ns = ts;
 	return 0;
 }
 
@@ -498,11 +514,9 @@ static __always_inline int enter_symbol(struct pt_regs *ctx, u64 sym)
 
 /* ---- entry programs ------------------------------------------------------ */
 
-/* The one entry program of a uprobe_multi link: its cookie is the symbol. */
-int handle_nccl_enter(struct pt_regs *ctx) { return enter_symbol(ctx, bpf_get_attach_cookie(ctx)); }
-
-/* One program per symbol, for kernels without uprobe_multi (before 6.6),
- * where BCC attaches each through its own perf event. */
+/* One program per symbol, through a uprobe_multi link (6.6+) or its own
+ * perf event: the symbol is a constant, not an attach cookie to read (a
+ * helper call, ~20 ns), and the decoding switch folds away. */
 #define ENTRY_PROGRAM(fn, sym) \
 	int fn(struct pt_regs *ctx) { return enter_symbol(ctx, SYM_##sym); }
 ENTRY_PROGRAM(handle_enter_all_reduce, ncclAllReduce)
@@ -624,12 +638,36 @@ static __always_inline void finish_init_all(struct call_state *cs, u32 tid, s32 
 	}
 }
 
-static __always_inline void finish_nccl_row(struct call_state *cs, s32 result, u64 ts)
+/* The row a call opened, if still its own (not overwritten while in flight). */
+static __always_inline struct nccl_event *own_row(u64 pos)
 {
-	u32 idx = (u32)((cs->pos - 1) & (NCCL_RING_SLOTS - 1));
+	u32 idx = (u32)((pos - 1) & (NCCL_RING_SLOTS - 1));
 	struct nccl_event *e = nccl_ring.lookup(&idx);
-	if (!e || e->hdr.pos != cs->pos)
-		return; /* overwritten while the call was in flight */
+	return e && e->hdr.pos == pos ? e : NULL;
+}
+
+static __always_inline void complete_row(struct nccl_event *e, s32 result, u64 ts)
+{
+	e->end_ns = ts;
+	e->result = result;
+	asm volatile("" ::: "memory");
+	/* a synchronisation on another thread may have completed it already */
+	if (e->state == STATE_SCHEDULED)
+		*(volatile __u8 *)&e->state = STATE_ENQUEUED;
+}
+
+static __always_inline void finish_nccl_row(u64 pos, s32 result, u64 ts)
+{
+	struct nccl_event *e = own_row(pos);
+	if (e)
+		complete_row(e, result, ts);
+}
+
+static __always_inline void finish_lifecycle_row(struct call_state *cs, s32 result, u64 ts)
+{
+	struct nccl_event *e = own_row(cs->pos);
+	if (!e)
+		return;
 	/* Init calls: the row names the communicator they made.  A split's
 	 * row stays on its parent (the new one is in comm_ring). */
 	if (cs->op >= OP_COMM_INIT_RANK && cs->op <= OP_COMM_INIT_ALL) {
@@ -638,12 +676,17 @@ static __always_inline void finish_nccl_row(struct call_state *cs, s32 result, u
 		e->rank = cs->rank;
 		e->nranks = cs->nranks;
 	}
-	e->end_ns = ts;
-	e->result = result;
-	asm volatile("" ::: "memory");
-	/* a synchronisation on another thread may have completed it already */
-	if (e->state == STATE_SCHEDULED)
-		*(volatile __u8 *)&e->state = STATE_ENQUEUED;
+	complete_row(e, result, ts);
+}
+
+/* A collective or p2p call (the common case): the slot's few fields it
+ * needs are read and the slot freed, with no copy of the whole slot. */
+static __always_inline void return_data_call(struct call_state *live, s32 result)
+{
+	u64 pos = live->pos;
+	release_slot(live);
+	if (pos)
+		finish_nccl_row(pos, result, bpf_ktime_get_ns());
 }
 
 int handle_nccl_return(struct pt_regs *ctx)
@@ -656,17 +699,14 @@ int handle_nccl_return(struct pt_regs *ctx)
 		live->depth -= 1;
 		return 0;
 	}
+	s32 result = (s32)PT_REGS_RC(ctx);
+	if (live->op <= OP_GROUP_END) {
+		return_data_call(live, result);
+		return 0;
+	}
 	struct call_state cs = *live;
 	release_slot(live);
 	u64 ts = bpf_ktime_get_ns();
-	s32 result = (s32)PT_REGS_RC(ctx);
-	if (is_data_op(cs.op) && cs.comm) {
-		struct comm_state *st = comm_for(cs.pid, cs.comm, 0);
-		if (st) {
-			st->last_return_ns = ts;
-			__sync_fetch_and_add(&st->inflight, -1);
-		}
-	}
 	if (cs.op == OP_COMM_INIT_ALL)
 		finish_init_all(&cs, tid, result, ts);
 	else
@@ -674,6 +714,6 @@ int handle_nccl_return(struct pt_regs *ctx)
 	if (cs.comm_pos)
 		finish_comm_row(&cs, result, ts);
 	if (cs.pos)
-		finish_nccl_row(&cs, result, ts);
+		finish_lifecycle_row(&cs, result, ts);
 	return 0;
 }

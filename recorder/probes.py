@@ -8,8 +8,8 @@ right file).  Every load or attach failure raises ``ProbeError`` naming the
 program, the library and the symbol.
 
 Attachments are BPF links made here, not by BCC: uprobes through
-uprobe_multi links (kernel 6.6+: one entry program, ``handle_nccl_enter``,
-told the symbol by the link's cookie, and one return program), tracepoints
+uprobe_multi links (kernel 6.6+: an entry program per symbol, its argument
+layout compiled in, and one return program), tracepoints
 through ``BPF_PERF_EVENT`` links.  A link can be pinned, and so the whole
 recording can outlive the agent (``recorder.pinning``): with pins, the maps,
 the programs links are made from and every link are pinned as they are
@@ -59,10 +59,10 @@ BPF_DIR = _bpf_dir()
 # cuda.h before nccl.c: BCC rewrites map accesses only in the text it is given
 SOURCES = ("common.h", "cuda.h", "nccl.c", "cuda.c", "tcp.c", "sched.c", "proc.c")
 
-# uprobe_multi: one entry program for every symbol (cookie = SYMBOL_COOKIES).
-MULTI_ENTRY_PROGRAM = "handle_nccl_enter"
 RETURN_PROGRAM = "handle_nccl_return"
-# Without uprobe_multi: NCCL symbol -> entry program, one perf event each.
+# NCCL symbol -> its entry program (the symbol's argument layout compiled in:
+# no attach cookie to read, ~20 ns a call); one uprobe_multi link each, or
+# one perf event each on kernels without uprobe_multi.
 ENTRY_PROGRAMS: dict[str, str] = {
     "ncclAllReduce": "handle_enter_all_reduce",
     "ncclAllGather": "handle_enter_all_gather",
@@ -86,7 +86,7 @@ ENTRY_PROGRAMS: dict[str, str] = {
     "ncclCommFinalize": "handle_enter_finalize",
     "ncclGetUniqueId": "handle_enter_get_unique_id",
 }
-# NCCL symbol -> its cookie, SYM_<symbol> in bpf/nccl.c (0 means unknown).
+# NCCL symbol -> SYM_<symbol> in bpf/nccl.c, the case each entry program decodes.
 SYMBOL_COOKIES: dict[str, int] = {name: i + 1 for i, name in enumerate(ENTRY_PROGRAMS)}
 EXIT_PROGRAM = "handle_libc_exit"
 LOADER_PROGRAM = "handle_dl_state"  # ld.so's _dl_debug_state: discovery
@@ -94,7 +94,7 @@ LOADER_SYMBOL = "_dl_debug_state"
 # Every program attached through uprobe_multi links: loaded (and pinned) at
 # start, so that an agent adopting a pin set can attach new libraries with
 # them.  A program added to bpf/ that links are made from goes here.
-UPROBE_PROGRAMS = (MULTI_ENTRY_PROGRAM, RETURN_PROGRAM, EXIT_PROGRAM, LOADER_PROGRAM)
+UPROBE_PROGRAMS = (*ENTRY_PROGRAMS.values(), RETURN_PROGRAM, EXIT_PROGRAM, LOADER_PROGRAM)
 TRACEPOINT_PREFIX = "tracepoint__"
 assert set(ENTRY_PROGRAMS) == set(NCCL_SYMBOLS), "ENTRY_PROGRAMS out of sync with schema"
 
@@ -369,7 +369,7 @@ class Probes:
 
     def _can_multi(self) -> bool:
         """Whether the entry program loads for uprobe_multi links (6.6+)."""
-        return self._multi_program(MULTI_ENTRY_PROGRAM) is not None
+        return self._multi_program(RETURN_PROGRAM) is not None
 
     def _bcc_maps(self) -> MapSet:
         maps = {
@@ -558,10 +558,9 @@ class Probes:
         if symbol in CUDA_SYMBOLS:
             self._attach_cuda(path, symbol)
             return
-        programs = ((MULTI_ENTRY_PROGRAM, LinkKind.ENTRY), (RETURN_PROGRAM, LinkKind.RETURN))
-        if self._link(path, symbol, SYMBOL_COOKIES[symbol], programs):
-            return
         programs = ((ENTRY_PROGRAMS[symbol], LinkKind.ENTRY), (RETURN_PROGRAM, LinkKind.RETURN))
+        if self._link(path, symbol, 0, programs):
+            return
         for program, kind in programs:
             self._perf_uprobe(path, symbol, program, kind)
 

@@ -10,6 +10,7 @@ programs use, so that ring, table and watchdog logic has fast unit tests.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -98,6 +99,13 @@ class MapSource:
 
     def comm_progress(self) -> list[CommProgress]:
         keys, values = self.maps.items("comms")
+        if not len(keys):
+            return []
+        slots = self.maps.inflight
+        live = slots[np.flatnonzero(slots["tid"])]
+        live = live[live["entered_ns"] != 0]
+        busy = Counter(zip(live["pid"].tolist(), live["comm"].tolist(), strict=True))
+        returned = self._last_returns(values["last_pos"])
         return [
             CommProgress(
                 pid=int(k["pid"]),
@@ -106,14 +114,24 @@ class MapSource:
                 rank=int(v["rank"]),
                 nranks=int(v["nranks"]),
                 last_enter_ns=int(v["last_enter_ns"]),
-                last_return_ns=int(v["last_return_ns"]),
+                last_return_ns=int(r),
                 calls=int(v["calls"]),
-                inflight=max(0, int(v["inflight"])),
+                inflight=busy[(int(k["pid"]), int(k["comm"]))],
                 destroyed=bool(v["destroyed"]),
                 init_ns=int(v["init_ns"]),
             )
-            for k, v in zip(keys, values, strict=True)
+            for k, v, r in zip(keys, values, returned, strict=True)
         ]
+
+    def _last_returns(self, last_pos: np.ndarray) -> np.ndarray:
+        """When each communicator's last call returned: the end time of its
+        row in the nccl ring (0 while in flight, or once overwritten: its
+        entry time is then the later anyway)."""
+        ring = self.maps.ring_arrays["nccl"]
+        pos = last_pos.astype(np.int64)
+        rows = ring[(pos - 1) & (len(ring) - 1)]
+        mine = (pos > 0) & (rows["pos"].astype(np.int64) == pos)
+        return np.where(mine, rows["end_ns"], 0).astype(np.int64)
 
     def inflight_calls(self) -> list[InflightCall]:
         slots = self.maps.inflight

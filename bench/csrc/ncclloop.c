@@ -3,7 +3,10 @@
  *
  *   ncclloop scenario IDHEX|- RANK NRANKS   every entry point once or more,
  *                                           printing what it used and got
- *   ncclloop loop N allreduce|baseline      N calls, prints ns per call
+ *   ncclloop loop N allreduce|baseline      N calls, prints ns per call: the
+ *                                           thread's CPU time (the probes run in
+ *                                           its context; time it spends preempted
+ *                                           by other work does not count)
  *   ncclloop pace SECONDS RATE              RATE AllReduce calls per second
  *   ncclloop wrap N                         init a communicator, N AllReduce on it
  *   ncclloop events N CUDART                N times what PyTorch does per collective,
@@ -52,6 +55,13 @@ static uint64_t now_ns(void)
 {
 	struct timespec ts;
 	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ULL + ts.tv_nsec;
+}
+
+static uint64_t cpu_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
 	return (uint64_t)ts.tv_sec * 1000000000ULL + ts.tv_nsec;
 }
 
@@ -110,14 +120,14 @@ static int loop(long n, const char *what)
 	char buf[8];
 	ncclComm_t comm = (ncclComm_t)buf; /* the library never dereferences it */
 	int base = strcmp(what, "baseline") == 0;
-	uint64_t t0 = now_ns();
+	uint64_t t0 = cpu_ns();
 	for (long i = 0; i < n; i++) {
 		if (base)
 			benchBaseline(buf, buf, 8, 7, 0, comm, STREAM);
 		else
 			ncclAllReduce(buf, buf, 8, 7, 0, comm, STREAM);
 	}
-	printf("%.1f\n", (double)(now_ns() - t0) / (double)n);
+	printf("%.1f\n", (double)(cpu_ns() - t0) / (double)n);
 	return 0;
 }
 

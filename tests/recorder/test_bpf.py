@@ -487,3 +487,16 @@ def test_an_ended_process_leaves_the_kernels_maps(agent: Agent, fake: FakeNccl) 
     keys, _ = source.maps.items("comms")
     assert pid not in {int(k) for k in keys["pid"]}
     assert (pid, comm) not in {(int(k["pid"]), int(k["comm"])) for k in keys}
+
+
+def test_a_communicators_last_return_is_its_last_rows_end(agent: Agent, fake: FakeNccl) -> None:
+    """The return program touches no communicator state: the agent reads
+    when a communicator's last call returned from that call's ring row."""
+    out = run_driver(fake.loop, "wrap", "4")
+    comm = int(out["comm"], 16)
+    [progress] = [p for p in agent.source.comm_progress() if p.comm == comm]
+    rows = rows_of(agent.snapshot(), "nccl", progress.pid)
+    last = rows[rows["op"] == Op.ALL_REDUCE][-1]
+    assert progress.calls == 4
+    assert progress.last_enter_ns == int(last["ts_ns"])
+    assert progress.last_return_ns == int(last["end_ns"]) > progress.last_enter_ns

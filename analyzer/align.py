@@ -22,10 +22,12 @@ import numpy as np
 from stallwatch.dumpers import addresses, ranks
 from stallwatch.dumpers.errors import DumpError
 from stallwatch.dumpers.format import DeferredRing
-from stallwatch.dumpers.model import CommInfo, Recording, TriggerKind
+from stallwatch.dumpers.model import CommInfo, Recording, Ring, TriggerKind
 from stallwatch.dumpers.schema import NCCL_EVENT, ExitEvent, Op, TcpEvent
 
+from . import late
 from .columns import Columns
+from .late import LateReport
 from .match import order_calls
 from .metrics import RECENT_GROUPS
 from .model import CALL_DTYPE, SCHED_DTYPE, TCP_RETRANS_DTYPE, Calls, Comm, Incident, Proc
@@ -117,6 +119,7 @@ def incident_from_recordings(
     ``progress``, reading them is shown on stderr."""
     sources = [dataclasses.replace(s, recording=in_scope(s.recording, consume)) for s in sources]
     sources = sorted(sources, key=lambda s: (s.recording.host, s.path))
+    sources, report = _align_late(sources)
     hosts = tuple(sorted({s.recording.host for s in sources}))
     shown = Progress("read the NCCL calls of {}/{} dumps", len(sources), progress)
     stage, extracts = _extract_all(sources, consume, shown)
@@ -124,7 +127,7 @@ def incident_from_recordings(
     now = _host_now(extracts)
     procs, proc_index = _procs(extracts)
     comms, membership, world = _comms(extracts, proc_index)
-    procs = _with_world_ranks(procs, world)
+    procs = _with_world_ranks(procs, world, report.uncertain() if report else set())
     calls = _calls(stage, extracts, proc_index, comms, membership)
     return Incident(
         id=incident_id,
@@ -140,6 +143,7 @@ def incident_from_recordings(
         wall_ns=(detected := _detection(sources))[0],
         detected_by=detected[1],
         readings=host_readings(s.recording for s in sources),
+        late=report,
     )
 
 
@@ -160,6 +164,31 @@ def _detection(sources: list[Source]) -> tuple[int | None, str]:
         origin = t.origin_host or host
         return wall, f"{origin} ({t.reason.removeprefix(f'{origin}: ')})"
     return wall, f"{host} ({t.reason})"
+
+
+def _align_late(sources: list[Source]) -> tuple[list[Source], LateReport | None]:
+    """Calls recorded from an agent's attach (``analyzer.late``), aligned
+    before anything is matched.  Their rings are read here, all of them: the
+    consensus they are aligned to is every other rank's."""
+    if not late.has_late(s.recording for s in sources):
+        return sources, None
+    loaded = []
+    for s in sources:
+        rec, deferred = s.recording, dict(s.deferred)
+        ring = deferred.pop("nccl", None)
+        if ring is not None:
+            try:
+                rows = ring.read()
+            except DumpError:
+                rows = None  # unreadable now: _extract says so
+            if rows is not None:
+                rings = {**rec.rings, "nccl": Ring(rows, ring.overwritten, ring.lost)}
+                rec = dataclasses.replace(rec, rings=rings)
+            else:
+                deferred["nccl"] = ring
+        loaded.append(dataclasses.replace(s, recording=rec, deferred=deferred))
+    recs, report = late.align([s.recording for s in loaded])
+    return [dataclasses.replace(s, recording=r) for s, r in zip(loaded, recs, strict=True)], report
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,8 +477,17 @@ def _row_members(
     return out
 
 
-def _with_world_ranks(procs: list[Proc], world: dict[int, int]) -> list[Proc]:
-    return [dataclasses.replace(proc, world_rank=world.get(i, -1)) for i, proc in enumerate(procs)]
+def _with_world_ranks(
+    procs: list[Proc], world: dict[int, int], uncertain: set[tuple[str, int]]
+) -> list[Proc]:
+    """World ranks (``dumpers.ranks``), unknown for a process aligned to a
+    slot its calls could not tell (``analyzer.late``)."""
+    return [
+        dataclasses.replace(
+            proc, world_rank=-1 if (proc.host, proc.pid) in uncertain else world.get(i, -1)
+        )
+        for i, proc in enumerate(procs)
+    ]
 
 
 def _calls(

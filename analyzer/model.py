@@ -21,6 +21,7 @@ import numpy as np
 from .columns import Columns
 
 if TYPE_CHECKING:
+    from .late import LateReport
     from .positions import HostReadings
 
 
@@ -178,6 +179,8 @@ class Incident:
     # a call that ended completed (Flight Recorder): not only enqueued, as an
     # asynchronous NCCL call returns
     ends_are_completions: bool = False
+    # calls recorded from an agent's attach, and how they were aligned
+    late: LateReport | None = None
 
     def host_index(self, host: str) -> int:
         return self.hosts.index(host)

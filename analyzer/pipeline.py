@@ -42,6 +42,10 @@ Known limits:
   collective any member completed proves every member entered it) and never
   blamed beyond them: when only such ranks could hold a stall up, or nothing
   departs but they cannot be seen, the verdict is ``inconclusive``.
+- Calls an agent recorded from its attach on communicators made before it
+  (seq relative to the attach) are aligned with their peers first
+  (``analyzer.late``); those that cannot be, with certainty, are not judged
+  and the incident is ``inconclusive`` for them.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from stallwatch.dumpers.errors import DumpError
 from stallwatch.dumpers.format import read_dump_deferred
 from stallwatch.dumpers.schema import RING_DTYPES
 
+from . import late
 from .align import Source, incident_from_recordings
 from .detect import DETECTORS, FALLBACK_DETECTORS, Analysis, Detector
 from .detect.causes import in_causal_order
@@ -135,6 +140,7 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
     verdicts = in_causal_order(a, sorted(verdicts, key=Verdict.sort_key))
     if not verdicts:
         verdicts = detect_inconclusive(a) or [_healthy(a)]
+    verdicts = late.amend(inc, verdicts)
     return IncidentResult(inc, tuple(verdicts), fronts, tuple(unjudged(a)))
 
 

@@ -86,7 +86,8 @@ BPF_HASH(p2p_seq, struct p2p_key, u64, MAX_P2P);
  * delete and user space reads in-flight calls through numpy.  A thread claims
  * its slot by compare-and-swap of `tid` (0 = free); a slot held by another
  * thread whose tid collides is counted as a drop.  A call made from inside
- * another (a library calling its own public symbol) only bumps `depth`.
+ * another (a library calling its own public symbol: its stack pointer is
+ * below the outer call's) only bumps `depth`.
  * `entered_ns` is 0 while a slot is free or being filled. */
 struct call_state {
 	u64 tid;         /* 64 bits: BPF's 32-bit compare-and-swap needs -mcpu=v3 */
@@ -107,8 +108,9 @@ struct call_state {
 	u32 op;
 	u32 pid;
 	u32 _pad;
+	u64 sp;          /* the stack pointer at entry: a nested call's is lower */
 };
-_Static_assert(sizeof(struct call_state) == 112, "call_state size");
+_Static_assert(sizeof(struct call_state) == 120, "call_state size");
 BPF_F_TABLE("array", u32, struct call_state, inflight, MAX_INFLIGHT, BPF_F_MMAPABLE);
 
 static __always_inline struct call_state *inflight_slot(u32 tid)
@@ -335,11 +337,15 @@ static __always_inline int nccl_enter(struct pt_regs *ctx, struct call_args *a)
 	if (!slot)
 		return 0;
 	u64 owner = __sync_val_compare_and_swap(&slot->tid, 0, (u64)tid);
-	if (owner == tid) {
+	u64 sp = PT_REGS_SP(ctx);
+	if (owner == tid && sp < slot->sp) {
 		slot->depth += 1; /* nested: one row per API call */
 		return 0;
 	}
-	if (owner != 0) {
+	/* owner == tid with the stack no deeper: the thread is not inside its
+	 * last call any more, whose return was not seen (probes attached while
+	 * it was inside): this call starts afresh. */
+	if (owner != 0 && owner != tid) {
 		count_drop(DROP_INFLIGHT_FULL);
 		return 0;
 	}
@@ -350,6 +356,7 @@ static __always_inline int nccl_enter(struct pt_regs *ctx, struct call_args *a)
 	cs->pid = pid;
 	cs->op = a->op;
 	cs->depth = 0;
+	cs->sp = sp;
 	cs->comm = a->comm;
 	cs->out = a->out;
 	cs->rank = -1;
@@ -570,7 +577,12 @@ static __always_inline void finish_lifecycle(struct call_state *cs, s32 result, 
 	} else if (op == OP_COMM_SPLIT) {
 		u64 newcomm = read_user_ptr(cs->out);
 		cs->comm = newcomm;
-		cs->comm_hash = split_hash(cs->parent_hash, cs->color, cs->split_index);
+		/* A parent made before the agent attached has no known id: the
+		 * child's id is unknown too (hash 0), not derived from 0, which
+		 * would give children of different parents one id. */
+		cs->comm_hash = cs->parent_hash
+					? split_hash(cs->parent_hash, cs->color, cs->split_index)
+					: 0;
 		/* rank and nranks of a split comm are derived by the analyzer. */
 		if (result == 0 && newcomm)
 			add_comm(cs->pid, newcomm, cs->comm_hash, -1, -1, ts);

@@ -19,6 +19,12 @@ so that a newer layout is recognised as such before anything else is read)::
                       "overwritten": u64, "lost": u64}},
      "counters": {str: u64}}
 
+A communicator with ``comm_hash`` 0 is one whose id the agent could not
+know: made before it attached (``init_ns`` 0; its calls' ``seq`` count from
+the first call the agent saw, relative to the attach) or split from such a
+one; its rows carry hash 0 and its pointer, and the analyzer aligns them
+with the calls of its other members.
+
 Each ring is stored as its numpy dtype description plus the raw little-endian
 rows (``rows * itemsize`` bytes), so writing and reading cost one copy and no
 per-row Python.  Ring names must be those of ``dumpers.schema.RING_DTYPES`` and

@@ -11,8 +11,10 @@ Which processes and TCP rows it keeps is its scope (``recorder.scope``).
 ``/metrics`` is rendered by ``recorder.metrics`` from ``Agent.stats()`` and
 the plain counters; peers are asked through ``recorder.peers``.
 
-Known limits: communicators created before the agent started have hash 0
-and their ``seq`` counts from the agent's start; rank and nranks of split
+Known limits: communicators created before the agent attached (and split
+from one) have hash 0 in the tables, rows and dumps (init_ns 0 marks those
+made before the attach) and their ``seq`` counts from the first call the
+agent saw: the analyzer aligns them with their peers; rank and nranks of split
 communicators are left to the analyzer (-1 here); a process that exits
 without glibc's ``_exit`` (a raw exit_group) has no exit code, only its
 signal or its end (SIGKILL: the kernel's kill of its other threads); in
@@ -297,6 +299,7 @@ class Agent:
             return
         if self._scan_everything:
             self._scan_everything = False
+            self.events.mark()
             self._full_scan()
         execs, changed, lost = self.events.pending()
         if lost:

@@ -358,6 +358,11 @@ class KernelDiscovery:
     ring: RingBuffer
     seen: int = -1  # ring positions up to this one were read
 
+    def mark(self) -> None:
+        """From now on: called before a /proc scan, so that a process that
+        starts during the scan is in the scan or in the next events."""
+        self.seen = self.ring.read_head()
+
     def pending(self) -> tuple[set[int], set[int], bool]:
         head = self.ring.read_head()
         if self.seen < 0:

@@ -558,7 +558,9 @@ class Probes:
         if symbol in CUDA_SYMBOLS:
             self._attach_cuda(path, symbol)
             return
-        programs = ((ENTRY_PROGRAMS[symbol], LinkKind.ENTRY), (RETURN_PROGRAM, LinkKind.RETURN))
+        # The return first: a process calling the library while it is being
+        # attached must not have an entry seen and its return missed.
+        programs = ((RETURN_PROGRAM, LinkKind.RETURN), (ENTRY_PROGRAMS[symbol], LinkKind.ENTRY))
         if self._link(path, symbol, 0, programs):
             return
         for program, kind in programs:
@@ -569,10 +571,10 @@ class Probes:
         collective on its stream (the `cuda_on` flag)."""
         self.maps.maps["cuda_on"].update(0, 1)
         returns = ((CUDA_RETURN_PROGRAM, LinkKind.RETURN),) if CUDA_SYMBOLS[symbol] else ()
-        programs = ((CUDA_ENTRY_PROGRAM, LinkKind.ENTRY), *returns)
+        programs = (*returns, (CUDA_ENTRY_PROGRAM, LinkKind.ENTRY))  # the return first
         if self._link(path, symbol, CUDA_COOKIES[symbol], programs):
             return
-        for program, kind in ((CUDA_ENTRY_PROGRAMS[symbol], LinkKind.ENTRY), *returns):
+        for program, kind in (*returns, (CUDA_ENTRY_PROGRAMS[symbol], LinkKind.ENTRY)):
             self._perf_uprobe(path, symbol, program, kind)
 
     def attach_exit(self, libc: str) -> None:

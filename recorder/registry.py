@@ -87,14 +87,15 @@ class CommRegistry:
                 self._comms[key] = dataclasses.replace(info, destroy_ns=when)
 
     def apply_progress(self, progress: Iterable[CommProgress], now_ns: int) -> None:
-        """Communicators the map knows and the ring lost (or never carried)."""
+        """Communicators the map knows and the ring lost (or never carried).
+        One made before the agent attached is kept with hash 0 and init 0:
+        its id is unknown and its calls' seq count from the attach (the
+        analyzer aligns them across ranks)."""
         for p in progress:
-            if not p.comm_hash:
-                continue  # made before the agent started: id unknown
             key = (p.pid, p.comm, p.comm_hash)
             info = self._comms.get(key)
             if info is None:
-                info = CommInfo(p.pid, p.comm, p.comm_hash, p.rank, p.nranks)
+                info = CommInfo(p.pid, p.comm, p.comm_hash, p.rank, p.nranks, init_ns=p.init_ns)
             if p.destroyed and not info.destroy_ns:
                 info = dataclasses.replace(info, destroy_ns=now_ns)
             self._comms[key] = info

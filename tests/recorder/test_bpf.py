@@ -500,3 +500,26 @@ def test_a_communicators_last_return_is_its_last_rows_end(agent: Agent, fake: Fa
     assert progress.calls == 4
     assert progress.last_enter_ns == int(last["ts_ns"])
     assert progress.last_return_ns == int(last["end_ns"]) > progress.last_enter_ns
+
+
+def test_attaching_while_a_process_calls_in_a_loop_misses_no_return(tmp_path: Path) -> None:
+    """Probes attached while a process is inside its calls: the return probe
+    goes first, so no call is seen entering without its return (a thread
+    would otherwise look inside that call forever), and a thread whose last
+    return was not seen starts afresh at its next call."""
+    from bench.fakenccl import build_private
+
+    fake = build_private(tmp_path)
+    late = Agent(AgentConfig(dump_dir=tmp_path, host_name="late"), BccSource(1 << 16, 1_000_000))
+    with spawn([str(fake.loop), "pace", "3", "1000000"], stdout=subprocess.PIPE) as loop:
+        try:
+            time.sleep(0.5)
+            late.attach_library(str(fake.lib), required=True)  # while it calls
+            loop.communicate(timeout=60)
+            assert [c for c in late.source.inflight_calls() if c.pid == loop.pid] == []
+            rows = rows_of(late.snapshot(), "nccl", loop.pid)
+        finally:
+            late.close()
+    assert len(rows) > 1000  # not one stale call and nothing after it
+    assert (rows["state"] == State.STARTED).all()
+    assert (np.diff(rows["seq"].astype(np.int64)) == 1).all()  # the ring kept the newest

@@ -1,0 +1,512 @@
+"""Stage "late": calls recorded from an agent's attach, aligned with their peers.
+
+An agent that attaches while a job runs (a first rollout, a node whose agent
+was down) never saw the communicators made before it: their calls carry the
+communicator's pointer but no id (hash 0, ``dumpers.format``), and their seq
+counts from the first call the agent saw.  Before anything is matched, this
+stage puts each such *stream* (one process, one communicator pointer) into a
+communicator the other dumps know, at the seq where it belongs:
+
+- candidates: communicators with members no input holds (a slot the
+  stream can fill), or, failing that, the other unknown streams;
+- the offset: for each of the stream's first calls, the candidate's calls
+  whose wall-clock entry (each host's clock, converted with its dump's
+  sampled clock) is near it propose offsets; an offset holds when every call
+  the two share has the same op, count, datatype, reduce op and root, at
+  least ``MIN_OVERLAP`` of them; its skew is the median gap between the
+  shared calls' entries;
+- certain: the best offset's skew is under ``MAX_SKEW_NS`` and every other
+  candidate (another offset, another communicator) is ``SEPARATION`` times
+  further off (and by ``SEPARATION_FLOOR_NS``): a periodic job whose calls
+  are closer together than clocks can tell apart is not aligned, and so is
+  never judged on a guess;
+- the stream's rank in the communicator: the rank its rows carry if the
+  agent learned it, else the only slot left, else the only slot its
+  point-to-point peers leave (a rank does not send to itself); failing all
+  three, the process takes a free slot but its rank is reported unknown.
+
+A stream no alignment is certain for is left out of the matching and
+reported: the incident's verdicts then include ``inconclusive`` (never a
+silent healthy).  Every verdict on a communicator a stream was aligned to
+says so in its evidence.
+
+Known limits: point-to-point calls of an aligned stream are left out (their
+seq is per peer: not aligned); streams are aligned to communicators the
+other dumps know, not with each other (two late ranks alone in a
+communicator stay unaligned); a communicator split from one made before the
+attach has no known id either and is aligned the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+from stallwatch.dumpers.model import CommInfo, Recording, Ring
+from stallwatch.dumpers.schema import NCCL_EVENT, Op
+
+from .model import Incident
+from .verdict import Verdict, VerdictKind
+
+MIN_OVERLAP = 3
+MAX_SKEW_NS = 1_000_000_000
+SEPARATION = 4.0
+SEPARATION_FLOOR_NS = 5_000_000
+SEARCH_NS = 2_000_000_000  # candidate calls this near a stream's call propose offsets
+ANCHORS = 16  # of a stream's first calls
+
+COLLECTIVE = np.zeros(256, dtype=bool)
+COLLECTIVE[[int(op) for op in Op if op.is_collective]] = True
+SIGNATURE = ("op", "count", "datatype", "redop", "peer")
+
+
+@dataclass(frozen=True, slots=True)
+class Alignment:
+    host: str
+    pid: int
+    comm_ptr: int
+    comm_hash: int
+    rank: int  # the slot it takes in the communicator
+    offset: int  # recorded seq + offset = the communicator's seq
+    shared: int  # calls both had
+    skew_ns: int
+    runner_up_ns: int | None  # the next candidate's skew, None if there was none
+    rank_from: str  # how its rank is known; "": it is not (the slot is a placeholder)
+
+    def text(self) -> str:
+        rank = f"comm rank {self.rank} ({self.rank_from})" if self.rank_from else "rank unknown"
+        other = (
+            f"the next candidate was {self.runner_up_ns / 1e6:.1f} ms off"
+            if self.runner_up_ns is not None
+            else "no other candidate"
+        )
+        return (
+            f"host {self.host} pid {self.pid}: its calls on {self.comm_hash:#018x} were "
+            f"recorded from its agent's attach (seq relative); aligned by op, sizes and "
+            f"timing: its seq + {self.offset} ({self.shared} calls shared, entries "
+            f"{self.skew_ns / 1e6:.1f} ms apart, {other}); {rank}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Unaligned:
+    host: str
+    pid: int
+    comm_ptr: int
+    calls: int
+    why: str
+
+    def text(self) -> str:
+        return (
+            f"host {self.host} pid {self.pid}: {self.calls} calls on communicator pointer "
+            f"{self.comm_ptr:#x}, recorded from its agent's attach, not aligned: {self.why}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LateReport:
+    aligned: tuple[Alignment, ...]
+    unaligned: tuple[Unaligned, ...]
+
+    def uncertain(self) -> set[tuple[str, int]]:
+        """(host, pid) whose rank could not be told."""
+        return {(a.host, a.pid) for a in self.aligned if not a.rank_from}
+
+    def on(self, comm_hash: int) -> list[Alignment]:
+        return [a for a in self.aligned if a.comm_hash == comm_hash]
+
+
+# ---- what the inputs hold ---------------------------------------------------
+
+
+@dataclass
+class _Stream:
+    source: int
+    host: str
+    pid: int
+    ptr: int
+    rows: np.ndarray  # its collective rows, by seq
+    wall: np.ndarray  # their entries, wall clock ns
+    peers: set[int]  # point-to-point peers it named
+    rank: int  # learned by the agent, -1 if not
+
+
+@dataclass
+class _Known:
+    comm_hash: int
+    nranks: int  # -1 for a split communicator (its size is not recorded)
+    split: bool
+    evident: int  # the size its members' roots and peers prove (highest + 1)
+    members: dict[tuple[int, int], CommInfo]  # (source, pid) -> its info
+    seqs: np.ndarray  # sorted, unique
+    sig: np.ndarray  # the signature of each seq (first member's)
+    wall: np.ndarray  # the median wall-clock entry of each seq
+
+
+def _wall(rec: Recording, ts: np.ndarray) -> np.ndarray:
+    return ts.astype(np.int64) - rec.clock.monotonic_ns + rec.clock.realtime_ns
+
+
+SIG_DTYPE = np.dtype([(f, NCCL_EVENT[f]) for f in SIGNATURE])  # packed
+
+
+def _sig(rows: np.ndarray) -> np.ndarray:
+    """Each call's signature as one comparable value."""
+    out = np.empty(len(rows), dtype=SIG_DTYPE)
+    for f in SIGNATURE:
+        out[f] = rows[f]
+    return out.view(f"V{SIG_DTYPE.itemsize}")
+
+
+def _nccl(rec: Recording) -> np.ndarray:
+    ring = rec.rings.get("nccl")
+    return ring.rows if ring is not None else np.zeros(0, NCCL_EVENT)
+
+
+def has_late(recordings: Iterable[Recording]) -> bool:
+    """Whether any recording holds a communicator whose id its agent could not know."""
+    return any(not c.comm_hash for rec in recordings for c in rec.communicators)
+
+
+def _late_streams(recs: list[Recording]) -> list[_Stream]:
+    out = []
+    for i, rec in enumerate(recs):
+        rows = _nccl(rec)
+        rows = rows[rows["comm_hash"] == 0]
+        rows = rows[rows["comm"] != 0]
+        if not len(rows):
+            continue
+        keys = np.unique(rows[["pid", "comm"]])
+        for pid, ptr in keys.tolist():
+            mine = rows[(rows["pid"] == pid) & (rows["comm"] == ptr)]
+            p2p = mine[np.isin(mine["op"], [Op.SEND, Op.RECV])]
+            coll = mine[COLLECTIVE[mine["op"]]]
+            coll = coll[np.argsort(coll["seq"], kind="stable")]
+            ranks = coll["rank"][coll["rank"] >= 0]
+            out.append(
+                _Stream(
+                    i,
+                    rec.host,
+                    int(pid),
+                    int(ptr),
+                    coll,
+                    _wall(rec, coll["ts_ns"]),
+                    {int(p) for p in p2p["peer"].tolist()},
+                    int(ranks[0]) if len(ranks) else -1,
+                )
+            )
+    return out
+
+
+def _known_comms(recs: list[Recording]) -> dict[int, _Known]:
+    infos: dict[int, dict[tuple[int, int], CommInfo]] = defaultdict(dict)
+    for i, rec in enumerate(recs):
+        for ci in rec.communicators:
+            if ci.comm_hash:
+                infos[ci.comm_hash][(i, ci.pid)] = ci
+    out = {}
+    for h, members in infos.items():
+        seqs, sigs, walls = [], [], []
+        evident = 0
+        for (i, pid), _ in members.items():
+            rows = _nccl(recs[i])
+            rows = rows[(rows["comm_hash"] == np.uint64(h)) & (rows["pid"] == pid)]
+            if len(rows):
+                evident = max(evident, int(rows["peer"].max()) + 1)
+            rows = rows[COLLECTIVE[rows["op"]]]
+            seqs.append(rows["seq"].astype(np.int64))
+            sigs.append(_sig(rows))
+            walls.append(_wall(recs[i], rows["ts_ns"]))
+        if not seqs or not sum(len(s) for s in seqs):
+            continue
+        seq, sig, wall = np.concatenate(seqs), np.concatenate(sigs), np.concatenate(walls)
+        order = np.lexsort((wall, seq))
+        seq, sig, wall = seq[order], sig[order], wall[order]
+        uniq, first = np.unique(seq, return_index=True)
+        med = np.array([np.median(w) for w in np.split(wall, first[1:])], dtype=np.int64)
+        nranks = max(ci.nranks for ci in members.values())
+        split = any(ci.parent_hash for ci in members.values()) or nranks < 0
+        out[h] = _Known(h, nranks, split, evident, dict(members), uniq, sig[first], med)
+    return out
+
+
+# ---- offsets ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Fit:
+    comm_hash: int
+    offset: int
+    shared: int
+    skew_ns: int
+
+
+def _fits(s: _Stream, k: _Known) -> list[_Fit]:
+    """Every offset at which the stream's calls are the candidate's."""
+    if not len(s.rows) or not len(k.seqs):
+        return []
+    order = np.argsort(k.wall, kind="stable")
+    kwall, kseq = k.wall[order], k.seqs[order]
+    proposed: set[int] = set()
+    for seq, wall in zip(s.rows["seq"][:ANCHORS].tolist(), s.wall[:ANCHORS].tolist(), strict=True):
+        lo, hi = np.searchsorted(kwall, [wall - SEARCH_NS, wall + SEARCH_NS])
+        proposed.update(int(x) - int(seq) for x in kseq[lo:hi].tolist())
+    sseq = s.rows["seq"].astype(np.int64)
+    ssig = _sig(s.rows)
+    out = []
+    for offset in sorted(proposed):
+        at = np.searchsorted(k.seqs, sseq + offset)
+        ok = at < len(k.seqs)
+        ok[ok] = k.seqs[at[ok]] == sseq[ok] + offset
+        shared = int(ok.sum())
+        if shared < MIN_OVERLAP or not (k.sig[at[ok]] == ssig[ok]).all():
+            continue
+        skew = int(np.median(np.abs(s.wall[ok] - k.wall[at[ok]])))
+        out.append(_Fit(k.comm_hash, offset, shared, skew))
+    return out
+
+
+def _choose(fits: list[_Fit]) -> tuple[_Fit | None, int | None, str]:
+    """The certain fit, the runner-up's skew, or why none is certain."""
+    if not fits:
+        return None, None, "no communicator with a free slot has calls of the same op and size"
+    fits = sorted(fits, key=lambda f: f.skew_ns)
+    best, runner = fits[0], (fits[1].skew_ns if len(fits) > 1 else None)
+    if best.skew_ns > MAX_SKEW_NS:
+        return None, runner, f"the closest fit is {best.skew_ns / 1e6:.0f} ms off"
+    if runner is not None and runner < max(
+        SEPARATION * best.skew_ns, best.skew_ns + SEPARATION_FLOOR_NS
+    ):
+        return (
+            None,
+            runner,
+            (
+                f"two fits are as close ({best.skew_ns / 1e6:.1f} and {runner / 1e6:.1f} ms): "
+                "calls closer together than the clocks can tell apart"
+            ),
+        )
+    return best, runner, ""
+
+
+# ---- ranks --------------------------------------------------------------------------
+
+
+def _free_slots(k: _Known, size: int) -> set[int]:
+    taken = {ci.rank for ci in k.members.values() if ci.rank >= 0}
+    return set(range(size)) - taken
+
+
+def _rank_of(s: _Stream, free: set[int], guessed: bool) -> tuple[int, str]:
+    """Its slot, and how it is known ("" when it is not: it takes the lowest
+    free slot so that its calls are matched, but no rank is claimed).
+    ``guessed``: a slot was given on no evidence already, so what is left
+    proves nothing."""
+    if s.rank >= 0 and s.rank in free:
+        return s.rank, "its agent learned it"
+    if len(free) == 1 and not guessed:
+        return min(free), "the only slot no other member holds"
+    left = free - s.peers
+    if s.peers and len(left) == 1:
+        return next(iter(left)), "the only free slot it did not send to or receive from"
+    return min(free) if free else -1, ""
+
+
+# ---- the stage ---------------------------------------------------------------------
+
+
+def align(recs: list[Recording]) -> tuple[list[Recording], LateReport | None]:
+    """The recordings with every stream that could be aligned moved into
+    its communicator (rows and tables), and what was done."""
+    if not has_late(recs):
+        return recs, None
+    streams = _late_streams(recs)
+    known = _known_comms(recs)
+    aligned: list[tuple[_Stream, _Fit, int | None]] = []
+    unaligned: list[Unaligned] = []
+    for s in streams:
+        fits = [f for k in known.values() if _has_room(k) for f in _fits(s, k)]
+        best, runner, why = _choose(fits)
+        if best is None:
+            unaligned.append(Unaligned(s.host, s.pid, s.ptr, len(s.rows), why))
+        else:
+            aligned.append((s, best, runner))
+    alignments = _assign_ranks(aligned, known)
+    return _rewrite(recs, alignments, known), LateReport(
+        tuple(a for _, a in alignments), tuple(unaligned)
+    )
+
+
+def _has_room(k: _Known) -> bool:
+    """Members no input holds: by the recorded size, or, for a split
+    communicator (its size is not recorded), by the ranks its members named
+    as roots and peers."""
+    return len(k.members) < (k.evident if k.split else k.nranks)
+
+
+def _size(k: _Known, joining: int) -> int:
+    return max(k.evident, len(k.members) + joining) if k.split else k.nranks
+
+
+def _assign_ranks(
+    aligned: list[tuple[_Stream, _Fit, int | None]], known: dict[int, _Known]
+) -> list[tuple[_Stream, Alignment]]:
+    by_comm: dict[int, list[tuple[_Stream, _Fit, int | None]]] = defaultdict(list)
+    for item in aligned:
+        by_comm[item[1].comm_hash].append(item)
+    out = []
+    for h, items in by_comm.items():
+        k = known[h]
+        size = _size(k, len(items))
+        free = _free_slots(k, size) if not k.split else set(range(size))
+        # those whose rank is learned or forced first: the others choose among what is left
+        ordered = sorted(items, key=lambda x: (x[0].rank < 0, not x[0].peers, x[0].host, x[0].pid))
+        guessed = False
+        for s, fit, runner in ordered:
+            rank, how = _rank_of(s, free, guessed)
+            guessed = guessed or not how
+            free.discard(rank)
+            out.append(
+                (
+                    s,
+                    Alignment(
+                        s.host,
+                        s.pid,
+                        s.ptr,
+                        h,
+                        rank,
+                        fit.offset,
+                        fit.shared,
+                        fit.skew_ns,
+                        runner,
+                        how,
+                    ),
+                )
+            )
+    return out
+
+
+def _rewrite(
+    recs: list[Recording], alignments: list[tuple[_Stream, Alignment]], known: dict[int, _Known]
+) -> list[Recording]:
+    recs = list(recs)
+    per_source: dict[int, list[tuple[_Stream, Alignment]]] = defaultdict(list)
+    for s, a in alignments:
+        per_source[s.source].append((s, a))
+    ranks = _ranks_with_late(alignments, known)
+    for i, items in per_source.items():
+        rec = recs[i]
+        rows = _nccl(rec).copy()
+        comms = [c for c in rec.communicators if c.comm_hash]
+        for s, a in items:
+            k = known[a.comm_hash]
+            rank = ranks.get((a.comm_hash, i, s.pid), -1)
+            size = ranks.get((a.comm_hash, -1, -1), k.nranks)
+            mine = (rows["pid"] == s.pid) & (rows["comm"] == s.ptr) & (rows["comm_hash"] == 0)
+            coll = mine & COLLECTIVE[rows["op"]]
+            rows["seq"][coll] += np.uint64(a.offset)
+            rows["comm_hash"][coll] = a.comm_hash
+            rows["rank"][coll], rows["nranks"][coll] = rank, size
+            comms.append(CommInfo(s.pid, s.ptr, a.comm_hash, rank, size))
+        ring = rec.rings["nccl"]
+        rings = {**rec.rings, "nccl": Ring(rows, ring.overwritten, ring.lost)}
+        recs[i] = dataclasses.replace(rec, rings=rings, communicators=tuple(comms))
+    return _ranks_of_known(recs, ranks)
+
+
+def _ranks_with_late(
+    alignments: list[tuple[_Stream, Alignment]], known: dict[int, _Known]
+) -> dict[tuple[int, int, int], int]:
+    """(comm, source, pid) -> rank for every member of a communicator a
+    stream joined; (comm, -1, -1) -> its size.  A split communicator's known
+    members keep their order (key, rank in the parent) in the slots left."""
+    out: dict[tuple[int, int, int], int] = {}
+    joined: dict[int, list[tuple[_Stream, Alignment]]] = defaultdict(list)
+    for s, a in alignments:
+        joined[a.comm_hash].append((s, a))
+    for h, items in joined.items():
+        k = known[h]
+        size = _size(k, len(items))
+        out[(h, -1, -1)] = size
+        taken = set()
+        for s, a in items:
+            out[(h, s.source, s.pid)] = a.rank
+            taken.add(a.rank)
+        if k.split:
+            free = iter(sorted(set(range(size)) - taken))
+            order = sorted(k.members.items(), key=lambda m: (m[1].key, m[0]))
+            for (i, pid), _ in order:
+                out[(h, i, pid)] = next(free, -1)
+    return out
+
+
+def _ranks_of_known(
+    recs: list[Recording], ranks: dict[tuple[int, int, int], int]
+) -> list[Recording]:
+    """Split communicators a stream joined: their known members get explicit
+    ranks too (one order for all the communicator's members)."""
+    out = []
+    for i, rec in enumerate(recs):
+        comms = []
+        for c in rec.communicators:
+            r = ranks.get((c.comm_hash, i, c.pid))
+            if r is not None and c.rank < 0:
+                c = dataclasses.replace(c, rank=r, nranks=ranks[(c.comm_hash, -1, -1)])
+            comms.append(c)
+        out.append(dataclasses.replace(rec, communicators=tuple(comms)))
+    return out
+
+
+# ---- verdicts -----------------------------------------------------------------------
+
+EVIDENCE_LINES = 4  # alignments named per verdict (then how many more)
+
+
+def amend(inc: Incident, verdicts: list[Verdict]) -> list[Verdict]:
+    """Verdicts on a communicator a stream was aligned to say so; streams
+    that could not be aligned make the incident ``inconclusive`` for them
+    (and never healthy).  The order is kept (causes before consequences)."""
+    report = inc.late
+    if report is None:
+        return verdicts
+    out = [_with_alignments(v, report) for v in verdicts]
+    if report.unaligned:
+        out = [v for v in out if v.kind is not VerdictKind.HEALTHY]
+        out.append(_inconclusive(inc, report.unaligned))
+    return out
+
+
+def _with_alignments(v: Verdict, report: LateReport) -> Verdict:
+    if v.kind is VerdictKind.HEALTHY:
+        lines = [a.text() for a in report.aligned]
+    elif v.comm_id_hash is not None:
+        lines = [a.text() for a in report.on(int(v.comm_id_hash, 16))]
+    else:
+        lines = []
+    if not lines:
+        return v
+    more = len(lines) - EVIDENCE_LINES
+    shown = lines[:EVIDENCE_LINES] + ([f"and {more} more aligned the same way"] if more > 0 else [])
+    return dataclasses.replace(v, evidence=(*v.evidence, *shown))
+
+
+def _inconclusive(inc: Incident, unaligned: tuple[Unaligned, ...]) -> Verdict:
+    world = {(p.host, p.pid): p.world_rank for p in inc.procs}
+    hosts = tuple(sorted({u.host for u in unaligned}))
+    pids = tuple(sorted({u.pid for u in unaligned}))
+    ranks = tuple(sorted({world.get((u.host, u.pid), -1) for u in unaligned}))
+    streams = len(unaligned)
+    return Verdict(
+        VerdictKind.INCONCLUSIVE,
+        ranks,
+        hosts,
+        pids,
+        None,
+        None,
+        None,
+        f"{streams} communicator stream(s) of {len(pids)} process(es), recorded from their "
+        "agent's attach, could not be aligned with the other members' calls: not judged",
+        tuple(u.text() for u in unaligned),
+    )

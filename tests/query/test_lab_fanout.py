@@ -83,7 +83,9 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         close_connections()
         problems = the_lab.teardown()
         # agents detach their uprobes slowly on a busy machine: reap them
-        for proc in [*the_lab.agents.values(), *the_lab.ranks.values()]:
+        for sup in the_lab.agents.values():
+            sup.wait_stopped(120)
+        for proc in the_lab.ranks.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=120)
     # Detaching uprobes takes an agent seconds; on a loaded machine more than

@@ -521,5 +521,5 @@ def test_attaching_while_a_process_calls_in_a_loop_misses_no_return(tmp_path: Pa
         finally:
             late.close()
     assert len(rows) > 1000  # not one stale call and nothing after it
-    assert (rows["state"] == State.STARTED).all()
+    assert (rows["state"] == State.ENQUEUED).all()
     assert (np.diff(rows["seq"].astype(np.int64)) == 1).all()  # the ring kept the newest

@@ -309,10 +309,17 @@ def _churn(stop: threading.Event, rate: float) -> int:
     return conns
 
 
-def _start_record(fake: FakeNccl, dump_dir: str) -> subprocess.Popen[bytes]:
+def _pin_dir(tag: str) -> Path:
+    """A pin folder of this benchmark process's own (removed when it ends)."""
+    from stallwatch.recorder.pinning import PIN_ROOT
+
+    return PIN_ROOT / f"bench-{os.getpid()}-{tag}"
+
+
+def _start_record(fake: FakeNccl, dump_dir: str, pin_dir: Path) -> subprocess.Popen[bytes]:
     """``stallwatch record`` logging to a file (a pipe nobody reads would fill)."""
     argv = [sys.executable, "-m", "stallwatch", "record", "--lib", str(fake.lib)]
-    argv += ["--dump-dir", dump_dir, "--listen", "127.0.0.1:0"]
+    argv += ["--dump-dir", dump_dir, "--listen", "127.0.0.1:0", "--pin-dir", str(pin_dir)]
     log = Path(dump_dir) / "agent.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stderr=out)
@@ -327,10 +334,12 @@ def _start_record(fake: FakeNccl, dump_dir: str) -> subprocess.Popen[bytes]:
 
 def agent_cpu(fake: FakeNccl, quick: bool) -> list[Figure]:
     import psutil
+    from stallwatch.recorder.pinning import remove
 
     seconds = 2.0 if quick else 10.0
+    pin_dir = _pin_dir("cpu")
     with tempfile.TemporaryDirectory() as tmp:
-        proc = _start_record(fake, tmp)
+        proc = _start_record(fake, tmp, pin_dir)
         try:
             agent = psutil.Process(proc.pid)
             time.sleep(1.0)  # past start-up
@@ -348,6 +357,7 @@ def agent_cpu(fake: FakeNccl, quick: bool) -> list[Figure]:
         finally:
             proc.terminate()
             proc.wait(120)
+            remove(pin_dir)
     used = (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / wall
     anchor = (
         f"{COLLECTIVES_PER_S:,} calls/s + {conns[0] * 8 / wall:,.0f} tcp events/s for {wall:.1f} s"
@@ -443,10 +453,10 @@ def _scan_share(seconds: float) -> float:
 
 
 def idle_cost(quick: bool) -> list[Figure]:
-    from stallwatch.recorder.pinning import PIN_ROOT, remove
+    from stallwatch.recorder.pinning import remove
 
     seconds = 4.0 if quick else 20.0
-    pin_dir = PIN_ROOT / f"bench-{os.getpid()}"
+    pin_dir = _pin_dir("idle")
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         proc = _start_idle_agent(tmp, pin_dir)

@@ -51,6 +51,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     left = pins.leftovers()
     for path in left:  # a test that pins must unpin: fail the run, then clean
         pins.remove(path)
+    pins.tidy_root()
     if left:
         _left_pins.extend(str(p) for p in left)
         session.exitstatus = 1

@@ -7,7 +7,8 @@
  *                                           thread's CPU time (the probes run in
  *                                           its context; time it spends preempted
  *                                           by other work does not count)
- *   ncclloop pace SECONDS RATE              RATE AllReduce calls per second
+ *   ncclloop pace SECONDS RATE              RATE AllReduce calls per second, until
+ *                                           SECONDS pass or SIGTERM; prints the count
  *   ncclloop wrap N                         init a communicator, N AllReduce on it
  *   ncclloop events N CUDART                N times what PyTorch does per collective,
  *                                           on the CUDA runtime CUDART: record a start
@@ -25,6 +26,7 @@
 #include <string.h>
 #include <time.h>
 #include <dlfcn.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include "labnccl.h"
@@ -131,6 +133,14 @@ static int loop(long n, const char *what)
 	return 0;
 }
 
+static volatile sig_atomic_t stopped;
+
+static void stop(int sig)
+{
+	(void)sig;
+	stopped = 1;
+}
+
 static int pace(double seconds, long rate)
 {
 	char buf[8];
@@ -138,7 +148,8 @@ static int pace(double seconds, long rate)
 	uint64_t t0 = now_ns(), period = 1000000000ULL / (uint64_t)rate;
 	uint64_t end = t0 + (uint64_t)(seconds * 1e9), next = t0;
 	long calls = 0;
-	while (next < end) {
+	signal(SIGTERM, stop);
+	while (next < end && !stopped) {
 		ncclAllReduce(buf, buf, 8, 7, 0, comm, STREAM);
 		calls++;
 		next += period;

@@ -138,16 +138,17 @@ def pace_rows(rec: Recording, pid: int) -> np.ndarray:
 def test_killed_agent_loses_nothing_and_the_next_one_records_on(
     fake: FakeNccl, pin_dir: Path, tmp_path: Path
 ) -> None:
-    """A C loop calls ncclAllReduce 300 times a second for 14 s.  The first
+    """A C loop calls ncclAllReduce 300 times a second.  The first
     agent is SIGKILLed 3 s in; the kernel records alone; `dump --pinned`
     reads what it recorded; a second agent adopts the pins: its dump holds
-    every call once, in order, from before, during and after the absence."""
+    every call once, in order, from before, during and after the absence
+    (the loop stops a second after the adoption, however long that took)."""
     first = start_agent(fake, pin_dir, tmp_path)
-    second = None
+    second = loop = None
     try:
         first.wait_for("listening on")
         loop = subprocess.Popen(
-            [str(fake.loop), "pace", "14", "300"], stdout=subprocess.PIPE, text=True
+            [str(fake.loop), "pace", "600", "300"], stdout=subprocess.PIPE, text=True
         )
         time.sleep(3)
         first.proc.kill()
@@ -168,6 +169,8 @@ def test_killed_agent_loses_nothing_and_the_next_one_records_on(
         second.wait_for("listening on")
         assert "adopted the pinned recording" in second.text()
         adopted = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        time.sleep(1)
+        loop.terminate()
         out, _ = loop.communicate(timeout=60)
         calls = int(out.split()[-1])
         rec = second.dump("after the restart")
@@ -179,6 +182,9 @@ def test_killed_agent_loses_nothing_and_the_next_one_records_on(
         assert (ts < killed).sum() > 300 and ((ts > killed) & (ts < adopted)).sum() > 300
         assert (ts > adopted).sum() > 30
     finally:
+        if loop is not None and loop.poll() is None:
+            loop.kill()
+            loop.wait()
         for agent in (first, second):
             if agent is not None:
                 stop(agent)

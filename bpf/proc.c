@@ -7,7 +7,12 @@
  * of scanning /proc: a program image replaced (sched_process_exec) and the
  * dynamic loader's _dl_debug_state(), which it calls whenever its list of
  * loaded objects changed (at start-up, dlopen, dlclose; debuggers break
- * there for the same reason).  One row each in `disc_ring`.
+ * there for the same reason).  There the program reads the loader's list
+ * (user memory: glibc's struct r_debug and struct link_map, a public ABI
+ * <link.h> that debuggers read) and writes a row only when an object just
+ * added is named libnccl.so* or libcudart.so.* (discovery.GPU_LIBS in user
+ * space): the other processes of the machine cost the agent nothing.
+ * One row each in `disc_ring`.
  */
 #include "common.h"
 
@@ -26,6 +31,12 @@
 
 BPF_F_TABLE("array", u32, struct exit_event, exit_ring, EXIT_RING_SLOTS, BPF_F_MMAPABLE);
 BPF_F_TABLE("array", u32, struct disc_event, disc_ring, DISC_RING_SLOTS, BPF_F_MMAPABLE);
+
+/* tgid -> the last object of its list looked at: each dlopen reads the names
+ * of the objects it added only (a Python import dlopens hundreds, one at a
+ * time).  Forgotten at exec, exit, and before a dlclose (the object may be
+ * the one removed: the list is read again from its head). */
+BPF_TABLE("lru_hash", u32, u64, disc_tail, MAX_TRACKED);
 
 /* tgid -> 1: tracked processes whose end has begun (libc _exit, or a fatal
  * signal delivered with its default action).  The kernel then kills the other
@@ -135,7 +146,10 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 	struct call_state *slot = inflight_slot((u32)id);
 	if (slot && slot->tid == (u32)id)
 		release_slot(slot);
-	if (args->group_dead && is_tracked(tgid)) {
+	if (!args->group_dead)
+		return 0;
+	disc_tail.delete(&tgid); /* its pid may be another process's next */
+	if (is_tracked(tgid)) {
 		emit_exit(tgid, (u32)id, -1, 0, EXIT_PROCESS);
 		exiting.delete(&tgid);
 	}
@@ -159,36 +173,157 @@ static __always_inline int disc_too_soon(u32 tgid, u64 now)
 	return 0;
 }
 
-static __always_inline void emit_discovery(u32 event)
+/* 1 when a row was written. */
+static __always_inline int emit_discovery(u32 event)
 {
 	u64 id = bpf_get_current_pid_tgid();
 	u32 tgid = id >> 32;
 	if (is_excluded(tgid))
-		return;
+		return 0;
 	u64 now = bpf_ktime_get_ns();
 	if (event == DISC_LINKMAP && (is_tracked(tgid) || disc_too_soon(tgid, now)))
-		return; /* a rank already recorded: its libraries are attached */
+		return 0; /* a rank already recorded: its libraries are attached */
 	u64 pos = claim_position(RING_DISC);
 	u32 slot = slot_of(pos, DISC_RING_SLOTS);
 	struct disc_event *e = pos ? disc_ring.lookup(&slot) : NULL;
 	if (!e)
-		return; /* the agent notices a lost row by the head and scans /proc */
+		return 0; /* the agent notices a lost row by the head and scans /proc */
 	fill_header(&e->hdr, EVENT_DISC, sizeof(*e), tgid, (u32)id, now);
 	e->event = event;
 	e->_pad1 = 0;
 	publish(&e->hdr, pos);
+	return 1;
 }
 
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
+	u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	disc_tail.delete(&tgid); /* a new image: a new list of objects */
 	emit_discovery(DISC_EXEC);
 	return 0;
 }
 
+/* <link.h>: the loader's struct r_debug (glibc's _r_debug) and the head of
+ * each struct link_map; both stable since glibc 2.0. */
+struct r_debug_head {
+	s32 r_version;
+	u64 r_map;   /* struct link_map *: the first loaded object */
+	u64 r_brk;   /* _dl_debug_state itself */
+	s32 r_state; /* RT_* below */
+};
+struct link_map_head {
+	u64 l_addr;
+	u64 l_name; /* char *: the path the object was loaded from */
+	u64 l_ld;
+	u64 l_next;
+};
+#define RT_CONSISTENT 0 /* the list is complete: the objects are mapped */
+#define RT_ADD 1        /* objects are about to be added */
+#define RT_DELETE 2     /* objects are about to be removed */
+
+#define DISC_NAME_MAX 256 /* a power of two: indexes are masked with it */
+#define DISC_WALK 32      /* new objects read per call; more: a row, the agent reads the maps */
+struct disc_name {
+	char s[DISC_NAME_MAX];
+	u64 base; /* where the file name starts */
+};
+BPF_PERCPU_ARRAY(disc_name_buf, struct disc_name, 1);
+
+/* The file name part starts with libnccl.so or libcudart.so. */
+static __always_inline int gpu_library_at(const char *s, u32 base)
+{
+	char c[13];
+#pragma unroll
+	for (int k = 0; k < 13; k++)
+		c[k] = s[(base + k) & (DISC_NAME_MAX - 1)];
+	if (c[0] != 'l' || c[1] != 'i' || c[2] != 'b')
+		return 0;
+	if (c[3] == 'n' && c[4] == 'c' && c[5] == 'c' && c[6] == 'l' && c[7] == '.' &&
+	    c[8] == 's' && c[9] == 'o')
+		return 1;
+	return c[3] == 'c' && c[4] == 'u' && c[5] == 'd' && c[6] == 'a' && c[7] == 'r' &&
+	       c[8] == 't' && c[9] == '.' && c[10] == 's' && c[11] == 'o' && c[12] == '.';
+}
+
+/* 1 when an object's path names a GPU library, or cannot be read whole
+ * (the agent then reads the maps: no library is missed for a long path). */
+static __always_inline int gpu_library(u64 name_ptr)
+{
+	u32 zero = 0;
+	struct disc_name *buf = disc_name_buf.lookup(&zero);
+	if (!buf)
+		return 1;
+	long len = bpf_probe_read_user_str(buf->s, DISC_NAME_MAX, (void *)name_ptr);
+	if (len <= 1)
+		return 0; /* the main program (""), or nothing there */
+	if (len >= DISC_NAME_MAX)
+		return 1;
+	/* The file name's start goes through memory (volatile): the verifier
+	 * then sees one state after the loop, not one per place it stopped. */
+	volatile u64 *base = &buf->base;
+	*base = 0;
+	for (int k = 2; k < DISC_NAME_MAX; k++) {
+		int i = (int)len - k; /* len counts the NUL: the last character is len - 2 */
+		if (i < 0)
+			break;
+		if (buf->s[i & (DISC_NAME_MAX - 1)] == '/') {
+			*base = i + 1;
+			break;
+		}
+	}
+	return gpu_library_at(buf->s, *base);
+}
+
+/* Whether the objects added since the last look include a GPU library; the
+ * list's new tail is remembered.  1 also when the list cannot be read or is
+ * longer than DISC_WALK past the last look. */
+static __always_inline int added_gpu_library(u32 tgid, struct r_debug_head *rd)
+{
+	struct link_map_head lm = {};
+	u64 *tail = disc_tail.lookup(&tgid);
+	u64 at = rd->r_map, last = 0;
+	if (tail && *tail) {
+		if (bpf_probe_read_user(&lm, sizeof(lm), (void *)*tail))
+			return 1;
+		last = *tail;
+		at = lm.l_next;
+	}
+	for (int k = 0; k < DISC_WALK && at; k++) {
+		if (bpf_probe_read_user(&lm, sizeof(lm), (void *)at))
+			return 1;
+		if (gpu_library(lm.l_name)) {
+			disc_tail.update(&tgid, &at); /* its next dlopen does not find it again */
+			return 1;
+		}
+		last = at;
+		at = lm.l_next;
+	}
+	if (last)
+		disc_tail.update(&tgid, &last);
+	return at != 0;
+}
+
 /* uprobe_multi on ld.so's _dl_debug_state (user space attaches it to each
- * dynamic loader it finds). */
+ * dynamic loader it finds).  The attach cookie is the distance from
+ * _dl_debug_state to the loader's _r_debug in its ELF file; 0 where it is
+ * not known (or on the perf-event fallback): then every call of a process
+ * not recorded yet writes a row, as many as DISC_PERIOD_NS lets through. */
 int handle_dl_state(struct pt_regs *ctx)
 {
+	u64 distance = bpf_get_attach_cookie(ctx);
+	if (distance) {
+		u32 tgid = bpf_get_current_pid_tgid() >> 32;
+		if (is_excluded(tgid) || is_tracked(tgid))
+			return 0;
+		struct r_debug_head rd = {};
+		u64 at = bpf_get_func_ip(ctx) + distance;
+		if (!bpf_probe_read_user(&rd, sizeof(rd), (void *)at)) {
+			if (rd.r_state == RT_DELETE)
+				disc_tail.delete(&tgid);
+			if (rd.r_state != RT_CONSISTENT || !added_gpu_library(tgid, &rd))
+				return 0;
+		}
+	}
 	emit_discovery(DISC_LINKMAP);
 	return 0;
 }

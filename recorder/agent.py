@@ -305,10 +305,11 @@ class Agent:
         if lost:
             self.counters.add("discovery_rescans")
             self._scan_everything = True
-        for pid in execs:
-            self._new_image(pid)
-        # A dynamically linked program's loader reports its first libraries:
-        # an exec alone (a static program) is not looked into.
+        # A dynamically linked program's loader reports its GPU libraries:
+        # an exec alone (a static program) is not looked into, unless it
+        # runs under a loader probed only now (its first libraries came
+        # before the probe).
+        changed |= {pid for pid in execs if self._new_image(pid)}
         due = self._pacer.due(changed, time.monotonic())
         self.counters.add("discovery_processes", len(execs | changed))
         for pid in due:
@@ -339,15 +340,14 @@ class Agent:
             if libs:
                 self._found(pid, libs)
 
-    def _new_image(self, pid: int) -> None:
+    def _new_image(self, pid: int) -> bool:
         """A process exec'd: under another root (a container) its dynamic
-        loader may be one not probed yet."""
+        loader may be one not probed yet.  True if it was probed now."""
         root = discovery.root_id(pid)
         if root is None or root == self._own_root:
-            return
+            return False
         loader = discovery.mapped_loader(pid)
-        if loader is not None:
-            self._attach_loader(loader, pid)
+        return loader is not None and self._attach_loader(loader, pid)
 
     def _examine(self, pid: int) -> None:
         if pid == os.getpid() or self.scope.placed(pid) is not None:
@@ -357,19 +357,21 @@ class Agent:
         if libs:
             self._found(pid, libs)
 
-    def _attach_loader(self, loader: str, pid: int) -> None:
+    def _attach_loader(self, loader: str, pid: int) -> bool:
+        """Probe a dynamic loader; True if it was not probed before."""
         path = discovery.reachable_path(pid, loader)
         try:
             lib_id = discovery.library_id(path)
             if lib_id in self._loaders:
-                return
+                return False
             self._loaders.add(lib_id)
             self.source.attach_loader(path)
         except (OSError, ProbeError) as exc:
             self.counters.add("attach_failures")
             log.error("libraries loaded through %s will be found late: %s", path, exc)
-            return
+            return False
         log.info("discovery probe on the dynamic loader %s", path)
+        return True
 
     # ---- tick -----------------------------------------------------------
 

@@ -1,9 +1,10 @@
 """Find the NCCL libraries that processes map, and what is inside them.
 
 - ``KernelDiscovery`` reads the kernel's discovery events (``bpf/proc.c``): a
-  process that replaced its image (exec) or whose dynamic loader changed its
-  list of loaded objects (``_dl_debug_state``: start-up, dlopen).  Only those
-  processes' maps are read, when it happens: no periodic scan of /proc.  A
+  process that replaced its image (exec) or whose dynamic loader just loaded
+  a library named like NCCL or the CUDA runtime (``_dl_debug_state``:
+  start-up, dlopen; the program reads the loader's list of objects).  Only
+  those processes' maps are read, when it happens: no periodic scan of /proc.  A
   process whose root is not the agent's (a container) may run another
   dynamic loader: its exec makes the agent find that loader and probe it too.
 - ``scan_all`` reads every process's maps once (at start, and if the
@@ -56,6 +57,7 @@ YOUNG_RESCAN_S = 0.5  # this often (a new process is read at its first scan)
 OLD_RESCAN_S = 10.0  # older processes this often
 SHT_SYMTAB = 2
 SHT_DYNSYM = 11
+STT_OBJECT = 1
 STT_FUNC = 2
 
 
@@ -69,6 +71,7 @@ class LibraryId:
 class ElfFunction:
     name: str
     file_offset: int
+    vaddr: int = 0  # st_value: where it lies in the loaded image, before relocation
 
 
 def _sections(data: mmap.mmap) -> list[tuple[int, int, int, int, int, int]]:
@@ -89,16 +92,32 @@ def _sections(data: mmap.mmap) -> list[tuple[int, int, int, int, int, int]]:
 
 def elf_functions(path: str, wanted: Iterable[str]) -> dict[str, ElfFunction]:
     """The defined functions among ``wanted`` in ``path``, with file offsets."""
+    return _symbols(path, wanted, (STT_FUNC,))
+
+
+def r_debug_distance(loader: str) -> int:
+    """Bytes from a dynamic loader's ``_dl_debug_state`` to its ``_r_debug``
+    (the list of loaded objects the discovery probe reads, bpf/proc.c), as
+    an attach cookie (two's complement); 0 if either is missing."""
+    found = _symbols(loader, ("_dl_debug_state", "_r_debug"), (STT_FUNC, STT_OBJECT))
+    if len(found) != 2:
+        return 0
+    return (found["_r_debug"].vaddr - found["_dl_debug_state"].vaddr) & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def _symbols(path: str, wanted: Iterable[str], types: tuple[int, ...]) -> dict[str, ElfFunction]:
     names = {n.encode(): n for n in wanted}
     with open(path, "rb") as f:
         data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        return _find(data, names)
+        return _find(data, names, types)
     finally:
         data.close()
 
 
-def _find(data: mmap.mmap, names: dict[bytes, str]) -> dict[str, ElfFunction]:
+def _find(
+    data: mmap.mmap, names: dict[bytes, str], types: tuple[int, ...]
+) -> dict[str, ElfFunction]:
     sections = _sections(data)
     found: dict[str, ElfFunction] = {}
     for stype, _, off, size, link, entsize in sections:
@@ -107,14 +126,14 @@ def _find(data: mmap.mmap, names: dict[bytes, str]) -> dict[str, ElfFunction]:
         str_off = sections[link][2]
         for base in range(off, off + size, entsize):
             st_name, st_info, _, st_shndx, st_value, _ = struct.unpack_from("<IBBHQQ", data, base)
-            if st_info & 0xF != STT_FUNC or st_shndx == 0 or st_shndx >= len(sections):
+            if st_info & 0xF not in types or st_shndx == 0 or st_shndx >= len(sections):
                 continue
             end = data.find(b"\0", str_off + st_name)
             name = names.get(bytes(data[str_off + st_name : end]))
             if name is None or name in found:
                 continue
             _, s_addr, s_off, _, _, _ = sections[st_shndx]
-            found[name] = ElfFunction(name, st_value - s_addr + s_off)
+            found[name] = ElfFunction(name, st_value - s_addr + s_off, st_value)
     return found
 
 

@@ -583,8 +583,10 @@ class Probes:
             self._perf_uprobe(libc, "_exit", EXIT_PROGRAM, LinkKind.ENTRY)
 
     def attach_loader(self, ldso: str) -> None:
-        """The discovery probe on a dynamic loader's ``_dl_debug_state``."""
-        if not self._link(ldso, LOADER_SYMBOL, 0, ((LOADER_PROGRAM, LinkKind.ENTRY),)):
+        """The discovery probe on a dynamic loader's ``_dl_debug_state``; its
+        cookie leads it to the loader's list of objects (bpf/proc.c)."""
+        cookie = discovery.r_debug_distance(ldso)
+        if not self._link(ldso, LOADER_SYMBOL, cookie, ((LOADER_PROGRAM, LinkKind.ENTRY),)):
             self._perf_uprobe(ldso, LOADER_SYMBOL, LOADER_PROGRAM, LinkKind.ENTRY)
 
     def _perf_uprobe(self, path: str, symbol: str, program: str, kind: LinkKind) -> None:

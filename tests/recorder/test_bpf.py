@@ -23,10 +23,11 @@ import numpy as np
 import pytest
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.schema import NCCL_SYMBOLS, Op, Result, State, fold_unique_id, split_hash
+from stallwatch.recorder import discovery
 from stallwatch.recorder.agent import Agent, AgentConfig
 from stallwatch.recorder.source import BccSource
 
-from bench.fakenccl import FakeNccl, build, link_loop
+from bench.fakenccl import FakeNccl, build, build_private, link_loop
 
 pytestmark = pytest.mark.bpf
 
@@ -432,6 +433,45 @@ def test_an_excluded_process_is_dropped_in_the_kernel(agent: Agent, fake: FakeNc
     rec = agent.snapshot()
     assert len(rows_of(rec, "nccl", kept.pid)) == 5
     assert len(rows_of(rec, "nccl", out.pid)) == 0
+
+
+def test_the_loaders_probe_writes_a_row_for_gpu_libraries_only(
+    agent: Agent, fake: FakeNccl, tmp_path: Path
+) -> None:
+    """The discovery probe reads the dynamic loader's list of objects: a
+    process loading other libraries (Python's extension modules, an NCCL-ABI
+    library named otherwise, loaded then closed) writes no row; loading
+    libnccl writes one, and so does a library whose path is too long to
+    read whole (the agent then reads the maps: nothing is missed)."""
+    other = build_private(tmp_path).lib
+    deep = tmp_path.joinpath(*["d" * 60] * 4)
+    deep.mkdir(parents=True)
+    shutil.copy(fake.lib, deep / "libnccl.so.2")
+    code = (
+        "import sys, ctypes, _ctypes, decimal, json, sqlite3\n"
+        f"_ctypes.dlclose(ctypes.CDLL({str(other)!r})._handle)\n"
+        "print('others', flush=True)\n"
+        "ctypes.CDLL(sys.stdin.readline().strip())\n"
+        "print('loaded', flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    agent.discover()  # the dynamic loaders are probed
+    assert agent.events is not None
+    for lib in (fake.lib, deep / "libnccl.so.2"):
+        events = discovery.KernelDiscovery(agent.events.ring)
+        events.mark()
+        with spawn(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        ) as proc:
+            assert proc.stdin is not None and proc.stdout is not None
+            assert proc.stdout.readline().strip() == "others"
+            _, linked, lost = events.pending()
+            assert not lost and proc.pid not in linked, "a row without a GPU library"
+            proc.stdin.write(f"{lib}\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "loaded"
+            _, linked, _ = events.pending()
+            assert proc.pid in linked, f"no row for {lib}"
 
 
 def test_a_process_under_another_root_is_found_through_its_own_loader(

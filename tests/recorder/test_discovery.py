@@ -5,6 +5,7 @@ thing: test_bpf.py (new processes, a chroot with its own loader)."""
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -12,12 +13,15 @@ import numpy as np
 import pytest
 from stallwatch.dumpers.model import ProcessInfo
 from stallwatch.recorder import agent as agent_mod
+from stallwatch.recorder import discovery
 from stallwatch.recorder.agent import Agent, AgentConfig
 from stallwatch.recorder.discovery import KernelDiscovery
 from stallwatch.recorder.maps import DISC_EXEC, DISC_LINKMAP, DISCOVERY_EVENT
 from stallwatch.recorder.model import CommProgress
 from stallwatch.recorder.rings import RingWriter
 from stallwatch.recorder.source import ReplaySource
+
+from bench.fakenccl import build
 
 
 def events(*pairs: tuple[int, int]) -> np.ndarray:
@@ -100,3 +104,15 @@ def test_the_pacer_waits_a_little_then_looks_once_per_period() -> None:
     assert pacer.due({1}, 11.0) == set()
     assert pacer.due(set(), 11.25) == {1}  # the burst's end is still looked at
     assert pacer.due(set(), 20.0) == set()
+
+
+def test_the_loaders_list_lies_where_its_symbol_table_says() -> None:
+    """The discovery probe's cookie: from ``_dl_debug_state`` to ``_r_debug``
+    in the loader's file, as ``nm`` reads them; 0 in a file without them."""
+    loader = os.path.realpath("/lib64/ld-linux-x86-64.so.2")
+    out = subprocess.run(["nm", "-D", loader], capture_output=True, text=True, check=True).stdout
+    where = {line.split()[2].split("@")[0]: int(line.split()[0], 16) for line in out.splitlines()}
+    want = where["_r_debug"] - where["_dl_debug_state"]
+    assert discovery.r_debug_distance(loader) == want % (1 << 64)
+    assert discovery.r_debug_distance(str(build().lib)) == 0
+

@@ -32,6 +32,11 @@
 BPF_F_TABLE("array", u32, struct exit_event, exit_ring, EXIT_RING_SLOTS, BPF_F_MMAPABLE);
 BPF_F_TABLE("array", u32, struct disc_event, disc_ring, DISC_RING_SLOTS, BPF_F_MMAPABLE);
 
+/* Rung when a process loads a GPU library: a record nobody reads (the agent
+ * skips them), so that poll(2) on the map wakes an idle agent at once
+ * instead of it waking every 200 ms to look. */
+BPF_RINGBUF_OUTPUT(disc_bell, 1);
+
 /* tgid -> the last object of its list looked at: each dlopen reads the names
  * of the objects it added only (a Python import dlopens hundreds, one at a
  * time).  Forgotten at exec, exit, and before a dlclose (the object may be
@@ -324,6 +329,9 @@ int handle_dl_state(struct pt_regs *ctx)
 				return 0;
 		}
 	}
-	emit_discovery(DISC_LINKMAP);
+	if (emit_discovery(DISC_LINKMAP) && distance) {
+		u8 ring = 1; /* (unfiltered rows, without a distance, are read each second) */
+		disc_bell.ringbuf_output(&ring, sizeof(ring), 0);
+	}
 	return 0;
 }

@@ -5,7 +5,8 @@ or be read without BCC goes through here: pinning objects under bpffs and
 opening them again, describing a map or a program (``BPF_OBJ_GET_INFO_BY_FD``),
 map lookups, updates and iteration on a bare fd, links (uprobe_multi, and
 ``BPF_PERF_EVENT`` links for tracepoints, so that a tracepoint attachment can
-be pinned like a uprobe one), and run-time statistics of programs.
+be pinned like a uprobe one), run-time statistics of programs, and a ring
+buffer map as a doorbell (``RingbufBell``).
 
 Every call raises ``OSError`` with the kernel's errno.  x86-64 syscall
 numbers (the agent is x86-64 only, as its argument decoding is).
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import mmap
 import os
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +50,7 @@ BPF_MAP_TYPE_ARRAY = 2
 BPF_MAP_TYPE_PERCPU_HASH = 5
 BPF_MAP_TYPE_PERCPU_ARRAY = 6
 BPF_MAP_TYPE_LRU_PERCPU_HASH = 10
+BPF_MAP_TYPE_RINGBUF = 27
 PERCPU_TYPES = frozenset({BPF_MAP_TYPE_PERCPU_HASH, BPF_MAP_TYPE_PERCPU_ARRAY, 10})
 BPF_F_RDONLY = 1 << 3
 BPF_ANY = 0
@@ -489,3 +493,29 @@ def tracepoint_link(prog_fd: int, category: str, event: str) -> int:
     finally:
         os.close(pfd)  # the link keeps the event
     return link
+
+
+class RingbufBell:
+    """A BPF ring buffer used as a doorbell: poll(2) on its fd says a
+    program wrote a record since the last ``clear``, which skips them all
+    unread (their content is of no interest).  The consumer position lies
+    in the first page of the map's mmap (the one user space may write), the
+    producer's in the second."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        page = mmap.PAGESIZE
+        self._consumer = mmap.mmap(fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            self._producer = mmap.mmap(fd, page, mmap.MAP_SHARED, mmap.PROT_READ, offset=page)
+        except BaseException:
+            self._consumer.close()
+            raise
+
+    def clear(self) -> None:
+        (produced,) = struct.unpack_from("<Q", self._producer, 0)
+        struct.pack_into("<Q", self._consumer, 0, produced)
+
+    def close(self) -> None:
+        self._consumer.close()
+        self._producer.close()

@@ -431,10 +431,10 @@ def _port(address: str) -> int:
 
 def _install_signals(stop: Stop) -> None:
     def on_stop(signum: int, frame: FrameType | None) -> None:
-        stop.event.set()
+        stop.set()
 
     def on_usr1(signum: int, frame: FrameType | None) -> None:
-        stop.dump_requested = True
+        stop.request_dump()
 
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGINT, on_stop)

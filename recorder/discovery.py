@@ -391,9 +391,15 @@ class KernelDiscovery:
         lost = head - self.seen > self.ring.capacity
         rows, head = self.ring.rows_since(self.seen)
         self.seen = _first_gap(rows["pos"], self.seen, head, self.ring.capacity)
-        execs = rows["pid"][rows["event"] == DISC_EXEC]
-        links = rows["pid"][rows["event"] == DISC_LINKMAP]
-        return {int(p) for p in np.unique(execs)}, {int(p) for p in np.unique(links)}, lost
+        execs: set[int] = set()
+        links: set[int] = set()
+        # a few rows a tick: plain Python beats numpy's per-call overhead
+        for pid, event in zip(rows["pid"].tolist(), rows["event"].tolist(), strict=True):
+            if event == DISC_EXEC:
+                execs.add(pid)
+            elif event == DISC_LINKMAP:
+                links.add(pid)
+        return execs, links, lost
 
 
 def _first_gap(positions: np.ndarray, seen: int, head: int, capacity: int) -> int:
@@ -401,9 +407,9 @@ def _first_gap(positions: np.ndarray, seen: int, head: int, capacity: int) -> in
     being written (its position claimed, not yet published) is read next
     time (and the rows after it again: handling them is idempotent)."""
     low = max(seen, head - capacity)
-    expected = np.arange(low + 1, head + 1, dtype=np.uint64)
-    if len(positions) == len(expected):
+    if len(positions) == head - low:  # rows_since keeps only these positions
         return head
+    expected = np.arange(low + 1, head + 1, dtype=np.uint64)
     missing = np.setdiff1d(expected, positions.astype(np.uint64))
     return int(missing[0]) - 1 if len(missing) else head
 
@@ -435,6 +441,10 @@ class Pacer:
         if len(self._last) > PACER_KEPT:
             self._last = {p: t for p, t in self._last.items() if now - t < self.every_s}
         return out
+
+    def waiting(self) -> bool:
+        """Whether a process is still to be looked at."""
+        return bool(self._waiting)
 
 
 PACER_KEPT = 4096

@@ -64,6 +64,7 @@ CUDA_SEEN_NAMES = (
 HEAD_STRIDE_U64 = 8  # struct ring_head: one 64-byte line per ring
 # The discovery ring (bpf/proc.c): read each tick, never dumped.
 DISCOVERY_MAP, DISCOVERY_HEAD = "disc_ring", 7
+DISCOVERY_BELL = "disc_bell"  # a ring buffer rung when a process loads a GPU library
 DISCOVERY_EVENT = np.dtype(
     [
         ("pos", "<u8"),

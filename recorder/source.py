@@ -19,7 +19,8 @@ import numpy as np
 from stallwatch.dumpers.errors import ProbeError
 from stallwatch.dumpers.schema import RING_DTYPES
 
-from .maps import RING_MAPS, MapSet
+from .bpfsys import RingbufBell
+from .maps import DISCOVERY_BELL, RING_MAPS, MapSet
 from .model import CommProgress, InflightCall
 from .pinning import PinOptions, PinSet
 from .rings import RingBuffer, RingWriter
@@ -51,6 +52,10 @@ class EventSource(Protocol):
 
     def discovery_ring(self) -> RingBuffer | None:
         """The kernel's discovery events, or None (then /proc is scanned)."""
+
+    def doorbell(self) -> RingbufBell | None:
+        """What wakes the agent's loop when a process loads a GPU library
+        (None: nothing does; the loop wakes on its own)."""
 
     def set_scope(self, pid: int, tracked: bool, excluded: bool) -> None: ...
 
@@ -93,6 +98,10 @@ class MapSource:
     def discovery_ring(self) -> RingBuffer | None:
         view = self.maps.discovery
         return RingBuffer("discovery", view, self.maps.discovery_head) if view is not None else None
+
+    def doorbell(self) -> RingbufBell | None:
+        bell = self.maps.maps.get(DISCOVERY_BELL)
+        return RingbufBell(bell.fd) if bell is not None and not bell.read_only else None
 
     def kernel_counters(self) -> dict[str, int]:
         return {**self.maps.drops(), **self.maps.cuda_seen()}
@@ -290,6 +299,9 @@ class ReplaySource:
 
     def discovery_ring(self) -> RingBuffer | None:
         return None  # no kernel: the agent scans /proc
+
+    def doorbell(self) -> RingbufBell | None:
+        return None
 
     def set_scope(self, pid: int, tracked: bool, excluded: bool) -> None:
         (self.tracked.add if tracked else self.tracked.discard)(pid)

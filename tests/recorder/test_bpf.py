@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -442,7 +443,8 @@ def test_the_loaders_probe_writes_a_row_for_gpu_libraries_only(
     process loading other libraries (Python's extension modules, an NCCL-ABI
     library named otherwise, loaded then closed) writes no row; loading
     libnccl writes one, and so does a library whose path is too long to
-    read whole (the agent then reads the maps: nothing is missed)."""
+    read whole (the agent then reads the maps: nothing is missed).  Such a
+    row rings the agent's doorbell: poll(2) on it wakes an idle agent."""
     other = build_private(tmp_path).lib
     deep = tmp_path.joinpath(*["d" * 60] * 4)
     deep.mkdir(parents=True)
@@ -457,6 +459,10 @@ def test_the_loaders_probe_writes_a_row_for_gpu_libraries_only(
     )
     agent.discover()  # the dynamic loaders are probed
     assert agent.events is not None
+    bell = agent.source.doorbell()
+    assert bell is not None
+    rung = select.poll()
+    rung.register(bell.fd, select.POLLIN)
     for lib in (fake.lib, deep / "libnccl.so.2"):
         events = discovery.KernelDiscovery(agent.events.ring)
         events.mark()
@@ -467,11 +473,15 @@ def test_the_loaders_probe_writes_a_row_for_gpu_libraries_only(
             assert proc.stdout.readline().strip() == "others"
             _, linked, lost = events.pending()
             assert not lost and proc.pid not in linked, "a row without a GPU library"
+            bell.clear()  # (other processes of the machine may have rung it)
+            assert rung.poll(0) == []
             proc.stdin.write(f"{lib}\n")
             proc.stdin.flush()
             assert proc.stdout.readline().strip() == "loaded"
             _, linked, _ = events.pending()
             assert proc.pid in linked, f"no row for {lib}"
+            assert rung.poll(0) != [], "the doorbell did not ring"
+    bell.close()
 
 
 def test_a_process_under_another_root_is_found_through_its_own_loader(

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,7 @@ from stallwatch.recorder.agent import Agent, AgentConfig
 from stallwatch.recorder.discovery import KernelDiscovery
 from stallwatch.recorder.maps import DISC_EXEC, DISC_LINKMAP, DISCOVERY_EVENT
 from stallwatch.recorder.model import CommProgress
-from stallwatch.recorder.rings import RingWriter
+from stallwatch.recorder.rings import RingBuffer, RingWriter
 from stallwatch.recorder.source import ReplaySource
 
 from bench.fakenccl import build
@@ -116,3 +118,49 @@ def test_the_loaders_list_lies_where_its_symbol_table_says() -> None:
     assert discovery.r_debug_distance(loader) == want % (1 << 64)
     assert discovery.r_debug_distance(str(build().lib)) == 0
 
+
+def test_the_loop_sleeps_a_second_when_idle_and_a_signal_wakes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing to watch: the loop turns every IDLE_TICK_S, not every TICK_S
+    (the kernel's doorbell, tested in test_bpf.py, or a signal wakes it);
+    a process in scope makes it busy; a dump asked for or a stop is acted on
+    at once, not at the next turn."""
+    monkeypatch.setattr(discovery, "scan_all", lambda self_pid: {})  # no other process
+    source = EventsSource()
+    agent = Agent(AgentConfig(dump_dir=tmp_path, host_name="idle"), source)
+    turns: list[float] = []
+    tick = agent.tick
+    monkeypatch.setattr(agent, "tick", lambda: (turns.append(time.monotonic()), tick())[1])
+    stop = agent_mod.Stop()
+    loop = threading.Thread(target=agent_mod.run_loop, args=(agent, stop))
+    loop.start()
+    try:
+        time.sleep(2.5)
+        assert not agent.busy()
+        assert 2 <= len(turns) <= 4, f"{len(turns)} turns in 2.5 s"  # busy: 13
+        asked = time.monotonic()
+        stop.request_dump()
+        wait_until(lambda: any(tmp_path.glob("*.msgpack")), 10)
+        assert turns[-1] - asked < agent_mod.IDLE_TICK_S * 0.9
+        agent.procs.add(ProcessInfo(os.getpid(), "me", "", 0, 1, ()))
+        assert agent.busy()
+    finally:
+        asked = time.monotonic()
+        stop.set()
+        loop.join(10)
+    assert not loop.is_alive() and time.monotonic() - asked < agent_mod.IDLE_TICK_S * 0.9
+
+
+class EventsSource(ReplaySource):
+    """A replay source with a discovery ring, as the kernel's (no rows)."""
+
+    def discovery_ring(self) -> RingBuffer:
+        return RingWriter("discovery", DISCOVERY_EVENT, 8).buffer
+
+
+def wait_until(check: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)

@@ -32,7 +32,11 @@ from stallwatch.lab.supervise import Supervisor
 
 OOM_MARGIN = 1 << 20  # the bound: what the agent uses now plus this
 SETTLE_MARGIN_S = 3.0  # past the stall timeout, for a restarted agent's first ticks
-OOM_QUERY = "SELECT count(*) AS n, sum(bytes) AS b FROM nccl_events"
+# About 500 MB of anonymous memory in one list: more than the agent's page
+# cache, which the kernel would reclaim for a smaller query instead of
+# killing it (the file pages charged to its cgroup, such as the compiler's,
+# vary from run to run); under the agent's own 1 GB query limit.
+OOM_QUERY = "SELECT length(list(i)) AS n FROM range(30000000) t(i)"
 
 
 @dataclass

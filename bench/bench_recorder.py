@@ -4,14 +4,16 @@
   same call under a bare uprobe+uretprobe pair that does nothing (the floor
   any uprobe-based recorder pays).  Calls are made from a C loop
   (``bench/csrc/ncclloop.c``) on a small NCCL-ABI library whose entry points
-  begin with ``push``, so Python does not dominate.
+  begin with ``push``, so Python does not dominate.  Measured with the NCCL
+  probes alone, before the CUDA runtime's are attached.
+- Where those nanoseconds go: the agent's entry and return programs as the
+  kernel times them (``bpf_enable_stats``), and each piece they are made of
+  (``bench/csrc/components.c``) timed alone on the same call.
 - Cost of the CUDA event probes per collective: a C loop doing per
   collective what PyTorch does (record a start event, the AllReduce on a
   stream, record an end event, query both) on the lab's CUDA runtime, with
   the NCCL probe alone and then with the runtime's probes too; the
-  difference beside the bare uprobe pair of the same run.  The NCCL call
-  figure above is measured after that, with the runtime attached (each
-  collective then also queues itself on its stream in the kernel).
+  difference beside the bare uprobe pair of the same run.
 - Throughput into the rings: calls from two C loops at full speed, every one
   a row the BPF programs write straight into the mmapped ring; and loss at
   100,000 calls per second into a ring large enough for them.

@@ -39,9 +39,8 @@ from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.schema import Op, Result
 from stallwatch.query.tls import ServerTls
 
-from tests.query.certs import make_certs
-
 from tests import pins
+from tests.query.certs import make_certs
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -65,7 +65,7 @@ def wire(nodes: list[Node], addresses: list[str]) -> None:
     for node, address in zip(nodes, addresses, strict=True):
         others = [a for a in addresses if a != address]
         node.incidents.notify = peers_mod.peer_notifier(
-            others, node.host, None, 2.0, node.incidents.peer_answered
+            others, node.host, None, 2.0, answered=node.incidents.peer_answered
         )
 
 

@@ -467,15 +467,32 @@ EVIDENCE_LINES = 4  # alignments named per verdict (then how many more)
 def amend(inc: Incident, verdicts: list[Verdict]) -> list[Verdict]:
     """Verdicts on a communicator a stream was aligned to say so; streams
     that could not be aligned make the incident ``inconclusive`` for them
-    (and never healthy).  The order is kept (causes before consequences)."""
+    (and never healthy).  The order is kept (causes before consequences).
+    An ``inconclusive`` that names only ranks whose calls could not be
+    aligned (or no process holds, while an unaligned one's rank is unknown)
+    is folded into the one saying why: those ranks did leave a dump."""
     report = inc.late
     if report is None:
         return verdicts
     out = [_with_alignments(v, report) for v in verdicts]
     if report.unaligned:
-        out = [v for v in out if v.kind is not VerdictKind.HEALTHY]
-        out.append(_inconclusive(inc, report.unaligned))
+        why = _inconclusive(inc, report.unaligned)
+        folded = [v for v in out if _about(inc, v, why)]
+        out = [v for v in out if v.kind is not VerdictKind.HEALTHY and v not in folded]
+        seen = tuple(f"also {v.summary} (its unaligned calls may be theirs)" for v in folded)
+        out.append(dataclasses.replace(why, evidence=(*why.evidence, *seen)))
     return out
+
+
+def _about(inc: Incident, v: Verdict, unaligned: Verdict) -> bool:
+    """An ``inconclusive`` about the unaligned ranks only."""
+    if v.kind is not VerdictKind.INCONCLUSIVE or not v.ranks:
+        return False
+    could_be = set(unaligned.ranks) - {-1}
+    if -1 in unaligned.ranks:
+        held = {p.world_rank for p in inc.procs}
+        could_be |= set(v.ranks) - held
+    return set(v.ranks) <= could_be
 
 
 def _with_alignments(v: Verdict, report: LateReport) -> Verdict:

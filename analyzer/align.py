@@ -512,6 +512,10 @@ def _calls(
         procs = np.array([proc_index.get((host, int(p)), -1) for p in e.scope], dtype=np.int64)
         scope_index = stage["proc"][sl]
         local = _local_comms(e)
+        if not len(local):  # rows of no communicator it knows (late, not aligned): dropped
+            stage["proc"][sl], stage["comm"][sl], stage["crank"][sl] = procs[scope_index], 0, -1
+            valid = False
+            continue
         where = np.minimum(np.searchsorted(hashes, local), max(len(hashes) - 1, 0))
         known = hashes[where] == local if len(hashes) else np.zeros(len(local), dtype=bool)
         lpos, ok = _comm_index(local, stage["hash"][sl])

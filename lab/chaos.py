@@ -8,6 +8,9 @@
   memory bound; the supervisor restores the unit's bound and restarts it.
 - ``agentlate``: the node's agent is started only once a rank reaches the
   step: it attaches while the job runs (communicators already made).
+- ``agentgone``: the agent is SIGKILLed and not restarted; the kernel goes on
+  recording into its pins, and the runner dumps the node with ``stallwatch
+  dump --pinned`` once the job is stuck, as an operator would.
 
 ``Chaos.poll`` runs from the runner's waiting loops; ``settled`` says when
 every fault was applied and every agent it touched has been back for long
@@ -66,6 +69,9 @@ class Chaos:
     def late_nodes(self) -> set[int]:
         return {f.node for f in self.faults if isinstance(f, F.AgentLate)}
 
+    def gone_nodes(self) -> set[int]:
+        return {f.node for f in self.faults if isinstance(f, F.AgentGone)}
+
     def poll(self) -> None:
         if all(p.done for p in self._pending):
             return
@@ -94,6 +100,10 @@ class Chaos:
             pid = sup.kill(fault.signal)
             self._say(f"node {node}: agent pid {pid} sent {fault.signal.name}")
             return
+        if isinstance(fault, F.AgentGone):
+            pid = sup.kill(restart=False)
+            self._say(f"node {node}: agent pid {pid} killed for good")
+            return
         self._oom(node, sup)
 
     def _oom(self, node: int, sup: Supervisor) -> None:
@@ -121,6 +131,8 @@ class Chaos:
                 if not exits:
                     return False
                 since = exits[0]
+            if isinstance(p.fault, F.AgentGone):
+                continue  # it stays gone
             ready = [e.at for e in sup.events if e.kind == "ready" and e.at >= since]
             if not ready or now - ready[0] < self.stall_timeout_s + SETTLE_MARGIN_S:
                 return False

@@ -17,6 +17,8 @@ A spec is ``kind:key=value,key=value``:
     agentoom:node=N,step=S             node N's agent is killed by its memory bound
                                        (cgroup) at step S; supervision restarts it
     agentlate:node=N,step=S            node N's agent starts only once a rank reaches step S
+    agentgone:node=N,step=S            node N's agent is killed (SIGKILL) at step S for good;
+                                       its node is dumped with ``dump --pinned``
 
 Agent faults need ``--record``: the lab supervises each agent as its systemd
 unit would (``lab.supervise``).  Ranks are global (node n holds ranks
@@ -47,6 +49,7 @@ SPEC_HELP = (
     "agentkill:node=N,step=S[,after=SEC][,signal=SIG]  node N's agent killed at step S, restarted",
     "agentoom:node=N,step=S             node N's agent killed by its memory bound, restarted",
     "agentlate:node=N,step=S            node N's agent started only at step S",
+    "agentgone:node=N,step=S            node N's agent killed at step S for good, dump --pinned",
 )
 MAX_PCT = 100
 MAX_STEP = 10**9
@@ -151,6 +154,12 @@ class AgentLate:
     step: int
 
 
+@dataclass(frozen=True, slots=True)
+class AgentGone:
+    node: int
+    step: int
+
+
 Fault = (
     Hang
     | Slow
@@ -164,11 +173,12 @@ Fault = (
     | AgentKill
     | AgentOom
     | AgentLate
+    | AgentGone
 )
 RankFault = Hang | Slow | Mismatch | Crash | CpuHog | GpuSlow | GpuHang
 GPU_FAULTS = (GpuSlow, GpuHang)
 NodeFault = Loss | Rate
-AgentFault = AgentKill | AgentOom | AgentLate
+AgentFault = AgentKill | AgentOom | AgentLate | AgentGone
 
 CRASH_EXIT_CODE = 3
 
@@ -303,6 +313,10 @@ def _agentlate(f: _Fields) -> Fault:
     return AgentLate(node=f.integer("node", 0, MAX_STEP), step=f.integer("step", 0, MAX_STEP))
 
 
+def _agentgone(f: _Fields) -> Fault:
+    return AgentGone(node=f.integer("node", 0, MAX_STEP), step=f.integer("step", 0, MAX_STEP))
+
+
 _PARSERS: Mapping[str, Callable[[_Fields], Fault]] = {
     "hang": _hang,
     "slow": _slow,
@@ -316,6 +330,7 @@ _PARSERS: Mapping[str, Callable[[_Fields], Fault]] = {
     "agentkill": _agentkill,
     "agentoom": _agentoom,
     "agentlate": _agentlate,
+    "agentgone": _agentgone,
 }
 
 
@@ -408,6 +423,8 @@ def format_fault(fault: Fault) -> str:
             return f"agentoom:node={node},step={step}"
         case AgentLate(node, step):
             return f"agentlate:node={node},step={step}"
+        case AgentGone(node, step):
+            return f"agentgone:node={node},step={step}"
     raise AssertionError(fault)
 
 

@@ -67,6 +67,7 @@ HOG_CODE = (  # the comment names the run, so leftovers can be found
 )
 HOG_NICE = -10  # a waking rank would otherwise run at once on sleeper credit
 AGENT_STOP_GRACE = 30.0  # detaching uprobes from a library takes the agent seconds
+PINNED_DUMP_TIMEOUT = 120.0  # dump --pinned: no BCC, but the dump's own reading
 CHAOS_GRACE = 90.0  # with agent faults: time for restarted agents to come back
 POLL = 0.1
 # Each node's agent runs as its systemd unit would (deploy/systemd): bounded
@@ -660,7 +661,8 @@ def wait_for_dumps(lab: Lab) -> None:
     chaos = lab.chaos
     grace = DUMP_GRACE + (CHAOS_GRACE if chaos is not None and chaos.faults else 0)
     deadline = time.monotonic() + lab.cfg.stall_timeout + grace
-    nodes = range(lab.cfg.nodes)
+    gone = chaos.gone_nodes() if chaos is not None else set()
+    nodes = [n for n in range(lab.cfg.nodes) if n not in gone]  # dumped by pinned_dumps
     while time.monotonic() < deadline:
         if chaos is not None:
             chaos.poll()
@@ -668,6 +670,30 @@ def wait_for_dumps(lab: Lab) -> None:
         if dumped and (chaos is None or chaos.settled()):
             return
         time.sleep(0.25)
+
+
+def pinned_dumps(lab: Lab) -> list[str]:
+    """``stallwatch dump --pinned`` in every node whose agent is gone for
+    good (``agentgone``), as an operator would: the kernel recorded into its
+    pins alone.  Returns problems."""
+    gone = lab.chaos.gone_nodes() if lab.chaos is not None else set()
+    problems = []
+    for index in sorted(gone):
+        node = lab.node(index)
+        argv = [sys.executable, "-m", "stallwatch", "dump", "--pinned"]
+        argv += ["--pin-dir", str(agent_pin_dir(lab.run_id, index))]
+        argv += ["--dump-dir", str(agent_dump_dir(lab.cfg, index))]
+        argv += ["--reason", f"lab: node {index}'s agent is gone"]
+        log = lab.cfg.dump_dir / f"node{index}.pinned.log"
+        proc = lab.spawn(node, argv, log)
+        try:
+            code = proc.wait(PINNED_DUMP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            code = None
+        if code != 0:
+            problems.append(f"dump --pinned on node {index} failed: {_last_line(log)}")
+    return problems
 
 
 def request_end_dumps(lab: Lab) -> list[str]:
@@ -892,6 +918,7 @@ def run(cfg: RunConfig, progress_out: TextIO | None = None) -> RunResult:
                 gave_up is not None or any(p.returncode for p in lab.ranks.values())
             ):
                 wait_for_dumps(lab)
+                problems += pinned_dumps(lab)
             elif cfg.record and cfg.dump_at_end:
                 _say(progress_out, f"lab run {lab.run_id}: asking every agent for a dump")
                 problems += request_end_dumps(lab)

@@ -224,6 +224,7 @@ class Supervisor:
     proc: subprocess.Popen[bytes] | None = None
     cgroup: Cgroup | None = None
     _oom_kills: int = 0
+    _gone: bool = False  # killed for good (agentgone): not restarted
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -341,7 +342,7 @@ class Supervisor:
                 how += " (killed by its memory bound)"
             self._oom_kills = kills
         self._event("exited", proc.pid, how, code)
-        if self._stop.is_set() or code == 0 or code in self.service.no_restart_codes:
+        if self._stop.is_set() or self._gone or code == 0 or code in self.service.no_restart_codes:
             return None
         return how
 
@@ -387,8 +388,11 @@ class Supervisor:
             self.cgroup.remove()
         return problem
 
-    def kill(self, sig: signal.Signals = signal.SIGKILL) -> int | None:
-        """Signal the running service (a chaos fault): the pid signalled."""
+    def kill(self, sig: signal.Signals = signal.SIGKILL, restart: bool = True) -> int | None:
+        """Signal the running service (a chaos fault): the pid signalled.
+        ``restart=False``: it is not restarted (gone for good)."""
+        if not restart:
+            self._gone = True  # its exit is still watched and told
         pid = self.pid
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):

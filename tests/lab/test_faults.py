@@ -28,6 +28,10 @@ TOPO = F.Topology(nodes=2, ranks_per_node=2)
         ("cpuhog:rank=3", F.CpuHog(rank=3)),
         ("gpuslow:rank=5,ms=20", F.GpuSlow(rank=5, ms=20.0)),
         ("gpuhang:rank=2,step=7", F.GpuHang(rank=2, step=7)),
+        ("agentkill:node=1,step=5,after=2", F.AgentKill(node=1, step=5, after_s=2.0)),
+        ("agentoom:node=0,step=10", F.AgentOom(node=0, step=10)),
+        ("agentlate:node=1,step=3", F.AgentLate(node=1, step=3)),
+        ("agentgone:node=1,step=5", F.AgentGone(node=1, step=5)),
         (" HANG: step=2 , rank=1 ", F.Hang(rank=1, step=2)),
     ],
 )

@@ -147,3 +147,32 @@ def test_an_agent_restarted_during_a_hang_dumps_it_once_under_one_id(
     [incident] = analyze(tmp_path)
     verdict = incident["verdicts"][0]
     assert verdict["kind"] == "missing_rank" and verdict["ranks"] == [3], verdict
+
+
+def test_an_agent_gone_for_good_leaves_a_recording_dump_pinned_reads(tmp_path: Path) -> None:
+    """Node 1's agent is SIGKILLed at step 5 and not restarted; rank 3 (on
+    node 1) hangs at step 60.  With no agent on node 1, `stallwatch dump
+    --pinned` there writes its dump from what the kernel recorded alone, and
+    `analyze` names rank 3 from it and node 0's agent's dump."""
+    result = lab_run(
+        "--nodes", "2", "--ranks-per-node", "2", "--steps", "200", "--compute-ms", "50",
+        "--record", "--dump-dir", str(tmp_path), "--stall-timeout", "3",
+        "--fault", "agentgone:node=1,step=5",
+        "--fault", "hang:rank=3,step=60",
+    )  # fmt: skip
+    assert result["stuck_ranks"], result
+    kinds = [e["kind"] for e in events(result, 1)]
+    assert kinds.count("started") == 1 and "exited" in kinds, kinds
+    died = next(e["at_ns"] for e in events(result, 1) if e["kind"] == "exited")
+    dumps = dumps_by_node(result)
+    assert sorted(dumps) == [0, 1] and all(len(d) == 1 for d in dumps.values()), result["dumps"]
+    pinned = dumps[1][0]
+    assert pinned.trigger is not None and "agent is gone" in pinned.trigger.reason
+    rows = pinned.rings["nccl"].rows
+    for pid in node_pids(result, 1):
+        ts = rows["ts_ns"][rows["pid"] == pid].astype(np.int64)
+        assert (ts < died).sum() > 0 and (ts > died).sum() > 0, (pid, len(ts))
+    [incident] = analyze(tmp_path)
+    verdict = incident["verdicts"][0]
+    assert verdict["kind"] == "missing_rank" and verdict["ranks"] == [3], verdict
+    assert verdict["hosts"] == ["node1"]

@@ -49,32 +49,19 @@ def _is_straggling(s: ArrivalScore) -> bool:
     )
 
 
-def _waits_on_others(a: Analysis) -> dict[int, int]:
-    """Procs that, somewhere, wait clearly longer than their peers, with the
-    longest such wait (their median lead, negated): they are held up by
-    someone, so their lateness elsewhere may be inherited.  On the device's
-    timeline, clearly means by the margin a straggler must show against the
-    same pace: device timings are observed by polling, and a few ms of wait in
-    a large communicator holds nobody up."""
-    out: dict[int, int] = {}
-    for s in a.arrivals:
-        if (
-            s.method == "wait"
-            and s.groups >= STRAGGLER_MIN_GROUPS
-            and s.margin_ns <= -_held_margin(s)
-        ):
-            out[s.proc] = max(out.get(s.proc, 0), -s.margin_ns)
-    return out
-
-
-def _inherited(s: ArrivalScore, held: dict[int, int]) -> bool:
-    """Its lateness is explained by a wait elsewhere: a rank held up by H
-    arrives late by about H in the next collective, never by much more.  A
-    rank late by far more than it ever waits is late on its own account (its
-    own slowness holds up ranks that it then waits for: a pipeline stage it
-    delays reaches the next collective after it)."""
-    hold = held.get(s.proc)
-    return hold is not None and hold >= s.margin_ns - _held_margin(s)
+def _waits_on_others(a: Analysis) -> set[int]:
+    """Procs that, somewhere, wait clearly longer than their peers: they are
+    held up by someone, so their lateness elsewhere is inherited.  On the
+    device's timeline, clearly means by the margin a straggler must show
+    against the same pace: device timings are observed by polling, and a few
+    ms of wait in a large communicator holds nobody up."""
+    return {
+        s.proc
+        for s in a.arrivals
+        if s.method == "wait"
+        and s.groups >= STRAGGLER_MIN_GROUPS
+        and s.margin_ns <= -_held_margin(s)
+    }
 
 
 def _held_margin(s: ArrivalScore) -> float:
@@ -84,9 +71,8 @@ def _held_margin(s: ArrivalScore) -> float:
 
 
 def straggler_candidates(a: Analysis) -> list[ArrivalScore]:
-    """Ranks consistently last in a communicator whose lateness no wait of
-    theirs elsewhere explains (a rank held up by a slow peer in one group
-    arrives late in the next)."""
+    """Ranks consistently last in a communicator that never wait on anyone
+    (a rank held up by a slow peer in one group arrives late in the next)."""
     best: dict[int, ArrivalScore] = {}
     for s in a.arrivals:
         if not _is_straggling(s):
@@ -97,7 +83,7 @@ def straggler_candidates(a: Analysis) -> list[ArrivalScore]:
     held = _waits_on_others(a)
     per_proc: dict[int, ArrivalScore] = {}
     for s in best.values():
-        if _inherited(s, held):
+        if s.proc in held:
             continue
         cur = per_proc.get(s.proc)
         if cur is None or s.groups > cur.groups:

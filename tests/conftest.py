@@ -76,3 +76,16 @@ def fixtures_dir() -> Path:
     if not path.is_dir():
         pytest.fail(f"shared fixtures not found at {path}")
     return path
+
+
+@pytest.fixture(scope="session")
+def real_libnccl() -> Path:
+    """The real libnccl.so.2 of the nvidia-nccl-cu12 wheel (loads without a GPU)."""
+    try:
+        import nvidia.nccl  # type: ignore[import-not-found]
+    except ImportError:
+        pytest.fail("nvidia-nccl-cu12 is not installed (pip install nvidia-nccl-cu12)")
+    lib = Path(next(iter(nvidia.nccl.__path__))) / "lib" / "libnccl.so.2"
+    if not lib.is_file():
+        pytest.fail(f"{lib} not found in the nvidia-nccl-cu12 wheel")
+    return lib

@@ -22,17 +22,6 @@ from stallwatch.recorder.source import BccSource
 pytestmark = [pytest.mark.bpf, pytest.mark.realnccl]
 
 
-def _real_libnccl() -> Path:
-    try:
-        import nvidia.nccl  # type: ignore[import-not-found]
-    except ImportError:
-        pytest.fail("nvidia-nccl-cu12 is not installed (pip install nvidia-nccl-cu12)")
-    lib = Path(next(iter(nvidia.nccl.__path__))) / "lib" / "libnccl.so.2"
-    if not lib.exists():
-        pytest.fail(f"{lib} not found in the nvidia-nccl-cu12 wheel")
-    return lib
-
-
 DRIVER = """
 import ctypes, os, sys
 nccl = ctypes.CDLL(sys.argv[1])
@@ -45,8 +34,8 @@ print(uid.raw.hex())
 """
 
 
-def test_agent_records_real_libnccl_calls(tmp_path: Path) -> None:
-    lib = _real_libnccl()
+def test_agent_records_real_libnccl_calls(tmp_path: Path, real_libnccl: Path) -> None:
+    lib = real_libnccl
     agent = Agent(AgentConfig(dump_dir=tmp_path), BccSource(1024, 1_000_000))
     try:
         attached = agent.attach_library(str(lib), required=True)

@@ -277,17 +277,6 @@ def test_call_frame_rules_agree_with_readelf_on_libc() -> None:
 # -- the real libnccl.so.2 -----------------------------------------------
 
 
-def _real_libnccl() -> Path:
-    try:
-        import nvidia.nccl  # type: ignore[import-not-found]
-    except ImportError:
-        pytest.fail("nvidia-nccl-cu12 is not installed (pip install nvidia-nccl-cu12)")
-    lib = Path(next(iter(nvidia.nccl.__path__))) / "lib" / "libnccl.so.2"
-    if not lib.exists():
-        pytest.fail(f"{lib} not found in the nvidia-nccl-cu12 wheel")
-    return lib
-
-
 ROOT_THREAD = """
 import ctypes, sys, time
 nccl = ctypes.CDLL(sys.argv[1])
@@ -298,8 +287,8 @@ time.sleep(120)
 
 
 @pytest.mark.realnccl
-def test_a_thread_blocked_in_real_libnccl_is_walked_to_its_start() -> None:
-    lib = _real_libnccl()
+def test_a_thread_blocked_in_real_libnccl_is_walked_to_its_start(real_libnccl: Path) -> None:
+    lib = real_libnccl
     env = {**os.environ, "NCCL_SOCKET_IFNAME": "lo"}
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(ROOT_THREAD), str(lib)],
@@ -348,8 +337,8 @@ def _direct_calls(image: ElfImage, start: int, size: int) -> list[int]:
 
 
 @pytest.mark.realnccl
-def test_real_libnccl_api_symbols_and_call_sites() -> None:
-    lib = _real_libnccl()
+def test_real_libnccl_api_symbols_and_call_sites(real_libnccl: Path) -> None:
+    lib = real_libnccl
     image = ElfImage(str(lib))
     table = FrameTable(image)
     exported = discovery.elf_functions(str(lib), NCCL_SYMBOLS)  # another reader of the table

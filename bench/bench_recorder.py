@@ -146,7 +146,7 @@ PIECES = {
     "piece_ids": "pid/tid (the process filter, the row, the thread's slot)",
     "piece_clock": "a timestamp (entry; return: the call's duration)",
     "piece_stack_arg": "the stream, NCCL's 7th argument, read from the caller's stack",
-    "piece_comm_lookup": "the communicator's state by (pid, ncclComm_t): its seq",
+    "piece_comm_lookup": "the communicator's state by (pid, ncclComm_t), at its home slot: its seq",
     "piece_thread_slot": "the thread's in-flight slot (pairs the return with its entry)",
     "piece_ring_row": "the ring row (claimed with an atomic add, 144 bytes)",
 }

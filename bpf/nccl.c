@@ -9,8 +9,8 @@
  * A collective's position is queued on its stream (cuda.h) when CUDA probes
  * are attached, for cuda.c to add its device start and completion.
  * Lifecycle calls also write a row of the small `comm_ring`, so that the
- * communicator table never depends on the big ring.  `comms` maps
- * (pid, ncclComm_t) to the folded ncclUniqueId, rank, nranks and progress.
+ * communicator table never depends on the big ring.  `comm_states` holds
+ * each (pid, ncclComm_t)'s folded ncclUniqueId, rank, nranks and progress.
  *
  * Only probe arguments, user memory and helpers are read: no kernel struct.
  */
@@ -55,6 +55,9 @@ struct comm_key {
  * one thread, or serialized by the caller): its counters are updated with
  * plain stores, not atomics (a lock-prefixed add costs ~20 ns a call). */
 struct comm_state {
+	u64 comm;           /* claim word: 0 while the slot is free */
+	u32 pid;            /* written last: the slot is (pid, comm)'s once set */
+	u32 destroyed;
 	u64 hash;
 	s32 rank;
 	s32 nranks;
@@ -62,15 +65,27 @@ struct comm_state {
 	u64 last_enter_ns;
 	u64 last_pos;       /* nccl_ring position + 1 of its last call: user space
 			     * reads that row's end_ns, so a return touches no
-			     * communicator state (a hash lookup, ~60 ns) */
+			     * communicator state */
 	u64 calls;          /* collective + p2p calls entered */
 	u64 split_count;    /* ncclCommSplit calls made on it */
 	u64 init_ns;
 	u64 destroy_ns;
-	u32 destroyed;
-	u32 _pad;
 };
-BPF_HASH(comms, struct comm_key, struct comm_state, MAX_COMMS);
+_Static_assert(sizeof(struct comm_state) == 88, "comm_state size");
+
+/* Communicator states live in an array, each at its home slot (a multiply
+ * of (pid, ncclComm_t)) when free, else one of the next COMM_PROBES: a call
+ * finds its communicator at home with an array lookup the verifier inlines,
+ * where a hash map lookup costs ~80 ns.  `comms` says where each one is, for
+ * the few not at home; the array has twice as many slots as `comms` holds
+ * entries, so most are.  User space reads the array (mmapped) and frees a
+ * dead process's slots. */
+#define COMM_SLOTS_LOG2 14
+#define COMM_SLOTS (1 << COMM_SLOTS_LOG2)
+#define COMM_PROBES 32
+_Static_assert(COMM_SLOTS >= 2 * MAX_COMMS, "comm_states load");
+BPF_F_TABLE("array", u32, struct comm_state, comm_states, COMM_SLOTS, BPF_F_MMAPABLE);
+BPF_HASH(comms, struct comm_key, u32, MAX_COMMS);
 
 struct p2p_key {
 	u32 pid;
@@ -199,20 +214,108 @@ static __always_inline int is_close_op(u8 op)
 	return op == OP_COMM_DESTROY || op == OP_COMM_ABORT || op == OP_COMM_FINALIZE;
 }
 
-static __always_inline struct comm_state *comm_for(u32 pid, u64 comm, int create)
+static __always_inline u32 comm_home(u32 pid, u64 comm)
+{
+	return (u32)(((comm ^ ((u64)pid << 48)) * 0x9E3779B97F4A7C15ULL) >> (64 - COMM_SLOTS_LOG2));
+}
+
+static __always_inline struct comm_state *comm_at(u32 idx, u32 pid, u64 comm)
+{
+	idx &= COMM_SLOTS - 1;
+	struct comm_state *st = comm_states.lookup(&idx);
+	return st && st->comm == comm && st->pid == pid ? st : NULL;
+}
+
+static __always_inline struct comm_state *find_comm(u32 pid, u64 comm)
+{
+	struct comm_state *st = comm_at(comm_home(pid, comm), pid, comm);
+	if (st)
+		return st;
+	struct comm_key k = {.pid = pid, .comm = comm};
+	u32 *idx = comms.lookup(&k);
+	return idx ? comm_at(*idx, pid, comm) : NULL;
+}
+
+/* Everything but the key: the state of a communicator (re)made. */
+static __always_inline void reset_comm(struct comm_state *st, u64 hash, s32 rank, s32 nranks,
+				       u64 init_ns)
+{
+	st->destroyed = 0;
+	st->hash = hash;
+	st->rank = rank;
+	st->nranks = nranks;
+	st->seq = 0;
+	st->last_enter_ns = 0;
+	st->last_pos = 0;
+	st->calls = 0;
+	st->split_count = 0;
+	st->init_ns = init_ns;
+	st->destroy_ns = 0;
+}
+
+/* A free slot at or after the communicator's home, claimed by compare-and-
+ * swap of its `comm` (another CPU may be claiming one too); -1 if none. */
+static __always_inline s64 claim_comm_slot(u32 pid, u64 comm)
+{
+	u32 home = comm_home(pid, comm);
+	for (u32 i = 0; i < COMM_PROBES; i++) {
+		u32 idx = (home + i) & (COMM_SLOTS - 1);
+		struct comm_state *st = comm_states.lookup(&idx);
+		if (!st)
+			return -1;
+		if (st->comm == 0 && __sync_val_compare_and_swap(&st->comm, 0, comm) == 0)
+			return idx;
+	}
+	return -1;
+}
+
+static __always_inline void free_comm_slot(struct comm_state *st)
+{
+	*(volatile __u32 *)&st->pid = 0;
+	asm volatile("" ::: "memory");
+	*(volatile __u64 *)&st->comm = 0;
+}
+
+/* The state of a communicator, made afresh (`remake`: also if known). */
+static __always_inline struct comm_state *new_comm(u32 pid, u64 comm, u64 hash, s32 rank,
+						   s32 nranks, u64 init_ns, int remake)
 {
 	struct comm_key k = {.pid = pid, .comm = comm};
-	struct comm_state *st = comms.lookup(&k);
+	struct comm_state *st = find_comm(pid, comm);
+	if (!st) {
+		s64 claimed = claim_comm_slot(pid, comm);
+		u32 idx = (u32)claimed;
+		st = claimed < 0 ? NULL : comm_states.lookup(&idx);
+		if (!st) {
+			count_drop(DROP_COMMS_FULL);
+			return NULL;
+		}
+		reset_comm(st, hash, rank, nranks, init_ns);
+		asm volatile("" ::: "memory");
+		*(volatile __u32 *)&st->pid = pid;
+		if (comms.insert(&k, &idx) == 0)
+			return st;
+		/* another thread made it first (or `comms` is full) */
+		free_comm_slot(st);
+		st = find_comm(pid, comm);
+		if (!st) {
+			count_drop(DROP_COMMS_FULL);
+			return NULL;
+		}
+	}
+	if (remake)
+		reset_comm(st, hash, rank, nranks, init_ns);
+	return st;
+}
+
+static __always_inline struct comm_state *comm_for(u32 pid, u64 comm, int create)
+{
+	struct comm_state *st = find_comm(pid, comm);
 	if (st || !create || !comm)
 		return st;
 	/* A communicator made before the agent started: progress is still
 	 * tracked, its id stays unknown (hash 0). */
-	struct comm_state fresh = {.rank = -1, .nranks = -1};
-	if (comms.update(&k, &fresh)) {
-		count_drop(DROP_COMMS_FULL);
-		return NULL;
-	}
-	return comms.lookup(&k);
+	return new_comm(pid, comm, 0, -1, -1, 0, 0);
 }
 
 static __always_inline u64 next_p2p_seq(u32 pid, u64 comm, s32 peer, u8 op)
@@ -552,10 +655,7 @@ ENTRY_PROGRAM(handle_enter_get_unique_id, ncclGetUniqueId)
 
 static __always_inline void add_comm(u32 pid, u64 comm, u64 hash, s32 rank, s32 nranks, u64 ts)
 {
-	struct comm_key k = {.pid = pid, .comm = comm};
-	struct comm_state st = {.hash = hash, .rank = rank, .nranks = nranks, .init_ns = ts};
-	if (comms.update(&k, &st))
-		count_drop(DROP_COMMS_FULL);
+	new_comm(pid, comm, hash, rank, nranks, ts, 1);
 }
 
 static __always_inline u64 read_user_ptr(u64 addr)

@@ -80,6 +80,9 @@ DISCOVERY_EVENT = np.dtype(
 )
 DISC_EXEC, DISC_LINKMAP = 1, 2
 BPF_F_MMAPABLE = 1 << 10
+# Each communicator's state (bpf/nccl.c), a slot of an mmapped array; its
+# `pid` is set once the slot is a communicator's.
+COMM_STATES = "comm_states"
 
 
 def descr_json(dtype: np.dtype) -> Any:
@@ -267,6 +270,7 @@ class MapSet:
     ring_arrays: dict[str, np.ndarray] = field(default_factory=dict)
     heads: np.ndarray = field(default_factory=lambda: np.zeros(0, "<u8"))
     inflight: np.ndarray = field(default_factory=lambda: np.zeros(0, "<u8"))
+    comm_states: np.ndarray = field(default_factory=lambda: np.zeros(0, "<u8"))
     discovery: np.ndarray | None = None
 
     def __post_init__(self) -> None:
@@ -281,6 +285,7 @@ class MapSet:
                 )
             self.ring_arrays[ring] = self._view(map_name).view(expected)
         self.inflight = self._view("inflight")
+        self.comm_states = self._view(COMM_STATES)
         if DISCOVERY_MAP in self.maps:
             self.discovery = self._view(DISCOVERY_MAP).view(DISCOVERY_EVENT)
 
@@ -331,7 +336,8 @@ class MapSet:
     def forget(self, pid: int, keep_scope: bool = False) -> None:
         """Every entry of process ``pid`` in the hash maps that hold one:
         keyed by it (a ``pid`` field, or the key itself), or, for the
-        run-queue maps, by its threads (``rq_tids`` names their process).
+        run-queue maps, by its threads (``rq_tids`` names their process);
+        and its communicators' state slots.
         ``keep_scope``: not its place in ``tracked``/``excluded``."""
         tids: list[int] = []
         if "rq_tids" in self.maps:
@@ -351,6 +357,21 @@ class MapSet:
                     bpfsys.map_delete(m.fd, k.tobytes())
             elif key.names is None and name in ("tracked", "excluded") and not keep_scope:
                 m.delete(pid)
+        self._free_comm_slots(pid)
+
+    def communicators(self) -> np.ndarray:
+        """A copy of every communicator's state slot in use."""
+        states = self.comm_states
+        return states[np.flatnonzero((states["pid"] != 0) & (states["comm"] != 0))]
+
+    def _free_comm_slots(self, pid: int) -> None:
+        """Free a dead process's slots: its pid first, as the programs do."""
+        states = self.comm_states
+        if self.maps[COMM_STATES].read_only or not len(states):
+            return
+        for i in np.flatnonzero(states["pid"] == pid):
+            states["pid"][i] = 0
+            states["comm"][i] = 0
 
     def pids(self, map_name: str) -> set[int]:
         """The keys of a pid set (``tracked``, ``excluded``)."""

@@ -107,7 +107,8 @@ class MapSource:
         return {**self.maps.drops(), **self.maps.cuda_seen()}
 
     def comm_progress(self) -> list[CommProgress]:
-        keys, values = self.maps.items("comms")
+        values = self.maps.communicators()
+        keys = values[["pid", "comm"]]
         if not len(keys):
             return []
         slots = self.maps.inflight

@@ -533,10 +533,50 @@ def test_an_ended_process_leaves_the_kernels_maps(agent: Agent, fake: FakeNccl) 
     assert isinstance(source, BccSource)
     pids = {int(k["pid"]) for k in source.maps.items("comms")[0]}
     (pid,) = [p for p in pids if not Path(f"/proc/{p}").exists()][-1:]
+    assert pid in {int(s["pid"]) for s in source.maps.communicators()}
     source.forget_process(pid)
     keys, _ = source.maps.items("comms")
     assert pid not in {int(k) for k in keys["pid"]}
     assert (pid, comm) not in {(int(k["pid"]), int(k["comm"])) for k in keys}
+    assert pid not in {int(s["pid"]) for s in source.maps.communicators()}
+
+
+COMM_SLOTS_LOG2 = 14  # bpf/nccl.c
+NOBODY = 0x7FFFFFFF  # above any pid_max
+
+
+def _comm_home(pid: int, comm: int) -> int:
+    mixed = ((comm ^ (pid << 48)) * 0x9E3779B97F4A7C15) & (2**64 - 1)
+    return mixed >> (64 - COMM_SLOTS_LOG2)
+
+
+def test_a_communicator_whose_home_slot_is_taken_is_found_beyond_it(
+    agent: Agent, fake: FakeNccl
+) -> None:
+    """Every state slot but one in 16 held by another: a communicator is
+    put in the next free slot, and its calls find it there (through
+    ``comms``) and count its progress."""
+    source = agent.source
+    assert isinstance(source, BccSource)
+    states = source.maps.comm_states
+    taken = np.flatnonzero((states["pid"] == 0) & (np.arange(len(states)) % 16 != 0))
+    states["comm"][taken] = 1
+    states["pid"][taken] = NOBODY
+    try:
+        out = run_driver(fake.loop, "wrap", "3")
+    finally:
+        states["pid"][taken] = 0
+        states["comm"][taken] = 0
+    comm = int(out["comm"], 16)
+    found = source.maps.communicators()
+    [(slot, pid)] = [
+        (i, int(found["pid"][k]))
+        for k, i in enumerate(np.flatnonzero((states["pid"] != 0) & (states["comm"] != 0)))
+        if int(found["comm"][k]) == comm
+    ]
+    assert slot % 16 == 0 and 0 <= (slot - _comm_home(pid, comm)) % len(states) < 32
+    [progress] = [p for p in source.comm_progress() if p.comm == comm and p.pid == pid]
+    assert progress.calls == 3
 
 
 def test_a_communicators_last_return_is_its_last_rows_end(agent: Agent, fake: FakeNccl) -> None:

@@ -21,8 +21,6 @@ from stallwatch.dumpers.schema import CUDA_SYMBOLS, Op, Result, State
 from stallwatch.recorder.agent import Agent, AgentConfig
 from stallwatch.recorder.source import BccSource
 
-from tests.recorder.test_realnccl import _real_libnccl
-
 pytestmark = [pytest.mark.bpf, pytest.mark.realnccl]
 
 INSUFFICIENT_DRIVER = 35
@@ -57,9 +55,9 @@ print(os.getpid(), *codes)
 
 @pytest.mark.parametrize("major", [12, 13])
 def test_agent_attaches_the_real_runtime_and_sees_its_error_codes(
-    tmp_path: Path, major: int
+    tmp_path: Path, major: int, real_libnccl: Path
 ) -> None:
-    nccl, cudart = _real_libnccl(), _real_libcudart(major)
+    nccl, cudart = real_libnccl, _real_libcudart(major)
     agent = Agent(AgentConfig(dump_dir=tmp_path), BccSource(1024, 1_000_000))
     try:
         agent.attach_library(str(nccl), required=True)

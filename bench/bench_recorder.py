@@ -328,20 +328,25 @@ def _pin_dir(tag: str) -> Path:
     return PIN_ROOT / f"bench-{os.getpid()}-{tag}"
 
 
-def _start_record(fake: FakeNccl, dump_dir: str, pin_dir: Path) -> subprocess.Popen[bytes]:
-    """``stallwatch record`` logging to a file (a pipe nobody reads would fill)."""
-    argv = [sys.executable, "-m", "stallwatch", "record", "--lib", str(fake.lib)]
-    argv += ["--dump-dir", dump_dir, "--listen", "127.0.0.1:0", "--pin-dir", str(pin_dir)]
-    log = Path(dump_dir) / "agent.log"
+def _until_listening(argv: list[str], log: Path, timeout: float) -> subprocess.Popen[bytes]:
+    """Starts an agent logging to ``log`` (a pipe nobody reads would fill)
+    and waits until it says it is listening."""
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stderr=out)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout
     while "listening on" not in log.read_text(errors="replace"):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"stallwatch record did not start: {log.read_text()[-2000:]}")
         time.sleep(0.1)
     return proc
+
+
+def _start_record(fake: FakeNccl, dump_dir: str, pin_dir: Path) -> subprocess.Popen[bytes]:
+    """``stallwatch record`` on the fake library."""
+    argv = [sys.executable, "-m", "stallwatch", "record", "--lib", str(fake.lib)]
+    argv += ["--dump-dir", dump_dir, "--listen", "127.0.0.1:0", "--pin-dir", str(pin_dir)]
+    return _until_listening(argv, Path(dump_dir) / "agent.log", 120)
 
 
 def agent_cpu(fake: FakeNccl, quick: bool) -> list[Figure]:
@@ -388,16 +393,8 @@ def _start_idle_agent(workdir: str, pin_dir: Path) -> subprocess.Popen[bytes]:
     record = [sys.executable, "-m", "stallwatch", "record", "--scope", "netns"]
     record += ["--dump-dir", workdir, "--listen", "127.0.0.1:0", "--pin-dir", str(pin_dir)]
     inside = "ip link set lo up && exec " + " ".join(record)
-    log = Path(workdir) / "agent.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(["unshare", "--net", "sh", "-c", inside], stderr=out)
-    deadline = time.monotonic() + 180
-    while "listening on" not in log.read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"stallwatch record did not start: {log.read_text()[-2000:]}")
-        time.sleep(0.1)
-    return proc
+    argv = ["unshare", "--net", "sh", "-c", inside]
+    return _until_listening(argv, Path(workdir) / "agent.log", 180)
 
 
 def _counters(proc: subprocess.Popen[bytes], workdir: str) -> dict[str, int]:

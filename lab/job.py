@@ -109,6 +109,7 @@ class RankReport:
     calls: dict[str, dict[str, int]]
     comms: dict[str, dict[str, Any]]
     step_ms: list[float]
+    step_start_ns: list[int]  # CLOCK_MONOTONIC when each step began (one clock for all ranks)
     cpu_s: float  # process CPU time since the first step began
     wall_s: float  # since the first step began
     run_delay_ms: float  # time its threads waited on a run queue since then
@@ -216,6 +217,7 @@ class Rank:
     ok: int = 0
     failed: int = 0
     step_ms: list[float] = field(default_factory=list)
+    step_start_ns: list[int] = field(default_factory=list)
     base: tuple[float, float, float] = (0.0, time.monotonic(), 0.0)  # cpu, wall, run delay
     compute_wall: float = 0.0
     compute_cpu: float = 0.0
@@ -245,6 +247,7 @@ class Rank:
             calls=self.nccl.counts(),
             comms={c.label: _comm_json(c) for c in self.comms.values()},
             step_ms=[round(ms, 3) for ms in self.step_ms],
+            step_start_ns=list(self.step_start_ns),
             cpu_s=round(cpu - self.base[0], 4),
             wall_s=round(wall - self.base[1], 4),
             run_delay_ms=round(delay - self.base[2], 3),
@@ -352,7 +355,8 @@ def destroy_comms(r: Rank) -> None:
 
 
 def run_step(r: Rank, step: int) -> None:
-    started = time.perf_counter()
+    started = time.monotonic_ns()
+    r.step_start_ns.append(started)
     slow = r.fault(F.Slow)
     if r.gpu is None:
         r.compute(r.args.compute_ms + (slow.ms if isinstance(slow, F.Slow) else 0.0))
@@ -372,7 +376,7 @@ def run_step(r: Rank, step: int) -> None:
         r.gpu.synchronize()
     verify(r, checks)
     r.keep.clear()
-    r.step_ms.append((time.perf_counter() - started) * 1000.0)
+    r.step_ms.append((time.monotonic_ns() - started) / 1e6)
 
 
 def device_compute(r: Rank, gpu: Device, step: int, host_ms: float) -> None:

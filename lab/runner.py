@@ -130,6 +130,7 @@ class RankOutcome:
     calls: dict[str, dict[str, int]]
     comms: dict[str, dict[str, Any]]
     step_ms: list[float]
+    step_start_ns: list[int]  # CLOCK_MONOTONIC, comparable across ranks
     cpu_s: float
     wall_s: float
     run_delay_ms: float
@@ -870,6 +871,7 @@ def outcome(lab: Lab, rank: int, stuck: dict[int, job.RankReport | None]) -> Ran
         calls=rep.calls if rep is not None else {},
         comms=rep.comms if rep is not None else {},
         step_ms=rep.step_ms if rep is not None else [],
+        step_start_ns=rep.step_start_ns if rep is not None else [],
         cpu_s=rep.cpu_s if rep is not None else 0.0,
         wall_s=rep.wall_s if rep is not None else 0.0,
         run_delay_ms=rep.run_delay_ms if rep is not None else 0.0,

@@ -91,9 +91,10 @@ def assert_steps_wait_for(run: Run, rank: int, ms: float) -> None:
     ends step k late also starts step k+1 late, and that step looks short."""
     began = run.rank(rank)["step_start_ns"]
     for r in run.result["ranks"]:
-        assert len(r["step_start_ns"]) == len(r["step_ms"]) == len(began)
-        for step, (start_ns, took_ms) in enumerate(zip(r["step_start_ns"], r["step_ms"])):
-            waited_ms = (start_ns - began[step]) / 1e6 + took_ms
+        assert len(r["step_ms"]) == len(began)
+        steps = zip(began, r["step_start_ns"], r["step_ms"], strict=True)
+        for step, (slow_began_ns, start_ns, took_ms) in enumerate(steps):
+            waited_ms = (start_ns - slow_began_ns) / 1e6 + took_ms
             assert waited_ms >= ms, (r["world_rank"], step, waited_ms)
 
 

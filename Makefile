@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench bench-compare bench-clean check clean
+.PHONY: setup demo test test-latest lock bench bench-compare bench-clean check clean
 
 setup:
 	bash scripts/setup
@@ -15,6 +15,20 @@ demo: setup
 test: setup
 	bash scripts/check
 	$(PY) -m pytest
+
+# the suite on the newest versions pyproject's ranges allow, in a venv of its
+# own (.venv-latest): upgrading is then `make lock` and its own commit
+test-latest:
+	VENV=.venv-latest STALLWATCH_LOCK= bash scripts/setup
+	VENV=.venv-latest bash scripts/check
+	.venv-latest/bin/python -m pytest
+
+# the lock of tested versions that scripts/setup installs from, re-resolved
+# from pyproject's ranges (commit it with the suite's result on it)
+lock: setup
+	$(VENV)/bin/uv pip compile --quiet --upgrade pyproject.toml --extra test --extra dev \
+		--python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+		--custom-compile-command "make lock" -o requirements/lock.txt
 
 bench: setup
 	$(PY) -m bench
@@ -34,4 +48,4 @@ check: setup
 	bash scripts/check
 
 clean:
-	rm -rf build $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf build $(VENV) .venv-latest .pytest_cache .mypy_cache .ruff_cache

@@ -367,6 +367,9 @@ def parse_select(con: duckdb.DuckDBPyConnection, sql: str) -> dict[str, Any] | N
     return node if isinstance(node, dict) else None
 
 
+_ZONED = "TIMESTAMP WITH TIME ZONE"
+
+
 def _execute(
     con: duckdb.DuckDBPyConnection, statement: duckdb.Statement, max_rows: int | None
 ) -> tuple[tuple[str, ...], tuple[str, ...], Rows]:
@@ -376,12 +379,12 @@ def _execute(
     description = con.description or []
     columns = tuple(d[0] for d in description)
     types = tuple(str(d[1]) for d in description)
-    try:
-        rows = con.fetchall() if max_rows is None else con.fetchmany(max_rows + 1)
-    except duckdb.InvalidInputException as exc:
-        if "pytz" not in str(exc):
-            raise
-        rows = _via_arrow(con, statement.query, max_rows)  # zoned times: Arrow needs no pytz
+    if any(t.startswith(_ZONED) for t in types):
+        # Zoned times come back as text whatever the duckdb release: before 2.0
+        # fetching them needs pytz, from 2.0 on they are ``datetime`` with a
+        # zoneinfo; Arrow's text form is the one both agree on.
+        return columns, types, _via_arrow(con, statement.query, max_rows)
+    rows = con.fetchall() if max_rows is None else con.fetchmany(max_rows + 1)
     return columns, types, rows
 
 

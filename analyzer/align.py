@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from stallwatch.dumpers import addresses, ranks
 from stallwatch.dumpers.errors import DumpError
 from stallwatch.dumpers.format import DeferredRing

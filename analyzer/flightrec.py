@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from stallwatch.dumpers.errors import DumpFormatError, DumpVersionError
 from stallwatch.dumpers.schema import DataType, Op, State
 

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
 from stallwatch.dumpers.errors import DumpError
 from stallwatch.dumpers.model import Clock, CommInfo, ProcessInfo, Recording, Ring
 from stallwatch.dumpers.schema import DATATYPE_SIZE, NCCL_EVENT, EventKind

@@ -45,6 +45,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+
 from stallwatch.dumpers.model import CommInfo, Recording, Ring
 from stallwatch.dumpers.schema import NCCL_EVENT, Op
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from stallwatch.dumpers.schema import Op
 
 from .columns import Columns

@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass
 
 import numpy as np
+
 from stallwatch.dumpers.schema import Op, State
 
 from .columns import Columns

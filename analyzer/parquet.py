@@ -36,6 +36,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
 from stallwatch.dumpers.errors import UsageError
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.sqltables import TABLE_NAMES, tables

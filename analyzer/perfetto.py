@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from stallwatch.dumpers.errors import UsageError
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.schema import State, TcpEvent, datatype_name, op_name

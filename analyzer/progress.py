@@ -14,6 +14,7 @@ import time
 
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as Bar
+
 from stallwatch.query.output import console
 
 PROGRESS_EVERY_S = 0.5

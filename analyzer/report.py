@@ -30,6 +30,7 @@ import numpy as np
 from rich.console import Console
 from rich.padding import Padding
 from rich.text import Text
+
 from stallwatch.dumpers.schema import op_name
 from stallwatch.query.output import new_table, plain_text, show
 

@@ -175,6 +175,7 @@ def _piece_costs(fake: FakeNccl, calls: int, repeats: int) -> tuple[float, dict[
     """ns of a program that does nothing, as the kernel times programs, and
     of each piece alone over it (the kernel's timing is in both: it cancels)."""
     import bcc
+
     from stallwatch.recorder import bpfsys, discovery
     from stallwatch.recorder.probes import close_links
 
@@ -351,6 +352,7 @@ def _start_record(fake: FakeNccl, dump_dir: str, pin_dir: Path) -> subprocess.Po
 
 def agent_cpu(fake: FakeNccl, quick: bool) -> list[Figure]:
     import psutil
+
     from stallwatch.recorder.pinning import remove
 
     seconds = 2.0 if quick else 10.0

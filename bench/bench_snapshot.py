@@ -37,11 +37,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from bench.common import Figure, render
 from stallwatch.lab import build
 from stallwatch.lab.job import LIB_ENV, read_report
 from stallwatch.recorder.threads import Reader, nccl_pids
-
-from bench.common import Figure, render
 
 RANKS = 8
 HUNG = 3

@@ -40,11 +40,11 @@ from typing import Any
 
 import numpy as np
 import psutil
+
+from bench.common import Figure, median_time, render
 from stallwatch.dumpers.model import Clock, CommInfo, ProcessInfo, Recording, Ring
 from stallwatch.dumpers.schema import NCCL_EVENT, TCP_EVENT, DataType, Op, Result, State, TcpEvent
 from stallwatch.dumpers.sqltables import SEED_QUERY
-
-from bench.common import Figure, median_time, render
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE_NS = 1_000_000_000_000

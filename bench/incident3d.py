@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from stallwatch.dumpers.format import dump_file_name, encode
 from stallwatch.dumpers.model import (
     FORMAT_VERSION,

@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
 from stallwatch.dumpers.errors import LabError, StallwatchError
 from stallwatch.dumpers.schema import DataType, RedOp, fold_unique_id, split_hash
 from stallwatch.lab import faults as F

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from stallwatch.dumpers.errors import LabError
 from stallwatch.dumpers.schema import UNIQUE_ID_BYTES, DataType, RedOp, Result
 

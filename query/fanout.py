@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+
 from stallwatch.dumpers.errors import AgentError, UsageError
 
 from .http import ARROW_FRAMES, Frame, decode_frames

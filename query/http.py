@@ -73,10 +73,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
 import pyarrow as pa
-from stallwatch.dumpers.errors import QueryError, StallwatchError, UsageError
-from stallwatch.dumpers.model import Recording
 
 from stallwatch import __version__
+from stallwatch.dumpers.errors import QueryError, StallwatchError, UsageError
+from stallwatch.dumpers.model import Recording
 
 from .sql import NETWORK, Limits, QueryEngine
 from .tls import ServerTls

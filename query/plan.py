@@ -51,6 +51,7 @@ from typing import Any
 
 import duckdb
 import pyarrow as pa
+
 from stallwatch.dumpers.errors import QueryError, QueryRefused
 from stallwatch.dumpers.sqltables import tables
 

@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 
 import duckdb
 import pyarrow as pa
+
 from stallwatch.dumpers.errors import QueryError, QueryRefused
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.sqltables import tables

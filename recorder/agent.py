@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from stallwatch.dumpers.errors import DumpWriteError, PinError, ProbeError
 from stallwatch.dumpers.model import Clock, Recording, Ring, Trigger, TriggerKind
 from stallwatch.dumpers.schema import CUDA_SYMBOLS, NCCL_SYMBOLS
@@ -658,9 +659,8 @@ def dump_pinned(
     ``pin_dir``, read with no agent (and no BCC).  It is run where the agent
     ran: in ``netns`` scope, its TCP rows are kept by this namespace's
     addresses."""
-    from stallwatch.dumpers.format import write_dump
-
     from stallwatch import __version__
+    from stallwatch.dumpers.format import write_dump
 
     from .pinning import PinSet
     from .source import PinnedSource

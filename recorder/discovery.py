@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from stallwatch.dumpers.model import ProcessInfo
 
 from .maps import DISC_EXEC, DISC_LINKMAP

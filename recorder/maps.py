@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 from numpy.lib.format import descr_to_dtype, dtype_to_descr
+
 from stallwatch.dumpers.errors import ProbeError
 from stallwatch.dumpers.schema import RING_DTYPES
 

@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Iterable
 
 import numpy as np
+
 from stallwatch.dumpers.model import CommInfo, ProcessInfo
 from stallwatch.dumpers.schema import ExitEvent, Op, State, decode_root_address
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
 from stallwatch.dumpers.errors import UsageError
 from stallwatch.dumpers.model import Ring
 

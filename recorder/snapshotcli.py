@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+
 from stallwatch.dumpers.errors import AgentError, UsageError
 from stallwatch.dumpers.model import Clock, ProcessInfo, Recording, Ring, Trigger, TriggerKind
 from stallwatch.dumpers.schema import RING_DTYPES

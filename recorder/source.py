@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+
 from stallwatch.dumpers.errors import ProbeError
 from stallwatch.dumpers.schema import RING_DTYPES
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 from hypothesis import strategies as st
+
 from stallwatch.dumpers.model import (
     Clock,
     CommInfo,

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
 from stallwatch.dumpers.schema import op_name
 
 from ..match import Matched

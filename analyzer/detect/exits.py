@@ -12,6 +12,7 @@ error exit, never the reverse."""
 from __future__ import annotations
 
 import numpy as np
+
 from stallwatch.dumpers.schema import op_name
 
 from ..model import Proc

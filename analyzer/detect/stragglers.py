@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
 from stallwatch.dumpers.schema import op_name
 
 from ..metrics import ArrivalScore

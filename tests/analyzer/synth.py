@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from stallwatch.dumpers.model import (
     Clock,
     CommInfo,

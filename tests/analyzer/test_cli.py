@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
+
 from stallwatch.analyzer import cli
 from stallwatch.dumpers.format import write_dump
-
 from tests.analyzer.synth import BASE_JOB, recordings, with_
 
 
@@ -179,6 +179,7 @@ def test_threads_do_not_change_the_calls_or_the_verdict(
     rows they drop (not calls) leave gaps that are closed.  One thread or
     three, the calls table and the verdicts are the same."""
     import numpy as np
+
     from stallwatch.analyzer.load import load_inputs
     from stallwatch.analyzer.pipeline import analyze_incident, group_incidents
     from stallwatch.dumpers.model import Ring

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from stallwatch.analyzer.align import _positions, _runs
 from stallwatch.analyzer.columns import Columns
 from stallwatch.analyzer.match import _grid_order, _sort_order

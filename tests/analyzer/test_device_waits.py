@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import cast
 
 import numpy as np
+
 from stallwatch.analyzer.columns import Columns
 from stallwatch.analyzer.detect.common import Analysis
 from stallwatch.analyzer.detect.stragglers import straggler_candidates

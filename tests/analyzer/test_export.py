@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from stallwatch.analyzer.exportcli import export
 from stallwatch.analyzer.perfetto import Marker, build_trace, write_trace
+from stallwatch.cli import main
 from stallwatch.dumpers.format import read_dump, write_dump
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.schema import TcpEvent, op_name
-
-from stallwatch.cli import main
 from tests.analyzer.synth import Job, recordings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,6 +10,7 @@ import pickle
 from pathlib import Path
 
 import pytest
+
 from stallwatch.analyzer.flightrec import read_flightrec
 from stallwatch.analyzer.load import load_inputs
 from stallwatch.analyzer.metrics import Frontier, MemberState

@@ -18,9 +18,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from stallwatch.analyzer.pipeline import AnalysisResult, analyze_paths
 from stallwatch.analyzer.verdict import Verdict, VerdictKind
-
 from stallwatch.cli import main
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "fr-torch"

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from stallwatch.analyzer.pipeline import AnalysisResult, analyze_paths
 from stallwatch.analyzer.verdict import VerdictKind
 from stallwatch.dumpers.format import read_dump, write_dump

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from stallwatch.analyzer.pipeline import AnalysisResult, analyze_paths
 from stallwatch.analyzer.verdict import Verdict, VerdictKind
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from stallwatch.dumpers.format import read_dump
 
 pytestmark = [pytest.mark.bpf, pytest.mark.lab, pytest.mark.slow]

@@ -8,12 +8,12 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
 from stallwatch.analyzer.align import Source
 from stallwatch.analyzer.pipeline import IncidentResult, analyze_incident, group_incidents
 from stallwatch.analyzer.verdict import VerdictKind
 from stallwatch.dumpers.model import Recording, Ring
 from stallwatch.dumpers.schema import NCCL_EVENT, Op
-
 from tests.analyzer.synth import MS, WORLD, Job, _row, recordings
 
 JOB = Job(nodes=2, ranks_per_node=2, steps=12)

@@ -18,11 +18,11 @@ from typing import Any
 import duckdb
 import pyarrow.parquet as pq
 import pytest
+
 from stallwatch.analyzer.parquet import FORMAT_VERSION, META_FILE, escape
+from stallwatch.cli import main
 from stallwatch.dumpers.format import write_dump
 from stallwatch.dumpers.sqltables import SEED_QUERY, TABLE_NAMES
-
-from stallwatch.cli import main
 from tests.analyzer.synth import Job, recordings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from stallwatch.analyzer import report
 from stallwatch.analyzer.pipeline import AnalysisResult, analyze_paths
 from stallwatch.dumpers.format import read_dump

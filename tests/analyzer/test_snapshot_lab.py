@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from stallwatch.lab.job import DEFAULT_ELEMENTS
 
 NODES, PER_NODE = 4, 2

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from stallwatch.analyzer.align import Source
 from stallwatch.analyzer.pipeline import analyze_incident, analyze_paths, group_incidents
 from stallwatch.analyzer.verdict import Verdict, VerdictKind
 from stallwatch.dumpers.model import Recording, Ring
 from stallwatch.dumpers.schema import TCP_EVENT, State, TcpEvent
-
 from tests.analyzer.synth import MS, Job, _addr, host_of, pid_of, recordings, with_
 
 BASE = Job()

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from stallwatch.dumpers.format import write_dump
 
 from stallwatch.cli import build_parser, main, parse
+from stallwatch.dumpers.format import write_dump
 from tests.analyzer.synth import BASE_JOB, recordings
 
 NOBODY = 65534

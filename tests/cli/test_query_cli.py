@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from stallwatch.dumpers.format import read_dump, write_dump
-from stallwatch.query.sql import LOCAL, QueryEngine
 
 from bench.bench_sql import SEED_QUERY, Synthetic, synthetic_recording
 from stallwatch import cli
+from stallwatch.dumpers.format import read_dump, write_dump
+from stallwatch.query.sql import LOCAL, QueryEngine
 
 Run = Callable[..., tuple[int, str, str]]
 

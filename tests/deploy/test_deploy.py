@@ -35,10 +35,10 @@ from typing import Any
 
 import pytest
 import yaml
+
 from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.schema import Op, Result
 from stallwatch.query.tls import ServerTls
-
 from tests import pins
 from tests.query.certs import make_certs
 

@@ -14,11 +14,11 @@ import msgpack
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+
 from stallwatch.dumpers import format as fmt
 from stallwatch.dumpers.errors import DumpError, DumpFormatError, DumpVersionError, DumpWriteError
 from stallwatch.dumpers.model import FORMAT_VERSION, Recording, Ring
 from stallwatch.dumpers.schema import DEVICE_FIELDS, NCCL_EVENT_V1, RING_DTYPES, State
-
 from tests.dump_samples import (
     U64_MAX,
     assert_same,

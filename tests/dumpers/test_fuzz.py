@@ -9,10 +9,10 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from stallwatch.dumpers import format as fmt
 from stallwatch.dumpers.errors import DumpFormatError, DumpVersionError
 from stallwatch.dumpers.model import Recording
-
 from tests.dump_samples import assert_same, sample_recording
 
 # msgpack type bytes that announce large or nested objects, and the reserved one

@@ -7,6 +7,7 @@ import dataclasses
 import random
 
 import numpy as np
+
 from stallwatch.dumpers.model import Clock, CommInfo, ProcessInfo, Recording, Ring
 from stallwatch.dumpers.ranks import resolve
 from stallwatch.dumpers.schema import RING_DTYPES, Op, State

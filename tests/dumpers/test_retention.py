@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
+
 from stallwatch.dumpers import format as fmt
 from stallwatch.dumpers.retention import STALE_TEMP_S, enforce
-
 from tests.dump_samples import sample_recording
 
 

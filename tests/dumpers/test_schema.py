@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from stallwatch.dumpers import schema
 
 ROOT = Path(__file__).resolve().parents[2]

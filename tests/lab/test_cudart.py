@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from stallwatch.dumpers.schema import DataType, RedOp, Result
 from stallwatch.lab.build import cudart_path, ensure_built, ensure_cudart
 from stallwatch.lab.cudart import FOREVER, CudaError, CudaResult, LabCudart

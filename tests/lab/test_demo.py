@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from stallwatch.dumpers.errors import UsageError
 from stallwatch.dumpers.format import read_dump
 from stallwatch.lab.demo import (
@@ -24,7 +25,6 @@ from stallwatch.lab.demo import (
     culprit_found,
     paths_for,
 )
-
 from tests.analyzer.test_export import assert_every_call_once, check_trace_format
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,6 +7,7 @@ import signal
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from stallwatch.dumpers.errors import UsageError
 from stallwatch.lab import faults as F
 

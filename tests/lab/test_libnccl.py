@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from stallwatch.dumpers.schema import decode_root_address
 from stallwatch.lab.build import ensure_built, is_up_to_date, library_path
 from stallwatch.lab.nccl import (

@@ -18,6 +18,7 @@ from typing import Any
 
 import psutil
 import pytest
+
 from stallwatch.lab import netns, runner
 from stallwatch.lab.certs import LabCerts, make_certs
 
@@ -464,9 +465,8 @@ def test_rank_command_line_carries_its_faults(tmp_path: Path) -> None:
 def test_a_failure_during_setup_leaves_nothing(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from stallwatch.dumpers.errors import LabError
-
     from stallwatch.cli import main
+    from stallwatch.dumpers.errors import LabError
 
     def broken(*_args: object) -> None:
         raise LabError("nft: simulated failure")

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from stallwatch.lab.supervise import Service, Supervisor
 
 pytestmark = pytest.mark.lab

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import trustme
+
 from stallwatch.query.tls import ClientTls, ServerTls
 
 

@@ -14,13 +14,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from bench.bench_sql import SEED_QUERY, Synthetic, synthetic_recording
 from stallwatch.dumpers.errors import QueryError, QueryRefused, UsageError
 from stallwatch.dumpers.model import Recording
 from stallwatch.query.fanout import close_connections, parse_agent, query_agents
 from stallwatch.query.http import RecordingsBackend, serve_http
 from stallwatch.query.sql import LOCAL, Limits, QueryEngine
-
-from bench.bench_sql import SEED_QUERY, Synthetic, synthetic_recording
 
 TOKEN = "fanout-token"
 

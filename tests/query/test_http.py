@@ -12,6 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
+
+from bench.bench_sql import COMM_HASH, SEED_QUERY, Synthetic, synthetic_recording
 from stallwatch.dumpers.errors import DumpWriteError, UsageError
 from stallwatch.dumpers.model import Recording
 from stallwatch.query.http import (
@@ -22,8 +24,6 @@ from stallwatch.query.http import (
     serve_http,
 )
 from stallwatch.query.sql import Limits
-
-from bench.bench_sql import COMM_HASH, SEED_QUERY, Synthetic, synthetic_recording
 
 TOKEN = "s3cret-token"
 # what a live agent serves: the server passes it through untouched

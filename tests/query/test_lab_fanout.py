@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
+
+from bench.bench_sql import SEED_QUERY
 from stallwatch.dumpers.errors import QueryError
 from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.model import Recording
@@ -36,8 +38,6 @@ from stallwatch.lab.runner import AGENT_PORT, Lab, agent_dump_dir
 from stallwatch.query.fanout import FanoutResult, close_connections, query_agents
 from stallwatch.query.sql import LOCAL, QueryEngine
 from stallwatch.query.tls import ClientTls
-
-from bench.bench_sql import SEED_QUERY
 
 pytestmark = [pytest.mark.bpf, pytest.mark.lab, pytest.mark.slow]
 

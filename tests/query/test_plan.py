@@ -5,10 +5,10 @@ is checked against local queries in test_fanout.py."""
 from __future__ import annotations
 
 import pytest
-from stallwatch.dumpers.errors import QueryError, QueryRefused
-from stallwatch.query.plan import Plan, plan
 
 from bench.bench_sql import SEED_QUERY
+from stallwatch.dumpers.errors import QueryError, QueryRefused
+from stallwatch.query.plan import Plan, plan
 
 
 def fetch_of(p: Plan, table: str) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 import pytest
+
 from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.sqltables import SEED_QUERY, tables
 from stallwatch.query.plan import plan

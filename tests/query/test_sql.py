@@ -8,6 +8,8 @@ import time
 
 import numpy as np
 import pytest
+
+from bench.bench_sql import COMM_HASH, SEED_QUERY, Synthetic, synthetic_recording
 from stallwatch.dumpers.errors import QueryError, QueryRefused
 from stallwatch.dumpers.model import Recording, Ring
 from stallwatch.dumpers.schema import (
@@ -21,8 +23,6 @@ from stallwatch.dumpers.schema import (
 )
 from stallwatch.dumpers.sqltables import TABLE_NAMES, tables
 from stallwatch.query.sql import LOCAL, Limits, QueryEngine, sandboxed_connection
-
-from bench.bench_sql import COMM_HASH, SEED_QUERY, Synthetic, synthetic_recording
 
 SLOW_NS = 50_000_000
 

@@ -16,6 +16,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from bench.bench_sql import SEED_QUERY, Synthetic, synthetic_recording
+from stallwatch import cli
 from stallwatch.dumpers.errors import UsageError
 from stallwatch.dumpers.model import Recording
 from stallwatch.query.fanout import close_connections, query_agents
@@ -23,9 +26,6 @@ from stallwatch.query.http import ServerHandle, serve_http
 from stallwatch.query.sql import LOCAL, QueryEngine
 from stallwatch.query.tls import ClientTls, ServerTls
 from stallwatch.recorder import peers
-
-from bench.bench_sql import SEED_QUERY, Synthetic, synthetic_recording
-from stallwatch import cli
 from tests.query.certs import Certs, make_certs
 
 TOKEN = "tls-token"

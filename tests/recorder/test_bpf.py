@@ -22,13 +22,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from bench.fakenccl import FakeNccl, build, build_private, link_loop
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.schema import NCCL_SYMBOLS, Op, Result, State, fold_unique_id, split_hash
 from stallwatch.recorder import discovery
 from stallwatch.recorder.agent import Agent, AgentConfig
 from stallwatch.recorder.source import BccSource
-
-from bench.fakenccl import FakeNccl, build, build_private, link_loop
 
 pytestmark = pytest.mark.bpf
 

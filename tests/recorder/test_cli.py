@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from stallwatch.dumpers.schema import NCCL_SYMBOLS
 
 from stallwatch.cli import main
+from stallwatch.dumpers.schema import NCCL_SYMBOLS
 from tests import pins
 
 

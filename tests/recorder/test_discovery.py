@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from bench.fakenccl import build
 from stallwatch.dumpers.model import ProcessInfo
 from stallwatch.recorder import agent as agent_mod
 from stallwatch.recorder import discovery
@@ -22,8 +24,6 @@ from stallwatch.recorder.maps import DISC_EXEC, DISC_LINKMAP, DISCOVERY_EVENT
 from stallwatch.recorder.model import CommProgress
 from stallwatch.recorder.rings import RingBuffer, RingWriter
 from stallwatch.recorder.source import ReplaySource
-
-from bench.fakenccl import build
 
 
 def events(*pairs: tuple[int, int]) -> np.ndarray:

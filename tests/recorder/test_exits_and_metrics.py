@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+
 from stallwatch.dumpers.model import ProcessInfo
 from stallwatch.dumpers.schema import EXIT_EVENT, ExitEvent
 from stallwatch.recorder.agent import Agent, AgentConfig
@@ -51,9 +52,8 @@ ENDS: dict[str, tuple[str, int | None, int | None]] = {
 
 @pytest.fixture(scope="module")
 def bpf_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
-    from stallwatch.recorder.source import BccSource
-
     from bench.fakenccl import build
+    from stallwatch.recorder.source import BccSource
 
     fake = build()
     config = AgentConfig(dump_dir=tmp_path_factory.mktemp("dumps"), host_name="followups")

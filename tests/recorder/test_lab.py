@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.schema import NCCL_SYMBOLS, State, TcpEvent

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
+
 from stallwatch.recorder.metrics import AgentStats, RingStats, agent_metrics_text
 
 

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from bench.fakenccl import FakeNccl, build
 from stallwatch.dumpers.errors import PinError
 from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.model import Recording
 from stallwatch.recorder import pinning
 from stallwatch.recorder.maps import Layout, MapSpec
-
-from bench.fakenccl import FakeNccl, build
 from tests import pins
 
 STALLWATCH = [sys.executable, "-m", "stallwatch"]

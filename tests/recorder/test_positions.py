@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from stallwatch.dumpers.model import TriggerKind
 from stallwatch.lab import build
 from stallwatch.recorder.model import CommProgress, TickState
 from stallwatch.recorder.positions import RECHECK_S, PositionKeeper
 from stallwatch.recorder.watchdog import Watchdog
-
 from tests.recorder.test_threads import HUNG, NRANKS, _hung
 
 S = 1_000_000_000

@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from stallwatch.dumpers.schema import CUDA_SYMBOLS, Op, Result, State
 from stallwatch.recorder.agent import Agent, AgentConfig
 from stallwatch.recorder.source import BccSource

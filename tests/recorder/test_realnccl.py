@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from stallwatch.dumpers.schema import Op, Result, State, decode_root_address, fold_unique_id
 from stallwatch.recorder.agent import Agent, AgentConfig
 from stallwatch.recorder.source import BccSource

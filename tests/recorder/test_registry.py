@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from stallwatch.dumpers.errors import ProbeError
 from stallwatch.dumpers.model import TriggerKind
 from stallwatch.dumpers.schema import COMM_EVENT, EXIT_EVENT, NCCL_EVENT, ExitEvent, Op, State

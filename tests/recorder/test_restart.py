@@ -13,7 +13,6 @@ from stallwatch.dumpers.format import read_dump
 from stallwatch.recorder import peers as peers_mod
 from stallwatch.recorder.model import TickState
 from stallwatch.recorder.watchdog import DumpScheduler, Incidents, Watchdog
-
 from tests.dump_samples import sample_recording
 from tests.recorder.test_watchdog import TIMEOUT, S, call, comm, proc
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from stallwatch.dumpers.schema import NCCL_EVENT
 from stallwatch.recorder.rings import RingBuffer, RingWriter, complete_rows
 

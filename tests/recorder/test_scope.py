@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from stallwatch.dumpers import addresses
 from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.schema import EXIT_EVENT, NCCL_EVENT, TCP_EVENT, ExitEvent, Op

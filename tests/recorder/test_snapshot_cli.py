@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.model import Recording
 from stallwatch.lab import build

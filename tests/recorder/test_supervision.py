@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from stallwatch.lab.supervise import Service, Supervisor
 
 from bench.fakenccl import build
+from stallwatch.lab.supervise import Service, Supervisor
 from tests import pins
 
 pytestmark = [pytest.mark.bpf, pytest.mark.lab, pytest.mark.slow]

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from stallwatch.dumpers.schema import NCCL_SYMBOLS, DataType
 from stallwatch.dumpers.threads import ArgsFrom, ProcessThreads, ThreadSnapshot
 from stallwatch.lab import build

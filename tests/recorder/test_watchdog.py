@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
 from stallwatch.dumpers.errors import DumpWriteError, UsageError
 from stallwatch.dumpers.format import read_dump, write_dump
 from stallwatch.dumpers.model import Recording, Trigger, TriggerKind
@@ -26,7 +27,6 @@ from stallwatch.recorder.watchdog import (
     default_cooldown_ns,
     new_incident_id,
 )
-
 from tests.dump_samples import remount, sample_recording, tmpfs
 
 S = 1_000_000_000

@@ -50,7 +50,7 @@ from stallwatch.dumpers.model import CommInfo, Recording, Ring
 from stallwatch.dumpers.schema import NCCL_EVENT, Op
 
 from .model import Incident
-from .verdict import Verdict, VerdictKind
+from .verdict import Verdict, VerdictKind, known_rank
 
 MIN_OVERLAP = 3
 MAX_SKEW_NS = 1_000_000_000
@@ -489,8 +489,8 @@ def _about(inc: Incident, v: Verdict, unaligned: Verdict) -> bool:
     """An ``inconclusive`` about the unaligned ranks only."""
     if v.kind is not VerdictKind.INCONCLUSIVE or not v.ranks:
         return False
-    could_be = set(unaligned.ranks) - {-1}
-    if -1 in unaligned.ranks:
+    could_be = set(unaligned.ranks) - {None}
+    if None in unaligned.ranks:
         held = {p.world_rank for p in inc.procs}
         could_be |= set(v.ranks) - held
     return set(v.ranks) <= could_be
@@ -514,7 +514,8 @@ def _inconclusive(inc: Incident, unaligned: tuple[Unaligned, ...]) -> Verdict:
     world = {(p.host, p.pid): p.world_rank for p in inc.procs}
     hosts = tuple(sorted({u.host for u in unaligned}))
     pids = tuple(sorted({u.pid for u in unaligned}))
-    ranks = tuple(sorted({world.get((u.host, u.pid), -1) for u in unaligned}))
+    known = {world.get((u.host, u.pid), -1) for u in unaligned}
+    ranks = tuple(known_rank(r) for r in sorted(known, key=lambda r: (r < 0, r)))
     streams = len(unaligned)
     return Verdict(
         VerdictKind.INCONCLUSIVE,

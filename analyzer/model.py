@@ -61,7 +61,7 @@ class Proc:
         return bool(self.exit_signal) or (self.exit_code is not None and self.exit_code != 0)
 
     def label(self) -> str:
-        rank = f"rank {self.world_rank}" if self.world_rank >= 0 else "rank ?"
+        rank = f"rank {self.world_rank}" if self.world_rank >= 0 else "rank unknown"
         if self.from_file:
             return f"{rank} (file {self.host})"
         return f"{rank} (host {self.host}, pid {self.pid})"

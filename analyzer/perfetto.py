@@ -41,7 +41,7 @@ class Marker:
     kind: str
     summary: str
     hosts: tuple[str, ...] = ()
-    ranks: tuple[int, ...] = ()
+    ranks: tuple[int | None, ...] = ()  # None where unknown
 
 
 def world_ranks(rec: Recording) -> dict[int, int]:

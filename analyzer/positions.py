@@ -99,7 +99,7 @@ class RankPosition:
         return bool(self.waiting)
 
     def label(self) -> str:
-        rank = f"rank {self.world_rank}" if self.world_rank >= 0 else "rank ?"
+        rank = f"rank {self.world_rank}" if self.world_rank >= 0 else "rank unknown"
         return f"{rank} (host {self.host}, pid {self.pid})"
 
 

@@ -269,7 +269,7 @@ def _line(c: Console, indent: int, text: str, style: str = "") -> None:
 
 def _listing(word: str, values: Sequence[object]) -> str:
     """ "rank 5", "ranks 3, 5", "ranks 0, 1, ..., 9 (120 in all)"."""
-    shown = ", ".join(str(v) for v in values[:MAX_LISTED])
+    shown = ", ".join("unknown" if v is None else str(v) for v in values[:MAX_LISTED])
     more = f", ... ({len(values)} in all)" if len(values) > MAX_LISTED else ""
     return f"{word}{'s' if len(values) != 1 else ''} {shown}{more}"
 

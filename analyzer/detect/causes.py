@@ -19,7 +19,7 @@ from .common import MAX_LISTED, Analysis, world_of
 def in_causal_order(a: Analysis, verdicts: list[Verdict]) -> list[Verdict]:
     desyncs = sorted(
         (v for v in verdicts if v.kind is VerdictKind.DESYNC),
-        key=lambda v: (v.seq if v.seq is not None else -1, v.ranks),
+        key=lambda v: (v.seq if v.seq is not None else -1, v.sort_key()),
     )
     if not desyncs:
         return verdicts

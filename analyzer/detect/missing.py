@@ -10,7 +10,7 @@ from stallwatch.dumpers.schema import Op, op_name
 
 from ..metrics import Frontier, Member, MemberState, P2pGap, waiting_in_p2p
 from ..model import Incident
-from ..verdict import Verdict, VerdictKind
+from ..verdict import Verdict, VerdictKind, rank_text
 from .common import MAX_LISTED, Analysis, member_text, primary, who
 
 P2P_STALL_NS = 1_000_000_000  # a side waiting on its peer's post, idle at least this long
@@ -140,7 +140,8 @@ def _summary(
     inc = a.incident
 
     def ranks(procs: set[int] | list[int]) -> str:
-        return ", ".join(str(r) for r in sorted(inc.procs[p].world_rank for p in procs))
+        known = sorted(inc.procs[p].world_rank for p in procs)
+        return ", ".join(rank_text(r) for r in sorted(known, key=lambda r: (r < 0, r)))
 
     where = f"{op_name(main.op)} seq {main.seq} on {inc.comms[main.comm].name}"
     parts = []

@@ -45,7 +45,7 @@ from . import discovery
 from .metrics import AgentStats, RingStats, agent_metrics_text
 from .model import CommProgress, ProcessState, TickState
 from .notify import Notifier
-from .peers import peer_notifier
+from .peers import PeerList, PeerSource, peer_notifier
 from .pinning import PinSet
 from .positions import PositionKeeper, snapshot_summary
 from .registry import CommRegistry, ProcessRegistry
@@ -78,6 +78,7 @@ class AgentConfig:
     scope: str = "host"  # host | netns
     ring_size: int = 65536
     peers: tuple[str, ...] = ()
+    peers_from: PeerSource | None = None  # --peers-from: asked again at each incident
     listen: str = "127.0.0.1:9400"
     token: str | None = None
     tls: ServerTls | None = None  # HTTPS for the agent's surface
@@ -514,9 +515,10 @@ class Agent:
         )
         watchdog = Watchdog(int(cfg.stall_timeout_s * 1e9), self.host)
         incidents = Incidents(watchdog, scheduler)
-        if cfg.peers:
+        peers = PeerList(cfg.peers, cfg.peers_from)
+        if peers:
             incidents.notify = peer_notifier(
-                cfg.peers,
+                peers,
                 self.host,
                 cfg.token,
                 PEER_TIMEOUT_S,

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from stallwatch.query.http import ServerHandle
 
     from .agent import Agent, AgentConfig, Stop
+    from .peers import PeerSource
     from .pinning import PinOptions
 
 RECORD_EPILOG = """\
@@ -34,6 +35,9 @@ examples:
   stallwatch record --listen 10.0.0.1:9400 --token-file /etc/stallwatch/token \\
       --tls-cert /etc/stallwatch/node.pem --tls-key /etc/stallwatch/node.key \\
       --tls-ca /etc/stallwatch/ca.pem --peers node2:9400,node3:9400
+  stallwatch record ... --peers-from k8s-service stallwatch-peers.stallwatch.svc
+  stallwatch record ... --peers-from slurm            the job's nodes (a Slurm prolog)
+  stallwatch record ... --peers-from file /etc/stallwatch/peers
   stallwatch record --lib /opt/venv/lib/python3.11/site-packages/nvidia/nccl/lib/libnccl.so.2
   kill -USR1 $(pidof stallwatch)       dump now
   stallwatch record --cleanup          remove the pinned recording (stop for good)
@@ -117,6 +121,14 @@ def _register_record(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         default="",
         metavar="HOST:PORT,...",
         help="agents to ask for a dump of the same incident",
+    )
+    p.add_argument(
+        "--peers-from",
+        nargs="+",
+        metavar=("KIND", "ARG"),
+        help="peers found at each incident: 'k8s-service NAME[:PORT]' (a headless Service's "
+        "addresses), 'slurm' (the job's nodes, SLURM_JOB_NODELIST), 'file PATH' (one HOST[:PORT] "
+        "a line, read again when it changes); the port defaults to --listen's",
     )
     p.add_argument(
         "--listen",
@@ -243,6 +255,15 @@ def _check_record_args(args: argparse.Namespace) -> None:
     if server is not None:
         server.context()  # a bad certificate or key is named before anything is compiled
     _peer_tls(args)
+    _peers_from(args)  # a source that cannot work is named before anything is compiled
+
+
+def _peers_from(args: argparse.Namespace) -> PeerSource | None:
+    from .peers import peer_source, self_names
+
+    if args.peers_from is None:
+        return None
+    return peer_source(args.peers_from, self_names(args.listen, args.host_name))
 
 
 def _peer_tls(args: argparse.Namespace) -> tls.ClientTls | None:
@@ -304,6 +325,7 @@ def _record(args: argparse.Namespace) -> int:
         scope=args.scope,
         ring_size=args.ring_size,
         peers=tuple(filter(None, args.peers.split(","))),
+        peers_from=_peers_from(args),
         listen=args.listen,
         token=_read_token(args.token_file),
         tls=tls.server_from(args),

@@ -16,15 +16,6 @@ here=$(dirname "$(readlink -f "$0")")
 tls=$STALLWATCH_TLS_DIR
 serving_tls=
 
-peers_of_job() {
-    local host peers=()
-    while read -r host; do
-        [ -n "$host" ] && [ "$host" != "$node" ] && peers+=("$host:$STALLWATCH_PORT")
-    done < <(scontrol show hostnames "${SLURM_JOB_NODELIST:-$node}")
-    local IFS=,
-    echo "${peers[*]}"
-}
-
 # What is missing to listen beyond loopback (the token and TLS files), or nothing.
 missing_for_network() {
     local f missing=()
@@ -43,9 +34,9 @@ agent_args() {
         args+=(--listen "0.0.0.0:$STALLWATCH_PORT" --token-file "$STALLWATCH_TOKEN_FILE")
         args+=(--tls-cert "$tls/node.pem" --tls-key "$tls/node.key" --tls-ca "$tls/ca.pem")
         [ "$STALLWATCH_TLS_MUTUAL" = 1 ] && args+=(--tls-client-ca "$tls/ca.pem")
-        local peers
-        peers=$(peers_of_job) || say prolog "scontrol show hostnames failed: no peers"
-        [ -n "$peers" ] && args+=(--peers "$peers")
+        # The job's other nodes: the agent expands SLURM_JOB_NODELIST (its
+        # environment is the prolog's) and leaves out SLURMD_NODENAME, itself.
+        [ -n "${SLURM_JOB_NODELIST:-}" ] && args+=(--peers-from slurm)
         serving_tls=1
     else
         say prolog "no $missing: loopback only, no peers"

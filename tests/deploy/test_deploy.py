@@ -8,8 +8,10 @@ unit's capability bounding set, no-new-privileges, a read-only file system but
 the real libnccl, then stops it with the unit's KillSignal within
 TimeoutStopSec.
 The DaemonSet is parsed and its security properties checked, and the Slurm
-prolog/epilog run against a fake ``scontrol`` and a fake agent that records
-its arguments and serves /healthz.
+prolog/epilog run against a fake agent that records its arguments and serves
+/healthz.  Where the agents find their peers (the headless Service, the
+Slurm job's node list, a file) is checked against the agent's own parser and
+peer sources.
 """
 
 from __future__ import annotations
@@ -296,11 +298,14 @@ def test_unit_dump_dir_is_writable_under_the_sandbox(unit: Unit) -> None:
 def test_unit_exec_start_parses_with_the_real_cli(unit: Unit) -> None:
     from stallwatch.cli import build_parser
 
-    env = unit_env(unit) | {"STALLWATCH_ARGS": "--peers node2:9400,node3:9400"}
-    argv = exec_start_argv(unit, env)
+    extra = "--peers node2:9400 --peers-from file /etc/stallwatch/peers"
+    argv = exec_start_argv(unit, unit_env(unit) | {"STALLWATCH_ARGS": extra})
     assert Path(argv[0]).name == "stallwatch" and Path(argv[0]).is_absolute()
     args = build_parser().parse_args(argv[1:])
     assert args.command == "record"
+    assert args.peers_from == ["file", "/etc/stallwatch/peers"]
+    # the unit's comment shows the same option
+    assert "--peers-from file /etc/stallwatch/peers" in UNIT.read_text()
     assert option(argv, "--listen") == "127.0.0.1:9400"
 
 
@@ -639,6 +644,31 @@ def test_daemonset_args_parse_with_the_real_cli(agent: Doc) -> None:
     assert [p["containerPort"] for p in agent["ports"]] == [port]
 
 
+def test_daemonset_finds_its_peers_through_a_headless_service(
+    manifests: list[Doc], pod: Doc, agent: Doc
+) -> None:
+    """The agents' --peers-from names the manifest's headless Service, which
+    selects the agent pods on the agents' port; resolved (by a fake DNS), it
+    gives the other nodes' agents and never the pod's own."""
+    from stallwatch.cli import build_parser
+    from stallwatch.recorder.peers import peer_source, self_names
+
+    service = of_kind(manifests, "Service")
+    spec = service["spec"]
+    assert spec["clusterIP"] == "None" and spec["publishNotReadyAddresses"] is True
+    ds = of_kind(manifests, "DaemonSet")
+    assert spec["selector"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    args = build_parser().parse_args(k8s_argv(agent)[1:])
+    port = int(args.listen.rpartition(":")[2])
+    assert [(p["port"], p["targetPort"]) for p in spec["ports"]] == [(port, port)]
+    kind, name = args.peers_from
+    meta = service["metadata"]
+    assert (kind, name) == ("k8s-service", f"{meta['name']}.{meta['namespace']}.svc")
+    answers = {name: ["10.1.2.1", "10.1.2.3", "10.1.2.9"]}  # 10.1.2.3: this pod's node
+    source = peer_source(args.peers_from, self_names(args.listen), answers.__getitem__)
+    assert source.peers() == (f"10.1.2.1:{port}", f"10.1.2.9:{port}")
+
+
 def cpu_millis(q: str) -> float:
     return float(q[:-1]) if q.endswith("m") else float(q) * 1000
 
@@ -738,7 +768,7 @@ def test_daemonset_probe_passes_the_agents_token_check(agent: Doc, tmp_path: Pat
 
 FAKE_AGENT = """\
 #!{python}
-# A stand-in for `stallwatch record`: records its argv, serves GET /healthz on
+# A stand-in for `stallwatch record`: records its argv and Slurm environment, serves GET /healthz on
 # --listen's port (bearer token checked as the real agent does), writes two
 # dumps, and exits 0 on SIGTERM (unless FAKE_IGNORE_TERM is set).
 import http.server, json, os, signal, sys, threading
@@ -750,6 +780,8 @@ if "--cleanup" in argv:  # the epilog unpins the job's recording
     (state / "cleanup.json").write_text(json.dumps(argv))
     sys.exit(0)
 (state / "argv.json").write_text(json.dumps(argv))
+slurm = {{k: v for k, v in os.environ.items() if k.startswith(("SLURM_", "SLURMD_"))}}
+(state / "env.json").write_text(json.dumps(slurm))
 opt = lambda name: argv[argv.index(name) + 1] if name in argv else None
 token = Path(opt("--token-file")).read_text().strip() if opt("--token-file") else None
 tls = opt("--tls-cert") is not None  # plain HTTP then gets the real agent's 400
@@ -780,14 +812,6 @@ def stop(signum, frame):
 signal.signal(signal.SIGTERM, signal.SIG_IGN if os.environ.get("FAKE_IGNORE_TERM") else stop)
 while True:
     signal.pause()
-"""
-
-FAKE_SCONTROL = """\
-#!/bin/sh
-# scontrol show hostnames LIST: the expansion is given by the test.
-[ "$1 $2" = "show hostnames" ] || exit 1
-[ "$3" = "$FAKE_NODELIST" ] || exit 1
-for h in $FAKE_HOSTS; do echo "$h"; done
 """
 
 
@@ -834,7 +858,6 @@ def write_executable(path: Path, text: str) -> None:
 def node(tmp_path: Path) -> Iterator[SlurmNode]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    write_executable(bin_dir / "scontrol", FAKE_SCONTROL)
     write_executable(bin_dir / "stallwatch", FAKE_AGENT.format(python=sys.executable))
     (tmp_path / "fake").mkdir()
     token = tmp_path / "token"
@@ -850,8 +873,6 @@ def node(tmp_path: Path) -> Iterator[SlurmNode]:
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NODELIST": "gpu[1-3]",
         "SLURMD_NODENAME": "gpu2",
-        "FAKE_NODELIST": "gpu[1-3]",
-        "FAKE_HOSTS": "gpu1 gpu2 gpu3",
         "FAKE_STATE": str(tmp_path / "fake"),
         "STALLWATCH_CONF": str(tmp_path / "no-such-conf"),
         "STALLWATCH_BIN": str(bin_dir / "stallwatch"),
@@ -864,6 +885,8 @@ def node(tmp_path: Path) -> Iterator[SlurmNode]:
         "STALLWATCH_COLLECT_DIR": str(tmp_path / "shared"),
         "STALLWATCH_PIN_ROOT": str(pins.pin_dir("slurm")),
     }
+    if "PYTHONPATH" in os.environ:  # the checkout under test, not only the installed one
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     n = SlurmNode(env, tmp_path / "fake", tmp_path / "state", tmp_path / "shared", port)
     yield n
     pid = n.pid_file.read_text().strip() if n.pid_file.exists() else ""
@@ -918,8 +941,8 @@ def test_prolog_starts_one_agent_for_the_job(node: SlurmNode) -> None:
         f"{tls}/node.key",
         "--tls-ca",
         f"{tls}/ca.pem",
-        "--peers",
-        f"gpu1:{port},gpu3:{port}",
+        "--peers-from",
+        "slurm",
     ]
     pid = int(node.pid_file.read_text())
     assert alive(pid)
@@ -1005,13 +1028,35 @@ def test_prolog_asks_for_client_certificates_when_told(node: SlurmNode) -> None:
     assert option(node.argv(), "--tls-client-ca") == f"{tls}/ca.pem"
 
 
-def test_prolog_single_node_job_has_no_peers_and_takes_extra_args(node: SlurmNode) -> None:
+def test_prolog_takes_extra_args(node: SlurmNode) -> None:
     extra = "--lib /opt/nccl/lib/libnccl.so.2 --scope host"
-    proc = node.run("prolog.sh", FAKE_HOSTS="gpu2", STALLWATCH_EXTRA_ARGS=extra)
+    proc = node.run("prolog.sh", STALLWATCH_EXTRA_ARGS=extra)
     assert proc.returncode == 0, proc.stderr
-    argv = node.argv()
-    assert "--peers" not in argv
-    assert argv[-4:] == extra.split()
+    assert node.argv()[-4:] == extra.split()
+
+
+def test_prolog_agent_finds_the_jobs_other_nodes(
+    node: SlurmNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent the prolog starts inherits its environment, and expands the
+    job's node list as Slurm does, leaving itself out."""
+    from stallwatch.cli import build_parser
+    from stallwatch.recorder.peers import peer_source, self_names
+
+    assert node.run("prolog.sh", SLURM_JOB_NODELIST="gpu[1-3],io[07-08]").returncode == 0
+    args = build_parser().parse_args(node.argv())
+    env = json.loads((node.state / "env.json").read_text())
+    assert env["SLURM_JOB_NODELIST"] == "gpu[1-3],io[07-08]"
+    for key in ("SLURM_JOB_NODELIST", "SLURMD_NODENAME"):
+        monkeypatch.setenv(key, env[key])
+    source = peer_source(args.peers_from, self_names(args.listen, args.host_name))
+    port = node.port
+    assert source.peers() == (f"gpu1:{port}", f"gpu3:{port}", f"io07:{port}", f"io08:{port}")
+
+
+def test_prolog_single_node_job_has_no_peers(node: SlurmNode) -> None:
+    assert node.run("prolog.sh", SLURM_JOB_NODELIST="", SLURMD_NODENAME="gpu2").returncode == 0
+    assert "--peers-from" not in node.argv() and "--peers" not in node.argv()
 
 
 @pytest.mark.bpf
@@ -1022,7 +1067,7 @@ def test_slurm_scripts_run_the_real_agent(node: SlurmNode) -> None:
         "STALLWATCH_BIN": str(STALLWATCH),
         "STALLWATCH_READY_TIMEOUT": "90",
         # Peers on loopback (no traffic leaves the machine): the agent itself.
-        "FAKE_HOSTS": "127.0.0.2 gpu2 127.0.0.3",
+        "SLURM_JOB_NODELIST": "127.0.0.[2-3],gpu2",
     }
     proc = node.run("prolog.sh", **real)
     assert proc.returncode == 0, proc.stderr

@@ -1110,3 +1110,132 @@ def test_prolog_never_fails_the_job(node: SlurmNode) -> None:
     assert proc.returncode == 0
     assert "not executable" in proc.stderr
     assert not node.pid_file.exists()
+
+
+# --------------------------------------------------------------------------- the image
+#
+# No container engine runs here, so the image is not built by the suite: its
+# install steps are read and held against the ones scripts/setup runs.
+
+CONTAINERFILE = DEPLOY / "container" / "Containerfile"
+SETUP = ROOT / "scripts" / "setup"
+
+
+@dataclass(frozen=True, slots=True)
+class Instruction:
+    keyword: str
+    text: str
+
+
+def containerfile_stages(text: str) -> list[list[Instruction]]:
+    """Instructions, continuation lines joined, one list per FROM."""
+    stages: list[list[Instruction]] = []
+    for line in re.sub(r"\\\n", " ", text).splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        keyword, _, rest = line.partition(" ")
+        if keyword.upper() == "FROM":
+            stages.append([])
+        assert stages, f"{CONTAINERFILE.name}: {keyword} before FROM"
+        stages[-1].append(Instruction(keyword.upper(), rest.strip()))
+    return stages
+
+
+def shell_commands(stage: list[Instruction]) -> list[list[str]]:
+    """Each command of the stage's RUN lines, as words (quotes kept whole)."""
+    commands: list[list[str]] = []
+    for ins in stage:
+        if ins.keyword != "RUN":
+            continue
+        lexer = shlex.shlex(ins.text, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        current: list[str] = []
+        for token in lexer:
+            if token in {"&&", ";", "||", "|"}:
+                commands.append(current)
+                current = []
+            else:
+                current.append(token)
+        commands.append(current)
+    return [c for c in commands if c]
+
+
+def bash_array(script: Path, name: str) -> list[str]:
+    """An array of a bash script's package lists, as bash itself reads it."""
+    lists = re.findall(r"^\w*DEBS=\(.*?\)$", script.read_text(), re.M | re.S)
+    program = "\n".join(lists) + f'\nprintf "%s\\n" "${{{name}[@]}}"'
+    done = subprocess.run(["bash", "-c", program], capture_output=True, text=True, check=True)
+    return done.stdout.split()
+
+
+@pytest.fixture(scope="module")
+def agent_stage() -> list[Instruction]:
+    *_, final = containerfile_stages(CONTAINERFILE.read_text())
+    return final
+
+
+def apt_packages(commands: list[list[str]]) -> list[str]:
+    """The packages of the one ``apt-get install`` (after any VAR=value)."""
+    bare = [[w for w in c if not re.fullmatch(r"[A-Z_]+=\S*", w)] for c in commands]
+    (install,) = [c for c in bare if c[:1] == ["apt-get"] and "install" in c]
+    return [w for w in install[install.index("install") + 1 :] if not w.startswith("-")]
+
+
+def test_image_installs_the_debian_packages_setup_names_for_the_agent(
+    agent_stage: list[Instruction],
+) -> None:
+    agent_debs = bash_array(SETUP, "AGENT_DEBS")
+    everything = bash_array(SETUP, "DEBS")
+    assert agent_debs and set(agent_debs) < set(everything)  # setup installs them too
+    commands = shell_commands(agent_stage)
+    assert apt_packages(commands) == agent_debs
+    # the kernel headers are the node's, mounted by the DaemonSet
+    assert "linux-headers-amd64" in bash_array(SETUP, "NODE_DEBS")
+    assert not any("linux-headers" in w for c in commands for w in c)
+
+
+def test_image_installs_the_wheel_with_setups_lock_and_bcc_link(
+    agent_stage: list[Instruction],
+) -> None:
+    setup = SETUP.read_text()
+    (lock,) = re.findall(r"^LOCK=\$\{STALLWATCH_LOCK-(\S+)\}$", setup, re.M)
+    copies = {
+        words[-1]: words[:-1]
+        for ins in agent_stage
+        if ins.keyword == "COPY"
+        for words in [ins.text.split()]
+    }
+    commands = shell_commands(agent_stage)
+    (pip,) = [c for c in commands if c[1:4] == ["-m", "pip", "install"]]
+    constraints = pip[pip.index("-c") + 1]
+    assert copies[constraints] == [lock]  # the very file setup installs from
+    assert (ROOT / lock).is_file()
+    assert any(w.endswith(".whl") for w in pip) and "-e" not in pip
+    # Debian's BCC module linked into the environment, as setup links it
+    (setup_link,) = re.findall(r"^ln -sfn (\S+) ", setup, re.M)
+    links = [c for c in commands if c[:2] == ["ln", "-sfn"]]
+    assert [c[2] for c in links] == [setup_link]
+    # the venv where the unit and the Slurm scripts expect it, on PATH
+    env = " ".join(i.text for i in agent_stage if i.keyword == "ENV")
+    assert "PATH=/opt/stallwatch/.venv/bin:" in env
+    assert "/opt/stallwatch/.venv/bin/stallwatch" in UNIT.read_text()
+
+
+def test_image_wheel_stage_copies_every_part(agent_stage: list[Instruction]) -> None:
+    """stallwatch/<part> links to top-level folders: each must be in the build."""
+    wheel_stage, _ = containerfile_stages(CONTAINERFILE.read_text())
+    copied = {ins.text.split()[0] for ins in wheel_stage if ins.keyword == "COPY"}
+    links = {p.readlink().name for p in (ROOT / "stallwatch").iterdir() if p.is_symlink()}
+    assert links and links | {"stallwatch", "pyproject.toml"} <= copied
+
+
+def test_daemonset_runs_the_image_by_its_name(agent: Doc) -> None:
+    from stallwatch import __version__
+
+    name = f"stallwatch-agent:{__version__}"
+    assert agent["image"] == name
+    text = CONTAINERFILE.read_text()
+    assert f"-t {name} ." in text
+    assert f'org.opencontainers.image.version="{__version__}"' in text
+    assert f"-t {name} ." in DAEMONSET.read_text()  # the manifest says how it is built

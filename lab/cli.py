@@ -70,6 +70,9 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--mode", choices=MODES, default="blocking",
                    help="blocking collectives; async: returning at once like real NCCL; gpu: on "
                    "CUDA streams of the lab's libcudart, used as PyTorch does")  # fmt: skip
+    p.add_argument("--graphs", action="store_true",
+                   help="gpu mode: capture each step's collectives in a CUDA graph once and "
+                   "replay it every step")  # fmt: skip
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="a fault to inject (repeatable; specs below)")  # fmt: skip
     p.add_argument("--record", action="store_true", help="one stallwatch agent per node")
@@ -118,12 +121,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise LabError("--dump-at-end needs --record (the agents write the dumps)")
     if args.late_agents and not args.record:
         raise LabError("--late-agents needs --record")
+    if args.graphs and args.mode != "gpu":
+        raise LabError("--graphs needs --mode gpu (graphs are captured on CUDA streams)")
 
     cfg = runner.RunConfig(
         nodes=args.nodes,
         ranks_per_node=args.ranks_per_node,
         steps=args.steps,
         mode=args.mode,
+        graphs=args.graphs,
         faults=F.parse_faults(args.fault),
         record=args.record,
         dump_dir=args.dump_dir,

@@ -29,7 +29,7 @@ from typing import Any
 
 from stallwatch.dumpers.errors import LabError
 
-__all__ = ["FOREVER", "CudaError", "CudaResult", "LabCudart"]
+__all__ = ["FOREVER", "CaptureMode", "CaptureStatus", "CudaError", "CudaResult", "LabCudart"]
 
 FOREVER = (1 << 64) - 1  # labLaunchKernel: a device that never finishes
 STREAM_NON_BLOCKING = 0x01
@@ -47,10 +47,30 @@ class CudaResult(enum.IntEnum):
     NO_DEVICE = 100
     INVALID_DEVICE = 101
     INVALID_RESOURCE_HANDLE = 400
+    ILLEGAL_STATE = 401
     NOT_READY = 600
     LAUNCH_FAILURE = 719
     NOT_SUPPORTED = 801
+    STREAM_CAPTURE_UNSUPPORTED = 900
+    STREAM_CAPTURE_INVALIDATED = 901
+    STREAM_CAPTURE_UNMATCHED = 903
     UNKNOWN = 999
+
+
+class CaptureMode(enum.IntEnum):
+    """``cudaStreamCaptureMode``."""
+
+    GLOBAL = 0
+    THREAD_LOCAL = 1
+    RELAXED = 2
+
+
+class CaptureStatus(enum.IntEnum):
+    """``cudaStreamCaptureStatus``."""
+
+    NONE = 0
+    ACTIVE = 1
+    INVALIDATED = 2
 
 
 class CudaError(LabError):
@@ -89,6 +109,14 @@ _PROTOTYPES: dict[str, tuple[Any, ...]] = {
     "cudaEventSynchronize": (_P,),
     "cudaEventElapsedTime": (ctypes.POINTER(ctypes.c_float), _P, _P),
     "cudaEventDestroy": (_P,),
+    "cudaStreamBeginCapture": (_P, _I),
+    "cudaStreamEndCapture": (_P, ctypes.POINTER(_P)),
+    "cudaStreamIsCapturing": (_P, ctypes.POINTER(_I)),
+    "cudaGraphInstantiate": (ctypes.POINTER(_P), _P, ctypes.c_ulonglong),
+    "cudaGraphInstantiateWithFlags": (ctypes.POINTER(_P), _P, ctypes.c_ulonglong),
+    "cudaGraphLaunch": (_P, _P),
+    "cudaGraphExecDestroy": (_P,),
+    "cudaGraphDestroy": (_P,),
     "labLaunchKernel": (_P, ctypes.c_ulonglong),
     "labStreamPending": (_P, ctypes.POINTER(ctypes.c_ulonglong)),
 }
@@ -207,3 +235,34 @@ class LabCudart:
         n = ctypes.c_ulonglong()
         self._call("labStreamPending", stream, ctypes.byref(n))
         return int(n.value)
+
+    # --- stream capture and graphs ---
+
+    def begin_capture(self, stream: int, mode: CaptureMode = CaptureMode.THREAD_LOCAL) -> None:
+        """Work enqueued on ``stream`` from now on is captured, not run."""
+        self._call("cudaStreamBeginCapture", stream, int(mode))
+
+    def end_capture(self, stream: int) -> int:
+        """The graph captured on ``stream`` since :meth:`begin_capture`."""
+        out = _P()
+        self._call("cudaStreamEndCapture", stream, ctypes.byref(out))
+        return int(out.value or 0)
+
+    def capture_status(self, stream: int | None) -> CaptureStatus:
+        status = _I()
+        self._call("cudaStreamIsCapturing", stream, ctypes.byref(status))
+        return CaptureStatus(status.value)
+
+    def graph_instantiate(self, graph: int) -> int:
+        out = _P()
+        self._call("cudaGraphInstantiate", ctypes.byref(out), graph, 0)
+        return int(out.value or 0)
+
+    def graph_launch(self, exec_: int, stream: int | None) -> None:
+        self._call("cudaGraphLaunch", exec_, stream)
+
+    def graph_exec_destroy(self, exec_: int) -> None:
+        self._call("cudaGraphExecDestroy", exec_)
+
+    def graph_destroy(self, graph: int) -> None:
+        self._call("cudaGraphDestroy", graph)

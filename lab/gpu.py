@@ -43,7 +43,7 @@ class Work:
 
     label: str
     index: int  # the n-th work on this label's stream
-    kind: str  # "coll" or "p2p"
+    kind: str  # "coll", "p2p", or "graph" (a graph launch: the step's collectives)
     start: int
     end: int
     returned_ns: int = 0

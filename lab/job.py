@@ -23,6 +23,14 @@ compute stream, events around each collective, a watchdog thread polling
 them, one stream synchronisation per step), and the report logs when each
 collective returned and when the host first saw it complete.
 
+With ``--graphs`` (gpu mode) the step's collectives are captured once, in
+order, on one NCCL stream into a CUDA graph (stream capture, as PyTorch's
+CUDA graphs do) and every step is one ``cudaGraphLaunch`` of it, between
+the same events as a single collective: the step's inputs are copied into
+the captured buffers before the launch and the results out after the step's
+synchronisation.  A rank with a mismatch fault at step S captures a second
+graph with the mismatched call at S and launches that one instead.
+
 In-rank faults (``lab.faults``): hang, slow, mismatch (applied to the loss
 AllReduce on world, the one collective every rank joins), crash; in gpu mode
 gpuslow (longer device compute) and gpuhang (the device stops).
@@ -147,8 +155,11 @@ class Nccl:
             raise LabError(f"{path} is not the lab's library (no labStreamSynchronize)")
         self.calls: defaultdict[str, defaultdict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.failed_call: str | None = None  # the NCCL call that returned an error
+        self.replaying = False  # --graphs: the step's calls are a graph launch, not made
 
     def __call__(self, symbol: str, label: str, *args: Any) -> None:
+        if self.replaying:
+            return
         self.calls[symbol][label] += 1
         rc = int(self.api.raw(symbol, *args))
         if rc != 0:
@@ -224,6 +235,7 @@ class Rank:
     compute_cpu: float = 0.0
     keep: list[npt.NDArray[Any]] = field(default_factory=list)
     gpu: Device | None = None
+    graphs: Graphs | None = None
     device_stopped: str | None = None  # the gpuhang fault fired
 
     @property
@@ -272,6 +284,42 @@ class Rank:
         busy(ms)
         self.compute_wall += time.perf_counter() - wall
         self.compute_cpu += time.thread_time() - cpu
+
+
+@dataclass(slots=True)
+class Graphs:
+    """``--graphs``: the step's collectives captured once, launched each step.
+
+    While a step's collectives are captured every buffer they are given is
+    kept (``capturing``), in call order; while they are replayed the same
+    code runs without calling NCCL and each buffer it makes is bound to the
+    captured one at its place: its contents copied in before the launch and
+    the captured results copied back after the step's synchronisation."""
+
+    stream: int
+    exec_: int = 0  # the step graph's executable, 0 until captured
+    buffers: list[npt.NDArray[Any]] = field(default_factory=list)
+    capturing: list[npt.NDArray[Any]] | None = None
+    bound: list[tuple[npt.NDArray[Any], npt.NDArray[Any]]] | None = None
+
+    def buffer(self, array: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """The array a call of this step really gets."""
+        if self.capturing is not None:
+            self.capturing.append(array)
+            return array
+        if self.bound is None:
+            return array
+        if len(self.bound) >= len(self.buffers):
+            raise LabError("a replayed step passed more buffers than its graph captured")
+        captured = self.buffers[len(self.bound)]
+        captured[...] = array
+        self.bound.append((captured, array))
+        return captured
+
+    def copy_back(self) -> None:
+        for captured, array in self.bound or ():
+            array[...] = captured
+        self.bound = None
 
 
 def _comm_json(comm: Comm) -> dict[str, Any]:
@@ -364,10 +412,10 @@ def run_step(r: Rank, step: int) -> None:
     else:
         device_compute(r, r.gpu, step, slow.ms if isinstance(slow, F.Slow) else 0.0)
     inject_before_collectives(r, step)
-    checks: list[Check] = []
-    checks += tp_collectives(r, step)
-    checks += dp_collectives(r, step)
-    checks += world_collectives(r, step)
+    if r.gpu is not None and r.graphs is not None:
+        checks = graph_step(r, r.gpu, r.graphs, step)
+    else:
+        checks = step_collectives(r, step)
     if r.args.mode == "async":
         for label in ("tp", "dp", "world"):
             r.nccl("labStreamSynchronize", label, ctypes.c_void_p(r.comms[label].handle))
@@ -375,9 +423,53 @@ def run_step(r: Rank, step: int) -> None:
         # what was queued is known even if the synchronisation never returns
         r.report(STATUS_HUNG if r.device_stopped else STATUS_RUNNING, error=r.device_stopped)
         r.gpu.synchronize()
+    if r.graphs is not None:
+        r.graphs.copy_back()
     verify(r, checks)
     r.keep.clear()
     r.step_ms.append((time.monotonic_ns() - started) / 1e6)
+
+
+def step_collectives(r: Rank, step: int) -> list[Check]:
+    return [*tp_collectives(r, step), *dp_collectives(r, step), *world_collectives(r, step)]
+
+
+def graph_step(r: Rank, gpu: Device, g: Graphs, step: int) -> list[Check]:
+    """The step as one launch: of the step graph, captured at the first step
+    (and again after a step that launched another), or of a graph of its own
+    for a step whose calls differ on this rank (a mismatch fault)."""
+    own = r.fault(F.Mismatch, step) is not None
+    if own or not g.exec_:
+        checks, buffers, exec_ = capture_step(r, gpu, g, step)
+        if not own:
+            g.exec_, g.buffers = exec_, buffers
+    else:
+        g.bound, exec_ = [], g.exec_
+        r.nccl.replaying = True
+        try:
+            checks = step_collectives(r, step)
+        finally:
+            r.nccl.replaying = False
+    with gpu.collective("graph", "graph") as stream:
+        gpu.rt.graph_launch(exec_, stream)
+    if own:
+        gpu.rt.graph_exec_destroy(exec_)  # its launch, queued, still runs
+    return checks
+
+
+def capture_step(
+    r: Rank, gpu: Device, g: Graphs, step: int
+) -> tuple[list[Check], list[npt.NDArray[Any]], int]:
+    g.capturing = []
+    gpu.rt.begin_capture(g.stream)
+    try:
+        checks = step_collectives(r, step)
+    finally:
+        graph = gpu.rt.end_capture(g.stream)
+        buffers, g.capturing = g.capturing, None
+    exec_ = gpu.rt.graph_instantiate(graph)
+    gpu.rt.graph_destroy(graph)
+    return checks, buffers, exec_
 
 
 def device_compute(r: Rank, gpu: Device, step: int, host_ms: float) -> None:
@@ -400,6 +492,9 @@ def on_device(r: Rank, label: str, kind: str = "coll") -> Iterator[ctypes.c_void
     if r.gpu is None:
         yield None
         return
+    if r.graphs is not None:  # captured on the graph's stream (replayed: no call at all)
+        yield ctypes.c_void_p(r.graphs.stream)
+        return
     with r.gpu.collective(label, kind) as stream:
         yield ctypes.c_void_p(stream)
 
@@ -419,6 +514,8 @@ def inject_before_collectives(r: Rank, step: int) -> None:
 
 def _buf(r: Rank, array: npt.NDArray[Any]) -> ctypes.c_void_p:
     r.keep.append(array)  # async mode: the buffer must outlive the call
+    if r.graphs is not None:
+        array = r.graphs.buffer(array)
     return ctypes.c_void_p(_ptr(array))
 
 
@@ -482,7 +579,8 @@ def pipeline(r: Rank, step: int, dp: Comm) -> list[Check]:
 
 def world_collectives(r: Rank, step: int) -> list[Check]:
     world = r.comms["world"]
-    root, n = step % world.nranks, r.sizes.bcast
+    # a graph's calls keep the arguments they were captured with: one root
+    root, n = (0 if r.graphs is not None else step % world.nranks), r.sizes.bcast
     data = pattern(n, root + 1, step) if world.rank == root else np.zeros(n, np.float32)
     with on_device(r, "world") as s:
         r.nccl(
@@ -544,6 +642,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help=f"gpu mode: the lab's {CUDART_NAME} (default: beside --lib)")  # fmt: skip
     p.add_argument("--poll-ms", type=float, default=DEFAULT_POLL_MS,
                    help="gpu mode: how often the watchdog thread polls its events")  # fmt: skip
+    p.add_argument("--graphs", action="store_true",
+                   help="gpu mode: the step in a CUDA graph, captured once")  # fmt: skip
     p.add_argument("--fault", action="append", default=[])
     p.add_argument("--elements", type=int, default=DEFAULT_ELEMENTS)
     p.add_argument("--compute-ms", type=float, default=DEFAULT_COMPUTE_MS)
@@ -562,9 +662,14 @@ def start(args: argparse.Namespace) -> Rank:
     topo = F.Topology(args.nodes, args.ranks_per_node)
     faults = F.for_rank(F.parse_faults(args.fault), args.rank)
     rank = Rank(args, topo, Nccl(args.lib), faults, Sizes.from_elements(args.elements))
+    if args.graphs and args.mode != "gpu":
+        raise LabError("--graphs needs --mode gpu (graphs are captured on CUDA streams)")
     if args.mode == "gpu":
         cudart = args.cudart or Path(args.lib).parent / CUDART_NAME
-        rank.gpu = Device.open(cudart, ("tp", "dp", "world"), args.poll_ms)
+        labels = ("tp", "dp", "world", "graph") if args.graphs else ("tp", "dp", "world")
+        rank.gpu = Device.open(cudart, labels, args.poll_ms)
+        if args.graphs:
+            rank.graphs = Graphs(rank.gpu.streams["graph"])
     return rank
 
 

@@ -89,6 +89,7 @@ class RunConfig:
     ranks_per_node: int = 2
     steps: int = 20
     mode: str = "blocking"
+    graphs: bool = False  # gpu mode: each step's collectives one CUDA graph launch
     faults: tuple[F.Fault, ...] = ()
     record: bool = False
     dump_dir: Path = Path("dumps")
@@ -447,6 +448,8 @@ def rank_argv(lab: Lab, rank: int) -> list[str]:
     argv += ["--ranks-per-node", str(cfg.ranks_per_node), "--steps", str(cfg.steps)]
     argv += ["--run-dir", str(lab.run_dir), "--lib", str(lab.lib), "--mode", cfg.mode]
     argv += ["--elements", str(cfg.elements), "--compute-ms", f"{cfg.compute_ms:g}"]
+    if cfg.graphs:
+        argv.append("--graphs")
     for fault in F.for_rank(cfg.faults, rank):
         argv += ["--fault", F.format_fault(fault)]
     if any(isinstance(f, F.CpuHog) for f in cfg.faults):

@@ -143,14 +143,37 @@ static void cudaStreamWorkMain(void *arg) {
     pthread_mutex_unlock(&c->mu);
 }
 
+/* A captured op runs once per launch of its graph: it is never freed by a
+ * run, nor counted as queued (the graph's launches are not NCCL calls). */
+static void cudaGraphWorkMain(void *arg) {
+    labWork *w = arg;
+    ncclComm_t c = w->ops[0].comm;
+    if (!atomic_load(&c->aborting)) execute(c, w->ops, w->nops);
+}
+
+static ncclResult_t captureOnStream(ncclComm_t c, labWork *w) {
+    ncclResult_t res = labLaunchHost(c, w->ops[0].stream, cudaGraphWorkMain, w, labOpName(w->ops[0].kind));
+    if (res != ncclSuccess) {
+        free(w);
+        return res;
+    }
+    pthread_mutex_lock(&c->mu);
+    w->next = c->captured;
+    c->captured = w;
+    pthread_mutex_unlock(&c->mu);
+    return ncclSuccess;
+}
+
 /* The ops run, in order, when the stream reaches them; errors after the
- * launch are the comm's sticky error, as on the async mode's own thread. */
+ * launch are the comm's sticky error, as on the async mode's own thread.
+ * On a stream being captured they become a node of its graph instead. */
 static ncclResult_t launchOnStream(ncclComm_t c, const labOp *ops, int nops) {
     labWork *w = malloc(sizeof *w + sizeof *ops * (size_t)nops);
     if (!w) return labError(c, ncclSystemError, "out of memory");
     w->next = NULL;
     w->nops = nops;
     memcpy(w->ops, ops, sizeof *ops * (size_t)nops);
+    if (labStreamCapturing(ops[0].stream)) return captureOnStream(c, w);
     pthread_mutex_lock(&c->mu);
     c->onStreams++;
     pthread_mutex_unlock(&c->mu);
@@ -196,6 +219,11 @@ static void stopStream(ncclComm_t c, int discard) {
 /* ---- communicator lifecycle ---- */
 
 static void freeComm(ncclComm_t c) {
+    while (c->captured) {
+        labWork *w = c->captured;
+        c->captured = w->next;
+        free(w);
+    }
     for (int i = 0; c->fds && i < c->nranks; i++)
         if (c->fds[i] >= 0) close(c->fds[i]);
     free(c->fds);

@@ -13,10 +13,13 @@
 
 typedef cudaError_t (*launchFn)(cudaStream_t, cudaHostFn_t, void *);
 typedef const char *(*errorStringFn)(cudaError_t);
+typedef cudaError_t (*captureInfoFn)(cudaStream_t, enum cudaStreamCaptureStatus *, unsigned long long *,
+                                     cudaGraph_t *, const cudaGraphNode_t **, size_t *);
 
 static pthread_once_t gOnce = PTHREAD_ONCE_INIT;
 static launchFn gLaunch;
 static errorStringFn gErrorString;
+static captureInfoFn gCaptureInfo; /* optional: a runtime without graphs never captures */
 static char gWhy[256];
 
 static void load(void) {
@@ -27,6 +30,7 @@ static void load(void) {
     }
     gLaunch = (launchFn)dlsym(rt, "cudaLaunchHostFunc");
     gErrorString = (errorStringFn)dlsym(rt, "cudaGetErrorString");
+    gCaptureInfo = (captureInfoFn)dlsym(rt, "cudaStreamGetCaptureInfo");
     if (!gLaunch || !gErrorString)
         snprintf(gWhy, sizeof gWhy, "%s has no cudaLaunchHostFunc or cudaGetErrorString", CUDART_SONAME);
 }
@@ -41,4 +45,13 @@ ncclResult_t labLaunchHost(ncclComm_t c, cudaStream_t stream, void (*fn)(void *)
         return labError(c, ncclUnhandledCudaError, "%s on stream %p: cudaLaunchHostFunc: %s (%d)", what,
                         (void *)stream, gErrorString(err), (int)err);
     return ncclSuccess;
+}
+
+/* Whether `stream` is being captured into a graph (as NCCL asks, with
+ * cudaStreamGetCaptureInfo); 0 where the runtime cannot say. */
+int labStreamCapturing(cudaStream_t stream) {
+    pthread_once(&gOnce, load);
+    enum cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (!gCaptureInfo || gCaptureInfo(stream, &status, NULL, NULL, NULL, NULL) != cudaSuccess) return 0;
+    return status == cudaStreamCaptureStatusActive;
 }

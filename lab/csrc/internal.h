@@ -87,6 +87,7 @@ struct ncclComm {
     int active; /* API calls inside this comm right now (guarded by registry lock) */
 
     int onStreams; /* ops queued on CUDA streams and not yet run (guarded by mu) */
+    labWork *captured; /* ops captured into CUDA graphs: run at each launch, freed with the comm */
 
     /* the background "stream" of async mode */
     pthread_t stream;
@@ -108,6 +109,7 @@ const char *labLastError(void);
 /* cuda.c: runs fn(arg) on a stream of the process's CUDA runtime */
 ncclResult_t labLaunchHost(ncclComm_t c, cudaStream_t stream, void (*fn)(void *), void *arg,
                            const char *what);
+int labStreamCapturing(cudaStream_t stream);
 
 /* comm.c */
 ncclResult_t labCreateComm(ncclComm_t *out, int rank, int nranks, uint64_t tag, int listenFd,

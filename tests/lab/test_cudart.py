@@ -4,6 +4,7 @@ and the lab's libnccl running collectives on the stream it is given."""
 
 from __future__ import annotations
 
+import ctypes
 import re
 import subprocess
 import threading
@@ -15,7 +16,7 @@ import pytest
 
 from stallwatch.dumpers.schema import DataType, RedOp, Result
 from stallwatch.lab.build import cudart_path, ensure_built, ensure_cudart
-from stallwatch.lab.cudart import FOREVER, CudaError, CudaResult, LabCudart
+from stallwatch.lab.cudart import FOREVER, CaptureStatus, CudaError, CudaResult, LabCudart
 from stallwatch.lab.nccl import LabNccl, NcclError
 
 MS = 1_000_000
@@ -185,3 +186,75 @@ def test_a_variant_without_frame_pointers_builds_apart() -> None:
     assert any(not first.get(s, "").startswith("push   %rbp") for s in _exports(nofp)
                if s.startswith("ncclComm"))  # fmt: skip
     assert cudart_path().parent == default.parent
+
+
+def test_a_capture_records_work_as_nodes_and_each_launch_replays_them_in_order(
+    rt: LabCudart,
+) -> None:
+    s, other = rt.stream_create(non_blocking=True), rt.stream_create()
+    done = rt.event_create(disable_timing=True)
+    order: list[str] = []
+    rt.begin_capture(s)
+    assert rt.capture_status(s) is CaptureStatus.ACTIVE
+    assert rt.capture_status(other) is CaptureStatus.NONE
+    rt.launch_kernel(s, 30 * MS)
+    rt.launch_host_func(s, lambda: order.append("a"))
+    rt.event_record(done, s)
+    rt.launch_host_func(s, lambda: order.append("b"))
+    assert rt.raw("cudaStreamSynchronize", s) == CudaResult.STREAM_CAPTURE_UNSUPPORTED
+    assert rt.capture_status(s) is CaptureStatus.INVALIDATED  # CUDA's rule: no syncing a capture
+    with pytest.raises(CudaError, match="cudaErrorStreamCaptureInvalidated"):
+        rt.end_capture(s)
+    assert rt.capture_status(s) is CaptureStatus.NONE
+    rt.begin_capture(s)
+    rt.launch_kernel(s, 30 * MS)
+    rt.launch_host_func(s, lambda: order.append("a"))
+    rt.event_record(done, s)
+    rt.launch_host_func(s, lambda: order.append("b"))
+    graph = rt.end_capture(s)
+    time.sleep(0.05)
+    assert order == [] and rt.pending(s) == 0  # captured, not run
+    exec_ = rt.graph_instantiate(graph)
+    rt.graph_destroy(graph)  # the executable keeps its own copy
+    rt.graph_launch(exec_, s)
+    assert rt.event_query(done) == CudaResult.NOT_READY  # the record node is this launch's
+    rt.graph_launch(exec_, s)
+    rt.stream_synchronize(s)
+    assert order == ["a", "b", "a", "b"] and rt.event_query(done) == CudaResult.SUCCESS
+    rt.graph_launch(exec_, other)  # any stream
+    rt.stream_synchronize(other)
+    assert order == ["a", "b"] * 3
+    rt.graph_exec_destroy(exec_)
+    assert rt.raw("cudaGraphLaunch", exec_, s) == CudaResult.INVALID_RESOURCE_HANDLE
+    assert rt.raw("cudaStreamEndCapture", s, ctypes.byref(ctypes.c_void_p())) == (
+        CudaResult.STREAM_CAPTURE_UNMATCHED
+    )
+    assert rt.raw("cudaStreamBeginCapture", None, 0) == CudaResult.STREAM_CAPTURE_UNSUPPORTED
+
+
+def test_libnccl_captures_a_collective_on_a_capturing_stream_and_runs_it_per_launch(
+    rt: LabCudart,
+) -> None:
+    """Two ranks as threads: the AllReduce captured on each rank's stream runs
+    only when the graph is launched, once per launch, on fresh inputs."""
+    nccl = LabNccl(ensure_built())
+    comms = nccl.comm_init_all(2)
+    streams = [rt.stream_create(non_blocking=True) for _ in comms]
+    bufs = [np.zeros(1000, np.float32) for _ in comms]
+    for k in range(2):
+        rt.begin_capture(streams[k])
+    with nccl.group():
+        for k, comm in enumerate(comms):
+            nccl.all_reduce(bufs[k], bufs[k], 1000, DataType.FLOAT32, RedOp.SUM, comm, streams[k])
+    execs = [rt.graph_instantiate(rt.end_capture(s)) for s in streams]
+    for replay in range(3):
+        for k in range(2):
+            bufs[k][:] = float(k + 1 + replay)
+        for k in range(2):
+            rt.graph_launch(execs[k], streams[k])
+        for s in streams:
+            rt.stream_synchronize(s)
+        assert all((b == 3.0 + 2 * replay).all() for b in bufs), replay
+    for k, comm in enumerate(comms):
+        rt.graph_exec_destroy(execs[k])
+        nccl.comm_destroy(comm)

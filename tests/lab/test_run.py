@@ -212,6 +212,27 @@ def test_gpuhang_stops_every_rank_in_its_step_synchronisation() -> None:
 
 
 @pytest.mark.lab
+def test_graphs_capture_the_step_once_and_replay_it_every_step() -> None:
+    run = lab_run("--steps", "6", "--mode", "gpu", "--graphs", "--json")
+    assert_all_done(run, world=4, steps=6)  # every replay's results verified
+    for r in run.result["ranks"]:
+        assert r["calls"]["ncclAllReduce"] == {"dp": 1, "world": 1}  # captured once
+        log = r["device_log"]
+        assert [w["kind"] for w in log] == ["graph"] * 6  # one launch a step
+        assert all(w["seen_ns"] >= w["returned_ns"] > 0 for w in log)
+
+
+@pytest.mark.lab
+def test_a_mismatch_under_graphs_launches_another_graph_on_that_rank() -> None:
+    fault = "mismatch:rank=1,step=2,field=count"
+    run = lab_run("--steps", "4", "--mode", "gpu", "--graphs", "--fault", fault, "--json")
+    assert run.code == 1, run.err
+    calls = {r["world_rank"]: r["calls"]["ncclAllReduce"]["world"] for r in run.result["ranks"]}
+    assert calls == {0: 1, 1: 2, 2: 1, 3: 1}  # its own graph captured at step 2
+    assert run.rank(1)["verified_failed"] > 0
+
+
+@pytest.mark.lab
 def test_summary_for_people_is_a_table() -> None:
     run = lab_run("--nodes", "1", "--ranks-per-node", "2", "--steps", "3")
     assert run.code == 0, run.err
@@ -336,6 +357,7 @@ def test_cpuhog_takes_the_ranks_cpu() -> None:
         (["--fault", "crash:rank=0,step=20"], "step 20 is never reached"),
         (["--nodes", "0"], "--nodes: must be at least 1"),
         (["--fault", "gpuslow:rank=1,ms=5"], "needs --mode gpu"),
+        (["--graphs"], "--graphs needs --mode gpu"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: list[str], names: str) -> None:

@@ -32,7 +32,10 @@ static cudaError_t record(cudaEvent_t event, cudaStream_t stream, unsigned int f
     if (!it) return labRtError(cudaErrorMemoryAllocation);
     pthread_mutex_lock(&labRtLock);
     cudaError_t err = cudaErrorInvalidResourceHandle;
-    if (labIsLiveLocked(event, EVENT_MAGIC)) {
+    if (labIsLiveLocked(event, EVENT_MAGIC) && labCapturingLocked(s)) {
+        /* a record node: the generation is taken at each launch */
+        err = labCaptureLocked(s, &(item){.kind = ITEM_RECORD, .event = event});
+    } else if (labIsLiveLocked(event, EVENT_MAGIC)) {
         *it = (item){.kind = ITEM_RECORD, .event = event, .gen = event->recorded + 1};
         err = labEnqueueLocked(s, it);
         if (err == cudaSuccess) {

@@ -10,6 +10,8 @@
 
 #define STREAM_MAGIC 0x6c61627374726d31ull /* "labstrm1" */
 #define EVENT_MAGIC 0x6c61626576656e31ull  /* "labeven1" */
+#define GRAPH_MAGIC 0x6c61626772617031ull  /* "labgrap1" */
+#define EXEC_MAGIC 0x6c61626578656331ull   /* "labexec1" */
 #define FOREVER_NS (~0ull)
 
 typedef enum { ITEM_KERNEL, ITEM_HOST_FN, ITEM_RECORD, ITEM_WAIT } itemKind;
@@ -35,6 +37,26 @@ struct CUstream_st {
     item *tail;
     uint64_t enqueued; /* items ever enqueued; guarded by the runtime lock */
     uint64_t done;     /* items ever finished */
+    /* stream capture (graph.c): while `capture` is set, work enqueued on the
+     * stream becomes a node of that graph instead of running */
+    enum cudaStreamCaptureStatus captureStatus;
+    cudaGraph_t capture;
+    unsigned long long captureId;
+};
+
+/* A graph: the items captured from one stream, in order (nodes form a chain). */
+struct CUgraph_st {
+    uint64_t magic;
+    item *nodes;
+    int nnodes;
+    int cap;
+};
+
+/* An instantiated graph: its own copy of the nodes, launched as a whole. */
+struct CUgraphExec_st {
+    uint64_t magic;
+    item *nodes;
+    int nnodes;
 };
 
 struct CUevent_st {
@@ -63,5 +85,11 @@ cudaStream_t labResolveStream(cudaStream_t stream, int perThread);
 cudaError_t labEnqueueLocked(cudaStream_t s, item *it);
 cudaError_t labStreamSync(cudaStream_t stream, int perThread);
 void labSyncAll(void);
+void labReleaseEventLocked(cudaEvent_t e);
+
+/* graph.c: called with labRtLock held */
+int labCapturingLocked(cudaStream_t s);
+cudaError_t labCaptureLocked(cudaStream_t s, const item *proto);
+void labInvalidateCaptureLocked(cudaStream_t s);
 
 #endif

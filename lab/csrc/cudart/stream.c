@@ -33,7 +33,7 @@ static void sleepFor(cudaStream_t s, uint64_t ns) {
     (void)s;
 }
 
-static void releaseEventLocked(cudaEvent_t e) {
+void labReleaseEventLocked(cudaEvent_t e) {
     if (--e->refs == 0 && e->destroyed) free(e);
 }
 
@@ -55,11 +55,11 @@ static void runItem(cudaStream_t s, item *it) {
             it->event->reached = it->gen;
             it->event->reachedNs = labNowNs();
         }
-        releaseEventLocked(it->event);
+        labReleaseEventLocked(it->event);
         break;
     case ITEM_WAIT:
         while (it->event->reached < it->gen) pthread_cond_wait(&labRtCond, &labRtLock);
-        releaseEventLocked(it->event);
+        labReleaseEventLocked(it->event);
         break;
     }
 }
@@ -140,9 +140,10 @@ static cudaError_t enqueue(cudaStream_t stream, int perThread, item proto) {
     if (!it) return labRtError(cudaErrorMemoryAllocation);
     *it = proto;
     pthread_mutex_lock(&labRtLock);
-    cudaError_t err = labEnqueueLocked(s, it);
+    int capturing = labCapturingLocked(s); /* a node of the graph, copied */
+    cudaError_t err = capturing ? labCaptureLocked(s, it) : labEnqueueLocked(s, it);
     pthread_mutex_unlock(&labRtLock);
-    if (err != cudaSuccess) free(it);
+    if (capturing || err != cudaSuccess) free(it);
     return labRtError(err);
 }
 
@@ -150,6 +151,10 @@ cudaError_t labStreamSync(cudaStream_t stream, int perThread) {
     cudaStream_t s = labResolveStream(stream, perThread);
     pthread_mutex_lock(&labRtLock);
     cudaError_t err = labIsLiveLocked(s, STREAM_MAGIC) ? cudaSuccess : cudaErrorInvalidResourceHandle;
+    if (err == cudaSuccess && labCapturingLocked(s)) {
+        labInvalidateCaptureLocked(s); /* CUDA's rule: no waiting on a capture */
+        err = cudaErrorStreamCaptureUnsupported;
+    }
     if (err == cudaSuccess) {
         uint64_t target = s->enqueued;
         while (s->done < target) pthread_cond_wait(&labRtCond, &labRtLock);
@@ -162,7 +167,12 @@ static cudaError_t query(cudaStream_t stream, int perThread) {
     cudaStream_t s = labResolveStream(stream, perThread);
     pthread_mutex_lock(&labRtLock);
     cudaError_t err = cudaErrorInvalidResourceHandle;
-    if (labIsLiveLocked(s, STREAM_MAGIC)) err = s->done == s->enqueued ? cudaSuccess : cudaErrorNotReady;
+    if (labIsLiveLocked(s, STREAM_MAGIC) && labCapturingLocked(s)) {
+        labInvalidateCaptureLocked(s);
+        err = cudaErrorStreamCaptureUnsupported;
+    } else if (labIsLiveLocked(s, STREAM_MAGIC)) {
+        err = s->done == s->enqueued ? cudaSuccess : cudaErrorNotReady;
+    }
     pthread_mutex_unlock(&labRtLock);
     return labRtError(err);
 }
@@ -175,6 +185,8 @@ static cudaError_t waitEvent(cudaStream_t stream, cudaEvent_t event, unsigned in
     pthread_mutex_lock(&labRtLock);
     cudaError_t err = cudaSuccess;
     if (!labIsLiveLocked(event, EVENT_MAGIC)) err = cudaErrorInvalidResourceHandle;
+    else if (labCapturingLocked(s)) /* the wait's generation is taken at each launch */
+        err = labCaptureLocked(s, &(item){.kind = ITEM_WAIT, .event = event});
     else if (event->recorded == 0) err = cudaSuccess; /* nothing to wait for */
     else {
         *it = (item){.kind = ITEM_WAIT, .event = event, .gen = event->recorded};

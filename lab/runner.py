@@ -505,7 +505,8 @@ def agent_argv(lab: Lab, node: netns.Node, token_file: Path) -> list[str]:
     assert lab.certs is not None
     argv += lab.certs.agent_args(node.index)
     argv += ["--host-name", f"node{node.index}"]  # namespaces share the machine's hostname
-    argv += ["--pin-dir", str(agent_pin_dir(lab.run_id, node.index))]
+    # kept like a deployed agent's: a supervised restart takes it over
+    argv += ["--pin-dir", str(agent_pin_dir(lab.run_id, node.index)), "--keep-pinned"]
     if peers:
         argv += ["--peers", ",".join(peers)]
     if lab.cfg.mode == "gpu":

@@ -92,6 +92,7 @@ class AgentConfig:
     version: str = ""
     pin_dir: Path | None = None  # the recording is pinned there (None: it dies with us)
     replace_pinned: bool = False  # replace a pin set of another layout
+    keep_pinned: bool = False  # stopped, leave the pins (a service); else remove them
 
 
 @dataclass(slots=True)

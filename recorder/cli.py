@@ -39,13 +39,19 @@ examples:
   stallwatch record ... --peers-from slurm            the job's nodes (a Slurm prolog)
   stallwatch record ... --peers-from file /etc/stallwatch/peers
   stallwatch record --lib /opt/venv/lib/python3.11/site-packages/nvidia/nccl/lib/libnccl.so.2
+  stallwatch record --keep-pinned --pin-dir /sys/fs/bpf/stallwatch/agent
+                                       as a service (the systemd unit, DaemonSet, Slurm)
   kill -USR1 $(pidof stallwatch)       dump now
   stallwatch record --cleanup          remove the pinned recording (stop for good)
 
-the recording is pinned under --pin-dir (one folder per agent): rings, tables,
-counters and probes stay in the kernel when the agent stops or dies, the kernel
-goes on recording, and the next agent started with the same --pin-dir takes
-them over. stallwatch dump --pinned writes a dump from them with no agent.
+the recording is pinned under --pin-dir (one folder per agent). Started by
+hand, the agent is a foreground tool: stopped with Ctrl-C or SIGTERM it
+removes its probes and pins, and nothing records after it. With
+--keep-pinned (what the deployment files pass) rings, tables, counters and
+probes stay in the kernel when the agent stops, the kernel goes on recording,
+and the next agent started with the same --pin-dir takes them over;
+stallwatch dump --pinned writes a dump from them with no agent. An agent that
+dies without stopping (SIGKILL, the OOM killer) leaves its pins either way.
 
 exit codes: 0 stopped cleanly; 2 bad usage, missing privileges or paths, or a
 pinned recording it cannot adopt (checked before anything is attached).
@@ -162,6 +168,13 @@ def _register_record(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--host-name", default="", help="host name in dumps (default: the hostname)")
     _add_pin_dir(p)
     p.add_argument(
+        "--keep-pinned",
+        action="store_true",
+        help="on SIGTERM/Ctrl-C leave the recording pinned (probes stay, the kernel records "
+        "on, the next agent takes it over): what a service does; by default a stopped agent "
+        "removes its pins",
+    )
+    p.add_argument(
         "--no-pin",
         action="store_true",
         help="record without pinning: the recording ends with the agent",
@@ -239,6 +252,8 @@ def _read_token(path: Path | None) -> str | None:
 
 def _check_record_args(args: argparse.Namespace) -> None:
     check_ring_size(args.ring_size)
+    if args.keep_pinned and args.no_pin:
+        raise UsageError("--keep-pinned and --no-pin: a recording not pinned cannot be kept")
     if args.stall_timeout <= 0:
         raise UsageError(f"--stall-timeout: expected seconds > 0, got {args.stall_timeout}")
     if args.runq_threshold_ms < 0:
@@ -339,6 +354,7 @@ def _record(args: argparse.Namespace) -> int:
         version=__version__,
         pin_dir=None if args.no_pin else args.pin_dir,
         replace_pinned=args.replace_pinned,
+        keep_pinned=args.keep_pinned,
     )
     try:
         config.dump_dir.mkdir(parents=True, exist_ok=True)
@@ -385,20 +401,37 @@ def run_agent(config: AgentConfig) -> int:
         run_loop(agent, stop, notifier)
     finally:
         notifier.stopping("stopping")
-        pins = source.pinset
-        if pins is None:
-            log.info("stopping: detaching probes")
-        else:
-            log.info(
-                "stopping: the recording stays pinned at %s (the kernel goes on recording; "
-                "stallwatch record --cleanup removes it)",
-                pins.path,
-            )
         if server is not None:
             server.close()
-        agent.close()
+        _stop_recording(agent, config.keep_pinned)
     log.info("stopped")
     return ExitCode.OK
+
+
+def _stop_recording(agent: Agent, keep_pinned: bool) -> None:
+    """Detach; a foreground agent (no --keep-pinned) also unpins its
+    recording, while it still holds the folder's lock, so that the kernel
+    drops every probe and map once the agent's own fds close."""
+    from .pinning import remove
+
+    log = logging.getLogger("stallwatch.record")
+    pins = agent.source.pinset
+    if pins is None:
+        log.info("stopping: detaching probes")
+    elif keep_pinned:
+        log.info(
+            "stopping: the recording stays pinned at %s (the kernel goes on recording; "
+            "stallwatch record --cleanup removes it)",
+            pins.path,
+        )
+    else:
+        log.info(
+            "stopping: removing the pinned recording at %s and detaching probes "
+            "(--keep-pinned keeps it)",
+            pins.path,
+        )
+        remove(pins.path)
+    agent.close()
 
 
 def _pin_options(config: AgentConfig) -> PinOptions | None:

@@ -27,7 +27,8 @@ missing_for_network() {
 
 agent_args() {
     args=(record --dump-dir "$dump_dir" --stall-timeout "$STALLWATCH_STALL_TIMEOUT")
-    args+=(--pin-dir "$pin_dir")
+    # kept when the agent stops: the epilog dumps from it and then removes it
+    args+=(--pin-dir "$pin_dir" --keep-pinned)
     local missing
     missing=$(missing_for_network)
     if [ -z "$missing" ]; then

@@ -188,8 +188,10 @@ def test_unit_supervises_the_agent_and_keeps_its_recording_pinned(unit: Unit) ->
     assert 10 <= seconds(service["WatchdogSec"]) <= 120
     assert seconds(service["TimeoutStartSec"]) >= 60  # BCC compiles at start
     assert service["RestartPreventExitStatus"] == "2"
-    pin_dir = option(exec_start_argv(unit, unit_env(unit)), "--pin-dir")
+    argv = exec_start_argv(unit, unit_env(unit))
+    pin_dir = option(argv, "--pin-dir")
     assert pin_dir.startswith("/sys/fs/bpf/")
+    assert "--keep-pinned" in argv  # stopped or restarted, the recording stays
     cleanup = parse_unit(CLEANUP_UNIT.read_text())
     argv = shlex.split(cleanup.get("Service", "ExecStart"))
     assert argv[1:] == ["record", "--cleanup", "--pin-dir", pin_dir]
@@ -206,7 +208,7 @@ def test_cleanup_units_command_removes_the_pins_without_capabilities(tmp_path: P
 
     pinned = pins.pin_dir("cleanup-unit")
     argv = [str(STALLWATCH), "record", "--lib", str(build().lib), "--dump-dir", str(tmp_path)]
-    argv += ["--listen", f"127.0.0.1:{free_port()}", "--pin-dir", str(pinned)]
+    argv += ["--listen", f"127.0.0.1:{free_port()}", "--pin-dir", str(pinned), "--keep-pinned"]
     log = tmp_path / "agent.log"
     with log.open("wb") as out:
         agent = subprocess.Popen(argv, stderr=out)
@@ -225,7 +227,7 @@ def test_cleanup_units_command_removes_the_pins_without_capabilities(tmp_path: P
         assert busy.returncode == 2 and "records into it; stop it first" in busy.stderr
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(60) == 0
-        assert pinned.is_dir()  # a stopped agent leaves its recording pinned
+        assert pinned.is_dir()  # a stopped agent with --keep-pinned leaves it pinned
         done = subprocess.run(
             capability_sandbox(set(caps)) + command, capture_output=True, text=True
         )
@@ -609,6 +611,7 @@ def test_daemonset_writes_only_dumps_pins_and_tmp(pod: Doc, agent: Doc) -> None:
     assert writable == {dump_dir, "/tmp", "/sys/fs/bpf"}
     # the node's own bpffs, so that the pinned recording outlives the pod
     assert option(argv, "--pin-dir").startswith("/sys/fs/bpf/")
+    assert "--keep-pinned" in argv  # a stopped or updated pod leaves it to the next
     _, bpffs = mounts["/sys/fs/bpf"]
     assert bpffs["hostPath"]["path"] == "/sys/fs/bpf"
 
@@ -931,6 +934,7 @@ def test_prolog_starts_one_agent_for_the_job(node: SlurmNode) -> None:
         "60",
         "--pin-dir",
         node.pin_dir,
+        "--keep-pinned",
         "--listen",
         f"0.0.0.0:{port}",
         "--token-file",

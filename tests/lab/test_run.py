@@ -461,6 +461,7 @@ def test_agent_command_line(tmp_path: Path) -> None:
     assert opt("--lib") == "/x/libnccl.so.2"
     assert opt("--host-name") == "node1"
     assert opt("--pin-dir") == "/sys/fs/bpf/stallwatch/lab-abc-node1"  # removed at teardown
+    assert "--keep-pinned" in argv  # a supervised restart takes the recording over
     # the agent runs inside the node's namespace
     assert nodes[1].exec_prefix() == ["nsenter", "--net=/run/netns/swlab-abc-n1", "--"]
 

@@ -66,6 +66,7 @@ def test_record_serves_dumps_stops_within_seconds_and_cleanup_unpins(tmp_path: P
     argv = [sys.executable, "-m", "stallwatch", "record", "--lib", str(build().lib)]
     argv += ["--dump-dir", str(tmp_path / "dumps"), "--listen", f"127.0.0.1:{port}"]
     argv += ["--ring-size", "1024", "--host-name", "cli-test", "--pin-dir", str(pinned)]
+    argv += ["--keep-pinned"]
     try:
         _record_and_stop(argv, port, tmp_path)
         # the recording outlives the agent; --cleanup removes every pin

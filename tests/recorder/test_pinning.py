@@ -104,11 +104,13 @@ class Agent:
             return read_dump(json.loads(response.read())["path"])
 
 
-def start_agent(fake: FakeNccl, pin_dir: Path, tmp: Path, *extra: str) -> Agent:
+def start_agent(fake: FakeNccl, pin_dir: Path, tmp: Path, *extra: str, keep: bool = True) -> Agent:
+    """An agent on ``fake``'s library; ``keep``: as a service (--keep-pinned)."""
     port = _free_port()
     log = tmp / f"agent-{port}.log"
     argv = [*STALLWATCH, "record", "--lib", str(fake.lib), "--dump-dir", str(tmp / "dumps")]
     argv += ["--listen", f"127.0.0.1:{port}", "--pin-dir", str(pin_dir), *extra]
+    argv += ["--keep-pinned"] if keep else []
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=out)
     return Agent(proc, port, log)
@@ -189,6 +191,42 @@ def test_killed_agent_loses_nothing_and_the_next_one_records_on(
             if agent is not None:
                 stop(agent)
     assert pin_dir.is_dir()  # stopped, the agent left the recording pinned
+
+
+def _ours_under_bpffs(pin_dir: Path) -> list[str]:
+    """What of this pin folder is on bpffs: itself, or a half-made sibling."""
+    return sorted(p.name for p in pin_dir.parent.iterdir() if p.name.startswith(pin_dir.name))
+
+
+@pytest.mark.bpf
+def test_ctrl_c_on_a_foreground_agent_leaves_nothing_and_keep_pinned_keeps_it(
+    fake: FakeNccl, pin_dir: Path, tmp_path: Path
+) -> None:
+    """The unit's way (--keep-pinned): SIGTERM leaves the recording pinned
+    and a C loop's calls go on being recorded; an agent started by hand then
+    adopts it, and Ctrl-C (SIGINT) on it removes every pin: nothing of it is
+    left under bpffs (with its fds closed too, nothing holds a probe)."""
+    loop = subprocess.Popen([str(fake.loop), "pace", "600", "200"], stdout=subprocess.DEVNULL)
+    try:
+        service = start_agent(fake, pin_dir, tmp_path)
+        service.wait_for("listening on")
+        stop(service)
+        assert service.proc.returncode == 0, service.text()[-3000:]
+        assert "the recording stays pinned at" in service.text()
+        assert (pin_dir / "links").is_dir() and len(list((pin_dir / "links").iterdir())) >= 2
+        by_hand = start_agent(fake, pin_dir, tmp_path, keep=False)
+        by_hand.wait_for("listening on")
+        assert "adopted the pinned recording" in by_hand.text()
+        rows = pace_rows(by_hand.dump("before Ctrl-C"), loop.pid)
+        assert len(rows) > 100 and list(rows["seq"]) == list(range(len(rows)))
+        by_hand.proc.send_signal(signal.SIGINT)
+        assert by_hand.proc.wait(60) == 0, by_hand.text()[-3000:]
+        assert "removing the pinned recording" in by_hand.text()
+        assert _ours_under_bpffs(pin_dir) == []
+        assert loop.poll() is None  # the job runs on, unrecorded
+    finally:
+        loop.kill()
+        loop.wait()
 
 
 @pytest.mark.bpf

@@ -25,7 +25,7 @@ def test_a_wedged_agent_is_restarted_and_takes_over_its_recording(tmp_path: Path
     pinned = pins.pin_dir("supervised")
     argv = [sys.executable, "-m", "stallwatch", "record", "--lib", str(build().lib)]
     argv += ["--dump-dir", str(tmp_path / "dumps"), "--listen", "127.0.0.1:0"]
-    argv += ["--pin-dir", str(pinned)]
+    argv += ["--pin-dir", str(pinned), "--keep-pinned"]
     log = (tmp_path / "agent.log").open("w")
     service = Service(watchdog_s=3.0, restart_s=0.5, start_timeout_s=180, stop_timeout_s=60)
     sup = Supervisor("swtest-agent", argv, service, tmp_path / "notify.sock", log, dict(os.environ))

@@ -58,6 +58,7 @@ from typing import TypeVar
 
 from stallwatch.dumpers.errors import DumpError
 from stallwatch.dumpers.format import read_dump_deferred
+from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.schema import RING_DTYPES
 
 from . import late
@@ -236,3 +237,18 @@ def analyze_paths(paths: Sequence[str], progress: bool = False) -> AnalysisResul
     del loaded
     results = tuple(analyze_incident(inc) for inc in incidents)
     return AnalysisResult(results, tuple(statuses))
+
+
+def analyze_recordings(
+    answers: Sequence[tuple[str, Recording]], lost: Sequence[InputStatus] = ()
+) -> AnalysisResult:
+    """The same analysis on recordings held in memory (the agents' answers
+    to ``analyze --agents``), each named by where it came from; ``lost``: the
+    inputs that could not be had (agents that did not answer), reported as
+    lost inputs like unreadable files."""
+    sources = [Source(name, rec) for name, rec in answers]
+    statuses = [InputStatus(name, True, None, SourceKind.STALLWATCH) for name, _ in answers]
+    statuses += lost
+    incidents = group_incidents(sources, lost=[s.path for s in lost])
+    results = tuple(analyze_incident(inc) for inc in incidents)
+    return AnalysisResult(results, tuple(sorted(statuses, key=lambda s: s.path)))

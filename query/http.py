@@ -14,8 +14,22 @@
                    -> 200 {"host", "incident_id", "status", "path", "positions"}: the
                    node's thread positions read ``samples`` times, then a dump; 501
                    if the backend cannot read them (dumps served by ``serve``)
+    POST /recording {"incident_id": str?, "reason": str?}
+                   -> 200 application/x-stallwatch-dumps: what a dump would hold now
+                      (rings, tables, a fresh thread reading), under that incident id,
+                      and nothing written; ``serve`` answers with the dumps it serves
+    GET  /dumps    -> 200 {"host", "dumps": [{"name", "incident_id", "wall_ns", "bytes"}]}:
+                   the dump files the agent keeps, newest first
+    POST /collect  {"incident_id": str} -> 200 application/x-stallwatch-dumps: the
+                   files of that incident, as written; 404 if it has none
     GET  /metrics  Prometheus text exposition format (version 0.0.4)
     GET  /healthz  -> 200 {"status": "ok", "host", "version"}
+
+``application/x-stallwatch-dumps``: 8-byte big-endian length frames, the
+first a JSON object ``{"host", "incident_id", "names": [file name, ...]}``,
+then one dump (the msgpack dump format, checked by its reader) per name.
+``/recording`` and ``/collect`` of a backend that has no recording or dump
+folder answer 501.
 
 A route is a function of the request handler returning (status, content type,
 body), listed in ``ROUTES``: another endpoint is one function and one entry.
@@ -45,7 +59,7 @@ the server loop or the agent that hosts it.  A client that goes away (reset,
 broken pipe, timeout, failed handshake) is logged in one line.
 
 The server is the standard library's threading HTTP server: the surface is
-five small routes on a small number of clients, the agent stays free of web
+a few small routes on a small number of clients, the agent stays free of web
 framework dependencies, and what a library would add (a worker pool, TLS
 wrapping) is the few lines of ``_Server``.
 """
@@ -53,6 +67,7 @@ wrapping) is the few lines of ``_Server``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import decimal
 import hmac
@@ -66,16 +81,19 @@ import struct
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, Protocol
 
 import pyarrow as pa
 
 from stallwatch import __version__
 from stallwatch.dumpers.errors import QueryError, StallwatchError, UsageError
+from stallwatch.dumpers.folder import list_dumps
+from stallwatch.dumpers.format import dump_file_name, encode
 from stallwatch.dumpers.model import Recording
 
 from .sql import NETWORK, Limits, QueryEngine
@@ -119,6 +137,15 @@ class SnapshottingBackend(Backend, Protocol):
     def request_snapshot(
         self, reason: str, incident_id: str | None, samples: int, interval_s: float
     ) -> object: ...
+
+
+class LiveBackend(Backend, Protocol):
+    def live_recordings(self, incident_id: str, reason: str) -> Sequence[Recording]: ...
+
+
+class DumpFolderBackend(Backend, Protocol):
+    @property
+    def dump_dir(self) -> Path: ...
 
 
 MAX_SNAPSHOT_SAMPLES = 20
@@ -176,6 +203,10 @@ class RecordingsBackend:
     def recording(self) -> Recording:
         return self.recordings[0]
 
+    def live_recordings(self, incident_id: str, reason: str) -> Sequence[Recording]:
+        """The dumps served, as they were recorded (their own incidents)."""
+        return self.recordings
+
     def metrics_text(self) -> str:
         return recording_metrics_text(self.recordings)
 
@@ -221,10 +252,76 @@ def encode_json(doc: object) -> bytes:
 _LENGTH = struct.Struct(">Q")
 
 
+def join_frames(parts: Iterable[bytes | memoryview]) -> bytes:
+    """Each part behind its 8-byte big-endian length."""
+    out = bytearray()
+    for part in parts:
+        out += _LENGTH.pack(len(part))
+        out += part
+    return bytes(out)
+
+
+def split_frames(data: bytes) -> list[memoryview]:
+    """The inverse of :func:`join_frames`; ValueError on a malformed body."""
+    view, parts, at = memoryview(data), [], 0
+    while at < len(view):
+        if at + _LENGTH.size > len(view):
+            raise ValueError("a frame length is cut short")
+        (size,) = _LENGTH.unpack_from(view, at)
+        at += _LENGTH.size
+        if at + size > len(view):
+            raise ValueError(f"a frame of {size} bytes is cut short")
+        parts.append(view[at : at + size])
+        at += size
+    return parts
+
+
+DUMP_FRAMES = "application/x-stallwatch-dumps"
+
+
+@dataclass(frozen=True, slots=True)
+class DumpBundle:
+    """An answer of ``/recording`` or ``/collect``: dumps as bytes, by name."""
+
+    host: str
+    incident_id: str | None
+    names: tuple[str, ...]
+    blobs: tuple[bytes, ...]
+
+
+def encode_dumps(bundle: DumpBundle) -> bytes:
+    head = {"host": bundle.host, "incident_id": bundle.incident_id, "names": list(bundle.names)}
+    return join_frames([encode_json(head), *bundle.blobs])
+
+
+def decode_dumps(data: bytes) -> DumpBundle:
+    """The inverse of :func:`encode_dumps`; ValueError on a malformed body
+    (the dumps themselves are checked by the dump reader, not here)."""
+    frames = split_frames(data)
+    if not frames:
+        raise ValueError("no frames")
+    try:
+        head = json.loads(bytes(frames[0]))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"the first frame is not JSON: {exc}") from None
+    names = head.get("names") if isinstance(head, dict) else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError("the first frame has no list of names")
+    if len(names) != len(frames) - 1:
+        raise ValueError(f"{len(names)} names for {len(frames) - 1} dumps")
+    host, incident = head.get("host"), head.get("incident_id")
+    return DumpBundle(
+        host if isinstance(host, str) else "",
+        incident if isinstance(incident, str) else None,
+        tuple(names),
+        tuple(bytes(f) for f in frames[1:]),
+    )
+
+
 def encode_frames(host: str, results: Sequence[tuple[pa.Table, bool]]) -> bytes:
     """Each table as an Arrow IPC stream behind its 8-byte length; the host
     and whether the table was cut short ride in its schema metadata."""
-    out = bytearray()
+    frames = []
     for table, truncated in results:
         meta = {b"stallwatch.truncated": b"1" if truncated else b"0",
                 b"stallwatch.host": host.encode()}  # fmt: skip
@@ -232,10 +329,8 @@ def encode_frames(host: str, results: Sequence[tuple[pa.Table, bool]]) -> bytes:
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
-        frame = sink.getvalue()
-        out += _LENGTH.pack(frame.size)
-        out += frame.to_pybytes()
-    return bytes(out)
+        frames.append(sink.getvalue().to_pybytes())
+    return join_frames(frames)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,19 +342,12 @@ class Frame:
 
 def decode_frames(data: bytes) -> list[Frame]:
     """The inverse of :func:`encode_frames`; ValueError on a malformed body."""
-    results, at = [], 0
-    while at < len(data):
-        if at + _LENGTH.size > len(data):
-            raise ValueError("a frame length is cut short")
-        (size,) = _LENGTH.unpack_from(data, at)
-        at += _LENGTH.size
-        if at + size > len(data):
-            raise ValueError(f"a frame of {size} bytes is cut short")
+    results = []
+    for frame in split_frames(data):
         try:
-            table = pa.ipc.open_stream(pa.py_buffer(data[at : at + size])).read_all()
+            table = pa.ipc.open_stream(pa.py_buffer(frame)).read_all()
         except pa.ArrowException as exc:
             raise ValueError(f"a frame is not an Arrow stream: {exc}") from None
-        at += size
         meta = table.schema.metadata or {}
         truncated = meta.get(b"stallwatch.truncated") == b"1"
         host = meta.get(b"stallwatch.host", b"").decode(errors="replace")
@@ -463,6 +551,54 @@ def _snapshot(h: _Handler) -> Response:
     return HTTPStatus.OK, "application/json", encode_json(answer)
 
 
+def _recording(h: _Handler) -> Response:
+    doc = h.read_json()
+    live = getattr(h.config.backend, "live_recordings", None)
+    if live is None:
+        raise HttpError(HTTPStatus.NOT_IMPLEMENTED, "this server holds no recording")
+    incident = _field(doc, "incident_id", str) or f"live-{uuid.uuid4().hex[:12]}"
+    reason = _field(doc, "reason", str) or "read over HTTP (POST /recording)"
+    recordings = live(incident, reason)
+    bundle = DumpBundle(
+        h.config.backend.host,
+        incident,
+        tuple(dump_file_name(r) for r in recordings),
+        tuple(encode(r) for r in recordings),
+    )
+    return HTTPStatus.OK, DUMP_FRAMES, encode_dumps(bundle)
+
+
+def _dump_dir(h: _Handler) -> Path:
+    folder = getattr(h.config.backend, "dump_dir", None)
+    if not isinstance(folder, Path):
+        raise HttpError(HTTPStatus.NOT_IMPLEMENTED, "this server keeps no dump folder")
+    return folder
+
+
+def _dumps(h: _Handler) -> Response:
+    listing = [dataclasses.asdict(d) for d in list_dumps(_dump_dir(h))]
+    body = {"host": h.config.backend.host, "dumps": listing}
+    return HTTPStatus.OK, "application/json", encode_json(body)
+
+
+def _collect(h: _Handler) -> Response:
+    doc = h.read_json()
+    incident = _field(doc, "incident_id", str, required=True)
+    found = [d for d in list_dumps(_dump_dir(h)) if d.incident_id == incident]
+    blobs, names = [], []
+    for d in found:
+        try:
+            blobs.append((_dump_dir(h) / d.name).read_bytes())
+        except OSError as exc:  # removed by retention meanwhile: said by its absence
+            log.info("collect %s: %s: %s", incident, d.name, exc.strerror or exc)
+            continue
+        names.append(d.name)
+    if not names:
+        raise HttpError(HTTPStatus.NOT_FOUND, f"no dump of incident {incident} here")
+    bundle = DumpBundle(h.config.backend.host, incident, tuple(names), tuple(blobs))
+    return HTTPStatus.OK, DUMP_FRAMES, encode_dumps(bundle)
+
+
 def _metrics(h: _Handler) -> Response:
     text = h.config.backend.metrics_text()
     return HTTPStatus.OK, "text/plain; version=0.0.4; charset=utf-8", text.encode()
@@ -478,6 +614,9 @@ ROUTES: dict[str, tuple[str, Callable[[_Handler], Response]]] = {
     "/fetch": ("POST", _fetch),
     "/dump": ("POST", _dump),
     "/snapshot": ("POST", _snapshot),
+    "/recording": ("POST", _recording),
+    "/dumps": ("GET", _dumps),
+    "/collect": ("POST", _collect),
     "/metrics": ("GET", _metrics),
     "/healthz": ("GET", _healthz),
 }

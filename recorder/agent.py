@@ -494,6 +494,20 @@ class Agent:
     def recording(self) -> Recording:
         return self.snapshot()
 
+    def live_recordings(self, incident_id: str, reason: str) -> list[Recording]:
+        """``POST /recording``: what a dump would hold now (a fresh thread
+        reading too), under the asker's incident id; nothing is written and
+        no incident is raised here (``stallwatch analyze --agents``)."""
+        trigger = Trigger(
+            TriggerKind.MANUAL, reason, incident_id, time.monotonic_ns(), origin_host=self.host
+        )
+        return [self.snapshot(trigger)]
+
+    @property
+    def dump_dir(self) -> Path:
+        """Where this agent's dumps are (``GET /dumps``, ``POST /collect``)."""
+        return self.config.dump_dir
+
     def request_dump(
         self, reason: str, incident_id: str | None = None, origin: str | None = None
     ) -> dict[str, object]:

@@ -1,0 +1,190 @@
+"""The live surface: ``POST /recording`` (what a dump would hold, nothing
+written), ``GET /dumps`` and ``POST /collect`` (a dump folder's incidents),
+the dump frames they travel in, and the analyzer on recordings in memory
+giving what it gives on the same dumps as files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from stallwatch.analyzer.pipeline import analyze_paths, analyze_recordings
+from stallwatch.analyzer.report import to_json
+from stallwatch.dumpers.errors import DumpFormatError
+from stallwatch.dumpers.folder import list_dumps
+from stallwatch.dumpers.format import decode, read_dump, write_dump
+from stallwatch.dumpers.model import Recording, Trigger, TriggerKind
+from stallwatch.query.http import (
+    DUMP_FRAMES,
+    DumpBundle,
+    RecordingsBackend,
+    decode_dumps,
+    encode_dumps,
+    join_frames,
+    serve_http,
+)
+from tests.dump_samples import assert_same, sample_recording
+from tests.query.test_http import request
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+JSON = {"Content-Type": "application/json"}
+
+
+class LiveFake:
+    """A live agent's side of the seam: a recording stamped with the
+    asker's incident id, and a dump folder."""
+
+    def __init__(self, rec: Recording, dump_dir: Path) -> None:
+        self.rec, self.dump_dir, self.host = rec, dump_dir, rec.host
+        self.asked: list[tuple[str, str]] = []
+
+    def recording(self) -> Recording:
+        return self.rec
+
+    def metrics_text(self) -> str:
+        return ""
+
+    def live_recordings(self, incident_id: str, reason: str) -> Sequence[Recording]:
+        self.asked.append((incident_id, reason))
+        trig = Trigger(TriggerKind.MANUAL, reason, incident_id, self.rec.clock.monotonic_ns)
+        return [replace(self.rec, trigger=trig)]
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[tuple[str, LiveFake]]:
+    fake = LiveFake(sample_recording(host="node7"), tmp_path / "dumps")
+    handle = serve_http(fake, "127.0.0.1:0", None)
+    yield handle.address, fake
+    handle.close()
+
+
+def post(address: str, path: str, doc: dict[str, object]) -> tuple[int, object]:
+    return request(address, "POST", path, json.dumps(doc).encode(), JSON)
+
+
+def test_recording_is_what_a_dump_would_hold_under_the_askers_incident(
+    live: tuple[str, LiveFake],
+) -> None:
+    address, fake = live
+    status, body = post(address, "/recording", {"incident_id": "live-1", "reason": "on call"})
+    assert status == 200 and isinstance(body, bytes)
+    bundle = decode_dumps(body)
+    assert (bundle.host, bundle.incident_id) == ("node7", "live-1")
+    (name,) = bundle.names
+    rec = decode(bundle.blobs[0], name)  # the validating reader
+    assert rec.trigger is not None and rec.trigger.incident_id == "live-1"
+    assert rec.trigger.reason == "on call"
+    assert_same(rec, replace(fake.rec, trigger=rec.trigger))
+    assert fake.asked == [("live-1", "on call")]
+    assert not fake.dump_dir.exists()  # nothing written
+
+
+def test_recording_without_an_incident_gets_one(live: tuple[str, LiveFake]) -> None:
+    address, fake = live
+    status, body = post(address, "/recording", {})
+    assert status == 200 and isinstance(body, bytes)
+    incident = decode_dumps(body).incident_id
+    assert incident is not None and incident.startswith("live-")
+    assert fake.asked[0][0] == incident
+
+
+def test_serve_answers_recording_with_the_dumps_it_serves() -> None:
+    recs = [sample_recording(host="a"), sample_recording(50, host="b", incident="inc-2")]
+    handle = serve_http(RecordingsBackend(recs), "127.0.0.1:0", None)
+    try:
+        status, body = post(handle.address, "/recording", {"incident_id": "ignored"})
+        assert status == 200 and isinstance(body, bytes)
+        bundle = decode_dumps(body)
+        got = [decode(b, n) for n, b in zip(bundle.names, bundle.blobs, strict=True)]
+        for mine, theirs in zip(got, recs, strict=True):
+            assert_same(mine, theirs)  # their own triggers, not the asker's
+        assert post(handle.address, "/collect", {"incident_id": "x"})[0] == 501
+        assert request(handle.address, "GET", "/dumps")[0] == 501
+    finally:
+        handle.close()
+
+
+def written(folder: Path, host: str, incident: str | None, at_ns: int) -> Path:
+    rec = sample_recording(host=host)
+    trig = None if incident is None else Trigger(TriggerKind.IN_FLIGHT, "stuck", incident, at_ns)
+    return write_dump(folder, replace(rec, trigger=trig))
+
+
+def test_dumps_lists_the_folder_newest_first_and_collect_sends_one_incident(
+    live: tuple[str, LiveFake],
+) -> None:
+    address, fake = live
+    folder = fake.dump_dir
+    base = fake.rec.clock.monotonic_ns
+    old = written(folder, "node7", "inc-old", base)
+    new = written(folder, "node7", "inc-new", base + 60 * 10**9)
+    (folder / "notes.txt").write_text("not a dump")
+    (folder / "broken.msgpack").write_bytes(b"\x00" * 40)
+    status, doc = request(address, "GET", "/dumps")
+    assert status == 200 and isinstance(doc, dict)
+    assert [(d["name"], d["incident_id"]) for d in doc["dumps"]] == [
+        (new.name, "inc-new"),
+        (old.name, "inc-old"),
+    ]
+    assert doc["dumps"][0]["bytes"] == new.stat().st_size
+    status, body = post(address, "/collect", {"incident_id": "inc-old"})
+    assert status == 200 and isinstance(body, bytes)
+    bundle = decode_dumps(body)
+    assert bundle.names == (old.name,) and bundle.blobs == (old.read_bytes(),)
+    status, err = post(address, "/collect", {"incident_id": "inc-none"})
+    assert status == 404 and isinstance(err, dict) and "inc-none" in err["error"]
+    assert post(address, "/collect", {})[0] == 400
+
+
+def test_list_dumps_of_a_missing_folder_is_empty(tmp_path: Path) -> None:
+    assert list_dumps(tmp_path / "absent") == []
+    written(tmp_path, "n1", None, 5)
+    (only,) = list_dumps(tmp_path)
+    assert only.incident_id is None and only.host == "n1"
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b"", "no frames"),
+        (b"\x00\x00\x00\x00\x00\x00\x00\x09{}", "cut short"),
+        (join_frames([b"[1]"]), "no list of names"),
+        (join_frames([b'{"names": ["a", "b"]}', b"x"]), "2 names for 1 dumps"),
+        (join_frames([b"\xff"]), "not JSON"),
+    ],
+)
+def test_decode_dumps_refuses_a_malformed_answer(body: bytes, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        decode_dumps(body)
+
+
+def test_a_dump_that_fails_its_reader_is_named() -> None:
+    bundle = decode_dumps(encode_dumps(DumpBundle("h", None, ("x.msgpack",), (b"junk",))))
+    with pytest.raises(DumpFormatError, match=r"x\.msgpack"):
+        decode(bundle.blobs[0], bundle.names[0])
+    assert DUMP_FRAMES == "application/x-stallwatch-dumps"
+
+
+@pytest.mark.parametrize("scenario", ["lab-hang-2x2", "lab-cpuhog-2x2", "lab-gpuslow-4x2"])
+def test_analysis_in_memory_is_the_analysis_of_the_files(scenario: str) -> None:
+    paths = sorted(str(p) for p in (DATA / scenario).glob("*.msgpack"))
+    on_files = analyze_paths(paths)
+    in_memory = analyze_recordings([(p, read_dump(p)) for p in paths])
+    assert to_json(in_memory) == to_json(on_files)
+    assert on_files.incidents  # something was judged
+
+
+def test_lost_agents_are_lost_inputs() -> None:
+    paths = sorted(str(p) for p in (DATA / "lab-hang-2x2").glob("*.msgpack"))
+    from stallwatch.analyzer.model import InputStatus
+
+    lost = InputStatus("node9:9400", False, "node9:9400: cannot reach the agent: refused")
+    result = analyze_recordings([(paths[0], read_dump(paths[0]))], [lost])
+    assert result.lost == (lost,)
+    assert not result.healthy
+    doc = json.loads(to_json(result))
+    assert {"path": "node9:9400", "ok": False}.items() <= doc["inputs"][-1].items()

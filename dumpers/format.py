@@ -248,7 +248,8 @@ def encode(rec: Recording) -> bytes:
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
-def _safe(text: str, limit: int = 64) -> str:
+def safe_name(text: str, limit: int = 64) -> str:
+    """``text`` as one file name: letters, digits, ``._-`` (others ``_``)."""
     cleaned = _UNSAFE.sub("_", text).strip("._") or "unknown"
     return cleaned[:limit]
 
@@ -263,7 +264,7 @@ def dump_file_name(rec: Recording) -> str:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(secs)) + f"{ns // 10**6:03d}Z"
     except (OverflowError, OSError, ValueError):
         stamp = "unknown-time"
-    return f"{_safe(rec.host)}-{_safe(incident, 96)}-{stamp}{DUMP_SUFFIX}"
+    return f"{safe_name(rec.host)}-{safe_name(incident, 96)}-{stamp}{DUMP_SUFFIX}"
 
 
 def _target(dir_or_path: str | os.PathLike[str], rec: Recording) -> Path:
@@ -311,6 +312,16 @@ def write_dump(dir_or_path: str | os.PathLike[str], rec: Recording) -> Path:
     permissions); the temporary file is removed on failure."""
     final = _target(dir_or_path, rec)
     chunks = _chunks(rec)  # a Recording that breaks the model fails here, before any I/O
+    return _write_atomic(final, chunks)
+
+
+def write_dump_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write a dump's bytes as they are (a copy fetched from an agent, already
+    checked by ``decode``) to ``path``, atomically as ``write_dump`` does."""
+    return _write_atomic(Path(path), iter((data,)))
+
+
+def _write_atomic(final: Path, chunks: Iterator[_Chunk]) -> Path:
     temp = final.with_name(f".{final.name}{TEMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}")
     try:
         _write_temp(temp, chunks)

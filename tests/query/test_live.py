@@ -15,7 +15,7 @@ import pytest
 from stallwatch.analyzer.pipeline import analyze_paths, analyze_recordings
 from stallwatch.analyzer.report import to_json
 from stallwatch.dumpers.errors import DumpFormatError
-from stallwatch.dumpers.folder import list_dumps
+from stallwatch.dumpers.folder import list_dumps, save_dump
 from stallwatch.dumpers.format import decode, read_dump, write_dump
 from stallwatch.dumpers.model import Recording, Trigger, TriggerKind
 from stallwatch.query.http import (
@@ -188,3 +188,30 @@ def test_lost_agents_are_lost_inputs() -> None:
     assert not result.healthy
     doc = json.loads(to_json(result))
     assert {"path": "node9:9400", "ok": False}.items() <= doc["inputs"][-1].items()
+
+
+def test_saved_dumps_take_the_per_node_layout_as_sent(tmp_path: Path) -> None:
+    rec = sample_recording(host="node3")
+    data = encode_dumps(DumpBundle("x", None, (), ()))  # not a dump at all
+    with pytest.raises(DumpFormatError, match="node3:bad.msgpack"):
+        save_dump(tmp_path, "node3", "bad.msgpack", data)
+    from stallwatch.dumpers.format import encode
+
+    blob = encode(rec)
+    path, back = save_dump(tmp_path, "node3", "../../escape/n3.msgpack", blob)
+    assert path == tmp_path / "node3" / "n3.msgpack" and path.read_bytes() == blob
+    assert_same(back, rec)
+    path, _ = save_dump(tmp_path, "../evil host", "n4.msgpack", blob)
+    assert path.parent.parent == tmp_path and path.parent.name == "evil_host"
+    with pytest.raises(DumpFormatError, match="not named as a dump"):
+        save_dump(tmp_path, "node3", "n3.txt", blob)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "evil_host",
+        "evil_host/n4.msgpack",
+        "node3",
+        "node3/n3.msgpack",
+    ]
+    assert [s.path for s in analyze_paths([str(tmp_path)]).inputs if s.ok] == [
+        str(tmp_path / "evil_host" / "n4.msgpack"),
+        str(tmp_path / "node3" / "n3.msgpack"),
+    ]

@@ -31,6 +31,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,6 +155,8 @@ class Agent:
         self._lock = threading.RLock()
         self._libcs: set[discovery.LibraryId] = set()
         self.incidents = self._make_incidents()
+        # the HTTP surface's connection counters, once it serves (recorder.cli)
+        self.serving_counters: Callable[[], dict[str, int]] = dict
         self.positions = PositionKeeper(
             lambda: sorted(self.scope.inside), int(config.stall_timeout_s * 1e9)
         )
@@ -586,6 +589,7 @@ class Agent:
             **{k: v for k, v in self.source.kernel_counters().items() if "_lost_" not in k},
             **self.counters.values,
             **self.incidents.counters(),
+            **self.serving_counters(),
         }
         return agent_metrics_text(self.stats(), counters)
 

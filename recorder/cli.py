@@ -473,6 +473,7 @@ def _serve(agent: Agent, config: AgentConfig) -> ServerHandle:
     handle = serve_http(agent, config.listen, config.token, tls=config.tls)
     logging.getLogger("stallwatch.record").info("listening on %s", handle.url)
     agent.serving(_port(handle.address))
+    agent.serving_counters = handle.counters
     return handle
 
 

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-GAUGES = frozenset({"dumps_pending"})
+GAUGES = frozenset({"dumps_pending", "http_connections_open"})
 HELP = {
     "kernel_inflight_full": "NCCL calls not recorded: the in-flight map was full.",
     "kernel_comms_full": "Communicators not tracked: the communicator map was full.",
@@ -30,6 +30,11 @@ HELP = {
     "attach_failures": "Libraries or probes that could not be attached.",
     "symbols_skipped": "NCCL symbols an attached library lacks.",
     "dumps_pending": "Dumps waiting to be written (retried).",
+    "http_connections_refused": "Client connections closed at accept: the agent had its "
+    "limit of connections open.",
+    "http_connections_timed_out": "Client connections closed because a request or TLS "
+    "handshake they began did not arrive in time.",
+    "http_connections_open": "Client connections open on the agent's HTTP surface.",
 }
 
 

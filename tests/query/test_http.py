@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import http.client
 import json
-from collections.abc import Iterator
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -18,6 +21,7 @@ from stallwatch.dumpers.errors import DumpWriteError, UsageError
 from stallwatch.dumpers.model import Recording
 from stallwatch.query.http import (
     RecordingsBackend,
+    ServeLimits,
     ServerHandle,
     is_loopback,
     parse_listen,
@@ -396,3 +400,40 @@ def test_any_body_gets_an_answer_never_a_crash(shared_server: ServerHandle, body
     status, doc = request(shared_server.address, "POST", "/query", body)
     assert status in (200, 400)
     assert isinstance(doc, dict) and ("error" in doc) == (status == 400)
+
+
+def _wait(what: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_health_answers_while_a_thousand_idle_clients_hold_sockets(agent: FakeAgent) -> None:
+    """1,000 idle clients hold a socket each and no thread; /healthz is
+    answered; a client slower than the read timeout is closed and counted;
+    past the limit, connections are closed at accept and counted."""
+    idle, extra = 1000, 5
+    limits = ServeLimits(max_connections=idle + 2, read_timeout_s=0.5)
+    before = threading.active_count()
+    handle = serve_http(agent, "127.0.0.1:0", None, serving=limits)
+    host, port = handle.address.rsplit(":", 1)
+    clients: list[socket.socket] = []
+    try:
+        clients += [socket.create_connection((host, int(port))) for _ in range(idle)]
+        _wait(lambda: handle.counters()["http_connections_open"] == idle)
+        assert request(handle.address, "GET", "/healthz")[0] == 200
+        assert threading.active_count() - before <= limits.workers + 1
+        slow = socket.create_connection((host, int(port)), timeout=5)
+        clients.append(slow)
+        slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+        assert slow.recv(1) == b""  # closed by the server after the read timeout
+        assert handle.counters()["http_connections_timed_out"] == 1
+        _wait(lambda: handle.counters()["http_connections_open"] == idle)
+        clients += [socket.create_connection((host, int(port))) for _ in range(2 + extra)]
+        _wait(lambda: handle.counters()["http_connections_refused"] == extra)
+        assert handle.counters()["http_connections_open"] == idle + 2
+    finally:
+        for sock in clients:
+            sock.close()
+        handle.close()

@@ -48,3 +48,15 @@ def test_plain_counters_are_counters_and_pending_dumps_a_gauge() -> None:
     assert families["stallwatch_dumps_pending"].type == "gauge"
     # reported once, by AgentStats, not again as a plain counter
     assert [s.value for s in families["stallwatch_stalls_detected"].samples] == [0.0]
+
+
+def test_the_http_surfaces_refusals_are_a_counter_and_open_connections_a_gauge() -> None:
+    stats = AgentStats((), 0, 0, 0, 0, 0)
+    served = {"http_connections_refused": 5, "http_connections_open": 1000}
+    text = agent_metrics_text(stats, {**served, "http_connections_timed_out": 3})
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    refused = families["stallwatch_http_connections_refused"]
+    assert refused.type == "counter" and refused.samples[0].value == 5
+    assert refused.samples[0].name == "stallwatch_http_connections_refused_total"
+    assert families["stallwatch_http_connections_open"].type == "gauge"
+    assert families["stallwatch_http_connections_timed_out"].samples[0].value == 3

@@ -52,8 +52,9 @@ def run(args: argparse.Namespace) -> int:
     from .report import print_report, to_json
 
     result = analyze_paths(args.paths, progress=sys.stderr.isatty() or len(args.paths) > 1)
-    for s in result.lost:
-        print(f"stallwatch analyze: lost input: {s.error}", file=sys.stderr)
+    for s in result.inputs:
+        if not s.ok:
+            print(f"stallwatch analyze: {s.note}", file=sys.stderr)
     if args.format == "json":
         print(to_json(result))
     else:

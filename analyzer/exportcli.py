@@ -91,17 +91,29 @@ def register(subparsers: Any) -> None:
         metavar="FILE|DIR",
         help="where to write: the trace file, or the Parquet folder",
     )
+    p.add_argument(
+        "--incident",
+        metavar="ID",
+        help="--parquet: the incident id to write (default: the trigger's id; a Flight "
+        "Recorder folder's name or 'snapshot' with a digest of the files)",
+    )
     add_format_option(p)
     p.set_defaults(func=run)
 
 
 def markers_of(verdicts: Sequence[Any]) -> tuple[Marker, ...]:
     """The analyzer's verdicts as trace markers (``analyzer.verdict.Verdict``)."""
-    return tuple(Marker(v.kind.value, v.summary, tuple(v.hosts), tuple(v.ranks)) for v in verdicts)
+    return tuple(
+        Marker(v.kind.value, v.summary, tuple(v.hosts), tuple(v.ranks), tuple(v.pids))
+        for v in verdicts
+    )
 
 
 def export(paths: Sequence[str], output: Path) -> Exported:
     """Load, analyze, draw, write.  Raises UsageError when nothing is readable."""
+    from stallwatch.dumpers.inputs import group_dumps, incident_key
+    from stallwatch.dumpers.ranks import Ranks
+
     from .align import Source
     from .flightrec import FrDump
     from .frincident import incidents_from_flightrec, recordings_of
@@ -113,14 +125,19 @@ def export(paths: Sequence[str], output: Path) -> Exported:
     if not loaded:
         raise UsageError(_nothing_read(statuses))
     ours = [s for s in loaded if isinstance(s, Source)]
-    recordings: list[Recording] = [s.recording for s in ours]
-    lost = [s.path for s in statuses if not s.ok]
+    lost = [s.path for s in statuses if s.lost]
     fr = incidents_from_flightrec([d for d in loaded if isinstance(d, FrDump)], lost)
-    recordings += [r for inc in fr for r in recordings_of(inc)]
+    groups = group_dumps(ours, lambda s: incident_key(s.recording), lambda s: s.recording.host)
+    per_incident: list[list[Recording]] = [[s.recording for s in v] for v in groups.values()]
+    per_incident += [recordings_of(inc) for inc in fr]
+    known = Ranks({}, {}, {})
+    for recs in per_incident:  # ranks derived within each incident, as analyze does
+        known = known.merged(Ranks.of(recs))
+    recordings = [r for recs in per_incident for r in recs]
     incidents = [*group_incidents(ours), *fr]
     verdicts = [v for inc in incidents for v in analyze_incident(inc).verdicts]
     markers = markers_of(verdicts)
-    write_trace(output, build_trace(recordings, markers))
+    write_trace(output, build_trace(recordings, markers, known))
     calls = sum(len(r.rings["nccl"].rows) for r in recordings if "nccl" in r.rings)
     return Exported(output, len(recordings), calls, markers, tuple(statuses))
 
@@ -133,10 +150,12 @@ def _nothing_read(statuses: Sequence[InputStatus]) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.parquet:
         return run_parquet(args)
+    if args.incident is not None:
+        raise UsageError("--incident names a Parquet export's incident (with --parquet)")
     result = export(args.paths, args.output)
     for s in result.inputs:
         if not s.ok:
-            print(f"stallwatch export: skipped {s.error}", file=sys.stderr)
+            print(f"stallwatch export: {s.note}", file=sys.stderr)
     kinds = [m.kind for m in result.markers]
     if args.format == "json":
         doc = {
@@ -153,17 +172,17 @@ def run(args: argparse.Namespace) -> int:
             f"verdicts: {', '.join(kinds) or 'none'}\n"
             "open it at https://ui.perfetto.dev (Open trace file)"
         )
-    return ExitCode.FINDINGS if any(not s.ok for s in result.inputs) else ExitCode.OK
+    return ExitCode.FINDINGS if any(s.lost for s in result.inputs) else ExitCode.OK
 
 
 def run_parquet(args: argparse.Namespace) -> int:
     from .parquet import export_parquet
 
-    written, statuses = export_parquet(args.paths, args.output)
+    written, statuses = export_parquet(args.paths, args.output, args.incident)
     for s in statuses:
         if not s.ok:
-            print(f"stallwatch export: skipped {s.error}", file=sys.stderr)
-    code = ExitCode.FINDINGS if any(not s.ok for s in statuses) else ExitCode.OK
+            print(f"stallwatch export: {s.note}", file=sys.stderr)
+    code = ExitCode.FINDINGS if any(s.lost for s in statuses) else ExitCode.OK
     if args.format == "json":
         doc = {
             "path": str(args.output),

@@ -49,7 +49,10 @@ from typing import Any
 import numpy as np
 
 from stallwatch.dumpers.errors import DumpFormatError, DumpVersionError
+from stallwatch.dumpers.inputs import looks_like_flightrec
 from stallwatch.dumpers.schema import DataType, Op, State
+
+__all__ = ["FrDump", "looks_like_flightrec", "rank_in_name", "read_flightrec"]
 
 COALESCED = 254  # an end-of-group marker entry ("nccl:coalesced"), folded away
 OPS: dict[str, int] = {
@@ -150,12 +153,6 @@ class FrDump:
     entries: np.ndarray  # FR_ENTRY, in record order
     wrapped: bool  # its ring overwrote entries (the first kept is not record 0)
     notes: tuple[str, ...] = ()  # what of it could not be used, and why
-
-
-def looks_like_flightrec(head: bytes) -> bool:
-    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
-        return True  # a pickle (msgpack's 0x80 is an empty map: never a dump)
-    return head.lstrip()[:1] == b"{"
 
 
 def rank_in_name(path: str) -> int | None:

@@ -37,6 +37,13 @@ from pathlib import Path
 import numpy as np
 
 from stallwatch.dumpers.errors import DumpError
+from stallwatch.dumpers.inputs import (
+    InputStatus,
+    SourceKind,
+    flight_folder,
+    flight_incident_id,
+    group_flight,
+)
 from stallwatch.dumpers.model import Clock, CommInfo, ProcessInfo, Recording, Ring
 from stallwatch.dumpers.schema import DATATYPE_SIZE, NCCL_EVENT, EventKind
 
@@ -50,7 +57,6 @@ from .model import (
     Comm,
     Incident,
     Proc,
-    SourceKind,
 )
 
 DEFAULT_PG = "default_pg"
@@ -65,10 +71,8 @@ def incidents_from_flightrec(dumps: list[FrDump], lost: Sequence[str] = ()) -> l
     (those in a folder of dumps name a rank without a dump)."""
     groups: dict[str, list[FrDump]] = defaultdict(list)
     for d in dumps:
-        groups[str(Path(d.path).parent)].append(d)
-    gone: dict[str, list[str]] = defaultdict(list)
-    for p in lost:
-        gone[str(Path(p).parent)].append(p)
+        groups[flight_folder(d.path)].append(d)
+    gone = group_flight(lost)
     return [
         _incident(k, sorted(v, key=lambda d: (d.rank, d.path)), gone.get(k, []))
         for k, v in sorted(groups.items())
@@ -104,7 +108,7 @@ def _incident(folder: str, dumps: list[FrDump], lost: list[str]) -> Incident:
         _rows(rows[at : at + len(d.entries)], p, d, members, index, shapes)
         at += len(d.entries)
     return Incident(
-        id=Path(folder).name,
+        id=flight_incident_id(folder),
         hosts=tuple(p.host for p in procs),
         host_now=tuple(None for _ in procs),
         procs=procs,
@@ -250,42 +254,53 @@ def _seq_of_op(d: FrDump, name: str, op_id: int) -> int:
     return int(mine["seq"].max()) if len(mine) else -1
 
 
-def read_as_recordings(paths: Sequence[str]) -> tuple[list[Recording], list[str], list[str]]:
+def flight_recordings(
+    paths: Sequence[str],
+) -> tuple[list[tuple[str, Recording]], list[InputStatus]]:
     """Flight Recorder files as recordings (``recordings_of`` of the
-    incidents they form): the recordings, the errors of files that could not
-    be read, and those files."""
+    incidents they form), each with its file, and every file's status."""
     dumps: list[FrDump] = []
-    errors: list[str] = []
+    statuses: list[InputStatus] = []
     lost: list[str] = []
     for p in paths:
         try:
             dumps.append(read_flightrec(p))
         except DumpError as exc:
-            errors.append(str(exc))
+            statuses.append(InputStatus(p, False, str(exc), SourceKind.FLIGHT_RECORDER))
             lost.append(p)
-    recs = [r for inc in incidents_from_flightrec(dumps, lost) for r in recordings_of(inc)]
-    return recs, errors, lost
+            continue
+        statuses.append(InputStatus(p, True, None, SourceKind.FLIGHT_RECORDER))
+    recs = [
+        (rec.processes[0].cmdline, rec)
+        for inc in incidents_from_flightrec(dumps, lost)
+        for rec in recordings_of(inc)
+    ]
+    return recs, statuses
 
 
 def recordings_of(inc: Incident) -> list[Recording]:
     """A Flight Recorder incident as one recording per rank, for SQL and
-    traces: host is the dump's file name, times are the rank's wall clock."""
+    traces: host is the dump's file name, the pid unknown (0, NULL in the
+    tables), the world rank the dump's own; it holds every group the rank
+    is a member of (those it recorded nothing in too).  Times are the rank's
+    wall clock; the recording's time is its latest entry's (what calls in
+    flight are timed up to: the dumps carry no dump time)."""
     rows = inc.calls.rows
     out = []
     for p, proc in enumerate(inc.procs):
         mine = rows[rows["proc"] == p]
-        held = sorted({int(c) for c in np.unique(mine["comm"]).tolist()})
         comms = tuple(
-            CommInfo(0, 0, inc.comms[c].comm_hash, inc.comms[c].members.index(p),
-                     inc.comms[c].nranks)
-            for c in held
-        )  # fmt: skip
+            CommInfo(0, 0, c.comm_hash, c.members.index(p), c.nranks)
+            for c in inc.comms
+            if p in c.members
+        )
+        latest = int(max(mine["ts"].max(), mine["end"].max())) if len(mine) else 0
         out.append(
             Recording(
                 host=proc.host,
                 boot_id="",
-                clock=Clock(0, 0),  # rows are wall clock already
-                processes=(ProcessInfo(0, "", proc.source, 0, 0, ()),),
+                clock=Clock(latest, latest),  # rows are wall clock already
+                processes=(ProcessInfo(0, "", proc.source, 0, 0, (), world_rank=proc.world_rank),),
                 communicators=comms,
                 rings={"nccl": Ring(_nccl_events(inc, mine))},
             )

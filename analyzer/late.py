@@ -512,10 +512,14 @@ def _with_alignments(v: Verdict, report: LateReport) -> Verdict:
 
 def _inconclusive(inc: Incident, unaligned: tuple[Unaligned, ...]) -> Verdict:
     world = {(p.host, p.pid): p.world_rank for p in inc.procs}
-    hosts = tuple(sorted({u.host for u in unaligned}))
-    pids = tuple(sorted({u.pid for u in unaligned}))
-    known = {world.get((u.host, u.pid), -1) for u in unaligned}
-    ranks = tuple(known_rank(r) for r in sorted(known, key=lambda r: (r < 0, r)))
+    # one culprit per process, its rank, host and pid index by index
+    who = sorted(
+        {(world.get((u.host, u.pid), -1), u.host, u.pid) for u in unaligned},
+        key=lambda w: (w[0] < 0, w),
+    )
+    ranks = tuple(w for w, _, _ in who)
+    hosts = tuple(h for _, h, _ in who)
+    pids = tuple(p for _, _, p in who)
     streams = len(unaligned)
     return Verdict(
         VerdictKind.INCONCLUSIVE,

@@ -1,10 +1,13 @@
 """Stage "load": files and folders in, recordings and Flight Recorder dumps out.
 
-Each input is read on its own; one that cannot be used (truncated, foreign,
+Paths are expanded and every file's kind told by ``dumpers.inputs`` (the one
+opener of every command: foreign files named and ignored, unreadable ones
+lost).  Each input is read on its own; one that cannot be used (truncated,
 corrupt) is reported in its ``InputStatus`` and the others are still read.
-Folders are walked recursively in name order.  The kind of a file is told by
-its first bytes: a pickle (PyTorch Flight Recorder), JSON (Flight Recorder's
-JSON form), else our msgpack dump.
+
+``open_incidents`` is what every reader of recordings uses (``query``,
+``serve``, ``export``): the inputs grouped into incidents, Flight Recorder
+files turned into one recording per rank.
 """
 
 from __future__ import annotations
@@ -14,83 +17,71 @@ import os
 import threading
 from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
+from dataclasses import dataclass
 
 from stallwatch.dumpers.errors import DumpError
-from stallwatch.dumpers.format import prefetch_head, read_dump_deferred
+from stallwatch.dumpers.format import prefetch_head
+from stallwatch.dumpers.inputs import (
+    SKIPPED_IN_FOLDERS,
+    InputStatus,
+    SourceKind,
+    classify,
+    expand,
+    flight_incident_id,
+    group_dumps,
+    group_flight,
+    head_of,
+    incident_key,
+    looks_like_flightrec,
+    read_dump_input,
+    sorted_statuses,
+)
+from stallwatch.dumpers.model import Recording
 
 from .align import Source
-from .flightrec import FrDump, looks_like_flightrec, read_flightrec
-from .model import InputStatus, SourceKind
+from .flightrec import FrDump, read_flightrec
 from .parallel import threads
 from .progress import Progress
 
 Loaded = Source | FrDump
 
-
-SKIPPED_IN_FOLDERS = (".log", ".txt", ".md", ".json.tmp", ".tmp")
-
-
-def _wanted(f: Path) -> bool:
-    """In a folder: dumps and Flight Recorder files, not the agent's logs."""
-    return f.is_file() and not f.name.startswith(".") and not f.name.endswith(SKIPPED_IN_FOLDERS)
-
-
-def expand(paths: Sequence[str]) -> tuple[list[str], list[InputStatus]]:
-    """Files named, and files under folders named; missing paths reported.
-    A file named explicitly is always read; in folders, logs are skipped."""
-    files: list[str] = []
-    bad: list[InputStatus] = []
-    for p in paths:
-        path = Path(p)
-        if path.is_dir():
-            found = sorted(str(f) for f in path.rglob("*") if _wanted(f))
-            if not found:
-                bad.append(InputStatus(p, False, f"{p}: folder holds no files"))
-            files.extend(found)
-        elif path.exists():
-            files.append(p)
-        else:
-            bad.append(InputStatus(p, False, f"{p}: no such file or folder"))
-    return files, bad
+__all__ = [
+    "SKIPPED_IN_FOLDERS",
+    "IncidentInputs",
+    "Loaded",
+    "expand",
+    "head_of",
+    "load_inputs",
+    "load_one",
+    "open_incidents",
+]
 
 
 def load_one(
     path: str, defer: Collection[str] = (), head: bytes | None = None
 ) -> tuple[Loaded | None, InputStatus]:
-    """One input; our dumps' rings named in ``defer`` are left in the file
-    (read when their rows are wanted, see ``Source.deferred``).  ``head``:
-    its first bytes, when the caller has read them already."""
-    if head is None:
+    """One input (a dump or a Flight Recorder file); our dumps' rings named
+    in ``defer`` are left in the file (read when their rows are wanted, see
+    ``Source.deferred``).  ``head``: its first bytes, when the caller has
+    read them already."""
+    head = head_of(path) if head is None else head
+    if head is not None and looks_like_flightrec(head):
         try:
-            with open(path, "rb") as f:
-                head = f.read(16)
-        except OSError as exc:
-            return None, InputStatus(path, False, f"{path}: cannot read: {exc.strerror or exc}")
-    try:
-        if looks_like_flightrec(head):
             fr = read_flightrec(path)
-            return fr, InputStatus(path, True, None, SourceKind.FLIGHT_RECORDER)
-        rec, deferred = read_dump_deferred(path, defer)
-        return Source(path, rec, deferred), InputStatus(path, True, None, SourceKind.STALLWATCH)
-    except DumpError as exc:
-        return None, InputStatus(path, False, str(exc))
+        except DumpError as exc:
+            return None, InputStatus(path, False, str(exc), SourceKind.FLIGHT_RECORDER)
+        return fr, InputStatus(path, True, None, SourceKind.FLIGHT_RECORDER)
+    read = read_dump_input(path, defer)
+    if isinstance(read, InputStatus):
+        return None, read
+    rec, deferred = read
+    return Source(path, rec, deferred), InputStatus(path, True, None, SourceKind.STALLWATCH)
 
 
 # Flight Recorder pickles cost seconds of unpickling per thousand entries,
 # all of it under the GIL: many of them are read in worker processes.
 POOL_MIN_BYTES = 16 << 20  # of Flight Recorder files, below which one process reads them
 POOL_MIN_DUMPS = 1024  # of our dumps, from which their headers are parsed on workers too
-
-
-def head_of(path: str) -> bytes | None:
-    """The first bytes, which tell the kind of file; None if unreadable
-    (load_one then says why)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(16)
-    except OSError:
-        return None
 
 
 def _size(path: str) -> int:
@@ -118,15 +109,14 @@ def _pool_for(
 
 
 def _read_all(
-    files: list[str], defer: Collection[str]
+    files: list[str], heads: dict[str, bytes], defer: Collection[str]
 ) -> Iterator[tuple[Loaded | None, InputStatus]]:
     """load_one of each file, in order; Flight Recorder files on worker
     processes when they pay, the rest here meanwhile."""
     if defer:  # thousands of dumps: their headers fetched from disk side by side
         for f in files:
             prefetch_head(f)
-    heads = {f: head_of(f) for f in files}
-    fr = [f for f in files if (head := heads[f]) is not None and looks_like_flightrec(head)]
+    fr = [f for f in files if looks_like_flightrec(heads[f])]
     pooled = _pool_for(fr)
     if pooled is None and len(files) - len(fr) >= POOL_MIN_DUMPS and defer:
         # thousands of our dumps: their headers (tables, validation) are
@@ -157,14 +147,55 @@ def load_inputs(
 ) -> tuple[list[Loaded], list[InputStatus]]:
     """Every input named (files, folders); with ``defer``, our dumps' rings
     of those names stay in their files until wanted."""
-    files, statuses = expand(paths)
+    found = classify(paths)
+    wanted = set(found.dumps) | set(found.flight)
+    files = [f for f in found.heads if f in wanted]
+    statuses = list(found.statuses)
     loaded: list[Loaded] = []
     shown = Progress("loaded {}/{} files", len(files), progress)
-    for item, status in _read_all(files, defer):
+    for item, status in _read_all(files, found.heads, defer):
         statuses.append(status)
         if item is not None:
             loaded.append(item)
         shown.step()
     shown.close()
-    statuses.sort(key=lambda s: os.fspath(s.path))
-    return loaded, statuses
+    return loaded, sorted_statuses(statuses)
+
+
+@dataclass(frozen=True, slots=True)
+class IncidentInputs:
+    """One incident's recordings, each with the file it came from (a Flight
+    Recorder file's recording is that rank's)."""
+
+    key: str  # unique among the incidents opened
+    id: str  # as analyze shows it
+    recordings: tuple[tuple[str, Recording], ...]
+    flight_recorder: bool = False
+
+
+def open_incidents(
+    paths: Sequence[str], defer: Collection[str] = ()
+) -> tuple[list[IncidentInputs], list[InputStatus]]:
+    """The inputs as incidents of recordings, grouped as ``analyze`` groups
+    them; with ``defer``, our dumps' rings of those names are not read (for
+    a first pass over headers)."""
+    from .frincident import flight_recordings
+
+    found = classify(paths)
+    statuses = list(found.statuses)
+    ours: list[tuple[str, Recording]] = []
+    for f in found.dumps:
+        read = read_dump_input(f, defer)
+        if isinstance(read, InputStatus):
+            statuses.append(read)
+            continue
+        ours.append((f, read[0]))
+        statuses.append(InputStatus(f, True, None, SourceKind.STALLWATCH))
+    groups = group_dumps(ours, lambda x: incident_key(x[1]), lambda x: x[1].host)
+    out = [IncidentInputs(k, k, tuple(v)) for k, v in groups.items()]
+    for folder, files in group_flight(found.flight).items():
+        recs, more = flight_recordings(files)
+        statuses += more
+        if recs:
+            out.append(IncidentInputs(folder, flight_incident_id(folder), tuple(recs), True))
+    return out, sorted_statuses(statuses)

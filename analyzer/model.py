@@ -12,32 +12,20 @@ are only ever compared with timestamps of the same host.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+# where the analyzer finds them (one home: the opener of every command)
+from stallwatch.dumpers.inputs import InputStatus as InputStatus
+from stallwatch.dumpers.inputs import SourceKind as SourceKind
 
 from .columns import Columns
 
 if TYPE_CHECKING:
     from .late import LateReport
     from .positions import HostReadings
-
-
-class SourceKind(enum.Enum):
-    STALLWATCH = "stallwatch"
-    FLIGHT_RECORDER = "flight_recorder"
-
-
-@dataclass(frozen=True, slots=True)
-class InputStatus:
-    """What became of one input file."""
-
-    path: str
-    ok: bool
-    error: str | None = None
-    kind: SourceKind | None = None
 
 
 @dataclass(frozen=True, slots=True)

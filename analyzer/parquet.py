@@ -12,6 +12,10 @@ the files (engines refuse or duplicate a column found in both).  A table that
 a dump holds no row of still gets a file of its schema: every table of every
 partition exists, so an engine never finds a table missing.
 
+Incident ids: a triggered incident's own id; a Flight Recorder folder's
+name, or ``snapshot`` (dumps no trigger named), with a digest of the files
+(``export_id``); ``--incident`` names it.
+
 Appending: an incident is written once.  Its files are written into a staging
 folder (hidden from engines by its leading dot), then each table's
 ``incident=<id>`` folder is renamed into place; an incident already in the
@@ -38,9 +42,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stallwatch.dumpers.errors import UsageError
+from stallwatch.dumpers.inputs import SNAPSHOT_KEY, unique_id
 from stallwatch.dumpers.model import Recording
+from stallwatch.dumpers.ranks import Ranks
+from stallwatch.dumpers.schema import RING_DTYPES
 from stallwatch.dumpers.sqltables import TABLE_NAMES, tables
 
+from .load import IncidentInputs, open_incidents
 from .model import InputStatus
 
 FORMAT_NAME = "stallwatch-parquet"
@@ -141,21 +149,22 @@ def _stem(path: str, taken: set[str]) -> str:
 
 
 def write_incident(
-    root: Path, incident: str, recordings: Iterable[tuple[str, Recording]]
+    root: Path,
+    incident: str,
+    recordings: Iterable[tuple[str, Recording]],
+    known: Ranks | None = None,
 ) -> Written:
     """Write one incident's recordings (``(source path, recording)``, read
-    one at a time) under ``root``.  UsageError if the incident is there."""
+    one at a time) under ``root``, their ranks as ``known`` says (derived
+    over the whole incident; by default over each recording alone).
+    UsageError if the incident is there."""
     root.mkdir(parents=True, exist_ok=True)
     _check_folder(root)
     part = f"incident={escape(incident)}"
-    if any((root / t / part).exists() for t in TABLE_NAMES):
-        raise UsageError(
-            f"-o {root}: incident {incident} is already exported there (an incident is "
-            "written once, never rewritten)"
-        )
+    _refuse_existing(root, incident)
     stage = root / f".staging-{uuid.uuid4().hex}"
     try:
-        written = _write_stage(stage, part, incident, recordings)
+        written = _write_stage(stage, part, incident, recordings, known)
         for t in TABLE_NAMES:
             (root / t).mkdir(exist_ok=True)
             os.rename(stage / t / part, root / t / part)
@@ -165,8 +174,21 @@ def write_incident(
     return written
 
 
+def _refuse_existing(root: Path, incident: str) -> None:
+    part = f"incident={escape(incident)}"
+    if any((root / t / part).exists() for t in TABLE_NAMES):
+        raise UsageError(
+            f"-o {root}: incident {incident} is already exported there (an incident is "
+            "written once, never rewritten; --incident ID names it otherwise)"
+        )
+
+
 def _write_stage(
-    stage: Path, part: str, incident: str, recordings: Iterable[tuple[str, Recording]]
+    stage: Path,
+    part: str,
+    incident: str,
+    recordings: Iterable[tuple[str, Recording]],
+    known: Ranks | None,
 ) -> Written:
     rows: dict[str, int] = defaultdict(int)
     hosts: set[str] = set()
@@ -175,7 +197,7 @@ def _write_stage(
     for path, rec in recordings:
         hosts.add(rec.host)
         stem = _stem(path, stems[rec.host])
-        for name, table in tables(rec).items():
+        for name, table in tables(rec, known).items():
             folder = stage / name / part / f"host={escape(rec.host)}"
             folder.mkdir(parents=True, exist_ok=True)
             pq.write_table(_file_table(table), folder / f"{stem}.parquet")
@@ -186,28 +208,41 @@ def _write_stage(
     return Written(incident, tuple(sorted(hosts)), files, dict(rows))
 
 
-def export_parquet(paths: Sequence[str], root: Path) -> tuple[list[Written], list[InputStatus]]:
-    """Every readable input under ``root``, one incident at a time (grouped
-    as ``stallwatch analyze`` groups them).  Returns what was written and the
-    inputs' statuses (a Flight Recorder file that turned out unreadable is
-    marked so).  Incidents already there are refused before anything is
-    written."""
-    from .pipeline import incident_plan
+def export_id(inc: IncidentInputs) -> str:
+    """The incident id an export writes by default: a triggered incident's
+    own id; a Flight Recorder folder's name, or ``snapshot``, with a digest
+    of the files (two jobs whose folders share a name never collide)."""
+    if not inc.flight_recorder and inc.key != SNAPSHOT_KEY:
+        return inc.id
+    return unique_id(inc.id, [os.path.abspath(p) for p, _ in inc.recordings])
 
-    plan, statuses = incident_plan(paths)
-    if not plan:
+
+def export_parquet(
+    paths: Sequence[str], root: Path, incident: str | None = None
+) -> tuple[list[Written], list[InputStatus]]:
+    """Every readable input under ``root``, one incident at a time (grouped
+    as ``stallwatch analyze`` groups them), each read whole before it is
+    written: ranks are derived over all its recordings (a split
+    communicator's ranks need every member's).  ``incident``: the id to
+    write (one incident only).  Returns what was written and the inputs'
+    statuses.  Incidents already there are refused before anything is
+    written."""
+    planned, statuses = open_incidents(paths, defer=tuple(RING_DTYPES))
+    if not planned:
         raise UsageError(_nothing_read(statuses))
+    if incident is not None and len(planned) > 1:
+        raise UsageError(
+            f"--incident {incident}: the inputs hold {len(planned)} incidents "
+            f"({', '.join(p.id for p in planned)}); export them one at a time"
+        )
+    ids = [incident if incident is not None else export_id(p) for p in planned]
     _check_folder(root)
-    for incident in plan:
-        part = f"incident={escape(incident)}"
-        if any((root / t / part).exists() for t in TABLE_NAMES):
-            raise UsageError(
-                f"-o {root}: incident {incident} is already exported there (an incident is "
-                "written once, never rewritten)"
-            )
-    lost: dict[str, str] = {}
-    out = [write_incident(root, inc, _read_each(files, lost)) for inc, files in plan.items()]
-    statuses = [InputStatus(s.path, False, lost[s.path]) if s.path in lost else s for s in statuses]
+    for i in ids:
+        _refuse_existing(root, i)
+    out = []
+    for inc, i in zip(planned, ids, strict=True):
+        known = Ranks.of(r for _, r in inc.recordings)
+        out.append(write_incident(root, i, _read_each(inc), known))
     return out, statuses
 
 
@@ -216,23 +251,10 @@ def _nothing_read(statuses: Sequence[InputStatus]) -> str:
     return f"no dump could be read ({why})"
 
 
-def _read_each(files: Sequence[str], lost: dict[str, str]) -> Iterable[tuple[str, Recording]]:
-    """Our dumps one at a time; an incident's Flight Recorder files together,
-    as ``stallwatch query`` reads them (one recording per rank, named by its
-    file); those that cannot be read go into ``lost`` with their errors."""
+def _read_each(inc: IncidentInputs) -> Iterable[tuple[str, Recording]]:
+    """The incident's recordings whole, one at a time: our dumps read again
+    with their rings (the first pass read their headers)."""
     from stallwatch.dumpers.format import read_dump
 
-    from .flightrec import looks_like_flightrec
-    from .frincident import read_as_recordings
-    from .load import head_of
-
-    fr = [f for f in files if (h := head_of(f)) is not None and looks_like_flightrec(h)]
-    flight = set(fr)
-    for f in files:
-        if f not in flight:
-            yield f, read_dump(f)
-    if fr:
-        recordings, errors, bad = read_as_recordings(fr)
-        lost.update(zip(bad, errors, strict=True))
-        for rec in recordings:
-            yield rec.host, rec
+    for path, rec in inc.recordings:
+        yield path, (rec if inc.flight_recorder else read_dump(path))

@@ -27,11 +27,14 @@ import numpy as np
 
 from stallwatch.dumpers.errors import UsageError
 from stallwatch.dumpers.model import Recording
+from stallwatch.dumpers.ranks import Ranks
 from stallwatch.dumpers.schema import State, TcpEvent, datatype_name, op_name
+from stallwatch.dumpers.sqltables import recording_now
 
 _STATE_NAMES = {int(s): s.name.lower() for s in State}
 _DEVICE_TRACK = "device"
 _KERNEL_TRACK = "kernel"
+_CULPRIT_TRACK = "verdict"
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,19 +43,16 @@ class Marker:
 
     kind: str
     summary: str
-    hosts: tuple[str, ...] = ()
+    hosts: tuple[str, ...] = ()  # the culprits', index by index with ranks and pids
     ranks: tuple[int | None, ...] = ()  # None where unknown
+    pids: tuple[int | None, ...] = ()
 
-
-def world_ranks(rec: Recording) -> dict[int, int]:
-    """pid -> rank in the largest non-split communicator it holds."""
-    best: dict[int, tuple[int, int]] = {}
-    for c in rec.communicators:
-        if c.parent_hash or c.rank < 0:
-            continue
-        if c.pid not in best or c.nranks > best[c.pid][0]:
-            best[c.pid] = (c.nranks, c.rank)
-    return {pid: rank for pid, (_, rank) in best.items()}
+    def culprits(self) -> list[tuple[str, int]]:
+        """(host, pid) of each culprit (pid 0: unknown), where the verdict
+        names both."""
+        if len(self.hosts) != len(self.pids):
+            return []
+        return [(h, p or 0) for h, p in zip(self.hosts, self.pids, strict=True)]
 
 
 class _Tracks:
@@ -88,24 +88,35 @@ def _meta(name: str, pid: int, tid: int, value: str) -> dict[str, object]:
 
 
 def _rank_label(ranks: dict[int, int], pid: int) -> str:
+    """A rank's track: its world rank (dumpers.ranks) and pid, where known."""
     rank = ranks.get(pid)
-    return f"rank {rank} (pid {pid})" if rank is not None else f"pid {pid}"
+    if rank is None:
+        return f"pid {pid}" if pid else "rank unknown"
+    return f"rank {rank} (pid {pid})" if pid else f"rank {rank}"
 
 
-def _nccl_slices(rec: Recording, tracks: _Tracks, ranks: dict[int, int]) -> list[dict[str, object]]:
+def _known(value: int) -> int | None:
+    return value if value >= 0 else None
+
+
+def _nccl_slices(
+    rec: Recording, tracks: _Tracks, ranks: dict[int, int], known: Ranks
+) -> list[dict[str, object]]:
     ring = rec.rings.get("nccl")
     if ring is None or len(ring.rows) == 0:
         return []
     rows = ring.rows
-    end_of_dump = rec.trigger.time_ns if rec.trigger else int(rows["ts_ns"].max())
+    # calls in flight drawn up to the recording's time, as SQL's elapsed_ns
     end_ns = np.where(
-        rows["end_ns"] > 0, rows["end_ns"], max(end_of_dump, int(rows["ts_ns"].max()))
+        rows["end_ns"] > 0, rows["end_ns"], np.maximum(recording_now(rec), rows["ts_ns"])
     )
     ts_us = (rows["ts_ns"].astype(np.int64) - rec.clock.monotonic_ns + rec.clock.realtime_ns) / 1e3
     dur_us = (end_ns.astype(np.int64) - rows["ts_ns"].astype(np.int64)) / 1e3
     out: list[dict[str, object]] = []
     for i, row in enumerate(rows):
         comm_label = f"0x{int(row['comm_hash']):016x}" if row["comm_hash"] else "no comm"
+        rank = known.comm.get(((rec.host, int(row["pid"])), int(row["comm_hash"])))
+        rank = rank if rank is not None else _known(int(row["rank"]))
         label = f"{_rank_label(ranks, int(row['pid']))} comm {comm_label}"
         hp, tid = tracks.track(rec.host, int(row["pid"]), label)
         op = op_name(int(row["op"]))
@@ -126,11 +137,13 @@ def _nccl_slices(rec: Recording, tracks: _Tracks, ranks: dict[int, int]) -> list
                     "datatype": datatype_name(int(row["datatype"])),
                     "state": _STATE_NAMES.get(int(row["state"]), str(int(row["state"]))),
                     "result": int(row["result"]),
-                    "rank": int(row["rank"]),
-                    "nranks": int(row["nranks"]),
-                    "peer": int(row["peer"]),
+                    "rank": rank,
+                    "world_rank": ranks.get(int(row["pid"])),
+                    "nranks": _known(int(row["nranks"])),
+                    "peer": _known(int(row["peer"])),
                     "comm_id_hash": comm_label,
-                    "pid": int(row["pid"]),
+                    "host": rec.host,
+                    "pid": int(row["pid"]) or None,
                     "tid": int(row["tid"]),
                     "ts_ns": int(row["ts_ns"]),  # the host's monotonic clock, as in SQL
                 },
@@ -212,8 +225,12 @@ def _instants(rec: Recording, tracks: _Tracks, ranks: dict[int, int]) -> list[di
     return out
 
 
-def _markers(markers: Sequence[Marker], at_us: float, tracks: _Tracks) -> list[dict[str, object]]:
-    """Each verdict once on the whole timeline, and once on each host it names."""
+def _markers(
+    markers: Sequence[Marker], at_us: float, tracks: _Tracks, known: Ranks
+) -> list[dict[str, object]]:
+    """Each verdict once on the whole timeline, once on each host it names,
+    and once on each culprit's own track (made for a culprit that recorded
+    nothing, as a Flight Recorder rank that hung before any entry)."""
     out: list[dict[str, object]] = []
     for m in markers:
         args: dict[str, object] = {
@@ -223,9 +240,11 @@ def _markers(markers: Sequence[Marker], at_us: float, tracks: _Tracks) -> list[d
         }
         name = f"verdict: {m.kind}"
         out.append(_marker(name, "g", 0, at_us, args))
-        out += [
-            _marker(name, "p", tracks.hosts[h], at_us, args) for h in m.hosts if h in tracks.hosts
-        ]
+        out += [_marker(name, "p", tracks.host(h), at_us, args) for h in dict.fromkeys(m.hosts)]
+        for host, pid in m.culprits():
+            label = f"{_rank_label(known.world_of(host), pid)} {_CULPRIT_TRACK}"
+            hp, tid = tracks.track(host, pid, label)
+            out.append(_marker(name, "t", hp, at_us, args) | {"tid": tid})
     return out
 
 
@@ -237,21 +256,25 @@ def _marker(
 
 
 def build_trace(
-    recordings: Iterable[Recording], markers: Sequence[Marker] = ()
+    recordings: Iterable[Recording], markers: Sequence[Marker] = (), known: Ranks | None = None
 ) -> dict[str, object]:
-    """The trace document for some recordings (one incident, usually)."""
+    """The trace document for some recordings (one incident, usually);
+    ranks as ``known`` says (derived over the whole incident: by default
+    over the recordings given)."""
+    recs = sorted(recordings, key=lambda r: r.host)
+    known = Ranks.of(recs) if known is None else known
     tracks = _Tracks()
     events: list[dict[str, object]] = []
     last_us = 0.0
-    for rec in sorted(recordings, key=lambda r: r.host):
-        ranks = world_ranks(rec)
-        events += _nccl_slices(rec, tracks, ranks)
+    for rec in recs:
+        ranks = known.world_of(rec.host)
+        events += _nccl_slices(rec, tracks, ranks, known)
         events += _instants(rec, tracks, ranks)
         if rec.trigger is not None:
             last_us = max(last_us, rec.clock.to_wall_ns(rec.trigger.time_ns) / 1e3)
     if not last_us and events:
         last_us = max(float(e["ts"]) for e in events)  # type: ignore[arg-type]
-    events += _markers(markers, last_us, tracks)
+    events += _markers(markers, last_us, tracks, known)
     return {"traceEvents": tracks.meta + events, "displayTimeUnit": "ms"}
 
 
@@ -262,4 +285,4 @@ def write_trace(path: Path, trace: dict[str, object]) -> None:
         raise UsageError(f"{path}: cannot write the trace: {exc.strerror or exc}") from exc
 
 
-__all__ = ["Marker", "build_trace", "world_ranks", "write_trace"]
+__all__ = ["Marker", "build_trace", "write_trace"]

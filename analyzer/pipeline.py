@@ -51,24 +51,20 @@ Known limits:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TypeVar
 
-from stallwatch.dumpers.errors import DumpError
-from stallwatch.dumpers.format import read_dump_deferred
+from stallwatch.dumpers.inputs import group_dumps, incident_key
 from stallwatch.dumpers.model import Recording
-from stallwatch.dumpers.schema import RING_DTYPES
 
 from . import late
 from .align import Source, incident_from_recordings
 from .detect import DETECTORS, FALLBACK_DETECTORS, Analysis, Detector
 from .detect.causes import in_causal_order
 from .detect.inconclusive import detect_inconclusive, unjudged
-from .flightrec import FrDump, looks_like_flightrec
+from .flightrec import FrDump
 from .frincident import incidents_from_flightrec
-from .load import Loaded, expand, head_of, load_inputs
+from .load import Loaded, load_inputs
 from .match import match
 from .metrics import (
     Frontier,
@@ -81,10 +77,8 @@ from .metrics import (
     retransmits_in_windows,
     sched_delay_per_proc,
 )
-from .model import Incident, InputStatus, SourceKind
+from .model import Incident, InputStatus
 from .verdict import Verdict, VerdictKind
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +100,13 @@ class AnalysisResult:
 
     @property
     def lost(self) -> tuple[InputStatus, ...]:
-        """Inputs that could not be read."""
-        return tuple(s for s in self.inputs if not s.ok)
+        """Inputs that could not be read (foreign files are ignored, not lost)."""
+        return tuple(s for s in self.inputs if s.lost)
+
+    @property
+    def ignored(self) -> tuple[InputStatus, ...]:
+        """Files that are no dump (named, not read)."""
+        return tuple(s for s in self.inputs if s.ignored)
 
     @property
     def healthy(self) -> bool:
@@ -162,49 +161,6 @@ def _healthy(a: Analysis) -> Verdict:
     )
 
 
-def _merge_disjoint(groups: dict[str, list[T]], host: Callable[[T], str]) -> dict[str, list[T]]:
-    """Agents that detected one stall apart may name it twice; when no host
-    has dumps in two incidents, the dumps are one job's: one incident."""
-    if len(groups) < 2:
-        return groups
-    hosts = [[host(s) for s in v] for v in groups.values()]
-    flat = [h for hs in hosts for h in hs]
-    if len(flat) != len(set(flat)):
-        return groups
-    merged = [s for k in sorted(groups) for s in groups[k]]
-    return {"+".join(sorted(groups)): merged}
-
-
-def incident_plan(paths: Sequence[str]) -> tuple[dict[str, list[str]], list[InputStatus]]:
-    """The incidents of the inputs, as ``analyze`` groups them, each with its
-    files; no ring is read (our dumps' rings stay in their files, Flight
-    Recorder dumps are grouped by folder)."""
-    files, statuses = expand(paths)
-    ours: dict[str, list[tuple[str, str]]] = {}
-    fr: dict[str, list[str]] = {}
-    for f in files:
-        head = head_of(f)
-        if head is not None and looks_like_flightrec(head):
-            fr.setdefault(Path(f).parent.name, []).append(f)
-            statuses.append(InputStatus(f, True, None, SourceKind.FLIGHT_RECORDER))
-            continue
-        try:
-            rec, _ = read_dump_deferred(f, RING_DTYPES)
-        except DumpError as exc:
-            statuses.append(InputStatus(f, False, str(exc)))
-            continue
-        statuses.append(InputStatus(f, True, None, SourceKind.STALLWATCH))
-        trig = rec.trigger
-        key = trig.incident_id if trig is not None and trig.incident_id else "snapshot"
-        ours.setdefault(key, []).append((rec.host, f))
-    merged = _merge_disjoint(ours, lambda x: x[0])
-    plan = {k: sorted(f for _, f in v) for k, v in sorted(merged.items())}
-    for k, v in sorted(fr.items()):
-        plan.setdefault(k, []).extend(v)
-    statuses.sort(key=lambda s: s.path)
-    return plan, statuses
-
-
 def group_incidents(
     loaded: Iterable[Loaded],
     consume: bool = False,
@@ -213,17 +169,15 @@ def group_incidents(
 ) -> list[Incident]:
     """Inputs into incidents; ``lost``: the paths of inputs that could not be
     read (a Flight Recorder file among dumps of its folder names a rank)."""
-    ours: dict[str, list[Source]] = {}
+    ours: list[Source] = []
     fr: list[FrDump] = []
     for item in loaded:
         if isinstance(item, FrDump):
             fr.append(item)
         else:
-            trig = item.recording.trigger
-            key = trig.incident_id if trig is not None and trig.incident_id else "snapshot"
-            ours.setdefault(key, []).append(item)
-    groups = sorted(_merge_disjoint(ours, lambda s: s.recording.host).items())
-    out = [incident_from_recordings(k, v, consume, progress) for k, v in groups]
+            ours.append(item)
+    groups = group_dumps(ours, lambda s: incident_key(s.recording), lambda s: s.recording.host)
+    out = [incident_from_recordings(k, v, consume, progress) for k, v in groups.items()]
     out.extend(incidents_from_flightrec(fr, lost))
     return out
 
@@ -232,7 +186,7 @@ def analyze_paths(paths: Sequence[str], progress: bool = False) -> AnalysisResul
     # NCCL rings stay in their files until align reads each, copies what it
     # needs and forgets it: a cluster's dumps are never all in memory
     loaded, statuses = load_inputs(paths, progress=progress, defer=("nccl",))
-    lost = [s.path for s in statuses if not s.ok]
+    lost = [s.path for s in statuses if s.lost]
     incidents = group_incidents(loaded, consume=True, progress=progress, lost=lost)
     del loaded
     results = tuple(analyze_incident(inc) for inc in incidents)

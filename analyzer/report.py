@@ -255,7 +255,7 @@ def print_report(result: AnalysisResult, show_all: bool = False) -> None:
 
 
 def render(c: Console, result: AnalysisResult, show_all: bool = False) -> None:
-    bad = [s for s in result.inputs if not s.ok]
+    bad = [s for s in result.inputs if s.lost]
     for i, r in enumerate(result.incidents):
         _incident(c, r, bad if i == 0 else [], len(result.inputs), show_all)
     if not result.incidents:
@@ -317,7 +317,7 @@ def _verdict(c: Console, inc: Incident, v: Verdict) -> None:
         files = inc.kind is SourceKind.FLIGHT_RECORDER
         where = [
             _listing("rank", v.ranks) if v.ranks else "",
-            _listing("file" if files else "host", v.hosts) if v.hosts else "",
+            _listing("file" if files else "host", list(dict.fromkeys(v.hosts))) if v.hosts else "",
             _listing("pid", v.pids) if v.pids and any(v.pids) else "",
             f"comm {v.comm_id_hash}" if v.comm_id_hash else "",
             f"seq {v.seq}" if v.seq is not None else "",

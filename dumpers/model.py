@@ -63,6 +63,10 @@ class ProcessInfo:
     exit_ns: int = 0  # monotonic, 0 while alive or unknown
     exit_code: int | None = None
     exit_signal: int | None = None
+    # the world rank the input itself names (a Flight Recorder dump's global
+    # rank); None: derived from the communicators (dumpers.ranks).  Never
+    # written to a dump.
+    world_rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

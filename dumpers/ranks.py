@@ -12,6 +12,13 @@ One home for the rule, used by the SQL tables and by the analyzer alike:
 - a process's world rank is its rank in the largest non-split communicator
   it belongs to (on a tie, the one with the lowest id).
 
+``Ranks.of`` is the one derivation of a rank's identity over the
+recordings of one incident, used by the SQL tables (``query``, ``serve``),
+the Parquet export, the fan-out's client and the Perfetto trace alike: a
+member is a (host, pid) pair (a Flight Recorder file: its name, pid 0 for
+unknown), its world rank the one its input names (a Flight Recorder dump's
+global rank) or else derived as above, exactly (unknown rather than guessed).
+
 Members are keyed by whatever the caller uses for a process (the analyzer's
 proc index, the SQL layer's (host, pid)); keys must order, as a last tie
 break that keeps the result independent of input order.
@@ -32,9 +39,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from .model import CommInfo
+from .model import CommInfo, Recording
 
 K = TypeVar("K", int, tuple[str, int])
+Member = tuple[str, int]  # (host, pid)
 
 UNKNOWN_PARENT_RANK = 1 << 30  # sorts a member whose parent rank is unknown last
 
@@ -136,3 +144,36 @@ def _by_split_order(
 
 def _complete(members: tuple[K | None, ...] | None) -> bool:
     return members is not None and None not in members
+
+
+@dataclass(frozen=True, slots=True)
+class Ranks:
+    """Communicator and world ranks known over a set of recordings (one
+    incident's, or every recording queried together), exact: unknown
+    rather than guessed."""
+
+    comm: dict[tuple[Member, int], int]  # ((host, pid), comm hash) -> rank
+    nranks: dict[int, int]  # comm hash -> size, where every rank is known
+    world: dict[Member, int]
+
+    @classmethod
+    def of(cls, recordings: Iterable[Recording]) -> Ranks:
+        recs = list(recordings)
+        entries = [((r.host, c.pid), c) for r in recs for c in r.communicators]
+        found = resolve(entries, exact=True)
+        sizes = {h: len(m) for h, m in found.members.items() if m and None not in m}
+        named = {
+            (r.host, p.pid): p.world_rank
+            for r in recs
+            for p in r.processes
+            if p.world_rank is not None and p.world_rank >= 0
+        }
+        return cls(found.ranks(), sizes, found.world_ranks() | named)
+
+    def world_of(self, host: str) -> dict[int, int]:
+        """pid -> world rank, of one host's members."""
+        return {pid: r for (h, pid), r in self.world.items() if h == host}
+
+    def merged(self, other: Ranks) -> Ranks:
+        """Both incidents' ranks (members of one are never the other's)."""
+        return Ranks(self.comm | other.comm, self.nranks | other.nranks, self.world | other.world)

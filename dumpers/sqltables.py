@@ -61,14 +61,14 @@ destroy is told apart by its init/destroy times only.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
 import pyarrow as pa
 
-from . import addresses, ranks
+from . import addresses
 from .model import CommInfo, Recording
+from .ranks import Ranks
 from .schema import (
     DEVICE_FIELDS,
     RING_DTYPES,
@@ -110,7 +110,6 @@ TABLE_NAMES = (
 
 
 Columns = dict[str, pa.Array]
-Member = tuple[str, int]  # (host, pid)
 
 DATA_OPS = np.zeros(256, dtype=bool)  # ops that move data: count, datatype, seq mean something
 DATA_OPS[[int(op) for op in Op if op.is_collective or op.is_p2p]] = True
@@ -119,26 +118,6 @@ REDUCING_OPS[[Op.ALL_REDUCE, Op.REDUCE, Op.REDUCE_SCATTER]] = True
 FAMILY_CODES = np.full(1 << 16, -1, dtype=np.int8)  # AF_* -> index into FAMILY_NAMES
 FAMILY_CODES[[2, 10]] = [0, 1]
 FAMILY_NAMES = ("ipv4", "ipv6")
-
-
-@dataclass(frozen=True, slots=True)
-class Ranks:
-    """Communicator and world ranks known over a set of recordings queried
-    together (``dumpers.ranks``, exact: unknown rather than guessed)."""
-
-    comm: dict[tuple[Member, int], int]  # ((host, pid), comm hash) -> rank
-    nranks: dict[int, int]  # comm hash -> size, where every rank is known
-    world: dict[Member, int]
-
-    @classmethod
-    def of(cls, recordings: Iterable[Recording]) -> Ranks:
-        entries = [((r.host, c.pid), c) for r in recordings for c in r.communicators]
-        found = ranks.resolve(entries, exact=True)
-        sizes = {h: len(m) for h, m in found.members.items() if m and None not in m}
-        return cls(found.ranks(), sizes, found.world_ranks())
-
-    def world_of(self, host: str) -> dict[int, int]:
-        return {pid: r for (h, pid), r in self.world.items() if h == host}
 
 
 def _enum_names(names: Callable[[int], str], size: int = 256) -> pa.Array:
@@ -187,6 +166,13 @@ def _host(host: str, n: int) -> pa.DictionaryArray:
 
 def _i64(values: np.ndarray) -> pa.Array:
     return pa.array(values.astype(np.int64, copy=False))
+
+
+def _pids(values: np.ndarray) -> pa.Array:
+    """pid 0 is no process's (the idle task): an input that names no pid
+    (Flight Recorder's) says 0, NULL here."""
+    values = values.astype(np.int64, copy=False)
+    return _maybe_null(values, values == 0)
 
 
 def _hex(values: np.ndarray) -> pa.DictionaryArray:
@@ -280,9 +266,10 @@ def _maybe_null(values: np.ndarray, null: np.ndarray) -> pa.Array:
     return pa.array(values, mask=null) if null.any() else pa.array(values)
 
 
-def _now(rec: Recording) -> int:
+def recording_now(rec: Recording) -> int:
     """The recording's own time (host monotonic): when it was dumped, or
-    snapshotted."""
+    snapshotted (a Flight Recorder file: its latest entry).  Calls in flight
+    are timed up to it, in SQL and in traces alike."""
     return rec.clock.monotonic_ns
 
 
@@ -299,14 +286,15 @@ def nccl_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     idle = ~moves
     cols["end_ns"] = _maybe_null(end, pending)
     cols["duration_ns"] = _maybe_null(end - ts, pending)
-    cols["elapsed_ns"] = pa.array(np.where(pending, np.maximum(_now(rec) - ts, 0), end - ts))
+    elapsed = np.where(pending, np.maximum(recording_now(rec) - ts, 0), end - ts)
+    cols["elapsed_ns"] = pa.array(elapsed)
     cols["op"] = _coded(rows["op"], "op")
     cols["rank"] = _maybe_null(rank, rank < 0)
     cols["world_rank"] = _by_pid(rows["pid"], known.world_of(rec.host))
     cols["nranks"] = _maybe_null(nranks, nranks < 0)
     cols["comm_id_hash"] = _hex(comm_hash)
     cols["seq"] = _maybe_null(rows["seq"].astype(np.int64), idle)
-    cols["pid"] = _i64(rows["pid"])
+    cols["pid"] = _pids(rows["pid"])
     cols["tid"] = _i64(rows["tid"])
     cols["count"] = _maybe_null(rows["count"].astype(np.int64), idle)
     cols["bytes"] = _maybe_null(rows["bytes"].astype(np.int64), idle)
@@ -353,7 +341,7 @@ def comm_event_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     cols["end_ns"] = _maybe_null(end, pending)
     cols["duration_ns"] = _maybe_null(end - ts, pending)
     cols["op"] = _coded(rows["op"], "op")
-    cols["pid"] = _i64(rows["pid"])
+    cols["pid"] = _pids(rows["pid"])
     cols["tid"] = _i64(rows["tid"])
     cols["world_rank"] = _by_pid(rows["pid"], known.world_of(rec.host))
     cols["comm"] = _hex(rows["comm"])
@@ -464,7 +452,7 @@ def sched_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     known = known if known is not None else Ranks.of([rec])
     rows = _ring(rec, "sched")
     _, cols = _header(rec, rows)
-    cols["pid"] = _i64(rows["pid"])
+    cols["pid"] = _pids(rows["pid"])
     cols["world_rank"] = _by_pid(rows["pid"], known.world_of(rec.host))
     cols["tid"] = _i64(rows["tid"])
     cols["delay_ns"] = _i64(rows["delay_ns"])
@@ -476,7 +464,7 @@ def exit_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     known = known if known is not None else Ranks.of([rec])
     rows = _ring(rec, "exit")
     _, cols = _header(rec, rows)
-    cols["pid"] = _i64(rows["pid"])
+    cols["pid"] = _pids(rows["pid"])
     cols["world_rank"] = _by_pid(rows["pid"], known.world_of(rec.host))
     cols["tid"] = _i64(rows["tid"])
     cols["event"] = _coded(rows["event"], "exit_event")
@@ -500,7 +488,7 @@ def process_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     world = known.world_of(rec.host)
     return {
         "host": _host(rec.host, len(procs)),
-        "pid": pa.array([p.pid for p in procs], pa.int64()),
+        "pid": pa.array([p.pid or None for p in procs], pa.int64()),
         "world_rank": pa.array([world.get(p.pid) for p in procs], pa.int32()),
         "comm": pa.array([p.comm or None for p in procs], pa.string()),
         "cmdline": pa.array([p.cmdline or None for p in procs], pa.string()),
@@ -525,7 +513,7 @@ def communicator_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     )
     return {
         "host": _host(rec.host, len(comms)),
-        "pid": pa.array([c.pid for c in comms], pa.int64()),
+        "pid": pa.array([c.pid or None for c in comms], pa.int64()),
         "world_rank": pa.array([world.get(c.pid) for c in comms], pa.int32()),
         "process": pa.array([comm_of.get(c.pid) or None for c in comms], pa.string()),
         "comm": _hex(np.array([c.comm for c in comms], np.uint64)),
@@ -658,11 +646,14 @@ def _unify(parts: Sequence[pa.Table]) -> pa.Table:
     return pa.concat_tables(parts)
 
 
-def tables(recordings: Recording | Iterable[Recording]) -> dict[str, pa.Table]:
+def tables(
+    recordings: Recording | Iterable[Recording], known: Ranks | None = None
+) -> dict[str, pa.Table]:
     """Every SQL table over one or many recordings, rows concatenated in the
-    order the recordings are given; ranks derived over all of them."""
+    order the recordings are given; ranks as ``known`` says (derived over
+    their whole incident), by default derived over the recordings given."""
     recs = [recordings] if isinstance(recordings, Recording) else list(recordings)
-    known = Ranks.of(recs)
+    known = Ranks.of(recs) if known is None else known
     out: dict[str, pa.Table] = {}
     for name, build in BUILDERS.items():
         if recs:

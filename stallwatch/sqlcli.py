@@ -2,10 +2,10 @@
 and dumps served like a live agent.
 
 Exit codes of ``query``: 0 every input answered; 1 a partial result (some
-agents failed, or ``--skip-bad`` skipped unreadable dumps: the rows printed
-miss their data, and each missing input is named on stderr); 2 bad usage, a
-refused or failed query, an unreadable dump (without ``--skip-bad``), or no
-agent answered.
+agents failed, or unreadable dumps were skipped: the rows printed miss their
+data, and each missing input is named on stderr; files that are no dump are
+named and ignored); 2 bad usage, a refused or failed query, no readable
+dump, or no agent answered.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.text import Text
 
-from stallwatch.analyzer.load import SKIPPED_IN_FOLDERS
-from stallwatch.dumpers.errors import DumpError, ExitCode, UsageError
+from stallwatch.dumpers.errors import ExitCode, UsageError
 from stallwatch.dumpers.model import Recording
 from stallwatch.query import tls
 from stallwatch.query.output import HelpFormatter, add_format_option, new_table, text_for
@@ -98,7 +97,11 @@ def register(subparsers: Any) -> None:
     tls.add_client_options(q)
     add_format_option(q, ("table", "json", "csv"))
     q.add_argument("--limit", type=int, metavar="N", help="at most N rows")
-    q.add_argument("--skip-bad", action="store_true", help="skip unreadable dumps, exit 1")
+    q.add_argument(
+        "--skip-bad",
+        action="store_true",
+        help="kept for old scripts: unreadable dumps are always skipped (named, exit 1)",
+    )
     q.set_defaults(func=run_query)
 
     s = subparsers.add_parser(
@@ -134,62 +137,16 @@ def read_token(path: str | None) -> str | None:
     return token
 
 
-def _in_folder(f: Path) -> bool:
-    """Folders hold dumps beside the agents' logs and writers' temporaries."""
-    return f.is_file() and not f.name.startswith(".") and not f.name.endswith(SKIPPED_IN_FOLDERS)
-
-
-def dump_files(paths: Sequence[str]) -> list[Path]:
-    """Files named, and the files under folders named (recursively, in name
-    order, hidden files such as a writer's temporary files left out)."""
-    files: list[Path] = []
-    for p in paths:
-        path = Path(p)
-        if path.is_dir():
-            found = sorted(f for f in path.rglob("*") if _in_folder(f))
-            if not found:
-                raise UsageError(f"{p}: folder holds no files")
-            files.extend(found)
-        elif path.exists():
-            files.append(path)
-        else:
-            raise UsageError(f"{p}: no such file or folder")
-    return files
-
-
-def read_recordings(paths: Sequence[str], skip_bad: bool) -> tuple[list[Recording], list[str]]:
+def read_recordings(paths: Sequence[str]) -> tuple[list[Recording], list[str], bool]:
     """Dumps read (ours, and PyTorch Flight Recorder dumps as one recording
-    per rank), and the errors of those skipped (only with ``skip_bad``)."""
-    from stallwatch.analyzer.flightrec import looks_like_flightrec
-    from stallwatch.analyzer.frincident import read_as_recordings
-    from stallwatch.dumpers.format import read_dump
+    per rank) through the one input opener, as ``analyze`` and ``export``
+    read them: the recordings, one note per input not read (lost, or
+    foreign and ignored), and whether any was lost."""
+    from stallwatch.analyzer.load import open_incidents
 
-    recordings, errors, fr = [], [], []
-    for path in dump_files(paths):
-        if looks_like_flightrec(_head(path)):
-            fr.append(str(path))
-            continue
-        try:
-            recordings.append(read_dump(path))
-        except DumpError as exc:
-            if not skip_bad:
-                raise
-            errors.append(str(exc))
-    if fr:
-        more, bad, _ = read_as_recordings(fr)
-        if bad and not skip_bad:
-            raise DumpError(bad[0])
-        recordings += more
-        errors += bad
-    return recordings, errors
-
-
-def _head(path: Path) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read(16)
-    except OSError:
-        return b""  # read_dump says why
+    incidents, statuses = open_incidents(paths)
+    recordings = [rec for inc in incidents for _, rec in inc.recordings]
+    return recordings, [s.note for s in statuses if not s.ok], any(s.lost for s in statuses)
 
 
 # ---- output ----------------------------------------------------------------
@@ -266,9 +223,9 @@ def run_query(args: argparse.Namespace) -> int:
     paths, sql = _split_args(args)
     if args.agents:
         return _query_agents(args, sql)
-    recordings, skipped = read_recordings(paths, args.skip_bad)
-    for error in skipped:
-        print(f"stallwatch query: skipped: {error}", file=sys.stderr)
+    recordings, notes, lost = read_recordings(paths)
+    for note in notes:
+        print(f"stallwatch query: {note}", file=sys.stderr)
     if not recordings:
         raise UsageError("no readable dump among the inputs")
     from stallwatch.query.sql import LOCAL, QueryEngine
@@ -280,10 +237,10 @@ def run_query(args: argparse.Namespace) -> int:
         "types": list(result.types),
         "rows": result.rows,
         "truncated": result.truncated,
-        "skipped": skipped,
+        "skipped": notes,
     }
     print(render(args.format, doc))
-    return ExitCode.FINDINGS if skipped else ExitCode.OK
+    return ExitCode.FINDINGS if lost else ExitCode.OK
 
 
 def _query_agents(args: argparse.Namespace, sql: str) -> int:
@@ -334,7 +291,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     token = read_token(args.token_file)
     server_tls = tls.server_from(args)
-    recordings, _ = read_recordings(args.paths, skip_bad=False)
+    recordings, notes, _ = read_recordings(args.paths)
+    for note in notes:
+        print(f"stallwatch serve: {note}", file=sys.stderr)
+    if not recordings:
+        raise UsageError("no readable dump among the inputs")
     backend = RecordingsBackend(recordings)
     handle = serve_http(backend, args.listen, token, tls=server_tls)
     stop = threading.Event()

@@ -50,7 +50,7 @@ from stallwatch.dumpers.model import CommInfo, Recording, Ring
 from stallwatch.dumpers.schema import NCCL_EVENT, Op
 
 from .model import Incident
-from .verdict import Verdict, VerdictKind, known_rank
+from .verdict import Verdict, VerdictKind
 
 MIN_OVERLAP = 3
 MAX_SKEW_NS = 1_000_000_000

@@ -58,14 +58,16 @@ __all__ = [
 
 
 def load_one(
-    path: str, defer: Collection[str] = (), head: bytes | None = None
+    path: str, defer: Collection[str] = (), flight: bool | None = None
 ) -> tuple[Loaded | None, InputStatus]:
     """One input (a dump or a Flight Recorder file); our dumps' rings named
     in ``defer`` are left in the file (read when their rows are wanted, see
-    ``Source.deferred``).  ``head``: its first bytes, when the caller has
-    read them already."""
-    head = head_of(path) if head is None else head
-    if head is not None and looks_like_flightrec(head):
+    ``Source.deferred``).  ``flight``: whether it is a Flight Recorder file,
+    when the caller knows (``dumpers.inputs.classify``)."""
+    if flight is None:
+        head = head_of(path)
+        flight = head is not None and looks_like_flightrec(head)
+    if flight:
         try:
             fr = read_flightrec(path)
         except DumpError as exc:
@@ -109,21 +111,21 @@ def _pool_for(
 
 
 def _read_all(
-    files: list[str], heads: dict[str, bytes], defer: Collection[str]
+    files: list[str], flight: Collection[str], defer: Collection[str]
 ) -> Iterator[tuple[Loaded | None, InputStatus]]:
     """load_one of each file, in order; Flight Recorder files on worker
     processes when they pay, the rest here meanwhile."""
     if defer:  # thousands of dumps: their headers fetched from disk side by side
         for f in files:
             prefetch_head(f)
-    fr = [f for f in files if looks_like_flightrec(heads[f])]
+    fr = [f for f in files if f in flight]
     pooled = _pool_for(fr)
     if pooled is None and len(files) - len(fr) >= POOL_MIN_DUMPS and defer:
         # thousands of our dumps: their headers (tables, validation) are
         # parsed on worker processes too, the rings staying in the files
         fr, pooled = files, _pool_for(files, 0)
     if pooled is None:
-        yield from (load_one(f, defer, heads[f]) for f in files)
+        yield from (load_one(f, defer, f in flight) for f in files)
         return
     pool, workers = pooled
     with pool:
@@ -131,15 +133,18 @@ def _read_all(
             _load_one_deferred,
             fr,
             [tuple(defer)] * len(fr),
+            [f in flight for f in fr],
             chunksize=max(1, len(fr) // (8 * workers)),
         )
         wanted = set(fr)
         for f in files:  # results come in the order of fr: the order of files
-            yield next(results) if f in wanted else load_one(f, defer, heads[f])
+            yield next(results) if f in wanted else load_one(f, defer, f in flight)
 
 
-def _load_one_deferred(path: str, defer: tuple[str, ...]) -> tuple[Loaded | None, InputStatus]:
-    return load_one(path, defer)
+def _load_one_deferred(
+    path: str, defer: tuple[str, ...], flight: bool
+) -> tuple[Loaded | None, InputStatus]:
+    return load_one(path, defer, flight)
 
 
 def load_inputs(
@@ -148,12 +153,13 @@ def load_inputs(
     """Every input named (files, folders); with ``defer``, our dumps' rings
     of those names stay in their files until wanted."""
     found = classify(paths)
-    wanted = set(found.dumps) | set(found.flight)
+    flight = set(found.flight)
+    wanted = set(found.dumps) | flight
     files = [f for f in found.heads if f in wanted]
     statuses = list(found.statuses)
     loaded: list[Loaded] = []
     shown = Progress("loaded {}/{} files", len(files), progress)
-    for item, status in _read_all(files, found.heads, defer):
+    for item, status in _read_all(files, flight, defer):
         statuses.append(status)
         if item is not None:
             loaded.append(item)

@@ -420,7 +420,8 @@ _TOP_KEYS_V2 = (
 )
 _TOP_KEYS = (*_TOP_KEYS_V2, "snapshots")  # version 3
 _TRIGGER_KEYS = ("kind", "reason", "incident_id", "time_ns", "pid", "comm_hash", "origin_host")
-_PROCESS_KEYS = tuple(ProcessInfo.__dataclass_fields__)
+# world_rank: only an input that names it (Flight Recorder) sets it, never a dump
+_PROCESS_KEYS = tuple(k for k in ProcessInfo.__dataclass_fields__ if k != "world_rank")
 _COMM_KEYS = tuple(CommInfo.__dataclass_fields__)
 _RING_KEYS = ("dtype", "rows", "data", "overwritten", "lost")
 

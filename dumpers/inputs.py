@@ -8,8 +8,10 @@ every command treats a file the same way:
   out; a missing path, or a folder without files, is a lost input;
 - each file's first bytes tell its kind: our msgpack dump, or a PyTorch
   Flight Recorder dump (a pickle, or JSON with Flight Recorder's keys);
-  anything else (a README, a scenario's ``expected.json``) is *foreign*:
-  named and ignored, never a lost input;
+  a file whose bytes tell neither but whose name does (``*.msgpack``, or the
+  name of its folder's Flight Recorder dumps but the rank) is a dump that
+  cannot be read; anything else (a README, a scenario's ``expected.json``)
+  is *foreign*: named and ignored, never a lost input;
 - a file of a known kind that cannot be read (truncated, corrupt) is a lost
   input: skipped with a one-line note, the others read (exit 1 when any is
   lost, 2 when nothing could be read);
@@ -26,6 +28,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
+import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,26 +152,43 @@ class Classified:
     heads: dict[str, bytes]
 
 
+_RANK_AT_END = re.compile(r"\d+(?:\.json|\.pkl|\.pickle)?$")
+DUMP_SUFFIX = ".msgpack"
+
+
+def _fr_name(path: str) -> tuple[str, str] | None:
+    """(folder, name without its rank) of a file named as torch names Flight
+    Recorder dumps (``..._<rank>``); None for other names."""
+    name = Path(path).name
+    m = _RANK_AT_END.search(name)
+    return (flight_folder(path), name[: m.start()]) if m else None
+
+
 def classify(paths: Sequence[str]) -> Classified:
     files, statuses = expand(paths)
-    dumps: list[str] = []
-    flight: list[str] = []
+    kinds: dict[str, SourceKind] = {}
     heads: dict[str, bytes] = {}
     for f in files:
         head = head_of(f)
-        kind = kind_of(head)
         if head is None:
             statuses.append(InputStatus(f, False, f"{f}: cannot read the file"))
             continue
         heads[f] = head
-        if kind is SourceKind.FOREIGN:
+        kinds[f] = kind_of(head) or SourceKind.FOREIGN
+    # a rank's dump that is garbage is a lost dump, not a foreign file
+    fr_names = {_fr_name(f) for f, k in kinds.items() if k is SourceKind.FLIGHT_RECORDER}
+    for f, k in kinds.items():
+        if k is SourceKind.FOREIGN and f.endswith(DUMP_SUFFIX):
+            kinds[f] = SourceKind.STALLWATCH
+        elif k is SourceKind.FOREIGN and _fr_name(f) in fr_names - {None}:
+            kinds[f] = SourceKind.FLIGHT_RECORDER
+    for f, k in kinds.items():
+        if k is SourceKind.FOREIGN:
             why = f"{f}: not a stallwatch or Flight Recorder dump"
             statuses.append(InputStatus(f, False, why, SourceKind.FOREIGN))
-        elif kind is SourceKind.FLIGHT_RECORDER:
-            flight.append(f)
-        else:
-            dumps.append(f)
-    return Classified(tuple(dumps), tuple(flight), tuple(statuses), heads)
+    dumps = tuple(f for f, k in kinds.items() if k is SourceKind.STALLWATCH)
+    flight = tuple(f for f, k in kinds.items() if k is SourceKind.FLIGHT_RECORDER)
+    return Classified(dumps, flight, tuple(statuses), heads)
 
 
 def read_dump_input(

@@ -100,18 +100,24 @@ def _files(root: Path) -> dict[Path, tuple[int, int, bytes]]:
 # --- layout, appending, refusals ------------------------------------------------
 
 
+def _fr_incident(exported: Path) -> str:
+    """The Flight Recorder incident's id: its folder's name and a digest."""
+    names = [p.name for p in (exported / "nccl_events").iterdir()]
+    return next(n.removeprefix("incident=") for n in names if "lock_gil_1st" in n)
+
+
 def test_layout_is_hive_partitioned_with_a_format_version(exported: Path) -> None:
     meta = json.loads((exported / META_FILE).read_text())
     assert meta["format"] == "stallwatch-parquet" and meta["version"] == FORMAT_VERSION
     assert sorted(meta["tables"]) == sorted(TABLE_NAMES)
+    fr = _fr_incident(exported)
+    assert re.fullmatch(r"lock_gil_1st-[0-9a-f]{8}", fr), fr  # the folder's name, made unique
     for table in TABLE_NAMES:
         parts = sorted(p.name for p in (exported / table).iterdir())
-        assert parts == sorted(
-            f"incident={escape(i)}" for i in ("inc-a", "inc b/2", "lock_gil_1st")
-        ), parts
+        assert parts == sorted(f"incident={escape(i)}" for i in ("inc-a", "inc b/2", fr)), parts
     hosts = sorted(p.name for p in (exported / "nccl_events" / "incident=inc%20b%2F2").iterdir())
     assert hosts == [f"host=node{k}%3Arack%3D7" for k in range(3)]
-    fr_hosts = list((exported / "nccl_events" / "incident=lock_gil_1st").iterdir())
+    fr_hosts = list((exported / "nccl_events" / f"incident={fr}").iterdir())
     assert len(fr_hosts) == 16  # one Flight Recorder dump per rank
     one = next((exported / "sched_events").rglob("*.parquet"))
     md = pq.read_schema(one).metadata
@@ -241,7 +247,7 @@ def test_duckdb_sees_every_row_and_partition(dumps: list[Path], exported: Path) 
         got = _rows(con.execute(sql.format(t)).fetchall(), False)
         assert got == _expected(dumps, sql.format(t)), t
     incidents = con.execute("SELECT DISTINCT incident FROM nccl_events ORDER BY 1").fetchall()
-    assert incidents == [("inc b/2",), ("inc-a",), ("lock_gil_1st",)]
+    assert incidents == [("inc b/2",), ("inc-a",), (_fr_incident(exported),)]
 
 
 # --- Spark (one local session for the module) -----------------------------------

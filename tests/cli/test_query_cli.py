@@ -91,18 +91,27 @@ def test_query_csv(run: Run, dump_dir: Path) -> None:
     assert rows == [["host", "duration_ns"]] + [[f"node{i}", ""] for i in range(3)]
 
 
-def test_query_refuses_a_file_that_is_not_a_dump(run: Run, dump_dir: Path, tmp_path: Path) -> None:
+def test_query_skips_a_file_that_is_not_a_dump(run: Run, dump_dir: Path, tmp_path: Path) -> None:
+    """As analyze and export do: a dump that cannot be read is named and
+    skipped (exit 1); a file that is no dump at all is named and ignored."""
     bad = tmp_path / "notes.msgpack"
     bad.write_text("hello")
     good = next(dump_dir.iterdir())
     code, out, err = run("query", str(good), str(bad), "SELECT count(*) FROM nccl_events")
-    assert code == 2 and out == ""
-    assert str(bad) in err and "Traceback" not in err
+    assert code == 1 and out.strip()
+    assert f"skipped {bad}" in err and "Traceback" not in err
+    foreign = tmp_path / "expected.json"
+    foreign.write_text('{"scenario": "hang"}')
+    code, out, err = run("query", str(good), str(foreign), "SELECT count(*) FROM nccl_events")
+    assert code == 0 and out.strip()
+    assert f"ignored {foreign}" in err
+    code, out, err = run("query", str(bad), "SELECT count(*) FROM nccl_events")
+    assert code == 2 and out == "" and "no readable dump" in err
     code, out, err = run(
         "query", str(good), str(bad), "SELECT count(*) AS n FROM nccl_events", "--skip-bad"
     )
     assert code == 1
-    assert f"skipped: {bad}" in err
+    assert f"skipped {bad}" in err
     assert out.splitlines()[2].strip() == "201"
 
 
@@ -145,7 +154,7 @@ def test_query_reads_flight_recorder_dumps(run: Run, form: str, tmp_path: Path) 
     code, out, err = run("query", str(lost), "SELECT count(*) FROM nccl_events", "--skip-bad")
     assert code == 1 and broken.name in err
     code, _, err = run("query", str(lost), "SELECT count(*) FROM nccl_events")
-    assert code == 2 and broken.name in err
+    assert code == 1 and broken.name in err  # skipped by default, as analyze does
 
 
 def test_query_usage_errors(run: Run, dump_dir: Path, tmp_path: Path) -> None:

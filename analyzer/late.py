@@ -50,7 +50,7 @@ from stallwatch.dumpers.model import CommInfo, Recording, Ring
 from stallwatch.dumpers.schema import NCCL_EVENT, Op
 
 from .model import Incident
-from .verdict import Verdict, VerdictKind
+from .verdict import Verdict, VerdictKind, known_rank
 
 MIN_OVERLAP = 3
 MAX_SKEW_NS = 1_000_000_000
@@ -512,14 +512,10 @@ def _with_alignments(v: Verdict, report: LateReport) -> Verdict:
 
 def _inconclusive(inc: Incident, unaligned: tuple[Unaligned, ...]) -> Verdict:
     world = {(p.host, p.pid): p.world_rank for p in inc.procs}
-    # one culprit per process, its rank, host and pid index by index
-    who = sorted(
-        {(world.get((u.host, u.pid), -1), u.host, u.pid) for u in unaligned},
-        key=lambda w: (w[0] < 0, w),
-    )
-    ranks = tuple(w for w, _, _ in who)
-    hosts = tuple(h for _, h, _ in who)
-    pids = tuple(p for _, _, p in who)
+    hosts = tuple(sorted({u.host for u in unaligned}))
+    pids = tuple(sorted({u.pid for u in unaligned}))
+    known = {world.get((u.host, u.pid), -1) for u in unaligned}
+    ranks = tuple(known_rank(r) for r in sorted(known, key=lambda r: (r < 0, r)))
     streams = len(unaligned)
     return Verdict(
         VerdictKind.INCONCLUSIVE,

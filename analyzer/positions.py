@@ -379,7 +379,7 @@ def _verdict(
     return Verdict(
         kind,
         tuple(p.world_rank for p in culprits),
-        tuple(p.host for p in culprits),
+        tuple(dict.fromkeys(p.host for p in culprits)),
         tuple(p.pid for p in culprits),
         comm,
         None,

@@ -50,11 +50,10 @@ def ms(ns: float) -> str:
 def who(
     inc: Incident, procs: list[int]
 ) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...]]:
-    """World ranks, hosts and pids of some procs, index by index."""
     ps = [inc.procs[p] for p in procs]
     return (
         tuple(p.world_rank for p in ps),
-        tuple(p.host for p in ps),
+        tuple(sorted({p.host for p in ps})),
         tuple(p.pid for p in ps),
     )
 

@@ -75,7 +75,7 @@ def detect_network(a: Analysis) -> list[Verdict]:
     inc = a.incident
     hosts = tuple(inc.hosts[h.host] for h in lossy)
     procs = [i for i, p in enumerate(inc.procs) if p.host in hosts]
-    ranks, culprit_hosts, pids = who(inc, procs)
+    ranks, _, pids = who(inc, procs)
     evidence = [
         f"host {x.host_name}: {x.h.local} retransmits sent and {x.h.remote} received inside "
         f"collective windows ({x.h.total} sent in all)"
@@ -107,7 +107,7 @@ def detect_network(a: Analysis) -> list[Verdict]:
         Verdict(
             VerdictKind.NETWORK_STRAGGLER,
             ranks,
-            culprit_hosts,
+            hosts,
             pids,
             None,
             None,

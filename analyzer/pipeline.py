@@ -77,7 +77,7 @@ from .metrics import (
     retransmits_in_windows,
     sched_delay_per_proc,
 )
-from .model import Incident, InputStatus
+from .model import Incident, InputStatus, SourceKind
 from .verdict import Verdict, VerdictKind
 
 

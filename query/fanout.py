@@ -37,9 +37,11 @@ from typing import Any
 import pyarrow as pa
 
 from stallwatch.dumpers.errors import AgentError, UsageError
+from stallwatch.dumpers.model import Clock, CommInfo, Recording
+from stallwatch.dumpers.ranks import Ranks
 
 from .http import ARROW_FRAMES, Frame, decode_frames
-from .plan import Plan, final_connection, merge_tables, plan
+from .plan import IDENTITY, Plan, final_connection, merge_tables, plan
 from .sql import run_on_tables
 from .tls import ClientTls, describe_failure
 
@@ -301,6 +303,8 @@ def query_agents(
     the_plan = plan(sql)
     req = _request(the_plan, token, timeout, tls)
     answers, failed, tables = _gather(targets, req, the_plan, concurrency)
+    if the_plan.derives_ranks:
+        tables = fill_ranks(tables)
     if not answers:
         elapsed = (time.perf_counter() - start) * 1e3
         return FanoutResult((), (), [], (), tuple(failed), elapsed)
@@ -380,6 +384,78 @@ def _cast(tables: dict[str, pa.Table], the_plan: Plan, limit: int | None) -> lis
     )
     sql = f"SELECT {items} FROM ({the_plan.final_sql.rstrip().rstrip(';')})"
     return [list(r) for r in run_on_tables(tables, sql, limit, final_connection()).rows]
+
+
+def _hash(text: str | None) -> int:
+    return int(text, 16) if text else 0
+
+
+def _minus(value: int | None) -> int:
+    return -1 if value is None else value
+
+
+def _identity(rows: pa.Table) -> Ranks:
+    """Ranks derived over every agent's communicators, as one local query
+    over all their dumps derives them (``dumpers.ranks``)."""
+    by_host: dict[str, list[CommInfo]] = {}
+    named: dict[tuple[str, int], int] = {}
+    for r in rows.to_pylist():
+        pid = r["pid"] or 0
+        info = CommInfo(
+            pid, 0, _hash(r["comm_id_hash"]), _minus(r["rank"]), _minus(r["nranks"]),
+            _hash(r["parent_hash"]), _minus(r["color"]), _minus(r["key"]),
+        )  # fmt: skip
+        by_host.setdefault(r["host"], []).append(info)
+        if r["world_rank"] is not None:
+            named[(r["host"], pid)] = r["world_rank"]
+    recs = [Recording(h, "", Clock(0, 0), (), tuple(cs), {}) for h, cs in sorted(by_host.items())]
+    known = Ranks.of(recs)
+    # a world rank an agent knew (its dumps named it) stands
+    return Ranks(known.comm, known.nranks, known.world | named)
+
+
+def fill_ranks(tables: dict[str, pa.Table]) -> dict[str, pa.Table]:
+    """The agents' rows with ``rank``, ``nranks`` and ``world_rank`` filled
+    where an agent alone could not know them."""
+    identity = tables.pop(IDENTITY, None)
+    if identity is None:
+        return tables
+    known = _identity(identity)
+    return {name: _filled(t, known) for name, t in tables.items()}
+
+
+def _filled(t: pa.Table, known: Ranks) -> pa.Table:
+    names = t.column_names
+    if "host" not in names or "pid" not in names:
+        return t
+    hosts, pids = t.column("host").to_pylist(), t.column("pid").to_pylist()
+    members = [(h, p or 0) for h, p in zip(hosts, pids, strict=True)]
+    hashes = (
+        [_hash(x) for x in t.column("comm_id_hash").to_pylist()]
+        if "comm_id_hash" in names
+        else [0] * len(members)
+    )
+    for col in ("rank", "nranks", "world_rank"):
+        if col not in names:
+            continue
+        values = t.column(col).to_pylist()
+        if None not in values:
+            continue
+        values = [
+            _derived(col, known, members[i], hashes[i]) if v is None else v
+            for i, v in enumerate(values)
+        ]
+        at = names.index(col)
+        t = t.set_column(at, t.schema.field(at), pa.array(values, t.schema.field(at).type))
+    return t
+
+
+def _derived(col: str, known: Ranks, member: tuple[str, int], comm_hash: int) -> int | None:
+    if col == "rank":
+        return known.comm.get((member, comm_hash))
+    if col == "nranks":
+        return known.nranks.get(comm_hash)
+    return known.world.get(member)
 
 
 def close_connections() -> None:

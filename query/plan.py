@@ -32,6 +32,15 @@ rows are those of a local query over the agents' dumps; only float sums may
 differ in their last bits (addition order).  Result columns keep the names
 and types the local query would give.
 
+Ranks: an agent alone cannot rank a split communicator whose members span
+nodes (``dumpers.ranks``: unknown rather than guessed).  A query that reads
+``rank``, ``nranks`` or ``world_rank`` therefore fetches rows (no partial
+aggregates, nothing pushed down) with each row's identity (``host``,
+``pid``, ``comm_id_hash``), and every agent's communicator table
+(``IDENTITY``); the client derives the ranks over all of them, exactly as a
+local query over every dump does, and fills them in (``query.fanout``)
+before the final query runs.
+
 Known limits: an agent returns at most ``Limits.max_fetch_rows`` rows per
 table (1,000,000 on the network): a query that needs more from one agent is
 answered from the rows sent and marked truncated.  Volatile functions
@@ -92,6 +101,20 @@ class Plan:
     final_sql: str  # what the client runs over the union of the fetches
     columns: tuple[str, ...]  # the local query's result columns ...
     types: tuple[str, ...]  # ... and their types
+
+    @property
+    def derives_ranks(self) -> bool:
+        """Ranks are derived on the client over every agent's communicators."""
+        return any(f.table == IDENTITY for f in self.fetches)
+
+
+RANK_COLUMNS = frozenset({"rank", "nranks", "world_rank"})
+IDENTITY_COLUMNS = ("host", "pid", "comm_id_hash")
+IDENTITY = "_sw_identity"  # the fetch of every agent's communicators
+IDENTITY_SQL = (
+    "SELECT host, pid, comm_id_hash, rank, nranks, parent_hash, color, key, world_rank "
+    "FROM communicators"
+)
 
 
 class _Planner:
@@ -161,7 +184,11 @@ def plan(sql: str) -> Plan:
         node = planner.parse(sql)
         if node is None:
             raise QueryRefused("the query cannot be parsed into one SELECT")
-        made = _aggregate_plan(planner, node) or _rows_plan(planner, node, sql)
+        made = (
+            _ranks_plan(planner, node, sql)
+            or _aggregate_plan(planner, node)
+            or _rows_plan(planner, node, sql)
+        )
         kind, fetches, final = made
         return Plan(kind, tuple(fetches), final, columns, types)
 
@@ -460,6 +487,41 @@ def _rows_plan(planner: _Planner, root: Node, sql: str) -> tuple[str, list[Fetch
     return "rows", fetches, sql
 
 
+def _ranks_plan(planner: _Planner, root: Node, sql: str) -> tuple[str, list[Fetch], str] | None:
+    """A query reading ranks: the rows of the tables it reads (filtered by
+    what reads no rank), with their identity, and the communicators (see
+    the module's "Ranks")."""
+    referenced = _referenced_tables(planner, root, sql)
+    needed = _needed_columns(planner, root, referenced)
+    if not any(RANK_COLUMNS & set(cols) for cols in needed.values()):
+        return None
+    needed = {
+        t: tuple(dict.fromkeys([*cols, *(c for c in IDENTITY_COLUMNS if c in planner.schema[t])]))
+        for t, cols in needed.items()
+    }
+    # a filter, order or DISTINCT that reads no rank may still go to the agents
+    selects = [root.get("where_clause"), root.get("modifiers")]
+    single = None if _names(selects) & RANK_COLUMNS else _single_table_fetch(planner, root, needed)
+    if single is not None:
+        return "rows", [single, Fetch(IDENTITY, IDENTITY_SQL)], sql
+    filters = _pushed_filters(planner, root, _cte_names(root), RANK_COLUMNS)
+    fetches = []
+    for table in sorted(referenced):
+        cols = needed[table]
+        text = f"SELECT {', '.join(_quote(c) for c in cols)} FROM {_quote(table)}"
+        predicates = filters.get(table)
+        if predicates and None not in predicates:  # rows no reading of the query wants
+            text += " WHERE " + " OR ".join(f"({p})" for p in dict.fromkeys(predicates))
+        fetches.append(Fetch(table, text))
+    fetches.append(Fetch(IDENTITY, IDENTITY_SQL))
+    return "rows", fetches, sql
+
+
+def _names(value: Any) -> set[str]:
+    """The column names an expression (or a list of them) reads."""
+    return {c for n in _walk(value) if _is_column(n) for c in n["column_names"]}
+
+
 def _referenced_tables(planner: _Planner, root: Node, sql: str) -> set[str]:
     names = {
         n["table_name"]
@@ -565,9 +627,12 @@ def _limit(rows: int) -> Node:
     }  # fmt: skip
 
 
-def _pushed_filters(planner: _Planner, root: Node, ctes: set[str]) -> dict[str, list[str | None]]:
+def _pushed_filters(
+    planner: _Planner, root: Node, ctes: set[str], avoid: frozenset[str] = frozenset()
+) -> dict[str, list[str | None]]:
     """Per table, one predicate per place the query reads it (None: every
-    row); an agent sends the rows that pass any of them."""
+    row); an agent sends the rows that pass any of them.  Conjuncts that
+    read a column of ``avoid`` are left to the client."""
     found: dict[str, list[str | None]] = {}
     seen: set[int] = set()
     for n in _walk(root):
@@ -575,7 +640,7 @@ def _pushed_filters(planner: _Planner, root: Node, ctes: set[str]) -> dict[str, 
             continue
         for ref, table, conjuncts in _reads(planner, n, ctes):
             seen.add(id(table))
-            own = [c for c in conjuncts if ref.own_columns(c)]
+            own = [c for c in conjuncts if (cols := ref.own_columns(c)) and not cols & avoid]
             pred = _and([ref.unqualified(c) for c in own])
             found.setdefault(ref.table, []).append(
                 None if pred is None else planner.expression_sql(pred)

@@ -8,7 +8,7 @@ import pytest
 
 from bench.bench_sql import SEED_QUERY
 from stallwatch.dumpers.errors import QueryError, QueryRefused
-from stallwatch.query.plan import Plan, plan
+from stallwatch.query.plan import IDENTITY, IDENTITY_SQL, Plan, plan
 
 
 def fetch_of(p: Plan, table: str) -> str:
@@ -37,24 +37,37 @@ def test_aggregates_are_sent_as_partials_per_group() -> None:
 
 
 def test_where_goes_to_the_agents_and_leaves_the_final_query() -> None:
-    p = plan("SELECT count(*) FROM nccl_events WHERE rank = 3")
-    assert "WHERE (rank = 3)" in fetch_of(p, "nccl_events") and "WHERE" not in p.final_sql
+    p = plan("SELECT count(*) FROM nccl_events WHERE seq = 3")
+    assert "WHERE (seq = 3)" in fetch_of(p, "nccl_events") and "WHERE" not in p.final_sql
+
+
+def test_ranks_are_derived_on_the_client_over_every_agent() -> None:
+    """One agent alone cannot rank a split communicator spanning nodes: a
+    query reading ranks takes the rows with their identity, every agent's
+    communicators, and filters on ranks after the client filled them."""
+    p = plan("SELECT count(*) FROM nccl_events WHERE rank = 3 AND op = 'ALL_REDUCE'")
+    assert p.derives_ranks and p.final_sql.endswith("WHERE rank = 3 AND op = 'ALL_REDUCE'")
+    fetch = fetch_of(p, "nccl_events")
+    assert "op = 'ALL_REDUCE'" in fetch and "rank = 3" not in fetch
+    assert all(f'"{c}"' in fetch for c in ("host", "pid", "comm_id_hash"))
+    assert fetch_of(p, IDENTITY) == IDENTITY_SQL
+    assert not plan("SELECT count(*) FROM nccl_events").derives_ranks
 
 
 def test_top_rows_and_distinct_are_pushed() -> None:
     top = plan(
-        "SELECT rank, duration_ns / 1e6 AS ms FROM nccl_events ORDER BY ms DESC LIMIT 5 OFFSET 3"
+        "SELECT seq, duration_ns / 1e6 AS ms FROM nccl_events ORDER BY ms DESC LIMIT 5 OFFSET 3"
     )
     fetch = fetch_of(top, "nccl_events")
     assert "ORDER BY (duration_ns / 1e6) DESC" in fetch and fetch.endswith("LIMIT 8")
-    distinct = plan("SELECT DISTINCT rank FROM nccl_events")
-    assert fetch_of(distinct, "nccl_events").startswith("SELECT DISTINCT host, rank")
+    distinct = plan("SELECT DISTINCT seq FROM nccl_events")
+    assert fetch_of(distinct, "nccl_events").startswith("SELECT DISTINCT host, seq")
     # a limit without an order: any rows do, so no agent sends more
     assert fetch_of(plan("SELECT * FROM tcp_events LIMIT 10 OFFSET 2"), "tcp_events").endswith(
         "LIMIT 12"
     )
     # DISTINCT then LIMIT: the top rows of each part are not the top distinct ones
-    both = plan("SELECT DISTINCT rank FROM nccl_events ORDER BY rank LIMIT 2")
+    both = plan("SELECT DISTINCT seq FROM nccl_events ORDER BY seq LIMIT 2")
     assert "LIMIT" not in fetch_of(both, "nccl_events")
 
 
@@ -89,12 +102,12 @@ def test_what_cannot_filter_an_agents_rows_is_not_pushed(sql: str) -> None:
 
 def test_a_cte_named_like_a_table_is_not_filtered_as_that_table() -> None:
     sql = (
-        "WITH tcp_events AS (SELECT * FROM nccl_events WHERE rank = 1) "
+        "WITH tcp_events AS (SELECT * FROM nccl_events WHERE seq = 1) "
         "SELECT count(*) FROM tcp_events WHERE pid > 0"
     )
     p = plan(sql)
     assert all("pid > 0" not in f.sql for f in p.fetches)
-    assert "rank = 1" in fetch_of(p, "nccl_events")
+    assert "seq = 1" in fetch_of(p, "nccl_events")
 
 
 def test_bad_queries_fail_in_the_plan() -> None:

@@ -26,7 +26,6 @@ them); its entry points need not begin with ``push``.
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import os
 import shutil
@@ -203,12 +202,15 @@ def ensure_cudart() -> Path:
     return CUDART.path
 
 
+USAGE = f"usage: python -m stallwatch.lab.build\n\nBuild the lab's {LIB_NAME} and {CUDART_NAME}."
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m stallwatch.lab.build",
-        description=f"Build the lab's {LIB_NAME} and {CUDART_NAME}.",
-    )
-    parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv:  # it takes no options: print how to call it, as a parser would
+        asked = argv[0] in ("-h", "--help")
+        print(USAGE, file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     fresh = is_up_to_date()
     try:
         lib = ensure_built()

@@ -7,12 +7,12 @@ Every file is checked when the context is made, and a bad one is named in a
 one-line ``UsageError`` (missing, not PEM, a key that does not match its
 certificate), never an ``ssl`` traceback.  Clients check the agent's name
 against its certificate: address agents by a name or IP address that the
-certificate lists.
+certificate lists.  (The command-line options are
+``stallwatch.commands.options``.)
 """
 
 from __future__ import annotations
 
-import argparse
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,52 +121,3 @@ def describe_failure(exc: BaseException, ca: Path | None, client_cert: bool = Tr
         hint = "" if client_cert else " (does it ask for a client certificate: --tls-cert?)"
         return f"TLS: {_why(exc)}{hint}"
     return str(exc)
-
-
-# ---- command-line options, the same on every command ------------------------
-
-
-def add_server_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--tls-cert",
-        type=Path,
-        metavar="FILE",
-        help="serve HTTPS with this PEM certificate (needed with a non-loopback --listen)",
-    )
-    parser.add_argument("--tls-key", type=Path, metavar="FILE", help="its PEM private key")
-    parser.add_argument(
-        "--tls-client-ca",
-        type=Path,
-        metavar="FILE",
-        help="mutual TLS: clients must present a certificate this CA signed",
-    )
-
-
-def add_client_options(parser: argparse.ArgumentParser, what: str = "the agents") -> None:
-    parser.add_argument(
-        "--tls-ca",
-        type=Path,
-        metavar="FILE",
-        help=f"reach {what} over HTTPS, their certificates signed by this CA",
-    )
-    if "--tls-cert" not in parser._option_string_actions:
-        parser.add_argument(
-            "--tls-cert",
-            type=Path,
-            metavar="FILE",
-            help="client certificate, for agents that ask for one (mutual TLS)",
-        )
-        parser.add_argument("--tls-key", type=Path, metavar="FILE", help="its PEM private key")
-
-
-def server_from(args: argparse.Namespace) -> ServerTls | None:
-    return server_tls(args.tls_cert, args.tls_key, getattr(args, "tls_client_ca", None))
-
-
-def client_from(args: argparse.Namespace) -> ClientTls | None:
-    """TLS for a client command: with --tls-ca (or a client certificate)."""
-    if args.tls_ca is None and args.tls_cert is None and args.tls_key is None:
-        return None
-    tls = ClientTls(args.tls_ca, args.tls_cert, args.tls_key)
-    tls.context()  # every file checked now: a bad one is named before anything is sent
-    return tls

@@ -155,7 +155,7 @@ class Agent:
         self._lock = threading.RLock()
         self._libcs: set[discovery.LibraryId] = set()
         self.incidents = self._make_incidents()
-        # the HTTP surface's connection counters, once it serves (recorder.cli)
+        # the HTTP surface's connection counters, once it serves (recorder.service)
         self.serving_counters: Callable[[], dict[str, int]] = dict
         self.positions = PositionKeeper(
             lambda: sorted(self.scope.inside), int(config.stall_timeout_s * 1e9)

@@ -15,13 +15,19 @@ thread elsewhere.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from stallwatch.dumpers.model import Clock, ProcessInfo, Recording, Ring, Trigger, TriggerKind
+from stallwatch.dumpers.schema import RING_DTYPES
 from stallwatch.dumpers.threads import RUNNING, ThreadSnapshot, ThreadState, syscall_name
 
+from . import discovery
 from .model import CommProgress, InflightCall
 from .threads import Reader
 
@@ -172,3 +178,44 @@ def summary_lines(summary: object) -> list[str]:
         where = "; ".join(f"thread {t['tid']} inside {t['nccl']}" for t in inside)
         lines.append(f"{who}: {where or 'inside no NCCL call'} ({len(threads)} thread(s))")
     return lines
+
+
+# -- a dump of readings alone (stallwatch snapshot without agents) ------------
+
+
+def read_series(
+    reader: Reader, pids: list[int] | None, samples: int, interval_s: float, reason: str
+) -> list[ThreadSnapshot]:
+    out = []
+    for i in range(samples):
+        if i:
+            time.sleep(interval_s)
+        out.append(reader.snapshot(pids, reason))
+    return out
+
+
+def snapshot_recording(
+    host: str, snaps: list[ThreadSnapshot], reason: str, incident_id: str
+) -> Recording:
+    """A dump of readings alone: no rings, no communicators."""
+    from .agent import boot_id, sample_clock  # the agent imports this module
+
+    clock: Clock = sample_clock()
+    pids = sorted({p.pid for s in snaps for p in s.processes})
+    infos = tuple(i for pid in pids if (i := _info(pid)) is not None)
+    rings = {name: Ring(np.zeros(0, dtype)) for name, dtype in RING_DTYPES.items()}
+    trigger = Trigger(TriggerKind.MANUAL, reason, incident_id, clock.monotonic_ns,
+                      origin_host=host)  # fmt: skip
+    return Recording(host, boot_id(), clock, infos, (), rings, _version(),
+                     tuple(sys.argv[1:]), trigger, {}, tuple(snaps))  # fmt: skip
+
+
+def _info(pid: int) -> ProcessInfo | None:
+    libs = discovery.mapped_nccl_libs(pid)
+    return discovery.process_info(pid, libs or ())
+
+
+def _version() -> str:
+    from stallwatch import __version__
+
+    return __version__

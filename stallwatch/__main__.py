@@ -1,5 +1,5 @@
 import sys
 
-from stallwatch.cli import main
+from stallwatch.commands.main import main
 
 sys.exit(main())

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.analyzer import cli
+from stallwatch.commands import analyze as cli
 from stallwatch.dumpers.format import write_dump
 from tests.analyzer.synth import BASE_JOB, recordings, with_
 

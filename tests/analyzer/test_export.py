@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from stallwatch.analyzer.exportcli import export
+from stallwatch.analyzer.export import export
 from stallwatch.analyzer.perfetto import Marker, build_trace, write_trace
 from stallwatch.cli import main
 from stallwatch.dumpers.format import read_dump, write_dump

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.cli import build_parser, main, parse
+from stallwatch.commands.main import build_parser, main, parse
 from stallwatch.dumpers.format import write_dump
 from tests.analyzer.synth import BASE_JOB, recordings
 

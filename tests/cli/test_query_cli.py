@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.bench_sql import SEED_QUERY, Synthetic, synthetic_recording
-from stallwatch import cli
+from stallwatch.commands import main as cli
 from stallwatch.dumpers.format import read_dump, write_dump
 from stallwatch.query.sql import LOCAL, QueryEngine
 
@@ -23,14 +23,17 @@ Run = Callable[..., tuple[int, str, str]]
 # The query/serve commands alone, so that these tests do not depend on the
 # other parts' commands importing.
 DRIVER = (
-    "import sys, stallwatch.cli as c; c.COMMAND_MODULES = ('stallwatch.sqlcli',); "
+    "import sys, stallwatch.commands.main as c; "
+    "c.COMMAND_MODULES = ('stallwatch.commands.query', 'stallwatch.commands.serve'); "
     "sys.exit(c.main(sys.argv[1:]))"
 )
 
 
 @pytest.fixture
 def run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Iterator[Run]:
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("stallwatch.sqlcli",))
+    monkeypatch.setattr(
+        cli, "COMMAND_MODULES", ("stallwatch.commands.query", "stallwatch.commands.serve")
+    )
 
     def invoke(*argv: str) -> tuple[int, str, str]:
         code = cli.main(list(argv))
@@ -243,7 +246,7 @@ class _Terminal(io.StringIO):
 
 
 def test_query_table_is_rich_on_a_terminal_and_plain_elsewhere() -> None:
-    from stallwatch.sqlcli import format_table
+    from stallwatch.commands.query import format_table
 
     args = (("rank", "op"), ("INTEGER", "VARCHAR"), [(5, "ALL_REDUCE"), (None, "SEND")])
     plain = format_table(*args, file=io.StringIO()).splitlines()

@@ -298,7 +298,7 @@ def test_unit_dump_dir_is_writable_under_the_sandbox(unit: Unit) -> None:
 
 
 def test_unit_exec_start_parses_with_the_real_cli(unit: Unit) -> None:
-    from stallwatch.cli import build_parser
+    from stallwatch.commands.main import build_parser
 
     extra = "--peers node2:9400 --peers-from file /etc/stallwatch/peers"
     argv = exec_start_argv(unit, unit_env(unit) | {"STALLWATCH_ARGS": extra})
@@ -638,7 +638,7 @@ def test_daemonset_tls_secret_backs_the_certificate_files(pod: Doc, agent: Doc) 
 
 
 def test_daemonset_args_parse_with_the_real_cli(agent: Doc) -> None:
-    from stallwatch.cli import build_parser
+    from stallwatch.commands.main import build_parser
 
     argv = k8s_argv(agent)
     assert argv[0] == "stallwatch"

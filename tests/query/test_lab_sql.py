@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 
 from stallwatch.analyzer.pipeline import analyze_paths
+from stallwatch.commands.query import QUERY_EPILOG
 from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.model import Recording
 from stallwatch.query.sql import LOCAL, QueryEngine
-from stallwatch.sqlcli import QUERY_EPILOG
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES, PER_NODE = 4, 2

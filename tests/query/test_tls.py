@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from bench.bench_sql import SEED_QUERY, Synthetic, synthetic_recording
-from stallwatch import cli
+from stallwatch.commands import main as cli
 from stallwatch.dumpers.errors import UsageError
 from stallwatch.dumpers.model import Recording
 from stallwatch.query.fanout import close_connections, query_agents
@@ -205,7 +205,16 @@ def test_peer_triggers_over_tls_and_mutual_tls(
 
 @pytest.fixture
 def run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Run:
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("stallwatch.recorder.cli", "stallwatch.sqlcli"))
+    monkeypatch.setattr(
+        cli,
+        "COMMAND_MODULES",
+        (
+            "stallwatch.commands.record",
+            "stallwatch.commands.dump",
+            "stallwatch.commands.query",
+            "stallwatch.commands.serve",
+        ),
+    )
 
     def invoke(*argv: str) -> tuple[int, str, str]:
         code = cli.main(list(argv))

@@ -1,5 +1,4 @@
-"""``stallwatch query`` and ``stallwatch serve``: SQL on dumps, on live agents,
-and dumps served like a live agent.
+"""``stallwatch query``: SQL on dumps, and on live agents.
 
 Exit codes of ``query``: 0 every input answered; 1 a partial result (some
 agents failed, or unreadable dumps were skipped: the rows printed miss their
@@ -13,11 +12,8 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import signal
 import sys
-import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, TextIO
 
 from rich.console import Console
@@ -25,10 +21,16 @@ from rich.text import Text
 
 from stallwatch.dumpers.errors import ExitCode, UsageError
 from stallwatch.dumpers.model import Recording
-from stallwatch.query import tls
-from stallwatch.query.output import HelpFormatter, add_format_option, new_table, text_for
+from stallwatch.query.output import new_table, text_for
 
-DEFAULT_LISTEN = "127.0.0.1:9400"
+from .options import (
+    HelpFormatter,
+    add_client_tls,
+    add_format_option,
+    add_token_option,
+    client_tls_from,
+    read_token,
+)
 
 QUERY_EPILOG = """\
 tables: nccl_events, comm_events, tcp_events, sched_events, exit_events,
@@ -61,20 +63,8 @@ asked at once, each given --timeout seconds; agents that did not answer are
 named on stderr, and the rows are those of the others (exit 1).
 """
 
-SERVE_EPILOG = """\
-examples:
-  stallwatch serve dumps/incident-42/          # on 127.0.0.1:9400
-  stallwatch serve dumps/*.msgpack --listen 0.0.0.0:9400 --token-file token.txt \\
-      --tls-cert node.pem --tls-key node.key
-  stallwatch query --agents 127.0.0.1:9400 "SELECT count(*) FROM nccl_events"
 
-Serves POST /query, POST /fetch, GET /metrics and GET /healthz like a live
-agent (POST /dump answers 501). A non-loopback --listen needs TLS (--tls-cert,
---tls-key) and --token-file.
-"""
-
-
-def register(subparsers: Any) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     q = subparsers.add_parser(
         "query",
         usage="stallwatch query [options] PATH... SQL\n"
@@ -89,12 +79,12 @@ def register(subparsers: Any) -> None:
         "args", nargs="+", metavar="PATH|SQL", help="dump files or folders, then the SQL (last)"
     )
     q.add_argument("--agents", metavar="HOST:PORT,...", help="query these live agents instead")
-    q.add_argument("--token-file", metavar="FILE", help="bearer token for the agents")
+    add_token_option(q, "bearer token for the agents")
     q.add_argument(
         "--timeout", type=float, default=5.0, metavar="SEC", help="per agent, once it is asked"
     )
     q.add_argument("--concurrency", type=int, default=128, metavar="N", help="agents asked at once")
-    tls.add_client_options(q)
+    add_client_tls(q)
     add_format_option(q, ("table", "json", "csv"))
     q.add_argument("--limit", type=int, metavar="N", help="at most N rows")
     q.add_argument(
@@ -102,39 +92,10 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="kept for old scripts: unreadable dumps are always skipped (named, exit 1)",
     )
-    q.set_defaults(func=run_query)
-
-    s = subparsers.add_parser(
-        "serve",
-        help="serve dumps over HTTP like a live agent",
-        description="Serve recorded dumps through the agent's HTTP surface, to share an "
-        "incident or to query many recordings with `stallwatch query --agents`.",
-        epilog=SERVE_EPILOG,
-        formatter_class=HelpFormatter,
-    )
-    s.add_argument("paths", nargs="+", metavar="DUMP", help="dump files or folders")
-    s.add_argument(
-        "--listen", default=DEFAULT_LISTEN, metavar="ADDR:PORT", help="address to serve on"
-    )
-    s.add_argument("--token-file", metavar="FILE", help="require this bearer token")
-    tls.add_server_options(s)
-    s.set_defaults(func=run_serve)
+    q.set_defaults(func=run)
 
 
 # ---- inputs ----------------------------------------------------------------
-
-
-def read_token(path: str | None) -> str | None:
-    """The token in a file (surrounding whitespace ignored), or None."""
-    if path is None:
-        return None
-    try:
-        token = Path(path).read_text().strip()
-    except OSError as exc:
-        raise UsageError(f"--token-file {path}: cannot read: {exc.strerror or exc}") from None
-    if not token:
-        raise UsageError(f"--token-file {path}: the file is empty")
-    return token
 
 
 def read_recordings(paths: Sequence[str]) -> tuple[list[Recording], list[str], bool]:
@@ -219,7 +180,7 @@ def _split_args(args: argparse.Namespace) -> tuple[list[str], str]:
     return paths, sql
 
 
-def run_query(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     paths, sql = _split_args(args)
     if args.agents:
         return _query_agents(args, sql)
@@ -248,7 +209,7 @@ def _query_agents(args: argparse.Namespace, sql: str) -> int:
 
     agents = [a for a in args.agents.split(",") if a.strip()]
     token = read_token(args.token_file)
-    client_tls = tls.client_from(args)
+    client_tls = client_tls_from(args)
     try:
         result = query_agents(
             agents, sql, token, args.timeout, args.limit, client_tls, args.concurrency
@@ -284,34 +245,3 @@ def _query_agents(args: argparse.Namespace, sql: str) -> int:
     }
     print(render(args.format, doc))
     return ExitCode.FINDINGS if result.partial else ExitCode.OK
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    from stallwatch.query.http import RecordingsBackend, serve_http
-
-    token = read_token(args.token_file)
-    server_tls = tls.server_from(args)
-    recordings, notes, _ = read_recordings(args.paths)
-    for note in notes:
-        print(f"stallwatch serve: {note}", file=sys.stderr)
-    if not recordings:
-        raise UsageError("no readable dump among the inputs")
-    backend = RecordingsBackend(recordings)
-    handle = serve_http(backend, args.listen, token, tls=server_tls)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    print(
-        f"stallwatch serve: {len(recordings)} dump(s) of {backend.host} on "
-        f"{handle.url} (Ctrl-C to stop)",
-        file=sys.stderr,
-        flush=True,
-    )
-    print(f"listening on {handle.address}", flush=True)
-    try:
-        while not stop.wait(0.5):
-            pass
-    except KeyboardInterrupt:
-        pass
-    finally:
-        handle.close()
-    return ExitCode.OK

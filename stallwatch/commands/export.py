@@ -3,11 +3,8 @@
 
 Perfetto: dumps are read by the analyzer's loader (files or folders; unreadable files
 are named one per line on stderr and the others still used), analyzed, and
-drawn with ``analyzer.perfetto``: one trace process per host, one track per
-rank and communicator, each verdict as a marker.
-
-PyTorch Flight Recorder dumps are drawn too: one trace process per dump
-(named by its file), their entries as slices on each rank's wall clock.
+drawn (``analyzer.export``, ``analyzer.perfetto``): one trace process per host,
+one track per rank and communicator, each verdict as a marker.
 
 Parquet: every SQL table of every readable dump (Flight Recorder ones
 included, as ``query`` reads them: ``frincident.read_as_recordings``),
@@ -24,17 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from stallwatch.dumpers.errors import ExitCode, UsageError
-from stallwatch.dumpers.model import Recording
-from stallwatch.query.output import HelpFormatter, add_format_option
 
-from .model import InputStatus
-from .perfetto import Marker
+from .options import HelpFormatter, add_format_option
 
 EXAMPLES = """\
 examples:
@@ -52,18 +43,7 @@ dump could be read.
 """
 
 
-@dataclass(frozen=True, slots=True)
-class Exported:
-    """What one export drew: for the command's summary and for tests."""
-
-    path: Path
-    recordings: int
-    calls: int
-    markers: tuple[Marker, ...]
-    inputs: tuple[InputStatus, ...]
-
-
-def register(subparsers: Any) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "export",
         help="the incident as a Perfetto timeline, or the SQL tables as Parquet",
@@ -101,57 +81,13 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def markers_of(verdicts: Sequence[Any]) -> tuple[Marker, ...]:
-    """The analyzer's verdicts as trace markers (``analyzer.verdict.Verdict``)."""
-    return tuple(
-        Marker(v.kind.value, v.summary, tuple(v.hosts), tuple(v.ranks), tuple(v.pids))
-        for v in verdicts
-    )
-
-
-def export(paths: Sequence[str], output: Path) -> Exported:
-    """Load, analyze, draw, write.  Raises UsageError when nothing is readable."""
-    from stallwatch.dumpers.inputs import group_dumps, incident_key
-    from stallwatch.dumpers.ranks import Ranks
-
-    from .align import Source
-    from .flightrec import FrDump
-    from .frincident import incidents_from_flightrec, recordings_of
-    from .load import load_inputs
-    from .perfetto import build_trace, write_trace
-    from .pipeline import analyze_incident, group_incidents
-
-    loaded, statuses = load_inputs(paths)
-    if not loaded:
-        raise UsageError(_nothing_read(statuses))
-    ours = [s for s in loaded if isinstance(s, Source)]
-    lost = [s.path for s in statuses if s.lost]
-    fr = incidents_from_flightrec([d for d in loaded if isinstance(d, FrDump)], lost)
-    groups = group_dumps(ours, lambda s: incident_key(s.recording), lambda s: s.recording.host)
-    per_incident: list[list[Recording]] = [[s.recording for s in v] for v in groups.values()]
-    per_incident += [recordings_of(inc) for inc in fr]
-    known = Ranks({}, {}, {})
-    for recs in per_incident:  # ranks derived within each incident, as analyze does
-        known = known.merged(Ranks.of(recs))
-    recordings = [r for recs in per_incident for r in recs]
-    incidents = [*group_incidents(ours), *fr]
-    verdicts = [v for inc in incidents for v in analyze_incident(inc).verdicts]
-    markers = markers_of(verdicts)
-    write_trace(output, build_trace(recordings, markers, known))
-    calls = sum(len(r.rings["nccl"].rows) for r in recordings if "nccl" in r.rings)
-    return Exported(output, len(recordings), calls, markers, tuple(statuses))
-
-
-def _nothing_read(statuses: Sequence[InputStatus]) -> str:
-    why = "; ".join(s.error or s.path for s in statuses if not s.ok) or "no input"
-    return f"no dump could be read ({why})"
-
-
 def run(args: argparse.Namespace) -> int:
     if args.parquet:
         return run_parquet(args)
     if args.incident is not None:
         raise UsageError("--incident names a Parquet export's incident (with --parquet)")
+    from stallwatch.analyzer.export import export
+
     result = export(args.paths, args.output)
     for s in result.inputs:
         if not s.ok:
@@ -176,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_parquet(args: argparse.Namespace) -> int:
-    from .parquet import export_parquet
+    from stallwatch.analyzer.parquet import export_parquet
 
     written, statuses = export_parquet(args.paths, args.output, args.incident)
     for s in statuses:

@@ -18,26 +18,26 @@ import json
 import os
 import socket
 import ssl
-import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
 from stallwatch.dumpers.errors import AgentError, UsageError
-from stallwatch.dumpers.model import Clock, ProcessInfo, Recording, Ring, Trigger, TriggerKind
-from stallwatch.dumpers.schema import RING_DTYPES
-from stallwatch.dumpers.threads import ThreadSnapshot
 from stallwatch.query import tls
-from stallwatch.query.output import HelpFormatter, add_format_option
+from stallwatch.recorder import discovery
+from stallwatch.recorder.positions import snapshot_summary, summary_lines
 
-from . import discovery
-from .positions import snapshot_summary, summary_lines
-from .threads import Reader, nccl_pids
+from .options import (
+    HelpFormatter,
+    add_client_tls,
+    add_format_option,
+    add_process_options,
+    add_token_option,
+    client_tls_from,
+    read_token,
+)
 
 EXIT_OK = 0
 EPILOG = """\
@@ -73,19 +73,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         epilog=EPILOG,
         formatter_class=HelpFormatter,
     )
-    p.add_argument(
-        "--pid",
-        action="append",
-        type=int,
-        default=[],
-        metavar="PID",
-        help="read this process (repeatable; default: every process mapping libnccl)",
-    )
-    p.add_argument(
-        "--scope",
-        choices=("host", "netns"),
-        default="host",
-        help="netns: only processes in this network namespace (as record --scope)",
+    add_process_options(
+        p,
+        pid_help="read this process (repeatable; default: every process mapping libnccl)",
+        scope_help="netns: only processes in this network namespace (as record --scope)",
     )
     p.add_argument(
         "--agents",
@@ -111,11 +102,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--reason", default="stallwatch snapshot", metavar="TEXT", help="written in the dump"
     )
-    p.add_argument("--token-file", type=Path, metavar="FILE", help="the agents' bearer token")
-    tls.add_client_options(p, what="the agents")
+    add_token_option(p, "the agents' bearer token")
+    add_client_tls(p, what="the agents")
     p.add_argument("--host-name", default="", help="host name in the dump (default: hostname)")
     add_format_option(p)
-    p.set_defaults(func=_snapshot)
+    p.set_defaults(func=run)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -130,7 +121,7 @@ def _check(args: argparse.Namespace) -> None:
             raise UsageError(f"--pid {pid}: no such process")
 
 
-def _snapshot(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     _check(args)
     if args.agents:
         return _ask_agents(args)
@@ -140,48 +131,11 @@ def _snapshot(args: argparse.Namespace) -> int:
 # -- this node -------------------------------------------------------------
 
 
-def read_series(
-    reader: Reader, pids: list[int] | None, samples: int, interval_s: float, reason: str
-) -> list[ThreadSnapshot]:
-    out = []
-    for i in range(samples):
-        if i:
-            time.sleep(interval_s)
-        out.append(reader.snapshot(pids, reason))
-    return out
-
-
-def snapshot_recording(
-    host: str, snaps: list[ThreadSnapshot], reason: str, incident_id: str
-) -> Recording:
-    """A dump of readings alone: no rings, no communicators."""
-    from .agent import boot_id, sample_clock
-
-    clock: Clock = sample_clock()
-    pids = sorted({p.pid for s in snaps for p in s.processes})
-    infos = tuple(i for pid in pids if (i := _info(pid)) is not None)
-    rings = {name: Ring(np.zeros(0, dtype)) for name, dtype in RING_DTYPES.items()}
-    trigger = Trigger(TriggerKind.MANUAL, reason, incident_id, clock.monotonic_ns,
-                      origin_host=host)  # fmt: skip
-    return Recording(host, boot_id(), clock, infos, (), rings, _version(),
-                     tuple(sys.argv[1:]), trigger, {}, tuple(snaps))  # fmt: skip
-
-
-def _info(pid: int) -> ProcessInfo | None:
-    libs = discovery.mapped_nccl_libs(pid)
-    return discovery.process_info(pid, libs or ())
-
-
-def _version() -> str:
-    from stallwatch import __version__
-
-    return __version__
-
-
 def _local(args: argparse.Namespace) -> int:
     from stallwatch.dumpers.format import write_dump
-
-    from .watchdog import new_incident_id
+    from stallwatch.recorder.positions import read_series, snapshot_recording
+    from stallwatch.recorder.threads import Reader, nccl_pids
+    from stallwatch.recorder.watchdog import new_incident_id
 
     host = args.host_name or socket.gethostname()
     reader = Reader(python_stacks=args.python_stacks)
@@ -211,17 +165,16 @@ def _local(args: argparse.Namespace) -> int:
 
 
 def _ask_agents(args: argparse.Namespace) -> int:
-    from .cli import _read_token
-    from .peers import parse_peers
-    from .watchdog import new_incident_id
+    from stallwatch.recorder.peers import parse_peers
+    from stallwatch.recorder.watchdog import new_incident_id
 
     agents = parse_peers(args.agents)
-    token = _read_token(args.token_file)
+    token = read_token(args.token_file)
     incident = new_incident_id(args.host_name or socket.gethostname())
     body = {"reason": args.reason, "incident_id": incident, "samples": args.samples,
             "interval_s": args.interval}  # fmt: skip
     timeout = args.samples * args.interval + 60
-    client_tls = tls.client_from(args)
+    client_tls = client_tls_from(args)
     context = client_tls.context() if client_tls is not None else None
     ask = functools.partial(
         _ask, body=body, token=token, timeout=timeout, context=context,

@@ -10,9 +10,9 @@ import argparse
 import sys
 from typing import Any
 
-from stallwatch.query.output import HelpFormatter, add_format_option
+from stallwatch.analyzer.report import MAX_TABLE_ROWS, MAX_TABLES
 
-from .report import MAX_TABLE_ROWS, MAX_TABLES
+from .options import HelpFormatter, add_format_option
 
 EXAMPLES = """\
 examples:
@@ -48,8 +48,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .pipeline import analyze_paths
-    from .report import print_report, to_json
+    from stallwatch.analyzer.pipeline import analyze_paths
+    from stallwatch.analyzer.report import print_report, to_json
 
     result = analyze_paths(args.paths, progress=sys.stderr.isatty() or len(args.paths) > 1)
     for s in result.inputs:

@@ -1,20 +1,17 @@
-"""``stallwatch lab ...``: the lab's subcommands.
-
-Each subcommand is added by one ``_add_<name>`` function below and listed in
-``SUBCOMMANDS``; ``lab demo`` joins them there.
-"""
+"""``stallwatch lab run``: the lab's multi-node training job, faults on demand
+(``lab.runner``)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from stallwatch.dumpers.errors import ExitCode, LabError
 from stallwatch.lab import faults as F
 from stallwatch.lab.job import DEFAULT_COMPUTE_MS, DEFAULT_ELEMENTS, MODES
-from stallwatch.query.output import HelpFormatter, add_format_option
+
+from ..options import HelpFormatter, add_format_option
 
 RUN_EPILOG = f"""\
 fault specs (ranks are global: node n holds ranks n*R .. n*R+R-1):
@@ -32,14 +29,6 @@ exit codes: 0 every rank finished and verified; 1 the job failed (faults, stuck 
 crashed ranks); 2 bad input, or the lab could not be set up (root, tools)."""
 
 
-LAB_EPILOG = """\
-examples:
-  stallwatch lab demo                      the guided example (a hang, found)
-  stallwatch lab run --nodes 4 --fault hang:rank=5,step=10 --record --dump-dir dumps/
-  stallwatch lab run --help                the job's options and fault specs
-"""
-
-
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -54,7 +43,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "run",
         help="run the multi-node training job, with faults on demand",
@@ -111,10 +100,10 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--run-id", default=None, help="names the namespaces (default: random)")
     p.add_argument("--lib", type=Path, default=None,
                    help="the lab's libnccl.so.2 to use (default: built from lab/csrc)")  # fmt: skip
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=run)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from stallwatch.lab import runner  # the lab's machinery loads only when it runs
 
     if args.dump_at_end and not args.record:
@@ -147,30 +136,3 @@ def cmd_run(args: argparse.Namespace) -> int:
     result = runner.run(cfg, progress_out=None if as_json else sys.stderr)
     print(result.to_json() if as_json else runner.summary(result))
     return ExitCode.OK if result.ok else ExitCode.FINDINGS
-
-
-def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from stallwatch.lab.demo import add_parser
-
-    add_parser(sub)
-
-
-SUBCOMMANDS: Sequence[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = (
-    _add_run,
-    _add_demo,
-)
-
-
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    lab = subparsers.add_parser(
-        "lab",
-        help="a multi-node training job on this machine, with faults on demand",
-        description="The lab: nodes as network namespaces, ranks as processes, real "
-        "collectives over TCP through the lab's NCCL-compatible library.",
-        epilog=LAB_EPILOG,
-        formatter_class=HelpFormatter,
-    )
-    sub = lab.add_subparsers(dest="lab_command", metavar="LAB_COMMAND")
-    sub.required = True
-    for add in SUBCOMMANDS:
-        add(sub)

@@ -1,0 +1,152 @@
+"""The option groups every command shares, each defined once: how help reads
+(``HelpFormatter``), the output option (``--format``, ``--json`` its short
+form), the processes a command reads (``--pid``/``--scope``), the bearer
+token (``--token-file``) and TLS for servers and for clients of agents.
+
+A command takes its options from here so that the same flag means the same
+thing, with the same type and the same errors, on every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from stallwatch.dumpers.errors import UsageError
+from stallwatch.query.tls import ClientTls, ServerTls, server_tls
+
+_NO_DEFAULT = (None, False, argparse.SUPPRESS)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Epilogs (examples, exit codes) kept as written; each option's default
+    shown after its help, unless it has none or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or "%(default)" in text:
+            return text
+        if action.default in _NO_DEFAULT or action.default == []:
+            return text
+        if isinstance(action, argparse._StoreConstAction):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+def add_format_option(
+    parser: argparse.ArgumentParser,
+    formats: tuple[str, ...] = ("table", "json"),
+    default: str = "table",
+) -> None:
+    """``--format {formats}`` and ``--json`` for ``--format json``."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--format",
+        choices=formats,
+        default=default,
+        help="how to print the result: table for people, json for programs"
+        + (", csv for spreadsheets" if "csv" in formats else ""),
+    )
+    group.add_argument(
+        "--json",
+        dest="format",
+        action="store_const",
+        const="json",
+        help="short for --format json",
+    )
+
+
+# ---- which processes: --pid, --scope ------------------------------------------
+
+
+def add_process_options(parser: argparse.ArgumentParser, pid_help: str, scope_help: str) -> None:
+    """``--pid`` (repeatable) and ``--scope host|netns``: what a command reads
+    on this node (the helps say what the command does with them)."""
+    parser.add_argument(
+        "--pid", action="append", type=int, default=[], metavar="PID", help=pid_help
+    )
+    parser.add_argument("--scope", choices=("host", "netns"), default="host", help=scope_help)
+
+
+# ---- the bearer token -----------------------------------------------------------
+
+
+def add_token_option(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--token-file", type=Path, metavar="FILE", help=help)
+
+
+def read_token(path: Path | None) -> str | None:
+    """The token in a file (surrounding whitespace ignored), or None."""
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise UsageError(f"--token-file {path}: cannot read: {exc.strerror or exc}") from None
+    if not token:
+        raise UsageError(f"--token-file {path}: the file is empty")
+    return token
+
+
+# ---- TLS ----------------------------------------------------------------------
+
+
+def add_server_tls(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tls-cert",
+        type=Path,
+        metavar="FILE",
+        help="serve HTTPS with this PEM certificate (needed with a non-loopback --listen)",
+    )
+    parser.add_argument("--tls-key", type=Path, metavar="FILE", help="its PEM private key")
+    parser.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        metavar="FILE",
+        help="mutual TLS: clients must present a certificate this CA signed",
+    )
+
+
+def add_client_tls(parser: argparse.ArgumentParser, what: str = "the agents") -> None:
+    parser.add_argument(
+        "--tls-ca",
+        type=Path,
+        metavar="FILE",
+        help=f"reach {what} over HTTPS, their certificates signed by this CA",
+    )
+    if "--tls-cert" not in parser._option_string_actions:
+        parser.add_argument(
+            "--tls-cert",
+            type=Path,
+            metavar="FILE",
+            help="client certificate, for agents that ask for one (mutual TLS)",
+        )
+        parser.add_argument("--tls-key", type=Path, metavar="FILE", help="its PEM private key")
+
+
+def server_tls_from(args: argparse.Namespace) -> ServerTls | None:
+    return server_tls(args.tls_cert, args.tls_key, getattr(args, "tls_client_ca", None))
+
+
+def client_tls_from(args: argparse.Namespace) -> ClientTls | None:
+    """TLS for a client command: with --tls-ca (or a client certificate)."""
+    if args.tls_ca is None and args.tls_cert is None and args.tls_key is None:
+        return None
+    tls = ClientTls(args.tls_ca, args.tls_cert, args.tls_key)
+    tls.context()  # every file checked now: a bad one is named before anything is sent
+    return tls
+
+
+# ---- the pinned recording ---------------------------------------------------------
+
+
+def add_pin_dir(parser: argparse.ArgumentParser) -> None:
+    from stallwatch.recorder.pinning import DEFAULT_PIN_DIR
+
+    parser.add_argument(
+        "--pin-dir",
+        type=Path,
+        default=DEFAULT_PIN_DIR,
+        metavar="DIR",
+        help="the agent's folder on bpffs for its pinned recording (one per agent)",
+    )

@@ -1,0 +1,308 @@
+"""``stallwatch record``: the always-on agent (its composition root is
+``recorder.service.run_agent``; this module turns options into its config)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from stallwatch.dumpers.errors import ExitCode, UsageError
+from stallwatch.query.tls import ClientTls
+from stallwatch.recorder.rings import check_ring_size
+
+from .options import (
+    HelpFormatter,
+    add_client_tls,
+    add_pin_dir,
+    add_process_options,
+    add_server_tls,
+    add_token_option,
+    read_token,
+    server_tls_from,
+)
+
+if TYPE_CHECKING:
+    from stallwatch.recorder.agent import AgentConfig
+    from stallwatch.recorder.peers import PeerSource
+
+EPILOG = """\
+examples:
+  stallwatch record --dump-dir /var/lib/stallwatch --stall-timeout 60
+  stallwatch record --scope netns --peers node2:9400,node3:9400
+  stallwatch record --listen 10.0.0.1:9400 --token-file /etc/stallwatch/token \\
+      --tls-cert /etc/stallwatch/node.pem --tls-key /etc/stallwatch/node.key \\
+      --tls-ca /etc/stallwatch/ca.pem --peers node2:9400,node3:9400
+  stallwatch record ... --peers-from k8s-service stallwatch-peers.stallwatch.svc
+  stallwatch record ... --peers-from slurm            the job's nodes (a Slurm prolog)
+  stallwatch record ... --peers-from file /etc/stallwatch/peers
+  stallwatch record --lib /opt/venv/lib/python3.11/site-packages/nvidia/nccl/lib/libnccl.so.2
+  stallwatch record --keep-pinned --pin-dir /sys/fs/bpf/stallwatch/agent
+                                       as a service (the systemd unit, DaemonSet, Slurm)
+  kill -USR1 $(pidof stallwatch)       dump now
+  stallwatch record --cleanup          remove the pinned recording (stop for good)
+
+the recording is pinned under --pin-dir (one folder per agent). Started by
+hand, the agent is a foreground tool: stopped with Ctrl-C or SIGTERM it
+removes its probes and pins, and nothing records after it. With
+--keep-pinned (what the deployment files pass) rings, tables, counters and
+probes stay in the kernel when the agent stops, the kernel goes on recording,
+and the next agent started with the same --pin-dir takes them over;
+stallwatch dump --pinned writes a dump from them with no agent. An agent that
+dies without stopping (SIGKILL, the OOM killer) leaves its pins either way.
+
+exit codes: 0 stopped cleanly; 2 bad usage, missing privileges or paths, or a
+pinned recording it cannot adopt (checked before anything is attached).
+"""
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "record",
+        help="run the always-on recorder (root)",
+        description="Record every NCCL call of every process on this node, and the kernel "
+        "events that explain a stall; dump the rings when a job stalls.",
+        epilog=EPILOG,
+        formatter_class=HelpFormatter,
+    )
+    # In this order in --help: what is recorded, the network, limits, pins.
+    _add_recording_options(p)
+    _add_network_options(p)
+    _add_limit_options(p)
+    _add_pin_options(p)
+    p.set_defaults(func=run)
+
+
+def _add_recording_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dump-dir", type=Path, default=Path("dumps"), metavar="DIR", help="where dumps go"
+    )
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        metavar="SEC",
+        help="dump when a call or a communicator is stuck this long",
+    )
+    p.add_argument(
+        "--lib",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="attach to this libnccl (or CUDA runtime, libcudart.so.N) too (repeatable)",
+    )
+    add_process_options(
+        p,
+        pid_help="record this process (its libnccl, or its executable if NCCL is linked in "
+        "statically)",
+        scope_help="netns: only this network namespace's processes and addresses",
+    )
+    p.add_argument(
+        "--ring-size",
+        type=int,
+        default=65536,
+        metavar="N",
+        help="slots of the NCCL ring (power of two); other rings are smaller",
+    )
+
+
+def _add_network_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--peers",
+        default="",
+        metavar="HOST:PORT,...",
+        help="agents to ask for a dump of the same incident",
+    )
+    p.add_argument(
+        "--peers-from",
+        nargs="+",
+        metavar=("KIND", "ARG"),
+        help="peers found at each incident: 'k8s-service NAME[:PORT]' (a headless Service's "
+        "addresses), 'slurm' (the job's nodes, SLURM_JOB_NODELIST), 'file PATH' (one HOST[:PORT] "
+        "a line, read again when it changes); the port defaults to --listen's",
+    )
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1:9400",
+        metavar="ADDR:PORT",
+        help="HTTP surface: /query /dump /metrics /healthz",
+    )
+    add_token_option(p, "bearer token (required for a non-loopback --listen)")
+    add_server_tls(p)
+    add_client_tls(p, what="the peers")
+
+
+def _add_limit_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-dumps", type=int, metavar="N", help="keep at most N dumps")
+    p.add_argument("--max-dump-bytes", type=int, metavar="N", help="keep at most N bytes of dumps")
+    p.add_argument(
+        "--runq-threshold-ms",
+        type=float,
+        default=1.0,
+        metavar="MS",
+        help="record run-queue waits of rank threads longer than this",
+    )
+    p.add_argument(
+        "--keep-own-traffic",
+        action="store_true",
+        help="record the agent's own connections (its HTTP surface, its requests to peers) "
+        "in tcp_events too",
+    )
+    p.add_argument("--host-name", default="", help="host name in dumps (default: the hostname)")
+
+
+def _add_pin_options(p: argparse.ArgumentParser) -> None:
+    add_pin_dir(p)
+    p.add_argument(
+        "--keep-pinned",
+        action="store_true",
+        help="on SIGTERM/Ctrl-C leave the recording pinned (probes stay, the kernel records "
+        "on, the next agent takes it over): what a service does; by default a stopped agent "
+        "removes its pins",
+    )
+    p.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="record without pinning: the recording ends with the agent",
+    )
+    p.add_argument(
+        "--replace-pinned",
+        action="store_true",
+        help="replace a pinned recording of another layout (its rows are lost)",
+    )
+    p.add_argument(
+        "--cleanup",
+        action="store_true",
+        help="remove the pinned recording at --pin-dir (probes, rings) and exit",
+    )
+    p.add_argument("--print-bpf", action="store_true", help=argparse.SUPPRESS)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    check_ring_size(args.ring_size)
+    if args.keep_pinned and args.no_pin:
+        raise UsageError("--keep-pinned and --no-pin: a recording not pinned cannot be kept")
+    if args.stall_timeout <= 0:
+        raise UsageError(f"--stall-timeout: expected seconds > 0, got {args.stall_timeout}")
+    if args.runq_threshold_ms < 0:
+        raise UsageError(f"--runq-threshold-ms: expected >= 0, got {args.runq_threshold_ms}")
+    for name in ("max_dumps", "max_dump_bytes"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            raise UsageError(f"--{name.replace('_', '-')}: expected >= 0, got {value}")
+    for peer in filter(None, args.peers.split(",")):
+        host, sep, port = peer.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise UsageError(f"--peers: expected HOST:PORT,..., got {peer!r}")
+    server = server_tls_from(args)
+    if server is not None:
+        server.context()  # a bad certificate or key is named before anything is compiled
+    _peer_tls(args)
+    _peers_from(args)  # a source that cannot work is named before anything is compiled
+
+
+def _peers_from(args: argparse.Namespace) -> PeerSource | None:
+    from stallwatch.recorder.peers import peer_source, self_names
+
+    if args.peers_from is None:
+        return None
+    return peer_source(args.peers_from, self_names(args.listen, args.host_name))
+
+
+def _peer_tls(args: argparse.Namespace) -> ClientTls | None:
+    """Peers are reached over HTTPS when the agent serves HTTPS or is given
+    a CA for them; the agent's own certificate is its client certificate."""
+    if args.tls_ca is None and args.tls_cert is None:
+        return None
+    peer = ClientTls(args.tls_ca, args.tls_cert, args.tls_key)
+    peer.context()
+    return peer
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.INFO,
+        format="%(asctime)s stallwatch record: %(levelname)s %(message)s",
+    )
+
+
+def _check_privileges() -> None:
+    from stallwatch.recorder.privileges import missing_for_recording, refusal
+
+    missing = missing_for_recording()
+    if missing:
+        raise UsageError(refusal(missing))
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    for lib in args.lib:
+        if not Path(lib).is_file():
+            raise UsageError(f"--lib {lib}: no such file")
+    for pid in args.pid:
+        if not Path(f"/proc/{pid}").is_dir():
+            raise UsageError(f"--pid {pid}: no such process")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.cleanup:
+        return _cleanup(args.pin_dir)
+    _check_args(args)
+    if args.print_bpf:
+        from stallwatch.recorder.probes import bpf_source
+
+        print(bpf_source())
+        return ExitCode.OK
+    _check_privileges()
+    _check_paths(args)
+    config = _config(args)
+    try:
+        config.dump_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--dump-dir {config.dump_dir}: {exc.strerror or exc}") from None
+    _setup_logging()
+    from stallwatch.recorder.service import run_agent
+
+    return run_agent(config)
+
+
+def _config(args: argparse.Namespace) -> AgentConfig:
+    from stallwatch import __version__
+    from stallwatch.recorder.agent import AgentConfig
+
+    return AgentConfig(
+        dump_dir=args.dump_dir,
+        stall_timeout_s=args.stall_timeout,
+        libs=tuple(args.lib),
+        pids=tuple(args.pid),
+        scope=args.scope,
+        ring_size=args.ring_size,
+        peers=tuple(filter(None, args.peers.split(","))),
+        peers_from=_peers_from(args),
+        listen=args.listen,
+        token=read_token(args.token_file),
+        tls=server_tls_from(args),
+        peer_tls=_peer_tls(args),
+        max_dumps=args.max_dumps,
+        max_dump_bytes=args.max_dump_bytes,
+        runq_threshold_ms=args.runq_threshold_ms,
+        keep_own_traffic=args.keep_own_traffic,
+        host_name=args.host_name,
+        args=tuple(sys.argv[1:]),
+        version=__version__,
+        pin_dir=None if args.no_pin else args.pin_dir,
+        replace_pinned=args.replace_pinned,
+        keep_pinned=args.keep_pinned,
+    )
+
+
+def _cleanup(pin_dir: Path) -> int:
+    from stallwatch.recorder.pinning import cleanup
+
+    if cleanup(pin_dir):
+        print(f"removed the pinned recording at {pin_dir}")
+    else:
+        print(f"nothing pinned at {pin_dir}")
+    return ExitCode.OK

@@ -130,6 +130,7 @@ def incident_from_recordings(
     comms, membership, world = _comms(extracts, proc_index)
     procs = _with_world_ranks(procs, world, report.uncertain() if report else set())
     calls = _calls(stage, extracts, proc_index, comms, membership)
+    clocks = _clocks(sources)
     return Incident(
         id=incident_id,
         hosts=hosts,
@@ -145,7 +146,21 @@ def incident_from_recordings(
         detected_by=detected[1],
         readings=host_readings(s.recording for s in sources),
         late=report,
+        wall_offset=tuple(clocks.get(h, (None, None))[0] for h in hosts),
+        captured=tuple(clocks.get(h, (None, None))[1] for h in hosts),
     )
+
+
+def _clocks(sources: list[Source]) -> dict[str, tuple[int, int]]:
+    """Per host, of its latest dump: realtime - monotonic (its timestamps as
+    wall clock) and when it read its rings (the clock is sampled right after),
+    to compare the moments dumps of different hosts were taken."""
+    out: dict[str, tuple[int, int]] = {}
+    for s in sorted(sources, key=lambda s: s.recording.clock.realtime_ns):
+        clock = s.recording.clock
+        if clock.realtime_ns > 0:
+            out[s.recording.host] = (clock.realtime_ns - clock.monotonic_ns, clock.realtime_ns)
+    return out
 
 
 def _detection(sources: list[Source]) -> tuple[int | None, str]:

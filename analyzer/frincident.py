@@ -45,7 +45,7 @@ from stallwatch.dumpers.inputs import (
     group_flight,
 )
 from stallwatch.dumpers.model import Clock, CommInfo, ProcessInfo, Recording, Ring
-from stallwatch.dumpers.schema import DATATYPE_SIZE, NCCL_EVENT, EventKind
+from stallwatch.dumpers.schema import DATATYPE_SIZE, NCCL_EVENT, EventKind, State
 
 from .columns import Columns
 from .flightrec import FrDump, rank_in_name, read_flightrec
@@ -192,12 +192,15 @@ def _rows(
         # gloo retires a work that failed as one that succeeded: only a rank
         # that went on to a later call shows its call succeeded; its last
         # call's outcome is unknown, and counts as pending
+        returned = bool(ended[-1])
         ended = ended.copy()
         ended[-1] = False
     out["end"][:] = np.where(ended, done, 0)
     out["result"][:] = np.where(ended, 0, -1)
     out["count"][:], out["root"][:], out["op"][:] = e["count"], e["peer"], e["op"]
     out["datatype"][:], out["state"][:] = e["datatype"], e["state"]
+    if d.backend == "gloo" and returned:
+        out["state"][-1] = State.ENQUEUED  # it returned (retired); how is unknown
     out["shape"][:] = np.minimum(shape[e["shape"]], np.iinfo(np.uint16).max)
 
 

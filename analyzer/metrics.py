@@ -33,6 +33,9 @@ DEVICE_WAIT_SPREAD_NS = 5_000_000
 DEVICE_WAIT_SPREAD_SHARE = 0.5
 RECENT_GROUPS = 256  # stragglers are judged on each communicator's latest collectives
 P99_SAMPLE = 1 << 20  # durations sampled for the stall threshold's p99
+# clocks of two hosts may differ this much: moments of evidence closer than
+# this are not ordered
+SKEW_NS = 50_000_000
 
 
 class MemberState(enum.Enum):
@@ -51,6 +54,22 @@ class Member:
     last_seq: int
     last_returned: int
     in_flight: bool
+    # when its evidence was taken (wall clock): exact (a dump's capture time,
+    # to the clocks' skew) or a lower bound (its latest timestamp: Flight
+    # Recorder records no dump time); None where unknown
+    moment: int | None = None
+    moment_exact: bool = False
+    # its last call is pending only because how it ended is unknown: it
+    # returned (gloo retires a failed work as a finished one)
+    returned: bool = False
+
+
+class Lag(enum.Enum):
+    """Why a member's evidence ends behind its communicator's frontier."""
+
+    STUCK = "stuck"  # its evidence was taken after the frontier began
+    OLDER = "older"  # its evidence was taken before: it entered more since
+    UNPROVEN = "unproven"  # its evidence cannot be ordered with the frontier
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +80,27 @@ class Frontier:
     stuck: bool
     age_ns: int | None  # how long the ranks at the frontier have made no progress
     members: tuple[Member, ...]
+    # the last seq every member is proven to have entered (a member completed
+    # it), -1 if none
+    proven: int = -1
+    began: int | None = None  # the earliest entry into the frontier (wall clock)
+
+    def lag(self, m: Member) -> Lag:
+        """Completion implies entry: a member whose evidence ends before a
+        seq its peers' completions prove it entered, or inside one they
+        completed, was read before it went on.  Otherwise it is behind only
+        if its evidence was taken after the frontier began (beyond the
+        clocks' skew)."""
+        running = m.in_flight and not m.returned
+        if 0 <= m.last_seq < self.proven or (running and 0 <= m.last_seq <= self.proven):
+            return Lag.OLDER
+        if self.began is None or m.moment is None:
+            return Lag.UNPROVEN
+        if m.moment >= self.began + SKEW_NS:
+            return Lag.STUCK
+        if m.moment_exact and m.moment + SKEW_NS <= self.began:
+            return Lag.OLDER
+        return Lag.UNPROVEN
 
     @property
     def laggards(self) -> tuple[Member, ...]:
@@ -103,6 +143,20 @@ def _proven(inc: Incident, m: Matched, comm: int) -> int:
     return int(rows["seq"][proof].max()) if proof.any() else -1
 
 
+def _proven_by_all(inc: Incident, m: Matched, comm: int) -> int:
+    """The last seq of a communicator that some member completed and that
+    needs every member to complete: not a rooted op, which a non-root
+    completes alone (a gather's source sends and returns)."""
+    rows = m.rows[m.comm_rows(comm)]
+    ok = (rows["end"] > 0) & (rows["result"] == 0) & ~np.isin(rows["op"], ROOTED_OPS)
+    if not ok.any():
+        return -1
+    if not inc.ends_are_completions:
+        blocking = float(np.median((rows["end"] - rows["ts"])[ok])) >= ASYNC_BELOW_NS
+        ok &= True if blocking else rows["state"] == State.COMPLETED
+    return int(rows["seq"][ok].max()) if ok.any() else -1
+
+
 def proc_hosts(inc: Incident) -> list[int]:
     index = {h: i for i, h in enumerate(inc.hosts)}
     return [index[p.host] for p in inc.procs]
@@ -134,13 +188,90 @@ def frontiers(inc: Incident, m: Matched, proc_host: list[int]) -> tuple[Frontier
     ops = r["op"][at]
     members = [p for c in inc.comms for p in c.members]
     complete = [p.window_complete for p in inc.procs]
+    moment, exact = evidence_moments(inc, proc_host)
+    offset = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)[host]
+    entered = np.where(has & (offset != NO_OFFSET), r["ts"][at] + offset, NO_OFFSET)
     out = []
     cols = (last.tolist(), m.pair_last_returned.tolist(), flight.tolist(), front.tolist(),
             aged.tolist(), age.tolist(), ops.tolist())  # fmt: skip
+    when = (
+        [moment[h] for h in host.tolist()],
+        [exact[h] for h in host.tolist()],
+        entered.tolist(),
+        (has & (r["state"][at] == State.ENQUEUED) & (r["end"][at] == 0)).tolist(),
+    )
     for comm in np.flatnonzero(top >= 0).tolist():
         f = _frontier_of(inc, m, comm, int(top[comm]), members, complete, cols)
-        out.append(f)
+        out.append(_with_moments(inc, m, f, int(m.pair_offset[comm]), when))
     return tuple(out)
+
+
+NO_OFFSET = np.iinfo(np.int64).min  # a host whose clock cannot be read as wall clock
+
+
+def _offset(inc: Incident, host: int) -> int:
+    off = inc.to_wall(host)
+    return NO_OFFSET if off is None else off
+
+
+def evidence_moments(inc: Incident, proc_host: list[int]) -> tuple[list[int | None], list[bool]]:
+    """Per host: when its evidence was taken, wall clock, and whether that is
+    exact: a dump's capture time, else its latest timestamp (a lower bound:
+    Flight Recorder records no dump time); None where its clock is unknown."""
+    n = len(inc.hosts)
+    captured = list(inc.captured) if inc.captured else [None] * n
+    latest = np.full(n, -1, dtype=np.int64)
+    rows = inc.calls.rows
+    if any(c is None for c in captured) and len(rows) and proc_host:
+        host = np.asarray(proc_host, dtype=np.int64)[rows["proc"]]
+        np.maximum.at(latest, host, np.maximum(rows["ts"], rows["end"]))
+    moments: list[int | None] = []
+    for h in range(n):
+        off = inc.to_wall(h)
+        if captured[h] is not None:
+            moments.append(captured[h])
+        elif off is not None and latest[h] >= 0:
+            moments.append(int(latest[h]) + off)
+        else:
+            moments.append(None)
+    return moments, [c is not None for c in captured]
+
+
+def _with_moments(
+    inc: Incident,
+    m: Matched,
+    f: Frontier,
+    lo: int,
+    when: tuple[list[int | None], list[bool], list[int], list[bool]],
+) -> Frontier:
+    """The frontier with when each member's evidence was taken, when the
+    frontier began and what completions prove: only where a member lags
+    (a world of 131,072 members that all agree needs none of it)."""
+    if not f.laggards:
+        return f
+    moment, exact, entered, returned = when
+    members = tuple(
+        x
+        if x.proc < 0
+        else dataclasses.replace(
+            x,
+            moment=moment[lo + x.crank],
+            moment_exact=exact[lo + x.crank],
+            returned=returned[lo + x.crank],
+        )
+        for x in f.members
+    )
+    began = [
+        entered[lo + x.crank]
+        for x in f.members
+        if x.state is MemberState.AT_FRONTIER and entered[lo + x.crank] != NO_OFFSET
+    ]
+    return dataclasses.replace(
+        f,
+        members=members,
+        proven=_proven_by_all(inc, m, f.comm),
+        began=min(began) if began else None,
+    )
 
 
 def _frontier_of(

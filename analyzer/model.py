@@ -169,6 +169,17 @@ class Incident:
     ends_are_completions: bool = False
     # calls recorded from an agent's attach, and how they were aligned
     late: LateReport | None = None
+    # per host: what to add to its timestamps to read them as wall clock
+    # (realtime - monotonic of its dump); () where they are wall clock
+    # already (Flight Recorder), None for a host whose clock is unknown
+    wall_offset: tuple[int | None, ...] = ()
+    # per host: when its dump read the rings (wall clock), None where no
+    # input says (Flight Recorder: its latest entry bounds it from below)
+    captured: tuple[int | None, ...] = ()
+
+    def to_wall(self, host: int) -> int | None:
+        """The offset of a host's timestamps to wall clock, None if unknown."""
+        return self.wall_offset[host] if self.wall_offset else 0
 
     def host_index(self, host: str) -> int:
         return self.hosts.index(host)

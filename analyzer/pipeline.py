@@ -38,6 +38,17 @@ Known limits:
   by a signal), died of it and are named in its evidence, not blamed.
 - Flight Recorder dumps carry wall-clock times of their own host and no dump
   time: a frontier where an entry is still pending is taken as stuck.
+- Evidence has a moment (``metrics.Frontier.lag``): our dumps' capture
+  times, a Flight Recorder file's latest entry (a lower bound).  A rank
+  behind a frontier is stuck when its evidence was taken after the frontier
+  began (beyond 50 ms of skew); it was read before it went on when its
+  peers' completions prove it entered a later seq, or it was inside a
+  collective they completed.  When some dump is shown older (dumps taken in
+  turn), ranks that cannot be ordered with the frontier are not named: the
+  staircase is healthy.  Without any such sign, a Flight Recorder rank one
+  collective behind, between calls, is indistinguishable from one that
+  stopped there, and is named (a dump taken in turn that is lost can take
+  that sign with it).
 - A rank without a readable dump is judged only from its peers' records (a
   collective any member completed proves every member entered it) and never
   blamed beyond them: when only such ranks could hold a stall up, or nothing
@@ -62,6 +73,7 @@ from .align import Source, incident_from_recordings
 from .detect import DETECTORS, FALLBACK_DETECTORS, Analysis, Detector
 from .detect.causes import in_causal_order
 from .detect.inconclusive import detect_inconclusive, unjudged
+from .detect.missing import moments_apart_ns, taken_in_turn
 from .flightrec import FrDump
 from .frincident import incidents_from_flightrec
 from .load import Loaded, load_inputs
@@ -147,18 +159,20 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
 def _healthy(a: Analysis) -> Verdict:
     inc = a.incident
     n = len(a.matched.group_start)
-    return Verdict(
-        VerdictKind.HEALTHY,
-        (),
-        inc.hosts,
-        (),
-        None,
-        None,
-        None,
+    summary = (
         f"no rank departs from consensus ({len(inc.procs)} ranks, {len(inc.comms)} "
-        f"communicators, {n} collectives matched)",
-        (f"{len(inc.calls)} calls from {len(inc.sources)} input(s)",),
+        f"communicators, {n} collectives matched)"
     )
+    evidence: tuple[str, ...] = (f"{len(inc.calls)} calls from {len(inc.sources)} input(s)",)
+    if taken_in_turn(a):
+        apart = moments_apart_ns(a)
+        by = "" if apart is None else f", {apart / 1e6:.0f} ms apart by entry times"
+        summary += f"; the dumps were taken at different moments{by}"
+        evidence += (
+            "a dump that ends behind its peers ends before what their completions prove it "
+            "did since, or was taken before their frontier began: nothing shows a rank stuck",
+        )
+    return Verdict(VerdictKind.HEALTHY, (), inc.hosts, (), None, None, None, summary, evidence)
 
 
 def group_incidents(

@@ -14,6 +14,10 @@ being one (no ``RANK`` and no rank in the recording) is left out.
 
 - missing rank: some ranks wait inside NCCL collectives (or send/receive)
   and others are inside no NCCL call at all: the latter are the culprits.
+  Running is not idle: a rank whose latest recorded call is in flight in
+  the rings waits there whatever its threads showed, and one whose thread
+  was running with its stack not read (real waiters spin: CUDA's spin
+  synchronisation, NCCL's busy polling) is unknown; neither is a culprit.
   When the recording knows which communicator each waiting rank is in and
   who its members are, only ranks of those communicators are named.
 - desync: every rank is inside an NCCL call, but not the same one: on one
@@ -41,14 +45,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from stallwatch.dumpers.model import CommInfo, Recording
-from stallwatch.dumpers.schema import Op
+from stallwatch.dumpers.schema import Op, op_name
 from stallwatch.dumpers.threads import NcclCall, ProcessThreads, ThreadSnapshot, ThreadState
 
 from .verdict import Verdict, VerdictKind
 
 if TYPE_CHECKING:
     from .detect.common import Analysis
+    from .model import Incident
 
 MAX_FRAMES_SHOWN = 4
 MAX_LISTED = 16
@@ -93,6 +100,22 @@ class RankPosition:
     held_ns: int  # how long its position stayed the same, up to the last reading
     error: str = ""
     member_of: frozenset[int] = frozenset()  # communicators it holds, per the recording
+    # the call the rings show it in (entered, not returned), "" if none: a
+    # call in flight outranks a reading that could not see the stack
+    in_flight: str = ""
+
+    @property
+    def unknown(self) -> bool:
+        """Where it is cannot be told: its thread was running and its stack
+        was not read (a spinning waiter runs: CUDA's spin synchronisation,
+        NCCL's busy polling), and the rings show no call in flight."""
+        t = self.main
+        return not self.in_flight and t is not None and t.state == "R" and not t.frames
+
+    @property
+    def outside(self) -> bool:
+        """Known to be inside no NCCL call."""
+        return not self.error and not self.inside and not self.in_flight and not self.unknown
 
     @property
     def inside(self) -> bool:
@@ -232,6 +255,10 @@ def position_text(p: RankPosition) -> str:
         )
         return f"{p.label()}: inside {calls}; {_held_text(p)}"
     main = _thread_text(p.main) if p.main is not None else "no thread read"
+    if p.in_flight:
+        return f"{p.label()}: {p.in_flight} in flight in the rings; {main}; {_held_text(p)}"
+    if p.unknown:
+        return f"{p.label()}: position unknown (running, stack not read); {main}; {_held_text(p)}"
     return f"{p.label()}: inside no NCCL call; {main}; {_held_text(p)}"
 
 
@@ -252,7 +279,31 @@ def detect_positions(a: Analysis) -> list[Verdict]:
     if not inc.readings:
         return []
     known = {(p.host, p.pid): p.world_rank for p in inc.procs if p.world_rank >= 0}
-    return judge(rank_positions(inc.readings, known))
+    flying = calls_in_flight(inc)
+    positions = [
+        replace(p, in_flight=flying.get((p.host, p.pid), ""))
+        for p in rank_positions(inc.readings, known)
+    ]
+    return judge(positions)
+
+
+def calls_in_flight(inc: Incident) -> dict[tuple[str, int], str]:
+    """(host, pid) -> the collective its latest recorded call is, where that
+    call was entered and has not returned."""
+    rows = inc.calls.rows
+    if not len(rows):
+        return {}
+    order = np.lexsort((rows["ts"], rows["proc"]))
+    proc = rows["proc"][order]
+    last = order[np.flatnonzero(np.diff(proc, append=-1) != 0)]
+    out = {}
+    for i in last.tolist():
+        r = rows.record(i)
+        if int(r["end"]) == 0:
+            p = inc.procs[int(r["proc"])]
+            comm = inc.comms[int(r["comm"])].name
+            out[(p.host, p.pid)] = f"{op_name(int(r['op']))} seq {int(r['seq'])} on {comm}"
+    return out
 
 
 def judge(positions: Sequence[RankPosition]) -> list[Verdict]:
@@ -275,7 +326,9 @@ def judge_job(ps: Sequence[RankPosition]) -> list[Verdict]:
     waiting = [p for p in read if p.inside]
     if not waiting or any(p.readings >= 2 and p.held_ns <= 0 for p in waiting):
         return []  # nobody waits, or the waiting ranks move on: no hang to judge
-    outside = [p for p in read if not p.inside]
+    # a rank in flight in the rings waits too; one running whose stack was
+    # not read is unknown: neither is outside NCCL
+    outside = [p for p in read if p.outside]
     if outside:
         return [_missing(ps, waiting, _culprits(waiting, outside))]
     return _desync(ps, waiting)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from stallwatch.dumpers.schema import Op, op_name
 
-from ..metrics import Frontier, Member, MemberState, P2pGap, waiting_in_p2p
+from ..metrics import Frontier, Lag, Member, MemberState, P2pGap, waiting_in_p2p
 from ..model import Incident
 from ..verdict import Verdict, VerdictKind, rank_text
 from .common import MAX_LISTED, Analysis, member_text, primary, who
@@ -41,15 +41,39 @@ def _victims(frontiers: tuple[Frontier, ...]) -> dict[int, bool]:
 NO_SEQ = 1 << 62  # above any seq
 
 
+def taken_in_turn(a: Analysis) -> bool:
+    """Whether the evidence shows dumps taken at different moments: some
+    member's dump ends before what its peers prove it did since, or was
+    taken before a frontier it lags began."""
+    return any(f.lag(m) is Lag.OLDER for f in a.frontiers for m in f.laggards)
+
+
+def moments_apart_ns(a: Analysis) -> int | None:
+    """How far apart the members' evidence was taken, by its moments
+    (capture times, or latest entries where no dump time is known)."""
+    seen = [m.moment for f in a.frontiers for m in f.members if m.moment is not None]
+    return max(seen) - min(seen) if seen else None
+
+
+def behind(a: Analysis) -> list[tuple[Frontier, Member]]:
+    """Laggards of stuck frontiers that are proven stuck: their evidence was
+    taken after the frontier began; where that cannot be told (no dump time),
+    those not shown older, unless the dumps were taken in turn (a staircase
+    where nothing proves a rank stuck is not a hang)."""
+    in_turn = taken_in_turn(a)
+    keep = (Lag.STUCK,) if in_turn else (Lag.STUCK, Lag.UNPROVEN)
+    return [(f, m) for f in a.frontiers if f.stuck for m in f.laggards if f.lag(m) in keep]
+
+
 def stuck_laggards(a: Analysis) -> list[tuple[Frontier, Member]]:
-    """Members whose own dumps show them behind a stuck frontier; those that
-    lag only because they wait for someone elsewhere are left out: in flight
-    at another stuck frontier, or blocked in a point-to-point call (a
-    pipeline stage waiting for its neighbour lags at the data-parallel
-    collectives only because it waits).  When every one waits for another (a
-    cycle), all are named; when they wait for members without a dump, none
-    is (that is inconclusive)."""
-    pairs = [(f, m) for f in a.frontiers if f.stuck for m in f.laggards]
+    """Members whose own dumps show them behind a stuck frontier (``behind``);
+    those that lag only because they wait for someone elsewhere are left
+    out: in flight at another stuck frontier, or blocked in a point-to-point
+    call (a pipeline stage waiting for its neighbour lags at the
+    data-parallel collectives only because it waits).  When every one waits
+    for another (a cycle), all are named; when they wait for members without
+    a dump, none is (that is inconclusive)."""
+    pairs = behind(a)
     if not pairs:
         return []
     victims = _victims(a.frontiers)

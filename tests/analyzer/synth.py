@@ -132,7 +132,10 @@ def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[W
         for r in entered:
             blocked_end = 0 if hung else done
             end = arrive[r] + 20_000 if job.mode == "async" else blocked_end
-            rows[job.node_of(r)].append(_row(r, n, step, arrive[r], end, WORLD, r))
+            row = _row(r, n, step, arrive[r], end, WORLD, r)
+            if hung and job.mode == "async":
+                row["state"] = State.ENQUEUED  # returned; never completes without the hung rank
+            rows[job.node_of(r)].append(row)
             windows[job.node_of(r)].append((arrive[r], done, lossy))
         t = done
         if hung:

@@ -4,7 +4,9 @@ order, and the cases that must not be judged."""
 
 from __future__ import annotations
 
-from stallwatch.analyzer.positions import HostReadings, judge, rank_positions
+from dataclasses import replace
+
+from stallwatch.analyzer.positions import HostReadings, judge, position_text, rank_positions
 from stallwatch.analyzer.verdict import VerdictKind
 from stallwatch.dumpers.model import CommInfo
 from stallwatch.dumpers.schema import DataType, RedOp
@@ -163,3 +165,44 @@ def test_a_process_that_is_no_rank_is_not_blamed() -> None:
     )
     v = judge(rank_positions(readings))
     assert [x.ranks for x in v] == [(5,)]
+
+
+def _spinning(pid: int) -> ThreadState:
+    """A waiter that spins (CUDA spin sync, NCCL busy polling): running, its
+    stack not read (a running thread is not stopped to read it)."""
+    return ThreadState(pid, "python", "R", "", -1, (0,) * 6, 1, 2, (), "")
+
+
+def test_a_running_thread_whose_stack_was_not_read_is_unknown_not_outside() -> None:
+    # rank 5 hung (sleeping, outside NCCL); ranks 4 and 6 spin while they wait
+    calls = _chain()
+    readings = _readings(calls)
+    spun = []
+    for hr in readings:
+        snaps = []
+        for s in hr.snapshots:
+            procs = tuple(
+                replace(p, threads=(_spinning(p.pid),)) if p.pid in (1004, 1006) else p
+                for p in s.processes
+            )
+            snaps.append(replace(s, processes=procs))
+        spun.append(HostReadings(hr.host, tuple(snaps)))
+    (v,) = judge(rank_positions(spun))
+    assert v.kind is VerdictKind.MISSING_RANK and v.ranks == (5,), v.summary
+    text = "\n".join(v.evidence)
+    assert "rank 4 (host node2, pid 1004): position unknown (running, stack not read)" in text
+
+
+def test_a_call_in_flight_in_the_rings_outranks_a_reading() -> None:
+    calls = _chain()
+    positions = rank_positions(_readings(calls))
+    # rank 5's reading shows it outside NCCL, but the rings hold its call in flight
+    flying = [
+        replace(p, in_flight="ALL_GATHER seq 998 on 0x72") if p.world_rank == 5 else p
+        for p in positions
+    ]
+    # every rank waits somewhere: nobody is outside, rank 5 is not a culprit
+    assert [v.kind for v in judge(positions)] == [VerdictKind.MISSING_RANK]
+    assert all(v.kind is not VerdictKind.MISSING_RANK for v in judge(flying))
+    (p5,) = [p for p in flying if p.world_rank == 5]
+    assert "ALL_GATHER seq 998 on 0x72 in flight in the rings" in position_text(p5)

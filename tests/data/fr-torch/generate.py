@@ -31,6 +31,7 @@ import datetime
 import json
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import signal
 import sys
@@ -62,6 +63,7 @@ class Job:
     culprit: int
     store: dist.Store
     groups: dict[str, object] = field(default_factory=dict)
+    spacing_ms: float = 0.0  # dumps taken in turn, this far apart
 
     def at(self, fault: str, rank: int | None = None) -> bool:
         return self.fault == fault and self.rank == (self.culprit if rank is None else rank)
@@ -205,6 +207,27 @@ def wrap_buffer(rank: int) -> int:
     return 6 + 3 * rank
 
 
+STEP_S = 0.01  # the in-turn job's compute between collectives
+HANG_AT_S = 1.0  # the in-turn job's culprit stops after this long
+
+
+def in_turn_steps(world: int, spacing_ms: float) -> int:
+    """Steps enough to outlast the dumps: they begin 1 s after every rank
+    runs and end world * spacing later (and a loaded machine's slowness)."""
+    return int((3.0 + world * spacing_ms / 1e3) / STEP_S) + 200
+
+
+def in_turn_job(j: Job) -> None:
+    """all_reduces with compute between them; with the fault, rank k stops
+    for good after HANG_AT_S (outside any collective)."""
+    t0 = time.monotonic()
+    for _ in range(in_turn_steps(j.world, j.spacing_ms)):
+        time.sleep(STEP_S)
+        if j.at("hang") and time.monotonic() - t0 > HANG_AT_S:
+            j.hang()
+        dist.all_reduce(torch.ones(64))
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -214,6 +237,9 @@ class Scenario:
     truth: str  # the verdict kind the fault is
     culprit: Callable[[int], int] = lambda w: w // 2
     buffer: Callable[[int], int] = lambda r: BUFFER
+    # >0: the ranks dump in turn, rank r this much after rank r-1, while the
+    # job runs (healthy) or after the culprit stopped (hang)
+    spacing_ms: float = 0.0
 
 
 def _k(w: int) -> int:
@@ -378,6 +404,32 @@ SCENARIOS = [
 ]
 
 
+for _ms in (10, 50, 200):
+    SCENARIOS.append(
+        Scenario(
+            f"inturn-healthy-{_ms}ms",
+            in_turn_job,
+            "",
+            f"all_reduces 10 ms apart; each rank dumps {_ms} ms after the one before, "
+            "while the job runs",
+            "healthy",
+            spacing_ms=_ms,
+        )
+    )
+for _ms in (10, 200):
+    SCENARIOS.append(
+        Scenario(
+            f"inturn-hang-{_ms}ms",
+            in_turn_job,
+            "hang",
+            f"all_reduces 10 ms apart; rank k stops after {HANG_AT_S:.0f} s, then each rank "
+            f"dumps {_ms} ms after the one before",
+            "missing_rank",
+            spacing_ms=_ms,
+        )
+    )
+
+
 # --- one rank ----------------------------------------------------------------
 
 
@@ -385,10 +437,11 @@ def rank_main(scn_name: str, rank: int, world: int, port: int, out: str) -> None
     scn = next(s for s in SCENARIOS if s.name == scn_name)
     os.environ["TORCH_FR_BUFFER_SIZE"] = str(scn.buffer(rank))
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=TIMEOUT)
-    job = Job(rank, world, scn.fault, scn.culprit(world), store)
+    job = Job(rank, world, scn.fault, scn.culprit(world), store, spacing_ms=scn.spacing_ms)
     # its own connection: a client blocked in wait() holds its socket
     side = dist.TCPStore("127.0.0.1", port, None, False, timeout=TIMEOUT)
-    threading.Thread(target=dumper, args=(side, rank, Path(out)), daemon=True).start()
+    delay = rank * scn.spacing_ms / 1e3
+    threading.Thread(target=dumper, args=(side, rank, Path(out), delay), daemon=True).start()
     dist.init_process_group(
         "gloo",
         store=dist.PrefixStore("pg", store),
@@ -409,18 +462,48 @@ def rank_main(scn_name: str, rank: int, world: int, port: int, out: str) -> None
         time.sleep(1)
 
 
-def dumper(store: dist.Store, rank: int, out: Path) -> None:
+def dumper(store: dist.Store, rank: int, out: Path, delay: float) -> None:
     try:
         store.wait(["fr/dump"], TIMEOUT)
+        time.sleep(delay)  # dumps in turn
         pickled = _dump_fr_trace(includeStackTraces=False)
         as_json = _dump_fr_trace_json()
         (out / "pickle" / f"{FILE}{rank}").write_bytes(pickled)
         (out / "json" / f"{FILE}{rank}.json").write_bytes(as_json)
+        if (out / "pickle-pg").is_dir():
+            write_pg_fixed(out, rank, pickled, as_json)
         store.set(f"dumped/{rank}", "1")
         store.wait(["fr/exit"], TIMEOUT)
     except Exception:
         traceback.print_exc()
     os._exit(0)
+
+
+def pg_config_fixed() -> dict[str, dict[str, str]]:
+    """pg_config as it should be (and as later torch versions write it): one
+    key per process group of this rank, its name, description and world
+    ranks, from torch's own record of its groups."""
+    c10d = dist.distributed_c10d
+    out = {}
+    for pg in c10d._world.pg_map:
+        cfg = c10d._get_pg_config(pg)
+        name = str(cfg["pg_name"])
+        out[name] = {"name": name, "desc": str(cfg["pg_desc"]), "ranks": str(list(cfg["ranks"]))}
+    return out
+
+
+def write_pg_fixed(out: Path, rank: int, pickled: bytes, as_json: bytes) -> None:
+    """The same dump with pg_config fixed (torch 2.13's gloo keys every group
+    by ''): ``pickle-pg/`` and ``json-pg/``, everything else as torch wrote it."""
+    fixed = pg_config_fixed()
+    doc = pickle.loads(pickled)  # torch's own dump of this very process
+    doc["pg_config"] = fixed
+    (out / "pickle-pg").mkdir(exist_ok=True)
+    (out / "pickle-pg" / f"{FILE}{rank}").write_bytes(pickle.dumps(doc))
+    jdoc = json.loads(as_json)
+    jdoc["pg_config"] = fixed
+    (out / "json-pg").mkdir(exist_ok=True)
+    (out / "json-pg" / f"{FILE}{rank}.json").write_text(json.dumps(jdoc, separators=(",", ":")))
 
 
 # --- the launcher --------------------------------------------------------------
@@ -439,6 +522,9 @@ def run(scn: Scenario, world: int, root_dir: Path) -> dict[str, object]:
     shutil.rmtree(out, ignore_errors=True)
     (out / "pickle").mkdir(parents=True)
     (out / "json").mkdir()
+    if scn.spacing_ms:
+        (out / "pickle-pg").mkdir()
+        (out / "json-pg").mkdir()
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=TIMEOUT, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     procs = [
@@ -447,12 +533,17 @@ def run(scn: Scenario, world: int, root_dir: Path) -> dict[str, object]:
     ]
     for p in procs:
         p.start()
-    seen = settle(store, procs, world)
+    if scn.spacing_ms:
+        when_to_dump(store, procs, world, scn)
+    else:
+        seen = settle(store, procs, world)
     store.set("fr/dump", "1")
     alive = [r for r, p in enumerate(procs) if p.is_alive()]
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not all(store.check([f"dumped/{r}"]) for r in alive):
         time.sleep(0.1)
+    if scn.spacing_ms:
+        seen = settle(store, procs, world)  # the healthy job runs to its end
     store.set("fr/exit", "1")
     for p in procs:
         p.join(20)
@@ -472,6 +563,24 @@ def run(scn: Scenario, world: int, root_dir: Path) -> dict[str, object]:
             }
         )
     return expected(scn, world, facts, out)
+
+
+def when_to_dump(store: dist.Store, procs: list[mp.Process], world: int, scn: Scenario) -> None:
+    """Dumps in turn: healthy, 1 s after every rank runs (the job runs on
+    while they dump); hang, 1 s after the culprit stopped (its peers wait
+    in the collective it never entered)."""
+    k = scn.culprit(world)
+    start = time.monotonic()
+    while time.monotonic() - start < 240:
+        seen = states(store, world)
+        if scn.fault == "hang" and seen.get(k) == "hung":
+            break
+        if not scn.fault and len(seen) == world and set(seen.values()) == {"running"}:
+            break
+        time.sleep(0.05)
+    else:
+        raise SystemExit(f"{scn.name}: the job never got to its dumps")
+    time.sleep(1.0)
 
 
 def state_text(state: str | None) -> str:
@@ -551,6 +660,7 @@ def expected(scn: Scenario, world: int, facts: list[dict[str, object]], out: Pat
         "torch": torch.__version__,
         "backend": "gloo",
         "buffer": [scn.buffer(r) for r in range(world)],
+        "dumps_in_turn_ms": scn.spacing_ms or None,
         "truth": {"kind": scn.truth, "ranks": truth_ranks},
         "verdict": {"kind": verdict, "ranks": ranks, "why": why},
         "no_dump": lost,

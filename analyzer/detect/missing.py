@@ -129,7 +129,7 @@ def detect_missing_rank(a: Analysis) -> list[Verdict]:
                 device[m.proc] = (f, m, best)
     if not pairs and not device:
         return []
-    main = primary(a, [f for f, _ in pairs] or [f for f, _, _ in device.values()])
+    main = _headline(a, pairs) if pairs else primary(a, [f for f, _, _ in device.values()])
     comms = inc.comms
 
     def order(fm: tuple[Frontier, Member]) -> tuple[int, int, int]:
@@ -137,6 +137,7 @@ def detect_missing_rank(a: Analysis) -> list[Verdict]:
         return (inc.procs[m.proc].world_rank, -comms[f.comm].nranks, comms[f.comm].comm_hash)
 
     evidence = [member_text(a, f, m) for f, m in sorted(pairs, key=order)[:MAX_LISTED]]
+    evidence += _consequences(a, main, pairs)
     evidence += [_device_text(a, *device[p]) for p in sorted(device)][:MAX_LISTED]
     age = "" if main.age_ns is None else f" for {main.age_ns / 1e9:.1f} s"
     return [
@@ -151,6 +152,42 @@ def detect_missing_rank(a: Analysis) -> list[Verdict]:
             lambda names: _summary(a, main, host, device, age),
             evidence,
         )
+    ]
+
+
+def _headline(a: Analysis, pairs: list[tuple[Frontier, Member]]) -> Frontier:
+    """Where the culprits alone are absent: the smallest communicator whose
+    frontier no one else misses (a rank that hung before its tensor-parallel
+    collective leaves its partner waiting there; the data-parallel and world
+    collectives that both then miss are consequences).  Failing one, the
+    largest (``primary``)."""
+    culprits = {m.proc for _, m in pairs}
+    fronts = list({f.comm: f for f, _ in pairs}.values())
+    comms = a.incident.comms
+    alone = [f for f in fronts if {m.proc for m in f.laggards} <= culprits]
+    if not alone:
+        return primary(a, fronts)
+    # of two as small, the one that began first: the first it failed to enter
+    never = 1 << 62
+    return min(
+        alone,
+        key=lambda f: (
+            comms[f.comm].nranks,
+            never if f.began is None else f.began,
+            comms[f.comm].comm_hash,
+        ),
+    )
+
+
+def _consequences(a: Analysis, main: Frontier, pairs: list[tuple[Frontier, Member]]) -> list[str]:
+    """The other collectives the culprits hold up, largest first."""
+    comms = a.incident.comms
+    others = {f.comm: f for f, _ in pairs if f.comm != main.comm}.values()
+    ordered = sorted(others, key=lambda f: (-comms[f.comm].nranks, comms[f.comm].comm_hash))
+    return [
+        f"consequence: {op_name(f.op)} seq {f.seq} on {comms[f.comm].name} "
+        f"({comms[f.comm].nranks} ranks) waits for it too"
+        for f in ordered[:MAX_LISTED]
     ]
 
 

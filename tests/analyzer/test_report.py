@@ -62,7 +62,9 @@ def _wall(ns: int) -> str:
 def test_lab_report_reads_verdict_then_time_then_tables(lab: AnalysisResult) -> None:
     out = lines(lab)
     assert out[0].startswith("incident ") and "2 hosts (node0, node1), 4 ranks" in out[0]
-    assert out[1].startswith("  MISSING_RANK: rank 3 never entered ALL_REDUCE seq 6")
+    # the first collective of its step that it alone misses: its tensor-parallel
+    # partner's ALL_GATHER (the data-parallel ALL_REDUCE waits for it too)
+    assert out[1].startswith("  MISSING_RANK: rank 3 never entered ALL_GATHER seq 12")
     (time,) = [i for i, line in enumerate(out) if line.startswith("  time: ")]
     assert 1 < time < headers(out)[0]
     # the time is the detecting agent's trigger, on the wall clock of its dump

@@ -24,7 +24,7 @@ from stallwatch.dumpers import addresses, ranks
 from stallwatch.dumpers.errors import DumpError
 from stallwatch.dumpers.format import DeferredRing
 from stallwatch.dumpers.model import CommInfo, Recording, Ring, TriggerKind
-from stallwatch.dumpers.schema import NCCL_EVENT, ExitEvent, Op, TcpEvent
+from stallwatch.dumpers.schema import NCCL_EVENT, ExitEvent, Op, TcpEvent, captured_rows
 
 from . import late
 from .columns import Columns
@@ -335,7 +335,7 @@ def _extract(
     if raw is None or not len(raw):
         return _Extract(s, slice(at, at), complete, None, NO_PIDS, (), ())
     raw = raw if raw.dtype == NCCL_EVENT else raw.astype(NCCL_EVENT)
-    keep = IS_CALL[raw["op"]]
+    keep = IS_CALL[raw["op"]] & ~captured_rows(raw)  # a captured call runs as its replays
     times = _device_timeline(raw, keep)
     # an agent's process table is its scope (one node); without one, every pid
     scope = _listed_pids(rec)

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from stallwatch.dumpers.model import CommInfo, Recording, Ring
-from stallwatch.dumpers.schema import NCCL_EVENT, Op
+from stallwatch.dumpers.schema import NCCL_EVENT, Op, captured_rows
 
 from .model import Incident
 from .verdict import Verdict, VerdictKind, known_rank
@@ -184,7 +184,7 @@ def _late_streams(recs: list[Recording]) -> list[_Stream]:
         for pid, ptr in keys.tolist():
             mine = rows[(rows["pid"] == pid) & (rows["comm"] == ptr)]
             p2p = mine[np.isin(mine["op"], [Op.SEND, Op.RECV])]
-            coll = mine[COLLECTIVE[mine["op"]]]
+            coll = mine[COLLECTIVE[mine["op"]] & ~captured_rows(mine)]
             coll = coll[np.argsort(coll["seq"], kind="stable")]
             ranks = coll["rank"][coll["rank"] >= 0]
             out.append(
@@ -217,7 +217,7 @@ def _known_comms(recs: list[Recording]) -> dict[int, _Known]:
             rows = rows[(rows["comm_hash"] == np.uint64(h)) & (rows["pid"] == pid)]
             if len(rows):
                 evident = max(evident, int(rows["peer"].max()) + 1)
-            rows = rows[COLLECTIVE[rows["op"]]]
+            rows = rows[COLLECTIVE[rows["op"]] & ~captured_rows(rows)]
             seqs.append(rows["seq"].astype(np.int64))
             sigs.append(_sig(rows))
             walls.append(_wall(recs[i], rows["ts_ns"]))
@@ -406,7 +406,7 @@ def _rewrite(
             rank = ranks.get((a.comm_hash, i, s.pid), -1)
             size = ranks.get((a.comm_hash, -1, -1), k.nranks)
             mine = (rows["pid"] == s.pid) & (rows["comm"] == s.ptr) & (rows["comm_hash"] == 0)
-            coll = mine & COLLECTIVE[rows["op"]]
+            coll = mine & COLLECTIVE[rows["op"]] & ~captured_rows(rows)
             rows["seq"][coll] += np.uint64(a.offset)
             rows["comm_hash"][coll] = a.comm_hash
             rows["rank"][coll], rows["nranks"][coll] = rank, size

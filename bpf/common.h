@@ -48,7 +48,8 @@
 #define DROP_OWNER_FULL 7    /* `sock_owner` full: a socket stays unattributed */
 #define DROP_RQ_FULL 8       /* run-queue maps full */
 #define DROP_CUDA_QUEUE 9    /* a stream queued more calls than cuda.h keeps */
-#define DROP_SLOTS 10
+#define DROP_GRAPH_FULL 10   /* a graph captured more calls than cuda.h keeps, or `graphs` full */
+#define DROP_SLOTS 11
 
 #define MAX_TRACKED 4096
 

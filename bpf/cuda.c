@@ -23,9 +23,30 @@
  * (`*_after_ns`): the device event lies between.  All of it is written into
  * the call's nccl_ring row here, no user space per event.
  *
+ * CUDA graphs, by stream capture:
+ *
+ *   cudaStreamBeginCapture[_ptsz](stream, mode)                   + return
+ *   cudaStreamEndCapture[_ptsz](stream, cudaGraph_t *graph)        + return
+ *   cudaStreamIsCapturing[_ptsz](stream, status *), and
+ *   cudaStreamGetCaptureInfo[_ptsz](stream, status *, ...)        + return
+ *   cudaGraphInstantiate[WithFlags](cudaGraphExec_t *exec, graph, ...) + return
+ *   cudaGraphExecDestroy(exec), cudaGraphDestroy(graph)
+ *   cudaGraphLaunch[_ptsz](exec, stream)                          + return
+ *
+ * A capture that began (or that a capture query reports active: an agent
+ * that came late) gets a number; NCCL calls on its stream are appended to
+ * it (nccl.c), not queued.  The graph it ends in, and each executable
+ * instantiated from that graph, lead back to the number.  A launch that
+ * returns cudaSuccess writes its row and one row per captured call, in
+ * capture order, each with its communicator's next seq, queued on the
+ * launch's stream like a call made there: the events around the launch
+ * start the first and complete them all.
+ *
  * Not handled: cudaDeviceSynchronize (every stream of the process), the
- * per-thread default stream told apart per thread (all share one key), CUDA
- * graphs, and the driver's cu* calls (see DESIGN.md).
+ * per-thread default stream told apart per thread (all share one key),
+ * graphs built or updated node by node (cudaGraphAdd*Node, cudaGraphExecUpdate),
+ * captures joined across streams by events, graphs launched from the device,
+ * and the driver's cu* calls (see DESIGN.md).
  */
 
 #define MAX_CUDA_EVENTS 65536
@@ -38,6 +59,14 @@
 #define CALL_WAIT 2
 #define CALL_EVENT_DONE 3  /* query / synchronize an event */
 #define CALL_STREAM_DONE 4 /* query / synchronize a stream */
+#define CALL_BEGIN_CAPTURE 5
+#define CALL_END_CAPTURE 6
+#define CALL_CAPTURE_INFO 7 /* is capturing / get capture info */
+#define CALL_INSTANTIATE 8
+#define CALL_EXEC_DESTROY 9
+#define CALL_GRAPH_DESTROY 10
+#define CALL_GRAPH_LAUNCH 11
+#define CAPTURE_ACTIVE 1 /* cudaStreamCaptureStatusActive */
 
 /* What the probes saw, per CPU (user space sums them into the counters of
  * every dump): calls by kind, and the answers of queries and syncs. */
@@ -46,7 +75,8 @@
 #define SEEN_DONE 2      /* a query or sync answered cudaSuccess */
 #define SEEN_NOT_READY 3 /* cudaErrorNotReady */
 #define SEEN_ERROR 4     /* any other code (no device, bad handle, ...) */
-#define SEEN_SLOTS 5
+#define SEEN_GRAPH 5     /* a capture or graph call returned (any answer) */
+#define SEEN_SLOTS 6
 BPF_PERCPU_ARRAY(cuda_seen, u64, SEEN_SLOTS);
 
 static __always_inline void count_seen(u32 slot)
@@ -78,7 +108,8 @@ struct cuda_call {
 	u64 tid;
 	u64 handle;
 	u64 entered_ns;
-	u64 mark; /* stream calls: the stream's call count at entry */
+	u64 mark; /* stream calls: the stream's call count at entry; graph calls:
+		   * the pointer argument the call writes, or a launch's stream */
 	u32 kind;
 	u32 _pad;
 };
@@ -103,6 +134,27 @@ static __always_inline int cuda_kind(u64 sym)
 	case CSYM_cudaStreamSynchronize:
 	case CSYM_cudaStreamSynchronize_ptsz:
 		return CALL_STREAM_DONE;
+	case CSYM_cudaStreamBeginCapture:
+	case CSYM_cudaStreamBeginCapture_ptsz:
+		return CALL_BEGIN_CAPTURE;
+	case CSYM_cudaStreamEndCapture:
+	case CSYM_cudaStreamEndCapture_ptsz:
+		return CALL_END_CAPTURE;
+	case CSYM_cudaStreamIsCapturing:
+	case CSYM_cudaStreamIsCapturing_ptsz:
+	case CSYM_cudaStreamGetCaptureInfo:
+	case CSYM_cudaStreamGetCaptureInfo_ptsz:
+		return CALL_CAPTURE_INFO;
+	case CSYM_cudaGraphInstantiate:
+	case CSYM_cudaGraphInstantiateWithFlags:
+		return CALL_INSTANTIATE;
+	case CSYM_cudaGraphExecDestroy:
+		return CALL_EXEC_DESTROY;
+	case CSYM_cudaGraphDestroy:
+		return CALL_GRAPH_DESTROY;
+	case CSYM_cudaGraphLaunch:
+	case CSYM_cudaGraphLaunch_ptsz:
+		return CALL_GRAPH_LAUNCH;
 	}
 	return 0;
 }
@@ -112,7 +164,9 @@ static __always_inline u64 stream_arg(u64 sym, u64 stream)
 {
 	int ptsz = sym == CSYM_cudaEventRecord_ptsz || sym == CSYM_cudaEventRecordWithFlags_ptsz ||
 		   sym == CSYM_cudaStreamWaitEvent_ptsz || sym == CSYM_cudaStreamQuery_ptsz ||
-		   sym == CSYM_cudaStreamSynchronize_ptsz;
+		   sym == CSYM_cudaStreamSynchronize_ptsz || sym == CSYM_cudaStreamBeginCapture_ptsz ||
+		   sym == CSYM_cudaStreamEndCapture_ptsz || sym == CSYM_cudaStreamIsCapturing_ptsz ||
+		   sym == CSYM_cudaStreamGetCaptureInfo_ptsz;
 	return ptsz && stream == 0 ? 2 : stream;
 }
 
@@ -266,6 +320,213 @@ static __always_inline void on_wait(u32 pid, u64 stream, u64 event)
 	st->wait_mark[slot & (STREAM_WAITS - 1)] = ev->mark;
 }
 
+/* ---- graphs -------------------------------------------------------------- */
+
+/* A capture begins on `stream`: a new number, and an empty call list. */
+static __always_inline void capture_begun(u32 pid, u64 stream)
+{
+	struct stream_state *st = stream_for(pid, stream, 1);
+	u32 zero = 0;
+	u64 *count = capture_count.lookup(&zero);
+	struct graph_state *empty = graph_zero.lookup(&zero);
+	if (!st || !count || !empty)
+		return;
+	u64 id = __sync_fetch_and_add(count, 1) + 1;
+	struct graph_key k = {.pid = pid, .id = id};
+	if (graphs.update(&k, empty)) {
+		count_drop(DROP_GRAPH_FULL);
+		return;
+	}
+	st->capture = id;
+}
+
+static __always_inline void capture_ended(u32 pid, u64 stream, u64 graph_out, s32 rc)
+{
+	struct stream_state *st = stream_for(pid, stream, 0);
+	if (!st || !st->capture)
+		return;
+	u64 id = st->capture;
+	st->capture = 0; /* over, whatever the answer */
+	u64 graph = 0;
+	if (rc != CUDA_SUCCESS || bpf_probe_read_user(&graph, sizeof(graph), (void *)graph_out) || !graph)
+		return;
+	struct graph_key k = {.pid = pid, .id = graph};
+	graph_handles.update(&k, &id);
+}
+
+/* A capture query's answer: a capture we did not see begin (the agent came
+ * late) or end is taken as the runtime says. */
+static __always_inline void capture_status(u32 pid, u64 stream, u64 status_out)
+{
+	u32 status = 0;
+	if (bpf_probe_read_user(&status, sizeof(status), (void *)status_out))
+		return;
+	struct stream_state *st = stream_for(pid, stream, status == CAPTURE_ACTIVE);
+	if (!st)
+		return;
+	if (status == CAPTURE_ACTIVE && !st->capture)
+		capture_begun(pid, stream);
+	else if (status != CAPTURE_ACTIVE)
+		st->capture = 0;
+}
+
+static __always_inline void instantiated(u32 pid, u64 graph, u64 exec_out)
+{
+	struct graph_key k = {.pid = pid, .id = graph};
+	u64 *id = graph_handles.lookup(&k);
+	u64 exec = 0;
+	if (!id || bpf_probe_read_user(&exec, sizeof(exec), (void *)exec_out) || !exec)
+		return;
+	struct graph_exec x = {.capture = *id};
+	struct graph_key xk = {.pid = pid, .id = exec};
+	graph_execs.update(&xk, &x);
+}
+
+static __always_inline void forget_handle(u32 pid, u64 handle, int kind)
+{
+	struct graph_key k = {.pid = pid, .id = handle};
+	if (kind == CALL_EXEC_DESTROY)
+		graph_execs.delete(&k);
+	else
+		graph_handles.delete(&k);
+}
+
+struct launch {
+	u32 pid;
+	u32 tid;
+	u64 entered_ns;
+	u64 ts;
+	u64 exec;
+	u64 stream;
+	u64 capture;
+	u64 replay;
+};
+
+static __always_inline void launch_row(struct launch *l, u64 ncalls, s32 rc)
+{
+	u64 pos;
+	struct nccl_event *e = claim_nccl(&pos);
+	if (!e)
+		return;
+	fill_header(&e->hdr, EVENT_NCCL, sizeof(*e), l->pid, l->tid, l->entered_ns);
+	e->end_ns = l->ts;
+	e->comm = l->exec;
+	e->comm_hash = 0;
+	e->count = ncalls;
+	e->bytes = 0;
+	e->stream = l->stream;
+	e->seq = 0;
+	e->rank = -1;
+	e->nranks = -1;
+	e->peer = -1;
+	e->result = rc;
+	e->op = OP_GRAPH_LAUNCH;
+	e->datatype = 0;
+	e->redop = 0;
+	e->state = STATE_ENQUEUED;
+	e->graph_node = 0;
+	e->started_ns = 0;
+	e->started_after_ns = 0;
+	e->completed_ns = 0;
+	e->completed_after_ns = 0;
+	e->graph = l->capture;
+	e->replay = l->replay;
+	publish(&e->hdr, pos);
+}
+
+/* Captured call i, executed once more: a row as its call would have made. */
+static __always_inline void replay_row(struct launch *l, struct graph_call *c, u32 i,
+				       struct stream_state *st)
+{
+	u64 pos;
+	struct nccl_event *e = claim_nccl(&pos);
+	if (!e)
+		return;
+	struct comm_state *cm = find_comm(l->pid, c->comm);
+	u64 seq = 0;
+	if (cm && (c->op == OP_SEND || c->op == OP_RECV))
+		seq = next_p2p_seq(l->pid, c->comm, c->peer, c->op);
+	else if (cm)
+		seq = cm->seq++;
+	fill_header(&e->hdr, EVENT_NCCL, sizeof(*e), l->pid, l->tid, l->entered_ns);
+	e->end_ns = l->ts;
+	e->comm = c->comm;
+	e->comm_hash = cm ? cm->hash : 0;
+	e->count = c->count;
+	e->bytes = c->count * datatype_size(c->datatype);
+	e->stream = l->stream;
+	e->seq = seq;
+	e->rank = cm ? cm->rank : -1;
+	e->nranks = cm ? cm->nranks : -1;
+	e->peer = c->peer;
+	e->result = 0;
+	e->op = c->op;
+	e->datatype = c->datatype;
+	e->redop = c->redop;
+	e->state = STATE_ENQUEUED;
+	e->graph_node = i + 1;
+	e->started_ns = 0;
+	e->started_after_ns = 0;
+	e->completed_ns = 0;
+	e->completed_after_ns = 0;
+	e->graph = l->capture;
+	e->replay = l->replay;
+	publish(&e->hdr, pos);
+	if (cm) {
+		cm->last_enter_ns = l->entered_ns;
+		cm->last_pos = pos;
+		cm->calls++;
+	}
+	if (st)
+		cuda_enqueue(st, pos);
+}
+
+static __always_inline void launched(u32 pid, u32 tid, struct cuda_call *call, s32 rc, u64 ts)
+{
+	struct graph_key xk = {.pid = pid, .id = call->handle};
+	struct graph_exec *x = graph_execs.lookup(&xk);
+	if (!x)
+		return; /* a graph without NCCL calls we saw captured */
+	struct graph_key gk = {.pid = pid, .id = x->capture};
+	struct graph_state *g = graphs.lookup(&gk);
+	if (!g || !g->ncalls)
+		return;
+	struct launch l = {.pid = pid, .tid = tid, .entered_ns = call->entered_ns, .ts = ts,
+			   .exec = call->handle, .stream = call->mark, .capture = x->capture};
+	if (rc == CUDA_SUCCESS)
+		l.replay = ++x->launches;
+	launch_row(&l, g->ncalls, rc);
+	if (rc != CUDA_SUCCESS)
+		return;
+	struct stream_state *st = stream_for(pid, l.stream, 1);
+	u64 n = g->ncalls < GRAPH_CALLS ? g->ncalls : GRAPH_CALLS;
+#pragma clang loop unroll(disable)
+	for (u32 i = 0; i < GRAPH_CALLS; i++) {
+		if (i >= n)
+			break;
+		replay_row(&l, &g->calls[i], i, st);
+	}
+}
+
+static __always_inline void graph_returned(u32 pid, u32 tid, struct cuda_call *call, s32 rc, u64 ts)
+{
+	count_seen(SEEN_GRAPH);
+	if (call->kind == CALL_BEGIN_CAPTURE) {
+		if (rc == CUDA_SUCCESS)
+			capture_begun(pid, call->handle);
+	} else if (call->kind == CALL_END_CAPTURE) {
+		capture_ended(pid, call->handle, call->mark, rc);
+	} else if (call->kind == CALL_CAPTURE_INFO) {
+		if (rc == CUDA_SUCCESS)
+			capture_status(pid, call->handle, call->mark);
+	} else if (call->kind == CALL_INSTANTIATE) {
+		if (rc == CUDA_SUCCESS)
+			instantiated(pid, call->handle, call->mark);
+	} else if (call->kind == CALL_GRAPH_LAUNCH) {
+		launched(pid, tid, call, rc, ts);
+	}
+}
+
 /* ---- programs ------------------------------------------------------------ */
 
 static __always_inline int cuda_enter(struct pt_regs *ctx, u64 sym)
@@ -287,18 +548,33 @@ static __always_inline int cuda_enter(struct pt_regs *ctx, u64 sym)
 	}
 	if (!kind)
 		return 0;
+	if (kind == CALL_EXEC_DESTROY || kind == CALL_GRAPH_DESTROY) {
+		forget_handle(pid, PT_REGS_PARM1(ctx), kind);
+		return 0;
+	}
 	u32 slot = tid & (MAX_CUDA_CALLS - 1);
 	struct cuda_call *c = cuda_calls.lookup(&slot);
 	if (!c)
 		return 0;
 	c->tid = tid;
 	c->kind = kind;
-	c->handle = kind == CALL_STREAM_DONE ? stream_arg(sym, PT_REGS_PARM1(ctx)) : PT_REGS_PARM1(ctx);
+	int on_stream = kind == CALL_STREAM_DONE || kind == CALL_BEGIN_CAPTURE ||
+			kind == CALL_END_CAPTURE || kind == CALL_CAPTURE_INFO;
+	c->handle = on_stream ? stream_arg(sym, PT_REGS_PARM1(ctx)) : PT_REGS_PARM1(ctx);
 	c->entered_ns = bpf_ktime_get_ns();
 	c->mark = 0;
 	if (kind == CALL_STREAM_DONE) {
 		struct stream_state *st = stream_for(pid, c->handle, 0);
 		c->mark = st ? st->enq : 0;
+	} else if (kind == CALL_END_CAPTURE || kind == CALL_CAPTURE_INFO) {
+		c->mark = PT_REGS_PARM2(ctx); /* the graph or status it writes */
+	} else if (kind == CALL_INSTANTIATE) {
+		c->handle = PT_REGS_PARM2(ctx); /* the graph */
+		c->mark = PT_REGS_PARM1(ctx);   /* the executable it writes */
+	} else if (kind == CALL_GRAPH_LAUNCH) {
+		u64 ptsz = sym == CSYM_cudaGraphLaunch_ptsz;
+		u64 stream = PT_REGS_PARM2(ctx);
+		c->mark = ptsz && stream == 0 ? 2 : stream;
 	}
 	return 0;
 }
@@ -321,6 +597,20 @@ CUDA_ENTRY_PROGRAM(handle_enter_stream_query, cudaStreamQuery)
 CUDA_ENTRY_PROGRAM(handle_enter_stream_query_ptsz, cudaStreamQuery_ptsz)
 CUDA_ENTRY_PROGRAM(handle_enter_stream_synchronize, cudaStreamSynchronize)
 CUDA_ENTRY_PROGRAM(handle_enter_stream_synchronize_ptsz, cudaStreamSynchronize_ptsz)
+CUDA_ENTRY_PROGRAM(handle_enter_begin_capture, cudaStreamBeginCapture)
+CUDA_ENTRY_PROGRAM(handle_enter_begin_capture_ptsz, cudaStreamBeginCapture_ptsz)
+CUDA_ENTRY_PROGRAM(handle_enter_end_capture, cudaStreamEndCapture)
+CUDA_ENTRY_PROGRAM(handle_enter_end_capture_ptsz, cudaStreamEndCapture_ptsz)
+CUDA_ENTRY_PROGRAM(handle_enter_is_capturing, cudaStreamIsCapturing)
+CUDA_ENTRY_PROGRAM(handle_enter_is_capturing_ptsz, cudaStreamIsCapturing_ptsz)
+CUDA_ENTRY_PROGRAM(handle_enter_capture_info, cudaStreamGetCaptureInfo)
+CUDA_ENTRY_PROGRAM(handle_enter_capture_info_ptsz, cudaStreamGetCaptureInfo_ptsz)
+CUDA_ENTRY_PROGRAM(handle_enter_graph_instantiate, cudaGraphInstantiate)
+CUDA_ENTRY_PROGRAM(handle_enter_graph_instantiate_flags, cudaGraphInstantiateWithFlags)
+CUDA_ENTRY_PROGRAM(handle_enter_graph_exec_destroy, cudaGraphExecDestroy)
+CUDA_ENTRY_PROGRAM(handle_enter_graph_destroy, cudaGraphDestroy)
+CUDA_ENTRY_PROGRAM(handle_enter_graph_launch, cudaGraphLaunch)
+CUDA_ENTRY_PROGRAM(handle_enter_graph_launch_ptsz, cudaGraphLaunch_ptsz)
 
 int handle_cuda_return(struct pt_regs *ctx)
 {
@@ -334,6 +624,10 @@ int handle_cuda_return(struct pt_regs *ctx)
 	c->kind = 0;
 	s32 rc = (s32)PT_REGS_RC(ctx);
 	u64 ts = bpf_ktime_get_ns();
+	if (call.kind >= CALL_BEGIN_CAPTURE) {
+		graph_returned(pid, tid, &call, rc, ts);
+		return 0;
+	}
 	count_seen(rc == CUDA_SUCCESS ? SEEN_DONE : rc == CUDA_NOT_READY ? SEEN_NOT_READY : SEEN_ERROR);
 	if (call.kind == CALL_EVENT_DONE) {
 		if (rc == CUDA_SUCCESS)

@@ -10,6 +10,11 @@
  *
  * Until user space attaches a CUDA runtime (`cuda_on`), nccl.c pays one
  * inlined array lookup per call for this.
+ *
+ * Stream capture: while a stream is being captured (`capture`: the capture's
+ * number) an NCCL call on it is not queued but appended to its graph's
+ * calls (`graphs`, at most GRAPH_CALLS), which cuda.c replays as rows at
+ * each launch of an executable instantiated from it.
  */
 #ifndef STALLWATCH_CUDA_H
 #define STALLWATCH_CUDA_H
@@ -25,6 +30,7 @@ struct stream_key {
 };
 
 struct stream_state {
+	u64 capture;       /* the capture under way on it (a number, 1-based), 0: none */
 	u64 enq;           /* NCCL calls queued on it so far */
 	u64 done;          /* calls [0, done) are known complete */
 	u32 last_was_call; /* an event recorded now follows a call: it ends it */
@@ -60,16 +66,87 @@ static __always_inline struct stream_state *stream_for(u32 pid, u64 stream, int 
 	return cuda_streams.lookup_or_try_init(&k, zero);
 }
 
-/* nccl.c: a collective or p2p call entered on `stream`, at ring position pos. */
-static __always_inline void cuda_enqueue(u32 pid, u64 stream, u64 pos)
+/* ---- graphs ---------------------------------------------------------------- */
+
+#define GRAPH_CALLS 32
+#define MAX_GRAPHS 4096
+
+struct graph_key {
+	u32 pid;
+	u32 _pad;
+	u64 id; /* a capture number, a cudaGraph_t or a cudaGraphExec_t */
+};
+
+/* One NCCL call captured into a graph: what a replay of it is. */
+struct graph_call {
+	u64 comm;
+	u64 count;
+	s32 peer;
+	u8 op;
+	u8 datatype;
+	u8 redop;
+	u8 _pad;
+};
+
+struct graph_state {
+	u64 ncalls; /* calls captured (the first GRAPH_CALLS are kept) */
+	struct graph_call calls[GRAPH_CALLS];
+};
+
+struct graph_exec {
+	u64 capture;  /* the capture it was instantiated from */
+	u64 launches; /* successful launches so far */
+};
+
+/* capture number -> its calls; cudaGraph_t -> capture number; executables */
+BPF_TABLE("lru_hash", struct graph_key, struct graph_state, graphs, MAX_GRAPHS);
+BPF_TABLE("lru_hash", struct graph_key, u64, graph_handles, MAX_GRAPHS);
+BPF_TABLE("lru_hash", struct graph_key, struct graph_exec, graph_execs, MAX_GRAPHS);
+/* A zeroed graph_state to insert (too big for the BPF stack); never written. */
+BPF_PERCPU_ARRAY(graph_zero, struct graph_state, 1);
+/* [0]: captures begun on this host: numbers them */
+BPF_ARRAY(capture_count, u64, 1);
+
+/* nccl.c: the stream a collective or p2p call is made on, made known (NULL
+ * until a CUDA runtime is attached). */
+static __always_inline struct stream_state *cuda_stream(u32 pid, u64 stream)
 {
 	u32 zero = 0;
 	u32 *on = cuda_on.lookup(&zero);
 	if (!on || !*on)
-		return;
-	struct stream_state *st = stream_for(pid, stream, 1);
-	if (!st)
-		return;
+		return NULL;
+	return stream_for(pid, stream, 1);
+}
+
+/* nccl.c: a call made on a capturing stream joins its graph; returns its
+ * 1-based place there (0 if the graph is unknown). */
+static __always_inline u32 graph_append(u32 pid, u64 capture, u64 comm, u64 count, s32 peer,
+					u8 op, u8 datatype, u8 redop)
+{
+	struct graph_key k = {.pid = pid, .id = capture};
+	struct graph_state *g = graphs.lookup(&k);
+	if (!g) {
+		count_drop(DROP_GRAPH_FULL);
+		return 0;
+	}
+	u64 i = g->ncalls++;
+	if (i >= GRAPH_CALLS) {
+		count_drop(DROP_GRAPH_FULL); /* captured, never replayed as a row */
+		return (u32)(i + 1);
+	}
+	struct graph_call *c = &g->calls[i & (GRAPH_CALLS - 1)];
+	c->comm = comm;
+	c->count = count;
+	c->peer = peer;
+	c->op = op;
+	c->datatype = datatype;
+	c->redop = redop;
+	return (u32)(i + 1);
+}
+
+/* A collective or p2p call at ring position pos, queued on its stream. */
+static __always_inline void cuda_enqueue(struct stream_state *st, u64 pos)
+{
 	u64 i = __sync_fetch_and_add(&st->enq, 1);
 	if (i >= STREAM_QUEUE && st->done + STREAM_QUEUE <= i)
 		count_drop(DROP_CUDA_QUEUE); /* call i - STREAM_QUEUE never completed */

@@ -43,6 +43,7 @@
 #define OP_COMM_FINALIZE 19
 #define OP_GET_UNIQUE_ID 20
 #define OP_BARRIER 21 /* never recorded here: Flight Recorder dumps name it */
+#define OP_GRAPH_LAUNCH 22 /* cudaGraphLaunch of a graph that captured NCCL calls */
 
 /* Lifecycle: the furthest state a call reached, as the host observed it. */
 #define STATE_SCHEDULED 0 /* the host entered the call */
@@ -79,7 +80,16 @@ _Static_assert(sizeof(struct event_header) == 32, "event_header size");
 /* One row per NCCL API call: opened at entry, completed at return; the CUDA
  * probes (cuda.c) add when the device started and completed it, each as the
  * first observation that says so and the last that said not yet: the device
- * event lies in (*_after_ns, *_ns].  0 = not observed. */
+ * event lies in (*_after_ns, *_ns].  0 = not observed.
+ *
+ * CUDA graphs (cuda.c): a call made on a stream being captured is a row with
+ * `graph` set and `replay` 0 (captured, not executed: no seq, never on a
+ * stream).  Each successful cudaGraphLaunch of a graph that captured NCCL
+ * calls writes one row with op OP_GRAPH_LAUNCH (comm: the cudaGraphExec_t,
+ * count: the calls it replays, seq: 0) and then one row per captured call,
+ * in capture order, as if the call were made again: its own per-communicator
+ * seq, queued on the launch's stream, `graph`, `graph_node` and `replay`
+ * saying where it came from. */
 struct nccl_event {
 	struct event_header hdr;
 	__u64 end_ns;     /* return time, 0 while in flight */
@@ -97,13 +107,15 @@ struct nccl_event {
 	__u8 datatype;
 	__u8 redop;
 	__u8 state;
-	__u32 _pad1;
+	__u32 graph_node; /* 1-based place of the call in its graph's capture, 0: none */
 	__u64 started_ns;
 	__u64 started_after_ns;
 	__u64 completed_ns;
 	__u64 completed_after_ns;
+	__u64 graph;      /* the process's capture number (1-based), 0: not in a graph */
+	__u64 replay;     /* the graph executable's launch number (1-based), 0: not a replay */
 };
-_Static_assert(sizeof(struct nccl_event) == 144, "nccl_event size");
+_Static_assert(sizeof(struct nccl_event) == 160, "nccl_event size");
 
 /* Communicator lifecycle (init, split, destroy, abort, finalize, unique id). */
 struct comm_event {

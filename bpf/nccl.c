@@ -7,7 +7,9 @@
  * Every call is one row of `nccl_ring`: opened at entry (state SCHEDULED,
  * result -1) and completed at return (result, end time, state ENQUEUED last).
  * A collective's position is queued on its stream (cuda.h) when CUDA probes
- * are attached, for cuda.c to add its device start and completion.
+ * are attached, for cuda.c to add its device start and completion; on a
+ * stream being captured into a CUDA graph it is recorded as captured instead
+ * (no seq: cuda.c numbers its replays).
  * Lifecycle calls also write a row of the small `comm_ring`, so that the
  * communicator table never depends on the big ring.  `comm_states` holds
  * each (pid, ncclComm_t)'s folded ncclUniqueId, rank, nranks and progress.
@@ -329,9 +331,10 @@ static __always_inline u64 next_p2p_seq(u32 pid, u64 comm, s32 peer, u8 op)
 }
 
 /* Updates the communicator's progress at entry; fills hash/rank/seq.
- * Returns its state for a collective or p2p call (NULL otherwise). */
+ * Returns its state for a collective or p2p call (NULL otherwise, and for a
+ * captured one: it runs only when its graph is launched). */
 static __always_inline struct comm_state *enter_comm(struct call_state *cs, struct call_args *a,
-						      u64 ts)
+						      u64 ts, u64 graph)
 {
 	struct comm_state *st = comm_for(cs->pid, a->comm, is_data_op(a->op));
 	if (!st)
@@ -349,6 +352,8 @@ static __always_inline struct comm_state *enter_comm(struct call_state *cs, stru
 		st->destroy_ns = ts;
 		return NULL;
 	}
+	if (graph)
+		return NULL;
 	if (a->op == OP_SEND || a->op == OP_RECV)
 		cs->seq = next_p2p_seq(cs->pid, a->comm, a->peer, a->op);
 	else
@@ -359,7 +364,7 @@ static __always_inline struct comm_state *enter_comm(struct call_state *cs, stru
 }
 
 static __always_inline void open_nccl_row(struct call_state *cs, struct call_args *a, u32 tid,
-					  u64 ts)
+					  u64 ts, struct stream_state *sst)
 {
 	struct nccl_event *e;
 	u64 pos;
@@ -382,15 +387,19 @@ static __always_inline void open_nccl_row(struct call_state *cs, struct call_arg
 	e->datatype = a->datatype;
 	e->redop = a->redop;
 	e->state = STATE_SCHEDULED;
-	e->_pad1 = 0;
 	e->started_ns = 0;
 	e->started_after_ns = 0;
 	e->completed_ns = 0;
 	e->completed_after_ns = 0;
+	e->replay = 0;
+	e->graph = sst ? sst->capture : 0;
+	e->graph_node = e->graph ? graph_append(cs->pid, e->graph, a->comm, a->count, a->peer, a->op,
+						  a->datatype, a->redop)
+				 : 0;
 	publish(&e->hdr, pos);
 	cs->pos = pos;
-	if (is_data_op(a->op))
-		cuda_enqueue(cs->pid, a->stream, pos);
+	if (sst && !e->graph)
+		cuda_enqueue(sst, pos);
 }
 
 /* Lifecycle calls: a comm_ring row opened at entry.  InitRank* read the
@@ -472,14 +481,15 @@ static __always_inline int nccl_enter(struct pt_regs *ctx, struct call_args *a)
 	cs->parent_hash = 0;
 	cs->seq = 0;
 	cs->split_index = 0;
-	struct comm_state *st = a->comm ? enter_comm(cs, a, ts) : NULL;
+	struct stream_state *sst = is_data_op(a->op) ? cuda_stream(pid, a->stream) : NULL;
+	struct comm_state *st = a->comm ? enter_comm(cs, a, ts, sst ? sst->capture : 0) : NULL;
 	if (a->op == OP_COMM_INIT_RANK || a->op == OP_COMM_INIT_RANK_CONFIG)
 		open_comm_row(ctx, cs, a, tid, 1, ts);
 	else if (a->op >= OP_COMM_SPLIT)
 		open_comm_row(ctx, cs, a, tid, 0, ts);
 	else if (a->op == OP_COMM_INIT_ALL)
 		cs->nranks = a->nranks;
-	open_nccl_row(cs, a, tid, ts);
+	open_nccl_row(cs, a, tid, ts, sst);
 	if (st)
 		st->last_pos = cs->pos;
 	asm volatile("" ::: "memory");

@@ -119,7 +119,8 @@ def upgrade_rows(name: str, rows: np.ndarray, version: int) -> np.ndarray:
         return rows
     out = np.zeros(len(rows), dtype=today)
     for field in rows.dtype.names or ():
-        out[field] = rows[field]
+        if field in (today.names or ()):  # padding that became a field is zero then
+            out[field] = rows[field]
     if name == "nccl" and version <= 1:
         out["state"][rows["state"] == V1_COMPLETED] = State.COMPLETED
     return out

@@ -18,7 +18,7 @@ from .threads import ThreadSnapshot
 FORMAT_NAME = "stallwatch-dump"
 # 2: nccl rows carry device start and completion; 3: thread position snapshots.
 # Older files are still read (their rows converted, no snapshots).
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 
 class TriggerKind(enum.Enum):

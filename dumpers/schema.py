@@ -51,6 +51,7 @@ class Op(enum.IntEnum):
     COMM_FINALIZE = 19
     GET_UNIQUE_ID = 20
     BARRIER = 21  # Flight Recorder only: NCCL has no barrier call (torch reduces a word)
+    GRAPH_LAUNCH = 22  # cudaGraphLaunch of a graph that captured NCCL calls (bpf/cuda.c)
 
     @property
     def is_collective(self) -> bool:
@@ -106,6 +107,20 @@ CUDA_SYMBOLS: dict[str, bool] = {
     "cudaStreamQuery_ptsz": True,
     "cudaStreamSynchronize": True,
     "cudaStreamSynchronize_ptsz": True,
+    "cudaStreamBeginCapture": True,
+    "cudaStreamBeginCapture_ptsz": True,
+    "cudaStreamEndCapture": True,
+    "cudaStreamEndCapture_ptsz": True,
+    "cudaStreamIsCapturing": True,
+    "cudaStreamIsCapturing_ptsz": True,
+    "cudaStreamGetCaptureInfo": True,
+    "cudaStreamGetCaptureInfo_ptsz": True,
+    "cudaGraphInstantiate": True,
+    "cudaGraphInstantiateWithFlags": True,
+    "cudaGraphExecDestroy": False,
+    "cudaGraphDestroy": False,
+    "cudaGraphLaunch": True,
+    "cudaGraphLaunch_ptsz": True,
 }
 
 
@@ -233,8 +248,21 @@ _NCCL_V1_FIELDS: list[tuple[str, str]] = [
 ]
 # The device-side columns the CUDA probes fill (format version 2 on).
 DEVICE_FIELDS = ("started_ns", "started_after_ns", "completed_ns", "completed_after_ns")
-NCCL_EVENT = np.dtype([*_NCCL_V1_FIELDS, *((name, "<u8") for name in DEVICE_FIELDS)])
+_DEVICE = [(name, "<u8") for name in DEVICE_FIELDS]
+# CUDA graphs (format version 4 on): `graph_node` where `_pad1` was, and the
+# capture and launch a row belongs to (bpf/events.h says how).
+GRAPH_FIELDS = ("graph_node", "graph", "replay")
+NCCL_EVENT = np.dtype(
+    [
+        *_NCCL_V1_FIELDS[:-1],
+        ("graph_node", "<u4"),
+        *_DEVICE,
+        ("graph", "<u8"),
+        ("replay", "<u8"),
+    ]
+)
 NCCL_EVENT_V1 = np.dtype(_NCCL_V1_FIELDS)
+NCCL_EVENT_V3 = np.dtype([*_NCCL_V1_FIELDS, *_DEVICE])
 
 COMM_EVENT = np.dtype(
     [
@@ -288,7 +316,17 @@ RING_DTYPES: dict[str, np.dtype] = {
 
 # Dump format version -> the rings whose dtype was different then (dumpers.format
 # reads them and converts their rows to today's dtype).
-RING_DTYPES_BEFORE: dict[int, dict[str, np.dtype]] = {1: {"nccl": NCCL_EVENT_V1}}
+RING_DTYPES_BEFORE: dict[int, dict[str, np.dtype]] = {
+    1: {"nccl": NCCL_EVENT_V1},
+    3: {"nccl": NCCL_EVENT_V3},
+}
+
+
+def captured_rows(rows: np.ndarray) -> np.ndarray:
+    """Which NCCL rows are calls captured into a CUDA graph: not executed
+    (each launch of the graph writes their replays as rows of their own)."""
+    mask: np.ndarray = (rows["graph"] != 0) & (rows["replay"] == 0)
+    return mask
 
 
 def ring_dtype(name: str, version: int) -> np.dtype:

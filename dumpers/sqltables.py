@@ -3,7 +3,8 @@
 One function, :func:`tables`, turns recordings (dumps or live snapshots) into
 the SQL tables of DESIGN.md, each with a ``host`` column:
 
-    nccl_events    one row per NCCL call (ring "nccl")
+    nccl_events    one row per NCCL call (ring "nccl"), and per call replayed by a CUDA graph
+    cuda_graphs    the NCCL calls each CUDA graph captured, in capture order
     comm_events    communicator lifecycle calls (ring "comm")
     tcp_events     retransmits and connection state changes (ring "tcp")
     sched_events   run-queue delays of rank threads (ring "sched")
@@ -54,6 +55,17 @@ made); ``world_rank`` is the recording's, else the launcher's ``RANK`` (or
 Slurm's, Open MPI's), ``world_size`` the launcher's.  A process that could not
 be read is one row with a NULL ``tid`` and its ``error``.
 
+CUDA graphs: a call made on a stream being captured is not in
+``nccl_events`` (it did not run) but in ``cuda_graphs``, one row per call
+(``graph``: the capture's number on its host, ``graph_node``: 1-based place
+in capture order; ``launches``: how many launches of it the recording holds).
+Each launch is one ``nccl_events`` row of op ``GRAPH_LAUNCH`` (``comm`` is the
+``cudaGraphExec_t``, ``count`` the calls it replays, ``result`` the
+``cudaError_t``) and each call it replays is a row like any other (op, count,
+communicator, ``seq``, lifecycle, device times) with ``graph``,
+``graph_node`` and ``replay`` (the executable's launch number, from 1) saying
+where it came from; the three are NULL on rows of calls made outside graphs.
+
 Known limits: a communicator pointer reused by the same process after a
 destroy is told apart by its init/destroy times only.
 """
@@ -79,6 +91,7 @@ from .schema import (
     State,
     TcpEvent,
     TcpState,
+    captured_rows,
     datatype_name,
     op_name,
 )
@@ -99,6 +112,7 @@ GROUP BY s.rank, s.duration_ns, s.timestamp_ns ORDER BY ms DESC LIMIT 20;"""
 
 TABLE_NAMES = (
     "nccl_events",
+    "cuda_graphs",
     "comm_events",
     "tcp_events",
     "sched_events",
@@ -276,8 +290,52 @@ def recording_now(rec: Recording) -> int:
 def nccl_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     """``nccl_events`` of one recording (``known``: ranks derived over every
     recording queried with it; by default over this one alone)."""
-    known = known if known is not None else Ranks.of([rec])
     rows = _ring(rec, "nccl")
+    cols = _call_columns(rec, rows[~captured_rows(rows)], known)
+    cols.pop("launches")
+    return cols
+
+
+# cuda_graphs: what each graph captured (the columns of its calls that
+# mean something before they run)
+GRAPH_COLUMNS = ("host", "timestamp_ns", "wall_time", "pid", "tid", "world_rank", "graph",
+                 "graph_node", "launches", "op", "rank", "nranks", "comm_id_hash", "count",
+                 "bytes", "datatype", "redop", "peer", "comm", "stream")  # fmt: skip
+
+
+def cuda_graph_columns(rec: Recording, known: Ranks | None = None) -> Columns:
+    """``cuda_graphs``: one row per NCCL call captured into a CUDA graph."""
+    rows = _ring(rec, "nccl")
+    cols = _call_columns(rec, rows[captured_rows(rows)], known)
+    return {name: cols[name] for name in GRAPH_COLUMNS}
+
+
+def _launches(all_rows: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """For each row, the launches of its (pid, graph) in ``all_rows``."""
+    launch = all_rows[all_rows["op"] == Op.GRAPH_LAUNCH]
+    if not len(rows) or not len(launch):
+        return np.zeros(len(rows), dtype=np.int64)
+    keys = launch["pid"].astype(np.uint64) << np.uint64(40) ^ launch["graph"]
+    uniq, counts = np.unique(keys, return_counts=True)
+    mine = rows["pid"].astype(np.uint64) << np.uint64(40) ^ rows["graph"]
+    at = np.clip(np.searchsorted(uniq, mine), 0, len(uniq) - 1)
+    return np.where(uniq[at] == mine, counts[at], 0).astype(np.int64)
+
+
+def _graph_columns(rec: Recording, rows: np.ndarray) -> Columns:
+    graph = rows["graph"].astype(np.int64)
+    node = rows["graph_node"].astype(np.int64)
+    replay = rows["replay"].astype(np.int64)
+    return {
+        "graph": _maybe_null(graph, graph == 0),
+        "graph_node": _maybe_null(node, node == 0),
+        "replay": _maybe_null(replay, replay == 0),
+        "launches": _i64(_launches(_ring(rec, "nccl"), rows)),
+    }
+
+
+def _call_columns(rec: Recording, rows: np.ndarray, known: Ranks | None) -> Columns:
+    known = known if known is not None else Ranks.of([rec])
     ts, cols = _header(rec, rows)
     rank, nranks, comm_hash = _fill_from_comms(rec, rows, ts, known)
     end = rows["end_ns"].astype(np.int64)
@@ -296,7 +354,8 @@ def nccl_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     cols["seq"] = _maybe_null(rows["seq"].astype(np.int64), idle)
     cols["pid"] = _pids(rows["pid"])
     cols["tid"] = _i64(rows["tid"])
-    cols["count"] = _maybe_null(rows["count"].astype(np.int64), idle)
+    launch = rows["op"] == Op.GRAPH_LAUNCH  # its count: the calls it replays
+    cols["count"] = _maybe_null(rows["count"].astype(np.int64), idle & ~launch)
     cols["bytes"] = _maybe_null(rows["bytes"].astype(np.int64), idle)
     cols["datatype"] = _coded(rows["datatype"], "datatype", idle)
     cols["redop"] = _coded(rows["redop"], "redop", ~REDUCING_OPS[rows["op"]])
@@ -307,6 +366,7 @@ def nccl_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     cols["comm"] = _hex(rows["comm"])
     cols["stream"] = _hex(rows["stream"])
     cols.update(_device_columns(rows))
+    cols.update(_graph_columns(rec, rows))
     return cols
 
 
@@ -629,6 +689,7 @@ Builder = Callable[[Recording, Ranks | None], Columns]
 
 BUILDERS: dict[str, Builder] = {
     "nccl_events": nccl_columns,
+    "cuda_graphs": cuda_graph_columns,
     "comm_events": comm_event_columns,
     "tcp_events": tcp_columns,
     "sched_events": sched_columns,

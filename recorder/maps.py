@@ -53,6 +53,7 @@ DROP_NAMES = (
     "kernel_sock_owner_full",
     "kernel_runq_maps_full",
     "kernel_cuda_queue_full",
+    "kernel_graph_full",
 )
 # Index in the per-CPU `cuda_seen` array (bpf/cuda.c SEEN_*) -> counter name.
 CUDA_SEEN_NAMES = (
@@ -61,6 +62,7 @@ CUDA_SEEN_NAMES = (
     "cuda_answers_done",
     "cuda_answers_not_ready",
     "cuda_answers_error",
+    "cuda_graph_calls",
 )
 HEAD_STRIDE_U64 = 8  # struct ring_head: one 64-byte line per ring
 # The discovery ring (bpf/proc.c): read each tick, never dumped.

@@ -22,6 +22,7 @@ HELP = {
     "kernel_sock_owner_full": "Sockets left unattributed: the socket-owner map was full.",
     "kernel_runq_maps_full": "Run-queue samples lost: the run-queue maps were full.",
     "kernel_cuda_queue_full": "NCCL calls without device times: their stream queue overflowed.",
+    "kernel_graph_full": "NCCL calls captured into a CUDA graph beyond what a replay rewrites.",
     "cuda_event_records": "cudaEventRecord calls seen.",
     "cuda_stream_waits": "cudaStreamWaitEvent calls seen.",
     "cuda_answers_done": "CUDA queries and synchronisations that answered cudaSuccess.",

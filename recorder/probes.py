@@ -115,6 +115,20 @@ CUDA_ENTRY_PROGRAMS: dict[str, str] = {
     "cudaStreamQuery_ptsz": "handle_enter_stream_query_ptsz",
     "cudaStreamSynchronize": "handle_enter_stream_synchronize",
     "cudaStreamSynchronize_ptsz": "handle_enter_stream_synchronize_ptsz",
+    "cudaStreamBeginCapture": "handle_enter_begin_capture",
+    "cudaStreamBeginCapture_ptsz": "handle_enter_begin_capture_ptsz",
+    "cudaStreamEndCapture": "handle_enter_end_capture",
+    "cudaStreamEndCapture_ptsz": "handle_enter_end_capture_ptsz",
+    "cudaStreamIsCapturing": "handle_enter_is_capturing",
+    "cudaStreamIsCapturing_ptsz": "handle_enter_is_capturing_ptsz",
+    "cudaStreamGetCaptureInfo": "handle_enter_capture_info",
+    "cudaStreamGetCaptureInfo_ptsz": "handle_enter_capture_info_ptsz",
+    "cudaGraphInstantiate": "handle_enter_graph_instantiate",
+    "cudaGraphInstantiateWithFlags": "handle_enter_graph_instantiate_flags",
+    "cudaGraphExecDestroy": "handle_enter_graph_exec_destroy",
+    "cudaGraphDestroy": "handle_enter_graph_destroy",
+    "cudaGraphLaunch": "handle_enter_graph_launch",
+    "cudaGraphLaunch_ptsz": "handle_enter_graph_launch_ptsz",
 }
 CUDA_COOKIES: dict[str, int] = {name: i + 1 for i, name in enumerate(CUDA_ENTRY_PROGRAMS)}
 assert set(CUDA_ENTRY_PROGRAMS) == set(CUDA_SYMBOLS), "CUDA_ENTRY_PROGRAMS out of sync"

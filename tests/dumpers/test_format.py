@@ -18,7 +18,13 @@ from hypothesis import HealthCheck, given, settings
 from stallwatch.dumpers import format as fmt
 from stallwatch.dumpers.errors import DumpError, DumpFormatError, DumpVersionError, DumpWriteError
 from stallwatch.dumpers.model import FORMAT_VERSION, Recording, Ring
-from stallwatch.dumpers.schema import DEVICE_FIELDS, NCCL_EVENT_V1, RING_DTYPES, State
+from stallwatch.dumpers.schema import (
+    DEVICE_FIELDS,
+    NCCL_EVENT_V1,
+    NCCL_EVENT_V3,
+    RING_DTYPES,
+    State,
+)
 from tests.dump_samples import (
     U64_MAX,
     assert_same,
@@ -108,12 +114,42 @@ def _as_version_1(rec: Recording) -> bytes:
     rows = rec.rings["nccl"].rows
     old = np.zeros(len(rows), NCCL_EVENT_V1)
     for name in NCCL_EVENT_V1.names or ():
-        old[name] = rows[name]
+        if name in (rows.dtype.names or ()):  # _pad1: graph_node since version 4
+            old[name] = rows[name]
     old["state"][rows["state"] == State.COMPLETED] = 2
     ring = doc["rings"]["nccl"]  # type: ignore[index]
     ring["dtype"] = fmt._descr(NCCL_EVENT_V1)
     ring["data"] = old.tobytes()
     return msgpack.packb(doc, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def _as_version_3(rec: Recording) -> dict[str, object]:
+    """``rec``'s document as versions 2 and 3 wrote it: NCCL rows without the
+    graph columns (``_pad1`` where ``graph_node`` is now)."""
+    doc = _doc(rec)
+    rows = rec.rings["nccl"].rows
+    old = np.zeros(len(rows), NCCL_EVENT_V3)
+    for name in NCCL_EVENT_V3.names or ():
+        if name in (rows.dtype.names or ()):
+            old[name] = rows[name]
+    ring = doc["rings"]["nccl"]  # type: ignore[index]
+    ring["dtype"] = fmt._descr(NCCL_EVENT_V3)
+    ring["data"] = old.tobytes()
+    return doc
+
+
+def test_version_3_rows_are_read_into_todays_with_no_graph(tmp_path: Path) -> None:
+    rec = sample_recording(50)
+    doc = _as_version_3(rec)
+    doc["version"] = 3
+    path = tmp_path / "v3.msgpack"
+    path.write_bytes(msgpack.packb(doc, use_bin_type=True))
+    rows = fmt.read_dump(path).rings["nccl"].rows
+    assert rows.dtype == RING_DTYPES["nccl"]
+    want = rec.rings["nccl"].rows.copy()
+    for name in ("graph", "graph_node", "replay"):
+        want[name] = 0
+    assert (rows == want).all()
 
 
 def test_version_1_dumps_are_read_into_todays_rows(tmp_path: Path) -> None:
@@ -131,6 +167,16 @@ def test_version_1_dumps_are_read_into_todays_rows(tmp_path: Path) -> None:
     _, deferred = fmt.read_dump_deferred(path, ["nccl"])
     assert deferred["nccl"].nbytes == 50 * NCCL_EVENT_V1.itemsize
     assert (deferred["nccl"].read(bytearray(deferred["nccl"].nbytes)) == rows).all()
+
+
+def test_a_version_3_gpu_lab_dump_still_reads_with_no_graphs() -> None:
+    folder = Path(__file__).parent.parent / "data" / "lab-gpuslow-4x2"
+    for path in sorted(folder.glob("*.msgpack")):
+        rows = fmt.read_dump(path).rings["nccl"].rows
+        assert rows.dtype == RING_DTYPES["nccl"] and len(rows) > 100
+        assert (rows["completed_ns"] > 0).any()  # version 3's device columns kept
+        for name in ("graph", "graph_node", "replay"):  # version 4's: no graph then
+            assert not rows[name].any()
 
 
 def test_a_version_1_lab_dump_still_reads() -> None:
@@ -200,8 +246,8 @@ def _delete(path: str):  # type: ignore[no-untyped-def]
 
 
 BAD_FIELDS = [
-    (_ring_data_too_short, "rings.nccl.data: expected 14400 bytes for 100 rows, found 5"),
-    (_set("rings.nccl.rows", 99), "rings.nccl.data: expected 14256 bytes for 99 rows"),
+    (_ring_data_too_short, "rings.nccl.data: expected 16000 bytes for 100 rows, found 5"),
+    (_set("rings.nccl.rows", 99), "rings.nccl.data: expected 15840 bytes for 99 rows"),
     (_set("rings.nccl.rows", -1), "rings.nccl.rows: expected an integer in"),
     (_set("rings.nccl.data", "text"), "rings.nccl.data: expected binary data"),
     (_set("rings.nccl.dtype", [["pos", "<u8"]]), "rings.nccl.dtype: does not match"),
@@ -256,7 +302,7 @@ def test_every_field_is_checked(mutate, message: str) -> None:  # type: ignore[n
 @pytest.mark.parametrize("version", [1, 2])
 def test_versions_before_3_are_read_without_thread_positions(version: int) -> None:
     rec = sample_recording()
-    raw = msgpack.unpackb(_as_version_1(rec), raw=False) if version == 1 else _doc(rec)
+    raw = msgpack.unpackb(_as_version_1(rec), raw=False) if version == 1 else _as_version_3(rec)
     raw["version"] = version
     raw.pop("snapshots", None)
     back = _decode_doc(raw)

@@ -21,10 +21,14 @@ the communicator tables, always whole.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 
 import numpy as np
 from rich.console import Console
@@ -34,6 +38,7 @@ from rich.text import Text
 from stallwatch.dumpers.schema import op_name
 from stallwatch.query.output import new_table, plain_text, show
 
+from .culprits import Culprit, culprits, judged_on
 from .metrics import Frontier, Member, MemberState
 from .model import Incident, InputStatus, SourceKind
 from .pipeline import AnalysisResult, IncidentResult
@@ -55,9 +60,11 @@ class MemberRow:
     pid: int | None
     last_entered: int | None
     last_returned: int | None
-    state: str
+    state: str  # for people: "at frontier, in flight"
     in_flight: bool
-    reason: str  # why it is not at the frontier ("" when it is)
+    reason: str  # why it is not at the frontier ("" when it is); a culprit's verdict
+    kind: MemberState = MemberState.AT_FRONTIER
+    culprit: str | None = None  # the kind of the verdict that names it here
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,9 +108,10 @@ class CommTable:
                     "pid": m.pid,
                     "last_entered": m.last_entered,
                     "last_returned": m.last_returned,
-                    "state": m.state,
+                    "state": m.kind.name.lower(),
                     "in_flight": m.in_flight,
                     "reason": m.reason or None,
+                    "culprit": m.culprit,
                 }
                 for m in self.members
             ],
@@ -111,11 +119,58 @@ class CommTable:
 
 
 def comm_tables(r: IncidentResult) -> list[CommTable]:
-    """Every communicator's table, the most telling first."""
+    """Every communicator's table: first those where a verdict judged its
+    culprits (in the verdicts' order, each culprit's row marked with the
+    verdict), then the most telling."""
     last = _last_calls(r.incident)
     tables = [_comm_table(r.incident, f, last) for f in r.frontiers]
     rank = {"stuck": 0, "idle": 1, "moving": 2}
-    return sorted(tables, key=lambda t: (not t.laggards, rank[t.status], -t.nranks))
+    tables.sort(key=lambda t: (not t.laggards, rank[t.status], -t.nranks))
+    judged = _judged_comms(r)
+    marked = {t.comm_id_hash: _marked(r, t) for t in tables if t.comm_id_hash in judged}
+    first = [marked[h] for h in judged if h in marked]
+    return first + [t for t in tables if t.comm_id_hash not in marked]
+
+
+def _judged_comms(r: IncidentResult) -> list[str]:
+    """The communicators where the verdicts judged their culprits, in order."""
+    found = [judged_on(v, i) for v in r.verdicts for i in range(len(v.ranks))]
+    return list(dict.fromkeys(h for h in found if h))
+
+
+def judged_count(r: IncidentResult) -> int:
+    """How many of ``comm_tables`` are where a verdict judged its culprits."""
+    return len(_judged_comms(r))
+
+
+def _marked(r: IncidentResult, t: CommTable) -> CommTable:
+    """The table with each culprit judged on it marked: "CULPRIT (kind):"
+    and why, from the verdict's evidence on this communicator."""
+    inc = r.incident
+    rows = list(t.members)
+    for v in r.verdicts:
+        for c in culprits(inc, v, r.frontiers):
+            if c.communicator != t.comm_id_hash:
+                continue
+            at = next((i for i, m in enumerate(rows) if m.rank == c.rank), None)
+            if at is None or c.rank is None:
+                continue
+            why = _evidence_on(inc, v, c) or rows[at].reason or v.summary
+            reason = f"CULPRIT ({v.kind.value}): {why}"
+            rows[at] = dataclasses.replace(rows[at], reason=reason, culprit=v.kind.value)
+    return dataclasses.replace(t, members=tuple(rows))
+
+
+def _evidence_on(inc: Incident, v: Verdict, c: Culprit) -> str:
+    """The verdict's evidence about this culprit on its communicator."""
+    if c.proc < 0:
+        return ""
+    label = inc.procs[c.proc].label()
+    comm = next((x for x in inc.comms if x.hash_text == c.communicator), None)
+    for e in v.evidence:
+        if e.startswith(label) and comm is not None and f"{comm.name}: " in e:
+            return e.split(f"{comm.name}: ", 1)[1]
+    return ""
 
 
 def _status(f: Frontier) -> str:
@@ -157,6 +212,7 @@ def _member_row(inc: Incident, f: Frontier, m: Member, last: dict[int, int]) -> 
         state=state,
         in_flight=m.in_flight,
         reason=_reason(inc, f, m, last),
+        kind=m.state,
     )
 
 
@@ -220,8 +276,26 @@ def _wall(ns: int | None, iso: bool = False) -> str | None:
     return t.strftime("%Y-%m-%d %H:%M:%S.") + f"{t.microsecond // 1000:03d} UTC"
 
 
+FORMAT_VERSION = 2  # docs/analyze.schema.json; 1: before culprits and enums
+
+
+def verdict_json(r: IncidentResult, v: Verdict) -> dict[str, object]:
+    """A verdict as JSON: DESIGN.md's keys (its ranks, hosts and pids one
+    culprit each, index by index, where it names culprits) and one object
+    per culprit."""
+    doc = v.to_json()
+    found = culprits(r.incident, v, r.frontiers)
+    if found:
+        doc["ranks"] = [c.world_rank for c in found]
+        doc["hosts"] = [c.host for c in found]
+        doc["pids"] = [c.pid for c in found]
+    doc["culprits"] = [c.to_json() for c in found]
+    return doc
+
+
 def to_json(result: AnalysisResult) -> str:
     doc = {
+        "format": FORMAT_VERSION,
         "incidents": [
             {
                 "id": r.incident.id,
@@ -229,16 +303,32 @@ def to_json(result: AnalysisResult) -> str:
                 "hosts": list(r.incident.hosts),
                 "time": _wall(r.incident.wall_ns, iso=True),
                 "detected_by": r.incident.detected_by or None,
-                "verdicts": [v.to_json() for v in r.verdicts],
+                "verdicts": [verdict_json(r, v) for v in r.verdicts],
                 "notes": list(r.incident.notes),
                 "unjudged": list(r.unjudged),
                 "communicators": [t.to_json() for t in comm_tables(r)],
             }
             for r in result.incidents
         ],
-        "inputs": [{"path": s.path, "ok": s.ok, "error": s.error} for s in result.inputs],
+        "inputs": [
+            {"path": s.path, "ok": s.ok, "error": s.error, "kind": s.kind.value if s.kind else None}
+            for s in result.inputs
+        ],
     }
+    _validate(doc)
     return json.dumps(doc, indent=2)
+
+
+def _validate(doc: dict[str, object]) -> None:
+    """With STALLWATCH_VALIDATE_JSON naming a JSON Schema (the test suite
+    sets it to docs/analyze.schema.json, for every process it starts), the
+    document is checked against it: a key or value the schema does not
+    promise fails loudly instead of reaching a program."""
+    schema = os.environ.get("STALLWATCH_VALIDATE_JSON")
+    if not schema:
+        return
+    jsonschema = importlib.import_module("jsonschema")  # a test dependency only
+    jsonschema.validate(doc, json.loads(Path(schema).read_text()))
 
 
 # ---- text -------------------------------------------------------------------
@@ -301,7 +391,7 @@ def _incident(
         _verdict(c, inc, v)
     _when(c, inc)
     tables = comm_tables(r)
-    shown = tables if show_all else tables[:MAX_TABLES]
+    shown = tables if show_all else tables[: max(MAX_TABLES, judged_count(r))]
     for t in shown:
         _table(c, inc, t, show_all)
     if len(shown) < len(tables):
@@ -356,7 +446,7 @@ def _table(c: Console, inc: Incident, t: CommTable, show_all: bool) -> None:
     columns += [] if files else [("pid", True)]
     columns += [("last entered", True), ("last returned", True), ("state", False), ("why", False)]
     table = new_table(c, columns)
-    rows = t.members if show_all else t.members[:MAX_TABLE_ROWS]
+    rows = t.members if show_all else _first_rows(t.members)
     for m in rows:
         cells = [str(m.rank), _cell(m.world_rank), _cell(m.host)]
         cells += [] if files else [_cell(m.pid)]
@@ -364,9 +454,15 @@ def _table(c: Console, inc: Incident, t: CommTable, show_all: bool) -> None:
         table.add_row(*(Text(x) for x in cells), style=_row_style(c, m))
     c.print(Padding(table, (0, 0, 0, 4), expand=False))
     if len(rows) < len(t.members):
-        rest = t.members[len(rows) :]
-        lag = sum(1 for m in rest if not m.state.startswith(MemberState.AT_FRONTIER.value))
+        rest = [m for m in t.members if m not in rows]
+        lag = sum(1 for m in rest if m.kind is not MemberState.AT_FRONTIER)
         _line(c, 4, f"... {len(rest)} more ranks, {lag} of them not at the frontier")
+
+
+def _first_rows(members: tuple[MemberRow, ...]) -> tuple[MemberRow, ...]:
+    """The first MAX_TABLE_ROWS members, and every culprit after them."""
+    late = tuple(m for m in members[MAX_TABLE_ROWS:] if m.culprit)
+    return members[:MAX_TABLE_ROWS] + late
 
 
 def _row_style(c: Console, m: MemberRow) -> str:

@@ -54,6 +54,9 @@ class Verdict:
     summary: str
     evidence: tuple[str, ...]
     comm_ranks: tuple[int | None, ...] = ()  # the culprits' ranks in that communicator
+    # per culprit (index by index with ranks), the communicator where it was
+    # judged ("0x%016x"), where that is not comm_id_hash
+    judged: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # every detector builds its verdict from tables that mark unknown

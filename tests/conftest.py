@@ -19,6 +19,10 @@ from tests import pins
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"
 ON_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+# every analyze --json document of the suite, in this process and the ones
+# it starts, is validated against the published schema (analyzer.report)
+SCHEMA = ROOT / "docs" / "analyze.schema.json"
+os.environ["STALLWATCH_VALIDATE_JSON"] = str(SCHEMA)
 _skipped: list[str] = []
 _left_pins: list[str] = []
 

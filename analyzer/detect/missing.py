@@ -151,6 +151,7 @@ def detect_missing_rank(a: Analysis) -> list[Verdict]:
             op_name(main.op),
             lambda names: _summary(a, main, host, device, age),
             evidence,
+            _judged_on(main, pairs, device),
         )
     ]
 
@@ -191,6 +192,22 @@ def _consequences(a: Analysis, main: Frontier, pairs: list[tuple[Frontier, Membe
     ]
 
 
+def _judged_on(
+    main: Frontier,
+    pairs: list[tuple[Frontier, Member]],
+    device: dict[int, tuple[Frontier, Member, int]],
+) -> dict[int, int]:
+    """Each culprit's communicator: the main one where it lags there, else
+    the first where it lags, else where its device stopped."""
+    out: dict[int, int] = {}
+    for f, m in pairs:
+        if f.comm == main.comm or m.proc not in out:
+            out[m.proc] = f.comm
+    for p, (f, _, _) in device.items():
+        out.setdefault(p, f.comm)
+    return out
+
+
 def _summary(
     a: Analysis,
     main: Frontier,
@@ -228,10 +245,15 @@ def _missing_rank(
     op: str,
     summary: Callable[[str], str],
     evidence: list[str],
+    judged: dict[int, int] | None = None,
 ) -> Verdict:
     """A missing_rank verdict on ``comm``: the culprits' procs on any
-    communicator, and their (comm rank, proc) in ``comm``."""
-    ranks, hosts, pids = who(inc, sorted({p for p in procs if p >= 0}))
+    communicator, and their (comm rank, proc) in ``comm``; ``judged``: the
+    communicator each culprit was judged on, where not ``comm``."""
+    culprits = sorted({p for p in procs if p >= 0})
+    ranks, hosts, pids = who(inc, culprits)
+    on = judged or {}
+    where = tuple(inc.comms[on.get(p, comm)].hash_text for p in culprits)
     names = ", ".join(str(r) for r in ranks)
     return Verdict(
         VerdictKind.MISSING_RANK,
@@ -244,6 +266,7 @@ def _missing_rank(
         summary(names),
         tuple(evidence),
         tuple(r for r, _ in members),
+        where,
     )
 
 

@@ -156,7 +156,12 @@ def test_a_reason_beside_every_rank_behind(which: str, request: pytest.FixtureRe
     result: AnalysisResult = request.getfixturevalue(which)
     (r,) = result.incidents
     behind = [m for t in report.comm_tables(r) for m in t.members if m.state == "behind"]
-    assert behind and all(m.reason.startswith(("last call ", "exited")) for m in behind)
+    # a culprit's row says so, and why, from its verdict's evidence
+    assert behind and all(
+        m.reason.startswith(("last call ", "exited"))
+        or (m.culprit and m.reason.startswith(f"CULPRIT ({m.culprit}): "))
+        for m in behind
+    )
     text = report.to_text(result, show_all=True)
     rows = [line for line in text.splitlines() if re.search(r"\sbehind\s", line)]
     assert len(rows) == len(behind) and all("last call " in row for row in rows)

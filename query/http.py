@@ -98,9 +98,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any, Protocol
-
-import pyarrow as pa
+from typing import TYPE_CHECKING, Any, Protocol
 
 from stallwatch import __version__
 from stallwatch.dumpers.errors import QueryError, StallwatchError, UsageError
@@ -108,8 +106,13 @@ from stallwatch.dumpers.folder import list_dumps
 from stallwatch.dumpers.format import dump_file_name, encode
 from stallwatch.dumpers.model import Recording
 
-from .sql import NETWORK, Limits, QueryEngine
+from .limits import NETWORK, Limits
 from .tls import ServerTls
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from .sql import QueryEngine, QueryResult
 
 log = logging.getLogger(__name__)
 
@@ -342,6 +345,8 @@ def decode_dumps(data: bytes) -> DumpBundle:
 def encode_frames(host: str, results: Sequence[tuple[pa.Table, bool]]) -> bytes:
     """Each table as an Arrow IPC stream behind its 8-byte length; the host
     and whether the table was cut short ride in its schema metadata."""
+    import pyarrow as pa
+
     frames = []
     for table, truncated in results:
         meta = {b"stallwatch.truncated": b"1" if truncated else b"0",
@@ -363,6 +368,8 @@ class Frame:
 
 def decode_frames(data: bytes) -> list[Frame]:
     """The inverse of :func:`encode_frames`; ValueError on a malformed body."""
+    import pyarrow as pa
+
     results = []
     for frame in split_frames(data):
         try:
@@ -388,7 +395,7 @@ class HttpError(Exception):
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     backend: Backend
-    engine: QueryEngine
+    engine: LazyEngine
     token: bytes | None
     max_body: int
     tls: bool
@@ -1060,7 +1067,7 @@ class ServerHandle:
     address: str
     server: _Server
     thread: threading.Thread
-    engine: QueryEngine
+    engine: LazyEngine
 
     @property
     def url(self) -> str:
@@ -1081,10 +1088,49 @@ class ServerHandle:
         self.engine.close()
 
 
-def _engine_for(backend: Backend, limits: Limits, scans: bool) -> QueryEngine:
-    if isinstance(backend, RecordingsBackend):
-        return QueryEngine(backend.recordings, limits, materialize=True, scans=scans)
-    return QueryEngine(lambda: [backend.recording()], limits, cache_s=SNAPSHOT_CACHE_S, scans=scans)
+class LazyEngine:
+    """The SQL engine, made when the first query comes: DuckDB and Arrow
+    are loaded then, not when the agent starts (an agent nobody queries
+    never carries them)."""
+
+    def __init__(self, make: Callable[[], QueryEngine]) -> None:
+        self._make = make
+        self._engine: QueryEngine | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> QueryEngine:
+        with self._lock:
+            if self._engine is None:
+                self._engine = self._make()
+            return self._engine
+
+    def query(self, sql: str, limit: int | None = None) -> QueryResult:
+        return self.get().query(sql, limit)
+
+    def fetch_arrow(self, sql: str) -> tuple[pa.Table, bool]:
+        return self.get().fetch_arrow(sql)
+
+    @property
+    def loaded(self) -> bool:
+        return self._engine is not None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._engine is not None:
+                self._engine.close()
+
+
+def _engine_for(backend: Backend, limits: Limits, scans: bool) -> LazyEngine:
+    def make() -> QueryEngine:
+        from .sql import QueryEngine
+
+        if isinstance(backend, RecordingsBackend):
+            return QueryEngine(backend.recordings, limits, materialize=True, scans=scans)
+        return QueryEngine(
+            lambda: [backend.recording()], limits, cache_s=SNAPSHOT_CACHE_S, scans=scans
+        )
+
+    return LazyEngine(make)
 
 
 def serve_http(

@@ -47,37 +47,13 @@ from stallwatch.dumpers.errors import QueryError, QueryRefused
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.sqltables import tables
 
+from .limits import LOCAL as LOCAL
+from .limits import NETWORK as NETWORK
+from .limits import Limits
 from .scan import Scan, compile_scan
 
 _T = TypeVar("_T")
 Source = Sequence[Recording] | Callable[[], Sequence[Recording]]
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """What one query may use; None means unlimited."""
-
-    max_rows: int | None = 10_000
-    # rows a fan-out may take from one table in columnar form (a ring holds
-    # at most 65,536 rows of a table)
-    max_fetch_rows: int | None = 1_000_000
-    time_limit_s: float | None = 10.0
-    max_sql_bytes: int | None = 64 * 1024
-    memory_limit: str | None = "1GB"
-    threads: int | None = 1
-
-
-# For people querying their own dumps on their own machine.
-LOCAL = Limits(
-    max_rows=None,
-    max_fetch_rows=None,
-    time_limit_s=None,
-    max_sql_bytes=None,
-    memory_limit=None,
-    threads=None,
-)
-# For queries that come from the network (the agent, `stallwatch serve`).
-NETWORK = Limits()
 
 
 @dataclass(frozen=True, slots=True)

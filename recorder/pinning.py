@@ -341,6 +341,51 @@ def open_for_agent(options: PinOptions, layout: Layout, about: dict[str, Any]) -
     return Opened(None, building)
 
 
+def adopt_built(options: PinOptions, build_key: str) -> PinSet | None:
+    """The pin set at ``options.path`` if it was made from this very build
+    (``probes.build_key``): adopted, locked, with nothing compiled.  None
+    if there is none or it is of another build (then the compiling path
+    decides, and says what is wrong)."""
+    final = options.path
+    if not final.parent.is_dir():
+        return None
+    check_pin_dir(final)
+    with _locked(final.parent):
+        _remove_abandoned(final)
+        if not final.exists():
+            return None
+        try:
+            found = PinSet.open(final)
+        except PinError:
+            return None
+        if found.description.get("build_key") != build_key:
+            found.close()
+            return None
+        return _locked_for_agent(found)
+
+
+def adopt_loaded(options: PinOptions) -> PinSet | None:
+    """The pin set a loader process has just made or checked at
+    ``options.path``, locked for this agent; None if it pinned nothing
+    (a kernel without uprobe_multi links)."""
+    final = options.path
+    if not final.parent.is_dir():
+        return None
+    with _locked(final.parent):
+        if not final.exists():
+            return None
+        return _locked_for_agent(PinSet.open(final))
+
+
+def _locked_for_agent(found: PinSet) -> PinSet:
+    try:
+        found.lock()
+    except PinError:
+        found.close()
+        raise
+    return found
+
+
 def _adoptable(final: Path, layout: Layout, replace: bool) -> PinSet | None:
     """The pin set to adopt, or None once a replaceable one was removed."""
     try:

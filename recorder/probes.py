@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import errno
+import hashlib
 import importlib.resources
 import logging
 import os
@@ -185,6 +186,16 @@ def bpf_source() -> str:
     return "\n".join(parts)
 
 
+def build_key(flags: Sequence[str]) -> str:
+    """What a compiled recording is made of: the BPF sources, the flags and
+    the kernel they were compiled for.  Pins of the same key are adopted
+    with nothing compiled."""
+    digest = hashlib.sha256(bpf_source().encode())
+    digest.update("\0".join(flags).encode())
+    digest.update(os.uname().release.encode())
+    return digest.hexdigest()[:24]
+
+
 def cflags(sizes: RingSizes, runq_threshold_ns: int) -> list[str]:
     flags = [f"-I{BPF_DIR}", f"-DRUNQ_THRESHOLD_NS={runq_threshold_ns}ULL"]
     flags += [f"-D{RING_MAPS[name][2]}={n}" for name, n in sizes.as_dict().items()]
@@ -334,38 +345,72 @@ class Probes:
         uprobe_multi: bool = True,
         pins: pinning.PinOptions | None = None,
         about: dict[str, Any] | None = None,
+        compile_outside: bool = False,
     ) -> None:
         """``uprobe_multi=False`` attaches perf-event uprobes even where the
         kernel has uprobe_multi links (the fallback, for tests).  With
-        ``pins``, the recording is pinned there, or adopted from there."""
-        import bcc  # the only import of bcc in stallwatch
-
-        self._bcc = bcc
-        flags = cflags(sizes, runq_threshold_ns)
-        try:
-            self.bpf = _module_class(bcc)(text=bpf_source().encode(), cflags=flags)
-        except Exception as exc:  # BCC raises bare Exception
-            raise ProbeError(f"cannot load BPF programs from {BPF_DIR}: {_short(exc)}") from exc
-        self._lib = bcc.libbcc.lib
-        self.layout = layout_of(self.bpf, self._lib, flags)
+        ``pins``, the recording is pinned there, or adopted from there:
+        pins of this very build (``build_key``) are adopted with nothing
+        compiled; else, with ``compile_outside`` (the agent), a short-lived
+        process compiles and pins (``recorder.loader``) and they are
+        adopted; else BCC compiles here."""
+        self.flags = cflags(sizes, runq_threshold_ns)
+        self.build_key = build_key(self.flags)
+        self.bpf: Any = None  # the BCC module, once compiled here
+        self._bcc: Any = None
+        self._lib: Any = None
         self._links: list[int] = []  # link fds
         self._linked: set[str] = set()  # pin names of the links made or adopted
         self._progs: dict[str, int] = {}  # uprobe_multi programs: name -> fd
         self._offsets: dict[str, dict[str, discovery.ElfFunction]] = {}
-        self._perf = PerfUprobes(self._lib._name)  # fallback: kernels before 6.6
+        self._perf: PerfUprobes | None = None  # fallback: kernels before 6.6
         self._multi: bool | None = None if uprobe_multi else False  # None: untried
+        self._said_multi = False
         self.pinset: pinning.PinSet | None = None
         self.adopted = False
+        self.compiled = False  # whether BCC compiled in this process
+        about = {**(about or {}), "build_key": self.build_key}
         try:
-            self.maps = self._open(pins, about or {})
+            self.maps = self._open(pins, about, sizes, runq_threshold_ns, compile_outside)
         except BaseException:
             self.close()
             raise
         self.sizes = RingSizes.of(self.maps)
 
+    def _compile(self) -> None:
+        import bcc  # the only import of bcc in stallwatch
+
+        self._bcc = bcc
+        try:
+            self.bpf = _module_class(bcc)(text=bpf_source().encode(), cflags=self.flags)
+        except Exception as exc:  # BCC raises bare Exception
+            raise ProbeError(f"cannot load BPF programs from {BPF_DIR}: {_short(exc)}") from exc
+        self._lib = bcc.libbcc.lib
+        self.layout = layout_of(self.bpf, self._lib, self.flags)
+        self.compiled = True
+
     # ---- loading or adopting ---------------------------------------------
 
-    def _open(self, pins: pinning.PinOptions | None, about: dict[str, Any]) -> MapSet:
+    def _open(
+        self,
+        pins: pinning.PinOptions | None,
+        about: dict[str, Any],
+        sizes: RingSizes,
+        runq_threshold_ns: int,
+        compile_outside: bool,
+    ) -> MapSet:
+        if pins is not None and self._multi is not False:
+            ready = pinning.adopt_built(pins, self.build_key)
+            how = "pins of this very build: nothing compiled"
+            if ready is None and compile_outside:
+                from .loader import load_outside
+
+                load_outside(pins, sizes.nccl, runq_threshold_ns, about)
+                ready = pinning.adopt_loaded(pins)
+                how = "compiled by a loader process, which has exited"
+            if ready is not None:
+                return self._adopt(ready, how)
+        self._compile()
         if pins is not None and self._multi is not False and self._can_multi():
             opened = pinning.open_for_agent(pins, self.layout, about)
             if opened.adopted is not None:
@@ -412,10 +457,11 @@ class Probes:
         log.info("recording pinned at %s (layout %s)", self.pinset.path, self.layout.fingerprint)
         return maps
 
-    def _adopt(self, pinset: pinning.PinSet) -> MapSet:
+    def _adopt(self, pinset: pinning.PinSet, how: str = "compiled here") -> MapSet:
         """Take over a pinned recording: its maps, programs and links."""
         self.pinset = pinset
         self.adopted = True
+        self.layout = pinset.layout
         maps = MapSet(pinset.layout, pinset.open_maps())
         for program in UPROBE_PROGRAMS:
             fd = pinset.prog_fd(program)
@@ -424,19 +470,20 @@ class Probes:
             self._progs[program] = fd
         self._linked = pinset.links()
         self._multi = True
-        # the module's own maps and programs are not used: free them now
-        for fn in self.bpf.funcs.values():
-            os.close(fn.fd)
-        self.bpf.funcs.clear()
-        self.bpf.tables.clear()
-        self.bpf.cleanup()
+        if self.bpf is not None:  # the module's own maps and programs are not used
+            for fn in self.bpf.funcs.values():
+                os.close(fn.fd)
+            self.bpf.funcs.clear()
+            self.bpf.tables.clear()
+            self.bpf.cleanup()
         made = pinset.description.get("created_realtime_ns", 0)
         log.info(
-            "adopted the pinned recording at %s (made by stallwatch %s, pid %s, %d links)",
+            "adopted the pinned recording at %s (made by stallwatch %s, pid %s, %d links; %s)",
             pinset.path,
             pinset.description.get("agent_version", "?"),
             pinset.description.get("agent_pid", "?"),
             len(self._linked),
+            how,
         )
         log.debug("pin set created at %d", made)
         return maps
@@ -558,9 +605,10 @@ class Probes:
                     f"cannot attach {kind.value} program {program} to {symbol} in {path} "
                     f"(uprobe_multi link at file offset {offset:#x}): {exc.strerror}"
                 ) from exc
-        if self._multi is None:
+        if not self._said_multi:
             log.info("uprobes attached through uprobe_multi links")
-            self._multi = True
+            self._said_multi = True
+        self._multi = True
         for name, fd in made:
             self._links.append(fd)
             self._linked.add(name)
@@ -605,6 +653,10 @@ class Probes:
 
     def _perf_uprobe(self, path: str, symbol: str, program: str, kind: LinkKind) -> None:
         offset = self._function(path, symbol, program).file_offset
+        if self.bpf is None:
+            self._compile()  # adopted pins, and now a kernel refusing uprobe_multi links
+        if self._perf is None:
+            self._perf = PerfUprobes(self._lib._name)
         try:
             fn = self.bpf.load_func(program.encode(), self._bcc.BPF.KPROBE)
             self._perf.attach(int(fn.fd), path, offset, kind)
@@ -616,7 +668,7 @@ class Probes:
     @property
     def perf_uprobe_fds(self) -> tuple[int, ...]:
         """The perf events of the fallback (none with uprobe_multi)."""
-        return tuple(self._perf.fds)
+        return tuple(self._perf.fds) if self._perf is not None else ()
 
     @property
     def attach_method(self) -> str:
@@ -644,8 +696,10 @@ class Probes:
         """Detach everything at once: links (unpinned ones wait a grace
         period each, together) and perf-event uprobes (old kernels: those
         take ~0.1 s each, in turn).  A pinned recording stays as it is."""
-        links, self._links = self._links + self._perf.fds, []
-        self._perf.fds = []
+        perf = self._perf.fds if self._perf is not None else []
+        links, self._links = self._links + perf, []
+        if self._perf is not None:
+            self._perf.fds = []
         close_links(links)
         maps = getattr(self, "maps", None)
         if maps is not None:
@@ -656,7 +710,8 @@ class Probes:
             del self._progs[name]
         if self.pinset is not None:
             self.pinset.close()
-        self.bpf.cleanup()
+        if self.bpf is not None:
+            self.bpf.cleanup()
 
 
 class BareProbe:

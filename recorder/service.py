@@ -35,6 +35,7 @@ def run_agent(config: AgentConfig) -> int:
         int(config.runq_threshold_ms * 1e6),
         pins=_pin_options(config),
         about=_about(config),
+        compile_outside=True,
     )
     if source.pinset is not None:
         source.pinset.note_agent(os.getpid(), config.version, _about(config))

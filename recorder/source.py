@@ -177,11 +177,17 @@ class BccSource(MapSource):
         runq_threshold_ns: int,
         pins: PinOptions | None = None,
         about: dict[str, Any] | None = None,
+        compile_outside: bool = False,
     ) -> None:
+        """``compile_outside``: see ``Probes`` (the agent compiles nothing itself)."""
         from .probes import Probes, RingSizes
 
         self.probes = Probes(
-            RingSizes.from_nccl(ring_slots), runq_threshold_ns, pins=pins, about=about
+            RingSizes.from_nccl(ring_slots),
+            runq_threshold_ns,
+            pins=pins,
+            about=about,
+            compile_outside=compile_outside,
         )
         self.sizes = self.probes.sizes
         super().__init__(self.probes.maps)

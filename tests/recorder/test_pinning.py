@@ -193,6 +193,12 @@ def test_killed_agent_loses_nothing_and_the_next_one_records_on(
     assert pin_dir.is_dir()  # stopped, the agent left the recording pinned
 
 
+def _compiler_mapped(pid: int) -> list[str]:
+    """BCC's and LLVM's libraries mapped into a process."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return sorted({w for w in maps.split() if "libbcc" in w or "LLVM" in w or "clang" in w})
+
+
 def _ours_under_bpffs(pin_dir: Path) -> list[str]:
     """What of this pin folder is on bpffs: itself, or a half-made sibling."""
     return sorted(p.name for p in pin_dir.parent.iterdir() if p.name.startswith(pin_dir.name))
@@ -205,11 +211,15 @@ def test_ctrl_c_on_a_foreground_agent_leaves_nothing_and_keep_pinned_keeps_it(
     """The unit's way (--keep-pinned): SIGTERM leaves the recording pinned
     and a C loop's calls go on being recorded; an agent started by hand then
     adopts it, and Ctrl-C (SIGINT) on it removes every pin: nothing of it is
-    left under bpffs (with its fds closed too, nothing holds a probe)."""
+    left under bpffs (with its fds closed too, nothing holds a probe).  No
+    agent maps BCC or LLVM: the first had a loader process compile, the
+    second compiled nothing."""
     loop = subprocess.Popen([str(fake.loop), "pace", "600", "200"], stdout=subprocess.DEVNULL)
     try:
         service = start_agent(fake, pin_dir, tmp_path)
         service.wait_for("listening on")
+        assert "compiled by a loader process, which has exited" in service.text()
+        assert not _compiler_mapped(service.proc.pid)
         stop(service)
         assert service.proc.returncode == 0, service.text()[-3000:]
         assert "the recording stays pinned at" in service.text()
@@ -217,6 +227,9 @@ def test_ctrl_c_on_a_foreground_agent_leaves_nothing_and_keep_pinned_keeps_it(
         by_hand = start_agent(fake, pin_dir, tmp_path, keep=False)
         by_hand.wait_for("listening on")
         assert "adopted the pinned recording" in by_hand.text()
+        # the same build's pins: no loader ran, BCC was never loaded
+        assert "pins of this very build: nothing compiled" in by_hand.text()
+        assert not _compiler_mapped(by_hand.proc.pid)
         rows = pace_rows(by_hand.dump("before Ctrl-C"), loop.pid)
         assert len(rows) > 100 and list(rows["seq"]) == list(range(len(rows)))
         by_hand.proc.send_signal(signal.SIGINT)

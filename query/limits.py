@@ -1,0 +1,34 @@
+"""What one query may use: rows, time, memory, threads (``query.sql`` applies
+them).  Apart from the engine so that whoever passes limits (the agent's
+HTTP surface at start) does not load DuckDB for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one query may use; None means unlimited."""
+
+    max_rows: int | None = 10_000
+    # rows a fan-out may take from one table in columnar form (a ring holds
+    # at most 65,536 rows of a table)
+    max_fetch_rows: int | None = 1_000_000
+    time_limit_s: float | None = 10.0
+    max_sql_bytes: int | None = 64 * 1024
+    memory_limit: str | None = "1GB"
+    threads: int | None = 1
+
+
+# For people querying their own dumps on their own machine.
+LOCAL = Limits(
+    max_rows=None,
+    max_fetch_rows=None,
+    time_limit_s=None,
+    max_sql_bytes=None,
+    memory_limit=None,
+    threads=None,
+)
+# For queries that come from the network (the agent, `stallwatch serve`).
+NETWORK = Limits()

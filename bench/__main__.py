@@ -11,6 +11,7 @@ import traceback
 from bench.common import Figure, render
 
 MODULES = (
+    "bench_agent",
     "bench_recorder",
     "bench_dumps",
     "bench_analyzer",
@@ -24,6 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     parser.add_argument(
+        "--agent-record-s",
+        type=float,
+        metavar="S",
+        help="bench_agent: seconds the agents record before their memory is read "
+        "(default 60; the issue's figure: 600)",
+    )
+    parser.add_argument(
         "names", nargs="*", help=f"benchmarks to run (default: {' '.join(MODULES)})"
     )
     args = parser.parse_args(argv)
@@ -36,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
             kwargs = {"quick": args.quick}
             if "big" in inspect.signature(module.figures).parameters:
                 kwargs["big"] = not args.quick  # the 16,384-rank case: full runs only
+            if "record_s" in inspect.signature(module.figures).parameters:
+                kwargs["record_s"] = args.agent_record_s
             figures += module.figures(**kwargs)
         except Exception:  # a broken benchmark must not hide the others
             traceback.print_exc()

@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import ssl
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from stallwatch.dumpers.errors import LabError
+from stallwatch.dumpers.errors import AgentError, LabError
 from stallwatch.lab import faults as F
 from stallwatch.lab.supervise import Supervisor
+from stallwatch.query.agentclient import AgentClient
 
 OOM_MARGIN = 1 << 20  # the bound: what the agent uses now plus this
 SETTLE_MARGIN_S = 3.0  # past the stall timeout, for a restarted agent's first ticks
@@ -142,12 +141,7 @@ class Chaos:
         self.log.append(text)
 
 
-def post_query(url: str, token: str, body: bytes, context: ssl.SSLContext | None = None) -> None:
+def post_query(client: AgentClient, body: bytes) -> None:
     """Best effort: the agent may die answering."""
-    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
-    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
-    with (
-        contextlib.suppress(OSError),
-        urllib.request.urlopen(request, timeout=30.0, context=context) as response,
-    ):
-        response.read()
+    with contextlib.suppress(AgentError):
+        client.post("/query", body)

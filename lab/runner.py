@@ -37,25 +37,23 @@ import json
 import os
 import secrets
 import signal
-import ssl
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from stallwatch.dumpers.errors import LabError
+from stallwatch.dumpers.errors import AgentError, LabError
 from stallwatch.lab import faults as F
 from stallwatch.lab import job, netns
 from stallwatch.lab.certs import LabCerts, make_certs
 from stallwatch.lab.chaos import Chaos, post_query
 from stallwatch.lab.supervise import Service, Supervisor
+from stallwatch.query.agentclient import AgentClient
 
 AGENT_PORT = 9400
 AGENT_START_TIMEOUT = 90.0
@@ -565,7 +563,7 @@ def wait_healthy(lab: Lab, node: netns.Node, token: str) -> None:
     sup = lab.agents[node.index]
     url = f"https://{node.ip}:{AGENT_PORT}/healthz"
     log = lab.cfg.dump_dir / f"node{node.index}.agent.log"
-    context = _client_context(lab)
+    client = _client(lab, node, 1.0, token)
     deadline = time.monotonic() + AGENT_START_TIMEOUT
     while time.monotonic() < deadline:
         exits = [e for e in sup.events if e.kind == "exited"]
@@ -575,9 +573,7 @@ def wait_healthy(lab: Lab, node: netns.Node, token: str) -> None:
                 f"the agent of node {node.index} exited with {code} "
                 f"before answering {url}: {_last_line(log)}"
             )
-        if _says_listening(log) and netns.in_netns(
-            node.netns, lambda: _healthz(url, token, context)
-        ):
+        if _says_listening(log) and netns.in_netns(node.netns, lambda: _healthz(client)):
             return
         time.sleep(0.25)
     raise LabError(f"the agent of node {node.index} did not answer {url} in {AGENT_START_TIMEOUT}s")
@@ -590,17 +586,18 @@ def _says_listening(log: Path) -> bool:
         return False
 
 
-def _client_context(lab: Lab) -> ssl.SSLContext:
+def _client(lab: Lab, node: netns.Node, timeout: float, token: str | None = None) -> AgentClient:
+    """The agent of ``node``, over HTTPS with the lab's client certificate."""
     assert lab.certs is not None
-    return lab.certs.client().context()
+    address = f"https://{node.ip}:{AGENT_PORT}"
+    return AgentClient(address, token or lab.token, lab.certs.client(), timeout)
 
 
 def make_chaos(lab: Lab) -> Chaos:
     def query(index: int, body: bytes) -> None:
         node = lab.node(index)
-        url = f"https://{node.ip}:{AGENT_PORT}/query"
-        context = _client_context(lab)
-        netns.in_netns(node.netns, functools.partial(post_query, url, lab.token, body, context))
+        client = _client(lab, node, 30.0)
+        netns.in_netns(node.netns, functools.partial(post_query, client, body))
 
     agent_faults = [f for f in lab.cfg.faults if isinstance(f, F.AgentFault)]
     return Chaos(
@@ -632,12 +629,10 @@ def agent_outcomes(lab: Lab) -> list[dict[str, Any]]:
     return out
 
 
-def _healthz(url: str, token: str, context: ssl.SSLContext) -> bool:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+def _healthz(client: AgentClient) -> bool:
     try:
-        with urllib.request.urlopen(request, timeout=1.0, context=context) as response:
-            return int(response.status) == 200
-    except (urllib.error.URLError, OSError):
+        return client.get("/healthz").ok
+    except AgentError:
         return False
 
 
@@ -710,10 +705,8 @@ def request_end_dumps(lab: Lab) -> list[str]:
         {"reason": "end of lab run", "incident_id": f"lab-{lab.run_id}-end", "origin": "lab"}
     ).encode()
     problems = []
-    context = _client_context(lab)
     for node in lab.net.nodes:
-        url = f"https://{node.ip}:{AGENT_PORT}/dump"
-        ask = functools.partial(_post_dump, url, body, lab.token, context)
+        ask = functools.partial(_post_dump, _client(lab, node, 30.0), "/dump", body)
         answer = netns.in_netns(node.netns, ask)
         if answer is not None:
             problems.append(f"the agent of node {node.index} refused to dump: {answer}")
@@ -761,11 +754,8 @@ def request_snapshots(lab: Lab) -> list[str]:
         {"reason": "lab: snapshot of a stuck job", "incident_id": f"lab-{lab.run_id}-snapshot"}
     ).encode()
 
-    context = _client_context(lab)
-
     def ask(node: netns.Node) -> str | None:  # every node at once, as the command does
-        url = f"https://{node.ip}:{AGENT_PORT}/snapshot"
-        post = functools.partial(_post_dump, url, body, lab.token, context)
+        post = functools.partial(_post_dump, _client(lab, node, 30.0), "/snapshot", body)
         return netns.in_netns(node.netns, post)
 
     with ThreadPoolExecutor(len(lab.net.nodes)) as pool:
@@ -788,15 +778,13 @@ def _dump_count(cfg: RunConfig, node: int) -> int:
     return sum(1 for p in agent_dump_dir(cfg, node).glob("*.msgpack") if not p.name.startswith("."))
 
 
-def _post_dump(url: str, body: bytes, token: str, context: ssl.SSLContext) -> str | None:
+def _post_dump(client: AgentClient, path: str, body: bytes) -> str | None:
     """None when the agent took the request, else why not."""
-    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
-    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
     try:
-        with urllib.request.urlopen(request, timeout=30.0, context=context) as response:
-            return None if int(response.status) == 200 else f"HTTP {response.status}"
-    except (urllib.error.URLError, OSError) as exc:
+        reply = client.post(path, body)
+    except AgentError as exc:
         return str(exc)
+    return None if reply.ok else f"HTTP {reply.status}"
 
 
 # --- waiting ------------------------------------------------------------------

@@ -10,7 +10,8 @@ across the cluster.  Every table has a ``host`` column, filled by the agent
 that sent the row.
 
 Bounded: at most ``concurrency`` agents are asked at once (a process-wide
-pool of client threads, HTTP/1.1 keep-alive connections kept between calls);
+pool of client threads; ``query.agentclient`` keeps HTTP/1.1 connections
+alive between calls);
 each agent has ``timeout`` seconds from the moment it is asked.  An agent
 that cannot be reached, answers late, refuses or sends rows of another shape
 is named in ``failed`` with the reason; the others' rows are still merged (a
@@ -24,14 +25,11 @@ the CA file, the client's own certificate presented if given (mutual TLS).
 
 from __future__ import annotations
 
-import http.client
 import json
-import ssl
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -40,14 +38,14 @@ from stallwatch.dumpers.errors import AgentError, UsageError
 from stallwatch.dumpers.model import Clock, CommInfo, Recording
 from stallwatch.dumpers.ranks import Ranks
 
+from .agentclient import Address, AgentClient, close_connections, context_of, parse_address
 from .http import ARROW_FRAMES, Frame, decode_frames
 from .plan import IDENTITY, Plan, final_connection, merge_tables, plan
 from .sql import run_on_tables
-from .tls import ClientTls, describe_failure
+from .tls import ClientTls
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_CONCURRENCY = 128
-_RETRYABLE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,132 +82,30 @@ class FanoutResult:
         return bool(self.failed) or any(a.truncated for a in self.answers)
 
 
-@dataclass(frozen=True, slots=True)
-class _Target:
-    agent: str
-    host: str
-    port: int
-    tls: bool
-
-
 def parse_agent(agent: str) -> tuple[str, int]:
     """``host:port``, ``[v6]:port``, ``http://host:port`` or ``https://...``."""
-    target = _target(agent, False)
-    return target.host, target.port
-
-
-def _target(agent: str, tls: bool) -> _Target:
-    text = agent.strip().rstrip("/")
-    if text.startswith("https://"):
-        tls = True
-    text = text.removeprefix("https://").removeprefix("http://")
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UsageError(f"agent {agent!r}: expected HOST:PORT, e.g. node1:9400")
-    return _Target(agent, host.strip("[]"), int(port), tls)
-
-
-class _Pool:
-    """Idle keep-alive connections per agent, safe to share between threads."""
-
-    def __init__(self) -> None:
-        self._idle: dict[tuple[Any, ...], list[http.client.HTTPConnection]] = {}
-        self._lock = threading.Lock()
-
-    def take(
-        self, t: _Target, timeout: float, tls: ssl.SSLContext | None
-    ) -> tuple[http.client.HTTPConnection, bool]:
-        key = (t.host, t.port, timeout, id(tls))
-        with self._lock:
-            idle = self._idle.get(key)
-            if idle:
-                return idle.pop(), True
-        if tls is None:
-            return http.client.HTTPConnection(t.host, t.port, timeout=timeout), False
-        return http.client.HTTPSConnection(t.host, t.port, timeout=timeout, context=tls), False
-
-    def give(
-        self,
-        t: _Target,
-        timeout: float,
-        tls: ssl.SSLContext | None,
-        conn: http.client.HTTPConnection,
-    ) -> None:
-        with self._lock:
-            self._idle.setdefault((t.host, t.port, timeout, id(tls)), []).append(conn)
-
-    def clear(self) -> None:
-        with self._lock:
-            conns = [c for idle in self._idle.values() for c in idle]
-            self._idle.clear()
-        for c in conns:
-            c.close()
-
-
-_POOL = _Pool()
-_contexts_lock = threading.Lock()
+    address = parse_address(agent)
+    return address.host, address.port
 
 
 @dataclass(frozen=True, slots=True)
 class _Request:
     body: bytes
-    headers: dict[str, str]
+    token: str | None
     timeout: float
-    tls: ssl.SSLContext | None  # for https targets
-    ca: Path | None  # named in certificate errors
-    client_cert: bool
+    tls: ClientTls | None
 
 
-def _post(t: _Target, req: _Request) -> tuple[int, str, bytes]:
-    context = req.tls if t.tls else None
-    if t.tls and context is None:
-        context = ssl.create_default_context()
-    for _ in range(2):  # a pooled connection the agent closed: retry once, fresh
-        conn, reused = _POOL.take(t, req.timeout, context)
-        try:
-            conn.request("POST", "/fetch", req.body, req.headers)
-            resp = conn.getresponse()
-            data = resp.read()
-        except _RETRYABLE:
-            conn.close()
-            if reused:
-                continue
-            raise
-        except BaseException:
-            conn.close()
-            raise
-        if resp.will_close:
-            conn.close()
-        else:
-            _POOL.give(t, req.timeout, context, conn)
-        return resp.status, resp.getheader("Content-Type", ""), data
-    raise AgentError(f"{t.agent}: connection closed twice")  # pragma: no cover
-
-
-def _error_text(status: int, data: bytes) -> str:
+def _ask(t: Address, req: _Request) -> list[Frame]:
+    client = AgentClient(t, req.token, req.tls, req.timeout, keep_alive=True)
+    reply = client.post("/fetch", req.body)  # AgentError: no answer
+    if not reply.ok:
+        raise AgentError(reply.error_text())
+    if reply.content_type != ARROW_FRAMES:
+        kind = reply.content_type or "untyped"
+        raise AgentError(f"the answer is {kind}, not rows: an older agent?")
     try:
-        return f"HTTP {status}: {json.loads(data)['error']}"
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {status}: {data[:200].decode(errors='replace')}"
-
-
-def _ask(t: _Target, req: _Request) -> list[Frame]:
-    try:
-        status, content_type, data = _post(t, req)
-    except TimeoutError:
-        raise AgentError(f"no answer within {req.timeout:g} s") from None
-    except ssl.SSLError as exc:
-        raise AgentError(describe_failure(exc, req.ca, req.client_cert)) from None
-    except OSError as exc:
-        raise AgentError(f"cannot reach the agent: {exc.strerror or exc}") from None
-    except http.client.HTTPException as exc:
-        raise AgentError(f"bad HTTP answer: {type(exc).__name__} {exc}") from None
-    if status != 200:
-        raise AgentError(_error_text(status, data))
-    if content_type != ARROW_FRAMES:
-        raise AgentError(f"the answer is {content_type or 'untyped'}, not rows: an older agent?")
-    try:
-        return decode_frames(data)
+        return decode_frames(reply.body)
     except ValueError as exc:
         raise AgentError(f"the answer is not rows: {exc}") from None
 
@@ -223,7 +119,7 @@ class _Batch:
     whole batch is handed out at once: no per-agent future to create and
     signal, which on a busy machine costs more than the request itself."""
 
-    def __init__(self, targets: list[_Target], req: _Request) -> None:
+    def __init__(self, targets: list[Address], req: _Request) -> None:
         self.targets, self.req = targets, req
         self.asked: list[float | None] = [None] * len(targets)
         self.frames: list[list[Frame] | None] = [None] * len(targets)
@@ -298,7 +194,7 @@ def query_agents(
         raise UsageError("no agents given")
     if concurrency < 1:
         raise UsageError(f"--concurrency must be 1 or more, got {concurrency}")
-    targets = [_target(a, tls is not None) for a in agents]
+    targets = [parse_address(a, tls is not None) for a in agents]
     start = time.perf_counter()
     the_plan = plan(sql)
     req = _request(the_plan, token, timeout, tls)
@@ -321,28 +217,13 @@ def query_agents(
 
 def _request(the_plan: Plan, token: str | None, timeout: float, tls: ClientTls | None) -> _Request:
     body = json.dumps({"queries": [f.sql for f in the_plan.fetches]}).encode()
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    context = _context(tls) if tls is not None else None
-    has_cert = tls is not None and tls.cert is not None
-    return _Request(body, headers, timeout, context, tls.ca if tls else None, has_cert)
-
-
-_contexts: dict[ClientTls, ssl.SSLContext] = {}
-
-
-def _context(tls: ClientTls) -> ssl.SSLContext:
-    """One context per set of files, so that pooled connections are found
-    again by the next fan-out (they are pooled per context)."""
-    with _contexts_lock:
-        if tls not in _contexts:
-            _contexts[tls] = tls.context()
-        return _contexts[tls]
+    if tls is not None:
+        context_of(tls)  # a bad file is named before any agent is asked
+    return _Request(body, token, timeout, tls)
 
 
 def _gather(
-    targets: list[_Target], req: _Request, the_plan: Plan, concurrency: int
+    targets: list[Address], req: _Request, the_plan: Plan, concurrency: int
 ) -> tuple[list[AgentAnswer], list[AgentFailure], dict[str, pa.Table]]:
     batch = _Batch(targets, req)
     batch.run(concurrency)
@@ -356,11 +237,11 @@ def _gather(
         elif frames is not None and len(frames) != len(the_plan.fetches):
             error = f"sent {len(frames)} tables for {len(the_plan.fetches)} queries"
         if error is not None or frames is None:
-            failed.append(AgentFailure(t.agent, error or "no answer"))
+            failed.append(AgentFailure(t.text, error or "no answer"))
             continue
         host = frames[0].host if frames else t.host
         elapsed = (batch.took[i] or 0.0) * 1e3
-        answers.append(AgentAnswer(t.agent, host, any(f.truncated for f in frames), elapsed))
+        answers.append(AgentAnswer(t.text, host, any(f.truncated for f in frames), elapsed))
         for k, frame in enumerate(frames):
             parts[k].append(frame.table)
     return answers, failed, _union(the_plan, parts)
@@ -458,8 +339,4 @@ def _derived(col: str, known: Ranks, member: tuple[str, int], comm_hash: int) ->
     return known.world.get(member)
 
 
-def close_connections() -> None:
-    """Close the pooled keep-alive connections (tests, long-lived callers)."""
-    _POOL.clear()
-    with _contexts_lock:
-        _contexts.clear()
+__all__ = ["close_connections", "fill_ranks", "parse_agent", "query_agents"]

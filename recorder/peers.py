@@ -10,9 +10,8 @@ All peers are asked at once, one thread each, and the whole round ends after
 ``timeout`` seconds whatever the peers do.  With TLS (an ``ssl.SSLContext``
 from ``query.tls.ClientTls``: the CA that signed the peers' certificates, and
 the agent's own certificate for peers that ask for one), peers are reached
-over HTTPS.  ``notify_in_background`` runs a
+over HTTPS, through ``query.agentclient``.  ``notify_in_background`` runs a
 round on a daemon thread, so that the agent's tick never waits for the network.
-Proxies from the environment are ignored: peers are reached directly.
 """
 
 from __future__ import annotations
@@ -24,29 +23,19 @@ import socket
 import ssl
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from stallwatch.dumpers.errors import UsageError
+from stallwatch.dumpers.errors import AgentError, UsageError
 from stallwatch.dumpers.model import Trigger
+from stallwatch.query.agentclient import AgentClient
 from stallwatch.query.tls import ClientTls
 
 log = logging.getLogger("stallwatch.peers")
 
 DEFAULT_TIMEOUT_S = 1.0
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _opener(tls: ssl.SSLContext | None) -> urllib.request.OpenerDirector:
-    if tls is None:
-        return _OPENER
-    return urllib.request.build_opener(
-        urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=tls)
-    )
 
 
 Peers = Sequence[str] | Callable[[], Sequence[str]]  # a list, or where to get it now
@@ -66,22 +55,15 @@ def parse_peers(text: str, what: str = "--peers") -> list[str]:
     return peers
 
 
-def _url(peer: str, tls: bool) -> str:
-    scheme = "https" if tls else "http"
-    base = peer if peer.startswith(("http://", "https://")) else f"{scheme}://{peer}"
-    return base.rstrip("/") + "/dump"
-
-
 def ask_peer(
     peer: str,
     body: bytes,
     token: str | None,
     timeout: float,
     tls: ssl.SSLContext | None = None,
-    opener: urllib.request.OpenerDirector | None = None,
 ) -> str:
     """One request; the peer's status, or ``error: <why>``."""
-    return ask_peer_answer(peer, body, token, timeout, tls, opener)[0]
+    return ask_peer_answer(peer, body, token, timeout, tls)[0]
 
 
 def ask_peer_answer(
@@ -90,29 +72,16 @@ def ask_peer_answer(
     token: str | None,
     timeout: float,
     tls: ssl.SSLContext | None = None,
-    opener: urllib.request.OpenerDirector | None = None,
 ) -> tuple[str, str | None]:
     """One request; the peer's status (or ``error: <why>``) and the incident
     id it answered with (its own, when it says ``duplicate``)."""
-    request = urllib.request.Request(
-        _url(peer, tls is not None),
-        data=body,
-        method="POST",
-        headers={"Content-Type": "application/json"},
-    )
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
     try:
-        with (opener or _opener(tls)).open(request, timeout=timeout) as response:
-            answer = json.loads(response.read(65536))
-    except urllib.error.HTTPError as exc:
-        return f"error: HTTP {exc.code} {exc.reason}", None
-    except (OSError, ValueError) as exc:  # refused, unreachable, timed out, not JSON, TLS
-        reason = getattr(exc, "reason", None) or exc
-        if isinstance(reason, ssl.SSLCertVerificationError):
-            why = f"TLS: the peer's certificate is not trusted: {reason.verify_message}"
-            return f"error: {why}", None
-        return f"error: {reason}", None
+        reply = AgentClient(peer, token, tls, timeout).post("/dump", body)
+        if not reply.ok:
+            return f"error: HTTP {reply.status} {reply.reason}", None
+        answer = reply.json()
+    except (AgentError, UsageError) as exc:  # unreachable, no answer in time, TLS, not JSON
+        return f"error: {exc}", None
     if not isinstance(answer, dict) or not isinstance(answer.get("status"), str):
         return "error: answer without a status", None
     incident = answer.get("incident_id")
@@ -135,10 +104,9 @@ def notify_peers(
     gets (peer, status, the incident id it answered with) as each answers."""
     body = json.dumps({"reason": reason, "incident_id": incident_id, "origin": origin_host})
     results: dict[str, str] = {}
-    opener = _opener(tls)
 
     def ask(peer: str) -> None:
-        status, their_id = ask_peer_answer(peer, body.encode(), token, timeout, tls, opener)
+        status, their_id = ask_peer_answer(peer, body.encode(), token, timeout, tls)
         results[peer] = status
         if answered is not None:
             answered(peer, status, their_id)

@@ -6,12 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from stallwatch.dumpers.errors import AgentError, ExitCode
-from stallwatch.query import tls
+from stallwatch.query.agentclient import AgentClient
 
 from .options import (
     HelpFormatter,
@@ -76,30 +74,16 @@ def run(args: argparse.Namespace) -> int:
         answer = dump_pinned(args.pin_dir, args.dump_dir, args.reason, tuple(sys.argv[1:]))
         _print_answer(answer, args.format)
         return ExitCode.OK
-    token = read_token(args.token_file)
-    client_tls = client_tls_from(args)
-    context = client_tls.context() if client_tls is not None else None
-    scheme = "https" if context is not None else "http"
-    body = json.dumps({"reason": args.reason}).encode()
-    req = urllib.request.Request(
-        f"{scheme}://{args.agent}/dump",
-        data=body,
-        method="POST",
-        headers={"Content-Type": "application/json"},
-    )
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
+    client = AgentClient(args.agent, read_token(args.token_file), client_tls_from(args), 30.0)
     try:
-        with urllib.request.urlopen(req, timeout=30, context=context) as resp:
-            answer = json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace").strip()
-        raise AgentError(f"agent {args.agent} refused the dump: {exc.code} {detail}") from None
-    except (OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", None) or exc
-        why = tls.describe_failure(reason, args.tls_ca, args.tls_cert is not None)
-        raise AgentError(f"agent {args.agent} unreachable: {why}") from None
-    _print_answer(answer, args.format)
+        reply = client.post_json("/dump", {"reason": args.reason})
+        written = reply.json() if reply.ok else None
+    except AgentError as exc:
+        raise AgentError(f"agent {args.agent} unreachable: {exc}") from None
+    if written is None:
+        detail = reply.body.decode(errors="replace").strip()
+        raise AgentError(f"agent {args.agent} refused the dump: {reply.status} {detail}")
+    _print_answer(written, args.format)
     return ExitCode.OK
 
 

@@ -17,15 +17,11 @@ import functools
 import json
 import os
 import socket
-import ssl
-import urllib.error
-import urllib.request
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from stallwatch.dumpers.errors import AgentError, UsageError
-from stallwatch.query import tls
+from stallwatch.query.agentclient import AgentClient
 from stallwatch.recorder import discovery
 from stallwatch.recorder.positions import snapshot_summary, summary_lines
 
@@ -53,14 +49,6 @@ same user with ptrace allowed); nothing is stopped or attached.
 exit codes: 0 read and dumped; 2 bad usage, or an agent could not be reached
 or refused (the others' answers are printed).
 """
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _https_opener(context: ssl.SSLContext) -> urllib.request.OpenerDirector:
-    """No proxy (agents are on the cluster network), the agents' CA."""
-    return urllib.request.build_opener(
-        urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context)
-    )
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -175,13 +163,9 @@ def _ask_agents(args: argparse.Namespace) -> int:
             "interval_s": args.interval}  # fmt: skip
     timeout = args.samples * args.interval + 60
     client_tls = client_tls_from(args)
-    context = client_tls.context() if client_tls is not None else None
-    ask = functools.partial(
-        _ask, body=body, token=token, timeout=timeout, context=context,
-        describe=lambda exc: tls.describe_failure(exc, args.tls_ca, args.tls_cert is not None),
-    )  # fmt: skip
+    clients = [AgentClient(a, token, client_tls, timeout) for a in agents]
     with ThreadPoolExecutor(len(agents)) as pool:
-        answers = list(pool.map(ask, agents))
+        answers = list(pool.map(functools.partial(_ask, body=body), clients))
     failed = [(a, ans) for a, ans in zip(agents, answers, strict=True) if isinstance(ans, str)]
     if args.format == "json":
         doc = {"incident_id": incident, "agents": dict(zip(agents, answers, strict=True))}
@@ -196,32 +180,17 @@ def _ask_agents(args: argparse.Namespace) -> int:
 Answer = dict[str, object] | str  # the agent's JSON object, or why there is none
 
 
-def _ask(
-    agent: str,
-    body: dict[str, object],
-    token: str | None,
-    timeout: float,
-    context: ssl.SSLContext | None = None,
-    describe: Callable[[BaseException], str] = str,
-) -> Answer:
-    scheme = "https" if context is not None else "http"
-    base = agent if agent.startswith(("http://", "https://")) else f"{scheme}://{agent}"
-    req = urllib.request.Request(
-        base.rstrip("/") + "/snapshot", data=json.dumps(body).encode(), method="POST",
-        headers={"Content-Type": "application/json"},
-    )  # fmt: skip
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
+def _ask(client: AgentClient, body: dict[str, object]) -> Answer:
     try:
-        opener = _OPENER if context is None else _https_opener(context)
-        with opener.open(req, timeout=timeout) as resp:
-            answer = json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace").strip()[:200]
-        return f"refused: HTTP {exc.code} {detail}"
-    except (OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", None)
-        return f"unreachable: {describe(reason if isinstance(reason, BaseException) else exc)}"
+        reply = client.post_json("/snapshot", body)
+    except AgentError as exc:
+        return f"unreachable: {exc}"
+    if not reply.ok:
+        return f"refused: {reply.error_text()}"
+    try:
+        answer = reply.json()
+    except AgentError as exc:
+        return f"unreachable: {exc}"
     return answer if isinstance(answer, dict) else "answered something other than a JSON object"
 
 

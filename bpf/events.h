@@ -1,5 +1,5 @@
 /* Event records shared by every stallwatch BPF program and mirrored by the
- * numpy dtypes in dumpers/schema.py (tests/test_schema.py pins both sides).
+ * numpy dtypes in dumpers/schema.py (tests/dumpers/test_schema.py pins both sides).
  *
  * Every record begins with struct event_header.  Records live in rings that
  * the BPF programs write directly: an mmapable BPF array of RING_SLOTS slots

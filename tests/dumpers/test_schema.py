@@ -1,8 +1,13 @@
-"""The C event structs (bpf/events.h) and the numpy dtypes (dumpers.schema)
-agree on every size and field offset, and the kernel's folds match Python's."""
+"""One layout on both sides of C and numpy: the event structs of
+bpf/events.h (the header, every struct a ring holds) and the numpy dtypes of
+dumpers.schema and recorder.maps agree on every size and field offset, a
+drift on either side is found (checked on mutated copies), the ring indices
+and heads of bpf/common.h match recorder.maps, and the kernel's folds match
+Python's."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -11,23 +16,33 @@ import numpy as np
 import pytest
 
 from stallwatch.dumpers import schema
+from stallwatch.recorder import maps
 
 ROOT = Path(__file__).resolve().parents[2]
-HEADER_FIELDS = {"pos", "ts_ns", "kind", "size", "pid", "tid", "_pad0"}
+HEADER_FIELDS_IN_ORDER = ("pos", "ts_ns", "kind", "size", "pid", "tid", "_pad0")
+HEADER_FIELDS = set(HEADER_FIELDS_IN_ORDER)
+# Every struct the rings hold, and the header alone: bpf/events.h on one side,
+# the numpy dtypes of dumpers.schema and recorder.maps (the discovery ring)
+# on the other.
 STRUCTS = {
+    "event_header": np.dtype(
+        [(n, schema.NCCL_EVENT.fields[n][0]) for n in schema.NCCL_EVENT.names[:7]]
+    ),
     "nccl_event": schema.NCCL_EVENT,
     "comm_event": schema.COMM_EVENT,
     "tcp_event": schema.TCP_EVENT,
     "sched_event": schema.SCHED_EVENT,
     "exit_event": schema.EXIT_EVENT,
+    "disc_event": maps.DISCOVERY_EVENT,
 }
+Layout = dict[tuple[str, str], tuple[int, int]]
 
 
-def _c_member(field: str) -> str:
-    return f"hdr.{field}" if field in HEADER_FIELDS else field
+def _c_member(struct: str, field: str) -> str:
+    return f"hdr.{field}" if field in HEADER_FIELDS and struct != "event_header" else field
 
 
-def _program() -> str:
+def _program(structs: dict[str, np.dtype]) -> str:
     lines = [
         "#include <stddef.h>",
         "#include <stdio.h>",
@@ -35,10 +50,10 @@ def _program() -> str:
         '#include "events.h"',
         "int main(void) {",
     ]
-    for struct, dtype in STRUCTS.items():
+    for struct, dtype in structs.items():
         lines.append(f'printf("{struct} SIZE %zu 0\\n", sizeof(struct {struct}));')
         for name in dtype.names:
-            m = _c_member(name)
+            m = _c_member(struct, name)
             lines.append(
                 f'printf("{struct} {name} %zu %zu\\n", offsetof(struct {struct}, {m}), '
                 f"sizeof(((struct {struct} *)0)->{m}));"
@@ -47,15 +62,15 @@ def _program() -> str:
     return "\n".join(lines)
 
 
-@pytest.fixture(scope="module")
-def c_layout(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], tuple[int, int]]:
+def compile_layout(include: Path, structs: dict[str, np.dtype], work: Path) -> Layout:
+    """Sizes and field offsets of ``structs`` as the C compiler lays them out
+    from ``include``/events.h (a field the header lacks fails the compile)."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.fail("a C compiler is needed to check bpf/events.h")
-    work = tmp_path_factory.mktemp("schema")
-    (work / "layout.c").write_text(_program())
+    (work / "layout.c").write_text(_program(structs))
     subprocess.run(
-        [cc, "-I", str(ROOT / "bpf"), "-o", str(work / "layout"), str(work / "layout.c")],
+        [cc, "-I", str(include), "-o", str(work / "layout"), str(work / "layout.c")],
         check=True,
         capture_output=True,
     )
@@ -67,17 +82,79 @@ def c_layout(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], 
     return layout
 
 
-@pytest.mark.parametrize("struct", sorted(STRUCTS))
-def test_struct_size_matches_dtype(struct: str, c_layout: dict) -> None:
-    assert c_layout[(struct, "SIZE")][0] == STRUCTS[struct].itemsize
+def mismatches(layout: Layout, structs: dict[str, np.dtype]) -> list[str]:
+    """Where the dtypes and the C structs differ: sizes, field offsets, field sizes."""
+    found = []
+    for struct, dtype in structs.items():
+        if layout[(struct, "SIZE")][0] != dtype.itemsize:
+            found.append(f"{struct}: C {layout[(struct, 'SIZE')][0]} bytes, numpy {dtype.itemsize}")
+        for name in dtype.names:
+            field_dtype, offset = dtype.fields[name][:2]
+            if layout[(struct, name)] != (offset, field_dtype.itemsize):
+                c_off, c_size = layout[(struct, name)]
+                found.append(
+                    f"{struct}.{name}: C at {c_off} ({c_size} bytes), "
+                    f"numpy at {offset} ({field_dtype.itemsize} bytes)"
+                )
+    return found
 
 
-@pytest.mark.parametrize("struct", sorted(STRUCTS))
-def test_every_field_offset_and_size_match(struct: str, c_layout: dict) -> None:
-    dtype = STRUCTS[struct]
-    for name in dtype.names:
-        field_dtype, offset = dtype.fields[name][:2]
-        assert c_layout[(struct, name)] == (offset, field_dtype.itemsize), f"{struct}.{name}"
+@pytest.fixture(scope="module")
+def c_layout(tmp_path_factory: pytest.TempPathFactory) -> Layout:
+    return compile_layout(ROOT / "bpf", STRUCTS, tmp_path_factory.mktemp("schema"))
+
+
+def test_c_structs_and_numpy_dtypes_agree(c_layout: Layout) -> None:
+    assert mismatches(c_layout, STRUCTS) == []
+
+
+def test_a_struct_changed_in_c_alone_is_found(tmp_path: Path) -> None:
+    """Drift on the C side: a copy of events.h whose sched_event widens cpu."""
+    header = (ROOT / "bpf" / "events.h").read_text()
+    drifted = header.replace("\t__u32 cpu;\n\t__u32 _pad1;", "\t__u64 cpu;\n\t__u32 _pad1;")
+    assert drifted != header
+    (tmp_path / "events.h").write_text(drifted.replace("sizeof(struct sched_event) == 48", "1"))
+    found = mismatches(compile_layout(tmp_path, STRUCTS, tmp_path), STRUCTS)
+    assert found == [
+        "sched_event: C 56 bytes, numpy 48",
+        "sched_event.cpu: C at 40 (8 bytes), numpy at 40 (4 bytes)",
+        "sched_event._pad1: C at 48 (4 bytes), numpy at 44 (4 bytes)",
+    ]
+
+
+def test_a_dtype_changed_in_numpy_alone_is_found(c_layout: Layout) -> None:
+    """Drift on the numpy side: the header's pid and tid swapped in a copy."""
+    names = list(schema.TCP_EVENT.names)
+    i, j = names.index("pid"), names.index("tid")
+    names[i], names[j] = names[j], names[i]
+    drifted = np.dtype([(n, schema.TCP_EVENT.fields[n][0]) for n in names])
+    found = mismatches(c_layout, {**STRUCTS, "tcp_event": drifted})
+    assert sorted(found) == [
+        "tcp_event.pid: C at 20 (4 bytes), numpy at 24 (4 bytes)",
+        "tcp_event.tid: C at 24 (4 bytes), numpy at 20 (4 bytes)",
+    ]
+
+
+def _defines(path: Path, prefix: str) -> dict[str, int]:
+    found = re.findall(rf"^#define ({prefix}\w+) (\d+)", path.read_text(), re.M)
+    return {name: int(value) for name, value in found}
+
+
+def test_ring_indices_and_heads_agree() -> None:
+    """bpf/common.h's ring indices and struct ring_head against recorder.maps."""
+    common = (ROOT / "bpf" / "common.h").read_text()
+    sources = common + "".join(p.read_text() for p in (ROOT / "bpf").glob("*.c"))
+    rings = _defines(ROOT / "bpf" / "common.h", "RING_")
+    for ring, (index, map_name, slots_flag) in maps.RING_MAPS.items():
+        assert rings[f"RING_{ring.upper()}"] == index, ring
+        assert f"#define {slots_flag} " in common, slots_flag
+        assert re.search(rf"\b{map_name}\b", sources), map_name
+    assert rings["RING_DISC"] == maps.DISCOVERY_HEAD
+    head = re.search(r"struct ring_head \{\s*__u64 head;\s*__u64 _pad\[(\d+)\];\s*\};", common)
+    assert head is not None, "struct ring_head is no longer a head and its padding"
+    assert 1 + int(head.group(1)) == maps.HEAD_STRIDE_U64
+    disc = _defines(ROOT / "bpf" / "events.h", "DISC_")
+    assert disc == {"DISC_EXEC": maps.DISC_EXEC, "DISC_LINKMAP": maps.DISC_LINKMAP}
 
 
 def test_dtypes_cover_every_byte() -> None:

@@ -15,7 +15,7 @@ shows every one.
 Flight Recorder dumps name no host and no pid: their ranks are shown with
 the file they came from, and process groups by their name and description.
 
-JSON (DESIGN.md's document), with, per incident, its time and detector and
+JSON (docs/architecture.md, "Analysis JSON"), with, per incident, its time and detector and
 the communicator tables, always whole.
 """
 

@@ -1,4 +1,4 @@
-"""SQL benchmark: the DESIGN.md seed query on a million rows, and fan-out.
+"""SQL benchmark: the seed query (dumpers.sqltables.SEED_QUERY) on a million rows, and fan-out.
 
     python -m bench.bench_sql [--quick] [--repeats N]
 

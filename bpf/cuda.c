@@ -46,7 +46,7 @@
  * per-thread default stream told apart per thread (all share one key),
  * graphs built or updated node by node (cudaGraphAdd*Node, cudaGraphExecUpdate),
  * captures joined across streams by events, graphs launched from the device,
- * and the driver's cu* calls (see DESIGN.md).
+ * and the driver's cu* calls (docs/architecture.md, "Data flow").
  */
 
 #define MAX_CUDA_EVENTS 65536

@@ -1,7 +1,7 @@
 """The table layout every part queries: Recordings -> columnar Arrow tables.
 
 One function, :func:`tables`, turns recordings (dumps or live snapshots) into
-the SQL tables of DESIGN.md, each with a ``host`` column:
+the SQL tables (docs/architecture.md, docs/parquet.md), each with a ``host`` column:
 
     nccl_events    one row per NCCL call (ring "nccl"), and per call replayed by a CUDA graph
     cuda_graphs    the NCCL calls each CUDA graph captured, in capture order
@@ -18,10 +18,10 @@ never row by row.  Small string domains (host, op, datatype, state, event,
 addresses) are interned: the column holds small integer codes and an Arrow
 dictionary holds the names, so ``op = 'ALL_REDUCE'`` compares strings while
 the data stays a byte per row.  Every event table keeps ``timestamp_ns`` in the
-recording host's CLOCK_MONOTONIC domain (DESIGN.md) and adds ``wall_time``, the
-same instant as a wall-clock timestamp (UTC, without a zone, as DuckDB
-``TIMESTAMP_NS``) converted with the dump's sampled
-clock pair.
+recording host's CLOCK_MONOTONIC domain (docs/architecture.md, "Clock
+domain") and adds ``wall_time``, the same instant as a wall-clock timestamp
+(UTC, without a zone, as DuckDB ``TIMESTAMP_NS``) converted with the dump's
+sampled clock pair.
 
 Every column holds NULL where the value is unknown or means nothing for the
 row (never -1 or 0 standing for "unknown"): ``end_ns``/``duration_ns``/
@@ -97,7 +97,7 @@ from .schema import (
 )
 from .threads import ArgsFrom, NcclCall, ProcessThreads, ThreadState, syscall_name
 
-# The query DESIGN.md ("SQL") promises runs unchanged on dumps and on live
+# The seed query (docs/architecture.md, "SQL tables") runs unchanged on dumps and on live
 # agents; the demo, the benchmarks and the tests all use this one copy.
 SEED_QUERY = """\
 WITH slow_collectives AS (

@@ -3,8 +3,8 @@
 A 4-node x 2-rank job runs in the lab with one agent per node; one rank,
 chosen at random from ``--seed``, hangs before a collective of a random step.
 The agents see the stall, tell their peers, and every node dumps.  Then the
-demo runs, on those dumps, ``stallwatch analyze``, the seed SQL query of
-DESIGN.md, and ``stallwatch export --perfetto``, and prints each command so
+demo runs, on those dumps, ``stallwatch analyze``, the seed SQL query
+(``dumpers.sqltables.SEED_QUERY``), and ``stallwatch export --perfetto``, and prints each command so
 that it can be run again by hand.
 
 Every stage is a subprocess (``python -m stallwatch ...``): the commands

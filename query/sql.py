@@ -5,7 +5,7 @@ serve`` and the live agent's ``POST /query``; there is never a second.
 
 DuckDB scans the Arrow tables in place (``register``: no copy into DuckDB
 storage) and plans range joins (IEJoin) for the ``BETWEEN`` windows that the
-seed query of DESIGN.md uses.
+seed query (``dumpers.sqltables.SEED_QUERY``) uses.
 
 Sandbox, applied to every query whatever its origin:
 

@@ -1,5 +1,5 @@
 """``stallwatch analyze`` end to end on dump files: exit codes, bad inputs
-reported per file, JSON as in DESIGN.md, text report layout."""
+reported per file, JSON as in docs/architecture.md, text report layout."""
 
 from __future__ import annotations
 

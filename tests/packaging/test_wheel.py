@@ -1,6 +1,6 @@
 """The package as it ships: a wheel built from the repository holds every part
 under the one ``stallwatch`` namespace with the BPF and lab C sources as
-package data; the import contract of DESIGN.md holds on it (and breaks when a
+package data; the import contracts of pyproject.toml hold on it (and breaks when a
 part imports against the layers); and, installed into a fresh virtual
 environment, its ``stallwatch`` records a lab job from the installed copy only.
 """

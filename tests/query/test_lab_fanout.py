@@ -1,6 +1,6 @@
 """End to end: a 4-node lab job with packet loss on node 1, one agent per node.
 
-The DESIGN.md seed query fanned out to the 4 live agents finds node 1's
+The seed query (dumpers.sqltables.SEED_QUERY) fanned out to the 4 live agents finds node 1's
 retransmits inside its slow AllReduces; then every agent dumps, and the same
 query over each node's dump returns the same rows as that node's agent did
 live, for the same window (collectives that ended before a cut-off taken

@@ -280,9 +280,9 @@ FORMAT_VERSION = 2  # docs/analyze.schema.json; 1: before culprits and enums
 
 
 def verdict_json(r: IncidentResult, v: Verdict) -> dict[str, object]:
-    """A verdict as JSON: the keys of docs/architecture.md's "Analysis JSON" (its ranks, hosts and pids one
-    culprit each, index by index, where it names culprits) and one object
-    per culprit."""
+    """A verdict as JSON: the keys of docs/architecture.md ("Analysis JSON"; its
+    ranks, hosts and pids one culprit each, index by index, where it names
+    culprits) and one object per culprit."""
     doc = v.to_json()
     found = culprits(r.incident, v, r.frontiers)
     if found:

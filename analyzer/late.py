@@ -43,14 +43,18 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from stallwatch.dumpers.model import CommInfo, Recording, Ring
-from stallwatch.dumpers.schema import NCCL_EVENT, Op, captured_rows
+from stallwatch.dumpers.schema import NCCL_EVENT, Op, captured_rows, op_name
 
 from .model import Incident
-from .verdict import Verdict, VerdictKind, known_rank
+from .verdict import Verdict, VerdictKind, known_rank, rank_text
+
+if TYPE_CHECKING:
+    from .unanchored import Unanchored
 
 MIN_OVERLAP = 3
 MAX_SKEW_NS = 1_000_000_000
@@ -99,6 +103,9 @@ class Unaligned:
     comm_ptr: int
     calls: int
     why: str
+    # its latest call where it was entered and has not returned ("" if none):
+    # the process waits there, aligned or not
+    in_flight: str = ""
 
     def text(self) -> str:
         return (
@@ -111,6 +118,8 @@ class Unaligned:
 class LateReport:
     aligned: tuple[Alignment, ...]
     unaligned: tuple[Unaligned, ...]
+    # the unaligned streams judged among themselves (analyzer.unanchored)
+    unanchored: Unanchored | None = None
 
     def uncertain(self) -> set[tuple[str, int]]:
         """(host, pid) whose rank could not be told."""
@@ -331,12 +340,36 @@ def align(recs: list[Recording]) -> tuple[list[Recording], LateReport | None]:
         fits = [f for k in known.values() if _has_room(k) for f in _fits(s, k)]
         best, runner, why = _choose(fits)
         if best is None:
-            unaligned.append(Unaligned(s.host, s.pid, s.ptr, len(s.rows), why))
+            unaligned.append(Unaligned(s.host, s.pid, s.ptr, len(s.rows), why, _flying(s)))
         else:
             aligned.append((s, best, runner))
     alignments = _assign_ranks(aligned, known)
+    left = [
+        s
+        for s in streams
+        if (s.host, s.pid, s.ptr) in {(u.host, u.pid, u.comm_ptr) for u in unaligned}
+    ]
+    # imported here: analyzer.unanchored builds on this module's fits
+    from .unanchored import judge_streams
+
     return _rewrite(recs, alignments, known), LateReport(
-        tuple(a for _, a in alignments), tuple(unaligned)
+        tuple(a for _, a in alignments),
+        tuple(unaligned),
+        judge_streams(recs, left) if left else None,
+    )
+
+
+def _flying(s: _Stream) -> str:
+    """Its latest call, if it is in flight: "ALL_GATHER seq 998 of its
+    recording (seq from the attach) on communicator pointer 0x..."."""
+    if not len(s.rows):
+        return ""
+    last = s.rows[np.argmax(s.rows["ts_ns"])]
+    if int(last["end_ns"]) != 0:
+        return ""
+    return (
+        f"{op_name(int(last['op']))} seq {int(last['seq'])} (counted from its agent's attach) "
+        f"on communicator pointer {s.ptr:#x}"
     )
 
 
@@ -476,6 +509,12 @@ def amend(inc: Incident, verdicts: list[Verdict]) -> list[Verdict]:
     if report is None:
         return verdicts
     out = [_with_alignments(v, report) for v in verdicts]
+    named = _by_frontiers(inc, report)
+    if named is not None:
+        # the unaligned streams were judged among themselves: the hang they
+        # show comes first; what could not be aligned is its evidence
+        rest = [v for v in out if v.kind not in (VerdictKind.HEALTHY, VerdictKind.INCONCLUSIVE)]
+        return [named, *rest]
     if report.unaligned:
         why = _inconclusive(inc, report.unaligned)
         folded = [v for v in out if _about(inc, v, why)]
@@ -483,6 +522,56 @@ def amend(inc: Incident, verdicts: list[Verdict]) -> list[Verdict]:
         seen = tuple(f"also {v.summary} (its unaligned calls may be theirs)" for v in folded)
         out.append(dataclasses.replace(why, evidence=(*why.evidence, *seen)))
     return out
+
+
+def _by_frontiers(inc: Incident, report: LateReport) -> Verdict | None:
+    """A hang named by the frontiers of streams no agent saw made."""
+    u = report.unanchored
+    if u is None or not u.culprits:
+        return None
+    world = {(p.host, p.pid): p.world_rank for p in inc.procs if p.world_rank >= 0}
+    for h in inc.readings:  # a rank no recorded call names: its launcher's RANK
+        for snap in h.snapshots:
+            for proc in snap.processes:
+                if proc.world_rank is not None:
+                    world.setdefault((h.host, proc.pid), proc.world_rank)
+    name = {p: f"rank {rank_text(r)} (host {p[0]}, pid {p[1]})" for p, r in world.items()}
+    blocked = [w for w in u.waits if set(w.behind) & set(u.culprits)]
+    # the headline: a wait only the culprits miss, of the fewest peers (the
+    # subgroup's collective; the larger ones it blocks are consequences)
+    main = min(
+        blocked,
+        key=lambda w: (
+            not set(w.behind) <= set(u.culprits),
+            len(w.behind) + len(w.waiting),
+            -w.age_ns,
+        ),
+    )
+    culprits = sorted(u.culprits, key=lambda p: (world.get(p, -1) < 0, world.get(p, -1), p))
+    who = ", ".join(name.get(p, f"host {p[0]} pid {p[1]}") for p in culprits)
+    waiters = sorted({(w.host, w.pid) for w in blocked})
+    me = name.get((main.host, main.pid), f"host {main.host} pid {main.pid}")
+    summary = (
+        f"{who} never entered the {main.op} {me} waits in ({main.age_ns / 1e9:.1f} s); "
+        f"{len(waiters)} rank(s) wait for it; by the frontiers of streams recorded from their "
+        "agents' attach (no agent saw the communicators made)"
+    )
+    evidence = [w.text(name) for w in blocked][:EVIDENCE_LINES]
+    evidence += [u_.text() for u_ in report.unaligned][:EVIDENCE_LINES]
+    more = len(report.unaligned) - EVIDENCE_LINES
+    if more > 0:
+        evidence.append(f"and {more} more stream(s) not aligned to a communicator id")
+    return Verdict(
+        VerdictKind.MISSING_RANK,
+        tuple(world.get(p, -1) for p in culprits),
+        tuple(sorted({p[0] for p in culprits})),
+        tuple(p[1] for p in culprits),
+        None,
+        None,
+        main.op,
+        summary,
+        tuple(evidence),
+    )
 
 
 def _about(inc: Incident, v: Verdict, unaligned: Verdict) -> bool:

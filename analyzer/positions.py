@@ -290,13 +290,17 @@ def detect_positions(a: Analysis) -> list[Verdict]:
 def calls_in_flight(inc: Incident) -> dict[tuple[str, int], str]:
     """(host, pid) -> the collective its latest recorded call is, where that
     call was entered and has not returned."""
+    out = (
+        {(u.host, u.pid): u.in_flight for u in inc.late.unaligned if u.in_flight}
+        if inc.late
+        else {}
+    )
     rows = inc.calls.rows
     if not len(rows):
-        return {}
+        return out
     order = np.lexsort((rows["ts"], rows["proc"]))
     proc = rows["proc"][order]
     last = order[np.flatnonzero(np.diff(proc, append=-1) != 0)]
-    out = {}
     for i in last.tolist():
         r = rows.record(i)
         if int(r["end"]) == 0:

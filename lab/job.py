@@ -71,6 +71,8 @@ CUDART_ENV = "STALLWATCH_LAB_CUDART"
 CUDART_NAME = "libcudart.so.12"
 MODES = ("blocking", "async", "gpu")
 ASYNC_ENV = "LABNCCL_ASYNC"
+WAIT_ENV = "LABNCCL_WAIT"  # "spin": waiting host threads spin (lab/csrc/labwait.h)
+WAITS = ("block", "spin")
 UID_FILE = "world.uid"
 NO_COMM = "none"
 

@@ -100,6 +100,9 @@ class RunConfig:
     lib: Path | None = None
     snapshot_when_stuck: bool = False  # stallwatch snapshot in every node once stuck
     late_agents: bool = False  # with record: agents start once the job is stuck
+    # how waiting host threads wait: "block" (in poll(2), asleep) or "spin"
+    # (runnable throughout, as CUDA's spin sync and NCCL's busy polling)
+    wait: str = "block"
 
     @property
     def topology(self) -> F.Topology:
@@ -278,6 +281,10 @@ class Lab:
             env[job.ASYNC_ENV] = "1"
         else:
             env.pop(job.ASYNC_ENV, None)
+        if self.cfg.wait == "spin":
+            env[job.WAIT_ENV] = "spin"
+        else:
+            env.pop(job.WAIT_ENV, None)
         return env
 
     def node(self, index: int) -> netns.Node:

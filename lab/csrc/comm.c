@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "labwait.h"
 
 /* ---- the registry of live communicators: an invalid handle is never dereferenced ---- */
 
@@ -190,13 +191,13 @@ static ncclResult_t launchOnStream(ncclComm_t c, const labOp *ops, int nops) {
 
 static void drainCudaStreams(ncclComm_t c) {
     pthread_mutex_lock(&c->mu);
-    while (c->onStreams > 0) pthread_cond_wait(&c->cv, &c->mu);
+    while (c->onStreams > 0) labCondWait(&c->cv, &c->mu);
     pthread_mutex_unlock(&c->mu);
 }
 
 static void drainStream(ncclComm_t c) {
     pthread_mutex_lock(&c->mu);
-    while (c->head || c->busy) pthread_cond_wait(&c->cv, &c->mu);
+    while (c->head || c->busy) labCondWait(&c->cv, &c->mu);
     pthread_mutex_unlock(&c->mu);
 }
 

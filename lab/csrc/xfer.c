@@ -13,6 +13,7 @@
 #include <sys/uio.h>
 
 #include "internal.h"
+#include "labwait.h"
 
 #define HS sizeof(wireHdr)
 #define POLL_MS 200
@@ -195,8 +196,10 @@ ncclResult_t xferRun(ncclComm_t comm, xfer *x) {
             res = labError(comm, ncclSystemError, "rank %d: communicator aborted", comm->rank);
             break;
         }
-        int rc = poll(pfd, (nfds_t)np, POLL_MS);
+        int spin = labSpinWait();
+        int rc = poll(pfd, (nfds_t)np, spin ? 0 : POLL_MS);
         if (rc < 0 && errno != EINTR) res = labError(comm, ncclSystemError, "poll: %s", strerror(errno));
+        if (rc == 0 && spin) sched_yield(); /* busy polling, as NCCL's proxy does */
         for (int i = 0; rc > 0 && i < np && res == ncclSuccess; i++) {
             short re = pfd[i].revents;
             if ((re & (POLLIN | POLLHUP | POLLERR)) && pending(&x->recv[peer[i]]))

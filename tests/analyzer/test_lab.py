@@ -33,6 +33,8 @@ RUNS: dict[str, list[str]] = {
     "healthy": ["--nodes", "2", "--dump-at-end"],
     "healthy-async": ["--nodes", "2", "--mode", "async", "--dump-at-end"],
     "hang": ["--nodes", "2", "--fault", "hang:rank=3,step=8"],
+    # waiting threads spin (runnable throughout) as real CUDA/NCCL stacks wait
+    "hang-spin": ["--nodes", "2", "--wait", "spin", "--fault", "hang:rank=3,step=8"],
     "hang-async-4": ["--nodes", "4", "--mode", "async", "--fault", "hang:rank=5,step=8"],
     "hang-4": ["--nodes", "4", "--fault", "hang:rank=6,step=7"],
     "crash": ["--nodes", "2", "--fault", "crash:rank=2,step=8,signal=KILL"],
@@ -44,6 +46,15 @@ RUNS: dict[str, list[str]] = {
     ],
     "mismatch": ["--nodes", "2", "--fault", "mismatch:rank=1,step=8,field=count"],
     "slow": ["--nodes", "2", "--fault", "slow:rank=1,ms=100", "--dump-at-end"],
+    "slow-spin": [
+        "--nodes",
+        "2",
+        "--wait",
+        "spin",
+        "--fault",
+        "slow:rank=1,ms=100",
+        "--dump-at-end",
+    ],
     # The hog is pinned to rank 2's CPU; on a machine with two CPUs rank 0
     # shares it and is starved too: rank 2 must be among those named.
     "cpuhog": ["--nodes", "2", "--fault", "cpuhog:rank=2", "--dump-at-end"],
@@ -117,6 +128,7 @@ def test_healthy_run_dumped_at_end_is_healthy_only(
 HANGS = [
     # (run, hung rank, its host)
     ("hang", 3, "node1"),
+    ("hang-spin", 3, "node1"),
     ("hang-async-4", 5, "node2"),
     ("hang-4", 6, "node3"),
 ]
@@ -162,6 +174,7 @@ def test_incident_is_named_first(
 
 STRAGGLERS = [
     ("slow", VerdictKind.COMPUTE_STRAGGLER, 1),
+    ("slow-spin", VerdictKind.COMPUTE_STRAGGLER, 1),
     ("cpuhog", VerdictKind.CPU_INTERFERENCE, 2),
 ]
 

@@ -18,9 +18,12 @@ from stallwatch.dumpers.format import read_dump
 pytestmark = [pytest.mark.bpf, pytest.mark.lab, pytest.mark.slow]
 
 
-def test_agents_started_at_different_moments_still_name_the_hung_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("wait", ["block", "spin"])
+def test_agents_started_at_different_moments_still_name_the_hung_rank(
+    tmp_path: Path, wait: str
+) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "stallwatch", "lab", "run", "--json",
+        [sys.executable, "-m", "stallwatch", "lab", "run", "--json", "--wait", wait,
          "--nodes", "2", "--ranks-per-node", "1", "--steps", "400", "--compute-ms", "20",
          "--record", "--dump-dir", str(tmp_path), "--stall-timeout", "3",
          "--fault", "agentlate:node=1,step=20", "--fault", "hang:rank=1,step=300"],

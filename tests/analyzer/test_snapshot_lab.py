@@ -115,6 +115,28 @@ def test_snapshots_of_a_job_hung_before_any_agent_name_the_hung_rank(tmp_path: P
 
 
 @pytest.mark.lab
+@pytest.mark.slow
+def test_snapshots_of_a_spinning_job_never_blame_a_waiting_rank(tmp_path: Path) -> None:
+    """The same with waiting threads spinning (runnable throughout, as CUDA's
+    spin synchronisation and NCCL's busy polling wait), one seed.  A running
+    thread's stack is not read from outside (it would have to be stopped), and
+    with no recording there is no call in flight to outrank it: those ranks
+    are "position unknown", never "inside no NCCL call".  Nothing can name the
+    hung rank for certain; no waiting rank is named."""
+    rng = random.Random(0)
+    hung, step = rng.randrange(NODES * PER_NODE), rng.randrange(1, 5)
+    lab, analysis = _run(tmp_path, hung, step, "--snapshot-when-stuck", "--wait", "spin")
+    assert len(lab["dumps"]) == NODES, lab["dumps"]
+    (incident,) = analysis["incidents"]
+    named = {r for v in incident["verdicts"] for r in v["ranks"]}
+    assert named <= {hung, None}, incident["verdicts"]
+    assert incident["verdicts"][0]["kind"] in ("missing_rank", "inconclusive")
+    for e in (e for v in incident["verdicts"] for e in v["evidence"]):
+        if e.startswith("rank ") and not e.startswith(f"rank {hung} ("):
+            assert "inside no NCCL call" not in e, e
+
+
+@pytest.mark.lab
 @pytest.mark.bpf
 @pytest.mark.slow
 def test_agents_started_after_the_hang_snapshot_one_incident(tmp_path: Path) -> None:

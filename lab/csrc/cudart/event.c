@@ -2,6 +2,7 @@
  * stream has run its newest record (an event never recorded is complete). */
 #include <stdlib.h>
 
+#include "labwait.h"
 #include "runtime.h"
 
 #define EVENT_FLAGS (cudaEventBlockingSync | cudaEventDisableTiming | cudaEventInterprocess)
@@ -82,7 +83,7 @@ CUDART_API cudaError_t cudaEventSynchronize(cudaEvent_t event) {
     if (labIsLiveLocked(event, EVENT_MAGIC)) {
         uint64_t target = event->recorded;
         event->refs++; /* a destroy while we wait must not free it */
-        while (event->reached < target) pthread_cond_wait(&labRtCond, &labRtLock);
+        while (event->reached < target) labCondWait(&labRtCond, &labRtLock);
         if (--event->refs == 0 && event->destroyed) free(event);
         err = cudaSuccess;
     }

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "labwait.h"
 #include "runtime.h"
 
 static cudaStream_t gLegacy;
@@ -58,7 +59,7 @@ static void runItem(cudaStream_t s, item *it) {
         labReleaseEventLocked(it->event);
         break;
     case ITEM_WAIT:
-        while (it->event->reached < it->gen) pthread_cond_wait(&labRtCond, &labRtLock);
+        while (it->event->reached < it->gen) labCondWait(&labRtCond, &labRtLock);
         labReleaseEventLocked(it->event);
         break;
     }
@@ -157,7 +158,7 @@ cudaError_t labStreamSync(cudaStream_t stream, int perThread) {
     }
     if (err == cudaSuccess) {
         uint64_t target = s->enqueued;
-        while (s->done < target) pthread_cond_wait(&labRtCond, &labRtLock);
+        while (s->done < target) labCondWait(&labRtCond, &labRtLock);
     }
     pthread_mutex_unlock(&labRtLock);
     return labRtError(err);

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from stallwatch.dumpers.errors import ExitCode, LabError
 from stallwatch.lab import faults as F
-from stallwatch.lab.job import DEFAULT_COMPUTE_MS, DEFAULT_ELEMENTS, MODES
+from stallwatch.lab.job import DEFAULT_COMPUTE_MS, DEFAULT_ELEMENTS, MODES, WAITS
 
 from ..options import HelpFormatter, add_format_option
 
@@ -59,6 +59,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--mode", choices=MODES, default="blocking",
                    help="blocking collectives; async: returning at once like real NCCL; gpu: on "
                    "CUDA streams of the lab's libcudart, used as PyTorch does")  # fmt: skip
+    p.add_argument("--wait", choices=WAITS, default="block",
+                   help="how waiting host threads wait: block (asleep in poll) or spin "
+                   "(runnable throughout, as CUDA's spin synchronisation and NCCL's busy "
+                   "polling wait)")  # fmt: skip
     p.add_argument("--graphs", action="store_true",
                    help="gpu mode: capture each step's collectives in a CUDA graph once and "
                    "replay it every step")  # fmt: skip
@@ -131,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         lib=args.lib,
         snapshot_when_stuck=args.snapshot_when_stuck,
         late_agents=args.late_agents,
+        wait=args.wait,
     )
     as_json = args.format == "json"
     result = runner.run(cfg, progress_out=None if as_json else sys.stderr)

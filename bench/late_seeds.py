@@ -1,0 +1,46 @@
+"""Every agent late, over seeds: the lab job of tests/analyzer/test_lab_late_all
+(each node's agent started once the job is 20 steps in, then a random rank
+hangs), on 2x2 and 4x2, with waiting threads blocking and spinning; counts the
+runs whose first verdict names the hung rank alone.
+
+    python -m bench.late_seeds [--seeds 10] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.analyzer.late_lab import names_the_hung_rank_alone, run_all_late
+
+SHAPES = ((2, 2), (4, 2))
+WAITS = ("block", "spin")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, default=10)
+    p.add_argument("--out", type=Path, default=None, help="keep the dumps here")
+    args = p.parse_args(argv)
+    out = args.out or Path(tempfile.mkdtemp(prefix="late-seeds-"))
+    for nodes, rpn in SHAPES:
+        for wait in WAITS:
+            ok = 0
+            for seed in range(args.seeds):
+                hung = random.Random(seed).randrange(nodes * rpn)
+                folder = out / f"{nodes}x{rpn}-{wait}-seed{seed}"
+                r = run_all_late(folder, nodes, rpn, hung, wait)
+                good = names_the_hung_rank_alone(r)
+                ok += good
+                top = r.verdicts[0]["summary"] if r.verdicts else "no verdict"
+                print(f"{nodes}x{rpn} {wait} seed {seed} hung {hung}: {'ok' if good else 'WRONG'}: "
+                      f"{top}", flush=True)  # fmt: skip
+            print(f"== {nodes}x{rpn} {wait}: {ok}/{args.seeds}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

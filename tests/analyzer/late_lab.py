@@ -1,0 +1,64 @@
+"""Running a lab job whose every agent starts late (every communicator made
+before any attach), and analyzing what it dumped: shared by the lab tests and
+the seeds loop (``bench/late_seeds.py``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LATE_STEP = 20  # every agent starts once a rank is this far
+HANG_STEP = 150
+
+
+@dataclass(frozen=True, slots=True)
+class LateRun:
+    hung: int
+    hung_pid: int | None
+    dumps: list[str]
+    code: int  # analyze's exit code
+    verdicts: list[dict[str, object]]
+    stderr: str
+
+
+def run_all_late(
+    folder: Path, nodes: int, ranks_per_node: int, hung: int, wait: str, timeout: int = 600
+) -> LateRun:
+    """``lab run`` with an agentlate fault on every node, rank ``hung`` hanging
+    at HANG_STEP, then ``analyze --json`` over its dumps."""
+    late = [f"agentlate:node={n},step={LATE_STEP}" for n in range(nodes)]
+    cmd = [sys.executable, "-m", "stallwatch", "lab", "run", "--json",
+           "--nodes", str(nodes), "--ranks-per-node", str(ranks_per_node),
+           "--steps", str(HANG_STEP + 200), "--compute-ms", "20", "--wait", wait,
+           "--record", "--dump-dir", str(folder), "--stall-timeout", "3",
+           *(x for f in late for x in ("--fault", f)),
+           "--fault", f"hang:rank={hung},step={HANG_STEP}"]  # fmt: skip
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    result = json.loads(run.stdout or "{}")
+    pid = next((r["pid"] for r in result.get("ranks", []) if r["world_rank"] == hung), None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "stallwatch", "analyze", str(folder), "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    doc = json.loads(proc.stdout or "{}")
+    verdicts = [v for i in doc.get("incidents", []) for v in i["verdicts"]]
+    return LateRun(hung, pid, result.get("dumps", []), proc.returncode, verdicts, run.stderr)
+
+
+def names_the_hung_rank_alone(r: LateRun) -> bool:
+    """The first verdict is a missing rank naming the hung rank (and its pid)
+    and nothing else; no verdict names another rank."""
+    if not r.verdicts:
+        return False
+    top = r.verdicts[0]
+    named = {x for v in r.verdicts for x in v["ranks"]}  # type: ignore[attr-defined]
+    return (
+        top["kind"] == "missing_rank"
+        and top["ranks"] == [r.hung]
+        and top["pids"] == [r.hung_pid]
+        and named <= {r.hung, None}
+    )

@@ -1,0 +1,31 @@
+"""Every agent late, on the lab: each node's agent starts only once the job is
+20 steps in (every communicator was made before any attach: no recording
+holds a communicator id), then one rank hangs.  Real eBPF, real network
+namespaces, waiting threads blocking in poll or spinning.  The streams are
+judged among themselves by their frontiers (``analyzer.unanchored``): the
+hung rank alone is named.  (``bench/late_seeds.py`` runs the same over 10
+seeds and both wait modes.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.analyzer.late_lab import names_the_hung_rank_alone, run_all_late
+
+pytestmark = [pytest.mark.bpf, pytest.mark.lab, pytest.mark.slow]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "ranks_per_node", "hung", "wait"),
+    [(2, 2, 1, "block"), (4, 2, 5, "spin")],
+)
+def test_every_agent_late_names_the_hung_rank(
+    tmp_path: Path, nodes: int, ranks_per_node: int, hung: int, wait: str
+) -> None:
+    r = run_all_late(tmp_path, nodes, ranks_per_node, hung, wait)
+    assert len(r.dumps) == nodes, r.stderr[-3000:]
+    assert r.code == 1
+    assert names_the_hung_rank_alone(r), r.verdicts
+    assert "by the frontiers of streams" in str(r.verdicts[0]["summary"])

@@ -94,6 +94,7 @@ class AgentConfig:
     pin_dir: Path | None = None  # the recording is pinned there (None: it dies with us)
     replace_pinned: bool = False  # replace a pin set of another layout
     keep_pinned: bool = False  # stopped, leave the pins (a service); else remove them
+    bpf_cache: Path | None = None  # compiled programs kept there (recorder.compiled)
 
 
 @dataclass(slots=True)

@@ -260,15 +260,67 @@ class _CreateAttr(ctypes.Structure):
     ]
 
 
-def map_create(map_type: int, key_size: int, value_size: int, max_entries: int, name: str) -> int:
+def map_create(
+    map_type: int, key_size: int, value_size: int, max_entries: int, name: str, flags: int = 0
+) -> int:
     attr = _CreateAttr(
         map_type=map_type,
         key_size=key_size,
         value_size=value_size,
         max_entries=max_entries,
+        map_flags=flags,
         map_name=name.encode()[:15],
     )
     fd = bpf(BPF_MAP_CREATE, attr)
+    _cloexec(fd)
+    return fd
+
+
+class _ProgLoadAttr(ctypes.Structure):
+    _fields_ = [
+        ("prog_type", ctypes.c_uint32),
+        ("insn_cnt", ctypes.c_uint32),
+        ("insns", ctypes.c_uint64),
+        ("license", ctypes.c_uint64),
+        ("log_level", ctypes.c_uint32),
+        ("log_size", ctypes.c_uint32),
+        ("log_buf", ctypes.c_uint64),
+        ("kern_version", ctypes.c_uint32),
+        ("prog_flags", ctypes.c_uint32),
+        ("prog_name", ctypes.c_char * 16),
+        ("prog_ifindex", ctypes.c_uint32),
+        ("expected_attach_type", ctypes.c_uint32),
+    ]
+
+
+BPF_PROG_LOAD = 5
+PROG_LOG_BYTES = 1 << 20
+
+
+def prog_load(
+    prog_type: int, insns: bytes, license: str, name: str, expected_attach_type: int = 0
+) -> int:
+    """Load a program; OSError with the verifier's last lines on refusal."""
+    code = ctypes.create_string_buffer(insns, len(insns))
+    lic = ctypes.create_string_buffer(license.encode())
+    attr = _ProgLoadAttr(
+        prog_type=prog_type,
+        insn_cnt=len(insns) // 8,
+        insns=_addr(code),
+        license=_addr(lic),
+        prog_name=name.encode()[:15],
+        expected_attach_type=expected_attach_type,
+    )
+    try:
+        fd = bpf(BPF_PROG_LOAD, attr)
+    except OSError:
+        log = ctypes.create_string_buffer(PROG_LOG_BYTES)
+        attr.log_level, attr.log_size, attr.log_buf = 1, PROG_LOG_BYTES, _addr(log)
+        try:
+            fd = bpf(BPF_PROG_LOAD, attr)
+        except OSError as exc:
+            tail = log.value.decode(errors="replace").strip().splitlines()[-3:]
+            raise OSError(exc.errno, f"{exc.strerror}: {' | '.join(tail)}") from None
     _cloexec(fd)
     return fd
 

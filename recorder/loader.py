@@ -39,7 +39,11 @@ _ERRORS: dict[str, type[StallwatchError]] = {
 
 
 def load_outside(
-    pins: PinOptions, ring_slots: int, runq_threshold_ns: int, about: dict[str, Any]
+    pins: PinOptions,
+    ring_slots: int,
+    runq_threshold_ns: int,
+    about: dict[str, Any],
+    cache_dir: Path | None = None,
 ) -> None:
     """Compile and pin in a short-lived process; raise what it refused with."""
     request = {
@@ -48,6 +52,7 @@ def load_outside(
         "ring_slots": ring_slots,
         "runq_threshold_ns": runq_threshold_ns,
         "about": about,
+        "cache_dir": str(cache_dir) if cache_dir is not None else None,
     }
     argv = [sys.executable, "-m", "stallwatch.recorder.loader"]
     try:
@@ -80,7 +85,14 @@ def _load(request: dict[str, Any]) -> None:
 
     pins = PinOptions(Path(request["pin_dir"]), bool(request["replace"]))
     sizes = RingSizes.from_nccl(int(request["ring_slots"]))
-    probes = Probes(sizes, int(request["runq_threshold_ns"]), pins=pins, about=request["about"])
+    cache = request.get("cache_dir")
+    probes = Probes(
+        sizes,
+        int(request["runq_threshold_ns"]),
+        pins=pins,
+        about=request["about"],
+        cache_dir=Path(cache) if cache else None,
+    )
     probes.close()  # the recording stays pinned, for the agent
 
 

@@ -28,6 +28,7 @@ a library fire for every process that maps it, filtering is by the
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import errno
@@ -44,7 +45,7 @@ from typing import Any
 from stallwatch.dumpers.errors import PinError, ProbeError
 from stallwatch.dumpers.schema import CUDA_SYMBOLS, NCCL_SYMBOLS, RING_DTYPES
 
-from . import bpfsys, discovery, pinning
+from . import bpfsys, compiled, discovery, pinning
 from .maps import RING_MAPS, BpfMap, Layout, MapSet, MapSpec
 from .rings import check_ring_size
 
@@ -346,6 +347,7 @@ class Probes:
         pins: pinning.PinOptions | None = None,
         about: dict[str, Any] | None = None,
         compile_outside: bool = False,
+        cache_dir: Path | None = None,
     ) -> None:
         """``uprobe_multi=False`` attaches perf-event uprobes even where the
         kernel has uprobe_multi links (the fallback, for tests).  With
@@ -353,7 +355,9 @@ class Probes:
         pins of this very build (``build_key``) are adopted with nothing
         compiled; else, with ``compile_outside`` (the agent), a short-lived
         process compiles and pins (``recorder.loader``) and they are
-        adopted; else BCC compiles here."""
+        adopted; else BCC compiles here.  ``cache_dir``: the compile cache
+        (``recorder.compiled``), read by the agent and written by whoever
+        compiles."""
         self.flags = cflags(sizes, runq_threshold_ns)
         self.build_key = build_key(self.flags)
         self.bpf: Any = None  # the BCC module, once compiled here
@@ -369,6 +373,8 @@ class Probes:
         self.pinset: pinning.PinSet | None = None
         self.adopted = False
         self.compiled = False  # whether BCC compiled in this process
+        self._cache_dir = cache_dir
+        self._own_progs = False  # the programs' fds are ours to close (not BCC's)
         about = {**(about or {}), "build_key": self.build_key}
         try:
             self.maps = self._open(pins, about, sizes, runq_threshold_ns, compile_outside)
@@ -403,9 +409,12 @@ class Probes:
             ready = pinning.adopt_built(pins, self.build_key)
             how = "pins of this very build: nothing compiled"
             if ready is None and compile_outside:
+                maps = self._from_cache(pins, about)
+                if maps is not None:
+                    return maps
                 from .loader import load_outside
 
-                load_outside(pins, sizes.nccl, runq_threshold_ns, about)
+                load_outside(pins, sizes.nccl, runq_threshold_ns, about, self._cache_dir)
                 ready = pinning.adopt_loaded(pins)
                 how = "compiled by a loader process, which has exited"
             if ready is not None:
@@ -455,12 +464,115 @@ class Probes:
             raise
         self.pinset.lock()
         log.info("recording pinned at %s (layout %s)", self.pinset.path, self.layout.fingerprint)
+        self._keep_compiled()
         return maps
+
+    # ---- the compile cache -------------------------------------------------
+
+    def _keep_compiled(self) -> None:
+        """What BCC compiled, kept for the next cold start (best effort)."""
+        if self._cache_dir is None:
+            return
+        try:
+            compiled.save(self._cache_dir, self._capture())
+        except (OSError, ValueError) as exc:
+            log.warning("compiled programs not kept in %s: %s", self._cache_dir, exc)
+            return
+        log.info("compiled programs kept in %s", compiled.path_for(self._cache_dir, self.build_key))
+
+    def _capture(self) -> compiled.Compiled:
+        names = {int(self.bpf[n.encode()].map_fd): n for n in self.layout.maps}
+        maps = tuple(compiled.compiled_map(n, fd) for fd, n in names.items())
+        kprobe, tracepoint = compiled.BPF_PROG_TYPE_KPROBE, compiled.BPF_PROG_TYPE_TRACEPOINT
+        programs = [
+            self._captured(p, kprobe, bpfsys.BPF_TRACE_UPROBE_MULTI, None, names)
+            for p in UPROBE_PROGRAMS
+        ]
+        programs += [
+            self._captured(p, tracepoint, 0, (category, event), names)
+            for p, category, event in _tracepoints(self.bpf, self._lib)
+        ]
+        license = self._lib.bpf_module_license(self.bpf.module).decode()
+        return compiled.Compiled(self.build_key, license, self.layout, maps, tuple(programs))
+
+    def _captured(
+        self,
+        name: str,
+        prog_type: int,
+        attach_type: int,
+        tracepoint: tuple[str, str] | None,
+        names: dict[int, str],
+    ) -> compiled.CompiledProgram:
+        insns, where = compiled.unbind(self.bpf.dump_func(name.encode()), names)
+        return compiled.CompiledProgram(name, prog_type, attach_type, insns, where, tracepoint)
+
+    def _from_cache(self, pins: pinning.PinOptions, about: dict[str, Any]) -> MapSet | None:
+        """Pins made from the compile cache's entry of this build, with no
+        compiler anywhere; None (nothing left behind) if there is no entry
+        or the kernel refuses it."""
+        entry = compiled.load(self._cache_dir, self.build_key) if self._cache_dir else None
+        if entry is None:
+            return None
+        opened = pinning.open_for_agent(pins, entry.layout, about)
+        if opened.adopted is not None:
+            return self._adopt(opened.adopted, "pins of the same layout: nothing compiled")
+        assert opened.building is not None
+        fds: dict[str, int] = {}
+        try:
+            self._load_entry(entry, opened.building, fds)
+            self.pinset = opened.building.finish()
+        except (OSError, PinError) as exc:
+            opened.building.abandon()
+            self._forget_entry(fds)
+            log.warning("the compile cache's programs were not loaded (%s): compiling", exc)
+            return None
+        self.pinset.lock()
+        self.layout, self._multi, self._own_progs = entry.layout, True, True
+        log.info(
+            "recording pinned at %s (layout %s), loaded from the compile cache %s: "
+            "nothing compiled",
+            self.pinset.path,
+            entry.layout.fingerprint,
+            compiled.path_for(self._cache_dir or Path(), self.build_key),
+        )
+        maps = {n: BpfMap(spec, fds[n], owned=True) for n, spec in entry.layout.maps.items()}
+        return MapSet(entry.layout, maps)
+
+    def _load_entry(
+        self, entry: compiled.Compiled, building: pinning.Building, fds: dict[str, int]
+    ) -> None:
+        for m in entry.maps:
+            fds[m.name] = bpfsys.map_create(
+                m.type, m.key_size, m.value_size, m.max_entries, m.name, m.flags
+            )
+            building.pin_map(m.name, fds[m.name])
+        for prog in entry.programs:
+            code = compiled.bind(prog, fds)
+            fd = bpfsys.prog_load(prog.prog_type, code, entry.license, prog.name, prog.attach_type)
+            if prog.tracepoint is None:
+                self._progs[prog.name] = fd
+                building.pin_prog(prog.name, fd)
+                continue
+            try:
+                link = bpfsys.tracepoint_link(fd, *prog.tracepoint)
+            finally:
+                os.close(fd)  # the link holds the program
+            self._links.append(link)
+            building.pin_link(pinning.tracepoint_link_name(*prog.tracepoint), link)
+
+    def _forget_entry(self, fds: dict[str, int]) -> None:
+        close_links(self._links)
+        self._links = []
+        for fd in [*fds.values(), *self._progs.values()]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._progs.clear()
 
     def _adopt(self, pinset: pinning.PinSet, how: str = "compiled here") -> MapSet:
         """Take over a pinned recording: its maps, programs and links."""
         self.pinset = pinset
         self.adopted = True
+        self._own_progs = True
         self.layout = pinset.layout
         maps = MapSet(pinset.layout, pinset.open_maps())
         for program in UPROBE_PROGRAMS:
@@ -705,7 +817,7 @@ class Probes:
         if maps is not None:
             maps.close()
         for name, fd in list(self._progs.items()):
-            if self.adopted:  # ours, from the pins; BCC's are closed by BCC
+            if self._own_progs:  # ours (pins, the cache); BCC's are closed by BCC
                 os.close(fd)
             del self._progs[name]
         if self.pinset is not None:

@@ -36,6 +36,7 @@ def run_agent(config: AgentConfig) -> int:
         pins=_pin_options(config),
         about=_about(config),
         compile_outside=True,
+        cache_dir=config.bpf_cache,
     )
     if source.pinset is not None:
         source.pinset.note_agent(os.getpid(), config.version, _about(config))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -178,8 +179,10 @@ class BccSource(MapSource):
         pins: PinOptions | None = None,
         about: dict[str, Any] | None = None,
         compile_outside: bool = False,
+        cache_dir: Path | None = None,
     ) -> None:
-        """``compile_outside``: see ``Probes`` (the agent compiles nothing itself)."""
+        """``compile_outside``, ``cache_dir``: see ``Probes`` (the agent
+        compiles nothing itself)."""
         from .probes import Probes, RingSizes
 
         self.probes = Probes(
@@ -188,6 +191,7 @@ class BccSource(MapSource):
             pins=pins,
             about=about,
             compile_outside=compile_outside,
+            cache_dir=cache_dir,
         )
         self.sizes = self.probes.sizes
         super().__init__(self.probes.maps)

@@ -177,6 +177,17 @@ def _add_pin_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="remove the pinned recording at --pin-dir (probes, rings) and exit",
     )
+    p.add_argument(
+        "--bpf-cache",
+        type=Path,
+        default=Path("/var/cache/stallwatch"),
+        metavar="DIR",
+        help="where compiled BPF programs are kept, so that a start with nothing pinned "
+        "compiles nothing (one file per build; unwritable: compiled at each cold start)",
+    )
+    p.add_argument(
+        "--no-bpf-cache", action="store_true", help="compile at every start with nothing pinned"
+    )
     p.add_argument("--print-bpf", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -295,6 +306,7 @@ def _config(args: argparse.Namespace) -> AgentConfig:
         pin_dir=None if args.no_pin else args.pin_dir,
         replace_pinned=args.replace_pinned,
         keep_pinned=args.keep_pinned,
+        bpf_cache=None if args.no_bpf_cache else args.bpf_cache,
     )
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -212,19 +213,22 @@ def test_ctrl_c_on_a_foreground_agent_leaves_nothing_and_keep_pinned_keeps_it(
     and a C loop's calls go on being recorded; an agent started by hand then
     adopts it, and Ctrl-C (SIGINT) on it removes every pin: nothing of it is
     left under bpffs (with its fds closed too, nothing holds a probe).  No
-    agent maps BCC or LLVM: the first had a loader process compile, the
-    second compiled nothing."""
+    agent maps BCC or LLVM: the first had a loader process compile (and keep
+    what it compiled), the second adopted its pins, a third, with nothing
+    pinned, loaded the kept programs itself and records."""
     loop = subprocess.Popen([str(fake.loop), "pace", "600", "200"], stdout=subprocess.DEVNULL)
+    cache = ("--bpf-cache", str(tmp_path / "bpf-cache"))
     try:
-        service = start_agent(fake, pin_dir, tmp_path)
+        service = start_agent(fake, pin_dir, tmp_path, *cache)
         service.wait_for("listening on")
         assert "compiled by a loader process, which has exited" in service.text()
+        assert "compiled programs kept in" in service.text()
         assert not _compiler_mapped(service.proc.pid)
         stop(service)
         assert service.proc.returncode == 0, service.text()[-3000:]
         assert "the recording stays pinned at" in service.text()
         assert (pin_dir / "links").is_dir() and len(list((pin_dir / "links").iterdir())) >= 2
-        by_hand = start_agent(fake, pin_dir, tmp_path, keep=False)
+        by_hand = start_agent(fake, pin_dir, tmp_path, *cache, keep=False)
         by_hand.wait_for("listening on")
         assert "adopted the pinned recording" in by_hand.text()
         # the same build's pins: no loader ran, BCC was never loaded
@@ -237,6 +241,16 @@ def test_ctrl_c_on_a_foreground_agent_leaves_nothing_and_keep_pinned_keeps_it(
         assert "removing the pinned recording" in by_hand.text()
         assert _ours_under_bpffs(pin_dir) == []
         assert loop.poll() is None  # the job runs on, unrecorded
+        # nothing pinned now: the next start loads the compile cache's programs itself
+        cold = start_agent(fake, pin_dir, tmp_path, *cache, keep=False)
+        cold.wait_for("listening on")
+        assert "loaded from the compile cache" in cold.text()
+        assert "compiled by a loader process" not in cold.text()
+        assert not _compiler_mapped(cold.proc.pid)
+        assert len(pace_rows(cold.dump("from the cache's programs"), loop.pid)) > 0
+        cold.proc.send_signal(signal.SIGINT)
+        assert cold.proc.wait(60) == 0, cold.text()[-3000:]
+        assert _ours_under_bpffs(pin_dir) == []
     finally:
         loop.kill()
         loop.wait()
@@ -307,3 +321,31 @@ def test_cleanup_of_something_else_is_refused(tmp_path: Path) -> None:
     with pytest.raises(PinError, match="not on a BPF file system"):
         pinning.cleanup(tmp_path)
     assert tmp_path.is_dir()
+
+
+def test_the_compile_cache_names_each_map_load_and_binds_new_fds(tmp_path: Path) -> None:
+    """Instructions that load a map fd (ld_imm64, src_reg 1) are kept by map
+    name with the fd zeroed, and given the new fds when bound; an fd of no
+    map of the layout is refused; an entry reads back as it was written."""
+    from stallwatch.recorder import compiled
+
+    ld_map = struct.pack("<BBhi", 0x18, 0x10 | 1, 0, 7) + struct.pack("<BBhi", 0, 0, 0, 0)
+    ld_num = struct.pack("<BBhi", 0x18, 0x01, 0, 7) + struct.pack("<BBhi", 0, 0, 0, 0)
+    exit_ = struct.pack("<BBhi", 0x95, 0, 0, 0)
+    insns = ld_map + ld_num + ld_map + exit_
+    unbound, where = compiled.unbind(insns, {7: "ring"})
+    assert where == ((0, "ring"), (4, "ring"))
+    assert unbound[4:8] == b"\0\0\0\0" and unbound[20:24] == struct.pack("<i", 7)
+    program = compiled.CompiledProgram("p", 2, 48, unbound, where, None)
+    bound = compiled.bind(program, {"ring": 42})
+    assert compiled.unbind(bound, {42: "ring"}) == (unbound, where)
+    with pytest.raises(ValueError, match="loads fd 7, which is no map"):
+        compiled.unbind(insns, {8: "ring"})
+    entry = compiled.Compiled(
+        "k1", "GPL", _layout(), (compiled.CompiledMap("ring", 2, 4, 16, 64, 1024),), (program,)
+    )
+    compiled.save(tmp_path, entry)
+    assert compiled.load(tmp_path, "k1") == entry
+    assert compiled.load(tmp_path, "k2") is None  # another build
+    compiled.path_for(tmp_path, "k1").write_text("{not json")
+    assert compiled.load(tmp_path, "k1") is None  # passed over: the loader compiles

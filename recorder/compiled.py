@@ -1,0 +1,173 @@
+"""A compile result kept on disk and reused: a cold start compiles nothing.
+
+BCC compiles the BPF programs with LLVM: seconds of CPU, at every start
+with nothing pinned (a new node, after ``--cleanup`` or a foreground
+agent's Ctrl-C).  Once a loader process has compiled (``recorder.loader``),
+it keeps what BCC produced in ``--bpf-cache DIR/<build key>.json``: each
+program's instructions as BCC made them, its type, and which map each
+map-loading instruction names; every map's type, sizes and flags as the
+kernel reported them; the layout.  An agent that finds its build's entry
+creates the maps with bpf(2), gives each such instruction the new map's fd,
+and loads the programs itself (the kernel's verifier checks them as it
+checked BCC's): no BCC and no LLVM in any process.
+
+The key (``probes.build_key``) is the BPF sources, the flags and the kernel
+release: any change is another entry.  An entry that does not read back,
+or whose programs the kernel refuses, is passed over: the loader compiles.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import bpfsys
+from .maps import Layout
+
+log = logging.getLogger("stallwatch.record")
+
+FORMAT = 1
+DEFAULT_CACHE_DIR = Path("/var/cache/stallwatch")
+BPF_PROG_TYPE_KPROBE = 2  # uprobes too
+BPF_PROG_TYPE_TRACEPOINT = 5
+_LD_IMM64 = 0x18
+_PSEUDO_MAP_FD = 1
+_INSN = struct.Struct("<BBhi")
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledMap:
+    name: str
+    type: int
+    key_size: int
+    value_size: int
+    max_entries: int
+    flags: int
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledProgram:
+    name: str
+    prog_type: int
+    attach_type: int  # expected_attach_type (0: none)
+    insns: bytes  # map fds zeroed
+    maps: tuple[tuple[int, str], ...]  # (instruction index, map name)
+    tracepoint: tuple[str, str] | None  # (category, event) to link it to
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    build_key: str
+    license: str
+    layout: Layout
+    maps: tuple[CompiledMap, ...]
+    programs: tuple[CompiledProgram, ...]
+
+
+def unbind(insns: bytes, names: dict[int, str]) -> tuple[bytes, tuple[tuple[int, str], ...]]:
+    """The instructions with every map fd zeroed, and where each map was."""
+    out = bytearray(insns)
+    where = []
+    for i in range(len(insns) // _INSN.size):
+        code, regs, off, imm = _INSN.unpack_from(insns, i * _INSN.size)
+        if code == _LD_IMM64 and regs >> 4 == _PSEUDO_MAP_FD:
+            if imm not in names:
+                raise ValueError(f"instruction {i} loads fd {imm}, which is no map of the layout")
+            where.append((i, names[imm]))
+            _INSN.pack_into(out, i * _INSN.size, code, regs, off, 0)
+    return bytes(out), tuple(where)
+
+
+def bind(program: CompiledProgram, fds: dict[str, int]) -> bytes:
+    """The program's instructions naming this process's maps."""
+    out = bytearray(program.insns)
+    for index, name in program.maps:
+        code, regs, off, _ = _INSN.unpack_from(out, index * _INSN.size)
+        _INSN.pack_into(out, index * _INSN.size, code, regs, off, fds[name])
+    return bytes(out)
+
+
+def path_for(cache_dir: Path, build_key: str) -> Path:
+    return cache_dir / f"{build_key}.json"
+
+
+def save(cache_dir: Path, compiled: Compiled) -> None:
+    """Write the entry atomically (a reader never sees half of one)."""
+    doc = {
+        "format": FORMAT,
+        "build_key": compiled.build_key,
+        "license": compiled.license,
+        "layout": compiled.layout.to_json(),
+        "maps": [vars_of(m) for m in compiled.maps],
+        "programs": [
+            {
+                **vars_of(p),
+                "insns": base64.b64encode(p.insns).decode(),
+                "maps": [list(m) for m in p.maps],
+                "tracepoint": list(p.tracepoint) if p.tracepoint else None,
+            }
+            for p in compiled.programs
+        ],
+    }
+    cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as out:
+            json.dump(doc, out)
+        os.replace(tmp, path_for(cache_dir, compiled.build_key))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def vars_of(record: CompiledMap | CompiledProgram) -> dict[str, Any]:
+    return {name: getattr(record, name) for name in record.__slots__}
+
+
+def load(cache_dir: Path, build_key: str) -> Compiled | None:
+    """The entry of ``build_key``, or None (none, unreadable, another format)."""
+    path = path_for(cache_dir, build_key)
+    try:
+        doc = json.loads(path.read_text())
+        if doc["format"] != FORMAT or doc["build_key"] != build_key:
+            return None
+        return Compiled(
+            build_key,
+            str(doc["license"]),
+            Layout.from_json(doc["layout"]),
+            tuple(CompiledMap(**m) for m in doc["maps"]),
+            tuple(_program(p) for p in doc["programs"]),
+        )
+    except FileNotFoundError:
+        return None
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        log.warning("compile cache %s passed over: %s", path, exc)
+        return None
+
+
+def _program(doc: dict[str, Any]) -> CompiledProgram:
+    tracepoint = doc["tracepoint"]
+    return CompiledProgram(
+        name=str(doc["name"]),
+        prog_type=int(doc["prog_type"]),
+        attach_type=int(doc["attach_type"]),
+        insns=base64.b64decode(doc["insns"]),
+        maps=tuple((int(i), str(n)) for i, n in doc["maps"]),
+        tracepoint=(str(tracepoint[0]), str(tracepoint[1])) if tracepoint else None,
+    )
+
+
+def compiled_map(name: str, fd: int) -> CompiledMap:
+    info = bpfsys.map_info(fd)
+    return CompiledMap(
+        name, info.type, info.key_size, info.value_size, info.max_entries, info.flags
+    )

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import generate_latest
-from prometheus_client.registry import CollectorRegistry
+if TYPE_CHECKING:  # loaded at the first scrape, not when the agent starts
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 GAUGES = frozenset({"dumps_pending", "http_connections_open"})
 HELP = {
@@ -75,6 +75,8 @@ def _per_ring(
 
 def stats_families(stats: AgentStats) -> Iterator[Metric]:
     """The families of :class:`AgentStats`."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
     yield _per_ring(
         stats,
         CounterMetricFamily(
@@ -131,6 +133,8 @@ def stats_families(stats: AgentStats) -> Iterator[Metric]:
 def counter_families(counters: Mapping[str, int]) -> Iterator[Metric]:
     """Plain counters of the kernel side, the agent and the watchdog, one
     family each (a few are gauges)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
     for name, value in sorted(counters.items()):
         if name in COVERED:
             continue
@@ -153,6 +157,9 @@ class _Families:
 
 def render(families: Iterable[Metric]) -> str:
     """Prometheus text exposition format."""
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(families))
     return generate_latest(registry).decode()

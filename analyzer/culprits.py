@@ -59,12 +59,25 @@ def _proc_of(inc: Incident, v: Verdict, i: int) -> int:
     found = [
         k
         for k, p in enumerate(inc.procs)
-        if (rank is None or p.world_rank == rank)
+        # a process whose calls no table holds (streams from a late attach)
+        # has no world rank there: its pid names it
+        if (rank is None or p.world_rank == rank or (p.world_rank < 0 and pid is not None))
         and (not hosts or p.host in hosts)
         and (pid is None or p.pid == pid)
         and (rank is not None or pid is not None)
     ]
     return found[0] if len(found) == 1 else -1
+
+
+def _only(hosts: tuple[str, ...]) -> str | None:
+    """The host of a culprit no process of the tables is: the verdict's, where
+    it names one."""
+    return hosts[0] if len(set(hosts)) == 1 else None
+
+
+def _pid(v: Verdict, i: int) -> int | None:
+    """The verdict's pid of its i-th culprit, where it names one per culprit."""
+    return v.pids[i] if len(v.pids) == len(v.ranks) else None
 
 
 def judged_on(v: Verdict, i: int) -> str | None:
@@ -108,8 +121,8 @@ def culprits(inc: Incident, v: Verdict, fronts: tuple[Frontier, ...]) -> list[Cu
         out.append(
             Culprit(
                 world_rank=p.world_rank if p is not None and p.world_rank >= 0 else world,
-                host=p.host if p is not None else None,
-                pid=p.pid if p is not None and p.pid > 0 and not p.from_file else None,
+                host=p.host if p is not None else _only(v.hosts),
+                pid=p.pid if p is not None and p.pid > 0 and not p.from_file else _pid(v, i),
                 file=p.source if p is not None else None,
                 proc=proc,
                 communicator=where,

@@ -12,7 +12,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LATE_STEP = 20  # every agent starts once a rank is this far
-HANG_STEP = 150
+# the hang comes after the agents attached: their start (BPF compiled under
+# load) can take 10 s and more; a job hung before any agent is the snapshot
+# tests' case
+HANG_STEP = 700
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,19 +26,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="keep the dumps here")
     args = p.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="late-seeds-"))
-    for nodes, rpn in SHAPES:
-        for wait in WAITS:
-            ok = 0
-            for seed in range(args.seeds):
-                hung = random.Random(seed).randrange(nodes * rpn)
-                folder = out / f"{nodes}x{rpn}-{wait}-seed{seed}"
-                r = run_all_late(folder, nodes, rpn, hung, wait)
-                good = names_the_hung_rank_alone(r)
-                ok += good
-                top = r.verdicts[0]["summary"] if r.verdicts else "no verdict"
-                print(f"{nodes}x{rpn} {wait} seed {seed} hung {hung}: {'ok' if good else 'WRONG'}: "
-                      f"{top}", flush=True)  # fmt: skip
-            print(f"== {nodes}x{rpn} {wait}: {ok}/{args.seeds}", flush=True)
+    ok = {(shape, wait): 0 for shape in SHAPES for wait in WAITS}
+    # seed by seed over every shape and mode: stopped early, the counts stay even
+    for seed in range(args.seeds):
+        for (nodes, rpn), wait in ok:
+            hung = random.Random(seed).randrange(nodes * rpn)
+            folder = out / f"{nodes}x{rpn}-{wait}-seed{seed}"
+            r = run_all_late(folder, nodes, rpn, hung, wait)
+            good = names_the_hung_rank_alone(r)
+            ok[(nodes, rpn), wait] += good
+            top = r.verdicts[0]["summary"] if r.verdicts else "no verdict"
+            print(f"{nodes}x{rpn} {wait} seed {seed} hung {hung}: {'ok' if good else 'WRONG'}: "
+                  f"{top}", flush=True)  # fmt: skip
+        counts = ", ".join(f"{n}x{r} {w} {k}/{seed + 1}" for ((n, r), w), k in ok.items())
+        print(f"== after seed {seed}: {counts}", flush=True)
     return 0
 
 

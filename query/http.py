@@ -408,6 +408,9 @@ class _Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True  # headers and body leave at once: no delayed-ACK stall
     config: ServerConfig  # set on the per-server subclass
 
+    def handle_expect_100(self) -> bool:
+        return True  # the whole request is read before it is answered (_Server)
+
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
 
@@ -727,6 +730,7 @@ class _Conn:
     sock: socket.socket | None = None  # raw, or its TLS wrapper once made
     buf: bytearray = field(default_factory=bytearray)
     slow: bool = False  # its deadline is a read timeout (a request begun), not idleness
+    continued: bool = False  # "100 Continue" sent for the request being read
 
     @property
     def io(self) -> socket.socket:
@@ -734,6 +738,8 @@ class _Conn:
 
 
 _CONTENT_LENGTH = re.compile(rb"^content-length:[ \t]*(\d+)[ \t]*\r?$", re.I | re.M)
+_EXPECT_CONTINUE = re.compile(rb"^expect:[ \t]*100-continue[ \t]*\r?$", re.I | re.M)
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 def request_size(buf: bytes | bytearray, max_body: int) -> int | None:
@@ -927,10 +933,22 @@ class _Server:
     def _dispatch_whole(self, conn: _Conn) -> None:
         size = request_size(conn.buf, self._max_body())
         if size is None:
+            self._continue(conn)
             return
         data = bytes(conn.buf[:size])
         del conn.buf[:size]
+        conn.continued = False
         self._hand_over(conn, lambda c: self._answer(c, data))
+
+    def _continue(self, conn: _Conn) -> None:
+        """A client that waits for "100 Continue" before its body (curl does
+        above 1 KiB) is told to go on once its head is in."""
+        end = conn.buf.find(b"\r\n\r\n")
+        if conn.continued or end < 0 or not _EXPECT_CONTINUE.search(bytes(conn.buf[:end])):
+            return
+        conn.continued = True
+        with contextlib.suppress(BlockingIOError, ssl.SSLWantWriteError):
+            conn.io.send(_CONTINUE)  # a few bytes into an empty send buffer
 
     def _hand_over(self, conn: _Conn, work: Callable[[_Conn], bool]) -> None:
         """A worker has the connection until ``work`` returns (True: keep it)."""

@@ -437,3 +437,18 @@ def test_health_answers_while_a_thousand_idle_clients_hold_sockets(agent: FakeAg
         for sock in clients:
             sock.close()
         handle.close()
+
+
+def test_a_client_waiting_for_100_continue_is_told_to_go_on(server: ServerHandle) -> None:
+    """curl sends "Expect: 100-continue" above 1 KiB of body and waits for
+    the go-ahead (a second) before sending it."""
+    host, port = server.address.rsplit(":", 1)
+    body = json.dumps({"sql": "SELECT 1 AS one", "pad": "x" * 2000}).encode()
+    head = "POST /query HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+    head += f"Content-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head.encode())
+        assert sock.recv(64) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(body)
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 200") and answer.count(b"100 Continue") == 0

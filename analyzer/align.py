@@ -634,14 +634,18 @@ def _retransmits(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
         rows = rows[~loop]
         h = hosts.index(s.recording.host)
         src, dst = _addr_keys(rows["saddr"]).tolist(), _addr_keys(rows["daddr"]).tolist()
+        # the columns as Python ints once: a field view per row and column
+        # was most of the analysis of an incident of a thousand hosts
+        sport, dport = rows["sport"].tolist(), rows["dport"].tolist()
+        ts, pid = rows["ts_ns"].tolist(), rows["pid"].tolist()
         for i in range(len(rows)):
             a, b = bytes(src[i]), bytes(dst[i])
             local, remote = owner.get(a, -1), owner.get(b, -1)
-            key = (a, int(rows["sport"][i]), b, int(rows["dport"][i]), int(rows["ts_ns"][i]))
+            key = (a, sport[i], b, dport[i], ts[i])
             if local < 0 or remote < 0 or local == remote or key in seen:
                 continue
             seen.add(key)
-            out.append((h, int(rows["pid"][i]), int(rows["ts_ns"][i]), local, remote))
+            out.append((h, pid[i], ts[i], local, remote))
     return np.array(out, dtype=TCP_RETRANS_DTYPE) if out else np.zeros(0, TCP_RETRANS_DTYPE)
 
 

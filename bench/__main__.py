@@ -17,6 +17,7 @@ MODULES = (
     "bench_analyzer",
     "bench_accuracy",
     "bench_sql",
+    "bench_live",
     "bench_snapshot",
 )
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import pyarrow as pa
 
@@ -110,19 +110,25 @@ def _ask(t: Address, req: _Request) -> list[Frame]:
         raise AgentError(f"the answer is not rows: {exc}") from None
 
 
-class _Batch:
+T = TypeVar("T")
+
+
+class _Batch(Generic[T]):
     """One fan-out: at most ``concurrency`` threads take the next agent until
-    none is left; each agent's answer, error and the moment it was asked.
+    none is left; each agent's answer (what ``call`` makes of it), error and
+    the moment it was asked.
 
     The threads are started by the caller for this fan-out (a thread start is
     tens of microseconds), so they share its network namespace, and the
     whole batch is handed out at once: no per-agent future to create and
     signal, which on a busy machine costs more than the request itself."""
 
-    def __init__(self, targets: list[Address], req: _Request) -> None:
-        self.targets, self.req = targets, req
+    def __init__(
+        self, targets: list[Address], timeout: float, call: Callable[[Address], T]
+    ) -> None:
+        self.targets, self.timeout, self.call = targets, timeout, call
         self.asked: list[float | None] = [None] * len(targets)
-        self.frames: list[list[Frame] | None] = [None] * len(targets)
+        self.answers: list[T | None] = [None] * len(targets)
         self.errors: list[str | None] = [None] * len(targets)
         self.took: list[float | None] = [None] * len(targets)  # seconds, once answered
         self.finished = 0
@@ -141,15 +147,15 @@ class _Batch:
                     return
                 i, self._next = self._next, self._next + 1
                 self.asked[i] = asked = time.monotonic()
-            frames, error = None, None
+            answer, error = None, None
             try:
-                frames = _ask(self.targets[i], self.req)
+                answer = self.call(self.targets[i])
             except AgentError as exc:
                 error = str(exc)
             except Exception as exc:  # a bug must not hang the fan-out
                 error = f"{type(exc).__name__}: {exc}"
             with self.cond:
-                self.frames[i], self.errors[i] = frames, error
+                self.answers[i], self.errors[i] = answer, error
                 self.took[i] = time.monotonic() - asked
                 self.finished += 1
                 if self.finished == n:
@@ -161,7 +167,7 @@ class _Batch:
         first); which ones answered in time.  Woken once all have answered,
         otherwise it looks every 50 ms at most (a wake-up per answer would
         cost a scan of every agent per answer)."""
-        n, timeout = len(self.targets), self.req.timeout
+        n, timeout = len(self.targets), self.timeout
         with self.cond:
             while self.finished < n:
                 now = time.monotonic()
@@ -225,13 +231,13 @@ def _request(the_plan: Plan, token: str | None, timeout: float, tls: ClientTls |
 def _gather(
     targets: list[Address], req: _Request, the_plan: Plan, concurrency: int
 ) -> tuple[list[AgentAnswer], list[AgentFailure], dict[str, pa.Table]]:
-    batch = _Batch(targets, req)
+    batch = _Batch(targets, req.timeout, lambda t: _ask(t, req))
     batch.run(concurrency)
     answered = batch.wait()
     answers, failed = [], []
     parts: list[list[pa.Table]] = [[] for _ in the_plan.fetches]
     for i, t in enumerate(targets):
-        frames, error = batch.frames[i], batch.errors[i]
+        frames, error = batch.answers[i], batch.errors[i]
         if not answered[i]:
             error = f"no answer within {req.timeout:g} s"
         elif frames is not None and len(frames) != len(the_plan.fetches):
@@ -245,6 +251,63 @@ def _gather(
         for k, frame in enumerate(frames):
             parts[k].append(frame.table)
     return answers, failed, _union(the_plan, parts)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentReply(Generic[T]):
+    agent: str  # the address as given
+    value: T  # what ``parse`` made of the answer
+    elapsed_ms: float  # asked to answered (and parsed), as the client saw it
+
+
+def call_agents(
+    agents: Sequence[str],
+    path: str,
+    parse: Callable[[str, str, bytes], T],
+    doc: Mapping[str, object] | None = None,
+    token: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    tls: ClientTls | None = None,
+    concurrency: int = DEFAULT_CONCURRENCY,
+) -> tuple[list[AgentReply[T]], list[AgentFailure]]:
+    """``POST path`` with ``doc`` (``GET path`` when None) to every agent at
+    once, as the SQL fan-out asks (``concurrency``, ``timeout`` from the
+    moment each is asked, kept-alive connections of ``query.agentclient``).
+    Each 200 answer goes through ``parse(agent, content type, body)`` on the
+    thread that fetched it; an AgentError or ValueError it raises, or any
+    other status, fails that agent.  Returns the replies and the failures,
+    each in the order of ``agents``."""
+    if not agents:
+        raise UsageError("no agents given")
+    if concurrency < 1:
+        raise UsageError(f"--concurrency must be 1 or more, got {concurrency}")
+    targets = [parse_address(a, tls is not None) for a in agents]
+    if tls is not None:
+        context_of(tls)  # a bad file is named before any agent is asked
+
+    def call(t: Address) -> T:
+        client = AgentClient(t, token, tls, timeout, keep_alive=True)
+        reply = client.get(path) if doc is None else client.post_json(path, doc)
+        if not reply.ok:
+            raise AgentError(reply.error_text())
+        try:
+            return parse(t.text, reply.content_type, reply.body)
+        except ValueError as exc:
+            raise AgentError(str(exc)) from None
+
+    batch = _Batch(targets, timeout, call)
+    batch.run(concurrency)
+    answered = batch.wait()
+    replies, failed = [], []
+    for i, t in enumerate(targets):
+        answer, error = batch.answers[i], batch.errors[i]
+        if not answered[i]:
+            error = f"no answer within {timeout:g} s"
+        if error is not None or answer is None:
+            failed.append(AgentFailure(t.text, error or "no answer"))
+            continue
+        replies.append(AgentReply(t.text, answer, (batch.took[i] or 0.0) * 1e3))
+    return replies, failed
 
 
 def _union(the_plan: Plan, parts: list[list[pa.Table]]) -> dict[str, pa.Table]:

@@ -1,4 +1,6 @@
 """``stallwatch analyze PATH... [--format table|json]``: name the culprit rank, and why.
+``stallwatch analyze --agents HOST:PORT,... [--save DIR]``: the same, live, on
+the agents' current recordings (nothing written unless ``--save``).
 
 Exit codes: 0 healthy, 1 findings (an inconclusive verdict, or an input that
 could not be read, counts as one), 2 nothing could be read.
@@ -8,11 +10,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from stallwatch.analyzer.report import MAX_TABLE_ROWS, MAX_TABLES
+from stallwatch.dumpers.errors import UsageError
 
-from .options import HelpFormatter, add_format_option
+from .options import HelpFormatter, add_agent_options, add_format_option, agent_call_from
+
+if TYPE_CHECKING:
+    from stallwatch.analyzer.pipeline import AnalysisResult
 
 EXAMPLES = """\
 examples:
@@ -21,6 +28,9 @@ examples:
   stallwatch analyze dumps/ --all                every communicator, every rank
   stallwatch analyze fr_traces/                  PyTorch Flight Recorder dumps (_dump_<rank>)
   STALLWATCH_THREADS=1 stallwatch analyze dumps/ on one core (default: up to 4)
+  stallwatch analyze --agents node1:9400,node2:9400 --token-file /etc/stallwatch/token \
+      --tls-ca /etc/stallwatch/ca.pem            live: the agents' current recordings
+  stallwatch analyze --agents-file nodes.txt --save incident/   ... and keep them as dumps
 
 exit codes: 0 healthy, 1 findings (inconclusive, or an input lost), 2 nothing could be read
 """
@@ -35,7 +45,14 @@ def register(subparsers: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=HelpFormatter,
     )
-    p.add_argument("paths", nargs="+", metavar="PATH", help="dump files or folders")
+    p.add_argument("paths", nargs="*", metavar="PATH", help="dump files or folders")
+    add_agent_options(p, timeout=10.0)  # live, instead of PATH
+    p.add_argument(
+        "--save",
+        type=Path,
+        metavar="DIR",
+        help="with --agents: write the answers as one incident (DIR/<host>/)",
+    )
     add_format_option(p)
     p.add_argument(
         "--all",
@@ -49,9 +66,36 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from stallwatch.analyzer.pipeline import analyze_paths
+
+    live = args.agents is not None or args.agents_file is not None
+    if live == bool(args.paths):
+        raise UsageError("give dump files or folders, or --agents/--agents-file (not both)")
+    if args.save is not None and not live:
+        raise UsageError("--save goes with --agents: dumps given as paths are saved already")
+    if live:
+        return _run_live(args)
+    result = analyze_paths(args.paths, progress=sys.stderr.isatty() or len(args.paths) > 1)
+    return _report(args, result)
+
+
+def _run_live(args: argparse.Namespace) -> int:
+    from stallwatch.analyzer.live import analyze_agents
+    from stallwatch.query.agentclient import close_connections
+
+    call = agent_call_from(args)
+    try:
+        verdict = analyze_agents(call, args.save)
+    finally:
+        close_connections()
+    if args.save is not None:
+        saved = f"saved {len(verdict.saved)} dump(s) in {args.save}"
+        print(f"stallwatch analyze: {saved}", file=sys.stderr)
+    return _report(args, verdict.result)
+
+
+def _report(args: argparse.Namespace, result: AnalysisResult) -> int:
     from stallwatch.analyzer.report import print_report, to_json
 
-    result = analyze_paths(args.paths, progress=sys.stderr.isatty() or len(args.paths) > 1)
     for s in result.inputs:
         if not s.ok:
             print(f"stallwatch analyze: {s.note}", file=sys.stderr)

@@ -30,6 +30,7 @@ COMMAND_MODULES = (
     "stallwatch.commands.dump",
     "stallwatch.commands.snapshot",
     "stallwatch.commands.analyze",
+    "stallwatch.commands.collect",
     "stallwatch.commands.query",
     "stallwatch.commands.serve",
     "stallwatch.commands.export",
@@ -43,6 +44,8 @@ examples:
   stallwatch dump --reason "loss spike at step 1200"
   stallwatch snapshot --agents node1:9400,node2:9400   where every rank is, now
   stallwatch analyze dumps/                   name the culprit rank, and why
+  stallwatch analyze --agents node1:9400,node2:9400    the same, live, from the agents
+  stallwatch collect --agents node1:9400,node2:9400 -o incident/   every node's dumps
   stallwatch query dumps/*.msgpack "SELECT op, count(*) FROM nccl_events GROUP BY op"
   stallwatch query --agents node1:9400,node2:9400 "SELECT * FROM tcp_events LIMIT 5"
 """

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stallwatch.dumpers.errors import UsageError
 from stallwatch.query.tls import ClientTls, ServerTls, server_tls
+
+if TYPE_CHECKING:
+    from stallwatch.query.live import AgentCall
 
 _NO_DEFAULT = (None, False, argparse.SUPPRESS)
 
@@ -150,3 +154,35 @@ def add_pin_dir(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="the agent's folder on bpffs for its pinned recording (one per agent)",
     )
+
+
+# ---- which agents: --agents, --agents-file, and how to reach them ----------------
+
+
+def add_agent_options(parser: argparse.ArgumentParser, timeout: float) -> None:
+    """``--agents``, ``--agents-file``, the token, client TLS and a timeout:
+    the agents a live command asks (``analyze --agents``, ``collect``)."""
+    parser.add_argument("--agents", metavar="HOST:PORT,...", help="ask these live agents")
+    parser.add_argument(
+        "--agents-file",
+        type=Path,
+        metavar="FILE",
+        help="the agents, one HOST:PORT a line (# comments), with or instead of --agents",
+    )
+    add_token_option(parser, help="bearer token for the agents")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=timeout,
+        metavar="SEC",
+        help="per agent, once it is asked",
+    )
+    add_client_tls(parser)
+
+
+def agent_call_from(args: argparse.Namespace) -> AgentCall:
+    """The agents named and how to reach them, every file checked now."""
+    from stallwatch.query.live import AgentCall, agents_from
+
+    agents = agents_from(args.agents, args.agents_file)
+    return AgentCall(agents, read_token(args.token_file), client_tls_from(args), args.timeout)

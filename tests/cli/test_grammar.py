@@ -90,7 +90,7 @@ def test_options_before_or_after_the_paths(argv: list[str], want: dict[str, obje
 
 
 def test_usage_errors_exit_2_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["bogus"], ["--bogus", "analyze", "x"], ["analyze"], ["lab"], []):
+    for argv in (["bogus"], ["--bogus", "analyze", "x"], ["analyze", "--agents"], ["lab"], []):
         with pytest.raises(SystemExit) as exc:
             parse(build_parser(), argv)
         assert exc.value.code == 2, argv

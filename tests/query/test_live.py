@@ -5,19 +5,26 @@ giving what it gives on the same dumps as files."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from stallwatch.analyzer.pipeline import analyze_paths, analyze_recordings
+from stallwatch.analyzer.live import analyze_agents
+from stallwatch.analyzer.pipeline import AnalysisResult, analyze_paths, analyze_recordings
 from stallwatch.analyzer.report import to_json
+from stallwatch.analyzer.verdict import VerdictKind
+from stallwatch.cli import main
 from stallwatch.dumpers.errors import DumpFormatError
 from stallwatch.dumpers.folder import list_dumps, save_dump
 from stallwatch.dumpers.format import decode, read_dump, write_dump
 from stallwatch.dumpers.model import Recording, Trigger, TriggerKind
+from stallwatch.query.agentclient import close_connections
 from stallwatch.query.http import (
     DUMP_FRAMES,
     DumpBundle,
@@ -27,6 +34,8 @@ from stallwatch.query.http import (
     join_frames,
     serve_http,
 )
+from stallwatch.query.live import AgentCall, collect, fetch_recordings
+from tests.deploy.test_deploy import free_port
 from tests.dump_samples import assert_same, sample_recording
 from tests.query.test_http import request
 
@@ -215,3 +224,193 @@ def test_saved_dumps_take_the_per_node_layout_as_sent(tmp_path: Path) -> None:
         str(tmp_path / "evil_host" / "n4.msgpack"),
         str(tmp_path / "node3" / "n3.msgpack"),
     ]
+
+
+# ---------------------------------------------------------------- the client side
+
+
+@pytest.fixture
+def lab_fleet() -> Iterator[list[str]]:
+    """Each node of a recorded lab hang served by an agent of its own."""
+    handles = [
+        serve_http(RecordingsBackend([read_dump(p)]), "127.0.0.1:0", None)
+        for p in sorted((DATA / "lab-hang-2x2").glob("*.msgpack"))
+    ]
+    yield [h.address for h in handles]
+    for h in handles:
+        h.close()
+    close_connections()
+
+
+def verdicts(result: AnalysisResult) -> object:
+    return incidents_of(to_json(result))
+
+
+def incidents_of(text: str) -> object:
+    """The incidents of ``analyze --json``, each culprit's input file left
+    out: the same culprit is a file on disk, or the agent it came from."""
+    incidents = json.loads(text)["incidents"]
+    for inc in incidents:
+        for v in inc["verdicts"]:
+            for c in v.get("culprits", []):
+                c.pop("file", None)
+    return incidents
+
+
+def test_live_verdict_is_the_verdict_of_the_dumps(lab_fleet: list[str], tmp_path: Path) -> None:
+    live = analyze_agents(AgentCall(tuple(lab_fleet), timeout=10), save=tmp_path / "saved")
+    files = analyze_paths([str(DATA / "lab-hang-2x2")])
+    assert verdicts(live.result) == verdicts(files)
+    assert live.result.incidents[0].verdicts[0].kind is VerdictKind.MISSING_RANK
+    assert [s.path.split("/")[0] for s in live.result.inputs] == sorted(lab_fleet)
+    # saved: one incident in the per-node layout, read like any folder
+    assert {p.parent.name for p in live.saved} == {"node0", "node1"}
+    assert verdicts(analyze_paths([str(tmp_path / "saved")])) == verdicts(files)
+
+
+def test_live_agents_that_do_not_answer_are_lost_inputs(lab_fleet: list[str]) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    live = analyze_agents(AgentCall((lab_fleet[0], dead), timeout=5))
+    (lost,) = live.result.lost
+    assert lost.path == dead and lost.error is not None and lost.error.startswith(dead + ": ")
+    assert len(live.gathered.fetched) == 1 and not live.result.healthy
+
+
+def test_live_recordings_share_the_askers_incident(tmp_path: Path) -> None:
+    fakes = [LiveFake(sample_recording(host=f"n{k}"), tmp_path / f"d{k}") for k in range(3)]
+    handles = [serve_http(f, "127.0.0.1:0", None) for f in fakes]
+    try:
+        got = fetch_recordings(AgentCall(tuple(h.address for h in handles)), "live-x", "why")
+    finally:
+        for h in handles:
+            h.close()
+    assert [f.host for f in got.fetched] == ["n0", "n1", "n2"] and not got.failed
+    assert {f.recording.trigger.incident_id for f in got.fetched if f.recording.trigger} == {
+        "live-x"
+    }
+    assert [fake.asked for fake in fakes] == [[("live-x", "why")]] * 3
+
+
+class _Junk(BaseHTTPRequestHandler):
+    """An agent of another kind: dump frames around bytes that are no dump."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = encode_dumps(DumpBundle("odd", "live-y", ("odd.msgpack",), (b"\x93junk",)))
+        self.send_response(200)
+        self.send_header("Content-Type", DUMP_FRAMES)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_an_answer_the_reader_refuses_fails_that_agent(lab_fleet: list[str]) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Junk)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    odd = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        got = fetch_recordings(AgentCall((odd, lab_fleet[0])), "live-y")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [f.host for f in got.fetched] == ["node0"]
+    (failed,) = got.failed
+    assert failed.agent == odd and f"{odd}/odd.msgpack" in failed.error
+
+
+def test_collect_brings_the_newest_incident_home_and_names_who_sent_nothing(
+    tmp_path: Path,
+) -> None:
+    fakes = [LiveFake(sample_recording(host=f"n{k}"), tmp_path / f"d{k}") for k in range(3)]
+    base = fakes[0].rec.clock.monotonic_ns
+    for k, fake in enumerate(fakes):
+        written(fake.dump_dir, fake.host, "inc-old", base)
+        if k != 2:  # n2 never dumped the newest incident
+            written(fake.dump_dir, fake.host, "inc-new", base + 10**9)
+    handles = [serve_http(f, "127.0.0.1:0", None) for f in fakes]
+    stopped = f"127.0.0.1:{free_port()}"
+    agents = (handles[0].address, stopped, handles[1].address, handles[2].address)
+    out = tmp_path / "incident"
+    try:
+        got = collect(AgentCall(agents, timeout=5), None, out)
+        old = collect(AgentCall(agents, timeout=5), "inc-old", tmp_path / "old")
+    finally:
+        for h in handles:
+            h.close()
+    assert got.incident_id == "inc-new"
+    assert sorted(p.relative_to(out).parts[0] for _, p in got.saved) == ["n0", "n1"]
+    assert [f.agent for f in got.failed] == [stopped, handles[2].address]
+    assert "cannot reach" in got.failed[0].error and "no dump of incident" in got.failed[1].error
+    for fetched, path in got.saved:
+        assert path.read_bytes() == (fetched_dir(fakes, fetched.host) / fetched.name).read_bytes()
+    assert len(old.saved) == 3 and [f.agent for f in old.failed] == [stopped]
+
+
+def fetched_dir(fakes: list[LiveFake], host: str) -> Path:
+    return next(f.dump_dir for f in fakes if f.host == host)
+
+
+# ---------------------------------------------------------------- the commands
+
+
+def test_analyze_agents_prints_the_verdict_of_the_dumps(
+    lab_fleet: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    listed = tmp_path / "agents.txt"
+    listed.write_text(f"# the job's nodes\n{lab_fleet[0]}\n{lab_fleet[1]}  # node1\n")
+    save = tmp_path / "saved"
+    assert main(["analyze", "--agents-file", str(listed), "--json", "--save", str(save)]) == 1
+    out, err = capsys.readouterr()
+    assert incidents_of(out) == verdicts(analyze_paths([str(DATA / "lab-hang-2x2")]))
+    assert f"saved 2 dump(s) in {save}" in err
+    assert main(["analyze", str(save)]) == 1  # the saved incident, read as any folder
+    text = capsys.readouterr().out
+    assert "MISSING_RANK" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["analyze"], "give dump files or folders, or --agents"),
+        (["analyze", "x.msgpack", "--agents", "a:1"], "give dump files or folders, or --agents"),
+        (["analyze", "x.msgpack", "--save", "d"], "--save goes with --agents"),
+        (["analyze", "--agents", "nohostport"], "expected HOST:PORT"),
+        (["analyze", "--agents-file", "/nonexistent/agents"], "--agents-file /nonexistent/agents"),
+        (["collect", "--agents", "a:1"], "required: -o/--out"),
+        (["collect", "-o", "d"], "no agents given"),
+    ],
+)
+def test_live_commands_refuse_bad_usage_in_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with contextlib.suppress(SystemExit):
+        assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and "Traceback" not in "".join(err)
+
+
+def test_collect_summarises_what_came_and_what_did_not(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fakes = [LiveFake(sample_recording(host=f"n{k}"), tmp_path / f"d{k}") for k in range(2)]
+    for fake in fakes:
+        written(fake.dump_dir, fake.host, "inc-7", fake.rec.clock.monotonic_ns)
+    handles = [serve_http(f, "127.0.0.1:0", None) for f in fakes]
+    stopped = f"127.0.0.1:{free_port()}"
+    agents = ",".join([handles[0].address, stopped, handles[1].address])
+    out = tmp_path / "incident"
+    try:
+        code = main(["collect", "--agents", agents, "-o", str(out)])
+        empty = main(["collect", "inc-none", "--agents", handles[0].address, "-o", str(out)])
+    finally:
+        for h in handles:
+            h.close()
+    assert code == 1 and empty == 2
+    text = capsys.readouterr().out
+    assert "incident inc-7: 2 of 3 agents sent their dumps" in text
+    (lost_line,) = [line for line in text.splitlines() if line.startswith(stopped)]
+    assert "cannot reach the agent" in lost_line
+    assert sorted(p.name for p in out.iterdir()) == ["n0", "n1"]

@@ -42,9 +42,12 @@
  * launch's stream like a call made there: the events around the launch
  * start the first and complete them all.
  *
- * Not handled: cudaDeviceSynchronize (every stream of the process), the
- * per-thread default stream told apart per thread (all share one key),
- * graphs built or updated node by node (cudaGraphAdd*Node, cudaGraphExecUpdate),
+ * cudaDeviceSynchronize() + return: a success completes every call queued,
+ * before its entry, on the first PID_STREAMS streams the process queued
+ * NCCL calls on.  The per-thread default stream (cudaStreamPerThread, or
+ * NULL in a _ptsz call) is one stream per thread.
+ *
+ * Not handled: graphs built or updated node by node (cudaGraphAdd*Node, cudaGraphExecUpdate),
  * captures joined across streams by events, graphs launched from the device,
  * and the driver's cu* calls (docs/architecture.md, "Data flow").
  */
@@ -66,6 +69,7 @@
 #define CALL_EXEC_DESTROY 9
 #define CALL_GRAPH_DESTROY 10
 #define CALL_GRAPH_LAUNCH 11
+#define CALL_DEVICE_SYNC 12
 #define CAPTURE_ACTIVE 1 /* cudaStreamCaptureStatusActive */
 
 /* What the probes saw, per CPU (user space sums them into the counters of
@@ -112,6 +116,7 @@ struct cuda_call {
 		   * the pointer argument the call writes, or a launch's stream */
 	u32 kind;
 	u32 _pad;
+	u64 marks[PID_STREAMS]; /* device sync: each of the process's streams' count at entry */
 };
 BPF_ARRAY(cuda_calls, struct cuda_call, MAX_CUDA_CALLS);
 
@@ -155,19 +160,22 @@ static __always_inline int cuda_kind(u64 sym)
 	case CSYM_cudaGraphLaunch:
 	case CSYM_cudaGraphLaunch_ptsz:
 		return CALL_GRAPH_LAUNCH;
+	case CSYM_cudaDeviceSynchronize:
+		return CALL_DEVICE_SYNC;
 	}
 	return 0;
 }
 
-/* NULL in a _ptsz call is the per-thread stream. */
-static __always_inline u64 stream_arg(u64 sym, u64 stream)
+/* NULL in a _ptsz call is the per-thread stream; the key of a per-thread
+ * stream names the thread (thread_stream). */
+static __always_inline u64 stream_arg(u64 sym, u64 stream, u32 tid)
 {
 	int ptsz = sym == CSYM_cudaEventRecord_ptsz || sym == CSYM_cudaEventRecordWithFlags_ptsz ||
 		   sym == CSYM_cudaStreamWaitEvent_ptsz || sym == CSYM_cudaStreamQuery_ptsz ||
 		   sym == CSYM_cudaStreamSynchronize_ptsz || sym == CSYM_cudaStreamBeginCapture_ptsz ||
 		   sym == CSYM_cudaStreamEndCapture_ptsz || sym == CSYM_cudaStreamIsCapturing_ptsz ||
-		   sym == CSYM_cudaStreamGetCaptureInfo_ptsz;
-	return ptsz && stream == 0 ? 2 : stream;
+		   sym == CSYM_cudaStreamGetCaptureInfo_ptsz || sym == CSYM_cudaGraphLaunch_ptsz;
+	return thread_stream(ptsz && stream == 0 ? STREAM_PER_THREAD : stream, tid);
 }
 
 /* ---- rows ---------------------------------------------------------------- */
@@ -320,6 +328,35 @@ static __always_inline void on_wait(u32 pid, u64 stream, u64 event)
 	st->wait_mark[slot & (STREAM_WAITS - 1)] = ev->mark;
 }
 
+/* ---- device synchronisation ----------------------------------------------- */
+
+/* cudaDeviceSynchronize's entry: how far each stream of the process was. */
+static __always_inline void device_marks(u32 pid, struct cuda_call *c)
+{
+	struct pid_streams *ps = streams_of.lookup(&pid);
+#pragma unroll
+	for (int i = 0; i < PID_STREAMS; i++) {
+		struct stream_state *st = ps && i < ps->n ? stream_for(pid, ps->stream[i], 0) : NULL;
+		c->marks[i] = st ? st->enq : 0;
+	}
+}
+
+/* It returned cudaSuccess: every call queued before it, on every stream, is done. */
+static __always_inline void device_seen_done(u32 pid, struct cuda_call *c, u64 ts)
+{
+	struct pid_streams *ps = streams_of.lookup(&pid);
+	if (!ps)
+		return;
+#pragma clang loop unroll(disable)
+	for (int i = 0; i < PID_STREAMS; i++) {
+		if (i >= ps->n)
+			break;
+		struct stream_state *st = stream_for(pid, ps->stream[i & (PID_STREAMS - 1)], 0);
+		if (st)
+			complete_before(pid, st, c->marks[i & (PID_STREAMS - 1)], ts, c->entered_ns);
+	}
+}
+
 /* ---- graphs -------------------------------------------------------------- */
 
 /* A capture begins on `stream`: a new number, and an empty call list. */
@@ -414,7 +451,7 @@ static __always_inline void launch_row(struct launch *l, u64 ncalls, s32 rc)
 	e->comm_hash = 0;
 	e->count = ncalls;
 	e->bytes = 0;
-	e->stream = l->stream;
+	e->stream = stream_of_key(l->stream);
 	e->seq = 0;
 	e->rank = -1;
 	e->nranks = -1;
@@ -454,7 +491,7 @@ static __always_inline void replay_row(struct launch *l, struct graph_call *c, u
 	e->comm_hash = cm ? cm->hash : 0;
 	e->count = c->count;
 	e->bytes = c->count * datatype_size(c->datatype);
-	e->stream = l->stream;
+	e->stream = stream_of_key(l->stream);
 	e->seq = seq;
 	e->rank = cm ? cm->rank : -1;
 	e->nranks = cm ? cm->nranks : -1;
@@ -478,7 +515,7 @@ static __always_inline void replay_row(struct launch *l, struct graph_call *c, u
 		cm->calls++;
 	}
 	if (st)
-		cuda_enqueue(st, pos);
+		cuda_enqueue(l->pid, l->stream, st, pos);
 }
 
 static __always_inline void launched(u32 pid, u32 tid, struct cuda_call *call, s32 rc, u64 ts)
@@ -538,12 +575,12 @@ static __always_inline int cuda_enter(struct pt_regs *ctx, u64 sym)
 	int kind = cuda_kind(sym);
 	if (kind == CALL_RECORD) {
 		count_seen(SEEN_RECORD);
-		on_record(pid, PT_REGS_PARM1(ctx), stream_arg(sym, PT_REGS_PARM2(ctx)));
+		on_record(pid, PT_REGS_PARM1(ctx), stream_arg(sym, PT_REGS_PARM2(ctx), tid));
 		return 0;
 	}
 	if (kind == CALL_WAIT) {
 		count_seen(SEEN_WAIT);
-		on_wait(pid, stream_arg(sym, PT_REGS_PARM1(ctx)), PT_REGS_PARM2(ctx));
+		on_wait(pid, stream_arg(sym, PT_REGS_PARM1(ctx), tid), PT_REGS_PARM2(ctx));
 		return 0;
 	}
 	if (!kind)
@@ -560,7 +597,7 @@ static __always_inline int cuda_enter(struct pt_regs *ctx, u64 sym)
 	c->kind = kind;
 	int on_stream = kind == CALL_STREAM_DONE || kind == CALL_BEGIN_CAPTURE ||
 			kind == CALL_END_CAPTURE || kind == CALL_CAPTURE_INFO;
-	c->handle = on_stream ? stream_arg(sym, PT_REGS_PARM1(ctx)) : PT_REGS_PARM1(ctx);
+	c->handle = on_stream ? stream_arg(sym, PT_REGS_PARM1(ctx), tid) : PT_REGS_PARM1(ctx);
 	c->entered_ns = bpf_ktime_get_ns();
 	c->mark = 0;
 	if (kind == CALL_STREAM_DONE) {
@@ -572,9 +609,9 @@ static __always_inline int cuda_enter(struct pt_regs *ctx, u64 sym)
 		c->handle = PT_REGS_PARM2(ctx); /* the graph */
 		c->mark = PT_REGS_PARM1(ctx);   /* the executable it writes */
 	} else if (kind == CALL_GRAPH_LAUNCH) {
-		u64 ptsz = sym == CSYM_cudaGraphLaunch_ptsz;
-		u64 stream = PT_REGS_PARM2(ctx);
-		c->mark = ptsz && stream == 0 ? 2 : stream;
+		c->mark = stream_arg(sym, PT_REGS_PARM2(ctx), tid);
+	} else if (kind == CALL_DEVICE_SYNC) {
+		device_marks(pid, c);
 	}
 	return 0;
 }
@@ -611,6 +648,7 @@ CUDA_ENTRY_PROGRAM(handle_enter_graph_exec_destroy, cudaGraphExecDestroy)
 CUDA_ENTRY_PROGRAM(handle_enter_graph_destroy, cudaGraphDestroy)
 CUDA_ENTRY_PROGRAM(handle_enter_graph_launch, cudaGraphLaunch)
 CUDA_ENTRY_PROGRAM(handle_enter_graph_launch_ptsz, cudaGraphLaunch_ptsz)
+CUDA_ENTRY_PROGRAM(handle_enter_device_synchronize, cudaDeviceSynchronize)
 
 int handle_cuda_return(struct pt_regs *ctx)
 {
@@ -624,12 +662,15 @@ int handle_cuda_return(struct pt_regs *ctx)
 	c->kind = 0;
 	s32 rc = (s32)PT_REGS_RC(ctx);
 	u64 ts = bpf_ktime_get_ns();
-	if (call.kind >= CALL_BEGIN_CAPTURE) {
+	if (call.kind >= CALL_BEGIN_CAPTURE && call.kind <= CALL_GRAPH_LAUNCH) {
 		graph_returned(pid, tid, &call, rc, ts);
 		return 0;
 	}
 	count_seen(rc == CUDA_SUCCESS ? SEEN_DONE : rc == CUDA_NOT_READY ? SEEN_NOT_READY : SEEN_ERROR);
-	if (call.kind == CALL_EVENT_DONE) {
+	if (call.kind == CALL_DEVICE_SYNC) {
+		if (rc == CUDA_SUCCESS)
+			device_seen_done(pid, &call, ts);
+	} else if (call.kind == CALL_EVENT_DONE) {
 		if (rc == CUDA_SUCCESS)
 			event_seen_done(pid, call.handle, ts);
 		else if (rc == CUDA_NOT_READY)

@@ -48,6 +48,30 @@ BPF_PERCPU_ARRAY(stream_zero, struct stream_state, 1);
 /* [0]: 1 once user space attached a CUDA runtime. */
 BPF_ARRAY(cuda_on, u32, 1);
 
+#define STREAM_PER_THREAD 2 /* cudaStreamPerThread */
+#define PID_STREAMS 8       /* streams per process a device synchronisation completes */
+
+/* The per-thread default stream is one stream per thread: its key carries
+ * the thread (no stream pointer ends in 2: they are aligned). */
+static __always_inline u64 thread_stream(u64 stream, u32 tid)
+{
+	return stream == STREAM_PER_THREAD ? ((u64)tid << 32) | STREAM_PER_THREAD : stream;
+}
+
+/* The stream handle a key stands for (rows show handles). */
+static __always_inline u64 stream_of_key(u64 key)
+{
+	return (u32)key == STREAM_PER_THREAD ? STREAM_PER_THREAD : key;
+}
+
+/* The streams of each process that NCCL calls were queued on (the first
+ * PID_STREAMS): what cudaDeviceSynchronize completes. */
+struct pid_streams {
+	u64 n;
+	u64 stream[PID_STREAMS];
+};
+BPF_HASH(streams_of, u32, struct pid_streams, MAX_STREAMS);
+
 /* The legacy default stream has two names (NULL and cudaStreamLegacy). */
 static __always_inline u64 stream_id(u64 stream)
 {
@@ -107,8 +131,8 @@ BPF_PERCPU_ARRAY(graph_zero, struct graph_state, 1);
 /* [0]: captures begun on this host: numbers them */
 BPF_ARRAY(capture_count, u64, 1);
 
-/* nccl.c: the stream a collective or p2p call is made on, made known (NULL
- * until a CUDA runtime is attached). */
+/* nccl.c: the stream a collective or p2p call is made on (its key: see
+ * thread_stream), made known (NULL until a CUDA runtime is attached). */
 static __always_inline struct stream_state *cuda_stream(u32 pid, u64 stream)
 {
 	u32 zero = 0;
@@ -144,10 +168,23 @@ static __always_inline u32 graph_append(u32 pid, u64 capture, u64 comm, u64 coun
 	return (u32)(i + 1);
 }
 
+static __always_inline void remember_stream(u32 pid, u64 stream)
+{
+	struct pid_streams zero = {};
+	struct pid_streams *ps = streams_of.lookup_or_try_init(&pid, &zero);
+	if (!ps || ps->n >= PID_STREAMS)
+		return;
+	u64 n = __sync_fetch_and_add(&ps->n, 1);
+	if (n < PID_STREAMS)
+		ps->stream[n & (PID_STREAMS - 1)] = stream;
+}
+
 /* A collective or p2p call at ring position pos, queued on its stream. */
-static __always_inline void cuda_enqueue(struct stream_state *st, u64 pos)
+static __always_inline void cuda_enqueue(u32 pid, u64 stream, struct stream_state *st, u64 pos)
 {
 	u64 i = __sync_fetch_and_add(&st->enq, 1);
+	if (i == 0)
+		remember_stream(pid, stream_id(stream));
 	if (i >= STREAM_QUEUE && st->done + STREAM_QUEUE <= i)
 		count_drop(DROP_CUDA_QUEUE); /* call i - STREAM_QUEUE never completed */
 	st->pos[i & (STREAM_QUEUE - 1)] = pos;

@@ -364,7 +364,7 @@ static __always_inline struct comm_state *enter_comm(struct call_state *cs, stru
 }
 
 static __always_inline void open_nccl_row(struct call_state *cs, struct call_args *a, u32 tid,
-					  u64 ts, struct stream_state *sst)
+					  u64 ts, struct stream_state *sst, u64 skey)
 {
 	struct nccl_event *e;
 	u64 pos;
@@ -399,7 +399,7 @@ static __always_inline void open_nccl_row(struct call_state *cs, struct call_arg
 	publish(&e->hdr, pos);
 	cs->pos = pos;
 	if (sst && !e->graph)
-		cuda_enqueue(sst, pos);
+		cuda_enqueue(cs->pid, skey, sst, pos);
 }
 
 /* Lifecycle calls: a comm_ring row opened at entry.  InitRank* read the
@@ -481,7 +481,8 @@ static __always_inline int nccl_enter(struct pt_regs *ctx, struct call_args *a)
 	cs->parent_hash = 0;
 	cs->seq = 0;
 	cs->split_index = 0;
-	struct stream_state *sst = is_data_op(a->op) ? cuda_stream(pid, a->stream) : NULL;
+	u64 skey = thread_stream(a->stream, tid);
+	struct stream_state *sst = is_data_op(a->op) ? cuda_stream(pid, skey) : NULL;
 	struct comm_state *st = a->comm ? enter_comm(cs, a, ts, sst ? sst->capture : 0) : NULL;
 	if (a->op == OP_COMM_INIT_RANK || a->op == OP_COMM_INIT_RANK_CONFIG)
 		open_comm_row(ctx, cs, a, tid, 1, ts);
@@ -489,7 +490,7 @@ static __always_inline int nccl_enter(struct pt_regs *ctx, struct call_args *a)
 		open_comm_row(ctx, cs, a, tid, 0, ts);
 	else if (a->op == OP_COMM_INIT_ALL)
 		cs->nranks = a->nranks;
-	open_nccl_row(cs, a, tid, ts, sst);
+	open_nccl_row(cs, a, tid, ts, sst, skey);
 	if (st)
 		st->last_pos = cs->pos;
 	asm volatile("" ::: "memory");

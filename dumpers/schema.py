@@ -121,6 +121,7 @@ CUDA_SYMBOLS: dict[str, bool] = {
     "cudaGraphDestroy": False,
     "cudaGraphLaunch": True,
     "cudaGraphLaunch_ptsz": True,
+    "cudaDeviceSynchronize": True,
 }
 
 

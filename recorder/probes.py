@@ -131,6 +131,7 @@ CUDA_ENTRY_PROGRAMS: dict[str, str] = {
     "cudaGraphDestroy": "handle_enter_graph_destroy",
     "cudaGraphLaunch": "handle_enter_graph_launch",
     "cudaGraphLaunch_ptsz": "handle_enter_graph_launch_ptsz",
+    "cudaDeviceSynchronize": "handle_enter_device_synchronize",
 }
 CUDA_COOKIES: dict[str, int] = {name: i + 1 for i, name in enumerate(CUDA_ENTRY_PROGRAMS)}
 assert set(CUDA_ENTRY_PROGRAMS) == set(CUDA_SYMBOLS), "CUDA_ENTRY_PROGRAMS out of sync"

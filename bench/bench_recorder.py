@@ -14,6 +14,12 @@
   stream, record an end event, query both) on the lab's CUDA runtime, with
   the NCCL probe alone and then with the runtime's probes too; the
   difference beside the bare uprobe pair of the same run.
+- Cost of a ``cudaGraphLaunch`` of a graph that captured 6 AllReduce calls
+  (a training step's collectives), with the agent's probes attached (the
+  launch row and the 6 replayed rows, written in the kernel at the launch's
+  return), as a ratio to the same launch under a bare uprobe+uretprobe pair
+  on ``cudaGraphLaunch``; the runtime is a private copy of the lab's, the
+  loop a C one (``ncclloop graphs``).
 - Throughput into the rings: calls from two C loops at full speed, every one
   a row the BPF programs write straight into the mmapped ring; and loss at
   100,000 calls per second into a ring large enough for them.
@@ -37,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -124,6 +131,53 @@ def event_cost(
     return [
         Figure("CUDA event probes per collective", extra, "ns", "", None, anchor),
         Figure("event probes vs bare uprobe pair", extra / pair, "x", "", None, anchor),
+    ]
+
+
+GRAPH_CALLS = 6  # the collectives one launch replays
+GRAPH_SYMBOLS = ("cudaStreamBeginCapture", "cudaStreamEndCapture", "cudaGraphInstantiate",
+                 "cudaGraphLaunch")  # fmt: skip
+
+
+def _launch_ns(fake: FakeNccl, calls: int, cudart: Path) -> float:
+    out = subprocess.run(
+        [str(fake.loop), "graphs", str(calls), str(GRAPH_CALLS), str(cudart)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return float(out.stdout.split()[-1])
+
+
+def graph_launch_cost(fake: FakeNccl, quick: bool, agent: Any, private: Path) -> list[Figure]:
+    """Per cudaGraphLaunch: the agent's probes against a bare uprobe pair on
+    the same symbol, unprobed runs and bare runs interleaved, then the agent's."""
+    from stallwatch.lab.build import ensure_cudart
+    from stallwatch.recorder.probes import BareProbe
+
+    cudart = private / "libcudart.so.12"
+    shutil.copyfile(ensure_cudart(), cudart)  # no other agent on the machine probes it
+    calls, repeats = (5_000, 3) if quick else (50_000, 7)
+    unprobed, bare = [], []
+    for _ in range(repeats):
+        unprobed.append(_launch_ns(fake, calls, cudart))
+        probe = BareProbe(str(cudart), "cudaGraphLaunch", CSRC / "noop.c")
+        try:
+            bare.append(_launch_ns(fake, calls, cudart))
+        finally:
+            probe.close()
+    for symbol in GRAPH_SYMBOLS:
+        agent.source.attach(str(cudart), symbol)
+    rec = statistics.median(_launch_ns(fake, calls, cudart) for _ in range(repeats))
+    base, none = statistics.median(bare), statistics.median(unprobed)
+    anchor = (
+        f"a launch replaying {GRAPH_CALLS} captured AllReduce calls: bare uprobe+uretprobe "
+        f"{base:,.0f} ns, no probe {none:,.0f} ns; the agent writes {GRAPH_CALLS + 1} rows"
+    )
+    return [
+        Figure("cudaGraphLaunch, agent attached", rec, "ns", "", None, anchor),
+        Figure("graph launch cost vs bare uprobe pair", rec / base, "x", "", None, anchor),
+        Figure("per replayed call above the pair", (rec - base) / GRAPH_CALLS, "ns", "", None),
     ]
 
 
@@ -551,6 +605,7 @@ def figures(quick: bool) -> list[Figure]:
                     *cost,
                     *call_account(fake, quick, agent, rec - rec / ratio),
                     *event_cost(fake, quick, agent, bare_ns, unprobed),
+                    *graph_launch_cost(fake, quick, agent, Path(private)),
                     *throughput(fake, quick, agent),
                 ]
         finally:

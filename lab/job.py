@@ -427,6 +427,7 @@ def run_step(r: Rank, step: int) -> None:
         r.gpu.synchronize()
     if r.graphs is not None:
         r.graphs.copy_back()
+        check_async_errors(r)
     verify(r, checks)
     r.keep.clear()
     r.step_ms.append((time.monotonic_ns() - started) / 1e6)
@@ -457,6 +458,20 @@ def graph_step(r: Rank, gpu: Device, g: Graphs, step: int) -> list[Check]:
     if own:
         gpu.rt.graph_exec_destroy(exec_)  # its launch, queued, still runs
     return checks
+
+
+def check_async_errors(r: Rank) -> None:
+    """A replayed call makes no NCCL call that could fail: as a framework's
+    watchdog does, ask each communicator for the error of its work."""
+    for label in ("tp", "dp", "world"):
+        code = ctypes.c_int()
+        r.nccl("ncclCommGetAsyncError", label, _comm(r, label), ctypes.byref(code))
+        if code.value != 0:
+            r.nccl.failed_call = "ncclCommGetAsyncError"
+            raise NcclError(
+                f"a replayed call on {label}", code.value, r.nccl.api.error_string(code.value),
+                r.nccl.api.last_error(),
+            )  # fmt: skip
 
 
 def capture_step(

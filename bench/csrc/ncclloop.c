@@ -14,6 +14,9 @@
  *                                           on the CUDA runtime CUDART: record a start
  *                                           event, the AllReduce, record an end event,
  *                                           query both; prints ns per collective
+ *   ncclloop graphs N K CUDART               capture K AllReduce calls on a stream of the
+ *                                           CUDA runtime CUDART into a graph, then launch
+ *                                           it N times; prints ns per launch
  *
  * Declarations come from the lab's NCCL header (lab/csrc/labnccl.h).
  *
@@ -210,6 +213,38 @@ static int events(long n, const char *cudart)
 	return sync(stream);
 }
 
+typedef int (*rt_fn3)(void *, void *, unsigned long long);
+
+static int graphs(long n, long k, const char *cudart)
+{
+	void *rt = dlopen(cudart, RTLD_NOW);
+	if (!rt) {
+		fprintf(stderr, "%s\n", dlerror());
+		return 2;
+	}
+	rt_fn1 stream_create = (rt_fn1)dlsym(rt, "cudaStreamCreate");
+	int (*begin)(void *, int) = (int (*)(void *, int))dlsym(rt, "cudaStreamBeginCapture");
+	rt_fn2 end = (rt_fn2)dlsym(rt, "cudaStreamEndCapture");
+	rt_fn3 instantiate = (rt_fn3)dlsym(rt, "cudaGraphInstantiate");
+	rt_fn2 launch = (rt_fn2)dlsym(rt, "cudaGraphLaunch");
+	rt_fn1 sync = (rt_fn1)dlsym(rt, "cudaStreamSynchronize");
+	void *stream = NULL, *graph = NULL, *exec = NULL;
+	char buf[8];
+	ncclComm_t comm = (ncclComm_t)buf;
+	if (!stream_create || !begin || !end || !instantiate || !launch || !sync ||
+	    stream_create(&stream) || begin(stream, 1))
+		return 2;
+	for (long i = 0; i < k; i++)
+		ncclAllReduce(buf, buf, 8, 7, 0, comm, (cudaStream_t)stream);
+	if (end(stream, &graph) || instantiate(&exec, graph, 0))
+		return 2;
+	uint64_t t0 = now_ns();
+	for (long i = 0; i < n; i++)
+		launch(exec, stream);
+	printf("%.1f\n", (double)(now_ns() - t0) / (double)n);
+	return sync(stream);
+}
+
 int main(int argc, char **argv)
 {
 	char line[16];
@@ -229,6 +264,8 @@ int main(int argc, char **argv)
 		return wrap(atol(argv[2]));
 	if (argc == 4 && strcmp(argv[1], "events") == 0)
 		return events(atol(argv[2]), argv[3]);
+	if (argc == 5 && strcmp(argv[1], "graphs") == 0)
+		return graphs(atol(argv[2]), atol(argv[3]), argv[4]);
 	fprintf(stderr, "usage: ncclloop scenario IDHEX|- RANK NRANKS | loop N WHAT | pace S RATE | wrap N\n");
 	return 2;
 }

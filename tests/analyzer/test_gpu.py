@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.graph_verdicts import graph_fault
 from stallwatch.analyzer.pipeline import AnalysisResult, analyze_paths
 from stallwatch.analyzer.verdict import VerdictKind
 from stallwatch.dumpers.format import read_dump, write_dump
@@ -106,3 +107,38 @@ def test_gpuhang_names_the_rank_whose_device_stopped(tmp_path: Path) -> None:
     first = incident.verdicts[0]
     assert first.kind is VerdictKind.MISSING_RANK, [v.summary for v in incident.verdicts]
     assert list(first.ranks) == [6] and list(first.hosts) == ["node3"]
+
+
+# --- CUDA graphs: each step one launch of a graph of the step's collectives ---
+
+GRAPH_SEED = 3  # the suite runs one seed per fault; bench/graph_verdicts.py runs ten
+
+
+def missing_ranks(result: AnalysisResult) -> list[int]:
+    (incident,) = result.incidents
+    first = incident.verdicts[0]
+    assert first.kind is VerdictKind.MISSING_RANK, [v.summary for v in incident.verdicts]
+    return list(first.ranks)
+
+
+@pytest.mark.parametrize("kind", ["hang", "gpuhang"])
+def test_a_hang_inside_a_graph_replay_names_the_rank(tmp_path: Path, kind: str) -> None:
+    """hang: the rank never launches replay k; gpuhang: it launches it and its
+    device never starts it.  Either way it is the rank named."""
+    rank, fault = graph_fault(kind, GRAPH_SEED)
+    lab_run(tmp_path, "--graphs", "--steps", "10", "--fault", fault)
+    assert missing_ranks(analyze_paths([str(tmp_path)])) == [rank]
+
+
+def test_a_healthy_graph_run_is_healthy_and_every_replay_completed(tmp_path: Path) -> None:
+    dumps = lab_run(tmp_path, "--graphs", "--steps", "10", "--dump-at-end")
+    (incident,) = analyze_paths([str(tmp_path)]).incidents
+    assert [v.kind for v in incident.verdicts] == [VerdictKind.HEALTHY]
+    replays = 0
+    for path in dumps:
+        rows = read_dump(path).rings["nccl"].rows
+        replayed = rows[(rows["replay"] > 0) & (rows["op"] <= 10)]  # the collectives and p2p
+        replays += len(replayed)
+        assert (replayed["completed_ns"] > 0).all() and (replayed["state"] == State.COMPLETED).all()
+    # steps x (5 collectives x 8 ranks + the pipeline's sends and receives: 2 x 6)
+    assert replays == 10 * (5 * 8 + 2 * 6)

@@ -17,6 +17,7 @@ def test_bench_recorder_quick_figures() -> None:
     table = render(list(figures.values()))
     ratio = figures["NCCL call cost vs bare uprobe pair"]
     assert 0.8 < ratio.value < 20, table
+    assert 0.5 < figures["graph launch cost vs bare uprobe pair"].value < 20, table
     assert figures["events lost at 100k/s"].value == 0, table
     assert figures["events into the rings"].value > 10_000, table
     assert 0 <= figures["agent CPU"].value < 50, table  # 10 ms CPU-time ticks

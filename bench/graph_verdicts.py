@@ -54,9 +54,9 @@ def first_verdict(folder: Path) -> tuple[str, list[int]]:
     return v.kind.value, [int(r) for r in v.ranks if r is not None]
 
 
-def figures(seeds: int) -> list[Figure]:
+def figures(seeds: int, kinds: tuple[str, ...] = KINDS) -> list[Figure]:
     out = []
-    for kind in KINDS:
+    for kind in kinds:
         right, wrong = 0, []
         for seed in range(seeds):
             rank, fault = graph_fault(kind, seed)
@@ -77,8 +77,9 @@ def figures(seeds: int) -> list[Figure]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.graph_verdicts", description=__doc__)
     parser.add_argument("--seeds", type=int, default=10, help="runs per fault")
+    parser.add_argument("--kind", choices=KINDS, action="append", help="only this fault")
     args = parser.parse_args(argv)
-    print(render(figures(args.seeds)))
+    print(render(figures(args.seeds, tuple(args.kind or KINDS))))
     return 0
 
 

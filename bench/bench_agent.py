@@ -7,9 +7,12 @@ command, ``stallwatch record --lib <the bench's NCCL-ABI library>
 --keep-pinned``, each with a pin folder of its own, in turn:
 
 - Start-up to serving: from the process's start to the first ``/healthz``
-  answered (the agent serves once it records), cold (nothing pinned) and
-  warm (stopped with SIGTERM and started again over its pins); the median
-  of ``repeats`` starts each, the designs interleaved.
+  answered (the agent serves once it records): cold (nothing pinned) with
+  an empty compile cache (the programs are compiled), cold again with the
+  cache that start kept, and warm (stopped with SIGTERM and started again
+  over its pins); the median of ``repeats`` starts each, the designs
+  interleaved.  The previous design compiles at every start: its cold
+  figure stands beside both cold ones.
 - Resident memory (VmRSS) after recording ``record_s`` seconds while a C
   loop makes 1,000 NCCL calls a second and ``/metrics`` is scraped every
   15 s, as Prometheus would; no SQL in the window (a query loads DuckDB and
@@ -113,14 +116,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start(design: Design, fake: FakeNccl, pin_dir: Path, work: Path) -> tuple[Running, float]:
+def _start(
+    design: Design, fake: FakeNccl, pin_dir: Path, work: Path, *extra: str
+) -> tuple[Running, float]:
     """Start the design's agent; seconds until /healthz answered."""
     port = _free_port()
     log = work / f"{design.name}-{port}.log"
     argv = [sys.executable, "-m", "stallwatch", "record", "--lib", str(fake.lib)]
     argv += ["--dump-dir", str(work / "dumps"), "--listen", f"127.0.0.1:{port}"]
     argv += ["--host-name", f"bench-{design.name}"]
-    argv += ["--pin-dir", str(pin_dir), "--keep-pinned"]
+    argv += ["--pin-dir", str(pin_dir), "--keep-pinned", *extra]
     env = {**os.environ, "PYTHONPATH": str(design.path)}
     t0 = time.perf_counter()
     with log.open("wb") as out:
@@ -145,7 +150,8 @@ def _remove_pins(pin_dir: Path) -> None:
 
 @dataclass
 class Starts:
-    cold: list[float]
+    compiling: list[float]  # cold, and the programs compiled
+    cold: list[float]  # cold, from the compile cache (the previous design compiles)
     warm: list[float]
 
 
@@ -154,14 +160,23 @@ def start_ups(
 ) -> tuple[dict[str, Starts], dict[str, Running]]:
     """Cold and warm starts, the designs in turn; the last warm agents are
     left running (for the memory and thread figures)."""
-    starts = {d.name: Starts([], []) for d in designs}
+    starts = {d.name: Starts([], [], []) for d in designs}
     running: dict[str, Running] = {}
     for i in range(repeats):
         for d in designs:
+            # the previous design has no compile cache: every cold start compiles
+            cache = ("--bpf-cache", str(work / f"cache-{i}")) if d.name == "now" else ()
             _remove_pins(pins[d.name])
-            agent, cold = _start(d, fake, pins[d.name], work)
+            agent, compiling = _start(d, fake, pins[d.name], work, *cache)
             agent.stop()
-            agent, warm = _start(d, fake, pins[d.name], work)
+            if cache:
+                _remove_pins(pins[d.name])
+                agent, cold = _start(d, fake, pins[d.name], work, *cache)
+                agent.stop()
+            else:
+                cold = compiling
+            agent, warm = _start(d, fake, pins[d.name], work, *cache)
+            starts[d.name].compiling.append(compiling)
             starts[d.name].cold.append(cold)
             starts[d.name].warm.append(warm)
             if i < repeats - 1:
@@ -173,7 +188,12 @@ def start_ups(
 
 def _start_figures(starts: dict[str, Starts], previous: str | None) -> list[Figure]:
     out = []
-    for kind, target in (("cold", COLD_TARGET_S), ("warm", WARM_TARGET_S)):
+    kinds = (
+        ("compiling", "cold (nothing pinned, no compile cache)", COLD_TARGET_S),
+        ("cold", "cold (nothing pinned, compile cache kept)", COLD_TARGET_S),
+        ("warm", "warm (its own pins)", WARM_TARGET_S),
+    )
+    for kind, what, target in kinds:
         now = getattr(starts["now"], kind)
         value = statistics.median(now)
         anchor = f"median of {len(now)} ({min(now):.2f}-{max(now):.2f} s)"
@@ -181,10 +201,9 @@ def _start_figures(starts: dict[str, Starts], previous: str | None) -> list[Figu
             before = getattr(starts[previous], kind)
             anchor += f"; previous design: {statistics.median(before):.2f} s"
             anchor += f" ({min(before):.2f}-{max(before):.2f} s)"
-        what = "nothing pinned" if kind == "cold" else "its own pins"
         out.append(
             Figure(
-                f"agent start-up to serving, {kind} ({what})",
+                f"agent start-up to serving, {what}",
                 value,
                 "s",
                 f"< {target:g} s",

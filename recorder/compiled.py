@@ -12,8 +12,9 @@ and loads the programs itself (the kernel's verifier checks them as it
 checked BCC's): no BCC and no LLVM in any process.
 
 The key (``probes.build_key``) is the BPF sources, the flags and the kernel
-release: any change is another entry.  An entry that does not read back,
-or whose programs the kernel refuses, is passed over: the loader compiles.
+release: any change is another entry; the newest ``KEEP_ENTRIES`` stay.  An
+entry that does not read back, or whose programs the kernel refuses, is
+passed over: the loader compiles.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ log = logging.getLogger("stallwatch.record")
 
 FORMAT = 1
 DEFAULT_CACHE_DIR = Path("/var/cache/stallwatch")
+KEEP_ENTRIES = 4  # builds kept (about 300 KB each)
 BPF_PROG_TYPE_KPROBE = 2  # uprobes too
 BPF_PROG_TYPE_TRACEPOINT = 5
 _LD_IMM64 = 0x18
@@ -127,6 +129,16 @@ def save(cache_dir: Path, compiled: Compiled) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    prune(cache_dir)
+
+
+def prune(cache_dir: Path, keep: int = KEEP_ENTRIES) -> None:
+    """Only the ``keep`` newest entries stay: each upgrade, or other ring
+    sizes, make another, and an old build's is of no use."""
+    entries = sorted(cache_dir.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in entries[keep:]:
+        with contextlib.suppress(OSError):
+            old.unlink()
 
 
 def vars_of(record: CompiledMap | CompiledProgram) -> dict[str, Any]:

@@ -9,6 +9,7 @@ session's own (``tests.pins``) and removed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -349,3 +350,10 @@ def test_the_compile_cache_names_each_map_load_and_binds_new_fds(tmp_path: Path)
     assert compiled.load(tmp_path, "k2") is None  # another build
     compiled.path_for(tmp_path, "k1").write_text("{not json")
     assert compiled.load(tmp_path, "k1") is None  # passed over: the loader compiles
+    compiled.path_for(tmp_path, "k1").unlink()
+    for n in range(compiled.KEEP_ENTRIES + 2):  # one build after another
+        compiled.save(tmp_path, dataclasses.replace(entry, build_key=f"b{n}"))
+        made = compiled.path_for(tmp_path, f"b{n}")
+        os.utime(made, (1000 + n, 1000 + n))  # in order, whatever the clock's grain
+    kept = sorted(p.stem for p in tmp_path.glob("*.json"))
+    assert kept == [f"b{n}" for n in range(2, compiled.KEEP_ENTRIES + 2)]

@@ -72,7 +72,15 @@ def hung_job(lib: Path, run_dir: Path) -> Iterator[list[int]]:
     env = {**os.environ, LIB_ENV: str(lib)}
     procs = []
     for rank in range(RANKS):
-        argv = [sys.executable, "-m", "stallwatch.lab.job", "--rank", str(rank), "--nodes", "1"]
+        argv = [
+            sys.executable,
+            "-m",
+            "stallwatch.commands.labrank",
+            "--rank",
+            str(rank),
+            "--nodes",
+            "1",
+        ]
         argv += ["--ranks-per-node", str(RANKS), "--steps", "50", "--run-dir", str(run_dir)]
         argv += ["--elements", "4096", "--fault", f"hang:rank={HUNG},step=2"]
         out = subprocess.DEVNULL  # the ranks' complaints when the job is torn down

@@ -1,4 +1,4 @@
-"""One rank of the lab's training job: ``python -m stallwatch.lab.job --rank R ...``.
+"""One rank of the lab's training job (``python -m stallwatch.commands.labrank --rank R ...``).
 
 Each rank is its own process and drives the lab's ``libnccl.so.2`` through
 ctypes, as a framework would.  Rank 0 makes the unique id and publishes it in
@@ -41,7 +41,6 @@ Exit codes: 0 done and verified, 1 results wrong, 2 setup error (library, id),
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import os
@@ -221,7 +220,7 @@ class Check:
 class Rank:
     """One rank's state across the run; writes its report as it goes."""
 
-    args: argparse.Namespace
+    args: RankArgs
     topo: F.Topology
     nccl: Nccl
     faults: tuple[F.RankFault, ...]
@@ -644,32 +643,29 @@ def verify(r: Rank, checks: Sequence[Check]) -> None:
 # --- main -----------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m stallwatch.lab.job", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--ranks-per-node", type=int, required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--run-dir", type=Path, required=True)
-    p.add_argument("--lib", type=Path, default=os.environ.get(LIB_ENV))
-    p.add_argument("--mode", choices=MODES, default="blocking")
-    p.add_argument("--cudart", type=Path, default=os.environ.get(CUDART_ENV),
-                   help=f"gpu mode: the lab's {CUDART_NAME} (default: beside --lib)")  # fmt: skip
-    p.add_argument("--poll-ms", type=float, default=DEFAULT_POLL_MS,
-                   help="gpu mode: how often the watchdog thread polls its events")  # fmt: skip
-    p.add_argument("--graphs", action="store_true",
-                   help="gpu mode: the step in a CUDA graph, captured once")  # fmt: skip
-    p.add_argument("--fault", action="append", default=[])
-    p.add_argument("--elements", type=int, default=DEFAULT_ELEMENTS)
-    p.add_argument("--compute-ms", type=float, default=DEFAULT_COMPUTE_MS)
-    p.add_argument("--cpu", type=int, default=None, help="pin this rank to one CPU")
-    p.add_argument("--init-timeout", type=float, default=60.0)
-    return p.parse_args(argv)
+@dataclass(frozen=True, slots=True)
+class RankArgs:
+    """One rank's settings, as ``lab.runner`` passes them on the rank's
+    command line (``stallwatch.commands.labrank`` reads it)."""
+
+    rank: int
+    nodes: int
+    ranks_per_node: int
+    steps: int
+    run_dir: Path
+    lib: Path | None = None
+    mode: str = "blocking"
+    cudart: Path | None = None  # gpu mode: the lab's runtime (default: beside lib)
+    poll_ms: float = DEFAULT_POLL_MS  # gpu mode: how often the watchdog thread polls
+    graphs: bool = False  # gpu mode: the step in a CUDA graph, captured once
+    fault: tuple[str, ...] = ()
+    elements: int = DEFAULT_ELEMENTS
+    compute_ms: float = DEFAULT_COMPUTE_MS
+    cpu: int | None = None  # pin this rank to one CPU
+    init_timeout: float = 60.0
 
 
-def start(args: argparse.Namespace) -> Rank:
+def start(args: RankArgs) -> Rank:
     if args.lib is None:
         raise LabError(f"no library: pass --lib or set {LIB_ENV}")
     if args.mode == "async":
@@ -710,8 +706,7 @@ def train(r: Rank) -> int:
     return EXIT_OK
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(args: RankArgs) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         rank = start(args)
@@ -726,7 +721,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lab.job rank {args.rank}: error: {exc}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(code)  # comms may be broken: no destroy, no waiting on their threads
-
-
-if __name__ == "__main__":
-    sys.exit(main())

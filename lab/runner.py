@@ -8,7 +8,7 @@ One run:
    netns``, listening on the node's address with a token and mutual TLS,
    certificates made for the run by ``lab.certs``) and waits for its
    ``/healthz``;
-3. starts one ``python -m stallwatch.lab.job`` per rank inside its node, and CPU hogs;
+3. starts one ``python -m stallwatch.commands.labrank`` per rank inside its node, and CPU hogs;
 4. waits: the job ends, or no rank makes progress for ``--stall-timeout``
    seconds (progress is read from the ranks' reports), or ``--timeout`` passes;
    a recorded job that fails is given time for every agent to write its dump;
@@ -444,7 +444,7 @@ def rank_argv(lab: Lab, rank: int) -> list[str]:
     argv = [
         sys.executable,
         "-m",
-        "stallwatch.lab.job",
+        "stallwatch.commands.labrank",
         "--rank",
         str(rank),
         "--nodes",

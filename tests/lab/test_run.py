@@ -475,7 +475,7 @@ def test_rank_command_line_carries_its_faults(tmp_path: Path) -> None:
     cfg = runner.RunConfig(faults=faults.parse_faults(specs))
     lab = runner.Lab(cfg, Path("/x/lib.so"), "abc", tmp_path)
     argv = runner.rank_argv(lab, 1)
-    assert argv[1:3] == ["-m", "stallwatch.lab.job"]
+    assert argv[1:3] == ["-m", "stallwatch.commands.labrank"]
     given = [argv[i + 1] for i, a in enumerate(argv) if a == "--fault"]
     assert given == ["cpuhog:rank=1", "slow:rank=1,ms=5"]
     ncpu = os.cpu_count() or 1

@@ -52,7 +52,15 @@ class HungJob:
 
 
 def _start_rank(rank: int, run_dir: Path, lib: Path) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "stallwatch.lab.job", "--rank", str(rank), "--nodes", "1"]
+    argv = [
+        sys.executable,
+        "-m",
+        "stallwatch.commands.labrank",
+        "--rank",
+        str(rank),
+        "--nodes",
+        "1",
+    ]
     argv += ["--ranks-per-node", str(NRANKS), "--steps", "40", "--run-dir", str(run_dir)]
     argv += ["--elements", str(ELEMENTS), "--fault", f"hang:rank={HUNG},step=2"]
     env = {**os.environ, LIB_ENV: str(lib), "RANK": str(rank), "WORLD_SIZE": str(NRANKS)}

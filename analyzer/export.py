@@ -17,13 +17,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from stallwatch.dumpers.errors import UsageError
 from stallwatch.dumpers.model import Recording
 
+from .culprits import culprits
 from .model import InputStatus
 from .perfetto import Marker
+from .pipeline import IncidentResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +38,22 @@ class Exported:
     inputs: tuple[InputStatus, ...]
 
 
-def markers_of(verdicts: Sequence[Any]) -> tuple[Marker, ...]:
-    """The analyzer's verdicts as trace markers (``analyzer.verdict.Verdict``)."""
-    return tuple(
-        Marker(v.kind.value, v.summary, tuple(v.hosts), tuple(v.ranks), tuple(v.pids))
-        for v in verdicts
-    )
+def markers_of(results: Sequence[IncidentResult]) -> tuple[Marker, ...]:
+    """The analyzer's verdicts as trace markers, each naming its culprits
+    (``analyzer.culprits``: host, world rank and pid index by index; a
+    verdict without culprits names the hosts it concerns)."""
+    out = []
+    for r in results:
+        for v in r.verdicts:
+            found = culprits(r.incident, v, r.frontiers)
+            if not found:
+                out.append(Marker(v.kind.value, v.summary, tuple(v.hosts), tuple(v.ranks)))
+                continue
+            hosts = tuple(c.host or "" for c in found)
+            ranks = tuple(c.world_rank for c in found)
+            pids = tuple(c.pid for c in found)
+            out.append(Marker(v.kind.value, v.summary, hosts, ranks, pids))
+    return tuple(out)
 
 
 def export(paths: Sequence[str], output: Path) -> Exported:
@@ -71,8 +82,7 @@ def export(paths: Sequence[str], output: Path) -> Exported:
         known = known.merged(Ranks.of(recs))
     recordings = [r for recs in per_incident for r in recs]
     incidents = [*group_incidents(ours), *fr]
-    verdicts = [v for inc in incidents for v in analyze_incident(inc).verdicts]
-    markers = markers_of(verdicts)
+    markers = markers_of([analyze_incident(inc) for inc in incidents])
     write_trace(output, build_trace(recordings, markers, known))
     calls = sum(len(r.rings["nccl"].rows) for r in recordings if "nccl" in r.rings)
     return Exported(output, len(recordings), calls, markers, tuple(statuses))

@@ -52,7 +52,7 @@ class Marker:
         names both."""
         if len(self.hosts) != len(self.pids):
             return []
-        return [(h, p or 0) for h, p in zip(self.hosts, self.pids, strict=True)]
+        return [(h, p or 0) for h, p in zip(self.hosts, self.pids, strict=True) if h]
 
 
 class _Tracks:
@@ -137,6 +137,9 @@ def _nccl_slices(
                     "datatype": datatype_name(int(row["datatype"])),
                     "state": _STATE_NAMES.get(int(row["state"]), str(int(row["state"]))),
                     "result": int(row["result"]),
+                    "in_flight": int(row["end_ns"]) == 0,
+                    # as SQL's elapsed_ns: in flight, up to the recording's time
+                    "elapsed_ns": int(end_ns[i]) - int(row["ts_ns"]),
                     "rank": rank,
                     "world_rank": ranks.get(int(row["pid"])),
                     "nranks": _known(int(row["nranks"])),
@@ -237,14 +240,19 @@ def _markers(
             "summary": m.summary,
             "hosts": list(m.hosts),
             "ranks": list(m.ranks),
+            "pids": list(m.pids),
         }
         name = f"verdict: {m.kind}"
         out.append(_marker(name, "g", 0, at_us, args))
-        out += [_marker(name, "p", tracks.host(h), at_us, args) for h in dict.fromkeys(m.hosts)]
+        out += [
+            _marker(name, "p", tracks.host(h), at_us, args) for h in dict.fromkeys(m.hosts) if h
+        ]
         for host, pid in m.culprits():
-            label = f"{_rank_label(known.world_of(host), pid)} {_CULPRIT_TRACK}"
+            world = known.world_of(host)
+            label = f"{_rank_label(world, pid)} {_CULPRIT_TRACK}"
             hp, tid = tracks.track(host, pid, label)
-            out.append(_marker(name, "t", hp, at_us, args) | {"tid": tid})
+            who = {"host": host, "pid": pid or None, "world_rank": world.get(pid)}
+            out.append(_marker(name, "t", hp, at_us, args | {"culprit": who}) | {"tid": tid})
     return out
 
 

@@ -32,3 +32,14 @@ LOCAL = Limits(
 )
 # For queries that come from the network (the agent, `stallwatch serve`).
 NETWORK = Limits()
+# `stallwatch query` on dumps: the agent's row and memory limits (a query
+# that would fill the machine's memory is cut off with a one-line error,
+# never killed by the kernel), without its time and size limits.
+QUERY = Limits(
+    max_rows=NETWORK.max_rows,
+    max_fetch_rows=None,
+    time_limit_s=None,
+    max_sql_bytes=None,
+    memory_limit=NETWORK.memory_limit,
+    threads=None,
+)

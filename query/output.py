@@ -6,6 +6,7 @@ aligned text elsewhere.  (Help and the ``--format`` option are
 from __future__ import annotations
 
 import io
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import TextIO
@@ -47,15 +48,38 @@ def console(file: TextIO | None = None, terminal: bool | None = None) -> Console
     )
 
 
-def new_table(c: Console, columns: Sequence[tuple[str, bool]]) -> Table:
-    """A table of ``(header, right-aligned)`` columns in the console's form."""
+def new_table(c: Console, columns: Sequence[tuple[str, bool]], whole: Sequence[int] = ()) -> Table:
+    """A table of ``(header, right-aligned)`` columns in the console's form.
+    ``whole``: per column, the width its cells need never to be cut (ids,
+    which the next query needs whole); on a narrow terminal the other
+    columns wrap instead."""
     if c.is_terminal:
         t = Table(box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False, show_edge=False)
     else:
         t = Table(box=PLAIN_BOX, header_style="", pad_edge=False, show_edge=False)
-    for header, right in columns:
-        t.add_column(header, justify="right" if right else "left", no_wrap=not c.is_terminal)
+    for i, (header, right) in enumerate(columns):
+        keep = whole[i] if i < len(whole) else 0
+        t.add_column(
+            header,
+            justify="right" if right else "left",
+            no_wrap=not c.is_terminal or bool(keep),
+            min_width=keep or None,
+            overflow="fold",
+        )
     return t
+
+
+ID_TEXT = re.compile(r"0x[0-9a-f]{8,16}")
+
+
+def id_widths(rows: Sequence[Sequence[object]], n: int) -> list[int]:
+    """Per column, the width of its longest id ('0x...'), 0 without one."""
+    out = [0] * n
+    for row in rows:
+        for i, v in enumerate(row):
+            if isinstance(v, str) and ID_TEXT.fullmatch(v):
+                out[i] = max(out[i], len(v))
+    return out
 
 
 def plain_text(render: Callable[[Console], None]) -> str:

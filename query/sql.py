@@ -49,6 +49,7 @@ from stallwatch.dumpers.sqltables import tables
 
 from .limits import LOCAL as LOCAL
 from .limits import NETWORK as NETWORK
+from .limits import QUERY as QUERY
 from .limits import Limits
 from .scan import Scan, compile_scan
 

@@ -10,7 +10,9 @@ removes it: a folder of this session left at its end fails the run.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -93,3 +95,30 @@ def real_libnccl() -> Path:
     if not lib.is_file():
         pytest.fail(f"{lib} not found in the nvidia-nccl-cu12 wheel")
     return lib
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One local Spark session for the whole run (starting one takes seconds)."""
+    pytest.importorskip("pyspark", reason="pyspark is a test dependency (scripts/setup)")
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("stallwatch-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.sql.sources.partitionColumnTypeInference.enabled", "false")
+        .config("spark.driver.memory", "1g")
+        # list partitions on the driver: no Spark job per folder listing
+        .config("spark.sql.sources.parallelPartitionDiscovery.threshold", "100000")
+        .config("spark.sql.adaptive.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    try:
+        yield session
+    finally:
+        session.stop()

@@ -63,7 +63,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="DIR",
         help="with --pinned: where the dump goes (default: the agent's --dump-dir)",
     )
-    add_format_option(p, ("json", "table"), default="json")
+    add_format_option(p, ("table", "json"))
     p.set_defaults(func=run)
 
 

@@ -21,7 +21,7 @@ from rich.text import Text
 
 from stallwatch.dumpers.errors import ExitCode, UsageError
 from stallwatch.dumpers.model import Recording
-from stallwatch.query.output import new_table, text_for
+from stallwatch.query.output import id_widths, new_table, text_for
 
 from .options import (
     HelpFormatter,
@@ -34,10 +34,16 @@ from .options import (
 
 QUERY_EPILOG = """\
 tables: nccl_events, comm_events, tcp_events, sched_events, exit_events,
-        processes, communicators (each with a host column; timestamp_ns is the
-        host's monotonic clock, wall_time the same instant in UTC; rank is the
-        rank in the row's communicator, world_rank the process's; ids are
-        '0x...' text as the reports print them; NULL where unknown).
+        processes, communicators, thread_states, cuda_graphs (each with a host column;
+        timestamp_ns is the host's monotonic clock in ns, wall_time the same
+        instant in UTC; *_ns columns are nanoseconds, elapsed_ns of a call in
+        flight counts up to the dump's time; rank is the rank in the row's
+        communicator, world_rank the process's, derived over every dump
+        given; ids are '0x...' text as the reports print them, never cut;
+        NULL where unknown, a pid a Flight Recorder file does not name too).
+        Flight Recorder files are read as one dump per rank (host: the file's
+        name). At most 10,000 rows are printed and a query may use 1 GB of
+        memory, as on an agent (one line on stderr says when it was cut).
         The rows of every dump given share one table: where hosts must not
         mix (a time-window join), join on host too (t.host = s.host).
 
@@ -131,7 +137,8 @@ def format_table(
     for ``file`` otherwise): numbers right-aligned, NULL spelled out."""
 
     def draw(c: Console) -> None:
-        table = new_table(c, [(n, _is_numeric(t)) for n, t in zip(columns, types, strict=True)])
+        heads = [(n, _is_numeric(t)) for n, t in zip(columns, types, strict=True)]
+        table = new_table(c, heads, id_widths(rows, len(columns)))
         for row in rows:
             table.add_row(*(Text(_cell(v)) for v in row))
         c.print(table)
@@ -189,10 +196,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"stallwatch query: {note}", file=sys.stderr)
     if not recordings:
         raise UsageError("no readable dump among the inputs")
-    from stallwatch.query.sql import LOCAL, QueryEngine
+    from stallwatch.query.sql import QUERY, QueryEngine
 
-    with QueryEngine(recordings, LOCAL) as engine:
+    with QueryEngine(recordings, QUERY) as engine:
         result = engine.query(sql, args.limit)
+    if result.truncated and args.limit is None:
+        print(
+            f"stallwatch query: only the first {QUERY.max_rows} rows are printed "
+            "(as an agent sends at most; aggregate, or --limit N for fewer)",
+            file=sys.stderr,
+        )
     doc = {
         "columns": list(result.columns),
         "types": list(result.types),

@@ -17,10 +17,11 @@ import functools
 import json
 import os
 import socket
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from stallwatch.dumpers.errors import AgentError, UsageError
+from stallwatch.dumpers.errors import AgentError, ExitCode, UsageError
 from stallwatch.query.agentclient import AgentClient
 from stallwatch.recorder import discovery
 from stallwatch.recorder.positions import snapshot_summary, summary_lines
@@ -132,6 +133,11 @@ def _local(args: argparse.Namespace) -> int:
     if netns:
         mine = discovery.netns_of(os.getpid())
         pids = [p for p in pids if discovery.netns_of(p) == mine]
+    if not pids:  # nothing to read: no dump, one line, findings' exit code
+        where = " in this network namespace" if netns else ""
+        what = "none of the --pid processes" if args.pid else "no process maps a libnccl"
+        print(f"stallwatch snapshot: {host}: {what}{where}: nothing to read", file=sys.stderr)
+        return ExitCode.FINDINGS
     snaps = read_series(reader, pids, args.samples, args.interval, "request")
     rec = snapshot_recording(host, snaps, args.reason, new_incident_id(host))
     path = write_dump(args.dump_dir, rec)

@@ -11,7 +11,7 @@ import io
 import json
 import re
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -250,33 +250,7 @@ def test_duckdb_sees_every_row_and_partition(dumps: list[Path], exported: Path) 
     assert incidents == [("inc b/2",), ("inc-a",), (_fr_incident(exported),)]
 
 
-# --- Spark (one local session for the module) -----------------------------------
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    pytest.importorskip("pyspark", reason="pyspark is a test dependency (scripts/setup)")
-    from pyspark.sql import SparkSession
-
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("stallwatch-parquet-test")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.sql.sources.partitionColumnTypeInference.enabled", "false")
-        .config("spark.driver.memory", "1g")
-        # list partitions on the driver: no Spark job per folder listing
-        .config("spark.sql.sources.parallelPartitionDiscovery.threshold", "100000")
-        .config("spark.sql.adaptive.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
-    try:
-        yield session
-    finally:
-        session.stop()
+# --- Spark (the session-scoped local session of tests/conftest.py) -------------
 
 
 def spark_views(spark: Any, root: Path) -> None:

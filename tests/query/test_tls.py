@@ -232,7 +232,9 @@ def test_dump_and_query_commands_over_tls(
     token.write_text(TOKEN)
     client = ["--token-file", str(token), "--tls-ca", str(certs.ca)]
     client += ["--tls-cert", str(certs.client_cert), "--tls-key", str(certs.client_key)]
-    code, out, err = run("dump", "--agent", handle.address, "--reason", "over tls", *client)
+    code, out, err = run(
+        "dump", "--agent", handle.address, "--reason", "over tls", "--json", *client
+    )
     assert code == 0, err
     assert json.loads(out)["status"] == "written"
     code, out, err = run(

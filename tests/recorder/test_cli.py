@@ -105,7 +105,7 @@ def _record_and_stop(argv: list[str], port: int, tmp_path: Path) -> None:
         assert any("MiB in total" in line for line in log)
         dump = subprocess.run(
             [sys.executable, "-m", "stallwatch", "dump", "--agent", f"127.0.0.1:{port}",
-             "--reason", "cli test"],
+             "--reason", "cli test", "--json"],
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         assert dump.returncode == 0, dump.stderr

@@ -160,7 +160,8 @@ def test_killed_agent_loses_nothing_and_the_next_one_records_on(
         killed = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         time.sleep(2)
         pinned = subprocess.run(
-            [*STALLWATCH, "dump", "--pinned", "--pin-dir", str(pin_dir), "--reason", "no agent"],
+            [*STALLWATCH, "dump", "--pinned", "--pin-dir", str(pin_dir), "--reason", "no agent",
+             "--json"],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert pinned.returncode == 0, pinned.stderr

@@ -56,7 +56,9 @@ def _incidents() -> list[tuple[str, Path]]:
 
 
 INCIDENTS = _incidents()
-pytestmark = pytest.mark.slow  # every surface of 32 incidents: ~40 s on a quiet machine
+# every surface of 32 incidents: the module's setup takes about a minute on a
+# quiet machine (Spark's start the most), ten on one loaded 30-fold
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 NAMES = [n for n, _ in INCIDENTS]
 FLIGHT = {n for n, p in INCIDENTS if "fr-torch" in str(p) or FR16 in p.parents}
 SERVED = {n for n, p in INCIDENTS if "fr-torch" not in str(p)}

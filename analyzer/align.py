@@ -28,13 +28,13 @@ from stallwatch.dumpers.schema import NCCL_EVENT, ExitEvent, Op, TcpEvent, captu
 
 from . import late
 from .columns import Columns
+from .incident import CALL_DTYPE, SCHED_DTYPE, TCP_RETRANS_DTYPE, Calls, Comm, Incident, Proc
 from .late import LateReport
 from .match import order_calls
-from .metrics import RECENT_GROUPS
-from .model import CALL_DTYPE, SCHED_DTYPE, TCP_RETRANS_DTYPE, Calls, Comm, Incident, Proc
 from .parallel import in_parallel, threads
-from .positions import host_readings
+from .positionjudge import host_readings
 from .progress import Progress
+from .rankmetrics import RECENT_GROUPS
 
 IS_CALL = np.zeros(256, dtype=bool)  # op -> is a collective or p2p call
 IS_CALL[[int(op) for op in Op if op.is_collective or op.is_p2p]] = True

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from stallwatch.dumpers.schema import op_name
 
-from .metrics import Frontier, Member, MemberState
-from .model import Comm, Incident
+from .incident import Comm, Incident
+from .rankmetrics import Frontier, Member, MemberState
 from .verdict import Verdict
 
 

@@ -22,7 +22,7 @@ from stallwatch.dumpers.errors import UsageError
 from stallwatch.dumpers.model import Recording
 
 from .culprits import culprits
-from .model import InputStatus
+from .incident import InputStatus
 from .perfetto import Marker
 from .pipeline import IncidentResult
 

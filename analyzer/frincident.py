@@ -49,7 +49,7 @@ from stallwatch.dumpers.schema import DATATYPE_SIZE, NCCL_EVENT, EventKind, Stat
 
 from .columns import Columns
 from .flightrec import FrDump, rank_in_name, read_flightrec
-from .model import (
+from .incident import (
     CALL_DTYPE,
     SCHED_DTYPE,
     TCP_RETRANS_DTYPE,

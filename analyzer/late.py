@@ -50,7 +50,7 @@ import numpy as np
 from stallwatch.dumpers.model import CommInfo, Recording, Ring
 from stallwatch.dumpers.schema import NCCL_EVENT, Op, captured_rows, op_name
 
-from .model import Incident
+from .incident import Incident
 from .verdict import Verdict, VerdictKind, known_rank, rank_text
 
 if TYPE_CHECKING:

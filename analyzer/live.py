@@ -18,7 +18,7 @@ from pathlib import Path
 from stallwatch.dumpers.folder import save_dump
 from stallwatch.query.live import AgentCall, Gathered, fetch_recordings
 
-from .model import InputStatus
+from .incident import InputStatus
 from .pipeline import AnalysisResult, analyze_recordings
 
 

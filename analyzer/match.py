@@ -20,7 +20,7 @@ import numpy as np
 from stallwatch.dumpers.schema import Op
 
 from .columns import Columns
-from .model import Calls, Incident
+from .incident import Calls, Incident
 
 IS_P2P = np.zeros(256, dtype=bool)
 IS_P2P[[Op.SEND, Op.RECV]] = True

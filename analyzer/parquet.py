@@ -48,8 +48,8 @@ from stallwatch.dumpers.ranks import Ranks
 from stallwatch.dumpers.schema import RING_DTYPES
 from stallwatch.dumpers.sqltables import TABLE_NAMES, tables
 
+from .incident import InputStatus
 from .load import IncidentInputs, open_incidents
-from .model import InputStatus
 
 FORMAT_NAME = "stallwatch-parquet"
 FORMAT_VERSION = 1

@@ -76,9 +76,10 @@ from .detect.inconclusive import detect_inconclusive, unjudged
 from .detect.missing import moments_apart_ns, taken_in_turn
 from .flightrec import FrDump
 from .frincident import incidents_from_flightrec
+from .incident import Incident, InputStatus, SourceKind
 from .load import Loaded, load_inputs
 from .match import match
-from .metrics import (
+from .rankmetrics import (
     Frontier,
     arrival_scores,
     disagreements,
@@ -89,7 +90,6 @@ from .metrics import (
     retransmits_in_windows,
     sched_delay_per_proc,
 )
-from .model import Incident, InputStatus, SourceKind
 from .verdict import Verdict, VerdictKind
 
 

@@ -33,8 +33,8 @@ from bench.common import Figure, median_time, render
 from stallwatch.dumpers.format import read_dump, write_dump
 from stallwatch.dumpers.model import Clock, Recording, Ring, Trigger, TriggerKind
 from stallwatch.dumpers.schema import NCCL_EVENT, Op, State
-from stallwatch.recorder.model import CommProgress, InflightCall, ProcessState, TickState
 from stallwatch.recorder.peers import peer_notifier
+from stallwatch.recorder.tickstate import CommProgress, InflightCall, ProcessState, TickState
 from stallwatch.recorder.watchdog import DumpScheduler, Incidents, Watchdog
 
 WRITE_TARGET_S = 0.5

@@ -40,7 +40,7 @@ from pathlib import Path
 from bench.common import Figure, render
 from stallwatch.lab import build
 from stallwatch.lab.job import LIB_ENV, read_report
-from stallwatch.recorder.threads import Reader, nccl_pids
+from stallwatch.recorder.threadreader import Reader, nccl_pids
 
 RANKS = 8
 HUNG = 3

@@ -14,7 +14,7 @@ so that a newer layout is recognised as such before anything else is read)::
                     "exit_ns", "exit_code": i32 | null, "exit_signal": i32 | null}, ...],
      "communicators": [{"pid", "comm", "comm_hash", "rank", "nranks", "parent_hash",
                         "color", "key", "root_addr", "init_ns", "destroy_ns"}, ...],
-     "snapshots": [thread positions, as in dumpers.snapshotdoc],
+     "snapshots": [thread positions, as in dumpers.readingsdoc],
      "rings": {name: {"dtype": numpy descr as lists, "rows": n, "data": bin,
                       "overwritten": u64, "lost": u64}},
      "counters": {str: u64}}
@@ -78,8 +78,8 @@ from .model import (
     Trigger,
     TriggerKind,
 )
+from .readingsdoc import read_snapshots, snapshots_doc
 from .schema import RING_DTYPES, State, ring_dtype
-from .snapshotdoc import read_snapshots, snapshots_doc
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .threads import ThreadSnapshot
+from .readings import ThreadSnapshot
 
 FORMAT_NAME = "stallwatch-dump"
 # 2: nccl rows carry device start and completion; 3: thread position snapshots.
@@ -107,5 +107,5 @@ class Recording:
     agent_args: tuple[str, ...] = ()
     trigger: Trigger | None = None  # None for a live snapshot
     counters: dict[str, int] = field(default_factory=dict)
-    # where every thread of the node's NCCL processes was (dumpers.threads), oldest first
+    # where every thread of the node's NCCL processes was (dumpers.readings), oldest first
     snapshots: tuple[ThreadSnapshot, ...] = ()

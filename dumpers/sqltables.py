@@ -81,6 +81,7 @@ import pyarrow as pa
 from . import addresses
 from .model import CommInfo, Recording
 from .ranks import Ranks
+from .readings import ArgsFrom, NcclCall, ProcessThreads, ThreadState, syscall_name
 from .schema import (
     DEVICE_FIELDS,
     RING_DTYPES,
@@ -95,7 +96,6 @@ from .schema import (
     datatype_name,
     op_name,
 )
-from .threads import ArgsFrom, NcclCall, ProcessThreads, ThreadState, syscall_name
 
 # The seed query (docs/architecture.md, "SQL tables") runs unchanged on dumps and on live
 # agents; the demo, the benchmarks and the tests all use this one copy.

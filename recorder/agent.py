@@ -8,7 +8,7 @@ Every 250 ms it scans for processes that map libnccl, attaches once to each
 distinct library file and puts each process in scope or out of it.
 
 Which processes and TCP rows it keeps is its scope (``recorder.scope``).
-``/metrics`` is rendered by ``recorder.metrics`` from ``Agent.stats()`` and
+``/metrics`` is rendered by ``recorder.prometheus`` from ``Agent.stats()`` and
 the plain counters; peers are asked through ``recorder.peers``.
 
 Known limits: communicators created before the agent attached (and split
@@ -43,15 +43,15 @@ from stallwatch.dumpers.schema import CUDA_SYMBOLS, NCCL_SYMBOLS
 from stallwatch.query.tls import ClientTls, ServerTls
 
 from . import discovery
-from .metrics import AgentStats, RingStats, agent_metrics_text
-from .model import CommProgress, ProcessState, TickState
 from .notify import Notifier
 from .peers import PeerList, PeerSource, peer_notifier
 from .pinning import PinSet
 from .positions import PositionKeeper, snapshot_summary
+from .prometheus import AgentStats, RingStats, agent_metrics_text
 from .registry import CommRegistry, ProcessRegistry
 from .scope import Scope
 from .source import EventSource
+from .tickstate import CommProgress, ProcessState, TickState
 from .watchdog import DumpScheduler, Incidents, Watchdog
 
 log = logging.getLogger("stallwatch.record")

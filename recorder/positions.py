@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from stallwatch.dumpers.model import Clock, ProcessInfo, Recording, Ring, Trigger, TriggerKind
+from stallwatch.dumpers.readings import RUNNING, ThreadSnapshot, ThreadState, syscall_name
 from stallwatch.dumpers.schema import RING_DTYPES
-from stallwatch.dumpers.threads import RUNNING, ThreadSnapshot, ThreadState, syscall_name
 
 from . import discovery
-from .model import CommProgress, InflightCall
-from .threads import Reader
+from .threadreader import Reader
+from .tickstate import CommProgress, InflightCall
 
 log = logging.getLogger("stallwatch.positions")
 

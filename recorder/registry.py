@@ -21,7 +21,7 @@ import numpy as np
 from stallwatch.dumpers.model import CommInfo, ProcessInfo
 from stallwatch.dumpers.schema import ExitEvent, Op, State, decode_root_address
 
-from .model import CommProgress
+from .tickstate import CommProgress
 
 _INITS = (Op.COMM_INIT_RANK, Op.COMM_INIT_RANK_CONFIG, Op.COMM_INIT_ALL)
 _CLOSES = (Op.COMM_DESTROY, Op.COMM_ABORT, Op.COMM_FINALIZE)

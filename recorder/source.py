@@ -23,9 +23,9 @@ from stallwatch.dumpers.schema import RING_DTYPES
 
 from .bpfsys import RingbufBell
 from .maps import DISCOVERY_BELL, RING_MAPS, MapSet
-from .model import CommProgress, InflightCall
 from .pinning import PinOptions, PinSet
 from .rings import RingBuffer, RingWriter
+from .tickstate import CommProgress, InflightCall
 
 
 class EventSource(Protocol):

@@ -76,7 +76,7 @@ from stallwatch.dumpers.errors import DumpError, DumpWriteError
 from stallwatch.dumpers.model import Recording, Trigger, TriggerKind
 from stallwatch.dumpers.schema import op_name
 
-from .model import TickState
+from .tickstate import TickState
 
 log = logging.getLogger("stallwatch.watchdog")
 

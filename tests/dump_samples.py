@@ -20,14 +20,14 @@ from stallwatch.dumpers.model import (
     Trigger,
     TriggerKind,
 )
-from stallwatch.dumpers.schema import RING_DTYPES, DataType, Op, RedOp, State
-from stallwatch.dumpers.threads import (
+from stallwatch.dumpers.readings import (
     ArgsFrom,
     NcclCall,
     ProcessThreads,
     ThreadSnapshot,
     ThreadState,
 )
+from stallwatch.dumpers.schema import RING_DTYPES, DataType, Op, RedOp, State
 
 U64_MAX = 2**64 - 1
 

@@ -6,12 +6,12 @@ or tested alone.  One module per verdict family, its thresholds (upper-case
 constants) beside it: ``missing`` (collective frontier, point-to-point),
 ``desync``, ``exits``, ``stragglers`` (compute, CPU interference),
 ``network``; ``cpu`` tells starved ranks for the last two.  Thread positions
-(``analyzer.positions``) judge a hang the recording does not show.
+(``analyzer.positionjudge``) judge a hang the recording does not show.
 """
 
 from __future__ import annotations
 
-from ..positions import detect_positions
+from ..positionjudge import detect_positions
 from .common import Analysis, Detector
 from .desync import detect_desync
 from .exits import detect_rank_exited

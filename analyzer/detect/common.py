@@ -10,8 +10,9 @@ import numpy as np
 
 from stallwatch.dumpers.schema import op_name
 
+from ..incident import Incident
 from ..match import Matched
-from ..metrics import (
+from ..rankmetrics import (
     ArrivalScore,
     CommSlowdown,
     Disagreement,
@@ -21,7 +22,6 @@ from ..metrics import (
     MemberState,
     P2pGap,
 )
-from ..model import Incident
 from ..verdict import Verdict
 
 MAX_LISTED = 16  # evidence lines of one kind in a verdict

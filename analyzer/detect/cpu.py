@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..metrics import proc_hosts
+from ..rankmetrics import proc_hosts
 from .common import Analysis
 
 SCHED_MIN_NS = 10_000_000  # run-queue delay that counts as interference

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from stallwatch.dumpers.schema import RedOp, datatype_name, op_name
 
-from ..metrics import DESYNC_FIELDS, Disagreement
-from ..model import Incident
+from ..incident import Incident
+from ..rankmetrics import DESYNC_FIELDS, Disagreement
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, who
 

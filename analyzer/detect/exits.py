@@ -15,7 +15,7 @@ import numpy as np
 
 from stallwatch.dumpers.schema import op_name
 
-from ..model import Proc
+from ..incident import Proc
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, last_call_text, member_text, primary
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from stallwatch.dumpers.schema import op_name
 
-from ..metrics import Frontier
+from ..rankmetrics import Frontier
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, primary, world_of
 

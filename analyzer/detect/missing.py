@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 from stallwatch.dumpers.schema import Op, op_name
 
-from ..metrics import Frontier, Lag, Member, MemberState, P2pGap, waiting_in_p2p
-from ..model import Incident
+from ..incident import Incident
+from ..rankmetrics import Frontier, Lag, Member, MemberState, P2pGap, waiting_in_p2p
 from ..verdict import Verdict, VerdictKind, rank_text
 from .common import MAX_LISTED, Analysis, member_text, primary, who
 

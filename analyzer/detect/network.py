@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..metrics import CommSlowdown, HostRetransmits
+from ..rankmetrics import CommSlowdown, HostRetransmits
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, ms, who
 from .cpu import starved_hosts

@@ -11,7 +11,7 @@ import numpy as np
 
 from stallwatch.dumpers.schema import op_name
 
-from ..metrics import ArrivalScore
+from ..rankmetrics import ArrivalScore
 from ..verdict import Verdict, VerdictKind
 from .common import Analysis, ms
 from .cpu import sched_heavy

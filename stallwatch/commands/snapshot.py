@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
 def _local(args: argparse.Namespace) -> int:
     from stallwatch.dumpers.format import write_dump
     from stallwatch.recorder.positions import read_series, snapshot_recording
-    from stallwatch.recorder.threads import Reader, nccl_pids
+    from stallwatch.recorder.threadreader import Reader, nccl_pids
     from stallwatch.recorder.watchdog import new_incident_id
 
     host = args.host_name or socket.gethostname()

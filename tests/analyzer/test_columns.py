@@ -9,8 +9,8 @@ import pytest
 
 from stallwatch.analyzer.align import _positions, _runs
 from stallwatch.analyzer.columns import Columns
+from stallwatch.analyzer.incident import CALL_DTYPE
 from stallwatch.analyzer.match import _grid_order, _sort_order
-from stallwatch.analyzer.model import CALL_DTYPE
 
 
 def test_table_indexes_like_a_structured_array() -> None:

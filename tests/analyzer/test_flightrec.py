@@ -13,13 +13,13 @@ import pytest
 
 from stallwatch.analyzer.flightrec import read_flightrec
 from stallwatch.analyzer.load import load_inputs
-from stallwatch.analyzer.metrics import Frontier, MemberState
 from stallwatch.analyzer.pipeline import (
     IncidentResult,
     analyze_incident,
     analyze_paths,
     group_incidents,
 )
+from stallwatch.analyzer.rankmetrics import Frontier, MemberState
 from stallwatch.analyzer.verdict import VerdictKind
 from stallwatch.dumpers.errors import DumpFormatError, DumpVersionError
 

@@ -1,4 +1,4 @@
-"""Judging from thread positions alone (``analyzer.positions``), on positions
+"""Judging from thread positions alone (``analyzer.positionjudge``), on positions
 built by hand: the chains a hang makes across communicators, desyncs of
 order, and the cases that must not be judged."""
 
@@ -6,17 +6,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from stallwatch.analyzer.positions import HostReadings, judge, position_text, rank_positions
+from stallwatch.analyzer.positionjudge import HostReadings, judge, position_text, rank_positions
 from stallwatch.analyzer.verdict import VerdictKind
 from stallwatch.dumpers.model import CommInfo
-from stallwatch.dumpers.schema import DataType, RedOp
-from stallwatch.dumpers.threads import (
+from stallwatch.dumpers.readings import (
     ArgsFrom,
     NcclCall,
     ProcessThreads,
     ThreadSnapshot,
     ThreadState,
 )
+from stallwatch.dumpers.schema import DataType, RedOp
 
 LIB = "/opt/nccl/lib/libnccl.so.2"
 S = 1_000_000_000

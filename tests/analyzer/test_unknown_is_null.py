@@ -87,7 +87,7 @@ def test_a_verdict_built_from_sentinels_holds_null() -> None:
 
 @pytest.mark.parametrize("rank", [-1, -7])
 def test_unknown_world_rank_reads_unknown(rank: int) -> None:
-    from stallwatch.analyzer.model import Proc
+    from stallwatch.analyzer.incident import Proc
 
     p = Proc("node0", 17, rank, "node0.msgpack")
     assert p.label() == "rank unknown (host node0, pid 17)"

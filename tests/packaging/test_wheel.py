@@ -80,7 +80,7 @@ def test_the_import_contract_holds_on_the_package(unpacked: Path) -> None:
     ("module", "imports", "contract"),
     [
         ("recorder/rings.py", "stallwatch.analyzer.verdict", "layers"),
-        ("query/sql.py", "stallwatch.analyzer.model", "layers"),
+        ("query/sql.py", "stallwatch.analyzer.incident", "layers"),
         ("dumpers/schema.py", "stallwatch.query.sql", "layers"),
         ("lab/faults.py", "stallwatch.recorder.rings", "separate processes"),
         ("analyzer/verdict.py", "bcc", "laptop"),

@@ -189,7 +189,7 @@ def test_analysis_in_memory_is_the_analysis_of_the_files(scenario: str) -> None:
 
 def test_lost_agents_are_lost_inputs() -> None:
     paths = sorted(str(p) for p in (DATA / "lab-hang-2x2").glob("*.msgpack"))
-    from stallwatch.analyzer.model import InputStatus
+    from stallwatch.analyzer.incident import InputStatus
 
     lost = InputStatus("node9:9400", False, "node9:9400: cannot reach the agent: refused")
     result = analyze_recordings([(paths[0], read_dump(paths[0]))], [lost])

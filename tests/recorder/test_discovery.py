@@ -21,9 +21,9 @@ from stallwatch.recorder import discovery
 from stallwatch.recorder.agent import Agent, AgentConfig
 from stallwatch.recorder.discovery import KernelDiscovery
 from stallwatch.recorder.maps import DISC_EXEC, DISC_LINKMAP, DISCOVERY_EVENT
-from stallwatch.recorder.model import CommProgress
 from stallwatch.recorder.rings import RingBuffer, RingWriter
 from stallwatch.recorder.source import ReplaySource
+from stallwatch.recorder.tickstate import CommProgress
 
 
 def events(*pairs: tuple[int, int]) -> np.ndarray:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from stallwatch.recorder.metrics import AgentStats, RingStats, agent_metrics_text
+from stallwatch.recorder.prometheus import AgentStats, RingStats, agent_metrics_text
 
 
 def test_agent_metrics_render_and_parse() -> None:

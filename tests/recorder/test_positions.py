@@ -10,8 +10,8 @@ import pytest
 
 from stallwatch.dumpers.model import TriggerKind
 from stallwatch.lab import build
-from stallwatch.recorder.model import CommProgress, TickState
 from stallwatch.recorder.positions import RECHECK_S, PositionKeeper
+from stallwatch.recorder.tickstate import CommProgress, TickState
 from stallwatch.recorder.watchdog import Watchdog
 from tests.recorder.test_threads import HUNG, NRANKS, _hung
 

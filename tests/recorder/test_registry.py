@@ -14,9 +14,9 @@ from stallwatch.dumpers.errors import ProbeError
 from stallwatch.dumpers.model import TriggerKind
 from stallwatch.dumpers.schema import COMM_EVENT, EXIT_EVENT, NCCL_EVENT, ExitEvent, Op, State
 from stallwatch.recorder.agent import Agent, AgentConfig
-from stallwatch.recorder.model import CommProgress, InflightCall
 from stallwatch.recorder.registry import CommRegistry, ProcessRegistry
 from stallwatch.recorder.source import ReplaySource
+from stallwatch.recorder.tickstate import CommProgress, InflightCall
 
 DEAD_PID = 4_000_000  # above pid_max: never alive
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from stallwatch.dumpers.format import read_dump
 from stallwatch.recorder import peers as peers_mod
-from stallwatch.recorder.model import TickState
+from stallwatch.recorder.tickstate import TickState
 from stallwatch.recorder.watchdog import DumpScheduler, Incidents, Watchdog
 from tests.dump_samples import sample_recording
 from tests.recorder.test_watchdog import TIMEOUT, S, call, comm, proc

@@ -16,8 +16,8 @@ from stallwatch.dumpers import addresses
 from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.schema import EXIT_EVENT, NCCL_EVENT, TCP_EVENT, ExitEvent, Op
 from stallwatch.recorder.agent import Agent, AgentConfig
-from stallwatch.recorder.model import CommProgress, InflightCall
 from stallwatch.recorder.source import ReplaySource
+from stallwatch.recorder.tickstate import CommProgress, InflightCall
 
 from .test_lab import lab_run
 

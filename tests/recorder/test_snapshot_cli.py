@@ -16,7 +16,7 @@ from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.model import Recording
 from stallwatch.lab import build
 from stallwatch.query.http import ServerHandle, serve_http
-from stallwatch.recorder.threads import pyspy
+from stallwatch.recorder.threadreader import pyspy
 
 SLEEPER = """
 import ctypes, sys, time

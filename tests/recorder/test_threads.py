@@ -1,4 +1,4 @@
-"""Thread positions read from outside the process (``recorder.threads``).
+"""Thread positions read from outside the process (``recorder.threadreader``).
 
 - On a hung lab job (one node, three ranks, rank 1 blocked before the
   collectives of a step), with the lab's library built with and without frame
@@ -29,14 +29,14 @@ from pathlib import Path
 
 import pytest
 
+from stallwatch.dumpers.readings import ArgsFrom, ProcessThreads, ThreadSnapshot
 from stallwatch.dumpers.schema import NCCL_SYMBOLS, DataType
-from stallwatch.dumpers.threads import ArgsFrom, ProcessThreads, ThreadSnapshot
 from stallwatch.lab import build
 from stallwatch.lab.job import LIB_ENV, Sizes, read_report
 from stallwatch.recorder import discovery
 from stallwatch.recorder.cfi import RA, RBP, RSP, FrameTable
 from stallwatch.recorder.elfimage import ElfImage
-from stallwatch.recorder.threads import Reader, api_name
+from stallwatch.recorder.threadreader import Reader, api_name
 from stallwatch.recorder.unwind import Frame
 
 ELEMENTS = 4096

@@ -18,7 +18,7 @@ from stallwatch.dumpers.format import read_dump, write_dump
 from stallwatch.dumpers.model import Recording, Trigger, TriggerKind
 from stallwatch.dumpers.schema import Op
 from stallwatch.recorder import peers as peers_mod
-from stallwatch.recorder.model import CommProgress, InflightCall, ProcessState, TickState
+from stallwatch.recorder.tickstate import CommProgress, InflightCall, ProcessState, TickState
 from stallwatch.recorder.watchdog import (
     DumpScheduler,
     Incidents,

@@ -17,8 +17,8 @@ import numpy as np
 from stallwatch.dumpers.schema import Op, State
 
 from .columns import Columns
+from .incident import Incident
 from .match import Matched
-from .model import Incident
 
 ROOTED_OPS = np.array([Op.BROADCAST, Op.REDUCE, Op.GATHER, Op.SCATTER], dtype=np.uint8)
 STALL_MIN_NS = 1_000_000_000  # a frontier older than this (and than 4x p99) is stuck

@@ -1,5 +1,5 @@
 """The ``snapshots`` section of a dump (format version 3): thread positions
-(``dumpers.threads``) as msgpack, and their validating reader.
+(``dumpers.readings``) as msgpack, and their validating reader.
 
 Layout, every key required, no other allowed::
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .threads import ArgsFrom, NcclCall, ProcessThreads, ThreadSnapshot, ThreadState
+from .readings import ArgsFrom, NcclCall, ProcessThreads, ThreadSnapshot, ThreadState
 
 if TYPE_CHECKING:
     from .format import _Checker

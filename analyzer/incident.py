@@ -25,7 +25,7 @@ from .columns import Columns
 
 if TYPE_CHECKING:
     from .late import LateReport
-    from .positions import HostReadings
+    from .positionjudge import HostReadings
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +158,7 @@ class Incident:
     # time of their latest entry, and no detector
     wall_ns: int | None = None
     detected_by: str = ""
-    readings: tuple[HostReadings, ...] = ()  # thread positions per host (analyzer.positions)
+    readings: tuple[HostReadings, ...] = ()  # thread positions per host (analyzer.positionjudge)
     # the tensor shapes a call passed, as text ("[[2, 32]]"); 0 is unknown
     shapes: tuple[str, ...] = ("",)
     # completion is the device's (Flight Recorder of NCCL: a CUDA event),

@@ -44,8 +44,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from stallwatch.dumpers.schema import NCCL_SYMBOLS
-from stallwatch.dumpers.threads import (
+from stallwatch.dumpers.readings import (
     JOB_ENV,
     NOT_IN_SYSCALL,
     RUNNING,
@@ -55,6 +54,7 @@ from stallwatch.dumpers.threads import (
     ThreadSnapshot,
     ThreadState,
 )
+from stallwatch.dumpers.schema import NCCL_SYMBOLS
 
 from . import discovery
 from .unwind import Frame, ModuleCache, ProcessMaps, ProcessMemory, Unwinder

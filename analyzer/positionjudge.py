@@ -48,14 +48,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from stallwatch.dumpers.model import CommInfo, Recording
+from stallwatch.dumpers.readings import NcclCall, ProcessThreads, ThreadSnapshot, ThreadState
 from stallwatch.dumpers.schema import Op, op_name
-from stallwatch.dumpers.threads import NcclCall, ProcessThreads, ThreadSnapshot, ThreadState
 
 from .verdict import Verdict, VerdictKind
 
 if TYPE_CHECKING:
     from .detect.common import Analysis
-    from .model import Incident
+    from .incident import Incident
 
 MAX_FRAMES_SHOWN = 4
 MAX_LISTED = 16

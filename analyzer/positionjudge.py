@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from stallwatch.dumpers.model import CommInfo, Recording
-from stallwatch.dumpers.readings import NcclCall, ProcessThreads, ThreadSnapshot, ThreadState
+from stallwatch.dumpers.readings import NcclCall, ProcessThreads, ThreadReading, ThreadState
 from stallwatch.dumpers.schema import Op, op_name
 
 from .verdict import Verdict, VerdictKind
@@ -67,7 +67,7 @@ class HostReadings:
     about communicators (empty without a recording)."""
 
     host: str
-    snapshots: tuple[ThreadSnapshot, ...]
+    snapshots: tuple[ThreadReading, ...]
     communicators: tuple[CommInfo, ...] = ()
 
 
@@ -129,7 +129,7 @@ class RankPosition:
 def host_readings(recordings: Iterable[Recording]) -> tuple[HostReadings, ...]:
     """Each host's readings (a host may have dumped several times: all of
     them, in time order) with every communicator its recordings know."""
-    snaps: dict[str, list[ThreadSnapshot]] = defaultdict(list)
+    snaps: dict[str, list[ThreadReading]] = defaultdict(list)
     comms: dict[str, list[CommInfo]] = defaultdict(list)
     for rec in recordings:
         if rec.snapshots:

@@ -125,7 +125,7 @@ class _Agent:
         self.incidents = Incidents(Watchdog(2 * 10**9, host), scheduler)
 
     def recording(self) -> Recording:
-        return self.incidents.scheduler.snapshot()
+        return self.incidents.scheduler.recording()
 
     def metrics_text(self) -> str:
         return ""

@@ -330,7 +330,7 @@ def throughput(fake: FakeNccl, quick: bool, agent: Any) -> list[Figure]:
     floor = loops * calls / _parallel_loops(fake, calls, loops, "baseline")
     lost_kernel = agent.source.kernel_counters()["kernel_lost_nccl"]
     made, pid = _paced(fake, seconds, PACE_RATE)
-    rows = ring.snapshot().rows
+    rows = ring.copy().rows
     lost = made - int((rows["pid"] == pid).sum())
     anchor = (
         f"{loops} C loops x {calls:,} calls, {recorded:,} rows, kernel lost {lost_kernel}; "

@@ -99,7 +99,7 @@ def _wait_hung(run_dir: Path, pids: list[int]) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         report = read_report(run_dir, HUNG)
-        snap = Reader().snapshot(pids)
+        snap = Reader().read(pids)
         waiting = sum(1 for p in snap.processes if p.nccl_threads())
         if report is not None and report.status == "hung" and waiting == RANKS - 1:
             return
@@ -120,11 +120,11 @@ def snapshot_times(pids: list[int], repeats: int) -> tuple[float, float, float, 
         assert set(found) >= set(pids)
         t0 = time.perf_counter()
         reader = Reader()
-        snap = reader.snapshot(pids)
+        snap = reader.read(pids)
         cold.append(time.perf_counter() - t0)
         assert len(snap.processes) == RANKS
         t0 = time.perf_counter()
-        reader.snapshot(pids)
+        reader.read(pids)
         warm.append(time.perf_counter() - t0)
     procs = sum(1 for name in os.listdir("/proc") if name.isdigit())
     return statistics.median(cold), statistics.median(warm), statistics.median(scan), procs
@@ -171,7 +171,7 @@ def _rotate(reader: Reader, pids: list[int], t0: float, windows: int) -> int:
     while (now := time.monotonic()) < t0 + windows * WINDOW_S:
         phase = PHASES[int((now - t0) / WINDOW_S) % len(PHASES)] if now >= t0 else "idle"
         if phase == "snapshots":
-            reader.snapshot(pids)
+            reader.read(pids)
             taken += 1
         elif phase == "stopped while read":
             for pid in pids:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .readings import ThreadSnapshot
+from .readings import ThreadReading
 
 FORMAT_NAME = "stallwatch-dump"
 # 2: nccl rows carry device start and completion; 3: thread position snapshots.
@@ -95,7 +95,7 @@ class Ring:
 
 @dataclass(frozen=True, slots=True)
 class Recording:
-    """One node's recording at one moment: a dump, or a live snapshot."""
+    """One node's recording at one moment: a dump, or a live recording."""
 
     host: str
     boot_id: str
@@ -105,7 +105,7 @@ class Recording:
     rings: dict[str, Ring]
     agent_version: str = ""
     agent_args: tuple[str, ...] = ()
-    trigger: Trigger | None = None  # None for a live snapshot
+    trigger: Trigger | None = None  # None for a live recording
     counters: dict[str, int] = field(default_factory=dict)
     # where every thread of the node's NCCL processes was (dumpers.readings), oldest first
-    snapshots: tuple[ThreadSnapshot, ...] = ()
+    snapshots: tuple[ThreadReading, ...] = ()

@@ -1,6 +1,6 @@
 """Thread positions: where every thread of every NCCL process was at one moment.
 
-A ``ThreadSnapshot`` is what ``stallwatch snapshot`` takes, what an agent takes
+A ``ThreadReading`` is what ``stallwatch snapshot`` takes, what an agent takes
 at start-up and into every dump: for each process, each thread's run state as
 the kernel sees it (state letter, wait channel, the system call it sleeps in
 and that call's arguments), its user stack as read from outside the process,
@@ -168,7 +168,7 @@ class ProcessThreads:
 
 
 @dataclass(frozen=True, slots=True)
-class ThreadSnapshot:
+class ThreadReading:
     """Every NCCL process of a node (or the pids asked for) at one moment."""
 
     taken_ns: int  # CLOCK_MONOTONIC

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .readings import ArgsFrom, NcclCall, ProcessThreads, ThreadSnapshot, ThreadState
+from .readings import ArgsFrom, NcclCall, ProcessThreads, ThreadReading, ThreadState
 
 if TYPE_CHECKING:
     from .format import _Checker
@@ -35,7 +35,7 @@ _THREAD_KEYS = tuple(ThreadState.__dataclass_fields__)
 _CALL_KEYS = tuple(NcclCall.__dataclass_fields__)
 
 
-def snapshots_doc(snaps: tuple[ThreadSnapshot, ...]) -> list[dict[str, object]]:
+def snapshots_doc(snaps: tuple[ThreadReading, ...]) -> list[dict[str, object]]:
     return [
         {
             "taken_ns": s.taken_ns,
@@ -94,15 +94,15 @@ def _call_doc(c: NcclCall) -> dict[str, object]:
 # ---------------------------------------------------------------- reading
 
 
-def read_snapshots(obj: object, c: _Checker) -> tuple[ThreadSnapshot, ...]:
+def read_snapshots(obj: object, c: _Checker) -> tuple[ThreadReading, ...]:
     items = c.array(obj, "snapshots")
     return tuple(_read_snapshot(s, f"snapshots[{i}]", c) for i, s in enumerate(items))
 
 
-def _read_snapshot(obj: object, path: str, c: _Checker) -> ThreadSnapshot:
+def _read_snapshot(obj: object, path: str, c: _Checker) -> ThreadReading:
     s = c.map(obj, path, _SNAPSHOT_KEYS)
     procs = c.array(s["processes"], f"{path}.processes")
-    return ThreadSnapshot(
+    return ThreadReading(
         taken_ns=c.integer(s["taken_ns"], f"{path}.taken_ns"),
         took_ns=c.integer(s["took_ns"], f"{path}.took_ns"),
         reason=c.string(s["reason"], f"{path}.reason"),

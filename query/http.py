@@ -129,7 +129,7 @@ LISTEN_BACKLOG = 128
 RECV_BYTES = 65536
 REFUSAL_LOG_S = 10.0
 FDS_BESIDES = 512  # the agent's other files: maps, links, dumps
-SNAPSHOT_CACHE_S = 0.5
+RECORDING_CACHE_S = 0.5
 ARROW_FRAMES = "application/x-stallwatch-arrow"
 
 
@@ -143,7 +143,7 @@ class Backend(Protocol):
     origin) -> JSON-able answer`` (:class:`DumpingBackend`); it may raise
     ``StallwatchError`` (``UsageError`` answers 400, others 500).  Without it,
     ``POST /dump`` answers 501.  ``recording()`` is called at most every
-    ``SNAPSHOT_CACHE_S`` seconds, and only when a query comes."""
+    ``RECORDING_CACHE_S`` seconds, and only when a query comes."""
 
     @property
     def host(self) -> str: ...
@@ -1145,7 +1145,7 @@ def _engine_for(backend: Backend, limits: Limits, scans: bool) -> LazyEngine:
         if isinstance(backend, RecordingsBackend):
             return QueryEngine(backend.recordings, limits, materialize=True, scans=scans)
         return QueryEngine(
-            lambda: [backend.recording()], limits, cache_s=SNAPSHOT_CACHE_S, scans=scans
+            lambda: [backend.recording()], limits, cache_s=RECORDING_CACHE_S, scans=scans
         )
 
     return LazyEngine(make)

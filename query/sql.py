@@ -159,7 +159,7 @@ class _Watchdog:
 
 class QueryEngine:
     """DuckDB over recordings: a fixed list (dumps) or a callable returning a
-    fresh snapshot (a live agent), re-read at most every ``cache_s`` seconds.
+    fresh recording (a live agent), re-read at most every ``cache_s`` seconds.
 
     The tables are Arrow tables that DuckDB scans in place.  ``materialize``
     copies them, column by column, into DuckDB's own storage once instead:

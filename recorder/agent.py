@@ -1,9 +1,9 @@
-"""The always-on agent: discovery, tables, snapshots, dumps, the main loop.
+"""The always-on agent: discovery, tables, recordings, dumps, the main loop.
 
 ``Agent`` owns an event source (BPF in production, a replay in tests) and the
 communicator and process tables.  Each tick (every 200 ms) it reads the
 new rows of the small ``comm`` and ``exit`` rings and the ``comms`` and
-``inflight`` maps; it never reads the big rings except to snapshot them.
+``inflight`` maps; it never reads the big rings except to copy them.
 Every 250 ms it scans for processes that map libnccl, attaches once to each
 distinct library file and puts each process in scope or out of it.
 
@@ -46,7 +46,7 @@ from . import discovery
 from .notify import Notifier
 from .peers import PeerList, PeerSource, peer_notifier
 from .pinning import PinSet
-from .positions import PositionKeeper, snapshot_summary
+from .positions import PositionKeeper, reading_summary
 from .prometheus import AgentStats, RingStats, agent_metrics_text
 from .registry import CommRegistry, ProcessRegistry
 from .scope import Scope
@@ -458,9 +458,11 @@ class Agent:
     def tick_state(self) -> TickState:
         return self.tick()
 
-    # ---- snapshot and dumps ---------------------------------------------
+    # ---- recording and dumps --------------------------------------------
 
-    def snapshot(self, trigger: Trigger | None = None) -> Recording:
+    def recording(self, trigger: Trigger | None = None) -> Recording:
+        """Everything the agent holds now (the query layer's ``Backend``);
+        with ``trigger``, what its dump holds."""
         self.tick()
         with self._lock:
             rings = self._rings()
@@ -489,14 +491,11 @@ class Agent:
     def _rings(self) -> dict[str, Ring]:
         out = {}
         for name, buf in self.source.rings().items():
-            ring = buf.snapshot(self.scope.ring_filter(name))
+            ring = buf.copy(self.scope.ring_filter(name))
             if self.scope.filters and name == "tcp" and len(ring.rows):
                 self.scope.unattribute_foreign(ring.rows)
             out[name] = ring
         return out
-
-    def recording(self) -> Recording:
-        return self.snapshot()
 
     def live_recordings(self, incident_id: str, reason: str) -> list[Recording]:
         """``POST /recording``: what a dump would hold now (a fresh thread
@@ -505,7 +504,7 @@ class Agent:
         trigger = Trigger(
             TriggerKind.MANUAL, reason, incident_id, time.monotonic_ns(), origin_host=self.host
         )
-        return [self.snapshot(trigger)]
+        return [self.recording(trigger)]
 
     @property
     def dump_dir(self) -> Path:
@@ -525,12 +524,12 @@ class Agent:
         """``POST /snapshot``: read this node's threads, then dump with them."""
         snaps = self.positions.take_series(samples, interval_s, "request")
         answer = self.request_dump(reason, incident_id)
-        return {**answer, "positions": snapshot_summary(snaps[-1])}
+        return {**answer, "positions": reading_summary(snaps[-1])}
 
     def _make_incidents(self) -> Incidents:
         cfg = self.config
         scheduler = DumpScheduler.for_directory(
-            cfg.dump_dir, self.snapshot, cfg.max_dumps, cfg.max_dump_bytes
+            cfg.dump_dir, self.recording, cfg.max_dumps, cfg.max_dump_bytes
         )
         watchdog = Watchdog(int(cfg.stall_timeout_s * 1e9), self.host)
         incidents = Incidents(watchdog, scheduler)
@@ -711,7 +710,7 @@ def dump_pinned(
         incident = new_incident_id(agent.host)
         why = f"{reason} (from the pinned recording at {pin_dir}, no agent)"
         trigger = Trigger(TriggerKind.MANUAL, why, incident, now, origin_host=agent.host)
-        rec = agent.snapshot(trigger)
+        rec = agent.recording(trigger)
     finally:
         agent.close()
     try:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from stallwatch.dumpers.model import Clock, ProcessInfo, Recording, Ring, Trigger, TriggerKind
-from stallwatch.dumpers.readings import RUNNING, ThreadSnapshot, ThreadState, syscall_name
+from stallwatch.dumpers.readings import RUNNING, ThreadReading, ThreadState, syscall_name
 from stallwatch.dumpers.schema import RING_DTYPES
 
 from . import discovery
@@ -53,17 +53,17 @@ class PositionKeeper:
     pids: Callable[[], Sequence[int]]  # the agent's NCCL processes in scope
     stall_timeout_ns: int
     reader: Reader = field(default_factory=Reader)
-    startup: ThreadSnapshot | None = None
-    requested: list[ThreadSnapshot] = field(default_factory=list)
+    startup: ThreadReading | None = None
+    requested: list[ThreadReading] = field(default_factory=list)
     _blocked: list[_Blocked] = field(default_factory=list)
     _checked_ns: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def read(self, reason: str) -> ThreadSnapshot:
+    def read(self, reason: str) -> ThreadReading:
         with self._lock:
-            return self.reader.snapshot(self.pids(), reason)
+            return self.reader.read(self.pids(), reason)
 
-    def take_startup(self) -> ThreadSnapshot:
+    def take_startup(self) -> ThreadReading:
         snap = self.read("startup")
         self.startup = snap
         self._blocked = [
@@ -81,7 +81,7 @@ class PositionKeeper:
             )  # fmt: skip
         return snap
 
-    def take_series(self, samples: int, interval_s: float, reason: str) -> list[ThreadSnapshot]:
+    def take_series(self, samples: int, interval_s: float, reason: str) -> list[ThreadReading]:
         """``samples`` readings ``interval_s`` apart, kept for the next dump."""
         out = []
         for i in range(samples):
@@ -91,7 +91,7 @@ class PositionKeeper:
         self.requested = [*self.requested, *out][-KEEP_REQUESTED:]
         return out
 
-    def for_recording(self, dump: bool) -> tuple[ThreadSnapshot, ...]:
+    def for_recording(self, dump: bool) -> tuple[ThreadReading, ...]:
         """Start-up and requested readings; a fresh one too for a dump."""
         kept = [s for s in (self.startup, *self.requested) if s is not None]
         if dump:
@@ -122,7 +122,7 @@ class PositionKeeper:
 
     def _recheck(self) -> None:
         with self._lock:
-            snap = self.reader.snapshot(sorted({b.pid for b in self._blocked}), "recheck")
+            snap = self.reader.read(sorted({b.pid for b in self._blocked}), "recheck")
         self._checked_ns = snap.taken_ns
         now = {(p.pid, t.tid): t for p in snap.processes for t in p.threads}
         still = []
@@ -139,7 +139,7 @@ class PositionKeeper:
 # -- summaries (the command's output, the answer of POST /snapshot) ----------
 
 
-def snapshot_summary(snap: ThreadSnapshot) -> list[dict[str, object]]:
+def reading_summary(snap: ThreadReading) -> list[dict[str, object]]:
     """Per process: its rank and each thread's state, system call and NCCL call."""
     return [
         {
@@ -163,7 +163,7 @@ def snapshot_summary(snap: ThreadSnapshot) -> list[dict[str, object]]:
 
 
 def summary_lines(summary: object) -> list[str]:
-    """``snapshot_summary`` for people (also as an agent sent it back)."""
+    """``reading_summary`` for people (also as an agent sent it back)."""
     lines = []
     for p in summary if isinstance(summary, list) else []:
         if not isinstance(p, dict):
@@ -185,17 +185,17 @@ def summary_lines(summary: object) -> list[str]:
 
 def read_series(
     reader: Reader, pids: list[int] | None, samples: int, interval_s: float, reason: str
-) -> list[ThreadSnapshot]:
+) -> list[ThreadReading]:
     out = []
     for i in range(samples):
         if i:
             time.sleep(interval_s)
-        out.append(reader.snapshot(pids, reason))
+        out.append(reader.read(pids, reason))
     return out
 
 
-def snapshot_recording(
-    host: str, snaps: list[ThreadSnapshot], reason: str, incident_id: str
+def readings_recording(
+    host: str, snaps: list[ThreadReading], reason: str, incident_id: str
 ) -> Recording:
     """A dump of readings alone: no rings, no communicators."""
     from .agent import boot_id, sample_clock  # the agent imports this module

@@ -2,12 +2,12 @@
 
 A ring is a structured array of a power-of-two number of slots plus a head
 counter (positions claimed so far).  The writer of position ``p`` (0-based)
-fills slot ``p & (slots - 1)`` and stores ``pos = p + 1`` last.  A snapshot
+fills slot ``p & (slots - 1)`` and stores ``pos = p + 1`` last.  A copy
 reads nothing per event in Python: it copies the array, reads the head after
 the copy (``H``), and keeps the rows whose ``pos`` lies in ``(H - slots, H]``
 and matches their slot.  A row still being written carries the older ``pos``
 of its slot, which is out of that window, so torn rows are never shown; they
-appear in a later snapshot.  Rows older than ``H - slots`` were overwritten
+appear in a later copy.  Rows older than ``H - slots`` were overwritten
 and are counted.
 
 ``RingWriter`` does in Python what ``bpf/common.h`` does in the kernel; the
@@ -65,7 +65,7 @@ class RingBuffer:
         rows = rows[rows["pos"].astype(np.int64) == want]
         return rows, head
 
-    def snapshot(self, keep: Callable[[np.ndarray], np.ndarray] | None = None) -> Ring:
+    def copy(self, keep: Callable[[np.ndarray], np.ndarray] | None = None) -> Ring:
         """Complete rows, oldest first; ``keep`` filters them (a boolean mask)."""
         copy = self.slots.copy()
         head = self.read_head()

@@ -126,7 +126,7 @@ class Scope:
         return mask
 
     def ring_filter(self, name: str) -> Callable[[np.ndarray], np.ndarray] | None:
-        """What a snapshot of ring ``name`` keeps (None: everything)."""
+        """What a copy of ring ``name`` keeps (None: everything)."""
         if not self.filters:
             return None
         if name == "tcp":

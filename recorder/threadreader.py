@@ -51,7 +51,7 @@ from stallwatch.dumpers.readings import (
     ArgsFrom,
     NcclCall,
     ProcessThreads,
-    ThreadSnapshot,
+    ThreadReading,
     ThreadState,
 )
 from stallwatch.dumpers.schema import NCCL_SYMBOLS
@@ -86,16 +86,14 @@ class Reader:
     python_stacks: bool = False
     self_pid: int = field(default_factory=os.getpid)
 
-    def snapshot(
-        self, pids: Iterable[int] | None = None, reason: str = "request"
-    ) -> ThreadSnapshot:
+    def read(self, pids: Iterable[int] | None = None, reason: str = "request") -> ThreadReading:
         start = time.monotonic_ns()
         chosen = sorted(set(pids)) if pids is not None else nccl_pids(self.self_pid)
         procs = tuple(self.process(pid) for pid in chosen)
         tool = pyspy_version() if self.python_stacks else ""
         if tool:
             procs = tuple(_with_python(p) for p in procs)
-        return ThreadSnapshot(start, time.monotonic_ns() - start, reason, procs, tool)
+        return ThreadReading(start, time.monotonic_ns() - start, reason, procs, tool)
 
     def process(self, pid: int) -> ProcessThreads:
         start = time.monotonic_ns()

@@ -42,17 +42,17 @@ answers "duplicate" with its id; a detector told so by a peer relabels its
 own dump to that earlier id too (``Incidents.peer_answered``: an agent
 restarted during a stall finds it again after its peers dumped it).
 
-``DumpScheduler`` writes.  It snapshots the recording at trigger time (that
-window is what matters; a later snapshot could have overwritten the stall),
+``DumpScheduler`` writes.  It takes the recording at trigger time (that
+window is what matters; a later copy could have overwritten the stall),
 writes once per incident, and if writing fails (disk full, read-only folder)
-keeps that snapshot and retries with exponential backoff on later ticks while
-recording goes on, then runs retention.  At most ``max_pending`` snapshots are
+keeps that recording and retries with exponential backoff on later ticks while
+recording goes on, then runs retention.  At most ``max_pending`` recordings are
 kept (the oldest is dropped, and counted).
 
 ``Incidents`` wires both for the agent: ``tick(state)`` each tick,
 ``request_dump(...)`` from the HTTP server or a signal, peer notification
 through an injected callable.  Thread-safe: one lock around all of it, so
-``snapshot`` may be called from the HTTP server's thread too.
+``recording`` may be called from the HTTP server's thread too.
 """
 
 from __future__ import annotations
@@ -448,11 +448,11 @@ class DumpStats:
 
 
 class DumpScheduler:
-    """Writes each incident's snapshot once; retries failed writes with backoff."""
+    """Writes each incident's recording once; retries failed writes with backoff."""
 
     def __init__(
         self,
-        snapshot: Callable[[], Recording],
+        recording: Callable[[], Recording],
         write: Callable[[Recording], Path],
         retention: Callable[[Path], object] | None = None,
         read: Callable[[Path], Recording] | None = None,
@@ -460,7 +460,7 @@ class DumpScheduler:
         backoff_ns: tuple[int, int] = (SECOND_NS // 2, 30 * SECOND_NS),
         max_pending: int = 4,
     ) -> None:
-        self.snapshot = snapshot
+        self.recording = recording
         self.write = write
         self.retention = retention
         self.read = read
@@ -476,9 +476,9 @@ class DumpScheduler:
         return len(self._pending)
 
     def submit(self, trigger: Trigger) -> DumpOutcome:
-        """Snapshot now and try to write; a failed write is queued for retry."""
+        """Take the recording now and try to write; a failed write is queued for retry."""
         try:
-            rec = dataclasses.replace(self.snapshot(), trigger=trigger)
+            rec = dataclasses.replace(self.recording(), trigger=trigger)
         except Exception as exc:
             self.stats.dumps_dropped += 1
             log.exception("incident %s: snapshot failed, no dump", trigger.incident_id)
@@ -510,7 +510,7 @@ class DumpScheduler:
     def for_directory(
         cls,
         dump_dir: Path,
-        snapshot: Callable[[], Recording],
+        recording: Callable[[], Recording],
         max_dumps: int | None = None,
         max_bytes: int | None = None,
     ) -> DumpScheduler:
@@ -519,7 +519,7 @@ class DumpScheduler:
         from stallwatch.dumpers.retention import enforce
 
         return cls(
-            snapshot,
+            recording,
             write=lambda rec: write_dump(dump_dir, rec),
             retention=lambda path: enforce(dump_dir, max_dumps, max_bytes, keep=path),
             read=read_dump,

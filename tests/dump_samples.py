@@ -24,7 +24,7 @@ from stallwatch.dumpers.readings import (
     ArgsFrom,
     NcclCall,
     ProcessThreads,
-    ThreadSnapshot,
+    ThreadReading,
     ThreadState,
 )
 from stallwatch.dumpers.schema import RING_DTYPES, DataType, Op, RedOp, State
@@ -111,7 +111,7 @@ def sample_recording(
     )
 
 
-def sample_snapshot(pid: int, taken_ns: int) -> ThreadSnapshot:
+def sample_snapshot(pid: int, taken_ns: int) -> ThreadReading:
     """One rank inside ncclAllReduce, its helper thread in user code."""
     call = NcclCall(
         "ncclAllReduce", "/usr/lib/libnccl.so.2", ArgsFrom.FRAME, 0x7F00_0000_1000, 1 << 20,
@@ -127,7 +127,7 @@ def sample_snapshot(pid: int, taken_ns: int) -> ThreadSnapshot:
     env = (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "2"))
     proc = ProcessThreads(pid, taken_ns, 2_000_000, env, (waiting, helper))
     gone = ProcessThreads(pid + 1, taken_ns, 1000, (), (), "process gone")
-    return ThreadSnapshot(taken_ns, 3_000_000, "request", (proc, gone), "py-spy 0.4.0")
+    return ThreadReading(taken_ns, 3_000_000, "request", (proc, gone), "py-spy 0.4.0")
 
 
 def assert_same(a: Recording, b: Recording) -> None:
@@ -234,7 +234,7 @@ threads = st.builds(
     python=st.lists(text, max_size=3).map(tuple),
 )
 snapshots = st.builds(
-    ThreadSnapshot,
+    ThreadReading,
     taken_ns=u64,
     took_ns=u64,
     reason=text,

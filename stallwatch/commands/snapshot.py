@@ -24,7 +24,7 @@ from pathlib import Path
 from stallwatch.dumpers.errors import AgentError, ExitCode, UsageError
 from stallwatch.query.agentclient import AgentClient
 from stallwatch.recorder import discovery
-from stallwatch.recorder.positions import snapshot_summary, summary_lines
+from stallwatch.recorder.positions import reading_summary, summary_lines
 
 from .options import (
     HelpFormatter,
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _local(args: argparse.Namespace) -> int:
     from stallwatch.dumpers.format import write_dump
-    from stallwatch.recorder.positions import read_series, snapshot_recording
+    from stallwatch.recorder.positions import read_series, readings_recording
     from stallwatch.recorder.threadreader import Reader, nccl_pids
     from stallwatch.recorder.watchdog import new_incident_id
 
@@ -139,17 +139,17 @@ def _local(args: argparse.Namespace) -> int:
         print(f"stallwatch snapshot: {host}: {what}{where}: nothing to read", file=sys.stderr)
         return ExitCode.FINDINGS
     snaps = read_series(reader, pids, args.samples, args.interval, "request")
-    rec = snapshot_recording(host, snaps, args.reason, new_incident_id(host))
+    rec = readings_recording(host, snaps, args.reason, new_incident_id(host))
     path = write_dump(args.dump_dir, rec)
     if args.format == "json":
-        doc = {"host": host, "path": str(path), "positions": snapshot_summary(snaps[-1])}
+        doc = {"host": host, "path": str(path), "positions": reading_summary(snaps[-1])}
         print(json.dumps(doc, indent=2, sort_keys=True))
         return EXIT_OK
     print(f"{host}: {len(snaps[-1].processes)} process(es), {len(snaps)} reading(s)")
     if not snaps[-1].processes:
         where = " in this network namespace" if netns else ""
         print(f"  {'no --pid process is' if args.pid else 'no process maps a libnccl'}{where}")
-    for line in summary_lines(snapshot_summary(snaps[-1])):
+    for line in summary_lines(reading_summary(snaps[-1])):
         print(f"  {line}")
     print(f"wrote {path}")
     return EXIT_OK

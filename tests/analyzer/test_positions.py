@@ -13,7 +13,7 @@ from stallwatch.dumpers.readings import (
     ArgsFrom,
     NcclCall,
     ProcessThreads,
-    ThreadSnapshot,
+    ThreadReading,
     ThreadState,
 )
 from stallwatch.dumpers.schema import DataType, RedOp
@@ -52,7 +52,7 @@ def _readings(
         HostReadings(
             f"node{n}",
             tuple(
-                ThreadSnapshot(t, 1000, "request", tuple(_proc(r, calls[r], t) for r in ranks))
+                ThreadReading(t, 1000, "request", tuple(_proc(r, calls[r], t) for r in ranks))
                 for t in times
             ),
         )
@@ -148,7 +148,7 @@ def test_the_recording_narrows_the_culprits_to_members_of_the_waited_communicato
 
 def test_jobs_are_judged_apart() -> None:
     readings = _readings(_chain())
-    other = ThreadSnapshot(0, 1, "request", (_proc(0, None, S, job="job2"),))
+    other = ThreadReading(0, 1, "request", (_proc(0, None, S, job="job2"),))
     readings.append(HostReadings("node9", (other,)))
     v = judge(rank_positions(readings))
     assert [x.ranks for x in v] == [(5,)]  # job2's lone idle rank waits for nobody
@@ -161,7 +161,7 @@ def test_a_process_that_is_no_rank_is_not_blamed() -> None:
     last = readings[0].snapshots[-1]
     readings[0] = HostReadings(
         "node0",
-        (*readings[0].snapshots[:-1], ThreadSnapshot(S, 1, "request", (*last.processes, tool))),
+        (*readings[0].snapshots[:-1], ThreadReading(S, 1, "request", (*last.processes, tool))),
     )
     v = judge(rank_positions(readings))
     assert [x.ranks for x in v] == [(5,)]

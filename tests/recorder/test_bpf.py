@@ -128,7 +128,7 @@ def check_scenario(agent: Agent, fake: FakeNccl) -> None:
     pid, comm = int(out["pid"]), int(out["comm"], 16)
     uid = bytes.fromhex(out["uid"])
     h = fold_unique_id(uid)
-    rec = agent.snapshot()
+    rec = agent.recording()
     rows = rows_of(rec, "nccl", pid)
     assert [Op(o) for o in rows["op"]] == [Op.GET_UNIQUE_ID, *SCENARIO_OPS]
     assert (rows["state"] == State.ENQUEUED).all()
@@ -156,7 +156,7 @@ def test_scenario_communicators(agent: Agent, fake: FakeNccl) -> None:
     pid, sub, comm2 = int(out["pid"]), int(out["sub"], 16), int(out["comm2"], 16)
     h, h2 = fold_unique_id(bytes.fromhex(out["uid"])), fold_unique_id(bytes.fromhex(out["uid2"]))
     assert h != h2  # ids that share NCCL's header bytes still differ
-    rec = agent.snapshot()
+    rec = agent.recording()
     comms = {c.comm: c for c in rec.communicators if c.pid == pid}
     assert comms[int(out["comm"], 16)].comm_hash == h
     assert comms[int(out["comm"], 16)].root_addr == "10.0.0.1:29500"
@@ -177,7 +177,7 @@ def test_split_hash_identical_across_members(agent: Agent, fake: FakeNccl) -> No
     uid = os.urandom(128).hex()
     a = run_driver(fake.loop, "scenario", uid, "0", "2")
     b = run_driver(fake.loop, "scenario", uid, "1", "2")
-    rec = agent.snapshot()
+    rec = agent.recording()
     subs = {
         c.pid: c.comm_hash
         for c in rec.communicators
@@ -193,7 +193,7 @@ def test_ring_wrap_counts_overwritten_and_keeps_the_comm_table(
     slots = agent.source.rings()["nccl"].capacity
     calls = slots + 1000
     out = run_driver(fake.loop, "wrap", str(calls))
-    rec = agent.snapshot()
+    rec = agent.recording()
     ring = rec.rings["nccl"]
     assert len(ring.rows) == slots
     assert ring.overwritten == agent.source.rings()["nccl"].read_head() - slots
@@ -232,7 +232,7 @@ def test_new_process_with_its_own_library_copy_is_found_within_a_second(
         assert proc.pid in agent.scope.inside
         _go(proc)
         proc.wait(10)
-    rows = rows_of(agent.snapshot(), "nccl", proc.pid)
+    rows = rows_of(agent.recording(), "nccl", proc.pid)
     assert list(rows["op"]) == [Op.GET_UNIQUE_ID, Op.COMM_INIT_RANK] + [Op.ALL_REDUCE] * 5
 
 
@@ -319,7 +319,7 @@ def test_run_queue_delay_under_a_cpu_hog(agent: Agent) -> None:
         time.sleep(0.1)
         _go(rank)
         rank.wait(20)
-    rows = rows_of(agent.snapshot(), "sched", rank.pid)
+    rows = rows_of(agent.recording(), "sched", rank.pid)
     assert len(rows) > 0, "no run-queue delay recorded for the hogged process"
     assert (rows["delay_ns"] >= 1_000_000).all()
     assert (rows["tid"] == rank.pid).all()
@@ -411,7 +411,7 @@ def test_tcp_retransmits_attributed_to_the_owning_process(
         agent.classify(client.pid)
         _go(client)
         client.wait(30)
-    rows = rows_of(agent.snapshot(), "tcp", client.pid)
+    rows = rows_of(agent.recording(), "tcp", client.pid)
     retrans = rows[rows["event"] == 1]
     assert len(retrans) > 0, "no retransmit attributed to the sending process"
     assert (retrans["dport"] == 7777).all()
@@ -431,7 +431,7 @@ def test_an_excluded_process_is_dropped_in_the_kernel(agent: Agent, fake: FakeNc
         for p in (out, kept):
             _go(p)
             assert p.wait(30) == 0
-    rec = agent.snapshot()
+    rec = agent.recording()
     assert len(rows_of(rec, "nccl", kept.pid)) == 5
     assert len(rows_of(rec, "nccl", out.pid)) == 0
 
@@ -522,7 +522,7 @@ def test_a_process_under_another_root_is_found_through_its_own_loader(
         assert proc.pid in agent.scope.inside
         _go(proc)
         proc.wait(10)
-    rows = rows_of(agent.snapshot(), "nccl", proc.pid)
+    rows = rows_of(agent.recording(), "nccl", proc.pid)
     assert list(rows["op"]) == [Op.GET_UNIQUE_ID, Op.COMM_INIT_RANK] + [Op.ALL_REDUCE] * 3
 
 
@@ -585,7 +585,7 @@ def test_a_communicators_last_return_is_its_last_rows_end(agent: Agent, fake: Fa
     out = run_driver(fake.loop, "wrap", "4")
     comm = int(out["comm"], 16)
     [progress] = [p for p in agent.source.comm_progress() if p.comm == comm]
-    rows = rows_of(agent.snapshot(), "nccl", progress.pid)
+    rows = rows_of(agent.recording(), "nccl", progress.pid)
     last = rows[rows["op"] == Op.ALL_REDUCE][-1]
     assert progress.calls == 4
     assert progress.last_enter_ns == int(last["ts_ns"])
@@ -607,7 +607,7 @@ def test_attaching_while_a_process_calls_in_a_loop_misses_no_return(tmp_path: Pa
             late.attach_library(str(fake.lib), required=True)  # while it calls
             loop.communicate(timeout=60)
             assert [c for c in late.source.inflight_calls() if c.pid == loop.pid] == []
-            rows = rows_of(late.snapshot(), "nccl", loop.pid)
+            rows = rows_of(late.recording(), "nccl", loop.pid)
         finally:
             late.close()
     assert len(rows) > 1000  # not one stale call and nothing after it

@@ -71,7 +71,7 @@ def cuda_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
 
 
 def _allreduces(agent: Agent, pid: int) -> dict[int, np.void]:
-    rows = agent.snapshot().rings["nccl"].rows
+    rows = agent.recording().rings["nccl"].rows
     mine = rows[(rows["pid"] == pid) & (rows["op"] == Op.ALL_REDUCE)]
     return {int(r["tid"]): r for r in mine}
 

@@ -90,7 +90,7 @@ def _drive(agent: Agent) -> tuple[int, list[int], np.ndarray, object]:
          str(ensure_cudart()), str(LAUNCHES)],
         check=True, capture_output=True, text=True, timeout=120, cwd=root,
     ).stdout.split()  # fmt: skip
-    rec = agent.snapshot()
+    rec = agent.recording()
     rows = rec.rings["nccl"].rows
     pid = int(out[0])
     return pid, [int(x, 16) for x in out[1:]], rows[rows["pid"] == pid], rec

@@ -90,7 +90,7 @@ def _check_rank(rows: np.ndarray, rank: dict[str, Any]) -> dict[str, int]:
 def test_one_row_per_call_with_ranks_seq_and_comm_ids(lab_agent: Agent, mode: str) -> None:
     result = lab_run("--nodes", "2", "--ranks-per-node", "2", "--steps", "6", "--mode", mode)
     assert result["ok"], result
-    rec = lab_agent.snapshot()
+    rec = lab_agent.recording()
     rows = rec.rings["nccl"].rows
     hashes: dict[str, set[int]] = {}
     for rank in result["ranks"]:
@@ -125,7 +125,7 @@ def test_gpu_mode_completion_lies_between_return_and_the_next_observation(
     than the first successful poll or synchronisation the rank itself saw."""
     result = lab_run("--nodes", "2", "--ranks-per-node", "2", "--steps", "10", "--mode", "gpu")
     assert result["ok"], result
-    rows = lab_agent.snapshot().rings["nccl"].rows
+    rows = lab_agent.recording().rings["nccl"].rows
     pairs = [
         p for rank in result["ranks"] for p in _device_rows(rows[rows["pid"] == rank["pid"]], rank)
     ]

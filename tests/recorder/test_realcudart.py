@@ -75,7 +75,7 @@ def test_agent_attaches_the_real_runtime_and_sees_its_error_codes(
             timeout=120,
         ).stdout.split()
         after = agent.source.kernel_counters()
-        rec = agent.snapshot()
+        rec = agent.recording()
     finally:
         agent.close()
     pid, codes = int(out[0]), [int(c) for c in out[1:]]

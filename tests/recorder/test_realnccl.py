@@ -49,7 +49,7 @@ def test_agent_records_real_libnccl_calls(tmp_path: Path, real_libnccl: Path) ->
             text=True,
             timeout=120,
         ).stdout.split()
-        rec = agent.snapshot()
+        rec = agent.recording()
     finally:
         agent.close()
     get_id, all_reduce, broadcast, pid, uid = (

@@ -46,16 +46,16 @@ def test_comm_table_survives_ring_overwrite_and_keeps_destroyed_comms() -> None:
     ring = source.writers["comm"]
     init = _comm_row(Op.COMM_INIT_RANK, 7, 0xA0, 0x1234, rank=3, nranks=8, unique_id=_uid(29500))
     ring.append(init)
-    table.apply_rows(ring.buffer.snapshot().rows)
+    table.apply_rows(ring.buffer.copy().rows)
     # Flood the ring with unrelated lifecycle rows: the init row is overwritten.
     flood = np.concatenate([_comm_row(Op.GET_UNIQUE_ID, 9, 0, i + 1) for i in range(200)])
     ring.append(flood)
-    snap = ring.buffer.snapshot()
+    snap = ring.buffer.copy()
     assert snap.overwritten > 0 and Op.COMM_INIT_RANK not in snap.rows["op"]
     table.apply_rows(snap.rows)
     destroy = _comm_row(Op.COMM_DESTROY, 7, 0xA0, 0x1234, ts=500)
     ring.append(destroy)
-    table.apply_rows(ring.buffer.snapshot().rows)
+    table.apply_rows(ring.buffer.copy().rows)
     (info,) = [c for c in table.infos() if c.comm_hash == 0x1234]
     assert (info.pid, info.comm, info.rank, info.nranks) == (7, 0xA0, 3, 8)
     assert info.root_addr == "10.0.0.7:29500"
@@ -118,8 +118,8 @@ def test_process_table_exit_code_signal_and_handled_signal() -> None:
     ring.append(_exit_row(13, ExitEvent.SIGNAL, signal=15))  # handled, then exit(0)
     ring.append(_exit_row(13, ExitEvent.EXIT_GROUP, code=0))
     table = ProcessRegistry()
-    table.apply_exit_rows(ring.buffer.snapshot().rows)
-    table.apply_exit_rows(ring.buffer.snapshot().rows)  # idempotent
+    table.apply_exit_rows(ring.buffer.copy().rows)
+    table.apply_exit_rows(ring.buffer.copy().rows)  # idempotent
     got = {p.pid: (p.exit_code, p.exit_signal, p.exit_ns) for p in table.infos()}
     assert got == {11: (None, 9, 50), 12: (3, None, 0), 13: (0, None, 0)}
 
@@ -140,7 +140,7 @@ def test_agent_snapshot_tick_state_and_dump(tmp_path: Path) -> None:
     source.inflight.append(InflightCall(DEAD_PID, DEAD_PID, 0x42, Op.ALL_REDUCE, 39, 5))
     source.counters["kernel_lost_nccl"] = 2
     agent = _agent(tmp_path, source)
-    rec = agent.snapshot()
+    rec = agent.recording()
     assert rec.host == "node-a"
     assert list(rec.rings["nccl"].rows["seq"]) == list(range(24, 40))
     assert rec.rings["nccl"].overwritten == 24
@@ -169,7 +169,7 @@ def test_netns_scope_drops_rows_of_processes_outside(tmp_path: Path) -> None:
     rows = np.zeros(4, dtype=NCCL_EVENT)
     rows["pid"] = [me, other, me, other]
     source.writers["nccl"].append(rows)
-    rec = agent.snapshot()
+    rec = agent.recording()
     assert list(rec.rings["nccl"].rows["pid"]) == [me, me]
 
 

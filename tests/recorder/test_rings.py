@@ -31,7 +31,7 @@ def test_snapshot_keeps_the_newest_rows_in_order_and_counts_the_rest(
     for n in batches:
         writer.append(_rows(total, n))
         total += n
-    ring = writer.buffer.snapshot()
+    ring = writer.buffer.copy()
     kept = min(total, slots)
     assert len(ring.rows) == kept
     assert ring.overwritten == total - kept
@@ -67,7 +67,7 @@ def test_keep_filter_and_lost_counter() -> None:
     rows["pid"] = [1, 2, 1, 2, 1, 2]
     writer.append(rows)
     writer.lost = 3
-    ring = writer.buffer.snapshot(lambda r: r["pid"] == 2)
+    ring = writer.buffer.copy(lambda r: r["pid"] == 2)
     assert list(ring.rows["seq"]) == [1, 3, 5]
     assert ring.lost == 3
 
@@ -93,7 +93,7 @@ def test_rows_since_copies_only_the_new_slots_and_agrees_with_a_snapshot(
         total += n
     rows, head = writer.buffer.rows_since(after)
     assert head == total
-    every = writer.buffer.snapshot().rows
+    every = writer.buffer.copy().rows
     assert list(rows["pos"]) == [p for p in every["pos"].tolist() if p > after]
     slot = writer.buffer.slots
     if total and after < total:

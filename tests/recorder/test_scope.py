@@ -66,7 +66,7 @@ def test_netns_scope_drops_pids_it_cannot_place(tmp_path: Path) -> None:
         state = agent.tick()
         assert bool(state.inflight) is seen and bool(state.comms) is seen, scope
         assert any(p.pid == GONE_PID for p in state.processes) is seen, scope
-        rec = agent.snapshot()
+        rec = agent.recording()
         assert bool(len(rec.rings["nccl"].rows)) is seen, scope
         assert bool(len(rec.rings["exit"].rows)) is seen, scope
 
@@ -94,7 +94,7 @@ def test_netns_tcp_rows_by_the_socket_address_foreign_owners_unattributed(
     rows["saddr"] = [t[1] for t in table]
     rows["sport"] = np.arange(len(table)) + 1000
     source.writers["tcp"].append(rows)
-    got = agent.snapshot().rings["tcp"].rows
+    got = agent.recording().rings["tcp"].rows
     want = [(1000 + i, t[3]) for i, t in enumerate(table) if t[2]]
     assert [(int(r["sport"]), int(r["pid"])) for r in got] == want
 

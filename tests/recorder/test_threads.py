@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.dumpers.readings import ArgsFrom, ProcessThreads, ThreadSnapshot
+from stallwatch.dumpers.readings import ArgsFrom, ProcessThreads, ThreadReading
 from stallwatch.dumpers.schema import NCCL_SYMBOLS, DataType
 from stallwatch.lab import build
 from stallwatch.lab.job import LIB_ENV, Sizes, read_report
@@ -68,7 +68,7 @@ def _start_rank(rank: int, run_dir: Path, lib: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(argv, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _waiting(snap: ThreadSnapshot) -> int:
+def _waiting(snap: ThreadReading) -> int:
     return sum(1 for p in snap.processes if p.nccl_threads())
 
 
@@ -92,7 +92,7 @@ def _hung(run_dir: Path, lib: Path) -> _Job:
         deadline = time.monotonic() + 60
         while True:
             hung = read_report(run_dir, HUNG)
-            snap = Reader().snapshot(job.pids.values())
+            snap = Reader().read(job.pids.values())
             if hung is not None and hung.status == "hung" and _waiting(snap) == NRANKS - 1:
                 break
             assert time.monotonic() < deadline, "the job did not hang as asked"
@@ -116,13 +116,13 @@ def hung_job(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[HungJob
         job.stop()
 
 
-def _by_pid(snap: ThreadSnapshot) -> dict[int, ProcessThreads]:
+def _by_pid(snap: ThreadReading) -> dict[int, ProcessThreads]:
     return {p.pid: p for p in snap.processes}
 
 
 @pytest.mark.lab
 def test_waiting_ranks_are_inside_the_collective_with_their_arguments(hung_job: HungJob) -> None:
-    snap = Reader().snapshot(hung_job.pids.values())
+    snap = Reader().read(hung_job.pids.values())
     procs = _by_pid(snap)
     for rank, pid in hung_job.pids.items():
         proc = procs[pid]
@@ -153,7 +153,7 @@ def test_every_stack_is_walked_to_the_entry_point(hung_job: HungJob) -> None:
     with them, the lab's code needs rbp, which no inner frame saved: one frame
     is found by its return address and the walk goes on from there."""
     fp = hung_job.lib == build.library_path(frame_pointers=True)
-    snap = Reader().snapshot(hung_job.pids.values())
+    snap = Reader().read(hung_job.pids.values())
     for proc in snap.processes:
         main = next(t for t in proc.threads if t.tid == proc.pid)
         assert main.frames[-1].startswith("python3") and "!_start+" in main.frames[-1], main
@@ -172,7 +172,7 @@ def test_reading_stops_no_thread(hung_job: HungJob) -> None:
     """The kernel samples a sleeping thread's registers; nothing attaches."""
     reader = Reader()
     for _ in range(20):
-        reader.snapshot(hung_job.pids.values())
+        reader.read(hung_job.pids.values())
     for pid in hung_job.pids.values():
         status = Path(f"/proc/{pid}/status").read_text()
         assert re.search(r"^TracerPid:\s+0$", status, re.M)
@@ -194,7 +194,7 @@ def test_calls_the_agent_records_are_read_through_its_uretprobes(tmp_path: Path)
         agent.attach_library(str(lib), required=True)
         job = _hung(tmp_path, lib)
         try:
-            snap = Reader().snapshot(job.pids.values())
+            snap = Reader().read(job.pids.values())
         finally:
             job.stop()
     finally:
@@ -307,7 +307,7 @@ def test_a_thread_blocked_in_real_libnccl_is_walked_to_its_start(real_libnccl: P
         assert proc.stdout is not None and proc.stdout.readline().strip() == "0"
         deadline = time.monotonic() + 20
         while True:
-            snap = Reader().snapshot([proc.pid])
+            snap = Reader().read([proc.pid])
             inside = [
                 t for t in snap.processes[0].threads
                 if any(f.startswith("libnccl.so.2!") for f in t.frames)

@@ -6,8 +6,8 @@ stallwatch's first verdict, and, when torch is installed, what torchfrtrace
     python -m bench.bench_accuracy [--markdown]
 
 A figure per run: 1 when stallwatch's first verdict (kind and world ranks) is
-the one the dumps support, else 0.  ``--markdown`` prints the table of the
-README instead.
+the one the dumps support, else 0.  ``--markdown`` prints the table of
+docs/flight-recorder.md instead.
 """
 
 from __future__ import annotations
@@ -197,7 +197,9 @@ def markdown(table: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_accuracy", description=__doc__)
-    parser.add_argument("--markdown", action="store_true", help="the README's table")
+    parser.add_argument(
+        "--markdown", action="store_true", help="the table of docs/flight-recorder.md"
+    )
     args = parser.parse_args(argv)
     if args.markdown:
         print(markdown(rows(with_torch=has_torchfrtrace())))

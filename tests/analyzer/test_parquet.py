@@ -28,16 +28,16 @@ from tests.analyzer.synth import Job, recordings
 ROOT = Path(__file__).resolve().parents[2]
 FR_FOLDER = "pytorch-fr-nccl-16rank/lock_gil_1st"
 
-# the queries of the README's SQL and Parquet sections that run on dumps as
-# they are (no incident column there); each must appear in the README verbatim
-README_QUERIES = (
+# the queries of docs/sql.md and docs/parquet.md that run on dumps as they
+# are (no incident column there); each must appear there verbatim
+DOC_QUERIES = (
     "SELECT op, count(*), avg(duration_ns)/1e6 AS ms FROM nccl_events GROUP BY op",
     "SELECT host, op, count(*) AS calls, max(duration_ns)/1e6 AS max_ms FROM nccl_events "
     "WHERE op = 'ALL_REDUCE' GROUP BY host, op ORDER BY max_ms DESC, host LIMIT 10",
     "SELECT t.host, count(*) AS retransmits FROM tcp_events t "
     "WHERE t.event = 'tcp_retransmit_skb' GROUP BY t.host ORDER BY retransmits DESC, t.host",
 )
-QUERIES = (SEED_QUERY, *README_QUERIES)
+QUERIES = (SEED_QUERY, *DOC_QUERIES)
 
 
 def _job(seed: int) -> Job:
@@ -170,10 +170,11 @@ def test_every_column_is_documented(exported: Path) -> None:
             assert pq.read_schema(f).names == documented[table], (table, f)
 
 
-def test_readme_shows_the_queries_tested() -> None:
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    for q in README_QUERIES:
-        assert q in readme, q
+def test_the_docs_show_the_queries_tested() -> None:
+    docs = [(ROOT / "docs" / name).read_text() for name in ("sql.md", "parquet.md")]
+    text = " ".join(" ".join(docs).split())
+    for q in DOC_QUERIES:
+        assert q in text, q
 
 
 # --- engines ----------------------------------------------------------------------
@@ -219,7 +220,7 @@ def _json_round(rows: Sequence[Sequence[Any]]) -> list[list[Any]]:
 
 
 def duckdb_views(con: duckdb.DuckDBPyConnection, root: Path) -> None:
-    """What the README tells a platform team to run (there: on s3://...)."""
+    """What docs/parquet.md tells a platform team to run (there: on s3://...)."""
     for t in TABLE_NAMES:
         con.execute(
             f"CREATE VIEW {t} AS SELECT * FROM read_parquet('{root}/{t}/**/*.parquet', "
@@ -227,7 +228,7 @@ def duckdb_views(con: duckdb.DuckDBPyConnection, root: Path) -> None:
         )
 
 
-@pytest.mark.parametrize("sql", QUERIES, ids=["seed", *(f"readme{i}" for i in range(3))])
+@pytest.mark.parametrize("sql", QUERIES, ids=["seed", *(f"docs{i}" for i in range(3))])
 def test_duckdb_on_parquet_returns_what_query_returns(
     dumps: list[Path], exported: Path, sql: str
 ) -> None:

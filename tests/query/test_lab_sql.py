@@ -1,5 +1,5 @@
 """SQL on the dumps of a real lab incident: the columns answer the questions
-people ask, and every SQL example of the README runs as printed.
+people ask, and every SQL example of docs/sql.md runs as printed.
 
 One recorded run (4 nodes of 2 ranks, real agents and eBPF, a hang) is
 shared by the module.  The lab's job makes, beside its world communicator,
@@ -177,13 +177,13 @@ def test_every_rank_process_lists_the_libraries_it_maps(engine: QueryEngine) -> 
     assert all(libs and all("libnccl" in lib for lib in libs) for _, libs in got)
 
 
-# ---- the README's examples ----------------------------------------------
+# ---- the examples of docs/sql.md -------------------------------------------
 
 
 def readme_sql() -> list[str]:
-    """Every SQL example of the README (and of ``query --help``): ```sql
+    """Every SQL example of docs/sql.md (and of ``query --help``): ```sql
     blocks, and the SQL argument of every ``stallwatch query`` line."""
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "sql.md").read_text()
     out = [b.strip() for b in re.findall(r"```sql\n(.*?)```", text, re.S)]
     for block in [*re.findall(r"```\n(.*?)```", text, re.S), QUERY_EPILOG]:
         command = ""
@@ -204,14 +204,14 @@ def _sql_of(command: str) -> str:
     return sql[0]
 
 
-def test_the_readme_has_the_examples_this_test_runs() -> None:
+def test_the_docs_have_the_examples_this_test_runs() -> None:
     examples = readme_sql()
     assert len(examples) >= 8
     assert all("..." not in sql for sql in examples), "an example that cannot run as printed"
 
 
 @pytest.mark.parametrize("sql", readme_sql())
-def test_readme_sql_runs_as_printed_on_lab_dumps(engine: QueryEngine, sql: str) -> None:
+def test_docs_sql_runs_as_printed_on_lab_dumps(engine: QueryEngine, sql: str) -> None:
     result = engine.query(sql)
     assert result.columns
     if "GROUP BY" in sql and "tcp_retransmit_skb" not in sql and "duration_ns >" not in sql:

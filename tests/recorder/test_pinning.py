@@ -22,6 +22,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -220,8 +221,14 @@ def test_ctrl_c_on_a_foreground_agent_leaves_nothing_and_keep_pinned_keeps_it(
     pinned, loaded the kept programs itself and records."""
     loop = subprocess.Popen([str(fake.loop), "pace", "600", "200"], stdout=subprocess.DEVNULL)
     cache = ("--bpf-cache", str(tmp_path / "bpf-cache"))
+    agents: list[Agent] = []
+
+    def started(*args: Any, **kwargs: Any) -> Agent:
+        agents.append(start_agent(*args, **kwargs))
+        return agents[-1]
+
     try:
-        service = start_agent(fake, pin_dir, tmp_path, *cache)
+        service = started(fake, pin_dir, tmp_path, *cache)
         service.wait_for("listening on")
         assert "compiled by a loader process, which has exited" in service.text()
         assert "compiled programs kept in" in service.text()
@@ -230,12 +237,15 @@ def test_ctrl_c_on_a_foreground_agent_leaves_nothing_and_keep_pinned_keeps_it(
         assert service.proc.returncode == 0, service.text()[-3000:]
         assert "the recording stays pinned at" in service.text()
         assert (pin_dir / "links").is_dir() and len(list((pin_dir / "links").iterdir())) >= 2
-        by_hand = start_agent(fake, pin_dir, tmp_path, *cache, keep=False)
+        by_hand = started(fake, pin_dir, tmp_path, *cache, keep=False)
         by_hand.wait_for("listening on")
         assert "adopted the pinned recording" in by_hand.text()
         # the same build's pins: no loader ran, BCC was never loaded
         assert "pins of this very build: nothing compiled" in by_hand.text()
         assert not _compiler_mapped(by_hand.proc.pid)
+        # a start over its own pins takes a fraction of a second: give the
+        # loop (200 calls/s) the time to make 200 more calls, recorded
+        time.sleep(1.0)
         rows = pace_rows(by_hand.dump("before Ctrl-C"), loop.pid)
         assert len(rows) > 100 and list(rows["seq"]) == list(range(len(rows)))
         by_hand.proc.send_signal(signal.SIGINT)
@@ -244,7 +254,7 @@ def test_ctrl_c_on_a_foreground_agent_leaves_nothing_and_keep_pinned_keeps_it(
         assert _ours_under_bpffs(pin_dir) == []
         assert loop.poll() is None  # the job runs on, unrecorded
         # nothing pinned now: the next start loads the compile cache's programs itself
-        cold = start_agent(fake, pin_dir, tmp_path, *cache, keep=False)
+        cold = started(fake, pin_dir, tmp_path, *cache, keep=False)
         cold.wait_for("listening on")
         assert "loaded from the compile cache" in cold.text()
         assert "compiled by a loader process" not in cold.text()
@@ -254,6 +264,8 @@ def test_ctrl_c_on_a_foreground_agent_leaves_nothing_and_keep_pinned_keeps_it(
         assert cold.proc.wait(60) == 0, cold.text()[-3000:]
         assert _ours_under_bpffs(pin_dir) == []
     finally:
+        for agent in agents:  # a failed step leaves none running
+            stop(agent)
         loop.kill()
         loop.wait()
 

@@ -3,24 +3,19 @@ reported per file, JSON as in docs/architecture.md, text report layout."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from stallwatch.commands import analyze as cli
+from stallwatch.commands.main import main
 from stallwatch.dumpers.format import write_dump
 from tests.analyzer.synth import BASE_JOB, recordings, with_
 
 
 def run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    cli.register(parser.add_subparsers())
-    args = parser.parse_args(["analyze", *argv])
-    code: int = args.func(args)
-    return code
+    return main(["analyze", *argv])
 
 
 def write(tmp: Path, **fault: object) -> list[Path]:

@@ -206,13 +206,7 @@ def run(args: argparse.Namespace) -> int:
             "(as an agent sends at most; aggregate, or --limit N for fewer)",
             file=sys.stderr,
         )
-    doc = {
-        "columns": list(result.columns),
-        "types": list(result.types),
-        "rows": result.rows,
-        "truncated": result.truncated,
-        "skipped": notes,
-    }
+    doc = {**_table(result), "skipped": notes}
     print(render(args.format, doc))
     return ExitCode.FINDINGS if lost else ExitCode.OK
 
@@ -249,12 +243,19 @@ def _query_agents(args: argparse.Namespace, sql: str) -> int:
             file=sys.stderr,
         )
     doc = {
-        "columns": list(result.columns),
-        "types": list(result.types),
-        "rows": result.rows,
-        "truncated": result.truncated,
+        **_table(result),
         "agents": len(agents),
         "failed": [{"agent": f.agent, "error": f.error} for f in result.failed],
     }
     print(render(args.format, doc))
     return ExitCode.FINDINGS if result.partial else ExitCode.OK
+
+
+def _table(result: Any) -> dict[str, Any]:
+    """The result's table, as both the local and the fan-out answer print it."""
+    return {
+        "columns": list(result.columns),
+        "types": list(result.types),
+        "rows": result.rows,
+        "truncated": result.truncated,
+    }

@@ -2,7 +2,9 @@
 
 A spec is ``kind:key=value,key=value``:
 
-    hang:rank=R,step=S                 rank R blocks forever before its first collective of step S
+    hang:rank=R,step=S[,agents=ready]  rank R blocks forever before its first collective of step S
+                                       (agents=ready: S steps after every agent of the run is
+                                       ready, e.g. late ones: however long their start takes)
     slow:rank=R,ms=M                   rank R computes M ms longer every step
     loss:node=N,pct=P                  P% of node N's TCP packets are dropped (nftables numgen)
     rate:node=N,mbit=M                 node N's link is capped at M Mbit/s (tc tbf)
@@ -37,7 +39,8 @@ from dataclasses import dataclass
 from stallwatch.dumpers.errors import UsageError
 
 SPEC_HELP = (
-    "hang:rank=R,step=S                 rank R blocks before its first collective of step S",
+    "hang:rank=R,step=S[,agents=ready]  rank R blocks before its collectives of step S"
+    " (agents=ready: S steps after every agent is ready)",
     "slow:rank=R,ms=M                   rank R computes M ms longer every step",
     "loss:node=N,pct=P                  P% of node N's TCP packets are dropped",
     "rate:node=N,mbit=M                 node N's link is capped at M Mbit/s",
@@ -83,6 +86,10 @@ class MismatchField(enum.Enum):
 class Hang:
     rank: int
     step: int
+    # step counted from the step at which every agent of the run was ready
+    # (the runner says so through a file in the run folder): a hang after late
+    # agents attached comes soon after they did, not at a step guessed late enough
+    agents_ready: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +266,13 @@ def _field(fields: _Fields) -> MismatchField:
 
 
 def _hang(f: _Fields) -> Fault:
-    return Hang(rank=f.integer("rank", 0, MAX_STEP), step=f.integer("step", 0, MAX_STEP))
+    rank, step = f.integer("rank", 0, MAX_STEP), f.integer("step", 0, MAX_STEP)
+    ready = False
+    if "agents" in f.values:
+        ready = f.take("agents", str, "ready") == "ready"
+        if not ready:
+            f.fail("agents= takes only 'ready'")
+    return Hang(rank=rank, step=step, agents_ready=ready)
 
 
 def _slow(f: _Fields) -> Fault:
@@ -396,8 +409,8 @@ def _check_duplicates(faults: Iterable[Fault]) -> None:
 def format_fault(fault: Fault) -> str:
     """The canonical spec of a fault (parse_fault(format_fault(f)) == f)."""
     match fault:
-        case Hang(rank, step):
-            return f"hang:rank={rank},step={step}"
+        case Hang(rank, step, ready):
+            return f"hang:rank={rank},step={step}" + (",agents=ready" if ready else "")
         case Slow(rank, ms):
             return f"slow:rank={rank},ms={ms:g}"
         case Loss(node, pct):

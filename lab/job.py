@@ -73,6 +73,7 @@ ASYNC_ENV = "LABNCCL_ASYNC"
 WAIT_ENV = "LABNCCL_WAIT"  # "spin": waiting host threads spin (lab/csrc/labwait.h)
 WAITS = ("block", "spin")
 UID_FILE = "world.uid"
+AGENTS_READY_FILE = "agents.ready"  # the runner writes it once every agent is ready
 NO_COMM = "none"
 
 EXIT_OK = 0
@@ -238,6 +239,7 @@ class Rank:
     gpu: Device | None = None
     graphs: Graphs | None = None
     device_stopped: str | None = None  # the gpuhang fault fired
+    agents_ready_at: int | None = None  # the step at which it saw every agent ready
 
     @property
     def rank(self) -> int:
@@ -515,8 +517,25 @@ def on_device(r: Rank, label: str, kind: str = "coll") -> Iterator[ctypes.c_void
         yield ctypes.c_void_p(stream)
 
 
+def _hangs_now(r: Rank, step: int) -> bool:
+    """At its step, or (agents=ready) that many steps after the one at which
+    it saw the runner's word that every agent is ready."""
+    for f in r.faults:
+        if not isinstance(f, F.Hang):
+            continue
+        if not f.agents_ready:
+            if f.step == step:
+                return True
+            continue
+        if r.agents_ready_at is None and (r.args.run_dir / AGENTS_READY_FILE).exists():
+            r.agents_ready_at = step
+        if r.agents_ready_at is not None and step == r.agents_ready_at + f.step:
+            return True
+    return False
+
+
 def inject_before_collectives(r: Rank, step: int) -> None:
-    if r.fault(F.Hang, step) is not None:
+    if _hangs_now(r, step):
         r.report(STATUS_HUNG, error=f"hang fault: blocked before the collectives of step {step}")
         threading.Event().wait()  # forever: the others block in their next collective
     crash = r.fault(F.Crash, step)

@@ -203,7 +203,11 @@ def preflight(cfg: RunConfig) -> Path:
     if cfg.nodes < 1 or cfg.ranks_per_node < 1 or cfg.steps < 1:
         raise LabError("--nodes, --ranks-per-node and --steps must be at least 1")
     F.validate(cfg.faults, cfg.topology, cfg.steps, cfg.mode)
-    agent_faults = [F.format_fault(f) for f in cfg.faults if isinstance(f, F.AgentFault)]
+    agent_faults = [
+        F.format_fault(f)
+        for f in cfg.faults
+        if isinstance(f, F.AgentFault) or (isinstance(f, F.Hang) and f.agents_ready)
+    ]
     if agent_faults and not cfg.record:
         raise LabError(f"fault {agent_faults[0]!r} needs --record (an agent per node)")
     if _euid() != 0:
@@ -806,12 +810,23 @@ def progress(lab: Lab) -> tuple[tuple[int, ...], frozenset[int]]:
     return steps, exited
 
 
+def say_agents_ready(lab: Lab) -> None:
+    """Once every node's agent is ready (a late one included), the file that
+    a ``hang:...,agents=ready`` rank waits for (written once)."""
+    path = lab.run_dir / job.AGENTS_READY_FILE
+    if not lab.cfg.record or path.exists() or len(lab.agents) < lab.cfg.nodes:
+        return
+    if all(sup.ready_count() > 0 for sup in lab.agents.values()):
+        job.write_atomic(path, b"ready\n")
+
+
 def wait_for_job(lab: Lab, started: float) -> str | None:
     """None when every rank exited; otherwise why the lab stopped waiting."""
     last, last_change = progress(lab), time.monotonic()
     while True:
         if lab.chaos is not None:
             lab.chaos.poll()
+        say_agents_ready(lab)
         now = time.monotonic()
         current = progress(lab)
         if len(current[1]) == len(lab.ranks):

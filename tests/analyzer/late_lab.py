@@ -12,10 +12,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LATE_STEP = 20  # every agent starts once a rank is this far
-# the hang comes after the agents attached: their start (BPF compiled under
-# load) can take 10 s and more; a job hung before any agent is the snapshot
-# tests' case
-HANG_STEP = 700
+# the hang comes this many steps after every agent is ready (however long
+# their start takes under load): the job runs on under the agents for a while
+# first; a job hung before any agent is the snapshot tests' case
+HANG_STEP = 50
+STEPS = 3000  # never all done: the hang comes first
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,14 +33,14 @@ def run_all_late(
     folder: Path, nodes: int, ranks_per_node: int, hung: int, wait: str, timeout: int = 600
 ) -> LateRun:
     """``lab run`` with an agentlate fault on every node, rank ``hung`` hanging
-    at HANG_STEP, then ``analyze --json`` over its dumps."""
+    HANG_STEP steps after every agent is ready, then ``analyze --json`` over its dumps."""
     late = [f"agentlate:node={n},step={LATE_STEP}" for n in range(nodes)]
     cmd = [sys.executable, "-m", "stallwatch", "lab", "run", "--json",
            "--nodes", str(nodes), "--ranks-per-node", str(ranks_per_node),
-           "--steps", str(HANG_STEP + 200), "--compute-ms", "20", "--wait", wait,
+           "--steps", str(STEPS), "--compute-ms", "20", "--wait", wait,
            "--record", "--dump-dir", str(folder), "--stall-timeout", "3",
            *(x for f in late for x in ("--fault", f)),
-           "--fault", f"hang:rank={hung},step={HANG_STEP}"]  # fmt: skip
+           "--fault", f"hang:rank={hung},step={HANG_STEP},agents=ready"]  # fmt: skip
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     result = json.loads(run.stdout or "{}")
     pid = next((r["pid"] for r in result.get("ranks", []) if r["world_rank"] == hung), None)

@@ -18,6 +18,7 @@ TOPO = F.Topology(nodes=2, ranks_per_node=2)
     ("spec", "fault"),
     [
         ("hang:rank=3,step=5", F.Hang(rank=3, step=5)),
+        ("hang:rank=3,step=5,agents=ready", F.Hang(3, 5, agents_ready=True)),
         ("slow:rank=0,ms=40", F.Slow(rank=0, ms=40.0)),
         ("loss:node=1,pct=5", F.Loss(node=1, pct=5)),
         ("rate:node=0,mbit=2.5", F.Rate(node=0, mbit=2.5)),
@@ -50,6 +51,7 @@ def test_parse(spec: str, fault: F.Fault) -> None:
         ("hang:rank=1,step=2,color=red", "unknown key(s) for hang: color"),
         ("hang:rank=1,rank=2,step=1", "'rank' given twice"),
         ("hang:rank=1,step", "expected key=value, got 'step'"),
+        ("hang:rank=1,step=2,agents=late", "agents= takes only 'ready'"),
         ("loss:node=0,pct=0", "pct=0 is out of range 1..100"),
         ("loss:node=0,pct=101", "pct=101 is out of range 1..100"),
         ("rate:node=0,mbit=0", "mbit=0 must be > 0"),
@@ -116,7 +118,7 @@ def test_topology_maps_ranks_to_nodes() -> None:
 
 
 _faults = st.one_of(
-    st.builds(F.Hang, st.integers(0, 999), st.integers(0, 999)),
+    st.builds(F.Hang, st.integers(0, 999), st.integers(0, 999), st.booleans()),
     st.builds(F.Slow, st.integers(0, 999), st.floats(0.001, 1e5).map(lambda x: float(f"{x:g}"))),
     st.builds(F.Loss, st.integers(0, 99), st.integers(1, 100)),
     st.builds(F.Rate, st.integers(0, 99), st.floats(0.01, 1e4).map(lambda x: float(f"{x:g}"))),

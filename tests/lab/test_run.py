@@ -360,6 +360,7 @@ def test_cpuhog_takes_the_ranks_cpu() -> None:
         (["--nodes", "0"], "--nodes: must be at least 1"),
         (["--fault", "gpuslow:rank=1,ms=5"], "needs --mode gpu"),
         (["--graphs"], "--graphs needs --mode gpu"),
+        (["--fault", "hang:rank=1,step=2,agents=ready"], "needs --record"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: list[str], names: str) -> None:

@@ -77,6 +77,7 @@ class AgentConfig:
     libs: tuple[str, ...] = ()
     pids: tuple[int, ...] = ()
     scope: str = "host"  # host | netns
+    job: str | None = None  # only this job's processes (recorder.scope)
     ring_size: int = 65536
     peers: tuple[str, ...] = ()
     peers_from: PeerSource | None = None  # --peers-from: asked again at each incident
@@ -151,7 +152,7 @@ class Agent:
         self._maps_busy = True  # the last read of the maps found something
         self._gone_since: dict[int, int] = {}  # pids seen gone, not in the process table
         self.libraries: dict[discovery.LibraryId, AttachedLibrary] = {}
-        self.scope = Scope(config.scope, self.classify, netns=netns)
+        self.scope = Scope(config.scope, self.classify, netns=netns, job=config.job)
         self._heads = {"comm": -1, "exit": -1}
         self._lock = threading.RLock()
         self._libcs: set[discovery.LibraryId] = set()
@@ -273,7 +274,7 @@ class Agent:
         info = discovery.process_info(pid, libs)
         if info is None:
             return False
-        inside = self.scope.admits(info.netns)
+        inside = self.scope.admits(info.netns, pid)
         self.source.set_scope(pid, tracked=inside, excluded=not inside)
         self.scope.record(pid, inside)
         if not inside:  # what it made before it was excluded: not this node's to watch
@@ -699,6 +700,7 @@ def dump_pinned(
     config = AgentConfig(
         dump_dir=target,
         scope=str(about.get("scope", "host")),
+        job=str(about["job"]) if about.get("job") else None,
         host_name=str(about.get("host_name", "")),
         args=args,
         version=__version__,

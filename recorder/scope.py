@@ -9,6 +9,13 @@ sockets whose own (source) address belongs to this namespace, or, for
 loopback and unbound sockets, whose owner is in scope: a connection between
 two nodes shows in each node's dump through that node's end only.
 
+Either scope can be narrowed to one job (``record --job ID``): only the
+processes whose launcher job id (``TORCHELASTIC_RUN_ID`` or ``SLURM_JOB_ID``
+in their environment) is ID are kept, as on a node that two jobs share.  The
+other processes are excluded as out-of-namespace ones are; a pid gone before
+its job could be read is dropped; in host scope every TCP row stays, a
+socket owned by another job's process unattributed (pid 0).
+
 Known limit: the TCP filter knows this namespace's addresses as they were at
 most ``ADDRESS_REFRESH_S`` ago.
 """
@@ -24,6 +31,7 @@ from collections.abc import Callable
 import numpy as np
 
 from stallwatch.dumpers import addresses
+from stallwatch.dumpers.readings import JOB_ID_ENV
 
 from . import discovery
 
@@ -57,9 +65,14 @@ class Scope:
     decides a pid seen in a row, placing it first if it is new."""
 
     def __init__(
-        self, kind: str, place: Callable[[int], bool | None], netns: int | None = None
+        self,
+        kind: str,
+        place: Callable[[int], bool | None],
+        netns: int | None = None,
+        job: str | None = None,
     ) -> None:
         self.kind = kind
+        self.job = job
         self.inside: set[int] = set()
         self.outside: set[int] = set()
         self.netns = netns if netns is not None else discovery.netns_of(os.getpid())
@@ -69,10 +82,12 @@ class Scope:
 
     @property
     def filters(self) -> bool:
-        return self.kind == NETNS
+        return self.kind == NETNS or self.job is not None
 
-    def admits(self, netns: int) -> bool:
-        return self.kind == HOST or netns == self.netns
+    def admits(self, netns: int, pid: int) -> bool:
+        if self.kind == NETNS and netns != self.netns:
+            return False
+        return self.job is None or job_of(pid) == self.job
 
     def placed(self, pid: int) -> bool | None:
         if pid in self.inside:
@@ -93,7 +108,8 @@ class Scope:
             return known
         if self._place(pid):
             return True
-        return self.kind == HOST and not os.path.exists(f"/proc/{pid}")
+        unplaceable = self.kind == NETNS or self.job is not None
+        return not unplaceable and not os.path.exists(f"/proc/{pid}")
 
     def pid_mask(self, pids: np.ndarray) -> np.ndarray:
         unique = np.unique(pids)
@@ -129,8 +145,8 @@ class Scope:
         """What a copy of ring ``name`` keeps (None: everything)."""
         if not self.filters:
             return None
-        if name == "tcp":
-            return self.tcp_mask
+        if name == "tcp":  # host scope: every row (``unattribute_foreign`` after)
+            return self.tcp_mask if self.kind == NETNS else None
         return lambda rows: self.pid_mask(rows["pid"])
 
     def unattribute_foreign(self, tcp_rows: np.ndarray) -> None:
@@ -138,3 +154,18 @@ class Scope:
         placed) stays, unattributed (pid 0)."""
         pids = tcp_rows["pid"]
         pids[~np.isin(pids, self.pids(pids.dtype))] = 0
+
+
+def job_of(pid: int) -> str | None:
+    """The launcher's job id in a process's environment (None: none, or gone)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    env = dict(item.partition(b"=")[::2] for item in raw.split(b"\0"))
+    for name in JOB_ID_ENV:
+        value = env.get(name.encode())
+        if value:
+            return value.decode(errors="replace")
+    return None

@@ -112,6 +112,7 @@ def _about(config: AgentConfig) -> dict[str, object]:
         "agent_version": config.version,
         "host_name": config.host_name or socket.gethostname(),
         "scope": config.scope,
+        "job": config.job,
         "netns": netns_of(os.getpid()),
         "dump_dir": str(config.dump_dir.resolve()),
         "args": list(config.args),

@@ -100,6 +100,13 @@ def _add_recording_options(p: argparse.ArgumentParser) -> None:
         scope_help="netns: only this network namespace's processes and addresses",
     )
     p.add_argument(
+        "--job",
+        default=None,
+        metavar="ID",
+        help="only the processes of this job (TORCHELASTIC_RUN_ID or SLURM_JOB_ID in their "
+        "environment): a node that several jobs share",
+    )
+    p.add_argument(
         "--ring-size",
         type=int,
         default=65536,
@@ -289,6 +296,7 @@ def _config(args: argparse.Namespace) -> AgentConfig:
         libs=tuple(args.lib),
         pids=tuple(args.pid),
         scope=args.scope,
+        job=args.job or None,
         ring_size=args.ring_size,
         peers=tuple(filter(None, args.peers.split(","))),
         peers_from=_peers_from(args),

@@ -143,3 +143,42 @@ def test_netns_scope_every_pid_of_a_dump_is_a_rank_of_its_node(tmp_path: Path) -
     assert not tcp_keys[0] & tcp_keys[1], "the same TCP event in both nodes' dumps"
     seen = [(n.get("tcp_out_segs"), n.get("tcp_retrans_segs")) for n in result["nodes_seen"]]
     assert retransmits, f"node 1 recorded no TCP event owned by its ranks; segs, retrans: {seen}"
+
+
+def test_a_job_narrows_the_scope() -> None:
+    """``record --job ID``: only processes whose launcher job id is ID are in
+    scope (on a node two jobs share); a pid gone before its job was read is
+    dropped; in host scope TCP rows all stay (foreign owners unattributed)."""
+    import subprocess
+    import sys
+
+    from stallwatch.recorder.discovery import netns_of
+    from stallwatch.recorder.scope import Scope, job_of
+
+    def child(**env: str) -> subprocess.Popen[bytes]:
+        clean = {
+            k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+        }
+        return subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(30)"], env={**clean, **env}
+        )
+
+    mine, other, none = child(TORCHELASTIC_RUN_ID="job-a"), child(SLURM_JOB_ID="job-b"), child()
+    try:
+        ns = netns_of(os.getpid())
+        narrowed = Scope("host", lambda pid: None, netns=ns, job="job-a")
+        assert job_of(mine.pid) == "job-a" and job_of(other.pid) == "job-b"
+        assert job_of(none.pid) is None and job_of(GONE_PID) is None
+        assert [narrowed.admits(ns, p.pid) for p in (mine, other, none)] == [True, False, False]
+        assert [Scope("host", lambda pid: None).admits(ns, p.pid) for p in (other, none)] == [
+            True,
+            True,
+        ]
+        assert not Scope("netns", lambda pid: None, netns=ns + 1, job="job-a").admits(ns, mine.pid)
+        assert narrowed.filters and narrowed.ring_filter("tcp") is None
+        assert narrowed.ring_filter("nccl") is not None
+        assert not narrowed.keep_pid(GONE_PID)
+    finally:
+        for p in (mine, other, none):
+            p.kill()
+            p.wait()

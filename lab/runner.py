@@ -7,7 +7,10 @@ One run:
    starts one agent per node inside its namespace (``stallwatch record --scope
    netns``, listening on the node's address with a token and mutual TLS,
    certificates made for the run by ``lab.certs``) and waits for its
-   ``/healthz``;
+   ``/healthz``; with ``--agent-scope host``, one agent for the whole machine
+   instead (``record --scope host --job <run id>``: every node's ranks in one
+   dump, other jobs on the machine left out), in the switch's namespace (the
+   run's own, so its port is free), listening on loopback there;
 3. starts one ``python -m stallwatch.commands.labrank`` per rank inside its node, and CPU hogs;
 4. waits: the job ends, or no rank makes progress for ``--stall-timeout``
    seconds (progress is read from the ranks' reports), or ``--timeout`` passes;
@@ -56,6 +59,9 @@ from stallwatch.lab.supervise import Service, Supervisor
 from stallwatch.query.agentclient import AgentClient
 
 AGENT_PORT = 9400
+HOST_SCOPE, NETNS_SCOPE = "host", "netns"
+AGENT_SCOPES = (NETNS_SCOPE, HOST_SCOPE)
+HOST_AGENT_IP = "127.0.0.1"  # the host agent listens on loopback in its namespace
 AGENT_START_TIMEOUT = 90.0
 DUMP_GRACE = 20.0  # after the job is given up: time for agents to dump
 HOGS_PER_RANK = 2
@@ -103,6 +109,9 @@ class RunConfig:
     # how waiting host threads wait: "block" (in poll(2), asleep) or "spin"
     # (runnable throughout, as CUDA's spin sync and NCCL's busy polling)
     wait: str = "block"
+    # with record: "netns", one agent per node in its namespace; "host", one
+    # agent for the machine (every node's ranks), known to agent faults as node 0
+    agent_scope: str = "netns"
 
     @property
     def topology(self) -> F.Topology:
@@ -210,12 +219,28 @@ def preflight(cfg: RunConfig) -> Path:
     ]
     if agent_faults and not cfg.record:
         raise LabError(f"fault {agent_faults[0]!r} needs --record (an agent per node)")
+    check_agent_scope(cfg)
     if _euid() != 0:
         raise LabError("lab run needs root (it makes network namespaces): run it with sudo")
     netns.check_tools()
     if cfg.run_id is not None:
         netns.check_run_id(cfg.run_id)
     return library(cfg.lib)
+
+
+def check_agent_scope(cfg: RunConfig) -> None:
+    """A host-scope run has one agent, node 0's in agent faults: a fault
+    naming another node's agent names none."""
+    if cfg.agent_scope not in AGENT_SCOPES:
+        raise LabError(f"--agent-scope {cfg.agent_scope!r}: one of {', '.join(AGENT_SCOPES)}")
+    if cfg.agent_scope != HOST_SCOPE:
+        return
+    for f in cfg.faults:
+        if isinstance(f, F.AgentFault) and f.node != 0:
+            raise LabError(
+                f"fault {F.format_fault(f)!r}: --agent-scope host runs one agent for every "
+                "node, named node=0 in agent faults"
+            )
 
 
 def library(explicit: Path | None) -> Path:
@@ -235,6 +260,21 @@ def cudart_of(lib: Path) -> Path:
 
 
 # --- the processes ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSite:
+    """Where one agent runs: its key (its node; the host agent's is 0), the
+    network namespace it runs and listens in, its address there, and its
+    name (host name, dump folder, log)."""
+
+    index: int
+    netns: str
+    ip: str
+    name: str
+
+    def exec_prefix(self) -> list[str]:
+        return ["nsenter", f"--net={netns.NETNS_DIR / self.netns}", "--"]
 
 
 @dataclass(slots=True)
@@ -263,7 +303,11 @@ class Lab:
         return out
 
     def spawn(
-        self, node: netns.Node, argv: list[str], log: Path, env: dict[str, str] | None = None
+        self,
+        node: netns.Node | AgentSite,
+        argv: list[str],
+        log: Path,
+        env: dict[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
         out = self.log_file(log)
         return subprocess.Popen(
@@ -294,6 +338,16 @@ class Lab:
     def node(self, index: int) -> netns.Node:
         assert self.net is not None
         return self.net.nodes[index]
+
+    def sites(self) -> tuple[AgentSite, ...]:
+        """Where the agents run: one per node, or the host's one."""
+        assert self.net is not None
+        if self.cfg.agent_scope == HOST_SCOPE:
+            return (AgentSite(0, self.net.switch, HOST_AGENT_IP, HOST_SCOPE),)
+        return tuple(AgentSite(n.index, n.netns, n.ip, f"node{n.index}") for n in self.net.nodes)
+
+    def site(self, index: int) -> AgentSite:
+        return next(s for s in self.sites() if s.index == index)
 
     def teardown(self) -> list[str]:
         if self.torn_down:
@@ -495,7 +549,9 @@ def start_ranks(lab: Lab) -> None:
 
 
 def agent_dump_dir(cfg: RunConfig, node: int) -> Path:
-    return cfg.dump_dir.resolve() / f"node{node}"  # agents run elsewhere
+    """Where node ``node``'s agent (the host agent: 0) writes."""
+    name = HOST_SCOPE if cfg.agent_scope == HOST_SCOPE else f"node{node}"
+    return cfg.dump_dir.resolve() / name  # agents run elsewhere
 
 
 def agent_pin_dir(run_id: str, node: int) -> Path:
@@ -503,19 +559,20 @@ def agent_pin_dir(run_id: str, node: int) -> Path:
     return netns.PIN_ROOT / f"{netns.PIN_PREFIX}{run_id}-node{node}"
 
 
-def agent_argv(lab: Lab, node: netns.Node, token_file: Path) -> list[str]:
-    """``stallwatch record`` for one node, listening on the node's own address."""
-    assert lab.net is not None
-    peers = [f"{n.ip}:{AGENT_PORT}" for n in lab.net.nodes if n.index != node.index]
-    argv = [sys.executable, "-m", "stallwatch", "record", "--scope", "netns"]
-    argv += ["--dump-dir", str(agent_dump_dir(lab.cfg, node.index))]
+def agent_argv(lab: Lab, site: AgentSite, token_file: Path) -> list[str]:
+    """``stallwatch record`` for one site, listening on its own address."""
+    peers = [f"{s.ip}:{AGENT_PORT}" for s in lab.sites() if s.index != site.index]
+    argv = [sys.executable, "-m", "stallwatch", "record", "--scope", lab.cfg.agent_scope]
+    argv += ["--dump-dir", str(agent_dump_dir(lab.cfg, site.index))]
     argv += ["--stall-timeout", f"{lab.cfg.stall_timeout:g}"]
-    argv += ["--listen", f"{node.ip}:{AGENT_PORT}", "--token-file", str(token_file)]
+    argv += ["--listen", f"{site.ip}:{AGENT_PORT}", "--token-file", str(token_file)]
     assert lab.certs is not None
-    argv += lab.certs.agent_args(node.index)
-    argv += ["--host-name", f"node{node.index}"]  # namespaces share the machine's hostname
+    argv += lab.certs.agent_args(site.index)
+    argv += ["--host-name", site.name]  # namespaces share the machine's hostname
+    if lab.cfg.agent_scope == HOST_SCOPE:  # other jobs on this machine (other lab runs) stay out
+        argv += ["--job", lab.run_id]  # the ranks' TORCHELASTIC_RUN_ID
     # kept like a deployed agent's: a supervised restart takes it over
-    argv += ["--pin-dir", str(agent_pin_dir(lab.run_id, node.index)), "--keep-pinned"]
+    argv += ["--pin-dir", str(agent_pin_dir(lab.run_id, site.index)), "--keep-pinned"]
     if peers:
         argv += ["--peers", ",".join(peers)]
     if lab.cfg.mode == "gpu":
@@ -528,30 +585,33 @@ def _token_file(lab: Lab) -> Path:
 
 
 def start_agents(lab: Lab) -> None:
-    """Every node's agent, under its supervisor (but those that start late)."""
-    assert lab.net is not None
+    """Every agent, under its supervisor (but those that start late)."""
     token = lab.token = secrets.token_hex(16)
     token_file = _token_file(lab)
     token_file.touch(mode=0o600)
     token_file.write_text(token)
-    lab.certs = make_certs(lab.run_dir / "tls", {n.index: n.ip for n in lab.net.nodes})
+    lab.certs = make_certs(lab.run_dir / "tls", {s.index: s.ip for s in lab.sites()})
     lab.cfg.dump_dir.mkdir(parents=True, exist_ok=True)
     late = lab.chaos.late_nodes() if lab.chaos is not None else set()
-    for node in lab.net.nodes:
-        agent_dump_dir(lab.cfg, node.index).mkdir(parents=True, exist_ok=True)
-        if node.index not in late:
-            start_agent(lab, node.index)
-    for node in lab.net.nodes:
-        if node.index not in late:
-            wait_healthy(lab, node, token)
+    for site in lab.sites():
+        agent_dump_dir(lab.cfg, site.index).mkdir(parents=True, exist_ok=True)
+        if site.index not in late:
+            start_agent(lab, site.index)
+    for site in lab.sites():
+        if site.index not in late:
+            wait_healthy(lab, site, token)
+
+
+def _agent_log(lab: Lab, site: AgentSite) -> Path:
+    return lab.cfg.dump_dir / f"{site.name}.agent.log"
 
 
 def start_agent(lab: Lab, index: int) -> None:
-    node = lab.node(index)
-    log = lab.cfg.dump_dir / f"node{index}.agent.log"
+    site = lab.site(index)
+    log = _agent_log(lab, site)
     sup = Supervisor(
         name=f"{netns.PREFIX}{lab.run_id}-agent{index}",
-        argv=[*node.exec_prefix(), *agent_argv(lab, node, _token_file(lab))],
+        argv=[*site.exec_prefix(), *agent_argv(lab, site, _token_file(lab))],
         service=AGENT_SERVICE,
         notify_path=lab.run_dir / f"notify-node{index}.sock",
         log_file=lab.log_file(log),
@@ -567,27 +627,27 @@ def start_agent(lab: Lab, index: int) -> None:
     lab.agents[index] = sup
 
 
-def wait_healthy(lab: Lab, node: netns.Node, token: str) -> None:
+def wait_healthy(lab: Lab, site: AgentSite, token: str) -> None:
     """Ask the agent's /healthz once its log says it listens: a connection
     refused before that would be recorded by its own, already attached
     probes as a connection of the node (it learns its port a moment later)."""
-    sup = lab.agents[node.index]
-    url = f"https://{node.ip}:{AGENT_PORT}/healthz"
-    log = lab.cfg.dump_dir / f"node{node.index}.agent.log"
-    client = _client(lab, node, 1.0, token)
+    sup = lab.agents[site.index]
+    url = f"https://{site.ip}:{AGENT_PORT}/healthz"
+    log = _agent_log(lab, site)
+    client = _client(lab, site, 1.0, token)
     deadline = time.monotonic() + AGENT_START_TIMEOUT
     while time.monotonic() < deadline:
         exits = [e for e in sup.events if e.kind == "exited"]
         if exits:
             code = exits[0].code
             raise LabError(
-                f"the agent of node {node.index} exited with {code} "
+                f"the agent of {site.name} exited with {code} "
                 f"before answering {url}: {_last_line(log)}"
             )
-        if _says_listening(log) and netns.in_netns(node.netns, lambda: _healthz(client)):
+        if _says_listening(log) and netns.in_netns(site.netns, lambda: _healthz(client)):
             return
         time.sleep(0.25)
-    raise LabError(f"the agent of node {node.index} did not answer {url} in {AGENT_START_TIMEOUT}s")
+    raise LabError(f"the agent of {site.name} did not answer {url} in {AGENT_START_TIMEOUT}s")
 
 
 def _says_listening(log: Path) -> bool:
@@ -597,18 +657,18 @@ def _says_listening(log: Path) -> bool:
         return False
 
 
-def _client(lab: Lab, node: netns.Node, timeout: float, token: str | None = None) -> AgentClient:
-    """The agent of ``node``, over HTTPS with the lab's client certificate."""
+def _client(lab: Lab, site: AgentSite, timeout: float, token: str | None = None) -> AgentClient:
+    """The agent of ``site``, over HTTPS with the lab's client certificate."""
     assert lab.certs is not None
-    address = f"https://{node.ip}:{AGENT_PORT}"
+    address = f"https://{site.ip}:{AGENT_PORT}"
     return AgentClient(address, token or lab.token, lab.certs.client(), timeout)
 
 
 def make_chaos(lab: Lab) -> Chaos:
     def query(index: int, body: bytes) -> None:
-        node = lab.node(index)
-        client = _client(lab, node, 30.0)
-        netns.in_netns(node.netns, functools.partial(post_query, client, body))
+        site = lab.site(index)
+        client = _client(lab, site, 30.0)
+        netns.in_netns(site.netns, functools.partial(post_query, client, body))
 
     agent_faults = [f for f in lab.cfg.faults if isinstance(f, F.AgentFault)]
     return Chaos(
@@ -673,7 +733,7 @@ def wait_for_dumps(lab: Lab) -> None:
     grace = DUMP_GRACE + (CHAOS_GRACE if chaos is not None and chaos.faults else 0)
     deadline = time.monotonic() + lab.cfg.stall_timeout + grace
     gone = chaos.gone_nodes() if chaos is not None else set()
-    nodes = [n for n in range(lab.cfg.nodes) if n not in gone]  # dumped by pinned_dumps
+    nodes = [s.index for s in lab.sites() if s.index not in gone]  # dumped by pinned_dumps
     while time.monotonic() < deadline:
         if chaos is not None:
             chaos.poll()
@@ -690,37 +750,36 @@ def pinned_dumps(lab: Lab) -> list[str]:
     gone = lab.chaos.gone_nodes() if lab.chaos is not None else set()
     problems = []
     for index in sorted(gone):
-        node = lab.node(index)
+        site = lab.site(index)
         argv = [sys.executable, "-m", "stallwatch", "dump", "--pinned"]
         argv += ["--pin-dir", str(agent_pin_dir(lab.run_id, index))]
         argv += ["--dump-dir", str(agent_dump_dir(lab.cfg, index))]
-        argv += ["--reason", f"lab: node {index}'s agent is gone"]
-        log = lab.cfg.dump_dir / f"node{index}.pinned.log"
-        proc = lab.spawn(node, argv, log)
+        argv += ["--reason", f"lab: {site.name}'s agent is gone"]
+        log = lab.cfg.dump_dir / f"{site.name}.pinned.log"
+        proc = lab.spawn(site, argv, log)
         try:
             code = proc.wait(PINNED_DUMP_TIMEOUT)
         except subprocess.TimeoutExpired:
             _kill(proc)
             code = None
         if code != 0:
-            problems.append(f"dump --pinned on node {index} failed: {_last_line(log)}")
+            problems.append(f"dump --pinned on {site.name} failed: {_last_line(log)}")
     return problems
 
 
 def request_end_dumps(lab: Lab) -> list[str]:
-    """Ask every node's agent to dump now (one incident for all: ``lab-<run
+    """Ask every agent to dump now (one incident for all: ``lab-<run
     id>-end``), then wait until each wrote a new file.  Returns problems."""
-    assert lab.net is not None
-    before = {n.index: _dump_count(lab.cfg, n.index) for n in lab.net.nodes}
+    before = {s.index: _dump_count(lab.cfg, s.index) for s in lab.sites()}
     body = json.dumps(
         {"reason": "end of lab run", "incident_id": f"lab-{lab.run_id}-end", "origin": "lab"}
     ).encode()
     problems = []
-    for node in lab.net.nodes:
-        ask = functools.partial(_post_dump, _client(lab, node, 30.0), "/dump", body)
-        answer = netns.in_netns(node.netns, ask)
+    for site in lab.sites():
+        ask = functools.partial(_post_dump, _client(lab, site, 30.0), "/dump", body)
+        answer = netns.in_netns(site.netns, ask)
         if answer is not None:
-            problems.append(f"the agent of node {node.index} refused to dump: {answer}")
+            problems.append(f"the agent of {site.name} refused to dump: {answer}")
     deadline = time.monotonic() + DUMP_GRACE
     while time.monotonic() < deadline:
         if all(_dump_count(lab.cfg, i) > n for i, n in before.items()):
@@ -739,7 +798,7 @@ def snapshot_nodes(lab: Lab) -> list[str]:
     assert lab.net is not None
     procs = {}
     for node in lab.net.nodes:
-        out = agent_dump_dir(lab.cfg, node.index)
+        out = lab.cfg.dump_dir.resolve() / f"node{node.index}"
         out.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "stallwatch", "snapshot", "--scope", "netns"]
         argv += ["--host-name", f"node{node.index}", "--dump-dir", str(out)]
@@ -758,22 +817,22 @@ def snapshot_nodes(lab: Lab) -> list[str]:
 
 
 def request_snapshots(lab: Lab) -> list[str]:
-    """Ask every node's agent for a snapshot and a dump, one incident for all."""
-    assert lab.net is not None
-    before = {n.index: _dump_count(lab.cfg, n.index) for n in lab.net.nodes}
+    """Ask every agent for a snapshot and a dump, one incident for all."""
+    sites = lab.sites()
+    before = {s.index: _dump_count(lab.cfg, s.index) for s in sites}
     body = json.dumps(
         {"reason": "lab: snapshot of a stuck job", "incident_id": f"lab-{lab.run_id}-snapshot"}
     ).encode()
 
-    def ask(node: netns.Node) -> str | None:  # every node at once, as the command does
-        post = functools.partial(_post_dump, _client(lab, node, 30.0), "/snapshot", body)
-        return netns.in_netns(node.netns, post)
+    def ask(site: AgentSite) -> str | None:  # every agent at once, as the command does
+        post = functools.partial(_post_dump, _client(lab, site, 30.0), "/snapshot", body)
+        return netns.in_netns(site.netns, post)
 
-    with ThreadPoolExecutor(len(lab.net.nodes)) as pool:
-        answers = list(pool.map(ask, lab.net.nodes))
+    with ThreadPoolExecutor(len(sites)) as pool:
+        answers = list(pool.map(ask, sites))
     problems = [
-        f"the agent of node {node.index} refused the snapshot: {answer}"
-        for node, answer in zip(lab.net.nodes, answers, strict=True)
+        f"the agent of {site.name} refused the snapshot: {answer}"
+        for site, answer in zip(sites, answers, strict=True)
         if answer is not None
     ]
     deadline = time.monotonic() + DUMP_GRACE
@@ -811,10 +870,10 @@ def progress(lab: Lab) -> tuple[tuple[int, ...], frozenset[int]]:
 
 
 def say_agents_ready(lab: Lab) -> None:
-    """Once every node's agent is ready (a late one included), the file that
+    """Once every agent is ready (a late one included), the file that
     a ``hang:...,agents=ready`` rank waits for (written once)."""
     path = lab.run_dir / job.AGENTS_READY_FILE
-    if not lab.cfg.record or path.exists() or len(lab.agents) < lab.cfg.nodes:
+    if not lab.cfg.record or path.exists() or len(lab.agents) < len(lab.sites()):
         return
     if all(sup.ready_count() > 0 for sup in lab.agents.values()):
         job.write_atomic(path, b"ready\n")

@@ -1,6 +1,8 @@
 """Running a lab job whose every agent starts late (every communicator made
 before any attach), and analyzing what it dumped: shared by the lab tests and
-the seeds loop (``bench/late_seeds.py``)."""
+the seeds loop (``bench/late_seeds.py``).  The agents are one per node
+(``netns``) or one for the whole machine (``host``: ``lab run --agent-scope
+host``, every node's ranks in its one dump)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ LATE_STEP = 20  # every agent starts once a rank is this far
 # first; a job hung before any agent is the snapshot tests' case
 HANG_STEP = 50
 STEPS = 3000  # never all done: the hang comes first
+SCOPES = ("netns", "host")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,12 +33,20 @@ class LateRun:
 
 
 def run_all_late(
-    folder: Path, nodes: int, ranks_per_node: int, hung: int, wait: str, timeout: int = 600
+    folder: Path,
+    nodes: int,
+    ranks_per_node: int,
+    hung: int,
+    wait: str,
+    scope: str = "netns",
+    timeout: int = 600,
 ) -> LateRun:
-    """``lab run`` with an agentlate fault on every node, rank ``hung`` hanging
-    HANG_STEP steps after every agent is ready, then ``analyze --json`` over its dumps."""
-    late = [f"agentlate:node={n},step={LATE_STEP}" for n in range(nodes)]
-    cmd = [sys.executable, "-m", "stallwatch", "lab", "run", "--json",
+    """``lab run`` with every agent late (an agentlate fault on every node's,
+    or on the host agent: node 0), rank ``hung`` hanging HANG_STEP steps after
+    every agent is ready, then ``analyze --json`` over its dumps."""
+    agents = 1 if scope == "host" else nodes
+    late = [f"agentlate:node={n},step={LATE_STEP}" for n in range(agents)]
+    cmd = [sys.executable, "-m", "stallwatch", "lab", "run", "--json", "--agent-scope", scope,
            "--nodes", str(nodes), "--ranks-per-node", str(ranks_per_node),
            "--steps", str(STEPS), "--compute-ms", "20", "--wait", wait,
            "--record", "--dump-dir", str(folder), "--stall-timeout", "3",

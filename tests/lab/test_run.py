@@ -361,6 +361,11 @@ def test_cpuhog_takes_the_ranks_cpu() -> None:
         (["--fault", "gpuslow:rank=1,ms=5"], "needs --mode gpu"),
         (["--graphs"], "--graphs needs --mode gpu"),
         (["--fault", "hang:rank=1,step=2,agents=ready"], "needs --record"),
+        (["--agent-scope", "host"], "--agent-scope needs --record"),
+        (
+            ["--record", "--agent-scope", "host", "--fault", "agentlate:node=1,step=2"],
+            "--agent-scope host runs one agent for every node, named node=0",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: list[str], names: str) -> None:

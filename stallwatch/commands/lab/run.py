@@ -24,6 +24,8 @@ examples:
   stallwatch lab run --nodes 4 --mode gpu --fault gpuslow:rank=5,ms=80 --record --dump-at-end
   stallwatch lab run --nodes 4 --fault hang:rank=5,step=10 --record --dump-dir dumps/
   stallwatch lab run --nodes 2 --record --dump-at-end --dump-dir dumps/
+  stallwatch lab run --nodes 2 --steps 3000 --record --agent-scope host \
+      --fault agentlate:node=0,step=20 --fault hang:rank=1,step=50,agents=ready
 
 exit codes: 0 every rank finished and verified; 1 the job failed (faults, stuck or
 crashed ranks); 2 bad input, or the lab could not be set up (root, tools)."""
@@ -69,6 +71,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="a fault to inject (repeatable; specs below)")  # fmt: skip
     p.add_argument("--record", action="store_true", help="one stallwatch agent per node")
+    p.add_argument("--agent-scope", choices=("netns", "host"), default=None,
+                   help="with --record: netns, one agent per node in its namespace (default); "
+                   "host, one agent for the whole machine (record --scope host: every node's "
+                   "ranks in one dump), named node=0 by agent faults")  # fmt: skip
     p.add_argument("--dump-dir", type=Path, default=Path("dumps"), metavar="DIR",
                    help="with --record: where the agents write dumps")  # fmt: skip
     p.add_argument(
@@ -114,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
         raise LabError("--dump-at-end needs --record (the agents write the dumps)")
     if args.late_agents and not args.record:
         raise LabError("--late-agents needs --record")
+    if args.agent_scope is not None and not args.record:
+        raise LabError("--agent-scope needs --record (it says where the agents run)")
     if args.graphs and args.mode != "gpu":
         raise LabError("--graphs needs --mode gpu (graphs are captured on CUDA streams)")
 
@@ -136,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         snapshot_when_stuck=args.snapshot_when_stuck,
         late_agents=args.late_agents,
         wait=args.wait,
+        agent_scope=args.agent_scope or "netns",
     )
     as_json = args.format == "json"
     result = runner.run(cfg, progress_out=None if as_json else sys.stderr)

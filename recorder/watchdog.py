@@ -270,7 +270,7 @@ class Watchdog:
             if age <= self.stall_timeout_ns or call.pid in dead:
                 continue
             reason = (
-                f"{op_name(call.op)} seq {call.seq} on communicator {call.comm_hash:#018x} "
+                f"{op_name(call.op)} seq {call.seq} on {_comm_text(call.comm_hash)} "
                 f"in flight for {age / SECOND_NS:.1f} s (pid {call.pid}, tid {call.tid})"
             )
             if call.seq < 0:  # found on the thread's stack (recorder.positions)
@@ -300,7 +300,7 @@ class Watchdog:
                 continue
             reason = (
                 f"no progress for {idle / SECOND_NS:.1f} s on any communicator of pid {pid} "
-                f"(last on {comm_hash:#018x})"
+                f"(last on {_comm_text(comm_hash)})"
             )
             out[(TriggerKind.NO_PROGRESS, pid, last)] = _Condition(
                 TriggerKind.NO_PROGRESS, reason, last, pid, comm_hash
@@ -699,3 +699,11 @@ class Incidents:
             "dumps_dropped": s.dumps_dropped,
             "dumps_pending": self.scheduler.pending,
         }
+
+
+def _comm_text(comm_hash: int) -> str:
+    """A communicator's id, or that it is unknown: one made before the agent
+    started has none in the recording (hash 0 there), never an id of 0."""
+    if comm_hash == 0:
+        return "a communicator made before the agent started (id unknown)"
+    return f"communicator {comm_hash:#018x}"

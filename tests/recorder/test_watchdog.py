@@ -123,6 +123,17 @@ def test_async_hang_no_progress_while_alive() -> None:
     assert "no progress for 2.2 s" in trig.reason
 
 
+def test_a_communicator_made_before_the_agent_is_named_unknown() -> None:
+    """A late agent never saw the communicator made: its id is unknown (0 in
+    the recording), and the reason says so instead of printing 0 as an id."""
+    wd = watchdog()
+    last = 10 * S
+    procs = [proc(1)]
+    [trig] = wd.check(state(12.2, comms=[comm(1, last, comm_hash=0)], procs=procs))
+    assert "made before the agent started (id unknown)" in trig.reason
+    assert "0x0000000000000000" not in trig.reason
+
+
 def test_abnormal_exits_trigger() -> None:
     for code, signal, words in (
         (1, None, "exited with code 1"),

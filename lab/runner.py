@@ -272,6 +272,7 @@ class AgentSite:
     netns: str
     ip: str
     name: str
+    who: str  # in messages: "node 1", "the host"
 
     def exec_prefix(self) -> list[str]:
         return ["nsenter", f"--net={netns.NETNS_DIR / self.netns}", "--"]
@@ -343,8 +344,11 @@ class Lab:
         """Where the agents run: one per node, or the host's one."""
         assert self.net is not None
         if self.cfg.agent_scope == HOST_SCOPE:
-            return (AgentSite(0, self.net.switch, HOST_AGENT_IP, HOST_SCOPE),)
-        return tuple(AgentSite(n.index, n.netns, n.ip, f"node{n.index}") for n in self.net.nodes)
+            return (AgentSite(0, self.net.switch, HOST_AGENT_IP, HOST_SCOPE, "the host"),)
+        return tuple(
+            AgentSite(n.index, n.netns, n.ip, f"node{n.index}", f"node {n.index}")
+            for n in self.net.nodes
+        )
 
     def site(self, index: int) -> AgentSite:
         return next(s for s in self.sites() if s.index == index)
@@ -641,13 +645,13 @@ def wait_healthy(lab: Lab, site: AgentSite, token: str) -> None:
         if exits:
             code = exits[0].code
             raise LabError(
-                f"the agent of {site.name} exited with {code} "
+                f"the agent of {site.who} exited with {code} "
                 f"before answering {url}: {_last_line(log)}"
             )
         if _says_listening(log) and netns.in_netns(site.netns, lambda: _healthz(client)):
             return
         time.sleep(0.25)
-    raise LabError(f"the agent of {site.name} did not answer {url} in {AGENT_START_TIMEOUT}s")
+    raise LabError(f"the agent of {site.who} did not answer {url} in {AGENT_START_TIMEOUT}s")
 
 
 def _says_listening(log: Path) -> bool:
@@ -754,7 +758,7 @@ def pinned_dumps(lab: Lab) -> list[str]:
         argv = [sys.executable, "-m", "stallwatch", "dump", "--pinned"]
         argv += ["--pin-dir", str(agent_pin_dir(lab.run_id, index))]
         argv += ["--dump-dir", str(agent_dump_dir(lab.cfg, index))]
-        argv += ["--reason", f"lab: {site.name}'s agent is gone"]
+        argv += ["--reason", f"lab: {site.who}'s agent is gone"]
         log = lab.cfg.dump_dir / f"{site.name}.pinned.log"
         proc = lab.spawn(site, argv, log)
         try:
@@ -763,7 +767,7 @@ def pinned_dumps(lab: Lab) -> list[str]:
             _kill(proc)
             code = None
         if code != 0:
-            problems.append(f"dump --pinned on {site.name} failed: {_last_line(log)}")
+            problems.append(f"dump --pinned on {site.who} failed: {_last_line(log)}")
     return problems
 
 
@@ -779,7 +783,7 @@ def request_end_dumps(lab: Lab) -> list[str]:
         ask = functools.partial(_post_dump, _client(lab, site, 30.0), "/dump", body)
         answer = netns.in_netns(site.netns, ask)
         if answer is not None:
-            problems.append(f"the agent of {site.name} refused to dump: {answer}")
+            problems.append(f"the agent of {site.who} refused to dump: {answer}")
     deadline = time.monotonic() + DUMP_GRACE
     while time.monotonic() < deadline:
         if all(_dump_count(lab.cfg, i) > n for i, n in before.items()):
@@ -831,7 +835,7 @@ def request_snapshots(lab: Lab) -> list[str]:
     with ThreadPoolExecutor(len(sites)) as pool:
         answers = list(pool.map(ask, sites))
     problems = [
-        f"the agent of {site.name} refused the snapshot: {answer}"
+        f"the agent of {site.who} refused the snapshot: {answer}"
         for site, answer in zip(sites, answers, strict=True)
         if answer is not None
     ]

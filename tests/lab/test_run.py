@@ -452,7 +452,7 @@ def test_agent_command_line(tmp_path: Path) -> None:
     lab.net = netns.Network("abc", "swlab-abc-sw", nodes)
     tls = tmp_path / "tls"
     lab.certs = LabCerts(tls, tls / "ca.pem", tls / "client.pem", tls / "client.key")
-    argv = runner.agent_argv(lab, nodes[1], tmp_path / "token")
+    argv = runner.agent_argv(lab, lab.site(1), tmp_path / "token")
     assert argv[:6] == [sys.executable, "-m", "stallwatch", "record", "--scope", "netns"]
 
     def opt(name: str) -> str:
@@ -471,7 +471,31 @@ def test_agent_command_line(tmp_path: Path) -> None:
     assert opt("--pin-dir") == "/sys/fs/bpf/stallwatch/lab-abc-node1"  # removed at teardown
     assert "--keep-pinned" in argv  # a supervised restart takes the recording over
     # the agent runs inside the node's namespace
-    assert nodes[1].exec_prefix() == ["nsenter", "--net=/run/netns/swlab-abc-n1", "--"]
+    assert lab.site(1).exec_prefix() == ["nsenter", "--net=/run/netns/swlab-abc-n1", "--"]
+    assert "--job" not in argv
+
+
+def test_host_agent_command_line(tmp_path: Path) -> None:
+    """--agent-scope host: one agent for every node, in the switch's
+    namespace on loopback, kept to the run's job, no peers."""
+    cfg = runner.RunConfig(nodes=3, record=True, dump_dir=tmp_path / "d", agent_scope="host")
+    lab = runner.Lab(cfg, Path("/x/libnccl.so.2"), "abc", tmp_path)
+    nodes = tuple(netns.Node(k, f"swlab-abc-n{k}", f"10.201.9.{k + 1}", f"n{k}") for k in range(3))
+    lab.net = netns.Network("abc", "swlab-abc-sw", nodes)
+    tls = tmp_path / "tls"
+    lab.certs = LabCerts(tls, tls / "ca.pem", tls / "client.pem", tls / "client.key")
+    [site] = lab.sites()
+    argv = runner.agent_argv(lab, site, tmp_path / "token")
+    assert argv[:6] == [sys.executable, "-m", "stallwatch", "record", "--scope", "host"]
+
+    def opt(name: str) -> str:
+        return argv[argv.index(name) + 1]
+
+    assert opt("--job") == "abc"  # the ranks' TORCHELASTIC_RUN_ID: other jobs stay out
+    assert (opt("--listen"), opt("--host-name")) == ("127.0.0.1:9400", "host")
+    assert opt("--dump-dir") == str(tmp_path / "d" / "host")
+    assert "--peers" not in argv
+    assert site.exec_prefix() == ["nsenter", "--net=/run/netns/swlab-abc-sw", "--"]
 
 
 def test_rank_command_line_carries_its_faults(tmp_path: Path) -> None:

@@ -11,17 +11,23 @@ setup:
 demo: setup
 	$(VENV)/bin/stallwatch lab demo
 
-# lint, types and the import contract first (scripts/check), then the suite
+# lint, types and the import contract first (scripts/check), then the suite:
+# on parallel workers (each test file on one worker: its recordings are made
+# once), then the tests that judge timing alone (marker solo)
+WORKERS ?= 3
+SUITE = -m "not solo" -n $(WORKERS) --dist loadfile
 test: setup
 	bash scripts/check
-	$(PY) -m pytest
+	$(PY) -m pytest $(SUITE)
+	$(PY) -m pytest -m solo
 
 # the suite on the newest versions pyproject's ranges allow, in a venv of its
 # own (.venv-latest): upgrading is then `make lock` and its own commit
 test-latest:
 	VENV=.venv-latest STALLWATCH_LOCK= bash scripts/setup
 	VENV=.venv-latest bash scripts/check
-	.venv-latest/bin/python -m pytest
+	.venv-latest/bin/python -m pytest $(SUITE)
+	.venv-latest/bin/python -m pytest -m solo
 
 # the lock of tested versions that scripts/setup installs from, re-resolved
 # from pyproject's ranges (commit it with the suite's result on it)

@@ -30,7 +30,7 @@ from stallwatch.dumpers.format import read_dump, write_dump
 from stallwatch.dumpers.model import Ring
 from stallwatch.dumpers.schema import DEVICE_FIELDS, State
 
-pytestmark = [pytest.mark.lab, pytest.mark.slow]
+pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.solo]
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEDS = range(10)

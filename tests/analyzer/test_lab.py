@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = "12"
 LOSS = "loss:node=2,pct=8"
 
-pytestmark = [pytest.mark.lab, pytest.mark.slow]
+pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.solo]
 
 RUNS: dict[str, list[str]] = {
     "healthy": ["--nodes", "2", "--dump-at-end"],

@@ -6,7 +6,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from bench import bench_accuracy
+
+pytestmark = pytest.mark.solo  # speed figures: measured alone
 
 TABLE_DOC = Path(__file__).resolve().parents[2] / "docs" / "flight-recorder.md"
 

@@ -8,6 +8,8 @@ import pytest
 
 from bench import bench_analyzer
 
+pytestmark = pytest.mark.solo  # speed figures: measured alone
+
 
 @pytest.mark.slow
 def test_bench_quick_meets_targets() -> None:

@@ -9,7 +9,7 @@ import pytest
 from bench import bench_recorder
 from bench.common import render
 
-pytestmark = [pytest.mark.bpf, pytest.mark.slow]
+pytestmark = [pytest.mark.bpf, pytest.mark.slow, pytest.mark.solo]
 
 
 def test_bench_recorder_quick_figures() -> None:

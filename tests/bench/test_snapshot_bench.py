@@ -8,7 +8,7 @@ import pytest
 from bench import bench_snapshot
 from bench.common import render
 
-pytestmark = [pytest.mark.lab, pytest.mark.slow]
+pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.solo]
 
 
 def test_bench_snapshot_quick_figures() -> None:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from bench import bench_sql
 from bench.common import render
+
+pytestmark = pytest.mark.solo  # speed figures: measured alone
 
 
 def test_quick_bench_measures_every_figure() -> None:

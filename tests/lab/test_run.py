@@ -184,6 +184,7 @@ def test_healthy_gpu_job(nodes: int) -> None:
 
 
 @pytest.mark.lab
+@pytest.mark.solo
 def test_gpuslow_slows_the_device_not_the_host() -> None:
     run = lab_run("--nodes", "2", "--steps", "6", "--mode", "gpu", "--fault",
                   "gpuslow:rank=1,ms=60", "--json")  # fmt: skip
@@ -265,6 +266,7 @@ def test_hang_blocks_the_others_and_the_lab_gives_up() -> None:
 
 
 @pytest.mark.lab
+@pytest.mark.solo
 def test_slow_rank_makes_slower_steps() -> None:
     run = lab_run("--steps", "6", "--fault", "slow:rank=1,ms=150", "--json")
     assert run.code == 0, run.err
@@ -275,6 +277,7 @@ def test_slow_rank_makes_slower_steps() -> None:
 
 
 @pytest.mark.lab
+@pytest.mark.solo
 def test_loss_raises_the_nodes_retransmit_counter(healthy: Run) -> None:
     steps = 10
     run = lab_run("--steps", str(steps), "--fault", "loss:node=1,pct=5", "--json")
@@ -290,6 +293,7 @@ def test_loss_raises_the_nodes_retransmit_counter(healthy: Run) -> None:
 
 
 @pytest.mark.lab
+@pytest.mark.solo
 def test_rate_cap_slows_the_steps(healthy: Run) -> None:
     run = lab_run("--steps", "6", "--fault", "rate:node=1,mbit=40", "--json")
     assert run.code == 0, run.err
@@ -334,6 +338,7 @@ def test_crash_by_signal_is_seen() -> None:
 
 
 @pytest.mark.lab
+@pytest.mark.solo
 def test_cpuhog_takes_the_ranks_cpu() -> None:
     # compute longer than a scheduler slice: a shorter burst runs on wake-up credit
     run = lab_run("--nodes", "2", "--ranks-per-node", "1", "--steps", "5", "--compute-ms", "10",

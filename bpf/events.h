@@ -151,12 +151,16 @@ struct tcp_event {
 };
 _Static_assert(sizeof(struct tcp_event) == 88, "tcp_event size");
 
-/* A rank thread that waited in the run queue longer than the threshold. */
+/* A rank thread that waited in the run queue longer than the threshold.
+ * prev_pid: the process (tgid) that held the CPU until the thread got it,
+ * 0 for the idle task.  Only the last holder is known: a long wait may have
+ * seen others run before it.  Dumps before format 5 had padding here; their
+ * rows read as -1 (unknown). */
 struct sched_event {
 	struct event_header hdr;
 	__u64 delay_ns;
 	__u32 cpu;
-	__u32 _pad1;
+	__s32 prev_pid;
 };
 _Static_assert(sizeof(struct sched_event) == 48, "sched_event size");
 

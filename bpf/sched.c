@@ -56,7 +56,7 @@ TRACEPOINT_PROBE(sched, sched_wakeup_new)
 	return 0;
 }
 
-static __always_inline void emit_delay(u32 tid, u32 tgid, u64 delay, u64 ts)
+static __always_inline void emit_delay(u32 tid, u32 tgid, u64 delay, u64 ts, u32 holder)
 {
 	struct sched_event *e;
 	u64 pos;
@@ -66,11 +66,15 @@ static __always_inline void emit_delay(u32 tid, u32 tgid, u64 delay, u64 ts)
 	fill_header(&e->hdr, EVENT_SCHED, sizeof(*e), tgid, tid, ts);
 	e->delay_ns = delay;
 	e->cpu = bpf_get_smp_processor_id();
-	e->_pad1 = 0;
+	e->prev_pid = (s32)holder;
 	publish(&e->hdr, pos);
 }
 
-static __always_inline void account(u32 tid, u64 ts)
+/* `holder`: the process that held the CPU until `tid` got it (at
+ * sched_switch, current is still the outgoing task).  The analyzer tells by
+ * it whether a rank waited behind its own job's ranks or behind another
+ * process. */
+static __always_inline void account(u32 tid, u64 ts, u32 holder)
 {
 	u64 *since = rq_enqueued.lookup(&tid);
 	if (!since)
@@ -91,7 +95,7 @@ static __always_inline void account(u32 tid, u64 ts)
 		return;
 	if (t)
 		t->over_threshold += 1;
-	emit_delay(tid, owner, delay, ts);
+	emit_delay(tid, owner, delay, ts, holder);
 }
 
 TRACEPOINT_PROBE(sched, sched_switch)
@@ -105,6 +109,6 @@ TRACEPOINT_PROBE(sched, sched_switch)
 		if ((args->prev_state & TASK_STATE_MASK) == 0)
 			mark_runnable(prev, ts);
 	}
-	account(args->next_pid, ts);
+	account(args->next_pid, ts, tgid);
 	return 0;
 }

@@ -34,7 +34,9 @@ refused, not skipped, because a new ring means a new format version.
 Older versions are read and brought to today's records: version 1's NCCL
 rows lack the device columns (``started_ns`` ... ``completed_after_ns``, 0
 here: not observed) and numbered the lifecycle scheduled 0, returned 1,
-completed 2 (returned is ``ENQUEUED`` now; completed is 3).
+completed 2 (returned is ``ENQUEUED`` now; completed is 3).  Before
+version 5, sched rows did not name the process that held the CPU: their
+``prev_pid`` is ``PREV_PID_UNKNOWN`` (-1; 0 is the idle task).
 Versions 1 and 2 have no ``snapshots``: they are read as recordings without
 thread positions.
 
@@ -79,7 +81,7 @@ from .model import (
     TriggerKind,
 )
 from .readingsdoc import read_snapshots, snapshots_doc
-from .schema import RING_DTYPES, State, ring_dtype
+from .schema import PREV_PID_UNKNOWN, RING_DTYPES, State, ring_dtype
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +125,8 @@ def upgrade_rows(name: str, rows: np.ndarray, version: int) -> np.ndarray:
             out[field] = rows[field]
     if name == "nccl" and version <= 1:
         out["state"][rows["state"] == V1_COMPLETED] = State.COMPLETED
+    if name == "sched" and version <= 4:  # who held the CPU was not recorded: unknown, not idle
+        out["prev_pid"] = PREV_PID_UNKNOWN
     return out
 
 

@@ -16,9 +16,10 @@ import numpy as np
 from .readings import ThreadReading
 
 FORMAT_NAME = "stallwatch-dump"
-# 2: nccl rows carry device start and completion; 3: thread position snapshots.
+# 2: nccl rows carry device start and completion; 3: thread position snapshots;
+# 4: CUDA graph columns; 5: sched rows name the CPU's last holder (prev_pid).
 # Older files are still read (their rows converted, no snapshots).
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 
 
 class TriggerKind(enum.Enum):

@@ -300,7 +300,13 @@ TCP_EVENT = np.dtype(
     ]
 )
 
-SCHED_EVENT = np.dtype([*_HEADER, ("delay_ns", "<u8"), ("cpu", "<u4"), ("_pad1", "<u4")])
+_SCHED_FIELDS: list[tuple[str, str]] = [*_HEADER, ("delay_ns", "<u8"), ("cpu", "<u4")]
+# `prev_pid` (format version 5 on): the process that held the CPU until the
+# waiting thread got it, the last one only (0: the idle task); where `_pad1`
+# was, so that older rows read as PREV_PID_UNKNOWN.
+SCHED_EVENT = np.dtype([*_SCHED_FIELDS, ("prev_pid", "<i4")])
+SCHED_EVENT_V4 = np.dtype([*_SCHED_FIELDS, ("_pad1", "<u4")])
+PREV_PID_UNKNOWN = -1
 
 EXIT_EVENT = np.dtype(
     [*_HEADER, ("code", "<i4"), ("signal", "<i4"), ("event", "u1"), ("_pad1", "u1", (7,))]
@@ -320,6 +326,7 @@ RING_DTYPES: dict[str, np.dtype] = {
 RING_DTYPES_BEFORE: dict[int, dict[str, np.dtype]] = {
     1: {"nccl": NCCL_EVENT_V1},
     3: {"nccl": NCCL_EVENT_V3},
+    4: {"sched": SCHED_EVENT_V4},
 }
 
 

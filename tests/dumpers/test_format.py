@@ -22,7 +22,9 @@ from stallwatch.dumpers.schema import (
     DEVICE_FIELDS,
     NCCL_EVENT_V1,
     NCCL_EVENT_V3,
+    PREV_PID_UNKNOWN,
     RING_DTYPES,
+    SCHED_EVENT_V4,
     State,
 )
 from tests.dump_samples import (
@@ -105,10 +107,25 @@ def test_encode_refuses_a_recording_that_breaks_the_model(tmp_path: Path) -> Non
 # ---------------------------------------------------------------- validation
 
 
+def _as_version_4(rec: Recording) -> dict[str, object]:
+    """``rec``'s document as versions 1 to 4 wrote its sched rows: without
+    ``prev_pid`` (``_pad1`` where it is now, zero)."""
+    doc = _doc(rec)
+    rows = rec.rings["sched"].rows
+    old = np.zeros(len(rows), SCHED_EVENT_V4)
+    for name in SCHED_EVENT_V4.names or ():
+        if name in (rows.dtype.names or ()):
+            old[name] = rows[name]
+    ring = doc["rings"]["sched"]  # type: ignore[index]
+    ring["dtype"] = fmt._descr(SCHED_EVENT_V4)
+    ring["data"] = old.tobytes()
+    return doc
+
+
 def _as_version_1(rec: Recording) -> bytes:
     """``rec`` written as format version 1 wrote it: NCCL rows without the
     device columns, the completed state numbered 2."""
-    doc = _doc(rec)
+    doc = _as_version_4(rec)
     doc["version"] = 1
     del doc["snapshots"]  # version 3's
     rows = rec.rings["nccl"].rows
@@ -126,7 +143,7 @@ def _as_version_1(rec: Recording) -> bytes:
 def _as_version_3(rec: Recording) -> dict[str, object]:
     """``rec``'s document as versions 2 and 3 wrote it: NCCL rows without the
     graph columns (``_pad1`` where ``graph_node`` is now)."""
-    doc = _doc(rec)
+    doc = _as_version_4(rec)
     rows = rec.rings["nccl"].rows
     old = np.zeros(len(rows), NCCL_EVENT_V3)
     for name in NCCL_EVENT_V3.names or ():
@@ -150,6 +167,28 @@ def test_version_3_rows_are_read_into_todays_with_no_graph(tmp_path: Path) -> No
     for name in ("graph", "graph_node", "replay"):
         want[name] = 0
     assert (rows == want).all()
+
+
+def test_version_4_sched_rows_name_no_cpu_holder(tmp_path: Path) -> None:
+    rec = sample_recording(50)
+    rows = rec.rings["sched"].rows
+    rows["prev_pid"] = np.arange(len(rows)) % 3  # 0, the idle task, among them
+    doc = _as_version_4(rec)
+    doc["version"] = 4
+    path = tmp_path / "v4.msgpack"
+    path.write_bytes(msgpack.packb(doc, use_bin_type=True))
+    back = fmt.read_dump(path).rings["sched"].rows
+    assert back.dtype == RING_DTYPES["sched"] and len(back) == len(rows) > 0
+    assert (back["prev_pid"] == PREV_PID_UNKNOWN).all()  # unknown, not 0 (idle)
+    want = rows.copy()
+    want["prev_pid"] = PREV_PID_UNKNOWN
+    assert (back == want).all()
+    _, deferred = fmt.read_dump_deferred(path, ["sched"])
+    assert deferred["sched"].nbytes == len(rows) * SCHED_EVENT_V4.itemsize
+    assert (deferred["sched"].read() == want).all()
+    # today's rows keep the holder, the idle task's 0 included
+    today = fmt.decode(fmt.encode(rec), "x").rings["sched"].rows
+    assert (today["prev_pid"] == rows["prev_pid"]).all()
 
 
 def test_version_1_dumps_are_read_into_todays_rows(tmp_path: Path) -> None:

@@ -111,14 +111,14 @@ def test_c_structs_and_numpy_dtypes_agree(c_layout: Layout) -> None:
 def test_a_struct_changed_in_c_alone_is_found(tmp_path: Path) -> None:
     """Drift on the C side: a copy of events.h whose sched_event widens cpu."""
     header = (ROOT / "bpf" / "events.h").read_text()
-    drifted = header.replace("\t__u32 cpu;\n\t__u32 _pad1;", "\t__u64 cpu;\n\t__u32 _pad1;")
+    drifted = header.replace("\t__u32 cpu;\n\t__s32 prev_pid;", "\t__u64 cpu;\n\t__s32 prev_pid;")
     assert drifted != header
     (tmp_path / "events.h").write_text(drifted.replace("sizeof(struct sched_event) == 48", "1"))
     found = mismatches(compile_layout(tmp_path, STRUCTS, tmp_path), STRUCTS)
     assert found == [
         "sched_event: C 56 bytes, numpy 48",
         "sched_event.cpu: C at 40 (8 bytes), numpy at 40 (4 bytes)",
-        "sched_event._pad1: C at 48 (4 bytes), numpy at 44 (4 bytes)",
+        "sched_event.prev_pid: C at 48 (4 bytes), numpy at 44 (4 bytes)",
     ]
 
 

@@ -25,7 +25,15 @@ import pytest
 
 from bench.fakenccl import FakeNccl, build, build_private, link_loop
 from stallwatch.dumpers.model import Recording
-from stallwatch.dumpers.schema import NCCL_SYMBOLS, Op, Result, State, fold_unique_id, split_hash
+from stallwatch.dumpers.schema import (
+    NCCL_SYMBOLS,
+    PREV_PID_UNKNOWN,
+    Op,
+    Result,
+    State,
+    fold_unique_id,
+    split_hash,
+)
 from stallwatch.recorder import discovery
 from stallwatch.recorder.agent import Agent, AgentConfig
 from stallwatch.recorder.source import BccSource
@@ -311,7 +319,7 @@ def test_run_queue_delay_under_a_cpu_hog(agent: Agent) -> None:
 
     py = [sys.executable, "-c"]
     with (
-        spawn([*py, "while True: pass"], preexec_fn=pinned),
+        spawn([*py, "while True: pass"], preexec_fn=pinned) as hog,
         spawn([*py, RANK_LOOP], stdin=subprocess.PIPE, preexec_fn=pinned) as rank,
     ):
         agent.source.set_scope(rank.pid, tracked=True, excluded=False)
@@ -324,6 +332,11 @@ def test_run_queue_delay_under_a_cpu_hog(agent: Agent) -> None:
     assert (rows["delay_ns"] >= 1_000_000).all()
     assert (rows["tid"] == rank.pid).all()
     assert (rows["cpu"] == cpu).all()
+    # the hog, untracked, is named as the CPU's holder (the only other task on
+    # that CPU, bar kernel threads and the idle task)
+    holders = rows["prev_pid"].tolist()
+    assert hog.pid in holders, holders
+    assert rank.pid not in holders and PREV_PID_UNKNOWN not in holders
 
 
 NS = f"swtest-{uuid.uuid4().hex[:6]}"

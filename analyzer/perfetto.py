@@ -28,7 +28,7 @@ import numpy as np
 from stallwatch.dumpers.errors import UsageError
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.ranks import Ranks
-from stallwatch.dumpers.schema import State, TcpEvent, datatype_name, op_name
+from stallwatch.dumpers.schema import PREV_PID_UNKNOWN, State, TcpEvent, datatype_name, op_name
 from stallwatch.dumpers.sqltables import recording_now
 
 _STATE_NAMES = {int(s): s.name.lower() for s in State}
@@ -222,10 +222,17 @@ def _instants(rec: Recording, tracks: _Tracks, ranks: dict[int, int]) -> list[di
                     "pid": hp,
                     "tid": tid,
                     "ts": (int(row["ts_ns"]) + to_us) / 1e3,
-                    "args": {"delay_ms": int(row["delay_ns"]) / 1e6, "tid": int(row["tid"])},
+                    "args": _sched_args(row),
                 }
             )
     return out
+
+
+def _sched_args(row: np.void) -> dict[str, object]:
+    args: dict[str, object] = {"delay_ms": int(row["delay_ns"]) / 1e6, "tid": int(row["tid"])}
+    if int(row["prev_pid"]) != PREV_PID_UNKNOWN:  # unknown before format 5: left out
+        args["prev_pid"] = int(row["prev_pid"])
+    return args
 
 
 def _markers(

@@ -84,6 +84,7 @@ from .ranks import Ranks
 from .readings import ArgsFrom, NcclCall, ProcessThreads, ThreadState, syscall_name
 from .schema import (
     DEVICE_FIELDS,
+    PREV_PID_UNKNOWN,
     RING_DTYPES,
     ExitEvent,
     Op,
@@ -517,6 +518,8 @@ def sched_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     cols["tid"] = _i64(rows["tid"])
     cols["delay_ns"] = _i64(rows["delay_ns"])
     cols["cpu"] = pa.array(rows["cpu"].astype(np.int32))
+    holder = rows["prev_pid"].astype(np.int64)  # 0 is the idle task: a real holder
+    cols["prev_pid"] = _maybe_null(holder, rows["prev_pid"] == PREV_PID_UNKNOWN)
     return cols
 
 

@@ -5,15 +5,18 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bench.bench_sql import COMM_HASH, SEED_QUERY, Synthetic, synthetic_recording
 from stallwatch.dumpers.errors import QueryError, QueryRefused
+from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.model import Recording, Ring
 from stallwatch.dumpers.schema import (
     EXIT_EVENT,
+    PREV_PID_UNKNOWN,
     SCHED_EVENT,
     TCP_EVENT,
     ExitEvent,
@@ -157,17 +160,29 @@ def test_tcp_addresses_as_text_ipv4_and_ipv6() -> None:
 
 
 def test_sched_and_exit_events() -> None:
-    sched = np.zeros(2, SCHED_EVENT)
-    sched["ts_ns"], sched["pid"], sched["delay_ns"], sched["cpu"] = [5, 6], 1000, [7, 9], 1
+    sched = np.zeros(3, SCHED_EVENT)
+    sched["ts_ns"], sched["pid"], sched["delay_ns"], sched["cpu"] = [5, 6, 7], 1000, [7, 9, 0], 1
+    sched["prev_pid"] = [0, 4242, PREV_PID_UNKNOWN]  # the idle task, a process, unknown
     exits = np.zeros(1, EXIT_EVENT)
     exits["pid"], exits["code"], exits["signal"], exits["event"] = 1001, -1, 9, ExitEvent.SIGNAL
     rec = synthetic_recording(Synthetic())
     rings = {**rec.rings, "sched": Ring(sched), "exit": Ring(exits)}
     with QueryEngine([dataclasses.replace(rec, rings=rings)], LOCAL) as engine:
         assert engine.query("SELECT sum(delay_ns), max(cpu) FROM sched_events").rows == [(16, 1)]
+        held = engine.query("SELECT prev_pid FROM sched_events ORDER BY timestamp_ns").rows
+        assert held == [(0,), (4242,), (None,)]
         assert engine.query("SELECT pid, event, signal FROM exit_events").rows == [
             (1001, "signal", 9)
         ]
+
+
+def test_an_old_dumps_sched_rows_name_no_cpu_holder() -> None:
+    # format version 1, recorded before the holder was: NULL, never 0
+    folder = Path(__file__).resolve().parents[1] / "data" / "lab-cpuhog-2x2"
+    recs = [read_dump(p) for p in sorted(folder.glob("*.msgpack"))]
+    with QueryEngine(recs, LOCAL) as engine:
+        got = engine.query("SELECT count(*), count(prev_pid) FROM sched_events").rows
+    assert got[0][0] > 0 and got[0][1] == 0, got
 
 
 def test_many_recordings_concatenate_with_their_host() -> None:

@@ -660,5 +660,6 @@ def _sched(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
         t["pid"] = ring.rows["pid"]
         t["ts"] = ring.rows["ts_ns"].astype(np.int64)
         t["delay"] = ring.rows["delay_ns"].astype(np.int64)
+        t["holder"] = ring.rows["prev_pid"].astype(np.int64)
         out.append(t)
     return np.concatenate(out) if out else np.zeros(0, dtype=SCHED_DTYPE)

@@ -132,7 +132,11 @@ class Calls:
 TCP_RETRANS_DTYPE = np.dtype(
     [("host", "<i4"), ("pid", "<u4"), ("ts", "<i8"), ("local", "<i4"), ("remote", "<i4")]
 )
-SCHED_DTYPE = np.dtype([("host", "<i4"), ("pid", "<u4"), ("ts", "<i8"), ("delay", "<i8")])
+# holder: the process that held the CPU until the waiting thread got it (the
+# last one; 0 the idle task), dumpers.schema.PREV_PID_UNKNOWN if not recorded
+SCHED_DTYPE = np.dtype(
+    [("host", "<i4"), ("pid", "<u4"), ("ts", "<i8"), ("delay", "<i8"), ("holder", "<i8")]
+)
 
 
 @dataclass(frozen=True, slots=True)

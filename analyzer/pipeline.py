@@ -88,7 +88,7 @@ from .rankmetrics import (
     proc_hosts,
     retransmit_slowdowns,
     retransmits_in_windows,
-    sched_delay_per_proc,
+    sched_delays,
 )
 from .verdict import Verdict, VerdictKind
 
@@ -142,7 +142,7 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
         disagreements=tuple(disagreements(m)),
         arrivals=tuple(arrival_scores(inc, m)),
         retransmits=tuple(retransmits_in_windows(inc, m)),
-        sched_delay=sched_delay_per_proc(inc),
+        sched=sched_delays(inc),
         slowdowns=tuple(retransmit_slowdowns(inc, m)),
     )
     verdicts = [v for d in detectors for v in d(a)]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stallwatch.dumpers.schema import Op, State
+from stallwatch.dumpers.schema import PREV_PID_UNKNOWN, Op, State
 
 from .columns import Columns
 from .incident import Incident
@@ -756,20 +756,53 @@ def _within(points: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndar
     return (pos >= 0) & (e[np.clip(pos, 0, None)] >= points)
 
 
-def sched_delay_per_proc(inc: Incident) -> np.ndarray:
-    """Total run-queue delay (ns) recorded for each proc's threads."""
-    out = np.zeros(len(inc.procs), dtype=np.int64)
-    if not len(inc.sched):
+@dataclass(frozen=True, slots=True)
+class SchedDelays:
+    """Run-queue delay (ns) per proc, by who held the CPU when the wait ended
+    (the last holder only: a long wait may have had others before it)."""
+
+    outside: np.ndarray  # a process outside the job (or the idle task)
+    by_job: np.ndarray  # a rank of the same job on the same host
+    unknown: np.ndarray  # not recorded (dumps before format 5)
+
+    @property
+    def starving(self) -> np.ndarray:
+        """What counts as starvation: waits the job did not cause itself.
+        Unknown holders count, as they did before holders were recorded."""
+        total: np.ndarray = self.outside + self.unknown
+        return total
+
+
+def sched_delays(inc: Incident) -> SchedDelays:
+    """Each proc's recorded run-queue delay, split by the CPU's holder: ranks
+    sharing too few CPUs wait for each other, which is no interference (an
+    oversubscribed job with spinning waiters would call its slowest rank
+    starved)."""
+    n = len(inc.procs)
+    zero = np.zeros(n, dtype=np.int64)
+    if not len(inc.sched) or not n:
+        return SchedDelays(zero, zero.copy(), zero.copy())
+    procs = _host_pid_keys(np.array(proc_hosts(inc)), np.array([p.pid for p in inc.procs]))
+    order = np.argsort(procs)
+    rows = inc.sched
+    keys = _host_pid_keys(rows["host"], rows["pid"])
+    pos = np.minimum(np.searchsorted(procs[order], keys), n - 1)
+    owner = order[pos]  # the proc whose thread waited, where procs[owner] == keys
+    unknown = rows["holder"] == PREV_PID_UNKNOWN
+    by_job = ~unknown & np.isin(_host_pid_keys(rows["host"], rows["holder"]), procs)
+
+    def per_proc(sel: np.ndarray) -> np.ndarray:
+        sel = sel & (procs[owner] == keys)
+        out = np.zeros(n, dtype=np.int64)
+        np.add.at(out, owner[sel], rows["delay"][sel])
         return out
-    hosts = proc_hosts(inc)
-    index = {(hosts[i], p.pid): i for i, p in enumerate(inc.procs)}
-    keys = np.unique(inc.sched[["host", "pid"]])
-    for h, pid in keys.tolist():
-        i = index.get((int(h), int(pid)))
-        if i is not None:
-            sel = (inc.sched["host"] == h) & (inc.sched["pid"] == pid)
-            out[i] = int(inc.sched["delay"][sel].sum())
-    return out
+
+    return SchedDelays(per_proc(~unknown & ~by_job), per_proc(by_job), per_proc(unknown))
+
+
+def _host_pid_keys(hosts: np.ndarray, pids: np.ndarray) -> np.ndarray:
+    """One int64 per (host index, pid): pids stay below 2**32."""
+    return (hosts.astype(np.int64) << 32) | pids.astype(np.int64)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from ..rankmetrics import (
     Member,
     MemberState,
     P2pGap,
+    SchedDelays,
 )
 from ..verdict import Verdict
 
@@ -35,7 +36,7 @@ class Analysis:
     disagreements: tuple[Disagreement, ...]
     arrivals: tuple[ArrivalScore, ...]
     retransmits: tuple[HostRetransmits, ...]
-    sched_delay: np.ndarray  # per proc, ns
+    sched: SchedDelays  # run-queue delay per proc, by the CPU's holder
     slowdowns: tuple[CommSlowdown, ...] = ()
     p2p: tuple[P2pGap, ...] = ()
 

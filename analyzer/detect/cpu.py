@@ -16,8 +16,10 @@ SCHED_DOMINANCE = 3.0  # times an unaffected rank's run-queue delay
 
 def sched_heavy(a: Analysis) -> set[int]:
     """Procs whose threads waited in the run queue far more than an
-    unaffected rank (the lower quartile: a hog may starve several ranks)."""
-    d = a.sched_delay
+    unaffected rank (the lower quartile: a hog may starve several ranks).
+    Only waits the job did not cause count: a rank that waited for the
+    job's own ranks on its host is not starved by interference."""
+    d = a.sched.starving
     if not len(d):
         return set()
     typical = max(float(np.percentile(d, 25)), 1.0)

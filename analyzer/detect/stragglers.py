@@ -131,6 +131,21 @@ def _late_somewhere(a: Analysis, proc: int, heavy: set[int]) -> tuple[ArrivalSco
     return s, share
 
 
+def _starved_text(a: Analysis, proc: int) -> str:
+    """How long the rank waited in the run queue, and behind whom: the CPU's
+    last holder when each wait ended (unknown in dumps before format 5)."""
+    d = a.sched
+    outside, unknown, own = int(d.outside[proc]), int(d.unknown[proc]), int(d.by_job[proc])
+    behind = [f"{ms(outside)} behind processes outside the job"] if outside or not unknown else []
+    if unknown:
+        behind.append(f"{ms(unknown)} behind processes not recorded (a dump before format 5)")
+    text = f"its threads waited in the run queue {' and '.join(behind)}"
+    if own:
+        text += f" ({ms(own)} more behind the job's own ranks on its host, not counted)"
+    typical = float(np.percentile(d.starving, 25))
+    return f"{text}; an unaffected rank (lower quartile) waited {ms(typical)}"
+
+
 def _straggler_verdict(
     a: Analysis, s: ArrivalScore, kind: VerdictKind, starved_share: float | None = None
 ) -> Verdict:
@@ -159,11 +174,7 @@ def _straggler_verdict(
             "of them: ranks sharing a hogged CPU take turns at being last"
         )
     if kind is VerdictKind.CPU_INTERFERENCE:
-        typical = float(np.percentile(a.sched_delay, 25))
-        evidence.append(
-            f"its threads waited {ms(float(a.sched_delay[s.proc]))} in the run queue; "
-            f"an unaffected rank (lower quartile) waited {ms(typical)}"
-        )
+        evidence.append(_starved_text(a, s.proc))
         summary = f"{p.label()} is starved of CPU (run-queue delay) and its peers wait for it"
     else:
         summary = f"{p.label()} arrives last at collectives, {ms(s.margin_ns)} behind its peers"

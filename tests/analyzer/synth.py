@@ -28,6 +28,7 @@ from stallwatch.dumpers.model import (
 from stallwatch.dumpers.schema import (
     EXIT_EVENT,
     NCCL_EVENT,
+    PREV_PID_UNKNOWN,
     SCHED_EVENT,
     TCP_EVENT,
     DataType,
@@ -63,6 +64,10 @@ class Job:
     loss_node: int | None = None
     cpuhog: int | None = None  # rank
     hog_shared: int | None = None  # a rank sharing the hogged CPU: starved alike
+    # who held the CPU when each wait ended: "outside" (a hog, HOG_PID),
+    # "job" (another rank of the node: too few CPUs for the job), "unknown"
+    # (a dump before format 5)
+    held_by: str = "outside"
     skew_ns: dict[int, int] = field(default_factory=dict)  # node -> offset
     wrap: dict[int, int] = field(default_factory=dict)  # node -> rows dropped (oldest)
     split: bool = False
@@ -74,6 +79,9 @@ class Job:
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
+
+
+HOG_PID = 4242  # no rank's
 
 
 def pid_of(rank: int) -> int:
@@ -284,9 +292,12 @@ def _sched(job: Job, k: int, windows: list[Window], skew: int) -> np.ndarray:
     for r in ranks:
         starved = r in (job.cpuhog, job.hog_shared)
         n, delay = (40, 12 * MS) if starved else (2, int(0.2 * MS))
+        neighbour = pid_of(ranks[(ranks.index(r) + 1) % len(ranks)])
+        holder = {"outside": HOG_PID, "job": neighbour, "unknown": PREV_PID_UNKNOWN}[job.held_by]
         for i in range(min(n, len(windows))):
             x = np.zeros(1, dtype=SCHED_EVENT)[0]
             x["pid"], x["tid"], x["delay_ns"] = pid_of(r), pid_of(r), delay
+            x["prev_pid"] = holder
             x["ts_ns"] = windows[i][0] + skew
             rows.append(x)
     return np.array(rows, dtype=SCHED_EVENT)

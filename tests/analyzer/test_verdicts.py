@@ -12,9 +12,10 @@ import pytest
 
 from stallwatch.analyzer.align import Source
 from stallwatch.analyzer.pipeline import analyze_incident, analyze_paths, group_incidents
+from stallwatch.analyzer.rankmetrics import sched_delays
 from stallwatch.analyzer.verdict import Verdict, VerdictKind
 from stallwatch.dumpers.model import Recording, Ring
-from stallwatch.dumpers.schema import TCP_EVENT, State, TcpEvent
+from stallwatch.dumpers.schema import PREV_PID_UNKNOWN, SCHED_EVENT, TCP_EVENT, State, TcpEvent
 from tests.analyzer.synth import MS, Job, _addr, host_of, pid_of, recordings, with_
 
 BASE = Job()
@@ -183,6 +184,50 @@ def test_cpuhog_is_cpu_interference() -> None:
     vs = verdicts(with_(BASE, cpuhog=2))
     assert kinds(vs) == [VerdictKind.CPU_INTERFERENCE]
     assert vs[0].ranks == (2,)
+
+
+def test_cpu_interference_says_how_long_outsiders_held_the_cpu() -> None:
+    (v,) = verdicts(with_(BASE, cpuhog=2))
+    # 40 waits of 12 ms, each ended by the hog
+    assert any("waited in the run queue 480.0 ms behind processes outside" in e for e in v.evidence)
+
+
+def test_run_queue_delay_behind_the_jobs_own_ranks_is_no_interference() -> None:
+    # As the lab's slow rank with spinning peers on two CPUs: it waits in the
+    # run queue as long as a hogged rank, but behind the job's own ranks on
+    # its host; that is the job's own oversubscription, and the rank is slow.
+    vs = verdicts(with_(BASE, cpuhog=2, held_by="job"))
+    assert kinds(vs) == [VerdictKind.COMPUTE_STRAGGLER], [v.summary for v in vs]
+    assert vs[0].ranks == (2,)
+
+
+def test_run_queue_delay_is_split_by_the_cpus_holder() -> None:
+    # rank 0 (node0) waits behind: rank 1 (node0: the job), itself (another
+    # thread), rank 2's pid (on node1 only: here an outsider), the idle task,
+    # an unknown holder
+    recs = recordings(BASE)
+    holders = [pid_of(1), pid_of(0), pid_of(2), 0, PREV_PID_UNKNOWN]
+    rows = np.zeros(len(holders), dtype=SCHED_EVENT)
+    rows["pid"] = rows["tid"] = pid_of(0)
+    rows["delay_ns"] = [1 * MS, 2 * MS, 4 * MS, 8 * MS, 16 * MS]
+    rows["prev_pid"] = holders
+    node0 = dataclasses.replace(recs[0], rings={**recs[0].rings, "sched": Ring(rows)})
+    (inc,) = group_incidents([Source(f"dump-{r.host}.msgpack", r) for r in [node0, recs[1]]])
+    d = sched_delays(inc)
+    (rank0,) = [i for i, p in enumerate(inc.procs) if p.pid == pid_of(0)]
+    assert (int(d.by_job[rank0]), int(d.outside[rank0]), int(d.unknown[rank0])) == (
+        3 * MS,
+        12 * MS,
+        16 * MS,
+    )
+    assert int(d.starving[rank0]) == 28 * MS
+
+
+def test_run_queue_delay_with_its_cpu_holder_unknown_counts_as_before() -> None:
+    # dumps before format 5 do not say who held the CPU: starved as ever
+    (v,) = verdicts(with_(BASE, cpuhog=2, held_by="unknown"))
+    assert v.kind is VerdictKind.CPU_INTERFERENCE and v.ranks == (2,)
+    assert any("480.0 ms behind processes not recorded" in e for e in v.evidence), v.evidence
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -148,7 +148,17 @@ def incident_from_recordings(
         late=report,
         wall_offset=tuple(clocks.get(h, (None, None))[0] for h in hosts),
         captured=tuple(clocks.get(h, (None, None))[1] for h in hosts),
+        machines=_machines(sources, hosts),
     )
+
+
+def _machines(sources: list[Source], hosts: tuple[str, ...]) -> tuple[int, ...]:
+    """Per host, the first host recorded on the same running kernel: one boot
+    id is one machine, whatever names its agents gave it.  A host without a
+    boot id is a machine of its own."""
+    boots = {s.recording.host: s.recording.boot_id for s in sources if s.recording.boot_id}
+    first: dict[str, int] = {}
+    return tuple(first.setdefault(boots.get(h) or f"host {h}", i) for i, h in enumerate(hosts))
 
 
 def _clocks(sources: list[Source]) -> dict[str, tuple[int, int]]:

@@ -180,6 +180,10 @@ class Incident:
     # per host: when its dump read the rings (wall clock), None where no
     # input says (Flight Recorder: its latest entry bounds it from below)
     captured: tuple[int | None, ...] = ()
+    # per host: the first host whose dumps came from the same running kernel
+    # (one boot id): hosts that share CPUs and pids (the lab's nodes on one
+    # machine); () where every host is its own
+    machines: tuple[int, ...] = ()
 
     def to_wall(self, host: int) -> int | None:
         """The offset of a host's timestamps to wall clock, None if unknown."""

@@ -762,7 +762,7 @@ class SchedDelays:
     (the last holder only: a long wait may have had others before it)."""
 
     outside: np.ndarray  # a process outside the job (or the idle task)
-    by_job: np.ndarray  # a rank of the same job on the same host
+    by_job: np.ndarray  # a rank of the same job on the same machine
     unknown: np.ndarray  # not recorded (dumps before format 5)
 
     @property
@@ -782,14 +782,19 @@ def sched_delays(inc: Incident) -> SchedDelays:
     zero = np.zeros(n, dtype=np.int64)
     if not len(inc.sched) or not n:
         return SchedDelays(zero, zero.copy(), zero.copy())
-    procs = _host_pid_keys(np.array(proc_hosts(inc)), np.array([p.pid for p in inc.procs]))
+    hosts, pids = np.array(proc_hosts(inc)), np.array([p.pid for p in inc.procs])
+    procs = _host_pid_keys(hosts, pids)
     order = np.argsort(procs)
     rows = inc.sched
     keys = _host_pid_keys(rows["host"], rows["pid"])
     pos = np.minimum(np.searchsorted(procs[order], keys), n - 1)
     owner = order[pos]  # the proc whose thread waited, where procs[owner] == keys
     unknown = rows["holder"] == PREV_PID_UNKNOWN
-    by_job = ~unknown & np.isin(_host_pid_keys(rows["host"], rows["holder"]), procs)
+    # a holder is one of the job's ranks when it runs on the waiter's machine
+    # (hosts of one kernel share CPUs and pids: the lab's nodes)
+    machine = np.array(inc.machines or range(len(inc.hosts)), dtype=np.int64)
+    ranks = _host_pid_keys(machine[hosts], pids)
+    by_job = ~unknown & np.isin(_host_pid_keys(machine[rows["host"]], rows["holder"]), ranks)
 
     def per_proc(sel: np.ndarray) -> np.ndarray:
         sel = sel & (procs[owner] == keys)
@@ -801,7 +806,7 @@ def sched_delays(inc: Incident) -> SchedDelays:
 
 
 def _host_pid_keys(hosts: np.ndarray, pids: np.ndarray) -> np.ndarray:
-    """One int64 per (host index, pid): pids stay below 2**32."""
+    """One int64 per (host or machine index, pid): pids stay below 2**32."""
     return (hosts.astype(np.int64) << 32) | pids.astype(np.int64)
 
 

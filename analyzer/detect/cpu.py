@@ -18,7 +18,7 @@ def sched_heavy(a: Analysis) -> set[int]:
     """Procs whose threads waited in the run queue far more than an
     unaffected rank (the lower quartile: a hog may starve several ranks).
     Only waits the job did not cause count: a rank that waited for the
-    job's own ranks on its host is not starved by interference."""
+    job's own ranks on its machine is not starved by interference."""
     d = a.sched.starving
     if not len(d):
         return set()

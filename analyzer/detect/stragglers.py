@@ -141,7 +141,7 @@ def _starved_text(a: Analysis, proc: int) -> str:
         behind.append(f"{ms(unknown)} behind processes not recorded (a dump before format 5)")
     text = f"its threads waited in the run queue {' and '.join(behind)}"
     if own:
-        text += f" ({ms(own)} more behind the job's own ranks on its host, not counted)"
+        text += f" ({ms(own)} more behind the job's own ranks on its machine, not counted)"
     typical = float(np.percentile(d.starving, 25))
     return f"{text}; an unaffected rank (lower quartile) waited {ms(typical)}"
 

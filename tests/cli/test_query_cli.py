@@ -197,6 +197,7 @@ def served(dump_dir: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
     assert code == 0
 
 
+@pytest.mark.solo  # bounded by time: judged alone
 def test_serve_then_query_agents(run: Run, served: tuple[str, str], dump_dir: Path) -> None:
     address, token_file = served
     code, out, err = run(

@@ -200,6 +200,7 @@ def test_unit_supervises_the_agent_and_keeps_its_recording_pinned(unit: Unit) ->
     assert cleanup.get("Service", "Type") == "oneshot"
 
 
+@pytest.mark.solo  # bounded by time: judged alone
 @pytest.mark.bpf
 def test_cleanup_units_command_removes_the_pins_without_capabilities(tmp_path: Path) -> None:
     """The cleanup unit runs as root with no capability at all: unpinning is
@@ -468,6 +469,7 @@ def agent_from_unit(unit: Unit, libnccl: Path, tmp_path: Path) -> Iterator[Runni
         pins.remove(pinned)
 
 
+@pytest.mark.solo  # bounded by time: judged alone
 @pytest.mark.bpf
 @pytest.mark.slow
 @pytest.mark.realnccl

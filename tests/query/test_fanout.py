@@ -189,6 +189,7 @@ class _Slow:
         return ""
 
 
+@pytest.mark.solo  # bounded by time: judged alone
 def test_a_slow_agent_times_out_and_the_rest_answer(
     agents: list[str], recordings: list[Recording]
 ) -> None:
@@ -206,6 +207,7 @@ def test_a_slow_agent_times_out_and_the_rest_answer(
         slow.close()
 
 
+@pytest.mark.solo  # bounded by time: judged alone
 def test_concurrency_is_bounded_and_each_agent_has_its_own_time(
     recordings: list[Recording],
 ) -> None:
@@ -321,6 +323,7 @@ def test_parse_agent() -> None:
         query_agents(["node1:9400"], "SELECT 1", concurrency=0)
 
 
+@pytest.mark.solo  # bounded by time: judged alone
 def test_fanout_is_fast_on_loopback(agents: list[str]) -> None:
     query_agents(agents, SEED_QUERY)
     times = []

@@ -123,6 +123,7 @@ def guarded(agent: FakeAgent) -> Iterator[ServerHandle]:
     handle.close()
 
 
+@pytest.mark.solo  # bounded by time: judged alone
 def test_query_answers_with_host_columns_types_rows(server: ServerHandle) -> None:
     status, doc = query(server.address, SEED_QUERY)
     assert status == 200, doc

@@ -308,6 +308,7 @@ def test_zoned_timestamps_come_back_as_text() -> None:
     assert isinstance(now, str) and now.startswith("2026-01-02 03:04:05")
 
 
+@pytest.mark.solo  # bounded by time: judged alone
 def test_live_source_is_snapshotted_and_cached_briefly() -> None:
     calls = []
     recs = [synthetic_recording(Synthetic(steps=s)) for s in (10, 20)]

@@ -297,6 +297,7 @@ def _reset(sock: socket.socket) -> None:
     sock.close()
 
 
+@pytest.mark.solo  # bounded by time: judged alone
 @pytest.mark.parametrize("with_tls", [False, True])
 def test_a_client_that_goes_away_is_one_line_not_a_traceback(
     certs: Certs,

@@ -57,6 +57,7 @@ def test_print_bpf_shows_every_probe_family(capsys: pytest.CaptureFixture[str]) 
         assert name in out
 
 
+@pytest.mark.solo  # bounded by time: judged alone
 @pytest.mark.bpf
 def test_record_serves_dumps_stops_within_seconds_and_cleanup_unpins(tmp_path: Path) -> None:
     from bench.fakenccl import build

@@ -53,6 +53,7 @@ directory fsynced.  No partial file is ever visible under the final name.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
@@ -110,6 +111,16 @@ def _descr(dtype: np.dtype) -> list[object]:
 
 
 _EXPECTED_DESCR = {name: _descr(dt) for name, dt in RING_DTYPES.items()}
+
+
+@functools.cache
+def _expected_descr(name: str, version: int) -> list[object]:
+    """What a dump of ``version`` says ring ``name``'s dtype is (made once:
+    building a descr is most of the check of a small ring; compare, never
+    mutate, the list)."""
+    return _descr(ring_dtype(name, version))
+
+
 V1_COMPLETED = 2  # version 1's number for the completed state
 
 
@@ -776,7 +787,7 @@ def _read_ring(name: str, obj: object, c: _Checker, version: int) -> Ring | _Def
         c.fail(path, f"unknown ring (this reader knows {', '.join(RING_DTYPES)})")
     dtype = ring_dtype(name, version)
     r = c.map(obj, path, _RING_KEYS)
-    if r["dtype"] != _descr(dtype):
+    if r["dtype"] != _expected_descr(name, version):
         c.fail(
             f"{path}.dtype",
             f"does not match this reader's schema for that ring (version {version})",

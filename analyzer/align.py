@@ -24,7 +24,7 @@ from stallwatch.dumpers import addresses, ranks
 from stallwatch.dumpers.errors import DumpError
 from stallwatch.dumpers.format import DeferredRing
 from stallwatch.dumpers.model import CommInfo, Recording, Ring, TriggerKind
-from stallwatch.dumpers.schema import NCCL_EVENT, ExitEvent, Op, TcpEvent, captured_rows
+from stallwatch.dumpers.schema import NCCL_EVENT, TCP_EVENT, ExitEvent, Op, TcpEvent, captured_rows
 
 from . import late
 from .columns import Columns
@@ -608,65 +608,107 @@ def _addr_keys(addrs: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(addrs).view("V16").ravel()
 
 
-def _own_address(rec: Recording) -> bytes | None:
-    """The host's address: the commonest non-loopback source address of
-    connections its ranks own (the owner attribution is not perfect)."""
-    ring = rec.rings.get("tcp")
-    if ring is None or not len(ring.rows):
-        return None
-    ranks = np.array(sorted({c.pid for c in rec.communicators}), dtype=np.uint32)
-    rows = ring.rows[np.isin(ring.rows["pid"], ranks)]
-    rows = rows[~addresses.is_loopback(rows["saddr"], rows["family"])]
-    if not len(rows):
-        return None
-    keys, counts = np.unique(_addr_keys(rows["saddr"]), return_counts=True)
-    return bytes(keys[int(np.argmax(counts))].tobytes())
+def _tcp_rows(sources: list[Source]) -> tuple[np.ndarray, np.ndarray]:
+    """Every source's TCP rows as one table, and the source (index into
+    ``sources``) of each row: one pass of numpy over all of them, however
+    many hosts, where a pass per host cost more in calls than in rows."""
+    parts, owners = [], []
+    for i, s in enumerate(sources):
+        ring = s.recording.rings.get("tcp")
+        if ring is not None and len(ring.rows):
+            parts.append(ring.rows if ring.rows.dtype == TCP_EVENT else ring.rows.astype(TCP_EVENT))
+            owners.append(np.full(len(ring.rows), i, dtype=np.int64))
+    if not parts:
+        return np.zeros(0, dtype=TCP_EVENT), np.zeros(0, dtype=np.int64)
+    return np.concatenate(parts), np.concatenate(owners)
+
+
+def _own_addresses(
+    sources: list[Source], rows: np.ndarray, source: np.ndarray
+) -> list[bytes | None]:
+    """Per source, the host's address: the commonest non-loopback source
+    address of connections its ranks own (the owner attribution is not
+    perfect); of equally common ones, the lowest (bytewise)."""
+    out: list[bytes | None] = [None] * len(sources)
+    ranks = [(i << 32) | c.pid for i, s in enumerate(sources) for c in s.recording.communicators]
+    if not len(rows) or not ranks:
+        return out
+    keys = (source.astype(np.uint64) << np.uint64(32)) | rows["pid"].astype(np.uint64)
+    own = np.isin(keys, np.array(ranks, dtype=np.uint64))
+    own &= ~addresses.is_loopback(rows["saddr"], rows["family"])
+    if not own.any():
+        return out
+    addrs, addr_of = np.unique(_addr_keys(rows["saddr"][own]), return_inverse=True)
+    pairs, counts = np.unique(source[own] * len(addrs) + addr_of.ravel(), return_counts=True)
+    src, addr = np.divmod(pairs, len(addrs))
+    # per source: the highest count first, then the lowest address (sorted: addr)
+    order = np.lexsort((addr, -counts, src))
+    first = order[np.r_[True, src[order][1:] != src[order][:-1]]]
+    for i, a in zip(src[first].tolist(), addr[first].tolist(), strict=True):
+        out[i] = bytes(addrs[a].tobytes())
+    return out
 
 
 def _retransmits(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
     """Retransmits on connections between two hosts' own addresses (the
     nodes of rank processes): never loopback, never both ends on one host.
-    Duplicates of one event seen by two agents are counted once."""
+    Duplicates of one event seen by two agents are counted once (the first,
+    in the order of ``sources``)."""
+    rows, source = _tcp_rows(sources)
+    host_of = {h: i for i, h in enumerate(hosts)}
     owner: dict[bytes, int] = {}
-    for s in sources:
-        addr = _own_address(s.recording)
+    for s, addr in zip(sources, _own_addresses(sources, rows, source), strict=True):
         if addr is not None:
-            owner.setdefault(addr, hosts.index(s.recording.host))
-    seen: set[tuple[bytes, int, bytes, int, int]] = set()
-    out = []
-    for s in sources:
-        ring = s.recording.rings.get("tcp")
-        if ring is None or not len(ring.rows):
-            continue
-        rows = ring.rows[ring.rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB]
-        fam = rows["family"]
-        loop = addresses.is_loopback(rows["saddr"], fam) | addresses.is_loopback(rows["daddr"], fam)
-        rows = rows[~loop]
-        h = hosts.index(s.recording.host)
-        src, dst = _addr_keys(rows["saddr"]).tolist(), _addr_keys(rows["daddr"]).tolist()
-        # the columns as Python ints once: a field view per row and column
-        # was most of the analysis of an incident of a thousand hosts
-        sport, dport = rows["sport"].tolist(), rows["dport"].tolist()
-        ts, pid = rows["ts_ns"].tolist(), rows["pid"].tolist()
-        for i in range(len(rows)):
-            a, b = bytes(src[i]), bytes(dst[i])
-            local, remote = owner.get(a, -1), owner.get(b, -1)
-            key = (a, sport[i], b, dport[i], ts[i])
-            if local < 0 or remote < 0 or local == remote or key in seen:
-                continue
-            seen.add(key)
-            out.append((h, pid[i], ts[i], local, remote))
-    return np.array(out, dtype=TCP_RETRANS_DTYPE) if out else np.zeros(0, TCP_RETRANS_DTYPE)
+            owner.setdefault(addr, host_of[s.recording.host])
+    keep = rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB
+    fam = rows["family"]
+    keep &= ~addresses.is_loopback(rows["saddr"], fam) & ~addresses.is_loopback(rows["daddr"], fam)
+    rows, source = rows[keep], source[keep]
+    local, remote = _owner_of(rows["saddr"], owner), _owner_of(rows["daddr"], owner)
+    keep = (local >= 0) & (remote >= 0) & (local != remote)
+    rows, source, local, remote = rows[keep], source[keep], local[keep], remote[keep]
+    first = np.sort(np.unique(_event_keys(rows), return_index=True)[1])
+    out = np.zeros(len(first), dtype=TCP_RETRANS_DTYPE)
+    host = np.array([host_of[s.recording.host] for s in sources], dtype=np.int64)
+    out["host"] = host[source[first]]
+    out["pid"], out["ts"] = rows["pid"][first], rows["ts_ns"][first]
+    out["local"], out["remote"] = local[first], remote[first]
+    return out
+
+
+def _owner_of(addrs: np.ndarray, owner: dict[bytes, int]) -> np.ndarray:
+    """The host each address is the own address of, -1 for none."""
+    if not len(addrs):
+        return np.zeros(0, dtype=np.int64)
+    distinct, which = np.unique(_addr_keys(addrs), return_inverse=True)
+    hosts = np.array([owner.get(bytes(a.tobytes()), -1) for a in distinct], dtype=np.int64)
+    out: np.ndarray = hosts[which.ravel()]
+    return out
+
+
+_EVENT_KEY = np.dtype(
+    [("saddr", "V16"), ("sport", "<u2"), ("daddr", "V16"), ("dport", "<u2"), ("ts", "<u8")]
+)
+
+
+def _event_keys(rows: np.ndarray) -> np.ndarray:
+    """One retransmit as both agents of a connection record it: its ends and
+    its time, as one bytes-comparable value per row."""
+    keys = np.empty(len(rows), dtype=_EVENT_KEY)
+    keys["saddr"], keys["daddr"] = _addr_keys(rows["saddr"]), _addr_keys(rows["daddr"])
+    keys["sport"], keys["dport"], keys["ts"] = rows["sport"], rows["dport"], rows["ts_ns"]
+    return keys.view(f"V{_EVENT_KEY.itemsize}")
 
 
 def _sched(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
+    host_of = {h: i for i, h in enumerate(hosts)}
     out = []
     for s in sources:
         ring = s.recording.rings.get("sched")
         if ring is None or not len(ring.rows):
             continue
         t = np.empty(len(ring.rows), dtype=SCHED_DTYPE)
-        t["host"] = hosts.index(s.recording.host)
+        t["host"] = host_of[s.recording.host]
         t["pid"] = ring.rows["pid"]
         t["ts"] = ring.rows["ts_ns"].astype(np.int64)
         t["delay"] = ring.rows["delay_ns"].astype(np.int64)

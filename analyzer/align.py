@@ -364,11 +364,7 @@ def _extract(
     index, rank, comm_hash = stage["proc"][dst], stage["crank"][dst], stage["hash"][dst]
     unknown = comm_hash == 0
     if unknown.any():  # fill from the process's comm table by pointer
-        ptr = {(c.pid, c.comm): c.comm_hash for c in rec.communicators}
-        pid = scope[index[unknown]].tolist()
-        comm_hash[unknown] = [
-            ptr.get(k, 0) for k in zip(pid, raw["comm"][sel][unknown].tolist(), strict=True)
-        ]
+        comm_hash[unknown] = _hash_by_pointer(rec, scope[index[unknown]], raw["comm"][sel][unknown])
     used = np.bincount(index, minlength=len(scope)) > 0
     comm_pids = {c.pid for c in rec.communicators}
     used &= np.array([p not in comm_pids for p in scope.tolist()], dtype=bool)
@@ -388,6 +384,21 @@ def _extract(
     latest = int(max(stage["ts"][dst].max(), stage["end"][dst].max())) if n else None
     pids = tuple(int(p) for p in scope[used])
     return _Extract(s, dst, complete, latest, scope, pids, members)
+
+
+_POINTER = np.dtype([("pid", "<u8"), ("comm", "<u8")])
+
+
+def _hash_by_pointer(rec: Recording, pids: np.ndarray, comms: np.ndarray) -> np.ndarray:
+    """The comm hash of each (pid, comm pointer) in the process's comm table
+    (0 when it is not there), looked up once per distinct pair, not per row."""
+    ptr = {(c.pid, c.comm): c.comm_hash for c in rec.communicators}
+    pairs = np.empty(len(pids), dtype=_POINTER)
+    pairs["pid"], pairs["comm"] = pids, comms
+    distinct, which = np.unique(pairs.view("V16"), return_inverse=True)
+    found = [ptr.get(pair, 0) for pair in distinct.view(_POINTER).tolist()]
+    out: np.ndarray = np.array(found, dtype=np.uint64)[which.ravel()]
+    return out
 
 
 def _device_timeline(raw: np.ndarray, keep: np.ndarray) -> dict[str, np.ndarray]:
@@ -620,7 +631,16 @@ def _tcp_rows(sources: list[Source]) -> tuple[np.ndarray, np.ndarray]:
             owners.append(np.full(len(ring.rows), i, dtype=np.int64))
     if not parts:
         return np.zeros(0, dtype=TCP_EVENT), np.zeros(0, dtype=np.int64)
-    return np.concatenate(parts), np.concatenate(owners)
+    return _concat_rows(parts, TCP_EVENT), np.concatenate(owners)
+
+
+def _concat_rows(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
+    """Arrays of one structured ``dtype`` joined.  As records of raw bytes:
+    numpy promotes structured dtypes pair by pair in Python, which costs
+    more than the copy when there are a thousand small parts."""
+    raw = np.dtype((np.void, dtype.itemsize))
+    out: np.ndarray = np.concatenate([p.view(raw) for p in parts]).view(dtype)
+    return out
 
 
 def _own_addresses(
@@ -714,4 +734,4 @@ def _sched(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
         t["delay"] = ring.rows["delay_ns"].astype(np.int64)
         t["holder"] = ring.rows["prev_pid"].astype(np.int64)
         out.append(t)
-    return np.concatenate(out) if out else np.zeros(0, dtype=SCHED_DTYPE)
+    return _concat_rows(out, SCHED_DTYPE) if out else np.zeros(0, dtype=SCHED_DTYPE)

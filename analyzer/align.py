@@ -15,7 +15,7 @@ in which files were given.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -619,19 +619,28 @@ def _addr_keys(addrs: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(addrs).view("V16").ravel()
 
 
-def _tcp_rows(sources: list[Source]) -> tuple[np.ndarray, np.ndarray]:
-    """Every source's TCP rows as one table, and the source (index into
-    ``sources``) of each row: one pass of numpy over all of them, however
-    many hosts, where a pass per host cost more in calls than in rows."""
-    parts, owners = [], []
+# TCP rows joined at once (about 90 MB): a pass of numpy over many hosts'
+# rows, not a copy of every ring of an incident of thousands of hosts
+TCP_CHUNK_ROWS = 1 << 20
+
+
+def _tcp_chunks(sources: list[Source]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The sources' TCP rows, in their order, as tables of consecutive
+    sources' rows (about TCP_CHUNK_ROWS each), with the source (index into
+    ``sources``) of each row: numpy passes over many hosts at once, where a
+    pass per host cost more in calls than in rows."""
+    parts: list[np.ndarray] = []
+    owners: list[np.ndarray] = []
+    held = 0
     for i, s in enumerate(sources):
         ring = s.recording.rings.get("tcp")
         if ring is not None and len(ring.rows):
             parts.append(ring.rows if ring.rows.dtype == TCP_EVENT else ring.rows.astype(TCP_EVENT))
             owners.append(np.full(len(ring.rows), i, dtype=np.int64))
-    if not parts:
-        return np.zeros(0, dtype=TCP_EVENT), np.zeros(0, dtype=np.int64)
-    return _concat_rows(parts, TCP_EVENT), np.concatenate(owners)
+            held += len(ring.rows)
+        if held >= TCP_CHUNK_ROWS or (parts and i == len(sources) - 1):
+            yield _concat_rows(parts, TCP_EVENT), np.concatenate(owners)
+            parts, owners, held = [], [], 0
 
 
 def _concat_rows(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
@@ -643,15 +652,15 @@ def _concat_rows(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
     return out
 
 
-def _own_addresses(
-    sources: list[Source], rows: np.ndarray, source: np.ndarray
-) -> list[bytes | None]:
-    """Per source, the host's address: the commonest non-loopback source
-    address of connections its ranks own (the owner attribution is not
-    perfect); of equally common ones, the lowest (bytewise)."""
-    out: list[bytes | None] = [None] * len(sources)
-    ranks = [(i << 32) | c.pid for i, s in enumerate(sources) for c in s.recording.communicators]
-    if not len(rows) or not ranks:
+def _own_addresses(sources: list[Source], rows: np.ndarray, source: np.ndarray) -> dict[int, bytes]:
+    """Per source of ``rows`` (consecutive sources' TCP rows), the host's
+    address: the commonest non-loopback source address of connections its
+    ranks own (the owner attribution is not perfect); of equally common
+    ones, the lowest (bytewise)."""
+    out: dict[int, bytes] = {}
+    run = range(int(source[0]), int(source[-1]) + 1) if len(source) else range(0)
+    ranks = [(i << 32) | c.pid for i in run for c in sources[i].recording.communicators]
+    if not ranks:
         return out
     keys = (source.astype(np.uint64) << np.uint64(32)) | rows["pid"].astype(np.uint64)
     own = np.isin(keys, np.array(ranks, dtype=np.uint64))
@@ -674,19 +683,18 @@ def _retransmits(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
     nodes of rank processes): never loopback, never both ends on one host.
     Duplicates of one event seen by two agents are counted once (the first,
     in the order of ``sources``)."""
-    rows, source = _tcp_rows(sources)
     host_of = {h: i for i, h in enumerate(hosts)}
+    own: dict[int, bytes] = {}
+    for rows, source in _tcp_chunks(sources):
+        own.update(_own_addresses(sources, rows, source))
     owner: dict[bytes, int] = {}
-    for s, addr in zip(sources, _own_addresses(sources, rows, source), strict=True):
-        if addr is not None:
-            owner.setdefault(addr, host_of[s.recording.host])
-    keep = rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB
-    fam = rows["family"]
-    keep &= ~addresses.is_loopback(rows["saddr"], fam) & ~addresses.is_loopback(rows["daddr"], fam)
-    rows, source = rows[keep], source[keep]
-    local, remote = _owner_of(rows["saddr"], owner), _owner_of(rows["daddr"], owner)
-    keep = (local >= 0) & (remote >= 0) & (local != remote)
-    rows, source, local, remote = rows[keep], source[keep], local[keep], remote[keep]
+    for i in sorted(own):
+        owner.setdefault(own[i], host_of[sources[i].recording.host])
+    found = [_between_hosts(rows, source, owner) for rows, source in _tcp_chunks(sources)]
+    if not found:
+        return np.zeros(0, dtype=TCP_RETRANS_DTYPE)
+    rows = _concat_rows([f[0] for f in found], TCP_EVENT)
+    source, local, remote = (np.concatenate([f[k] for f in found]) for k in (1, 2, 3))
     first = np.sort(np.unique(_event_keys(rows), return_index=True)[1])
     out = np.zeros(len(first), dtype=TCP_RETRANS_DTYPE)
     host = np.array([host_of[s.recording.host] for s in sources], dtype=np.int64)
@@ -694,6 +702,21 @@ def _retransmits(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
     out["pid"], out["ts"] = rows["pid"][first], rows["ts_ns"][first]
     out["local"], out["remote"] = local[first], remote[first]
     return out
+
+
+def _between_hosts(
+    rows: np.ndarray, source: np.ndarray, owner: dict[bytes, int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Of TCP rows, the retransmits from one host's own address to
+    another's, with their sources and both hosts."""
+    keep = rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB
+    rows, source = rows[keep], source[keep]
+    fam = rows["family"]
+    keep = ~addresses.is_loopback(rows["saddr"], fam) & ~addresses.is_loopback(rows["daddr"], fam)
+    rows, source = rows[keep], source[keep]
+    local, remote = _owner_of(rows["saddr"], owner), _owner_of(rows["daddr"], owner)
+    keep = (local >= 0) & (remote >= 0) & (local != remote)
+    return rows[keep], source[keep], local[keep], remote[keep]
 
 
 def _owner_of(addrs: np.ndarray, owner: dict[bytes, int]) -> np.ndarray:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import ipaddress
 
 import numpy as np
+import pytest
 
+from stallwatch.analyzer import align
 from stallwatch.analyzer.align import Source, _retransmits
 from stallwatch.dumpers.addresses import AF_INET, AF_INET6, pack
 from stallwatch.dumpers.model import Clock, CommInfo, Recording, Ring
@@ -40,7 +42,12 @@ def _count(sources: list[Source]) -> list[tuple[int, ...]]:
     return [tuple(r) for r in _retransmits(sources, hosts).tolist()]
 
 
-def test_one_event_seen_by_both_ends_counts_once_for_the_first_dump() -> None:
+@pytest.mark.parametrize("chunk", [1, align.TCP_CHUNK_ROWS])
+def test_one_event_seen_by_both_ends_counts_once_for_the_first_dump(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the dumps' rows joined one dump at a time, or all at once
+    monkeypatch.setattr(align, "TCP_CHUNK_ROWS", chunk)
     a = _source("a", [_row("10.0.0.1", "10.0.0.2", 5), _row("10.0.0.1", "10.0.0.2", 9)])
     b = _source(
         "b",

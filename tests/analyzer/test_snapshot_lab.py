@@ -101,7 +101,10 @@ def _judged_right(o: Outcome) -> list[str]:
 
 @pytest.mark.lab
 @pytest.mark.slow
+@pytest.mark.solo  # thread readings of a running job: beside other lab jobs a reading can miss
 def test_snapshots_of_a_job_hung_before_any_agent_name_the_hung_rank(tmp_path: Path) -> None:
+    """At least 9 of 10 seeds exactly right, and in none is a waiting rank
+    blamed (a seed short of right is inconclusive, never wrong)."""
     outcomes = []
     for seed in SEEDS:
         rng = random.Random(seed)
@@ -111,7 +114,15 @@ def test_snapshots_of_a_job_hung_before_any_agent_name_the_hung_rank(tmp_path: P
         outcomes.append(Outcome(seed, hung, lab, analysis))
     wrong = {o.seed: w for o in outcomes if (w := _judged_right(o))}
     assert len(wrong) <= 1, wrong  # the target: at least 9 of 10
-    assert wrong == {}, wrong  # and in fact every one, so far
+    blamed = {
+        o.seed: sorted(named - {o.hung, None})
+        for o in outcomes
+        for named in [
+            {r for i in o.analysis["incidents"] for v in i["verdicts"] for r in v["ranks"]}
+        ]
+        if named - {o.hung, None}
+    }
+    assert blamed == {}, blamed  # a waiting rank is never named
 
 
 @pytest.mark.lab

@@ -107,18 +107,25 @@ def test_encode_refuses_a_recording_that_breaks_the_model(tmp_path: Path) -> Non
 # ---------------------------------------------------------------- validation
 
 
+def _old_ring(doc: dict[str, object], rec: Recording, name: str, dtype: np.dtype) -> np.ndarray:
+    """Ring ``name`` of ``doc`` rewritten in an older ``dtype`` (the fields it
+    shares with today's copied, the others zero); returns its rows."""
+    rows = rec.rings[name].rows
+    old = np.zeros(len(rows), dtype)
+    for field in dtype.names or ():
+        if field in (rows.dtype.names or ()):
+            old[field] = rows[field]
+    ring = doc["rings"][name]  # type: ignore[index]
+    ring["dtype"] = fmt._descr(dtype)
+    ring["data"] = old.tobytes()
+    return old
+
+
 def _as_version_4(rec: Recording) -> dict[str, object]:
     """``rec``'s document as versions 1 to 4 wrote its sched rows: without
     ``prev_pid`` (``_pad1`` where it is now, zero)."""
     doc = _doc(rec)
-    rows = rec.rings["sched"].rows
-    old = np.zeros(len(rows), SCHED_EVENT_V4)
-    for name in SCHED_EVENT_V4.names or ():
-        if name in (rows.dtype.names or ()):
-            old[name] = rows[name]
-    ring = doc["rings"]["sched"]  # type: ignore[index]
-    ring["dtype"] = fmt._descr(SCHED_EVENT_V4)
-    ring["data"] = old.tobytes()
+    _old_ring(doc, rec, "sched", SCHED_EVENT_V4)
     return doc
 
 
@@ -128,15 +135,9 @@ def _as_version_1(rec: Recording) -> bytes:
     doc = _as_version_4(rec)
     doc["version"] = 1
     del doc["snapshots"]  # version 3's
-    rows = rec.rings["nccl"].rows
-    old = np.zeros(len(rows), NCCL_EVENT_V1)
-    for name in NCCL_EVENT_V1.names or ():
-        if name in (rows.dtype.names or ()):  # _pad1: graph_node since version 4
-            old[name] = rows[name]
-    old["state"][rows["state"] == State.COMPLETED] = 2
-    ring = doc["rings"]["nccl"]  # type: ignore[index]
-    ring["dtype"] = fmt._descr(NCCL_EVENT_V1)
-    ring["data"] = old.tobytes()
+    old = _old_ring(doc, rec, "nccl", NCCL_EVENT_V1)  # _pad1: graph_node since version 4
+    old["state"][rec.rings["nccl"].rows["state"] == State.COMPLETED] = 2
+    doc["rings"]["nccl"]["data"] = old.tobytes()  # type: ignore[index]
     return msgpack.packb(doc, use_bin_type=True)  # type: ignore[no-any-return]
 
 
@@ -144,14 +145,7 @@ def _as_version_3(rec: Recording) -> dict[str, object]:
     """``rec``'s document as versions 2 and 3 wrote it: NCCL rows without the
     graph columns (``_pad1`` where ``graph_node`` is now)."""
     doc = _as_version_4(rec)
-    rows = rec.rings["nccl"].rows
-    old = np.zeros(len(rows), NCCL_EVENT_V3)
-    for name in NCCL_EVENT_V3.names or ():
-        if name in (rows.dtype.names or ()):
-            old[name] = rows[name]
-    ring = doc["rings"]["nccl"]  # type: ignore[index]
-    ring["dtype"] = fmt._descr(NCCL_EVENT_V3)
-    ring["data"] = old.tobytes()
+    _old_ring(doc, rec, "nccl", NCCL_EVENT_V3)
     return doc
 
 

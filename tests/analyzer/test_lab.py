@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = "12"
 LOSS = "loss:node=2,pct=8"
 
-pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.solo]
+pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
 RUNS: dict[str, list[str]] = {
     "healthy": ["--nodes", "2", "--dump-at-end"],
@@ -113,6 +113,7 @@ def analyze_cli(folder: Path) -> tuple[int, dict[str, object]]:
     return done.returncode, json.loads(done.stdout)
 
 
+@pytest.mark.solo  # judges timing (lateness, CPU, retransmits): runs alone
 @pytest.mark.parametrize("name", ["healthy", "healthy-async"])
 def test_healthy_run_dumped_at_end_is_healthy_only(
     recorded: Callable[[str], Recorded], name: str
@@ -179,6 +180,7 @@ STRAGGLERS = [
 ]
 
 
+@pytest.mark.solo  # judges timing (lateness, CPU, retransmits): runs alone
 @pytest.mark.parametrize(("name", "kind", "rank"), STRAGGLERS, ids=[s[0] for s in STRAGGLERS])
 def test_straggler_is_named_and_nothing_is_missing(
     recorded: Callable[[str], Recorded], name: str, kind: VerdictKind, rank: int
@@ -191,6 +193,7 @@ def test_straggler_is_named_and_nothing_is_missing(
     assert not kinds & {VerdictKind.MISSING_RANK, VerdictKind.NETWORK_STRAGGLER}, run.texts()
 
 
+@pytest.mark.solo  # judges timing (lateness, CPU, retransmits): runs alone
 def test_loss_names_the_lossy_host_only(recorded: Callable[[str], Recorded]) -> None:
     run = recorded("loss")
     net = [v for v in run.verdicts if v.kind is VerdictKind.NETWORK_STRAGGLER]

@@ -34,6 +34,7 @@ from stallwatch.dumpers import addresses
 from stallwatch.dumpers.readings import JOB_ID_ENV
 
 from . import discovery
+from .threadreader import job_env
 
 ADDRESS_REFRESH_S = 5.0
 HOST, NETNS = "host", "netns"
@@ -158,14 +159,5 @@ class Scope:
 
 def job_of(pid: int) -> str | None:
     """The launcher's job id in a process's environment (None: none, or gone)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    env = dict(item.partition(b"=")[::2] for item in raw.split(b"\0"))
-    for name in JOB_ID_ENV:
-        value = env.get(name.encode())
-        if value:
-            return value.decode(errors="replace")
-    return None
+    env = dict(job_env(pid))
+    return next((env[name] for name in JOB_ID_ENV if env.get(name)), None)

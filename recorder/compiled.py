@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import json
 import logging
 import os
 import struct
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,7 @@ log = logging.getLogger("stallwatch.record")
 
 FORMAT = 1
 DEFAULT_CACHE_DIR = Path("/var/cache/stallwatch")
-KEEP_ENTRIES = 4  # builds kept (about 300 KB each)
+KEEP_ENTRIES = 8  # builds kept (about 300 KB each): ring sizes, versions side by side
 BPF_PROG_TYPE_KPROBE = 2  # uprobes too
 BPF_PROG_TYPE_TRACEPOINT = 5
 _LD_IMM64 = 0x18
@@ -139,6 +141,35 @@ def prune(cache_dir: Path, keep: int = KEEP_ENTRIES) -> None:
     for old in entries[keep:]:
         with contextlib.suppress(OSError):
             old.unlink()
+        with contextlib.suppress(OSError):
+            old.with_suffix(".lock").unlink()
+
+
+@contextlib.contextmanager
+def compiling(cache_dir: Path | None, build_key: str) -> Iterator[None]:
+    """Held while one process looks in the cache for ``build_key`` and, on
+    a miss, compiles it: agents (or ``--compile-only``) starting together on
+    one node compile once, the others wait and then load the entry.  With
+    no cache folder, or one that cannot be written, nothing is held."""
+    if cache_dir is None:
+        yield
+        return
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(cache_dir / f"{build_key}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        log.warning("compile cache %s: %s (compiling without waiting for others)", cache_dir, exc)
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process compiles the same programs: waiting for it")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def vars_of(record: CompiledMap | CompiledProgram) -> dict[str, Any]:

@@ -189,11 +189,19 @@ def bpf_source() -> str:
 
 
 def build_key(flags: Sequence[str]) -> str:
-    """What a compiled recording is made of: the BPF sources, the flags and
-    the kernel they were compiled for.  Pins of the same key are adopted
-    with nothing compiled."""
-    digest = hashlib.sha256(bpf_source().encode())
-    digest.update("\0".join(flags).encode())
+    """What a compiled recording is made of: every file of ``bpf/`` (those
+    only included too), the flags and the kernel they were compiled for;
+    not where the files are (an installed wheel and a checkout of the same
+    sources compile the same programs).  Pins of the same key are adopted
+    with nothing compiled; the compile cache is keyed by it."""
+    digest = hashlib.sha256()
+    for path in sorted(BPF_DIR.glob("*.[ch]")):
+        try:
+            text = path.read_bytes()
+        except OSError as exc:
+            raise ProbeError(f"cannot read BPF source {path}: {exc}") from exc
+        digest.update(path.name.encode() + b"\0" + text + b"\0")
+    digest.update("\0".join(f for f in flags if not f.startswith("-I")).encode())
     digest.update(os.uname().release.encode())
     return digest.hexdigest()[:24]
 
@@ -349,6 +357,7 @@ class Probes:
         about: dict[str, Any] | None = None,
         compile_outside: bool = False,
         cache_dir: Path | None = None,
+        compile_only: bool = False,
     ) -> None:
         """``uprobe_multi=False`` attaches perf-event uprobes even where the
         kernel has uprobe_multi links (the fallback, for tests).  With
@@ -358,7 +367,9 @@ class Probes:
         process compiles and pins (``recorder.loader``) and they are
         adopted; else BCC compiles here.  ``cache_dir``: the compile cache
         (``recorder.compiled``), read by the agent and written by whoever
-        compiles."""
+        compiles.  ``compile_only``: compile, check that the kernel loads
+        every program, write the cache's entry; attach and pin nothing
+        (``compile_into``)."""
         self.flags = cflags(sizes, runq_threshold_ns)
         self.build_key = build_key(self.flags)
         self.bpf: Any = None  # the BCC module, once compiled here
@@ -378,7 +389,10 @@ class Probes:
         self._own_progs = False  # the programs' fds are ours to close (not BCC's)
         about = {**(about or {}), "build_key": self.build_key}
         try:
-            self.maps = self._open(pins, about, sizes, runq_threshold_ns, compile_outside)
+            if compile_only:
+                self.maps = self._compile_into_cache()
+            else:
+                self.maps = self._open(pins, about, sizes, runq_threshold_ns, compile_outside)
         except BaseException:
             self.close()
             raise
@@ -396,6 +410,18 @@ class Probes:
         self.layout = layout_of(self.bpf, self._lib, self.flags)
         self.compiled = True
 
+    def _compile_into_cache(self) -> MapSet:
+        if self._cache_dir is None:
+            raise ProbeError("compiling for the cache needs a cache folder")
+        self._compile()
+        entry = self._capture()
+        self._check_loads(entry)
+        try:
+            compiled.save(self._cache_dir, entry)
+        except OSError as exc:
+            raise ProbeError(f"cannot write the compile cache {self._cache_dir}: {exc}") from None
+        return self._bcc_maps()
+
     # ---- loading or adopting ---------------------------------------------
 
     def _open(
@@ -410,12 +436,15 @@ class Probes:
             ready = pinning.adopt_built(pins, self.build_key)
             how = "pins of this very build: nothing compiled"
             if ready is None and compile_outside:
-                maps = self._from_cache(pins, about)
-                if maps is not None:
-                    return maps
-                from .loader import load_outside
+                # agents starting together compile once: the others wait,
+                # then load what it kept
+                with compiled.compiling(self._cache_dir, self.build_key):
+                    maps = self._from_cache(pins, about)
+                    if maps is not None:
+                        return maps
+                    from .loader import load_outside
 
-                load_outside(pins, sizes.nccl, runq_threshold_ns, about, self._cache_dir)
+                    load_outside(pins, sizes.nccl, runq_threshold_ns, about, self._cache_dir)
                 ready = pinning.adopt_loaded(pins)
                 how = "compiled by a loader process, which has exited"
             if ready is not None:
@@ -469,6 +498,23 @@ class Probes:
         return maps
 
     # ---- the compile cache -------------------------------------------------
+
+    def _check_loads(self, entry: compiled.Compiled) -> None:
+        """Every program of ``entry`` loads (the kernel's verifier accepts
+        it) with BCC's maps; nothing is attached, each program is closed."""
+        fds = {n: int(self.bpf[n.encode()].map_fd) for n in entry.layout.maps}
+        for prog in entry.programs:
+            try:
+                fd = bpfsys.prog_load(
+                    prog.prog_type,
+                    compiled.bind(prog, fds),
+                    entry.license,
+                    prog.name,
+                    prog.attach_type,
+                )
+            except OSError as exc:
+                raise ProbeError(f"the kernel refuses BPF program {prog.name}: {exc}") from None
+            os.close(fd)
 
     def _keep_compiled(self) -> None:
         """What BCC compiled, kept for the next cold start (best effort)."""
@@ -825,6 +871,20 @@ class Probes:
             self.pinset.close()
         if self.bpf is not None:
             self.bpf.cleanup()
+
+
+def compile_into(cache_dir: Path, sizes: RingSizes, runq_threshold_ns: int) -> tuple[Path, bool]:
+    """The compile cache's entry of this build (these sizes and threshold,
+    this kernel) at ``cache_dir``, and whether it was compiled now: an
+    entry already there is kept (nothing compiled).  What an install or a
+    boot runs once (``stallwatch record --compile-only``), so that an agent
+    started with nothing pinned loads instead of compiling."""
+    key = build_key(cflags(sizes, runq_threshold_ns))
+    with compiled.compiling(cache_dir, key):
+        if compiled.load(cache_dir, key) is not None:
+            return compiled.path_for(cache_dir, key), False
+        Probes(sizes, runq_threshold_ns, cache_dir=cache_dir, compile_only=True).close()
+    return compiled.path_for(cache_dir, key), True
 
 
 class BareProbe:

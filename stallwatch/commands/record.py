@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,8 @@ examples:
                                        as a service (the systemd unit, DaemonSet, Slurm)
   kill -USR1 $(pidof stallwatch)       dump now
   stallwatch record --cleanup          remove the pinned recording (stop for good)
+  stallwatch record --compile-only     compile once at install: a start with nothing
+                                       pinned then loads the programs (seconds less)
 
 the recording is pinned under --pin-dir (one folder per agent). Started by
 hand, the agent is a foreground tool: stopped with Ctrl-C or SIGTERM it
@@ -195,11 +198,21 @@ def _add_pin_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-bpf-cache", action="store_true", help="compile at every start with nothing pinned"
     )
+    p.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile the BPF programs for this kernel into --bpf-cache and exit, attaching "
+        "nothing (at install, or at boot after a kernel upgrade: the agent's first start "
+        "then loads them instead of compiling); give it the agent's --ring-size and "
+        "--runq-threshold-ms",
+    )
     p.add_argument("--print-bpf", action="store_true", help=argparse.SUPPRESS)
 
 
 def _check_args(args: argparse.Namespace) -> None:
     check_ring_size(args.ring_size)
+    if args.compile_only and args.no_bpf_cache:
+        raise UsageError("--compile-only and --no-bpf-cache: compiling only fills the cache")
     if args.keep_pinned and args.no_pin:
         raise UsageError("--keep-pinned and --no-pin: a recording not pinned cannot be kept")
     if args.stall_timeout <= 0:
@@ -274,6 +287,8 @@ def run(args: argparse.Namespace) -> int:
         print(bpf_source())
         return ExitCode.OK
     _check_privileges()
+    if args.compile_only:
+        return _compile_only(args)
     _check_paths(args)
     config = _config(args)
     try:
@@ -316,6 +331,26 @@ def _config(args: argparse.Namespace) -> AgentConfig:
         keep_pinned=args.keep_pinned,
         bpf_cache=None if args.no_bpf_cache else args.bpf_cache,
     )
+
+
+def _compile_only(args: argparse.Namespace) -> int:
+    from stallwatch.recorder.probes import RingSizes, compile_into
+
+    cache = args.bpf_cache
+    try:
+        cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with tempfile.TemporaryFile(dir=cache):  # writable: named before compiling
+            pass
+    except OSError as exc:
+        raise UsageError(f"--bpf-cache {cache}: {exc.strerror or exc}") from None
+    _setup_logging()
+    sizes = RingSizes.from_nccl(args.ring_size)
+    path, now = compile_into(cache, sizes, int(args.runq_threshold_ms * 1e6))
+    if now:
+        print(f"compiled the BPF programs for this kernel into {path}")
+    else:
+        print(f"already compiled for this kernel: {path} (nothing compiled)")
+    return ExitCode.OK
 
 
 def _cleanup(pin_dir: Path) -> int:

@@ -31,7 +31,7 @@ from bench.fakenccl import FakeNccl, build
 from stallwatch.dumpers.errors import PinError
 from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.model import Recording
-from stallwatch.recorder import pinning
+from stallwatch.recorder import compiled, pinning
 from stallwatch.recorder.maps import Layout, MapSpec
 from tests import pins
 
@@ -271,6 +271,58 @@ def test_ctrl_c_on_a_foreground_agent_leaves_nothing_and_keep_pinned_keeps_it(
 
 
 @pytest.mark.bpf
+def test_compile_only_fills_the_cache_and_the_first_start_compiles_nothing(
+    fake: FakeNccl, pin_dir: Path, tmp_path: Path
+) -> None:
+    """`record --compile-only` (an install's or a boot's step) compiles for
+    this kernel into the cache and attaches nothing; run again it compiles
+    nothing; an agent then started with nothing pinned loads the programs
+    without a loader process and records."""
+    cache = tmp_path / "bpf-cache"
+    sizes = ("--ring-size", "4096")
+    run = [*STALLWATCH, "record", "--compile-only", "--bpf-cache", str(cache), *sizes]
+    first = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout.startswith("compiled the BPF programs for this kernel into"), first.stdout
+    entries = list(cache.glob("*.json"))
+    assert len(entries) == 1 and entries[0].name in first.stdout
+    assert not pin_dir.exists() and _ours_under_bpffs(pin_dir) == []  # nothing pinned
+    again = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "(nothing compiled)" in again.stdout, again.stderr
+    assert "compiled programs" not in again.stderr
+    loop = subprocess.Popen([str(fake.loop), "pace", "600", "200"], stdout=subprocess.DEVNULL)
+    agent = start_agent(fake, pin_dir, tmp_path, "--bpf-cache", str(cache), *sizes, keep=False)
+    try:
+        agent.wait_for("listening on")
+        assert "loaded from the compile cache" in agent.text()
+        assert "compiled by a loader process" not in agent.text()
+        assert not _compiler_mapped(agent.proc.pid)
+        time.sleep(0.5)
+        assert len(pace_rows(agent.dump("from the prepared programs"), loop.pid)) > 0
+    finally:
+        stop(agent)
+        loop.kill()
+        loop.wait()
+    assert _ours_under_bpffs(pin_dir) == []
+
+
+def test_compile_only_names_an_unusable_cache_and_a_contradiction(tmp_path: Path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    for extra, words in (
+        (["--bpf-cache", str(blocked / "cache")], f"--bpf-cache {blocked / 'cache'}: "),
+        (["--no-bpf-cache"], "--compile-only and --no-bpf-cache"),
+    ):
+        done = subprocess.run(
+            [*STALLWATCH, "record", "--compile-only", *extra],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0], done.stderr
+
+
+@pytest.mark.bpf
 @pytest.mark.slow
 def test_a_pin_set_of_another_layout_is_named_and_left_unless_replaced(
     fake: FakeNccl, pin_dir: Path, tmp_path: Path
@@ -341,8 +393,6 @@ def test_the_compile_cache_names_each_map_load_and_binds_new_fds(tmp_path: Path)
     """Instructions that load a map fd (ld_imm64, src_reg 1) are kept by map
     name with the fd zeroed, and given the new fds when bound; an fd of no
     map of the layout is refused; an entry reads back as it was written."""
-    from stallwatch.recorder import compiled
-
     ld_map = struct.pack("<BBhi", 0x18, 0x10 | 1, 0, 7) + struct.pack("<BBhi", 0, 0, 0, 0)
     ld_num = struct.pack("<BBhi", 0x18, 0x01, 0, 7) + struct.pack("<BBhi", 0, 0, 0, 0)
     exit_ = struct.pack("<BBhi", 0x95, 0, 0, 0)
@@ -370,3 +420,80 @@ def test_the_compile_cache_names_each_map_load_and_binds_new_fds(tmp_path: Path)
         os.utime(made, (1000 + n, 1000 + n))  # in order, whatever the clock's grain
     kept = sorted(p.stem for p in tmp_path.glob("*.json"))
     assert kept == [f"b{n}" for n in range(2, compiled.KEEP_ENTRIES + 2)]
+
+
+def test_the_build_key_is_the_sources_flags_and_kernel_not_where_the_files_are(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An installed wheel and a checkout of the same sources share a key
+    (and so the compile cache); a header that is only included changes it."""
+    from stallwatch.recorder import probes
+
+    flags = probes.cflags(probes.RingSizes.from_nccl(4096), 1_000_000)
+    here = probes.build_key(flags)
+    copy = tmp_path / "elsewhere" / "bpf"
+    copy.mkdir(parents=True)
+    for source in probes.BPF_DIR.glob("*.[ch]"):
+        (copy / source.name).write_bytes(source.read_bytes())
+    monkeypatch.setattr(probes, "BPF_DIR", copy)
+    moved = probes.cflags(probes.RingSizes.from_nccl(4096), 1_000_000)
+    assert moved != flags and probes.build_key(moved) == here
+    assert probes.build_key(probes.cflags(probes.RingSizes.from_nccl(8192), 1_000_000)) != here
+    events = copy / "events.h"
+    assert "events.h" not in probes.SOURCES  # reached only through #include
+    events.write_text(events.read_text() + "\n/* a changed event */\n")
+    assert probes.build_key(moved) != here
+
+
+def test_compiling_is_one_process_at_a_time_per_build(tmp_path: Path) -> None:
+    """The second process to look for a build waits until the first has
+    compiled (and kept) it; another build does not wait."""
+    import threading
+
+    order: list[str] = []
+    inside = threading.Event()
+
+    def first() -> None:
+        with compiled.compiling(tmp_path, "k1"):
+            inside.set()
+            time.sleep(0.3)
+            order.append("first done")
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    inside.wait(10)
+    with compiled.compiling(tmp_path, "k2"):
+        order.append("other build")  # not held up
+    with compiled.compiling(tmp_path, "k1"):
+        order.append("second in")
+    thread.join()
+    assert order == ["other build", "first done", "second in"]
+    with compiled.compiling(None, "k1"):  # no cache folder: nothing to hold
+        order.append("no cache")
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with compiled.compiling(blocked / "cache", "k1"):  # unwritable: compiles anyway
+        order.append("unwritable")
+    assert order[-2:] == ["no cache", "unwritable"]
+
+
+@pytest.mark.bpf
+def test_agents_starting_together_compile_once(fake: FakeNccl, tmp_path: Path) -> None:
+    """Three agents started at once with nothing pinned and an empty cache
+    (a lab's nodes, jobs sharing a node): one loader compiles, the other two
+    wait for it and load what it kept."""
+    cache = ("--bpf-cache", str(tmp_path / "bpf-cache"), "--ring-size", "2048")
+    dirs = [pins.pin_dir(f"together{i}") for i in range(3)]
+    agents = [start_agent(fake, d, tmp_path, *cache, keep=False) for d in dirs]
+    try:
+        for agent in agents:
+            agent.wait_for("listening on", timeout=300)
+        logs = [agent.text() for agent in agents]
+        compiled_here = [t for t in logs if "compiled by a loader process" in t]
+        loaded = [t for t in logs if "loaded from the compile cache" in t]
+        assert len(compiled_here) == 1 and len(loaded) == 2, logs
+    finally:
+        for agent in agents:
+            stop(agent)
+        for d in dirs:
+            pins.remove(d)

@@ -602,15 +602,22 @@ def test_daemonset_mounts_what_ebpf_needs(pod: Doc, agent: Doc) -> None:
     assert "emptyDir" in mounts["/tmp"][1]
 
 
-def test_daemonset_writes_only_dumps_pins_and_tmp(pod: Doc, agent: Doc) -> None:
+def test_daemonset_writes_only_dumps_pins_the_compile_cache_and_tmp(
+    pod: Doc, agent: Doc
+) -> None:
     argv = k8s_argv(agent)
     dump_dir = option(argv, "--dump-dir")
     mounts = mounts_by_path(pod, agent)
     _, volume = mounts[dump_dir]
     assert volume["hostPath"]["path"] == "/var/lib/stallwatch/dumps"
     assert volume["hostPath"]["type"] == "DirectoryOrCreate"
+    # the compiled programs stay on the node (record's default --bpf-cache):
+    # a pod started with nothing pinned loads them instead of compiling
+    assert "--bpf-cache" not in argv and "--no-bpf-cache" not in argv
+    _, cache = mounts["/var/cache/stallwatch"]
+    assert cache["hostPath"] == {"path": "/var/cache/stallwatch", "type": "DirectoryOrCreate"}
     writable = {p for p, (m, _) in mounts.items() if not m.get("readOnly")}
-    assert writable == {dump_dir, "/tmp", "/sys/fs/bpf"}
+    assert writable == {dump_dir, "/tmp", "/sys/fs/bpf", "/var/cache/stallwatch"}
     # the node's own bpffs, so that the pinned recording outlives the pod
     assert option(argv, "--pin-dir").startswith("/sys/fs/bpf/")
     assert "--keep-pinned" in argv  # a stopped or updated pod leaves it to the next

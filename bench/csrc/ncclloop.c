@@ -177,6 +177,7 @@ static int wrap(long n)
 	for (long i = 0; i < n; i++)
 		ncclAllReduce(buf, buf, 2, 7, 0, comm, STREAM);
 	printf("comm %p\n", comm);
+	printf("pid %d\n", (int)getpid());
 	return 0;
 }
 

@@ -203,13 +203,20 @@ def test_ring_wrap_counts_overwritten_and_keeps_the_comm_table(
     out = run_driver(fake.loop, "wrap", str(calls))
     rec = agent.recording()
     ring = rec.rings["nccl"]
-    assert len(ring.rows) == slots
+    # The agent records every NCCL process of the machine: beside a parallel
+    # suite, other tests' processes write this ring too, and a row of theirs
+    # being written as the ring is copied is left out (torn rows never show).
+    mine = ring.rows[ring.rows["pid"] == int(out["pid"])]
+    others = len(ring.rows) - len(mine)
+    assert len(ring.rows) == slots or (len(ring.rows) < slots and others > 0)
     assert ring.overwritten == agent.source.rings()["nccl"].read_head() - slots
     assert ring.overwritten >= calls + 2 - slots
-    assert list(ring.rows["seq"]) == list(range(calls - slots, calls))
+    # the driver has exited: its newest rows are all there, none torn
+    assert list(mine["seq"]) == list(range(calls - len(mine), calls))
+    assert len(mine) > 0  # alone on the machine: every slot (others == 0 above)
     h = fold_unique_id(bytes.fromhex(out["uid"]))
-    assert (ring.rows["comm_hash"] == h).all()
-    assert not (ring.rows["op"] == Op.COMM_INIT_RANK).any()  # overwritten ...
+    assert (mine["comm_hash"] == h).all()
+    assert not (mine["op"] == Op.COMM_INIT_RANK).any()  # overwritten ...
     (info,) = [c for c in rec.communicators if c.comm == int(out["comm"], 16) and c.comm_hash == h]
     assert (info.rank, info.nranks) == (1, 2)  # ... but kept here
     assert rec.counters["ring_nccl_overwritten"] == ring.overwritten

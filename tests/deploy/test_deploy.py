@@ -602,9 +602,7 @@ def test_daemonset_mounts_what_ebpf_needs(pod: Doc, agent: Doc) -> None:
     assert "emptyDir" in mounts["/tmp"][1]
 
 
-def test_daemonset_writes_only_dumps_pins_the_compile_cache_and_tmp(
-    pod: Doc, agent: Doc
-) -> None:
+def test_daemonset_writes_only_dumps_pins_the_compile_cache_and_tmp(pod: Doc, agent: Doc) -> None:
     argv = k8s_argv(agent)
     dump_dir = option(argv, "--dump-dir")
     mounts = mounts_by_path(pod, agent)

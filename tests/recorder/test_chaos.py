@@ -80,12 +80,15 @@ def node_pids(result: dict[str, Any], node: int) -> list[int]:
 def test_killed_and_out_of_memory_agents_come_back_and_the_hang_is_named(
     tmp_path: Path,
 ) -> None:
+    # both agents are back about 10 steps after their faults (1-2 s; the
+    # timeline of a quiet run: killed at steps 5 and 10, ready again by step
+    # ~21): the hang at step 150 leaves them many times that to record on
     result = lab_run(
-        "--nodes", "2", "--ranks-per-node", "2", "--steps", "400", "--compute-ms", "50",
+        "--nodes", "2", "--ranks-per-node", "2", "--steps", "200", "--compute-ms", "50",
         "--record", "--dump-dir", str(tmp_path), "--stall-timeout", "3",
         "--fault", "agentkill:node=1,step=5",
         "--fault", "agentoom:node=0,step=10",
-        "--fault", "hang:rank=3,step=350",
+        "--fault", "hang:rank=3,step=150",
     )  # fmt: skip
     assert result["stuck_ranks"], result
     # the supervisor restarted both agents: one SIGKILLed, one by its memory bound

@@ -67,6 +67,34 @@ def test_lateness_inherited_from_a_wait_is_excused() -> None:
     assert _candidates(scores) == {0}
 
 
+def _pair(comm: int, proc: int, margin_ms: float, last: float) -> ArrivalScore:
+    return ArrivalScore(
+        comm, proc % 2, proc, 16, last, int(margin_ms * MS), 60 * MS, 10 * MS, "wait",
+        nranks=2, period_ns=50 * MS,
+    )  # fmt: skip
+
+
+def test_last_in_a_pair_because_the_peer_runs_ahead_is_no_straggler() -> None:
+    # procs 2 and 3 share a pair (comm 0): 2 is last in 15 of 16 by 44 ms;
+    # comms 1 and 2 are the 4-rank communicators each of them is also in
+    ahead = [
+        _pair(0, 2, 44, 0.94),
+        _pair(0, 3, -47, 0.06),
+        _score(1, 2, 6, 0.30, device=False),
+        _score(2, 3, -22, 0.0, device=False),  # 3 waits there too: it runs ahead
+    ]
+    assert _candidates(ahead) == set()
+    # the same pair, the peer on time elsewhere (it met the others after 2):
+    # 2 is late, whatever its wider communicator shows once all have met
+    on_time = [*ahead[:3], _score(2, 3, 0, 0.30, device=False)]
+    assert _candidates(on_time) == {2}
+    # the peer held up, then late itself at its next collectives
+    held = [*ahead[:3], _score(2, 3, 40, 0.9, device=False)]
+    assert _candidates(held) == {2}
+    # a pair that is the whole job: nothing else to tell by, the last is named
+    assert _candidates(ahead[:2]) == {2}
+
+
 def test_recorded_gpuslow_run_names_the_slow_device() -> None:
     # A real recording the analyzer once called healthy (see its README).
     # What made it hard is in the data: world AllReduces whose device start

@@ -227,6 +227,7 @@ struct link_map_head {
 #define RT_DELETE 2     /* objects are about to be removed */
 
 #define DISC_NAME_MAX 256 /* a power of two: indexes are masked with it */
+#define DISC_FILE_MAX 48  /* file names searched for (libcudart.so.12.4.127: 21) */
 #define DISC_WALK 32      /* new objects read per call; more: a row, the agent reads the maps */
 struct disc_name {
 	char s[DISC_NAME_MAX];
@@ -264,18 +265,26 @@ static __always_inline int gpu_library(u64 name_ptr)
 	if (len >= DISC_NAME_MAX)
 		return 1;
 	/* The file name's start goes through memory (volatile): the verifier
-	 * then sees one state after the loop, not one per place it stopped. */
+	 * then sees one state after the loop, not one per place it stopped.
+	 * Only the last DISC_FILE_MAX characters are searched: a longer file
+	 * name is no GPU library's, and the verifier walks this loop for each
+	 * of DISC_WALK objects at every agent start (8 times the work with the
+	 * whole path). */
 	volatile u64 *base = &buf->base;
-	*base = 0;
-	for (int k = 2; k < DISC_NAME_MAX; k++) {
+	*base = DISC_NAME_MAX; /* no '/' found (yet) */
+	for (int k = 2; k < DISC_FILE_MAX + 2; k++) {
 		int i = (int)len - k; /* len counts the NUL: the last character is len - 2 */
-		if (i < 0)
+		if (i < 0) {
+			*base = 0; /* a bare file name */
 			break;
+		}
 		if (buf->s[i & (DISC_NAME_MAX - 1)] == '/') {
 			*base = i + 1;
 			break;
 		}
 	}
+	if (*base == DISC_NAME_MAX)
+		return 0; /* a file name longer than any GPU library's */
 	return gpu_library_at(buf->s, *base);
 }
 

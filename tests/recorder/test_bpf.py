@@ -465,13 +465,21 @@ def test_the_loaders_probe_writes_a_row_for_gpu_libraries_only(
     """The discovery probe reads the dynamic loader's list of objects: a
     process loading other libraries (Python's extension modules, an NCCL-ABI
     library named otherwise, loaded then closed) writes no row; loading
-    libnccl writes one, and so does a library whose path is too long to
-    read whole (the agent then reads the maps: nothing is missed).  Such a
-    row rings the agent's doorbell: poll(2) on it wakes an idle agent."""
-    other = build_private(tmp_path).lib
+    libnccl writes one, under a long folder too, and so does a library whose
+    path is too long to read whole (the agent then reads the maps: nothing
+    is missed).  Such a row rings the agent's doorbell: poll(2) on it wakes
+    an idle agent.  A file name longer than any GPU library's writes none
+    (the probe looks for the name's start only in a path's last 48
+    characters)."""
+    other = tmp_path / ("lib" + "y" * 70 + ".so")
+    shutil.copy(build_private(tmp_path).lib, other)
     deep = tmp_path.joinpath(*["d" * 60] * 4)
     deep.mkdir(parents=True)
     shutil.copy(fake.lib, deep / "libnccl.so.2")
+    mid = tmp_path.joinpath(*["m" * 60] * 2)  # a path of 150-250 characters
+    mid.mkdir(parents=True)
+    shutil.copy(fake.lib, mid / "libnccl.so.2")
+    assert len(str(mid / "libnccl.so.2")) < 255 < len(str(deep / "libnccl.so.2"))
     code = (
         "import sys, ctypes, _ctypes, decimal, json, sqlite3\n"
         f"_ctypes.dlclose(ctypes.CDLL({str(other)!r})._handle)\n"
@@ -486,7 +494,7 @@ def test_the_loaders_probe_writes_a_row_for_gpu_libraries_only(
     assert bell is not None
     rung = select.poll()
     rung.register(bell.fd, select.POLLIN)
-    for lib in (fake.lib, deep / "libnccl.so.2"):
+    for lib in (fake.lib, mid / "libnccl.so.2", deep / "libnccl.so.2"):
         events = discovery.KernelDiscovery(agent.events.ring)
         events.mark()
         with spawn(

@@ -14,7 +14,7 @@ demo: setup
 # lint, types and the import contract first (scripts/check), then the suite:
 # on parallel workers (each test file on one worker: its recordings are made
 # once), then the tests that judge timing alone (marker solo)
-WORKERS ?= 3
+WORKERS ?= 4
 SUITE = -m "not solo" -n $(WORKERS) --dist loadfile
 test: setup
 	bash scripts/check

@@ -5,8 +5,9 @@ the ranks' collectives and their device start and completion, then
 - gpuslow: a rank whose device is slower (its host is not) is named
   ``compute_straggler`` in at least 9 of 10 seeded 4x2 runs (the slow rank
   drawn from the seed; one host-scope agent records each); on the same
-  dumps with the device columns erased, host arrival order names nobody: the hosts all wait for their devices in
-  the step's synchronisation, and enter the next step together.
+  dumps with the device columns erased, host arrival order names nobody:
+  the hosts all wait for their devices in the step's synchronisation, and
+  enter the next step together.
 - gpuhang: a rank whose device stops has its collective queued everywhere
   and completed nowhere; the verdict names that rank, whose device never
   started it.

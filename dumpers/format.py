@@ -110,14 +110,11 @@ def _descr(dtype: np.dtype) -> list[object]:
     return [conv(x) for x in dtype.descr]
 
 
-_EXPECTED_DESCR = {name: _descr(dt) for name, dt in RING_DTYPES.items()}
-
-
 @functools.cache
 def _expected_descr(name: str, version: int) -> list[object]:
-    """What a dump of ``version`` says ring ``name``'s dtype is (made once:
-    building a descr is most of the check of a small ring; compare, never
-    mutate, the list)."""
+    """What a dump of ``version`` says ring ``name``'s dtype is, for the
+    writer (this version) and the reader alike (made once: building a descr
+    is most of the check of a small ring; compare, never mutate, the list)."""
     return _descr(ring_dtype(name, version))
 
 
@@ -240,7 +237,7 @@ def _pieces(rec: Recording, ring_data: dict[str, memoryview]) -> Iterator[_Chunk
     for name, ring in rec.rings.items():
         data = ring_data[name]
         yield packer.pack(name) + packer.pack_map_header(5)
-        yield packer.pack("dtype") + packer.pack(_EXPECTED_DESCR[name])
+        yield packer.pack("dtype") + packer.pack(_expected_descr(name, FORMAT_VERSION))
         yield packer.pack("rows") + packer.pack(len(ring.rows))
         yield packer.pack("overwritten") + packer.pack(ring.overwritten)
         yield packer.pack("lost") + packer.pack(ring.lost)

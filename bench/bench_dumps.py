@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import Figure, median_time, render
+from stallwatch.dumpers.errors import DumpError
 from stallwatch.dumpers.format import read_dump, write_dump
 from stallwatch.dumpers.model import Clock, Recording, Ring, Trigger, TriggerKind
 from stallwatch.dumpers.schema import NCCL_EVENT, Op, State
@@ -138,7 +139,18 @@ def _converged(agents: list[_Agent]) -> bool:
     dumps = [list(a.folder.glob("*.msgpack")) for a in agents]
     if not all(len(d) == 1 for d in dumps):
         return False
-    return len({read_dump(d[0]).trigger.incident_id for d in dumps}) == 1  # type: ignore[union-attr]
+    ids = set()
+    for d in dumps:
+        try:
+            ids.add(read_dump(d[0]).trigger.incident_id)  # type: ignore[union-attr]
+        except DumpError:
+            if d[0].exists():
+                raise
+            # relabelled meanwhile: an agent that detected the stall with
+            # the larger id writes its dump under the other id, then
+            # removes the first
+            return False
+    return len(ids) == 1
 
 
 def _one_incident(folder: Path, rec: Recording) -> float:

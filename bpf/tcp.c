@@ -117,7 +117,7 @@ TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
 	e = claim_tcp(&pos);
 	if (!e)
 		return 0;
-	FILL_TCP_ROW(e, args, TCP_RETRANSMIT_SKB);
+	FILL_TCP_ROW(e, args, TCPEV_TCP_RETRANSMIT_SKB);
 	e->state = args->state;
 	e->newstate = 0;
 	publish(&e->hdr, pos);
@@ -145,7 +145,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 	e = claim_tcp(&pos);
 	if (!e)
 		return 0;
-	FILL_TCP_ROW(e, args, TCP_SET_STATE);
+	FILL_TCP_ROW(e, args, TCPEV_INET_SOCK_SET_STATE);
 	e->state = args->oldstate;
 	e->newstate = args->newstate;
 	publish(&e->hdr, pos);

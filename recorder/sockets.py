@@ -116,7 +116,7 @@ def process_endpoints(pid: int) -> set[Endpoint]:
         out |= parse_tcp_table(_read(f"/proc/{pid}/net/{table}"), family, inodes)
     if any(addr == ANY for addr, _, _ in out):  # listeners on every address
         net = f"/proc/{pid}/net"
-        mine = {
+        mine: dict[int, set[bytes]] = {
             socket.AF_INET: local_ipv4(_read(f"{net}/fib_trie")),
             socket.AF_INET6: local_ipv6(_read(f"{net}/if_inet6")),
         }

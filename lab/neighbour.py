@@ -46,12 +46,14 @@ class ChurnOutcome:
     per_s: float  # connections / seconds
     active_opens: int  # the nodes' ActiveOpens over the same time
     active_opens_per_s: float
+    cpu_s: float  # the processes' CPU time, all together
 
     def line(self) -> str:
         return (
             f"neighbour churn: {self.target_per_s:,}/s asked, {self.active_opens_per_s:,.0f}/s "
             f"opened (ActiveOpens), {self.connections:,} connections made in "
-            f"{self.seconds:.1f} s ({self.per_s:,.0f}/s), {self.failed + self.timed_out:,} failed"
+            f"{self.seconds:.1f} s ({self.per_s:,.0f}/s), {self.failed + self.timed_out:,} failed, "
+            f"{self.cpu_s / self.seconds:.0%} of a CPU"
         )
 
 
@@ -130,6 +132,7 @@ class Neighbour:
             per_s=round(made / seconds, 1),
             active_opens=opens,
             active_opens_per_s=round(opens / seconds, 1),
+            cpu_s=round(sum(s.cpu_s for s in stats), 3),
         )
 
     def kill(self) -> None:

@@ -5,6 +5,9 @@ network faults themselves are judged on real lab runs (test_midrun.py)."""
 
 from __future__ import annotations
 
+import os
+import secrets
+import shutil
 import time
 from pathlib import Path
 
@@ -144,3 +147,39 @@ def test_a_pause_on_every_rank_is_one_episode_per_step() -> None:
     assert record.how == "inside the ranks"
     slow = runner._rank_fault_record(F.Slow(0, 5.0), ranks, offset_ns=0)
     assert (slow.step, slow.injected_ns, slow.ended_ns) == (0, 1, None)
+
+
+@pytest.mark.lab
+def test_reset_leaves_the_agents_and_the_neighbours_connections_alone() -> None:
+    """ss -K in a node: a connection on a kept port stays established, the
+    other is aborted (its client then reads ECONNRESET from the kernel)."""
+    import socket
+
+    run_id = "t" + secrets.token_hex(3)
+    run_dir = netns.RUNS_DIR / run_id  # a live run's mark: other runs' cleanup leaves it
+    run_dir.mkdir(parents=True)
+    (run_dir / "runner.pid").write_text(str(os.getpid()))
+    net = netns.create(run_id, 1)
+    try:
+        node = net.nodes[0]
+
+        def connect(port: int) -> tuple[socket.socket, socket.socket]:
+            server = socket.create_server((node.ip, port))
+            client = socket.create_connection((node.ip, server.getsockname()[1]))
+            accepted, _ = server.accept()
+            server.close()
+            return client, accepted
+
+        kept = netns.in_netns(node.netns, lambda: connect(9400))
+        other = netns.in_netns(node.netns, lambda: connect(0))
+        assert netns.reset_connections(node, keep_ports=(9400, 9500)) >= 1
+        kept[0].sendall(b"x")
+        assert kept[1].recv(1) == b"x"  # still connected
+        with pytest.raises(OSError):  # aborted (ECONNABORTED) or reset (ECONNRESET)
+            other[0].sendall(b"x")
+            other[0].recv(1)
+        for sock in (*kept, *other):
+            sock.close()
+    finally:
+        netns.destroy(net)
+        shutil.rmtree(run_dir)

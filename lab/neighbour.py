@@ -25,6 +25,7 @@ from pathlib import Path
 from stallwatch.dumpers.errors import LabError
 from stallwatch.lab import netns
 from stallwatch.lab.churn import CHURN_PORT, GO_FILE, ChurnStats
+from stallwatch.lab.logs import last_line
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
@@ -99,7 +100,7 @@ class Neighbour:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise LabError(
                         f"the neighbour's churn process in {node.netns} did not start: "
-                        f"{_last_line(self.log_path(node))}"
+                        f"{last_line(self.log_path(node))}"
                     )
                 time.sleep(0.02)
 
@@ -147,11 +148,3 @@ class Neighbour:
 def _listening(path: Path) -> bool:
     stats = ChurnStats.read(path)
     return stats is not None and stats.listening
-
-
-def _last_line(path: Path) -> str:
-    try:
-        lines = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return "(no log)"
-    return lines[-1] if lines else "(empty log)"

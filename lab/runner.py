@@ -64,6 +64,7 @@ from stallwatch.lab.chaos import Chaos, post_query
 from stallwatch.lab.churn import CHURN_PORT
 from stallwatch.lab.faultlog import Episode, FaultRecord, Moment, wall_offset_ns
 from stallwatch.lab.injector import Injector, runner_faults
+from stallwatch.lab.logs import last_line
 from stallwatch.lab.neighbour import ChurnOutcome, Neighbour
 from stallwatch.lab.supervise import Service, Supervisor
 from stallwatch.query.agentclient import AgentClient
@@ -660,7 +661,7 @@ def wait_healthy(lab: Lab, site: AgentSite, token: str) -> None:
             code = exits[0].code
             raise LabError(
                 f"the agent of {site.who} exited with {code} "
-                f"before answering {url}: {_last_line(log)}"
+                f"before answering {url}: {last_line(log)}"
             )
         if _says_listening(log) and netns.in_netns(site.netns, lambda: _healthz(client)):
             return
@@ -725,14 +726,6 @@ def _healthz(client: AgentClient) -> bool:
         return False
 
 
-def _last_line(path: Path) -> str:
-    try:
-        lines = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return "(no log)"
-    return lines[-1] if lines else "(empty log)"
-
-
 def _dumps(cfg: RunConfig) -> bool:
     return cfg.record or cfg.snapshot_when_stuck
 
@@ -783,7 +776,7 @@ def pinned_dumps(lab: Lab) -> list[str]:
             _kill(proc)
             code = None
         if code != 0:
-            problems.append(f"dump --pinned on {site.who} failed: {_last_line(log)}")
+            problems.append(f"dump --pinned on {site.who} failed: {last_line(log)}")
     return problems
 
 
@@ -832,7 +825,7 @@ def snapshot_nodes(lab: Lab) -> list[str]:
             code = None
         if code != 0:
             log = lab.cfg.dump_dir / f"node{index}.snap.log"
-            problems.append(f"stallwatch snapshot on node {index} failed: {_last_line(log)}")
+            problems.append(f"stallwatch snapshot on node {index} failed: {last_line(log)}")
     return problems
 
 
@@ -947,7 +940,7 @@ def outcome(lab: Lab, rank: int, stuck: dict[int, job.RankReport | None]) -> Ran
     topo = lab.cfg.topology
     error = rep.error if rep is not None else None
     if error is None and code not in (0, None) and not killed:
-        error = _last_line(lab.run_dir / f"rank-{rank}.log")
+        error = last_line(lab.run_dir / f"rank-{rank}.log")
     return RankOutcome(
         world_rank=rank,
         node=topo.node_of(rank),

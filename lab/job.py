@@ -31,9 +31,16 @@ the captured buffers before the launch and the results out after the step's
 synchronisation.  A rank with a mismatch fault at step S captures a second
 graph with the mismatched call at S and launches that one instead.
 
-In-rank faults (``lab.faults``): hang, slow, mismatch (applied to the loss
-AllReduce on world, the one collective every rank joins), crash; in gpu mode
-gpuslow (longer device compute) and gpuhang (the device stops).
+In-rank faults (``lab.faults``): hang, slow (from the start or from a step),
+mismatch (applied to the loss AllReduce on world, the one collective every
+rank joins), crash; in gpu mode gpuslow (longer device compute, from the
+start or from a step) and gpuhang (the device stops); and pauses, the
+checkpoint-like phases before every N-th step: the ranks named sleep, then
+every rank joins a barrier (a one-element AllReduce on world).  Each fires
+at the rank's own step and is written in the report as it fires
+(``events``: when, on CLOCK_MONOTONIC, and at which step).  At each step's
+start the rank also writes the step into ``STEPS_FILE`` (one pwrite), from
+which the runner fires its own faults at a step (``lab.injector``).
 
 Exit codes: 0 done and verified, 1 results wrong, 2 setup error (library, id),
 3 crash fault, 4 an NCCL call failed.

@@ -424,15 +424,15 @@ class Agent:
             return state
 
     def _sync_endpoints(self) -> None:
-        """The local TCP ends of the processes in scope, for the kernel's TCP
-        filter: at once when one was placed, else every ENDPOINTS_S."""
+        """The listeners and connections of the processes in scope, for the
+        kernel's TCP filter: at once when one was placed, else every ENDPOINTS_S."""
         if self.read_only:
             return
         now = time.monotonic()
         if now < self._endpoints_due:
             return
         self._endpoints_due = now + ENDPOINTS_S
-        self.source.set_job_endpoints(sockets.job_endpoints(self.scope.inside))
+        self.source.set_job_sockets(sockets.job_sockets(self.scope.inside))
 
     def _forget_ended(self, progress: list[CommProgress], now: int) -> None:
         """Processes ended more than QUIET_NS ago leave the kernel's maps

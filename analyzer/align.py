@@ -32,7 +32,8 @@ from .detect.stragglers import RECENT_GROUPS
 from .incident import (
     CALL_DTYPE,
     SCHED_DTYPE,
-    TCP_RETRANS_DTYPE,
+    TCP_DTYPE,
+    WAIT_DTYPE,
     Calls,
     Comm,
     Incident,
@@ -46,6 +47,8 @@ from .progress import Progress
 
 IS_CALL = np.zeros(256, dtype=bool)  # op -> is a collective or p2p call
 IS_CALL[[int(op) for op in Op if op.is_collective or op.is_p2p]] = True
+WAITS_IN = IS_CALL.copy()  # calls a rank can be found blocked in: its group's end too
+WAITS_IN[int(Op.GROUP_END)] = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +149,7 @@ def incident_from_recordings(
         procs=tuple(procs),
         comms=tuple(comms),
         calls=calls,
-        retransmits=_retransmits(sources, hosts),
+        tcp=_tcp(sources, hosts),
         sched=_sched(sources, hosts),
         sources=tuple(s.path for s in sources),
         notes=tuple(f"{e.error}: its NCCL calls are left out" for e in extracts if e.error),
@@ -157,7 +160,18 @@ def incident_from_recordings(
         wall_offset=tuple(clocks.get(h, (None, None))[0] for h in hosts),
         captured=tuple(clocks.get(h, (None, None))[1] for h in hosts),
         machines=_machines(sources, hosts),
+        waiting=_waiting_procs(extracts, proc_index),
     )
+
+
+def _waiting_procs(extracts: list[_Extract], proc_index: dict[tuple[str, int], int]) -> np.ndarray:
+    rows = [
+        (proc_index[key], op, ts)
+        for e in extracts
+        for pid, op, ts in e.waiting
+        if (key := (e.source.recording.host, pid)) in proc_index
+    ]
+    return np.array(rows, dtype=WAIT_DTYPE) if rows else np.zeros(0, dtype=WAIT_DTYPE)
 
 
 def _machines(sources: list[Source], hosts: tuple[str, ...]) -> tuple[int, ...]:
@@ -239,6 +253,9 @@ class _Extract:
     # (comm_hash, pid, rank, nranks) of call rows whose comm its table lacks
     row_members: tuple[tuple[int, int, int, int], ...]
     error: str | None = None  # why its rows could not be read
+    # (pid, op, entered) of each process whose latest call (a group's end
+    # included) had not returned when the dump was taken
+    waiting: tuple[tuple[int, int, int], ...] = ()
 
 
 # the stage: CALL_DTYPE's columns, "proc" holding indices into the source's
@@ -391,7 +408,23 @@ def _extract(
         members = tuple((int(h), int(p), int(r), int(nr)) for h, p, r, nr in keys.tolist())
     latest = int(max(stage["ts"][dst].max(), stage["end"][dst].max())) if n else None
     pids = tuple(int(p) for p in scope[used])
-    return _Extract(s, dst, complete, latest, scope, pids, members)
+    return _Extract(s, dst, complete, latest, scope, pids, members, waiting=_waiting(raw, scope))
+
+
+def _waiting(raw: np.ndarray, scope: np.ndarray) -> tuple[tuple[int, int, int], ...]:
+    """Per process in scope, its latest call (a group's end included) if it
+    had not returned: where it was blocked when the dump was taken."""
+    sel = np.flatnonzero(WAITS_IN[raw["op"]] & ~captured_rows(raw) & _member_of(raw["pid"], scope))
+    if not len(sel):
+        return ()
+    order = sel[np.lexsort((raw["ts_ns"][sel], raw["pid"][sel]))]
+    pids = raw["pid"][order]
+    last = order[np.r_[pids[1:] != pids[:-1], True]]  # each pid's latest entry
+    last = last[raw["end_ns"][last] == 0]
+    return tuple(
+        (int(p), int(o), int(t))
+        for p, o, t in zip(raw["pid"][last], raw["op"][last], raw["ts_ns"][last], strict=True)
+    )
 
 
 _POINTER = np.dtype([("pid", "<u8"), ("comm", "<u8")])
@@ -686,11 +719,11 @@ def _own_addresses(sources: list[Source], rows: np.ndarray, source: np.ndarray) 
     return out
 
 
-def _retransmits(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
-    """Retransmits on connections between two hosts' own addresses (the
-    nodes of rank processes): never loopback, never both ends on one host.
-    Duplicates of one event seen by two agents are counted once (the first,
-    in the order of ``sources``)."""
+def _tcp(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
+    """Retransmits and resets on connections between two hosts' own
+    addresses (the nodes of rank processes): never loopback, never both ends
+    on one host.  Duplicates of one event seen by two agents are counted
+    once (the first, in the order of ``sources``)."""
     host_of = {h: i for i, h in enumerate(hosts)}
     own: dict[int, bytes] = {}
     for rows, source in _tcp_chunks(sources):
@@ -700,24 +733,34 @@ def _retransmits(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
         owner.setdefault(own[i], host_of[sources[i].recording.host])
     found = [_between_hosts(rows, source, owner) for rows, source in _tcp_chunks(sources)]
     if not found:
-        return np.zeros(0, dtype=TCP_RETRANS_DTYPE)
+        return np.zeros(0, dtype=TCP_DTYPE)
     rows = _concat_rows([f[0] for f in found], TCP_EVENT)
     source, local, remote = (np.concatenate([f[k] for f in found]) for k in (1, 2, 3))
     first = np.sort(np.unique(_event_keys(rows), return_index=True)[1])
-    out = np.zeros(len(first), dtype=TCP_RETRANS_DTYPE)
+    rows = rows[first]
+    out = np.zeros(len(first), dtype=TCP_DTYPE)
     host = np.array([host_of[s.recording.host] for s in sources], dtype=np.int64)
     out["host"] = host[source[first]]
-    out["pid"], out["ts"] = rows["pid"][first], rows["ts_ns"][first]
+    out["pid"], out["ts"] = rows["pid"], rows["ts_ns"]
     out["local"], out["remote"] = local[first], remote[first]
+    out["event"], out["backoff"], out["known"] = rows["event"], rows["backoff"], rows["conn_known"]
+    out["no_ack"] = np.where(rows["conn_known"] > 0, rows["no_ack_ns"].astype(np.int64), 0)
+    out["rto"] = np.where(rows["conn_known"] > 0, rows["rto_us"].astype(np.int64) * 1000, 0)
+    out["conn"] = _connection_keys(rows)
     return out
+
+
+# what tells a connection's fate (state changes are the rest of the table)
+_FATE = np.zeros(256, dtype=bool)
+_FATE[[TcpEvent.TCP_RETRANSMIT_SKB, TcpEvent.TCP_SEND_RESET, TcpEvent.TCP_RECEIVE_RESET]] = True
 
 
 def _between_hosts(
     rows: np.ndarray, source: np.ndarray, owner: dict[bytes, int]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Of TCP rows, the retransmits from one host's own address to
-    another's, with their sources and both hosts."""
-    keep = rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB
+    """Of TCP rows, the retransmits and resets between one host's own
+    address and another's, with their sources and both hosts."""
+    keep = _FATE[rows["event"]]
     rows, source = rows[keep], source[keep]
     fam = rows["family"]
     keep = ~addresses.is_loopback(rows["saddr"], fam) & ~addresses.is_loopback(rows["daddr"], fam)
@@ -725,6 +768,26 @@ def _between_hosts(
     local, remote = _owner_of(rows["saddr"], owner), _owner_of(rows["daddr"], owner)
     keep = (local >= 0) & (remote >= 0) & (local != remote)
     return rows[keep], source[keep], local[keep], remote[keep]
+
+
+def _end_keys(addrs: np.ndarray, ports: np.ndarray) -> np.ndarray:
+    """One 64-bit key per (address, port): multiply-xor mixing."""
+    words = np.ascontiguousarray(addrs).view("<u8").reshape(-1, 2)
+    with np.errstate(over="ignore"):
+        key = words[:, 0] * np.uint64(0x9E3779B97F4A7C15)
+        key ^= (words[:, 1] + np.uint64(0xBF58476D1CE4E5B9)) * np.uint64(0x94D049BB133111EB)
+        key ^= ports.astype(np.uint64) * np.uint64(0xD6E8FEB86659FD93)
+    return key
+
+
+def _connection_keys(rows: np.ndarray) -> np.ndarray:
+    """One key per connection, the same from both of its ends (the two
+    ends' keys in order, mixed)."""
+    a, b = _end_keys(rows["saddr"], rows["sport"]), _end_keys(rows["daddr"], rows["dport"])
+    lo, hi = np.minimum(a, b), np.maximum(a, b)
+    with np.errstate(over="ignore"):
+        out: np.ndarray = lo * np.uint64(0xBF58476D1CE4E5B9) ^ hi
+    return out
 
 
 def _owner_of(addrs: np.ndarray, owner: dict[bytes, int]) -> np.ndarray:

@@ -1,0 +1,450 @@
+"""Network partition, link down, flap, resets: the job stalls (or stalls for
+a while) all together, and the network evidence points at one host or one
+pair of hosts.  The ranks blocked behind it are consequences.
+
+The metrics: what became of each connection between two hosts
+(``ConnFate``), from the rows both of its ends recorded: retransmission
+timeouts in a row and how long nothing was acknowledged (the kernel's own
+account, read at each retransmit), whether it was still stopped when its
+host's dump was taken or was acknowledged again (a flap), and its resets;
+and which ranks were blocked in a call at their dumps.
+
+The rules:
+- A connection stopped being acknowledged when it had ``DEAD_BACKOFF``
+  timeouts in a row and nothing acknowledged for ``DEAD_NO_ACK_NS``; it was
+  still stopped at the dump when its next timeout was not yet due (an RTO
+  doubles: a connection acknowledged again shows no more timeouts).
+- The host named is the one every such connection shares (with three hosts
+  or more); when they are all between the same two hosts (or the job has
+  two), the pair: both ends of one link look alike.
+- A stall: every rank with a dump blocked in a call (a collective, or a
+  group's end with its sends and receives) for ``STALL_NS`` at its dump,
+  with connections stopped at the dump.  A flap: the job went on, but the
+  collectives of some window took ``SLOW_NS`` and more on every member
+  while connections were stopped and later acknowledged again.  Resets: the
+  job's connections reset before any rank failed or died (a rank that dies
+  resets its own connections after it; those are its death's).
+
+Known limits: connections recorded without their state (agents before
+format 7, sockets made before the agent attached) count as stopped only
+from the spacing of their retransmits (each gap 1.5x the one before, as
+timeouts back off); a link of RDMA traffic shows here only through the
+TCP connections around it (bootstrap, the store) and the links table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Iterable
+
+import numpy as np
+
+from stallwatch.dumpers.schema import TcpEvent, op_name
+
+from ..incident import ConnFate, Incident, proc_hosts
+from ..verdict import Verdict, VerdictKind
+from .common import MAX_LISTED, Analysis, who
+
+DEAD_BACKOFF = 2  # timeouts in a row: nothing acknowledged through two RTOs
+DEAD_NO_ACK_NS = 1_000_000_000  # and nothing acknowledged for at least this long
+STALL_NS = 1_000_000_000  # every rank blocked at least this long at its dump
+SLOW_NS = 1_000_000_000  # a collective this long on every member, with stopped links
+DUE_SLACK_NS = 500_000_000  # a timeout due this long before the dump and not seen: acked
+RESET_SKEW_NS = 50_000_000  # clocks of two hosts may differ by this much
+BACKOFF_GROWTH = 1.5  # timeouts back off: each gap this much longer than the one before
+
+RESET_EVENTS = (int(TcpEvent.TCP_SEND_RESET), int(TcpEvent.TCP_RECEIVE_RESET))
+
+
+# ---- metrics: what became of each connection between two hosts -------------------------
+
+
+def connection_fates(inc: Incident) -> tuple[ConnFate, ...]:
+    """One record per connection between two hosts' own addresses."""
+    t = inc.tcp
+    if not len(t):
+        return ()
+    walls = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
+    wall = t["ts"] + walls[t["host"]]
+    now = np.array([_now(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
+    order = np.lexsort((wall, t["conn"]))
+    t, wall = t[order], wall[order]
+    starts = np.flatnonzero(np.r_[True, t["conn"][1:] != t["conn"][:-1]])
+    ends = np.append(starts[1:], len(t))
+    return tuple(
+        _fate(t[a:b], wall[a:b], now) for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+    )
+
+
+def _offset(inc: Incident, host: int) -> int:
+    off = inc.to_wall(host)
+    return off if off is not None else 0
+
+
+def _now(inc: Incident, host: int) -> int:
+    """When the host's dump was taken, its own clock (-1 if unknown)."""
+    now = inc.host_now[host] if host < len(inc.host_now) else None
+    return now if now is not None else -1
+
+
+def _fate(rows: np.ndarray, wall: np.ndarray, now: np.ndarray) -> ConnFate:
+    hosts = (
+        int(min(rows["local"][0], rows["remote"][0])),
+        int(max(rows["local"][0], rows["remote"][0])),
+    )
+    resets = np.isin(rows["event"], RESET_EVENTS)
+    rt, rt_wall = rows[~resets], wall[~resets]
+    first_reset = int(wall[resets].min()) if resets.any() else None
+    if not len(rt):
+        return ConnFate(
+            hosts, 0, 0, 0, None, None, None, False, None, int(resets.sum()), first_reset
+        )
+    known = rt["known"] > 0
+    if known.all():
+        backoff, no_ack = rt["backoff"].astype(np.int64), rt["no_ack"]
+    else:
+        backoff, no_ack = _backoff_from_spacing(rt["ts"]), np.zeros(len(rt), dtype=np.int64)
+        backoff[known], no_ack[known] = rt["backoff"][known], rt["no_ack"][known]
+    # the last run of timeouts: after the last retransmit that was no timeout
+    calm = np.flatnonzero(backoff == 0)
+    run = slice(int(calm[-1]) + 1 if len(calm) else 0, len(rt))
+    last = len(rt) - 1
+    stopped_for = int(no_ack[last]) if known[last] else _spread(rt["ts"][run])
+    stop_wall = int(rt_wall[last]) - stopped_for if len(rt[run]) else None
+    stuck = int(backoff[run].max()) if len(rt[run]) else 0
+    dead = False
+    recovered = None
+    if stuck >= DEAD_BACKOFF and stopped_for >= DEAD_NO_ACK_NS / 2:
+        host_now = int(now[int(rt["host"][last])])
+        due = _next_timeout(rt["ts"][run], rt["rto"][run])
+        dead = host_now >= 0 and (due is None or host_now <= due + DUE_SLACK_NS)
+        if dead:  # nothing acknowledged since, up to the dump
+            stopped_for += host_now - int(rt["ts"][last])
+        else:  # acknowledged again before its next timeout was due
+            recovered = int(rt_wall[last])
+    return ConnFate(
+        hosts=hosts,
+        retransmits=len(rt),
+        timeouts=int(np.count_nonzero(backoff)),
+        backoff=stuck,
+        no_ack_ns=stopped_for if stuck else None,
+        stop_wall_ns=stop_wall if stuck else None,
+        last_wall_ns=int(rt_wall[last]),
+        dead=dead,
+        recovered_wall_ns=recovered,
+        resets=int(resets.sum()),
+        first_reset_wall_ns=first_reset,
+    )
+
+
+def _backoff_from_spacing(ts: np.ndarray) -> np.ndarray:
+    """Timeouts in a row told from when retransmits came alone: each gap
+    ``BACKOFF_GROWTH`` times the one before continues a run."""
+    out = np.zeros(len(ts), dtype=np.int64)
+    gaps = np.diff(ts.astype(np.int64))
+    for i in range(1, len(ts)):
+        grew = i >= 2 and gaps[i - 1] >= BACKOFF_GROWTH * max(gaps[i - 2], 1)
+        out[i] = out[i - 1] + 1 if grew or (i == 1 and gaps[0] >= 200_000_000) else 0
+    return out
+
+
+def _spread(ts: np.ndarray) -> int:
+    return int(ts[-1] - ts[0]) if len(ts) > 1 else 0
+
+
+def _next_timeout(ts: np.ndarray, rto: np.ndarray) -> int | None:
+    """When the run's next timeout was due (host clock): the RTO doubles."""
+    if rto[-1] > 0:
+        return int(ts[-1] + 2 * rto[-1])
+    if len(ts) >= 2:
+        return int(ts[-1] + 2 * (ts[-1] - ts[-2]))
+    return None
+
+
+# ---- where the job stood ---------------------------------------------------------------
+
+
+def blocked_procs(inc: Incident) -> dict[int, tuple[int, int]]:
+    """proc -> (op, blocked for ns at its dump), of the procs blocked in a call."""
+    hosts = proc_hosts(inc)
+    out: dict[int, tuple[int, int]] = {}
+    for proc, op, ts in inc.waiting.tolist():
+        now = inc.host_now[hosts[proc]]
+        if now is not None:
+            out[int(proc)] = (int(op), int(now) - int(ts))
+    return out
+
+
+def stalled_together(inc: Incident) -> dict[int, tuple[int, int]] | None:
+    """Every rank with calls blocked in one for STALL_NS at its dump, and none
+    died: the procs and where they wait; None when some rank was free."""
+    if not inc.procs or any(p.died_badly for p in inc.procs):
+        return None
+    with_calls = set(np.unique(inc.calls.rows["proc"]).tolist()) if len(inc.calls) else set()
+    blocked = {p: w for p, w in blocked_procs(inc).items() if w[1] >= STALL_NS}
+    if not with_calls or not with_calls <= set(blocked):
+        return None
+    return blocked
+
+
+# ---- naming the host ------------------------------------------------------------------
+
+
+def shared_hosts(conns: Iterable[ConnFate], nhosts: int) -> tuple[int, ...]:
+    """The host every connection touches (the pair, when two hosts are)."""
+    conns = list(conns)
+    if not conns:
+        return ()
+    common = set(conns[0].hosts)
+    for c in conns[1:]:
+        common &= set(c.hosts)
+    if nhosts <= 2 or len(common) == 2:
+        return tuple(sorted(common)) if len(common) == 2 else ()
+    return tuple(common) if len(common) == 1 else ()
+
+
+# ---- the verdicts ---------------------------------------------------------------------
+
+
+def detect_partition(a: Analysis) -> list[Verdict]:
+    inc = a.incident
+    fates = a.fates
+    if not fates:
+        return []
+    stalled = stalled_together(inc)
+    if stalled is not None:
+        dead = [f for f in fates if f.dead]
+        hosts = shared_hosts(dead, len(inc.hosts))
+        if hosts:
+            return [_stall_verdict(a, hosts, dead, stalled)]
+    flap = _flap(a)
+    if flap is not None:
+        return [flap]
+    reset = _reset(a)
+    return [reset] if reset is not None else []
+
+
+def _names(inc: Incident, hosts: Iterable[int]) -> tuple[str, ...]:
+    return tuple(inc.hosts[h] for h in hosts)
+
+
+def _stall_verdict(
+    a: Analysis, hosts: tuple[int, ...], dead: list[ConnFate], stalled: dict[int, tuple[int, int]]
+) -> Verdict:
+    inc = a.incident
+    names = _names(inc, hosts)
+    procs = [i for i, h in enumerate(proc_hosts(inc)) if h in hosts]
+    ranks, _, pids = who(inc, procs)
+    longest = max((f.no_ack_ns or 0) for f in dead)
+    peers = sorted({inc.hosts[h] for f in dead for h in f.hosts} - set(names))
+    if len(hosts) == 1:
+        summary = (
+            f"the network cut host {names[0]} off: its connections to {', '.join(peers)} "
+            f"stopped being acknowledged (nothing acknowledged for {_s(longest)} and more); "
+            f"every rank waits"
+        )
+    else:
+        summary = (
+            f"traffic between hosts {names[0]} and {names[1]} stopped (nothing acknowledged "
+            f"for {_s(longest)} and more); both ends of one link look alike; every rank waits"
+        )
+    evidence = _connection_lines(inc, dead) + _blocked_lines(a, stalled)
+    return Verdict(
+        VerdictKind.NETWORK_PARTITION,
+        ranks,
+        names,
+        pids,
+        None,
+        None,
+        None,
+        summary,
+        tuple(evidence),
+    )
+
+
+def _connection_lines(inc: Incident, conns: list[ConnFate]) -> list[str]:
+    by_pair: dict[tuple[int, int], list[ConnFate]] = defaultdict(list)
+    for f in conns:
+        by_pair[f.hosts].append(f)
+    out = []
+    for (x, y), fs in sorted(by_pair.items()):
+        no_ack = max((f.no_ack_ns or 0) for f in fs)
+        out.append(
+            f"hosts {inc.hosts[x]} and {inc.hosts[y]}: {len(fs)} connection(s) stopped being "
+            f"acknowledged: {sum(f.retransmits for f in fs)} retransmits, up to "
+            f"{max(f.backoff for f in fs)} timeouts in a row, nothing acknowledged for "
+            f"{_s(no_ack)}"
+        )
+    alive = [p for p in _pairs(inc) if p not in by_pair]
+    if alive:
+        text = ", ".join(f"{inc.hosts[x]}-{inc.hosts[y]}" for x, y in alive[:MAX_LISTED])
+        out.append(f"connections between the other hosts kept being acknowledged: {text}")
+    return out
+
+
+def _pairs(inc: Incident) -> list[tuple[int, int]]:
+    """The pairs of hosts whose connections the TCP table holds."""
+    t = inc.tcp
+    lo, hi = np.minimum(t["local"], t["remote"]), np.maximum(t["local"], t["remote"])
+    return sorted({(int(x), int(y)) for x, y in zip(lo.tolist(), hi.tolist(), strict=True)})
+
+
+def _blocked_lines(a: Analysis, stalled: dict[int, tuple[int, int]]) -> list[str]:
+    """Where the ranks wait: the consequences."""
+    inc = a.incident
+    by_op: dict[int, list[int]] = defaultdict(list)
+    for proc, (op, _) in stalled.items():
+        by_op[op].append(proc)
+    out = []
+    for op, procs in sorted(by_op.items()):
+        ranks = ", ".join(str(r) for r in sorted(inc.procs[p].world_rank for p in procs))
+        age = max(stalled[p][1] for p in procs)
+        out.append(f"consequence: ranks {ranks} wait in {op_name(op)} (up to {_s(age)})")
+    return out
+
+
+def _s(ns: float) -> str:
+    return f"{ns / 1e9:.1f} s"
+
+
+def _flap(a: Analysis) -> Verdict | None:
+    """Connections stopped and acknowledged again, inside a window in which
+    every member's collective took SLOW_NS and more."""
+    inc = a.incident
+    recovered = [f for f in a.fates if f.recovered_wall_ns is not None and f.stop_wall_ns]
+    if not recovered:
+        return None
+    held = _held_collectives(a)
+    if not held:
+        return None
+    inside = [
+        f
+        for f in recovered
+        if any(
+            h.start <= (f.recovered_wall_ns or 0) and (f.stop_wall_ns or 0) <= h.end for h in held
+        )
+    ]
+    hosts = shared_hosts(inside, len(inc.hosts))
+    if not hosts:
+        return None
+    names = _names(inc, hosts)
+    procs = [i for i, h in enumerate(proc_hosts(inc)) if h in hosts]
+    ranks, _, pids = who(inc, procs)
+    start = min(f.stop_wall_ns or 0 for f in inside)
+    end = max(f.recovered_wall_ns or 0 for f in inside)
+    place = f"host {names[0]} off" if len(hosts) == 1 else f"hosts {names[0]} and {names[1]} apart"
+    summary = (
+        f"the network cut {place} for {_s(end - start)} and it came back: every rank's "
+        f"collectives waited for it (up to {_s(max(h.shortest for h in held))})"
+    )
+    evidence = _connection_lines(inc, inside)
+    evidence += [f"{h.text} took {_s(h.shortest)} and more on every member" for h in held]
+    evidence = evidence[: 2 * MAX_LISTED]
+    return Verdict(
+        VerdictKind.NETWORK_PARTITION,
+        ranks,
+        names,
+        pids,
+        None,
+        None,
+        None,
+        summary,
+        tuple(evidence),
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Held:
+    """A collective every member's call of took SLOW_NS and more (wall clock)."""
+
+    start: int
+    end: int
+    shortest: int  # the shortest member call: what every member waited at least
+    text: str
+
+
+def _held_collectives(a: Analysis) -> list[Held]:
+    m = a.matched
+    rows = m.rows
+    if not len(rows) or not len(m.gid):
+        return []
+    inc = a.incident
+    hosts = np.array(proc_hosts(inc), dtype=np.int64)
+    walls = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
+    done = rows["end"] > 0
+    dur = np.where(done, rows["end"] - rows["ts"], 0)
+    starts = np.flatnonzero(np.r_[True, m.gid[1:] != m.gid[:-1]])
+    shortest = np.minimum.reduceat(dur, starts)
+    out = []
+    for g in np.flatnonzero(shortest >= SLOW_NS).tolist():
+        a_, b_ = int(starts[g]), int(starts[g + 1]) if g + 1 < len(starts) else len(rows)
+        wall = walls[hosts[rows["proc"][a_:b_]]]
+        comm = inc.comms[int(rows["comm"][a_])]
+        text = f"{op_name(int(rows['op'][a_]))} seq {int(rows['seq'][a_])} on {comm.name}"
+        start, end = int((rows["ts"][a_:b_] + wall).min()), int((rows["end"][a_:b_] + wall).max())
+        out.append(Held(start, end, int(shortest[g]), text))
+    return out
+
+
+def _reset(a: Analysis) -> Verdict | None:
+    """Connections reset before any rank failed: the resets are the cause."""
+    inc = a.incident
+    reset = [f for f in a.fates if f.resets and f.first_reset_wall_ns is not None]
+    if not reset:
+        return None
+    first_reset = min(f.first_reset_wall_ns or 0 for f in reset)
+    failed = _first_failure_wall(inc)
+    if failed is not None and failed + RESET_SKEW_NS < first_reset:
+        return None  # a rank failed first: its death reset its connections
+    hosts = shared_hosts(reset, len(inc.hosts))
+    if not hosts:
+        return None
+    names = _names(inc, hosts)
+    procs = [i for i, h in enumerate(proc_hosts(inc)) if h in hosts]
+    ranks, _, pids = who(inc, procs)
+    peers = sorted({inc.hosts[h] for f in reset for h in f.hosts} - set(names))
+    where = f"host {names[0]}" if len(hosts) == 1 else f"hosts {names[0]} and {names[1]}"
+    summary = (
+        f"the job's connections of {where} were reset ({sum(f.resets for f in reset)} resets, "
+        f"with {', '.join(peers) or 'its peer'}); the ranks failed after them"
+    )
+    failures = [
+        f"consequence: {p.label()} exited ({_death(p.exit_code, p.exit_signal)})"
+        for p in inc.procs
+        if p.died_badly
+    ][:MAX_LISTED]
+    evidence = [
+        f"hosts {inc.hosts[f.hosts[0]]} and {inc.hosts[f.hosts[1]]}: a connection reset "
+        f"({f.resets} reset row(s))"
+        for f in reset[:MAX_LISTED]
+    ] + failures
+    return Verdict(
+        VerdictKind.NETWORK_PARTITION,
+        ranks,
+        names,
+        pids,
+        None,
+        None,
+        None,
+        summary,
+        tuple(evidence),
+    )
+
+
+def _death(code: int | None, signal: int | None) -> str:
+    return f"signal {signal}" if signal else f"code {code}"
+
+
+def _first_failure_wall(inc: Incident) -> int | None:
+    """When the first rank died or had a call fail (wall clock)."""
+    times = [p.exit_wall_ns for p in inc.procs if p.died_badly and p.exit_wall_ns]
+    rows = inc.calls.rows
+    if len(rows):
+        failed = rows["result"] > 0
+        if failed.any():
+            hosts = np.array(proc_hosts(inc), dtype=np.int64)
+            walls = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
+            when = rows["end"][failed] + walls[hosts[rows["proc"][failed]]]
+            times.append(int(when.min()))
+    return min(times) if times else None

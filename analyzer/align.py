@@ -31,6 +31,8 @@ from .columns import Columns
 from .detect.stragglers import RECENT_GROUPS
 from .incident import (
     CALL_DTYPE,
+    HELD_DTYPE,
+    HELD_NS,
     SCHED_DTYPE,
     TCP_DTYPE,
     WAIT_DTYPE,
@@ -133,8 +135,12 @@ def incident_from_recordings(
     sources = sorted(sources, key=lambda s: (s.recording.host, s.path))
     sources, report = _align_late(sources)
     hosts = tuple(sorted({s.recording.host for s in sources}))
+    tcp = _tcp(sources, hosts)
     shown = Progress("read the NCCL calls of {}/{} dumps", len(sources), progress)
-    stage, extracts = _extract_all(sources, consume, shown)
+    # retransmission timeouts: a stall the job may have come back from, long
+    # before the window (detect.partition's flap)
+    whole = bool((tcp["backoff"] > 0).any() or (tcp["known"] == 0).any())
+    stage, extracts = _extract_all(sources, consume, shown, whole)
     shown.close()
     now = _host_now(extracts)
     procs, proc_index = _procs(extracts)
@@ -149,7 +155,7 @@ def incident_from_recordings(
         procs=tuple(procs),
         comms=tuple(comms),
         calls=calls,
-        tcp=_tcp(sources, hosts),
+        tcp=tcp,
         sched=_sched(sources, hosts),
         sources=tuple(s.path for s in sources),
         notes=tuple(f"{e.error}: its NCCL calls are left out" for e in extracts if e.error),
@@ -161,7 +167,21 @@ def incident_from_recordings(
         captured=tuple(clocks.get(h, (None, None))[1] for h in hosts),
         machines=_machines(sources, hosts),
         waiting=_waiting_procs(extracts, proc_index),
+        held=_held_calls(extracts, proc_index),
     )
+
+
+def _held_calls(extracts: list[_Extract], proc_index: dict[tuple[str, int], int]) -> np.ndarray:
+    parts = []
+    for e in extracts:
+        if e.held is None or not len(e.held):
+            continue
+        host = e.source.recording.host
+        procs = np.array([proc_index.get((host, int(p)), -1) for p in e.held["proc"]])
+        rows = e.held[procs >= 0].copy()
+        rows["proc"] = procs[procs >= 0]
+        parts.append(rows)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=HELD_DTYPE)
 
 
 def _waiting_procs(extracts: list[_Extract], proc_index: dict[tuple[str, int], int]) -> np.ndarray:
@@ -256,6 +276,7 @@ class _Extract:
     # (pid, op, entered) of each process whose latest call (a group's end
     # included) had not returned when the dump was taken
     waiting: tuple[tuple[int, int, int], ...] = ()
+    held: np.ndarray | None = None  # its long calls (HELD_DTYPE, "proc" a pid), window or not
 
 
 # the stage: CALL_DTYPE's columns, "proc" holding indices into the source's
@@ -266,11 +287,13 @@ NO_PIDS = np.zeros(0, dtype=np.uint32)
 
 
 def _extract_all(
-    sources: list[Source], consume: bool, shown: Progress | None = None
+    sources: list[Source], consume: bool, shown: Progress | None = None, whole: bool = False
 ) -> tuple[Columns, list[_Extract]]:
     """Every source's call rows into one stage table, a few threads each
     taking a run of sources (and its own run of the table).  A ring left in
-    its file is read into the thread's one buffer, copied out, forgotten."""
+    its file is read into the thread's one buffer, copied out, forgotten.
+    ``whole``: each ring's long calls are looked for beyond the window too
+    (the whole ring is read: a stall the job came back from)."""
     windows = [_window(s) for s in sources]
     sizes = [keep for _, keep in windows]
     for s, (skip, _) in zip(sources, windows, strict=True):
@@ -290,21 +313,24 @@ def _extract_all(
                 ring = s.recording.rings.get("nccl")
                 rows = ring.rows[skip:] if ring is not None else None
                 complete = ring is None or (ring.overwritten == 0 and not skip)
-                out.append(_extract(s, rows, complete, stage, at))
+                every = ring.rows if whole and ring is not None else None
+                out.append(_extract(s, rows, complete, stage, at, every))
                 if consume:  # the caller gave the recordings up: free each ring once read
                     s.recording.rings.pop("nccl", None)
             else:
-                nbytes = later.nbytes // max(later.rows, 1) * (later.rows - skip)
+                first = 0 if whole else skip
+                nbytes = later.nbytes // max(later.rows, 1) * (later.rows - first)
                 if len(buffer) < nbytes:
                     buffer = bytearray(nbytes)
                 try:
-                    rows = later.read(buffer, skip)
+                    every = later.read(buffer, first)
                 except DumpError as exc:
                     out.append(_Extract(s, slice(at, at), True, None, NO_PIDS, (), (), str(exc)))
                 else:
                     complete = later.overwritten == 0 and not skip
-                    out.append(_extract(s, rows, complete, stage, at))
-                    del rows  # a view of the buffer, which the next file reuses
+                    rows = every[skip - first :]
+                    out.append(_extract(s, rows, complete, stage, at, every if whole else None))
+                    del rows, every  # views of the buffer, which the next file reuses
             at = out[-1].rows.stop
             if shown is not None:
                 shown.step()
@@ -364,8 +390,15 @@ def _window(s: Source) -> tuple[int, int]:
 
 
 def _extract(
-    s: Source, raw: np.ndarray | None, complete: bool, stage: Columns, at: int
+    s: Source,
+    raw: np.ndarray | None,
+    complete: bool,
+    stage: Columns,
+    at: int,
+    every: np.ndarray | None = None,
 ) -> _Extract:
+    """``every``: the whole ring, where the long calls are looked for (else
+    ``raw``, the window)."""
     rec = s.recording
     if raw is None or not len(raw):
         return _Extract(s, slice(at, at), complete, None, NO_PIDS, (), ())
@@ -408,7 +441,26 @@ def _extract(
         members = tuple((int(h), int(p), int(r), int(nr)) for h, p, r, nr in keys.tolist())
     latest = int(max(stage["ts"][dst].max(), stage["end"][dst].max())) if n else None
     pids = tuple(int(p) for p in scope[used])
-    return _Extract(s, dst, complete, latest, scope, pids, members, waiting=_waiting(raw, scope))
+    if every is not None and len(every) > len(raw):
+        every = every if every.dtype == NCCL_EVENT else every.astype(NCCL_EVENT)
+        long_calls = _held(every, IS_CALL[every["op"]] & _member_of(every["pid"], scope))
+    else:
+        long_calls = _held(raw, keep)
+    return _Extract(
+        s, dst, complete, latest, scope, pids, members,
+        waiting=_waiting(raw, scope), held=long_calls,
+    )  # fmt: skip
+
+
+def _held(raw: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """The calls of the whole ring (not only the window) that took HELD_NS
+    and more: a stall the job came back from, however long ago."""
+    sel = np.flatnonzero(keep & (raw["end_ns"] > 0))
+    sel = sel[(raw["end_ns"][sel] - raw["ts_ns"][sel]).astype(np.int64) >= HELD_NS]
+    out = np.zeros(len(sel), dtype=HELD_DTYPE)
+    out["proc"], out["hash"], out["seq"] = raw["pid"][sel], raw["comm_hash"][sel], raw["seq"][sel]
+    out["op"], out["ts"], out["end"] = raw["op"][sel], raw["ts_ns"][sel], raw["end_ns"][sel]
+    return out
 
 
 def _waiting(raw: np.ndarray, scope: np.ndarray) -> tuple[tuple[int, int, int], ...]:

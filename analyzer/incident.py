@@ -162,6 +162,12 @@ TCP_DTYPE = np.dtype(
 # A process blocked in a call (its group's end included) when its dump was
 # taken: proc, the call's op, when it entered it (its host's clock).
 WAIT_DTYPE = np.dtype([("proc", "<i4"), ("op", "u1"), ("ts", "<i8")])
+# A call of the whole ring (not only the analyzed window) that took HELD_NS
+# and more: proc, its communicator's hash, seq, op, entry and return (host clock).
+HELD_NS = 1_000_000_000
+HELD_DTYPE = np.dtype(
+    [("proc", "<i4"), ("hash", "<u8"), ("seq", "<i8"), ("op", "u1"), ("ts", "<i8"), ("end", "<i8")]
+)
 # holder: the process that held the CPU until the waiting thread got it (the
 # last one; 0 the idle task), dumpers.schema.PREV_PID_UNKNOWN if not recorded
 SCHED_DTYPE = np.dtype(
@@ -215,6 +221,7 @@ class Incident:
     # machine); () where every host is its own
     machines: tuple[int, ...] = ()
     waiting: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=WAIT_DTYPE))
+    held: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=HELD_DTYPE))
 
     @property
     def retransmits(self) -> np.ndarray:
@@ -504,12 +511,13 @@ class ConnFate:
     timeouts: int  # retransmits that were retransmission timeouts
     backoff: int  # timeouts in a row, in its last run of them (0: none)
     no_ack_ns: int | None  # nothing acknowledged for at least so long, at its last retransmit
-    stop_wall_ns: int | None  # when acknowledgements stopped (at the latest)
+    stop_wall_ns: int | None  # when acknowledgements stopped (at the latest), last run
     last_wall_ns: int | None  # its last retransmit
     dead: bool  # still stopped when its host's dump was taken
-    recovered_wall_ns: int | None  # stopped, then acknowledged again after this
     resets: int  # resets sent or received
     first_reset_wall_ns: int | None
+    # runs of timeouts it came back from: (stopped, acknowledged again after)
+    outages: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,6 +53,7 @@ SLOW_NS = 1_000_000_000  # a collective this long on every member, with stopped 
 DUE_SLACK_NS = 500_000_000  # a timeout due this long before the dump and not seen: acked
 RESET_SKEW_NS = 50_000_000  # clocks of two hosts may differ by this much
 BACKOFF_GROWTH = 1.5  # timeouts back off: each gap this much longer than the one before
+MIN_RTO_NS = 150_000_000  # below the kernel's smallest RTO (200 ms): no timeout
 
 RESET_EVENTS = (int(TcpEvent.TCP_SEND_RESET), int(TcpEvent.TCP_RECEIVE_RESET))
 
@@ -89,63 +90,119 @@ def _now(inc: Incident, host: int) -> int:
 
 
 def _fate(rows: np.ndarray, wall: np.ndarray, now: np.ndarray) -> ConnFate:
-    hosts = (
-        int(min(rows["local"][0], rows["remote"][0])),
-        int(max(rows["local"][0], rows["remote"][0])),
+    """One connection, from the rows of both of its ends: each end told
+    alone (its own timeouts, on its own clock), then together."""
+    ends = [_end_fate(rows[rows["host"] == h], wall[rows["host"] == h], now)
+            for h in np.unique(rows["host"]).tolist()]  # fmt: skip
+    x, y = int(rows["local"][0]), int(rows["remote"][0])
+    stops = [e.stop_wall_ns for e in ends if e.stop_wall_ns is not None]
+    resets = [e.first_reset_wall_ns for e in ends if e.first_reset_wall_ns is not None]
+    no_ack = [e.no_ack_ns for e in ends if e.no_ack_ns is not None]
+    lasts = [e.last_wall_ns for e in ends if e.last_wall_ns is not None]
+    return ConnFate(
+        hosts=(min(x, y), max(x, y)),
+        retransmits=sum(e.retransmits for e in ends),
+        timeouts=sum(e.timeouts for e in ends),
+        backoff=max(e.backoff for e in ends),
+        no_ack_ns=max(no_ack) if no_ack else None,
+        stop_wall_ns=min(stops) if stops else None,
+        last_wall_ns=max(lasts) if lasts else None,
+        dead=any(e.dead for e in ends),
+        resets=sum(e.resets for e in ends),
+        first_reset_wall_ns=min(resets) if resets else None,
+        outages=tuple(sorted(o for e in ends for o in e.outages)),
     )
+
+
+def _end_fate(rows: np.ndarray, wall: np.ndarray, now: np.ndarray) -> ConnFate:
+    """One end of a connection: the rows its host recorded, in time order."""
+    hosts = (int(rows["local"][0]), int(rows["remote"][0]))
     resets = np.isin(rows["event"], RESET_EVENTS)
     rt, rt_wall = rows[~resets], wall[~resets]
     first_reset = int(wall[resets].min()) if resets.any() else None
     if not len(rt):
-        return ConnFate(
-            hosts, 0, 0, 0, None, None, None, False, None, int(resets.sum()), first_reset
-        )
+        return ConnFate(hosts, 0, 0, 0, None, None, None, False, int(resets.sum()), first_reset)
     known = rt["known"] > 0
     if known.all():
         backoff, no_ack = rt["backoff"].astype(np.int64), rt["no_ack"]
     else:
         backoff, no_ack = _backoff_from_spacing(rt["ts"]), np.zeros(len(rt), dtype=np.int64)
         backoff[known], no_ack[known] = rt["backoff"][known], rt["no_ack"][known]
-    # the last run of timeouts: after the last retransmit that was no timeout
-    calm = np.flatnonzero(backoff == 0)
-    run = slice(int(calm[-1]) + 1 if len(calm) else 0, len(rt))
-    last = len(rt) - 1
-    stopped_for = int(no_ack[last]) if known[last] else _spread(rt["ts"][run])
-    stop_wall = int(rt_wall[last]) - stopped_for if len(rt[run]) else None
-    stuck = int(backoff[run].max()) if len(rt[run]) else 0
-    dead = False
-    recovered = None
-    if stuck >= DEAD_BACKOFF and stopped_for >= DEAD_NO_ACK_NS / 2:
-        host_now = int(now[int(rt["host"][last])])
-        due = _next_timeout(rt["ts"][run], rt["rto"][run])
-        dead = host_now >= 0 and (due is None or host_now <= due + DUE_SLACK_NS)
-        if dead:  # nothing acknowledged since, up to the dump
-            stopped_for += host_now - int(rt["ts"][last])
-        else:  # acknowledged again before its next timeout was due
-            recovered = int(rt_wall[last])
+    host_now = int(now[int(rt["host"][0])])
+    runs = [
+        dataclasses.replace(
+            _run(rt[a:b], rt_wall[a:b], backoff[a:b], no_ack[a:b], known[a:b], host_now), end=b
+        )
+        for a, b in _runs_of(backoff)
+    ]
+    last = runs[-1] if runs and runs[-1].end == len(rt) else None
+    dead = last is not None and last.dead
     return ConnFate(
         hosts=hosts,
         retransmits=len(rt),
         timeouts=int(np.count_nonzero(backoff)),
-        backoff=stuck,
-        no_ack_ns=stopped_for if stuck else None,
-        stop_wall_ns=stop_wall if stuck else None,
-        last_wall_ns=int(rt_wall[last]),
+        backoff=last.backoff if last is not None else 0,
+        no_ack_ns=last.no_ack if last is not None else None,
+        stop_wall_ns=last.stop_wall if last is not None else None,
+        last_wall_ns=int(rt_wall[-1]),
         dead=dead,
-        recovered_wall_ns=recovered,
         resets=int(resets.sum()),
         first_reset_wall_ns=first_reset,
+        outages=tuple((r.stop_wall, r.back_wall) for r in runs if r.back_wall is not None),
     )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Run:
+    """A run of retransmission timeouts on one end of a connection."""
+
+    end: int  # index after its last row
+    backoff: int
+    no_ack: int  # nothing acknowledged for at least (up to the dump, if dead)
+    stop_wall: int
+    dead: bool  # still stopped at the dump
+    back_wall: int | None  # stopped for long enough, then acknowledged again after this
+
+
+def _runs_of(backoff: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of rows with backoff >= 1."""
+    on = np.r_[False, backoff > 0, False]
+    edges = np.flatnonzero(on[1:] != on[:-1])
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+def _run(
+    rt: np.ndarray, wall: np.ndarray, backoff: np.ndarray, no_ack: np.ndarray, known: np.ndarray,
+    host_now: int,
+) -> _Run:  # fmt: skip
+    end = len(rt) - 1
+    stopped_for = int(no_ack[end]) if known[end] else _spread(rt["ts"])
+    stop_wall = int(wall[end]) - stopped_for
+    stuck = int(backoff.max())
+    # told from spacing alone, one timeout more is asked for
+    needed = DEAD_BACKOFF if known[end] else DEAD_BACKOFF + 1
+    if stuck < needed or stopped_for < DEAD_NO_ACK_NS / 2:
+        return _Run(0, stuck, stopped_for, stop_wall, False, None)
+    due = _next_timeout(rt["ts"], rt["rto"])
+    dead = host_now >= 0 and (due is None or host_now <= due + DUE_SLACK_NS)
+    if dead:  # nothing acknowledged since, up to the dump
+        return _Run(0, stuck, stopped_for + host_now - int(rt["ts"][end]), stop_wall, True, None)
+    return _Run(0, stuck, stopped_for, stop_wall, False, int(wall[end]))
+
+
 def _backoff_from_spacing(ts: np.ndarray) -> np.ndarray:
-    """Timeouts in a row told from when retransmits came alone: each gap
-    ``BACKOFF_GROWTH`` times the one before continues a run."""
+    """Timeouts in a row told from when retransmits came: a gap of at least
+    the smallest RTO starts a run, and each gap ``BACKOFF_GROWTH`` times the
+    one before continues it (the first gap of a run is the time since
+    whatever came before: it is not compared)."""
     out = np.zeros(len(ts), dtype=np.int64)
     gaps = np.diff(ts.astype(np.int64))
     for i in range(1, len(ts)):
-        grew = i >= 2 and gaps[i - 1] >= BACKOFF_GROWTH * max(gaps[i - 2], 1)
-        out[i] = out[i - 1] + 1 if grew or (i == 1 and gaps[0] >= 200_000_000) else 0
+        gap = gaps[i - 1]
+        if gap < MIN_RTO_NS:
+            continue
+        grew = out[i - 1] <= 1 or gap >= BACKOFF_GROWTH * gaps[i - 2]
+        out[i] = out[i - 1] + 1 if grew else 1
     return out
 
 
@@ -312,35 +369,29 @@ def _flap(a: Analysis) -> Verdict | None:
     """Connections stopped and acknowledged again, inside a window in which
     every member's collective took SLOW_NS and more."""
     inc = a.incident
-    recovered = [f for f in a.fates if f.recovered_wall_ns is not None and f.stop_wall_ns]
-    if not recovered:
-        return None
     held = _held_collectives(a)
     if not held:
         return None
-    inside = [
-        f
-        for f in recovered
-        if any(
-            h.start <= (f.recovered_wall_ns or 0) and (f.stop_wall_ns or 0) <= h.end for h in held
-        )
-    ]
+
+    def during(outage: tuple[int, int]) -> bool:
+        return any(h.start <= outage[1] and outage[0] <= h.end for h in held)
+
+    inside = [f for f in a.fates if any(during(o) for o in f.outages)]
     hosts = shared_hosts(inside, len(inc.hosts))
     if not hosts:
         return None
     names = _names(inc, hosts)
     procs = [i for i, h in enumerate(proc_hosts(inc)) if h in hosts]
     ranks, _, pids = who(inc, procs)
-    start = min(f.stop_wall_ns or 0 for f in inside)
-    end = max(f.recovered_wall_ns or 0 for f in inside)
+    spans = [o for f in inside for o in f.outages if during(o)]
+    start, end = min(s for s, _ in spans), max(e for _, e in spans)
     place = f"host {names[0]} off" if len(hosts) == 1 else f"hosts {names[0]} and {names[1]} apart"
     summary = (
-        f"the network cut {place} for {_s(end - start)} and it came back: every rank's "
+        f"the network cut {place} for {_s(end - start)} or more and it came back: every rank's "
         f"collectives waited for it (up to {_s(max(h.shortest for h in held))})"
     )
-    evidence = _connection_lines(inc, inside)
+    evidence = _outage_lines(inc, inside)
     evidence += [f"{h.text} took {_s(h.shortest)} and more on every member" for h in held]
-    evidence = evidence[: 2 * MAX_LISTED]
     return Verdict(
         VerdictKind.NETWORK_PARTITION,
         ranks,
@@ -350,8 +401,20 @@ def _flap(a: Analysis) -> Verdict | None:
         None,
         None,
         summary,
-        tuple(evidence),
+        tuple(evidence[: 2 * MAX_LISTED]),
     )
+
+
+def _outage_lines(inc: Incident, conns: list[ConnFate]) -> list[str]:
+    by_pair: dict[tuple[int, int], list[ConnFate]] = defaultdict(list)
+    for f in conns:
+        by_pair[f.hosts].append(f)
+    return [
+        f"hosts {inc.hosts[x]} and {inc.hosts[y]}: {len(fs)} connection(s) stopped being "
+        f"acknowledged for up to {_s(max(b - s for f in fs for s, b in f.outages))}, then "
+        f"were acknowledged again ({sum(f.timeouts for f in fs)} timeouts)"
+        for (x, y), fs in sorted(by_pair.items())
+    ]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -365,25 +428,31 @@ class Held:
 
 
 def _held_collectives(a: Analysis) -> list[Held]:
-    m = a.matched
-    rows = m.rows
-    if not len(rows) or not len(m.gid):
-        return []
+    """The collectives every member of took SLOW_NS and more (the whole
+    rings: a flap long before the dump is still in them)."""
     inc = a.incident
+    rows = inc.held
+    if not len(rows):
+        return []
     hosts = np.array(proc_hosts(inc), dtype=np.int64)
     walls = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
-    done = rows["end"] > 0
-    dur = np.where(done, rows["end"] - rows["ts"], 0)
-    starts = np.flatnonzero(np.r_[True, m.gid[1:] != m.gid[:-1]])
-    shortest = np.minimum.reduceat(dur, starts)
+    size = {c.comm_hash: c.nranks for c in inc.comms}
+    name = {c.comm_hash: c.name for c in inc.comms}
     out = []
-    for g in np.flatnonzero(shortest >= SLOW_NS).tolist():
-        a_, b_ = int(starts[g]), int(starts[g + 1]) if g + 1 < len(starts) else len(rows)
-        wall = walls[hosts[rows["proc"][a_:b_]]]
-        comm = inc.comms[int(rows["comm"][a_])]
-        text = f"{op_name(int(rows['op'][a_]))} seq {int(rows['seq'][a_])} on {comm.name}"
-        start, end = int((rows["ts"][a_:b_] + wall).min()), int((rows["end"][a_:b_] + wall).max())
-        out.append(Held(start, end, int(shortest[g]), text))
+    keys = np.rec.fromarrays([rows["hash"], rows["seq"]])
+    for key in np.unique(keys):
+        mine = rows[(rows["hash"] == key[0]) & (rows["seq"] == key[1])]
+        nranks = size.get(int(key[0]), 0)
+        if nranks < 2 or len(np.unique(mine["proc"])) < nranks:
+            continue  # some member did not wait that long
+        wall = walls[hosts[mine["proc"]]]
+        shortest = int((mine["end"] - mine["ts"]).min())
+        if shortest < SLOW_NS:
+            continue
+        text = f"{op_name(int(mine['op'][0]))} seq {int(key[1])} on {name[int(key[0])]}"
+        out.append(
+            Held(int((mine["ts"] + wall).min()), int((mine["end"] + wall).max()), shortest, text)
+        )
     return out
 
 
@@ -414,10 +483,13 @@ def _reset(a: Analysis) -> Verdict | None:
         for p in inc.procs
         if p.died_badly
     ][:MAX_LISTED]
+    by_pair: dict[tuple[int, int], list[ConnFate]] = defaultdict(list)
+    for f in reset:
+        by_pair[f.hosts].append(f)
     evidence = [
-        f"hosts {inc.hosts[f.hosts[0]]} and {inc.hosts[f.hosts[1]]}: a connection reset "
-        f"({f.resets} reset row(s))"
-        for f in reset[:MAX_LISTED]
+        f"hosts {inc.hosts[x]} and {inc.hosts[y]}: {len(fs)} connection(s) reset "
+        f"({sum(f.resets for f in fs)} resets sent and received)"
+        for (x, y), fs in sorted(by_pair.items())
     ] + failures
     return Verdict(
         VerdictKind.NETWORK_PARTITION,

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from stallwatch.dumpers.model import (
     Clock,
     CommInfo,
+    LinkInfo,
     ProcessInfo,
     Recording,
     Ring,
@@ -108,7 +109,23 @@ def sample_recording(
         ),
         counters={"events_total": 123456, "drops": 0},
         snapshots=(sample_snapshot(1000, 4 * 10**9), sample_snapshot(1000, 5 * 10**9)),
+        links=sample_links(),
     )
+
+
+def sample_links() -> tuple[LinkInfo, ...]:
+    """A node's eth0 used by both ranks, its loopback, and an RDMA port one rank opened."""
+    eth0 = LinkInfo(
+        1, "eth0", "netdev", device="0000:3b:00.0", ifindex=2,
+        addresses=("10.0.0.2/24", "fe80::1/64"), mtu=9000, speed_mbps=100_000,
+        pids=(1000, 1001), first_ns=10**9,
+    )  # fmt: skip
+    lo = LinkInfo(2, "lo", "netdev", ifindex=1, addresses=("127.0.0.1/8",), mtu=65536)
+    ib = LinkInfo(
+        3, "mlx5_0:1", "rdma", device="mlx5_0", port=1, netdev="eth0", link_layer="Ethernet",
+        speed_mbps=100_000, pids=(1000,), first_ns=10**9, gone_ns=4 * 10**9,
+    )  # fmt: skip
+    return (eth0, lo, ib)
 
 
 def sample_snapshot(pid: int, taken_ns: int) -> ThreadReading:
@@ -143,6 +160,7 @@ def assert_same(a: Recording, b: Recording) -> None:
         "trigger",
         "counters",
         "snapshots",
+        "links",
     ):
         assert getattr(a, name) == getattr(b, name), name
     assert list(a.rings) == list(b.rings)
@@ -264,6 +282,26 @@ triggers = st.builds(
     origin_host=text,
 )
 
+opt_text = st.none() | text
+links = st.builds(
+    LinkInfo,
+    id=u32,
+    name=text,
+    kind=st.sampled_from(["netdev", "rdma"]),
+    device=opt_text,
+    port=st.none() | u32,
+    ifindex=st.none() | i32,
+    netdev=opt_text,
+    link_type=opt_text,
+    link_layer=opt_text,
+    addresses=st.lists(text, max_size=3).map(tuple),
+    mtu=st.none() | u32,
+    speed_mbps=st.none() | u32,
+    pids=st.lists(u32, max_size=4).map(tuple),
+    first_ns=u64,
+    gone_ns=u64,
+)
+
 recordings = st.builds(
     Recording,
     host=text,
@@ -277,6 +315,7 @@ recordings = st.builds(
     trigger=st.none() | triggers,
     counters=st.dictionaries(text, u64, max_size=5),
     snapshots=st.lists(snapshots, max_size=2).map(tuple),
+    links=st.lists(links, max_size=4, unique_by=lambda li: li.id).map(tuple),
 )
 
 

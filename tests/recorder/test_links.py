@@ -433,3 +433,40 @@ def test_tables_of_a_sampler_recording_name_every_row(sysfs: Path) -> None:
     assert t.num_rows == 4 and t.column("interface").null_count == 0
     assert sorted(t.column("interface").to_pylist()) == [
         "mlx4_0:1", "mlx4_0:2", "mlx5_0:1", "mlx5_1:1"]  # fmt: skip
+
+
+# ---------------------------------------------------------------- in the agent
+
+
+def test_the_agent_dumps_its_link_ring_and_links_and_serves_them_as_metrics(
+    sysfs: Path, tmp_path: Path
+) -> None:
+    from stallwatch.dumpers.format import read_dump
+    from stallwatch.dumpers.model import ProcessInfo
+    from stallwatch.recorder.agent import Agent, AgentConfig
+    from stallwatch.recorder.source import ReplaySource
+
+    fd = tmp_path / "proc" / "4001" / "fd"
+    fd.mkdir(parents=True)
+    os.symlink("/dev/infiniband/uverbs1", fd / "9")
+    links = LinkConfig(rdma_root=sysfs / "infiniband", verbs_root=sysfs / "infiniband_verbs",
+                       proc_root=tmp_path / "proc")  # fmt: skip
+    config = AgentConfig(dump_dir=tmp_path / "dumps", host_name="node-l", links=links)
+    agent = Agent(config, ReplaySource())
+    try:
+        agent.procs.add(ProcessInfo(4001, "python3", "train.py", 0, 1, ()))
+        agent.tick()
+        answer = agent.request_dump("by test")
+        dumped = read_dump(str(answer["path"]))
+        by_name = {li.name: li for li in dumped.links}
+        assert {"mlx4_0:1", "mlx4_0:2", "mlx5_0:1", "mlx5_1:1"} <= set(by_name)
+        assert by_name["mlx5_1:1"].pids == (4001,) and by_name["mlx5_0:1"].pids == ()
+        rows = dumped.rings["link"].rows
+        assert set(rows["link"].tolist()) == {li.id for li in dumped.links}
+        assert (rows["event"] == LinkEvent.SEEN).sum() == len(dumped.links)
+        text = agent.metrics_text()
+        assert 'stallwatch_link_carrier{interface="mlx4_0:2",kind="rdma"} 0.0' in text
+        assert 'stallwatch_link_processes{interface="mlx5_1:1",kind="rdma"} 1.0' in text
+        assert 'stallwatch_events_recorded_total{kind="link"}' in text
+    finally:
+        agent.close()

@@ -69,6 +69,8 @@
 /* `tcp_event.event`: the kernel event a TCP row records (the SQL spelling is the name in lower case, the tracepoint's). */
 #define TCPEV_TCP_RETRANSMIT_SKB 1
 #define TCPEV_INET_SOCK_SET_STATE 2
+#define TCPEV_TCP_SEND_RESET 3
+#define TCPEV_TCP_RECEIVE_RESET 4
 
 /* `exit_event.event`. */
 #define EXITEV_EXIT_GROUP 1
@@ -108,7 +110,9 @@
 #define DROP_RQ_FULL 8
 #define DROP_CUDA_QUEUE 9
 #define DROP_GRAPH_FULL 10
-#define DROP_SLOTS 11
+#define DROP_TCP_FILTERED 11
+#define DROP_CONN_FULL 12
+#define DROP_SLOTS 13
 
 /* Every record begins with it. */
 struct event_header {
@@ -224,21 +228,36 @@ _Static_assert(__builtin_offsetof(struct comm_event, _pad1) == 82, "comm_event._
 _Static_assert(__builtin_offsetof(struct comm_event, result) == 84, "comm_event.result");
 _Static_assert(__builtin_offsetof(struct comm_event, unique_id) == 88, "comm_event.unique_id");
 
-/* A TCP event of a socket; the header's pid is its owning process, 0 if unknown. */
+/* A TCP event of a job's socket, decided in the kernel (bpf/tcp.c): the
+ * header's pid is the owning process, 0 if unknown.  Retransmits carry the
+ * connection's state as the kernel had it (read by the sock_ops program: the
+ * row is completed right after it is written), resets their reason.
+ */
 struct tcp_event {
 	struct event_header hdr;
 	__u64 skaddr;
-	__u8 saddr[16]; /* IPv4 in the first 4 bytes when family == AF_INET */
-	__u8 daddr[16];
+	__u8 saddr[16]; /* this end's address; IPv4 in the first 4 bytes when family == AF_INET */
+	__u8 daddr[16]; /* the peer's */
 	__u16 sport;
 	__u16 dport;
 	__u16 family;
 	__u8 event; /* TCPEV_* */
-	__u8 _pad1;
+	__u8 backoff; /* retransmission timeouts in a row, this one included, 0: none */
 	__s32 state; /* tcp state (old state for TCPEV_INET_SOCK_SET_STATE) */
 	__s32 newstate; /* TCPEV_INET_SOCK_SET_STATE only */
+	__u64 no_ack_ns; /* nothing acknowledged for at least this long */
+	__u32 srtt_us; /* smoothed round-trip time */
+	__u32 rto_us; /* retransmission timeout, 0: unknown */
+	__u32 unacked; /* bytes sent and not acknowledged */
+	__u32 packets_out; /* segments in flight */
+	__u32 retrans_out; /* of them, retransmitted */
+	__u16 reason; /* resets: enum sk_rst_reason */
+	__u8 conn_known; /* 1: the fields from no_ack_ns on were read, 0: unknown */
+	__u8 _pad1;
+	__s32 err; /* retransmits: the send's result (0, or -errno: not sent) */
+	__u32 _pad2;
 };
-_Static_assert(sizeof(struct tcp_event) == 88, "tcp_event size");
+_Static_assert(sizeof(struct tcp_event) == 128, "tcp_event size");
 _Static_assert(__builtin_offsetof(struct tcp_event, skaddr) == 32, "tcp_event.skaddr");
 _Static_assert(__builtin_offsetof(struct tcp_event, saddr) == 40, "tcp_event.saddr");
 _Static_assert(__builtin_offsetof(struct tcp_event, daddr) == 56, "tcp_event.daddr");
@@ -246,9 +265,20 @@ _Static_assert(__builtin_offsetof(struct tcp_event, sport) == 72, "tcp_event.spo
 _Static_assert(__builtin_offsetof(struct tcp_event, dport) == 74, "tcp_event.dport");
 _Static_assert(__builtin_offsetof(struct tcp_event, family) == 76, "tcp_event.family");
 _Static_assert(__builtin_offsetof(struct tcp_event, event) == 78, "tcp_event.event");
-_Static_assert(__builtin_offsetof(struct tcp_event, _pad1) == 79, "tcp_event._pad1");
+_Static_assert(__builtin_offsetof(struct tcp_event, backoff) == 79, "tcp_event.backoff");
 _Static_assert(__builtin_offsetof(struct tcp_event, state) == 80, "tcp_event.state");
 _Static_assert(__builtin_offsetof(struct tcp_event, newstate) == 84, "tcp_event.newstate");
+_Static_assert(__builtin_offsetof(struct tcp_event, no_ack_ns) == 88, "tcp_event.no_ack_ns");
+_Static_assert(__builtin_offsetof(struct tcp_event, srtt_us) == 96, "tcp_event.srtt_us");
+_Static_assert(__builtin_offsetof(struct tcp_event, rto_us) == 100, "tcp_event.rto_us");
+_Static_assert(__builtin_offsetof(struct tcp_event, unacked) == 104, "tcp_event.unacked");
+_Static_assert(__builtin_offsetof(struct tcp_event, packets_out) == 108, "tcp_event.packets_out");
+_Static_assert(__builtin_offsetof(struct tcp_event, retrans_out) == 112, "tcp_event.retrans_out");
+_Static_assert(__builtin_offsetof(struct tcp_event, reason) == 116, "tcp_event.reason");
+_Static_assert(__builtin_offsetof(struct tcp_event, conn_known) == 118, "tcp_event.conn_known");
+_Static_assert(__builtin_offsetof(struct tcp_event, _pad1) == 119, "tcp_event._pad1");
+_Static_assert(__builtin_offsetof(struct tcp_event, err) == 120, "tcp_event.err");
+_Static_assert(__builtin_offsetof(struct tcp_event, _pad2) == 124, "tcp_event._pad2");
 
 /* A rank thread that waited in the run queue longer than the threshold.
  * prev_pid: the process (tgid) that held the CPU until the thread got it,

@@ -106,6 +106,8 @@ class TcpEvent(enum.IntEnum):
 
     TCP_RETRANSMIT_SKB = 1
     INET_SOCK_SET_STATE = 2
+    TCP_SEND_RESET = 3  # this end sent a reset (the socket, or a segment no socket took)
+    TCP_RECEIVE_RESET = 4  # the peer reset the connection
 
 
 class ExitEvent(enum.IntEnum):
@@ -172,6 +174,8 @@ KERNEL_COUNTERS: tuple[tuple[str, str], ...] = (
     ("RQ_FULL", "kernel_runq_maps_full"),  # run-queue maps full
     ("CUDA_QUEUE", "kernel_cuda_queue_full"),  # a stream queued more calls than cuda.h keeps
     ("GRAPH_FULL", "kernel_graph_full"),  # a graph captured more calls than cuda.h keeps
+    ("TCP_FILTERED", "kernel_tcp_filtered"),  # TCP events of no job socket: left out, not lost
+    ("CONN_FULL", "kernel_conn_state_full"),  # `conn_state` full: a row without connection state
 )
 DROP_NAMES: tuple[str, ...] = (
     *(f"kernel_lost_{ring}" for ring in RINGS),
@@ -304,17 +308,37 @@ TCP = Struct(
     "tcp_event",
     (
         Field("skaddr", "u64"),
-        Field("saddr", "u8", 16, "IPv4 in the first 4 bytes when family == AF_INET"),
-        Field("daddr", "u8", 16),
+        Field(
+            "saddr",
+            "u8",
+            16,
+            "this end's address; IPv4 in the first 4 bytes when family == AF_INET",
+        ),
+        Field("daddr", "u8", 16, "the peer's"),
         Field("sport", "u16"),
         Field("dport", "u16"),
         Field("family", "u16"),
         Field("event", "u8", note="TCPEV_*"),
-        Field("_pad1", "u8"),
+        Field("backoff", "u8", note="retransmission timeouts in a row, this one included, 0: none"),
         Field("state", "s32", note="tcp state (old state for TCPEV_INET_SOCK_SET_STATE)"),
         Field("newstate", "s32", note="TCPEV_INET_SOCK_SET_STATE only"),
+        # the connection as the kernel had it (retransmits), when conn_known
+        Field("no_ack_ns", "u64", note="nothing acknowledged for at least this long"),
+        Field("srtt_us", "u32", note="smoothed round-trip time"),
+        Field("rto_us", "u32", note="retransmission timeout, 0: unknown"),
+        Field("unacked", "u32", note="bytes sent and not acknowledged"),
+        Field("packets_out", "u32", note="segments in flight"),
+        Field("retrans_out", "u32", note="of them, retransmitted"),
+        Field("reason", "u16", note="resets: enum sk_rst_reason"),
+        Field("conn_known", "u8", note="1: the fields from no_ack_ns on were read, 0: unknown"),
+        Field("_pad1", "u8"),
+        Field("err", "s32", note="retransmits: the send's result (0, or -errno: not sent)"),
+        Field("_pad2", "u32"),
     ),
-    "A TCP event of a socket; the header's pid is its owning process, 0 if unknown.",
+    """A TCP event of a job's socket, decided in the kernel (bpf/tcp.c): the
+header's pid is the owning process, 0 if unknown.  Retransmits carry the
+connection's state as the kernel had it (read by the sock_ops program: the
+row is completed right after it is written), resets their reason.""",
 )
 
 SCHED = Struct(

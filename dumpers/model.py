@@ -18,7 +18,7 @@ from .readings import ThreadReading
 FORMAT_NAME = "stallwatch-dump"
 # 2: nccl rows carry device start and completion; 3: thread position snapshots;
 # 4: CUDA graph columns; 5: sched rows name the CPU's last holder (prev_pid);
-# 7: the link ring and the links table.
+# 7: TCP rows carry the connection's state, the link ring and the links table.
 # Older files are still read (their rows converted, no snapshots, no links).
 FORMAT_VERSION = 7
 

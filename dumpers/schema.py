@@ -191,6 +191,24 @@ NCCL_EVENT_V3 = np.dtype([*_NCCL_V1_FIELDS, *_DEVICE])
 
 COMM_EVENT = layout.COMM.dtype
 TCP_EVENT = layout.TCP.dtype
+# Before format version 7 a TCP row was its addresses, event and states
+# alone: the connection's state (backoff where `_pad1` was, and all after
+# `newstate`) reads as unknown (`conn_known` 0).
+TCP_EVENT_V6 = np.dtype(
+    [
+        *_HEADER,
+        ("skaddr", "<u8"),
+        ("saddr", "u1", (16,)),
+        ("daddr", "u1", (16,)),
+        ("sport", "<u2"),
+        ("dport", "<u2"),
+        ("family", "<u2"),
+        ("event", "u1"),
+        ("_pad1", "u1"),
+        ("state", "<i4"),
+        ("newstate", "<i4"),
+    ]
+)
 
 # `prev_pid` (format version 5 on): the process that held the CPU until the
 # waiting thread got it, the last one only (0: the idle task); where `_pad1`
@@ -211,6 +229,7 @@ RING_DTYPES_BEFORE: dict[int, dict[str, np.dtype]] = {
     1: {"nccl": NCCL_EVENT_V1},
     3: {"nccl": NCCL_EVENT_V3},
     4: {"sched": SCHED_EVENT_V4},
+    6: {"tcp": TCP_EVENT_V6},
 }
 
 

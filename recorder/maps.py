@@ -297,6 +297,26 @@ class MapSet:
         value["tgid"], value["port"] = tgid, port
         bpfsys.map_update(table.fd, np.array([0], table.spec.key).tobytes(), value.tobytes())
 
+    def set_job_endpoints(self, endpoints: dict[tuple[bytes, int, int], int]) -> None:
+        """The job endpoints whose connections the TCP programs keep (bpf/tcp.c
+        ``job_endpoints``): exactly ``endpoints`` ((address, port, family) ->
+        pid) from now on; a listener the programs learn since is added by them."""
+        table = self.maps.get("job_endpoints")
+        if table is None or table.read_only:
+            return
+        keys, _ = table.items()
+        wanted = np.zeros(len(endpoints), dtype=table.spec.key)
+        for i, (addr, port, family) in enumerate(endpoints):
+            wanted[i]["addr"] = np.frombuffer(addr, dtype=np.uint8)
+            wanted[i]["port"], wanted[i]["family"] = port, family
+        keep = {k.tobytes() for k in wanted}
+        for k in keys:
+            if k.tobytes() not in keep:
+                bpfsys.map_delete(table.fd, k.tobytes())
+        values = np.array(list(endpoints.values()), dtype=table.spec.value)
+        for k, v in zip(wanted, values, strict=True):
+            bpfsys.map_update(table.fd, k.tobytes(), v.tobytes())
+
     def items(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         return self.maps[name].items()
 
@@ -325,6 +345,11 @@ class MapSet:
             if name in ("rq_tids", "rq_enqueued", "rq_totals"):
                 for tid in tids:
                     m.delete(tid)
+                continue
+            if name in ("sock_owner", "job_endpoints"):  # the value is the owning pid
+                keys, values = m.items()
+                for k in keys[values == pid]:
+                    bpfsys.map_delete(m.fd, k.tobytes())
                 continue
             key = m.spec.key
             if key.names is not None and "pid" in key.names:

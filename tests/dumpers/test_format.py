@@ -25,6 +25,7 @@ from stallwatch.dumpers.schema import (
     PREV_PID_UNKNOWN,
     RING_DTYPES,
     SCHED_EVENT_V4,
+    TCP_EVENT_V6,
     State,
 )
 from tests.dump_samples import (
@@ -121,19 +122,21 @@ def _old_ring(doc: dict[str, object], rec: Recording, name: str, dtype: np.dtype
     return old
 
 
-def _as_version_5(rec: Recording) -> dict[str, object]:
-    """``rec``'s document as versions before 7 wrote it: no link ring, no links."""
+def _as_version_6(rec: Recording) -> dict[str, object]:
+    """``rec``'s document as versions 1 to 6 wrote it: TCP rows without the
+    connection's state, no link ring, no links."""
     doc = _doc(rec)
+    _old_ring(doc, rec, "tcp", TCP_EVENT_V6)
     del doc["links"]
     del doc["rings"]["link"]  # type: ignore[attr-defined]
-    doc["version"] = 5
+    doc["version"] = 6
     return doc
 
 
 def _as_version_4(rec: Recording) -> dict[str, object]:
     """``rec``'s document as versions 1 to 4 wrote its sched rows: without
     ``prev_pid`` (``_pad1`` where it is now, zero)."""
-    doc = _as_version_5(rec)
+    doc = _as_version_6(rec)
     _old_ring(doc, rec, "sched", SCHED_EVENT_V4)
     return doc
 
@@ -170,6 +173,21 @@ def test_version_3_rows_are_read_into_todays_with_no_graph(tmp_path: Path) -> No
     for name in ("graph", "graph_node", "replay"):
         want[name] = 0
     assert (rows == want).all()
+
+
+def test_version_6_tcp_rows_have_no_connection_state(tmp_path: Path) -> None:
+    rec = sample_recording(50)
+    rows = rec.rings["tcp"].rows
+    rows["conn_known"], rows["backoff"], rows["srtt_us"] = 1, 3, 250
+    doc = _as_version_6(rec)
+    doc["version"] = 6
+    path = tmp_path / "v6.msgpack"
+    path.write_bytes(msgpack.packb(doc, use_bin_type=True))
+    back = fmt.read_dump(path).rings["tcp"].rows
+    assert back.dtype == RING_DTYPES["tcp"] and len(back) == len(rows) > 0
+    assert (back["conn_known"] == 0).all() and (back["backoff"] == 0).all()
+    assert (back["srtt_us"] == 0).all()
+    assert (back["sport"] == rows["sport"]).all() and (back["daddr"] == rows["daddr"]).all()
 
 
 def test_version_4_sched_rows_name_no_cpu_holder(tmp_path: Path) -> None:
@@ -364,16 +382,16 @@ def test_versions_before_3_are_read_without_thread_positions(version: int) -> No
 def test_versions_before_7_are_read_without_links_and_refuse_a_link_ring() -> None:
     rec = sample_recording()
     assert rec.links and len(rec.rings["link"].rows)
-    doc = _as_version_5(rec)
+    doc = _as_version_6(rec)
     back = _decode_doc(doc)
     assert back.links == () and "link" not in back.rings
     assert len(back.rings["nccl"].rows) == 100
     doc["links"] = []
     with pytest.raises(DumpFormatError, match="document: unexpected field 'links'"):
         _decode_doc(doc)
-    doc = _as_version_5(rec)
+    doc = _as_version_6(rec)
     doc["rings"]["link"] = _doc(rec)["rings"]["link"]  # type: ignore[index]
-    with pytest.raises(DumpFormatError, match=r"rings\.link: no such ring in format version 5"):
+    with pytest.raises(DumpFormatError, match=r"rings\.link: no such ring in format version 6"):
         _decode_doc(doc)
 
 

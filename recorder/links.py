@@ -26,9 +26,11 @@ happened in (``after_ns``, ``ts_ns``].
 The ring is a user-space ring (``recorder.rings``) of ``slots`` rows,
 allocated once; the interfaces it names are a table beside it (ids never
 reused; a gone interface is kept while a row names it).  Which processes use
-an interface (``recorder.linkusers``) is read every ``map_period_s`` while
-processes are watched, soon after a link row that is not a heartbeat, and at
-each recording; a process once seen on an interface stays on it.
+an interface (``recorder.linkusers``) is read for each watched process every
+``map_period_s`` (sooner, after 2, 4, 8 ... s, while it uses nothing yet: a
+rank connects some seconds after it starts), for all of them soon after a
+link row that is not a heartbeat, and at each recording; a process once seen
+on an interface stays on it.
 
 Known limits: netdevs are those of the agent's network namespace; a
 counter's movement is seen at the next reading (1 s for netdevs, up to
@@ -112,6 +114,8 @@ _NO_NETDEV = (UNKNOWN_U64,) * len(NETDEV_COUNTERS)
 _NO_RDMA = (UNKNOWN_U64,) * (len(RDMA_COUNTERS) + len(RDMA_HW_COUNTERS))
 
 Reading = tuple[int, ...]  # one value per LINK_VALUE_FIELDS, unknown as all ones
+MAP_FIRST_NS = 2_000_000_000  # a process that uses nothing yet is looked at again after 2 s
+MAP_SOON_NS = 5_000_000_000  # after a link changed: everyone, at most this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +272,8 @@ class LinkSampler:
         self._last_sample = 0
         self._last_map = 0
         self._map_soon = False
+        self._next_map: dict[int, int] = {}  # pid -> when to look at it again
+        self._wait: dict[int, int] = {}  # pid -> how long to wait after that
         self._addresses_stale = True
 
     # ---- what the agent sees ------------------------------------------------
@@ -324,8 +330,9 @@ class LinkSampler:
             self._read_all()
             self._last_sample = self.clock()
         written = self._flush()
-        if self._mapping_due(self.clock()):
-            self.map_users(pids())
+        mapping = self._due_for_mapping(list(pids()), self.clock())
+        if mapping:
+            self.map_users(mapping)
         return written
 
     def _hear(self) -> bool:
@@ -479,11 +486,15 @@ class LinkSampler:
 
     # ---- processes ----------------------------------------------------------
 
-    def _mapping_due(self, now: int) -> bool:
-        since = now - self._last_map
-        if self._map_soon and since >= 5e9:  # a link changed: who is behind it
-            return True
-        return since >= self.config.map_period_s * 1e9
+    def _due_for_mapping(self, alive: list[int], now: int) -> list[int]:
+        """The processes to map now: all of them soon after a link changed
+        (who is behind it), else each on its own schedule: every
+        ``map_period_s``, sooner (2, 4, 8 ... s) while it uses nothing yet (a
+        rank connects some seconds after it starts)."""
+        self._next_map = {p: t for p, t in self._next_map.items() if p in alive}
+        if self._map_soon and alive and now - self._last_map >= MAP_SOON_NS:
+            return alive
+        return [p for p in alive if now >= self._next_map.get(p, 0)]
 
     def refresh_users(self, pids: Iterable[int], within_s: float = 1.0) -> None:
         """``map_users`` unless it ran less than ``within_s`` ago (a recording
@@ -493,11 +504,11 @@ class LinkSampler:
 
     def map_users(self, pids: Iterable[int]) -> None:
         """Which of ``pids`` use which interface now (added to what was seen)."""
-        self._last_map = self.clock()
-        self._map_soon = False
         pids = list(pids)
         if not pids:
             return
+        now = self._last_map = self.clock()
+        self._map_soon = False
         if self._addresses_stale and self.rtnl is not None:
             try:
                 self._set_addresses(self.rtnl.addresses())
@@ -515,14 +526,15 @@ class LinkSampler:
         cfg = self.config
         for pid in pids:
             used = linkusers.usage(pid, cfg.proc_root, cfg.verbs_root)
-            if used is None:
-                continue
-            for a in used.addresses:
-                for iface in by_address.get(a, ()):
-                    iface.pids.add(pid)
-            for d in used.rdma_devices:
-                for iface in by_device.get(d, ()):
-                    iface.pids.add(pid)
+            found = [i for a in used.addresses for i in by_address.get(a, ())] if used else []
+            found += [i for d in used.rdma_devices for i in by_device.get(d, ())] if used else []
+            for iface in found:
+                iface.pids.add(pid)
+            wait = self._wait.get(pid, MAP_FIRST_NS)
+            if found:
+                wait = int(cfg.map_period_s * 1e9)
+            self._next_map[pid] = now + wait
+            self._wait[pid] = min(2 * wait, int(cfg.map_period_s * 1e9))
 
     def _set_addresses(self, addresses: dict[int, tuple[str, ...]]) -> None:
         for iface in self._by_kind(LinkKind.NETDEV):
@@ -534,6 +546,8 @@ class LinkSampler:
         gone = set(pids)
         for iface in self._ifaces.values():
             iface.pids -= gone
+        for pid in gone:
+            self._wait.pop(pid, None)
 
     def close(self) -> None:
         if self.rtnl is not None:

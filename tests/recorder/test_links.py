@@ -322,6 +322,33 @@ def test_ranks_map_to_the_rdma_device_they_have_open(sysfs: Path, tmp_path: Path
     assert {li.name: li.pids for li in sampler.table()}["mlx5_1:1"] == ()
 
 
+def test_a_process_that_uses_nothing_yet_is_looked_at_again_soon(
+    sysfs: Path, tmp_path: Path
+) -> None:
+    now = [10**12]
+    fd = tmp_path / "proc" / "4001" / "fd"
+    fd.mkdir(parents=True)
+    cfg = LinkConfig(rdma_root=sysfs / "infiniband", verbs_root=sysfs / "infiniband_verbs",
+                     proc_root=tmp_path / "proc", map_period_s=30.0)  # fmt: skip
+    sampler = LinkSampler(cfg, rtnl=None, clock=lambda: now[0])
+
+    def users() -> tuple[int, ...]:
+        return {li.name: li.pids for li in sampler.table()}["mlx5_1:1"]
+
+    sampler.tick(lambda: [4001])  # started: nothing open yet
+    os.symlink("/dev/infiniband/uverbs1", fd / "9")
+    now[0] += 10**9
+    sampler.tick(lambda: [4001])
+    assert users() == ()  # looked at again 2 s after the first time, not every tick
+    now[0] += 10**9
+    sampler.tick(lambda: [4001])
+    assert users() == (4001,)
+    (fd / "9").unlink()  # a process seen on an interface stays on it
+    now[0] += 31 * 10**9
+    sampler.tick(lambda: [4001])
+    assert users() == (4001,)
+
+
 def test_the_ring_is_bounded_and_gone_links_leave_with_their_rows(sysfs: Path) -> None:
     ib = sysfs / "infiniband"
     cfg = LinkConfig(slots=16, rdma_root=ib, heartbeat_s=0.0, rdma_counters_s=0.0)

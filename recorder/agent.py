@@ -487,7 +487,8 @@ class Agent:
         with self._lock:
             rings = self._rings()
             rings["link"] = self.links.copy()
-            self.links.refresh_users(self.procs.alive())
+            if trigger is not None:  # a dump: who uses which link now (queries: as last read)
+                self.links.refresh_users(self.procs.alive())
             counters = {**self.source.kernel_counters(), **self.counters.values}
             counters["link_read_failures"] = self.links.errors
             counters.update(self.incidents.counters())

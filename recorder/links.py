@@ -41,6 +41,7 @@ shows as ``carrier_flap`` (the counts moved), with its bounds.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -110,6 +111,7 @@ _FIELDS = LINK_EVENT.names or ()
 _PAD1_AT = _FIELDS.index("_pad1") - _FIELDS.index("carrier")
 # rtnl_link_stats64 index of each NETDEV_COUNTERS entry (rx/tx_compressed left out)
 _STATS64_AT = (*range(21), 23, 24)
+_pick_stats = operator.itemgetter(*_STATS64_AT)
 _NO_NETDEV = (UNKNOWN_U64,) * len(NETDEV_COUNTERS)
 _NO_RDMA = (UNKNOWN_U64,) * (len(RDMA_COUNTERS) + len(RDMA_HW_COUNTERS))
 
@@ -181,7 +183,10 @@ def _known(value: int | None, unknown: int) -> int:
 
 def netdev_reading(s: NetdevSample) -> Reading:
     stats = s.stats
-    counters = tuple(stats[i] if i < len(stats) else UNKNOWN_U64 for i in _STATS64_AT)
+    if len(stats) > _STATS64_AT[-1]:
+        counters = _pick_stats(stats)
+    else:  # an older kernel's shorter struct: the counters it lacks are unknown
+        counters = tuple(stats[i] if i < len(stats) else UNKNOWN_U64 for i in _STATS64_AT)
     return (
         _known(s.carrier, UNKNOWN_U8),
         int(s.admin_up),
@@ -524,8 +529,9 @@ class LinkSampler:
             if iface.kind is LinkKind.RDMA and iface.device:
                 by_device.setdefault(iface.device, []).append(iface)
         cfg = self.config
+        tcp = _Once(self._tcp_sockets)
         for pid in pids:
-            used = linkusers.usage(pid, cfg.proc_root, cfg.verbs_root)
+            used = linkusers.usage(pid, tcp, cfg.proc_root, cfg.verbs_root)
             found = [i for a in used.addresses for i in by_address.get(a, ())] if used else []
             found += [i for d in used.rdma_devices for i in by_device.get(d, ())] if used else []
             for iface in found:
@@ -535,6 +541,15 @@ class LinkSampler:
                 wait = int(cfg.map_period_s * 1e9)
             self._next_map[pid] = now + wait
             self._wait[pid] = min(2 * wait, int(cfg.map_period_s * 1e9))
+
+    def _tcp_sockets(self) -> dict[int, str]:
+        if self.rtnl is None:
+            return {}
+        try:
+            return self.rtnl.tcp_local_addresses()
+        except NetlinkError as exc:
+            self._failed("sock_diag", exc)
+            return {}
 
     def _set_addresses(self, addresses: dict[int, tuple[str, ...]]) -> None:
         for iface in self._by_kind(LinkKind.NETDEV):
@@ -553,6 +568,19 @@ class LinkSampler:
         if self.rtnl is not None:
             self.rtnl.close()
         self.rdma.close()
+
+
+class _Once:
+    """A value computed at the first call, for one round of mapping."""
+
+    def __init__(self, make: Callable[[], dict[int, str]]) -> None:
+        self._make = make
+        self._value: dict[int, str] | None = None
+
+    def __call__(self) -> dict[int, str]:
+        if self._value is None:
+            self._value = self._make()
+        return self._value
 
 
 def _port_states(reading: Reading) -> tuple[int | None, int | None]:

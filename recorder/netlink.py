@@ -14,6 +14,12 @@ veth, bridge, vlan; none for a NIC) and parent device (a PCI address).
 A link speed is not in rtnetlink: ``link_speed_mbps`` asks ethtool's ioctl
 on a socket of this namespace (``/sys/class/net`` may be another
 namespace's: it is the one sysfs was mounted in).
+
+Which TCP sockets of this namespace carry traffic, and from which local
+address, ``tcp_local_addresses`` asks sock_diag (``NETLINK_SOCK_DIAG``, the
+kernel's filter on the socket state): ``/proc/net/tcp`` formats every socket
+of the host as text, TIME_WAIT ones included (15 ms on a machine with a few
+thousand, measured on a loaded one), a dump of the connected ones a fraction.
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-NETLINK_ROUTE = 0
+NETLINK_ROUTE, NETLINK_SOCK_DIAG = 0, 4
+SOCK_DIAG_BY_FAMILY = 20
+# TCP states whose sockets carry traffic: not LISTEN, TIME_WAIT nor CLOSE
+TCP_CARRYING = sum(1 << s for s in (1, 2, 3, 4, 5, 8, 9, 11))
 RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK = 16, 17, 18
 RTM_NEWADDR, RTM_DELADDR, RTM_GETADDR = 20, 21, 22
 NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
@@ -47,6 +56,8 @@ _NLMSGHDR = struct.Struct("=IHHII")  # len, type, flags, seq, pid
 _IFINFOMSG = struct.Struct("=BxHiII")  # family, type, index, flags, change
 _IFADDRMSG = struct.Struct("=BBBBi")  # family, prefixlen, flags, scope, index
 _RTATTR = struct.Struct("=HH")  # len, type
+_DIAG_REQ = struct.Struct("=BBBxI48x")  # inet_diag_req_v2: family, protocol, ext, states, id
+_DIAG_MSG = struct.Struct("=BBxx4x16s16s4x8x16xI")  # inet_diag_msg: family, state, src, dst, inode
 _U32 = struct.Struct("=I")
 RECV_BYTES = 1 << 16
 
@@ -101,14 +112,27 @@ def _u32(buf: bytes, start: int, end: int) -> int | None:
     return _U32.unpack_from(buf, start)[0] if end - start >= 4 else None
 
 
+_LINK_ATTRS = frozenset(
+    {IFLA_IFNAME, IFLA_MTU, IFLA_OPERSTATE, IFLA_LINKINFO, IFLA_STATS64, IFLA_CARRIER,
+     IFLA_CARRIER_CHANGES, IFLA_CARRIER_UP_COUNT, IFLA_CARRIER_DOWN_COUNT, IFLA_PARENT_DEV_NAME}
+)  # fmt: skip
+
+
 def parse_link(buf: bytes, start: int, end: int) -> NetdevSample | None:
     """The link of an ``RTM_NEWLINK`` message (its payload is buf[start:end])."""
     if end - start < _IFINFOMSG.size:
         return None
     _, _, index, flags, _ = _IFINFOMSG.unpack_from(buf, start)
     found: dict[int, tuple[int, int]] = {}
-    for kind, a, b in _attrs(buf, start + _IFINFOMSG.size, end):
-        found[kind] = (a, b)
+    at = start + _IFINFOMSG.size
+    unpack = _RTATTR.unpack_from
+    while at + 4 <= end:  # _attrs inlined: a message has some 40 attributes, we want 10
+        length, kind = unpack(buf, at)
+        if length < 4 or at + length > end:
+            break
+        if kind in _LINK_ATTRS:
+            found[kind] = (at + 4, at + length)
+        at += (length + 3) & ~3
 
     def u32(kind: int) -> int | None:
         at = found.get(kind)
@@ -192,13 +216,36 @@ class Rtnl:
             self._ethtool: socket.socket | None = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         except OSError:
             self._ethtool = None
+        try:
+            self._diag: socket.socket | None = socket.socket(
+                socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG
+            )
+        except OSError:
+            self._diag = None
         # closed with this object, whoever forgets to close it
-        self.close = weakref.finalize(self, _close, [self._ask, self._hear, self._ethtool])
+        socks = [self._ask, self._hear, self._ethtool, self._diag]
+        self.close = weakref.finalize(self, _close, socks)
 
     @property
     def fd(self) -> int | None:
         """The listening socket's descriptor: readable when a link or address changed."""
         return self._hear.fileno() if self._hear is not None else None
+
+    def tcp_local_addresses(self) -> dict[int, str]:
+        """socket inode -> local address, of this namespace's TCP sockets
+        that carry traffic (connected, connecting, closing)."""
+        if self._diag is None:
+            raise NetlinkError(0, "sock_diag: no socket")
+        out: dict[int, str] = {}
+        for family in (socket.AF_INET, socket.AF_INET6):
+            body = _DIAG_REQ.pack(family, socket.IPPROTO_TCP, 0, TCP_CARRYING)
+            for kind, a, _, buf in self._dump(SOCK_DIAG_BY_FAMILY, body, self._diag):
+                if kind != SOCK_DIAG_BY_FAMILY:
+                    continue
+                got, _, src, _, inode = _DIAG_MSG.unpack_from(buf, a)
+                raw = src[:4] if got == socket.AF_INET else src
+                out[inode] = socket.inet_ntop(got, raw)
+        return out
 
     def links(self) -> list[NetdevSample]:
         out = []
@@ -215,19 +262,22 @@ class Rtnl:
                 out.setdefault(found[0], []).append(found[1])
         return {k: tuple(v) for k, v in out.items()}
 
-    def _dump(self, kind: int, body: bytes) -> Iterator[tuple[int, int, int, bytes]]:
+    def _dump(
+        self, kind: int, body: bytes, sock: socket.socket | None = None
+    ) -> Iterator[tuple[int, int, int, bytes]]:
+        sock = sock or self._ask
         self._seq += 1
         seq = self._seq
         header = _NLMSGHDR.pack(
             _NLMSGHDR.size + len(body), kind, NLM_F_REQUEST | NLM_F_DUMP, seq, 0
         )
         try:
-            self._ask.send(header + body)
+            sock.send(header + body)
         except OSError as exc:
             raise NetlinkError(exc.errno, f"rtnetlink request: {exc.strerror}") from None
         while True:
             try:
-                n = self._ask.recv_into(self._buf)
+                n = sock.recv_into(self._buf)
             except OSError as exc:
                 raise NetlinkError(exc.errno, f"rtnetlink answer: {exc.strerror}") from None
             buf = bytes(memoryview(self._buf)[:n])

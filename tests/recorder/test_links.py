@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -24,7 +25,6 @@ from stallwatch.dumpers.layout import NETDEV_COUNTERS, UNKNOWN_U64, LinkEvent, L
 from stallwatch.dumpers.model import Clock, Recording
 from stallwatch.dumpers.sqltables import tables
 from stallwatch.query.sql import LOCAL, QueryEngine
-from stallwatch.recorder import linkusers
 from stallwatch.recorder.links import (
     FIRST_COUNTER,
     LinkConfig,
@@ -37,6 +37,7 @@ from stallwatch.recorder.netlink import (
     IFLA_IFNAME,
     IFLA_STATS64,
     NetdevSample,
+    Rtnl,
     parse_link,
 )
 
@@ -438,18 +439,21 @@ def test_an_older_kernels_shorter_counters_are_unknown_not_zero() -> None:
     assert got["rx_nohandler"] == UNKNOWN_U64 and got["rx_otherhost_dropped"] == UNKNOWN_U64
 
 
-@pytest.mark.parametrize(
-    ("text", "width", "address"),
-    [
-        ("0100000A", 8, "10.0.0.1"),
-        ("00000000", 8, None),  # a wildcard says nothing of a link
-        ("0000000000000000FFFF00000100000A", 32, "10.0.0.1"),  # IPv4 on an IPv6 socket
-        ("000080FE00000000A0BD7F0300E4D8FE", 32, "fe80::37f:bda0:fed8:e400"),
-        ("XYZ", 8, None),
-    ],
-)
-def test_proc_net_tcp_addresses(text: str, width: int, address: str | None) -> None:
-    assert linkusers.decode_address(text, width) == address
+def test_sock_diag_gives_connected_sockets_local_addresses_not_listeners() -> None:
+    rtnl = Rtnl()
+    try:
+        for host, family in (("127.0.0.1", socket.AF_INET), ("::1", socket.AF_INET6)):
+            with socket.create_server((host, 0), family=family) as server:
+                client = socket.create_connection(server.getsockname()[:2])
+                accepted, _ = server.accept()
+                table = rtnl.tcp_local_addresses()
+                for sock in (client, accepted):
+                    assert table[os.fstat(sock.fileno()).st_ino] == host
+                assert os.fstat(server.fileno()).st_ino not in table  # a listener: no link
+                client.close()
+                accepted.close()
+    finally:
+        rtnl.close()
 
 
 def test_tables_of_a_sampler_recording_name_every_row(sysfs: Path) -> None:

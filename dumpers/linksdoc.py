@@ -18,13 +18,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .model import LinkInfo
+from .readingsdoc import I32, U32, U64
 
 if TYPE_CHECKING:
     from .format import _Checker
 
-U32 = (0, 2**32 - 1)
-U64 = (0, 2**64 - 1)
-I32 = (-(2**31), 2**31 - 1)
 KINDS = ("netdev", "rdma")
 _KEYS = tuple(LinkInfo.__dataclass_fields__)
 

@@ -496,7 +496,9 @@ class LinkSampler:
         (who is behind it), else each on its own schedule: every
         ``map_period_s``, sooner (2, 4, 8 ... s) while it uses nothing yet (a
         rank connects some seconds after it starts)."""
-        self._next_map = {p: t for p, t in self._next_map.items() if p in alive}
+        living = set(alive)
+        self._next_map = {p: t for p, t in self._next_map.items() if p in living}
+        self._wait = {p: w for p, w in self._wait.items() if p in living}
         if self._map_soon and alive and now - self._last_map >= MAP_SOON_NS:
             return alive
         return [p for p in alive if now >= self._next_map.get(p, 0)]

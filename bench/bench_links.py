@@ -3,7 +3,7 @@ read the same things, measured in the same run.
 
 Set-up: a network namespace of its own with 11 interfaces (lo and five veth
 pairs) and a copy of the fixture sysfs tree's four RDMA ports
-(``tests/data/rdma-sysfs``); every figure is measured in one process inside
+(``tests/recorder/data/rdma-sysfs``); every figure is measured in one process inside
 that namespace (``ip netns exec``: its /sys is the namespace's), CPU time
 (``time.process_time``: user and system) per operation, the median of
 ``repeats`` runs of ``n`` operations each.
@@ -49,7 +49,7 @@ from pathlib import Path
 from bench.common import Figure, render
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURE = REPO / "tests" / "data" / "rdma-sysfs" / "class"
+FIXTURE = REPO / "tests" / "recorder" / "data" / "rdma-sysfs" / "class"
 PAIRS = 5  # veth pairs: 10 interfaces and lo
 SHARE_TARGET = 0.0005  # of a core: a quarter of the idle agent's 0.2%
 CONNECTIONS = 100

@@ -1,6 +1,6 @@
 """The link sampler (recorder.links): real rtnetlink on real veths in
 namespaces made here, RDMA ports from the fixture sysfs tree
-(tests/data/rdma-sysfs, after the kernel's documentation of it), which
+(tests/recorder/data/rdma-sysfs, after the kernel's documentation of it), which
 process uses which interface, the ring's bounds, and the rules that decide
 a row."""
 
@@ -41,7 +41,7 @@ from stallwatch.recorder.netlink import (
     parse_link,
 )
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "rdma-sysfs" / "class"
+DATA = Path(__file__).resolve().parent / "data" / "rdma-sysfs" / "class"
 HOUR = 3600.0
 
 

@@ -4,6 +4,7 @@ Hypothesis strategy over every field and over ring contents."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +29,16 @@ from stallwatch.dumpers.readings import (
     ThreadReading,
     ThreadState,
 )
-from stallwatch.dumpers.schema import RING_DTYPES, DataType, Op, RedOp, State
+from stallwatch.dumpers.schema import (
+    RING_DTYPES,
+    DataType,
+    LinkEvent,
+    LinkKind,
+    Op,
+    RedOp,
+    State,
+    blank_link_rows,
+)
 
 U64_MAX = 2**64 - 1
 
@@ -335,3 +345,32 @@ def tmpfs(where: Path, size: str) -> Iterator[Path]:
 
 def remount(where: Path, options: str) -> None:
     subprocess.run(["mount", "-o", f"remount,{options}", str(where)], check=True)
+
+
+def with_link_rows(rec: Recording, node: int) -> Recording:
+    """eth0 used by the node's four ranks, an RDMA port by its first; node 1's
+    eth0 goes down and comes back, the port counts symbol errors."""
+    pids = tuple(p.pid for p in rec.processes)
+    events = [LinkEvent.SEEN, LinkEvent.SEEN, LinkEvent.HEARTBEAT]
+    if node == 1:
+        events += [LinkEvent.CARRIER_DOWN, LinkEvent.CARRIER_UP, LinkEvent.ERRORS]
+    rows = blank_link_rows(len(events))
+    base = int(rec.rings["nccl"].rows["ts_ns"][0])
+    for i, event in enumerate(events):
+        rdma = i == 1 or event is LinkEvent.ERRORS
+        row = rows[i]
+        row["ts_ns"], row["after_ns"] = base + i * 10**9, base + i * 10**9 - 5 if i else 0
+        row["link"], row["event"] = (2 if rdma else 1), event
+        row["link_kind"] = LinkKind.RDMA if rdma else LinkKind.NETDEV
+        row["carrier"] = 0 if event is LinkEvent.CARRIER_DOWN else 1
+        if rdma:
+            row["port_state"], row["phys_state"], row["symbol_error"] = 4, 5, 7 * i
+        else:
+            row["operstate"], row["rx_errors"], row["carrier_changes"] = 6, node + i, 2 + i
+    links = (
+        LinkInfo(1, "eth0", "netdev", ifindex=2, addresses=(f"10.0.{node}.2/24",), mtu=9000,
+                 pids=pids, first_ns=base),
+        LinkInfo(2, "mlx5_0:1", "rdma", device="mlx5_0", port=1, netdev="eth0",
+                 link_layer="Ethernet", speed_mbps=100_000, pids=pids[:1], first_ns=base),
+    )  # fmt: skip
+    return dataclasses.replace(rec, rings={**rec.rings, "link": Ring(rows)}, links=links)

@@ -4,7 +4,6 @@ local query, list columns and NULLs included."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,48 +11,19 @@ from typing import Any
 import pytest
 
 from bench.bench_sql import Synthetic, synthetic_recording
-from stallwatch.dumpers.model import LinkInfo, Recording, Ring
-from stallwatch.dumpers.schema import LinkEvent, LinkKind, blank_link_rows
+from stallwatch.dumpers.model import Recording
 from stallwatch.query.fanout import close_connections, query_agents
 from stallwatch.query.http import RecordingsBackend, serve_http
 from stallwatch.query.sql import LOCAL, QueryEngine
+from tests.dump_samples import with_link_rows
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _with_links(rec: Recording, node: int) -> Recording:
-    """eth0 used by the node's four ranks, an RDMA port by its first; node 1's
-    eth0 goes down and comes back, the port counts symbol errors."""
-    pids = tuple(p.pid for p in rec.processes)
-    events = [LinkEvent.SEEN, LinkEvent.SEEN, LinkEvent.HEARTBEAT]
-    if node == 1:
-        events += [LinkEvent.CARRIER_DOWN, LinkEvent.CARRIER_UP, LinkEvent.ERRORS]
-    rows = blank_link_rows(len(events))
-    base = int(rec.rings["nccl"].rows["ts_ns"][0])
-    for i, event in enumerate(events):
-        rdma = i == 1 or event is LinkEvent.ERRORS
-        row = rows[i]
-        row["ts_ns"], row["after_ns"] = base + i * 10**9, base + i * 10**9 - 5 if i else 0
-        row["link"], row["event"] = (2 if rdma else 1), event
-        row["link_kind"] = LinkKind.RDMA if rdma else LinkKind.NETDEV
-        row["carrier"] = 0 if event is LinkEvent.CARRIER_DOWN else 1
-        if rdma:
-            row["port_state"], row["phys_state"], row["symbol_error"] = 4, 5, 7 * i
-        else:
-            row["operstate"], row["rx_errors"], row["carrier_changes"] = 6, node + i, 2 + i
-    links = (
-        LinkInfo(1, "eth0", "netdev", ifindex=2, addresses=(f"10.0.{node}.2/24",), mtu=9000,
-                 pids=pids, first_ns=base),
-        LinkInfo(2, "mlx5_0:1", "rdma", device="mlx5_0", port=1, netdev="eth0",
-                 link_layer="Ethernet", speed_mbps=100_000, pids=pids[:1], first_ns=base),
-    )  # fmt: skip
-    return dataclasses.replace(rec, rings={**rec.rings, "link": Ring(rows)}, links=links)
 
 
 @pytest.fixture(scope="module")
 def recordings() -> list[Recording]:
     return [
-        _with_links(synthetic_recording(Synthetic(host=f"node{i}", first_rank=4 * i, seed=i)), i)
+        with_link_rows(synthetic_recording(Synthetic(host=f"node{i}", first_rank=4 * i, seed=i)), i)
         for i in range(3)
     ]
 

@@ -10,8 +10,10 @@ the SQL tables (docs/architecture.md, docs/parquet.md), each with a ``host`` col
                    connection state changes (ring "tcp")
     sched_events   run-queue delays of rank threads (ring "sched")
     exit_events    exit_group, fatal signals, process exits (ring "exit")
+    link_events    samples of the node's interfaces and RDMA ports (ring "link")
     processes      the processes the agent watched
     communicators  the communicators they held
+    links          the interfaces link_events names, and the processes using them
     thread_states  where every thread of every NCCL process was, per snapshot
 
 Columns are built from the ring's numpy fields with vectorised operations,
@@ -67,6 +69,15 @@ communicator, ``seq``, lifecycle, device times) with ``graph``,
 ``graph_node`` and ``replay`` (the executable's launch number, from 1) saying
 where it came from; the three are NULL on rows of calls made outside graphs.
 
+Links: ``link_events`` has one row per sample the agent wrote (a state
+change, an error counter that moved, the interface's first and last sight,
+and a heartbeat): ``event`` says why, the change lies in (``after_ns``,
+``timestamp_ns``], and every state and counter the interface does not have
+(the RDMA columns of a netdev, a counter the driver lacks) is NULL.
+``links`` has one row per interface, with the processes that use it
+(``pids``: a rank's connections leave through it, or it has the RDMA device
+open) and their ``world_ranks``.  Dumps before format 7 have neither.
+
 Known limits: a communicator pointer reused by the same process after a
 destroy is told apart by its init/destroy times only.
 """
@@ -80,14 +91,20 @@ import numpy as np
 import pyarrow as pa
 
 from . import addresses
+from .layout import LINK_COUNTERS, UNKNOWN_U8, UNKNOWN_U32, UNKNOWN_U64
 from .model import CommInfo, Recording
 from .ranks import Ranks
 from .readings import ArgsFrom, NcclCall, ProcessThreads, ThreadState, syscall_name
 from .schema import (
     DEVICE_FIELDS,
+    OPERSTATES,
+    PHYS_STATES,
+    PORT_STATES,
     PREV_PID_UNKNOWN,
     RING_DTYPES,
     ExitEvent,
+    LinkEvent,
+    LinkKind,
     Op,
     RedOp,
     Result,
@@ -119,8 +136,10 @@ TABLE_NAMES = (
     "tcp_events",
     "sched_events",
     "exit_events",
+    "link_events",
     "processes",
     "communicators",
+    "links",
     "thread_states",
 )
 
@@ -168,7 +187,16 @@ def _dictionaries() -> dict[str, pa.Array]:
         "tcp_event": _enum_names(_lower_name(TcpEvent, "tcp_event")),
         "tcp_state": _enum_names(_tcp_state_name),
         "exit_event": _enum_names(_lower_name(ExitEvent, "exit_event")),
+        "link_event": _enum_names(_lower_name(LinkEvent, "link_event")),
+        "link_kind": _enum_names(_lower_name(LinkKind, "link_kind")),
+        "operstate": _enum_names(_state_name(OPERSTATES, "operstate")),
+        "port_state": _enum_names(_state_name(PORT_STATES, "port_state")),
+        "phys_state": _enum_names(_state_name(PHYS_STATES, "phys_state")),
     }
+
+
+def _state_name(names: tuple[str, ...], prefix: str) -> Callable[[int], str]:
+    return lambda value: names[value] if value < len(names) else f"{prefix}_{value}"
 
 
 def _coded(codes: np.ndarray, dictionary: str, null: np.ndarray | None = None) -> pa.Array:
@@ -552,6 +580,82 @@ def exit_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     return cols
 
 
+def _link_names(rec: Recording, ids: np.ndarray) -> pa.DictionaryArray:
+    """Each row's interface name, from the links table (NULL: an id the
+    table does not hold)."""
+    table = sorted((li.id, li.name) for li in rec.links)
+    keys = np.array([k for k, _ in table], dtype=np.int64)
+    names = pa.array([n for _, n in table], pa.string())
+    ids = ids.astype(np.int64)
+    if not len(keys):
+        return pa.DictionaryArray.from_arrays(pa.nulls(len(ids), pa.int32()), names)
+    at = np.minimum(np.searchsorted(keys, ids), len(keys) - 1)
+    indices = pa.array(at.astype(np.int32), mask=keys[at] != ids)
+    return pa.DictionaryArray.from_arrays(indices, names)
+
+
+def _flag(values: np.ndarray) -> pa.Array:
+    """A u8 flag as a boolean, NULL where unknown."""
+    return pa.array(values == 1, mask=values == UNKNOWN_U8)
+
+
+def _counter(values: np.ndarray, unknown: int) -> pa.Array:
+    """A counter as int64, NULL where unknown (past int64: never a real count)."""
+    values = values.astype(np.uint64, copy=False)
+    null = (values == np.uint64(unknown)) | (values > np.uint64(2**63 - 1))
+    return _maybe_null(values.astype(np.int64), null)
+
+
+def link_event_columns(rec: Recording, known: Ranks | None = None) -> Columns:
+    rows = _ring(rec, "link")
+    _, cols = _header(rec, rows)
+    after = rows["after_ns"].astype(np.int64)
+    cols["after_ns"] = _maybe_null(after, after == 0)
+    cols["interface"] = _link_names(rec, rows["link"])
+    cols["kind"] = _coded(rows["link_kind"], "link_kind")
+    cols["event"] = _coded(rows["event"], "link_event")
+    cols["carrier"] = _flag(rows["carrier"])
+    cols["admin_up"] = _flag(rows["admin_up"])
+    for name in ("operstate", "port_state", "phys_state"):
+        cols[name] = _coded(rows[name], name, rows[name] == UNKNOWN_U8)
+    for name in ("carrier_changes", "carrier_up_count", "carrier_down_count"):
+        cols[name] = _counter(rows[name], UNKNOWN_U32)
+    for name in LINK_COUNTERS:
+        cols[name] = _counter(rows[name], UNKNOWN_U64)
+    return cols
+
+
+def link_columns(rec: Recording, known: Ranks | None = None) -> Columns:
+    known = known if known is not None else Ranks.of([rec])
+    links = rec.links
+    world = known.world_of(rec.host)
+    first = [li.first_ns for li in links]
+    gone = [li.gone_ns for li in links]
+    return {
+        "host": _host(rec.host, len(links)),
+        "interface": pa.array([li.name for li in links], pa.string()),
+        "kind": pa.array([li.kind for li in links], pa.string()),
+        "device": pa.array([li.device for li in links], pa.string()),
+        "port": pa.array([li.port for li in links], pa.int32()),
+        "ifindex": pa.array([li.ifindex for li in links], pa.int32()),
+        "netdev": pa.array([li.netdev for li in links], pa.string()),
+        "link_type": pa.array([li.link_type for li in links], pa.string()),
+        "link_layer": pa.array([li.link_layer for li in links], pa.string()),
+        "addresses": pa.array([list(li.addresses) for li in links], pa.list_(pa.string())),
+        "mtu": pa.array([li.mtu for li in links], pa.int32()),
+        "speed_mbps": pa.array([li.speed_mbps for li in links], pa.int64()),
+        "pids": pa.array([sorted(li.pids) for li in links], pa.list_(pa.int64())),
+        "world_ranks": pa.array(
+            [sorted({world[p] for p in li.pids if p in world}) for li in links],
+            pa.list_(pa.int32()),
+        ),
+        "first_seen_ns": pa.array([f or None for f in first], pa.int64()),
+        "gone_ns": pa.array([g or None for g in gone], pa.int64()),
+        "first_seen_time": _wall_or_null(rec, first),
+        "gone_time": _wall_or_null(rec, gone),
+    }
+
+
 def _wall_or_null(rec: Recording, values: list[int]) -> pa.Array:
     offset = rec.clock.realtime_ns - rec.clock.monotonic_ns
     return pa.array([v + offset if v else None for v in values], pa.timestamp("ns"))
@@ -711,8 +815,10 @@ BUILDERS: dict[str, Builder] = {
     "tcp_events": tcp_columns,
     "sched_events": sched_columns,
     "exit_events": exit_columns,
+    "link_events": link_event_columns,
     "processes": process_columns,
     "communicators": communicator_columns,
+    "links": link_columns,
     "thread_states": thread_state_columns,
 }
 

@@ -577,10 +577,3 @@ def active(fault: Slow | GpuSlow | CpuHog | Loss | Rate, step: int) -> bool:
 def pauses_at(pause: Pause, step: int) -> bool:
     """Pauses come before steps every, 2*every, ...: after every ``every`` steps."""
     return step > 0 and step % pause.every == 0
-
-
-def runner_applies_midrun(fault: Fault) -> bool:
-    """A fault the runner injects once a rank reaches its step (``lab.injector``)."""
-    if isinstance(fault, Partition | LinkDown | Rst):
-        return True
-    return isinstance(fault, Loss | Rate | CpuHog) and fault.step is not None

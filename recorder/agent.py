@@ -43,11 +43,12 @@ from stallwatch.dumpers.schema import CUDA_SYMBOLS, NCCL_SYMBOLS
 from stallwatch.query.tls import ClientTls, ServerTls
 
 from . import discovery, sockets
+from .links import LinkConfig, LinkSampler
 from .notify import Notifier
 from .peers import PeerList, PeerSource, peer_notifier
 from .pinning import PinSet
 from .positions import PositionKeeper, reading_summary
-from .prometheus import AgentStats, RingStats, agent_metrics_text
+from .prometheus import AgentStats, LinkState, RingStats, agent_metrics_text
 from .registry import CommRegistry, ProcessRegistry
 from .scope import Scope
 from .source import EventSource
@@ -97,6 +98,7 @@ class AgentConfig:
     replace_pinned: bool = False  # replace a pin set of another layout
     keep_pinned: bool = False  # stopped, leave the pins (a service); else remove them
     bpf_cache: Path | None = None  # compiled programs kept there (recorder.compiled)
+    links: LinkConfig = field(default_factory=LinkConfig)  # the link sampler (recorder.links)
 
 
 @dataclass(slots=True)
@@ -164,6 +166,7 @@ class Agent:
         self.positions = PositionKeeper(
             lambda: sorted(self.scope.inside), int(config.stall_timeout_s * 1e9)
         )
+        self.links = LinkSampler(config.links)
         self._take_over()
 
     def _take_over(self) -> None:
@@ -404,6 +407,7 @@ class Agent:
     def tick(self) -> TickState:
         """Update the tables from the small rings and maps; the watchdog's input."""
         with self._lock:
+            self.links.tick(self.procs.alive)
             self._sync_endpoints()
             comm_rows = self._new_rows("comm", self.comms.done, again=self.comms.pending)
             if comm_rows is not None:
@@ -482,7 +486,11 @@ class Agent:
         self.tick()
         with self._lock:
             rings = self._rings()
+            rings["link"] = self.links.copy()
+            if trigger is not None:  # a dump: who uses which link now (queries: as last read)
+                self.links.refresh_users(self.procs.alive())
             counters = {**self.source.kernel_counters(), **self.counters.values}
+            counters["link_read_failures"] = self.links.errors
             counters.update(self.incidents.counters())
             for name, ring in rings.items():
                 counters[f"ring_{name}_overwritten"] = ring.overwritten
@@ -502,6 +510,7 @@ class Agent:
                 trigger=trigger,
                 counters=counters,
                 snapshots=self.positions.for_recording(dump=trigger is not None),
+                links=self.links.table(keep=lambda pid: self.procs.get(pid) is not None),
             )
 
     def _rings(self) -> dict[str, Ring]:
@@ -586,7 +595,7 @@ class Agent:
                 held=min(head, buf.capacity),
                 capacity=buf.capacity,
             )
-            for name, buf in self.source.rings().items()
+            for name, buf in {**self.source.rings(), "link": self.links.writer.buffer}.items()
         )
         incidents = self.incidents.counters()
         return AgentStats(
@@ -596,7 +605,12 @@ class Agent:
             stalls_detected=incidents["stalls_detected"],
             libraries_attached=len(self.libraries),
             processes_watched=len(self.procs.alive()),
+            links=self._link_states(),
         )
+
+    def _link_states(self) -> tuple[LinkState, ...]:
+        with self._lock:  # the loop's tick changes them
+            return self.links.states(keep=lambda pid: self.procs.get(pid) is not None)
 
     def metrics_text(self) -> str:
         """Prometheus text: ``stats()`` and the plain counters of the kernel
@@ -606,6 +620,7 @@ class Agent:
             **self.counters.values,
             **self.incidents.counters(),
             **self.serving_counters(),
+            "link_read_failures": self.links.errors,
         }
         return agent_metrics_text(self.stats(), counters)
 
@@ -624,6 +639,7 @@ class Agent:
         return self.procs.watched(now, QUIET_NS)
 
     def close(self) -> None:
+        self.links.close()
         self.source.close()
 
 
@@ -665,6 +681,8 @@ def run_loop(agent: Agent, stop: Stop, notifier: Notifier | None = None) -> None
     waits.register(stop.fd, select.POLLIN)
     if bell is not None:
         waits.register(bell.fd, select.POLLIN)
+    if agent.links.fd is not None:  # a link changed: sample it now, not at the next tick
+        waits.register(agent.links.fd, select.POLLIN)
     next_discovery = 0.0
     try:
         while not stop.event.is_set():

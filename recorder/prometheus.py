@@ -40,6 +40,7 @@ HELP = {
     "http_connections_timed_out": "Client connections closed because a request or TLS "
     "handshake they began did not arrive in time.",
     "http_connections_open": "Client connections open on the agent's HTTP surface.",
+    "link_read_failures": "Readings of the node's links that failed (rtnetlink).",
 }
 
 
@@ -54,6 +55,19 @@ class RingStats:
 
 
 @dataclass(frozen=True, slots=True)
+class LinkState:
+    """An interface's latest reading (recorder.links), for ``/metrics``."""
+
+    name: str  # eth0, mlx5_0:1
+    kind: str  # netdev, rdma
+    carrier: int | None  # 1 up, 0 down, None unknown
+    carrier_changes: int | None  # netdev: IFLA_CARRIER_CHANGES
+    processes: int  # watched processes that use it
+    errors: dict[str, int]  # its error, drop and discard counters (those it has)
+    congestion: dict[str, int]  # its congestion counters (those it has)
+
+
+@dataclass(frozen=True, slots=True)
 class AgentStats:
     """What a live agent reports on ``/metrics``, besides its plain counters."""
 
@@ -63,6 +77,7 @@ class AgentStats:
     stalls_detected: int
     libraries_attached: int
     processes_watched: int
+    links: tuple[LinkState, ...] = ()
 
 
 # counters that AgentStats already reports under a name of its own
@@ -134,6 +149,53 @@ def stats_families(stats: AgentStats) -> Iterator[Metric]:
     )
 
 
+def link_families(links: Iterable[LinkState]) -> Iterator[Metric]:
+    """Per interface: carrier, carrier changes, failure and congestion
+    counters, processes behind it (an alert on a downed link needs no dump:
+    ``stallwatch_link_carrier == 0 and stallwatch_link_processes > 0``)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    links = list(links)
+    labels = ["interface", "kind"]
+    carrier = GaugeMetricFamily(
+        "stallwatch_link_carrier",
+        "Whether the interface has a carrier (RDMA: its physical state is LinkUp).",
+        labels=labels,
+    )
+    changes = CounterMetricFamily(
+        "stallwatch_link_carrier_changes",
+        "Carrier changes of a network interface since it was made.",
+        labels=labels,
+    )
+    users = GaugeMetricFamily(
+        "stallwatch_link_processes",
+        "Watched processes that use the interface (connections, RDMA devices).",
+        labels=labels,
+    )
+    errors = CounterMetricFamily(
+        "stallwatch_link_errors",
+        "The interface's error, drop and discard counters, by the kernel's name.",
+        labels=[*labels, "counter"],
+    )
+    congestion = CounterMetricFamily(
+        "stallwatch_link_congestion",
+        "The interface's congestion counters (ECN marks, CNPs, transmit waits).",
+        labels=[*labels, "counter"],
+    )
+    for link in links:
+        at = [link.name, link.kind]
+        if link.carrier is not None:
+            carrier.add_metric(at, float(link.carrier))
+        if link.carrier_changes is not None:
+            changes.add_metric(at, float(link.carrier_changes))
+        users.add_metric(at, float(link.processes))
+        for name, value in sorted(link.errors.items()):
+            errors.add_metric([*at, name], float(value))
+        for name, value in sorted(link.congestion.items()):
+            congestion.add_metric([*at, name], float(value))
+    yield from (carrier, changes, users, errors, congestion)
+
+
 def counter_families(counters: Mapping[str, int]) -> Iterator[Metric]:
     """Plain counters of the kernel side, the agent and the watchdog, one
     family each (a few are gauges)."""
@@ -170,4 +232,6 @@ def render(families: Iterable[Metric]) -> str:
 
 
 def agent_metrics_text(stats: AgentStats, counters: Mapping[str, int]) -> str:
-    return render([*stats_families(stats), *counter_families(counters)])
+    return render(
+        [*stats_families(stats), *link_families(stats.links), *counter_families(counters)]
+    )

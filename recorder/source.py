@@ -292,9 +292,9 @@ class ReplaySource:
         return None
 
     def __post_init__(self) -> None:
-        for name, dtype in RING_DTYPES.items():
+        for name in RING_MAPS:  # the kernel's rings: the agent keeps the link ring itself
             slots = self.ring_slots if name == "nccl" else max(64, self.ring_slots // 8)
-            self.writers.setdefault(name, RingWriter(name, dtype, slots))
+            self.writers.setdefault(name, RingWriter(name, RING_DTYPES[name], slots))
 
     def rings(self) -> dict[str, RingBuffer]:
         return {name: w.buffer for name, w in self.writers.items()}

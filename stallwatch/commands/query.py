@@ -34,7 +34,8 @@ from .options import (
 
 QUERY_EPILOG = """\
 tables: nccl_events, comm_events, tcp_events, sched_events, exit_events,
-        processes, communicators, thread_states, cuda_graphs (each with a host column;
+        link_events, processes, communicators, links, thread_states,
+        cuda_graphs (each with a host column;
         timestamp_ns is the host's monotonic clock in ns, wall_time the same
         instant in UTC; *_ns columns are nanoseconds, elapsed_ns of a call in
         flight counts up to the dump's time; rank is the rank in the row's

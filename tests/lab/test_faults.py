@@ -167,19 +167,15 @@ def test_faults_from_a_step_act_from_that_step() -> None:
     assert [s for s in range(13) if F.pauses_at(pause, s)] == [4, 8, 12]  # never before step 0
 
 
-def test_the_runner_injects_network_faults_and_hogs_from_a_step() -> None:
+def test_the_runner_injects_network_faults_and_hogs_the_ranks_the_rest() -> None:
+    from stallwatch.lab.injector import runner_faults
+
     runner = ["partition:node=0,step=1", "linkdown:node=0,step=1,ms=5", "rst:node=1,step=2"]
-    runner += ["loss:node=0,pct=5,step=3", "rate:node=0,mbit=5,step=3", "cpuhog:rank=1,step=4"]
-    from_start = ["loss:node=0,pct=5", "cpuhog:rank=1", "slow:rank=0,ms=5,step=3"]
-    assert all(F.runner_applies_midrun(f) for f in F.parse_faults(runner))
-    assert not any(F.runner_applies_midrun(f) for f in F.parse_faults(from_start))
-
-
-def test_topology_maps_ranks_to_nodes() -> None:
-    topo = F.Topology(nodes=3, ranks_per_node=4)
-    assert topo.world_size == 12
-    assert [topo.node_of(r) for r in (0, 3, 4, 11)] == [0, 0, 1, 2]
-    assert [topo.local_rank(r) for r in (0, 3, 4, 11)] == [0, 3, 0, 3]
+    runner += ["loss:node=0,pct=5,step=3", "rate:node=0,mbit=5", "cpuhog:rank=1,step=4"]
+    ranks = ["slow:rank=0,ms=5,step=3", "gpuslow:rank=1,ms=5", "pause:every=2,ms=5"]
+    ranks += ["hang:rank=0,step=1", "agentkill:node=0,step=1"]
+    faults = F.parse_faults(runner + ranks)
+    assert runner_faults(faults) == list(faults[: len(runner)])
 
 
 _MS = st.floats(0.001, 1e5).map(lambda x: float(f"{x:g}"))

@@ -13,16 +13,19 @@ import pytest
 from bench.bench_sql import COMM_HASH, SEED_QUERY, Synthetic, synthetic_recording
 from stallwatch.dumpers.errors import QueryError, QueryRefused
 from stallwatch.dumpers.format import read_dump
-from stallwatch.dumpers.model import Recording, Ring
+from stallwatch.dumpers.model import LinkInfo, Recording, Ring
 from stallwatch.dumpers.schema import (
     EXIT_EVENT,
     PREV_PID_UNKNOWN,
     SCHED_EVENT,
     TCP_EVENT,
     ExitEvent,
+    LinkEvent,
+    LinkKind,
     Op,
     State,
     TcpEvent,
+    blank_link_rows,
 )
 from stallwatch.dumpers.sqltables import TABLE_NAMES, tables
 from stallwatch.query.sql import LOCAL, Limits, QueryEngine, sandboxed_connection
@@ -176,6 +179,61 @@ def test_sched_and_exit_events() -> None:
         ]
 
 
+def _link_recording() -> Recording:
+    """Ranks 0-3 (pids 1000-1003) on eth0, rank 0 with an RDMA port open:
+    eth0 lost its carrier, the port's symbol errors moved."""
+    rows = blank_link_rows(3)
+    rows["ts_ns"] = [10**9, 2 * 10**9, 3 * 10**9]
+    rows["after_ns"] = [0, 10**9 + 5, 2 * 10**9 + 7]
+    rows["link"] = [1, 1, 3]
+    rows["link_kind"] = [LinkKind.NETDEV, LinkKind.NETDEV, LinkKind.RDMA]
+    rows["event"] = [LinkEvent.SEEN, LinkEvent.CARRIER_DOWN, LinkEvent.ERRORS]
+    rows["carrier"][:2] = [1, 0]
+    rows["operstate"][:2] = [6, 3]  # up, lowerlayerdown
+    rows["carrier_down_count"][:2] = [0, 1]
+    rows["rx_errors"][:2] = [0, 2]
+    rows["port_state"][2], rows["phys_state"][2], rows["carrier"][2] = 4, 5, 1
+    rows["symbol_error"][2] = 118  # the driver lacks the hw counters: unknown stays unknown
+    links = (
+        LinkInfo(1, "eth0", "netdev", ifindex=2, addresses=("10.0.0.2/24",), mtu=1500,
+                 pids=(1003, 1000, 1001, 1002), first_ns=10**9),
+        LinkInfo(3, "mlx5_0:1", "rdma", device="mlx5_0", port=1, netdev="eth0",
+                 link_layer="Ethernet", pids=(1000, 4242)),
+    )  # fmt: skip
+    rec = synthetic_recording(Synthetic())
+    return dataclasses.replace(rec, rings={**rec.rings, "link": Ring(rows)}, links=links)
+
+
+def test_link_events_and_links() -> None:
+    with QueryEngine([_link_recording()], LOCAL) as engine:
+        got = engine.query(
+            "SELECT interface, kind, event, after_ns, carrier, operstate, port_state, "
+            "carrier_down_count, rx_errors, symbol_error, out_of_sequence "
+            "FROM link_events ORDER BY timestamp_ns"
+        ).rows
+        links = engine.query(
+            "SELECT interface, kind, device, port, netdev, addresses, mtu, speed_mbps, pids, "
+            "world_ranks FROM links ORDER BY interface"
+        ).rows
+        down = engine.query(
+            "SELECT l.world_ranks FROM link_events e JOIN links l "
+            "ON l.host = e.host AND l.interface = e.interface WHERE e.event = 'carrier_down'"
+        ).rows
+    assert got == [
+        ("eth0", "netdev", "seen", None, True, "up", None, 0, 0, None, None),
+        ("eth0", "netdev", "carrier_down", 10**9 + 5, False, "lowerlayerdown", None, 1, 2, None,
+         None),
+        ("mlx5_0:1", "rdma", "errors", 2 * 10**9 + 7, True, None, "ACTIVE", None, None, 118,
+         None),
+    ]  # fmt: skip
+    assert links == [
+        ("eth0", "netdev", None, None, None, ["10.0.0.2/24"], 1500, None,
+         [1000, 1001, 1002, 1003], [0, 1, 2, 3]),
+        ("mlx5_0:1", "rdma", "mlx5_0", 1, "eth0", [], None, None, [1000, 4242], [0]),
+    ]  # fmt: skip
+    assert down == [([0, 1, 2, 3],)]
+
+
 def test_an_old_dumps_sched_rows_name_no_cpu_holder() -> None:
     # format version 1, recorded before the holder was: NULL, never 0
     folder = Path(__file__).resolve().parents[1] / "data" / "lab-cpuhog-2x2"
@@ -183,6 +241,18 @@ def test_an_old_dumps_sched_rows_name_no_cpu_holder() -> None:
     with QueryEngine(recs, LOCAL) as engine:
         got = engine.query("SELECT count(*), count(prev_pid) FROM sched_events").rows
     assert got[0][0] > 0 and got[0][1] == 0, got
+
+
+def test_an_old_dump_has_link_tables_with_no_rows() -> None:
+    folder = Path(__file__).resolve().parents[1] / "data" / "lab-hang-2x2"
+    recs = [read_dump(p) for p in sorted(folder.glob("*.msgpack"))]
+    assert recs and all(r.links == () and "link" not in r.rings for r in recs)
+    with QueryEngine(recs, LOCAL) as engine:
+        got = engine.query(
+            "SELECT (SELECT count(*) FROM link_events), (SELECT count(*) FROM links), "
+            "(SELECT count(*) FROM nccl_events)"
+        ).rows
+    assert got[0][:2] == (0, 0) and got[0][2] > 0
 
 
 def test_many_recordings_concatenate_with_their_host() -> None:

@@ -23,6 +23,7 @@ import numpy as np
 from stallwatch.dumpers import addresses, ranks
 from stallwatch.dumpers.errors import DumpError
 from stallwatch.dumpers.format import DeferredRing
+from stallwatch.dumpers.layout import LINK_COUNTERS, UNKNOWN_U64, LinkEvent
 from stallwatch.dumpers.model import CommInfo, Recording, Ring, TriggerKind
 from stallwatch.dumpers.schema import NCCL_EVENT, TCP_EVENT, ExitEvent, Op, TcpEvent, captured_rows
 
@@ -40,6 +41,7 @@ from .incident import (
     Comm,
     Incident,
     LateReport,
+    LinkFate,
     Proc,
     host_readings,
 )
@@ -168,6 +170,7 @@ def incident_from_recordings(
         machines=_machines(sources, hosts),
         waiting=_waiting_procs(extracts, proc_index),
         held=_held_calls(extracts, proc_index),
+        links=_links(sources, hosts, procs),
     )
 
 
@@ -881,3 +884,72 @@ def _sched(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
         t["holder"] = ring.rows["prev_pid"].astype(np.int64)
         out.append(t)
     return _concat_rows(out, SCHED_DTYPE) if out else np.zeros(0, dtype=SCHED_DTYPE)
+
+
+# An interface's counters that count failures (not traffic): their movement
+# over the ring is evidence (dumpers.layout's names).
+FAILURE_COUNTERS = tuple(
+    n
+    for n in LINK_COUNTERS
+    if not n.endswith(("_packets", "_bytes", "_data", "multicast", "_wait"))
+    and not n.startswith(("np_", "rp_"))
+)
+
+
+def _links(
+    sources: list[Source], hosts: tuple[str, ...], procs: list[Proc]
+) -> tuple[LinkFate, ...]:
+    """Every host's interfaces from its link ring: when each lost its carrier
+    and got it back, which failure counters moved, whether a rank uses it."""
+    host_of = {h: i for i, h in enumerate(hosts)}
+    ranks = {(p.host, p.pid) for p in procs}
+    out: list[LinkFate] = []
+    for s in sources:
+        rec = s.recording
+        ring = rec.rings.get("link")
+        if ring is None or not len(ring.rows) or not rec.links:
+            continue
+        offset = rec.clock.realtime_ns - rec.clock.monotonic_ns if rec.clock.realtime_ns else 0
+        for info in rec.links:
+            rows = ring.rows[ring.rows["link"] == info.id]
+            if not len(rows):
+                continue
+            rows = rows[np.argsort(rows["ts_ns"], kind="stable")]
+            used = any((rec.host, pid) in ranks for pid in info.pids)
+            out.append(
+                LinkFate(
+                    host_of[rec.host], info.name, info.kind, used,
+                    _downs(rows, offset), _moved(rows),
+                )
+            )  # fmt: skip
+    return tuple(out)
+
+
+def _downs(rows: np.ndarray, offset: int) -> tuple[tuple[int, int | None], ...]:
+    """(down after, up at or None) of each carrier loss the rows show."""
+    out: list[tuple[int, int | None]] = []
+    down: int | None = None
+    for r in rows:
+        carrier, event = int(r["carrier"]), int(r["event"])
+        ts, after = int(r["ts_ns"]) + offset, int(r["after_ns"]) + offset
+        if event == LinkEvent.CARRIER_FLAP:  # down and up between two samples
+            out.append((after, ts))
+        elif carrier == 0 and down is None:
+            down = after if event == LinkEvent.CARRIER_DOWN else ts
+        elif carrier == 1 and down is not None:
+            out.append((down, ts))
+            down = None
+    if down is not None:
+        out.append((down, None))
+    return tuple(out)
+
+
+def _moved(rows: np.ndarray) -> tuple[tuple[str, int], ...]:
+    """Failure counters that grew between the first and the last row that knew them."""
+    out = []
+    for name in FAILURE_COUNTERS:
+        values = rows[name]
+        known = values[values != UNKNOWN_U64]
+        if len(known) >= 2 and int(known[-1]) > int(known[0]):
+            out.append((name, int(known[-1]) - int(known[0])))
+    return tuple(out)

@@ -222,6 +222,7 @@ class Incident:
     machines: tuple[int, ...] = ()
     waiting: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=WAIT_DTYPE))
     held: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=HELD_DTYPE))
+    links: tuple[LinkFate, ...] = ()  # every host's interfaces (our dumps from format 7)
 
     @property
     def retransmits(self) -> np.ndarray:
@@ -518,6 +519,22 @@ class ConnFate:
     first_reset_wall_ns: int | None
     # runs of timeouts it came back from: (stopped, acknowledged again after)
     outages: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LinkFate:
+    """One interface of a host as its agent's link ring saw it (align, for
+    detect.partition); times on the wall clock."""
+
+    host: int
+    name: str  # eth0, mlx5_0:1
+    kind: str  # netdev, rdma
+    used: bool  # a rank of the incident uses it
+    # each time it lost its carrier (RDMA: its physical link): (down after,
+    # up again at, or None when it was still down at the dump)
+    downs: tuple[tuple[int, int | None], ...]
+    # failure counters that moved over the ring: (name, increase)
+    moved: tuple[tuple[str, int], ...]
 
 
 @dataclass(frozen=True, slots=True)

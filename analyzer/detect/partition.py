@@ -42,7 +42,7 @@ import numpy as np
 
 from stallwatch.dumpers.schema import TcpEvent, op_name
 
-from ..incident import ConnFate, Incident, proc_hosts
+from ..incident import ConnFate, Incident, LinkFate, proc_hosts
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, who
 
@@ -52,6 +52,7 @@ STALL_NS = 1_000_000_000  # every rank blocked at least this long at its dump
 SLOW_NS = 1_000_000_000  # a collective this long on every member, with stopped links
 DUE_SLACK_NS = 500_000_000  # a timeout due this long before the dump and not seen: acked
 RESET_SKEW_NS = 50_000_000  # clocks of two hosts may differ by this much
+LINK_SLACK_NS = 2_000_000_000  # a link down this long before the stall began is its cause too
 BACKOFF_GROWTH = 1.5  # timeouts back off: each gap this much longer than the one before
 MIN_RTO_NS = 150_000_000  # below the kernel's smallest RTO (200 ms): no timeout
 
@@ -267,12 +268,15 @@ def shared_hosts(conns: Iterable[ConnFate], nhosts: int) -> tuple[int, ...]:
 def detect_partition(a: Analysis) -> list[Verdict]:
     inc = a.incident
     fates = a.fates
-    if not fates:
+    if not fates and not inc.links:
         return []
     stalled = stalled_together(inc)
     if stalled is not None:
         dead = [f for f in fates if f.dead]
         hosts = shared_hosts(dead, len(inc.hosts))
+        if not hosts:  # no TCP account (RDMA traffic): a link the ranks use went down
+            hosts = tuple(sorted({lk.host for lk in _down_links(inc, stalled)}))
+            hosts = hosts if len(hosts) == 1 or (len(hosts) == 2 and len(inc.hosts) == 2) else ()
         if hosts:
             return [_stall_verdict(a, hosts, dead, stalled)]
     flap = _flap(a)
@@ -293,20 +297,29 @@ def _stall_verdict(
     names = _names(inc, hosts)
     procs = [i for i, h in enumerate(proc_hosts(inc)) if h in hosts]
     ranks, _, pids = who(inc, procs)
-    longest = max((f.no_ack_ns or 0) for f in dead)
+    down = [lk for lk in _down_links(inc, stalled) if lk.host in hosts]
+    longest = max((f.no_ack_ns or 0) for f in dead) if dead else 0
     peers = sorted({inc.hosts[h] for f in dead for h in f.hosts} - set(names))
-    if len(hosts) == 1:
+    acked = f" (nothing acknowledged for {_s(longest)} and more)" if dead else ""
+    if down:
+        lk = down[0]
+        summary = (
+            f"host {inc.hosts[lk.host]}'s link {lk.name} went down: "
+            + (f"its connections to {', '.join(peers)} stopped being acknowledged{acked}; "
+               if dead else "")
+            + "every rank waits"
+        )  # fmt: skip
+    elif len(hosts) == 1:
         summary = (
             f"the network cut host {names[0]} off: its connections to {', '.join(peers)} "
-            f"stopped being acknowledged (nothing acknowledged for {_s(longest)} and more); "
-            f"every rank waits"
+            f"stopped being acknowledged{acked}; every rank waits"
         )
     else:
         summary = (
-            f"traffic between hosts {names[0]} and {names[1]} stopped (nothing acknowledged "
-            f"for {_s(longest)} and more); both ends of one link look alike; every rank waits"
+            f"traffic between hosts {names[0]} and {names[1]} stopped{acked}; both ends of "
+            "one link look alike; every rank waits"
         )
-    evidence = _connection_lines(inc, dead) + _blocked_lines(a, stalled)
+    evidence = _link_lines(inc, hosts) + _connection_lines(inc, dead) + _blocked_lines(a, stalled)
     return Verdict(
         VerdictKind.NETWORK_PARTITION,
         ranks,
@@ -318,6 +331,47 @@ def _stall_verdict(
         summary,
         tuple(evidence),
     )
+
+
+def _down_links(inc: Incident, stalled: dict[int, tuple[int, int]]) -> list[LinkFate]:
+    """Links the ranks use that lost their carrier (physical link) and were
+    still down at the dump, or went down since the stall began."""
+    if not stalled:
+        return []
+    hosts = proc_hosts(inc)
+    began = min(
+        (inc.host_now[hosts[p]] or 0) - age + _offset(inc, hosts[p])
+        for p, (_, age) in stalled.items()
+    )
+    return [
+        lk
+        for lk in inc.links
+        if lk.used and any(up is None or down >= began - LINK_SLACK_NS for down, up in lk.downs)
+    ]
+
+
+def _link_lines(inc: Incident, hosts: Iterable[int]) -> list[str]:
+    """What the named hosts' links the ranks use went through."""
+    out = []
+    for lk in inc.links:
+        if lk.host not in hosts or not lk.used or not (lk.downs or lk.moved):
+            continue
+        where = f"host {inc.hosts[lk.host]} {lk.kind} {lk.name}"
+        for down, up in lk.downs[-MAX_LISTED:]:
+            back = "still down at the dump" if up is None else f"up again {_s(up - down)} later"
+            out.append(f"{where}: lost its carrier at {_clock(down)}, {back}")
+        if lk.moved:
+            counts = ", ".join(f"{name} +{n}" for name, n in lk.moved)
+            out.append(f"{where}: failure counters moved over the recording: {counts}")
+    return out
+
+
+def _clock(wall_ns: int) -> str:
+    """A wall-clock time for people (UTC, to the millisecond)."""
+    import datetime
+
+    t = datetime.datetime.fromtimestamp(wall_ns / 1e9, tz=datetime.UTC)
+    return t.strftime("%H:%M:%S.%f")[:-3] + " UTC"
 
 
 def _connection_lines(inc: Incident, conns: list[ConnFate]) -> list[str]:
@@ -377,20 +431,33 @@ def _flap(a: Analysis) -> Verdict | None:
         return any(h.start <= outage[1] and outage[0] <= h.end for h in held)
 
     inside = [f for f in a.fates if any(during(o) for o in f.outages)]
+    flapped = [
+        lk for lk in inc.links if lk.used and any(up and during((d, up)) for d, up in lk.downs)
+    ]
     hosts = shared_hosts(inside, len(inc.hosts))
+    if not hosts and not inside:  # no TCP account (RDMA traffic): the links alone
+        hosts = tuple(sorted({lk.host for lk in flapped}))
+        hosts = hosts if len(hosts) == 1 else ()
     if not hosts:
         return None
     names = _names(inc, hosts)
     procs = [i for i, h in enumerate(proc_hosts(inc)) if h in hosts]
     ranks, _, pids = who(inc, procs)
     spans = [o for f in inside for o in f.outages if during(o)]
+    spans += [
+        (d, up)
+        for lk in flapped
+        if lk.host in hosts
+        for d, up in lk.downs
+        if up and during((d, up))
+    ]
     start, end = min(s for s, _ in spans), max(e for _, e in spans)
     place = f"host {names[0]} off" if len(hosts) == 1 else f"hosts {names[0]} and {names[1]} apart"
     summary = (
         f"the network cut {place} for {_s(end - start)} or more and it came back: every rank's "
         f"collectives waited for it (up to {_s(max(h.shortest for h in held))})"
     )
-    evidence = _outage_lines(inc, inside)
+    evidence = _link_lines(inc, hosts) + _outage_lines(inc, inside)
     evidence += [f"{h.text} took {_s(h.shortest)} and more on every member" for h in held]
     return Verdict(
         VerdictKind.NETWORK_PARTITION,

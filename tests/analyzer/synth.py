@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from stallwatch.dumpers.layout import LINK, LINK_COUNTERS, UNKNOWN_U64, LinkEvent, LinkKind
 from stallwatch.dumpers.model import (
     Clock,
     CommInfo,
+    LinkInfo,
     ProcessInfo,
     Recording,
     Ring,
@@ -39,6 +41,7 @@ from stallwatch.dumpers.schema import (
     split_hash,
 )
 
+LINK_EVENT = LINK.dtype
 WORLD = 0x5EED_0000_0000_0001
 MS = 1_000_000
 
@@ -81,6 +84,13 @@ class Job:
     reset: tuple[int, int] | None = None  # (node, step)
     link: tuple[int, int, int] | None = None
     with_state: bool = True
+    # a node's link loses its carrier at the network fault's step (cut: for
+    # good; flap: for flap_ms); rdma: the job's traffic crosses no TCP
+    # connection (InfiniBand): the link ring is all the network evidence;
+    # unused_link: the link that goes down is one no rank uses
+    link_down: bool = False
+    rdma: bool = False
+    unused_link: bool = False
 
     @property
     def nranks(self) -> int:
@@ -283,7 +293,9 @@ def _node(
                     key=0,
                 )
             )
+    links, link_rows = _links(job, k, lst, now, skew, ranks)
     rings = {
+        "link": Ring(link_rows),
         "nccl": Ring(arr, overwritten=dropped),
         "tcp": Ring(np.concatenate([_tcp(job, k, windows, skew), _net(job, k, lst, now, skew)])),
         "sched": Ring(_sched(job, k, windows, skew)),
@@ -298,6 +310,7 @@ def _node(
         tuple(comms),
         rings,
         trigger=trig,
+        links=links,
     )
 
 
@@ -423,11 +436,42 @@ def _timeouts(job: Job, k: int, peer: int, start: int, until: int) -> list[np.vo
     return out
 
 
+def _links(
+    job: Job, k: int, calls: list[np.void], now: int, skew: int, ranks: list[int]
+) -> tuple[tuple[LinkInfo, ...], np.ndarray]:
+    """Node k's link ring: its one interface seen at the start; where the
+    network fault hits node k's link, its carrier lost at the fault's step
+    (and back after a flap)."""
+    name, kind = ("mlx5_0:1", "rdma") if job.rdma else ("eth0", "netdev")
+    users = () if job.unused_link else tuple(pid_of(r) for r in ranks)
+    info = LinkInfo(1, name, kind, pids=users)
+    first = min(int(r["ts_ns"]) for r in calls) if calls else now
+    samples = [(first, first - 1_000 * MS, LinkEvent.SEEN, 1)]
+    fault = _network_fault(job) if job.link_down else None
+    if fault is not None and fault[0] == k:
+        at = [int(r["ts_ns"]) for r in calls if int(r["seq"]) == fault[1]]
+        down = min(at) if at else now
+        samples.append((down + 3 * MS, down, LinkEvent.CARRIER_DOWN, 0))
+        if job.flap is not None:
+            up = down + int(job.flap[2] * MS)
+            samples.append((up + 3 * MS, up, LinkEvent.CARRIER_UP, 1))
+    rows = np.zeros(len(samples), dtype=LINK_EVENT)
+    for row, (ts, after, event, carrier) in zip(rows, samples, strict=True):
+        for field_name in LINK_COUNTERS:
+            row[field_name] = UNKNOWN_U64
+        row["ts_ns"], row["after_ns"], row["link"] = ts + skew, after + skew, 1
+        row["event"], row["carrier"] = event, carrier
+        row["link_kind"] = LinkKind.RDMA if job.rdma else LinkKind.NETDEV
+    return (info,), rows
+
+
 def _net(job: Job, k: int, calls: list[np.void], now: int, skew: int) -> np.ndarray:
     """Node k's rows of a cut, a flap, a reset or a stopped link; and one
     acknowledged retransmit on each of its connections early on (every
     host's own address is then known, as a busy link shows)."""
     if job.cut is None and job.flap is None and job.reset is None and job.link is None:
+        return np.zeros(0, dtype=TCP_EVENT)
+    if job.rdma:  # the job's traffic crosses no TCP connection
         return np.zeros(0, dtype=TCP_EVENT)
     first = min(int(r["ts_ns"]) for r in calls) if calls else now
     rows = [_conn_row(job, k, p, first + MS) for p in range(job.nodes) if p != k]

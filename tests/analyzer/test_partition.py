@@ -141,3 +141,30 @@ def test_a_stall_with_no_network_evidence_is_no_partition() -> None:
              for r in recs]  # fmt: skip
     result = analyze_recordings([(f"{r.host}.msgpack", r) for r in quiet])
     assert all(v.kind is not VerdictKind.NETWORK_PARTITION for v in result.incidents[0].verdicts)
+
+
+def test_a_link_down_on_a_tcp_cut_is_named_in_the_summary() -> None:
+    v = analyze(with_(JOB, cut=(1, 20), link_down=True)).verdicts[0]
+    assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node1",)
+    assert v.summary.startswith("host node1's link eth0 went down")
+    assert any("netdev eth0: lost its carrier at" in e and "still down" in e for e in v.evidence)
+
+
+def test_over_rdma_a_stall_is_named_by_the_link_that_went_down() -> None:
+    """No TCP account at all (the job's traffic is InfiniBand): the port the
+    ranks use lost its physical link."""
+    v = analyze(with_(JOB, cut=(2, 20), link_down=True, rdma=True)).verdicts[0]
+    assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node2",)
+    assert "mlx5_0:1 went down" in v.summary
+
+
+def test_over_rdma_a_link_no_rank_uses_names_nothing() -> None:
+    job = with_(JOB, cut=(2, 20), link_down=True, rdma=True, unused_link=True)
+    kinds = [v.kind for v in analyze(job).verdicts]
+    assert VerdictKind.NETWORK_PARTITION not in kinds
+
+
+def test_over_rdma_a_port_flap_is_named_from_the_collective_it_held() -> None:
+    v = analyze(with_(JOB, flap=(0, 15, 3000.0), link_down=True, rdma=True)).verdicts[0]
+    assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node0",)
+    assert "came back" in v.summary

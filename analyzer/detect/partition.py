@@ -21,7 +21,8 @@ The rules:
   group's end with its sends and receives) for ``STALL_NS`` at its dump,
   with connections stopped at the dump.  A flap: the job went on, but the
   collectives of some window took ``SLOW_NS`` and more on every member
-  while connections were stopped and later acknowledged again.  Resets: the
+  while connections were stopped (for ``FLAP_MIN_NS``: loss alone stops
+  one for shorter runs) and later acknowledged again.  Resets: the
   job's connections reset before any rank failed or died (a rank that dies
   resets its own connections after it; those are its death's).
 
@@ -50,6 +51,12 @@ DEAD_BACKOFF = 2  # timeouts in a row: nothing acknowledged through two RTOs
 DEAD_NO_ACK_NS = 1_000_000_000  # and nothing acknowledged for at least this long
 STALL_NS = 1_000_000_000  # every rank blocked at least this long at its dump
 SLOW_NS = 1_000_000_000  # a collective this long on every member, with stopped links
+# an outage the job came back from counts when nothing was acknowledged this
+# long, or half as long on connections to two peers at once: packet loss
+# alone brings runs of timeouts too, one connection at a time (8% loss on
+# one node of 4: a connection 0.7 s without an acknowledgement, a collective
+# held 3.2 s)
+FLAP_MIN_NS = 2_000_000_000
 DUE_SLACK_NS = 500_000_000  # a timeout due this long before the dump and not seen: acked
 RESET_SKEW_NS = 50_000_000  # clocks of two hosts may differ by this much
 LINK_SLACK_NS = 2_000_000_000  # a link down this long before the stall began is its cause too
@@ -427,12 +434,22 @@ def _flap(a: Analysis) -> Verdict | None:
     if not held:
         return None
 
-    def during(outage: tuple[int, int]) -> bool:
+    def within(outage: tuple[int, int]) -> bool:
         return any(h.start <= outage[1] and outage[0] <= h.end for h in held)
 
-    inside = [f for f in a.fates if any(during(o) for o in f.outages)]
+    outages = [
+        (f, o) for f in a.fates for o in f.outages if o[1] - o[0] >= FLAP_MIN_NS / 2 and within(o)
+    ]
+    kept = {
+        o
+        for f, o in outages
+        if o[1] - o[0] >= FLAP_MIN_NS
+        or any(g.hosts != f.hosts and p[0] <= o[1] and o[0] <= p[1] for g, p in outages)
+    }
+
+    inside = [f for f in a.fates if any(o in kept for o in f.outages)]
     flapped = [
-        lk for lk in inc.links if lk.used and any(up and during((d, up)) for d, up in lk.downs)
+        lk for lk in inc.links if lk.used and any(up and within((d, up)) for d, up in lk.downs)
     ]
     hosts = shared_hosts(inside, len(inc.hosts))
     if not hosts and not inside:  # no TCP account (RDMA traffic): the links alone
@@ -443,13 +460,13 @@ def _flap(a: Analysis) -> Verdict | None:
     names = _names(inc, hosts)
     procs = [i for i, h in enumerate(proc_hosts(inc)) if h in hosts]
     ranks, _, pids = who(inc, procs)
-    spans = [o for f in inside for o in f.outages if during(o)]
+    spans = [o for f in inside for o in f.outages if o in kept]
     spans += [
         (d, up)
         for lk in flapped
         if lk.host in hosts
         for d, up in lk.downs
-        if up and during((d, up))
+        if up and within((d, up))
     ]
     start, end = min(s for s, _ in spans), max(e for _, e in spans)
     place = f"host {names[0]} off" if len(hosts) == 1 else f"hosts {names[0]} and {names[1]} apart"

@@ -168,3 +168,16 @@ def test_over_rdma_a_port_flap_is_named_from_the_collective_it_held() -> None:
     v = analyze(with_(JOB, flap=(0, 15, 3000.0), link_down=True, rdma=True)).verdicts[0]
     assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node0",)
     assert "came back" in v.summary
+
+
+def test_a_short_outage_on_connections_to_two_peers_at_once_is_a_flap() -> None:
+    """1.5 s without acknowledgements on its connections to both peers at
+    once: the node's link, not packet loss (which stops one at a time)."""
+    v = analyze(with_(JOB, flap=(1, 15, 1500.0))).verdicts[0]
+    assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node1",)
+
+
+def test_a_short_outage_of_one_connection_is_no_flap() -> None:
+    """Two nodes, one link: 1.5 s of timeouts on it is what loss brings too."""
+    kinds = [v.kind for v in analyze(with_(JOB, nodes=2, flap=(1, 15, 1500.0))).verdicts]
+    assert VerdictKind.NETWORK_PARTITION not in kinds

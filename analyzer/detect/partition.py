@@ -58,7 +58,9 @@ SLOW_NS = 1_000_000_000  # a collective this long on every member, with stopped 
 # held 3.2 s)
 FLAP_MIN_NS = 2_000_000_000
 DUE_SLACK_NS = 500_000_000  # a timeout due this long before the dump and not seen: acked
-RESET_SKEW_NS = 50_000_000  # clocks of two hosts may differ by this much
+# a call failing this close to the resets failed on them (a reset of many
+# sockets, one after another, on a loaded machine takes a while)
+RESET_WINDOW_NS = 2_000_000_000
 LINK_SLACK_NS = 2_000_000_000  # a link down this long before the stall began is its cause too
 BACKOFF_GROWTH = 1.5  # timeouts back off: each gap this much longer than the one before
 MIN_RTO_NS = 150_000_000  # below the kernel's smallest RTO (200 ms): no timeout
@@ -541,15 +543,24 @@ def _held_collectives(a: Analysis) -> list[Held]:
 
 
 def _reset(a: Analysis) -> Verdict | None:
-    """Connections reset before any rank failed: the resets are the cause."""
+    """The job's connections reset, and the ranks failed on them: the first
+    rank that died saw its own host's connections reset before it died (on
+    that host's one clock); a process that dies first resets its own
+    connections after it, and its death is the cause."""
     inc = a.incident
     reset = [f for f in a.fates if f.resets and f.first_reset_wall_ns is not None]
     if not reset:
         return None
     first_reset = min(f.first_reset_wall_ns or 0 for f in reset)
-    failed = _first_failure_wall(inc)
-    if failed is not None and failed + RESET_SKEW_NS < first_reset:
-        return None  # a rank failed first: its death reset its connections
+    death = _first_death(inc)
+    if death is not None:
+        host, died = death
+        before = _first_reset_on(inc, host)
+        if before is None or before > died:
+            return None  # a rank died first: its death reset its connections
+    failures = [t for t in (death[1] if death else None, _first_error_wall(inc)) if t is not None]
+    if failures and abs(min(failures) - first_reset) > RESET_WINDOW_NS:
+        return None  # the resets and the failures are unrelated
     hosts = shared_hosts(reset, len(inc.hosts))
     if not hosts:
         return None
@@ -592,15 +603,32 @@ def _death(code: int | None, signal: int | None) -> str:
     return f"signal {signal}" if signal else f"code {code}"
 
 
-def _first_failure_wall(inc: Incident) -> int | None:
-    """When the first rank died or had a call fail (wall clock)."""
-    times = [p.exit_wall_ns for p in inc.procs if p.died_badly and p.exit_wall_ns]
+def _first_death(inc: Incident) -> tuple[int, int] | None:
+    """The host of the first rank that died badly, and when (its wall clock)."""
+    hosts = proc_hosts(inc)
+    deaths = [(p.exit_wall_ns, hosts[i]) for i, p in enumerate(inc.procs)
+              if p.died_badly and p.exit_wall_ns]  # fmt: skip
+    if not deaths:
+        return None
+    when, host = min(deaths)
+    return host, when
+
+
+def _first_reset_on(inc: Incident, host: int) -> int | None:
+    """The first reset a host's own dump recorded (its wall clock)."""
+    t = inc.tcp
+    mine = t[(t["host"] == host) & np.isin(t["event"], RESET_EVENTS)]
+    return int(mine["ts"].min()) + _offset(inc, host) if len(mine) else None
+
+
+def _first_error_wall(inc: Incident) -> int | None:
+    """When the first call returned an error (wall clock)."""
     rows = inc.calls.rows
-    if len(rows):
-        failed = rows["result"] > 0
-        if failed.any():
-            hosts = np.array(proc_hosts(inc), dtype=np.int64)
-            walls = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
-            when = rows["end"][failed] + walls[hosts[rows["proc"][failed]]]
-            times.append(int(when.min()))
-    return min(times) if times else None
+    if not len(rows):
+        return None
+    failed = rows["result"] > 0
+    if not failed.any():
+        return None
+    hosts = np.array(proc_hosts(inc), dtype=np.int64)
+    walls = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
+    return int((rows["end"][failed] + walls[hosts[rows["proc"][failed]]]).min())

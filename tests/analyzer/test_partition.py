@@ -103,7 +103,7 @@ def _with_rows(recs: list[Recording], extra: dict[str, list[np.void]]) -> list[R
 def test_a_crash_resetting_its_own_connections_is_the_crash() -> None:
     """A rank killed by a signal: its connections are reset after its death
     (the kernel resets what it leaves unread); its death is the cause."""
-    job = with_(JOB, crash=(2, 20, 9), peers_fail=True)
+    job = with_(JOB, crash=(2, 20, 9), peers_exit_ms=5.0)
     recs = recordings(job)
     died = int(recs[1].rings["exit"].rows["ts_ns"][0])
     resets = {

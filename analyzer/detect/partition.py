@@ -573,7 +573,7 @@ def _reset(a: Analysis) -> Verdict | None:
         f"the job's connections of {where} were reset ({sum(f.resets for f in reset)} resets, "
         f"with {', '.join(peers) or 'its peer'}); the ranks failed after them"
     )
-    failures = [
+    deaths = [
         f"consequence: {p.label()} exited ({_death(p.exit_code, p.exit_signal)})"
         for p in inc.procs
         if p.died_badly
@@ -585,7 +585,7 @@ def _reset(a: Analysis) -> Verdict | None:
         f"hosts {inc.hosts[x]} and {inc.hosts[y]}: {len(fs)} connection(s) reset "
         f"({sum(f.resets for f in fs)} resets sent and received)"
         for (x, y), fs in sorted(by_pair.items())
-    ] + failures
+    ] + deaths
     return Verdict(
         VerdictKind.NETWORK_PARTITION,
         ranks,

@@ -35,8 +35,11 @@ from .options import (
 QUERY_EPILOG = """\
 tables: nccl_events, comm_events, tcp_events, sched_events, exit_events,
         processes, communicators, thread_states, cuda_graphs (each with a host column;
-        timestamp_ns is the host's monotonic clock in ns, wall_time the same
-        instant in UTC; *_ns columns are nanoseconds, elapsed_ns of a call in
+        every time of every host is on one clock, the incident's: timestamp_ns,
+        end_ns, ... are ns since the epoch, each host's monotonic stamps
+        converted with its own clock pair, so hosts join on time;
+        host_timestamp_ns is the host's own monotonic stamp, wall_time
+        timestamp_ns in UTC; durations are *_ns too, elapsed_ns of a call in
         flight counts up to the dump's time; rank is the rank in the row's
         communicator, world_rank the process's, derived over every dump
         given; ids are '0x...' text as the reports print them, never cut;
@@ -44,8 +47,8 @@ tables: nccl_events, comm_events, tcp_events, sched_events, exit_events,
         Flight Recorder files are read as one dump per rank (host: the file's
         name). At most 10,000 rows are printed and a query may use 1 GB of
         memory, as on an agent (one line on stderr says when it was cut).
-        The rows of every dump given share one table: where hosts must not
-        mix (a time-window join), join on host too (t.host = s.host).
+        The rows of every dump given share one table: query one incident's
+        dumps (a later dump of a host repeats the rows its rings still held).
 
 examples:
   stallwatch query dumps/ "SELECT host, op, count(*) FROM nccl_events GROUP BY ALL"

@@ -83,7 +83,7 @@ def slice_keys(events: Sequence[Event]) -> Counter[tuple[str, int, int, int, str
     for e in events:
         if e["ph"] == "X" and e.get("cat") == "nccl":
             a: dict[str, Any] = e["args"]
-            key = (hosts[int(e["pid"])], a["pid"], a["tid"], a["ts_ns"], a["op"], a["seq"])
+            key = (hosts[int(e["pid"])], a["pid"], a["tid"], a["host_ts_ns"], a["op"], a["seq"])
             out[key] += 1
     return out
 

@@ -127,6 +127,88 @@ LEFT JOIN tcp_events t
  AND t.event = 'tcp_retransmit_skb'
 GROUP BY s.rank, s.duration_ns, s.timestamp_ns ORDER BY ms DESC LIMIT 20;"""
 
+# The headline (docs/sql.md): each slow AllReduce with the
+# retransmits of the slow rank's own connections inside its window, those its
+# host sent and those its peers' hosts sent towards it (on their clocks,
+# converted to the incident's).  A connection is the rank's where its local
+# end (address and port) is one its process owns.
+HEADLINE_QUERY = """\
+WITH slow_collectives AS (
+  SELECT host, pid, world_rank, seq, timestamp_ns, end_ns, duration_ns
+  FROM nccl_events WHERE op = 'ALL_REDUCE' AND duration_ns > 50000000),
+rank_ends AS (  -- the local address and port of the connections of each rank
+  SELECT DISTINCT host, pid, saddr, sport FROM tcp_events WHERE pid IS NOT NULL),
+retransmits AS (  -- on the own connections of a rank: sent from its end, or towards it
+  SELECT t.timestamp_ns, e.host, e.pid, t.host = e.host AS sent
+  FROM tcp_events t JOIN rank_ends e
+    ON (t.host = e.host AND t.saddr = e.saddr AND t.sport = e.sport)
+    OR (t.host <> e.host AND t.daddr = e.saddr AND t.dport = e.sport)
+  WHERE t.event = 'tcp_retransmit_skb')
+SELECT s.host, s.world_rank, s.seq, s.duration_ns/1e6 AS ms,
+       count(r.sent) FILTER (WHERE r.sent) AS sent,
+       count(r.sent) FILTER (WHERE NOT r.sent) AS received
+FROM slow_collectives s
+LEFT JOIN retransmits r
+  ON r.host = s.host AND r.pid = s.pid
+ AND r.timestamp_ns BETWEEN s.timestamp_ns AND s.end_ns
+GROUP BY ALL ORDER BY ms DESC LIMIT 20;"""
+
+# Per host, the retransmit counts the analyzer's network verdicts print
+# (analyzer.rankmetrics.retransmits_in_windows), by the same rules: a host's
+# address is the commonest non-loopback source address of its ranks'
+# connections; a retransmit counts once (two agents may see one), between
+# two hosts' addresses; it is inside a window when the host that recorded it
+# had a completed collective call around it (on the device's timeline for
+# processes whose device side was observed).
+RETRANSMITS_BY_HOST_QUERY = """\
+WITH rank_sources AS (  -- source addresses of the connections of the ranks of each host
+  SELECT t.host, t.saddr, count(*) AS n FROM tcp_events t
+  WHERE EXISTS (SELECT 1 FROM communicators c WHERE c.host = t.host AND c.pid = t.pid)
+    AND NOT regexp_matches(t.saddr, '^(127\\.|::1$|::ffff:(127\\.|7f[0-9a-f]{2}:))')
+  GROUP BY ALL),
+host_addresses AS (  -- the address of each host: the commonest of them
+  SELECT addr, min(host) AS host
+  FROM (SELECT host, first(saddr ORDER BY n DESC, saddr) AS addr FROM rank_sources GROUP BY host)
+  GROUP BY addr),
+retransmits AS (  -- from the address of one host to that of another, each event once
+  SELECT DISTINCT ON (t.saddr, t.sport, t.daddr, t.dport, t.host_timestamp_ns)
+         t.host, t.timestamp_ns, src.host AS sender, dst.host AS receiver
+  FROM tcp_events t
+  JOIN host_addresses src ON src.addr = t.saddr
+  JOIN host_addresses dst ON dst.addr = t.daddr
+  WHERE t.event = 'tcp_retransmit_skb' AND src.host <> dst.host
+  ORDER BY t.saddr, t.sport, t.daddr, t.dport, t.host_timestamp_ns, t.host),
+device_timed AS (SELECT DISTINCT host, pid FROM nccl_events WHERE completed_ns IS NOT NULL),
+windows AS (  -- completed collectives, on the device timeline where it was observed
+  SELECT n.host,
+         CASE WHEN d.pid IS NULL THEN n.timestamp_ns
+              ELSE coalesce(n.started_ns, n.timestamp_ns) END AS lo,
+         CASE WHEN d.pid IS NULL THEN n.end_ns ELSE n.completed_ns END AS hi
+  FROM nccl_events n LEFT JOIN device_timed d ON d.host = n.host AND d.pid = n.pid
+  WHERE n.seq IS NOT NULL AND n.op NOT IN ('SEND', 'RECV')
+    AND EXISTS (SELECT 1 FROM communicators c
+                WHERE c.host = n.host AND c.pid = n.pid AND c.comm_id_hash = n.comm_id_hash)),
+flagged AS (
+  SELECT r.sender, r.receiver,
+         EXISTS (SELECT 1 FROM windows w
+                 WHERE w.host = r.host AND r.timestamp_ns BETWEEN w.lo AND w.hi) AS inside
+  FROM retransmits r)
+SELECT h.host,
+       count(f.inside) FILTER (WHERE f.sender = h.host AND f.inside) AS sent_in_windows,
+       count(f.inside) FILTER (WHERE f.receiver = h.host AND f.inside) AS received_in_windows,
+       count(f.inside) FILTER (WHERE f.sender = h.host) AS sent_in_all,
+       (SELECT count(w.hi) FROM windows w WHERE w.host = h.host) AS collectives
+FROM (SELECT DISTINCT host FROM communicators) h
+LEFT JOIN flagged f ON h.host IN (f.sender, f.receiver)
+GROUP BY h.host ORDER BY h.host;"""
+
+# ``stallwatch query --example NAME`` prints one of these.
+EXAMPLES = {
+    "headline": HEADLINE_QUERY,
+    "retransmits-by-host": RETRANSMITS_BY_HOST_QUERY,
+    "seed": SEED_QUERY,
+}
+
 TABLE_NAMES = (
     "nccl_events",
     "cuda_graphs",

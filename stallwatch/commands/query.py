@@ -21,6 +21,7 @@ from rich.text import Text
 
 from stallwatch.dumpers.errors import ExitCode, UsageError
 from stallwatch.dumpers.model import Recording
+from stallwatch.dumpers.sqltables import EXAMPLES
 from stallwatch.query.output import id_widths, new_table, text_for
 
 from .options import (
@@ -52,6 +53,8 @@ tables: nccl_events, comm_events, tcp_events, sched_events, exit_events,
 
 examples:
   stallwatch query dumps/ "SELECT host, op, count(*) FROM nccl_events GROUP BY ALL"
+  stallwatch query dumps/ --example headline   # slow AllReduces, their ranks' retransmits
+  stallwatch query --example retransmits-by-host   # print a named query's SQL
   stallwatch query dumps/*.msgpack --format csv \\
       "SELECT rank, seq, duration_ns/1e6 AS ms FROM nccl_events ORDER BY ms DESC LIMIT 10"
   stallwatch query dumps/ "SELECT count(*) FROM tcp_events" --json
@@ -77,7 +80,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     q = subparsers.add_parser(
         "query",
         usage="stallwatch query [options] PATH... SQL\n"
-        "       stallwatch query [options] --agents HOST:PORT,... SQL",
+        "       stallwatch query [options] --agents HOST:PORT,... SQL\n"
+        "       stallwatch query [options] [PATH... | --agents HOST:PORT,...] --example NAME",
         help="run one SQL query on dumps, or on live agents in parallel",
         description="Run one read-only SQL SELECT on dump files and folders, or send it "
         "to live agents (--agents) in parallel and merge their rows.",
@@ -85,7 +89,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         formatter_class=HelpFormatter,
     )
     q.add_argument(
-        "args", nargs="+", metavar="PATH|SQL", help="dump files or folders, then the SQL (last)"
+        "args", nargs="*", metavar="PATH|SQL", help="dump files or folders, then the SQL (last)"
+    )
+    q.add_argument(
+        "--example",
+        choices=sorted(EXAMPLES),
+        metavar="NAME",
+        help=f"run this named query ({', '.join(sorted(EXAMPLES))}) instead of SQL "
+        "given; with no dumps or agents, print its SQL",
     )
     q.add_argument("--agents", metavar="HOST:PORT,...", help="query these live agents instead")
     add_token_option(q, "bearer token for the agents")
@@ -180,7 +191,12 @@ def render(fmt: str, doc: dict[str, Any]) -> str:
 
 
 def _split_args(args: argparse.Namespace) -> tuple[list[str], str]:
-    *paths, sql = args.args
+    if args.example is not None:
+        paths, sql = list(args.args), EXAMPLES[args.example]
+    elif not args.args:
+        raise UsageError("give dump files or folders, then the SQL (or --example NAME)")
+    else:
+        *paths, sql = args.args
     if args.agents and paths:
         raise UsageError("with --agents, give only the SQL (no dump paths)")
     if not args.agents and not paths:
@@ -191,6 +207,9 @@ def _split_args(args: argparse.Namespace) -> tuple[list[str], str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.example is not None and not args.args and not args.agents:
+        print(EXAMPLES[args.example])
+        return ExitCode.OK
     paths, sql = _split_args(args)
     if args.agents:
         return _query_agents(args, sql)

@@ -113,9 +113,8 @@ from .schema import (
 )
 
 # The seed query (docs/architecture.md, "SQL tables") runs unchanged on dumps and on live
-# agents; the demo, the benchmarks and the tests all use this one copy.  On
-# the incident's clock it counts the retransmits of every host inside each
-# slow AllReduce.
+# agents; the benchmarks and the tests use this one copy.  On the incident's
+# clock it counts the retransmits of every host inside each slow AllReduce.
 SEED_QUERY = """\
 WITH slow_collectives AS (
   SELECT timestamp_ns, duration_ns, rank, nranks, comm_id_hash, pid
@@ -127,7 +126,7 @@ LEFT JOIN tcp_events t
  AND t.event = 'tcp_retransmit_skb'
 GROUP BY s.rank, s.duration_ns, s.timestamp_ns ORDER BY ms DESC LIMIT 20;"""
 
-# The headline (docs/sql.md): each slow AllReduce with the
+# The headline (README, the demo, docs/sql.md): each slow AllReduce with the
 # retransmits of the slow rank's own connections inside its window, those its
 # host sent and those its peers' hosts sent towards it (on their clocks,
 # converted to the incident's).  A connection is the rank's where its local

@@ -153,7 +153,7 @@ LEFT JOIN retransmits r
 GROUP BY ALL ORDER BY ms DESC LIMIT 20;"""
 
 # Per host, the retransmit counts the analyzer's network verdicts print
-# (analyzer.rankmetrics.retransmits_in_windows), by the same rules: a host's
+# (analyzer.detect.network.retransmits_in_windows), by the same rules: a host's
 # address is the commonest non-loopback source address of its ranks'
 # connections; a retransmit counts once (two agents may see one), between
 # two hosts' addresses; it is inside a window when the host that recorded it

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from stallwatch.analyzer.align import WINDOW_CALLS
+from stallwatch.analyzer.detect.network import retransmits_in_windows
 from stallwatch.analyzer.load import load_inputs
 from stallwatch.analyzer.match import match
 from stallwatch.analyzer.pipeline import group_incidents
-from stallwatch.analyzer.rankmetrics import retransmits_in_windows
 from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.sqltables import RETRANSMITS_BY_HOST_QUERY
 from stallwatch.query.sql import LOCAL, QueryEngine

@@ -5,7 +5,7 @@ On real network incidents recorded by the lab (tests/data/net-*: a lossy node,
 a node cut off for good, a node cut off for 4 s), the shipped per-host query
 (``dumpers.sqltables.RETRANSMITS_BY_HOST_QUERY``, ``stallwatch query --example
 retransmits-by-host``) returns per host exactly what the analyzer's network
-verdicts print (``analyzer.rankmetrics.retransmits_in_windows``): retransmits
+verdicts print (``analyzer.detect.network.retransmits_in_windows``): retransmits
 sent and received inside collective windows, sent in all, completed
 collectives.  With two hosts' monotonic clocks moved by hours (as on hosts
 that booted at different times, tests/clockshift.py), no verdict, no count of
@@ -20,6 +20,8 @@ step on, the agents dump at the stall) and checks the agreement on it.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,7 +34,6 @@ from stallwatch.query.fanout import close_connections, query_agents
 from stallwatch.query.http import RecordingsBackend, serve_http
 from tests.clockshift import shifted_copy
 from tests.conftest import ROOT
-from tests.labcut import Cut, record_cut
 from tests.query.agreement import assert_agree, sql_counts, sql_rows
 
 DATA = ROOT / "tests" / "data"
@@ -160,7 +161,11 @@ def test_fanned_out_the_queries_answer_what_the_dumps_do(agents: list[str], sql:
 @pytest.mark.slow
 def test_partition_recorded_by_the_lab_agrees(tmp_path: Path) -> None:
     """Node 2 cut off for good at step 8: every agent dumps at the stall."""
-    result = record_cut(tmp_path, Cut(node=2, at_step=8, hold_s=None), steps=30, stall_timeout=5)
-    assert len(result.dumps) == 4, result.dumps
+    cmd = [sys.executable, "-m", "stallwatch", "lab", "run", "--nodes", "4"]
+    cmd += ["--ranks-per-node", "1", "--steps", "30", "--fault", "partition:node=2,step=8"]
+    cmd += ["--record", "--dump-dir", str(tmp_path), "--stall-timeout", "5", "--timeout", "120"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    dumps = sorted(tmp_path.rglob("*.msgpack"))
+    assert len(dumps) == 4, f"one dump per node expected: {dumps}\n{done.stdout}{done.stderr}"
     counts = assert_agree(tmp_path)
     assert counts["node2"][2] > 0  # the cut node kept retransmitting

@@ -17,10 +17,12 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from stallwatch.dumpers.format import read_dump, write_dump
 from stallwatch.dumpers.schema import TcpEvent, TcpState
 from stallwatch.recorder.agent import Agent, AgentConfig
 from stallwatch.recorder.source import BccSource
@@ -302,3 +304,67 @@ def test_resets_sent_and_received_are_rows_of_the_job(agent: Agent, link: tuple[
         & (rows["sport"] == JOB_PORT)
     ]
     assert len(born) >= 1 and (born["pid"] == server.pid).all()
+
+
+CHURN_FOR = f"""
+import socket, sys, threading, time
+srv = socket.create_server(("127.0.0.1", {NEIGHBOUR_PORT}), backlog=1024)
+def serve():
+    while True:
+        c, _ = srv.accept()
+        c.close()
+threading.Thread(target=serve, daemon=True).start()
+end = time.monotonic() + float(sys.argv[1])
+n = 0
+while time.monotonic() < end:
+    c = socket.create_connection(("127.0.0.1", {NEIGHBOUR_PORT}))
+    c.close()
+    n += 1
+print(n, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_after_a_minute_of_neighbour_churn_the_jobs_retransmits_are_in_the_dump(
+    tmp_path: Path, link: tuple[str, str]
+) -> None:
+    """A TCP ring of 2,048 slots; the job retransmits on a lossy link at the
+    start, then a neighbour churns connections for 60 s (hundreds of
+    thousands of TCP events, the ring many times over): the dump holds every
+    job retransmit and says how much was left out."""
+    a, b = link
+    config = AgentConfig(dump_dir=tmp_path / "dumps", host_name="churn-test")
+    agent = Agent(config, BccSource(1 << 13, 1_000_000))
+    try:
+        assert len(agent.source.rings()["tcp"].slots) == 2048
+        lose(b, JOB_PORT, 20)
+        with python_in(b, SERVER) as server, python_in(a, SENDER) as sender:
+            assert hear(server) == "listening"
+            say(sender)
+            assert hear(sender) == "connected"
+            place(agent, sender.pid)
+            say(sender)
+            time.sleep(3.0)
+            job = sender.pid
+        kept = _retransmits_of(agent, job)
+        assert kept >= 5
+        churn = subprocess.run(
+            [sys.executable, "-c", CHURN_FOR, "60"], capture_output=True, text=True, timeout=120
+        )
+        made = int(churn.stdout.split()[-1])
+        assert made >= 20_000, f"the neighbour made only {made} connections"
+        path = write_dump(tmp_path, agent.recording())
+    finally:
+        agent.close()
+    dump = read_dump(path)
+    rows = dump.rings["tcp"].rows
+    # every one seen before the churn (and those of its closing connection after)
+    assert ((rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB) & (rows["pid"] == job)).sum() >= kept
+    assert NEIGHBOUR_PORT not in set(rows["sport"].tolist()) | set(rows["dport"].tolist())
+    assert dump.counters["kernel_tcp_filtered"] >= made * 4  # at least 4 state changes each
+    assert dump.rings["tcp"].overwritten == 0
+
+
+def _retransmits_of(agent: Agent, pid: int) -> int:
+    rows = agent.recording().rings["tcp"].rows
+    return int(((rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB) & (rows["pid"] == pid)).sum())

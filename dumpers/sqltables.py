@@ -157,8 +157,8 @@ GROUP BY ALL ORDER BY ms DESC LIMIT 20;"""
 # address is the commonest non-loopback source address of its ranks'
 # connections; a retransmit counts once (two agents may see one), between
 # two hosts' addresses; it is inside a window when the host that recorded it
-# had a completed collective call around it (on the device's timeline for
-# processes whose device side was observed).
+# had a completed collective call of a process its agent lists around it (on
+# the device's timeline for processes whose device side was observed).
 RETRANSMITS_BY_HOST_QUERY = """\
 WITH rank_sources AS (  -- source addresses of the connections of the ranks of each host
   SELECT t.host, t.saddr, count(*) AS n FROM tcp_events t
@@ -178,15 +178,15 @@ retransmits AS (  -- from the address of one host to that of another, each event
   WHERE t.event = 'tcp_retransmit_skb' AND src.host <> dst.host
   ORDER BY t.saddr, t.sport, t.daddr, t.dport, t.host_timestamp_ns, t.host),
 device_timed AS (SELECT DISTINCT host, pid FROM nccl_events WHERE completed_ns IS NOT NULL),
-windows AS (  -- completed collectives, on the device timeline where it was observed
+windows AS (  -- collectives of the processes the host lists, on the device timeline if seen
   SELECT n.host,
          CASE WHEN d.pid IS NULL THEN n.timestamp_ns
               ELSE coalesce(n.started_ns, n.timestamp_ns) END AS lo,
          CASE WHEN d.pid IS NULL THEN n.end_ns ELSE n.completed_ns END AS hi
   FROM nccl_events n LEFT JOIN device_timed d ON d.host = n.host AND d.pid = n.pid
   WHERE n.seq IS NOT NULL AND n.op NOT IN ('SEND', 'RECV')
-    AND EXISTS (SELECT 1 FROM communicators c
-                WHERE c.host = n.host AND c.pid = n.pid AND c.comm_id_hash = n.comm_id_hash)),
+    AND n.pid IN (SELECT pid FROM processes p WHERE p.host = n.host
+                  UNION SELECT pid FROM communicators c WHERE c.host = n.host)),
 flagged AS (
   SELECT r.sender, r.receiver,
          EXISTS (SELECT 1 FROM windows w

@@ -29,6 +29,7 @@ from stallwatch.dumpers.schema import (
 )
 from stallwatch.dumpers.sqltables import TABLE_NAMES, tables
 from stallwatch.query.sql import LOCAL, Limits, QueryEngine, sandboxed_connection
+from tests.clockshift import shift_clock
 
 SLOW_NS = 50_000_000
 
@@ -126,10 +127,87 @@ def test_device_start_and_completion_columns(lossy: Recording) -> None:
 
 def test_wall_time_is_the_monotonic_timestamp_converted(lossy: Recording) -> None:
     with QueryEngine([lossy], LOCAL) as engine:
-        ((ts, wall_us),) = engine.query(
-            "SELECT timestamp_ns, epoch_us(wall_time) FROM nccl_events ORDER BY 1 LIMIT 1"
+        ((ts, host_ts, wall_us),) = engine.query(
+            "SELECT timestamp_ns, host_timestamp_ns, epoch_us(wall_time) "
+            "FROM nccl_events ORDER BY 1 LIMIT 1"
         ).rows
-    assert wall_us == lossy.clock.to_wall_ns(ts) // 1000
+    assert ts == lossy.clock.to_wall_ns(host_ts) and wall_us == ts // 1000
+
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+# device times (gpu mode, format 2); thread readings, TCP state (format 7)
+CLOCKED = ("lab-gpuslow-4x2", "net-loss-4x1")
+# every column that is a moment (the rest: durations, counts, ids...)
+MOMENTS = {
+    "timestamp_ns", "end_ns", "started_ns", "started_after_ns", "completed_ns",
+    "completed_after_ns", "start_ns", "exit_ns", "init_ns", "destroy_ns", "wall_time",
+    "start_time", "exit_time",
+}  # fmt: skip
+
+
+def _first_dump(name: str) -> Recording:
+    return read_dump(sorted((DATA / name).glob("*.msgpack"))[0])
+
+
+@pytest.mark.parametrize("name", CLOCKED)
+def test_only_host_timestamp_ns_holds_the_hosts_own_clock(name: str) -> None:
+    """The same recording with its monotonic clock 7 hours ahead (a host
+    booted earlier) has the same tables, but for ``host_timestamp_ns``."""
+    rec = _first_dump(name)
+    ahead = 7 * 3600 * 10**9
+    before, after = tables(rec), tables(shift_clock(rec, ahead))
+    seen: set[str] = set()
+    for table in TABLE_NAMES:
+        a, b = before[table], after[table]
+        assert a.schema == b.schema, table
+        for column in a.column_names:
+            if column == "host_timestamp_ns":
+                moved = [None if x is None else x + ahead for x in a[column].to_pylist()]
+                assert b[column].to_pylist() == moved, table
+            else:
+                assert b[column].equals(a[column]), (table, column)
+            if column in MOMENTS and a[column].null_count < len(a[column]):
+                seen.add(column)
+    device = {"started_ns", "completed_ns", "completed_after_ns"} if "gpu" in name else set()
+    assert {"timestamp_ns", "end_ns", "start_ns", "init_ns", *device} <= seen
+
+
+@pytest.mark.parametrize("name", CLOCKED)
+def test_times_are_the_host_stamps_converted_with_their_clock_pair(name: str) -> None:
+    rec = _first_dump(name)
+    offset = rec.clock.realtime_ns - rec.clock.monotonic_ns
+    held = {}
+    with QueryEngine([rec], LOCAL) as engine:
+        for table in ("nccl_events", "tcp_events", "sched_events", "comm_events", "thread_states"):
+            ((held[table], bad),) = engine.query(
+                f"SELECT count(*), count(*) FILTER (WHERE timestamp_ns - host_timestamp_ns "
+                f"<> {offset} OR epoch_ns(wall_time) <> timestamp_ns) FROM {table}"
+            ).rows
+            assert bad == 0, table
+        ((calls, ends),) = engine.query(
+            "SELECT count(*), count(*) FILTER (WHERE end_ns - timestamp_ns = duration_ns) "
+            "FROM nccl_events WHERE end_ns IS NOT NULL"
+        ).rows
+        assert calls > 0 and ends == calls
+    assert held["nccl_events"] and held["sched_events"] and held["comm_events"]
+    starts = [p.start_ns + offset for p in rec.processes]
+    assert tables(rec)["processes"]["start_ns"].to_pylist() == starts
+    inits = [c.init_ns + offset if c.init_ns else None for c in rec.communicators]
+    assert tables(rec)["communicators"]["init_ns"].to_pylist() == inits
+
+
+def test_a_recording_without_a_clock_pair_has_no_times_but_its_own() -> None:
+    """Unknown is NULL: without its clock pair a host's stamps cannot be
+    put on the incident's clock; its own stamps and durations stay."""
+    rec = _first_dump("net-loss-4x1")
+    lost = dataclasses.replace(rec, clock=dataclasses.replace(rec.clock, realtime_ns=0))
+    for table, t in tables(lost).items():
+        for column in set(t.column_names) & MOMENTS:
+            assert t[column].null_count == len(t), (table, column)
+        if "host_timestamp_ns" in t.column_names:
+            assert t["host_timestamp_ns"].null_count == 0, table
+    durations = tables(lost)["nccl_events"]["duration_ns"]
+    assert durations.equals(tables(rec)["nccl_events"]["duration_ns"])
 
 
 def _tcp_row(family: int, saddr: bytes, daddr: bytes) -> np.ndarray:

@@ -21,7 +21,10 @@ from stallwatch.dumpers.readings import ThreadReading
 
 # ring fields that are moments (0: not observed) and those that are spans
 MOMENTS = frozenset(
-    {"ts_ns", "end_ns", "started_ns", "started_after_ns", "completed_ns", "completed_after_ns"}
+    {
+        *("ts_ns", "end_ns", "started_ns", "started_after_ns", "completed_ns"),
+        *("completed_after_ns", "after_ns"),
+    }
 )
 SPANS = frozenset({"no_ack_ns", "delay_ns"})
 
@@ -72,6 +75,12 @@ def shift_clock(rec: Recording, delta: int) -> Recording:
         ),
         trigger=trigger,
         snapshots=tuple(_reading(r, delta) for r in rec.snapshots),
+        links=tuple(
+            dataclasses.replace(
+                li, first_ns=_moved(li.first_ns, delta), gone_ns=_moved(li.gone_ns, delta)
+            )
+            for li in rec.links
+        ),
     )
 
 

@@ -283,7 +283,9 @@ def _link_recording() -> Recording:
 
 
 def test_link_events_and_links() -> None:
-    with QueryEngine([_link_recording()], LOCAL) as engine:
+    rec = _link_recording()
+    offset = rec.clock.realtime_ns - rec.clock.monotonic_ns  # times are on the incident's clock
+    with QueryEngine([rec], LOCAL) as engine:
         got = engine.query(
             "SELECT interface, kind, event, after_ns, carrier, operstate, port_state, "
             "carrier_down_count, rx_errors, symbol_error, out_of_sequence "
@@ -299,10 +301,10 @@ def test_link_events_and_links() -> None:
         ).rows
     assert got == [
         ("eth0", "netdev", "seen", None, True, "up", None, 0, 0, None, None),
-        ("eth0", "netdev", "carrier_down", 10**9 + 5, False, "lowerlayerdown", None, 1, 2, None,
-         None),
-        ("mlx5_0:1", "rdma", "errors", 2 * 10**9 + 7, True, None, "ACTIVE", None, None, 118,
-         None),
+        ("eth0", "netdev", "carrier_down", offset + 10**9 + 5, False, "lowerlayerdown", None, 1,
+         2, None, None),
+        ("mlx5_0:1", "rdma", "errors", offset + 2 * 10**9 + 7, True, None, "ACTIVE", None, None,
+         118, None),
     ]  # fmt: skip
     assert links == [
         ("eth0", "netdev", None, None, None, ["10.0.0.2/24"], 1500, None,

@@ -119,4 +119,6 @@ def test_resets_come_before_the_exits_they_caused(
     )  # fmt: skip
     assert done.returncode == 1
     first = json.loads(done.stdout)["incidents"][0]["verdicts"][0]
-    assert first["kind"] == "network_partition" and first["hosts"] == ["node1"]
+    # hosts index by index with the ranks named: node1's two
+    assert first["kind"] == "network_partition" and first["hosts"] == ["node1", "node1"]
+    assert first["ranks"] == [2, 3]

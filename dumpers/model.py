@@ -30,6 +30,10 @@ class TriggerKind(enum.Enum):
     MANUAL = "manual"  # stallwatch dump, SIGUSR1, POST /dump
     PEER = "peer"  # a peer agent asked
     SHUTDOWN = "shutdown"  # written on request at agent exit (--dump-on-exit)
+    # a communicator's rhythm degraded for a sustained window, a rank of the
+    # node persistently last, or a collective held with the network failing
+    # inside it (fail-slow: recorder.slowdown)
+    SLOWDOWN = "slowdown"
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@
                       8-byte big-endian length and an Arrow IPC stream of its rows
                       (schema metadata ``stallwatch.truncated``: b"1" if cut at
                       ``Limits.max_fetch_rows``); header X-Stallwatch-Host
-    POST /dump     {"reason": str?, "incident_id": str?, "origin": str?}
+    POST /dump     {"reason": str?, "incident_id": str?, "origin": str?, "kind": str?}
                    -> 200 whatever the backend returns; 501 if it cannot dump
     POST /snapshot {"reason": str?, "incident_id": str?, "samples": int?, "interval_s": float?}
                    -> 200 {"host", "incident_id", "status", "path", "positions"}: the
@@ -140,7 +140,8 @@ class Backend(Protocol):
     """What the server needs from whoever hosts it (the agent, or dumps).
 
     A backend that can dump also has ``request_dump(reason, incident_id,
-    origin) -> JSON-able answer`` (:class:`DumpingBackend`); it may raise
+    origin[, kind]) -> JSON-able answer`` (:class:`DumpingBackend`; ``kind``,
+    given when a peer says what its incident is, its trigger's kind); it may raise
     ``StallwatchError`` (``UsageError`` answers 400, others 500).  Without it,
     ``POST /dump`` answers 501.  ``recording()`` is called at most every
     ``RECORDING_CACHE_S`` seconds, and only when a query comes."""
@@ -154,7 +155,9 @@ class Backend(Protocol):
 
 
 class DumpingBackend(Backend, Protocol):
-    def request_dump(self, reason: str, incident_id: str | None, origin: str | None) -> object: ...
+    def request_dump(
+        self, reason: str, incident_id: str | None, origin: str | None, kind: str | None = None
+    ) -> object: ...
 
 
 class SnapshottingBackend(Backend, Protocol):
@@ -546,8 +549,9 @@ def _dump(h: _Handler) -> Response:
     reason = _field(doc, "reason", str) or "requested over HTTP (POST /dump)"
     incident = _field(doc, "incident_id", str)
     origin = _field(doc, "origin", str)
+    kind = _field(doc, "kind", str)  # a peer's incident: what it is
     try:
-        answer = request_dump(reason, incident, origin)
+        answer = request_dump(reason, incident, origin, *((kind,) if kind else ()))
     except UsageError as exc:
         raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
     except StallwatchError as exc:

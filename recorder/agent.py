@@ -51,8 +51,16 @@ from .positions import PositionKeeper, reading_summary
 from .prometheus import AgentStats, LinkState, RingStats, agent_metrics_text
 from .registry import CommRegistry, ProcessRegistry
 from .scope import Scope
+from .slowdown import (
+    RowFollower,
+    SlowdownConfig,
+    SlowdownWatch,
+    StreamGauges,
+    held_slowdown,
+    network_evidence,
+)
 from .source import EventSource
-from .tickstate import CommProgress, ProcessState, TickState
+from .tickstate import CommProgress, ProcessState, Slowdown, TickState
 from .watchdog import DumpScheduler, Incidents, Watchdog
 
 log = logging.getLogger("stallwatch.record")
@@ -99,6 +107,7 @@ class AgentConfig:
     keep_pinned: bool = False  # stopped, leave the pins (a service); else remove them
     bpf_cache: Path | None = None  # compiled programs kept there (recorder.compiled)
     links: LinkConfig = field(default_factory=LinkConfig)  # the link sampler (recorder.links)
+    slowdown: SlowdownConfig = field(default_factory=SlowdownConfig)  # recorder.slowdown
 
 
 @dataclass(slots=True)
@@ -167,6 +176,10 @@ class Agent:
             lambda: sorted(self.scope.inside), int(config.stall_timeout_s * 1e9)
         )
         self.links = LinkSampler(config.links)
+        # the NCCL rows already in a ring adopted from an earlier agent teach
+        # the slowdown trigger each communicator's rhythm at once
+        self.slowdown = SlowdownWatch(config.slowdown)
+        self._follower = RowFollower(source.rings()["nccl"])
         self._take_over()
 
     def _take_over(self) -> None:
@@ -423,7 +436,7 @@ class Agent:
             self._forget_ended(raw, now)
             progress = [p for p in raw if self.scope.keep_pid(p.pid)]
             self.comms.apply_progress(progress, now)
-            state = self._tick_state(progress, now)
+            state = self._tick_state(progress, now, self._slowdowns(now))
             self._maps_busy = bool(raw) or bool(state.inflight)
             return state
 
@@ -454,7 +467,33 @@ class Agent:
                 self.source.forget_process(pid)
                 self._gone_since.pop(pid, None)
 
-    def _tick_state(self, progress: list[CommProgress], now: int) -> TickState:
+    def _slowdowns(self, now: int) -> tuple[Slowdown, ...]:
+        """The slowdown trigger's turn: the NCCL rows that appeared or
+        settled since the last tick, what is slow now, and the held calls
+        with network trouble inside them (the rings are read only then)."""
+        if self.read_only:
+            return ()
+        new, settled = self._follower.poll(now, self.slowdown.device_stream)
+        keep = self.scope.ring_filter("nccl")
+        if keep is not None:
+            new = new[keep(new)] if len(new) else new
+            settled = settled[keep(settled)] if len(settled) else settled
+        self.slowdown.feed(new, settled)
+        found = self.slowdown.judge(now)
+        held = self.slowdown.held()
+        if held:
+            tcp = self.source.rings()["tcp"].copy(self.scope.ring_filter("tcp")).rows
+            links = self.links.copy().rows
+            for call in held:
+                evidence = network_evidence(call, tcp, links)
+                if evidence is not None:
+                    found.append(held_slowdown(call, evidence))
+        self.slowdown.forget(self.procs.alive())
+        return tuple(found)
+
+    def _tick_state(
+        self, progress: list[CommProgress], now: int, slowdowns: tuple[Slowdown, ...] = ()
+    ) -> TickState:
         inflight = tuple(c for c in self.source.inflight_calls() if self.scope.keep_pid(c.pid))
         inflight += tuple(self.positions.inflight(now, progress))  # began before the attach
         holders = {p.pid for p in progress if not p.destroyed}
@@ -473,7 +512,7 @@ class Agent:
                     exit_ns=info.exit_ns,
                 )
             )
-        return TickState(now, inflight, tuple(progress), tuple(states))
+        return TickState(now, inflight, tuple(progress), tuple(states), slowdowns)
 
     def tick_state(self) -> TickState:
         return self.tick()
@@ -537,10 +576,17 @@ class Agent:
         return self.config.dump_dir
 
     def request_dump(
-        self, reason: str, incident_id: str | None = None, origin: str | None = None
+        self,
+        reason: str,
+        incident_id: str | None = None,
+        origin: str | None = None,
+        kind: str | None = None,
     ) -> dict[str, object]:
-        """``POST /dump``, ``stallwatch dump``, SIGUSR1, peers."""
-        answer = self.incidents.request_dump(reason, incident_id, origin)
+        """``POST /dump``, ``stallwatch dump``, SIGUSR1, peers (``kind``: what
+        the peer's incident is, its trigger's kind; one this agent does not
+        know is taken for no slowdown)."""
+        origin_kind = next((k for k in TriggerKind if k.value == kind), None)
+        answer = self.incidents.request_dump(reason, incident_id, origin, origin_kind)
         return {"host": self.host, **answer}
 
     def request_snapshot(
@@ -606,7 +652,12 @@ class Agent:
             libraries_attached=len(self.libraries),
             processes_watched=len(self.procs.alive()),
             links=self._link_states(),
+            streams=self._stream_gauges(),
         )
+
+    def _stream_gauges(self) -> tuple[StreamGauges, ...]:
+        with self._lock:  # the loop's tick changes them
+            return tuple(self.slowdown.gauges())
 
     def _link_states(self) -> tuple[LinkState, ...]:
         with self._lock:  # the loop's tick changes them

@@ -3,7 +3,7 @@
 Client side of ``POST /dump`` (the server is ``analyzer.http``)::
 
     POST http://HOST:PORT/dump   Authorization: Bearer <token>   (if a token is set)
-    {"reason": str, "incident_id": str, "origin": str}
+    {"reason": str, "incident_id": str, "origin": str, "kind": str}
     -> 200 {"incident_id": str, "status": "written|queued|duplicate|cooldown", "path": str|null}
 
 All peers are asked at once, one thread each, and the whole round ends after
@@ -97,12 +97,16 @@ def notify_peers(
     timeout: float = DEFAULT_TIMEOUT_S,
     tls: ssl.SSLContext | None = None,
     answered: Callable[[str, str, str | None], object] | None = None,
+    kind: str | None = None,
 ) -> dict[str, str]:
     """Ask every peer to dump ``incident_id``; returns peer -> its status
     (``written``, ``queued``, ``duplicate``, ``cooldown``) or ``error: ...``.
     Returns within ``timeout`` seconds (plus thread start-up).  ``answered``
-    gets (peer, status, the incident id it answered with) as each answers."""
-    body = json.dumps({"reason": reason, "incident_id": incident_id, "origin": origin_host})
+    gets (peer, status, the incident id it answered with) as each answers.
+    ``kind``: the incident's trigger kind (a peer's cool-down after a
+    slowdown holds back only slowdowns)."""
+    doc = {"reason": reason, "incident_id": incident_id, "origin": origin_host}
+    body = json.dumps({**doc, "kind": kind} if kind else doc)
     results: dict[str, str] = {}
 
     def ask(peer: str) -> None:
@@ -130,12 +134,21 @@ def notify_in_background(
     done: Callable[[dict[str, str]], object] | None = None,
     tls: ssl.SSLContext | None = None,
     answered: Callable[[str, str, str | None], object] | None = None,
+    kind: str | None = None,
 ) -> threading.Thread:
     """``notify_peers`` on a daemon thread; logs each answer, then calls ``done``."""
 
     def run() -> None:
         results = notify_peers(
-            current_peers(peers), incident_id, reason, origin_host, token, timeout, tls, answered
+            current_peers(peers),
+            incident_id,
+            reason,
+            origin_host,
+            token,
+            timeout,
+            tls,
+            answered,
+            kind,
         )
         for peer, status in results.items():
             level = logging.WARNING if status.startswith("error") else logging.INFO
@@ -174,7 +187,15 @@ def peer_notifier(
                 answered(trigger, status, their_id)
 
         return notify_in_background(
-            peers, trigger.incident_id, reason, host, token, timeout, tls=context, answered=each
+            peers,
+            trigger.incident_id,
+            reason,
+            host,
+            token,
+            timeout,
+            tls=context,
+            answered=each,
+            kind=trigger.kind.value,
         )
 
     return notify

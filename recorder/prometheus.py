@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .slowdown import StreamGauges
+
 if TYPE_CHECKING:  # loaded at the first scrape, not when the agent starts
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -41,6 +43,8 @@ HELP = {
     "handshake they began did not arrive in time.",
     "http_connections_open": "Client connections open on the agent's HTTP surface.",
     "link_read_failures": "Readings of the node's links that failed (rtnetlink).",
+    "slowdowns_detected": "Slowdowns the watchdog raised as incidents (a communicator's "
+    "rhythm degraded, a rank persistently last, a collective held by the network).",
 }
 
 
@@ -78,6 +82,7 @@ class AgentStats:
     libraries_attached: int
     processes_watched: int
     links: tuple[LinkState, ...] = ()
+    streams: tuple[StreamGauges, ...] = ()  # the slowdown trigger's view (recorder.slowdown)
 
 
 # counters that AgentStats already reports under a name of its own
@@ -196,6 +201,79 @@ def link_families(links: Iterable[LinkState]) -> Iterator[Metric]:
     yield from (carrier, changes, users, errors, congestion)
 
 
+# name, help, what of a stream, scale (ns -> s)
+_STREAM_GAUGES: tuple[tuple[str, str, Callable[[StreamGauges], float | int | None], float], ...] = (
+    (
+        "slowdown_factor",
+        "How many times slower than its baseline a communicator calls now (per signature, "
+        "the median of its latest intervals over its baseline; the median over signatures).",
+        lambda g: g.factor,
+        1.0,
+    ),
+    (
+        "collective_interval_seconds",
+        "The time between a communicator's calls of one kind now (median).",
+        lambda g: g.interval_ns,
+        1e-9,
+    ),
+    (
+        "collective_interval_baseline_seconds",
+        "The time between its calls in its baseline (median over the last minutes).",
+        lambda g: g.baseline_interval_ns,
+        1e-9,
+    ),
+    (
+        "collective_duration_seconds",
+        "Its latest calls' duration (median; on the device where the CUDA probes see it).",
+        lambda g: g.duration_ns,
+        1e-9,
+    ),
+    (
+        "collective_duration_baseline_seconds",
+        "Its calls' duration in its baseline (median).",
+        lambda g: g.baseline_duration_ns,
+        1e-9,
+    ),
+    (
+        "last_arrival_share",
+        "Of this node's ranks on the communicator, how often this one entered its latest "
+        "collectives last (only ranks of one node are compared).",
+        lambda g: g.last_share,
+        1.0,
+    ),
+    (
+        "arrival_lateness_seconds",
+        "How long after the first of this node's ranks it entered its latest collectives (median).",
+        lambda g: g.lateness_ns,
+        1e-9,
+    ),
+    (
+        "arrival_lateness_baseline_seconds",
+        "The same lateness in its baseline.",
+        lambda g: g.baseline_lateness_ns,
+        1e-9,
+    ),
+)
+
+
+def stream_families(streams: Iterable[StreamGauges]) -> Iterator[Metric]:
+    """Per communicator and rank of this node, what the slowdown trigger
+    watches (a value not known yet is left out, never 0): an alert can page
+    before any dump, ``stallwatch_slowdown_factor >= 3`` for a while."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    streams = list(streams)
+    labels = ["comm", "rank", "nranks", "pid"]
+    for name, text, value, scale in _STREAM_GAUGES:
+        family = GaugeMetricFamily(f"stallwatch_{name}", text, labels=labels)
+        for g in streams:
+            v = value(g)
+            if v is not None:
+                at = [f"{g.comm_hash:#018x}", str(g.rank), str(g.nranks), str(g.pid)]
+                family.add_metric(at, float(v) * scale)
+        yield family
+
+
 def counter_families(counters: Mapping[str, int]) -> Iterator[Metric]:
     """Plain counters of the kernel side, the agent and the watchdog, one
     family each (a few are gauges)."""
@@ -233,5 +311,10 @@ def render(families: Iterable[Metric]) -> str:
 
 def agent_metrics_text(stats: AgentStats, counters: Mapping[str, int]) -> str:
     return render(
-        [*stats_families(stats), *link_families(stats.links), *counter_families(counters)]
+        [
+            *stats_families(stats),
+            *link_families(stats.links),
+            *stream_families(stats.streams),
+            *counter_families(counters),
+        ]
     )

@@ -51,8 +51,22 @@ class ProcessState:
 
 
 @dataclass(frozen=True, slots=True)
+class Slowdown:
+    """A slowdown sustained long enough to be an incident (recorder.slowdown):
+    ``since_ns`` (when it began) keys the episode."""
+
+    cause: str  # rhythm | late | held
+    pid: int
+    comm: int  # ncclComm_t pointer value
+    comm_hash: int
+    since_ns: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class TickState:
     now_ns: int
     inflight: tuple[InflightCall, ...]
     comms: tuple[CommProgress, ...]
     processes: tuple[ProcessState, ...]
+    slowdowns: tuple[Slowdown, ...] = ()

@@ -14,7 +14,10 @@ is tested on hand-built ``TickState``s.  Three pieces:
   A process the agent does not report as alive is not judged;
 - EXIT: a process holding communicators died with a non-zero exit code or a
   fatal signal.  Exit code 0 is a normal end; a death with neither code nor
-  signal seen is not judged.
+  signal seen is not judged;
+- SLOWDOWN: what ``recorder.slowdown`` reports sustained (a communicator's
+  rhythm degraded several-fold, a rank of this node persistently last, a
+  collective held with the network failing inside it), keyed by when it began.
 
 Each condition is an *episode*, keyed by what it is about (the stuck call, the
 silent process and its last activity, the exit).  An episode triggers at most
@@ -26,7 +29,11 @@ are suppressed for ``cooldown_ns``, by default ``max(5 min, 2 x stall
 timeout)``: a hung job stays hung, and each node would otherwise raise the same
 hang again and again.  Episodes that begin during the cool-down are counted
 as part of the incident in progress and never trigger on their own, even if
-they outlast it.  Manual requests bypass the cool-down.
+they outlast it.  Manual requests bypass the cool-down.  A slowdown's
+cool-down holds back only slowdowns: a stall, an exit, or a peer's incident
+that is not a slowdown (peers say what theirs is) raised after a slowdown is
+its own incident (a degrading link that then drops is dumped twice: slow,
+then stuck), while a slowdown after any incident waits for its cool-down.
 
 ``request()`` handles ``stallwatch dump``, SIGUSR1, ``POST /dump`` and peers.
 A peer request for an incident already dumped here is a duplicate.  A peer
@@ -85,7 +92,12 @@ MIN_COOLDOWN_NS = 300 * SECOND_NS
 DEFAULT_MERGE_WINDOW_NS = 10 * SECOND_NS
 KNOWN_INCIDENTS = 1024  # ids remembered for duplicate detection
 STATE_INCIDENTS = 64  # of which an agent restarted on this node is told
-_PRIORITY = {TriggerKind.EXIT: 0, TriggerKind.IN_FLIGHT: 1, TriggerKind.NO_PROGRESS: 2}
+_PRIORITY = {
+    TriggerKind.EXIT: 0,
+    TriggerKind.IN_FLIGHT: 1,
+    TriggerKind.NO_PROGRESS: 2,
+    TriggerKind.SLOWDOWN: 3,
+}
 
 
 def default_cooldown_ns(stall_timeout_ns: int) -> int:
@@ -158,7 +170,8 @@ class Decision:
 
 @dataclass
 class WatchdogStats:
-    stalls_detected: int = 0  # incidents raised by check()
+    stalls_detected: int = 0  # incidents raised by check(), slowdowns apart
+    slowdowns_detected: int = 0
     suppressed: int = 0  # new episodes inside a cool-down
     requests: int = 0  # manual and peer requests
     duplicates: int = 0
@@ -191,6 +204,7 @@ class Watchdog:
         self._exits: OrderedDict[tuple[object, ...], None] = OrderedDict()
         self._known: OrderedDict[str, int] = OrderedDict()  # incident id -> monotonic ns
         self._last: tuple[str, int] | None = None  # (incident id, monotonic ns)
+        self._stall_at: int | None = None  # the last incident that was no slowdown (monotonic)
         self.on_change: Callable[[], None] | None = None  # the incidents changed
         self._began: dict[str, int] = {}  # own incident -> when its episode began (monotonic)
 
@@ -200,7 +214,11 @@ class Watchdog:
         """The incidents this node raised or joined (monotonic times: valid
         until the machine reboots), for an agent restarted on this node."""
         known = list(self._known.items())[-STATE_INCIDENTS:]
-        return {"last": list(self._last) if self._last else None, "known": known}
+        return {
+            "last": list(self._last) if self._last else None,
+            "known": known,
+            "stall_at": self._stall_at,
+        }
 
     def restore(self, state: dict[str, object]) -> None:
         """Take up an earlier agent's incidents: a stall it dumped is not
@@ -211,6 +229,8 @@ class Watchdog:
             known = state.get("known") or []
             if isinstance(last, list):
                 self._last = (str(last[0]), int(last[1]))
+                stall_at = state.get("stall_at", self._last[1])  # older agents: any incident
+                self._stall_at = stall_at if isinstance(stall_at, int) else None
             for item in known if isinstance(known, list) else ():
                 self._known[str(item[0])] = int(item[1])
         except (TypeError, ValueError, IndexError):
@@ -233,18 +253,25 @@ class Watchdog:
             return []
         for key in fresh:
             self._cover(key)
-        if self.in_cooldown(state.now_ns):
+        live = [c for c in fresh.values() if not self.in_cooldown(state.now_ns, _is_slow(c.kind))]
+        if not live:
             self.stats.suppressed += 1
             log.info("in cool-down, not dumping: %s", next(iter(fresh.values())).reason)
             return []
-        cond = min(fresh.values(), key=lambda c: (_PRIORITY[c.kind], c.since_ns))
-        self.stats.stalls_detected += 1
+        cond = min(live, key=lambda c: (_PRIORITY[c.kind], c.since_ns))
+        if _is_slow(cond.kind):
+            self.stats.slowdowns_detected += 1
+        else:
+            self.stats.stalls_detected += 1
         trigger = self._incident(cond.kind, cond.reason, state.now_ns, cond.pid, cond.comm_hash)
         self._began[trigger.incident_id] = cond.since_ns
         return [trigger]
 
-    def in_cooldown(self, now_ns: int) -> bool:
-        return self._last is not None and now_ns - self._last[1] < self.cooldown_ns
+    def in_cooldown(self, now_ns: int, slowdown: bool = False) -> bool:
+        """Whether an incident of that class is held back now: a slowdown by
+        any recent incident, anything else by a recent one that was no slowdown."""
+        since = (self._last[1] if self._last else None) if slowdown else self._stall_at
+        return since is not None and now_ns - since < self.cooldown_ns
 
     def _cover(self, key: tuple[object, ...]) -> None:
         if key[0] == TriggerKind.EXIT:  # exits are final: remembered, not re-judged
@@ -259,6 +286,11 @@ class Watchdog:
         self._inflight_conditions(state, out)
         self._progress_conditions(state, out)
         self._exit_conditions(state, out)
+        for slow in state.slowdowns:
+            key = (TriggerKind.SLOWDOWN, slow.cause, slow.pid, slow.comm, slow.since_ns)
+            out[key] = _Condition(
+                TriggerKind.SLOWDOWN, slow.reason, slow.since_ns, slow.pid, slow.comm_hash
+            )
         return out
 
     def _inflight_conditions(
@@ -331,10 +363,14 @@ class Watchdog:
         comm_hash: int = 0,
         incident_id: str | None = None,
         origin: str | None = None,
+        slowdown: bool | None = None,
     ) -> Trigger:
+        """``slowdown``: whether the incident is one (default: by ``kind``)."""
         incident = incident_id or new_incident_id(self.host, self.wall_clock())
         self._remember(incident, now_ns)
         self._last = (incident, now_ns)
+        if not (_is_slow(kind) if slowdown is None else slowdown):
+            self._stall_at = now_ns
         log.warning("incident %s (%s): %s", incident, kind.value, reason)
         self._changed()
         return Trigger(kind, reason, incident, now_ns, pid, comm_hash, origin or self.host)
@@ -353,20 +389,26 @@ class Watchdog:
         reason: str,
         incident_id: str | None = None,
         origin: str | None = None,
+        origin_kind: TriggerKind | None = None,
     ) -> Decision:
-        """A manual or peer request: dump, merge, or answer duplicate."""
+        """A manual or peer request: dump, merge, or answer duplicate.
+        ``origin_kind``: what the peer's incident is (its trigger's kind),
+        if it says."""
         now = self.clock()
+        slow = kind == TriggerKind.PEER and origin_kind == TriggerKind.SLOWDOWN
         self.stats.requests += 1
         if incident_id is not None and incident_id in self._known:
             self.stats.duplicates += 1
             return Decision(None, Status.DUPLICATE, incident_id)
         if kind == TriggerKind.PEER and incident_id and self._recent(now):
             return self._merge(reason, incident_id, origin, now)
-        if kind == TriggerKind.PEER and self.in_cooldown(now):
+        if kind == TriggerKind.PEER and self.in_cooldown(now, slow):
             assert self._last is not None
             self.stats.suppressed += 1
             return Decision(None, Status.COOLDOWN, self._last[0])
-        trigger = self._incident(kind, reason, now, incident_id=incident_id, origin=origin)
+        trigger = self._incident(
+            kind, reason, now, incident_id=incident_id, origin=origin, slowdown=slow
+        )
         return Decision(trigger, None, trigger.incident_id)
 
     def request(
@@ -375,10 +417,11 @@ class Watchdog:
         reason: str,
         incident_id: str | None = None,
         origin: str | None = None,
+        origin_kind: TriggerKind | None = None,
     ) -> Trigger | None:
         """The trigger to dump for a request, or None (duplicate).  A merge
         (see the module docstring) needs ``decide``: use ``Incidents``."""
-        return self.decide(kind, reason, incident_id, origin).trigger
+        return self.decide(kind, reason, incident_id, origin, origin_kind).trigger
 
     def adopt_earlier(self, own_id: str, their_id: str) -> bool:
         """Take ``their_id`` for this node's incident ``own_id`` if it is
@@ -639,13 +682,18 @@ class Incidents:
         return outcomes
 
     def request_dump(
-        self, reason: str, incident_id: str | None = None, origin: str | None = None
+        self,
+        reason: str,
+        incident_id: str | None = None,
+        origin: str | None = None,
+        origin_kind: TriggerKind | None = None,
     ) -> dict[str, object]:
-        """``POST /dump`` and friends: a peer's if ``origin`` is set, else manual.
+        """``POST /dump`` and friends: a peer's if ``origin`` is set (its
+        incident's kind ``origin_kind``, if it says), else manual.
         Returns ``{"incident_id", "status", "path"}``."""
         kind = TriggerKind.PEER if origin else TriggerKind.MANUAL
         with self._lock:
-            decision = self.watchdog.decide(kind, reason, incident_id, origin)
+            decision = self.watchdog.decide(kind, reason, incident_id, origin, origin_kind)
             if decision.trigger is None:
                 assert decision.status is not None
                 path = self.scheduler.paths.get(decision.incident_id)
@@ -690,6 +738,7 @@ class Incidents:
         w, s = self.watchdog.stats, self.scheduler.stats
         return {
             "stalls_detected": w.stalls_detected,
+            "slowdowns_detected": w.slowdowns_detected,
             "stalls_suppressed": w.suppressed,
             "dump_requests": w.requests,
             "dump_requests_duplicate": w.duplicates,
@@ -699,6 +748,10 @@ class Incidents:
             "dumps_dropped": s.dumps_dropped,
             "dumps_pending": self.scheduler.pending,
         }
+
+
+def _is_slow(kind: TriggerKind) -> bool:
+    return kind == TriggerKind.SLOWDOWN
 
 
 def _comm_text(comm_hash: int) -> str:

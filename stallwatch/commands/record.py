@@ -28,6 +28,7 @@ from .options import (
 if TYPE_CHECKING:
     from stallwatch.recorder.agent import AgentConfig
     from stallwatch.recorder.peers import PeerSource
+    from stallwatch.recorder.slowdown import SlowdownConfig
 
 EPILOG = """\
 examples:
@@ -72,6 +73,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     # In this order in --help: what is recorded, the network, limits, pins.
     _add_recording_options(p)
+    _add_slowdown_options(p)
     _add_network_options(p)
     _add_limit_options(p)
     _add_pin_options(p)
@@ -116,6 +118,72 @@ def _add_recording_options(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="slots of the NCCL ring (power of two); other rings are smaller",
     )
+
+
+def _add_slowdown_options(p: argparse.ArgumentParser) -> None:
+    from stallwatch.recorder import slowdown as sd
+
+    g = p.add_argument_group(
+        "slowdown trigger",
+        "dump when a job goes on, only slower (docs/agent.md: how the defaults were measured)",
+    )
+    g.add_argument(
+        "--slowdown-factor",
+        type=float,
+        default=sd.DEFAULT_FACTOR,
+        metavar="X",
+        help="a communicator calling X times slower than its baseline is a slowdown "
+        "(0: no slowdown trigger; the metrics stay)",
+    )
+    g.add_argument(
+        "--slowdown-window",
+        type=float,
+        default=sd.DEFAULT_WINDOW_S,
+        metavar="SEC",
+        help="for this long, every tick, before it is an incident",
+    )
+    g.add_argument(
+        "--slowdown-baseline",
+        type=float,
+        default=sd.DEFAULT_BASELINE_S,
+        metavar="SEC",
+        help="how much of the past a communicator's baseline is the median of",
+    )
+    g.add_argument(
+        "--slowdown-late-share",
+        type=float,
+        default=sd.DEFAULT_LATE_SHARE,
+        metavar="S",
+        help="a rank of this node last to enter nearly every collective, S of the "
+        "communicator's baseline interval later than it used to be, is a slowdown (0: never)",
+    )
+    g.add_argument(
+        "--slowdown-hold",
+        type=float,
+        default=sd.DEFAULT_HOLD_S,
+        metavar="SEC",
+        help="a collective held this long (and 10x its baseline) with the network failing "
+        "inside it (connections unacknowledged, a carrier lost) is a slowdown (0: never)",
+    )
+
+
+def _slowdown_config(args: argparse.Namespace) -> SlowdownConfig:
+    from stallwatch.recorder.slowdown import MIN_BASELINE_S, SlowdownConfig
+
+    factor, window, base = args.slowdown_factor, args.slowdown_window, args.slowdown_baseline
+    if factor != 0 and factor <= 1:
+        raise UsageError(f"--slowdown-factor: expected 0 (off) or more than 1, got {factor:g}")
+    if window <= 0:
+        raise UsageError(f"--slowdown-window: expected seconds > 0, got {window:g}")
+    if base < MIN_BASELINE_S:
+        raise UsageError(
+            f"--slowdown-baseline: expected {MIN_BASELINE_S:g} seconds or more, got {base:g}"
+        )
+    for name in ("slowdown_late_share", "slowdown_hold"):
+        value = getattr(args, name)
+        if value < 0:
+            raise UsageError(f"--{name.replace('_', '-')}: expected >= 0, got {value:g}")
+    return SlowdownConfig(factor, window, base, args.slowdown_late_share, args.slowdown_hold)
 
 
 def _add_network_options(p: argparse.ArgumentParser) -> None:
@@ -219,6 +287,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--stall-timeout: expected seconds > 0, got {args.stall_timeout}")
     if args.runq_threshold_ms < 0:
         raise UsageError(f"--runq-threshold-ms: expected >= 0, got {args.runq_threshold_ms}")
+    _slowdown_config(args)
     for name in ("max_dumps", "max_dump_bytes"):
         value = getattr(args, name)
         if value is not None and value < 0:
@@ -330,6 +399,7 @@ def _config(args: argparse.Namespace) -> AgentConfig:
         replace_pinned=args.replace_pinned,
         keep_pinned=args.keep_pinned,
         bpf_cache=None if args.no_bpf_cache else args.bpf_cache,
+        slowdown=_slowdown_config(args),
     )
 
 

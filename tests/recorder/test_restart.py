@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from stallwatch.dumpers.format import read_dump
+from stallwatch.dumpers.model import TriggerKind
 from stallwatch.recorder import peers as peers_mod
 from stallwatch.recorder.tickstate import TickState
 from stallwatch.recorder.watchdog import DumpScheduler, Incidents, Watchdog
@@ -46,8 +47,11 @@ class Node:
     def metrics_text(self) -> str:
         return ""
 
-    def request_dump(self, reason: str, incident_id: str | None, origin: str | None) -> object:
-        return {"host": self.host, **self.incidents.request_dump(reason, incident_id, origin)}
+    def request_dump(
+        self, reason: str, incident_id: str | None, origin: str | None, kind: str | None = None
+    ) -> object:
+        said = TriggerKind(kind) if kind else None  # what the peer's incident is
+        return {"host": self.host, **self.incidents.request_dump(reason, incident_id, origin, said)}
 
     def dumps(self) -> list[str]:
         """The incident id of every dump in the folder."""

@@ -665,8 +665,11 @@ class _Node:
     def metrics_text(self) -> str:
         return ""
 
-    def request_dump(self, reason: str, incident_id: str | None, origin: str | None) -> object:
-        return {"host": self.host, **self.incidents.request_dump(reason, incident_id, origin)}
+    def request_dump(
+        self, reason: str, incident_id: str | None, origin: str | None, kind: str | None = None
+    ) -> object:
+        said = TriggerKind(kind) if kind else None  # what the peer's incident is
+        return {"host": self.host, **self.incidents.request_dump(reason, incident_id, origin, said)}
 
 
 def test_four_agents_over_http_share_one_incident(tmp_path: Path) -> None:

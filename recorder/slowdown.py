@@ -36,14 +36,15 @@ Three conditions, each sustained before it is reported:
   than it was in its own baseline (and ``LATE_MIN_NS``), for ``window_s``.
   Only this node's ranks are compared: a rank alone on its node is never
   called late here (its slowdown shows as the rhythm of its peers, and the
-  analyzer tells who was late from every node's dump).
+  analyzer tells who was late from every node's dump).  Judged only on
+  streams whose calls wait on the host (``_Stream.blocking``).
 - **a held collective**: a call that took ``hold_s`` and ``HOLD_FACTOR``
   times its signature's baseline duration, reported (``Held``) for the agent
   to look for network evidence inside it (``network_evidence``): an outage
   the job came back from is one such call, which no median sees.
 
 Known limits: a signature needs ``MIN_BASELINE_SAMPLES`` intervals over
-``MIN_BASELINE_BUCKETS`` buckets before it is judged (a job's first 15 s or
+``MIN_BASELINE_BUCKETS`` buckets before it is judged (a job's first 30 s or
 so, and a signature called rarely, are not); communicators made before the
 agent attached (hash 0) are judged for their rhythm, never for lateness (no
 hash to match their members by); a slowdown of less than ``factor`` with no
@@ -67,12 +68,13 @@ from .tickstate import Slowdown
 SECOND_NS = 1_000_000_000
 BUCKET_NS = 5 * SECOND_NS
 MIN_BASELINE_SAMPLES = 16  # intervals (or durations) a baseline needs
-MIN_BASELINE_BUCKETS = 3  # over at least this many buckets
+MIN_BASELINE_BUCKETS = 6  # over at least this many buckets (30 s)
 BUCKET_CAP = 4096  # samples a bucket keeps (beyond, every other one is dropped)
 RECENT = 3  # a signature's latest intervals its factor is the median of
 LATE_RECENT = 16  # collectives a rank's lateness is judged on
 LATE_LAST_SHARE = 0.9  # last to enter in this share of them
 LATE_MIN_NS = 20_000_000  # and later than it used to be by this much at least
+BLOCKING_NS = 1_000_000  # a stream whose calls take this long (median) waits on the host
 HOLD_FACTOR = 10.0  # a held call: this many times its baseline duration
 SEQS_KEPT = 512  # collectives of a communicator waiting for every local member
 # a call that returned settles once the device completed it (CUDA probes), or
@@ -190,6 +192,7 @@ class _Stream:
     sigs: dict[tuple[int, int, int], _Signature] = field(default_factory=dict)
     last_ts: int = 0
     device: bool = False  # its calls complete on the device (CUDA probes)
+    host_durations: deque[int] = field(default_factory=lambda: deque(maxlen=LATE_RECENT))
     slow_since: int | None = None
     late_since: int | None = None
     factor: float | None = None
@@ -198,6 +201,16 @@ class _Stream:
     late_buckets: _Buckets | None = None
     base_lateness: int | None = None
     durations: deque[int] = field(default_factory=lambda: deque(maxlen=LATE_RECENT))
+
+    @property
+    def blocking(self) -> bool:
+        """Whether its calls wait on the host (a blocking NCCL): only then
+        does a late entry hold its peers up.  Calls that return at once
+        (queued on a stream, as real NCCL's) are entered as far ahead as the
+        queue lets the host run: one rank's host a step behind another's is
+        no straggler."""
+        durations = self.host_durations
+        return not self.device and len(durations) > 0 and bool(np.median(durations) >= BLOCKING_NS)
 
     def baseline_interval(self) -> int | None:
         """The pace of the communicator: the median of its signatures' baselines."""
@@ -347,6 +360,7 @@ class SlowdownWatch:
         stream = self._stream(pid, comm, comm_hash, rank, nranks)
         sig = self._signature(stream, op, nbytes, peer)
         stream.device |= completed > 0
+        stream.host_durations.append(end - ts)
         end = completed if completed > 0 else end
         if end <= ts:
             return
@@ -451,6 +465,7 @@ class SlowdownWatch:
         cfg = self.config
         judged = (
             cfg.late_share > 0
+            and stream.blocking
             and share is not None
             and late is not None
             and cycle is not None
@@ -516,9 +531,9 @@ class SlowdownWatch:
                     s.baseline_interval(),
                     int(np.median(s.durations)) if s.durations else None,
                     int(np.median(bases)) if bases else None,
-                    _last_share(s),
-                    _median_lateness(s),
-                    s.base_lateness,
+                    _last_share(s) if s.blocking else None,  # see _Stream.blocking
+                    _median_lateness(s) if s.blocking else None,
+                    s.base_lateness if s.blocking else None,
                 )
             )
         return out

@@ -42,11 +42,14 @@ def job(
     late_ms: Callable[[int, int], float] = lambda step, pid: 0.0,
     pause: Callable[[int], float] = lambda step: 0.0,
     seed: int = 0,
+    queued: bool = False,
 ) -> np.ndarray:
     """Rows of ranks (pids) of one node: each step a compute phase, then a
     1 MiB AllReduce and an 8-byte loss AllReduce on one communicator (every
-    rank returns when the last one entered, plus 5 ms); ``late_ms`` delays a
-    rank's entry, ``pause`` adds a phase before a step in which nobody calls."""
+    rank returns when the last one entered, plus 5 ms; ``queued``: each
+    returns 50 us after it entered, as a call queued on a stream does);
+    ``late_ms`` delays a rank's entry, ``pause`` adds a phase before a step in
+    which nobody calls."""
     rnd = random.Random(seed)
     rows = []
     now = 10 * S
@@ -58,7 +61,8 @@ def job(
             entries = {p: now + int((late_ms(step, p) + rnd.uniform(0, 2)) * MS) for p in ranks}
             end = max(entries.values()) + 5 * MS
             for rank, pid in enumerate(ranks):
-                rows.append((entries[pid], end, pid, rank, nbytes, seq))
+                back = entries[pid] + 50_000 if queued else end
+                rows.append((entries[pid], back, pid, rank, nbytes, seq))
             seq += 1
             now = end
     out = np.zeros(len(rows), dtype=NCCL_EVENT)
@@ -153,6 +157,22 @@ def test_a_rank_persistently_last_is_named_and_its_peer_is_not() -> None:
     gauges = {g.pid: g for g in watch.gauges()}
     assert gauges[101].last_share == 1.0 and gauges[100].last_share == 0.0
     assert gauges[101].lateness_ns is not None and gauges[101].lateness_ns > 50 * MS
+
+
+def test_a_rank_late_to_queue_its_calls_is_no_straggler() -> None:
+    """Calls that return at once (queued on a stream) are entered as far
+    ahead as the queue lets a host run: lateness is judged only where calls
+    wait on the host."""
+
+    def late(step: int, pid: int) -> float:
+        return 60.0 if pid == 101 and step >= 600 else 0.0
+
+    watch = SlowdownWatch()
+    found = drive(watch, job(900, lambda step: 100, late_ms=late, queued=True))
+    assert first_of(found, "late") is None
+    gauges = {g.pid: g for g in watch.gauges()}
+    assert gauges[101].last_share is None and gauges[101].lateness_ns is None
+    assert gauges[101].factor is not None  # the rhythm is still watched
 
 
 def test_a_rank_that_was_always_last_is_its_baseline_not_a_slowdown() -> None:

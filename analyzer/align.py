@@ -43,6 +43,7 @@ from .incident import (
     LateReport,
     LinkFate,
     Proc,
+    SlowTrigger,
     host_readings,
 )
 from .match import order_calls
@@ -142,7 +143,9 @@ def incident_from_recordings(
     # retransmission timeouts: a stall the job may have come back from, long
     # before the window (detect.partition's flap)
     whole = bool((tcp["backoff"] > 0).any() or (tcp["known"] == 0).any())
-    stage, extracts = _extract_all(sources, consume, shown, whole)
+    slow = _slowdown(sources)
+    per_rank = SLOW_WINDOW_CALLS if slow is not None else WINDOW_CALLS
+    stage, extracts = _extract_all(sources, consume, shown, whole, per_rank)
     shown.close()
     now = _host_now(extracts)
     procs, proc_index = _procs(extracts)
@@ -171,7 +174,19 @@ def incident_from_recordings(
         waiting=_waiting_procs(extracts, proc_index),
         held=_held_calls(extracts, proc_index),
         links=_links(sources, hosts, procs),
+        slowdown=slow,
     )
+
+
+def _slowdown(sources: list[Source]) -> SlowTrigger | None:
+    """The earliest slowdown an agent of the incident raised itself (the
+    others dumped it at its request), None if it is no slowdown."""
+    raised = [
+        SlowTrigger(s.recording.host, t.time_ns, t.comm_hash, t.pid, t.reason)
+        for s in sources
+        if (t := s.recording.trigger) is not None and t.kind is TriggerKind.SLOWDOWN
+    ]
+    return min(raised, key=lambda t: t.time_ns) if raised else None
 
 
 def _held_calls(extracts: list[_Extract], proc_index: dict[tuple[str, int], int]) -> np.ndarray:
@@ -290,14 +305,19 @@ NO_PIDS = np.zeros(0, dtype=np.uint32)
 
 
 def _extract_all(
-    sources: list[Source], consume: bool, shown: Progress | None = None, whole: bool = False
+    sources: list[Source],
+    consume: bool,
+    shown: Progress | None = None,
+    whole: bool = False,
+    calls: int | None = None,
 ) -> tuple[Columns, list[_Extract]]:
     """Every source's call rows into one stage table, a few threads each
     taking a run of sources (and its own run of the table).  A ring left in
     its file is read into the thread's one buffer, copied out, forgotten.
     ``whole``: each ring's long calls are looked for beyond the window too
     (the whole ring is read: a stall the job came back from)."""
-    windows = [_window(s) for s in sources]
+    per_rank = WINDOW_CALLS if calls is None else calls  # of each rank, the latest
+    windows = [_window(s, per_rank) for s in sources]
     sizes = [keep for _, keep in windows]
     for s, (skip, _) in zip(sources, windows, strict=True):
         later = s.deferred.get("nccl")
@@ -311,7 +331,7 @@ def _extract_all(
         buffer = bytearray()
         for s in sources[first:stop]:
             later = s.deferred.get("nccl")
-            skip, _ = _window(s)
+            skip, _ = _window(s, per_rank)
             if later is None:
                 ring = s.recording.rings.get("nccl")
                 rows = ring.rows[skip:] if ring is not None else None
@@ -380,15 +400,20 @@ def _runs(sizes: list[int], n: int) -> list[tuple[int, int, int]]:
 # rows are left in the file, like rows the ring overwrote: a communicator a
 # rank used only before them is unknown for that rank, never missing.
 WINDOW_CALLS = RECENT_GROUPS
+# A slowdown is judged on its slow window against the baseline before it:
+# more of each rank's calls are read (a job slowed tenfold makes in 20 s what
+# it made in 2 before; detect.slowdown)
+SLOW_WINDOW_CALLS = 16 * WINDOW_CALLS
 
 
-def _window(s: Source) -> tuple[int, int]:
-    """Rows of the source's NCCL ring to skip (the oldest) and to read."""
+def _window(s: Source, calls: int = WINDOW_CALLS) -> tuple[int, int]:
+    """Rows of the source's NCCL ring to skip (the oldest) and to read:
+    ``calls`` per rank it lists."""
     later = s.deferred.get("nccl")
     ring = s.recording.rings.get("nccl")
     total = later.rows if later is not None else (len(ring.rows) if ring is not None else 0)
     ranks = len(_listed_pids(s.recording))
-    keep = min(total, WINDOW_CALLS * ranks) if ranks else total
+    keep = min(total, calls * ranks) if ranks else total
     return total - keep, keep
 
 

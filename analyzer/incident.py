@@ -176,6 +176,18 @@ SCHED_DTYPE = np.dtype(
 
 
 @dataclass(frozen=True, slots=True)
+class SlowTrigger:
+    """A slowdown an agent raised: its host, when (its clock), the
+    communicator and process it named, and why (recorder.slowdown)."""
+
+    host: str
+    time_ns: int
+    comm_hash: int
+    pid: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Incident:
     """Everything known about one incident, from every input that belongs to it."""
 
@@ -223,6 +235,9 @@ class Incident:
     waiting: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=WAIT_DTYPE))
     held: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=HELD_DTYPE))
     links: tuple[LinkFate, ...] = ()  # every host's interfaces (our dumps from format 7)
+    # the agent that raised the incident saw the job go on, only slower
+    # (trigger kind slowdown): judged on the slow window (detect.slowdown)
+    slowdown: SlowTrigger | None = None
 
     @property
     def retransmits(self) -> np.ndarray:
@@ -577,3 +592,32 @@ class P2pGap:
     other_last: int  # the other side's last seq in this direction, -1 if none
     age_ns: int | None  # since the waiting side posted the first unmatched call
     idle_ns: int | None  # since the waiting side last did anything at all
+
+
+@dataclass(frozen=True, slots=True)
+class SlowWindow:
+    """A communicator's collectives since its rhythm departed from the
+    baseline before it (detect.slowdown): its groups from ``first_gid`` (in
+    the matched table) on.  Intervals are between a member's calls of one
+    kind (op and count), on its own clock; a group's is its members' median.
+    ``onset``: found in the rhythm; else the collectives of the last moments
+    before the dumps."""
+
+    comm: int
+    first_gid: int
+    seq: int  # its first collective
+    op: int
+    groups: int  # collectives in the window
+    base_groups: int  # collectives before it
+    base_interval_ns: int | None  # median, None without a baseline
+    slow_interval_ns: int | None
+    base_duration_ns: int | None  # of its longest member call, median
+    slow_duration_ns: int | None
+    span_ns: int  # from its first entry to its last (one member's clock)
+    onset: bool
+
+    @property
+    def factor(self) -> float | None:
+        if not self.base_interval_ns or self.slow_interval_ns is None:
+            return None
+        return self.slow_interval_ns / self.base_interval_ns

@@ -78,6 +78,7 @@ from .detect.inconclusive import detect_inconclusive, unjudged
 from .detect.missing import moments_apart_ns, p2p_gaps, taken_in_turn
 from .detect.network import retransmit_slowdowns, retransmits_in_windows
 from .detect.partition import connection_fates
+from .detect.slowdown import detect_slowdown, judged_on_window, slow_windows, window_matched
 from .detect.stragglers import arrival_scores
 from .flightrec import FrDump
 from .frincident import incidents_from_flightrec
@@ -130,24 +131,30 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
     m = match(inc)
     hosts = proc_hosts(inc)
     fronts = frontiers(inc, m, hosts)
+    # a slowdown is judged on its slow window: who arrives last in it, and
+    # whose connections retransmit in it against as long a baseline before it
+    windows = tuple(slow_windows(inc, m)) if inc.slowdown is not None else ()
+    compared = window_matched(m, windows, baseline=True)
     a = Analysis(
         incident=inc,
         matched=m,
         frontiers=fronts,
         disagreements=tuple(disagreements(m)),
-        arrivals=tuple(arrival_scores(inc, m)),
-        retransmits=tuple(retransmits_in_windows(inc, m)),
+        arrivals=tuple(arrival_scores(inc, window_matched(m, windows))),
+        retransmits=tuple(retransmits_in_windows(inc, compared)),
         sched=sched_delays(inc),
-        slowdowns=tuple(retransmit_slowdowns(inc, m)),
+        slowdowns=tuple(retransmit_slowdowns(inc, compared)),
         fates=connection_fates(inc),
+        windows=windows,
     )
     verdicts = [v for d in detectors for v in d(a)]
     if not verdicts and detectors is DETECTORS:
         a = dataclasses.replace(a, p2p=tuple(p2p_gaps(inc)))
         verdicts = [v for d in FALLBACK_DETECTORS for v in d(a)]
     verdicts = in_causal_order(a, sorted(verdicts, key=Verdict.sort_key))
+    verdicts = [judged_on_window(a, v) for v in verdicts]
     if not verdicts:
-        verdicts = detect_inconclusive(a) or [_healthy(a)]
+        verdicts = detect_inconclusive(a) or detect_slowdown(a) or [_healthy(a)]
     verdicts = late.amend(inc, verdicts)
     return IncidentResult(inc, tuple(verdicts), fronts, tuple(unjudged(a)))
 

@@ -19,6 +19,7 @@ class VerdictKind(enum.Enum):
     COMPUTE_STRAGGLER = "compute_straggler"
     NETWORK_STRAGGLER = "network_straggler"
     CPU_INTERFERENCE = "cpu_interference"
+    SLOWDOWN = "slowdown"  # the whole job slowed alike: no rank or host departs
     INCONCLUSIVE = "inconclusive"  # the inputs do not allow a judgement
     HEALTHY = "healthy"
 

@@ -22,6 +22,7 @@ from ..incident import (
     MemberState,
     P2pGap,
     SchedDelays,
+    SlowWindow,
 )
 from ..match import Matched
 from ..verdict import Verdict
@@ -41,6 +42,8 @@ class Analysis:
     slowdowns: tuple[CommSlowdown, ...] = ()
     p2p: tuple[P2pGap, ...] = ()
     fates: tuple[ConnFate, ...] = ()  # what became of each connection between hosts
+    # a slowdown incident: each communicator's slow window (detect.slowdown)
+    windows: tuple[SlowWindow, ...] = ()
 
 
 Detector = Callable[[Analysis], list[Verdict]]

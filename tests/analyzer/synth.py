@@ -91,6 +91,14 @@ class Job:
     link_down: bool = False
     rdma: bool = False
     unused_link: bool = False
+    # fail-slow: the slow rank, the CPU hog and the lossy link act from this
+    # step on (0: from the start); every rank computes ``all_slow_ms`` longer
+    # from it (a job-wide slowdown: shared storage); ``slowdown_by``: the node
+    # whose agent raised the incident as a slowdown (the others dumped it at
+    # its request)
+    from_step: int = 0
+    all_slow_ms: float = 0.0
+    slowdown_by: int | None = None
 
     @property
     def nranks(self) -> int:
@@ -145,15 +153,17 @@ def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[W
     slowed = {slow_rank} | ({job.hog_shared} if job.hog_shared is not None else set())
     cut_step = _cut_step(job)
     for step in range(job.steps):
+        faulty = step >= job.from_step
         # a lossy link slows the collectives whose packets it drops (half of
         # them), by far more than the jitter: retransmits fall inside exactly those
-        lossy = job.loss_node is not None and step % 2 == 0
+        lossy = job.loss_node is not None and step % 2 == 0 and faulty
         xfer = job.xfer_ms * (8 if lossy else 1)
         if job.flap is not None and step == job.flap[1]:
             xfer += job.flap[2]
         arrive = {}
         for r in range(n):
-            extra = slow_ms if r in slowed else 0.0
+            extra = slow_ms if r in slowed and faulty else 0.0
+            extra += job.all_slow_ms if faulty else 0.0
             ms = job.compute_ms + extra + rng.uniform(0, job.jitter_ms)
             arrive[r] = t + int(ms * MS)
         entered = [r for r in range(n) if step < stop[r]]
@@ -302,6 +312,9 @@ def _node(
         "exit": Ring(_reset_exits(job, k, arr) if job.reset else _exit(job, k, now + skew)),
     }
     trig = Trigger(TriggerKind.PEER, "test", incident, now + skew)
+    if job.slowdown_by == k:
+        why = "slowdown: pid 1000 (rank 0 of 4 on communicator ...) calls every ..."
+        trig = Trigger(TriggerKind.SLOWDOWN, why, incident, now + skew, pid_of(ranks[0]), WORLD)
     return Recording(
         host_of(k),
         f"boot{k}",
@@ -348,18 +361,29 @@ def _tcp(job: Job, k: int, windows: list[Window], skew: int) -> np.ndarray:
 def _sched(job: Job, k: int, windows: list[Window], skew: int) -> np.ndarray:
     ranks = [r for r in range(job.nranks) if job.node_of(r) == k]
     rows = []
+    # windows are one per rank and step: those from the faulty step on
+    hogged = [w for w in windows if w[0] >= _from_ns(job, windows)]
     for r in ranks:
         starved = r in (job.cpuhog, job.hog_shared)
         n, delay = (40, 12 * MS) if starved else (2, int(0.2 * MS))
         neighbour = pid_of(ranks[(ranks.index(r) + 1) % len(ranks)])
         holder = {"outside": HOG_PID, "job": neighbour, "unknown": PREV_PID_UNKNOWN}[job.held_by]
-        for i in range(min(n, len(windows))):
+        for i in range(min(n, len(hogged))):
             x = np.zeros(1, dtype=SCHED_EVENT)[0]
             x["pid"], x["tid"], x["delay_ns"] = pid_of(r), pid_of(r), delay
             x["prev_pid"] = holder
-            x["ts_ns"] = windows[i][0] + skew
+            x["ts_ns"] = hogged[-1 - i][0] + skew
             rows.append(x)
     return np.array(rows, dtype=SCHED_EVENT)
+
+
+def _from_ns(job: Job, windows: list[Window]) -> int:
+    """When the faults acting from ``from_step`` began (windows: a rank's
+    per step, in order)."""
+    if not job.from_step or not windows:
+        return 0
+    per_step = max(1, len(windows) // max(job.steps, 1))
+    return windows[min(job.from_step * per_step, len(windows) - 1)][0]
 
 
 def _exit(job: Job, k: int, now: int) -> np.ndarray:

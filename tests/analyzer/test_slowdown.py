@@ -1,0 +1,102 @@
+"""A slowdown incident judged against its own baseline (analyzer.detect.
+slowdown), on synthetic jobs whose fault begins mid-run: the slow window is
+where the rhythm departs, the straggler detectors judge it, and a job slowed
+alike is a slowdown, never healthy."""
+
+from __future__ import annotations
+
+import json
+
+from stallwatch.analyzer.align import incident_from_recordings
+from stallwatch.analyzer.detect.slowdown import slow_windows
+from stallwatch.analyzer.match import match
+from stallwatch.analyzer.pipeline import analyze_incident, analyze_recordings
+from stallwatch.analyzer.report import to_json
+from stallwatch.analyzer.verdict import VerdictKind
+from tests.analyzer.synth import Job, recordings
+
+# 3 nodes of 2 ranks, 10 ms of compute a step; a fault from step 300 of 360
+BASE = Job(nodes=3, ranks_per_node=2, steps=360, from_step=300)
+
+
+def verdicts(job: Job) -> list[tuple[VerdictKind, tuple[int | None, ...], tuple[str, ...]]]:
+    result = analyze_recordings([(r.host, r) for r in recordings(job)])
+    (inc,) = result.incidents
+    return [(v.kind, v.ranks, v.hosts) for v in inc.verdicts]
+
+
+def top(job: Job):  # type: ignore[no-untyped-def]
+    result = analyze_recordings([(r.host, r) for r in recordings(job)])
+    return result.incidents[0].verdicts[0]
+
+
+def test_the_slow_window_begins_where_the_rhythm_departs() -> None:
+    job = Job(**{**BASE.__dict__, "all_slow_ms": 60.0, "slowdown_by": 1})
+    inc = incident_from_recordings("i", [_source(r) for r in recordings(job)])
+    assert inc.slowdown is not None and inc.slowdown.host == "node1"
+    (w,) = slow_windows(inc, match(inc))
+    assert w.onset and 299 <= w.seq <= 302, w.seq
+    assert w.groups == 360 - w.seq and w.base_groups == w.seq
+    factor = w.factor
+    assert factor is not None and 5.0 < factor < 7.0  # (10 + 60 + 2) / (10 + 2) ms
+    assert w.base_interval_ns is not None and 10e6 < w.base_interval_ns < 15e6
+
+
+def _source(rec):  # type: ignore[no-untyped-def]
+    from stallwatch.analyzer.align import Source
+
+    return Source(rec.host, rec)
+
+
+def test_a_job_slowed_alike_is_a_slowdown_never_healthy() -> None:
+    job = Job(**{**BASE.__dict__, "all_slow_ms": 60.0, "slowdown_by": 1})
+    result = analyze_recordings([(r.host, r) for r in recordings(job)])
+    assert not result.healthy  # a finding: exit code 1
+    doc = json.loads(to_json(result))  # validated against the published schema
+    assert doc["incidents"][0]["verdicts"][0]["kind"] == "slowdown"
+    v = result.incidents[0].verdicts[0]
+    assert v.kind is VerdictKind.SLOWDOWN and v.ranks == ()
+    assert v.summary.startswith("the whole job slowed") and "from seq 30" in v.summary
+    assert any("every rank slowed alike" in e for e in v.evidence)
+    assert any(e.startswith("raised by node1: slowdown:") for e in v.evidence)
+    assert v.seq is not None and v.op == "ALL_REDUCE"
+    # the same dumps taken for another reason: nothing departs, healthy as before
+    assert top(Job(**{**BASE.__dict__, "all_slow_ms": 60.0})).kind is VerdictKind.HEALTHY
+
+
+def test_a_rank_slowed_mid_run_is_named_on_the_slow_window() -> None:
+    job = Job(**{**BASE.__dict__, "slow": (3, 60.0), "slowdown_by": 0})
+    v = top(job)
+    assert v.kind is VerdictKind.COMPUTE_STRAGGLER and v.ranks == (3,)
+    assert any(e.startswith("judged on the slow window: slow window of") for e in v.evidence)
+    # without the window (no slowdown raised it), the 60 slow steps are a
+    # minority of the latest 256 collectives: it goes unnamed
+    assert top(Job(**{**BASE.__dict__, "slow": (3, 60.0)})).kind is VerdictKind.HEALTHY
+
+
+def test_a_cpu_hog_mid_run_is_cpu_interference_and_a_lossy_node_a_network_straggler() -> None:
+    hog = top(Job(**{**BASE.__dict__, "cpuhog": 2, "slowdown_by": 2}))
+    assert hog.kind is VerdictKind.CPU_INTERFERENCE and hog.ranks == (2,)
+    lossy = top(Job(**{**BASE.__dict__, "loss_node": 1, "slowdown_by": 0}))
+    assert lossy.kind is VerdictKind.NETWORK_STRAGGLER and lossy.hosts == ("node1",)
+
+
+def test_a_slowdown_whose_dumps_show_no_change_says_so() -> None:
+    """The rings no longer hold the baseline (or the agent saw a rank late
+    that every dump shows on time): still a slowdown, saying what is missing."""
+    v = top(Job(**{**BASE.__dict__, "slowdown_by": 0}))
+    assert v.kind is VerdictKind.SLOWDOWN
+    assert "do not show where its rhythm changed" in v.summary
+
+
+def test_a_slowdown_incident_is_judged_whole_when_something_else_departs() -> None:
+    """A rank hung after the slowdown began: the hang is the verdict."""
+    v = top(Job(**{**BASE.__dict__, "all_slow_ms": 60.0, "hang": (4, 340), "slowdown_by": 0}))
+    assert v.kind is VerdictKind.MISSING_RANK and v.ranks == (4,)
+
+
+def test_analyze_incident_without_a_slowdown_reads_no_window() -> None:
+    job = Job(**{**BASE.__dict__, "all_slow_ms": 60.0})
+    inc = incident_from_recordings("i", [_source(r) for r in recordings(job)])
+    assert inc.slowdown is None
+    assert analyze_incident(inc).verdicts[0].kind is VerdictKind.HEALTHY

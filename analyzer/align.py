@@ -802,6 +802,7 @@ def _tcp(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
     out["no_ack"] = np.where(rows["conn_known"] > 0, rows["no_ack_ns"].astype(np.int64), 0)
     out["rto"] = np.where(rows["conn_known"] > 0, rows["rto_us"].astype(np.int64) * 1000, 0)
     out["conn"] = _connection_keys(rows)
+    out["other"] = rows["other"]
     return out
 
 

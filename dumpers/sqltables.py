@@ -669,6 +669,7 @@ def tcp_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     cols["packets_out"] = _maybe_null(rows["packets_out"].astype(np.int64), unknown)
     cols["retrans_out"] = _maybe_null(rows["retrans_out"].astype(np.int64), unknown)
     cols["send_error"] = _maybe_null(rows["err"].astype(np.int32), ~retransmit)
+    cols["sampled"] = pa.array(rows["other"] == 1)
     reset_sent = rows["event"] == TcpEvent.TCP_SEND_RESET
     cols["reset_reason"] = _maybe_null(rows["reason"].astype(np.int32), ~reset_sent)
     return cols

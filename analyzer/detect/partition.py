@@ -121,6 +121,7 @@ def _fate(rows: np.ndarray, wall: np.ndarray, now: np.ndarray) -> ConnFate:
         resets=sum(e.resets for e in ends),
         first_reset_wall_ns=min(resets) if resets else None,
         outages=tuple(sorted(o for e in ends for o in e.outages)),
+        other=bool(rows["other"].any()),
     )
 
 
@@ -281,8 +282,8 @@ def detect_partition(a: Analysis) -> list[Verdict]:
         return []
     stalled = stalled_together(inc)
     if stalled is not None:
-        dead = [f for f in fates if f.dead]
-        hosts = shared_hosts(dead, len(inc.hosts))
+        dead = [f for f in fates if f.dead and not f.other]
+        hosts = _narrowed(inc, shared_hosts(dead, len(inc.hosts)), stalled)
         if not hosts:  # no TCP account (RDMA traffic): a link the ranks use went down
             hosts = tuple(sorted({lk.host for lk in _down_links(inc, stalled)}))
             hosts = hosts if len(hosts) == 1 or (len(hosts) == 2 and len(inc.hosts) == 2) else ()
@@ -293,6 +294,43 @@ def detect_partition(a: Analysis) -> list[Verdict]:
         return [flap]
     reset = _reset(a)
     return [reset] if reset is not None else []
+
+
+def _narrowed(
+    inc: Incident, hosts: tuple[int, ...], stalled: dict[int, tuple[int, int]]
+) -> tuple[int, ...]:
+    """Of a pair the job's connections name (every stopped one between the
+    two), the one that other traffic failed to reach too, from a third host,
+    since the stall began: the job's connection to a cut host may have
+    carried nothing when its link went, other traffic to it did."""
+    if len(hosts) != 2 or len(inc.hosts) < 3:
+        return hosts
+    began = _stall_began(inc, stalled) - LINK_SLACK_NS
+    reached = {h: 0 for h in hosts}
+    for f in inc_other_failures(inc, began):
+        far = set(f) - set(hosts)
+        for h in set(f) & set(hosts):
+            reached[h] += bool(far)
+    failing = [h for h, n in reached.items() if n]
+    return (failing[0],) if len(failing) == 1 else hosts
+
+
+def inc_other_failures(inc: Incident, since_wall: int) -> list[tuple[int, int]]:
+    """The pairs of hosts of sampled retransmits of other traffic (not the
+    job's) since ``since_wall``."""
+    t = inc.tcp
+    rows = t[(t["other"] == 1) & (t["event"] == TcpEvent.TCP_RETRANSMIT_SKB)]
+    walls = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
+    rows = rows[rows["ts"] + walls[rows["host"]] >= since_wall]
+    return [(int(a), int(b)) for a, b in zip(rows["local"], rows["remote"], strict=True)]
+
+
+def _stall_began(inc: Incident, stalled: dict[int, tuple[int, int]]) -> int:
+    hosts = proc_hosts(inc)
+    return min(
+        (inc.host_now[hosts[p]] or 0) - age + _offset(inc, hosts[p])
+        for p, (_, age) in stalled.items()
+    )
 
 
 def _names(inc: Incident, hosts: Iterable[int]) -> tuple[str, ...]:
@@ -347,11 +385,7 @@ def _down_links(inc: Incident, stalled: dict[int, tuple[int, int]]) -> list[Link
     still down at the dump, or went down since the stall began."""
     if not stalled:
         return []
-    hosts = proc_hosts(inc)
-    began = min(
-        (inc.host_now[hosts[p]] or 0) - age + _offset(inc, hosts[p])
-        for p, (_, age) in stalled.items()
-    )
+    began = _stall_began(inc, stalled)
     return [
         lk
         for lk in inc.links

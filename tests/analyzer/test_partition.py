@@ -181,3 +181,28 @@ def test_a_short_outage_of_one_connection_is_no_flap() -> None:
     """Two nodes, one link: 1.5 s of timeouts on it is what loss brings too."""
     kinds = [v.kind for v in analyze(with_(JOB, nodes=2, flap=(1, 15, 1500.0))).verdicts]
     assert VerdictKind.NETWORK_PARTITION not in kinds
+
+
+def test_of_a_pair_the_host_other_traffic_failed_to_reach_is_named() -> None:
+    """The job's only stopped connection is node1-node2 (its connections to a
+    cut node2 from node0 carried nothing then); node0's other traffic to
+    node2 failed since: node2 is the one cut off."""
+    job = with_(JOB, link=(1, 2, 20), others=((0, 2),))
+    v = analyze(job).verdicts[0]
+    assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node2",)
+
+
+def test_with_no_other_traffic_the_pair_stays_a_pair() -> None:
+    v = analyze(with_(JOB, link=(1, 2, 20))).verdicts[0]
+    assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node1", "node2")
+
+
+def test_other_traffic_failing_to_both_of_the_pair_narrows_nothing() -> None:
+    job = with_(JOB, link=(1, 2, 20), others=((0, 2), (0, 1)))
+    assert analyze(job).verdicts[0].hosts == ("node1", "node2")
+
+
+def test_sampled_other_traffic_is_no_retransmit_of_the_job() -> None:
+    inc = analyze(with_(JOB, link=(1, 2, 20), others=((0, 2),))).incident
+    assert len(inc.tcp[inc.tcp["other"] == 1]) == 4
+    assert not (inc.retransmits["other"] == 1).any()

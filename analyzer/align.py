@@ -446,9 +446,9 @@ def _extract(
     pids = tuple(int(p) for p in scope[used])
     if every is not None and len(every) > len(raw):
         every = every if every.dtype == NCCL_EVENT else every.astype(NCCL_EVENT)
-        long_calls = _held(every, IS_CALL[every["op"]] & _member_of(every["pid"], scope))
+        long_calls = _held(every, WAITS_IN[every["op"]] & _member_of(every["pid"], scope))
     else:
-        long_calls = _held(raw, keep)
+        long_calls = _held(raw, WAITS_IN[raw["op"]] & _member_of(raw["pid"], scope))
     return _Extract(
         s, dst, complete, latest, scope, pids, members,
         waiting=_waiting(raw, scope), held=long_calls,
@@ -457,7 +457,8 @@ def _extract(
 
 def _held(raw: np.ndarray, keep: np.ndarray) -> np.ndarray:
     """The calls of the whole ring (not only the window) that took HELD_NS
-    and more: a stall the job came back from, however long ago."""
+    and more, a group's end included: a stall the job came back from,
+    however long ago."""
     sel = np.flatnonzero(keep & (raw["end_ns"] > 0))
     sel = sel[(raw["end_ns"][sel] - raw["ts_ns"][sel]).astype(np.int64) >= HELD_NS]
     out = np.zeros(len(sel), dtype=HELD_DTYPE)

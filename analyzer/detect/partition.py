@@ -463,18 +463,25 @@ def _s(ns: float) -> str:
 
 
 def _flap(a: Analysis) -> Verdict | None:
-    """Connections stopped and acknowledged again, inside a window in which
-    every member's collective took SLOW_NS and more."""
+    """Connections stopped and acknowledged again while every rank waited in
+    a call (a collective, or a group's end with its sends and receives) of
+    SLOW_NS and more: the job stalled for it, and went on."""
     inc = a.incident
-    held = _held_collectives(a)
-    if not held:
+    waits = _long_waits(inc)
+    if not waits:
         return None
+    everyone = set(np.unique(inc.calls.rows["proc"]).tolist()) if len(inc.calls) else set()
 
     def within(outage: tuple[int, int]) -> bool:
-        return any(h.start <= outage[1] and outage[0] <= h.end for h in held)
+        waiting = {p for p, (s, e) in waits if s <= outage[1] and outage[0] <= e}
+        return bool(everyone) and everyone <= waiting
 
     outages = [
-        (f, o) for f in a.fates for o in f.outages if o[1] - o[0] >= FLAP_MIN_NS / 2 and within(o)
+        (f, o)
+        for f in a.fates
+        if not f.other
+        for o in f.outages
+        if o[1] - o[0] >= FLAP_MIN_NS / 2 and within(o)
     ]
     kept = {
         o
@@ -482,7 +489,6 @@ def _flap(a: Analysis) -> Verdict | None:
         if o[1] - o[0] >= FLAP_MIN_NS
         or any(g.hosts != f.hosts and p[0] <= o[1] and o[0] <= p[1] for g, p in outages)
     }
-
     inside = [f for f in a.fates if any(o in kept for o in f.outages)]
     flapped = [
         lk for lk in inc.links if lk.used and any(up and within((d, up)) for d, up in lk.downs)
@@ -505,13 +511,14 @@ def _flap(a: Analysis) -> Verdict | None:
         if up and within((d, up))
     ]
     start, end = min(s for s, _ in spans), max(e for _, e in spans)
+    longest = max(e - s for p, (s, e) in waits if s <= end and start <= e)
     place = f"host {names[0]} off" if len(hosts) == 1 else f"hosts {names[0]} and {names[1]} apart"
     summary = (
-        f"the network cut {place} for {_s(end - start)} or more and it came back: every rank's "
-        f"collectives waited for it (up to {_s(max(h.shortest for h in held))})"
+        f"the network cut {place} and it came back: its connections went unacknowledged for "
+        f"up to {_s(end - start)}, and every rank waited for it (a call of up to {_s(longest)})"
     )
     evidence = _link_lines(inc, hosts) + _outage_lines(inc, inside)
-    evidence += [f"{h.text} took {_s(h.shortest)} and more on every member" for h in held]
+    evidence += _held_lines(a, start, end)
     return Verdict(
         VerdictKind.NETWORK_PARTITION,
         ranks,
@@ -525,6 +532,45 @@ def _flap(a: Analysis) -> Verdict | None:
     )
 
 
+def _long_waits(inc: Incident) -> list[tuple[int, tuple[int, int]]]:
+    """(proc, (entered, returned) on the wall clock) of every call of the
+    whole rings that took SLOW_NS and more (a group's end included)."""
+    rows = inc.held
+    rows = rows[rows["end"] - rows["ts"] >= SLOW_NS]
+    if not len(rows):
+        return []
+    hosts = np.array(proc_hosts(inc), dtype=np.int64)
+    walls = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
+    wall = walls[hosts[rows["proc"]]]
+    return [
+        (int(p), (int(s), int(e)))
+        for p, s, e in zip(rows["proc"], rows["ts"] + wall, rows["end"] + wall, strict=True)
+    ]
+
+
+def _held_lines(a: Analysis, start: int, end: int) -> list[str]:
+    """The long calls the ranks waited in during [start, end], one line per op."""
+    inc = a.incident
+    rows = inc.held
+    hosts = np.array(proc_hosts(inc), dtype=np.int64)
+    walls = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
+    wall = walls[hosts[rows["proc"]]] if len(rows) else np.zeros(0, dtype=np.int64)
+    during = (
+        (rows["end"] - rows["ts"] >= SLOW_NS)
+        & (rows["ts"] + wall <= end)
+        & (rows["end"] + wall >= start)
+    )
+    out = []
+    for op in np.unique(rows["op"][during]).tolist():
+        mine = rows[during & (rows["op"] == op)]
+        ranks = sorted({inc.procs[int(p)].world_rank for p in mine["proc"]})
+        out.append(
+            f"ranks {', '.join(map(str, ranks))} waited in {op_name(op)} up to "
+            f"{_s(int((mine['end'] - mine['ts']).max()))}"
+        )
+    return out
+
+
 def _outage_lines(inc: Incident, conns: list[ConnFate]) -> list[str]:
     by_pair: dict[tuple[int, int], list[ConnFate]] = defaultdict(list)
     for f in conns:
@@ -535,45 +581,6 @@ def _outage_lines(inc: Incident, conns: list[ConnFate]) -> list[str]:
         f"were acknowledged again ({sum(f.timeouts for f in fs)} timeouts)"
         for (x, y), fs in sorted(by_pair.items())
     ]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Held:
-    """A collective every member's call of took SLOW_NS and more (wall clock)."""
-
-    start: int
-    end: int
-    shortest: int  # the shortest member call: what every member waited at least
-    text: str
-
-
-def _held_collectives(a: Analysis) -> list[Held]:
-    """The collectives every member of took SLOW_NS and more (the whole
-    rings: a flap long before the dump is still in them)."""
-    inc = a.incident
-    rows = inc.held
-    if not len(rows):
-        return []
-    hosts = np.array(proc_hosts(inc), dtype=np.int64)
-    walls = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
-    size = {c.comm_hash: c.nranks for c in inc.comms}
-    name = {c.comm_hash: c.name for c in inc.comms}
-    out = []
-    keys = np.rec.fromarrays([rows["hash"], rows["seq"]])
-    for key in np.unique(keys):
-        mine = rows[(rows["hash"] == key[0]) & (rows["seq"] == key[1])]
-        nranks = size.get(int(key[0]), 0)
-        if nranks < 2 or len(np.unique(mine["proc"])) < nranks:
-            continue  # some member did not wait that long
-        wall = walls[hosts[mine["proc"]]]
-        shortest = int((mine["end"] - mine["ts"]).min())
-        if shortest < SLOW_NS:
-            continue
-        text = f"{op_name(int(mine['op'][0]))} seq {int(key[1])} on {name[int(key[0])]}"
-        out.append(
-            Held(int((mine["ts"] + wall).min()), int((mine["end"] + wall).max()), shortest, text)
-        )
-    return out
 
 
 def _reset(a: Analysis) -> Verdict | None:

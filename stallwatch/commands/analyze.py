@@ -23,14 +23,15 @@ if TYPE_CHECKING:
 
 EXAMPLES = """\
 examples:
-  stallwatch analyze dumps/                      every dump under a folder
-  stallwatch analyze dumps/*.msgpack --json      for programs (= --format json)
-  stallwatch analyze dumps/ --all                every communicator, every rank
-  stallwatch analyze fr_traces/                  PyTorch Flight Recorder dumps (_dump_<rank>)
-  STALLWATCH_THREADS=1 stallwatch analyze dumps/ on one core (default: up to 4)
-  stallwatch analyze --agents node1:9400,node2:9400 --token-file /etc/stallwatch/token \
-      --tls-ca /etc/stallwatch/ca.pem            live: the agents' current recordings
-  stallwatch analyze --agents-file nodes.txt --save incident/   ... and keep them as dumps
+  stallwatch analyze dumps/                    # every dump under a folder
+  stallwatch analyze dumps/*.msgpack --json    # for programs (= --format json)
+  stallwatch analyze dumps/ --all              # every communicator, every rank
+  stallwatch analyze fr_traces/                # PyTorch Flight Recorder dumps (_dump_<rank>)
+  STALLWATCH_THREADS=1 stallwatch analyze dumps/    # on one core (default: up to 4)
+  # live: the agents' current recordings
+  stallwatch analyze --agents node1:9400,node2:9400 --token-file /etc/stallwatch/token \\
+      --tls-ca /etc/stallwatch/ca.pem
+  stallwatch analyze --agents-file nodes.txt --save incident/    # ... and keep them as dumps
 
 exit codes: 0 healthy, 1 findings (inconclusive, or an input lost), 2 nothing could be read
 """

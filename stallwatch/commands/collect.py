@@ -25,10 +25,10 @@ if TYPE_CHECKING:
 
 EXAMPLES = """\
 examples:
-  stallwatch collect --agents node1:9400,node2:9400 -o incident/     the newest incident
+  stallwatch collect --agents node1:9400,node2:9400 -o incident/    # the newest incident
   stallwatch collect 20261123T170635508-node2-329539 --agents-file nodes.txt -o incident/ \\
       --token-file /etc/stallwatch/token --tls-ca /etc/stallwatch/ca.pem
-  stallwatch analyze incident/                                       then, the verdict
+  stallwatch analyze incident/             # then, the verdict
 
 The dumps land as DIR/<host>/<file>, each checked by the dump reader on
 arrival and written as the agent kept it; agents that sent nothing are named

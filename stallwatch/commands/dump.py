@@ -23,11 +23,11 @@ from .options import (
 
 EPILOG = """\
 examples:
-  stallwatch dump                                  the agent on this node
+  stallwatch dump                          # the agent on this node
   stallwatch dump --agent node3:9400 --token-file /etc/stallwatch/token \\
       --tls-ca /etc/stallwatch/ca.pem --reason "loss spike at step 1200"
-  stallwatch dump --pinned                         no agent running: dump what the
-                                                   kernel recorded into the pins
+  # no agent running: dump what the kernel recorded into the pins
+  stallwatch dump --pinned
 
 exit codes: 0 the agent wrote (or is retrying) the dump; 2 the agent could not be
 reached or refused, or nothing is pinned at --pin-dir.

@@ -23,8 +23,14 @@ _NO_DEFAULT = (None, False, argparse.SUPPRESS)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Epilogs (examples, exit codes) kept as written; each option's default
-    shown after its help, unless it has none or the help already says it."""
+    """Epilogs (examples, exit codes) kept as written, a one-paragraph
+    description wrapped to the terminal; each option's default shown after
+    its help, unless it has none or the help already says it."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text.strip():  # laid out by hand: examples, exit codes
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

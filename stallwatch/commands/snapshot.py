@@ -39,10 +39,10 @@ from .options import (
 EXIT_OK = 0
 EPILOG = """\
 examples:
-  stallwatch snapshot                               this node, into ./dumps
+  stallwatch snapshot                      # this node, into ./dumps
   stallwatch snapshot --pid 4242 --pid 4243 --dump-dir /tmp/hang
-  stallwatch snapshot --agents node1:9400,node2:9400   every node, one incident
-  stallwatch analyze dumps/                         then: which rank is missing
+  stallwatch snapshot --agents node1:9400,node2:9400    # every node, one incident
+  stallwatch analyze dumps/                # then: which rank is missing
 
 Reading another process's threads needs the right to trace it (root, or the
 same user with ptrace allowed); nothing is stopped or attached.

@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any
 from stallwatch.analyzer.report import MAX_TABLE_ROWS, MAX_TABLES
 from stallwatch.dumpers.errors import UsageError
 
-from .options import HelpFormatter, add_agent_options, add_format_option, agent_call_from
+from .options import (
+    HelpFormatter,
+    add_agent_options,
+    add_format_option,
+    agent_call_from,
+    wants_agents,
+)
 
 if TYPE_CHECKING:
     from stallwatch.analyzer.pipeline import AnalysisResult
@@ -47,7 +53,7 @@ def register(subparsers: Any) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("paths", nargs="*", metavar="PATH", help="dump files or folders")
-    add_agent_options(p, timeout=10.0)  # live, instead of PATH
+    add_agent_options(p)  # live, instead of PATH
     p.add_argument(
         "--save",
         type=Path,
@@ -68,7 +74,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from stallwatch.analyzer.pipeline import analyze_paths
 
-    live = args.agents is not None or args.agents_file is not None
+    live = wants_agents(args)
     if live == bool(args.paths):
         raise UsageError("give dump files or folders, or --agents/--agents-file (not both)")
     if args.save is not None and not live:
@@ -97,8 +103,8 @@ def _run_live(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, result: AnalysisResult) -> int:
     from stallwatch.analyzer.report import print_report, to_json
 
-    for s in result.inputs:
-        if not s.ok:
+    for s in result.inputs:  # each once: the text report names the lost ones itself
+        if not s.ok and (args.format == "json" or not s.lost):
             print(f"stallwatch analyze: {s.note}", file=sys.stderr)
     if args.format == "json":
         print(to_json(result))

@@ -54,7 +54,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "-o", "--out", type=Path, required=True, metavar="DIR", help="the folder to write into"
     )
-    add_agent_options(p, timeout=30.0)
+    add_agent_options(p)
     add_format_option(p)
     p.set_defaults(func=run)
 

@@ -25,11 +25,10 @@ from stallwatch.query.output import id_widths, new_table, text_for
 
 from .options import (
     HelpFormatter,
-    add_client_tls,
+    add_agent_options,
     add_format_option,
-    add_token_option,
-    client_tls_from,
-    read_token,
+    agent_call_from,
+    wants_agents,
 )
 
 QUERY_EPILOG = """\
@@ -74,7 +73,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     q = subparsers.add_parser(
         "query",
         usage="stallwatch query [options] PATH... SQL\n"
-        "       stallwatch query [options] --agents HOST:PORT,... SQL",
+        "       stallwatch query [options] --agents HOST:PORT,... SQL\n"
+        "       stallwatch query [options] --agents-file FILE SQL",
         help="run one SQL query on dumps, or on live agents in parallel",
         description="Run one read-only SQL SELECT on dump files and folders, or send it "
         "to live agents (--agents) in parallel and merge their rows.",
@@ -84,13 +84,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     q.add_argument(
         "args", nargs="+", metavar="PATH|SQL", help="dump files or folders, then the SQL (last)"
     )
-    q.add_argument("--agents", metavar="HOST:PORT,...", help="query these live agents instead")
-    add_token_option(q, "bearer token for the agents")
-    q.add_argument(
-        "--timeout", type=float, default=5.0, metavar="SEC", help="per agent, once it is asked"
-    )
+    add_agent_options(q)  # live, instead of PATH
     q.add_argument("--concurrency", type=int, default=128, metavar="N", help="agents asked at once")
-    add_client_tls(q)
     add_format_option(q, ("table", "json", "csv"))
     q.add_argument("--limit", type=int, metavar="N", help="at most N rows")
     q.add_argument(
@@ -178,9 +173,9 @@ def render(fmt: str, doc: dict[str, Any]) -> str:
 
 def _split_args(args: argparse.Namespace) -> tuple[list[str], str]:
     *paths, sql = args.args
-    if args.agents and paths:
-        raise UsageError("with --agents, give only the SQL (no dump paths)")
-    if not args.agents and not paths:
+    if wants_agents(args) and paths:
+        raise UsageError("with --agents/--agents-file, give only the SQL (no dump paths)")
+    if not wants_agents(args) and not paths:
         raise UsageError("give dump files or folders, then the SQL (or --agents HOST:PORT,...)")
     if args.limit is not None and args.limit < 0:
         raise UsageError(f"--limit must be 0 or more, got {args.limit}")
@@ -189,7 +184,7 @@ def _split_args(args: argparse.Namespace) -> tuple[list[str], str]:
 
 def run(args: argparse.Namespace) -> int:
     paths, sql = _split_args(args)
-    if args.agents:
+    if wants_agents(args):
         return _query_agents(args, sql)
     recordings, notes, lost = read_recordings(paths)
     for note in notes:
@@ -214,12 +209,11 @@ def run(args: argparse.Namespace) -> int:
 def _query_agents(args: argparse.Namespace, sql: str) -> int:
     from stallwatch.query.fanout import close_connections, query_agents
 
-    agents = [a for a in args.agents.split(",") if a.strip()]
-    token = read_token(args.token_file)
-    client_tls = client_tls_from(args)
+    call = agent_call_from(args)
+    agents = call.agents
     try:
         result = query_agents(
-            agents, sql, token, args.timeout, args.limit, client_tls, args.concurrency
+            agents, sql, call.token, call.timeout, args.limit, call.tls, args.concurrency
         )
     finally:
         close_connections()

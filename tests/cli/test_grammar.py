@@ -199,6 +199,23 @@ def test_help_says_the_exit_codes(name: str) -> None:
         assert "0 " in text.split("exit codes", 1)[1], name
 
 
+def test_one_timeout_and_one_way_to_name_agents_on_every_command_that_asks_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from stallwatch.commands.options import AGENT_TIMEOUT_S
+
+    for name in ("analyze", "query", "collect", "snapshot", "dump"):
+        options = COMMANDS[name]._option_string_actions
+        assert options["--timeout"].default == AGENT_TIMEOUT_S, name
+        assert "--token-file" in options and "--tls-ca" in options, name
+        if name != "dump":  # one agent: --agent
+            assert {"--agents", "--agents-file"} <= set(options), name
+        with pytest.raises(SystemExit) as exc:
+            parse(build_parser(), [name, "--timeout", "0", *(["SQL"] if name == "query" else [])])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and "--timeout: expected seconds" in err[-1], (name, err)
+
+
 def test_version_before_a_command(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         parse(build_parser(), ["--version", "analyze", "x"])

@@ -39,6 +39,7 @@ COMMAND_MODULES = (
     "stallwatch.commands.serve",
     "stallwatch.commands.export",
     "stallwatch.commands.lab",
+    "stallwatch.commands.completion",
 )
 
 EPILOG = """\
@@ -52,6 +53,7 @@ examples:
   stallwatch collect --agents node1:9400,node2:9400 -o incident/    # every node's dumps
   stallwatch query dumps/*.msgpack "SELECT op, count(*) FROM nccl_events GROUP BY op"
   stallwatch query --agents node1:9400,node2:9400 "SELECT * FROM tcp_events LIMIT 5"
+  source <(stallwatch completion bash)  # commands and options complete on TAB
 
 Options that reach agents are the same on every command: --agents or
 --agents-file, --token-file, --tls-ca (--tls-cert, --tls-key), --timeout.

@@ -160,6 +160,19 @@ def examples(text: str) -> list[str]:
     return out
 
 
+def _command_words(line: str) -> list[str]:
+    """The words of the first command of a shell line (up to a redirection,
+    a pipe or a list operator), continuation lines joined as the shell does."""
+    lex = shlex.shlex(line.replace("\\\n", " "), posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    words = []
+    for word in lex:
+        if set(word) <= set("();<>|&"):
+            break
+        words.append(word)
+    return words
+
+
 def _open_quote(text: str) -> bool:
     try:
         shlex.split(text, comments=True)
@@ -180,7 +193,7 @@ def test_help_fits_and_its_examples_run_in_a_shell(name: str) -> None:
     for line in found:
         checked = subprocess.run(["bash", "-n", "-c", line], capture_output=True, text=True)
         assert checked.returncode == 0, (line, checked.stderr)
-        argv = shlex.split(line.replace("\\\n", " "), comments=True)  # as the shell joins
+        argv = _command_words(line)
         while argv and re.fullmatch(r"\w+=\S*", argv[0]):  # VAR=value before the command
             argv.pop(0)
         if argv[0] != "stallwatch":

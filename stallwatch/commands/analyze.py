@@ -62,6 +62,12 @@ def register(subparsers: Any) -> None:
     )
     add_format_option(p)
     p.add_argument(
+        "--wide",
+        action="store_true",
+        help="communicator ids whole (default: their shortest prefix unique in the incident, "
+        "as comm_id_hash LIKE '0xcd50%%' finds it in SQL; --json always has them whole)",
+    )
+    p.add_argument(
         "--all",
         dest="show_all",
         action="store_true",
@@ -109,7 +115,7 @@ def _report(args: argparse.Namespace, result: AnalysisResult) -> int:
     if args.format == "json":
         print(to_json(result))
     else:
-        print_report(result, args.show_all)
+        print_report(result, args.show_all, args.wide)
     if not result.anything_read:
         return 2
     return 0 if result.healthy else 1

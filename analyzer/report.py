@@ -11,10 +11,14 @@ beside every member not at the frontier, why.  By default the
 ones, then the largest), ``MAX_TABLE_ROWS`` members each; ``show_all``
 shows every one.
 
-Communicator ids are shortened (``shortid``: the fewest leading hex digits
-that tell the incident's communicators apart); ``wide`` prints them whole,
-as the JSON always does.  On a terminal the tables are rich's, boxed;
-anywhere else plain aligned text, one line per record.
+Layout.  Communicator ids are shortened (``shortid``: the fewest leading hex
+digits that tell the incident's communicators apart); ``wide`` prints them
+whole, as the JSON always does.  On a terminal, at any width from 80, lines
+wrap between words (continuations indented), no word and no id is cut, and
+a table takes the widths its cells need: columns that hold text wrap at
+blanks, and when even that does not fit, the "why" of each member goes on a
+line under its row instead of a column.  Anywhere else (a pipe, a file) the
+text is plain, one line per record, never wrapped, so it can be grepped.
 
 Flight Recorder dumps name no host and no pid: their ranks are shown with
 the file they came from, and process groups by their name and description.
@@ -29,6 +33,7 @@ import dataclasses
 import importlib
 import json
 import os
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -40,7 +45,7 @@ from rich.padding import Padding
 from rich.text import Text
 
 from stallwatch.dumpers.schema import op_name
-from stallwatch.query.output import new_table, plain_text, show
+from stallwatch.query.output import fit_widths, new_table, plain_text, show
 
 from .culprits import Culprit, culprits, judged_on
 from .incident import Frontier, Incident, InputStatus, Member, MemberState, SourceKind
@@ -369,8 +374,24 @@ def render(c: Console, result: AnalysisResult, show_all: bool = False, wide: boo
         _line(c, 0, "nothing could be analyzed")
 
 
-def _line(c: Console, indent: int, text: str, style: str = "") -> None:
-    c.print(Text(" " * indent + text, style=style if c.is_terminal else ""))
+HANG = 2  # a wrapped line's continuations, this much further in
+
+
+def _line(c: Console, indent: int, text: str, style: str = "", hang: int = HANG) -> None:
+    """One record: on a terminal wrapped between words to its width, the
+    continuations indented; elsewhere one line."""
+    if not c.is_terminal:
+        c.print(Text(" " * indent + text))
+        return
+    lines = textwrap.wrap(
+        text,
+        width=c.width,
+        initial_indent=" " * indent,
+        subsequent_indent=" " * (indent + hang),
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+    c.print(Text("\n".join(lines), style=style))
 
 
 def _listing(word: str, values: Sequence[object]) -> str:
@@ -485,18 +506,66 @@ def _table(c: Console, inc: Incident, t: CommTable, show_all: bool) -> None:
     columns = [("rank", True), ("world", True), ("file" if files else "host", False)]
     columns += [] if files else [("pid", True)]
     columns += [("last entered", True), ("last returned", True), ("state", False), ("why", False)]
-    table = new_table(c, columns)
     rows = t.members if show_all else _first_rows(t.members)
+    body = []
     for m in rows:
         cells = [str(m.rank), _cell(m.world_rank), _cell(m.host)]
         cells += [] if files else [_cell(m.pid)]
-        cells += [_cell(m.last_entered), _cell(m.last_returned), m.state, m.reason]
-        table.add_row(*(Text(x) for x in cells), style=_row_style(c, m))
-    c.print(Padding(table, (0, 0, 0, 4), expand=False))
+        body.append(([*cells, _cell(m.last_entered), _cell(m.last_returned), m.state, m.reason], m))
+    if c.is_terminal:
+        _fitted_table(c, columns, body)
+    else:
+        table = new_table(c, columns)
+        for cells, _ in body:
+            table.add_row(*(Text(x) for x in cells))
+        c.print(Padding(table, (0, 0, 0, TABLE_INDENT), expand=False))
     if len(rows) < len(t.members):
         rest = [m for m in t.members if m not in rows]
         lag = sum(1 for m in rest if m.kind is not MemberState.AT_FRONTIER)
         _line(c, 4, f"... {len(rest)} more ranks, {lag} of them not at the frontier")
+
+
+TABLE_INDENT = 4
+WHY_MIN = 30  # narrower than this, a member's why goes on a line under its row
+
+
+def _fitted_table(
+    c: Console, columns: list[tuple[str, bool]], body: list[tuple[list[str], MemberRow]]
+) -> None:
+    """A member table at the terminal's width: every column as wide as its
+    cells need (text wrapping between words where they do not fit), or,
+    when the why column would be too narrow, that column as a line under
+    each row that has one (no member has one: no column)."""
+    room = c.width - TABLE_INDENT
+    heads = [h for h, _ in columns]
+    rows = [cells for cells, _ in body]
+    natural_why = max(len(cells[-1]) for cells in rows) if rows else 0
+    widths = fit_widths([heads, *rows], room) if natural_why else None
+    if widths is not None and widths[-1] >= min(natural_why, WHY_MIN):
+        _rows_table(c, columns, body, widths)
+        return
+    narrow = fit_widths([heads[:-1], *(cells[:-1] for cells in rows)], room)
+    if not natural_why:
+        _rows_table(c, columns[:-1], [(cells[:-1], m) for cells, m in body], narrow)
+        return
+    c.print(Padding(new_table(c, columns[:-1], widths=narrow), (0, 0, 0, TABLE_INDENT)))
+    for cells, m in body:  # each row, then its why under it, at the header's widths
+        _rows_table(c, columns[:-1], [(cells[:-1], m)], narrow, header=False)
+        if m.reason:
+            _line(c, TABLE_INDENT + 3, f"why: {m.reason}", _row_style(c, m), hang=5)
+
+
+def _rows_table(
+    c: Console,
+    columns: list[tuple[str, bool]],
+    body: list[tuple[list[str], MemberRow]],
+    widths: list[int] | None,
+    header: bool = True,
+) -> None:
+    table = new_table(c, columns, widths=widths, header=header)
+    for cells, m in body:
+        table.add_row(*(Text(x) for x in cells), style=_row_style(c, m))
+    c.print(Padding(table, (0, 0, 0, TABLE_INDENT), expand=False))
 
 
 def _first_rows(members: tuple[MemberRow, ...]) -> tuple[MemberRow, ...]:

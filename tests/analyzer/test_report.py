@@ -80,6 +80,9 @@ def test_lab_report_reads_verdict_then_time_then_tables(lab: AnalysisResult) -> 
     (r,) = lab.incidents  # its communicator's id as the report shortens them, whole with --wide
     assert shorten(reason, report.incident_ids(r)) in out[time] and reason not in out[time]
     assert reason in lines(lab, wide=True)[time]
+    tables = json.loads(report.to_json(lab))["incidents"][0]["communicators"]
+    assert all(t["short_id"] == report.incident_ids(r)[t["comm_id_hash"]] for t in tables)
+    assert {t["short_id"] for t in tables} == set(report.incident_ids(r).values())
 
 
 def test_fr_report_time_is_the_latest_entry(fr: AnalysisResult, fr_folder: Path) -> None:

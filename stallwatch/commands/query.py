@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
 import sys
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from rich.console import Console
 from rich.text import Text
 
-from stallwatch.dumpers.errors import ExitCode, UsageError
+from stallwatch.dumpers.errors import DumpError, ExitCode, UsageError
 from stallwatch.dumpers.model import Recording
 from stallwatch.query.output import id_widths, new_table, text_for
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 from .options import (
     HelpFormatter,
@@ -97,6 +101,51 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 # ---- inputs ----------------------------------------------------------------
+
+
+def read_tables(
+    paths: Sequence[str], sql: str, progress: bool
+) -> tuple[dict[str, pa.Table] | None, list[str], bool]:
+    """The tables ``sql`` reads over the dumps (``query.feed``): every
+    input's header first (incidents, ranks), then one dump at a time read
+    whole, its rows turned into what the query reads and the dump let go, so
+    that memory holds the columns the query reads and one dump; None when no
+    dump is readable.  Progress as ``analyze`` shows it.  Also: a note per
+    input not read, and whether any was lost."""
+    from stallwatch.analyzer.load import open_incidents
+    from stallwatch.analyzer.progress import Progress
+    from stallwatch.dumpers.format import read_dump
+    from stallwatch.dumpers.inputs import InputStatus, SourceKind
+    from stallwatch.dumpers.ranks import Ranks
+    from stallwatch.dumpers.schema import RING_DTYPES
+    from stallwatch.query.feed import feed, needs
+
+    incidents, statuses = open_incidents(paths, defer=tuple(RING_DTYPES))
+    notes = [s.note for s in statuses if not s.ok]
+    lost = any(s.lost for s in statuses)
+    heads = [(path, rec, i.flight_recorder) for i in incidents for path, rec in i.recordings]
+    if not heads:
+        return None, notes, lost
+
+    def load(path: str, head: Recording, flight: bool) -> Recording | None:
+        nonlocal lost
+        if flight:  # a Flight Recorder file's recording is whole already
+            return head
+        try:
+            return read_dump(path)
+        except DumpError as exc:  # a ring that fails its reader: lost, as on any read
+            notes.append(InputStatus(path, False, str(exc), SourceKind.STALLWATCH).note)
+            lost = True
+            return None
+
+    loads = [functools.partial(load, *h) for h in heads]
+    shown = Progress("read {}/{} dumps", len(heads), progress, command="query")
+    try:
+        known = Ranks.of(h for _, h, _ in heads)
+        built = feed(loads, known, needs(sql), shown.step)
+    finally:
+        shown.close()
+    return built, notes, lost
 
 
 def read_recordings(paths: Sequence[str]) -> tuple[list[Recording], list[str], bool]:
@@ -186,14 +235,15 @@ def run(args: argparse.Namespace) -> int:
     paths, sql = _split_args(args)
     if wants_agents(args):
         return _query_agents(args, sql)
-    recordings, notes, lost = read_recordings(paths)
+    progress = sys.stderr.isatty() or len(paths) > 1
+    built, notes, lost = read_tables(paths, sql, progress)
     for note in notes:
         print(f"stallwatch query: {note}", file=sys.stderr)
-    if not recordings:
+    if built is None:
         raise UsageError("no readable dump among the inputs")
     from stallwatch.query.sql import QUERY, QueryEngine
 
-    with QueryEngine(recordings, QUERY) as engine:
+    with QueryEngine(built, QUERY) as engine:
         result = engine.query(sql, args.limit)
     if result.truncated and args.limit is None:
         print(

@@ -50,6 +50,9 @@ HEARTBEAT_S = 10.0
 LAB_EXIT_TIMEOUT = 180.0  # the lab's own deadlines end it well before this
 PERFETTO_UI = "https://ui.perfetto.dev"
 LAB_CLOCK = re.compile(r"^\[ *[\d.]+s\] ")  # the seconds lab run prefixes its lines with
+# lab run's commands for reaching its agents from a shell, which the demo
+# does not relay: it tears the agents down once they dumped
+CLIENT_LINES = ("from this shell", " ", "(in /")
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,7 +294,9 @@ class LabProcess:
 
         def on_err(line: str) -> None:
             err.append(line)
-            console.progress(LAB_CLOCK.sub("", line, count=1))  # on the demo's clock
+            said = LAB_CLOCK.sub("", line, count=1)  # on the demo's clock
+            if not said.startswith(CLIENT_LINES):  # the demo tears the agents down at once
+                console.progress(said)
 
         assert proc.stdout is not None and proc.stderr is not None
         threads = [

@@ -763,7 +763,8 @@ def agent_logs(lab: Lab) -> dict[str, Path]:
 
 
 def narrate_agents(lab: Lab) -> None:
-    """Tell what the agents' logs say; while none dumped, how many listen."""
+    """Tell what the agents' logs say; while some do not listen yet, a
+    heartbeat says how many do."""
     n = lab.narrator
     n.agent_logs(agent_logs(lab))
     if not n.listening >= {s.name for s in lab.sites()}:

@@ -112,6 +112,16 @@ def check_statement(con: duckdb.DuckDBPyConnection, sql: str, limits: Limits) ->
     return statements[0]
 
 
+def check_sql(sql: str, limits: Limits) -> None:
+    """``check_statement`` on a connection of its own: a query refused or
+    unparsable is said before anything is read for it."""
+    con = sandboxed_connection(limits)
+    try:
+        check_statement(con, sql, limits)
+    finally:
+        con.close()
+
+
 class _Watchdog:
     """One long-lived thread per engine that interrupts the connection when
     the running query passes its deadline.  Arming takes a lock; it wakes the

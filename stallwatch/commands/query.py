@@ -235,14 +235,15 @@ def run(args: argparse.Namespace) -> int:
     paths, sql = _split_args(args)
     if wants_agents(args):
         return _query_agents(args, sql)
+    from stallwatch.query.sql import QUERY, QueryEngine, check_sql
+
+    check_sql(sql, QUERY)  # refused or unparsable: before any dump is read
     progress = sys.stderr.isatty() or len(paths) > 1
     built, notes, lost = read_tables(paths, sql, progress)
     for note in notes:
         print(f"stallwatch query: {note}", file=sys.stderr)
     if built is None:
         raise UsageError("no readable dump among the inputs")
-    from stallwatch.query.sql import QUERY, QueryEngine
-
     with QueryEngine(built, QUERY) as engine:
         result = engine.query(sql, args.limit)
     if result.truncated and args.limit is None:

@@ -36,7 +36,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -54,7 +54,9 @@ from .limits import Limits
 from .scan import Scan, compile_scan
 
 _T = TypeVar("_T")
-Source = Sequence[Recording] | Callable[[], Sequence[Recording]]
+# recordings (dumps), a callable returning fresh ones (a live agent), or the
+# tables already built (``query.feed``: a dump at a time, what a query reads)
+Source = Sequence[Recording] | Callable[[], Sequence[Recording]] | Mapping[str, pa.Table]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,16 @@ def check_statement(con: duckdb.DuckDBPyConnection, sql: str, limits: Limits) ->
     if kind != duckdb.StatementType.SELECT:
         raise QueryRefused(f"only SELECT queries are allowed, not {kind.name}")
     return statements[0]
+
+
+def check_sql(sql: str, limits: Limits) -> None:
+    """``check_statement`` on a connection of its own: a query refused or
+    unparsable is said before anything is read for it."""
+    con = sandboxed_connection(limits)
+    try:
+        check_statement(con, sql, limits)
+    finally:
+        con.close()
 
 
 class _Watchdog:
@@ -198,8 +210,10 @@ class QueryEngine:
         static = not callable(self._source)
         if self._loaded_at is not None and (static or now - self._loaded_at < self._cache_s):
             return
-        recordings = list(self._source() if callable(self._source) else self._source)
-        built = tables(recordings)
+        if isinstance(self._source, Mapping):
+            built = dict(self._source)
+        else:
+            built = tables(list(self._source() if callable(self._source) else self._source))
         if {n: t.schema for n, t in built.items()} != {n: t.schema for n, t in self._arrow.items()}:
             self._scans.clear()  # compiled against the columns' types
         self._arrow = built

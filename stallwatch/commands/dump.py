@@ -16,6 +16,7 @@ from .options import (
     add_client_tls,
     add_format_option,
     add_pin_dir,
+    add_timeout_option,
     add_token_option,
     client_tls_from,
     read_token,
@@ -23,11 +24,11 @@ from .options import (
 
 EPILOG = """\
 examples:
-  stallwatch dump                                  the agent on this node
+  stallwatch dump                          # the agent on this node
   stallwatch dump --agent node3:9400 --token-file /etc/stallwatch/token \\
       --tls-ca /etc/stallwatch/ca.pem --reason "loss spike at step 1200"
-  stallwatch dump --pinned                         no agent running: dump what the
-                                                   kernel recorded into the pins
+  # no agent running: dump what the kernel recorded into the pins
+  stallwatch dump --pinned
 
 exit codes: 0 the agent wrote (or is retrying) the dump; 2 the agent could not be
 reached or refused, or nothing is pinned at --pin-dir.
@@ -50,6 +51,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="why: kept in the dump's trigger",
     )
     add_token_option(p, "the agent's bearer token")
+    add_timeout_option(p, what="the agent")
     add_client_tls(p, what="the agent")
     p.add_argument(
         "--pinned",
@@ -74,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
         answer = dump_pinned(args.pin_dir, args.dump_dir, args.reason, tuple(sys.argv[1:]))
         _print_answer(answer, args.format)
         return ExitCode.OK
-    client = AgentClient(args.agent, read_token(args.token_file), client_tls_from(args), 30.0)
+    tls = client_tls_from(args)
+    client = AgentClient(args.agent, read_token(args.token_file), tls, args.timeout)
     try:
         reply = client.post_json("/dump", {"reason": args.reason})
         written = reply.json() if reply.ok else None

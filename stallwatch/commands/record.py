@@ -36,16 +36,16 @@ examples:
   stallwatch record --listen 10.0.0.1:9400 --token-file /etc/stallwatch/token \\
       --tls-cert /etc/stallwatch/node.pem --tls-key /etc/stallwatch/node.key \\
       --tls-ca /etc/stallwatch/ca.pem --peers node2:9400,node3:9400
-  stallwatch record ... --peers-from k8s-service stallwatch-peers.stallwatch.svc
-  stallwatch record ... --peers-from slurm            the job's nodes (a Slurm prolog)
-  stallwatch record ... --peers-from file /etc/stallwatch/peers
+  stallwatch record --peers-from k8s-service stallwatch-peers.stallwatch.svc
+  stallwatch record --peers-from slurm     # the job's nodes (a Slurm prolog)
+  stallwatch record --peers-from file /etc/stallwatch/peers
   stallwatch record --lib /opt/venv/lib/python3.11/site-packages/nvidia/nccl/lib/libnccl.so.2
+  # as a service (the systemd unit, DaemonSet, Slurm):
   stallwatch record --keep-pinned --pin-dir /sys/fs/bpf/stallwatch/agent
-                                       as a service (the systemd unit, DaemonSet, Slurm)
-  kill -USR1 $(pidof stallwatch)       dump now
-  stallwatch record --cleanup          remove the pinned recording (stop for good)
-  stallwatch record --compile-only     compile once at install: a start with nothing
-                                       pinned then loads the programs (seconds less)
+  kill -USR1 "$(pidof stallwatch)"         # dump now
+  stallwatch record --cleanup              # remove the pinned recording (stop for good)
+  # compile once at install: a start with nothing pinned then loads the programs
+  stallwatch record --compile-only
 
 the recording is pinned under --pin-dir (one folder per agent). Started by
 hand, the agent is a foreground tool: stopped with Ctrl-C or SIGTERM it

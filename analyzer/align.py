@@ -15,6 +15,7 @@ in which files were given.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -785,6 +786,9 @@ def _tcp(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
     for rows, source in _tcp_chunks(sources):
         own.update(_own_addresses(sources, rows, source))
     owner: dict[bytes, int] = {}
+    for s in sources:  # the addresses of the links its ranks use, where known
+        for addr in _rank_link_addresses(s.recording):
+            owner.setdefault(addr, host_of[s.recording.host])
     for i in sorted(own):
         owner.setdefault(own[i], host_of[sources[i].recording.host])
     found = [_between_hosts(rows, source, owner) for rows, source in _tcp_chunks(sources)]
@@ -810,6 +814,25 @@ def _tcp(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
 # what tells a connection's fate (state changes are the rest of the table)
 _FATE = np.zeros(256, dtype=bool)
 _FATE[[TcpEvent.TCP_RETRANSMIT_SKB, TcpEvent.TCP_SEND_RESET, TcpEvent.TCP_RECEIVE_RESET]] = True
+
+
+def _rank_link_addresses(rec: Recording) -> list[bytes]:
+    """The non-loopback addresses of the network interfaces the recording's
+    ranks use (its links table, format 7 on): a host's own addresses even
+    where none of its connections left a row."""
+    ranks = {c.pid for c in rec.communicators}
+    out = []
+    for link in rec.links:
+        if link.kind != "netdev" or not ranks & set(link.pids):
+            continue
+        for text in link.addresses:
+            try:
+                ip = ipaddress.ip_address(text.partition("/")[0].partition("%")[0])
+            except ValueError:
+                continue
+            if not ip.is_loopback:
+                out.append(addresses.pack(ip))
+    return out
 
 
 def _between_hosts(

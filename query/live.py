@@ -24,8 +24,8 @@ from stallwatch.dumpers.model import Recording
 
 from .agentclient import parse_address
 from .fanout import DEFAULT_CONCURRENCY, AgentFailure, call_agents
-from .http import DUMP_FRAMES, DumpBundle, decode_dumps
 from .tls import ClientTls
+from .wire import DUMP_FRAMES, DumpBundle, decode_dumps
 
 LIVE_REASON = "live verdict (stallwatch analyze --agents)"
 # An agent reads its rings and its ranks' threads before it answers, and a

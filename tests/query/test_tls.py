@@ -167,9 +167,9 @@ def test_a_token_over_plain_http_from_another_host_is_refused() -> None:
     """A loopback listener only sees loopback peers; the rule behind it is
     checked on the handler: plain HTTP from a non-loopback peer with a token
     is 403, whatever the token."""
-    from stallwatch.query.http import HttpError, ServerConfig, _Handler
+    from stallwatch.query.routes import Handler, HttpError, ServerConfig
 
-    handler = object.__new__(_Handler)
+    handler = object.__new__(Handler)
     handler.config = ServerConfig(None, None, TOKEN.encode(), 1024, tls=False)  # type: ignore[arg-type]
     handler.client_address = ("10.0.0.7", 50000)
     handler.headers = {"Authorization": f"Bearer {TOKEN}"}  # type: ignore[assignment]

@@ -1,0 +1,417 @@
+"""The routes of the agent's HTTP surface (the same for ``stallwatch serve``):
+
+    POST /query    {"sql": str, "limit": int?}
+                   -> 200 {"host", "columns", "types", "rows", "truncated", "elapsed_ms"}
+                   -> 400 {"error"} (bad JSON, refused or failed query)
+    POST /fetch    {"queries": [str, ...]}   (what a fan-out asks, ``query.plan``)
+                   -> 200 application/x-stallwatch-arrow (``query.wire``), rows cut
+                      at ``Limits.max_fetch_rows``; header X-Stallwatch-Host
+    POST /dump     {"reason": str?, "incident_id": str?, "origin": str?}
+                   -> 200 whatever the backend returns; 501 if it cannot dump
+    POST /snapshot {"reason": str?, "incident_id": str?, "samples": int?, "interval_s": float?}
+                   -> 200 {"host", "incident_id", "status", "path", "positions"}: the
+                   node's thread positions read ``samples`` times, then a dump; 501
+                   if the backend cannot read them (dumps served by ``serve``)
+    POST /recording {"incident_id": str?, "reason": str?}
+                   -> 200 application/x-stallwatch-dumps: what a dump would hold now
+                      (rings, tables, a fresh thread reading), under that incident id,
+                      and nothing written; ``serve`` answers with the dumps it serves
+    GET  /dumps    -> 200 {"host", "dumps": [{"name", "incident_id", "wall_ns", "bytes"}]}:
+                   the dump files the agent keeps, newest first
+    POST /collect  {"incident_id": str} -> 200 application/x-stallwatch-dumps: the
+                   files of that incident, as written; 404 if it has none
+    GET  /metrics  Prometheus text exposition format (version 0.0.4)
+    GET  /healthz  -> 200 {"status": "ok", "host", "version"}
+
+``/recording`` and ``/collect`` of a backend that has no recording or dump
+folder answer 501.
+
+A route is a function of the request handler returning (status, content type,
+body), listed in ``ROUTES``: another endpoint is one function and one entry.
+
+Every error is a JSON object ``{"error": "..."}``.  With a token, every request
+needs ``Authorization: Bearer <token>`` (compared in constant time) or gets
+401; a request with a token over plain HTTP from a non-loopback peer gets 403.
+Request bodies above ``MAX_BODY`` bytes get 413 unread.  Queries run in the
+sandbox of ``query.sql`` with its network limits (rows, time, memory).
+
+Any failure inside a request handler becomes a 500 response; it never reaches
+the server loop or the agent that hosts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from stallwatch import __version__
+from stallwatch.dumpers.errors import QueryError, StallwatchError, UsageError
+from stallwatch.dumpers.folder import list_dumps
+from stallwatch.dumpers.format import dump_file_name, encode
+from stallwatch.dumpers.model import Recording
+
+from .server import is_loopback
+from .wire import ARROW_FRAMES, DUMP_FRAMES, DumpBundle, encode_dumps, encode_frames, encode_json
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from .sql import QueryEngine, QueryResult
+
+log = logging.getLogger("stallwatch.query.http")
+
+MAX_BODY = 64 * 1024
+VERSION = __version__
+MAX_SNAPSHOT_SAMPLES = 20
+MAX_SNAPSHOT_INTERVAL_S = 10.0
+
+
+class Backend(Protocol):
+    """What the server needs from whoever hosts it (the agent, or dumps).
+
+    A backend that can dump also has ``request_dump(reason, incident_id,
+    origin) -> JSON-able answer`` (:class:`DumpingBackend`); it may raise
+    ``StallwatchError`` (``UsageError`` answers 400, others 500).  Without it,
+    ``POST /dump`` answers 501.  ``recording()`` is called at most every
+    ``RECORDING_CACHE_S`` seconds, and only when a query comes."""
+
+    @property
+    def host(self) -> str: ...
+
+    def recording(self) -> Recording: ...
+
+    def metrics_text(self) -> str: ...
+
+
+class DumpingBackend(Backend, Protocol):
+    def request_dump(self, reason: str, incident_id: str | None, origin: str | None) -> object: ...
+
+
+class SnapshottingBackend(Backend, Protocol):
+    def request_snapshot(
+        self, reason: str, incident_id: str | None, samples: int, interval_s: float
+    ) -> object: ...
+
+
+class LiveBackend(Backend, Protocol):
+    def live_recordings(self, incident_id: str, reason: str) -> Sequence[Recording]: ...
+
+
+class DumpFolderBackend(Backend, Protocol):
+    @property
+    def dump_dir(self) -> Path: ...
+
+
+# ---- the request handler -------------------------------------------------
+
+
+class HttpError(Exception):
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    backend: Backend
+    engine: LazyEngine
+    token: bytes | None
+    max_body: int
+    tls: bool
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "stallwatch"
+    timeout = 60  # an idle keep-alive connection frees its thread after this
+    disable_nagle_algorithm = True  # headers and body leave at once: no delayed-ACK stall
+    config: ServerConfig  # set on the per-server subclass
+
+    def handle_expect_100(self) -> bool:
+        return True  # the whole request is read before it is answered (query.server)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def _dispatch(self, method: str) -> None:
+        try:
+            self._authorize()
+            route = ROUTES.get(self.path.split("?", 1)[0])
+            if route is None:
+                raise HttpError(HTTPStatus.NOT_FOUND, f"no such endpoint: {self.path}")
+            if route[0] != method:
+                raise HttpError(HTTPStatus.METHOD_NOT_ALLOWED, f"{self.path} takes {route[0]}")
+            status, content_type, body = route[1](self)
+        except HttpError as exc:
+            status, content_type = exc.status, "application/json"
+            body = encode_json({"error": str(exc)})
+        except Exception as exc:  # never let a request take the server down
+            log.exception("request %s %s failed", method, self.path)
+            status, content_type = HTTPStatus.INTERNAL_SERVER_ERROR, "application/json"
+            body = encode_json({"error": f"internal error: {type(exc).__name__}: {exc}"})
+        self._send(status, content_type, body)
+
+    def _authorize(self) -> None:
+        token = self.config.token
+        if token is None:
+            return
+        if not self.config.tls and not is_loopback(str(self.client_address[0])):
+            self.close_connection = True
+            raise HttpError(
+                HTTPStatus.FORBIDDEN, "a token is accepted only over TLS or from loopback"
+            )
+        header = self.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token):
+            self.close_connection = True
+            raise HttpError(HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token")
+
+    def _send(self, status: HTTPStatus, content_type: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        if status == HTTPStatus.UNAUTHORIZED:
+            self.send_header("WWW-Authenticate", 'Bearer realm="stallwatch"')
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def read_json(self) -> dict[str, Any]:
+        length_text = self.headers.get("Content-Length")
+        if length_text is None:
+            self.close_connection = True
+            raise HttpError(HTTPStatus.LENGTH_REQUIRED, "Content-Length is required")
+        try:
+            length = int(length_text)
+        except ValueError:
+            self.close_connection = True
+            raise HttpError(HTTPStatus.BAD_REQUEST, "Content-Length is not a number") from None
+        if length < 0 or length > self.config.max_body:
+            self.close_connection = True  # the body stays unread
+            raise HttpError(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"request body is {length} bytes, the limit is {self.config.max_body}",
+            )
+        raw = self.rfile.read(length)
+        try:
+            doc = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"request body is not JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise HttpError(HTTPStatus.BAD_REQUEST, "request body must be a JSON object")
+        return doc
+
+
+def _field(doc: Mapping[str, Any], name: str, kind: type, required: bool = False) -> Any:
+    value = doc.get(name)
+    if value is None:
+        if required:
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"field {name!r} is required")
+        return None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise HttpError(
+            HTTPStatus.BAD_REQUEST,
+            f"field {name!r} must be {kind.__name__}, got {type(value).__name__}",
+        )
+    return value
+
+
+Response = tuple[HTTPStatus, str, bytes]
+
+
+def _query(h: Handler) -> Response:
+    doc = h.read_json()
+    sql = _field(doc, "sql", str, required=True)
+    limit = _field(doc, "limit", int)
+    try:
+        result = h.config.engine.query(sql, limit)
+    except QueryError as exc:
+        raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+    body = {
+        "host": h.config.backend.host,
+        "columns": list(result.columns),
+        "types": list(result.types),
+        "rows": result.rows,
+        "truncated": result.truncated,
+        "elapsed_ms": round(result.elapsed_ms, 3),
+    }
+    return HTTPStatus.OK, "application/json", encode_json(body)
+
+
+def _fetch(h: Handler) -> Response:
+    doc = h.read_json()
+    queries = _field(doc, "queries", list, required=True)
+    if not all(isinstance(q, str) for q in queries):
+        raise HttpError(HTTPStatus.BAD_REQUEST, "field 'queries' must be a list of SQL texts")
+    try:
+        results = [h.config.engine.fetch_arrow(q) for q in queries]
+    except QueryError as exc:
+        raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+    return HTTPStatus.OK, ARROW_FRAMES, encode_frames(h.config.backend.host, results)
+
+
+def _dump(h: Handler) -> Response:
+    doc = h.read_json()
+    request_dump = getattr(h.config.backend, "request_dump", None)
+    if request_dump is None:
+        raise HttpError(HTTPStatus.NOT_IMPLEMENTED, "this server serves recorded dumps only")
+    reason = _field(doc, "reason", str) or "requested over HTTP (POST /dump)"
+    incident = _field(doc, "incident_id", str)
+    origin = _field(doc, "origin", str)
+    try:
+        answer = request_dump(reason, incident, origin)
+    except UsageError as exc:
+        raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+    except StallwatchError as exc:
+        raise HttpError(HTTPStatus.INTERNAL_SERVER_ERROR, f"dump failed: {exc}") from None
+    return HTTPStatus.OK, "application/json", encode_json(answer)
+
+
+def _snapshot(h: Handler) -> Response:
+    doc = h.read_json()
+    request_snapshot = getattr(h.config.backend, "request_snapshot", None)
+    if request_snapshot is None:
+        raise HttpError(HTTPStatus.NOT_IMPLEMENTED, "this server serves recorded dumps only")
+    reason = _field(doc, "reason", str) or "requested over HTTP (POST /snapshot)"
+    incident = _field(doc, "incident_id", str)
+    samples = _field(doc, "samples", int)
+    samples = 3 if samples is None else samples
+    interval = doc.get("interval_s", 0.5)
+    if isinstance(interval, bool) or not isinstance(interval, int | float):
+        raise HttpError(HTTPStatus.BAD_REQUEST, "field 'interval_s' must be a number")
+    if not 1 <= samples <= MAX_SNAPSHOT_SAMPLES:
+        raise HttpError(HTTPStatus.BAD_REQUEST, f"samples: expected 1 to {MAX_SNAPSHOT_SAMPLES}")
+    if not 0 <= interval <= MAX_SNAPSHOT_INTERVAL_S:
+        raise HttpError(
+            HTTPStatus.BAD_REQUEST, f"interval_s: expected 0 to {MAX_SNAPSHOT_INTERVAL_S:g}"
+        )
+    try:
+        answer = request_snapshot(reason, incident, samples, interval)
+    except UsageError as exc:
+        raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+    except StallwatchError as exc:
+        raise HttpError(HTTPStatus.INTERNAL_SERVER_ERROR, f"snapshot failed: {exc}") from None
+    return HTTPStatus.OK, "application/json", encode_json(answer)
+
+
+def _recording(h: Handler) -> Response:
+    doc = h.read_json()
+    live = getattr(h.config.backend, "live_recordings", None)
+    if live is None:
+        raise HttpError(HTTPStatus.NOT_IMPLEMENTED, "this server holds no recording")
+    incident = _field(doc, "incident_id", str) or f"live-{uuid.uuid4().hex[:12]}"
+    reason = _field(doc, "reason", str) or "read over HTTP (POST /recording)"
+    recordings = live(incident, reason)
+    bundle = DumpBundle(
+        h.config.backend.host,
+        incident,
+        tuple(dump_file_name(r) for r in recordings),
+        tuple(encode(r) for r in recordings),
+    )
+    return HTTPStatus.OK, DUMP_FRAMES, encode_dumps(bundle)
+
+
+def _dump_dir(h: Handler) -> Path:
+    folder = getattr(h.config.backend, "dump_dir", None)
+    if not isinstance(folder, Path):
+        raise HttpError(HTTPStatus.NOT_IMPLEMENTED, "this server keeps no dump folder")
+    return folder
+
+
+def _dumps(h: Handler) -> Response:
+    listing = [dataclasses.asdict(d) for d in list_dumps(_dump_dir(h))]
+    body = {"host": h.config.backend.host, "dumps": listing}
+    return HTTPStatus.OK, "application/json", encode_json(body)
+
+
+def _collect(h: Handler) -> Response:
+    doc = h.read_json()
+    incident = _field(doc, "incident_id", str, required=True)
+    found = [d for d in list_dumps(_dump_dir(h)) if d.incident_id == incident]
+    blobs, names = [], []
+    for d in found:
+        try:
+            blobs.append((_dump_dir(h) / d.name).read_bytes())
+        except OSError as exc:  # removed by retention meanwhile: said by its absence
+            log.info("collect %s: %s: %s", incident, d.name, exc.strerror or exc)
+            continue
+        names.append(d.name)
+    if not names:
+        raise HttpError(HTTPStatus.NOT_FOUND, f"no dump of incident {incident} here")
+    bundle = DumpBundle(h.config.backend.host, incident, tuple(names), tuple(blobs))
+    return HTTPStatus.OK, DUMP_FRAMES, encode_dumps(bundle)
+
+
+def _metrics(h: Handler) -> Response:
+    text = h.config.backend.metrics_text()
+    return HTTPStatus.OK, "text/plain; version=0.0.4; charset=utf-8", text.encode()
+
+
+def _healthz(h: Handler) -> Response:
+    doc = {"status": "ok", "host": h.config.backend.host, "version": VERSION}
+    return HTTPStatus.OK, "application/json", encode_json(doc)
+
+
+ROUTES: dict[str, tuple[str, Callable[[Handler], Response]]] = {
+    "/query": ("POST", _query),
+    "/fetch": ("POST", _fetch),
+    "/dump": ("POST", _dump),
+    "/snapshot": ("POST", _snapshot),
+    "/recording": ("POST", _recording),
+    "/dumps": ("GET", _dumps),
+    "/collect": ("POST", _collect),
+    "/metrics": ("GET", _metrics),
+    "/healthz": ("GET", _healthz),
+}
+
+
+# ---- the engine, made at the first query ------------------------------------
+
+
+class LazyEngine:
+    """The SQL engine, made when the first query comes: DuckDB and Arrow
+    are loaded then, not when the agent starts (an agent nobody queries
+    never carries them)."""
+
+    def __init__(self, make: Callable[[], QueryEngine]) -> None:
+        self._make = make
+        self._engine: QueryEngine | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> QueryEngine:
+        with self._lock:
+            if self._engine is None:
+                self._engine = self._make()
+            return self._engine
+
+    def query(self, sql: str, limit: int | None = None) -> QueryResult:
+        return self.get().query(sql, limit)
+
+    def fetch_arrow(self, sql: str) -> tuple[pa.Table, bool]:
+        return self.get().fetch_arrow(sql)
+
+    @property
+    def loaded(self) -> bool:
+        return self._engine is not None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._engine is not None:
+                self._engine.close()

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 from stallwatch.dumpers.errors import UsageError
 from stallwatch.dumpers.model import Recording
 
+from .engineproc import ChildConfig, Engine, EngineProcess, InlineEngine, Source
 from .limits import NETWORK, Limits
-from .routes import MAX_BODY, Backend, Handler, LazyEngine, ServerConfig
+from .routes import MAX_BODY, Backend, Handler, ServerConfig
 from .server import FDS_BESIDES, ServeLimits, Server, is_loopback, parse_listen, raise_fd_limit
 from .tls import ServerTls
 from .wire import encode_json
@@ -112,7 +113,7 @@ class ServerHandle:
     address: str
     server: Server
     thread: threading.Thread
-    engine: LazyEngine
+    engine: Engine
 
     @property
     def url(self) -> str:
@@ -125,6 +126,7 @@ class ServerHandle:
             "http_connections_refused": self.server.counts["refused"],
             "http_connections_timed_out": self.server.counts["timed_out"],
             "http_connections_open": self.server.open_connections(),
+            **self.engine.counters(),
         }
 
     def close(self) -> None:
@@ -133,17 +135,23 @@ class ServerHandle:
         self.engine.close()
 
 
-def _engine_for(backend: Backend, limits: Limits, scans: bool) -> LazyEngine:
+def _engine_for(backend: Backend, limits: Limits, scans: bool, isolated: bool) -> Engine:
+    served = backend.recordings if isinstance(backend, RecordingsBackend) else None
+    if isolated:
+        config = ChildConfig(limits, materialize=served is not None, scans=scans)
+        live: Source = served if served is not None else lambda: [backend.recording()]
+        return EngineProcess(live, config, cache_s=RECORDING_CACHE_S)
+
     def make() -> QueryEngine:
         from .sql import QueryEngine
 
-        if isinstance(backend, RecordingsBackend):
-            return QueryEngine(backend.recordings, limits, materialize=True, scans=scans)
+        if served is not None:
+            return QueryEngine(served, limits, materialize=True, scans=scans)
         return QueryEngine(
             lambda: [backend.recording()], limits, cache_s=RECORDING_CACHE_S, scans=scans
         )
 
-    return LazyEngine(make)
+    return InlineEngine(make)
 
 
 def serve_http(
@@ -155,10 +163,14 @@ def serve_http(
     tls: ServerTls | None = None,
     scans: bool = True,
     serving: ServeLimits | None = None,
+    isolated: bool = True,
 ) -> ServerHandle:
     """Start the HTTP surface in a daemon thread; port 0 picks a free port.
     A non-loopback ``listen`` needs ``tls`` and a ``token``.  ``scans``: see
-    :class:`~stallwatch.query.sql.QueryEngine`."""
+    :class:`~stallwatch.query.sql.QueryEngine`.  ``isolated``: queries run
+    in an engine process of their own (``query.engineproc``: bounded memory
+    and time); without it, in this process (tests, benchmarks that serve
+    hundreds of recordings from one process)."""
     serving = serving or ServeLimits()
     host, port = parse_listen(listen)
     if not is_loopback(host) and (not token or tls is None):
@@ -168,7 +180,7 @@ def serve_http(
         )
     context = tls.context() if tls is not None else None
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    engine = _engine_for(backend, limits, scans)
+    engine = _engine_for(backend, limits, scans, isolated)
     secret = token.encode() if token else None
     config = ServerConfig(backend, engine, secret, max_body, context is not None)
     handler = type("_BoundHandler", (Handler,), {"config": config})

@@ -41,13 +41,13 @@ the server loop or the agent that hosts it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hmac
 import json
 import logging
-import threading
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
@@ -55,18 +55,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stallwatch import __version__
-from stallwatch.dumpers.errors import QueryError, StallwatchError, UsageError
+from stallwatch.dumpers.errors import EngineBusy, QueryError, StallwatchError, UsageError
 from stallwatch.dumpers.folder import list_dumps
 from stallwatch.dumpers.format import dump_file_name, encode
 from stallwatch.dumpers.model import Recording
 
 from .server import is_loopback
-from .wire import ARROW_FRAMES, DUMP_FRAMES, DumpBundle, encode_dumps, encode_frames, encode_json
+from .wire import ARROW_FRAMES, DUMP_FRAMES, DumpBundle, encode_dumps, encode_json
 
 if TYPE_CHECKING:
-    import pyarrow as pa
-
-    from .sql import QueryEngine, QueryResult
+    from .engineproc import Engine
 
 log = logging.getLogger("stallwatch.query.http")
 
@@ -124,7 +122,7 @@ class HttpError(Exception):
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     backend: Backend
-    engine: LazyEngine
+    engine: Engine
     token: bytes | None
     max_body: int
     tls: bool
@@ -136,6 +134,7 @@ class Handler(BaseHTTPRequestHandler):
     timeout = 60  # an idle keep-alive connection frees its thread after this
     disable_nagle_algorithm = True  # headers and body leave at once: no delayed-ACK stall
     config: ServerConfig  # set on the per-server subclass
+    answer_bytes = 0  # the body's size, once sent
 
     def handle_expect_100(self) -> bool:
         return True  # the whole request is read before it is answered (query.server)
@@ -182,16 +181,23 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise HttpError(HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token")
 
-    def _send(self, status: HTTPStatus, content_type: str, body: bytes) -> None:
+    def _send(
+        self, status: HTTPStatus, content_type: str, body: bytes | Sequence[bytes | memoryview]
+    ) -> None:
+        parts = [body] if isinstance(body, bytes | bytearray) else body
+        self.answer_bytes = sum(len(p) for p in parts)
         self.send_response(status)
         self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Length", str(self.answer_bytes))
         if status == HTTPStatus.UNAUTHORIZED:
             self.send_header("WWW-Authenticate", 'Bearer realm="stallwatch"')
+        if status == HTTPStatus.SERVICE_UNAVAILABLE:
+            self.send_header("Retry-After", "1")
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(body)
+        for part in parts:
+            self.wfile.write(part)
 
     def read_json(self) -> dict[str, Any]:
         length_text = self.headers.get("Content-Length")
@@ -233,26 +239,17 @@ def _field(doc: Mapping[str, Any], name: str, kind: type, required: bool = False
     return value
 
 
-Response = tuple[HTTPStatus, str, bytes]
+# the body: bytes, or parts sent one after the other (an answer never joined)
+Response = tuple[HTTPStatus, str, bytes | Sequence[bytes | memoryview]]
 
 
 def _query(h: Handler) -> Response:
     doc = h.read_json()
     sql = _field(doc, "sql", str, required=True)
     limit = _field(doc, "limit", int)
-    try:
-        result = h.config.engine.query(sql, limit)
-    except QueryError as exc:
-        raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
-    body = {
-        "host": h.config.backend.host,
-        "columns": list(result.columns),
-        "types": list(result.types),
-        "rows": result.rows,
-        "truncated": result.truncated,
-        "elapsed_ms": round(result.elapsed_ms, 3),
-    }
-    return HTTPStatus.OK, "application/json", encode_json(body)
+    with _answering_queries():
+        body = h.config.engine.query(sql, limit, h.config.backend.host)
+    return HTTPStatus.OK, "application/json", body
 
 
 def _fetch(h: Handler) -> Response:
@@ -260,11 +257,21 @@ def _fetch(h: Handler) -> Response:
     queries = _field(doc, "queries", list, required=True)
     if not all(isinstance(q, str) for q in queries):
         raise HttpError(HTTPStatus.BAD_REQUEST, "field 'queries' must be a list of SQL texts")
+    with _answering_queries():
+        parts = h.config.engine.fetch(queries, h.config.backend.host)
+    return HTTPStatus.OK, ARROW_FRAMES, parts
+
+
+@contextlib.contextmanager
+def _answering_queries() -> Iterator[None]:
+    """The engine's refusals as HTTP: busy is 503 (ask again), a query
+    refused or failed is 400."""
     try:
-        results = [h.config.engine.fetch_arrow(q) for q in queries]
+        yield
+    except EngineBusy as exc:
+        raise HttpError(HTTPStatus.SERVICE_UNAVAILABLE, f"busy: {exc}; ask again") from None
     except QueryError as exc:
         raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
-    return HTTPStatus.OK, ARROW_FRAMES, encode_frames(h.config.backend.host, results)
 
 
 def _dump(h: Handler) -> Response:
@@ -380,38 +387,3 @@ ROUTES: dict[str, tuple[str, Callable[[Handler], Response]]] = {
     "/metrics": ("GET", _metrics),
     "/healthz": ("GET", _healthz),
 }
-
-
-# ---- the engine, made at the first query ------------------------------------
-
-
-class LazyEngine:
-    """The SQL engine, made when the first query comes: DuckDB and Arrow
-    are loaded then, not when the agent starts (an agent nobody queries
-    never carries them)."""
-
-    def __init__(self, make: Callable[[], QueryEngine]) -> None:
-        self._make = make
-        self._engine: QueryEngine | None = None
-        self._lock = threading.Lock()
-
-    def get(self) -> QueryEngine:
-        with self._lock:
-            if self._engine is None:
-                self._engine = self._make()
-            return self._engine
-
-    def query(self, sql: str, limit: int | None = None) -> QueryResult:
-        return self.get().query(sql, limit)
-
-    def fetch_arrow(self, sql: str) -> tuple[pa.Table, bool]:
-        return self.get().fetch_arrow(sql)
-
-    @property
-    def loaded(self) -> bool:
-        return self._engine is not None
-
-    def close(self) -> None:
-        with self._lock:
-            if self._engine is not None:
-                self._engine.close()

@@ -22,7 +22,9 @@ read); the agent stays free of web framework dependencies.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import enum
+import gc
 import io
 import ipaddress
 import logging
@@ -58,6 +60,7 @@ LISTEN_BACKLOG = 128
 RECV_BYTES = 65536
 REFUSAL_LOG_S = 10.0
 FDS_BESIDES = 512  # the agent's other files: maps, links, dumps
+TRIM_AFTER_BYTES = 1 << 20  # an answer this large: its memory is handed back after
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -392,6 +395,8 @@ class Server:
             handler.handle_one_request()
         finally:
             handler.wfile.close()
+        if getattr(handler, "answer_bytes", 0) > TRIM_AFTER_BYTES:
+            give_back()
         return not handler.close_connection
 
     def _take_back(self) -> None:
@@ -492,3 +497,12 @@ def raise_fd_limit(wanted: int) -> None:
     if soft != resource.RLIM_INFINITY and soft < target:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def give_back() -> None:
+    """Memory freed by this process back to the system: the cycles that
+    hold large buffers are collected now, not at the next full collection,
+    and glibc returns what it kept in its arenas."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)

@@ -88,7 +88,7 @@ def join_frames(parts: Iterable[bytes | memoryview]) -> bytes:
     return bytes(out)
 
 
-def split_frames(data: bytes) -> list[memoryview]:
+def split_frames(data: bytes | bytearray) -> list[memoryview]:
     """The inverse of :func:`join_frames`; ValueError on a malformed body."""
     view, parts, at = memoryview(data), [], 0
     while at < len(view):
@@ -145,18 +145,26 @@ def decode_dumps(data: bytes) -> DumpBundle:
 def encode_frames(host: str, results: Sequence[tuple[pa.Table, bool]]) -> bytes:
     """Each table as an Arrow IPC stream behind its 8-byte length; the host
     and whether the table was cut short ride in its schema metadata."""
+    return join_frames([arrow_stream(table, truncated, host) for table, truncated in results])
+
+
+def arrow_stream(table: pa.Table, truncated: bool, host: str) -> memoryview:
+    """One table of :func:`encode_frames`, without its length (Arrow's
+    buffer, not copied)."""
     import pyarrow as pa
 
-    frames = []
-    for table, truncated in results:
-        meta = {b"stallwatch.truncated": b"1" if truncated else b"0",
-                b"stallwatch.host": host.encode()}  # fmt: skip
-        table = table.replace_schema_metadata(meta)
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, table.schema) as writer:
-            writer.write_table(table)
-        frames.append(sink.getvalue().to_pybytes())
-    return join_frames(frames)
+    meta = {b"stallwatch.truncated": b"1" if truncated else b"0",
+            b"stallwatch.host": host.encode()}  # fmt: skip
+    table = table.replace_schema_metadata(meta)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return memoryview(sink.getvalue())
+
+
+def frame_parts(part: bytes | memoryview) -> list[bytes | memoryview]:
+    """One frame of :func:`join_frames` as its two parts, to send as they are."""
+    return [_LENGTH.pack(len(part)), part]
 
 
 @dataclass(frozen=True, slots=True)

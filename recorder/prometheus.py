@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # loaded at the first scrape, not when the agent starts
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-GAUGES = frozenset({"dumps_pending", "http_connections_open"})
+GAUGES = frozenset(
+    {
+        "dumps_pending",
+        "http_connections_open",
+        "query_engine_running",
+        "query_engine_peak_resident_bytes",
+    }
+)
 HELP = {
     "kernel_inflight_full": "NCCL calls not recorded: the in-flight map was full.",
     "kernel_comms_full": "Communicators not tracked: the communicator map was full.",
@@ -36,6 +43,12 @@ HELP = {
     "http_connections_timed_out": "Client connections closed because a request or TLS "
     "handshake they began did not arrive in time.",
     "http_connections_open": "Client connections open on the agent's HTTP surface.",
+    "query_engine_starts": "Processes of the SQL engine started (at a query, after one ended).",
+    "query_engine_stopped": "Engine processes stopped: a query outlived its time limit.",
+    "query_engine_failed": "Engine processes that ended in a query (out of their memory, a crash).",
+    "query_engine_busy": "Queries answered busy at once: the engine was running another.",
+    "query_engine_running": "1 while the SQL engine's process runs (it ends when idle).",
+    "query_engine_peak_resident_bytes": "The largest resident set an engine process reported.",
 }
 
 

@@ -111,14 +111,16 @@ def agent() -> FakeAgent:
 
 @pytest.fixture
 def server(agent: FakeAgent) -> Iterator[ServerHandle]:
-    handle = serve_http(agent, "127.0.0.1:0", None, Limits(time_limit_s=0.5, max_rows=100))
+    handle = serve_http(
+        agent, "127.0.0.1:0", None, Limits(time_limit_s=0.5, max_rows=100), isolated=False
+    )
     yield handle
     handle.close()
 
 
 @pytest.fixture
 def guarded(agent: FakeAgent) -> Iterator[ServerHandle]:
-    handle = serve_http(agent, "127.0.0.1:0", TOKEN)
+    handle = serve_http(agent, "127.0.0.1:0", TOKEN, isolated=False)
     yield handle
     handle.close()
 
@@ -254,7 +256,7 @@ def test_loopback_addresses() -> None:
 
 
 def test_listening_on_another_loopback_address(agent: FakeAgent) -> None:
-    handle = serve_http(agent, "127.0.0.2:0", None)
+    handle = serve_http(agent, "127.0.0.2:0", None, isolated=False)
     try:
         assert handle.address.startswith("127.0.0.2:")
         assert query(handle.address, "SELECT 1")[0] == 200
@@ -352,7 +354,7 @@ class BrokenAgent(FakeAgent):
 
 def test_a_backend_exception_is_a_500_not_a_crash() -> None:
     agent = BrokenAgent(synthetic_recording(Synthetic()))
-    handle = serve_http(agent, "127.0.0.1:0", None)
+    handle = serve_http(agent, "127.0.0.1:0", None, isolated=False)
     try:
         status, doc = query(handle.address, "SELECT 1")
         assert status == 500 and "ring snapshot failed" in doc["error"]
@@ -382,7 +384,9 @@ def test_live_snapshot_is_reused_briefly(server: ServerHandle, agent: FakeAgent)
 @pytest.fixture(scope="module")
 def shared_server() -> Iterator[ServerHandle]:
     agent = FakeAgent(synthetic_recording(Synthetic(host="fuzz")))
-    handle = serve_http(agent, "127.0.0.1:0", None, Limits(time_limit_s=0.5, max_rows=10))
+    handle = serve_http(
+        agent, "127.0.0.1:0", None, Limits(time_limit_s=0.5, max_rows=10), isolated=False
+    )
     yield handle
     handle.close()
 

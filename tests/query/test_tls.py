@@ -75,7 +75,10 @@ def servers(
         token: str | None = TOKEN,
         listen: str = "127.0.0.1:0",
     ) -> list[ServerHandle]:
-        handles = [serve_http(DumpingAgent(r), listen, token, tls=tls) for r in recordings[:count]]
+        handles = [
+            serve_http(DumpingAgent(r), listen, token, tls=tls, isolated=False)
+            for r in recordings[:count]
+        ]
         started.extend(handles)
         return handles
 

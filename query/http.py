@@ -11,6 +11,7 @@ certificate it signed (mutual TLS).
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from stallwatch.dumpers.model import Recording
 
 from .engineproc import ChildConfig, Engine, EngineProcess, InlineEngine, Source
 from .limits import NETWORK, Limits
-from .routes import MAX_BODY, Backend, Handler, ServerConfig
+from .routes import MAX_BODY, Backend, Handler, Secrets, ServerConfig, admit
 from .server import FDS_BESIDES, ServeLimits, Server, is_loopback, parse_listen, raise_fd_limit
 from .tls import ServerTls
 from .wire import encode_json
@@ -35,10 +36,12 @@ __all__ = [
     "RecordingsBackend",
     "ServeLimits",
     "ServerHandle",
+    "check_listen",
     "encode_json",
     "is_loopback",
     "parse_listen",
     "serve_http",
+    "try_listen",
 ]
 
 RECORDING_CACHE_S = 0.5
@@ -120,12 +123,17 @@ class ServerHandle:
         return f"{'https' if self.server.tls else 'http'}://{self.address}"
 
     def counters(self) -> dict[str, int]:
-        """For the agent's /metrics: connections refused at the limit, closed
-        for slowness, and open now."""
+        """For the agent's /metrics: connections refused (no room), closed
+        for slowness, displaced by newer ones, and open now; requests refused
+        for their credential, or answered busy; the engine's own."""
+        counts = self.server.counts
         return {
-            "http_connections_refused": self.server.counts["refused"],
-            "http_connections_timed_out": self.server.counts["timed_out"],
+            "http_connections_refused": counts["refused"],
+            "http_connections_timed_out": counts["timed_out"],
+            "http_connections_evicted": counts["evicted"],
             "http_connections_open": self.server.open_connections(),
+            "http_requests_unauthenticated": counts["unauthenticated"],
+            "http_requests_busy": counts["busy"],
             **self.engine.counters(),
         }
 
@@ -154,6 +162,32 @@ def _engine_for(backend: Backend, limits: Limits, scans: bool, isolated: bool) -
     return InlineEngine(make)
 
 
+def check_listen(listen: str, token: str | None, tls: ServerTls | None) -> tuple[str, int]:
+    """``listen`` as (host, port); UsageError if it is malformed, or not
+    loopback without TLS and a token (a token would cross the network in
+    clear text)."""
+    host, port = parse_listen(listen)
+    if not is_loopback(host) and (not token or tls is None):
+        raise UsageError(
+            f"--listen {listen}: a non-loopback address needs TLS and a token: pass "
+            "--tls-cert FILE --tls-key FILE and --token-file FILE"
+        )
+    return host, port
+
+
+def try_listen(listen: str) -> None:
+    """UsageError now if nothing could listen at ``listen`` (taken, not an
+    address of this machine): before an agent attaches anything."""
+    host, port = parse_listen(listen)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise UsageError(f"--listen {listen}: cannot listen: {exc.strerror or exc}") from None
+
+
 def serve_http(
     backend: Backend,
     listen: str,
@@ -164,29 +198,29 @@ def serve_http(
     scans: bool = True,
     serving: ServeLimits | None = None,
     isolated: bool = True,
+    dump_token: str | None = None,
+    scrape_token: str | None = None,
 ) -> ServerHandle:
     """Start the HTTP surface in a daemon thread; port 0 picks a free port.
     A non-loopback ``listen`` needs ``tls`` and a ``token``.  ``scans``: see
     :class:`~stallwatch.query.sql.QueryEngine`.  ``isolated``: queries run
     in an engine process of their own (``query.engineproc``: bounded memory
     and time); without it, in this process (tests, benchmarks that serve
-    hundreds of recordings from one process)."""
+    hundreds of recordings from one process).  ``dump_token``: a credential
+    that opens ``POST /dump`` (and ``/healthz``) only; ``scrape_token``: one
+    that opens ``GET /metrics`` (and ``/healthz``) only."""
     serving = serving or ServeLimits()
-    host, port = parse_listen(listen)
-    if not is_loopback(host) and (not token or tls is None):
-        raise UsageError(
-            f"--listen {listen}: a non-loopback address needs TLS and a token: pass "
-            "--tls-cert FILE --tls-key FILE and --token-file FILE"
-        )
+    host, port = check_listen(listen, token, tls)
     context = tls.context() if tls is not None else None
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     engine = _engine_for(backend, limits, scans, isolated)
-    secret = token.encode() if token else None
-    config = ServerConfig(backend, engine, secret, max_body, context is not None)
+    secrets = Secrets(*(t.encode() if t else None for t in (token, dump_token, scrape_token)))
+    config = ServerConfig(backend, engine, secrets, max_body, context is not None)
     handler = type("_BoundHandler", (Handler,), {"config": config})
     raise_fd_limit(serving.max_connections + FDS_BESIDES)
+    gate = functools.partial(admit, config)
     try:
-        server = Server((host, port), handler, family, context, serving, max_body)
+        server = Server((host, port), handler, family, context, serving, max_body, gate)
     except OSError as exc:
         engine.close()
         raise UsageError(f"--listen {listen}: cannot listen: {exc.strerror or exc}") from None

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import hmac
 import json
 import logging
@@ -60,7 +61,7 @@ from stallwatch.dumpers.folder import list_dumps
 from stallwatch.dumpers.format import dump_file_name, encode
 from stallwatch.dumpers.model import Recording
 
-from .server import is_loopback
+from .server import Admission, RequestHead, is_loopback
 from .wire import ARROW_FRAMES, DUMP_FRAMES, DumpBundle, encode_dumps, encode_json
 
 if TYPE_CHECKING:
@@ -119,11 +120,45 @@ class HttpError(Exception):
         self.status = status
 
 
+class Credential(enum.Enum):
+    """What a request's bearer token proves."""
+
+    OPEN = "open"  # nothing asked: an agent without a token (loopback only)
+    TOKEN = "token"  # the agent's token: everything
+    DUMP = "dump"  # a dump-only credential: POST /dump, GET /healthz
+    SCRAPE = "scrape"  # a read-only scrape credential: GET /metrics, GET /healthz
+
+
+@dataclass(frozen=True, slots=True)
+class Secrets:
+    """The tokens a server accepts (None: not set)."""
+
+    token: bytes | None = None
+    dump: bytes | None = None
+    scrape: bytes | None = None
+
+    def credential(self, given: str | None) -> Credential | None:
+        """What ``given`` (a bearer token, None if the request has none)
+        proves; None if it is wrong, or missing where a token is needed."""
+        if given is None:
+            return Credential.OPEN if self.token is None else None
+        found = None
+        for secret, kind in (
+            (self.token, Credential.TOKEN),
+            (self.dump, Credential.DUMP),
+            (self.scrape, Credential.SCRAPE),
+        ):
+            # every secret compared, in constant time: which one matched is not timed
+            if secret is not None and hmac.compare_digest(given.encode(), secret):
+                found = kind
+        return found
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     backend: Backend
     engine: Engine
-    token: bytes | None
+    secrets: Secrets
     max_body: int
     tls: bool
 
@@ -134,6 +169,7 @@ class Handler(BaseHTTPRequestHandler):
     timeout = 60  # an idle keep-alive connection frees its thread after this
     disable_nagle_algorithm = True  # headers and body leave at once: no delayed-ACK stall
     config: ServerConfig  # set on the per-server subclass
+    credential: Credential = Credential.OPEN  # set by the server from the gate's admission
     answer_bytes = 0  # the body's size, once sent
 
     def handle_expect_100(self) -> bool:
@@ -141,6 +177,15 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The standard library's refusals of a malformed request, as JSON."""
+        self.close_connection = True
+        if self.request_version == "HTTP/0.9":  # a line it could not parse: answered as 1.1
+            self.request_version = "HTTP/1.1"
+        status = HTTPStatus(code)
+        text = message or status.phrase
+        self._send(status, "application/json", encode_json({"error": f"{code} {text}"}))
 
     def do_GET(self) -> None:
         self._dispatch("GET")
@@ -150,13 +195,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         try:
-            self._authorize()
             route = ROUTES.get(self.path.split("?", 1)[0])
-            if route is None:
-                raise HttpError(HTTPStatus.NOT_FOUND, f"no such endpoint: {self.path}")
-            if route[0] != method:
-                raise HttpError(HTTPStatus.METHOD_NOT_ALLOWED, f"{self.path} takes {route[0]}")
-            status, content_type, body = route[1](self)
+            if route is None or route.method != method:  # the gate said so already
+                raise HttpError(HTTPStatus.NOT_FOUND, f"no such endpoint: {method} {self.path}")
+            status, content_type, body = route.answer(self)
         except HttpError as exc:
             status, content_type = exc.status, "application/json"
             body = encode_json({"error": str(exc)})
@@ -165,21 +207,6 @@ class Handler(BaseHTTPRequestHandler):
             status, content_type = HTTPStatus.INTERNAL_SERVER_ERROR, "application/json"
             body = encode_json({"error": f"internal error: {type(exc).__name__}: {exc}"})
         self._send(status, content_type, body)
-
-    def _authorize(self) -> None:
-        token = self.config.token
-        if token is None:
-            return
-        if not self.config.tls and not is_loopback(str(self.client_address[0])):
-            self.close_connection = True
-            raise HttpError(
-                HTTPStatus.FORBIDDEN, "a token is accepted only over TLS or from loopback"
-            )
-        header = self.headers.get("Authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token):
-            self.close_connection = True
-            raise HttpError(HTTPStatus.UNAUTHORIZED, "missing or wrong bearer token")
 
     def _send(
         self, status: HTTPStatus, content_type: str, body: bytes | Sequence[bytes | memoryview]
@@ -216,6 +243,12 @@ class Handler(BaseHTTPRequestHandler):
                 f"request body is {length} bytes, the limit is {self.config.max_body}",
             )
         raw = self.rfile.read(length)
+        depth = json_depth(raw)
+        if depth > MAX_JSON_DEPTH:
+            raise HttpError(
+                HTTPStatus.BAD_REQUEST,
+                f"request body is JSON nested {depth} levels deep: the limit is {MAX_JSON_DEPTH}",
+            )
         try:
             doc = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -282,6 +315,8 @@ def _dump(h: Handler) -> Response:
     reason = _field(doc, "reason", str) or "requested over HTTP (POST /dump)"
     incident = _field(doc, "incident_id", str)
     origin = _field(doc, "origin", str)
+    if origin is not None and h.credential is Credential.DUMP:
+        raise HttpError(HTTPStatus.FORBIDDEN, "a peer's request (origin) needs the agent's token")
     try:
         answer = request_dump(reason, incident, origin)
     except UsageError as exc:
@@ -376,14 +411,85 @@ def _healthz(h: Handler) -> Response:
     return HTTPStatus.OK, "application/json", encode_json(doc)
 
 
-ROUTES: dict[str, tuple[str, Callable[[Handler], Response]]] = {
-    "/query": ("POST", _query),
-    "/fetch": ("POST", _fetch),
-    "/dump": ("POST", _dump),
-    "/snapshot": ("POST", _snapshot),
-    "/recording": ("POST", _recording),
-    "/dumps": ("GET", _dumps),
-    "/collect": ("POST", _collect),
-    "/metrics": ("GET", _metrics),
-    "/healthz": ("GET", _healthz),
+@dataclass(frozen=True, slots=True)
+class Route:
+    method: str
+    answer: Callable[[Handler], Response]
+    lane: str  # whose workers answer it (query.server.LANES)
+    takes: frozenset[Credential]  # the credentials it accepts (OPEN: see _takes)
+
+
+_ALL = frozenset({Credential.TOKEN, Credential.OPEN})
+ROUTES: dict[str, Route] = {
+    "/query": Route("POST", _query, "query", _ALL),
+    "/fetch": Route("POST", _fetch, "query", _ALL),
+    "/dump": Route("POST", _dump, "dump", frozenset({Credential.TOKEN, Credential.DUMP})),
+    "/snapshot": Route("POST", _snapshot, "bulk", _ALL),
+    "/recording": Route("POST", _recording, "bulk", _ALL),
+    "/dumps": Route("GET", _dumps, "bulk", _ALL),
+    "/collect": Route("POST", _collect, "bulk", _ALL),
+    "/metrics": Route("GET", _metrics, "health", _ALL | {Credential.SCRAPE}),
+    "/healthz": Route("GET", _healthz, "health", frozenset(Credential)),
 }
+
+
+def _takes(route: Route, secrets: Secrets) -> frozenset[Credential]:
+    """A server with no secret at all (tests, a tool's own server) takes
+    dump requests without one, as everything else."""
+    if route.answer is _dump and secrets.token is None and secrets.dump is None:
+        return route.takes | {Credential.OPEN}
+    return route.takes
+
+
+def admit(config: ServerConfig, head: RequestHead) -> Admission:
+    """The gate of ``query.server``: a request's lane, or its refusal."""
+    scheme, _, given = head.authorization.partition(" ")
+    token = given.strip() if scheme.lower() == "bearer" else None
+    if head.authorization and token is None:
+        return _refusal(401, "the Authorization header must be: Bearer <token>")
+    if token is not None and not config.tls and not is_loopback(head.peer):
+        return _refusal(403, "a token is accepted only over TLS or from loopback")
+    credential = config.secrets.credential(token)
+    if credential is None:
+        return _refusal(401, "missing or wrong bearer token")
+    route = ROUTES.get(head.path)
+    if route is None:
+        return _refusal(404, f"no such endpoint: {head.path}")
+    if route.method != head.method:
+        return _refusal(405, f"{head.path} takes {route.method}")
+    if credential not in _takes(route, config.secrets):
+        if credential is Credential.OPEN:
+            return _refusal(401, f"{head.path} needs the agent's token or its dump credential")
+        return _refusal(403, f"this credential ({credential.value}) does not open {head.path}")
+    return Admission(route.lane, credential, authenticated=credential is not Credential.OPEN)
+
+
+def _refusal(status: int, message: str) -> Admission:
+    headers = (("WWW-Authenticate", 'Bearer realm="stallwatch"'),) if status == 401 else ()
+    return Admission(None, status=status, body=encode_json({"error": message}), headers=headers)
+
+
+MAX_JSON_DEPTH = 32  # a request's JSON: arrays and objects within one another
+
+
+def json_depth(raw: bytes) -> int:
+    """How deeply arrays and objects nest in ``raw`` (strings skipped), read
+    before the parser, which would recurse that deep."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest

@@ -83,6 +83,8 @@ class AgentConfig:
     peers_from: PeerSource | None = None  # --peers-from: asked again at each incident
     listen: str = "127.0.0.1:9400"
     token: str | None = None
+    dump_token: str | None = None  # opens POST /dump only (query.credentials)
+    scrape_token: str | None = None  # opens GET /metrics only
     tls: ServerTls | None = None  # HTTPS for the agent's surface
     peer_tls: ClientTls | None = None  # HTTPS to the peers
     max_dumps: int | None = None

@@ -38,10 +38,14 @@ HELP = {
     "attach_failures": "Libraries or probes that could not be attached.",
     "symbols_skipped": "NCCL symbols an attached library lacks.",
     "dumps_pending": "Dumps waiting to be written (retried).",
-    "http_connections_refused": "Client connections closed at accept: the agent had its "
-    "limit of connections open.",
-    "http_connections_timed_out": "Client connections closed because a request or TLS "
-    "handshake they began did not arrive in time.",
+    "http_connections_refused": "Client connections closed at accept: no room, and no "
+    "idle connection to displace.",
+    "http_connections_timed_out": "Client connections closed because a request, TLS "
+    "handshake or first request they owed did not arrive in time.",
+    "http_connections_evicted": "Idle connections closed to make room for a new one "
+    "(unauthenticated ones first).",
+    "http_requests_unauthenticated": "Requests refused for a missing or wrong credential.",
+    "http_requests_busy": "Requests answered busy at once: their kind of work was at its limit.",
     "http_connections_open": "Client connections open on the agent's HTTP surface.",
     "query_engine_starts": "Processes of the SQL engine started (at a query, after one ended).",
     "query_engine_stopped": "Engine processes stopped: a query outlived its time limit.",

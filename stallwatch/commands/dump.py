@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 from stallwatch.dumpers.errors import AgentError, ExitCode
-from stallwatch.query.agentclient import AgentClient
+from stallwatch.query.agentclient import AgentClient, parse_address
+from stallwatch.query.credentials import read_local_token
+from stallwatch.query.http import is_loopback
 
 from .options import (
     HelpFormatter,
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         answer = dump_pinned(args.pin_dir, args.dump_dir, args.reason, tuple(sys.argv[1:]))
         _print_answer(answer, args.format)
         return ExitCode.OK
-    client = AgentClient(args.agent, read_token(args.token_file), client_tls_from(args), 30.0)
+    client = AgentClient(args.agent, _token(args), client_tls_from(args), 30.0)
     try:
         reply = client.post_json("/dump", {"reason": args.reason})
         written = reply.json() if reply.ok else None
@@ -85,6 +87,18 @@ def run(args: argparse.Namespace) -> int:
         raise AgentError(f"agent {args.agent} refused the dump: {reply.status} {detail}")
     _print_answer(written, args.format)
     return ExitCode.OK
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    """--token-file's, or the dump credential an agent on this node without a
+    token keeps for root (query.credentials)."""
+    token = read_token(args.token_file)
+    if token is not None:
+        return token
+    address = parse_address(args.agent)
+    if not is_loopback(address.host):
+        return None
+    return read_local_token(address.host, address.port)
 
 
 def _print_answer(answer: dict[str, object], fmt: str) -> None:

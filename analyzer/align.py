@@ -28,13 +28,21 @@ from stallwatch.dumpers.schema import NCCL_EVENT, TCP_EVENT, ExitEvent, Op, TcpE
 
 from . import late
 from .columns import Columns
-from .incident import CALL_DTYPE, SCHED_DTYPE, TCP_RETRANS_DTYPE, Calls, Comm, Incident, Proc
-from .late import LateReport
+from .detect.stragglers import RECENT_GROUPS
+from .incident import (
+    CALL_DTYPE,
+    SCHED_DTYPE,
+    TCP_RETRANS_DTYPE,
+    Calls,
+    Comm,
+    Incident,
+    LateReport,
+    Proc,
+    host_readings,
+)
 from .match import order_calls
 from .parallel import in_parallel, threads
-from .positionjudge import host_readings
 from .progress import Progress
-from .rankmetrics import RECENT_GROUPS
 
 IS_CALL = np.zeros(256, dtype=bool)  # op -> is a collective or p2p call
 IS_CALL[[int(op) for op in Op if op.is_collective or op.is_p2p]] = True

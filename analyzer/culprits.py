@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 from stallwatch.dumpers.schema import op_name
 
-from .incident import Comm, Incident
-from .rankmetrics import Frontier, Member, MemberState
+from .incident import Comm, Frontier, Incident, Member, MemberState
 from .verdict import Verdict
 
 

@@ -1,4 +1,5 @@
-"""The analyzer's internal records: one incident as typed tables.
+"""The analyzer's records: one incident as typed tables, and the records its
+stages hand each other.
 
 Every input (our dumps, PyTorch Flight Recorder dumps) is turned into an
 ``Incident``: processes (one per rank), communicators (members in comm-rank
@@ -8,24 +9,32 @@ in the columns; the tables beside them map them back.
 
 Timestamps are monotonic nanoseconds *of the host that recorded them*; they
 are only ever compared with timestamps of the same host.
+
+This module is the bottom of the analyzer: it imports none of its stages.
+Below the incident are the records more than one stage reads: where an
+agent's late attach was aligned (``late``, ``unanchored``), thread readings
+(``detect.positions``), each communicator's frontier (``frontier``), and the
+metrics each detector family computes and the ``detect.common.Analysis``
+carries to every detector (the functions that compute them live with their
+family, in ``detect/``).
 """
 
 from __future__ import annotations
 
+import enum
+from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 # where the analyzer finds them (one home: the opener of every command)
 from stallwatch.dumpers.inputs import InputStatus as InputStatus
 from stallwatch.dumpers.inputs import SourceKind as SourceKind
+from stallwatch.dumpers.model import CommInfo, Recording
+from stallwatch.dumpers.readings import ThreadReading
 
 from .columns import Columns
-
-if TYPE_CHECKING:
-    from .late import LateReport
-    from .positionjudge import HostReadings
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +171,7 @@ class Incident:
     # time of their latest entry, and no detector
     wall_ns: int | None = None
     detected_by: str = ""
-    readings: tuple[HostReadings, ...] = ()  # thread positions per host (analyzer.positionjudge)
+    readings: tuple[HostReadings, ...] = ()  # thread positions per host (detect.positions)
     # the tensor shapes a call passed, as text ("[[2, 32]]"); 0 is unknown
     shapes: tuple[str, ...] = ("",)
     # completion is the device's (Flight Recorder of NCCL: a CUDA event),
@@ -191,3 +200,309 @@ class Incident:
 
     def host_index(self, host: str) -> int:
         return self.hosts.index(host)
+
+
+def proc_hosts(inc: Incident) -> list[int]:
+    """Each proc's host, as an index into ``inc.hosts``."""
+    index = {h: i for i, h in enumerate(inc.hosts)}
+    return [index[p.host] for p in inc.procs]
+
+
+# ---- thread readings (detect.positions) ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HostReadings:
+    """One node's thread readings (oldest first) and what its recording knows
+    about communicators (empty without a recording)."""
+
+    host: str
+    snapshots: tuple[ThreadReading, ...]
+    communicators: tuple[CommInfo, ...] = ()
+
+
+def host_readings(recordings: Iterable[Recording]) -> tuple[HostReadings, ...]:
+    """Each host's readings (a host may have dumped several times: all of
+    them, in time order) with every communicator its recordings know."""
+    snaps: dict[str, list[ThreadReading]] = defaultdict(list)
+    comms: dict[str, list[CommInfo]] = defaultdict(list)
+    for rec in recordings:
+        if rec.snapshots:
+            snaps[rec.host] += rec.snapshots
+            comms[rec.host] += rec.communicators
+    return tuple(
+        HostReadings(h, tuple(sorted(set(snaps[h]), key=lambda s: s.taken_ns)), tuple(comms[h]))
+        for h in sorted(snaps)
+    )
+
+
+# ---- calls recorded from an agent's attach (late, unanchored) ------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Alignment:
+    host: str
+    pid: int
+    comm_ptr: int
+    comm_hash: int
+    rank: int  # the slot it takes in the communicator
+    offset: int  # recorded seq + offset = the communicator's seq
+    shared: int  # calls both had
+    skew_ns: int
+    runner_up_ns: int | None  # the next candidate's skew, None if there was none
+    rank_from: str  # how its rank is known; "": it is not (the slot is a placeholder)
+
+    def text(self) -> str:
+        rank = f"comm rank {self.rank} ({self.rank_from})" if self.rank_from else "rank unknown"
+        other = (
+            f"the next candidate was {self.runner_up_ns / 1e6:.1f} ms off"
+            if self.runner_up_ns is not None
+            else "no other candidate"
+        )
+        return (
+            f"host {self.host} pid {self.pid}: its calls on {self.comm_hash:#018x} were "
+            f"recorded from its agent's attach (seq relative); aligned by op, sizes and "
+            f"timing: its seq + {self.offset} ({self.shared} calls shared, entries "
+            f"{self.skew_ns / 1e6:.1f} ms apart, {other}); {rank}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Unaligned:
+    host: str
+    pid: int
+    comm_ptr: int
+    calls: int
+    why: str
+    # its latest call where it was entered and has not returned ("" if none):
+    # the process waits there, aligned or not
+    in_flight: str = ""
+
+    def text(self) -> str:
+        return (
+            f"host {self.host} pid {self.pid}: {self.calls} calls on communicator pointer "
+            f"{self.comm_ptr:#x}, recorded from its agent's attach, not aligned: {self.why}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LateReport:
+    aligned: tuple[Alignment, ...]
+    unaligned: tuple[Unaligned, ...]
+    # the unaligned streams judged among themselves (analyzer.unanchored)
+    unanchored: Unanchored | None = None
+
+    def uncertain(self) -> set[tuple[str, int]]:
+        """(host, pid) whose rank could not be told."""
+        return {(a.host, a.pid) for a in self.aligned if not a.rank_from}
+
+    def on(self, comm_hash: int) -> list[Alignment]:
+        return [a for a in self.aligned if a.comm_hash == comm_hash]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamWait:
+    """A stream stuck in a call, and where the other processes' streams of
+    the same calls stand at that frontier."""
+
+    host: str
+    pid: int
+    ptr: int
+    op: str
+    age_ns: int
+    entered_ns: int  # wall clock
+    behind: tuple[tuple[str, int], ...]  # (host, pid): its calls end before it
+    waiting: tuple[tuple[str, int], ...]  # in flight in it too
+    completed: tuple[tuple[str, int], ...]  # completed it: no member
+
+    def text(self, name: dict[tuple[str, int], str]) -> str:
+        def who(ps: tuple[tuple[str, int], ...]) -> str:
+            return ", ".join(name.get(p, f"host {p[0]} pid {p[1]}") for p in ps) or "none"
+
+        me = name.get((self.host, self.pid), f"host {self.host} pid {self.pid}")
+        return (
+            f"{me} waits in {self.op} on communicator pointer {self.ptr:#x} (in flight "
+            f"{self.age_ns / 1e9:.1f} s at its dump); of the processes whose calls are the "
+            f"same, never entered it: {who(self.behind)}; waiting in it too: "
+            f"{who(self.waiting)}; completed it (so no member): {who(self.completed)}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Unanchored:
+    waits: tuple[StreamWait, ...]
+    culprits: tuple[tuple[str, int], ...]  # (host, pid)
+    captured: dict[tuple[str, int], int]  # (host, pid) -> when its dump read the rings
+
+
+# ---- where each communicator stands (frontier) ---------------------------------------
+
+# clocks of two hosts may differ this much: moments of evidence closer than
+# this are not ordered (frontiers, deaths, streams' frontiers)
+SKEW_NS = 50_000_000
+
+
+class MemberState(enum.Enum):
+    AT_FRONTIER = "at frontier"
+    BEHIND = "behind"
+    NO_ROWS = "no rows"  # its window is complete and holds nothing of this comm
+    UNKNOWN = "unknown"  # its ring wrapped past every row of this comm
+    NO_DUMP = "no dump"
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    crank: int
+    proc: int  # -1 without a dump
+    state: MemberState
+    last_seq: int
+    last_returned: int
+    in_flight: bool
+    # when its evidence was taken (wall clock): exact (a dump's capture time,
+    # to the clocks' skew) or a lower bound (its latest timestamp: Flight
+    # Recorder records no dump time); None where unknown
+    moment: int | None = None
+    moment_exact: bool = False
+    # its last call is pending only because how it ended is unknown: it
+    # returned (gloo retires a failed work as a finished one)
+    returned: bool = False
+
+
+class Lag(enum.Enum):
+    """Why a member's evidence ends behind its communicator's frontier."""
+
+    STUCK = "stuck"  # its evidence was taken after the frontier began
+    OLDER = "older"  # its evidence was taken before: it entered more since
+    UNPROVEN = "unproven"  # its evidence cannot be ordered with the frontier
+
+
+@dataclass(frozen=True, slots=True)
+class Frontier:
+    comm: int
+    seq: int
+    op: int
+    stuck: bool
+    age_ns: int | None  # how long the ranks at the frontier have made no progress
+    members: tuple[Member, ...]
+    # the last seq every member is proven to have entered (a member completed
+    # it), -1 if none
+    proven: int = -1
+    began: int | None = None  # the earliest entry into the frontier (wall clock)
+
+    def lag(self, m: Member) -> Lag:
+        """Completion implies entry: a member whose evidence ends before a
+        seq its peers' completions prove it entered, or inside one they
+        completed, was read before it went on.  Otherwise it is behind only
+        if its evidence was taken after the frontier began (beyond the
+        clocks' skew)."""
+        running = m.in_flight and not m.returned
+        if 0 <= m.last_seq < self.proven or (running and 0 <= m.last_seq <= self.proven):
+            return Lag.OLDER
+        if self.began is None or m.moment is None:
+            return Lag.UNPROVEN
+        if m.moment >= self.began + SKEW_NS:
+            return Lag.STUCK
+        if m.moment_exact and m.moment + SKEW_NS <= self.began:
+            return Lag.OLDER
+        return Lag.UNPROVEN
+
+    @property
+    def laggards(self) -> tuple[Member, ...]:
+        """Members whose own dump shows them behind the frontier."""
+        lag = (MemberState.BEHIND, MemberState.NO_ROWS)
+        return tuple(m for m in self.members if m.state in lag)
+
+    @property
+    def unseen(self) -> tuple[Member, ...]:
+        """Members no readable dump holds: known only from their peers."""
+        return tuple(m for m in self.members if m.state is MemberState.NO_DUMP)
+
+
+# ---- the detector families' metrics (detect/) ----------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Disagreement:
+    comm: int
+    seq: int
+    field: str
+    consensus: int
+    odd: tuple[tuple[int, int], ...]  # (row index, value) of the odd ones
+    tie: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ArrivalScore:
+    """How a rank arrives at a communicator's collectives, against its peers."""
+
+    comm: int
+    crank: int
+    proc: int
+    groups: int  # complete groups measured
+    last_fraction: float  # share of groups where it is judged the last to arrive
+    margin_ns: int  # median of how much later than its peers it is judged to arrive
+    peer_wait_ns: int  # median duration of its peers' calls
+    own_wait_ns: int  # median duration of its own calls
+    method: str  # "wait" (blocking durations) or "host-lateness" / "lateness"
+    nranks: int = 2
+    period_ns: int = 0  # median time between a rank's entries into consecutive collectives
+    device: bool = False  # judged on the device's timeline (CUDA probes)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedDelays:
+    """Run-queue delay (ns) per proc, by who held the CPU when the wait ended
+    (the last holder only: a long wait may have had others before it)."""
+
+    outside: np.ndarray  # a process outside the job (or the idle task)
+    by_job: np.ndarray  # a rank of the same job on the same machine
+    unknown: np.ndarray  # not recorded (dumps before format 5)
+
+    @property
+    def starving(self) -> np.ndarray:
+        """What counts as starvation: waits the job did not cause itself.
+        Unknown holders count, as they did before holders were recorded."""
+        total: np.ndarray = self.outside + self.unknown
+        return total
+
+
+@dataclass(frozen=True, slots=True)
+class HostRetransmits:
+    host: int
+    local: int  # retransmits from its address inside collective windows
+    remote: int  # retransmits to its address inside collective windows
+    total: int  # all retransmits from its address
+    calls: int = 0  # completed collective calls of its ranks
+
+
+@dataclass(frozen=True, slots=True)
+class CommSlowdown:
+    """How much slower a communicator's collectives are when retransmits fall
+    inside their windows, against its own collectives without any."""
+
+    comm: int
+    hosts: tuple[int, ...]  # hosts of its ranks
+    groups: int  # complete collectives measured
+    hit_groups: int  # of them, with a retransmit inside a member's window
+    hit_ns: int  # median duration of those (of their longest member call)
+    baseline_ns: int  # median of the others (lower quartile of all when too few)
+
+
+@dataclass(frozen=True, slots=True)
+class P2pGap:
+    """Point-to-point messages of one direction (``src`` to ``dst`` on a
+    communicator) that one side posted and the other has not: the n-th send
+    from src to dst matches the n-th receive at dst from src."""
+
+    comm: int
+    src: int  # comm ranks
+    dst: int
+    waiting: int  # proc that posted the unmatched calls
+    missing: int  # proc of the other side, -1 without a dump
+    missing_crank: int
+    op: int  # what the waiting side posted: SEND or RECV
+    seq: int  # its first unmatched one
+    posted: int  # how many it posted beyond the other side
+    other_last: int  # the other side's last seq in this direction, -1 if none
+    age_ns: int | None  # since the waiting side posted the first unmatched call
+    idle_ns: int | None  # since the waiting side last did anything at all

@@ -42,138 +42,28 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from stallwatch.dumpers.model import CommInfo, Recording, Ring
-from stallwatch.dumpers.schema import NCCL_EVENT, Op, captured_rows, op_name
+from stallwatch.dumpers.schema import Op, captured_rows, op_name
 
-from .incident import Incident
+from .incident import Alignment, Incident, LateReport, Unaligned
+from .streams import (
+    COLLECTIVE,
+    Fit,
+    Known,
+    Stream,
+    choose,
+    find_fits,
+    nccl_rows,
+    signatures,
+    wall_clock,
+)
+from .unanchored import judge_streams
 from .verdict import Verdict, VerdictKind, known_rank, rank_text
 
-if TYPE_CHECKING:
-    from .unanchored import Unanchored
-
-MIN_OVERLAP = 3
-MAX_SKEW_NS = 1_000_000_000
-SEPARATION = 4.0
-SEPARATION_FLOOR_NS = 5_000_000
-SEARCH_NS = 2_000_000_000  # candidate calls this near a stream's call propose offsets
-ANCHORS = 16  # of a stream's first calls
-
-COLLECTIVE = np.zeros(256, dtype=bool)
-COLLECTIVE[[int(op) for op in Op if op.is_collective]] = True
-SIGNATURE = ("op", "count", "datatype", "redop", "peer")
-
-
-@dataclass(frozen=True, slots=True)
-class Alignment:
-    host: str
-    pid: int
-    comm_ptr: int
-    comm_hash: int
-    rank: int  # the slot it takes in the communicator
-    offset: int  # recorded seq + offset = the communicator's seq
-    shared: int  # calls both had
-    skew_ns: int
-    runner_up_ns: int | None  # the next candidate's skew, None if there was none
-    rank_from: str  # how its rank is known; "": it is not (the slot is a placeholder)
-
-    def text(self) -> str:
-        rank = f"comm rank {self.rank} ({self.rank_from})" if self.rank_from else "rank unknown"
-        other = (
-            f"the next candidate was {self.runner_up_ns / 1e6:.1f} ms off"
-            if self.runner_up_ns is not None
-            else "no other candidate"
-        )
-        return (
-            f"host {self.host} pid {self.pid}: its calls on {self.comm_hash:#018x} were "
-            f"recorded from its agent's attach (seq relative); aligned by op, sizes and "
-            f"timing: its seq + {self.offset} ({self.shared} calls shared, entries "
-            f"{self.skew_ns / 1e6:.1f} ms apart, {other}); {rank}"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Unaligned:
-    host: str
-    pid: int
-    comm_ptr: int
-    calls: int
-    why: str
-    # its latest call where it was entered and has not returned ("" if none):
-    # the process waits there, aligned or not
-    in_flight: str = ""
-
-    def text(self) -> str:
-        return (
-            f"host {self.host} pid {self.pid}: {self.calls} calls on communicator pointer "
-            f"{self.comm_ptr:#x}, recorded from its agent's attach, not aligned: {self.why}"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class LateReport:
-    aligned: tuple[Alignment, ...]
-    unaligned: tuple[Unaligned, ...]
-    # the unaligned streams judged among themselves (analyzer.unanchored)
-    unanchored: Unanchored | None = None
-
-    def uncertain(self) -> set[tuple[str, int]]:
-        """(host, pid) whose rank could not be told."""
-        return {(a.host, a.pid) for a in self.aligned if not a.rank_from}
-
-    def on(self, comm_hash: int) -> list[Alignment]:
-        return [a for a in self.aligned if a.comm_hash == comm_hash]
-
-
 # ---- what the inputs hold ---------------------------------------------------
-
-
-@dataclass
-class _Stream:
-    source: int
-    host: str
-    pid: int
-    ptr: int
-    rows: np.ndarray  # its collective rows, by seq
-    wall: np.ndarray  # their entries, wall clock ns
-    peers: set[int]  # point-to-point peers it named
-    rank: int  # learned by the agent, -1 if not
-
-
-@dataclass
-class _Known:
-    comm_hash: int
-    nranks: int  # -1 for a split communicator (its size is not recorded)
-    split: bool
-    evident: int  # the size its members' roots and peers prove (highest + 1)
-    members: dict[tuple[int, int], CommInfo]  # (source, pid) -> its info
-    seqs: np.ndarray  # sorted, unique
-    sig: np.ndarray  # the signature of each seq (first member's)
-    wall: np.ndarray  # the median wall-clock entry of each seq
-
-
-def _wall(rec: Recording, ts: np.ndarray) -> np.ndarray:
-    return ts.astype(np.int64) - rec.clock.monotonic_ns + rec.clock.realtime_ns
-
-
-SIG_DTYPE = np.dtype([(f, NCCL_EVENT[f]) for f in SIGNATURE])  # packed
-
-
-def _sig(rows: np.ndarray) -> np.ndarray:
-    """Each call's signature as one comparable value."""
-    out = np.empty(len(rows), dtype=SIG_DTYPE)
-    for f in SIGNATURE:
-        out[f] = rows[f]
-    return out.view(f"V{SIG_DTYPE.itemsize}")
-
-
-def _nccl(rec: Recording) -> np.ndarray:
-    ring = rec.rings.get("nccl")
-    return ring.rows if ring is not None else np.zeros(0, NCCL_EVENT)
 
 
 def has_late(recordings: Iterable[Recording]) -> bool:
@@ -181,10 +71,10 @@ def has_late(recordings: Iterable[Recording]) -> bool:
     return any(not c.comm_hash for rec in recordings for c in rec.communicators)
 
 
-def _late_streams(recs: list[Recording]) -> list[_Stream]:
+def _late_streams(recs: list[Recording]) -> list[Stream]:
     out = []
     for i, rec in enumerate(recs):
-        rows = _nccl(rec)
+        rows = nccl_rows(rec)
         rows = rows[rows["comm_hash"] == 0]
         rows = rows[rows["comm"] != 0]
         if not len(rows):
@@ -197,13 +87,13 @@ def _late_streams(recs: list[Recording]) -> list[_Stream]:
             coll = coll[np.argsort(coll["seq"], kind="stable")]
             ranks = coll["rank"][coll["rank"] >= 0]
             out.append(
-                _Stream(
+                Stream(
                     i,
                     rec.host,
                     int(pid),
                     int(ptr),
                     coll,
-                    _wall(rec, coll["ts_ns"]),
+                    wall_clock(rec, coll["ts_ns"]),
                     {int(p) for p in p2p["peer"].tolist()},
                     int(ranks[0]) if len(ranks) else -1,
                 )
@@ -211,7 +101,7 @@ def _late_streams(recs: list[Recording]) -> list[_Stream]:
     return out
 
 
-def _known_comms(recs: list[Recording]) -> dict[int, _Known]:
+def _known_comms(recs: list[Recording]) -> dict[int, Known]:
     infos: dict[int, dict[tuple[int, int], CommInfo]] = defaultdict(dict)
     for i, rec in enumerate(recs):
         for ci in rec.communicators:
@@ -222,14 +112,14 @@ def _known_comms(recs: list[Recording]) -> dict[int, _Known]:
         seqs, sigs, walls = [], [], []
         evident = 0
         for (i, pid), _ in members.items():
-            rows = _nccl(recs[i])
+            rows = nccl_rows(recs[i])
             rows = rows[(rows["comm_hash"] == np.uint64(h)) & (rows["pid"] == pid)]
             if len(rows):
                 evident = max(evident, int(rows["peer"].max()) + 1)
             rows = rows[COLLECTIVE[rows["op"]] & ~captured_rows(rows)]
             seqs.append(rows["seq"].astype(np.int64))
-            sigs.append(_sig(rows))
-            walls.append(_wall(recs[i], rows["ts_ns"]))
+            sigs.append(signatures(rows))
+            walls.append(wall_clock(recs[i], rows["ts_ns"]))
         if not seqs or not sum(len(s) for s in seqs):
             continue
         seq, sig, wall = np.concatenate(seqs), np.concatenate(sigs), np.concatenate(walls)
@@ -239,77 +129,19 @@ def _known_comms(recs: list[Recording]) -> dict[int, _Known]:
         med = np.array([np.median(w) for w in np.split(wall, first[1:])], dtype=np.int64)
         nranks = max(ci.nranks for ci in members.values())
         split = any(ci.parent_hash for ci in members.values()) or nranks < 0
-        out[h] = _Known(h, nranks, split, evident, dict(members), uniq, sig[first], med)
+        out[h] = Known(h, nranks, split, evident, dict(members), uniq, sig[first], med)
     return out
-
-
-# ---- offsets ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Fit:
-    comm_hash: int
-    offset: int
-    shared: int
-    skew_ns: int
-
-
-def _fits(s: _Stream, k: _Known) -> list[_Fit]:
-    """Every offset at which the stream's calls are the candidate's."""
-    if not len(s.rows) or not len(k.seqs):
-        return []
-    order = np.argsort(k.wall, kind="stable")
-    kwall, kseq = k.wall[order], k.seqs[order]
-    proposed: set[int] = set()
-    for seq, wall in zip(s.rows["seq"][:ANCHORS].tolist(), s.wall[:ANCHORS].tolist(), strict=True):
-        lo, hi = np.searchsorted(kwall, [wall - SEARCH_NS, wall + SEARCH_NS])
-        proposed.update(int(x) - int(seq) for x in kseq[lo:hi].tolist())
-    sseq = s.rows["seq"].astype(np.int64)
-    ssig = _sig(s.rows)
-    out = []
-    for offset in sorted(proposed):
-        at = np.searchsorted(k.seqs, sseq + offset)
-        ok = at < len(k.seqs)
-        ok[ok] = k.seqs[at[ok]] == sseq[ok] + offset
-        shared = int(ok.sum())
-        if shared < MIN_OVERLAP or not (k.sig[at[ok]] == ssig[ok]).all():
-            continue
-        skew = int(np.median(np.abs(s.wall[ok] - k.wall[at[ok]])))
-        out.append(_Fit(k.comm_hash, offset, shared, skew))
-    return out
-
-
-def _choose(fits: list[_Fit]) -> tuple[_Fit | None, int | None, str]:
-    """The certain fit, the runner-up's skew, or why none is certain."""
-    if not fits:
-        return None, None, "no communicator with a free slot has calls of the same op and size"
-    fits = sorted(fits, key=lambda f: f.skew_ns)
-    best, runner = fits[0], (fits[1].skew_ns if len(fits) > 1 else None)
-    if best.skew_ns > MAX_SKEW_NS:
-        return None, runner, f"the closest fit is {best.skew_ns / 1e6:.0f} ms off"
-    if runner is not None and runner < max(
-        SEPARATION * best.skew_ns, best.skew_ns + SEPARATION_FLOOR_NS
-    ):
-        return (
-            None,
-            runner,
-            (
-                f"two fits are as close ({best.skew_ns / 1e6:.1f} and {runner / 1e6:.1f} ms): "
-                "calls closer together than the clocks can tell apart"
-            ),
-        )
-    return best, runner, ""
 
 
 # ---- ranks --------------------------------------------------------------------------
 
 
-def _free_slots(k: _Known, size: int) -> set[int]:
+def _free_slots(k: Known, size: int) -> set[int]:
     taken = {ci.rank for ci in k.members.values() if ci.rank >= 0}
     return set(range(size)) - taken
 
 
-def _rank_of(s: _Stream, free: set[int], guessed: bool) -> tuple[int, str]:
+def _rank_of(s: Stream, free: set[int], guessed: bool) -> tuple[int, str]:
     """Its slot, and how it is known ("" when it is not: it takes the lowest
     free slot so that its calls are matched, but no rank is claimed).
     ``guessed``: a slot was given on no evidence already, so what is left
@@ -334,11 +166,11 @@ def align(recs: list[Recording]) -> tuple[list[Recording], LateReport | None]:
         return recs, None
     streams = _late_streams(recs)
     known = _known_comms(recs)
-    aligned: list[tuple[_Stream, _Fit, int | None]] = []
+    aligned: list[tuple[Stream, Fit, int | None]] = []
     unaligned: list[Unaligned] = []
     for s in streams:
-        fits = [f for k in known.values() if _has_room(k) for f in _fits(s, k)]
-        best, runner, why = _choose(fits)
+        fits = [f for k in known.values() if _has_room(k) for f in find_fits(s, k)]
+        best, runner, why = choose(fits)
         if best is None:
             unaligned.append(Unaligned(s.host, s.pid, s.ptr, len(s.rows), why, _flying(s)))
         else:
@@ -349,9 +181,6 @@ def align(recs: list[Recording]) -> tuple[list[Recording], LateReport | None]:
         for s in streams
         if (s.host, s.pid, s.ptr) in {(u.host, u.pid, u.comm_ptr) for u in unaligned}
     ]
-    # imported here: analyzer.unanchored builds on this module's fits
-    from .unanchored import judge_streams
-
     return _rewrite(recs, alignments, known), LateReport(
         tuple(a for _, a in alignments),
         tuple(unaligned),
@@ -359,7 +188,7 @@ def align(recs: list[Recording]) -> tuple[list[Recording], LateReport | None]:
     )
 
 
-def _flying(s: _Stream) -> str:
+def _flying(s: Stream) -> str:
     """Its latest call, if it is in flight: "ALL_GATHER seq 998 of its
     recording (seq from the attach) on communicator pointer 0x..."."""
     if not len(s.rows):
@@ -373,21 +202,21 @@ def _flying(s: _Stream) -> str:
     )
 
 
-def _has_room(k: _Known) -> bool:
+def _has_room(k: Known) -> bool:
     """Members no input holds: by the recorded size, or, for a split
     communicator (its size is not recorded), by the ranks its members named
     as roots and peers."""
     return len(k.members) < (k.evident if k.split else k.nranks)
 
 
-def _size(k: _Known, joining: int) -> int:
+def _size(k: Known, joining: int) -> int:
     return max(k.evident, len(k.members) + joining) if k.split else k.nranks
 
 
 def _assign_ranks(
-    aligned: list[tuple[_Stream, _Fit, int | None]], known: dict[int, _Known]
-) -> list[tuple[_Stream, Alignment]]:
-    by_comm: dict[int, list[tuple[_Stream, _Fit, int | None]]] = defaultdict(list)
+    aligned: list[tuple[Stream, Fit, int | None]], known: dict[int, Known]
+) -> list[tuple[Stream, Alignment]]:
+    by_comm: dict[int, list[tuple[Stream, Fit, int | None]]] = defaultdict(list)
     for item in aligned:
         by_comm[item[1].comm_hash].append(item)
     out = []
@@ -423,16 +252,16 @@ def _assign_ranks(
 
 
 def _rewrite(
-    recs: list[Recording], alignments: list[tuple[_Stream, Alignment]], known: dict[int, _Known]
+    recs: list[Recording], alignments: list[tuple[Stream, Alignment]], known: dict[int, Known]
 ) -> list[Recording]:
     recs = list(recs)
-    per_source: dict[int, list[tuple[_Stream, Alignment]]] = defaultdict(list)
+    per_source: dict[int, list[tuple[Stream, Alignment]]] = defaultdict(list)
     for s, a in alignments:
         per_source[s.source].append((s, a))
     ranks = _ranks_with_late(alignments, known)
     for i, items in per_source.items():
         rec = recs[i]
-        rows = _nccl(rec).copy()
+        rows = nccl_rows(rec).copy()
         comms = [c for c in rec.communicators if c.comm_hash]
         for s, a in items:
             k = known[a.comm_hash]
@@ -451,13 +280,13 @@ def _rewrite(
 
 
 def _ranks_with_late(
-    alignments: list[tuple[_Stream, Alignment]], known: dict[int, _Known]
+    alignments: list[tuple[Stream, Alignment]], known: dict[int, Known]
 ) -> dict[tuple[int, int, int], int]:
     """(comm, source, pid) -> rank for every member of a communicator a
     stream joined; (comm, -1, -1) -> its size.  A split communicator's known
     members keep their order (key, rank in the parent) in the slots left."""
     out: dict[tuple[int, int, int], int] = {}
-    joined: dict[int, list[tuple[_Stream, Alignment]]] = defaultdict(list)
+    joined: dict[int, list[tuple[Stream, Alignment]]] = defaultdict(list)
     for s, a in alignments:
         joined[a.comm_hash].append((s, a))
     for h, items in joined.items():

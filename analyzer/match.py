@@ -8,7 +8,7 @@ seq entered, last seq returned, and its last row.  Progress counters that some
 inputs carry without rows (Flight Recorder ``pg_status``) are merged in.
 
 Point-to-point calls are kept out of the groups (their seq is per peer and
-direction); ``metrics.p2p_gaps`` pairs them by direction instead.
+direction); ``detect.missing.p2p_gaps`` pairs them by direction instead.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ Known limits:
   by a signal), died of it and are named in its evidence, not blamed.
 - Flight Recorder dumps carry wall-clock times of their own host and no dump
   time: a frontier where an entry is still pending is taken as stuck.
-- Evidence has a moment (``metrics.Frontier.lag``): our dumps' capture
+- Evidence has a moment (``incident.Frontier.lag``): our dumps' capture
   times, a Flight Recorder file's latest entry (a lower bound).  A rank
   behind a frontier is stuck when its evidence was taken after the frontier
   began (beyond 50 ms of skew); it was read before it went on when its
@@ -72,24 +72,18 @@ from . import late
 from .align import Source, incident_from_recordings
 from .detect import DETECTORS, FALLBACK_DETECTORS, Analysis, Detector
 from .detect.causes import in_causal_order
+from .detect.cpu import sched_delays
+from .detect.desync import disagreements
 from .detect.inconclusive import detect_inconclusive, unjudged
-from .detect.missing import moments_apart_ns, taken_in_turn
+from .detect.missing import moments_apart_ns, p2p_gaps, taken_in_turn
+from .detect.network import retransmit_slowdowns, retransmits_in_windows
+from .detect.stragglers import arrival_scores
 from .flightrec import FrDump
 from .frincident import incidents_from_flightrec
-from .incident import Incident, InputStatus, SourceKind
+from .frontier import frontiers
+from .incident import Frontier, Incident, InputStatus, SourceKind, proc_hosts
 from .load import Loaded, load_inputs
 from .match import match
-from .rankmetrics import (
-    Frontier,
-    arrival_scores,
-    disagreements,
-    frontiers,
-    p2p_gaps,
-    proc_hosts,
-    retransmit_slowdowns,
-    retransmits_in_windows,
-    sched_delays,
-)
 from .verdict import Verdict, VerdictKind
 
 

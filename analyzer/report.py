@@ -39,9 +39,8 @@ from stallwatch.dumpers.schema import op_name
 from stallwatch.query.output import new_table, plain_text, show
 
 from .culprits import Culprit, culprits, judged_on
-from .incident import Incident, InputStatus, SourceKind
+from .incident import Frontier, Incident, InputStatus, Member, MemberState, SourceKind
 from .pipeline import AnalysisResult, IncidentResult
-from .rankmetrics import Frontier, Member, MemberState
 from .verdict import Verdict, VerdictKind
 
 MAX_TABLES = 8

@@ -11,7 +11,7 @@ told apart at their ends:
   least ``STALL_NS`` when its dump read the rings;
 - every stream of another process whose calls are the waiter's (the same op,
   count, datatype, reduce op and root, call after call) at one certain offset
-  (entries matched by wall clock, ``late._fits``/``late._choose``) is placed
+  (entries matched by wall clock, ``streams.find_fits``/``streams.choose``) is placed
   against the waiter's frontier, counted back from the end: it *completed*
   the waiter's call (then it is no member of the waiter's communicator: a
   collective does not complete on one member while another is stuck inside
@@ -28,55 +28,18 @@ when no process is left that is behind and idle, nothing is named.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.schema import op_name
 
-from .late import _choose, _fits, _Known, _sig, _Stream
+from .incident import SKEW_NS, StreamWait, Unanchored
+from .streams import Known, Stream, choose, find_fits, signatures
 
 STALL_NS = 1_000_000_000  # a waiter's call in flight at least this long
-SKEW_NS = 50_000_000  # moments closer than this are not ordered across hosts
 
 
-@dataclass(frozen=True, slots=True)
-class StreamWait:
-    """A stream stuck in a call, and where the other processes' streams of
-    the same calls stand at that frontier."""
-
-    host: str
-    pid: int
-    ptr: int
-    op: str
-    age_ns: int
-    entered_ns: int  # wall clock
-    behind: tuple[tuple[str, int], ...]  # (host, pid): its calls end before it
-    waiting: tuple[tuple[str, int], ...]  # in flight in it too
-    completed: tuple[tuple[str, int], ...]  # completed it: no member
-
-    def text(self, name: dict[tuple[str, int], str]) -> str:
-        def who(ps: tuple[tuple[str, int], ...]) -> str:
-            return ", ".join(name.get(p, f"host {p[0]} pid {p[1]}") for p in ps) or "none"
-
-        me = name.get((self.host, self.pid), f"host {self.host} pid {self.pid}")
-        return (
-            f"{me} waits in {self.op} on communicator pointer {self.ptr:#x} (in flight "
-            f"{self.age_ns / 1e9:.1f} s at its dump); of the processes whose calls are the "
-            f"same, never entered it: {who(self.behind)}; waiting in it too: "
-            f"{who(self.waiting)}; completed it (so no member): {who(self.completed)}"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Unanchored:
-    waits: tuple[StreamWait, ...]
-    culprits: tuple[tuple[str, int], ...]  # (host, pid)
-    captured: dict[tuple[str, int], int]  # (host, pid) -> when its dump read the rings
-
-
-def judge_streams(recs: list[Recording], streams: list[_Stream]) -> Unanchored:
+def judge_streams(recs: list[Recording], streams: list[Stream]) -> Unanchored:
     captured = {(s.host, s.pid): recs[s.source].clock.realtime_ns for s in streams}
     waits = [w for s in streams if (w := _wait(recs, s, streams)) is not None]
     flying = {(s.host, s.pid) for s in streams if _last_in_flight(s)}
@@ -88,24 +51,24 @@ def judge_streams(recs: list[Recording], streams: list[_Stream]) -> Unanchored:
     return Unanchored(tuple(waits), tuple(sorted(culprits)), captured)
 
 
-def _last_in_flight(s: _Stream) -> bool:
+def _last_in_flight(s: Stream) -> bool:
     return bool(len(s.rows)) and int(s.rows["end_ns"][-1]) == 0
 
 
-def _wait(recs: list[Recording], w: _Stream, streams: list[_Stream]) -> StreamWait | None:
+def _wait(recs: list[Recording], w: Stream, streams: list[Stream]) -> StreamWait | None:
     if not _last_in_flight(w):
         return None
     age = recs[w.source].clock.realtime_ns - int(w.wall[-1])
     if age < STALL_NS:
         return None
     # the waiter's own calls stand in for a communicator known to the others
-    k = _Known(0, -1, False, 0, {}, w.rows["seq"].astype(np.int64), _sig(w.rows), w.wall)
+    k = Known(0, -1, False, 0, {}, w.rows["seq"].astype(np.int64), signatures(w.rows), w.wall)
     front = int(w.rows["seq"][-1])
     places: dict[str, list[tuple[str, int]]] = {"behind": [], "waiting": [], "completed": []}
     for c in streams:
         if (c.host, c.pid) == (w.host, w.pid):
             continue
-        best, _, _ = _choose(_fits(c, k))
+        best, _, _ = choose(find_fits(c, k))
         if best is None:
             continue  # other calls, or no certain offset: not placed
         where = _place(c, best.offset, front)
@@ -122,7 +85,7 @@ def _wait(recs: list[Recording], w: _Stream, streams: list[_Stream]) -> StreamWa
     )
 
 
-def _place(c: _Stream, offset: int, front: int) -> str:
+def _place(c: Stream, offset: int, front: int) -> str:
     seq = c.rows["seq"].astype(np.int64) + offset
     at = np.flatnonzero(seq == front)
     if len(at):

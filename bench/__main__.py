@@ -13,6 +13,7 @@ from bench.common import Figure, render
 MODULES = (
     "bench_agent",
     "bench_recorder",
+    "bench_tcp",
     "bench_dumps",
     "bench_analyzer",
     "bench_accuracy",

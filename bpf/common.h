@@ -36,21 +36,6 @@
 #define DISC_RING_SLOTS 1024
 #endif
 
-/* Index of each ring's head in `heads`, and of the loss counters in `drops`. */
-#define RING_NCCL 0
-#define RING_COMM 1
-#define RING_TCP 2
-#define RING_SCHED 3
-#define RING_EXIT 4
-#define RING_DISC 7 /* the discovery ring (not dumped): the last head */
-#define DROP_INFLIGHT_FULL 5 /* `inflight` full: the call is not recorded */
-#define DROP_COMMS_FULL 6    /* `comms` full: the communicator is unknown */
-#define DROP_OWNER_FULL 7    /* `sock_owner` full: a socket stays unattributed */
-#define DROP_RQ_FULL 8       /* run-queue maps full */
-#define DROP_CUDA_QUEUE 9    /* a stream queued more calls than cuda.h keeps */
-#define DROP_GRAPH_FULL 10   /* a graph captured more calls than cuda.h keeps, or `graphs` full */
-#define DROP_SLOTS 11
-
 #define MAX_TRACKED 4096
 
 /* One cache line per head, so that rings written on different CPUs do not
@@ -61,7 +46,7 @@ struct ring_head {
 };
 _Static_assert(sizeof(struct ring_head) == 64, "ring_head size");
 
-BPF_F_TABLE("array", u32, struct ring_head, heads, 8, BPF_F_MMAPABLE);
+BPF_F_TABLE("array", u32, struct ring_head, heads, RING_HEADS, BPF_F_MMAPABLE);
 BPF_PERCPU_ARRAY(drops, u64, DROP_SLOTS);
 
 /* tgid -> 1: processes in scope (set by user space at discovery). */

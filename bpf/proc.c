@@ -111,7 +111,7 @@ int handle_libc_exit(struct pt_regs *ctx)
 	if (!is_tracked(tgid))
 		return 0;
 	mark_exiting(tgid);
-	emit_exit(tgid, (u32)id, (s32)PT_REGS_PARM1(ctx), 0, EXIT_GROUP);
+	emit_exit(tgid, (u32)id, (s32)PT_REGS_PARM1(ctx), 0, EXITEV_EXIT_GROUP);
 	return 0;
 }
 
@@ -123,7 +123,7 @@ TRACEPOINT_PROBE(signal, signal_generate)
 	u32 target = args->pid;
 	if (!kills_by_default(args->sig) || !is_tracked(target) || already_exiting(target))
 		return 0;
-	emit_exit(target, target, -1, args->sig, EXIT_SIGNAL);
+	emit_exit(target, target, -1, args->sig, EXITEV_SIGNAL);
 	return 0;
 }
 
@@ -139,7 +139,7 @@ TRACEPOINT_PROBE(signal, signal_deliver)
 	if (!is_tracked(tgid) || already_exiting(tgid))
 		return 0;
 	mark_exiting(tgid);
-	emit_exit(tgid, (u32)id, -1, args->sig, EXIT_SIGNAL);
+	emit_exit(tgid, (u32)id, -1, args->sig, EXITEV_SIGNAL);
 	return 0;
 }
 
@@ -155,7 +155,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 		return 0;
 	disc_tail.delete(&tgid); /* its pid may be another process's next */
 	if (is_tracked(tgid)) {
-		emit_exit(tgid, (u32)id, -1, 0, EXIT_PROCESS);
+		emit_exit(tgid, (u32)id, -1, 0, EXITEV_PROCESS_EXIT);
 		exiting.delete(&tgid);
 	}
 	return 0;

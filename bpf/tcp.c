@@ -1,24 +1,65 @@
-/* TCP retransmits and connection state changes, attributed to processes.
+/* The job's TCP evidence, decided in the kernel: retransmits (with the
+ * connection's state), resets and state changes of the job's sockets only.
  *
- * Retransmits fire in softirq context, where the current pid means nothing,
- * so `sock_owner` (socket address -> tgid) is learned where the owning
- * process itself touches the socket: sock_send_length / sock_recv_length
- * (process context) and inet_sock_set_state to SYN_SENT (connect).  The hash is written only when an entry is missing or changes,
- * never once per send to user space, and forgotten when the socket closes.
+ * A socket is the job's when its owner is a tracked process, or when either
+ * end is a job endpoint (`job_endpoints`: an address and port a tracked
+ * process listens on or uses; the programs add a tracked listener's, user
+ * space the local ends of every tracked process's sockets).  Everything
+ * else is counted (DROP_TCP_FILTERED) and never written, so that no
+ * neighbour on the machine (a data loader opening thousands of connections
+ * a second) can evict the job's rows from the ring.
+ *
+ * Owners: retransmits fire in softirq context, where the current pid means
+ * nothing, so `sock_owner` (socket address -> tgid) is learned where a
+ * tracked process itself touches the socket: sock_send_length /
+ * sock_recv_length (process context) and inet_sock_set_state to SYN_SENT
+ * (connect) or LISTEN.  A connection accepted on a tracked listener's port
+ * gets the listener's owner when it is born (softirq).  Entries are
+ * forgotten when the socket closes.
+ *
+ * Connection state: the sock_ops program (attached to the cgroup v2 root:
+ * every socket of the machine) asks the kernel for retransmission-timeout
+ * and retransmit callbacks on every established socket; for the job's, it
+ * keeps in `conn_state` what the kernel says there (RTO and the timeouts in
+ * a row, smoothed RTT, bytes unacknowledged, segments out) and completes
+ * the retransmit row the tracepoint just wrote (the tracepoint fires first,
+ * inside the retransmission; the callback right after it).  Only the
+ * sock_ops context is read: no kernel struct by pointer.  "Nothing
+ * acknowledged for at least" is a lower bound: the last acknowledgement
+ * came before the first timeout of a run of timeouts minus its RTO, and
+ * before the first moment snd_una was seen where it still is.  Sockets
+ * established before the program was attached get no callbacks: their rows
+ * carry no connection state (conn_known 0).
  *
  * The agent's own connections (its HTTP surface, its requests to peers) are
- * not the job's: `agent_self` names the agent's process and listening port,
- * and rows of sockets it owns or of connections to or from that port are
- * never written (unless user space leaves it empty).
+ * not the job's: `agent_self` names the agent's process and listening port.
  */
 #include "common.h"
 
 #define MAX_SOCKETS 16384
+#define MAX_ENDPOINTS 4096
+#define MAX_CONNS 4096
 #define AF_INET 2
+#define AF_INET6 10
 #define IPPROTO_TCP 6
 #define TCP_SYN_SENT 2
+#define TCP_SYN_RECV 3
 #define TCP_CLOSE 7
 #define TCP_LISTEN 10
+/* Tracepoint fields only some kernels have (the agent reads their format):
+ * the retransmit's result (6.12+), a reset's reason (6.10+), whose enum the
+ * build machine's older headers may not define. */
+#ifdef TP_SEND_RESET_REASON
+#include <linux/version.h>
+#if LINUX_VERSION_CODE < KERNEL_VERSION(6, 10, 0)
+enum sk_rst_reason { SK_RST_REASON_NOT_SPECIFIED };
+#else
+#include <net/rstreason.h>
+#endif
+#endif
+#ifndef KERNEL_HZ
+#define KERNEL_HZ 0 /* unknown: RTOs (in jiffies) are not converted */
+#endif
 
 BPF_F_TABLE("array", u32, struct tcp_event, tcp_ring, TCP_RING_SLOTS, BPF_F_MMAPABLE);
 
@@ -32,6 +73,32 @@ static __always_inline struct tcp_event *claim_tcp(u64 *pos)
 	return row;
 }
 BPF_HASH(sock_owner, u64, u32, MAX_SOCKETS);
+
+/* An address and port of one end (addr: IPv4 in the first 4 bytes). */
+struct endpoint {
+	u8 addr[16];
+	u16 port;
+	u16 family;
+	u32 _pad;
+};
+/* -> the tracked process that listens there or uses it */
+BPF_HASH(job_endpoints, struct endpoint, u32, MAX_ENDPOINTS);
+
+struct conn {
+	u64 row_pos;        /* the retransmit row the tracepoint wrote last */
+	u64 una_since_ns;   /* when snd_una was first seen where it is */
+	u64 rto_run_ns;     /* a run of timeouts: nothing acknowledged since */
+	u32 snd_una;
+	u32 srtt_us;
+	u32 rto_us;
+	u32 unacked;
+	u32 packets_out;
+	u32 retrans_out;
+	u8 backoff;         /* timeouts in a row */
+	u8 known;           /* the sock_ops program has seen it */
+	u8 _pad[6];
+};
+BPF_TABLE("lru_hash", u64, struct conn, conn_state, MAX_CONNS);
 
 struct agent_self {
 	u32 tgid; /* the agent's process, 0 = none */
@@ -50,12 +117,11 @@ static __always_inline int own_traffic(u32 owner, u16 sport, u16 dport)
 	return me->port && (sport == me->port || dport == me->port);
 }
 
-/* Any process not excluded: a rank connects before discovery has classified
- * it (user space keeps only the rows of processes in scope). */
+/* Only a tracked process's sockets: a neighbour's sends cost one lookup. */
 static __always_inline void learn_owner(u64 skaddr)
 {
 	u32 tgid = bpf_get_current_pid_tgid() >> 32;
-	if (!tgid || is_excluded(tgid))
+	if (!tgid || !is_tracked(tgid))
 		return;
 	u32 *known = sock_owner.lookup(&skaddr);
 	if (known && *known == tgid)
@@ -66,8 +132,55 @@ static __always_inline void learn_owner(u64 skaddr)
 
 static __always_inline u32 owner_of(u64 skaddr)
 {
-	u32 *pid = sock_owner.lookup(&skaddr);
+	u32 *pid = skaddr ? sock_owner.lookup(&skaddr) : NULL;
 	return pid ? *pid : 0;
+}
+
+/* Both ends of a tracepoint's connection (a macro: the verifier takes
+ * tracepoint arguments only at constant offsets of its context). */
+#define ENDPOINTS_OF(a, local, remote)                                         \
+	do {                                                                   \
+		__builtin_memset(&(local), 0, sizeof(local));                  \
+		__builtin_memset(&(remote), 0, sizeof(remote));                \
+		if ((a)->family == AF_INET) {                                  \
+			__builtin_memcpy((local).addr, (a)->saddr, 4);         \
+			__builtin_memcpy((remote).addr, (a)->daddr, 4);        \
+		} else {                                                       \
+			__builtin_memcpy((local).addr, (a)->saddr_v6, 16);     \
+			__builtin_memcpy((remote).addr, (a)->daddr_v6, 16);    \
+		}                                                              \
+		(local).port = (a)->sport;                                     \
+		(remote).port = (a)->dport;                                    \
+		(local).family = (remote).family = (a)->family;                \
+	} while (0)
+
+static __always_inline u32 endpoint_owner(struct endpoint *ep)
+{
+	u32 *pid = job_endpoints.lookup(ep);
+	return pid ? *pid : 0;
+}
+
+/* The job's process behind a connection (its owner, else the tracked
+ * process at either end), 0 if it is not the job's. */
+static __always_inline u32 job_of(u32 owner, struct endpoint *local, struct endpoint *remote)
+{
+	if (owner && is_tracked(owner))
+		return owner;
+	u32 pid = endpoint_owner(local);
+	if (!pid)
+		pid = endpoint_owner(remote);
+	if (pid)
+		return pid;
+	/* accepted on a listener of every address (0.0.0.0, ::) */
+	struct endpoint any = {};
+	any.port = local->port;
+	any.family = local->family;
+	return endpoint_owner(&any);
+}
+
+static __always_inline void count_filtered(void)
+{
+	count_drop(DROP_TCP_FILTERED);
 }
 
 TRACEPOINT_PROBE(sock, sock_send_length)
@@ -84,13 +197,12 @@ TRACEPOINT_PROBE(sock, sock_recv_length)
 	return 0;
 }
 
-/* Common part of both tracepoints: header, addresses, ports. */
-#define FILL_TCP_ROW(e, a, kind)                                               \
+/* Common part of the tracepoints with a 4-tuple: header, addresses, ports. */
+#define FILL_TCP_ROW(e, a, kind, pid)                                          \
 	do {                                                                   \
 		u64 __id = bpf_get_current_pid_tgid();                         \
-		fill_header(&(e)->hdr, EVENT_TCP, sizeof(*(e)),                \
-			    owner_of((u64)(a)->skaddr), (u32)__id,             \
-			    bpf_ktime_get_ns());                               \
+		fill_header(&(e)->hdr, EVENT_TCP, sizeof(*(e)), (pid),         \
+			    (u32)__id, bpf_ktime_get_ns());                    \
 		(e)->skaddr = (u64)(a)->skaddr;                                \
 		if ((a)->family == AF_INET) {                                  \
 			__builtin_memset((e)->saddr, 0, 16);                   \
@@ -105,21 +217,154 @@ TRACEPOINT_PROBE(sock, sock_recv_length)
 		(e)->dport = (a)->dport;                                       \
 		(e)->family = (a)->family;                                     \
 		(e)->event = (kind);                                           \
-		(e)->_pad1 = 0;                                                \
 	} while (0)
+
+/* The fields after the addresses, unknown until someone knows them. */
+static __always_inline void clear_tail(struct tcp_event *e)
+{
+	e->backoff = 0;
+	e->state = 0;
+	e->newstate = 0;
+	e->no_ack_ns = 0;
+	e->srtt_us = 0;
+	e->rto_us = 0;
+	e->unacked = 0;
+	e->packets_out = 0;
+	e->retrans_out = 0;
+	e->reason = 0;
+	e->conn_known = 0;
+	e->_pad1 = 0;
+	e->err = 0;
+	e->_pad2 = 0;
+}
+
+static __always_inline u64 no_ack_for(struct conn *c, u64 now)
+{
+	u64 since = c->una_since_ns;
+	if (c->backoff && c->rto_run_ns && c->rto_run_ns < since)
+		since = c->rto_run_ns;
+	return since && now > since ? now - since : 0;
+}
+
+static __always_inline void copy_conn(struct tcp_event *e, struct conn *c, u64 now)
+{
+	e->backoff = c->backoff;
+	e->no_ack_ns = no_ack_for(c, now);
+	e->srtt_us = c->srtt_us;
+	e->rto_us = c->rto_us;
+	e->unacked = c->unacked;
+	e->packets_out = c->packets_out;
+	e->retrans_out = c->retrans_out;
+	e->conn_known = 1;
+}
 
 TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
 {
-	if (own_traffic(owner_of((u64)args->skaddr), args->sport, args->dport))
+	u64 skaddr = (u64)args->skaddr;
+	u32 owner = owner_of(skaddr);
+	if (own_traffic(owner, args->sport, args->dport))
 		return 0;
+	struct endpoint local, remote;
+	ENDPOINTS_OF(args, local, remote);
+	u32 pid = job_of(owner, &local, &remote);
+	if (!pid) {
+		count_filtered();
+		return 0;
+	}
 	struct tcp_event *e;
 	u64 pos;
 	e = claim_tcp(&pos);
 	if (!e)
 		return 0;
-	FILL_TCP_ROW(e, args, TCP_RETRANSMIT_SKB);
+	FILL_TCP_ROW(e, args, TCPEV_TCP_RETRANSMIT_SKB, pid);
+	clear_tail(e);
 	e->state = args->state;
-	e->newstate = 0;
+#ifdef TP_RETRANSMIT_ERR
+	e->err = args->err;
+#endif
+	struct conn fresh = {};
+	struct conn *c = conn_state.lookup_or_try_init(&skaddr, &fresh);
+	if (c) {
+		if (c->known)
+			copy_conn(e, c, e->hdr.ts_ns);
+		c->row_pos = pos;
+	} else {
+		count_drop(DROP_CONN_FULL);
+	}
+	publish(&e->hdr, pos);
+	return 0;
+}
+
+/* One end of a reset: its `sa` field is a sockaddr_in or sockaddr_in6
+ * (family, port in network order, address); a macro, as ENDPOINTS_OF. */
+#define SOCKADDR_ENDPOINT(ep, sa)                                              \
+	do {                                                                   \
+		__builtin_memset(&(ep), 0, sizeof(ep));                        \
+		(ep).family = (sa)[0] | ((u16)(sa)[1] << 8);                   \
+		(ep).port = ((u16)(sa)[2] << 8) | (sa)[3];                     \
+		if ((ep).family == AF_INET)                                    \
+			__builtin_memcpy((ep).addr, &(sa)[4], 4);              \
+		else                                                           \
+			__builtin_memcpy((ep).addr, &(sa)[8], 16);             \
+	} while (0)
+
+TRACEPOINT_PROBE(tcp, tcp_send_reset)
+{
+	u64 skaddr = (u64)args->skaddr;
+	u32 owner = owner_of(skaddr);
+	struct endpoint local, remote;
+	SOCKADDR_ENDPOINT(local, args->saddr);
+	SOCKADDR_ENDPOINT(remote, args->daddr);
+	if (own_traffic(owner, local.port, remote.port))
+		return 0;
+	u32 pid = job_of(owner, &local, &remote);
+	if (!pid) {
+		count_filtered();
+		return 0;
+	}
+	struct tcp_event *e;
+	u64 pos;
+	e = claim_tcp(&pos);
+	if (!e)
+		return 0;
+	u64 id = bpf_get_current_pid_tgid();
+	fill_header(&e->hdr, EVENT_TCP, sizeof(*e), pid, (u32)id, bpf_ktime_get_ns());
+	e->skaddr = skaddr;
+	__builtin_memcpy(e->saddr, local.addr, 16);
+	__builtin_memcpy(e->daddr, remote.addr, 16);
+	e->sport = local.port;
+	e->dport = remote.port;
+	e->family = local.family;
+	e->event = TCPEV_TCP_SEND_RESET;
+	clear_tail(e);
+	e->state = args->state;
+#ifdef TP_SEND_RESET_REASON
+	e->reason = (u16)args->reason;
+#endif
+	publish(&e->hdr, pos);
+	return 0;
+}
+
+TRACEPOINT_PROBE(tcp, tcp_receive_reset)
+{
+	u64 skaddr = (u64)args->skaddr;
+	u32 owner = owner_of(skaddr);
+	if (own_traffic(owner, args->sport, args->dport))
+		return 0;
+	struct endpoint local, remote;
+	ENDPOINTS_OF(args, local, remote);
+	u32 pid = job_of(owner, &local, &remote);
+	if (!pid) {
+		count_filtered();
+		return 0;
+	}
+	struct tcp_event *e;
+	u64 pos;
+	e = claim_tcp(&pos);
+	if (!e)
+		return 0;
+	FILL_TCP_ROW(e, args, TCPEV_TCP_RECEIVE_RESET, pid);
+	clear_tail(e);
 	publish(&e->hdr, pos);
 	return 0;
 }
@@ -135,9 +380,23 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 	 * another namespace. */
 	if (args->newstate == TCP_SYN_SENT || args->newstate == TCP_LISTEN)
 		learn_owner(skaddr);
-	if (own_traffic(owner_of(skaddr), args->sport, args->dport)) {
-		if (args->newstate == TCP_CLOSE)
-			sock_owner.delete(&skaddr);
+	u32 owner = owner_of(skaddr);
+	struct endpoint local, remote;
+	ENDPOINTS_OF(args, local, remote);
+	/* a tracked listener's port is a job endpoint while it listens */
+	if (args->newstate == TCP_LISTEN && owner && is_tracked(owner))
+		job_endpoints.update(&local, &owner);
+	else if (args->oldstate == TCP_LISTEN && args->newstate == TCP_CLOSE)
+		job_endpoints.delete(&local);
+	u32 pid = own_traffic(owner, args->sport, args->dport) ? 0 : job_of(owner, &local, &remote);
+	if (pid && !owner && args->oldstate == TCP_SYN_RECV)
+		sock_owner.update(&skaddr, &pid); /* accepted on a tracked listener */
+	if (args->newstate == TCP_CLOSE) {
+		sock_owner.delete(&skaddr);
+		conn_state.delete(&skaddr);
+	}
+	if (!pid) {
+		count_filtered();
 		return 0;
 	}
 	struct tcp_event *e;
@@ -145,11 +404,118 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 	e = claim_tcp(&pos);
 	if (!e)
 		return 0;
-	FILL_TCP_ROW(e, args, TCP_SET_STATE);
+	FILL_TCP_ROW(e, args, TCPEV_INET_SOCK_SET_STATE, pid);
+	clear_tail(e);
 	e->state = args->oldstate;
 	e->newstate = args->newstate;
 	publish(&e->hdr, pos);
-	if (args->newstate == TCP_CLOSE)
-		sock_owner.delete(&skaddr);
 	return 0;
+}
+
+/* ---- sock_ops: the connection's state at retransmits -------------------- */
+
+#define SOCK_OPS_FLAGS (BPF_SOCK_OPS_RTO_CB_FLAG | BPF_SOCK_OPS_RETRANS_CB_FLAG)
+
+static __always_inline u32 job_of_sockops(struct bpf_sock_ops *skops, u64 skaddr)
+{
+	struct endpoint local = {}, remote = {};
+	u16 family = skops->family;
+	local.family = remote.family = family;
+	local.port = skops->local_port;
+	remote.port = bpf_ntohs(skops->remote_port >> 16);
+	if (family == AF_INET) {
+		u32 l4 = skops->local_ip4, r4 = skops->remote_ip4;
+		__builtin_memcpy(local.addr, &l4, 4);
+		__builtin_memcpy(remote.addr, &r4, 4);
+	} else {
+		/* the verifier takes these context fields 4 bytes at a time only */
+		u32 l6[4], r6[4];
+#pragma unroll
+		for (int i = 0; i < 4; i++) {
+			l6[i] = *(volatile u32 *)&skops->local_ip6[i];
+			r6[i] = *(volatile u32 *)&skops->remote_ip6[i];
+		}
+		__builtin_memcpy(local.addr, l6, 16);
+		__builtin_memcpy(remote.addr, r6, 16);
+	}
+	u32 owner = owner_of(skaddr);
+	if (own_traffic(owner, local.port, remote.port))
+		return 0;
+	return job_of(owner, &local, &remote);
+}
+
+static __always_inline void read_conn(struct conn *c, struct bpf_sock_ops *skops, u64 now)
+{
+	u32 una = skops->snd_una;
+	if (!c->known || una != c->snd_una) {
+		c->snd_una = una;
+		c->una_since_ns = now;
+	}
+	c->srtt_us = skops->srtt_us >> 3;
+	c->unacked = skops->snd_nxt - una;
+	c->packets_out = skops->packets_out;
+	c->retrans_out = skops->retrans_out;
+	c->known = 1;
+}
+
+/* A retransmission timeout: args[0] the timeouts in a row before this one
+ * (icsk_retransmits), args[1] the RTO that expired (jiffies). */
+static __always_inline void on_timeout(struct bpf_sock_ops *skops, u64 skaddr, u64 now)
+{
+	if (!job_of_sockops(skops, skaddr))
+		return;
+	struct conn fresh = {};
+	struct conn *c = conn_state.lookup_or_try_init(&skaddr, &fresh);
+	if (!c) {
+		count_drop(DROP_CONN_FULL);
+		return;
+	}
+	u32 before = skops->args[0];
+	u64 rto_ns = KERNEL_HZ ? (u64)skops->args[1] * (1000000000ULL / KERNEL_HZ) : 0;
+	if (before == 0 || !c->rto_run_ns)
+		c->rto_run_ns = now > rto_ns ? now - rto_ns : now;
+	c->backoff = before + 1 > 255 ? 255 : before + 1;
+	c->rto_us = rto_ns / 1000;
+	read_conn(c, skops, now);
+}
+
+/* Right after the retransmit tracepoint: complete the row it wrote. */
+static __always_inline void on_retransmit(struct bpf_sock_ops *skops, u64 skaddr, u64 now)
+{
+	struct conn *c = conn_state.lookup(&skaddr);
+	if (!c)
+		return; /* not the job's (the tracepoint made no entry) */
+	if (skops->snd_una != c->snd_una)
+		c->backoff = 0; /* acknowledged since the last timeout */
+	read_conn(c, skops, now);
+	u64 pos = c->row_pos;
+	if (!pos)
+		return;
+	c->row_pos = 0;
+	u32 slot = slot_of(pos, TCP_RING_SLOTS);
+	struct tcp_event *e = tcp_ring.lookup(&slot);
+	if (!e || e->hdr.pos != pos || e->skaddr != skaddr)
+		return; /* overwritten meanwhile */
+	copy_conn(e, c, e->hdr.ts_ns);
+}
+
+int handle_sock_ops(struct bpf_sock_ops *skops)
+{
+	u32 op = skops->op;
+	if (op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB || op == BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB) {
+		bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | SOCK_OPS_FLAGS);
+		return 1;
+	}
+	if (op != BPF_SOCK_OPS_RTO_CB && op != BPF_SOCK_OPS_RETRANS_CB)
+		return 1;
+	struct bpf_sock *sk = skops->sk;
+	if (!sk)
+		return 1;
+	u64 skaddr = (u64)sk;
+	u64 now = bpf_ktime_get_ns();
+	if (op == BPF_SOCK_OPS_RTO_CB)
+		on_timeout(skops, skaddr, now);
+	else
+		on_retransmit(skops, skaddr, now);
+	return 1;
 }

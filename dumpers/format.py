@@ -37,8 +37,11 @@ here: not observed) and numbered the lifecycle scheduled 0, returned 1,
 completed 2 (returned is ``ENQUEUED`` now; completed is 3).  Before
 version 5, sched rows did not name the process that held the CPU: their
 ``prev_pid`` is ``PREV_PID_UNKNOWN`` (-1; 0 is the idle task).
-Versions 1 and 2 have no ``snapshots``: they are read as recordings without
-thread positions.
+Before version 7, TCP rows carried no connection state (backoff, RTO,
+RTT, bytes unacknowledged, nothing acknowledged since): it reads as unknown
+(``conn_known`` 0), and only retransmits and state changes were recorded
+(resets are rows from version 7 on).  Versions 1 and 2 have no
+``snapshots``: they are read as recordings without thread positions.
 
 The reader refuses anything else with ``DumpFormatError`` (or
 ``DumpVersionError`` for a newer version), naming the file and the field; it

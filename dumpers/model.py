@@ -19,7 +19,7 @@ FORMAT_NAME = "stallwatch-dump"
 # 2: nccl rows carry device start and completion; 3: thread position snapshots;
 # 4: CUDA graph columns; 5: sched rows name the CPU's last holder (prev_pid).
 # Older files are still read (their rows converted, no snapshots).
-FORMAT_VERSION = 5
+FORMAT_VERSION = 7
 
 
 class TriggerKind(enum.Enum):

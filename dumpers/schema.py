@@ -1,9 +1,10 @@
 """Event records, enums and identities shared by the recorder and the analyzer.
 
-The numpy dtypes here mirror the C structs in ``bpf/events.h`` field by field
-(``tests/test_schema.py`` pins sizes and offsets on both sides).  Strings are
-interned as small integers in the columnar data; the tables below map them
-back to names.
+Today's records and the constants the BPF programs share are written once,
+in ``dumpers.layout`` (``bpf/events.h`` is generated from it); this module
+keeps the records of older dump formats, the symbol tables, the id folds and
+the names.  Strings are interned as small integers in the columnar data; the
+tables below map them back to names.
 """
 
 from __future__ import annotations
@@ -14,52 +15,13 @@ import struct
 
 import numpy as np
 
+from . import layout
+from .layout import EventKind, ExitEvent, Op, Result, State, TcpEvent
+
+__all__ = ["EventKind", "ExitEvent", "Op", "Result", "State", "TcpEvent"]
+
 UNIQUE_ID_BYTES = 128
 MASK64 = (1 << 64) - 1
-
-
-class EventKind(enum.IntEnum):
-    NCCL = 1
-    COMM = 2
-    TCP = 3
-    SCHED = 4
-    EXIT = 5
-
-
-class Op(enum.IntEnum):
-    """NCCL call kinds; ``name`` is the SQL spelling (``ALL_REDUCE``)."""
-
-    UNKNOWN = 0
-    ALL_REDUCE = 1
-    ALL_GATHER = 2
-    REDUCE_SCATTER = 3
-    BROADCAST = 4
-    REDUCE = 5
-    ALL_TO_ALL = 6
-    GATHER = 7
-    SCATTER = 8
-    SEND = 9
-    RECV = 10
-    GROUP_START = 11
-    GROUP_END = 12
-    COMM_INIT_RANK = 13
-    COMM_INIT_RANK_CONFIG = 14
-    COMM_INIT_ALL = 15
-    COMM_SPLIT = 16
-    COMM_DESTROY = 17
-    COMM_ABORT = 18
-    COMM_FINALIZE = 19
-    GET_UNIQUE_ID = 20
-    BARRIER = 21  # Flight Recorder only: NCCL has no barrier call (torch reduces a word)
-    GRAPH_LAUNCH = 22  # cudaGraphLaunch of a graph that captured NCCL calls (bpf/cuda.c)
-
-    @property
-    def is_collective(self) -> bool:
-        return Op.ALL_REDUCE <= self <= Op.SCATTER or self is Op.BARRIER
-
-    @property
-    def is_p2p(self) -> bool:
-        return self in (Op.SEND, Op.RECV)
 
 
 COLLECTIVE_OPS = frozenset(op for op in Op if op.is_collective)
@@ -125,15 +87,6 @@ CUDA_SYMBOLS: dict[str, bool] = {
 }
 
 
-class State(enum.IntEnum):
-    """How far a call got, as the host observed it (bpf/events.h STATE_*)."""
-
-    SCHEDULED = 0  # entered
-    ENQUEUED = 1  # returned: queued on its stream (done, for a blocking library)
-    STARTED = 2  # the device began it
-    COMPLETED = 3  # the device finished it
-
-
 class DataType(enum.IntEnum):
     """``ncclDataType_t`` values (aliases: ncclChar=Int8, ncclInt=Int32, ...)."""
 
@@ -175,25 +128,6 @@ class RedOp(enum.IntEnum):
     AVG = 4
 
 
-class Result(enum.IntEnum):
-    """``ncclResult_t``; PENDING (-1) marks a call that has not returned."""
-
-    PENDING = -1
-    SUCCESS = 0
-    UNHANDLED_CUDA_ERROR = 1
-    SYSTEM_ERROR = 2
-    INTERNAL_ERROR = 3
-    INVALID_ARGUMENT = 4
-    INVALID_USAGE = 5
-    REMOTE_ERROR = 6
-    IN_PROGRESS = 7
-
-
-class TcpEvent(enum.IntEnum):
-    TCP_RETRANSMIT_SKB = 1
-    INET_SOCK_SET_STATE = 2
-
-
 class TcpState(enum.IntEnum):
     """The kernel's TCP states (include/net/tcp_states.h)."""
 
@@ -212,21 +146,9 @@ class TcpState(enum.IntEnum):
     BOUND_INACTIVE = 13
 
 
-class ExitEvent(enum.IntEnum):
-    EXIT_GROUP = 1
-    SIGNAL = 2
-    PROCESS_EXIT = 3
-
-
-_HEADER = [
-    ("pos", "<u8"),
-    ("ts_ns", "<u8"),
-    ("kind", "<u2"),
-    ("size", "<u2"),
-    ("pid", "<u4"),
-    ("tid", "<u4"),
-    ("_pad0", "<u4"),
-]
+# Today's records come from dumpers.layout (bpf/events.h is generated from
+# it); the lists below are the history older dump formats were written in.
+_HEADER: list[tuple[str, str]] = [(f.name, f.numpy[1]) for f in layout.HEADER.fields]
 
 _NCCL_V1_FIELDS: list[tuple[str, str]] = [
     *_HEADER,
@@ -251,40 +173,18 @@ _NCCL_V1_FIELDS: list[tuple[str, str]] = [
 DEVICE_FIELDS = ("started_ns", "started_after_ns", "completed_ns", "completed_after_ns")
 _DEVICE = [(name, "<u8") for name in DEVICE_FIELDS]
 # CUDA graphs (format version 4 on): `graph_node` where `_pad1` was, and the
-# capture and launch a row belongs to (bpf/events.h says how).
+# capture and launch a row belongs to (dumpers/layout.py says how).
 GRAPH_FIELDS = ("graph_node", "graph", "replay")
-NCCL_EVENT = np.dtype(
-    [
-        *_NCCL_V1_FIELDS[:-1],
-        ("graph_node", "<u4"),
-        *_DEVICE,
-        ("graph", "<u8"),
-        ("replay", "<u8"),
-    ]
-)
+NCCL_EVENT = layout.NCCL.dtype
 NCCL_EVENT_V1 = np.dtype(_NCCL_V1_FIELDS)
 NCCL_EVENT_V3 = np.dtype([*_NCCL_V1_FIELDS, *_DEVICE])
 
-COMM_EVENT = np.dtype(
-    [
-        *_HEADER,
-        ("end_ns", "<u8"),
-        ("comm", "<u8"),
-        ("comm_hash", "<u8"),
-        ("parent_hash", "<u8"),
-        ("rank", "<i4"),
-        ("nranks", "<i4"),
-        ("color", "<i4"),
-        ("key", "<i4"),
-        ("op", "u1"),
-        ("state", "u1"),
-        ("_pad1", "<u2"),
-        ("result", "<i4"),
-        ("unique_id", "u1", (UNIQUE_ID_BYTES,)),
-    ]
-)
-
-TCP_EVENT = np.dtype(
+COMM_EVENT = layout.COMM.dtype
+TCP_EVENT = layout.TCP.dtype
+# Before format version 7 a TCP row was its addresses, event and states
+# alone: the connection's state (backoff where `_pad1` was, and all after
+# `newstate`) reads as unknown (`conn_known` 0).
+TCP_EVENT_V6 = np.dtype(
     [
         *_HEADER,
         ("skaddr", "<u8"),
@@ -300,26 +200,17 @@ TCP_EVENT = np.dtype(
     ]
 )
 
-_SCHED_FIELDS: list[tuple[str, str]] = [*_HEADER, ("delay_ns", "<u8"), ("cpu", "<u4")]
 # `prev_pid` (format version 5 on): the process that held the CPU until the
 # waiting thread got it, the last one only (0: the idle task); where `_pad1`
 # was, so that older rows read as PREV_PID_UNKNOWN.
-SCHED_EVENT = np.dtype([*_SCHED_FIELDS, ("prev_pid", "<i4")])
-SCHED_EVENT_V4 = np.dtype([*_SCHED_FIELDS, ("_pad1", "<u4")])
+SCHED_EVENT = layout.SCHED.dtype
+SCHED_EVENT_V4 = np.dtype([*_HEADER, ("delay_ns", "<u8"), ("cpu", "<u4"), ("_pad1", "<u4")])
 PREV_PID_UNKNOWN = -1
 
-EXIT_EVENT = np.dtype(
-    [*_HEADER, ("code", "<i4"), ("signal", "<i4"), ("event", "u1"), ("_pad1", "u1", (7,))]
-)
+EXIT_EVENT = layout.EXIT.dtype
 
 # Ring name -> record dtype.  The names are those of the dump file's "rings".
-RING_DTYPES: dict[str, np.dtype] = {
-    "nccl": NCCL_EVENT,
-    "comm": COMM_EVENT,
-    "tcp": TCP_EVENT,
-    "sched": SCHED_EVENT,
-    "exit": EXIT_EVENT,
-}
+RING_DTYPES: dict[str, np.dtype] = {name: s.dtype for name, s in layout.RING_STRUCTS.items()}
 
 # Dump format version -> the rings whose dtype was different then (dumpers.format
 # reads them and converts their rows to today's dtype).
@@ -327,6 +218,7 @@ RING_DTYPES_BEFORE: dict[int, dict[str, np.dtype]] = {
     1: {"nccl": NCCL_EVENT_V1},
     3: {"nccl": NCCL_EVENT_V3},
     4: {"sched": SCHED_EVENT_V4},
+    6: {"tcp": TCP_EVENT_V6},
 }
 
 

@@ -6,7 +6,8 @@ the SQL tables (docs/architecture.md, docs/parquet.md), each with a ``host`` col
     nccl_events    one row per NCCL call (ring "nccl"), and per call replayed by a CUDA graph
     cuda_graphs    the NCCL calls each CUDA graph captured, in capture order
     comm_events    communicator lifecycle calls (ring "comm")
-    tcp_events     retransmits and connection state changes (ring "tcp")
+    tcp_events     the job's retransmits (with the connection's state), resets and
+                   connection state changes (ring "tcp")
     sched_events   run-queue delays of rank threads (ring "sched")
     exit_events    exit_group, fatal signals, process exits (ring "exit")
     processes      the processes the agent watched
@@ -494,6 +495,7 @@ def tcp_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     _, cols = _header(rec, rows)
     pid = tcp_owners(rows)
     retransmit = rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB
+    change = rows["event"] == TcpEvent.INET_SOCK_SET_STATE
     cols["event"] = _coded(rows["event"], "tcp_event")
     cols["pid"] = _maybe_null(pid, pid == 0)
     cols["world_rank"] = _by_pid(pid, known.world_of(rec.host))
@@ -504,8 +506,20 @@ def tcp_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     cols["dport"] = pa.array(rows["dport"].astype(np.int32))
     cols["family"] = _families(rows["family"])
     cols["state"] = _coded(rows["state"], "tcp_state", rows["state"] <= 0)
-    cols["newstate"] = _coded(rows["newstate"], "tcp_state", retransmit | (rows["newstate"] <= 0))
+    cols["newstate"] = _coded(rows["newstate"], "tcp_state", ~change | (rows["newstate"] <= 0))
     cols["skaddr"] = _hex(rows["skaddr"])
+    # the connection as the kernel had it at a retransmit (NULL: not read)
+    unknown = ~retransmit | (rows["conn_known"] == 0)
+    cols["backoff"] = _maybe_null(rows["backoff"].astype(np.int32), unknown)
+    cols["no_ack_ns"] = _maybe_null(rows["no_ack_ns"].astype(np.int64), unknown)
+    cols["srtt_us"] = _maybe_null(rows["srtt_us"].astype(np.int64), unknown)
+    cols["rto_us"] = _maybe_null(rows["rto_us"].astype(np.int64), unknown | (rows["rto_us"] == 0))
+    cols["unacked_bytes"] = _maybe_null(rows["unacked"].astype(np.int64), unknown)
+    cols["packets_out"] = _maybe_null(rows["packets_out"].astype(np.int64), unknown)
+    cols["retrans_out"] = _maybe_null(rows["retrans_out"].astype(np.int64), unknown)
+    cols["send_error"] = _maybe_null(rows["err"].astype(np.int32), ~retransmit)
+    reset_sent = rows["event"] == TcpEvent.TCP_SEND_RESET
+    cols["reset_reason"] = _maybe_null(rows["reason"].astype(np.int32), ~reset_sent)
     return cols
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from stallwatch.dumpers.errors import AgentError, LabError
 from stallwatch.lab import faults as F
+from stallwatch.lab.faultlog import Episode, FaultRecord, Moment
 from stallwatch.lab.supervise import Supervisor
 from stallwatch.query.agentclient import AgentClient
 
@@ -39,6 +40,12 @@ SETTLE_MARGIN_S = 3.0  # past the stall timeout, for a restarted agent's first t
 # killing it (the file pages charged to its cgroup, such as the compiler's,
 # vary from run to run); under the agent's own 1 GB query limit.
 OOM_QUERY = "SELECT length(list(i)) AS n FROM range(30000000) t(i)"
+_HOW: dict[type, str] = {
+    F.AgentKill: "the node's agent killed, restarted by its supervisor",
+    F.AgentOom: "the node's agent killed by its cgroup memory bound, restarted",
+    F.AgentLate: "the node's agent started only then",
+    F.AgentGone: "the node's agent killed for good; the node dumped with dump --pinned",
+}
 
 
 @dataclass
@@ -47,6 +54,7 @@ class _Pending:
     due: float | None = None  # monotonic, once its step is reached
     done: bool = False
     applied: float = 0.0  # monotonic
+    fired: Episode | None = None  # when, and at which step (lab run --json)
 
 
 @dataclass
@@ -83,8 +91,9 @@ class Chaos:
                 after = p.fault.after_s if isinstance(p.fault, F.AgentKill) else 0.0
                 p.due = now + after
             if p.due is not None and now >= p.due:
+                at = Moment.now()
                 self._apply(p.fault)
-                p.done, p.applied = True, time.monotonic()
+                p.done, p.applied, p.fired = True, time.monotonic(), Episode(step, at)
 
     def _apply(self, fault: F.AgentFault) -> None:
         node = fault.node
@@ -114,6 +123,16 @@ class Chaos:
         body = json.dumps({"sql": OOM_QUERY}).encode()
         # the query never answers if the bound kills the agent: off the loop
         threading.Thread(target=self.query, args=(node, body), daemon=True).start()
+
+    def records(self) -> dict[F.AgentFault, FaultRecord]:
+        return {
+            p.fault: FaultRecord.of(
+                F.format_fault(p.fault),
+                _HOW[type(p.fault)],
+                [p.fired] if p.fired is not None else [],
+            )
+            for p in self._pending
+        }
 
     def settled(self) -> bool:
         """Every fault applied and its effect seen (a killed agent exited),

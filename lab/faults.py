@@ -5,14 +5,23 @@ A spec is ``kind:key=value,key=value``:
     hang:rank=R,step=S[,agents=ready]  rank R blocks forever before its first collective of step S
                                        (agents=ready: S steps after every agent of the run is
                                        ready, e.g. late ones: however long their start takes)
-    slow:rank=R,ms=M                   rank R computes M ms longer every step
-    loss:node=N,pct=P                  P% of node N's TCP packets are dropped (nftables numgen)
-    rate:node=N,mbit=M                 node N's link is capped at M Mbit/s (tc tbf)
+    slow:rank=R,ms=M[,step=S]          rank R computes M ms longer every step (from step S)
+    loss:node=N,pct=P[,step=S]         P% of node N's TCP packets are dropped (nftables numgen),
+                                       from the start or once a rank reaches step S
+    rate:node=N,mbit=M[,step=S]        node N's link is capped at M Mbit/s (tc tbf)
+    partition:node=N,step=S[,ms=M]     every packet to and from node N is dropped on its switch
+                                       port from step S (with ms: for M ms, a flap; the job goes on)
+    linkdown:node=N,step=S[,ms=M]      node N's link loses carrier at step S (its switch port
+                                       set down: eth0 shows NO-CARRIER); with ms, back after M ms
+    rst:node=N,step=S                  the job's TCP connections of node N are reset at step S
     mismatch:rank=R,step=S,field=F     rank R passes a different count|dtype|op at step S
     crash:rank=R,step=S[,signal=SIG]   rank R exits with code 3 at step S, or kills itself with SIG
-    cpuhog:rank=R                      busy processes pinned to rank R's CPU
-    gpuslow:rank=R,ms=M                (gpu mode) rank R's device work takes M ms longer every step
+    cpuhog:rank=R[,step=S]             busy processes pinned to rank R's CPU (from step S)
+    gpuslow:rank=R,ms=M[,step=S]       (gpu mode) rank R's device work takes M ms longer every step
     gpuhang:rank=R,step=S              (gpu mode) rank R's device stops at step S (its host goes on)
+    pause:every=N,ms=M[,rank=R]        every N steps every rank pauses M ms, as for a checkpoint
+                                       (with rank: only R pauses, the others wait for it in a
+                                       barrier); a healthy job's long phase, not a fault
     agentkill:node=N,step=S[,after=SEC][,signal=SIG]
                                        node N's agent is killed (SIGKILL) once a rank
                                        reaches step S (SEC later); supervision restarts it
@@ -21,6 +30,12 @@ A spec is ``kind:key=value,key=value``:
     agentlate:node=N,step=S            node N's agent starts only once a rank reaches step S
     agentgone:node=N,step=S            node N's agent is killed (SIGKILL) at step S for good;
                                        its node is dumped with ``dump --pinned``
+
+"At step S" means: once any rank reaches step S.  Faults inside a rank
+(slow, gpuslow, pause, hang, mismatch, crash, gpuhang) fire exactly at the
+rank's step; faults the runner injects (the network ones, cpuhog, the agent
+faults) fire as soon as the runner sees a rank at that step (``lab.injector``),
+and report the step they really fired at.
 
 Agent faults need ``--record``: the lab supervises each agent as its systemd
 unit would (``lab.supervise``).  Ranks are global (node n holds ranks
@@ -41,14 +56,19 @@ from stallwatch.dumpers.errors import UsageError
 SPEC_HELP = (
     "hang:rank=R,step=S[,agents=ready]  rank R blocks before its collectives of step S"
     " (agents=ready: S steps after every agent is ready)",
-    "slow:rank=R,ms=M                   rank R computes M ms longer every step",
-    "loss:node=N,pct=P                  P% of node N's TCP packets are dropped",
-    "rate:node=N,mbit=M                 node N's link is capped at M Mbit/s",
+    "slow:rank=R,ms=M[,step=S]          rank R computes M ms longer every step (from step S)",
+    "loss:node=N,pct=P[,step=S]         P% of node N's TCP packets are dropped (from step S)",
+    "rate:node=N,mbit=M[,step=S]        node N's link is capped at M Mbit/s (from step S)",
+    "partition:node=N,step=S[,ms=M]     every packet of node N dropped from step S (ms: a flap)",
+    "linkdown:node=N,step=S[,ms=M]      node N's link loses carrier at step S (ms: up after M ms)",
+    "rst:node=N,step=S                  the job's TCP connections of node N reset at step S",
     "mismatch:rank=R,step=S,field=F     rank R passes another count|dtype|op at step S",
     "crash:rank=R,step=S[,signal=SIG]   rank R exits with code 3 at step S, or dies of SIG",
-    "cpuhog:rank=R                      busy processes pinned to rank R's CPU",
-    "gpuslow:rank=R,ms=M                (gpu mode) rank R's device work is M ms slower a step",
+    "cpuhog:rank=R[,step=S]             busy processes pinned to rank R's CPU (from step S)",
+    "gpuslow:rank=R,ms=M[,step=S]       (gpu mode) rank R's device work is M ms slower a step",
     "gpuhang:rank=R,step=S              (gpu mode) rank R's device stops at step S",
+    "pause:every=N,ms=M[,rank=R]        every N steps every rank (or rank R alone, the others"
+    " waiting in a barrier) pauses M ms, as for a checkpoint: healthy",
     "agentkill:node=N,step=S[,after=SEC][,signal=SIG]  node N's agent killed at step S, restarted",
     "agentoom:node=N,step=S             node N's agent killed by its memory bound, restarted",
     "agentlate:node=N,step=S            node N's agent started only at step S",
@@ -56,6 +76,8 @@ SPEC_HELP = (
 )
 MAX_PCT = 100
 MAX_STEP = 10**9
+MAX_MS = 600_000.0  # compute faults and pauses: ten minutes a step at most
+MAX_OUTAGE_MS = 3_600_000.0  # a flap or an outage: an hour at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,18 +118,58 @@ class Hang:
 class Slow:
     rank: int
     ms: float
+    step: int | None = None  # from this step on; None: from the first
 
 
 @dataclass(frozen=True, slots=True)
 class Loss:
     node: int
     pct: int
+    step: int | None = None  # None: from before the job starts
 
 
 @dataclass(frozen=True, slots=True)
 class Rate:
     node: int
     mbit: float
+    step: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Partition:
+    """Every packet to and from the node dropped on its switch port."""
+
+    node: int
+    step: int
+    ms: float | None = None  # a flap: the drop rule removed after ms; None: for good
+
+
+@dataclass(frozen=True, slots=True)
+class LinkDown:
+    """The node's switch port set down: its eth0 loses carrier."""
+
+    node: int
+    step: int
+    ms: float | None = None  # back up after ms; None: down for good
+
+
+@dataclass(frozen=True, slots=True)
+class Rst:
+    """The job's TCP connections of the node reset (both ends see it)."""
+
+    node: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """Every ``every`` steps (before steps N, 2N, ...) a long phase such as a
+    checkpoint: every rank, or rank ``rank`` alone, sleeps ``ms``, then
+    every rank joins a barrier.  A healthy job's rhythm, not a fault."""
+
+    every: int
+    ms: float
+    rank: int | None = None  # None: every rank pauses
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,12 +189,14 @@ class Crash:
 @dataclass(frozen=True, slots=True)
 class CpuHog:
     rank: int
+    step: int | None = None  # None: hogging from before the job starts
 
 
 @dataclass(frozen=True, slots=True)
 class GpuSlow:
     rank: int
     ms: float
+    step: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +236,10 @@ Fault = (
     | Slow
     | Loss
     | Rate
+    | Partition
+    | LinkDown
+    | Rst
+    | Pause
     | Mismatch
     | Crash
     | CpuHog
@@ -184,7 +252,7 @@ Fault = (
 )
 RankFault = Hang | Slow | Mismatch | Crash | CpuHog | GpuSlow | GpuHang
 GPU_FAULTS = (GpuSlow, GpuHang)
-NodeFault = Loss | Rate
+NodeFault = Loss | Rate | Partition | LinkDown | Rst
 AgentFault = AgentKill | AgentOom | AgentLate | AgentGone
 
 CRASH_EXIT_CODE = 3
@@ -233,6 +301,12 @@ class _Fields:
             self.fail(f"{key}={value:g} must be > {low:g} and <= {high:g}")
         return value
 
+    def optional_integer(self, key: str, low: int, high: int) -> int | None:
+        return self.integer(key, low, high) if key in self.values else None
+
+    def optional_number(self, key: str, low: float, high: float) -> float | None:
+        return self.number(key, low, high) if key in self.values else None
+
     def done(self) -> None:
         if self.values:
             self.fail(f"unknown key(s) for {self.kind}: {', '.join(sorted(self.values))}")
@@ -276,15 +350,37 @@ def _hang(f: _Fields) -> Fault:
 
 
 def _slow(f: _Fields) -> Fault:
-    return Slow(rank=f.integer("rank", 0, MAX_STEP), ms=f.number("ms", 0.0, 600_000.0))
+    rank, ms = f.integer("rank", 0, MAX_STEP), f.number("ms", 0.0, MAX_MS)
+    return Slow(rank=rank, ms=ms, step=f.optional_integer("step", 0, MAX_STEP))
 
 
 def _loss(f: _Fields) -> Fault:
-    return Loss(node=f.integer("node", 0, MAX_STEP), pct=f.integer("pct", 1, MAX_PCT))
+    node, pct = f.integer("node", 0, MAX_STEP), f.integer("pct", 1, MAX_PCT)
+    return Loss(node=node, pct=pct, step=f.optional_integer("step", 0, MAX_STEP))
 
 
 def _rate(f: _Fields) -> Fault:
-    return Rate(node=f.integer("node", 0, MAX_STEP), mbit=f.number("mbit", 0.0, 100_000.0))
+    node, mbit = f.integer("node", 0, MAX_STEP), f.number("mbit", 0.0, 100_000.0)
+    return Rate(node=node, mbit=mbit, step=f.optional_integer("step", 0, MAX_STEP))
+
+
+def _partition(f: _Fields) -> Fault:
+    node, step = f.integer("node", 0, MAX_STEP), f.integer("step", 0, MAX_STEP)
+    return Partition(node=node, step=step, ms=f.optional_number("ms", 0.0, MAX_OUTAGE_MS))
+
+
+def _linkdown(f: _Fields) -> Fault:
+    node, step = f.integer("node", 0, MAX_STEP), f.integer("step", 0, MAX_STEP)
+    return LinkDown(node=node, step=step, ms=f.optional_number("ms", 0.0, MAX_OUTAGE_MS))
+
+
+def _rst(f: _Fields) -> Fault:
+    return Rst(node=f.integer("node", 0, MAX_STEP), step=f.integer("step", 0, MAX_STEP))
+
+
+def _pause(f: _Fields) -> Fault:
+    every, ms = f.integer("every", 1, MAX_STEP), f.number("ms", 0.0, MAX_MS)
+    return Pause(every=every, ms=ms, rank=f.optional_integer("rank", 0, MAX_STEP))
 
 
 def _mismatch(f: _Fields) -> Fault:
@@ -298,11 +394,13 @@ def _crash(f: _Fields) -> Fault:
 
 
 def _cpuhog(f: _Fields) -> Fault:
-    return CpuHog(rank=f.integer("rank", 0, MAX_STEP))
+    rank = f.integer("rank", 0, MAX_STEP)
+    return CpuHog(rank=rank, step=f.optional_integer("step", 0, MAX_STEP))
 
 
 def _gpuslow(f: _Fields) -> Fault:
-    return GpuSlow(rank=f.integer("rank", 0, MAX_STEP), ms=f.number("ms", 0.0, 600_000.0))
+    rank, ms = f.integer("rank", 0, MAX_STEP), f.number("ms", 0.0, MAX_MS)
+    return GpuSlow(rank=rank, ms=ms, step=f.optional_integer("step", 0, MAX_STEP))
 
 
 def _gpuhang(f: _Fields) -> Fault:
@@ -335,11 +433,15 @@ _PARSERS: Mapping[str, Callable[[_Fields], Fault]] = {
     "slow": _slow,
     "loss": _loss,
     "rate": _rate,
+    "partition": _partition,
+    "linkdown": _linkdown,
+    "rst": _rst,
     "mismatch": _mismatch,
     "crash": _crash,
     "cpuhog": _cpuhog,
     "gpuslow": _gpuslow,
     "gpuhang": _gpuhang,
+    "pause": _pause,
     "agentkill": _agentkill,
     "agentoom": _agentoom,
     "agentlate": _agentlate,
@@ -375,35 +477,45 @@ def validate(
         where = f"fault {format_fault(fault)!r}"
         if mode is not None and mode != "gpu" and isinstance(fault, GPU_FAULTS):
             raise UsageError(f"{where} needs --mode gpu (the ranks have no device in {mode} mode)")
-        if isinstance(fault, Loss | Rate | AgentFault):
-            if fault.node >= topology.nodes:
-                raise UsageError(
-                    f"{where}: node {fault.node} does not exist (nodes are 0..{topology.nodes - 1})"
-                )
-            if isinstance(fault, AgentFault) and fault.step >= steps:
-                raise UsageError(
-                    f"{where}: step {fault.step} is never reached (steps are 0..{steps - 1})"
-                )
-            continue
-        if fault.rank >= topology.world_size:
+        if isinstance(fault, NodeFault | AgentFault) and fault.node >= topology.nodes:
             raise UsageError(
-                f"{where}: rank {fault.rank} does not exist "
-                f"(ranks are 0..{topology.world_size - 1})"
+                f"{where}: node {fault.node} does not exist (nodes are 0..{topology.nodes - 1})"
+            )
+        rank = fault.rank if not isinstance(fault, NodeFault | AgentFault) else None
+        if rank is not None and rank >= topology.world_size:
+            raise UsageError(
+                f"{where}: rank {rank} does not exist (ranks are 0..{topology.world_size - 1})"
             )
         step = getattr(fault, "step", None)
         if step is not None and step >= steps:
             raise UsageError(f"{where}: step {step} is never reached (steps are 0..{steps - 1})")
+        if isinstance(fault, Pause) and fault.every >= steps:
+            raise UsageError(
+                f"{where}: every={fault.every} pauses before step {fault.every}, "
+                f"never reached (steps are 0..{steps - 1})"
+            )
     _check_duplicates(faults)
 
 
+def _target(fault: Fault) -> int | None:
+    if isinstance(fault, NodeFault | AgentFault):
+        return fault.node
+    return fault.rank
+
+
 def _check_duplicates(faults: Iterable[Fault]) -> None:
-    seen: set[tuple[type, int]] = set()
+    seen: set[tuple[type, int | None]] = set()
     for fault in faults:
-        target = fault.node if isinstance(fault, Loss | Rate | AgentFault) else fault.rank
-        key = (type(fault), target)
+        key = (type(fault), _target(fault))
         if key in seen:
             raise UsageError(f"fault {format_fault(fault)!r} is given twice for the same target")
         seen.add(key)
+
+
+def _opt(key: str, value: float | None) -> str:
+    if value is None:
+        return ""
+    return f",{key}={value}" if isinstance(value, int) else f",{key}={value:g}"
 
 
 def format_fault(fault: Fault) -> str:
@@ -411,21 +523,29 @@ def format_fault(fault: Fault) -> str:
     match fault:
         case Hang(rank, step, ready):
             return f"hang:rank={rank},step={step}" + (",agents=ready" if ready else "")
-        case Slow(rank, ms):
-            return f"slow:rank={rank},ms={ms:g}"
-        case Loss(node, pct):
-            return f"loss:node={node},pct={pct}"
-        case Rate(node, mbit):
-            return f"rate:node={node},mbit={mbit:g}"
+        case Slow(rank, ms, step):
+            return f"slow:rank={rank},ms={ms:g}{_opt('step', step)}"
+        case Loss(node, pct, step):
+            return f"loss:node={node},pct={pct}{_opt('step', step)}"
+        case Rate(node, mbit, step):
+            return f"rate:node={node},mbit={mbit:g}{_opt('step', step)}"
+        case Partition(node, step, ms):
+            return f"partition:node={node},step={step}{_opt('ms', ms)}"
+        case LinkDown(node, step, ms):
+            return f"linkdown:node={node},step={step}{_opt('ms', ms)}"
+        case Rst(node, step):
+            return f"rst:node={node},step={step}"
+        case Pause(every, ms, rank):
+            return f"pause:every={every},ms={ms:g}{_opt('rank', rank)}"
         case Mismatch(rank, step, field):
             return f"mismatch:rank={rank},step={step},field={field.value}"
         case Crash(rank, step, sig):
             tail = f",signal={sig.name.removeprefix('SIG')}" if sig is not None else ""
             return f"crash:rank={rank},step={step}{tail}"
-        case CpuHog(rank):
-            return f"cpuhog:rank={rank}"
-        case GpuSlow(rank, ms):
-            return f"gpuslow:rank={rank},ms={ms:g}"
+        case CpuHog(rank, step):
+            return f"cpuhog:rank={rank}{_opt('step', step)}"
+        case GpuSlow(rank, ms, step):
+            return f"gpuslow:rank={rank},ms={ms:g}{_opt('step', step)}"
         case GpuHang(rank, step):
             return f"gpuhang:rank={rank},step={step}"
         case AgentKill(node, step, after_s, sig):
@@ -441,5 +561,19 @@ def format_fault(fault: Fault) -> str:
     raise AssertionError(fault)
 
 
-def for_rank(faults: Iterable[Fault], rank: int) -> tuple[RankFault, ...]:
-    return tuple(f for f in faults if isinstance(f, RankFault) and f.rank == rank)
+def for_rank(faults: Iterable[Fault], rank: int) -> tuple[RankFault | Pause, ...]:
+    """What a rank acts on itself: its own faults, and every pause (each
+    rank joins the barrier after one, whoever pauses)."""
+    return tuple(
+        f for f in faults if (isinstance(f, RankFault) and f.rank == rank) or isinstance(f, Pause)
+    )
+
+
+def active(fault: Slow | GpuSlow | CpuHog | Loss | Rate, step: int) -> bool:
+    """Whether a fault that acts from a step (or from the start) acts at ``step``."""
+    return fault.step is None or step >= fault.step
+
+
+def pauses_at(pause: Pause, step: int) -> bool:
+    """Pauses come before steps every, 2*every, ...: after every ``every`` steps."""
+    return step > 0 and step % pause.every == 0

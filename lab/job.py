@@ -31,9 +31,16 @@ the captured buffers before the launch and the results out after the step's
 synchronisation.  A rank with a mismatch fault at step S captures a second
 graph with the mismatched call at S and launches that one instead.
 
-In-rank faults (``lab.faults``): hang, slow, mismatch (applied to the loss
-AllReduce on world, the one collective every rank joins), crash; in gpu mode
-gpuslow (longer device compute) and gpuhang (the device stops).
+In-rank faults (``lab.faults``): hang, slow (from the start or from a step),
+mismatch (applied to the loss AllReduce on world, the one collective every
+rank joins), crash; in gpu mode gpuslow (longer device compute, from the
+start or from a step) and gpuhang (the device stops); and pauses, the
+checkpoint-like phases before every N-th step: the ranks named sleep, then
+every rank joins a barrier (a one-element AllReduce on world).  Each fires
+at the rank's own step and is written in the report as it fires
+(``events``: when, on CLOCK_MONOTONIC, and at which step).  At each step's
+start the rank also writes the step into ``STEPS_FILE`` (one pwrite), from
+which the runner fires its own faults at a step (``lab.injector``).
 
 Exit codes: 0 done and verified, 1 results wrong, 2 setup error (library, id),
 3 crash fault, 4 an NCCL call failed.
@@ -73,6 +80,9 @@ ASYNC_ENV = "LABNCCL_ASYNC"
 WAIT_ENV = "LABNCCL_WAIT"  # "spin": waiting host threads spin (lab/csrc/labwait.h)
 WAITS = ("block", "spin")
 UID_FILE = "world.uid"
+# one little-endian int64 per rank: 1 + the step it is in (0: not begun);
+# the runner reads it to fire faults at a step (``lab.injector``)
+STEPS_FILE = "steps.bin"
 AGENTS_READY_FILE = "agents.ready"  # the runner writes it once every agent is ready
 NO_COMM = "none"
 
@@ -126,6 +136,9 @@ class RankReport:
     run_delay_ms: float  # time its threads waited on a run queue since then
     compute_cpu_share: float  # CPU time / wall time inside the compute phases
     injected: list[str]
+    # each in-rank fault as it fired: {"spec", "step", "at_ns", "end_ns"}
+    # (CLOCK_MONOTONIC; end_ns for a pause, else None)
+    events: list[dict[str, Any]]
     device_log: list[dict[str, Any]]  # gpu mode: each collective's return and completion seen
 
     def to_json(self) -> bytes:
@@ -135,6 +148,34 @@ class RankReport:
     def from_json(cls, data: bytes) -> RankReport:
         raw = json.loads(data)
         return cls(**{name: raw[name] for name in cls.__dataclass_fields__})
+
+
+def make_steps_file(run_dir: Path, world: int) -> None:
+    (run_dir / STEPS_FILE).write_bytes(bytes(8 * world))
+
+
+def read_steps(run_dir: Path) -> list[int]:
+    """Each rank's current step (-1: not begun), from ``STEPS_FILE``."""
+    try:
+        data = (run_dir / STEPS_FILE).read_bytes()
+    except OSError:
+        return []
+    return [int(v) - 1 for v in np.frombuffer(data[: len(data) // 8 * 8], "<i8")]
+
+
+class StepMark:
+    """Where this rank writes the step it begins (one pwrite a step)."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.rank = rank
+        try:
+            self.fd: int | None = os.open(run_dir / STEPS_FILE, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            self.fd = None  # started by hand, without a runner: nobody reads it
+
+    def begin(self, step: int) -> None:
+        if self.fd is not None:
+            os.pwrite(self.fd, (step + 1).to_bytes(8, "little", signed=True), 8 * self.rank)
 
 
 def read_report(run_dir: Path, rank: int) -> RankReport | None:
@@ -224,7 +265,7 @@ class Rank:
     args: RankArgs
     topo: F.Topology
     nccl: Nccl
-    faults: tuple[F.RankFault, ...]
+    faults: tuple[F.RankFault | F.Pause, ...]
     sizes: Sizes
     comms: dict[str, Comm] = field(default_factory=dict)
     steps_done: int = 0
@@ -240,6 +281,8 @@ class Rank:
     graphs: Graphs | None = None
     device_stopped: str | None = None  # the gpuhang fault fired
     agents_ready_at: int | None = None  # the step at which it saw every agent ready
+    events: list[dict[str, Any]] = field(default_factory=list)
+    marks: StepMark | None = None
 
     @property
     def rank(self) -> int:
@@ -269,15 +312,34 @@ class Rank:
             run_delay_ms=round(delay - self.base[2], 3),
             compute_cpu_share=round(self.compute_cpu / max(self.compute_wall, 1e-9), 4),
             injected=[F.format_fault(f) for f in self.faults],
+            events=list(self.events),
             device_log=self.gpu.log() if self.gpu is not None else [],
         )
         write_atomic(report_path(self.args.run_dir, self.rank), rep.to_json())
 
-    def fault(self, kind: type[F.RankFault], step: int | None = None) -> F.RankFault | None:
+    def fault(
+        self, kind: type[F.RankFault | F.Pause], step: int | None = None
+    ) -> F.RankFault | F.Pause | None:
         for f in self.faults:
             if isinstance(f, kind) and (step is None or getattr(f, "step", None) == step):
                 return f
         return None
+
+    def fired(
+        self, fault: F.RankFault | F.Pause, step: int, at_ns: int, end_ns: int | None = None
+    ) -> None:
+        """Note an in-rank fault taking effect (written with the next report)."""
+        spec = F.format_fault(fault)
+        self.events.append({"spec": spec, "step": step, "at_ns": at_ns, "end_ns": end_ns})
+
+    def extra_ms(self, kind: type[F.Slow | F.GpuSlow], step: int) -> float:
+        """A slow fault's extra time at ``step`` (0 before its step)."""
+        slow = self.fault(kind)
+        if not isinstance(slow, F.Slow | F.GpuSlow) or not F.active(slow, step):
+            return 0.0
+        if step == (slow.step or 0):
+            self.fired(slow, step, time.monotonic_ns())
+        return slow.ms
 
     def mark_start(self) -> None:
         self.base = (_cpu_s(), time.monotonic(), _run_delay_ms())
@@ -409,11 +471,14 @@ def destroy_comms(r: Rank) -> None:
 def run_step(r: Rank, step: int) -> None:
     started = time.monotonic_ns()
     r.step_start_ns.append(started)
-    slow = r.fault(F.Slow)
+    if r.marks is not None:
+        r.marks.begin(step)
+    pause(r, step)
+    slow_ms = r.extra_ms(F.Slow, step)
     if r.gpu is None:
-        r.compute(r.args.compute_ms + (slow.ms if isinstance(slow, F.Slow) else 0.0))
+        r.compute(r.args.compute_ms + slow_ms)
     else:
-        device_compute(r, r.gpu, step, slow.ms if isinstance(slow, F.Slow) else 0.0)
+        device_compute(r, r.gpu, step, slow_ms)
     inject_before_collectives(r, step)
     if r.gpu is not None and r.graphs is not None:
         checks = graph_step(r, r.gpu, r.graphs, step)
@@ -494,13 +559,37 @@ def device_compute(r: Rank, gpu: Device, step: int, host_ms: float) -> None:
     """The step's compute, as device work (a slow fault still costs CPU)."""
     if host_ms:
         r.compute(host_ms)
-    if r.fault(F.GpuHang, step) is not None:
+    hang = r.fault(F.GpuHang, step)
+    if hang is not None:
+        r.fired(hang, step, time.monotonic_ns())
         r.device_stopped = f"gpuhang fault: the device stops at step {step}"
         r.report(STATUS_HUNG, error=r.device_stopped)
         gpu.stop_device()  # the host goes on queueing; nothing after this runs
         return
-    slow = r.fault(F.GpuSlow)
-    gpu.compute_for(r.args.compute_ms + (slow.ms if isinstance(slow, F.GpuSlow) else 0.0))
+    gpu.compute_for(r.args.compute_ms + r.extra_ms(F.GpuSlow, step))
+
+
+def pause(r: Rank, step: int) -> None:
+    """A checkpoint-like phase before the step (``F.Pause``): the ranks it
+    names sleep, then every rank joins a barrier (a one-element AllReduce on
+    world, as ``torch.distributed.barrier`` is), where the others wait."""
+    for p in r.faults:
+        if not isinstance(p, F.Pause) or not F.pauses_at(p, step):
+            continue
+        if p.rank is None or p.rank == r.rank:
+            began = time.monotonic_ns()
+            time.sleep(p.ms / 1000.0)
+            r.fired(p, step, began, time.monotonic_ns())
+        barrier(r)
+
+
+def barrier(r: Rank) -> None:
+    flag = np.ones(1, np.float32)
+    with on_device(r, "world") as s:
+        r.nccl(
+            "ncclAllReduce", "world", _buf(r, flag), _buf(r, flag), 1, F32, int(RedOp.SUM),
+            _comm(r, "world"), s,
+        )  # fmt: skip
 
 
 @contextmanager
@@ -536,10 +625,14 @@ def _hangs_now(r: Rank, step: int) -> bool:
 
 def inject_before_collectives(r: Rank, step: int) -> None:
     if _hangs_now(r, step):
+        hang = r.fault(F.Hang)
+        assert hang is not None
+        r.fired(hang, step, time.monotonic_ns())
         r.report(STATUS_HUNG, error=f"hang fault: blocked before the collectives of step {step}")
         threading.Event().wait()  # forever: the others block in their next collective
     crash = r.fault(F.Crash, step)
     if isinstance(crash, F.Crash):
+        r.fired(crash, step, time.monotonic_ns())
         r.report("crashed", error=f"crash fault at step {step}", code=F.CRASH_EXIT_CODE)
         if crash.signal is not None:
             os.kill(os.getpid(), crash.signal)
@@ -630,6 +723,8 @@ def loss_allreduce(r: Rank, step: int, world: Comm) -> Check:
     count, dtype, op = 1, F64, int(RedOp.SUM)
     mismatch = r.fault(F.Mismatch, step)
     if isinstance(mismatch, F.Mismatch):
+        if not r.nccl.replaying:
+            r.fired(mismatch, step, time.monotonic_ns())
         count, dtype, op = _mismatched(mismatch.field, count, dtype, op)
     loss = np.array([float(world.rank + step), 0.0], np.float64)
     with on_device(r, "world") as s:
@@ -694,6 +789,7 @@ def start(args: RankArgs) -> Rank:
     topo = F.Topology(args.nodes, args.ranks_per_node)
     faults = F.for_rank(F.parse_faults(args.fault), args.rank)
     rank = Rank(args, topo, Nccl(args.lib), faults, Sizes.from_elements(args.elements))
+    rank.marks = StepMark(args.run_dir, args.rank)
     if args.graphs and args.mode != "gpu":
         raise LabError("--graphs needs --mode gpu (graphs are captured on CUDA streams)")
     if args.mode == "gpu":

@@ -17,6 +17,28 @@ or a capped port would:
   against +6,000 on the link), so it would not look like loss at all.
 - rate: ``tc tbf`` on the node's ``eth0`` (egress) and on its switch port
   (traffic towards the node).
+- partition: the same kind of table drops every packet of the node (all
+  protocols, both directions), counting them; deleting it ends a flap.
+- link down: the switch's end of the node's veth is set down, so the node's
+  ``eth0`` loses carrier (``NO-CARRIER``, carrier 0, operstate ``DOWN``,
+  ``carrier_changes`` +1; +2 once back up), as with a pulled cable or a dead
+  switch port.  Its addresses and routes stay; what it sends is dropped by
+  its own device (TCP retransmits with backoff).  Read inside the node
+  (``link_state``) through ``ip netns exec``, which mounts the node's sysfs.
+- reset: ``ss -K`` (SOCK_DESTROY, the kernel has CONFIG_INET_DIAG_DESTROY)
+  inside the node on its established TCP connections but the agents' and the
+  neighbour's ports.  The kernel aborts each socket (``tcp_abort``): the node's
+  own sockets fail with ECONNABORTED, and an RST goes to each peer, whose
+  socket fails with ECONNRESET.  Measured on this kernel (6.18), a 2x2 job,
+  node 1 reset: ``tcp:tcp_send_reset`` fired 8 times, once per socket ``ss``
+  aborted (state ESTABLISHED, reason TCP_STATE, in the context of ``ss``, not
+  of the rank that owns the socket), ``tcp:tcp_receive_reset`` 8 times (node
+  0's 6 sockets, and node 1's own 2 ends of connections inside the node, reset
+  before ``ss`` reached them), ``sock:inet_sock_set_state`` ESTABLISHED ->
+  CLOSE 16 times; EstabResets +10 on node 1 and +6 on node 0, OutRsts +8 on
+  node 1.  The lab's libnccl then returns ncclRemoteError from the collective
+  on every rank (as real NCCL's socket transport does for any failed send or
+  recv), and every rank exits with code 4.
 
 ``cleanup_stale()`` removes what dead runs left behind: a live run keeps its
 runner's pid in ``/run/stallwatch-lab/<id>/runner.pid``.
@@ -26,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import re
 import secrets
@@ -196,8 +219,19 @@ def kill_inside(ns: str, grace: float = 0.0) -> list[str]:
 
 
 def add_loss(net: Network, node: Node, pct: int) -> None:
-    table = f"loss_{node.port}"
     rule = f"meta l4proto tcp numgen random mod 100 < {pct} drop"
+    _nft_table(net, f"loss_{node.port}", node, rule)
+
+
+def add_rate(net: Network, node: Node, mbit: float) -> None:
+    # burst must hold at least one MTU-sized packet per timer tick.
+    burst = max(16, int(mbit * 1000 / 8 / 100))  # kbyte: 10 ms at the rate
+    tbf = ["tbf", "rate", f"{mbit}mbit", "burst", f"{burst}kb", "latency", "200ms"]
+    sh(["ip", "netns", "exec", node.netns, "tc", "qdisc", "add", "dev", NODE_DEV, "root", *tbf])
+    sh(["ip", "netns", "exec", net.switch, "tc", "qdisc", "add", "dev", node.port, "root", *tbf])
+
+
+def _nft_table(net: Network, table: str, node: Node, rule: str) -> None:
     ruleset = (
         f"table netdev {table} {{\n"
         f'  chain from_node {{ type filter hook ingress device "{node.port}" priority 0;\n'
@@ -209,21 +243,81 @@ def add_loss(net: Network, node: Node, pct: int) -> None:
     sh(["ip", "netns", "exec", net.switch, "nft", "-f", "-"], stdin=ruleset)
 
 
-def add_rate(net: Network, node: Node, mbit: float) -> None:
-    # burst must hold at least one MTU-sized packet per timer tick.
-    burst = max(16, int(mbit * 1000 / 8 / 100))  # kbyte: 10 ms at the rate
-    tbf = ["tbf", "rate", f"{mbit}mbit", "burst", f"{burst}kb", "latency", "200ms"]
-    sh(["ip", "netns", "exec", node.netns, "tc", "qdisc", "add", "dev", NODE_DEV, "root", *tbf])
-    sh(["ip", "netns", "exec", net.switch, "tc", "qdisc", "add", "dev", node.port, "root", *tbf])
+def add_partition(net: Network, node: Node) -> None:
+    """Every packet to and from the node dropped (and counted) on its switch port."""
+    _nft_table(net, f"partition_{node.port}", node, "counter drop")
+
+
+def partition_drops(net: Network, node: Node) -> int:
+    """Packets the node's partition table dropped so far, both ways."""
+    out = sh(["ip", "netns", "exec", net.switch, "nft", "-j", "list", "table", "netdev",
+              f"partition_{node.port}"])  # fmt: skip
+    try:
+        items = json.loads(out)["nftables"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise LabError(f"nft -j list table partition_{node.port}: unreadable ({exc})") from exc
+    return sum(
+        int(expr["counter"]["packets"])
+        for item in items
+        for expr in item.get("rule", {}).get("expr", [])
+        if "counter" in expr
+    )
+
+
+def remove_partition(net: Network, node: Node) -> int:
+    """Ends a partition; returns the packets it dropped."""
+    dropped = partition_drops(net, node)
+    sh(["ip", "netns", "exec", net.switch, "nft", "delete", "table", "netdev",
+        f"partition_{node.port}"])  # fmt: skip
+    return dropped
+
+
+def set_link(net: Network, node: Node, up: bool) -> None:
+    """The switch's end of the node's link, down (the node loses carrier) or up."""
+    sh(["ip", "-n", net.switch, "link", "set", node.port, "up" if up else "down"])
+
+
+LINK_FILES = ("carrier", "operstate", "carrier_changes")
+
+
+def link_state(node: Node) -> dict[str, int | str | None]:
+    """The node's ``eth0`` as the node sees it (its sysfs): carrier (None
+    when the device itself is down), operstate, carrier_changes."""
+    script = "; ".join(
+        f"cat /sys/class/net/{NODE_DEV}/{name} 2>/dev/null || echo -" for name in LINK_FILES
+    )
+    out = sh(["ip", "netns", "exec", node.netns, "sh", "-c", script]).split()
+    if len(out) != len(LINK_FILES):
+        raise LabError(f"{node.netns}: unreadable link state of {NODE_DEV}: {out}")
+    carrier, operstate, changes = out
+    return {
+        "carrier": None if carrier == "-" else int(carrier),
+        "operstate": operstate,
+        "carrier_changes": None if changes == "-" else int(changes),
+    }
+
+
+def reset_connections(node: Node, keep_ports: Sequence[int]) -> int:
+    """Abort the node's established TCP connections (``ss -K``) but those to
+    or from ``keep_ports``; returns how many sockets were reset."""
+    keep = " or ".join(f"sport = :{p} or dport = :{p}" for p in keep_ports)
+    filt = ["state", "established", *(["not", "(", keep, ")"] if keep else [])]
+    out = sh(["ip", "netns", "exec", node.netns, "ss", "-K", "-t", "-n", "-H", *filt])
+    return sum(1 for line in out.splitlines() if line.strip())
+
+
+TCP_SETTINGS = frozenset({"RtoAlgorithm", "RtoMin", "RtoMax", "MaxConn"})  # not counters
 
 
 def tcp_counters(ns: str) -> dict[str, int]:
-    """The Tcp: line of /proc/net/snmp inside a namespace (RetransSegs, OutSegs, ...)."""
-    text = sh(["nsenter", f"--net={NETNS_DIR / ns}", "--", "cat", "/proc/net/snmp"])
+    """The Tcp: line of /proc/net/snmp inside a namespace (RetransSegs,
+    OutSegs, ActiveOpens, EstabResets, ...), read by a thread that joined it."""
+    text = in_netns(ns, lambda: Path("/proc/thread-self/net/snmp").read_text())
     rows = [line.split() for line in text.splitlines() if line.startswith("Tcp:")]
     if len(rows) < 2:
         raise LabError(f"no Tcp: counters in /proc/net/snmp of {ns}")
-    return {key: int(value) for key, value in zip(rows[0][1:], rows[1][1:], strict=True)}
+    pairs = zip(rows[0][1:], rows[1][1:], strict=True)
+    return {key: int(value) for key, value in pairs if key not in TCP_SETTINGS}
 
 
 # --- running code inside a namespace -------------------------------------------

@@ -3,15 +3,19 @@
 One run:
 1. checks (faults against the topology, root, tools, the library), and removes
    what dead runs left behind;
-2. makes the nodes (``lab.netns``), applies link faults, and with ``--record``
-   starts one agent per node inside its namespace (``stallwatch record --scope
-   netns``, listening on the node's address with a token and mutual TLS,
-   certificates made for the run by ``lab.certs``) and waits for its
-   ``/healthz``; with ``--agent-scope host``, one agent for the whole machine
-   instead (``record --scope host --job <run id>``: every node's ranks in one
-   dump, other jobs on the machine left out), in the switch's namespace (the
-   run's own, so its port is free), listening on loopback there;
-3. starts one ``python -m stallwatch.commands.labrank`` per rank inside its node, and CPU hogs;
+2. makes the nodes (``lab.netns``), and with ``--record`` starts one agent
+   per node inside its namespace (``stallwatch record --scope netns``,
+   listening on the node's address with a token and mutual TLS, certificates
+   made for the run by ``lab.certs``) and waits for its ``/healthz``; with
+   ``--agent-scope host``, one agent for the whole machine instead (``record
+   --scope host --job <run id>``: every node's ranks in one dump, other jobs
+   on the machine left out), in the switch's namespace (the run's own, so its
+   port is free), listening on loopback there;
+3. applies the faults that act from the start (link faults, CPU hogs:
+   ``lab.injector``), starts the neighbour (``--neighbour-churn``:
+   ``lab.neighbour``), then one ``python -m stallwatch.commands.labrank`` per
+   rank inside its node; the injector's thread fires the faults that act from
+   a step, and ends flaps;
 4. waits: the job ends, or no rank makes progress for ``--stall-timeout``
    seconds (progress is read from the ranks' reports), or ``--timeout`` passes;
    a recorded job that fails is given time for every agent to write its dump;
@@ -22,7 +26,9 @@ One run:
    (dumps of thread positions, no recording); ``--late-agents`` starts the
    agents only then and asks each for a snapshot (``POST /snapshot``, one
    incident ``lab-<run id>-snapshot``);
-5. tears everything down, always (``finally``, SIGINT, SIGTERM, ``atexit``):
+5. stops the neighbour (after the dumps), reads what each fault did
+   (``lab.faultlog``: when it began and ended, at which step), and
+   tears everything down, always (``finally``, SIGINT, SIGTERM, ``atexit``):
    ranks, hogs and agents are killed, namespaces (and with them links,
    nftables tables and qdiscs) deleted, the run directory removed.
 
@@ -55,6 +61,11 @@ from stallwatch.lab import faults as F
 from stallwatch.lab import job, netns
 from stallwatch.lab.certs import LabCerts, make_certs
 from stallwatch.lab.chaos import Chaos, post_query
+from stallwatch.lab.churn import CHURN_PORT
+from stallwatch.lab.faultlog import Episode, FaultRecord, Moment, wall_offset_ns
+from stallwatch.lab.injector import Injector, runner_faults
+from stallwatch.lab.logs import last_line
+from stallwatch.lab.neighbour import ChurnOutcome, Neighbour
 from stallwatch.lab.supervise import Service, Supervisor
 from stallwatch.query.agentclient import AgentClient
 
@@ -112,6 +123,9 @@ class RunConfig:
     # with record: "netns", one agent per node in its namespace; "host", one
     # agent for the machine (every node's ranks), known to agent faults as node 0
     agent_scope: str = "netns"
+    # a TCP neighbour outside the job: this many connections a second in
+    # total between the nodes, from before the job starts (0: none)
+    neighbour_churn: int = 0
 
     @property
     def topology(self) -> F.Topology:
@@ -147,6 +161,7 @@ class RankOutcome:
     run_delay_ms: float
     compute_cpu_share: float
     device_log: list[dict[str, Any]]  # gpu mode: each collective's return and completion seen
+    events: list[dict[str, Any]]  # its in-rank faults as they fired (RankReport.events)
 
     @property
     def healthy(self) -> bool:
@@ -162,6 +177,7 @@ class NodeOutcome:
     ip: str
     tcp_out_segs: int
     tcp_retrans_segs: int
+    tcp: dict[str, int]  # the whole Tcp: line of /proc/net/snmp (EstabResets, ActiveOpens, ...)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +187,7 @@ class RunResult:
     ranks_per_node: int
     steps: int
     mode: str
-    faults: list[dict[str, str]]
+    faults: list[FaultRecord]  # in the order given, each with when it began and ended
     ranks: list[RankOutcome]
     nodes_seen: list[NodeOutcome]
     duration_s: float
@@ -184,6 +200,7 @@ class RunResult:
     # is CLOCK_MONOTONIC, the clock of the recorded rows) and the agent faults
     # applied to it
     agents: list[dict[str, Any]] = field(default_factory=list)
+    neighbour_churn: ChurnOutcome | None = None
 
     @property
     def ok(self) -> bool:
@@ -211,6 +228,8 @@ def preflight(cfg: RunConfig) -> Path:
     """Everything that can be refused before anything is made; returns the library."""
     if cfg.nodes < 1 or cfg.ranks_per_node < 1 or cfg.steps < 1:
         raise LabError("--nodes, --ranks-per-node and --steps must be at least 1")
+    if cfg.neighbour_churn < 0:
+        raise LabError(f"--neighbour-churn {cfg.neighbour_churn}: must be at least 0")
     F.validate(cfg.faults, cfg.topology, cfg.steps, cfg.mode)
     agent_faults = [
         F.format_fault(f)
@@ -291,9 +310,10 @@ class Lab:
     hogs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     agents: dict[int, Supervisor] = field(default_factory=dict)
     chaos: Chaos | None = None
+    injector: Injector | None = None
+    neighbour: Neighbour | None = None
     killed: set[int] = field(default_factory=set)
     logs: list[TextIO] = field(default_factory=list)
-    applied: list[dict[str, str]] = field(default_factory=list)
     token: str = ""  # the agents' bearer token
     certs: LabCerts | None = None  # the agents' TLS (made per run, mutual)
     torn_down: bool = False
@@ -357,9 +377,13 @@ class Lab:
         if self.torn_down:
             return []
         self.torn_down = True
+        if self.injector is not None:
+            self.injector.stop()  # before the links it acts on go
         problems = _stop_agents(self.agents)
         for proc in [*self.ranks.values(), *self.hogs]:
             _kill(proc)
+        if self.neighbour is not None:
+            self.neighbour.kill()
         if self.net is not None:
             problems += netns.destroy(self.net)
         for out in self.logs:
@@ -451,47 +475,41 @@ def make_lab(cfg: RunConfig, lib: Path) -> Lab:
 
 def set_up(lab: Lab) -> None:
     lab.net = netns.create(lab.run_id, lab.cfg.nodes)
-    apply_link_faults(lab)
+    lab.injector = Injector(
+        net=lab.net,
+        faults=runner_faults(lab.cfg.faults),
+        run_dir=lab.run_dir,
+        start_hog=lambda fault: start_hog(lab, fault),
+        keep_ports=(AGENT_PORT, CHURN_PORT),
+    )
     if lab.cfg.record:
         lab.chaos = make_chaos(lab)
     if lab.cfg.record and not lab.cfg.late_agents:
         start_agents(lab)
-    start_hogs(lab)
+    lab.injector.apply_from_start()
+    job.make_steps_file(lab.run_dir, lab.cfg.topology.world_size)
+    if lab.cfg.neighbour_churn:
+        lab.neighbour = Neighbour(lab.cfg.neighbour_churn, lab.net.nodes, lab.run_dir, lab.spawn)
+        lab.neighbour.start()
+    lab.injector.start()
     start_ranks(lab)
-
-
-def apply_link_faults(lab: Lab) -> None:
-    assert lab.net is not None
-    for fault in lab.cfg.faults:
-        if isinstance(fault, F.Loss):
-            netns.add_loss(lab.net, lab.node(fault.node), fault.pct)
-            how = f"nftables netdev drop on switch port {lab.node(fault.node).port}, both ways"
-        elif isinstance(fault, F.Rate):
-            netns.add_rate(lab.net, lab.node(fault.node), fault.mbit)
-            how = f"tc tbf on {lab.node(fault.node).netns} {netns.NODE_DEV} and its switch port"
-        else:
-            continue
-        lab.applied.append({"spec": F.format_fault(fault), "how": how})
 
 
 def cpu_of(rank: int) -> int:
     return rank % (os.cpu_count() or 1)
 
 
-def start_hogs(lab: Lab) -> None:
-    for fault in lab.cfg.faults:
-        if not isinstance(fault, F.CpuHog):
-            continue
-        cpu = cpu_of(fault.rank)
-        code = HOG_CODE.format(run_dir=lab.run_dir, cpu=cpu, nice=HOG_NICE)
-        node = lab.node(lab.cfg.topology.node_of(fault.rank))
-        for k in range(HOGS_PER_RANK):
-            log = lab.run_dir / f"hog-{fault.rank}-{k}.log"
-            hog = lab.spawn(node, [sys.executable, "-c", code], log)
-            _renice_autogroup(hog.pid, HOG_NICE)
-            lab.hogs.append(hog)
-        how = f"{HOGS_PER_RANK} busy processes and the rank pinned to CPU {cpu}"
-        lab.applied.append({"spec": F.format_fault(fault), "how": how})
+def start_hog(lab: Lab, fault: F.CpuHog) -> str:
+    """The busy processes of one cpuhog fault, now; says how."""
+    cpu = cpu_of(fault.rank)
+    code = HOG_CODE.format(run_dir=lab.run_dir, cpu=cpu, nice=HOG_NICE)
+    node = lab.node(lab.cfg.topology.node_of(fault.rank))
+    for k in range(HOGS_PER_RANK):
+        log = lab.run_dir / f"hog-{fault.rank}-{k}.log"
+        hog = lab.spawn(node, [sys.executable, "-c", code], log)
+        _renice_autogroup(hog.pid, HOG_NICE)
+        lab.hogs.append(hog)
+    return f"{HOGS_PER_RANK} busy processes and the rank pinned to CPU {cpu}"
 
 
 def _renice_autogroup(pid: int, nice: int) -> None:
@@ -544,9 +562,6 @@ def start_ranks(lab: Lab) -> None:
         node = lab.node(topo.node_of(rank))
         log = lab.run_dir / f"rank-{rank}.log"
         lab.ranks[rank] = lab.spawn(node, rank_argv(lab, rank), log, launcher_env(lab, rank))
-    for fault in lab.cfg.faults:
-        if not isinstance(fault, F.Loss | F.Rate | F.CpuHog):
-            lab.applied.append({"spec": F.format_fault(fault), "how": "inside the rank"})
 
 
 # --- agents (--record) ------------------------------------------------------
@@ -646,7 +661,7 @@ def wait_healthy(lab: Lab, site: AgentSite, token: str) -> None:
             code = exits[0].code
             raise LabError(
                 f"the agent of {site.who} exited with {code} "
-                f"before answering {url}: {_last_line(log)}"
+                f"before answering {url}: {last_line(log)}"
             )
         if _says_listening(log) and netns.in_netns(site.netns, lambda: _healthz(client)):
             return
@@ -711,14 +726,6 @@ def _healthz(client: AgentClient) -> bool:
         return False
 
 
-def _last_line(path: Path) -> str:
-    try:
-        lines = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return "(no log)"
-    return lines[-1] if lines else "(empty log)"
-
-
 def _dumps(cfg: RunConfig) -> bool:
     return cfg.record or cfg.snapshot_when_stuck
 
@@ -741,6 +748,8 @@ def wait_for_dumps(lab: Lab) -> None:
     while time.monotonic() < deadline:
         if chaos is not None:
             chaos.poll()
+        if lab.injector is not None:
+            lab.injector.check()
         dumped = all(any(agent_dump_dir(lab.cfg, n).glob("*.msgpack")) for n in nodes)
         if dumped and (chaos is None or chaos.settled()):
             return
@@ -767,7 +776,7 @@ def pinned_dumps(lab: Lab) -> list[str]:
             _kill(proc)
             code = None
         if code != 0:
-            problems.append(f"dump --pinned on {site.who} failed: {_last_line(log)}")
+            problems.append(f"dump --pinned on {site.who} failed: {last_line(log)}")
     return problems
 
 
@@ -816,7 +825,7 @@ def snapshot_nodes(lab: Lab) -> list[str]:
             code = None
         if code != 0:
             log = lab.cfg.dump_dir / f"node{index}.snap.log"
-            problems.append(f"stallwatch snapshot on node {index} failed: {_last_line(log)}")
+            problems.append(f"stallwatch snapshot on node {index} failed: {last_line(log)}")
     return problems
 
 
@@ -889,6 +898,8 @@ def wait_for_job(lab: Lab, started: float) -> str | None:
     while True:
         if lab.chaos is not None:
             lab.chaos.poll()
+        if lab.injector is not None:
+            lab.injector.check()
         say_agents_ready(lab)
         now = time.monotonic()
         current = progress(lab)
@@ -929,7 +940,7 @@ def outcome(lab: Lab, rank: int, stuck: dict[int, job.RankReport | None]) -> Ran
     topo = lab.cfg.topology
     error = rep.error if rep is not None else None
     if error is None and code not in (0, None) and not killed:
-        error = _last_line(lab.run_dir / f"rank-{rank}.log")
+        error = last_line(lab.run_dir / f"rank-{rank}.log")
     return RankOutcome(
         world_rank=rank,
         node=topo.node_of(rank),
@@ -954,6 +965,7 @@ def outcome(lab: Lab, rank: int, stuck: dict[int, job.RankReport | None]) -> Ran
         run_delay_ms=rep.run_delay_ms if rep is not None else 0.0,
         compute_cpu_share=rep.compute_cpu_share if rep is not None else 0.0,
         device_log=rep.device_log if rep is not None else [],
+        events=rep.events if rep is not None else [],
     )
 
 
@@ -971,7 +983,7 @@ def node_outcomes(lab: Lab) -> list[NodeOutcome]:
     for node in lab.net.nodes:
         tcp = netns.tcp_counters(node.netns)
         seen.append(
-            NodeOutcome(node.index, node.netns, node.ip, tcp["OutSegs"], tcp["RetransSegs"])
+            NodeOutcome(node.index, node.netns, node.ip, tcp["OutSegs"], tcp["RetransSegs"], tcp)
         )
     return seen
 
@@ -1001,10 +1013,14 @@ def run(cfg: RunConfig, progress_out: TextIO | None = None) -> RunResult:
             elif cfg.record and cfg.dump_at_end:
                 _say(progress_out, f"lab run {lab.run_id}: asking every agent for a dump")
                 problems += request_end_dumps(lab)
+            assert lab.injector is not None
+            lab.injector.finish()
+            churn = lab.neighbour.stop() if lab.neighbour is not None else None
             stuck = stop_stuck(lab)
             ranks = [outcome(lab, r, stuck) for r in range(cfg.topology.world_size)]
             nodes = node_outcomes(lab)
             agents = agent_outcomes(lab)
+            records = fault_records(lab, ranks)
     finally:
         with signals_ignored():
             problems += lab.teardown()
@@ -1017,7 +1033,7 @@ def run(cfg: RunConfig, progress_out: TextIO | None = None) -> RunResult:
         ranks_per_node=cfg.ranks_per_node,
         steps=cfg.steps,
         mode=cfg.mode,
-        faults=lab.applied,
+        faults=records,
         ranks=ranks,
         nodes_seen=nodes,
         duration_s=round(time.monotonic() - started, 3),
@@ -1027,7 +1043,41 @@ def run(cfg: RunConfig, progress_out: TextIO | None = None) -> RunResult:
         dumps=[str(p) for p in dumps_found(cfg)] if _dumps(cfg) else [],
         problems=problems,
         agents=agents,
+        neighbour_churn=churn,
     )
+
+
+def fault_records(lab: Lab, ranks: Sequence[RankOutcome]) -> list[FaultRecord]:
+    """Every fault of the run, in the order given: the injector's and the
+    agents' as they noted them, the ranks' from what each rank reported."""
+    assert lab.injector is not None
+    known: dict[Any, FaultRecord] = dict(lab.injector.records())
+    if lab.chaos is not None:
+        known.update(lab.chaos.records())
+    offset = wall_offset_ns()
+    return [
+        known[f] if f in known else _rank_fault_record(f, ranks, offset) for f in lab.cfg.faults
+    ]
+
+
+def _rank_fault_record(fault: F.Fault, ranks: Sequence[RankOutcome], offset_ns: int) -> FaultRecord:
+    """A fault inside the ranks, from their events: one episode per step it
+    fired at (a pause on every rank: from the first rank's start to the
+    last one's end)."""
+    spec = F.format_fault(fault)
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for r in ranks:
+        for event in r.events:
+            if event.get("spec") == spec:
+                by_step.setdefault(int(event["step"]), []).append(event)
+    episodes = []
+    for step, events in sorted(by_step.items()):
+        start = Moment.from_mono(min(int(e["at_ns"]) for e in events), offset_ns)
+        ends = [int(e["end_ns"]) for e in events if e.get("end_ns") is not None]
+        end = Moment.from_mono(max(ends), offset_ns) if ends else None
+        episodes.append(Episode(step, start, end))
+    where = "inside the ranks" if isinstance(fault, F.Pause) else "inside the rank"
+    return FaultRecord.of(spec, where, episodes)
 
 
 def look_late(lab: Lab, progress_out: TextIO | None) -> list[str]:
@@ -1065,7 +1115,9 @@ def summary(result: RunResult) -> str:
         f"lab run {result.run_id}: {result.nodes} node(s) x {result.ranks_per_node} rank(s), "
         f"{result.steps} step(s), {result.mode}, {result.duration_s:.1f} s: {verdict}"
     ]
-    head += [f"fault {f['spec']}: {f['how']}" for f in result.faults]
+    head += [f"fault {f.spec}: {f.how}; {f.when()}" for f in result.faults]
+    if result.neighbour_churn is not None:
+        head.append(result.neighbour_churn.line())
     if result.gave_up:
         head.append(f"gave up: {result.gave_up}; stuck ranks: {result.stuck_ranks or 'none'}")
     tail = [f"dump: {d}" for d in result.dumps] + [f"teardown: {p}" for p in result.problems]

@@ -42,7 +42,7 @@ from stallwatch.dumpers.model import Clock, Recording, Ring, Trigger, TriggerKin
 from stallwatch.dumpers.schema import CUDA_SYMBOLS, NCCL_SYMBOLS
 from stallwatch.query.tls import ClientTls, ServerTls
 
-from . import discovery
+from . import discovery, sockets
 from .notify import Notifier
 from .peers import PeerList, PeerSource, peer_notifier
 from .pinning import PinSet
@@ -67,6 +67,7 @@ DISCOVERY_S = 0.25  # the /proc scan's period where there are no kernel events
 # idle agent reads a few ring heads and nothing else.
 QUIET_NS = 10_000_000_000
 DUMP_RETRY_S = 5.0
+ENDPOINTS_S = 5.0  # the job's TCP endpoints are read again this often
 PEER_TIMEOUT_S = 3.0  # a peer answers once its dump is written
 
 
@@ -156,6 +157,7 @@ class Agent:
         self.libraries: dict[discovery.LibraryId, AttachedLibrary] = {}
         self.scope = Scope(config.scope, self.classify, netns=netns, job=config.job)
         self._heads = {"comm": -1, "exit": -1}
+        self._endpoints_due = 0.0  # when the job's TCP endpoints are read again
         self._lock = threading.RLock()
         self._libcs: set[discovery.LibraryId] = set()
         self.incidents = self._make_incidents()
@@ -282,6 +284,7 @@ class Agent:
         if not inside:  # what it made before it was excluded: not this node's to watch
             self.source.forget_process(pid, keep_scope=True)
         if inside:
+            self._endpoints_due = 0.0  # its sockets join the TCP filter at the next tick
             self.procs.add(info)
             if not self.read_only:
                 self._attach_exit_probe(pid)
@@ -403,6 +406,7 @@ class Agent:
     def tick(self) -> TickState:
         """Update the tables from the small rings and maps; the watchdog's input."""
         with self._lock:
+            self._sync_endpoints()
             comm_rows = self._new_rows("comm", self.comms.done, again=self.comms.pending)
             if comm_rows is not None:
                 self.comms.apply_rows(self.scope.rows(comm_rows))
@@ -420,6 +424,17 @@ class Agent:
             state = self._tick_state(progress, now)
             self._maps_busy = bool(raw) or bool(state.inflight)
             return state
+
+    def _sync_endpoints(self) -> None:
+        """The local TCP ends of the processes in scope, for the kernel's TCP
+        filter: at once when one was placed, else every ENDPOINTS_S."""
+        if self.read_only:
+            return
+        now = time.monotonic()
+        if now < self._endpoints_due:
+            return
+        self._endpoints_due = now + ENDPOINTS_S
+        self.source.set_job_endpoints(sockets.job_endpoints(self.scope.inside))
 
     def _forget_ended(self, progress: list[CommProgress], now: int) -> None:
         """Processes ended more than QUIET_NS ago leave the kernel's maps

@@ -40,6 +40,7 @@ BPF_LINK_CREATE = 28
 BPF_ENABLE_STATS = 32
 
 # enum bpf_attach_type
+BPF_CGROUP_SOCK_OPS = 3
 BPF_PERF_EVENT = 41
 BPF_TRACE_UPROBE_MULTI = 48  # Linux 6.6+
 BPF_F_UPROBE_MULTI_RETURN = 1
@@ -544,6 +545,22 @@ def tracepoint_link(prog_fd: int, category: str, event: str) -> int:
         fcntl.ioctl(pfd, PERF_EVENT_IOC_ENABLE, 0)
     finally:
         os.close(pfd)  # the link keeps the event
+    return link
+
+
+def cgroup_link(prog_fd: int, cgroup: str | Path, attach_type: int) -> int:
+    """Attach a cgroup program (sock_ops) to the cgroup v2 folder
+    ``cgroup`` through a link: every socket of the cgroup and of the cgroups
+    below it; pinning the link keeps the attachment."""
+    cg = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        link = bpf(
+            BPF_LINK_CREATE,
+            _PerfLinkAttr(prog_fd=prog_fd, target_fd=cg, attach_type=attach_type),
+        )
+    finally:
+        os.close(cg)  # the link holds the cgroup
+    _cloexec(link)
     return link
 
 

@@ -37,11 +37,12 @@ from .maps import Layout
 
 log = logging.getLogger("stallwatch.record")
 
-FORMAT = 1
+FORMAT = 2  # 2: a program's link is a tracepoint or a cgroup hook
 DEFAULT_CACHE_DIR = Path("/var/cache/stallwatch")
 KEEP_ENTRIES = 8  # builds kept (about 300 KB each): ring sizes, versions side by side
 BPF_PROG_TYPE_KPROBE = 2  # uprobes too
 BPF_PROG_TYPE_TRACEPOINT = 5
+BPF_PROG_TYPE_SOCK_OPS = 13
 _LD_IMM64 = 0x18
 _PSEUDO_MAP_FD = 1
 _INSN = struct.Struct("<BBhi")
@@ -64,7 +65,9 @@ class CompiledProgram:
     attach_type: int  # expected_attach_type (0: none)
     insns: bytes  # map fds zeroed
     maps: tuple[tuple[int, str], ...]  # (instruction index, map name)
-    tracepoint: tuple[str, str] | None  # (category, event) to link it to
+    # what to link it to: ("tracepoint", "category:event") or ("cgroup", "sock_ops");
+    # None: uprobe_multi programs, linked library by library
+    link: tuple[str, str] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +119,7 @@ def save(cache_dir: Path, compiled: Compiled) -> None:
                 **vars_of(p),
                 "insns": base64.b64encode(p.insns).decode(),
                 "maps": [list(m) for m in p.maps],
-                "tracepoint": list(p.tracepoint) if p.tracepoint else None,
+                "link": list(p.link) if p.link else None,
             }
             for p in compiled.programs
         ],
@@ -198,14 +201,14 @@ def load(cache_dir: Path, build_key: str) -> Compiled | None:
 
 
 def _program(doc: dict[str, Any]) -> CompiledProgram:
-    tracepoint = doc["tracepoint"]
+    link = doc["link"]
     return CompiledProgram(
         name=str(doc["name"]),
         prog_type=int(doc["prog_type"]),
         attach_type=int(doc["attach_type"]),
         insns=base64.b64decode(doc["insns"]),
         maps=tuple((int(i), str(n)) for i, n in doc["maps"]),
-        tracepoint=(str(tracepoint[0]), str(tracepoint[1])) if tracepoint else None,
+        link=(str(link[0]), str(link[1])) if link else None,
     )
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.format import descr_to_dtype, dtype_to_descr
 
+from stallwatch.dumpers import layout
 from stallwatch.dumpers.errors import ProbeError
 from stallwatch.dumpers.schema import RING_DTYPES
 
@@ -35,26 +36,10 @@ from . import bpfsys
 
 # Ring name -> (index of its head in `heads`, BPF map name, cflag for its slots).
 RING_MAPS: dict[str, tuple[int, str, str]] = {
-    "nccl": (0, "nccl_ring", "NCCL_RING_SLOTS"),
-    "comm": (1, "comm_ring", "COMM_RING_SLOTS"),
-    "tcp": (2, "tcp_ring", "TCP_RING_SLOTS"),
-    "sched": (3, "sched_ring", "SCHED_RING_SLOTS"),
-    "exit": (4, "exit_ring", "EXIT_RING_SLOTS"),
+    ring: (i, f"{ring}_ring", f"{ring.upper()}_RING_SLOTS") for i, ring in enumerate(layout.RINGS)
 }
-# Index in the per-CPU `drops` array -> counter name (bpf/common.h DROP_*).
-DROP_NAMES = (
-    "kernel_lost_nccl",
-    "kernel_lost_comm",
-    "kernel_lost_tcp",
-    "kernel_lost_sched",
-    "kernel_lost_exit",
-    "kernel_inflight_full",
-    "kernel_comms_full",
-    "kernel_sock_owner_full",
-    "kernel_runq_maps_full",
-    "kernel_cuda_queue_full",
-    "kernel_graph_full",
-)
+# Index in the per-CPU `drops` array -> counter name (DROP_* of bpf/events.h).
+DROP_NAMES = layout.DROP_NAMES
 # Index in the per-CPU `cuda_seen` array (bpf/cuda.c SEEN_*) -> counter name.
 CUDA_SEEN_NAMES = (
     "cuda_event_records",
@@ -66,22 +51,10 @@ CUDA_SEEN_NAMES = (
 )
 HEAD_STRIDE_U64 = 8  # struct ring_head: one 64-byte line per ring
 # The discovery ring (bpf/proc.c): read each tick, never dumped.
-DISCOVERY_MAP, DISCOVERY_HEAD = "disc_ring", 7
+DISCOVERY_MAP, DISCOVERY_HEAD = "disc_ring", layout.DISC_HEAD
 DISCOVERY_BELL = "disc_bell"  # a ring buffer rung when a process loads a GPU library
-DISCOVERY_EVENT = np.dtype(
-    [
-        ("pos", "<u8"),
-        ("ts_ns", "<u8"),
-        ("kind", "<u2"),
-        ("size", "<u2"),
-        ("pid", "<u4"),
-        ("tid", "<u4"),
-        ("_pad0", "<u4"),
-        ("event", "<u4"),
-        ("_pad1", "<u4"),
-    ]
-)
-DISC_EXEC, DISC_LINKMAP = 1, 2
+DISCOVERY_EVENT = layout.DISC.dtype
+DISC_EXEC, DISC_LINKMAP = int(layout.DiscEvent.EXEC), int(layout.DiscEvent.LINKMAP)
 BPF_F_MMAPABLE = 1 << 10
 # Each communicator's state (bpf/nccl.c), a slot of an mmapped array; its
 # `pid` is set once the slot is a communicator's.
@@ -324,6 +297,26 @@ class MapSet:
         value["tgid"], value["port"] = tgid, port
         bpfsys.map_update(table.fd, np.array([0], table.spec.key).tobytes(), value.tobytes())
 
+    def set_job_endpoints(self, endpoints: dict[tuple[bytes, int, int], int]) -> None:
+        """The job endpoints whose connections the TCP programs keep (bpf/tcp.c
+        ``job_endpoints``): exactly ``endpoints`` ((address, port, family) ->
+        pid) from now on; a listener the programs learn since is added by them."""
+        table = self.maps.get("job_endpoints")
+        if table is None or table.read_only:
+            return
+        keys, _ = table.items()
+        wanted = np.zeros(len(endpoints), dtype=table.spec.key)
+        for i, (addr, port, family) in enumerate(endpoints):
+            wanted[i]["addr"] = np.frombuffer(addr, dtype=np.uint8)
+            wanted[i]["port"], wanted[i]["family"] = port, family
+        keep = {k.tobytes() for k in wanted}
+        for k in keys:
+            if k.tobytes() not in keep:
+                bpfsys.map_delete(table.fd, k.tobytes())
+        values = np.array(list(endpoints.values()), dtype=table.spec.value)
+        for k, v in zip(wanted, values, strict=True):
+            bpfsys.map_update(table.fd, k.tobytes(), v.tobytes())
+
     def items(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         return self.maps[name].items()
 
@@ -352,6 +345,11 @@ class MapSet:
             if name in ("rq_tids", "rq_enqueued", "rq_totals"):
                 for tid in tids:
                     m.delete(tid)
+                continue
+            if name in ("sock_owner", "job_endpoints"):  # the value is the owning pid
+                keys, values = m.items()
+                for k in keys[values == pid]:
+                    bpfsys.map_delete(m.fd, k.tobytes())
                 continue
             key = m.spec.key
             if key.names is not None and "pid" in key.names:

@@ -76,6 +76,10 @@ def tracepoint_link_name(category: str, event: str) -> str:
     return f"tp-{category}-{event}"
 
 
+def cgroup_link_name(hook: str) -> str:
+    return f"cg-{hook}"
+
+
 def safe_name(text: str) -> str:
     return _UNSAFE.sub("_", text)
 

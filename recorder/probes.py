@@ -98,6 +98,11 @@ LOADER_SYMBOL = "_dl_debug_state"
 # them.  A program added to bpf/ that links are made from goes here.
 UPROBE_PROGRAMS = (*ENTRY_PROGRAMS.values(), RETURN_PROGRAM, EXIT_PROGRAM, LOADER_PROGRAM)
 TRACEPOINT_PREFIX = "tracepoint__"
+# The sock_ops program (bpf/tcp.c): linked to the cgroup v2 root, it sees
+# every socket of the machine and reads the connection's state at
+# retransmission timeouts and retransmits.
+SOCK_OPS_PROGRAM = "handle_sock_ops"
+SOCK_OPS_LINK = ("cgroup", "sock_ops")
 assert set(ENTRY_PROGRAMS) == set(NCCL_SYMBOLS), "ENTRY_PROGRAMS out of sync with schema"
 
 # The CUDA runtime (bpf/cuda.c): one entry program told the symbol by its
@@ -206,8 +211,87 @@ def build_key(flags: Sequence[str]) -> str:
     return digest.hexdigest()[:24]
 
 
+def kernel_hz() -> int:
+    """The kernel's tick rate (CONFIG_HZ): retransmission timeouts come in
+    jiffies.  From the kernel's configuration, else measured on
+    /proc/timer_list's jiffies; 0 when neither can be read (RTOs unknown)."""
+    release = os.uname().release
+    for reader in (_hz_from_config, _hz_measured):
+        with contextlib.suppress(OSError, ValueError, EOFError):
+            hz = reader(release)
+            if hz:
+                return hz
+    return 0
+
+
+HZ_VALUES = (100, 250, 300, 1000)
+
+
+def _hz_from_config(release: str) -> int:
+    import gzip
+
+    texts: list[str] = []
+    with contextlib.suppress(OSError):
+        texts.append(Path(f"/boot/config-{release}").read_text())
+    if not texts:
+        with gzip.open("/proc/config.gz", "rt") as f:
+            texts.append(f.read())
+    for line in texts[0].splitlines():
+        if line.startswith("CONFIG_HZ="):
+            return int(line.partition("=")[2])
+    return 0
+
+
+def _hz_measured(_release: str) -> int:
+    import time
+
+    def jiffies() -> tuple[int, int]:
+        for line in Path("/proc/timer_list").read_text().splitlines():
+            if line.startswith("jiffies:"):
+                return int(line.split()[1]), time.monotonic_ns()
+        raise ValueError("no jiffies in /proc/timer_list")
+
+    j0, t0 = jiffies()
+    time.sleep(0.2)
+    j1, t1 = jiffies()
+    rate = (j1 - j0) * 1e9 / (t1 - t0)
+    return min(HZ_VALUES, key=lambda hz: abs(hz - rate))
+
+
+_HZ: list[int] = []
+TRACEFS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
+# Tracepoint fields that only some kernels have -> the cflag that says so
+# (the programs read them only then).
+OPTIONAL_FIELDS = {
+    ("tcp", "tcp_retransmit_skb", "err"): "TP_RETRANSMIT_ERR",  # 6.12+
+    ("tcp", "tcp_send_reset", "reason"): "TP_SEND_RESET_REASON",  # 6.10+
+}
+
+
+def tracepoint_fields(category: str, event: str) -> set[str]:
+    """The field names of a tracepoint on this kernel (empty: unknown)."""
+    for root in TRACEFS:
+        try:
+            text = (root / "events" / category / event / "format").read_text()
+        except OSError:
+            continue
+        return {m.split(";")[0].split()[-1].split("[")[0] for m in text.split("field:")[1:]}
+    return set()
+
+
+def optional_field_flags() -> list[str]:
+    flags = []
+    for (category, event, name), flag in OPTIONAL_FIELDS.items():
+        if name in tracepoint_fields(category, event):
+            flags.append(f"-D{flag}=1")
+    return flags
+
+
 def cflags(sizes: RingSizes, runq_threshold_ns: int) -> list[str]:
-    flags = [f"-I{BPF_DIR}", f"-DRUNQ_THRESHOLD_NS={runq_threshold_ns}ULL"]
+    if not _HZ:
+        _HZ.append(kernel_hz())
+    flags = [f"-I{BPF_DIR}", f"-DRUNQ_THRESHOLD_NS={runq_threshold_ns}ULL", f"-DKERNEL_HZ={_HZ[0]}"]
+    flags += optional_field_flags()
     flags += [f"-D{RING_MAPS[name][2]}={n}" for name, n in sizes.as_dict().items()]
     flags += [f"-DSYM_{name}={cookie}" for name, cookie in SYMBOL_COOKIES.items()]
     flags += [f"-DCSYM_{name}={cookie}" for name, cookie in CUDA_COOKIES.items()]
@@ -332,6 +416,23 @@ def layout_of(bpf: Any, lib: Any, flags: Sequence[str]) -> Layout:
         )
     defines = tuple(sorted(f for f in flags if f.startswith("-D")))
     return Layout(maps, defines)
+
+
+def cgroup2_root() -> Path | None:
+    """Where the cgroup v2 hierarchy's root is mounted (pure v2:
+    /sys/fs/cgroup; hybrid: /sys/fs/cgroup/unified), None if nowhere."""
+    try:
+        text = Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        fields = line.split(" - ")
+        if len(fields) != 2 or not fields[1].startswith("cgroup2 "):
+            continue
+        mount = fields[0].split()
+        if mount[3] == "/":  # the root of the hierarchy, not a namespace's part of it
+            return Path(mount[4])
+    return None
 
 
 def _tracepoints(bpf: Any, lib: Any) -> list[tuple[str, str, str]]:
@@ -536,9 +637,11 @@ class Probes:
             for p in UPROBE_PROGRAMS
         ]
         programs += [
-            self._captured(p, tracepoint, 0, (category, event), names)
+            self._captured(p, tracepoint, 0, ("tracepoint", f"{category}:{event}"), names)
             for p, category, event in _tracepoints(self.bpf, self._lib)
         ]
+        sock_ops = compiled.BPF_PROG_TYPE_SOCK_OPS
+        programs.append(self._captured(SOCK_OPS_PROGRAM, sock_ops, 0, SOCK_OPS_LINK, names))
         license = self._lib.bpf_module_license(self.bpf.module).decode()
         return compiled.Compiled(self.build_key, license, self.layout, maps, tuple(programs))
 
@@ -547,11 +650,11 @@ class Probes:
         name: str,
         prog_type: int,
         attach_type: int,
-        tracepoint: tuple[str, str] | None,
+        link: tuple[str, str] | None,
         names: dict[int, str],
     ) -> compiled.CompiledProgram:
         insns, where = compiled.unbind(self.bpf.dump_func(name.encode()), names)
-        return compiled.CompiledProgram(name, prog_type, attach_type, insns, where, tracepoint)
+        return compiled.CompiledProgram(name, prog_type, attach_type, insns, where, link)
 
     def _from_cache(self, pins: pinning.PinOptions, about: dict[str, Any]) -> MapSet | None:
         """Pins made from the compile cache's entry of this build, with no
@@ -596,16 +699,20 @@ class Probes:
         for prog in entry.programs:
             code = compiled.bind(prog, fds)
             fd = bpfsys.prog_load(prog.prog_type, code, entry.license, prog.name, prog.attach_type)
-            if prog.tracepoint is None:
+            if prog.link is None:
                 self._progs[prog.name] = fd
                 building.pin_prog(prog.name, fd)
                 continue
             try:
-                link = bpfsys.tracepoint_link(fd, *prog.tracepoint)
+                if prog.link == SOCK_OPS_LINK:
+                    self._link_sock_ops(fd, building)
+                    continue
+                category, _, event = prog.link[1].partition(":")
+                link = bpfsys.tracepoint_link(fd, category, event)
             finally:
                 os.close(fd)  # the link holds the program
             self._links.append(link)
-            building.pin_link(pinning.tracepoint_link_name(*prog.tracepoint), link)
+            building.pin_link(pinning.tracepoint_link_name(category, event), link)
 
     def _forget_entry(self, fds: dict[str, int]) -> None:
         close_links(self._links)
@@ -647,7 +754,36 @@ class Probes:
         log.debug("pin set created at %d", made)
         return maps
 
+    def _link_sock_ops(self, prog_fd: int, building: pinning.Building | None) -> None:
+        """The sock_ops program on the cgroup v2 root: without it (no cgroup
+        v2, or a kernel refusing the link) retransmits are still recorded,
+        with no connection state."""
+        root = cgroup2_root()
+        try:
+            if root is None:
+                raise OSError("no cgroup v2 hierarchy is mounted")
+            link = bpfsys.cgroup_link(prog_fd, root, bpfsys.BPF_CGROUP_SOCK_OPS)
+        except OSError as exc:
+            log.warning(
+                "TCP retransmits are recorded without the connection's state (RTO, RTT, "
+                "bytes unacknowledged): cannot link %s to the cgroup root %s: %s",
+                SOCK_OPS_PROGRAM,
+                root,
+                exc,
+            )
+            return
+        self._links.append(link)
+        if building is not None:
+            building.pin_link(pinning.cgroup_link_name(SOCK_OPS_LINK[1]), link)
+
     def _attach_tracepoints(self, building: pinning.Building | None) -> None:
+        try:
+            fn = self.bpf.load_func(SOCK_OPS_PROGRAM.encode(), self._bcc.BPF.SOCK_OPS)
+        except Exception as exc:  # BCC raises bare Exception
+            raise ProbeError(
+                f"cannot load sock_ops program {SOCK_OPS_PROGRAM}: {_short(exc)}"
+            ) from exc
+        self._link_sock_ops(int(fn.fd), building)
         for program, category, event in _tracepoints(self.bpf, self._lib):
             try:
                 fn = self.bpf.load_func(program.encode(), self._bcc.BPF.TRACEPOINT)

@@ -30,6 +30,10 @@ HELP = {
     "kernel_runq_maps_full": "Run-queue samples lost: the run-queue maps were full.",
     "kernel_cuda_queue_full": "NCCL calls without device times: their stream queue overflowed.",
     "kernel_graph_full": "NCCL calls captured into a CUDA graph beyond what a replay rewrites.",
+    "kernel_tcp_filtered": "TCP events of sockets that are not the job's: counted, not recorded "
+    "(a neighbour's connections never evict the job's).",
+    "kernel_conn_state_full": "Retransmits recorded without the connection's state: the "
+    "connection-state map was full.",
     "cuda_event_records": "cudaEventRecord calls seen.",
     "cuda_stream_waits": "cudaStreamWaitEvent calls seen.",
     "cuda_answers_done": "CUDA queries and synchronisations that answered cudaSuccess.",

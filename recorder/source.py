@@ -25,6 +25,7 @@ from .bpfsys import RingbufBell
 from .maps import DISCOVERY_BELL, RING_MAPS, MapSet
 from .pinning import PinOptions, PinSet
 from .rings import RingBuffer, RingWriter
+from .sockets import Endpoint
 from .tickstate import CommProgress, InflightCall
 
 
@@ -64,6 +65,10 @@ class EventSource(Protocol):
     def ignore_own_traffic(self, pid: int, port: int) -> None:
         """Record no TCP rows of process ``pid`` (the agent) nor of sockets
         whose local port is ``port`` (its listener); 0 for none."""
+
+    def set_job_endpoints(self, endpoints: dict[Endpoint, int]) -> None:
+        """The local TCP ends of the job's processes ((address, port,
+        family) -> pid): the kernel keeps the rows of their connections."""
 
     def scope_pids(self) -> tuple[set[int], set[int]]:
         """(tracked, excluded) as the kernel holds them (an earlier agent's, if adopted)."""
@@ -220,6 +225,9 @@ class BccSource(MapSource):
     def ignore_own_traffic(self, pid: int, port: int) -> None:
         self.probes.set_agent_self(pid, port)
 
+    def set_job_endpoints(self, endpoints: dict[Endpoint, int]) -> None:
+        self.probes.maps.set_job_endpoints(endpoints)
+
     def close(self) -> None:
         self.probes.close()
 
@@ -251,6 +259,9 @@ class PinnedSource(MapSource):
     def ignore_own_traffic(self, pid: int, port: int) -> None:
         return None
 
+    def set_job_endpoints(self, endpoints: dict[Endpoint, int]) -> None:
+        return None
+
     def forget_process(self, pid: int, keep_scope: bool = False) -> None:
         return None
 
@@ -273,6 +284,7 @@ class ReplaySource:
     tracked: set[int] = field(default_factory=set)
     excluded: set[int] = field(default_factory=set)
     own_traffic: tuple[int, int] = (0, 0)  # (pid, port) whose TCP rows are left out
+    endpoints: dict[Endpoint, int] = field(default_factory=dict)
     closed: bool = False
 
     @property
@@ -321,6 +333,9 @@ class ReplaySource:
 
     def ignore_own_traffic(self, pid: int, port: int) -> None:
         self.own_traffic = (pid, port)
+
+    def set_job_endpoints(self, endpoints: dict[Endpoint, int]) -> None:
+        self.endpoints = dict(endpoints)
 
     def scope_pids(self) -> tuple[set[int], set[int]]:
         return set(self.tracked), set(self.excluded)

@@ -1,22 +1,28 @@
-"""Stage "detect": pick the departures from consensus out of the metrics.
+"""Stage "detect": per-rank metrics, and the departures from consensus
+picked out of them.
 
 Each detector is a plain function of an ``Analysis`` (the incident, its
-matched calls and the metrics) returning verdicts, so that one can be swapped
-or tested alone.  One module per verdict family, its thresholds (upper-case
-constants) beside it: ``missing`` (collective frontier, point-to-point),
-``desync``, ``exits``, ``stragglers`` (compute, CPU interference),
-``network``; ``cpu`` tells starved ranks for the last two.  Thread positions
-(``analyzer.positionjudge``) judge a hang the recording does not show.
+matched calls, its frontiers and the metrics) returning verdicts, so that one
+can be swapped or tested alone.  One module per verdict family, holding the
+metrics it computes (functions that measure, none decides), its thresholds
+(upper-case constants) and its detector: ``missing`` (collective frontier,
+point-to-point gaps), ``desync`` (disagreements), ``exits``, ``stragglers``
+(arrival scores; compute, CPU interference), ``network`` (retransmits inside
+collective windows, the slowdowns they bring); ``cpu`` measures run-queue
+delay and tells starved ranks for the last two; ``positions`` judges a hang
+the recording does not show from thread readings.  The records the metrics
+fill sit in ``analyzer.incident`` (the ``Analysis`` carries them to every
+detector); ``inconclusive`` and ``causes`` run after the others.
 """
 
 from __future__ import annotations
 
-from ..positionjudge import detect_positions
 from .common import Analysis, Detector
 from .desync import detect_desync
 from .exits import detect_rank_exited
 from .missing import detect_missing_rank, detect_p2p_missing
 from .network import detect_network
+from .positions import detect_positions
 from .stragglers import detect_stragglers
 
 DETECTORS: tuple[Detector, ...] = (

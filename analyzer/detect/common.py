@@ -10,19 +10,19 @@ import numpy as np
 
 from stallwatch.dumpers.schema import op_name
 
-from ..incident import Incident
-from ..match import Matched
-from ..rankmetrics import (
+from ..incident import (
     ArrivalScore,
     CommSlowdown,
     Disagreement,
     Frontier,
     HostRetransmits,
+    Incident,
     Member,
     MemberState,
     P2pGap,
     SchedDelays,
 )
+from ..match import Matched
 from ..verdict import Verdict
 
 MAX_LISTED = 16  # evidence lines of one kind in a verdict

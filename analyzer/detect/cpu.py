@@ -1,4 +1,5 @@
-"""Run-queue delay: which ranks are starved of CPU, and the hosts they run on.
+"""Run-queue delay: each rank's, by who held the CPU when its wait ended
+(the metric); which ranks are starved of CPU, and the hosts they run on.
 Used by the straggler detectors (CPU interference) and by the network
 detector (a starved process stalls its connections: its retransmits are the
 starvation's, not a lossy link's)."""
@@ -7,8 +8,52 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..rankmetrics import proc_hosts
+from stallwatch.dumpers.schema import PREV_PID_UNKNOWN
+
+from ..incident import Incident, SchedDelays, proc_hosts
 from .common import Analysis
+
+# ---- metric: run-queue delay per rank, by the CPU's holder ---------------------------
+
+
+def sched_delays(inc: Incident) -> SchedDelays:
+    """Each proc's recorded run-queue delay, split by the CPU's holder: ranks
+    sharing too few CPUs wait for each other, which is no interference (an
+    oversubscribed job with spinning waiters would call its slowest rank
+    starved)."""
+    n = len(inc.procs)
+    zero = np.zeros(n, dtype=np.int64)
+    if not len(inc.sched) or not n:
+        return SchedDelays(zero, zero.copy(), zero.copy())
+    hosts, pids = np.array(proc_hosts(inc)), np.array([p.pid for p in inc.procs])
+    procs = _host_pid_keys(hosts, pids)
+    order = np.argsort(procs)
+    rows = inc.sched
+    keys = _host_pid_keys(rows["host"], rows["pid"])
+    pos = np.minimum(np.searchsorted(procs[order], keys), n - 1)
+    owner = order[pos]  # the proc whose thread waited, where procs[owner] == keys
+    unknown = rows["holder"] == PREV_PID_UNKNOWN
+    # a holder is one of the job's ranks when it runs on the waiter's machine
+    # (hosts of one kernel share CPUs and pids: the lab's nodes)
+    machine = np.array(inc.machines or range(len(inc.hosts)), dtype=np.int64)
+    ranks = _host_pid_keys(machine[hosts], pids)
+    by_job = ~unknown & np.isin(_host_pid_keys(machine[rows["host"]], rows["holder"]), ranks)
+
+    def per_proc(sel: np.ndarray) -> np.ndarray:
+        sel = sel & (procs[owner] == keys)
+        out = np.zeros(n, dtype=np.int64)
+        np.add.at(out, owner[sel], rows["delay"][sel])
+        return out
+
+    return SchedDelays(per_proc(~unknown & ~by_job), per_proc(by_job), per_proc(unknown))
+
+
+def _host_pid_keys(hosts: np.ndarray, pids: np.ndarray) -> np.ndarray:
+    """One int64 per (host or machine index, pid): pids stay below 2**32."""
+    return (hosts.astype(np.int64) << 32) | pids.astype(np.int64)
+
+
+# ---- who is starved of CPU -----------------------------------------------------------
 
 SCHED_MIN_NS = 10_000_000  # run-queue delay that counts as interference
 SCHED_DOMINANCE = 3.0  # times an unaffected rank's run-queue delay

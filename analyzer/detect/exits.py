@@ -15,7 +15,7 @@ import numpy as np
 
 from stallwatch.dumpers.schema import op_name
 
-from ..incident import Proc
+from ..incident import SKEW_NS, Proc
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, last_call_text, member_text, primary
 
@@ -24,9 +24,6 @@ def _death(p: Proc) -> str:
     if p.exit_signal:
         return f"was killed by signal {p.exit_signal}"
     return f"exited with code {p.exit_code}"
-
-
-SKEW_NS = 50_000_000  # clocks of two hosts may disagree by this much (a few ms, and margin)
 
 
 def _before(p: Proc, q: Proc) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from stallwatch.dumpers.schema import op_name
 
-from ..rankmetrics import Frontier
+from ..incident import Frontier
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, primary, world_of
 

@@ -1,19 +1,110 @@
 """Missing rank: at a communicator's frontier some ranks entered and others
 never did (collectives), or a rank posted point-to-point calls its peer never
-matched and has been idle since (a stall no collective shows)."""
+matched and has been idle since (a stall no collective shows).  The metrics:
+each communicator's frontier (``analyzer.frontier``, which other families
+read too), and the point-to-point directions whose sends and receives do not
+pair up (``p2p_gaps``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from stallwatch.dumpers.schema import Op, op_name
 
-from ..incident import Incident
-from ..rankmetrics import Frontier, Lag, Member, MemberState, P2pGap, waiting_in_p2p
+from ..incident import Frontier, Incident, Lag, Member, MemberState, P2pGap, proc_hosts
+from ..match import IS_P2P
 from ..verdict import Verdict, VerdictKind, rank_text
 from .common import MAX_LISTED, Analysis, member_text, primary, who
 
+# ---- metrics: point-to-point calls one side posted and the other did not -------------
+
+P2P_OPS = (int(Op.SEND), int(Op.RECV))
+
+
+def p2p_gaps(inc: Incident) -> list[P2pGap]:
+    """Every direction whose sends and receives do not pair up at the dump.
+    A side whose ring wrapped past every row of the direction is unknown,
+    not missing: no gap is made of it."""
+    rows = inc.calls.rows
+    start = max(inc.calls.matched, 0)
+    p2p = rows[start:] if start else rows
+    n = max((c.nranks for c in inc.comms), default=0)
+    peer = p2p["root"]
+    sel = np.flatnonzero(np.isin(p2p["op"], P2P_OPS) & (peer >= 0) & (peer < n))
+    if not len(sel):
+        return []
+    t = p2p.select(("comm", "crank", "root", "op", "seq", "ts", "proc")).take(sel)
+    is_send = t["op"] == Op.SEND
+    # the direction of each row, as (comm, src, dst)
+    src = np.where(is_send, t["crank"], t["root"]).astype(np.int64)
+    dst = np.where(is_send, t["root"], t["crank"]).astype(np.int64)
+    # per direction and side (comm, src, dst, is_send): the last seq posted
+    packed = ((t["comm"].astype(np.int64) * n + src) * n + dst) * 2 + is_send
+    keys, inverse = np.unique(packed, return_inverse=True)  # len(comms) * n * n * 2 < 2**63
+    uniq = np.rec.fromarrays([keys // (2 * n * n), keys // (2 * n) % n, keys // 2 % n, keys % 2])
+    top = np.full(len(uniq), -1, dtype=np.int64)
+    seq = t["seq"].astype(np.int64)
+    np.maximum.at(top, inverse, seq)
+    # the other side of each: the same direction, the other op
+    pos = np.minimum(np.searchsorted(keys, keys ^ 1), len(keys) - 1)
+    other = np.where(keys[pos] == keys ^ 1, top[pos], -1)
+    # each side's first call beyond what the other side posted
+    ahead = np.flatnonzero(seq > other[inverse])
+    ahead = ahead[np.lexsort((seq[ahead], inverse[ahead]))]
+    sides, first = np.unique(inverse[ahead], return_index=True)
+    hosts = proc_hosts(inc)
+    latest = _latest_per_proc(inc)
+    out = []
+    for side, row in zip(sides.tolist(), ahead[first].tolist(), strict=True):
+        comm, s, d, send = (int(x) for x in uniq[side])
+        members = inc.comms[comm].members
+        missing_crank = d if send else s
+        if not (0 <= missing_crank < len(members)):
+            continue
+        missing = members[missing_crank]
+        if other[side] < 0 and missing >= 0 and not inc.procs[missing].window_complete:
+            continue  # its ring wrapped: unknown
+        waiting = int(t["proc"][row])
+        now = inc.host_now[hosts[waiting]]
+        out.append(
+            P2pGap(
+                comm, s, d, waiting, missing, missing_crank, int(Op.SEND if send else Op.RECV),
+                int(seq[row]), int(top[side] - other[side]), int(other[side]),
+                None if now is None else now - int(t["ts"][row]),
+                None if now is None else now - int(latest[waiting]),
+            )
+        )  # fmt: skip
+    return out
+
+
+def waiting_in_p2p(inc: Incident) -> frozenset[int]:
+    """Procs blocked in a point-to-point call (posted, never returned): each
+    waits for its peer, like a rank in flight at a collective's frontier.
+    (Asynchronous calls return at once: none is ever found here.)"""
+    rows = inc.calls.rows
+    start = max(inc.calls.matched, 0)
+    p2p = rows[start:] if start else rows
+    if not len(p2p):
+        return frozenset()
+    stuck = IS_P2P[p2p["op"]] & (p2p["end"] == 0)
+    return frozenset(int(p) for p in np.unique(p2p["proc"][stuck]).tolist())
+
+
+def _latest_per_proc(inc: Incident) -> np.ndarray:
+    """Each proc's latest timestamp (entry or return) over all its calls."""
+    rows = inc.calls.rows
+    out = np.zeros(len(inc.procs), dtype=np.int64)
+    if len(rows):
+        np.maximum.at(out, rows["proc"], np.maximum(rows["ts"], rows["end"]))
+    return out
+
+
 P2P_STALL_NS = 1_000_000_000  # a side waiting on its peer's post, idle at least this long
+
+
+# ---- the detectors -------------------------------------------------------------------
 
 
 def _victims(frontiers: tuple[Frontier, ...]) -> dict[int, bool]:

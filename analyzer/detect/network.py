@@ -1,5 +1,7 @@
 """Network straggler: collectives slow for everyone, with TCP retransmits on
-one host's rank connections inside their windows."""
+one host's rank connections inside their windows.  The metrics: retransmits
+per host inside collective windows, and per communicator how much slower its
+collectives with retransmits inside are than those without."""
 
 from __future__ import annotations
 
@@ -7,10 +9,115 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..rankmetrics import CommSlowdown, HostRetransmits
+from ..incident import CommSlowdown, HostRetransmits, Incident, proc_hosts
+from ..match import Matched
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, ms, who
 from .cpu import starved_hosts
+
+# ---- metrics: retransmits inside collective windows, and what they slow --------------
+
+
+def retransmits_in_windows(inc: Incident, m: Matched) -> list[HostRetransmits]:
+    rt = inc.retransmits
+    nh = len(inc.hosts)
+    if not len(rt):
+        return []
+    phost = np.array(proc_hosts(inc), dtype=np.int64)
+    inside = np.zeros(len(rt), dtype=bool)
+    for h in range(nh):
+        sel = rt["host"] == h
+        if not sel.any():
+            continue
+        times = m.rows.select(("ts", "end"))
+        rows = times[(phost[m.rows["proc"]] == h) & (m.rows["end"] > 0)] if len(m.rows) else times
+        inside[sel] = _within(rt["ts"][sel], rows["ts"], rows["end"])
+    sent = rt[inside & (rt["local"] >= 0)]
+    got = rt[inside & (rt["remote"] >= 0)]
+    local = np.bincount(sent["local"], minlength=nh)
+    remote = np.bincount(got["remote"], minlength=nh)
+    total = np.bincount(rt["local"][rt["local"] >= 0], minlength=nh)
+    rows = m.rows
+    done = (
+        np.bincount(phost[rows["proc"][rows["end"] > 0]], minlength=nh) if len(rows) else total * 0
+    )
+    return [
+        HostRetransmits(h, int(local[h]), int(remote[h]), int(total[h]), int(done[h]))
+        for h in range(nh)
+    ]
+
+
+def _within(points: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Whether each point lies inside any [start, end] interval."""
+    if not len(starts):
+        return np.zeros(len(points), dtype=bool)
+    order = np.argsort(starts)
+    s, e = starts[order], np.maximum.accumulate(ends[order])
+    pos = np.searchsorted(s, points, side="right") - 1
+    return (pos >= 0) & (e[np.clip(pos, 0, None)] >= points)
+
+
+BASELINE_MIN_GROUPS = 3
+
+
+def retransmit_slowdowns(inc: Incident, m: Matched) -> list[CommSlowdown]:
+    """Per communicator spanning two hosts or more.  A collective's duration
+    is its longest member call: a stalled link holds up the whole ring, its
+    ranks finishing one after another.  Times are compared within one host:
+    a retransmit counts for a call recorded on the host that saw it."""
+    rt = inc.retransmits
+    if not len(rt) or not len(m.rows):
+        return []
+    phost = np.array(proc_hosts(inc), dtype=np.int64)
+    hits = _retransmits_per_row(inc, m, phost)
+    out = []
+    for comm, c in enumerate(inc.comms):
+        hosts = tuple(sorted({int(phost[p]) for p in c.members if p >= 0}))
+        if len(hosts) < 2:
+            continue
+        s = _slowdown(m, comm, c.nranks, hits)
+        if s is not None:
+            out.append(CommSlowdown(comm, hosts, *s))
+    return out
+
+
+def _retransmits_per_row(inc: Incident, m: Matched, phost: np.ndarray) -> np.ndarray:
+    rows, rt = m.rows, inc.retransmits
+    host = phost[rows["proc"]]
+    hits = np.zeros(len(rows), dtype=np.int64)
+    done = rows["end"] > 0
+    for h in np.unique(rt["host"]).tolist():
+        t = np.sort(rt["ts"][rt["host"] == h])
+        sel = np.flatnonzero((host == h) & done)
+        hi = np.searchsorted(t, rows["end"][sel], side="right")
+        hits[sel] = hi - np.searchsorted(t, rows["ts"][sel], side="left")
+    return hits
+
+
+def _slowdown(
+    m: Matched, comm: int, nranks: int, hits: np.ndarray
+) -> tuple[int, int, int, int] | None:
+    sl = m.comm_rows(comm)
+    rows, gid, hit = m.rows[sl], m.gid[sl], hits[sl]
+    if not len(rows):
+        return None
+    starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
+    size = np.diff(np.append(starts, len(gid)))
+    ok = (np.minimum.reduceat(rows["end"], starts) > 0) & (size == nranks)
+    if not ok.any():
+        return None
+    dur = np.maximum.reduceat(rows["end"] - rows["ts"], starts)[ok]
+    ghit = np.maximum.reduceat(hit, starts)[ok] > 0
+    n_hit = int(ghit.sum())
+    if not n_hit:
+        return len(dur), 0, 0, int(np.median(dur))
+    clean = dur[~ghit]
+    base = clean if len(clean) >= BASELINE_MIN_GROUPS else dur
+    q = 50 if len(clean) >= BASELINE_MIN_GROUPS else 25
+    return len(dur), n_hit, int(np.median(dur[ghit])), int(np.percentile(base, q))
+
+
+# ---- the detector --------------------------------------------------------------------
 
 RETRANS_MIN = 20  # retransmits inside collective windows that count
 RETRANS_PER_CALL = 0.25  # and at least this many per completed collective of the host

@@ -1,21 +1,357 @@
 """Compute straggler and CPU interference: one rank arrives last, step after
 step (in a blocking collective the last to arrive waits least: durations
 tell this without trusting clocks across hosts); when its threads wait in the
-run queue while its peers wait for it, the verdict is CPU interference."""
+run queue while its peers wait for it, the verdict is CPU interference.
+The metric: each rank's arrival score per communicator, over its latest
+collectives (``RECENT_GROUPS``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
 from stallwatch.dumpers.schema import op_name
 
-from ..rankmetrics import ArrivalScore
+from ..columns import Columns
+from ..frontier import ASYNC_BELOW_NS
+from ..incident import ArrivalScore, Incident, proc_hosts
+from ..match import Matched
 from ..verdict import Verdict, VerdictKind
 from .common import Analysis, ms
 from .cpu import sched_heavy
 from .network import lossy_hosts
+
+# ---- metric: how each rank arrives at its collectives --------------------------------
+
+# A collective timed on the device whose members' waits differ little says
+# nothing about who was late (the collectives that follow the first one after
+# a compute phase start together): left out of arrival scores are those whose
+# spread of waits is under this, or under half of the communicator's large
+# spreads (its 90th percentile).
+DEVICE_WAIT_SPREAD_NS = 5_000_000
+DEVICE_WAIT_SPREAD_SHARE = 0.5
+RECENT_GROUPS = 256  # stragglers are judged on each communicator's latest collectives
+
+
+def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
+    """Blocking: the last to arrive waits least (shortest duration).  Async
+    (durations tiny): entry lateness against peers, on the same host when it
+    has peers there, else against all (the detector demands a large margin)."""
+    out: list[ArrivalScore] = []
+    done = set()
+    for comm, scores in _grid_scores(inc, m):
+        done.add(comm)
+        out.extend(scores)
+    for comm, c in enumerate(inc.comms):
+        if c.nranks < 2 or comm in done:
+            continue
+        sl = m.comm_rows(comm)
+        rows, gid = m.rows.select(("ts", "end", "crank", "proc", "device"))[sl], m.gid[sl]
+        if not len(rows):
+            continue
+        if int(gid[-1] - gid[0]) >= RECENT_GROUPS:  # what led to the stall, not all history
+            start = int(np.searchsorted(gid, gid[-1] - RECENT_GROUPS + 1))
+            rows, gid = rows[start:], gid[start:]
+        if rows["device"].any():
+            rows = rows.select(rows.names)  # its own columns: "end" is replaced
+            rows["end"] = _shared_completion(rows, gid)
+        complete = _complete_groups(m, rows, gid, c.nranks) & _telling(rows, gid)
+        if not complete.any():
+            continue
+        if not complete.all():  # else keep the views: no copy of the table
+            keep = np.flatnonzero(complete)
+            first, last = int(keep[0]), int(keep[-1])
+            if last - first + 1 == len(keep):  # one run (the frontier is cut off): views
+                rows, gid = rows[first : last + 1], gid[first : last + 1]
+            else:
+                rows, gid = rows.take(keep), gid[keep]
+        scores = _wait_scores(inc, comm, rows, gid, c.nranks)
+        if np.median(rows["end"] - rows["ts"]) < ASYNC_BELOW_NS:  # calls return at once
+            scores += _lateness_scores(inc, comm, rows, gid, c.nranks)
+        period = _period(rows, gid)
+        device = bool(rows["device"].all())
+        out.extend(
+            dataclasses.replace(s, nranks=c.nranks, period_ns=period, device=device) for s in scores
+        )
+    return out
+
+
+GRID_CHUNK = 1 << 22  # calls scored at once by _grid_scores (bounds its temporaries)
+
+
+def _grid_windows(m: Matched, nranks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per communicator: the first row and the number of the complete groups
+    (every member entered and returned) of its straggler window, and whether
+    they are one run of two or more (then their rows are one slice; whether
+    each group holds one row per rank in rank order is the caller's check)."""
+    ncomms = len(nranks)
+    gcomm = m.group_comm.astype(np.int64)
+    lowest_end = np.minimum.reduceat(m.rows["end"], m.group_start)
+    complete = (m.group_size == nranks[gcomm]) & (lowest_end > 0)
+    g_lo = np.searchsorted(gcomm, np.arange(ncomms))
+    g_hi = np.searchsorted(gcomm, np.arange(ncomms), side="right")
+    w_lo = np.maximum(g_lo, g_hi - RECENT_GROUPS)
+    before = np.r_[0, np.cumsum(complete)]
+    count = before[g_hi] - before[w_lo]
+    which = np.flatnonzero(complete)
+    if not len(which):
+        return np.zeros(ncomms, np.int64), count, np.zeros(ncomms, dtype=bool)
+    first = which[np.minimum(before[w_lo], len(which) - 1)]
+    last = which[np.maximum(before[g_hi] - 1, 0)]
+    ok = (count >= 2) & (nranks >= 2) & (last - first + 1 == count)
+    return m.group_start[first], count, ok
+
+
+def _grid_scores(inc: Incident, m: Matched) -> list[tuple[int, list[ArrivalScore]]]:
+    """``_wait_scores`` (and the period) of every communicator whose window
+    is a grid (``_grid_windows``), communicators of one size and window
+    length together, a chunk at a time: the same numbers, without a round
+    of numpy calls per communicator."""
+    if not len(m.rows) or not len(inc.comms):
+        return []
+    nranks = np.array([c.nranks for c in inc.comms], dtype=np.int64)
+    start, groups, ok = _grid_windows(m, nranks)
+    out: list[tuple[int, list[ArrivalScore]]] = []
+    cand = np.flatnonzero(ok)
+    shapes: list[list[int]] = (
+        np.unique(np.stack([nranks[cand], groups[cand]]), axis=1).T.tolist() if len(cand) else []
+    )
+    for n, g in shapes:
+        comms = cand[(nranks[cand] == n) & (groups[cand] == g)]
+        per = max(1, GRID_CHUNK // (n * g))
+        for i in range(0, len(comms), per):
+            out += _grid_chunk(inc, m, comms[i : i + per], start, int(n), int(g))
+    return out
+
+
+def _grid_chunk(
+    inc: Incident, m: Matched, comms: np.ndarray, start: np.ndarray, n: int, g: int
+) -> list[tuple[int, list[ArrivalScore]]]:
+    index = start[comms][:, None] + np.arange(g * n)[None, :]
+    crank = m.rows["crank"][index].reshape(-1, g, n)
+    grid = (crank == np.arange(n)).all(axis=(1, 2))
+    # device-timed calls keep the per-communicator path (_telling leaves out
+    # the collectives whose waits barely differ)
+    grid &= ~m.rows["device"][index].any(axis=1)
+    ts = m.rows["ts"][index].reshape(-1, g, n)
+    dur = m.rows["end"][index].reshape(-1, g, n) - ts
+    grid &= np.median(dur.reshape(len(comms), -1), axis=1) >= ASYNC_BELOW_NS
+    comms, ts, dur = comms[grid], ts[grid], dur[grid]
+    if not len(comms):
+        return []
+    gmin = dur.min(axis=2, keepdims=True)
+    peers = (dur.sum(axis=2, keepdims=True) - dur) / (n - 1)
+    mins = (dur == gmin).sum(axis=1)
+    k = (g - 1) // 2
+
+    def lower_median(values: np.ndarray) -> np.ndarray:
+        cols = np.ascontiguousarray(values.transpose(0, 2, 1))  # a row per rank
+        cols.partition(k, axis=2)
+        return np.asarray(cols[:, :, k], dtype=np.int64)
+
+    margin, own, peer = lower_median(peers - dur), lower_median(dur), lower_median(peers)
+    period = np.median(np.diff(ts, axis=1).reshape(len(comms), -1), axis=1).astype(np.int64)
+    out = []
+    for i, comm in enumerate(comms.tolist()):
+        members = inc.comms[comm].members
+        out.append(
+            (
+                comm,
+                [
+                    ArrivalScore(
+                        comm,
+                        r,
+                        members[r],
+                        g,
+                        float(mins[i, r]) / g,
+                        int(margin[i, r]),
+                        int(peer[i, r]),
+                        int(own[i, r]),
+                        "wait",
+                        n,
+                        int(period[i]),
+                    )
+                    for r in range(n)
+                ],
+            )
+        )
+    return out
+
+
+def _period(rows: Columns, gid: np.ndarray) -> int:
+    """Median interval between one rank's entries into consecutive
+    collectives of a communicator (one clock: the rank's host's)."""
+    if len(rows) < 2:
+        return 0
+    crank = rows["crank"]
+    nranks = int(crank.max()) + 1
+    if len(crank) % nranks == 0 and (crank.reshape(-1, nranks) == np.arange(nranks)).all():
+        grid = rows["ts"].reshape(-1, nranks)  # complete groups, a row per rank each
+        steps = np.diff(gid[::nranks].astype(np.int64))
+        if len(steps) and (steps > 0).all():
+            return int(np.median(np.diff(grid, axis=0) / steps[:, None]))
+    order = np.lexsort((gid, crank))
+    ts, g, cr = rows["ts"][order], gid[order].astype(np.int64), rows["crank"][order]
+    same = cr[1:] == cr[:-1]
+    steps = (g[1:] - g[:-1])[same]
+    gaps = (ts[1:] - ts[:-1])[same]
+    ok = steps > 0
+    if not ok.any():
+        return 0
+    return int(np.median(gaps[ok] / steps[ok]))
+
+
+def _shared_completion(rows: Columns, gid: np.ndarray) -> np.ndarray:
+    """Per row, its return; in a group timed on the device, the earliest
+    completion any member's watchdog saw.  A collective completes on all its
+    members together: what one watchdog sees later is the lag of its poll
+    (under CPU contention tens of ms), not a longer wait, so on the device a
+    member waits from its start to that shared completion.  A start seen
+    after it (the same lag on the start's side) counts as no wait."""
+    starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
+    size = np.diff(np.append(starts, len(gid)))
+    end = rows["end"]
+    device = np.repeat(np.minimum.reduceat(rows["device"], starts) == 1, size)
+    done = np.where(end > 0, end, np.iinfo(np.int64).max)
+    first = np.repeat(np.minimum.reduceat(done, starts), size)
+    shared = np.where(first == np.iinfo(np.int64).max, 0, np.maximum(first, rows["ts"]))
+    out: np.ndarray = np.where(device, shared, end).astype(end.dtype)
+    return out
+
+
+def _telling(rows: Columns, gid: np.ndarray) -> np.ndarray:
+    """Per row: False in a device-timed group whose waits barely differ, and
+    in a group where the device's start of some member's call is unknown (the
+    watchdog saw it completed at its first look): its wait there is unknown,
+    and host and device times do not compare.  Groups of processes without
+    the CUDA probes are all telling."""
+    if not rows["device"].any():
+        return np.ones(len(gid), dtype=bool)
+    starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
+    size = np.diff(np.append(starts, len(gid)))
+    dur = rows["end"] - rows["ts"]
+    spread = np.maximum.reduceat(dur, starts) - np.minimum.reduceat(dur, starts)
+    device = np.minimum.reduceat(rows["device"], starts) == 1
+    host = np.maximum.reduceat(rows["device"], starts) == 0
+    floor = float(DEVICE_WAIT_SPREAD_NS)
+    if device.any():
+        floor = max(floor, DEVICE_WAIT_SPREAD_SHARE * float(np.percentile(spread[device], 90)))
+    out: np.ndarray = np.repeat(host | (device & (spread >= floor)), size)
+    return out
+
+
+def _complete_groups(m: Matched, rows: Columns, gid: np.ndarray, nranks: int) -> np.ndarray:
+    full = m.group_size[gid] == nranks
+    returned = np.minimum.reduceat(rows["end"], np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]]))
+    first = np.r_[True, gid[1:] != gid[:-1]]
+    ok_group = np.repeat(returned > 0, np.diff(np.append(np.flatnonzero(first), len(gid))))
+    out: np.ndarray = full & ok_group
+    return out
+
+
+def _median_per_rank(values: np.ndarray, crank: np.ndarray, nranks: int) -> np.ndarray:
+    """Lower median of ``values`` per comm rank (0 where a rank has none)."""
+    if len(crank) % nranks == 0 and len(crank):
+        grid = crank.reshape(-1, nranks)
+        if (grid == np.arange(nranks)).all():  # complete groups, one row per rank
+            cols = np.ascontiguousarray(values.reshape(-1, nranks).T)  # a row per rank
+            k = (cols.shape[1] - 1) // 2
+            cols.partition(k, axis=1)
+            return np.asarray(cols[:, k], dtype=np.int64)
+    order = np.lexsort((values, crank))
+    bounds = np.searchsorted(crank[order], np.arange(nranks + 1))
+    counts = np.diff(bounds)
+    mid = np.clip(bounds[:-1] + (counts - 1) // 2, 0, max(len(values) - 1, 0))
+    out = values[order[mid]] if len(values) else np.zeros(nranks)
+    return np.where(counts > 0, out, 0).astype(np.int64)
+
+
+def _wait_scores(
+    inc: Incident, comm: int, rows: Columns, gid: np.ndarray, nranks: int
+) -> list[ArrivalScore]:
+    dur = rows["end"] - rows["ts"]
+    starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
+    size = np.diff(np.append(starts, len(gid)))
+    gmin = np.repeat(np.minimum.reduceat(dur, starts), size)
+    gsum = np.repeat(np.add.reduceat(dur, starts), size)
+    peers_mean = (gsum - dur) / np.repeat(np.maximum(size - 1, 1), size)
+    is_min = (dur == gmin).astype(np.float64)
+    crank = rows["crank"]
+    ngroups = len(starts)
+    mins = np.bincount(crank, weights=is_min, minlength=nranks)
+    margin = _median_per_rank(peers_mean - dur, crank, nranks)
+    own = _median_per_rank(dur, crank, nranks)
+    peer = _median_per_rank(peers_mean, crank, nranks)
+    members = inc.comms[comm].members
+    return [
+        ArrivalScore(
+            comm,
+            r,
+            members[r],
+            ngroups,
+            float(mins[r]) / max(ngroups, 1),
+            int(margin[r]),
+            int(peer[r]),
+            int(own[r]),
+            "wait",
+        )
+        for r in range(nranks)
+    ]
+
+
+def _late_within(key: np.ndarray, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: how long after the first of its key group it entered, and
+    whether it was the last of a group of two or more."""
+    order = np.lexsort((ts, key))
+    k, t = key[order], ts[order]
+    starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+    size = np.diff(np.append(starts, len(k)))
+    late = np.empty(len(ts), dtype=np.int64)
+    is_last = np.empty(len(ts), dtype=np.float64)
+    late[order] = t - np.repeat(t[starts], size)
+    last = (t == np.repeat(np.maximum.reduceat(t, starts), size)) & (np.repeat(size, size) >= 2)
+    is_last[order] = last.astype(np.float64)
+    return late, is_last
+
+
+def _lateness_scores(
+    inc: Incident, comm: int, rows: Columns, gid: np.ndarray, nranks: int
+) -> list[ArrivalScore]:
+    """Entry lateness: against the ranks of the same host (one clock); a rank
+    alone on its host against all ranks (clocks of several hosts: the
+    detector then demands a margin far above any skew)."""
+    host = np.array(proc_hosts(inc), dtype=np.int64)[rows["proc"]]
+    nh = len(inc.hosts)
+    ranks_per_host = np.bincount(host[gid == gid[0]], minlength=nh)
+    shared = ranks_per_host[host] >= 2
+    late_h, last_h = _late_within(gid.astype(np.int64) * nh + host, rows["ts"])
+    late_a, last_a = _late_within(gid.astype(np.int64), rows["ts"])
+    late = np.where(shared, late_h, late_a)
+    is_last = np.where(shared, last_h, last_a)
+    crank = rows["crank"]
+    ngroups = int(np.count_nonzero(np.r_[True, gid[1:] != gid[:-1]]))
+    members = inc.comms[comm].members
+    lasts = np.bincount(crank, weights=is_last, minlength=nranks)
+    counts = np.bincount(crank, minlength=nranks)
+    lates = _median_per_rank(late, crank, nranks)
+    own = _median_per_rank(rows["end"] - rows["ts"], crank, nranks)
+    rank_host = np.full(nranks, -1, dtype=np.int64)
+    rank_host[crank] = host
+    out = []
+    for r in range(nranks):
+        if members[r] < 0 or not counts[r]:
+            continue
+        method = "host-lateness" if ranks_per_host[rank_host[r]] >= 2 else "lateness"
+        score = float(lasts[r]) / max(ngroups, 1)
+        out.append(
+            ArrivalScore(comm, r, members[r], ngroups, score, int(lates[r]), 0, int(own[r]), method)
+        )
+    return out
+
+
+# ---- the detector --------------------------------------------------------------------
 
 STRAGGLER_FRACTION = 0.75  # last to arrive in at least this share of collectives
 STRAGGLER_MARGIN_NS = 5_000_000  # and later than its peers by this much (median)

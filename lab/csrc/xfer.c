@@ -70,20 +70,29 @@ static int describe(char *buf, size_t len, const wireHdr *h, int rank, int recei
                     h->root);
 }
 
+/* As real NCCL's socket transport: every failure of a peer's socket during a
+ * transfer is ncclRemoteError (a closed or reset connection, and any other
+ * errno, e.g. ECONNABORTED when the kernel aborted the socket); the message
+ * says which. */
 static ncclResult_t connError(ncclComm_t comm, int peer, const wireHdr *h, int err) {
     char where[64];
     labFmtAddr(&comm->addrs[peer], where, sizeof where);
+    const char *op = labOpName(h->op);
+    unsigned long long seq = (unsigned long long)h->seq;
     if (atomic_load(&comm->aborting))
         return labError(comm, ncclSystemError, "rank %d: communicator aborted during %s #%llu",
-                        comm->rank, labOpName(h->op), (unsigned long long)h->seq);
-    if (err == 0 || err == ECONNRESET || err == EPIPE)
+                        comm->rank, op, seq);
+    if (err == 0 || err == EPIPE)
         return labError(comm, ncclRemoteError,
                         "rank %d: peer rank %d (%s) closed the connection during %s #%llu "
                         "(did it exit?)",
-                        comm->rank, peer, where, labOpName(h->op), (unsigned long long)h->seq);
-    return labError(comm, ncclSystemError, "rank %d: socket to peer rank %d (%s) during %s #%llu: %s",
-                    comm->rank, peer, where, labOpName(h->op), (unsigned long long)h->seq,
-                    strerror(err));
+                        comm->rank, peer, where, op, seq);
+    if (err == ECONNRESET)
+        return labError(comm, ncclRemoteError,
+                        "rank %d: peer rank %d (%s) reset the connection during %s #%llu",
+                        comm->rank, peer, where, op, seq);
+    return labError(comm, ncclRemoteError, "rank %d: socket to peer rank %d (%s) during %s #%llu: %s",
+                    comm->rank, peer, where, op, seq, strerror(err));
 }
 
 static ncclResult_t checkHeader(ncclComm_t comm, xfer *x, int peer, xqueue *q, const xmsg *m) {

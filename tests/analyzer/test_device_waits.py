@@ -12,9 +12,9 @@ import numpy as np
 
 from stallwatch.analyzer.columns import Columns
 from stallwatch.analyzer.detect.common import Analysis
-from stallwatch.analyzer.detect.stragglers import straggler_candidates
+from stallwatch.analyzer.detect.stragglers import _shared_completion, straggler_candidates
+from stallwatch.analyzer.incident import ArrivalScore
 from stallwatch.analyzer.pipeline import analyze_paths
-from stallwatch.analyzer.rankmetrics import ArrivalScore, _shared_completion
 from stallwatch.analyzer.verdict import VerdictKind
 from stallwatch.dumpers.format import read_dump
 

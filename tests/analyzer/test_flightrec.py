@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from stallwatch.analyzer.flightrec import read_flightrec
+from stallwatch.analyzer.incident import Frontier, MemberState
 from stallwatch.analyzer.load import load_inputs
 from stallwatch.analyzer.pipeline import (
     IncidentResult,
@@ -19,7 +20,6 @@ from stallwatch.analyzer.pipeline import (
     analyze_paths,
     group_incidents,
 )
-from stallwatch.analyzer.rankmetrics import Frontier, MemberState
 from stallwatch.analyzer.verdict import VerdictKind
 from stallwatch.dumpers.errors import DumpFormatError, DumpVersionError
 

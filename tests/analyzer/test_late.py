@@ -11,8 +11,8 @@ import dataclasses
 import numpy as np
 
 from stallwatch.analyzer.align import Source
-from stallwatch.analyzer.late import SEPARATION
 from stallwatch.analyzer.pipeline import analyze_incident, group_incidents
+from stallwatch.analyzer.streams import SEPARATION
 from stallwatch.analyzer.verdict import Verdict, VerdictKind
 from stallwatch.dumpers.model import CommInfo, Recording, Ring
 from tests.analyzer.synth import WORLD, Job, pid_of, recordings

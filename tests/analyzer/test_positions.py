@@ -1,4 +1,4 @@
-"""Judging from thread positions alone (``analyzer.positionjudge``), on positions
+"""Judging from thread positions alone (``analyzer.detect.positions``), on positions
 built by hand: the chains a hang makes across communicators, desyncs of
 order, and the cases that must not be judged."""
 
@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from stallwatch.analyzer.positionjudge import HostReadings, judge, position_text, rank_positions
+from stallwatch.analyzer.detect.positions import judge, position_text, rank_positions
+from stallwatch.analyzer.incident import HostReadings
 from stallwatch.analyzer.verdict import VerdictKind
 from stallwatch.dumpers.model import CommInfo
 from stallwatch.dumpers.readings import (

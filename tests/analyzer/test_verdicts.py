@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from stallwatch.analyzer.align import Source
+from stallwatch.analyzer.detect.cpu import sched_delays
 from stallwatch.analyzer.pipeline import analyze_incident, analyze_paths, group_incidents
-from stallwatch.analyzer.rankmetrics import sched_delays
 from stallwatch.analyzer.verdict import Verdict, VerdictKind
 from stallwatch.dumpers.model import Recording, Ring
 from stallwatch.dumpers.schema import PREV_PID_UNKNOWN, SCHED_EVENT, TCP_EVENT, State, TcpEvent

@@ -11,8 +11,8 @@ import pytest
 
 from bench.incident3d import Shape, write_incident
 from stallwatch.analyzer import align
+from stallwatch.analyzer.incident import MemberState
 from stallwatch.analyzer.pipeline import analyze_paths
-from stallwatch.analyzer.rankmetrics import MemberState
 from stallwatch.analyzer.verdict import VerdictKind
 from stallwatch.dumpers.format import read_dump, read_dump_deferred, write_dump
 from tests.analyzer.synth import Job, recordings

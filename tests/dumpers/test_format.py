@@ -25,6 +25,7 @@ from stallwatch.dumpers.schema import (
     PREV_PID_UNKNOWN,
     RING_DTYPES,
     SCHED_EVENT_V4,
+    TCP_EVENT_V6,
     State,
 )
 from tests.dump_samples import (
@@ -121,10 +122,18 @@ def _old_ring(doc: dict[str, object], rec: Recording, name: str, dtype: np.dtype
     return old
 
 
+def _as_version_6(rec: Recording) -> dict[str, object]:
+    """``rec``'s document as versions 1 to 6 wrote its TCP rows: without the
+    connection's state."""
+    doc = _doc(rec)
+    _old_ring(doc, rec, "tcp", TCP_EVENT_V6)
+    return doc
+
+
 def _as_version_4(rec: Recording) -> dict[str, object]:
     """``rec``'s document as versions 1 to 4 wrote its sched rows: without
     ``prev_pid`` (``_pad1`` where it is now, zero)."""
-    doc = _doc(rec)
+    doc = _as_version_6(rec)
     _old_ring(doc, rec, "sched", SCHED_EVENT_V4)
     return doc
 
@@ -161,6 +170,21 @@ def test_version_3_rows_are_read_into_todays_with_no_graph(tmp_path: Path) -> No
     for name in ("graph", "graph_node", "replay"):
         want[name] = 0
     assert (rows == want).all()
+
+
+def test_version_6_tcp_rows_have_no_connection_state(tmp_path: Path) -> None:
+    rec = sample_recording(50)
+    rows = rec.rings["tcp"].rows
+    rows["conn_known"], rows["backoff"], rows["srtt_us"] = 1, 3, 250
+    doc = _as_version_6(rec)
+    doc["version"] = 6
+    path = tmp_path / "v6.msgpack"
+    path.write_bytes(msgpack.packb(doc, use_bin_type=True))
+    back = fmt.read_dump(path).rings["tcp"].rows
+    assert back.dtype == RING_DTYPES["tcp"] and len(back) == len(rows) > 0
+    assert (back["conn_known"] == 0).all() and (back["backoff"] == 0).all()
+    assert (back["srtt_us"] == 0).all()
+    assert (back["sport"] == rows["sport"]).all() and (back["daddr"] == rows["daddr"]).all()
 
 
 def test_version_4_sched_rows_name_no_cpu_holder(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
-"""One layout on both sides of C and numpy: the event structs of
-bpf/events.h (the header, every struct a ring holds) and the numpy dtypes of
-dumpers.schema and recorder.maps agree on every size and field offset, a
-drift on either side is found (checked on mutated copies), the ring indices
-and heads of bpf/common.h match recorder.maps, and the kernel's folds match
+"""One layout on both sides of C and numpy: bpf/events.h is generated from
+dumpers.layout and is what it generates (a stale copy is found); the C
+compiler lays out its structs (the header, every struct a ring holds) as the
+numpy dtypes of dumpers.schema and recorder.maps say, on every size and field
+offset, and a drift on either side is found (checked on mutated copies); the
+ring indices and heads match recorder.maps, and the kernel's folds match
 Python's."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stallwatch.dumpers import schema
+from stallwatch.dumpers import layout, schema
 from stallwatch.recorder import maps
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,12 +109,33 @@ def test_c_structs_and_numpy_dtypes_agree(c_layout: Layout) -> None:
     assert mismatches(c_layout, STRUCTS) == []
 
 
+def test_the_header_is_what_the_layout_generates(tmp_path: Path) -> None:
+    assert not layout.stale(), "bpf/events.h is stale: python -m stallwatch.dumpers.layout --write"
+    copy = tmp_path / "events.h"
+    copy.write_text(layout.header_text().replace("__u32 cpu;", "__u64 cpu;"))
+    assert layout.stale(copy)
+    assert layout.main(["--check"]) == 0
+
+
+def test_the_header_pins_every_size_and_offset() -> None:
+    text = (ROOT / "bpf" / "events.h").read_text()
+    for struct in layout.STRUCTS:
+        assert f"sizeof(struct {struct.name}) == {struct.dtype.itemsize}" in text
+        for f in struct.fields:
+            offset = layout.offset(struct, f.name)
+            assert f"__builtin_offsetof(struct {struct.name}, {f.name}) == {offset}" in text
+
+
 def test_a_struct_changed_in_c_alone_is_found(tmp_path: Path) -> None:
-    """Drift on the C side: a copy of events.h whose sched_event widens cpu."""
+    """Drift on the C side: a copy of events.h whose sched_event widens cpu
+    (its static assertions taken out, as a hand edit would)."""
     header = (ROOT / "bpf" / "events.h").read_text()
-    drifted = header.replace("\t__u32 cpu;\n\t__s32 prev_pid;", "\t__u64 cpu;\n\t__s32 prev_pid;")
+    drifted = header.replace("\t__u32 cpu;", "\t__u64 cpu;")
     assert drifted != header
-    (tmp_path / "events.h").write_text(drifted.replace("sizeof(struct sched_event) == 48", "1"))
+    unpinned = "\n".join(
+        line for line in drifted.splitlines() if not line.startswith("_Static_assert")
+    )
+    (tmp_path / "events.h").write_text(unpinned)
     found = mismatches(compile_layout(tmp_path, STRUCTS, tmp_path), STRUCTS)
     assert found == [
         "sched_event: C 56 bytes, numpy 48",
@@ -141,10 +163,10 @@ def _defines(path: Path, prefix: str) -> dict[str, int]:
 
 
 def test_ring_indices_and_heads_agree() -> None:
-    """bpf/common.h's ring indices and struct ring_head against recorder.maps."""
+    """bpf/events.h's ring indices and common.h's struct ring_head against recorder.maps."""
     common = (ROOT / "bpf" / "common.h").read_text()
     sources = common + "".join(p.read_text() for p in (ROOT / "bpf").glob("*.c"))
-    rings = _defines(ROOT / "bpf" / "common.h", "RING_")
+    rings = _defines(ROOT / "bpf" / "events.h", "RING_")
     for ring, (index, map_name, slots_flag) in maps.RING_MAPS.items():
         assert rings[f"RING_{ring.upper()}"] == index, ring
         assert f"#define {slots_flag} " in common, slots_flag
@@ -153,8 +175,12 @@ def test_ring_indices_and_heads_agree() -> None:
     head = re.search(r"struct ring_head \{\s*__u64 head;\s*__u64 _pad\[(\d+)\];\s*\};", common)
     assert head is not None, "struct ring_head is no longer a head and its padding"
     assert 1 + int(head.group(1)) == maps.HEAD_STRIDE_U64
+    assert rings["RING_HEADS"] * maps.HEAD_STRIDE_U64 * 8 == 64 * (maps.DISCOVERY_HEAD + 1)
     disc = _defines(ROOT / "bpf" / "events.h", "DISC_")
     assert disc == {"DISC_EXEC": maps.DISC_EXEC, "DISC_LINKMAP": maps.DISC_LINKMAP}
+    drops = _defines(ROOT / "bpf" / "events.h", "DROP_")
+    assert drops.pop("DROP_SLOTS") == len(maps.DROP_NAMES)
+    assert sorted(drops.values()) == list(range(len(layout.RINGS), len(maps.DROP_NAMES)))
 
 
 def test_dtypes_cover_every_byte() -> None:
@@ -176,10 +202,16 @@ def test_datatype_size_table_in_bpf_matches_schema() -> None:
         assert (packed >> (4 * dt)) & 0xF == size, schema.DataType(dt).name
 
 
-def test_op_numbers_in_header_match_enum() -> None:
+def test_every_shared_constant_has_one_name_on_both_sides() -> None:
     text = (ROOT / "bpf" / "events.h").read_text()
     for op in schema.Op:
         assert f"#define OP_{op.name} {int(op)}" in text
+    assert "#define TCPEV_INET_SOCK_SET_STATE 2" in text
+    assert "#define EXITEV_SIGNAL 2" in text
+    for enum_type, prefix in layout.C_PREFIXES:
+        for name in layout.c_names(enum_type):
+            assert re.search(rf"^#define {name} \(?-?\d+\)?$", text, re.M), name
+            assert name.startswith(prefix)
 
 
 def test_fold_unique_id_is_order_sensitive_and_uses_all_bytes() -> None:

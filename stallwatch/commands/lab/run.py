@@ -21,10 +21,18 @@ examples:
   stallwatch lab run --nodes 2 --ranks-per-node 2 --steps 20 --json
   stallwatch lab run --nodes 4 --fault hang:rank=5,step=10 --stall-timeout 5
   stallwatch lab run --fault loss:node=1,pct=5 --mode async
+  stallwatch lab run --nodes 3 --steps 400 --fault partition:node=2,step=100,ms=4000 --json
+  stallwatch lab run --nodes 3 --steps 400 --fault linkdown:node=1,step=100,ms=3000
+  stallwatch lab run --nodes 3 --steps 200 --fault rst:node=1,step=50 --record --dump-dir dumps/
+  stallwatch lab run --nodes 4 --steps 300 --fault rate:node=3,mbit=8,step=100 --record \\
+      --dump-at-end --dump-dir dumps/
+  stallwatch lab run --nodes 3 --steps 300 --fault slow:rank=4,ms=80,step=100
+  stallwatch lab run --nodes 3 --steps 300 --fault pause:every=50,ms=2000,rank=0
+  stallwatch lab run --nodes 3 --steps 600 --neighbour-churn 2000 --json
   stallwatch lab run --nodes 4 --mode gpu --fault gpuslow:rank=5,ms=80 --record --dump-at-end
   stallwatch lab run --nodes 4 --fault hang:rank=5,step=10 --record --dump-dir dumps/
   stallwatch lab run --nodes 2 --record --dump-at-end --dump-dir dumps/
-  stallwatch lab run --nodes 2 --steps 3000 --record --agent-scope host \
+  stallwatch lab run --nodes 2 --steps 3000 --record --agent-scope host \\
       --fault agentlate:node=0,step=20 --fault hang:rank=1,step=50,agents=ready
 
 exit codes: 0 every rank finished and verified; 1 the job failed (faults, stuck or
@@ -70,6 +78,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "replay it every step")  # fmt: skip
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="a fault to inject (repeatable; specs below)")  # fmt: skip
+    p.add_argument("--neighbour-churn", type=_positive_int, default=None, metavar="N",
+                   help="a TCP neighbour outside the job: N short connections a second "
+                   "in total between the nodes (not the job's processes), from before "
+                   "the job starts until it ended and the agents dumped; the rate "
+                   "reached is reported")  # fmt: skip
     p.add_argument("--record", action="store_true", help="one stallwatch agent per node")
     p.add_argument("--agent-scope", choices=("netns", "host"), default=None,
                    help="with --record: netns, one agent per node in its namespace (default); "
@@ -145,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         late_agents=args.late_agents,
         wait=args.wait,
         agent_scope=args.agent_scope or "netns",
+        neighbour_churn=args.neighbour_churn or 0,
     )
     as_json = args.format == "json"
     result = runner.run(cfg, progress_out=None if as_json else sys.stderr)

@@ -41,34 +41,21 @@ process: without a recording, ranks are grouped by the call's arguments.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from stallwatch.dumpers.model import CommInfo, Recording
-from stallwatch.dumpers.readings import NcclCall, ProcessThreads, ThreadReading, ThreadState
+from stallwatch.dumpers.model import CommInfo
+from stallwatch.dumpers.readings import NcclCall, ProcessThreads, ThreadState
 from stallwatch.dumpers.schema import Op, op_name
 
-from .verdict import Verdict, VerdictKind
-
-if TYPE_CHECKING:
-    from .detect.common import Analysis
-    from .incident import Incident
+from ..incident import HostReadings, Incident
+from ..verdict import Verdict, VerdictKind
+from .common import Analysis
 
 MAX_FRAMES_SHOWN = 4
 MAX_LISTED = 16
-
-
-@dataclass(frozen=True, slots=True)
-class HostReadings:
-    """One node's thread readings (oldest first) and what its recording knows
-    about communicators (empty without a recording)."""
-
-    host: str
-    snapshots: tuple[ThreadReading, ...]
-    communicators: tuple[CommInfo, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,21 +111,6 @@ class RankPosition:
     def label(self) -> str:
         rank = f"rank {self.world_rank}" if self.world_rank >= 0 else "rank unknown"
         return f"{rank} (host {self.host}, pid {self.pid})"
-
-
-def host_readings(recordings: Iterable[Recording]) -> tuple[HostReadings, ...]:
-    """Each host's readings (a host may have dumped several times: all of
-    them, in time order) with every communicator its recordings know."""
-    snaps: dict[str, list[ThreadReading]] = defaultdict(list)
-    comms: dict[str, list[CommInfo]] = defaultdict(list)
-    for rec in recordings:
-        if rec.snapshots:
-            snaps[rec.host] += rec.snapshots
-            comms[rec.host] += rec.communicators
-    return tuple(
-        HostReadings(h, tuple(sorted(set(snaps[h]), key=lambda s: s.taken_ns)), tuple(comms[h]))
-        for h in sorted(snaps)
-    )
 
 
 # -- positions ----------------------------------------------------------------

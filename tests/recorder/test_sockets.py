@@ -1,0 +1,66 @@
+"""The job's TCP endpoints as the agent reads them from /proc: the local end
+of each socket a process holds, in the kernel's byte order, and a listener
+on every address standing for each address of its namespace too."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from stallwatch.recorder import sockets
+
+TCP_TABLE = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000:1B59 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 111 1
+   1: 0100000A:9C40 0200000A:1B59 01 00000000:00000000 00:00000000 00000000     0        0 222 1
+   2: 0100000A:9C41 0200000A:1B59 06 00000000:00000000 03:00000000 00000000     0        0 0 3
+   3: 0100000A:9C42 0200000A:1B59 01 00000000:00000000 00:00000000 00000000     0        0 333 1
+"""
+FIB_TRIE = """\
+Main:
+  +-- 0.0.0.0/0 3 0 5
+     |-- 10.0.0.0
+        /24 link UNICAST
+     |-- 10.0.0.1
+        /32 host LOCAL
+Local:
+  +-- 127.0.0.0/8 2 0 2
+     |-- 127.0.0.1
+        /32 host LOCAL
+"""
+
+
+def v4(text: str) -> bytes:
+    return socket.inet_aton(text).ljust(16, b"\0")
+
+
+def test_a_tcp_table_gives_the_local_ends_of_the_processes_sockets() -> None:
+    found = sockets.parse_tcp_table(TCP_TABLE, socket.AF_INET, {111, 222})
+    assert found == {
+        (bytes(16), 7001, socket.AF_INET),  # the listener, on every address
+        (v4("10.0.0.1"), 40000, socket.AF_INET),
+    }  # not 333 (another process's), not the TIME_WAIT row
+
+
+def test_the_namespaces_own_addresses_come_from_its_local_routes() -> None:
+    assert sockets.local_ipv4(FIB_TRIE) == {v4("10.0.0.1"), v4("127.0.0.1")}
+    line = "fe800000000000000000000000000001 02 40 20 80 eth0\n"
+    assert sockets.local_ipv6(line) == {bytes.fromhex("fe80" + "0" * 27 + "1")}
+
+
+def test_a_live_process_listening_everywhere_stands_for_each_of_its_addresses() -> None:
+    server = socket.create_server(("0.0.0.0", 0))
+    client = socket.create_connection(("127.0.0.1", server.getsockname()[1]))
+    try:
+        port = server.getsockname()[1]
+        found = sockets.process_endpoints(os.getpid())
+        assert (bytes(16), port, socket.AF_INET) in found
+        assert (v4("127.0.0.1"), port, socket.AF_INET) in found
+        assert (v4("127.0.0.1"), client.getsockname()[1], socket.AF_INET) in found
+        assert (
+            sockets.job_endpoints([os.getpid()])[(bytes(16), port, socket.AF_INET)] == os.getpid()
+        )
+    finally:
+        client.close()
+        server.close()
+    assert sockets.process_endpoints(2**22 + 12345) == set()  # no such process

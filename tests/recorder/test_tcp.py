@@ -1,0 +1,370 @@
+"""The job's TCP evidence, decided in the kernel (bpf/tcp.c), against real
+eBPF: a neighbour's connections are counted and never written, the job's
+are kept (its own sockets, and connections accepted on its listener); a
+retransmit carries the connection's state as the kernel had it (timeouts in
+a row, RTO, smoothed RTT, bytes unacknowledged, nothing acknowledged for at
+least so long); resets sent and received are rows.
+
+Two namespaces on a veth pair stand for two hosts; the "job" is whichever
+process the test places in scope, as discovery places a rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stallwatch.dumpers.format import read_dump, write_dump
+from stallwatch.dumpers.schema import TcpEvent, TcpState
+from stallwatch.recorder.agent import Agent, AgentConfig
+from stallwatch.recorder.source import BccSource
+
+pytestmark = pytest.mark.bpf
+
+NS = f"swtcp-{uuid.uuid4().hex[:6]}"
+A_IP, B_IP = "10.78.0.1", "10.78.0.2"
+JOB_PORT, NEIGHBOUR_PORT = 7001, 7002
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
+    config = AgentConfig(dump_dir=tmp_path_factory.mktemp("dumps"), host_name="tcp-test")
+    a = Agent(config, BccSource(1 << 15, 1_000_000))
+    yield a
+    a.close()
+
+
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, timeout=10)
+
+
+@pytest.fixture
+def link() -> Iterator[tuple[str, str]]:
+    """Namespaces a (A_IP) and b (B_IP) on a veth pair."""
+    tag = uuid.uuid4().hex[:4]
+    a, b = f"{NS}-{tag}-a", f"{NS}-{tag}-b"
+    dev_a, dev_b = f"tcp{tag}a", f"tcp{tag}b"
+    try:
+        _sh("ip", "netns", "add", a)
+        _sh("ip", "netns", "add", b)
+        _sh("ip", "link", "add", dev_a, "netns", a, "type", "veth", "peer", "name", dev_b,
+            "netns", b)  # fmt: skip
+        for ns, dev, ip in ((a, dev_a, A_IP), (b, dev_b, B_IP)):
+            _sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+            _sh("ip", "-n", ns, "link", "set", dev, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        yield a, b
+    finally:
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+def drop_all(ns: str) -> None:
+    """Every packet into namespace ``ns`` dropped: a cut link."""
+    nft = ("ip", "netns", "exec", ns, "nft")
+    _sh(*nft, "add table inet cut")
+    _sh(*nft, "add chain inet cut in { type filter hook input priority 0; policy drop; }")
+
+
+def lose(ns: str, port: int, pct: int) -> None:
+    nft = ("ip", "netns", "exec", ns, "nft")
+    _sh(*nft, "add table inet loss")
+    _sh(*nft, "add chain inet loss in { type filter hook input priority 0; }")
+    _sh(*nft, f"add rule inet loss in tcp dport {port} numgen random mod 100 lt {pct} drop")
+
+
+@contextlib.contextmanager
+def python_in(ns: str, code: str) -> Iterator[subprocess.Popen[str]]:
+    """A Python process in namespace ``ns``, reading its stdin for cues."""
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", code],
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(10)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def say(proc: subprocess.Popen[str], line: str = "go") -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def hear(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    return proc.stdout.readline().strip()
+
+
+def place(agent: Agent, pid: int) -> None:
+    """As discovery places a rank: in scope, its sockets read at the next tick."""
+    agent.source.set_scope(pid, tracked=True, excluded=False)
+    agent.classify(pid)
+    agent.tick()
+
+
+def rows_since(agent: Agent, start_ns: int) -> np.ndarray:
+    rows = agent.recording().rings["tcp"].rows
+    return rows[rows["ts_ns"] >= start_ns]
+
+
+def filtered(agent: Agent) -> int:
+    return int(agent.source.kernel_counters()["kernel_tcp_filtered"])
+
+
+SERVER = f"""
+import socket, sys
+s = socket.create_server(("0.0.0.0", {JOB_PORT}))
+print("listening", flush=True)
+c, _ = s.accept()
+while c.recv(65536):
+    pass
+"""
+SENDER = f"""
+import socket, sys, time
+sys.stdin.readline()
+c = socket.create_connection(("{B_IP}", {JOB_PORT}), timeout=5)
+c.settimeout(None)
+print("connected", flush=True)
+sys.stdin.readline()
+c.setblocking(False)
+while True:
+    try:
+        c.send(b"x" * 65536)
+    except BlockingIOError:
+        time.sleep(0.01)
+"""
+CHURN = f"""
+import socket, sys, threading
+srv = socket.create_server(("0.0.0.0", {NEIGHBOUR_PORT}), backlog=512)
+def serve():
+    while True:
+        c, _ = srv.accept()
+        c.close()
+threading.Thread(target=serve, daemon=True).start()
+n = int(sys.argv[1])
+print("ready", flush=True)
+sys.stdin.readline()
+for _ in range(n):
+    c = socket.create_connection(("127.0.0.1", {NEIGHBOUR_PORT}))
+    c.send(b"y")
+    c.close()
+print("done", flush=True)
+"""
+
+
+def test_a_neighbours_connections_are_counted_never_written(agent: Agent) -> None:
+    """A process outside the job opening and closing 2,000 connections: no
+    row of it in the ring, each of its events counted as filtered."""
+    before, start = filtered(agent), time.monotonic_ns()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHURN, "2000"],
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert hear(proc) == "ready"
+        say(proc)
+        assert hear(proc) == "done"
+    finally:
+        proc.kill()
+        proc.wait(10)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+    rows = rows_since(agent, start)
+    ports = set(rows["sport"].tolist()) | set(rows["dport"].tolist())
+    assert NEIGHBOUR_PORT not in ports
+    # each connection changes state at least 4 times on the client side alone
+    assert filtered(agent) - before >= 2000 * 4
+
+
+def test_a_cut_links_retransmits_carry_the_connections_state(
+    agent: Agent, link: tuple[str, str]
+) -> None:
+    a, b = link
+    with python_in(b, SERVER) as server, python_in(a, SENDER) as sender:
+        assert hear(server) == "listening"
+        say(sender)
+        assert hear(sender) == "connected"
+        place(agent, sender.pid)
+        start = time.monotonic_ns()
+        say(sender)
+        time.sleep(0.3)
+        drop_all(b)
+        time.sleep(4.0)  # RTOs of ~0.2, 0.4, 0.8, 1.6 s
+        rows = rows_since(agent, start)
+    retrans = rows[(rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB) & (rows["pid"] == sender.pid)]
+    assert len(retrans) >= 3, rows
+    assert (retrans["conn_known"] == 1).all()
+    assert (retrans["dport"] == JOB_PORT).all()
+    timeouts = retrans[retrans["backoff"] > 0]
+    assert timeouts["backoff"].max() >= 3
+    assert np.all(np.diff(timeouts["backoff"].astype(int)) >= 0)  # nothing acknowledged since
+    assert np.all(np.diff(timeouts["rto_us"].astype(np.int64)) >= 0)  # the timeout doubles
+    assert timeouts["rto_us"][-1] >= 2 * timeouts["rto_us"][0] > 0
+    last = timeouts[-1]
+    assert last["no_ack_ns"] >= 1_500_000_000
+    assert last["no_ack_ns"] <= int(last["ts_ns"]) - start + 500_000_000
+    assert last["unacked"] > 0 and last["packets_out"] > 0
+    assert 0 < last["srtt_us"] < 100_000  # a veth: well under 100 ms
+
+
+def test_a_lossy_links_retransmits_are_acknowledged_in_between(
+    agent: Agent, link: tuple[str, str]
+) -> None:
+    """Packet loss, not a cut: acknowledgements go on, timeouts do not pile up."""
+    a, b = link
+    lose(b, JOB_PORT, 10)
+    with python_in(b, SERVER) as server, python_in(a, SENDER) as sender:
+        assert hear(server) == "listening"
+        say(sender)
+        assert hear(sender) == "connected"
+        place(agent, sender.pid)
+        start = time.monotonic_ns()
+        say(sender)
+        time.sleep(3.0)
+        rows = rows_since(agent, start)
+    retrans = rows[(rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB) & (rows["pid"] == sender.pid)]
+    assert len(retrans) >= 10
+    known = retrans[retrans["conn_known"] == 1]
+    assert len(known) >= 0.9 * len(retrans)
+    assert known["backoff"].max() <= 3
+    assert np.median(known["no_ack_ns"]) < 1_000_000_000
+
+
+RESETTER = f"""
+import socket, struct, sys
+s = socket.create_server(("0.0.0.0", {JOB_PORT}))
+print("listening", flush=True)
+c, _ = s.accept()
+c.recv(10)
+c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+c.close()  # an abortive close: a reset
+print("reset", flush=True)
+sys.stdin.readline()
+"""
+VICTIM = f"""
+import socket, sys, time
+c = socket.create_connection(("{B_IP}", {JOB_PORT}), timeout=5)
+print("connected", flush=True)
+sys.stdin.readline()
+c.send(b"hello")
+time.sleep(0.5)
+try:
+    c.send(b"again")
+    c.recv(10)
+except OSError as exc:
+    print(type(exc).__name__, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_resets_sent_and_received_are_rows_of_the_job(agent: Agent, link: tuple[str, str]) -> None:
+    """The job's listener (placed in scope) resets a connection an outsider
+    opened to it: the reset it sends is the job's (its listener's port), and
+    the outsider's end is the job's too (a connection to a job endpoint)."""
+    a, b = link
+    with python_in(b, RESETTER) as server:
+        assert hear(server) == "listening"
+        place(agent, server.pid)
+        start = time.monotonic_ns()
+        with python_in(a, VICTIM) as client:
+            assert hear(client) == "connected"
+            say(client)
+            assert hear(server) == "reset"
+            assert hear(client) in ("ConnectionResetError", "BrokenPipeError")
+            rows = rows_since(agent, start)
+    sent = rows[rows["event"] == TcpEvent.TCP_SEND_RESET]
+    got = rows[rows["event"] == TcpEvent.TCP_RECEIVE_RESET]
+    assert len(sent) >= 1 and (sent["sport"] == JOB_PORT).all()
+    assert (sent["pid"] == server.pid).all()
+    assert bytes(sent[0]["saddr"][:4]) == bytes(map(int, B_IP.split(".")))
+    assert len(got) >= 1 and (got["dport"] == JOB_PORT).all()
+    # the accepted connection has its listener's owner from its birth
+    born = rows[
+        (rows["event"] == TcpEvent.INET_SOCK_SET_STATE)
+        & (rows["newstate"] == TcpState.ESTABLISHED)
+        & (rows["sport"] == JOB_PORT)
+    ]
+    assert len(born) >= 1 and (born["pid"] == server.pid).all()
+
+
+CHURN_FOR = f"""
+import socket, sys, threading, time
+srv = socket.create_server(("127.0.0.1", {NEIGHBOUR_PORT}), backlog=1024)
+def serve():
+    while True:
+        c, _ = srv.accept()
+        c.close()
+threading.Thread(target=serve, daemon=True).start()
+end = time.monotonic() + float(sys.argv[1])
+n = 0
+while time.monotonic() < end:
+    c = socket.create_connection(("127.0.0.1", {NEIGHBOUR_PORT}))
+    c.close()
+    n += 1
+print(n, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_after_a_minute_of_neighbour_churn_the_jobs_retransmits_are_in_the_dump(
+    tmp_path: Path, link: tuple[str, str]
+) -> None:
+    """A TCP ring of 2,048 slots; the job retransmits on a lossy link at the
+    start, then a neighbour churns connections for 60 s (hundreds of
+    thousands of TCP events, the ring many times over): the dump holds every
+    job retransmit and says how much was left out."""
+    a, b = link
+    config = AgentConfig(dump_dir=tmp_path / "dumps", host_name="churn-test")
+    agent = Agent(config, BccSource(1 << 13, 1_000_000))
+    try:
+        assert len(agent.source.rings()["tcp"].slots) == 2048
+        lose(b, JOB_PORT, 20)
+        with python_in(b, SERVER) as server, python_in(a, SENDER) as sender:
+            assert hear(server) == "listening"
+            say(sender)
+            assert hear(sender) == "connected"
+            place(agent, sender.pid)
+            say(sender)
+            time.sleep(3.0)
+            job = sender.pid
+        kept = _retransmits_of(agent, job)
+        assert kept >= 5
+        churn = subprocess.run(
+            [sys.executable, "-c", CHURN_FOR, "60"], capture_output=True, text=True, timeout=120
+        )
+        made = int(churn.stdout.split()[-1])
+        assert made >= 20_000, f"the neighbour made only {made} connections"
+        path = write_dump(tmp_path, agent.recording())
+    finally:
+        agent.close()
+    dump = read_dump(path)
+    rows = dump.rings["tcp"].rows
+    # every one seen before the churn (and those of its closing connection after)
+    assert ((rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB) & (rows["pid"] == job)).sum() >= kept
+    assert NEIGHBOUR_PORT not in set(rows["sport"].tolist()) | set(rows["dport"].tolist())
+    assert dump.counters["kernel_tcp_filtered"] >= made * 4  # at least 4 state changes each
+    assert dump.rings["tcp"].overwritten == 0
+
+
+def _retransmits_of(agent: Agent, pid: int) -> int:
+    rows = agent.recording().rings["tcp"].rows
+    return int(((rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB) & (rows["pid"] == pid)).sum())

@@ -215,6 +215,7 @@ class EngineProcess:
         self._cache_s = cache_s
         self._child: _Child | None = None
         self._lock = threading.Lock()
+        self._closed = False
         self.stats = EngineStats()
 
     @property
@@ -244,6 +245,12 @@ class EngineProcess:
         return child.proc.pid if child is not None and not child.ended() else None
 
     def close(self) -> None:
+        """Stop the child now, a query it runs included (its request fails)."""
+        self._closed = True
+        child = self._child
+        if child is not None:
+            with contextlib.suppress(OSError):
+                child.proc.kill()
         with self._lock:
             if self._child is not None:
                 self._child.kill()
@@ -256,6 +263,8 @@ class EngineProcess:
             self.stats.busy += 1
             raise EngineBusy("the query engine is busy with another query")
         try:
+            if self._closed:
+                raise QueryError("the query engine is closed: the agent is stopping")
             limit = self.limits.time_limit_s
             reply, body = self._call(head, (), None if limit is None else limit + GRACE_S)
         finally:

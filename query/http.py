@@ -139,8 +139,8 @@ class ServerHandle:
 
     def close(self) -> None:
         self.server.shutdown()
+        self.engine.close()  # a query running: its worker is let go at once
         self.thread.join(timeout=10)
-        self.engine.close()
 
 
 def _engine_for(backend: Backend, limits: Limits, scans: bool, isolated: bool) -> Engine:

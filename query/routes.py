@@ -7,7 +7,11 @@
                    -> 200 application/x-stallwatch-arrow (``query.wire``), rows cut
                       at ``Limits.max_fetch_rows``; header X-Stallwatch-Host
     POST /dump     {"reason": str?, "incident_id": str?, "origin": str?}
-                   -> 200 whatever the backend returns; 501 if it cannot dump
+                   -> 200 whatever the backend returns (the agent: {"host",
+                   "incident_id", "status", "path", "error"?}); 429 if clients
+                   asked for too many dumps lately; 501 if it cannot dump
+                   {"outcome_of": str} -> 200 what became of that incident's
+                   dump (status written|queued|failed|unknown, path, error)
     POST /snapshot {"reason": str?, "incident_id": str?, "samples": int?, "interval_s": float?}
                    -> 200 {"host", "incident_id", "status", "path", "positions"}: the
                    node's thread positions read ``samples`` times, then a dump; 501
@@ -47,6 +51,7 @@ import enum
 import hmac
 import json
 import logging
+import math
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -171,6 +176,7 @@ class Handler(BaseHTTPRequestHandler):
     config: ServerConfig  # set on the per-server subclass
     credential: Credential = Credential.OPEN  # set by the server from the gate's admission
     answer_bytes = 0  # the body's size, once sent
+    retry_after = 1  # seconds, said with a 503 or a 429
 
     def handle_expect_100(self) -> bool:
         return True  # the whole request is read before it is answered (query.server)
@@ -218,8 +224,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(self.answer_bytes))
         if status == HTTPStatus.UNAUTHORIZED:
             self.send_header("WWW-Authenticate", 'Bearer realm="stallwatch"')
-        if status == HTTPStatus.SERVICE_UNAVAILABLE:
-            self.send_header("Retry-After", "1")
+        if status in (HTTPStatus.SERVICE_UNAVAILABLE, HTTPStatus.TOO_MANY_REQUESTS):
+            self.send_header("Retry-After", str(self.retry_after))
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
@@ -312,6 +318,9 @@ def _dump(h: Handler) -> Response:
     request_dump = getattr(h.config.backend, "request_dump", None)
     if request_dump is None:
         raise HttpError(HTTPStatus.NOT_IMPLEMENTED, "this server serves recorded dumps only")
+    asked = _field(doc, "outcome_of", str)
+    if asked is not None:
+        return _dump_outcome(h, asked)
     reason = _field(doc, "reason", str) or "requested over HTTP (POST /dump)"
     incident = _field(doc, "incident_id", str)
     origin = _field(doc, "origin", str)
@@ -323,7 +332,19 @@ def _dump(h: Handler) -> Response:
         raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
     except StallwatchError as exc:
         raise HttpError(HTTPStatus.INTERNAL_SERVER_ERROR, f"dump failed: {exc}") from None
+    if isinstance(answer, dict) and answer.get("status") == "rate_limited":
+        h.retry_after = math.ceil(float(answer.get("retry_in_s") or 1))
+        return HTTPStatus.TOO_MANY_REQUESTS, "application/json", encode_json(answer)
     return HTTPStatus.OK, "application/json", encode_json(answer)
+
+
+def _dump_outcome(h: Handler, incident_id: str) -> Response:
+    """``{"outcome_of": id}``: what became of that incident's dump (written,
+    queued and why, failed and why, unknown), nothing dumped."""
+    outcome = getattr(h.config.backend, "dump_outcome", None)
+    if outcome is None:
+        raise HttpError(HTTPStatus.NOT_IMPLEMENTED, "this server does not keep dump outcomes")
+    return HTTPStatus.OK, "application/json", encode_json(outcome(incident_id))
 
 
 def _snapshot(h: Handler) -> Response:

@@ -42,6 +42,10 @@ HELP = {
     "attach_failures": "Libraries or probes that could not be attached.",
     "symbols_skipped": "NCCL symbols an attached library lacks.",
     "dumps_pending": "Dumps waiting to be written (retried).",
+    "dump_requests_rate_limited": "Clients' dump requests refused: too many lately.",
+    "pins_restored": "Times the pinned recording's folder was found removed or changed, "
+    "and pinned again.",
+    "pins_restore_failures": "Times it could not be pinned again (the log says why).",
     "http_connections_refused": "Client connections closed at accept: no room, and no "
     "idle connection to displace.",
     "http_connections_timed_out": "Client connections closed because a request, TLS "

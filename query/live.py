@@ -95,7 +95,8 @@ def _bundle(content_type: str, body: bytes) -> DumpBundle:
 
 def _checked(agent: str, bundle: DumpBundle) -> list[Fetched]:
     out = []
-    for name, blob in zip(bundle.names, bundle.blobs, strict=True):
+    for name, sent in zip(bundle.names, bundle.blobs, strict=True):
+        blob = bytes(sent)  # decode_dumps gives bytes: no copy
         try:
             rec = decode(blob, f"{agent}/{name}")
         except DumpError as exc:

@@ -110,12 +110,21 @@ class DumpBundle:
     host: str
     incident_id: str | None
     names: tuple[str, ...]
-    blobs: tuple[bytes, ...]
+    blobs: tuple[bytes | memoryview, ...]
 
 
 def encode_dumps(bundle: DumpBundle) -> bytes:
+    return b"".join(dumps_parts(bundle))
+
+
+def dumps_parts(bundle: DumpBundle) -> list[bytes | memoryview]:
+    """:func:`encode_dumps` as the parts to send one after the other (the
+    dumps themselves not copied)."""
     head = {"host": bundle.host, "incident_id": bundle.incident_id, "names": list(bundle.names)}
-    return join_frames([encode_json(head), *bundle.blobs])
+    parts = frame_parts(encode_json(head))
+    for blob in bundle.blobs:
+        parts += frame_parts(blob)
+    return parts
 
 
 def decode_dumps(data: bytes) -> DumpBundle:

@@ -33,11 +33,18 @@ folder answer 501.
 A route is a function of the request handler returning (status, content type,
 body), listed in ``ROUTES``: another endpoint is one function and one entry.
 
-Every error is a JSON object ``{"error": "..."}``.  With a token, every request
-needs ``Authorization: Bearer <token>`` (compared in constant time) or gets
-401; a request with a token over plain HTTP from a non-loopback peer gets 403.
-Request bodies above ``MAX_BODY`` bytes get 413 unread.  Queries run in the
-sandbox of ``query.sql`` with its network limits (rows, time, memory).
+Every error is a JSON object ``{"error": "..."}``.  ``admit`` is the gate
+the network loop asks before any worker: with a token, every request needs
+``Authorization: Bearer <token>`` (compared in constant time) or gets 401;
+a scrape credential opens ``/metrics`` and ``/healthz`` only, a dump
+credential ``/dump`` and ``/healthz`` only (403 elsewhere); without a token,
+everything is open (loopback only) but ``/dump``, which needs the dump
+credential when there is one.  A request with a token over plain HTTP from
+a non-loopback peer gets 403.  Each route names its lane (the workers that
+answer it, ``query.server``).  Request bodies above ``MAX_BODY`` bytes get
+413 unread, JSON nested deeper than ``MAX_JSON_DEPTH`` a 400.  Queries run
+in the engine's own process (``query.engineproc``), in the sandbox of
+``query.sql``, every answer bounded (``query.answers``).
 
 Any failure inside a request handler becomes a 500 response; it never reaches
 the server loop or the agent that hosts it.

@@ -599,3 +599,19 @@ def test_each_kind_of_work_waits_only_behind_its_own(agent: FakeAgent) -> None:
             t.join()
         handle.close()
     assert len(slow.dumps) == len(threads)
+
+
+@pytest.mark.parametrize(
+    ("raw", "depth"),
+    [
+        (b'{"sql": "SELECT 1"}', 1),
+        (b'{"sql": "[[[[{{{{"}', 1),  # brackets in a string do not nest
+        (b'{"a": "\\"[[", "b": [[1]]}', 3),  # nor after an escaped quote
+        (b"[[[]], [[[]]]]", 4),
+        (b"not json at all", 0),
+    ],
+)
+def test_json_depth_reads_nesting_outside_strings(raw: bytes, depth: int) -> None:
+    from stallwatch.query.routes import json_depth
+
+    assert json_depth(raw) == depth

@@ -284,6 +284,7 @@ def _idle_and_flood(
     return beside_idle, beside_flood
 
 
+@pytest.mark.solo  # judged by time
 def test_health_beside_idle_sockets_and_a_reconnecting_flood(
     plain: Agent, tls: tuple[Agent, ssl.SSLContext, Path]
 ) -> None:

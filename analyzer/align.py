@@ -23,6 +23,7 @@ import numpy as np
 from stallwatch.dumpers import addresses, ranks
 from stallwatch.dumpers.errors import DumpError
 from stallwatch.dumpers.format import DeferredRing
+from stallwatch.dumpers.layout import LINK_COUNTERS, UNKNOWN_U64, LinkEvent
 from stallwatch.dumpers.model import CommInfo, Recording, Ring, TriggerKind
 from stallwatch.dumpers.schema import NCCL_EVENT, TCP_EVENT, ExitEvent, Op, TcpEvent, captured_rows
 
@@ -31,12 +32,16 @@ from .columns import Columns
 from .detect.stragglers import RECENT_GROUPS
 from .incident import (
     CALL_DTYPE,
+    HELD_DTYPE,
+    HELD_NS,
     SCHED_DTYPE,
-    TCP_RETRANS_DTYPE,
+    TCP_DTYPE,
+    WAIT_DTYPE,
     Calls,
     Comm,
     Incident,
     LateReport,
+    LinkFate,
     Proc,
     host_readings,
 )
@@ -46,6 +51,8 @@ from .progress import Progress
 
 IS_CALL = np.zeros(256, dtype=bool)  # op -> is a collective or p2p call
 IS_CALL[[int(op) for op in Op if op.is_collective or op.is_p2p]] = True
+WAITS_IN = IS_CALL.copy()  # calls a rank can be found blocked in: its group's end too
+WAITS_IN[int(Op.GROUP_END)] = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +137,12 @@ def incident_from_recordings(
     sources = sorted(sources, key=lambda s: (s.recording.host, s.path))
     sources, report = _align_late(sources)
     hosts = tuple(sorted({s.recording.host for s in sources}))
+    tcp = _tcp(sources, hosts)
     shown = Progress("read the NCCL calls of {}/{} dumps", len(sources), progress)
-    stage, extracts = _extract_all(sources, consume, shown)
+    # retransmission timeouts: a stall the job may have come back from, long
+    # before the window (detect.partition's flap)
+    whole = bool((tcp["backoff"] > 0).any() or (tcp["known"] == 0).any())
+    stage, extracts = _extract_all(sources, consume, shown, whole)
     shown.close()
     now = _host_now(extracts)
     procs, proc_index = _procs(extracts)
@@ -146,7 +157,7 @@ def incident_from_recordings(
         procs=tuple(procs),
         comms=tuple(comms),
         calls=calls,
-        retransmits=_retransmits(sources, hosts),
+        tcp=tcp,
         sched=_sched(sources, hosts),
         sources=tuple(s.path for s in sources),
         notes=tuple(f"{e.error}: its NCCL calls are left out" for e in extracts if e.error),
@@ -157,7 +168,33 @@ def incident_from_recordings(
         wall_offset=tuple(clocks.get(h, (None, None))[0] for h in hosts),
         captured=tuple(clocks.get(h, (None, None))[1] for h in hosts),
         machines=_machines(sources, hosts),
+        waiting=_waiting_procs(extracts, proc_index),
+        held=_held_calls(extracts, proc_index),
+        links=_links(sources, hosts, procs),
     )
+
+
+def _held_calls(extracts: list[_Extract], proc_index: dict[tuple[str, int], int]) -> np.ndarray:
+    parts = []
+    for e in extracts:
+        if e.held is None or not len(e.held):
+            continue
+        host = e.source.recording.host
+        procs = np.array([proc_index.get((host, int(p)), -1) for p in e.held["proc"]])
+        rows = e.held[procs >= 0].copy()
+        rows["proc"] = procs[procs >= 0]
+        parts.append(rows)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=HELD_DTYPE)
+
+
+def _waiting_procs(extracts: list[_Extract], proc_index: dict[tuple[str, int], int]) -> np.ndarray:
+    rows = [
+        (proc_index[key], op, ts)
+        for e in extracts
+        for pid, op, ts in e.waiting
+        if (key := (e.source.recording.host, pid)) in proc_index
+    ]
+    return np.array(rows, dtype=WAIT_DTYPE) if rows else np.zeros(0, dtype=WAIT_DTYPE)
 
 
 def _machines(sources: list[Source], hosts: tuple[str, ...]) -> tuple[int, ...]:
@@ -239,6 +276,10 @@ class _Extract:
     # (comm_hash, pid, rank, nranks) of call rows whose comm its table lacks
     row_members: tuple[tuple[int, int, int, int], ...]
     error: str | None = None  # why its rows could not be read
+    # (pid, op, entered) of each process whose latest call (a group's end
+    # included) had not returned when the dump was taken
+    waiting: tuple[tuple[int, int, int], ...] = ()
+    held: np.ndarray | None = None  # its long calls (HELD_DTYPE, "proc" a pid), window or not
 
 
 # the stage: CALL_DTYPE's columns, "proc" holding indices into the source's
@@ -249,11 +290,13 @@ NO_PIDS = np.zeros(0, dtype=np.uint32)
 
 
 def _extract_all(
-    sources: list[Source], consume: bool, shown: Progress | None = None
+    sources: list[Source], consume: bool, shown: Progress | None = None, whole: bool = False
 ) -> tuple[Columns, list[_Extract]]:
     """Every source's call rows into one stage table, a few threads each
     taking a run of sources (and its own run of the table).  A ring left in
-    its file is read into the thread's one buffer, copied out, forgotten."""
+    its file is read into the thread's one buffer, copied out, forgotten.
+    ``whole``: each ring's long calls are looked for beyond the window too
+    (the whole ring is read: a stall the job came back from)."""
     windows = [_window(s) for s in sources]
     sizes = [keep for _, keep in windows]
     for s, (skip, _) in zip(sources, windows, strict=True):
@@ -273,21 +316,24 @@ def _extract_all(
                 ring = s.recording.rings.get("nccl")
                 rows = ring.rows[skip:] if ring is not None else None
                 complete = ring is None or (ring.overwritten == 0 and not skip)
-                out.append(_extract(s, rows, complete, stage, at))
+                every = ring.rows if whole and ring is not None else None
+                out.append(_extract(s, rows, complete, stage, at, every))
                 if consume:  # the caller gave the recordings up: free each ring once read
                     s.recording.rings.pop("nccl", None)
             else:
-                nbytes = later.nbytes // max(later.rows, 1) * (later.rows - skip)
+                first = 0 if whole else skip
+                nbytes = later.nbytes // max(later.rows, 1) * (later.rows - first)
                 if len(buffer) < nbytes:
                     buffer = bytearray(nbytes)
                 try:
-                    rows = later.read(buffer, skip)
+                    every = later.read(buffer, first)
                 except DumpError as exc:
                     out.append(_Extract(s, slice(at, at), True, None, NO_PIDS, (), (), str(exc)))
                 else:
                     complete = later.overwritten == 0 and not skip
-                    out.append(_extract(s, rows, complete, stage, at))
-                    del rows  # a view of the buffer, which the next file reuses
+                    rows = every[skip - first :]
+                    out.append(_extract(s, rows, complete, stage, at, every if whole else None))
+                    del rows, every  # views of the buffer, which the next file reuses
             at = out[-1].rows.stop
             if shown is not None:
                 shown.step()
@@ -347,8 +393,15 @@ def _window(s: Source) -> tuple[int, int]:
 
 
 def _extract(
-    s: Source, raw: np.ndarray | None, complete: bool, stage: Columns, at: int
+    s: Source,
+    raw: np.ndarray | None,
+    complete: bool,
+    stage: Columns,
+    at: int,
+    every: np.ndarray | None = None,
 ) -> _Extract:
+    """``every``: the whole ring, where the long calls are looked for (else
+    ``raw``, the window)."""
     rec = s.recording
     if raw is None or not len(raw):
         return _Extract(s, slice(at, at), complete, None, NO_PIDS, (), ())
@@ -391,7 +444,42 @@ def _extract(
         members = tuple((int(h), int(p), int(r), int(nr)) for h, p, r, nr in keys.tolist())
     latest = int(max(stage["ts"][dst].max(), stage["end"][dst].max())) if n else None
     pids = tuple(int(p) for p in scope[used])
-    return _Extract(s, dst, complete, latest, scope, pids, members)
+    if every is not None and len(every) > len(raw):
+        every = every if every.dtype == NCCL_EVENT else every.astype(NCCL_EVENT)
+        long_calls = _held(every, IS_CALL[every["op"]] & _member_of(every["pid"], scope))
+    else:
+        long_calls = _held(raw, keep)
+    return _Extract(
+        s, dst, complete, latest, scope, pids, members,
+        waiting=_waiting(raw, scope), held=long_calls,
+    )  # fmt: skip
+
+
+def _held(raw: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """The calls of the whole ring (not only the window) that took HELD_NS
+    and more: a stall the job came back from, however long ago."""
+    sel = np.flatnonzero(keep & (raw["end_ns"] > 0))
+    sel = sel[(raw["end_ns"][sel] - raw["ts_ns"][sel]).astype(np.int64) >= HELD_NS]
+    out = np.zeros(len(sel), dtype=HELD_DTYPE)
+    out["proc"], out["hash"], out["seq"] = raw["pid"][sel], raw["comm_hash"][sel], raw["seq"][sel]
+    out["op"], out["ts"], out["end"] = raw["op"][sel], raw["ts_ns"][sel], raw["end_ns"][sel]
+    return out
+
+
+def _waiting(raw: np.ndarray, scope: np.ndarray) -> tuple[tuple[int, int, int], ...]:
+    """Per process in scope, its latest call (a group's end included) if it
+    had not returned: where it was blocked when the dump was taken."""
+    sel = np.flatnonzero(WAITS_IN[raw["op"]] & ~captured_rows(raw) & _member_of(raw["pid"], scope))
+    if not len(sel):
+        return ()
+    order = sel[np.lexsort((raw["ts_ns"][sel], raw["pid"][sel]))]
+    pids = raw["pid"][order]
+    last = order[np.r_[pids[1:] != pids[:-1], True]]  # each pid's latest entry
+    last = last[raw["end_ns"][last] == 0]
+    return tuple(
+        (int(p), int(o), int(t))
+        for p, o, t in zip(raw["pid"][last], raw["op"][last], raw["ts_ns"][last], strict=True)
+    )
 
 
 _POINTER = np.dtype([("pid", "<u8"), ("comm", "<u8")])
@@ -686,11 +774,11 @@ def _own_addresses(sources: list[Source], rows: np.ndarray, source: np.ndarray) 
     return out
 
 
-def _retransmits(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
-    """Retransmits on connections between two hosts' own addresses (the
-    nodes of rank processes): never loopback, never both ends on one host.
-    Duplicates of one event seen by two agents are counted once (the first,
-    in the order of ``sources``)."""
+def _tcp(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
+    """Retransmits and resets on connections between two hosts' own
+    addresses (the nodes of rank processes): never loopback, never both ends
+    on one host.  Duplicates of one event seen by two agents are counted
+    once (the first, in the order of ``sources``)."""
     host_of = {h: i for i, h in enumerate(hosts)}
     own: dict[int, bytes] = {}
     for rows, source in _tcp_chunks(sources):
@@ -700,24 +788,34 @@ def _retransmits(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
         owner.setdefault(own[i], host_of[sources[i].recording.host])
     found = [_between_hosts(rows, source, owner) for rows, source in _tcp_chunks(sources)]
     if not found:
-        return np.zeros(0, dtype=TCP_RETRANS_DTYPE)
+        return np.zeros(0, dtype=TCP_DTYPE)
     rows = _concat_rows([f[0] for f in found], TCP_EVENT)
     source, local, remote = (np.concatenate([f[k] for f in found]) for k in (1, 2, 3))
     first = np.sort(np.unique(_event_keys(rows), return_index=True)[1])
-    out = np.zeros(len(first), dtype=TCP_RETRANS_DTYPE)
+    rows = rows[first]
+    out = np.zeros(len(first), dtype=TCP_DTYPE)
     host = np.array([host_of[s.recording.host] for s in sources], dtype=np.int64)
     out["host"] = host[source[first]]
-    out["pid"], out["ts"] = rows["pid"][first], rows["ts_ns"][first]
+    out["pid"], out["ts"] = rows["pid"], rows["ts_ns"]
     out["local"], out["remote"] = local[first], remote[first]
+    out["event"], out["backoff"], out["known"] = rows["event"], rows["backoff"], rows["conn_known"]
+    out["no_ack"] = np.where(rows["conn_known"] > 0, rows["no_ack_ns"].astype(np.int64), 0)
+    out["rto"] = np.where(rows["conn_known"] > 0, rows["rto_us"].astype(np.int64) * 1000, 0)
+    out["conn"] = _connection_keys(rows)
     return out
+
+
+# what tells a connection's fate (state changes are the rest of the table)
+_FATE = np.zeros(256, dtype=bool)
+_FATE[[TcpEvent.TCP_RETRANSMIT_SKB, TcpEvent.TCP_SEND_RESET, TcpEvent.TCP_RECEIVE_RESET]] = True
 
 
 def _between_hosts(
     rows: np.ndarray, source: np.ndarray, owner: dict[bytes, int]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Of TCP rows, the retransmits from one host's own address to
-    another's, with their sources and both hosts."""
-    keep = rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB
+    """Of TCP rows, the retransmits and resets between one host's own
+    address and another's, with their sources and both hosts."""
+    keep = _FATE[rows["event"]]
     rows, source = rows[keep], source[keep]
     fam = rows["family"]
     keep = ~addresses.is_loopback(rows["saddr"], fam) & ~addresses.is_loopback(rows["daddr"], fam)
@@ -725,6 +823,26 @@ def _between_hosts(
     local, remote = _owner_of(rows["saddr"], owner), _owner_of(rows["daddr"], owner)
     keep = (local >= 0) & (remote >= 0) & (local != remote)
     return rows[keep], source[keep], local[keep], remote[keep]
+
+
+def _end_keys(addrs: np.ndarray, ports: np.ndarray) -> np.ndarray:
+    """One 64-bit key per (address, port): multiply-xor mixing."""
+    words = np.ascontiguousarray(addrs).view("<u8").reshape(-1, 2)
+    with np.errstate(over="ignore"):
+        key = words[:, 0] * np.uint64(0x9E3779B97F4A7C15)
+        key ^= (words[:, 1] + np.uint64(0xBF58476D1CE4E5B9)) * np.uint64(0x94D049BB133111EB)
+        key ^= ports.astype(np.uint64) * np.uint64(0xD6E8FEB86659FD93)
+    return key
+
+
+def _connection_keys(rows: np.ndarray) -> np.ndarray:
+    """One key per connection, the same from both of its ends (the two
+    ends' keys in order, mixed)."""
+    a, b = _end_keys(rows["saddr"], rows["sport"]), _end_keys(rows["daddr"], rows["dport"])
+    lo, hi = np.minimum(a, b), np.maximum(a, b)
+    with np.errstate(over="ignore"):
+        out: np.ndarray = lo * np.uint64(0xBF58476D1CE4E5B9) ^ hi
+    return out
 
 
 def _owner_of(addrs: np.ndarray, owner: dict[bytes, int]) -> np.ndarray:
@@ -766,3 +884,72 @@ def _sched(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
         t["holder"] = ring.rows["prev_pid"].astype(np.int64)
         out.append(t)
     return _concat_rows(out, SCHED_DTYPE) if out else np.zeros(0, dtype=SCHED_DTYPE)
+
+
+# An interface's counters that count failures (not traffic): their movement
+# over the ring is evidence (dumpers.layout's names).
+FAILURE_COUNTERS = tuple(
+    n
+    for n in LINK_COUNTERS
+    if not n.endswith(("_packets", "_bytes", "_data", "multicast", "_wait"))
+    and not n.startswith(("np_", "rp_"))
+)
+
+
+def _links(
+    sources: list[Source], hosts: tuple[str, ...], procs: list[Proc]
+) -> tuple[LinkFate, ...]:
+    """Every host's interfaces from its link ring: when each lost its carrier
+    and got it back, which failure counters moved, whether a rank uses it."""
+    host_of = {h: i for i, h in enumerate(hosts)}
+    ranks = {(p.host, p.pid) for p in procs}
+    out: list[LinkFate] = []
+    for s in sources:
+        rec = s.recording
+        ring = rec.rings.get("link")
+        if ring is None or not len(ring.rows) or not rec.links:
+            continue
+        offset = rec.clock.realtime_ns - rec.clock.monotonic_ns if rec.clock.realtime_ns else 0
+        for info in rec.links:
+            rows = ring.rows[ring.rows["link"] == info.id]
+            if not len(rows):
+                continue
+            rows = rows[np.argsort(rows["ts_ns"], kind="stable")]
+            used = any((rec.host, pid) in ranks for pid in info.pids)
+            out.append(
+                LinkFate(
+                    host_of[rec.host], info.name, info.kind, used,
+                    _downs(rows, offset), _moved(rows),
+                )
+            )  # fmt: skip
+    return tuple(out)
+
+
+def _downs(rows: np.ndarray, offset: int) -> tuple[tuple[int, int | None], ...]:
+    """(down after, up at or None) of each carrier loss the rows show."""
+    out: list[tuple[int, int | None]] = []
+    down: int | None = None
+    for r in rows:
+        carrier, event = int(r["carrier"]), int(r["event"])
+        ts, after = int(r["ts_ns"]) + offset, int(r["after_ns"]) + offset
+        if event == LinkEvent.CARRIER_FLAP:  # down and up between two samples
+            out.append((after, ts))
+        elif carrier == 0 and down is None:
+            down = after if event == LinkEvent.CARRIER_DOWN else ts
+        elif carrier == 1 and down is not None:
+            out.append((down, ts))
+            down = None
+    if down is not None:
+        out.append((down, None))
+    return tuple(out)
+
+
+def _moved(rows: np.ndarray) -> tuple[tuple[str, int], ...]:
+    """Failure counters that grew between the first and the last row that knew them."""
+    out = []
+    for name in FAILURE_COUNTERS:
+        values = rows[name]
+        known = values[values != UNKNOWN_U64]
+        if len(known) >= 2 and int(known[-1]) > int(known[0]):
+            out.append((name, int(known[-1]) - int(known[0])))
+    return tuple(out)

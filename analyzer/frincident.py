@@ -52,7 +52,7 @@ from .flightrec import FrDump, rank_in_name, read_flightrec
 from .incident import (
     CALL_DTYPE,
     SCHED_DTYPE,
-    TCP_RETRANS_DTYPE,
+    TCP_DTYPE,
     Calls,
     Comm,
     Incident,
@@ -114,7 +114,7 @@ def _incident(folder: str, dumps: list[FrDump], lost: list[str]) -> Incident:
         procs=procs,
         comms=comms,
         calls=Calls(rows),
-        retransmits=np.zeros(0, dtype=TCP_RETRANS_DTYPE),
+        tcp=np.zeros(0, dtype=TCP_DTYPE),
         sched=np.zeros(0, dtype=SCHED_DTYPE),
         sources=tuple(d.path for d in dumps),
         progress=_progress(dumps, members, index),

@@ -33,6 +33,7 @@ from stallwatch.dumpers.inputs import InputStatus as InputStatus
 from stallwatch.dumpers.inputs import SourceKind as SourceKind
 from stallwatch.dumpers.model import CommInfo, Recording
 from stallwatch.dumpers.readings import ThreadReading
+from stallwatch.dumpers.schema import TcpEvent
 
 from .columns import Columns
 
@@ -136,10 +137,36 @@ class Calls:
         return len(self.rows)
 
 
-# host: the dump it came from (whose clock ts is in); local/remote: the hosts
-# whose addresses are the sender and the receiver, -1 if unknown
-TCP_RETRANS_DTYPE = np.dtype(
-    [("host", "<i4"), ("pid", "<u4"), ("ts", "<i8"), ("local", "<i4"), ("remote", "<i4")]
+# The TCP events between two hosts' own addresses that tell what became of
+# a connection: retransmits (with what the kernel said of the connection)
+# and resets.  host: the dump it came from (whose clock ts is in); local /
+# remote: the hosts whose addresses are this end and the other; event:
+# dumpers.schema.TcpEvent; backoff, no_ack: timeouts in a row and nothing
+# acknowledged for at least so long (ns), where known (known 1); conn: one
+# key per connection, the same from both of its ends.
+TCP_DTYPE = np.dtype(
+    [
+        ("host", "<i4"),
+        ("pid", "<u4"),
+        ("ts", "<i8"),
+        ("local", "<i4"),
+        ("remote", "<i4"),
+        ("event", "u1"),
+        ("backoff", "u1"),
+        ("known", "u1"),
+        ("no_ack", "<i8"),
+        ("rto", "<i8"),  # the timeout that expired (ns), 0 where unknown
+        ("conn", "<u8"),
+    ]
+)
+# A process blocked in a call (its group's end included) when its dump was
+# taken: proc, the call's op, when it entered it (its host's clock).
+WAIT_DTYPE = np.dtype([("proc", "<i4"), ("op", "u1"), ("ts", "<i8")])
+# A call of the whole ring (not only the analyzed window) that took HELD_NS
+# and more: proc, its communicator's hash, seq, op, entry and return (host clock).
+HELD_NS = 1_000_000_000
+HELD_DTYPE = np.dtype(
+    [("proc", "<i4"), ("hash", "<u8"), ("seq", "<i8"), ("op", "u1"), ("ts", "<i8"), ("end", "<i8")]
 )
 # holder: the process that held the CPU until the waiting thread got it (the
 # last one; 0 the idle task), dumpers.schema.PREV_PID_UNKNOWN if not recorded
@@ -158,7 +185,7 @@ class Incident:
     procs: tuple[Proc, ...]
     comms: tuple[Comm, ...]
     calls: Calls
-    retransmits: np.ndarray  # TCP_RETRANS_DTYPE
+    tcp: np.ndarray  # TCP_DTYPE
     sched: np.ndarray  # SCHED_DTYPE
     sources: tuple[str, ...] = ()
     # (comm, comm rank, last seq entered, last seq completed) known from
@@ -193,6 +220,15 @@ class Incident:
     # (one boot id): hosts that share CPUs and pids (the lab's nodes on one
     # machine); () where every host is its own
     machines: tuple[int, ...] = ()
+    waiting: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=WAIT_DTYPE))
+    held: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=HELD_DTYPE))
+    links: tuple[LinkFate, ...] = ()  # every host's interfaces (our dumps from format 7)
+
+    @property
+    def retransmits(self) -> np.ndarray:
+        """The TCP table's retransmits."""
+        rows: np.ndarray = self.tcp[self.tcp["event"] == TcpEvent.TCP_RETRANSMIT_SKB]
+        return rows
 
     def to_wall(self, host: int) -> int | None:
         """The offset of a host's timestamps to wall clock, None if unknown."""
@@ -464,6 +500,41 @@ class SchedDelays:
         Unknown holders count, as they did before holders were recorded."""
         total: np.ndarray = self.outside + self.unknown
         return total
+
+
+@dataclass(frozen=True, slots=True)
+class ConnFate:
+    """What became of one connection between two hosts (detect.partition),
+    from the rows both of its ends recorded; times on the wall clock."""
+
+    hosts: tuple[int, int]  # its two ends' hosts, in order
+    retransmits: int
+    timeouts: int  # retransmits that were retransmission timeouts
+    backoff: int  # timeouts in a row, in its last run of them (0: none)
+    no_ack_ns: int | None  # nothing acknowledged for at least so long, at its last retransmit
+    stop_wall_ns: int | None  # when acknowledgements stopped (at the latest), last run
+    last_wall_ns: int | None  # its last retransmit
+    dead: bool  # still stopped when its host's dump was taken
+    resets: int  # resets sent or received
+    first_reset_wall_ns: int | None
+    # runs of timeouts it came back from: (stopped, acknowledged again after)
+    outages: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LinkFate:
+    """One interface of a host as its agent's link ring saw it (align, for
+    detect.partition); times on the wall clock."""
+
+    host: int
+    name: str  # eth0, mlx5_0:1
+    kind: str  # netdev, rdma
+    used: bool  # a rank of the incident uses it
+    # each time it lost its carrier (RDMA: its physical link): (down after,
+    # up again at, or None when it was still down at the dump)
+    downs: tuple[tuple[int, int | None], ...]
+    # failure counters that moved over the ring: (name, increase)
+    moved: tuple[tuple[str, int], ...]
 
 
 @dataclass(frozen=True, slots=True)

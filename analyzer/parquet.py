@@ -23,6 +23,11 @@ folder is refused, never rewritten, and nothing else is touched.  Partition
 values are escaped the way Hive does it (``%XX`` for ``/``, ``=``, ``%`` and
 other characters engines treat specially).
 
+Versions: 2 put every table's absolute times on the incident's clock (ns
+since the epoch, ``dumpers.sqltables``) with the host's own monotonic stamp in
+``host_timestamp_ns``; version 1 folders hold each host's monotonic clock in
+``timestamp_ns`` and are not mixed with them.
+
 Known limits: a folder written by another format version is refused, not
 migrated.
 """
@@ -52,7 +57,7 @@ from .incident import InputStatus
 from .load import IncidentInputs, open_incidents
 
 FORMAT_NAME = "stallwatch-parquet"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 META_FILE = "_stallwatch.json"  # a leading underscore: engines skip it as data
 PARTITIONS = ("incident", "host")
 # left as they are in partition folder names; every other character as %XX
@@ -122,8 +127,8 @@ def _file_table(table: pa.Table) -> pa.Table:
     them), wall-clock columns in microseconds, the format version in the
     schema's metadata.  Microseconds: what SQL hands back for them anyway,
     and the one unit every engine reads (Spark refuses nanosecond
-    timestamps); ``timestamp_ns`` and the other ``*_ns`` columns keep the
-    nanoseconds."""
+    timestamps); ``timestamp_ns``, ``host_timestamp_ns`` and the other
+    ``*_ns`` columns keep the nanoseconds."""
     if "host" in table.column_names:
         table = table.drop_columns(["host"])
     for i, field in enumerate(table.schema):

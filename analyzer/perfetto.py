@@ -5,15 +5,19 @@ each NCCL call a complete slice ("X") carrying op, seq, bytes and state,
 and where the CUDA probes saw it complete, its device span (seen started, or
 queued, to seen completed) on a "device" track beside the host's;
 TCP retransmits and run-queue delays are instant events on the owning rank's
-"kernel" track; each verdict is a global instant marker.  Times are wall
-clock microseconds (each host's monotonic stamps converted with the clock
-pair its dump sampled), so hosts line up as well as their clocks do.
+"kernel" track; each verdict is a global instant marker.  Times are the
+incident's clock, as in SQL (``dumpers.sqltables``): wall clock
+microseconds, each host's monotonic stamps converted with the clock pair its
+dump sampled, so hosts line up as well as their clocks do.  The times a
+slice carries in its arguments are SQL's: ``ts_ns`` on that clock (null for
+a dump without a clock pair), ``host_ts_ns`` the host's own monotonic stamp.
 
 Open the file at https://ui.perfetto.dev or chrome://tracing.
 
 Known limits: a call still in flight when the dump was taken is drawn up to
 the dump time, with state "scheduled"; calls outside the rings' windows are
-not shown.
+not shown; a dump without a clock pair is drawn at its host's monotonic
+times, its host named "(no clock pair)", apart from every other host.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from stallwatch.dumpers.errors import UsageError
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.ranks import Ranks
 from stallwatch.dumpers.schema import PREV_PID_UNKNOWN, State, TcpEvent, datatype_name, op_name
-from stallwatch.dumpers.sqltables import recording_now
+from stallwatch.dumpers.sqltables import clock_offset, recording_now
 
 _STATE_NAMES = {int(s): s.name.lower() for s in State}
 _DEVICE_TRACK = "device"
@@ -58,16 +62,18 @@ class Marker:
 class _Tracks:
     """Stable small integers for hosts (trace pid) and tracks (trace tid)."""
 
-    def __init__(self) -> None:
+    def __init__(self, unclocked: frozenset[str] = frozenset()) -> None:
         self.hosts: dict[str, int] = {}
         self.tracks: dict[tuple[str, int, str], int] = {}
         self.meta: list[dict[str, object]] = []
+        self.unclocked = unclocked  # hosts drawn on their own clock
 
     def host(self, host: str) -> int:
         if host not in self.hosts:
             self.hosts[host] = len(self.hosts) + 1
             hp = self.hosts[host]
-            self.meta.append(_meta("process_name", hp, 0, host))
+            name = f"{host} (no clock pair)" if host in self.unclocked else host
+            self.meta.append(_meta("process_name", hp, 0, name))
             self.meta.append(  # hosts in name order, as they were added
                 {"ph": "M", "name": "process_sort_index", "pid": hp, "tid": 0,
                  "args": {"sort_index": hp}}
@@ -110,7 +116,7 @@ def _nccl_slices(
     end_ns = np.where(
         rows["end_ns"] > 0, rows["end_ns"], np.maximum(recording_now(rec), rows["ts_ns"])
     )
-    ts_us = (rows["ts_ns"].astype(np.int64) - rec.clock.monotonic_ns + rec.clock.realtime_ns) / 1e3
+    ts_us = (rows["ts_ns"].astype(np.int64) + _to_trace(rec)) / 1e3
     dur_us = (end_ns.astype(np.int64) - rows["ts_ns"].astype(np.int64)) / 1e3
     out: list[dict[str, object]] = []
     for i, row in enumerate(rows):
@@ -148,7 +154,8 @@ def _nccl_slices(
                     "host": rec.host,
                     "pid": int(row["pid"]) or None,
                     "tid": int(row["tid"]),
-                    "ts_ns": int(row["ts_ns"]),  # the host's monotonic clock, as in SQL
+                    "ts_ns": _on_clock(rec, int(row["ts_ns"])),  # as in SQL
+                    "host_ts_ns": int(row["ts_ns"]),
                 },
             }
         )
@@ -169,7 +176,7 @@ def _device_slice(
         return None
     begin = int(row["started_ns"]) or int(row["end_ns"]) or int(row["ts_ns"])
     hp, tid = tracks.track(rec.host, int(row["pid"]), f"{label} {_DEVICE_TRACK}")
-    to_us = rec.clock.realtime_ns - rec.clock.monotonic_ns
+    to_us = _to_trace(rec)
     return {
         "ph": "X",
         "name": op,
@@ -181,16 +188,30 @@ def _device_slice(
         "args": {
             "seq": int(row["seq"]),
             "started_seen": bool(row["started_ns"]),
-            "started_after_ns": int(row["started_after_ns"]),
-            "completed_after_ns": int(row["completed_after_ns"]),
-            "completed_ns": done,
+            "started_after_ns": _on_clock(rec, int(row["started_after_ns"])),
+            "completed_after_ns": _on_clock(rec, int(row["completed_after_ns"])),
+            "completed_ns": _on_clock(rec, done),
         },
     }
 
 
+def _to_trace(rec: Recording) -> int:
+    """What places the recording's stamps on the trace's clock: the
+    incident's (SQL's), or for a dump without a clock pair its own."""
+    offset = clock_offset(rec)
+    return 0 if offset is None else offset
+
+
+def _on_clock(rec: Recording, stamp: int) -> int | None:
+    """A stamp on the incident's clock, as SQL has it: None where unknown
+    (0: not observed; no clock pair)."""
+    offset = clock_offset(rec)
+    return stamp + offset if stamp and offset is not None else None
+
+
 def _instants(rec: Recording, tracks: _Tracks, ranks: dict[int, int]) -> list[dict[str, object]]:
     out: list[dict[str, object]] = []
-    to_us = rec.clock.realtime_ns - rec.clock.monotonic_ns
+    to_us = _to_trace(rec)
     tcp = rec.rings.get("tcp")
     if tcp is not None:
         for row in tcp.rows[tcp.rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB]:
@@ -278,7 +299,7 @@ def build_trace(
     over the recordings given)."""
     recs = sorted(recordings, key=lambda r: r.host)
     known = Ranks.of(recs) if known is None else known
-    tracks = _Tracks()
+    tracks = _Tracks(frozenset(r.host for r in recs if clock_offset(r) is None))
     events: list[dict[str, object]] = []
     last_us = 0.0
     for rec in recs:

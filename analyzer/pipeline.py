@@ -77,6 +77,7 @@ from .detect.desync import disagreements
 from .detect.inconclusive import detect_inconclusive, unjudged
 from .detect.missing import moments_apart_ns, p2p_gaps, taken_in_turn
 from .detect.network import retransmit_slowdowns, retransmits_in_windows
+from .detect.partition import connection_fates
 from .detect.stragglers import arrival_scores
 from .flightrec import FrDump
 from .frincident import incidents_from_flightrec
@@ -138,6 +139,7 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
         retransmits=tuple(retransmits_in_windows(inc, m)),
         sched=sched_delays(inc),
         slowdowns=tuple(retransmit_slowdowns(inc, m)),
+        fates=connection_fates(inc),
     )
     verdicts = [v for d in detectors for v in d(a)]
     if not verdicts and detectors is DETECTORS:

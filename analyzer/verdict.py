@@ -15,6 +15,7 @@ class VerdictKind(enum.Enum):
     MISSING_RANK = "missing_rank"
     DESYNC = "desync"
     RANK_EXITED = "rank_exited"
+    NETWORK_PARTITION = "network_partition"  # a cut, a link down, a flap, resets
     COMPUTE_STRAGGLER = "compute_straggler"
     NETWORK_STRAGGLER = "network_straggler"
     CPU_INTERFERENCE = "cpu_interference"

@@ -14,6 +14,7 @@ MODULES = (
     "bench_agent",
     "bench_recorder",
     "bench_tcp",
+    "bench_links",
     "bench_dumps",
     "bench_analyzer",
     "bench_accuracy",

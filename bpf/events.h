@@ -21,6 +21,7 @@
 #define EVENT_TCP 3
 #define EVENT_SCHED 4
 #define EVENT_EXIT 5
+#define EVENT_LINK 6
 #define EVENT_DISC 16
 
 /* NCCL call kinds (`nccl_event.op`, `comm_event.op`); `name` is the SQL spelling (`ALL_REDUCE`). */
@@ -79,6 +80,20 @@
 /* `disc_event.event`: what tells the agent a process may map a new library. */
 #define DISC_EXEC 1
 #define DISC_LINKMAP 2
+
+/* `link_event.link_kind`: what the row's interface is. */
+#define LINK_NETDEV 1
+#define LINK_RDMA 2
+
+/* `link_event.event`: why the agent wrote the row (the SQL spelling is the name in lower case).  One row says the strongest reason. */
+#define LINKEV_SEEN 1
+#define LINKEV_HEARTBEAT 2
+#define LINKEV_CARRIER_DOWN 3
+#define LINKEV_CARRIER_UP 4
+#define LINKEV_CARRIER_FLAP 5
+#define LINKEV_STATE 6
+#define LINKEV_ERRORS 7
+#define LINKEV_GONE 8
 
 /* Index of each ring's head in `heads`, and of its loss counter in `drops`. */
 #define RING_NCCL 0
@@ -295,6 +310,165 @@ _Static_assert(__builtin_offsetof(struct exit_event, code) == 32, "exit_event.co
 _Static_assert(__builtin_offsetof(struct exit_event, signal) == 36, "exit_event.signal");
 _Static_assert(__builtin_offsetof(struct exit_event, event) == 40, "exit_event.event");
 _Static_assert(__builtin_offsetof(struct exit_event, _pad1) == 41, "exit_event._pad1");
+
+/* One sample of an interface's state and counters, written by the agent
+ * (recorder.links, not a BPF program) when the state changed or an error
+ * counter moved since the interface's previous row, and at least every
+ * heartbeat.  The header's pid and tid are 0.  Every value the interface does
+ * not have or that could not be read is unknown: 0xff, 0xffffffff or
+ * 0xffffffffffffffff by its width.  netdev rows leave the RDMA fields
+ * unknown and RDMA rows the netdev ones.
+ */
+struct link_event {
+	struct event_header hdr;
+	__u64 after_ns; /* the interface's previous sample: a change lies after it */
+	__u32 link; /* the interface: its id in the dump's links table */
+	__u8 link_kind; /* LINK_* */
+	__u8 event; /* LINKEV_* */
+	__u8 carrier; /* 1 up, 0 down (RDMA: phys_state LinkUp or not) */
+	__u8 admin_up; /* netdev: IFF_UP */
+	__u8 operstate; /* netdev: IF_OPER_* (RFC 2863) */
+	__u8 port_state; /* RDMA: DOWN 1, INIT 2, ARMED 3, ACTIVE 4, ACTIVE_DEFER 5 */
+	__u8 phys_state; /* RDMA: Sleep 1 ... LinkUp 5, LinkErrorRecovery 6 */
+	__u8 _pad1;
+	__u32 carrier_changes; /* netdev: IFLA_CARRIER_CHANGES */
+	__u32 carrier_up_count;
+	__u32 carrier_down_count;
+	__u64 rx_packets;
+	__u64 tx_packets;
+	__u64 rx_bytes;
+	__u64 tx_bytes;
+	__u64 rx_errors;
+	__u64 tx_errors;
+	__u64 rx_dropped;
+	__u64 tx_dropped;
+	__u64 multicast;
+	__u64 collisions;
+	__u64 rx_length_errors;
+	__u64 rx_over_errors;
+	__u64 rx_crc_errors;
+	__u64 rx_frame_errors;
+	__u64 rx_fifo_errors;
+	__u64 rx_missed_errors;
+	__u64 tx_aborted_errors;
+	__u64 tx_carrier_errors;
+	__u64 tx_fifo_errors;
+	__u64 tx_heartbeat_errors;
+	__u64 tx_window_errors;
+	__u64 rx_nohandler;
+	__u64 rx_otherhost_dropped;
+	__u64 symbol_error;
+	__u64 port_rcv_errors;
+	__u64 port_rcv_remote_physical_errors;
+	__u64 port_rcv_switch_relay_errors;
+	__u64 link_error_recovery;
+	__u64 port_xmit_constraint_errors;
+	__u64 port_rcv_constraint_errors;
+	__u64 local_link_integrity_errors;
+	__u64 excessive_buffer_overrun_errors;
+	__u64 port_xmit_data;
+	__u64 port_rcv_data;
+	__u64 port_xmit_packets;
+	__u64 port_rcv_packets;
+	__u64 unicast_rcv_packets;
+	__u64 unicast_xmit_packets;
+	__u64 multicast_rcv_packets;
+	__u64 multicast_xmit_packets;
+	__u64 link_downed;
+	__u64 port_xmit_discards;
+	__u64 vl15_dropped;
+	__u64 port_xmit_wait;
+	__u64 out_of_sequence;
+	__u64 packet_seq_err;
+	__u64 out_of_buffer;
+	__u64 local_ack_timeout_err;
+	__u64 rnr_nak_retry_err;
+	__u64 implied_nak_seq_err;
+	__u64 duplicate_request;
+	__u64 req_cqe_error;
+	__u64 resp_cqe_error;
+	__u64 rx_icrc_encapsulated;
+	__u64 roce_adp_retrans;
+	__u64 roce_slow_restart;
+	__u64 np_ecn_marked_roce_packets;
+	__u64 np_cnp_sent;
+	__u64 rp_cnp_handled;
+	__u64 rp_cnp_ignored;
+};
+_Static_assert(sizeof(struct link_event) == 544, "link_event size");
+_Static_assert(__builtin_offsetof(struct link_event, after_ns) == 32, "link_event.after_ns");
+_Static_assert(__builtin_offsetof(struct link_event, link) == 40, "link_event.link");
+_Static_assert(__builtin_offsetof(struct link_event, link_kind) == 44, "link_event.link_kind");
+_Static_assert(__builtin_offsetof(struct link_event, event) == 45, "link_event.event");
+_Static_assert(__builtin_offsetof(struct link_event, carrier) == 46, "link_event.carrier");
+_Static_assert(__builtin_offsetof(struct link_event, admin_up) == 47, "link_event.admin_up");
+_Static_assert(__builtin_offsetof(struct link_event, operstate) == 48, "link_event.operstate");
+_Static_assert(__builtin_offsetof(struct link_event, port_state) == 49, "link_event.port_state");
+_Static_assert(__builtin_offsetof(struct link_event, phys_state) == 50, "link_event.phys_state");
+_Static_assert(__builtin_offsetof(struct link_event, _pad1) == 51, "link_event._pad1");
+_Static_assert(__builtin_offsetof(struct link_event, carrier_changes) == 52, "link_event.carrier_changes");
+_Static_assert(__builtin_offsetof(struct link_event, carrier_up_count) == 56, "link_event.carrier_up_count");
+_Static_assert(__builtin_offsetof(struct link_event, carrier_down_count) == 60, "link_event.carrier_down_count");
+_Static_assert(__builtin_offsetof(struct link_event, rx_packets) == 64, "link_event.rx_packets");
+_Static_assert(__builtin_offsetof(struct link_event, tx_packets) == 72, "link_event.tx_packets");
+_Static_assert(__builtin_offsetof(struct link_event, rx_bytes) == 80, "link_event.rx_bytes");
+_Static_assert(__builtin_offsetof(struct link_event, tx_bytes) == 88, "link_event.tx_bytes");
+_Static_assert(__builtin_offsetof(struct link_event, rx_errors) == 96, "link_event.rx_errors");
+_Static_assert(__builtin_offsetof(struct link_event, tx_errors) == 104, "link_event.tx_errors");
+_Static_assert(__builtin_offsetof(struct link_event, rx_dropped) == 112, "link_event.rx_dropped");
+_Static_assert(__builtin_offsetof(struct link_event, tx_dropped) == 120, "link_event.tx_dropped");
+_Static_assert(__builtin_offsetof(struct link_event, multicast) == 128, "link_event.multicast");
+_Static_assert(__builtin_offsetof(struct link_event, collisions) == 136, "link_event.collisions");
+_Static_assert(__builtin_offsetof(struct link_event, rx_length_errors) == 144, "link_event.rx_length_errors");
+_Static_assert(__builtin_offsetof(struct link_event, rx_over_errors) == 152, "link_event.rx_over_errors");
+_Static_assert(__builtin_offsetof(struct link_event, rx_crc_errors) == 160, "link_event.rx_crc_errors");
+_Static_assert(__builtin_offsetof(struct link_event, rx_frame_errors) == 168, "link_event.rx_frame_errors");
+_Static_assert(__builtin_offsetof(struct link_event, rx_fifo_errors) == 176, "link_event.rx_fifo_errors");
+_Static_assert(__builtin_offsetof(struct link_event, rx_missed_errors) == 184, "link_event.rx_missed_errors");
+_Static_assert(__builtin_offsetof(struct link_event, tx_aborted_errors) == 192, "link_event.tx_aborted_errors");
+_Static_assert(__builtin_offsetof(struct link_event, tx_carrier_errors) == 200, "link_event.tx_carrier_errors");
+_Static_assert(__builtin_offsetof(struct link_event, tx_fifo_errors) == 208, "link_event.tx_fifo_errors");
+_Static_assert(__builtin_offsetof(struct link_event, tx_heartbeat_errors) == 216, "link_event.tx_heartbeat_errors");
+_Static_assert(__builtin_offsetof(struct link_event, tx_window_errors) == 224, "link_event.tx_window_errors");
+_Static_assert(__builtin_offsetof(struct link_event, rx_nohandler) == 232, "link_event.rx_nohandler");
+_Static_assert(__builtin_offsetof(struct link_event, rx_otherhost_dropped) == 240, "link_event.rx_otherhost_dropped");
+_Static_assert(__builtin_offsetof(struct link_event, symbol_error) == 248, "link_event.symbol_error");
+_Static_assert(__builtin_offsetof(struct link_event, port_rcv_errors) == 256, "link_event.port_rcv_errors");
+_Static_assert(__builtin_offsetof(struct link_event, port_rcv_remote_physical_errors) == 264, "link_event.port_rcv_remote_physical_errors");
+_Static_assert(__builtin_offsetof(struct link_event, port_rcv_switch_relay_errors) == 272, "link_event.port_rcv_switch_relay_errors");
+_Static_assert(__builtin_offsetof(struct link_event, link_error_recovery) == 280, "link_event.link_error_recovery");
+_Static_assert(__builtin_offsetof(struct link_event, port_xmit_constraint_errors) == 288, "link_event.port_xmit_constraint_errors");
+_Static_assert(__builtin_offsetof(struct link_event, port_rcv_constraint_errors) == 296, "link_event.port_rcv_constraint_errors");
+_Static_assert(__builtin_offsetof(struct link_event, local_link_integrity_errors) == 304, "link_event.local_link_integrity_errors");
+_Static_assert(__builtin_offsetof(struct link_event, excessive_buffer_overrun_errors) == 312, "link_event.excessive_buffer_overrun_errors");
+_Static_assert(__builtin_offsetof(struct link_event, port_xmit_data) == 320, "link_event.port_xmit_data");
+_Static_assert(__builtin_offsetof(struct link_event, port_rcv_data) == 328, "link_event.port_rcv_data");
+_Static_assert(__builtin_offsetof(struct link_event, port_xmit_packets) == 336, "link_event.port_xmit_packets");
+_Static_assert(__builtin_offsetof(struct link_event, port_rcv_packets) == 344, "link_event.port_rcv_packets");
+_Static_assert(__builtin_offsetof(struct link_event, unicast_rcv_packets) == 352, "link_event.unicast_rcv_packets");
+_Static_assert(__builtin_offsetof(struct link_event, unicast_xmit_packets) == 360, "link_event.unicast_xmit_packets");
+_Static_assert(__builtin_offsetof(struct link_event, multicast_rcv_packets) == 368, "link_event.multicast_rcv_packets");
+_Static_assert(__builtin_offsetof(struct link_event, multicast_xmit_packets) == 376, "link_event.multicast_xmit_packets");
+_Static_assert(__builtin_offsetof(struct link_event, link_downed) == 384, "link_event.link_downed");
+_Static_assert(__builtin_offsetof(struct link_event, port_xmit_discards) == 392, "link_event.port_xmit_discards");
+_Static_assert(__builtin_offsetof(struct link_event, vl15_dropped) == 400, "link_event.vl15_dropped");
+_Static_assert(__builtin_offsetof(struct link_event, port_xmit_wait) == 408, "link_event.port_xmit_wait");
+_Static_assert(__builtin_offsetof(struct link_event, out_of_sequence) == 416, "link_event.out_of_sequence");
+_Static_assert(__builtin_offsetof(struct link_event, packet_seq_err) == 424, "link_event.packet_seq_err");
+_Static_assert(__builtin_offsetof(struct link_event, out_of_buffer) == 432, "link_event.out_of_buffer");
+_Static_assert(__builtin_offsetof(struct link_event, local_ack_timeout_err) == 440, "link_event.local_ack_timeout_err");
+_Static_assert(__builtin_offsetof(struct link_event, rnr_nak_retry_err) == 448, "link_event.rnr_nak_retry_err");
+_Static_assert(__builtin_offsetof(struct link_event, implied_nak_seq_err) == 456, "link_event.implied_nak_seq_err");
+_Static_assert(__builtin_offsetof(struct link_event, duplicate_request) == 464, "link_event.duplicate_request");
+_Static_assert(__builtin_offsetof(struct link_event, req_cqe_error) == 472, "link_event.req_cqe_error");
+_Static_assert(__builtin_offsetof(struct link_event, resp_cqe_error) == 480, "link_event.resp_cqe_error");
+_Static_assert(__builtin_offsetof(struct link_event, rx_icrc_encapsulated) == 488, "link_event.rx_icrc_encapsulated");
+_Static_assert(__builtin_offsetof(struct link_event, roce_adp_retrans) == 496, "link_event.roce_adp_retrans");
+_Static_assert(__builtin_offsetof(struct link_event, roce_slow_restart) == 504, "link_event.roce_slow_restart");
+_Static_assert(__builtin_offsetof(struct link_event, np_ecn_marked_roce_packets) == 512, "link_event.np_ecn_marked_roce_packets");
+_Static_assert(__builtin_offsetof(struct link_event, np_cnp_sent) == 520, "link_event.np_cnp_sent");
+_Static_assert(__builtin_offsetof(struct link_event, rp_cnp_handled) == 528, "link_event.rp_cnp_handled");
+_Static_assert(__builtin_offsetof(struct link_event, rp_cnp_ignored) == 536, "link_event.rp_cnp_ignored");
 
 /* Discovery: not a dump ring.  The agent reads it each tick instead of
  * scanning /proc; one row per event, the pid in the header.

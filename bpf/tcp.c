@@ -1,13 +1,16 @@
 /* The job's TCP evidence, decided in the kernel: retransmits (with the
  * connection's state), resets and state changes of the job's sockets only.
  *
- * A socket is the job's when its owner is a tracked process, or when either
- * end is a job endpoint (`job_endpoints`: an address and port a tracked
- * process listens on or uses; the programs add a tracked listener's, user
- * space the local ends of every tracked process's sockets).  Everything
- * else is counted (DROP_TCP_FILTERED) and never written, so that no
- * neighbour on the machine (a data loader opening thousands of connections
- * a second) can evict the job's rows from the ring.
+ * A socket is the job's when its owner is a tracked process, when it is one
+ * of the job's connections (`job_conns`, by both ends: user space seeds the
+ * connections a tracked process already holds), or when either end is a
+ * job listener (`job_endpoints`: the programs add a tracked listener's, user
+ * space every listener of a tracked process).  A connected socket is never
+ * known by its local end alone: under a neighbour's churn the kernel hands
+ * one ephemeral port to connections of other processes to other peers.
+ * Everything else is counted (DROP_TCP_FILTERED) and never written, so that
+ * no neighbour on the machine (a data loader opening thousands of
+ * connections a second) can evict the job's rows from the ring.
  *
  * Owners: retransmits fire in softirq context, where the current pid means
  * nothing, so `sock_owner` (socket address -> tgid) is learned where a
@@ -81,8 +84,20 @@ struct endpoint {
 	u16 family;
 	u32 _pad;
 };
-/* -> the tracked process that listens there or uses it */
+/* -> the tracked process that listens there */
 BPF_HASH(job_endpoints, struct endpoint, u32, MAX_ENDPOINTS);
+
+/* A connection by both ends, as its socket has them (local first). */
+struct conn_key {
+	u8 laddr[16];
+	u8 raddr[16];
+	u16 lport;
+	u16 rport;
+	u16 family;
+	u16 _pad;
+};
+/* -> the tracked process that holds it */
+BPF_HASH(job_conns, struct conn_key, u32, MAX_ENDPOINTS);
 
 struct conn {
 	u64 row_pos;        /* the retransmit row the tracepoint wrote last */
@@ -162,11 +177,26 @@ static __always_inline u32 endpoint_owner(struct endpoint *ep)
 
 /* The job's process behind a connection (its owner, else the tracked
  * process at either end), 0 if it is not the job's. */
+static __always_inline u32 conn_owner(struct endpoint *local, struct endpoint *remote)
+{
+	struct conn_key key = {};
+	__builtin_memcpy(key.laddr, local->addr, 16);
+	__builtin_memcpy(key.raddr, remote->addr, 16);
+	key.lport = local->port;
+	key.rport = remote->port;
+	key.family = local->family;
+	u32 *pid = job_conns.lookup(&key);
+	return pid ? *pid : 0;
+}
+
 static __always_inline u32 job_of(u32 owner, struct endpoint *local, struct endpoint *remote)
 {
 	if (owner && is_tracked(owner))
 		return owner;
-	u32 pid = endpoint_owner(local);
+	u32 pid = conn_owner(local, remote);
+	if (pid)
+		return pid;
+	pid = endpoint_owner(local);
 	if (!pid)
 		pid = endpoint_owner(remote);
 	if (pid)

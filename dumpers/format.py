@@ -1,10 +1,10 @@
 """The dump file: one node's ``Recording`` as a msgpack document.
 
-Layout (format version 3; every key is required, no other key is allowed;
+Layout (format version 7; every key is required, no other key is allowed;
 ``format`` and ``version`` come first, in this version and every later one,
 so that a newer layout is recognised as such before anything else is read)::
 
-    {"format": "stallwatch-dump", "version": 3,
+    {"format": "stallwatch-dump", "version": 7,
      "host": str, "boot_id": str,
      "agent": {"version": str, "args": [str, ...]},
      "trigger": null | {"kind": str, "reason": str, "incident_id": str, "time_ns": u64,
@@ -15,6 +15,7 @@ so that a newer layout is recognised as such before anything else is read)::
      "communicators": [{"pid", "comm", "comm_hash", "rank", "nranks", "parent_hash",
                         "color", "key", "root_addr", "init_ns", "destroy_ns"}, ...],
      "snapshots": [thread positions, as in dumpers.readingsdoc],
+     "links": [interfaces, as in dumpers.linksdoc],            # version 7 on
      "rings": {name: {"dtype": numpy descr as lists, "rows": n, "data": bin,
                       "overwritten": u64, "lost": u64}},
      "counters": {str: u64}}
@@ -42,6 +43,9 @@ RTT, bytes unacknowledged, nothing acknowledged since): it reads as unknown
 (``conn_known`` 0), and only retransmits and state changes were recorded
 (resets are rows from version 7 on).  Versions 1 and 2 have no
 ``snapshots``: they are read as recordings without thread positions.
+Version 7 adds the ``link`` ring (the agent's samples of its interfaces,
+``recorder.links``) and the ``links`` table it names; older versions are
+read with neither (no link rows), and refused if they hold a ``link`` ring.
 
 The reader refuses anything else with ``DumpFormatError`` (or
 ``DumpVersionError`` for a newer version), naming the file and the field; it
@@ -73,6 +77,7 @@ import msgpack
 import numpy as np
 
 from .errors import DumpError, DumpFormatError, DumpVersionError, DumpWriteError
+from .linksdoc import links_doc, read_links
 from .model import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -85,7 +90,7 @@ from .model import (
     TriggerKind,
 )
 from .readingsdoc import read_snapshots, snapshots_doc
-from .schema import PREV_PID_UNKNOWN, RING_DTYPES, State, ring_dtype
+from .schema import PREV_PID_UNKNOWN, RING_DTYPES, RING_SINCE, State, ring_dtype
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +203,7 @@ def _header_doc(rec: Recording) -> dict[str, object]:
         "processes": [_process_doc(p) for p in rec.processes],
         "communicators": [_comm_doc(c) for c in rec.communicators],
         "snapshots": snapshots_doc(rec.snapshots),
+        "links": links_doc(rec.links),
     }
 
 
@@ -435,6 +441,7 @@ _TOP_KEYS_V2 = (
     "counters",
 )
 _TOP_KEYS = (*_TOP_KEYS_V2, "snapshots")  # version 3
+_TOP_KEYS_V7 = (*_TOP_KEYS, "links")
 _TRIGGER_KEYS = ("kind", "reason", "incident_id", "time_ns", "pid", "comm_hash", "origin_host")
 # world_rank: only an input that names it (Flight Recorder) sets it, never a dump
 _PROCESS_KEYS = tuple(k for k in ProcessInfo.__dataclass_fields__ if k != "world_rank")
@@ -785,6 +792,8 @@ def _read_ring(name: str, obj: object, c: _Checker, version: int) -> Ring | _Def
     path = f"rings.{name[:40]}"
     if name not in RING_DTYPES:
         c.fail(path, f"unknown ring (this reader knows {', '.join(RING_DTYPES)})")
+    if version < RING_SINCE.get(name, 0):
+        c.fail(path, f"no such ring in format version {version} (from {RING_SINCE[name]} on)")
     dtype = ring_dtype(name, version)
     r = c.map(obj, path, _RING_KEYS)
     if r["dtype"] != _expected_descr(name, version):
@@ -839,6 +848,12 @@ def _decode_stream(stream: BinaryIO, size: int, name: str) -> Recording:
     return _decode_parts(stream, size, name, frozenset())[0]
 
 
+def _top_keys(version: int) -> tuple[str, ...]:
+    if version <= 2:
+        return _TOP_KEYS_V2
+    return _TOP_KEYS if version < 7 else _TOP_KEYS_V7
+
+
 def _decode_parts(
     stream: BinaryIO, size: int, name: str, defer: frozenset[str]
 ) -> tuple[Recording, dict[str, _Deferred]]:
@@ -847,7 +862,7 @@ def _decode_parts(
     version = _check_header(doc, c)
     if trailing:
         c.fail("document", f"{trailing} unexpected bytes after the document")
-    doc = c.map(doc, "document", _TOP_KEYS_V2 if version <= 2 else _TOP_KEYS)
+    doc = c.map(doc, "document", _top_keys(version))
     agent = c.map(doc["agent"], "agent", ("version", "args"))
     clock = c.map(doc["clock"], "clock", ("monotonic_ns", "realtime_ns"))
     procs = c.array(doc["processes"], "processes")
@@ -869,6 +884,7 @@ def _decode_parts(
         trigger=_read_trigger(doc["trigger"], c),
         counters=_read_counters(doc["counters"], c),
         snapshots=read_snapshots(doc["snapshots"], c) if version >= 3 else (),
+        links=read_links(doc["links"], c) if version >= 7 else (),
     )
     return rec, {k: r for k, r in rings.items() if isinstance(r, _Deferred)}
 

@@ -36,6 +36,7 @@ class EventKind(enum.IntEnum):
     TCP = 3
     SCHED = 4
     EXIT = 5
+    LINK = 6  # written by the agent (recorder.links), not by a BPF program
     DISC = 16  # discovery: not a dump ring
 
 
@@ -124,6 +125,27 @@ class DiscEvent(enum.IntEnum):
     LINKMAP = 2  # the dynamic loader's _dl_debug_state(): libraries came or went
 
 
+class LinkKind(enum.IntEnum):
+    """``link_event.link_kind``: what the row's interface is."""
+
+    NETDEV = 1  # a network interface (rtnetlink)
+    RDMA = 2  # a port of an RDMA device (sysfs: InfiniBand, RoCE)
+
+
+class LinkEvent(enum.IntEnum):
+    """``link_event.event``: why the agent wrote the row (the SQL spelling
+    is the name in lower case).  One row says the strongest reason."""
+
+    SEEN = 1  # the interface's first row (the agent started, or it appeared)
+    HEARTBEAT = 2  # nothing changed for the heartbeat period: the state as it stands
+    CARRIER_DOWN = 3  # carrier lost since the previous sample (RDMA: phys_state left LinkUp)
+    CARRIER_UP = 4  # carrier back
+    CARRIER_FLAP = 5  # carrier the same, but it went down and up (or up and down) in between
+    STATE = 6  # another state changed: admin up/down, operstate, port state
+    ERRORS = 7  # an error, drop or discard counter moved
+    GONE = 8  # the interface is no more (every value unknown)
+
+
 # enum -> the prefix of its C names
 C_PREFIXES: tuple[tuple[type[enum.IntEnum], str], ...] = (
     (EventKind, "EVENT_"),
@@ -133,10 +155,13 @@ C_PREFIXES: tuple[tuple[type[enum.IntEnum], str], ...] = (
     (TcpEvent, "TCPEV_"),
     (ExitEvent, "EXITEV_"),
     (DiscEvent, "DISC_"),
+    (LinkKind, "LINK_"),
+    (LinkEvent, "LINKEV_"),
 )
 
-# The dumped rings, in the order of their heads and loss counters
-# (``RING_<NAME>`` in C); the discovery ring's head is the last one.
+# The rings the BPF programs write, in the order of their heads and loss
+# counters (``RING_<NAME>`` in C); the discovery ring's head is the last one.
+# The link ring (RING_STRUCTS) is the agent's own and has neither.
 RINGS = ("nccl", "comm", "tcp", "sched", "exit")
 DISC_HEAD = 7
 HEADS = 8  # struct ring_head slots in `heads`
@@ -337,6 +362,74 @@ EXIT = Struct(
     "A rank process's exit: its code, a fatal signal, its end.",
 )
 
+# ---- link_event: written by the agent ------------------------------------------
+
+# Unknown, in a link_event: a value the interface does not have or that could
+# not be read (SQL turns it into NULL).  Never 0: 0 is a count.
+UNKNOWN_U8 = 0xFF
+UNKNOWN_U32 = 0xFFFF_FFFF
+UNKNOWN_U64 = 0xFFFF_FFFF_FFFF_FFFF
+
+# A network interface's counters: struct rtnl_link_stats64 (IFLA_STATS64) in
+# the kernel's order, without rx_compressed and tx_compressed.
+NETDEV_COUNTERS = (
+    "rx_packets", "tx_packets", "rx_bytes", "tx_bytes", "rx_errors", "tx_errors",
+    "rx_dropped", "tx_dropped", "multicast", "collisions", "rx_length_errors",
+    "rx_over_errors", "rx_crc_errors", "rx_frame_errors", "rx_fifo_errors",
+    "rx_missed_errors", "tx_aborted_errors", "tx_carrier_errors", "tx_fifo_errors",
+    "tx_heartbeat_errors", "tx_window_errors", "rx_nohandler", "rx_otherhost_dropped",
+)  # fmt: skip
+# An RDMA port's counters/ files (Documentation/ABI/stable/sysfs-class-infiniband:
+# the PortCounters of the InfiniBand specification; port_*_data count 4-byte
+# words), VL15_dropped as vl15_dropped.
+RDMA_COUNTERS = (
+    "symbol_error", "port_rcv_errors", "port_rcv_remote_physical_errors",
+    "port_rcv_switch_relay_errors", "link_error_recovery", "port_xmit_constraint_errors",
+    "port_rcv_constraint_errors", "local_link_integrity_errors",
+    "excessive_buffer_overrun_errors", "port_xmit_data", "port_rcv_data",
+    "port_xmit_packets", "port_rcv_packets", "unicast_rcv_packets", "unicast_xmit_packets",
+    "multicast_rcv_packets", "multicast_xmit_packets", "link_downed", "port_xmit_discards",
+    "vl15_dropped", "port_xmit_wait",
+)  # fmt: skip
+# Of an RDMA port's hw_counters/ (each driver's own set; these are mlx5's
+# names, drivers/infiniband/hw/mlx5/counters.c; a driver without one leaves
+# it unknown): transport errors and retransmissions, then congestion (ECN
+# marks, CNPs).
+RDMA_HW_COUNTERS = (
+    "out_of_sequence", "packet_seq_err", "out_of_buffer", "local_ack_timeout_err",
+    "rnr_nak_retry_err", "implied_nak_seq_err", "duplicate_request", "req_cqe_error",
+    "resp_cqe_error", "rx_icrc_encapsulated", "roce_adp_retrans", "roce_slow_restart",
+    "np_ecn_marked_roce_packets", "np_cnp_sent", "rp_cnp_handled", "rp_cnp_ignored",
+)  # fmt: skip
+LINK_COUNTERS = (*NETDEV_COUNTERS, *RDMA_COUNTERS, *RDMA_HW_COUNTERS)
+
+LINK = Struct(
+    "link_event",
+    (
+        Field("after_ns", "u64", note="the interface's previous sample: a change lies after it"),
+        Field("link", "u32", note="the interface: its id in the dump's links table"),
+        Field("link_kind", "u8", note="LINK_*"),
+        Field("event", "u8", note="LINKEV_*"),
+        Field("carrier", "u8", note="1 up, 0 down (RDMA: phys_state LinkUp or not)"),
+        Field("admin_up", "u8", note="netdev: IFF_UP"),
+        Field("operstate", "u8", note="netdev: IF_OPER_* (RFC 2863)"),
+        Field("port_state", "u8", note="RDMA: DOWN 1, INIT 2, ARMED 3, ACTIVE 4, ACTIVE_DEFER 5"),
+        Field("phys_state", "u8", note="RDMA: Sleep 1 ... LinkUp 5, LinkErrorRecovery 6"),
+        Field("_pad1", "u8"),
+        Field("carrier_changes", "u32", note="netdev: IFLA_CARRIER_CHANGES"),
+        Field("carrier_up_count", "u32"),
+        Field("carrier_down_count", "u32"),
+        *(Field(name, "u64") for name in LINK_COUNTERS),
+    ),
+    """One sample of an interface's state and counters, written by the agent
+(recorder.links, not a BPF program) when the state changed or an error
+counter moved since the interface's previous row, and at least every
+heartbeat.  The header's pid and tid are 0.  Every value the interface does
+not have or that could not be read is unknown: 0xff, 0xffffffff or
+0xffffffffffffffff by its width.  netdev rows leave the RDMA fields
+unknown and RDMA rows the netdev ones.""",
+)
+
 DISC = Struct(
     "disc_event",
     (Field("event", "u32", note="DISC_*"), Field("_pad1", "u32")),
@@ -344,7 +437,7 @@ DISC = Struct(
 scanning /proc; one row per event, the pid in the header.""",
 )
 
-STRUCTS: tuple[Struct, ...] = (HEADER, NCCL, COMM, TCP, SCHED, EXIT, DISC)
+STRUCTS: tuple[Struct, ...] = (HEADER, NCCL, COMM, TCP, SCHED, EXIT, LINK, DISC)
 # Ring name -> its record, for the rings a dump holds.
 RING_STRUCTS: dict[str, Struct] = {
     "nccl": NCCL,
@@ -352,6 +445,7 @@ RING_STRUCTS: dict[str, Struct] = {
     "tcp": TCP,
     "sched": SCHED,
     "exit": EXIT,
+    "link": LINK,  # the agent's own ring: no head nor loss counter in the kernel
 }
 
 # ---- bpf/events.h -------------------------------------------------------------

@@ -17,8 +17,9 @@ from .readings import ThreadReading
 
 FORMAT_NAME = "stallwatch-dump"
 # 2: nccl rows carry device start and completion; 3: thread position snapshots;
-# 4: CUDA graph columns; 5: sched rows name the CPU's last holder (prev_pid).
-# Older files are still read (their rows converted, no snapshots).
+# 4: CUDA graph columns; 5: sched rows name the CPU's last holder (prev_pid);
+# 7: TCP rows carry the connection's state, the link ring and the links table.
+# Older files are still read (their rows converted, no snapshots, no links).
 FORMAT_VERSION = 7
 
 
@@ -88,6 +89,29 @@ class CommInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class LinkInfo:
+    """One interface the link ring names (``link_event.link`` is its ``id``):
+    a network interface of the agent's network namespace, or a port of an
+    RDMA device.  None: unknown."""
+
+    id: int  # 1.., never reused by one agent
+    name: str  # the netdev's name; an RDMA port as "<device>:<port>" (NCCL_IB_HCA's form)
+    kind: str  # "netdev" or "rdma"
+    device: str | None = None  # RDMA: the device (mlx5_0); netdev: its parent device (PCI)
+    port: int | None = None  # RDMA: the port number
+    ifindex: int | None = None  # netdev
+    netdev: str | None = None  # RDMA: the netdev the port is bound to (RoCE, IPoIB)
+    link_type: str | None = None  # netdev: IFLA_INFO_KIND (veth, bridge, vlan...); None: a NIC
+    link_layer: str | None = None  # RDMA: InfiniBand or Ethernet
+    addresses: tuple[str, ...] = ()  # netdev: "address/prefix", IPv4 and IPv6
+    mtu: int | None = None
+    speed_mbps: int | None = None
+    pids: tuple[int, ...] = ()  # processes in scope that use it
+    first_ns: int = 0  # monotonic: when the agent first saw it
+    gone_ns: int = 0  # monotonic: when it went; 0 while present
+
+
+@dataclass(frozen=True, slots=True)
 class Ring:
     rows: np.ndarray  # structured array, ring dtype, oldest first
     overwritten: int = 0  # rows the ring dropped to make room
@@ -110,3 +134,5 @@ class Recording:
     counters: dict[str, int] = field(default_factory=dict)
     # where every thread of the node's NCCL processes was (dumpers.readings), oldest first
     snapshots: tuple[ThreadReading, ...] = ()
+    # the interfaces the link ring names, and which processes use them
+    links: tuple[LinkInfo, ...] = ()

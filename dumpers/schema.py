@@ -16,9 +16,9 @@ import struct
 import numpy as np
 
 from . import layout
-from .layout import EventKind, ExitEvent, Op, Result, State, TcpEvent
+from .layout import EventKind, ExitEvent, LinkEvent, LinkKind, Op, Result, State, TcpEvent
 
-__all__ = ["EventKind", "ExitEvent", "Op", "Result", "State", "TcpEvent"]
+__all__ = ["EventKind", "ExitEvent", "LinkEvent", "LinkKind", "Op", "Result", "State", "TcpEvent"]
 
 UNIQUE_ID_BYTES = 128
 MASK64 = (1 << 64) - 1
@@ -146,6 +146,16 @@ class TcpState(enum.IntEnum):
     BOUND_INACTIVE = 13
 
 
+# The kernel's names of a link's states, as sysfs spells them (the value is
+# the index): a netdev's operstate (IF_OPER_*, /sys/class/net/*/operstate),
+# an RDMA port's state and phys_state (/sys/class/infiniband/*/ports/*/).
+OPERSTATES = ("unknown", "notpresent", "down", "lowerlayerdown", "testing", "dormant", "up")
+PORT_STATES = ("NOP", "DOWN", "INIT", "ARMED", "ACTIVE", "ACTIVE_DEFER")
+PHYS_STATES = ("<unknown>", "Sleep", "Polling", "Disabled", "PortConfigurationTraining",
+               "LinkUp", "LinkErrorRecovery", "Phy Test")  # fmt: skip
+PHYS_LINK_UP = 5
+
+
 # Today's records come from dumpers.layout (bpf/events.h is generated from
 # it); the lists below are the history older dump formats were written in.
 _HEADER: list[tuple[str, str]] = [(f.name, f.numpy[1]) for f in layout.HEADER.fields]
@@ -208,6 +218,7 @@ SCHED_EVENT_V4 = np.dtype([*_HEADER, ("delay_ns", "<u8"), ("cpu", "<u4"), ("_pad
 PREV_PID_UNKNOWN = -1
 
 EXIT_EVENT = layout.EXIT.dtype
+LINK_EVENT = layout.LINK.dtype
 
 # Ring name -> record dtype.  The names are those of the dump file's "rings".
 RING_DTYPES: dict[str, np.dtype] = {name: s.dtype for name, s in layout.RING_STRUCTS.items()}
@@ -220,6 +231,29 @@ RING_DTYPES_BEFORE: dict[int, dict[str, np.dtype]] = {
     4: {"sched": SCHED_EVENT_V4},
     6: {"tcp": TCP_EVENT_V6},
 }
+
+
+# link_event fields past the header, after_ns and link that hold a value or
+# "unknown" (all ones in their width: layout.UNKNOWN_U8/U32/U64)
+LINK_VALUE_FIELDS = tuple(
+    f.name
+    for f in layout.LINK.fields
+    if f.name not in ("after_ns", "link", "link_kind", "event") and not f.name.startswith("_")
+)
+
+
+def blank_link_rows(n: int) -> np.ndarray:
+    """``n`` link rows whose every state and counter is unknown."""
+    rows = np.zeros(n, LINK_EVENT)
+    rows["kind"] = EventKind.LINK
+    rows["size"] = LINK_EVENT.itemsize
+    for name in LINK_VALUE_FIELDS:
+        rows[name] = np.iinfo(rows.dtype[name]).max
+    return rows
+
+
+# Rings that older dump formats did not have: name -> the first version with it.
+RING_SINCE: dict[str, int] = {"link": 7}
 
 
 def captured_rows(rows: np.ndarray) -> np.ndarray:

@@ -10,19 +10,34 @@ the SQL tables (docs/architecture.md, docs/parquet.md), each with a ``host`` col
                    connection state changes (ring "tcp")
     sched_events   run-queue delays of rank threads (ring "sched")
     exit_events    exit_group, fatal signals, process exits (ring "exit")
+    link_events    samples of the node's interfaces and RDMA ports (ring "link")
     processes      the processes the agent watched
     communicators  the communicators they held
+    links          the interfaces link_events names, and the processes using them
     thread_states  where every thread of every NCCL process was, per snapshot
 
 Columns are built from the ring's numpy fields with vectorised operations,
 never row by row.  Small string domains (host, op, datatype, state, event,
 addresses) are interned: the column holds small integer codes and an Arrow
 dictionary holds the names, so ``op = 'ALL_REDUCE'`` compares strings while
-the data stays a byte per row.  Every event table keeps ``timestamp_ns`` in the
-recording host's CLOCK_MONOTONIC domain (docs/architecture.md, "Clock
-domain") and adds ``wall_time``, the same instant as a wall-clock timestamp
-(UTC, without a zone, as DuckDB ``TIMESTAMP_NS``) converted with the dump's
-sampled clock pair.
+the data stays a byte per row.
+
+Clock: every absolute time of every table (``timestamp_ns``, ``end_ns``,
+the device's ``started_ns``/``completed_ns`` and their ``*_after_ns``,
+``start_ns``/``exit_ns`` of processes, ``init_ns``/``destroy_ns`` of
+communicators) is on the incident's one clock: nanoseconds since the Unix
+epoch (UTC), each host's CLOCK_MONOTONIC stamps converted with the realtime -
+monotonic pair its own recording sampled (:func:`clock_offset`), the pair the
+analyzer aligns hosts with.  A recording converts itself, so a dump, the live
+agent that wrote it and the Parquet export give a row the same time, and
+times of different hosts compare as well as their wall clocks agree (NTP:
+milliseconds).  ``host_timestamp_ns`` keeps the host's own monotonic stamp
+beside ``timestamp_ns`` (their difference is the recording's offset, the same
+for every row of a recording); ``wall_time`` is ``timestamp_ns`` as DuckDB
+``TIMESTAMP_NS``.  Durations (``duration_ns``, ``elapsed_ns``, ``delay_ns``,
+``no_ack_ns``) are differences of one host's stamps, unchanged.  A recording
+without a clock pair (realtime 0) has NULL for every converted time: unknown,
+never a host's monotonic stamp passed off as the incident's clock.
 
 Every column holds NULL where the value is unknown or means nothing for the
 row (never -1 or 0 standing for "unknown"): ``end_ns``/``duration_ns``/
@@ -67,6 +82,15 @@ communicator, ``seq``, lifecycle, device times) with ``graph``,
 ``graph_node`` and ``replay`` (the executable's launch number, from 1) saying
 where it came from; the three are NULL on rows of calls made outside graphs.
 
+Links: ``link_events`` has one row per sample the agent wrote (a state
+change, an error counter that moved, the interface's first and last sight,
+and a heartbeat): ``event`` says why, the change lies in (``after_ns``,
+``timestamp_ns``], and every state and counter the interface does not have
+(the RDMA columns of a netdev, a counter the driver lacks) is NULL.
+``links`` has one row per interface, with the processes that use it
+(``pids``: a rank's connections leave through it, or it has the RDMA device
+open) and their ``world_ranks``.  Dumps before format 7 have neither.
+
 Known limits: a communicator pointer reused by the same process after a
 destroy is told apart by its init/destroy times only.
 """
@@ -80,14 +104,20 @@ import numpy as np
 import pyarrow as pa
 
 from . import addresses
+from .layout import LINK_COUNTERS, UNKNOWN_U8, UNKNOWN_U32, UNKNOWN_U64
 from .model import CommInfo, Recording
 from .ranks import Ranks
 from .readings import ArgsFrom, NcclCall, ProcessThreads, ThreadState, syscall_name
 from .schema import (
     DEVICE_FIELDS,
+    OPERSTATES,
+    PHYS_STATES,
+    PORT_STATES,
     PREV_PID_UNKNOWN,
     RING_DTYPES,
     ExitEvent,
+    LinkEvent,
+    LinkKind,
     Op,
     RedOp,
     Result,
@@ -100,7 +130,8 @@ from .schema import (
 )
 
 # The seed query (docs/architecture.md, "SQL tables") runs unchanged on dumps and on live
-# agents; the demo, the benchmarks and the tests all use this one copy.
+# agents; the benchmarks and the tests use this one copy.  On the incident's
+# clock it counts the retransmits of every host inside each slow AllReduce.
 SEED_QUERY = """\
 WITH slow_collectives AS (
   SELECT timestamp_ns, duration_ns, rank, nranks, comm_id_hash, pid
@@ -112,6 +143,88 @@ LEFT JOIN tcp_events t
  AND t.event = 'tcp_retransmit_skb'
 GROUP BY s.rank, s.duration_ns, s.timestamp_ns ORDER BY ms DESC LIMIT 20;"""
 
+# The headline (README, the demo, docs/sql.md): each slow AllReduce with the
+# retransmits of the slow rank's own connections inside its window, those its
+# host sent and those its peers' hosts sent towards it (on their clocks,
+# converted to the incident's).  A connection is the rank's where its local
+# end (address and port) is one its process owns.
+HEADLINE_QUERY = """\
+WITH slow_collectives AS (
+  SELECT host, pid, world_rank, seq, timestamp_ns, end_ns, duration_ns
+  FROM nccl_events WHERE op = 'ALL_REDUCE' AND duration_ns > 50000000),
+rank_ends AS (  -- the local address and port of the connections of each rank
+  SELECT DISTINCT host, pid, saddr, sport FROM tcp_events WHERE pid IS NOT NULL),
+retransmits AS (  -- on the own connections of a rank: sent from its end, or towards it
+  SELECT t.timestamp_ns, e.host, e.pid, t.host = e.host AS sent
+  FROM tcp_events t JOIN rank_ends e
+    ON (t.host = e.host AND t.saddr = e.saddr AND t.sport = e.sport)
+    OR (t.host <> e.host AND t.daddr = e.saddr AND t.dport = e.sport)
+  WHERE t.event = 'tcp_retransmit_skb')
+SELECT s.host, s.world_rank, s.seq, s.duration_ns/1e6 AS ms,
+       count(r.sent) FILTER (WHERE r.sent) AS sent,
+       count(r.sent) FILTER (WHERE NOT r.sent) AS received
+FROM slow_collectives s
+LEFT JOIN retransmits r
+  ON r.host = s.host AND r.pid = s.pid
+ AND r.timestamp_ns BETWEEN s.timestamp_ns AND s.end_ns
+GROUP BY ALL ORDER BY ms DESC LIMIT 20;"""
+
+# Per host, the retransmit counts the analyzer's network verdicts print
+# (analyzer.detect.network.retransmits_in_windows), by the same rules: a host's
+# address is the commonest non-loopback source address of its ranks'
+# connections; a retransmit counts once (two agents may see one), between
+# two hosts' addresses; it is inside a window when the host that recorded it
+# had a completed collective call of a process its agent lists around it (on
+# the device's timeline for processes whose device side was observed).
+RETRANSMITS_BY_HOST_QUERY = """\
+WITH rank_sources AS (  -- source addresses of the connections of the ranks of each host
+  SELECT t.host, t.saddr, count(*) AS n FROM tcp_events t
+  WHERE EXISTS (SELECT 1 FROM communicators c WHERE c.host = t.host AND c.pid = t.pid)
+    AND NOT regexp_matches(t.saddr, '^(127\\.|::1$|::ffff:(127\\.|7f[0-9a-f]{2}:))')
+  GROUP BY ALL),
+host_addresses AS (  -- the address of each host: the commonest of them
+  SELECT addr, min(host) AS host
+  FROM (SELECT host, first(saddr ORDER BY n DESC, saddr) AS addr FROM rank_sources GROUP BY host)
+  GROUP BY addr),
+retransmits AS (  -- from the address of one host to that of another, each event once
+  SELECT DISTINCT ON (t.saddr, t.sport, t.daddr, t.dport, t.host_timestamp_ns)
+         t.host, t.timestamp_ns, src.host AS sender, dst.host AS receiver
+  FROM tcp_events t
+  JOIN host_addresses src ON src.addr = t.saddr
+  JOIN host_addresses dst ON dst.addr = t.daddr
+  WHERE t.event = 'tcp_retransmit_skb' AND src.host <> dst.host
+  ORDER BY t.saddr, t.sport, t.daddr, t.dport, t.host_timestamp_ns, t.host),
+device_timed AS (SELECT DISTINCT host, pid FROM nccl_events WHERE completed_ns IS NOT NULL),
+windows AS (  -- collectives of the processes the host lists, on the device timeline if seen
+  SELECT n.host,
+         CASE WHEN d.pid IS NULL THEN n.timestamp_ns
+              ELSE coalesce(n.started_ns, n.timestamp_ns) END AS lo,
+         CASE WHEN d.pid IS NULL THEN n.end_ns ELSE n.completed_ns END AS hi
+  FROM nccl_events n LEFT JOIN device_timed d ON d.host = n.host AND d.pid = n.pid
+  WHERE n.seq IS NOT NULL AND n.op NOT IN ('SEND', 'RECV')
+    AND n.pid IN (SELECT pid FROM processes p WHERE p.host = n.host
+                  UNION SELECT pid FROM communicators c WHERE c.host = n.host)),
+flagged AS (
+  SELECT r.sender, r.receiver,
+         EXISTS (SELECT 1 FROM windows w
+                 WHERE w.host = r.host AND r.timestamp_ns BETWEEN w.lo AND w.hi) AS inside
+  FROM retransmits r)
+SELECT h.host,
+       count(f.inside) FILTER (WHERE f.sender = h.host AND f.inside) AS sent_in_windows,
+       count(f.inside) FILTER (WHERE f.receiver = h.host AND f.inside) AS received_in_windows,
+       count(f.inside) FILTER (WHERE f.sender = h.host) AS sent_in_all,
+       (SELECT count(w.hi) FROM windows w WHERE w.host = h.host) AS collectives
+FROM (SELECT DISTINCT host FROM communicators) h
+LEFT JOIN flagged f ON h.host IN (f.sender, f.receiver)
+GROUP BY h.host ORDER BY h.host;"""
+
+# ``stallwatch query --example NAME`` prints one of these.
+EXAMPLES = {
+    "headline": HEADLINE_QUERY,
+    "retransmits-by-host": RETRANSMITS_BY_HOST_QUERY,
+    "seed": SEED_QUERY,
+}
+
 TABLE_NAMES = (
     "nccl_events",
     "cuda_graphs",
@@ -119,8 +232,10 @@ TABLE_NAMES = (
     "tcp_events",
     "sched_events",
     "exit_events",
+    "link_events",
     "processes",
     "communicators",
+    "links",
     "thread_states",
 )
 
@@ -168,7 +283,16 @@ def _dictionaries() -> dict[str, pa.Array]:
         "tcp_event": _enum_names(_lower_name(TcpEvent, "tcp_event")),
         "tcp_state": _enum_names(_tcp_state_name),
         "exit_event": _enum_names(_lower_name(ExitEvent, "exit_event")),
+        "link_event": _enum_names(_lower_name(LinkEvent, "link_event")),
+        "link_kind": _enum_names(_lower_name(LinkKind, "link_kind")),
+        "operstate": _enum_names(_state_name(OPERSTATES, "operstate")),
+        "port_state": _enum_names(_state_name(PORT_STATES, "port_state")),
+        "phys_state": _enum_names(_state_name(PHYS_STATES, "phys_state")),
     }
+
+
+def _state_name(names: tuple[str, ...], prefix: str) -> Callable[[int], str]:
+    return lambda value: names[value] if value < len(names) else f"{prefix}_{value}"
 
 
 def _coded(codes: np.ndarray, dictionary: str, null: np.ndarray | None = None) -> pa.Array:
@@ -212,17 +336,47 @@ def _by_pid(pids: np.ndarray, values: dict[int, int]) -> pa.Array:
     return _maybe_null(found[pos], keys[pos] != pids)
 
 
-def _wall(rec: Recording, ts: np.ndarray) -> pa.Array:
-    offset = rec.clock.realtime_ns - rec.clock.monotonic_ns
-    return pa.array(ts + offset, type=pa.timestamp("ns"))
+def clock_offset(rec: Recording) -> int | None:
+    """What turns the recording's monotonic stamps into the incident's clock
+    (ns since the epoch): realtime - monotonic of the pair it sampled; None
+    where it has no pair (realtime 0)."""
+    if rec.clock.realtime_ns <= 0:
+        return None
+    return rec.clock.realtime_ns - rec.clock.monotonic_ns
+
+
+def on_clock(rec: Recording, stamps: np.ndarray, unknown: np.ndarray | None = None) -> pa.Array:
+    """Monotonic stamps of the recording on the incident's clock (int64 ns
+    since the epoch): NULL where ``unknown`` (default: a stamp of 0, the
+    rings' "not observed") and everywhere when the recording has no clock
+    pair."""
+    stamps = stamps.astype(np.int64, copy=False)
+    offset = clock_offset(rec)
+    if offset is None:
+        return pa.nulls(len(stamps), pa.int64())
+    return _maybe_null(stamps + offset, stamps == 0 if unknown is None else unknown)
+
+
+def _on_clock_list(rec: Recording, stamps: Sequence[int]) -> pa.Array:
+    """:func:`on_clock` of a table's stamps (0: unknown)."""
+    return on_clock(rec, np.array(stamps, dtype=np.int64))
+
+
+def _wall(times: pa.Array) -> pa.Array:
+    """Times on the incident's clock as DuckDB ``TIMESTAMP_NS``."""
+    return times.cast(pa.timestamp("ns"))
 
 
 def _header(rec: Recording, rows: np.ndarray) -> tuple[np.ndarray, Columns]:
+    """The columns every event table starts with; and the rows' monotonic
+    stamps, from which durations are taken."""
     ts = rows["ts_ns"].astype(np.int64)
+    times = on_clock(rec, ts, np.zeros(len(ts), dtype=bool))
     return ts, {
         "host": _host(rec.host, len(rows)),
-        "timestamp_ns": pa.array(ts),
-        "wall_time": _wall(rec, ts),
+        "timestamp_ns": times,
+        "host_timestamp_ns": pa.array(ts),
+        "wall_time": _wall(times),
     }
 
 
@@ -300,9 +454,10 @@ def nccl_columns(rec: Recording, known: Ranks | None = None) -> Columns:
 
 # cuda_graphs: what each graph captured (the columns of its calls that
 # mean something before they run)
-GRAPH_COLUMNS = ("host", "timestamp_ns", "wall_time", "pid", "tid", "world_rank", "graph",
-                 "graph_node", "launches", "op", "rank", "nranks", "comm_id_hash", "count",
-                 "bytes", "datatype", "redop", "peer", "comm", "stream")  # fmt: skip
+GRAPH_COLUMNS = ("host", "timestamp_ns", "host_timestamp_ns", "wall_time", "pid", "tid",
+                 "world_rank", "graph", "graph_node", "launches", "op", "rank", "nranks",
+                 "comm_id_hash", "count", "bytes", "datatype", "redop", "peer", "comm",
+                 "stream")  # fmt: skip
 
 
 def cuda_graph_columns(rec: Recording, known: Ranks | None = None) -> Columns:
@@ -344,7 +499,7 @@ def _call_columns(rec: Recording, rows: np.ndarray, known: Ranks | None) -> Colu
     pending = end == 0
     moves = DATA_OPS[rows["op"]]
     idle = ~moves
-    cols["end_ns"] = _maybe_null(end, pending)
+    cols["end_ns"] = on_clock(rec, end, pending)
     cols["duration_ns"] = _maybe_null(end - ts, pending)
     elapsed = np.where(pending, np.maximum(recording_now(rec) - ts, 0), end - ts)
     cols["elapsed_ns"] = pa.array(elapsed)
@@ -367,20 +522,16 @@ def _call_columns(rec: Recording, rows: np.ndarray, known: Ranks | None) -> Colu
     cols["result"] = _maybe_null(result, result == Result.PENDING)
     cols["comm"] = _hex(rows["comm"])
     cols["stream"] = _hex(rows["stream"])
-    cols.update(_device_columns(rows))
+    cols.update(_device_columns(rec, rows))
     cols.update(_graph_columns(rec, rows))
     return cols
 
 
-def _device_columns(rows: np.ndarray) -> Columns:
+def _device_columns(rec: Recording, rows: np.ndarray) -> Columns:
     """When the device started and completed the call, as first observed
     (NULL: never), and the latest time it was still seen not to have: the
     device event lies in (``*_after_ns``, ``*_ns``]."""
-    cols: Columns = {}
-    for name in DEVICE_FIELDS:
-        values = rows[name].astype(np.int64)
-        cols[name] = _maybe_null(values, values == 0)
-    return cols
+    return {name: on_clock(rec, rows[name]) for name in DEVICE_FIELDS}
 
 
 def _root_addresses(unique_ids: np.ndarray) -> pa.Array:
@@ -400,7 +551,7 @@ def comm_event_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     ts, cols = _header(rec, rows)
     end = rows["end_ns"].astype(np.int64)
     pending = end == 0
-    cols["end_ns"] = _maybe_null(end, pending)
+    cols["end_ns"] = on_clock(rec, end, pending)
     cols["duration_ns"] = _maybe_null(end - ts, pending)
     cols["op"] = _coded(rows["op"], "op")
     cols["pid"] = _pids(rows["pid"])
@@ -552,16 +703,86 @@ def exit_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     return cols
 
 
-def _wall_or_null(rec: Recording, values: list[int]) -> pa.Array:
-    offset = rec.clock.realtime_ns - rec.clock.monotonic_ns
-    return pa.array([v + offset if v else None for v in values], pa.timestamp("ns"))
+def _link_names(rec: Recording, ids: np.ndarray) -> pa.DictionaryArray:
+    """Each row's interface name, from the links table (NULL: an id the
+    table does not hold)."""
+    table = sorted((li.id, li.name) for li in rec.links)
+    keys = np.array([k for k, _ in table], dtype=np.int64)
+    names = pa.array([n for _, n in table], pa.string())
+    ids = ids.astype(np.int64)
+    if not len(keys):
+        return pa.DictionaryArray.from_arrays(pa.nulls(len(ids), pa.int32()), names)
+    at = np.minimum(np.searchsorted(keys, ids), len(keys) - 1)
+    indices = pa.array(at.astype(np.int32), mask=keys[at] != ids)
+    return pa.DictionaryArray.from_arrays(indices, names)
+
+
+def _flag(values: np.ndarray) -> pa.Array:
+    """A u8 flag as a boolean, NULL where unknown."""
+    return pa.array(values == 1, mask=values == UNKNOWN_U8)
+
+
+def _counter(values: np.ndarray, unknown: int) -> pa.Array:
+    """A counter as int64, NULL where unknown (past int64: never a real count)."""
+    values = values.astype(np.uint64, copy=False)
+    null = (values == np.uint64(unknown)) | (values > np.uint64(2**63 - 1))
+    return _maybe_null(values.astype(np.int64), null)
+
+
+def link_event_columns(rec: Recording, known: Ranks | None = None) -> Columns:
+    rows = _ring(rec, "link")
+    _, cols = _header(rec, rows)
+    cols["after_ns"] = on_clock(rec, rows["after_ns"])
+    cols["interface"] = _link_names(rec, rows["link"])
+    cols["kind"] = _coded(rows["link_kind"], "link_kind")
+    cols["event"] = _coded(rows["event"], "link_event")
+    cols["carrier"] = _flag(rows["carrier"])
+    cols["admin_up"] = _flag(rows["admin_up"])
+    for name in ("operstate", "port_state", "phys_state"):
+        cols[name] = _coded(rows[name], name, rows[name] == UNKNOWN_U8)
+    for name in ("carrier_changes", "carrier_up_count", "carrier_down_count"):
+        cols[name] = _counter(rows[name], UNKNOWN_U32)
+    for name in LINK_COUNTERS:
+        cols[name] = _counter(rows[name], UNKNOWN_U64)
+    return cols
+
+
+def link_columns(rec: Recording, known: Ranks | None = None) -> Columns:
+    known = known if known is not None else Ranks.of([rec])
+    links = rec.links
+    world = known.world_of(rec.host)
+    first = _on_clock_list(rec, [li.first_ns for li in links])
+    gone = _on_clock_list(rec, [li.gone_ns for li in links])
+    return {
+        "host": _host(rec.host, len(links)),
+        "interface": pa.array([li.name for li in links], pa.string()),
+        "kind": pa.array([li.kind for li in links], pa.string()),
+        "device": pa.array([li.device for li in links], pa.string()),
+        "port": pa.array([li.port for li in links], pa.int32()),
+        "ifindex": pa.array([li.ifindex for li in links], pa.int32()),
+        "netdev": pa.array([li.netdev for li in links], pa.string()),
+        "link_type": pa.array([li.link_type for li in links], pa.string()),
+        "link_layer": pa.array([li.link_layer for li in links], pa.string()),
+        "addresses": pa.array([list(li.addresses) for li in links], pa.list_(pa.string())),
+        "mtu": pa.array([li.mtu for li in links], pa.int32()),
+        "speed_mbps": pa.array([li.speed_mbps for li in links], pa.int64()),
+        "pids": pa.array([sorted(li.pids) for li in links], pa.list_(pa.int64())),
+        "world_ranks": pa.array(
+            [sorted({world[p] for p in li.pids if p in world}) for li in links],
+            pa.list_(pa.int32()),
+        ),
+        "first_seen_ns": first,
+        "gone_ns": gone,
+        "first_seen_time": _wall(first),
+        "gone_time": _wall(gone),
+    }
 
 
 def process_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     known = known if known is not None else Ranks.of([rec])
     procs = rec.processes
-    start = [p.start_ns for p in procs]
-    exit_ns = [p.exit_ns for p in procs]
+    start = _on_clock_list(rec, [p.start_ns for p in procs])
+    exit_ns = _on_clock_list(rec, [p.exit_ns for p in procs])
     world = known.world_of(rec.host)
     return {
         "host": _host(rec.host, len(procs)),
@@ -570,13 +791,13 @@ def process_columns(rec: Recording, known: Ranks | None = None) -> Columns:
         "comm": pa.array([p.comm or None for p in procs], pa.string()),
         "cmdline": pa.array([p.cmdline or None for p in procs], pa.string()),
         "netns": pa.array([p.netns or None for p in procs], pa.int64()),
-        "start_ns": pa.array([s or None for s in start], pa.int64()),
-        "exit_ns": pa.array([e or None for e in exit_ns], pa.int64()),
+        "start_ns": start,
+        "exit_ns": exit_ns,
         "exit_code": pa.array([p.exit_code for p in procs], pa.int32()),
         "exit_signal": pa.array([p.exit_signal for p in procs], pa.int32()),
         "libs": pa.array([list(p.libs) for p in procs], pa.list_(pa.string())),
-        "start_time": _wall_or_null(rec, start),
-        "exit_time": _wall_or_null(rec, exit_ns),
+        "start_time": _wall(start),
+        "exit_time": _wall(exit_ns),
     }
 
 
@@ -601,8 +822,8 @@ def communicator_columns(rec: Recording, known: Ranks | None = None) -> Columns:
         "color": pa.array([c.color if c.color >= 0 else None for c in comms], pa.int32()),
         "key": pa.array([c.key if c.key >= 0 else None for c in comms], pa.int32()),
         "root_addr": pa.array([c.root_addr or None for c in comms], pa.string()),
-        "init_ns": pa.array([c.init_ns or None for c in comms], pa.int64()),
-        "destroy_ns": pa.array([c.destroy_ns or None for c in comms], pa.int64()),
+        "init_ns": _on_clock_list(rec, [c.init_ns for c in comms]),
+        "destroy_ns": _on_clock_list(rec, [c.destroy_ns for c in comms]),
     }
 
 
@@ -610,6 +831,7 @@ _THREAD_COLUMNS: dict[str, pa.DataType] = {
     "snapshot": pa.int32(),
     "reason": pa.string(),
     "timestamp_ns": pa.int64(),
+    "host_timestamp_ns": pa.int64(),
     "pid": pa.int64(),
     "world_rank": pa.int32(),
     "world_size": pa.int32(),
@@ -640,7 +862,7 @@ def _thread_row(
     world = known.world_of(rec.host).get(p.pid, p.world_rank)
     row: dict[str, object] = {
         "pid": p.pid,
-        "timestamp_ns": p.taken_ns,
+        "host_timestamp_ns": p.taken_ns,
         "world_rank": world,
         "world_size": p.world_size,
         "error": p.error or None,
@@ -697,8 +919,9 @@ def thread_state_columns(rec: Recording, known: Ranks | None = None) -> Columns:
         cols[name] = pa.array([r.get(name) for r in rows], kind)
     for name in ("comm", "comm_id_hash"):  # ids as every table writes them
         cols[name] = _hex(np.array([r.get(name) or 0 for r in rows], np.uint64))
-    ts = np.array([r["timestamp_ns"] for r in rows], dtype=np.int64)
-    cols["wall_time"] = _wall(rec, ts)
+    ts = np.array([r["host_timestamp_ns"] for r in rows], dtype=np.int64)
+    cols["timestamp_ns"] = on_clock(rec, ts, np.zeros(len(ts), dtype=bool))
+    cols["wall_time"] = _wall(cols["timestamp_ns"])
     return cols
 
 
@@ -711,8 +934,10 @@ BUILDERS: dict[str, Builder] = {
     "tcp_events": tcp_columns,
     "sched_events": sched_columns,
     "exit_events": exit_columns,
+    "link_events": link_event_columns,
     "processes": process_columns,
     "communicators": communicator_columns,
+    "links": link_columns,
     "thread_states": thread_state_columns,
 }
 

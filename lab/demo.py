@@ -3,9 +3,9 @@
 A 4-node x 2-rank job runs in the lab with one agent per node; one rank,
 chosen at random from ``--seed``, hangs before a collective of a random step.
 The agents see the stall, tell their peers, and every node dumps.  Then the
-demo runs, on those dumps, ``stallwatch analyze``, the seed SQL query
-(``dumpers.sqltables.SEED_QUERY``), and ``stallwatch export --perfetto``, and prints each command so
-that it can be run again by hand.
+demo runs, on those dumps, ``stallwatch analyze``, the headline SQL query
+(``dumpers.sqltables.HEADLINE_QUERY``), and ``stallwatch export --perfetto``, and prints each
+command so that it can be run again by hand.
 
 Every stage is a subprocess (``python -m stallwatch ...``): the commands
 printed are the ones that ran.  Progress goes to stderr; the narration, the
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TextIO
 
 from stallwatch.dumpers.errors import ExitCode, LabError, UsageError
-from stallwatch.dumpers.sqltables import SEED_QUERY
+from stallwatch.dumpers.sqltables import HEADLINE_QUERY
 
 STEPS = 16
 FIRST_HANG_STEP = 3  # every communicator has seen a few collectives by then
@@ -451,13 +451,15 @@ def analysis_stages(cfg: DemoConfig, console: Console) -> list[Stage]:
     report = run_stage("analyze", stallwatch("analyze", d), console)
     show_stage(console, report)
     as_json = run_stage("analyze_json", stallwatch("analyze", d, "--json"), console)
-    console.heading("3. the seed SQL query: slow AllReduces and the retransmits inside them")
+    console.heading("3. SQL: slow AllReduces and their ranks' retransmits inside them")
     nodes = [str(p) for p in sorted(cfg.dump_dir.glob("node*")) if p.is_dir()]
-    query = run_stage("query", stallwatch("query", *nodes, SEED_QUERY), console)
+    query = run_stage("query", stallwatch("query", *nodes, HEADLINE_QUERY), console)
     show_stage(console, query, ok_codes=(0,))
-    console.say("Each row: an AllReduce slower than 50 ms and the TCP retransmits inside its "
-                "window. Calls\nstill in flight at the dump has no duration yet; a lossy "
-                "link would show many retransmits here.")  # fmt: skip
+    console.say("Each row: an AllReduce slower than 50 ms, with the TCP retransmits of its "
+                "rank's own\nconnections inside its window: sent from the rank's end, and "
+                "received (its peers' hosts\nsent them; every host's times are on one clock). "
+                "Calls still in flight at the dump have\nno duration yet; a lossy link would "
+                "show many retransmits here.")  # fmt: skip
     console.heading("4. the incident as a timeline")
     export = run_stage("export", stallwatch("export", "--perfetto", d, "-o", str(cfg.trace)),
                        console)  # fmt: skip

@@ -43,11 +43,12 @@ from stallwatch.dumpers.schema import CUDA_SYMBOLS, NCCL_SYMBOLS
 from stallwatch.query.tls import ClientTls, ServerTls
 
 from . import discovery, sockets
+from .links import LinkConfig, LinkSampler
 from .notify import Notifier
 from .peers import PeerList, PeerSource, peer_notifier
 from .pinning import PinSet
 from .positions import PositionKeeper, reading_summary
-from .prometheus import AgentStats, RingStats, agent_metrics_text
+from .prometheus import AgentStats, LinkState, RingStats, agent_metrics_text
 from .registry import CommRegistry, ProcessRegistry
 from .scope import Scope
 from .source import EventSource
@@ -100,6 +101,7 @@ class AgentConfig:
     replace_pinned: bool = False  # replace a pin set of another layout
     keep_pinned: bool = False  # stopped, leave the pins (a service); else remove them
     bpf_cache: Path | None = None  # compiled programs kept there (recorder.compiled)
+    links: LinkConfig = field(default_factory=LinkConfig)  # the link sampler (recorder.links)
 
 
 @dataclass(slots=True)
@@ -169,6 +171,7 @@ class Agent:
         self.positions = PositionKeeper(
             lambda: sorted(self.scope.inside), int(config.stall_timeout_s * 1e9)
         )
+        self.links = LinkSampler(config.links)
         self._take_over()
 
     def _take_over(self) -> None:
@@ -409,6 +412,7 @@ class Agent:
     def tick(self) -> TickState:
         """Update the tables from the small rings and maps; the watchdog's input."""
         with self._lock:
+            self.links.tick(self.procs.alive)
             self._sync_endpoints()
             comm_rows = self._new_rows("comm", self.comms.done, again=self.comms.pending)
             if comm_rows is not None:
@@ -429,15 +433,15 @@ class Agent:
             return state
 
     def _sync_endpoints(self) -> None:
-        """The local TCP ends of the processes in scope, for the kernel's TCP
-        filter: at once when one was placed, else every ENDPOINTS_S."""
+        """The listeners and connections of the processes in scope, for the
+        kernel's TCP filter: at once when one was placed, else every ENDPOINTS_S."""
         if self.read_only:
             return
         now = time.monotonic()
         if now < self._endpoints_due:
             return
         self._endpoints_due = now + ENDPOINTS_S
-        self.source.set_job_endpoints(sockets.job_endpoints(self.scope.inside))
+        self.source.set_job_sockets(sockets.job_sockets(self.scope.inside))
 
     def _forget_ended(self, progress: list[CommProgress], now: int) -> None:
         """Processes ended more than QUIET_NS ago leave the kernel's maps
@@ -487,7 +491,11 @@ class Agent:
         self.tick()
         with self._lock:
             rings = self._rings()
+            rings["link"] = self.links.copy()
+            if trigger is not None:  # a dump: who uses which link now (queries: as last read)
+                self.links.refresh_users(self.procs.alive())
             counters = {**self.source.kernel_counters(), **self.counters.values}
+            counters["link_read_failures"] = self.links.errors
             counters.update(self.incidents.counters())
             for name, ring in rings.items():
                 counters[f"ring_{name}_overwritten"] = ring.overwritten
@@ -507,6 +515,7 @@ class Agent:
                 trigger=trigger,
                 counters=counters,
                 snapshots=self.positions.for_recording(dump=trigger is not None),
+                links=self.links.table(keep=lambda pid: self.procs.get(pid) is not None),
             )
 
     def _rings(self) -> dict[str, Ring]:
@@ -600,7 +609,7 @@ class Agent:
                 held=min(head, buf.capacity),
                 capacity=buf.capacity,
             )
-            for name, buf in self.source.rings().items()
+            for name, buf in {**self.source.rings(), "link": self.links.writer.buffer}.items()
         )
         incidents = self.incidents.counters()
         return AgentStats(
@@ -610,7 +619,12 @@ class Agent:
             stalls_detected=incidents["stalls_detected"],
             libraries_attached=len(self.libraries),
             processes_watched=len(self.procs.alive()),
+            links=self._link_states(),
         )
+
+    def _link_states(self) -> tuple[LinkState, ...]:
+        with self._lock:  # the loop's tick changes them
+            return self.links.states(keep=lambda pid: self.procs.get(pid) is not None)
 
     def metrics_text(self) -> str:
         """Prometheus text: ``stats()`` and the plain counters of the kernel
@@ -620,6 +634,7 @@ class Agent:
             **self.counters.values,
             **self.incidents.counters(),
             **self.serving_counters(),
+            "link_read_failures": self.links.errors,
         }
         return agent_metrics_text(self.stats(), counters)
 
@@ -658,6 +673,7 @@ class Agent:
         return self.procs.watched(now, QUIET_NS)
 
     def close(self) -> None:
+        self.links.close()
         self.source.close()
 
 
@@ -699,6 +715,8 @@ def run_loop(agent: Agent, stop: Stop, notifier: Notifier | None = None) -> None
     waits.register(stop.fd, select.POLLIN)
     if bell is not None:
         waits.register(bell.fd, select.POLLIN)
+    if agent.links.fd is not None:  # a link changed: sample it now, not at the next tick
+        waits.register(agent.links.fd, select.POLLIN)
     next_discovery = 0.0
     try:
         while not stop.event.is_set():

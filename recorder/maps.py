@@ -61,6 +61,18 @@ BPF_F_MMAPABLE = 1 << 10
 COMM_STATES = "comm_states"
 
 
+def _replace(table: BpfMap, keys: np.ndarray, pids: list[int]) -> None:
+    """A hash map holding exactly ``keys`` -> ``pids`` from now on."""
+    held, _ = table.items()
+    wanted = {k.tobytes() for k in keys}
+    for k in held:
+        if k.tobytes() not in wanted:
+            bpfsys.map_delete(table.fd, k.tobytes())
+    values = np.array(pids, dtype=table.spec.value)
+    for k, v in zip(keys, values, strict=True):
+        bpfsys.map_update(table.fd, k.tobytes(), v.tobytes())
+
+
 def descr_json(dtype: np.dtype) -> Any:
     """A dtype as JSON (numpy's own description, padding included)."""
     return json.loads(json.dumps(dtype_to_descr(dtype)))
@@ -297,25 +309,30 @@ class MapSet:
         value["tgid"], value["port"] = tgid, port
         bpfsys.map_update(table.fd, np.array([0], table.spec.key).tobytes(), value.tobytes())
 
-    def set_job_endpoints(self, endpoints: dict[tuple[bytes, int, int], int]) -> None:
-        """The job endpoints whose connections the TCP programs keep (bpf/tcp.c
-        ``job_endpoints``): exactly ``endpoints`` ((address, port, family) ->
-        pid) from now on; a listener the programs learn since is added by them."""
-        table = self.maps.get("job_endpoints")
-        if table is None or table.read_only:
-            return
-        keys, _ = table.items()
-        wanted = np.zeros(len(endpoints), dtype=table.spec.key)
-        for i, (addr, port, family) in enumerate(endpoints):
-            wanted[i]["addr"] = np.frombuffer(addr, dtype=np.uint8)
-            wanted[i]["port"], wanted[i]["family"] = port, family
-        keep = {k.tobytes() for k in wanted}
-        for k in keys:
-            if k.tobytes() not in keep:
-                bpfsys.map_delete(table.fd, k.tobytes())
-        values = np.array(list(endpoints.values()), dtype=table.spec.value)
-        for k, v in zip(wanted, values, strict=True):
-            bpfsys.map_update(table.fd, k.tobytes(), v.tobytes())
+    def set_job_sockets(
+        self,
+        listeners: dict[tuple[bytes, int, int], int],
+        connections: dict[tuple[bytes, bytes, int, int, int], int],
+    ) -> None:
+        """The job's listeners and connections, whose rows the TCP programs
+        keep (bpf/tcp.c ``job_endpoints``, ``job_conns``): exactly these from
+        now on, each with the pid that holds it; a listener the programs
+        learn since is added by them."""
+        listen = self.maps.get("job_endpoints")
+        if listen is not None and not listen.read_only:
+            keys = np.zeros(len(listeners), dtype=listen.spec.key)
+            for i, (addr, port, family) in enumerate(listeners):
+                keys[i]["addr"] = np.frombuffer(addr, dtype=np.uint8)
+                keys[i]["port"], keys[i]["family"] = port, family
+            _replace(listen, keys, list(listeners.values()))
+        conns = self.maps.get("job_conns")
+        if conns is not None and not conns.read_only:
+            keys = np.zeros(len(connections), dtype=conns.spec.key)
+            for i, (laddr, raddr, lport, rport, family) in enumerate(connections):
+                keys[i]["laddr"] = np.frombuffer(laddr, dtype=np.uint8)
+                keys[i]["raddr"] = np.frombuffer(raddr, dtype=np.uint8)
+                keys[i]["lport"], keys[i]["rport"], keys[i]["family"] = lport, rport, family
+            _replace(conns, keys, list(connections.values()))
 
     def items(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         return self.maps[name].items()
@@ -346,7 +363,7 @@ class MapSet:
                 for tid in tids:
                     m.delete(tid)
                 continue
-            if name in ("sock_owner", "job_endpoints"):  # the value is the owning pid
+            if name in ("sock_owner", "job_endpoints", "job_conns"):  # the value: its pid
                 keys, values = m.items()
                 for k in keys[values == pid]:
                     bpfsys.map_delete(m.fd, k.tobytes())

@@ -61,6 +61,7 @@ HELP = {
     "query_engine_busy": "Queries answered busy at once: the engine was running another.",
     "query_engine_running": "1 while the SQL engine's process runs (it ends when idle).",
     "query_engine_peak_resident_bytes": "The largest resident set an engine process reported.",
+    "link_read_failures": "Readings of the node's links that failed (rtnetlink).",
 }
 
 
@@ -75,6 +76,19 @@ class RingStats:
 
 
 @dataclass(frozen=True, slots=True)
+class LinkState:
+    """An interface's latest reading (recorder.links), for ``/metrics``."""
+
+    name: str  # eth0, mlx5_0:1
+    kind: str  # netdev, rdma
+    carrier: int | None  # 1 up, 0 down, None unknown
+    carrier_changes: int | None  # netdev: IFLA_CARRIER_CHANGES
+    processes: int  # watched processes that use it
+    errors: dict[str, int]  # its error, drop and discard counters (those it has)
+    congestion: dict[str, int]  # its congestion counters (those it has)
+
+
+@dataclass(frozen=True, slots=True)
 class AgentStats:
     """What a live agent reports on ``/metrics``, besides its plain counters."""
 
@@ -84,6 +98,7 @@ class AgentStats:
     stalls_detected: int
     libraries_attached: int
     processes_watched: int
+    links: tuple[LinkState, ...] = ()
 
 
 # counters that AgentStats already reports under a name of its own
@@ -155,6 +170,53 @@ def stats_families(stats: AgentStats) -> Iterator[Metric]:
     )
 
 
+def link_families(links: Iterable[LinkState]) -> Iterator[Metric]:
+    """Per interface: carrier, carrier changes, failure and congestion
+    counters, processes behind it (an alert on a downed link needs no dump:
+    ``stallwatch_link_carrier == 0 and stallwatch_link_processes > 0``)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    links = list(links)
+    labels = ["interface", "kind"]
+    carrier = GaugeMetricFamily(
+        "stallwatch_link_carrier",
+        "Whether the interface has a carrier (RDMA: its physical state is LinkUp).",
+        labels=labels,
+    )
+    changes = CounterMetricFamily(
+        "stallwatch_link_carrier_changes",
+        "Carrier changes of a network interface since it was made.",
+        labels=labels,
+    )
+    users = GaugeMetricFamily(
+        "stallwatch_link_processes",
+        "Watched processes that use the interface (connections, RDMA devices).",
+        labels=labels,
+    )
+    errors = CounterMetricFamily(
+        "stallwatch_link_errors",
+        "The interface's error, drop and discard counters, by the kernel's name.",
+        labels=[*labels, "counter"],
+    )
+    congestion = CounterMetricFamily(
+        "stallwatch_link_congestion",
+        "The interface's congestion counters (ECN marks, CNPs, transmit waits).",
+        labels=[*labels, "counter"],
+    )
+    for link in links:
+        at = [link.name, link.kind]
+        if link.carrier is not None:
+            carrier.add_metric(at, float(link.carrier))
+        if link.carrier_changes is not None:
+            changes.add_metric(at, float(link.carrier_changes))
+        users.add_metric(at, float(link.processes))
+        for name, value in sorted(link.errors.items()):
+            errors.add_metric([*at, name], float(value))
+        for name, value in sorted(link.congestion.items()):
+            congestion.add_metric([*at, name], float(value))
+    yield from (carrier, changes, users, errors, congestion)
+
+
 def counter_families(counters: Mapping[str, int]) -> Iterator[Metric]:
     """Plain counters of the kernel side, the agent and the watchdog, one
     family each (a few are gauges)."""
@@ -191,4 +253,6 @@ def render(families: Iterable[Metric]) -> str:
 
 
 def agent_metrics_text(stats: AgentStats, counters: Mapping[str, int]) -> str:
-    return render([*stats_families(stats), *counter_families(counters)])
+    return render(
+        [*stats_families(stats), *link_families(stats.links), *counter_families(counters)]
+    )

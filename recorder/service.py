@@ -50,6 +50,7 @@ def run_agent(config: AgentConfig) -> int:
         sizes.memory_bytes() / 2**20,
     )
     agent = Agent(config, source)
+    log.info("link ring: %d slots, %.1f MiB", config.links.slots, agent.links.memory_bytes / 2**20)
     agent.serving(_port(config.listen))  # from the start: clients that wait for it too
     stop = Stop()
     server = token_file = None

@@ -1,18 +1,25 @@
-"""The TCP endpoints of the job's processes, for the kernel's TCP filter.
+"""The job's TCP sockets, for the kernel's TCP filter.
 
 The TCP programs (bpf/tcp.c) keep a socket's rows when its owner is a
-tracked process or when either end is a job endpoint.  The programs learn a
-tracked listener's endpoint themselves; this module gives them the local
-end of every TCP socket a tracked process holds, read from
-``/proc/<pid>/fd`` (its socket inodes) and ``/proc/<pid>/net/tcp{,6}`` (the
-sockets of its network namespace): connections made before the agent came,
-or before discovery placed the process, are the job's too.
+tracked process, when it is one of the job's connections (`job_conns`: both
+ends), or when either end is a job listener (`job_endpoints`).  The programs
+learn owners and a tracked listener's endpoint themselves; this module gives
+them what a tracked process already holds, read from ``/proc/<pid>/fd`` (its
+socket inodes) and ``/proc/<pid>/net/tcp{,6}`` (the sockets of its network
+namespace): connections made before the agent came, or before discovery
+placed the process, are the job's too.
+
+A connected socket is known by both of its ends, never by its local end
+alone: under a neighbour's churn the kernel hands the same ephemeral port to
+another process's connection to another peer (seen: the lab's neighbour
+reused a rank's ephemeral port within a minute).  A listener is known by its
+own end (a connection accepted on it, or made to it, is the job's); one on
+every address (0.0.0.0, ::) stands for itself and for each address of its
+namespace.
 
 An endpoint is ``(address, port, family)``: the address as the 16 bytes of a
-tcp_event field (IPv4 in the first 4), the port in host order.  A listener
-on every address (0.0.0.0, ::) stands for itself (the programs match an
-accepted connection's own end to it) and for each address of its namespace
-(so that the other end of a connection to it, on this host, matches too).
+tcp_event field (IPv4 in the first 4), the port in host order; a connection
+is ``(local address, remote address, local port, remote port, family)``.
 """
 
 from __future__ import annotations
@@ -21,13 +28,25 @@ import contextlib
 import os
 import socket
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 Endpoint = tuple[bytes, int, int]
+Connection = tuple[bytes, bytes, int, int, int]
 
-# /proc/net/tcp states worth an endpoint: a socket that carries or accepts
-# the job's traffic (TIME_WAIT and the closing states carry none)
-_STATES = {"01", "02", "03", "0A"}  # ESTABLISHED, SYN_SENT, SYN_RECV, LISTEN
+LISTEN = "0A"
+# /proc/net/tcp states of a connection that carries the job's traffic
+# (TIME_WAIT and the closing states carry none)
+_CONNECTED = {"01", "02", "03"}  # ESTABLISHED, SYN_SENT, SYN_RECV
 ANY = bytes(16)
+
+
+@dataclass
+class JobSockets:
+    """What the kernel's filter is given: listeners and connections, each with
+    the pid that holds it."""
+
+    listeners: dict[Endpoint, int] = field(default_factory=dict)
+    connections: dict[Connection, int] = field(default_factory=dict)
 
 
 def socket_inodes(pid: int) -> set[int]:
@@ -55,22 +74,32 @@ def _address(hex_text: str) -> bytes:
     return words.ljust(16, b"\0")
 
 
-def parse_tcp_table(text: str, family: int, inodes: set[int]) -> set[Endpoint]:
-    """Local ends of the sockets of ``inodes`` in a /proc/net/tcp{,6} text."""
-    out: set[Endpoint] = set()
+def _end(text: str) -> tuple[bytes, int]:
+    addr, _, port = text.partition(":")
+    return _address(addr), int(port, 16)
+
+
+def parse_tcp_table(
+    text: str, family: int, inodes: set[int]
+) -> tuple[set[Endpoint], set[Connection]]:
+    """The listeners and connections of ``inodes`` in a /proc/net/tcp{,6} text."""
+    listeners: set[Endpoint] = set()
+    conns: set[Connection] = set()
     for line in text.splitlines()[1:]:
         fields = line.split()
-        if len(fields) < 10 or fields[3] not in _STATES:
+        if len(fields) < 10 or (fields[3] != LISTEN and fields[3] not in _CONNECTED):
             continue
         try:
-            inode = int(fields[9])
-            if inode not in inodes:
+            if int(fields[9]) not in inodes:
                 continue
-            addr, _, port = fields[1].partition(":")
-            out.add((_address(addr), int(port, 16), family))
+            (laddr, lport), (raddr, rport) = _end(fields[1]), _end(fields[2])
         except ValueError:
             continue
-    return out
+        if fields[3] == LISTEN:
+            listeners.add((laddr, lport, family))
+        else:
+            conns.add((laddr, raddr, lport, rport, family))
+    return listeners, conns
 
 
 def local_ipv4(fib_trie: str) -> set[bytes]:
@@ -106,28 +135,35 @@ def _read(path: str) -> str:
         return ""
 
 
-def process_endpoints(pid: int) -> set[Endpoint]:
-    """The local ends of the TCP sockets process ``pid`` holds."""
+def process_sockets(pid: int) -> tuple[set[Endpoint], set[Connection]]:
+    """The listeners and connections process ``pid`` holds."""
     inodes = socket_inodes(pid)
+    listeners: set[Endpoint] = set()
+    conns: set[Connection] = set()
     if not inodes:
-        return set()
-    out: set[Endpoint] = set()
+        return listeners, conns
     for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        out |= parse_tcp_table(_read(f"/proc/{pid}/net/{table}"), family, inodes)
-    if any(addr == ANY for addr, _, _ in out):  # listeners on every address
+        found = parse_tcp_table(_read(f"/proc/{pid}/net/{table}"), family, inodes)
+        listeners |= found[0]
+        conns |= found[1]
+    if any(addr == ANY for addr, _, _ in listeners):  # on every address
         net = f"/proc/{pid}/net"
         mine: dict[int, set[bytes]] = {
             socket.AF_INET: local_ipv4(_read(f"{net}/fib_trie")),
             socket.AF_INET6: local_ipv6(_read(f"{net}/if_inet6")),
         }
-        out |= {(a, port, fam) for addr, port, fam in out if addr == ANY for a in mine[fam]}
-    return out
+        listeners |= {(a, port, fam) for addr, port, fam in listeners if addr == ANY
+                      for a in mine[fam]}  # fmt: skip
+    return listeners, conns
 
 
-def job_endpoints(pids: Iterable[int]) -> dict[Endpoint, int]:
-    """Every local TCP end of the processes ``pids``, and whose it is."""
-    out: dict[Endpoint, int] = {}
+def job_sockets(pids: Iterable[int]) -> JobSockets:
+    """Every listener and connection of the processes ``pids``, and whose it is."""
+    out = JobSockets()
     for pid in sorted(pids):
-        for endpoint in process_endpoints(pid):
-            out.setdefault(endpoint, pid)
+        listeners, conns = process_sockets(pid)
+        for endpoint in listeners:
+            out.listeners.setdefault(endpoint, pid)
+        for conn in conns:
+            out.connections.setdefault(conn, pid)
     return out

@@ -25,7 +25,7 @@ from .bpfsys import RingbufBell
 from .maps import DISCOVERY_BELL, RING_MAPS, MapSet
 from .pinning import PinOptions, PinSet
 from .rings import RingBuffer, RingWriter
-from .sockets import Endpoint
+from .sockets import JobSockets
 from .tickstate import CommProgress, InflightCall
 
 
@@ -66,9 +66,9 @@ class EventSource(Protocol):
         """Record no TCP rows of process ``pid`` (the agent) nor of sockets
         whose local port is ``port`` (its listener); 0 for none."""
 
-    def set_job_endpoints(self, endpoints: dict[Endpoint, int]) -> None:
-        """The local TCP ends of the job's processes ((address, port,
-        family) -> pid): the kernel keeps the rows of their connections."""
+    def set_job_sockets(self, sockets: JobSockets) -> None:
+        """The listeners and connections the job's processes hold: the
+        kernel keeps the rows of their connections."""
 
     def scope_pids(self) -> tuple[set[int], set[int]]:
         """(tracked, excluded) as the kernel holds them (an earlier agent's, if adopted)."""
@@ -225,8 +225,8 @@ class BccSource(MapSource):
     def ignore_own_traffic(self, pid: int, port: int) -> None:
         self.probes.set_agent_self(pid, port)
 
-    def set_job_endpoints(self, endpoints: dict[Endpoint, int]) -> None:
-        self.probes.maps.set_job_endpoints(endpoints)
+    def set_job_sockets(self, sockets: JobSockets) -> None:
+        self.probes.maps.set_job_sockets(sockets.listeners, sockets.connections)
 
     def close(self) -> None:
         self.probes.close()
@@ -259,7 +259,7 @@ class PinnedSource(MapSource):
     def ignore_own_traffic(self, pid: int, port: int) -> None:
         return None
 
-    def set_job_endpoints(self, endpoints: dict[Endpoint, int]) -> None:
+    def set_job_sockets(self, sockets: JobSockets) -> None:
         return None
 
     def forget_process(self, pid: int, keep_scope: bool = False) -> None:
@@ -284,7 +284,7 @@ class ReplaySource:
     tracked: set[int] = field(default_factory=set)
     excluded: set[int] = field(default_factory=set)
     own_traffic: tuple[int, int] = (0, 0)  # (pid, port) whose TCP rows are left out
-    endpoints: dict[Endpoint, int] = field(default_factory=dict)
+    job_sockets: JobSockets = field(default_factory=JobSockets)
     closed: bool = False
 
     @property
@@ -292,9 +292,9 @@ class ReplaySource:
         return None
 
     def __post_init__(self) -> None:
-        for name, dtype in RING_DTYPES.items():
+        for name in RING_MAPS:  # the kernel's rings: the agent keeps the link ring itself
             slots = self.ring_slots if name == "nccl" else max(64, self.ring_slots // 8)
-            self.writers.setdefault(name, RingWriter(name, dtype, slots))
+            self.writers.setdefault(name, RingWriter(name, RING_DTYPES[name], slots))
 
     def rings(self) -> dict[str, RingBuffer]:
         return {name: w.buffer for name, w in self.writers.items()}
@@ -334,8 +334,8 @@ class ReplaySource:
     def ignore_own_traffic(self, pid: int, port: int) -> None:
         self.own_traffic = (pid, port)
 
-    def set_job_endpoints(self, endpoints: dict[Endpoint, int]) -> None:
-        self.endpoints = dict(endpoints)
+    def set_job_sockets(self, sockets: JobSockets) -> None:
+        self.job_sockets = sockets
 
     def scope_pids(self) -> tuple[set[int], set[int]]:
         return set(self.tracked), set(self.excluded)

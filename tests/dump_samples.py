@@ -4,6 +4,7 @@ Hypothesis strategy over every field and over ring contents."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from stallwatch.dumpers.model import (
     Clock,
     CommInfo,
+    LinkInfo,
     ProcessInfo,
     Recording,
     Ring,
@@ -27,7 +29,16 @@ from stallwatch.dumpers.readings import (
     ThreadReading,
     ThreadState,
 )
-from stallwatch.dumpers.schema import RING_DTYPES, DataType, Op, RedOp, State
+from stallwatch.dumpers.schema import (
+    RING_DTYPES,
+    DataType,
+    LinkEvent,
+    LinkKind,
+    Op,
+    RedOp,
+    State,
+    blank_link_rows,
+)
 
 U64_MAX = 2**64 - 1
 
@@ -108,7 +119,23 @@ def sample_recording(
         ),
         counters={"events_total": 123456, "drops": 0},
         snapshots=(sample_snapshot(1000, 4 * 10**9), sample_snapshot(1000, 5 * 10**9)),
+        links=sample_links(),
     )
+
+
+def sample_links() -> tuple[LinkInfo, ...]:
+    """A node's eth0 used by both ranks, its loopback, and an RDMA port one rank opened."""
+    eth0 = LinkInfo(
+        1, "eth0", "netdev", device="0000:3b:00.0", ifindex=2,
+        addresses=("10.0.0.2/24", "fe80::1/64"), mtu=9000, speed_mbps=100_000,
+        pids=(1000, 1001), first_ns=10**9,
+    )  # fmt: skip
+    lo = LinkInfo(2, "lo", "netdev", ifindex=1, addresses=("127.0.0.1/8",), mtu=65536)
+    ib = LinkInfo(
+        3, "mlx5_0:1", "rdma", device="mlx5_0", port=1, netdev="eth0", link_layer="Ethernet",
+        speed_mbps=100_000, pids=(1000,), first_ns=10**9, gone_ns=4 * 10**9,
+    )  # fmt: skip
+    return (eth0, lo, ib)
 
 
 def sample_snapshot(pid: int, taken_ns: int) -> ThreadReading:
@@ -143,6 +170,7 @@ def assert_same(a: Recording, b: Recording) -> None:
         "trigger",
         "counters",
         "snapshots",
+        "links",
     ):
         assert getattr(a, name) == getattr(b, name), name
     assert list(a.rings) == list(b.rings)
@@ -264,6 +292,26 @@ triggers = st.builds(
     origin_host=text,
 )
 
+opt_text = st.none() | text
+links = st.builds(
+    LinkInfo,
+    id=u32,
+    name=text,
+    kind=st.sampled_from(["netdev", "rdma"]),
+    device=opt_text,
+    port=st.none() | u32,
+    ifindex=st.none() | i32,
+    netdev=opt_text,
+    link_type=opt_text,
+    link_layer=opt_text,
+    addresses=st.lists(text, max_size=3).map(tuple),
+    mtu=st.none() | u32,
+    speed_mbps=st.none() | u32,
+    pids=st.lists(u32, max_size=4).map(tuple),
+    first_ns=u64,
+    gone_ns=u64,
+)
+
 recordings = st.builds(
     Recording,
     host=text,
@@ -277,6 +325,7 @@ recordings = st.builds(
     trigger=st.none() | triggers,
     counters=st.dictionaries(text, u64, max_size=5),
     snapshots=st.lists(snapshots, max_size=2).map(tuple),
+    links=st.lists(links, max_size=4, unique_by=lambda li: li.id).map(tuple),
 )
 
 
@@ -296,3 +345,32 @@ def tmpfs(where: Path, size: str) -> Iterator[Path]:
 
 def remount(where: Path, options: str) -> None:
     subprocess.run(["mount", "-o", f"remount,{options}", str(where)], check=True)
+
+
+def with_link_rows(rec: Recording, node: int) -> Recording:
+    """eth0 used by the node's four ranks, an RDMA port by its first; node 1's
+    eth0 goes down and comes back, the port counts symbol errors."""
+    pids = tuple(p.pid for p in rec.processes)
+    events = [LinkEvent.SEEN, LinkEvent.SEEN, LinkEvent.HEARTBEAT]
+    if node == 1:
+        events += [LinkEvent.CARRIER_DOWN, LinkEvent.CARRIER_UP, LinkEvent.ERRORS]
+    rows = blank_link_rows(len(events))
+    base = int(rec.rings["nccl"].rows["ts_ns"][0])
+    for i, event in enumerate(events):
+        rdma = i == 1 or event is LinkEvent.ERRORS
+        row = rows[i]
+        row["ts_ns"], row["after_ns"] = base + i * 10**9, base + i * 10**9 - 5 if i else 0
+        row["link"], row["event"] = (2 if rdma else 1), event
+        row["link_kind"] = LinkKind.RDMA if rdma else LinkKind.NETDEV
+        row["carrier"] = 0 if event is LinkEvent.CARRIER_DOWN else 1
+        if rdma:
+            row["port_state"], row["phys_state"], row["symbol_error"] = 4, 5, 7 * i
+        else:
+            row["operstate"], row["rx_errors"], row["carrier_changes"] = 6, node + i, 2 + i
+    links = (
+        LinkInfo(1, "eth0", "netdev", ifindex=2, addresses=(f"10.0.{node}.2/24",), mtu=9000,
+                 pids=pids, first_ns=base),
+        LinkInfo(2, "mlx5_0:1", "rdma", device="mlx5_0", port=1, netdev="eth0",
+                 link_layer="Ethernet", speed_mbps=100_000, pids=pids[:1], first_ns=base),
+    )  # fmt: skip
+    return dataclasses.replace(rec, rings={**rec.rings, "link": Ring(rows)}, links=links)

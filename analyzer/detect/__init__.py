@@ -8,7 +8,9 @@ metrics it computes (functions that measure, none decides), its thresholds
 (upper-case constants) and its detector: ``missing`` (collective frontier,
 point-to-point gaps), ``desync`` (disagreements), ``exits``, ``stragglers``
 (arrival scores; compute, CPU interference), ``network`` (retransmits inside
-collective windows, the slowdowns they bring); ``cpu`` measures run-queue
+collective windows, the slowdowns they bring), ``partition`` (what became
+of each connection between hosts: a cut, a link down, a flap, resets, when
+the job stalls all together); ``cpu`` measures run-queue
 delay and tells starved ranks for the last two; ``positions`` judges a hang
 the recording does not show from thread readings.  The records the metrics
 fill sit in ``analyzer.incident`` (the ``Analysis`` carries them to every
@@ -22,10 +24,12 @@ from .desync import detect_desync
 from .exits import detect_rank_exited
 from .missing import detect_missing_rank, detect_p2p_missing
 from .network import detect_network
+from .partition import detect_partition
 from .positions import detect_positions
 from .stragglers import detect_stragglers
 
 DETECTORS: tuple[Detector, ...] = (
+    detect_partition,
     detect_missing_rank,
     detect_desync,
     detect_rank_exited,

@@ -1,5 +1,11 @@
 """Cause before consequence, across verdict families.
 
+A network partition (a cut, a link down, a flap, resets) is a cause: the
+ranks blocked behind it are named missing by their communicators' frontiers,
+the ranks whose calls failed on a reset connection exit, the collectives it
+held look slowed by retransmits.  Those verdicts are named in its evidence
+as consequences and leave the list.
+
 A desync is a cause: ranks that disagree on a collective wait for each other
 forever or fail on the size they receive, and then hang, crash, exit or
 leave no dump.  When a desync is found it comes first, and what followed it
@@ -15,8 +21,33 @@ import dataclasses
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, world_of
 
+# what a network partition explains
+EXPLAINED_BY_NETWORK = frozenset(
+    {
+        VerdictKind.MISSING_RANK,
+        VerdictKind.RANK_EXITED,
+        VerdictKind.NETWORK_STRAGGLER,
+        VerdictKind.INCONCLUSIVE,
+    }
+)
+
 
 def in_causal_order(a: Analysis, verdicts: list[Verdict]) -> list[Verdict]:
+    return _desync_first(a, _network_first(verdicts))
+
+
+def _network_first(verdicts: list[Verdict]) -> list[Verdict]:
+    causes = [v for v in verdicts if v.kind is VerdictKind.NETWORK_PARTITION]
+    if not causes:
+        return verdicts
+    explained = [v for v in verdicts if v.kind in EXPLAINED_BY_NETWORK]
+    rest = [v for v in verdicts if v not in explained and v not in causes]
+    after = tuple(f"consequence: {v.summary}" for v in explained)[:MAX_LISTED]
+    first = dataclasses.replace(causes[0], evidence=causes[0].evidence + after)
+    return [first, *causes[1:], *rest]
+
+
+def _desync_first(a: Analysis, verdicts: list[Verdict]) -> list[Verdict]:
     desyncs = sorted(
         (v for v in verdicts if v.kind is VerdictKind.DESYNC),
         key=lambda v: (v.seq if v.seq is not None else -1, v.sort_key()),

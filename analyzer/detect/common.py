@@ -13,6 +13,7 @@ from stallwatch.dumpers.schema import op_name
 from ..incident import (
     ArrivalScore,
     CommSlowdown,
+    ConnFate,
     Disagreement,
     Frontier,
     HostRetransmits,
@@ -39,6 +40,7 @@ class Analysis:
     sched: SchedDelays  # run-queue delay per proc, by the CPU's holder
     slowdowns: tuple[CommSlowdown, ...] = ()
     p2p: tuple[P2pGap, ...] = ()
+    fates: tuple[ConnFate, ...] = ()  # what became of each connection between hosts
 
 
 Detector = Callable[[Analysis], list[Verdict]]

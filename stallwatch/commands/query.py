@@ -21,6 +21,7 @@ from rich.text import Text
 
 from stallwatch.dumpers.errors import ExitCode, UsageError
 from stallwatch.dumpers.model import Recording
+from stallwatch.dumpers.sqltables import EXAMPLES
 from stallwatch.query.output import id_widths, new_table, text_for
 
 from .options import (
@@ -34,9 +35,13 @@ from .options import (
 
 QUERY_EPILOG = """\
 tables: nccl_events, comm_events, tcp_events, sched_events, exit_events,
-        processes, communicators, thread_states, cuda_graphs (each with a host column;
-        timestamp_ns is the host's monotonic clock in ns, wall_time the same
-        instant in UTC; *_ns columns are nanoseconds, elapsed_ns of a call in
+        link_events, processes, communicators, links, thread_states,
+        cuda_graphs (each with a host column;
+        every time of every host is on one clock, the incident's: timestamp_ns,
+        end_ns, ... are ns since the epoch, each host's monotonic stamps
+        converted with its own clock pair, so hosts join on time;
+        host_timestamp_ns is the host's own monotonic stamp, wall_time
+        timestamp_ns in UTC; durations are *_ns too, elapsed_ns of a call in
         flight counts up to the dump's time; rank is the rank in the row's
         communicator, world_rank the process's, derived over every dump
         given; ids are '0x...' text as the reports print them, never cut;
@@ -44,11 +49,13 @@ tables: nccl_events, comm_events, tcp_events, sched_events, exit_events,
         Flight Recorder files are read as one dump per rank (host: the file's
         name). At most 10,000 rows are printed and a query may use 1 GB of
         memory, as on an agent (one line on stderr says when it was cut).
-        The rows of every dump given share one table: where hosts must not
-        mix (a time-window join), join on host too (t.host = s.host).
+        The rows of every dump given share one table: query one incident's
+        dumps (a later dump of a host repeats the rows its rings still held).
 
 examples:
   stallwatch query dumps/ "SELECT host, op, count(*) FROM nccl_events GROUP BY ALL"
+  stallwatch query dumps/ --example headline   # slow AllReduces, their ranks' retransmits
+  stallwatch query --example retransmits-by-host   # print a named query's SQL
   stallwatch query dumps/*.msgpack --format csv \\
       "SELECT rank, seq, duration_ns/1e6 AS ms FROM nccl_events ORDER BY ms DESC LIMIT 10"
   stallwatch query dumps/ "SELECT count(*) FROM tcp_events" --json
@@ -74,7 +81,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     q = subparsers.add_parser(
         "query",
         usage="stallwatch query [options] PATH... SQL\n"
-        "       stallwatch query [options] --agents HOST:PORT,... SQL",
+        "       stallwatch query [options] --agents HOST:PORT,... SQL\n"
+        "       stallwatch query [options] [PATH... | --agents HOST:PORT,...] --example NAME",
         help="run one SQL query on dumps, or on live agents in parallel",
         description="Run one read-only SQL SELECT on dump files and folders, or send it "
         "to live agents (--agents) in parallel and merge their rows.",
@@ -82,7 +90,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         formatter_class=HelpFormatter,
     )
     q.add_argument(
-        "args", nargs="+", metavar="PATH|SQL", help="dump files or folders, then the SQL (last)"
+        "args", nargs="*", metavar="PATH|SQL", help="dump files or folders, then the SQL (last)"
+    )
+    q.add_argument(
+        "--example",
+        choices=sorted(EXAMPLES),
+        metavar="NAME",
+        help=f"run this named query ({', '.join(sorted(EXAMPLES))}) instead of SQL "
+        "given; with no dumps or agents, print its SQL",
     )
     q.add_argument("--agents", metavar="HOST:PORT,...", help="query these live agents instead")
     add_token_option(q, "bearer token for the agents")
@@ -177,7 +192,12 @@ def render(fmt: str, doc: dict[str, Any]) -> str:
 
 
 def _split_args(args: argparse.Namespace) -> tuple[list[str], str]:
-    *paths, sql = args.args
+    if args.example is not None:
+        paths, sql = list(args.args), EXAMPLES[args.example]
+    elif not args.args:
+        raise UsageError("give dump files or folders, then the SQL (or --example NAME)")
+    else:
+        *paths, sql = args.args
     if args.agents and paths:
         raise UsageError("with --agents, give only the SQL (no dump paths)")
     if not args.agents and not paths:
@@ -188,6 +208,9 @@ def _split_args(args: argparse.Namespace) -> tuple[list[str], str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.example is not None and not args.args and not args.agents:
+        print(EXAMPLES[args.example])
+        return ExitCode.OK
     paths, sql = _split_args(args)
     if args.agents:
         return _query_agents(args, sql)

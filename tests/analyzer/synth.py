@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from stallwatch.dumpers.layout import LINK, LINK_COUNTERS, UNKNOWN_U64, LinkEvent, LinkKind
 from stallwatch.dumpers.model import (
     Clock,
     CommInfo,
+    LinkInfo,
     ProcessInfo,
     Recording,
     Ring,
@@ -39,6 +41,7 @@ from stallwatch.dumpers.schema import (
     split_hash,
 )
 
+LINK_EVENT = LINK.dtype
 WORLD = 0x5EED_0000_0000_0001
 MS = 1_000_000
 
@@ -72,6 +75,22 @@ class Job:
     wrap: dict[int, int] = field(default_factory=dict)  # node -> rows dropped (oldest)
     split: bool = False
     seed: int = 1
+    # network faults from a step: a node cut off for good (cut), or for
+    # flap_ms and back (flap); its connections reset (reset); a connection
+    # between two nodes stopped (link: (node, node, step)); with_state False:
+    # the TCP rows carry no connection state (dumps before format 7)
+    cut: tuple[int, int] | None = None  # (node, step)
+    flap: tuple[int, int, float] | None = None  # (node, step, ms)
+    reset: tuple[int, int] | None = None  # (node, step)
+    link: tuple[int, int, int] | None = None
+    with_state: bool = True
+    # a node's link loses its carrier at the network fault's step (cut: for
+    # good; flap: for flap_ms); rdma: the job's traffic crosses no TCP
+    # connection (InfiniBand): the link ring is all the network evidence;
+    # unused_link: the link that goes down is one no rank uses
+    link_down: bool = False
+    rdma: bool = False
+    unused_link: bool = False
 
     @property
     def nranks(self) -> int:
@@ -124,11 +143,14 @@ def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[W
     if job.cpuhog is not None:
         slow_rank, slow_ms = job.cpuhog, 15.0
     slowed = {slow_rank} | ({job.hog_shared} if job.hog_shared is not None else set())
+    cut_step = _cut_step(job)
     for step in range(job.steps):
         # a lossy link slows the collectives whose packets it drops (half of
         # them), by far more than the jitter: retransmits fall inside exactly those
         lossy = job.loss_node is not None and step % 2 == 0
         xfer = job.xfer_ms * (8 if lossy else 1)
+        if job.flap is not None and step == job.flap[1]:
+            xfer += job.flap[2]
         arrive = {}
         for r in range(n):
             extra = slow_ms if r in slowed else 0.0
@@ -136,6 +158,7 @@ def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[W
             arrive[r] = t + int(ms * MS)
         entered = [r for r in range(n) if step < stop[r]]
         hung = len(entered) < n or (job.mismatch is not None and step == job.mismatch[1])
+        hung |= step == cut_step
         done = max(arrive.values()) + int(xfer * MS)
         for r in entered:
             blocked_end = 0 if hung else done
@@ -149,6 +172,15 @@ def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[W
         if hung:
             return rows, t, windows
     return rows, t, windows
+
+
+def _cut_step(job: Job) -> int | None:
+    """The step whose collective never ends: the network stopped under it."""
+    if job.cut is not None:
+        return job.cut[1]
+    if job.link is not None:
+        return job.link[2]
+    return None
 
 
 def _split_rows(job: Job, rows: dict[int, list[np.void]]) -> None:
@@ -172,8 +204,32 @@ def recordings(job: Job, incident: str = "inc-1") -> list[Recording]:
         _split_rows(job, rows)
     if job.mismatch is not None:
         _apply_mismatch(job, rows)
+    if job.reset is not None:
+        _apply_reset(job, rows)
     now = t_end + 5_000 * MS
     return [_node(job, k, rows[k], windows[k], now, incident) for k in range(job.nodes)]
+
+
+RESET_FAIL_MS = 5.0  # a rank's call fails this long after its connections are reset
+RESET_EXIT_MS = 5.0  # and it exits 4 this long after
+
+
+def _step_entry(rows: dict[int, list[np.void]], step: int) -> int:
+    """When the first rank entered the step's collective."""
+    return min(int(r["ts_ns"]) for lst in rows.values() for r in lst if int(r["seq"]) == step)
+
+
+def _apply_reset(job: Job, rows: dict[int, list[np.void]]) -> None:
+    """Every rank's call of the reset step fails (REMOTE_ERROR) after the reset;
+    the later steps are gone (they exited)."""
+    assert job.reset is not None
+    step = job.reset[1]
+    t = _step_entry(rows, step)
+    for k, lst in rows.items():
+        rows[k] = [r for r in lst if int(r["seq"]) <= step]
+        for r in rows[k]:
+            if int(r["seq"]) == step:
+                r["end_ns"], r["result"] = t + int(RESET_FAIL_MS * MS), 6
 
 
 def _apply_mismatch(job: Job, rows: dict[int, list[np.void]]) -> None:
@@ -204,7 +260,7 @@ def _node(
         code, sig = None, None
         if job.crash is not None and job.crash[0] == r:
             sig, code = (job.crash[2], None) if job.crash[2] else (None, 1)
-        elif job.crash is not None and job.peers_exit_ms is not None:
+        elif (job.crash is not None and job.peers_exit_ms is not None) or job.reset is not None:
             code = 4
         elif job.crash is not None and job.peers_fail:
             code = 4
@@ -237,11 +293,13 @@ def _node(
                     key=0,
                 )
             )
+    links, link_rows = _links(job, k, lst, now, skew, ranks)
     rings = {
+        "link": Ring(link_rows),
         "nccl": Ring(arr, overwritten=dropped),
-        "tcp": Ring(_tcp(job, k, windows, skew)),
+        "tcp": Ring(np.concatenate([_tcp(job, k, windows, skew), _net(job, k, lst, now, skew)])),
         "sched": Ring(_sched(job, k, windows, skew)),
-        "exit": Ring(_exit(job, k, now + skew)),
+        "exit": Ring(_reset_exits(job, k, arr) if job.reset else _exit(job, k, now + skew)),
     }
     trig = Trigger(TriggerKind.PEER, "test", incident, now + skew)
     return Recording(
@@ -252,6 +310,7 @@ def _node(
         tuple(comms),
         rings,
         trigger=trig,
+        links=links,
     )
 
 
@@ -331,6 +390,123 @@ def _exit(job: Job, k: int, now: int) -> np.ndarray:
             ts,
         )
     return x
+
+
+RTO_MS = 200.0
+PORT_BASE = 40000
+
+
+def _reset_exits(job: Job, k: int, calls: np.ndarray) -> np.ndarray:
+    """Every rank of node k exits 4 after its call failed on the reset."""
+    ranks = [r for r in range(job.nranks) if job.node_of(r) == k]
+    failed = calls["end_ns"][calls["result"] == 6]
+    at = int(failed.min()) + int(RESET_EXIT_MS * MS) if len(failed) else 0
+    x = np.zeros(len(ranks), dtype=EXIT_EVENT)
+    for i, r in enumerate(ranks):
+        x[i]["pid"], x[i]["event"], x[i]["code"], x[i]["ts_ns"] = (
+            pid_of(r), ExitEvent.EXIT_GROUP, 4, at
+        )  # fmt: skip
+    return x
+
+
+def _conn_row(job: Job, k: int, peer: int, ts: int) -> np.void:
+    """A row of node k's end of its connection to ``peer`` (ports fixed per pair)."""
+    x: np.void = np.zeros(1, dtype=TCP_EVENT)[0]
+    x["ts_ns"], x["pid"], x["family"] = ts, pid_of(k * job.ranks_per_node), 2
+    x["saddr"], x["daddr"] = _addr(k), _addr(peer)
+    x["sport"], x["dport"] = PORT_BASE + 100 * k + peer, PORT_BASE + 100 * peer + k
+    x["event"] = TcpEvent.TCP_RETRANSMIT_SKB
+    return x
+
+
+def _timeouts(job: Job, k: int, peer: int, start: int, until: int) -> list[np.void]:
+    """Node k's retransmission timeouts on its connection to ``peer`` after
+    acknowledgements stopped at ``start``: the RTO doubles each time."""
+    out = []
+    rto, t, n = int(RTO_MS * MS), start, 0
+    while t + rto <= until:
+        t += rto
+        n += 1
+        x = _conn_row(job, k, peer, t)
+        if job.with_state:
+            x["conn_known"], x["backoff"], x["no_ack_ns"] = 1, n, t - start
+            x["rto_us"], x["srtt_us"], x["unacked"] = rto // 1000, 300, 65536
+        out.append(x)
+        rto *= 2
+    return out
+
+
+def _links(
+    job: Job, k: int, calls: list[np.void], now: int, skew: int, ranks: list[int]
+) -> tuple[tuple[LinkInfo, ...], np.ndarray]:
+    """Node k's link ring: its one interface seen at the start; where the
+    network fault hits node k's link, its carrier lost at the fault's step
+    (and back after a flap)."""
+    name, kind = ("mlx5_0:1", "rdma") if job.rdma else ("eth0", "netdev")
+    users = () if job.unused_link else tuple(pid_of(r) for r in ranks)
+    info = LinkInfo(1, name, kind, pids=users)
+    first = min(int(r["ts_ns"]) for r in calls) if calls else now
+    samples = [(first, first - 1_000 * MS, LinkEvent.SEEN, 1)]
+    fault = _network_fault(job) if job.link_down else None
+    if fault is not None and fault[0] == k:
+        at = [int(r["ts_ns"]) for r in calls if int(r["seq"]) == fault[1]]
+        down = min(at) if at else now
+        samples.append((down + 3 * MS, down, LinkEvent.CARRIER_DOWN, 0))
+        if job.flap is not None:
+            up = down + int(job.flap[2] * MS)
+            samples.append((up + 3 * MS, up, LinkEvent.CARRIER_UP, 1))
+    rows = np.zeros(len(samples), dtype=LINK_EVENT)
+    for row, (ts, after, event, carrier) in zip(rows, samples, strict=True):
+        for field_name in LINK_COUNTERS:
+            row[field_name] = UNKNOWN_U64
+        row["ts_ns"], row["after_ns"], row["link"] = ts + skew, after + skew, 1
+        row["event"], row["carrier"] = event, carrier
+        row["link_kind"] = LinkKind.RDMA if job.rdma else LinkKind.NETDEV
+    return (info,), rows
+
+
+def _net(job: Job, k: int, calls: list[np.void], now: int, skew: int) -> np.ndarray:
+    """Node k's rows of a cut, a flap, a reset or a stopped link; and one
+    acknowledged retransmit on each of its connections early on (every
+    host's own address is then known, as a busy link shows)."""
+    if job.cut is None and job.flap is None and job.reset is None and job.link is None:
+        return np.zeros(0, dtype=TCP_EVENT)
+    if job.rdma:  # the job's traffic crosses no TCP connection
+        return np.zeros(0, dtype=TCP_EVENT)
+    first = min(int(r["ts_ns"]) for r in calls) if calls else now
+    rows = [_conn_row(job, k, p, first + MS) for p in range(job.nodes) if p != k]
+    if job.with_state:
+        for x in rows:
+            x["conn_known"], x["srtt_us"] = 1, 300
+    node, step = _network_fault(job)
+    at = [int(r["ts_ns"]) for r in calls if int(r["seq"]) == step]
+    start = min(at) if at else now
+    touched = [p for p in range(job.nodes) if p != k and (node in (k, p))]
+    if job.link is not None:
+        a, b = job.link[0], job.link[1]
+        touched = [p for p in range(job.nodes) if p != k and {k, p} == {a, b}]
+    if job.reset is not None:
+        for p in touched:
+            x = _conn_row(job, k, p, start)
+            x["event"] = TcpEvent.TCP_SEND_RESET if k == node else TcpEvent.TCP_RECEIVE_RESET
+            rows.append(x)
+    else:
+        until = now if job.flap is None else start + int(job.flap[2] * MS)
+        for p in touched:
+            rows += _timeouts(job, k, p, start, until)
+    out = np.array(rows, dtype=TCP_EVENT)
+    out["ts_ns"] = out["ts_ns"].astype(np.int64) + skew
+    return out
+
+
+def _network_fault(job: Job) -> tuple[int, int]:
+    for fault in (job.cut, job.reset):
+        if fault is not None:
+            return fault[0], fault[1]
+    if job.flap is not None:
+        return job.flap[0], job.flap[1]
+    assert job.link is not None
+    return job.link[0], job.link[2]
 
 
 def with_(job: Job, **changes: object) -> Job:

@@ -1,6 +1,7 @@
-"""Retransmits between hosts, as align counts them over every dump's TCP rows
-at once: which host owns an address, which events count, and one event seen
-by both ends counted once."""
+"""Retransmits (and resets) between hosts, as align gathers them over every
+dump's TCP rows at once: which host owns an address, which events count, one
+event seen by both ends counted once, and one key per connection from both
+of its ends."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from stallwatch.analyzer import align
-from stallwatch.analyzer.align import Source, _retransmits
+from stallwatch.analyzer.align import Source, _tcp
 from stallwatch.dumpers.addresses import AF_INET, AF_INET6, pack
 from stallwatch.dumpers.model import Clock, CommInfo, Recording, Ring
 from stallwatch.dumpers.schema import TCP_EVENT, TcpEvent
@@ -39,7 +40,8 @@ def _source(host: str, rows: list[Row]) -> Source:
 
 def _count(sources: list[Source]) -> list[tuple[int, ...]]:
     hosts = tuple(s.recording.host for s in sources)
-    return [tuple(r) for r in _retransmits(sources, hosts).tolist()]
+    table = _tcp(sources, hosts)
+    return [tuple(r) for r in table[["host", "pid", "ts", "local", "remote"]].tolist()]
 
 
 @pytest.mark.parametrize("chunk", [1, align.TCP_CHUNK_ROWS])
@@ -97,3 +99,18 @@ def test_a_host_owns_its_commonest_address_the_lowest_of_a_tie() -> None:
     )
     b = _source("b", [_row("10.0.0.2", "10.0.0.3", 5), _row("10.0.0.2", "10.0.0.1", 6)])
     assert _count([a, b]) == [(0, RANK_PID, 2, 0, 1), (1, RANK_PID, 6, 1, 0)]
+
+
+def test_a_connection_has_one_key_from_both_ends_and_resets_count() -> None:
+    a = _source("a", [_row("10.0.0.1", "10.0.0.2", 5), _row("10.0.0.1", "10.0.0.2", 6)])
+    b = _source("b", [_row("10.0.0.2", "10.0.0.1", 7), _row("10.0.0.2", "10.0.0.1", 8)])
+    rows_b = b.recording.rings["tcp"].rows
+    rows_b["sport"], rows_b["dport"] = 29500, 40000  # the same connection's other end
+    rows_b["event"][1] = TcpEvent.TCP_RECEIVE_RESET
+    rows_a = a.recording.rings["tcp"].rows
+    rows_a["dport"][1] = 29501  # another connection between the same hosts
+    table = _tcp([a, b], ("a", "b"))
+    assert len(table) == 4
+    keys = {int(r["ts"]): int(r["conn"]) for r in table}
+    assert keys[5] == keys[7] == keys[8] != keys[6]
+    assert sorted(table["event"].tolist()) == [1, 1, 1, int(TcpEvent.TCP_RECEIVE_RESET)]

@@ -4,6 +4,7 @@ dumps of a real lab run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -83,7 +84,7 @@ def slice_keys(events: Sequence[Event]) -> Counter[tuple[str, int, int, int, str
     for e in events:
         if e["ph"] == "X" and e.get("cat") == "nccl":
             a: dict[str, Any] = e["args"]
-            key = (hosts[int(e["pid"])], a["pid"], a["tid"], a["ts_ns"], a["op"], a["seq"])
+            key = (hosts[int(e["pid"])], a["pid"], a["tid"], a["host_ts_ns"], a["op"], a["seq"])
             out[key] += 1
     return out
 
@@ -125,6 +126,28 @@ def test_synthetic_job_every_call_is_one_slice_on_its_rank_track(tmp_path: Path)
             assert f"pid {a['pid']}" in threads[(e["pid"], e["tid"])]
             assert a["comm_id_hash"] in threads[(e["pid"], e["tid"])]
             assert {"op", "seq", "bytes", "state"} <= set(a)
+
+
+def test_slices_carry_sqls_times_and_a_dump_without_a_clock_pair_is_named() -> None:
+    """A slice's ``ts_ns`` is SQL's ``timestamp_ns`` (the incident's clock),
+    ``host_ts_ns`` the host's own stamp, and the slice is drawn at ``ts_ns``.
+    A dump without its clock pair is drawn on its own clock, its host named
+    so, its ``ts_ns`` unknown."""
+    good, lost = recordings(Job(nodes=2, steps=6))
+    lost = dataclasses.replace(lost, clock=dataclasses.replace(lost.clock, realtime_ns=0))
+    events = check_trace_format(build_trace([good, lost]))
+    hosts = host_names(events)
+    assert sorted(hosts.values()) == [good.host, f"{lost.host} (no clock pair)"]
+    offset = good.clock.realtime_ns - good.clock.monotonic_ns
+    slices = [e for e in events if e["ph"] == "X" and e["cat"] == "nccl"]
+    for e in slices:
+        a = e["args"]
+        if hosts[int(e["pid"])] == good.host:
+            assert a["ts_ns"] == a["host_ts_ns"] + offset
+            assert e["ts"] == pytest.approx(a["ts_ns"] / 1e3)
+        else:
+            assert a["ts_ns"] is None and e["ts"] == pytest.approx(a["host_ts_ns"] / 1e3)
+    assert {hosts[int(e["pid"])] for e in slices} == set(hosts.values())
 
 
 def test_kernel_events_are_instants_on_the_owning_ranks_track() -> None:

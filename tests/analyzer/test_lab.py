@@ -22,6 +22,7 @@ import pytest
 
 from stallwatch.analyzer.pipeline import AnalysisResult, analyze_paths
 from stallwatch.analyzer.verdict import Verdict, VerdictKind
+from tests.query.agreement import assert_agree
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = "12"
@@ -208,6 +209,16 @@ def test_loss_names_the_lossy_host_only(recorded: Callable[[str], Recorded]) -> 
     assert len(net) == 1, run.texts()
     assert net[0].hosts == ("node2",) and net[0].ranks == (2,)
     assert VerdictKind.MISSING_RANK not in run.kinds()
+
+
+@pytest.mark.solo  # shares the loss run with the test above
+def test_loss_per_host_retransmits_in_sql_are_the_analyzers(
+    recorded: Callable[[str], Recorded],
+) -> None:
+    """The shipped per-host query gives the numbers the network verdict
+    prints (tests/query/test_retransmit_agreement.py)."""
+    counts = assert_agree(recorded("loss").folder)
+    assert max(counts, key=lambda h: counts[h][0] + counts[h][1]) == "node2"
 
 
 def test_the_killed_rank_is_the_cause_and_the_error_exits_its_consequences(

@@ -22,7 +22,7 @@ import pytest
 from stallwatch.analyzer.parquet import FORMAT_VERSION, META_FILE, escape
 from stallwatch.cli import main
 from stallwatch.dumpers.format import write_dump
-from stallwatch.dumpers.sqltables import SEED_QUERY, TABLE_NAMES
+from stallwatch.dumpers.sqltables import RETRANSMITS_BY_HOST_QUERY, SEED_QUERY, TABLE_NAMES
 from tests.analyzer.synth import Job, recordings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -228,7 +228,12 @@ def duckdb_views(con: duckdb.DuckDBPyConnection, root: Path) -> None:
         )
 
 
-@pytest.mark.parametrize("sql", QUERIES, ids=["seed", *(f"docs{i}" for i in range(3))])
+@pytest.mark.parametrize(
+    "sql",
+    # the per-host query is DuckDB's SQL (DISTINCT ON, FILTER), not Spark's
+    [*QUERIES, RETRANSMITS_BY_HOST_QUERY],
+    ids=["seed", *(f"docs{i}" for i in range(3)), "retransmits-by-host"],
+)
 def test_duckdb_on_parquet_returns_what_query_returns(
     dumps: list[Path], exported: Path, sql: str
 ) -> None:

@@ -123,10 +123,13 @@ def _old_ring(doc: dict[str, object], rec: Recording, name: str, dtype: np.dtype
 
 
 def _as_version_6(rec: Recording) -> dict[str, object]:
-    """``rec``'s document as versions 1 to 6 wrote its TCP rows: without the
-    connection's state."""
+    """``rec``'s document as versions 1 to 6 wrote it: TCP rows without the
+    connection's state, no link ring, no links."""
     doc = _doc(rec)
     _old_ring(doc, rec, "tcp", TCP_EVENT_V6)
+    del doc["links"]
+    del doc["rings"]["link"]  # type: ignore[attr-defined]
+    doc["version"] = 6
     return doc
 
 
@@ -344,6 +347,13 @@ BAD_FIELDS = [
         _delete("snapshots.0.processes.0.threads.1.unwind"),
         "snapshots[0].processes[0].threads[1]: missing field 'unwind'",
     ),
+    (_delete("links"), "document: missing field 'links'"),
+    (_set("links.0.kind", "wifi"), "links[0].kind: expected one of netdev, rdma, found 'wifi'"),
+    (_set("links.2.id", 1), "links[2].id: id 1 names two interfaces"),
+    (_set("links.1.mtu", -1), "links[1].mtu: expected an integer in [0, 4294967295]"),
+    (_set("links.0.pids.1", "1001"), "links[0].pids[1]: expected an integer, found string"),
+    (_set("links.0.device", 7), "links[0].device: expected a string, found int"),
+    (_delete("links.2.gone_ns"), "links[2]: missing field 'gone_ns'"),
 ]
 
 
@@ -367,6 +377,22 @@ def test_versions_before_3_are_read_without_thread_positions(version: int) -> No
     raw["snapshots"] = []
     with pytest.raises(DumpFormatError, match="document: unexpected field 'snapshots'"):
         _decode_doc(raw)
+
+
+def test_versions_before_7_are_read_without_links_and_refuse_a_link_ring() -> None:
+    rec = sample_recording()
+    assert rec.links and len(rec.rings["link"].rows)
+    doc = _as_version_6(rec)
+    back = _decode_doc(doc)
+    assert back.links == () and "link" not in back.rings
+    assert len(back.rings["nccl"].rows) == 100
+    doc["links"] = []
+    with pytest.raises(DumpFormatError, match="document: unexpected field 'links'"):
+        _decode_doc(doc)
+    doc = _as_version_6(rec)
+    doc["rings"]["link"] = _doc(rec)["rings"]["link"]  # type: ignore[index]
+    with pytest.raises(DumpFormatError, match=r"rings\.link: no such ring in format version 6"):
+        _decode_doc(doc)
 
 
 def test_trailing_bytes_and_truncation_are_refused() -> None:

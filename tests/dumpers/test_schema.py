@@ -34,6 +34,7 @@ STRUCTS = {
     "tcp_event": schema.TCP_EVENT,
     "sched_event": schema.SCHED_EVENT,
     "exit_event": schema.EXIT_EVENT,
+    "link_event": schema.LINK_EVENT,
     "disc_event": maps.DISCOVERY_EVENT,
 }
 Layout = dict[tuple[str, str], tuple[int, int]]

@@ -17,7 +17,7 @@ import pytest
 from stallwatch.dumpers.errors import UsageError
 from stallwatch.dumpers.format import read_dump
 from stallwatch.lab.demo import (
-    SEED_QUERY,
+    HEADLINE_QUERY,
     STEPS,
     check_dump_dir,
     choose_injection,
@@ -55,9 +55,9 @@ def test_culprit_found_needs_every_missing_rank_verdict_to_name_exactly_the_rank
 
 
 def test_printed_commands_split_back_into_the_argv_that_ran() -> None:
-    argv = [sys.executable, "-m", "stallwatch", "query", "/tmp/a b", SEED_QUERY, "it's"]
+    argv = [sys.executable, "-m", "stallwatch", "query", "/tmp/a b", HEADLINE_QUERY, "it's"]
     assert shlex.split(command_text(argv)) == argv
-    assert "'\"'\"'" not in command_text(["q", SEED_QUERY])  # readable SQL quoting
+    assert "'\"'\"'" not in command_text(["q", HEADLINE_QUERY])  # readable SQL quoting
 
 
 def test_dump_dir_with_dumps_is_refused_and_the_trace_stays_outside(tmp_path: Path) -> None:
@@ -164,7 +164,7 @@ def test_demo_random_seed_output_and_commands_run_as_printed(tmp_path: Path) -> 
     assert again.returncode == 1  # findings
     assert again.stdout.rstrip("\n") == report
     query, _ = shown_report(out, " query ")
-    assert shlex.split(query)[-1] == SEED_QUERY
+    assert shlex.split(query)[-1] == HEADLINE_QUERY
     rerun = subprocess.run(shlex.split(query), capture_output=True, text=True, timeout=120)
     assert rerun.returncode == 0, rerun.stderr
     assert "[" in done.stderr and "dump written" in done.stderr  # progress on stderr

@@ -49,14 +49,19 @@ RANK = "duration_ns, rank, nranks"
 
 
 def windowed(cutoff_ns: int | str) -> str:
-    """The seed query over collectives that ended before the cut-off, every
+    """The seed query over collectives that ended before the cut-off (the
+    hosts' own monotonic clock: a live agent converts its rows to the
+    incident's clock with the clock pair it samples at the query, its dump
+    with the pair sampled at the dump, which the wall clock's slew may move
+    by microseconds), every
     row (no LIMIT: ties at the limit would make the comparison arbitrary),
     by world rank: the rank in a split communicator is derived over the
     recordings queried together, which one agent cannot do alone (its rows
     say NULL there), so that one column differs between live agents and
     their dumps read together."""
     assert SLOW in SEED_QUERY and "LIMIT 20" in SEED_QUERY and RANK in SEED_QUERY
-    sql = SEED_QUERY.replace(SLOW, f"AND duration_ns > 50000000 AND end_ns <= {cutoff_ns})")
+    ended = f"host_timestamp_ns + duration_ns <= {cutoff_ns}"
+    sql = SEED_QUERY.replace(SLOW, f"AND duration_ns > 50000000 AND {ended})")
     return sql.replace(" LIMIT 20", "").replace(RANK, "duration_ns, world_rank AS rank, nranks")
 
 
@@ -169,12 +174,13 @@ FROM slow s LEFT JOIN tcp_events t
  AND t.timestamp_ns BETWEEN s.timestamp_ns AND s.timestamp_ns + s.duration_ns
 GROUP BY ALL
 """
+ENDED = "host_timestamp_ns + duration_ns <= {cut}"  # on the hosts' own clock (see windowed)
 MERGED = [
-    "SELECT host, count(*) AS n FROM nccl_events WHERE end_ns <= {cut} GROUP BY host",
-    "SELECT DISTINCT host, op FROM nccl_events WHERE end_ns <= {cut}",
+    f"SELECT host, count(*) AS n FROM nccl_events WHERE {ENDED} GROUP BY host",
+    f"SELECT DISTINCT host, op FROM nccl_events WHERE {ENDED}",
     "SELECT op, count(*), sum(bytes), max(duration_ns) FROM nccl_events "
-    "WHERE end_ns <= {cut} GROUP BY ALL",
-    "SELECT host, seq, duration_ns FROM nccl_events WHERE end_ns <= {cut} "
+    f"WHERE {ENDED} GROUP BY ALL",
+    f"SELECT host, seq, duration_ns FROM nccl_events WHERE {ENDED} "
     "ORDER BY duration_ns DESC, host, seq LIMIT 5",
 ]
 
@@ -269,5 +275,5 @@ def _post_query(agent: str, token: str, body: bytes, tls: ClientTls | None) -> t
 
 def test_windowed_query_keeps_the_seed_query() -> None:
     sql = windowed(123)
-    assert "end_ns <= 123" in sql and "LIMIT" not in sql and "tcp_retransmit_skb" in sql
+    assert "duration_ns <= 123" in sql and "LIMIT" not in sql and "tcp_retransmit_skb" in sql
     assert "world_rank AS rank" in sql

@@ -24,6 +24,7 @@ from stallwatch.analyzer.pipeline import analyze_paths
 from stallwatch.commands.query import QUERY_EPILOG
 from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.model import Recording
+from stallwatch.dumpers.sqltables import EXAMPLES
 from stallwatch.query.sql import LOCAL, QueryEngine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,6 +200,8 @@ def readme_sql() -> list[str]:
 
 def _sql_of(command: str) -> str:
     words = shlex.split(command.split("#")[0])
+    if "--example" in words:  # a named query
+        return EXAMPLES[words[words.index("--example") + 1]]
     sql = [w for w in words if re.match(r"\s*(SELECT|WITH|FROM)\b", w, re.I)]
     assert len(sql) == 1, f"no SQL in an example: {command}"
     return sql[0]

@@ -13,19 +13,23 @@ import pytest
 from bench.bench_sql import COMM_HASH, SEED_QUERY, Synthetic, synthetic_recording
 from stallwatch.dumpers.errors import QueryError, QueryRefused
 from stallwatch.dumpers.format import read_dump
-from stallwatch.dumpers.model import Recording, Ring
+from stallwatch.dumpers.model import LinkInfo, Recording, Ring
 from stallwatch.dumpers.schema import (
     EXIT_EVENT,
     PREV_PID_UNKNOWN,
     SCHED_EVENT,
     TCP_EVENT,
     ExitEvent,
+    LinkEvent,
+    LinkKind,
     Op,
     State,
     TcpEvent,
+    blank_link_rows,
 )
 from stallwatch.dumpers.sqltables import TABLE_NAMES, tables
 from stallwatch.query.sql import LOCAL, Limits, QueryEngine, sandboxed_connection
+from tests.clockshift import shift_clock
 
 SLOW_NS = 50_000_000
 
@@ -123,10 +127,87 @@ def test_device_start_and_completion_columns(lossy: Recording) -> None:
 
 def test_wall_time_is_the_monotonic_timestamp_converted(lossy: Recording) -> None:
     with QueryEngine([lossy], LOCAL) as engine:
-        ((ts, wall_us),) = engine.query(
-            "SELECT timestamp_ns, epoch_us(wall_time) FROM nccl_events ORDER BY 1 LIMIT 1"
+        ((ts, host_ts, wall_us),) = engine.query(
+            "SELECT timestamp_ns, host_timestamp_ns, epoch_us(wall_time) "
+            "FROM nccl_events ORDER BY 1 LIMIT 1"
         ).rows
-    assert wall_us == lossy.clock.to_wall_ns(ts) // 1000
+    assert ts == lossy.clock.to_wall_ns(host_ts) and wall_us == ts // 1000
+
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+# device times (gpu mode, format 2); thread readings, TCP state (format 7)
+CLOCKED = ("lab-gpuslow-4x2", "net-loss-4x1")
+# every column that is a moment (the rest: durations, counts, ids...)
+MOMENTS = {
+    "timestamp_ns", "end_ns", "started_ns", "started_after_ns", "completed_ns",
+    "completed_after_ns", "start_ns", "exit_ns", "init_ns", "destroy_ns", "wall_time",
+    "start_time", "exit_time",
+}  # fmt: skip
+
+
+def _first_dump(name: str) -> Recording:
+    return read_dump(sorted((DATA / name).glob("*.msgpack"))[0])
+
+
+@pytest.mark.parametrize("name", CLOCKED)
+def test_only_host_timestamp_ns_holds_the_hosts_own_clock(name: str) -> None:
+    """The same recording with its monotonic clock 7 hours ahead (a host
+    booted earlier) has the same tables, but for ``host_timestamp_ns``."""
+    rec = _first_dump(name)
+    ahead = 7 * 3600 * 10**9
+    before, after = tables(rec), tables(shift_clock(rec, ahead))
+    seen: set[str] = set()
+    for table in TABLE_NAMES:
+        a, b = before[table], after[table]
+        assert a.schema == b.schema, table
+        for column in a.column_names:
+            if column == "host_timestamp_ns":
+                moved = [None if x is None else x + ahead for x in a[column].to_pylist()]
+                assert b[column].to_pylist() == moved, table
+            else:
+                assert b[column].equals(a[column]), (table, column)
+            if column in MOMENTS and a[column].null_count < len(a[column]):
+                seen.add(column)
+    device = {"started_ns", "completed_ns", "completed_after_ns"} if "gpu" in name else set()
+    assert {"timestamp_ns", "end_ns", "start_ns", "init_ns", *device} <= seen
+
+
+@pytest.mark.parametrize("name", CLOCKED)
+def test_times_are_the_host_stamps_converted_with_their_clock_pair(name: str) -> None:
+    rec = _first_dump(name)
+    offset = rec.clock.realtime_ns - rec.clock.monotonic_ns
+    held = {}
+    with QueryEngine([rec], LOCAL) as engine:
+        for table in ("nccl_events", "tcp_events", "sched_events", "comm_events", "thread_states"):
+            ((held[table], bad),) = engine.query(
+                f"SELECT count(*), count(*) FILTER (WHERE timestamp_ns - host_timestamp_ns "
+                f"<> {offset} OR epoch_ns(wall_time) <> timestamp_ns) FROM {table}"
+            ).rows
+            assert bad == 0, table
+        ((calls, ends),) = engine.query(
+            "SELECT count(*), count(*) FILTER (WHERE end_ns - timestamp_ns = duration_ns) "
+            "FROM nccl_events WHERE end_ns IS NOT NULL"
+        ).rows
+        assert calls > 0 and ends == calls
+    assert held["nccl_events"] and held["sched_events"] and held["comm_events"]
+    starts = [p.start_ns + offset for p in rec.processes]
+    assert tables(rec)["processes"]["start_ns"].to_pylist() == starts
+    inits = [c.init_ns + offset if c.init_ns else None for c in rec.communicators]
+    assert tables(rec)["communicators"]["init_ns"].to_pylist() == inits
+
+
+def test_a_recording_without_a_clock_pair_has_no_times_but_its_own() -> None:
+    """Unknown is NULL: without its clock pair a host's stamps cannot be
+    put on the incident's clock; its own stamps and durations stay."""
+    rec = _first_dump("net-loss-4x1")
+    lost = dataclasses.replace(rec, clock=dataclasses.replace(rec.clock, realtime_ns=0))
+    for table, t in tables(lost).items():
+        for column in set(t.column_names) & MOMENTS:
+            assert t[column].null_count == len(t), (table, column)
+        if "host_timestamp_ns" in t.column_names:
+            assert t["host_timestamp_ns"].null_count == 0, table
+    durations = tables(lost)["nccl_events"]["duration_ns"]
+    assert durations.equals(tables(rec)["nccl_events"]["duration_ns"])
 
 
 def _tcp_row(family: int, saddr: bytes, daddr: bytes) -> np.ndarray:
@@ -176,6 +257,63 @@ def test_sched_and_exit_events() -> None:
         ]
 
 
+def _link_recording() -> Recording:
+    """Ranks 0-3 (pids 1000-1003) on eth0, rank 0 with an RDMA port open:
+    eth0 lost its carrier, the port's symbol errors moved."""
+    rows = blank_link_rows(3)
+    rows["ts_ns"] = [10**9, 2 * 10**9, 3 * 10**9]
+    rows["after_ns"] = [0, 10**9 + 5, 2 * 10**9 + 7]
+    rows["link"] = [1, 1, 3]
+    rows["link_kind"] = [LinkKind.NETDEV, LinkKind.NETDEV, LinkKind.RDMA]
+    rows["event"] = [LinkEvent.SEEN, LinkEvent.CARRIER_DOWN, LinkEvent.ERRORS]
+    rows["carrier"][:2] = [1, 0]
+    rows["operstate"][:2] = [6, 3]  # up, lowerlayerdown
+    rows["carrier_down_count"][:2] = [0, 1]
+    rows["rx_errors"][:2] = [0, 2]
+    rows["port_state"][2], rows["phys_state"][2], rows["carrier"][2] = 4, 5, 1
+    rows["symbol_error"][2] = 118  # the driver lacks the hw counters: unknown stays unknown
+    links = (
+        LinkInfo(1, "eth0", "netdev", ifindex=2, addresses=("10.0.0.2/24",), mtu=1500,
+                 pids=(1003, 1000, 1001, 1002), first_ns=10**9),
+        LinkInfo(3, "mlx5_0:1", "rdma", device="mlx5_0", port=1, netdev="eth0",
+                 link_layer="Ethernet", pids=(1000, 4242)),
+    )  # fmt: skip
+    rec = synthetic_recording(Synthetic())
+    return dataclasses.replace(rec, rings={**rec.rings, "link": Ring(rows)}, links=links)
+
+
+def test_link_events_and_links() -> None:
+    rec = _link_recording()
+    offset = rec.clock.realtime_ns - rec.clock.monotonic_ns  # times are on the incident's clock
+    with QueryEngine([rec], LOCAL) as engine:
+        got = engine.query(
+            "SELECT interface, kind, event, after_ns, carrier, operstate, port_state, "
+            "carrier_down_count, rx_errors, symbol_error, out_of_sequence "
+            "FROM link_events ORDER BY timestamp_ns"
+        ).rows
+        links = engine.query(
+            "SELECT interface, kind, device, port, netdev, addresses, mtu, speed_mbps, pids, "
+            "world_ranks FROM links ORDER BY interface"
+        ).rows
+        down = engine.query(
+            "SELECT l.world_ranks FROM link_events e JOIN links l "
+            "ON l.host = e.host AND l.interface = e.interface WHERE e.event = 'carrier_down'"
+        ).rows
+    assert got == [
+        ("eth0", "netdev", "seen", None, True, "up", None, 0, 0, None, None),
+        ("eth0", "netdev", "carrier_down", offset + 10**9 + 5, False, "lowerlayerdown", None, 1,
+         2, None, None),
+        ("mlx5_0:1", "rdma", "errors", offset + 2 * 10**9 + 7, True, None, "ACTIVE", None, None,
+         118, None),
+    ]  # fmt: skip
+    assert links == [
+        ("eth0", "netdev", None, None, None, ["10.0.0.2/24"], 1500, None,
+         [1000, 1001, 1002, 1003], [0, 1, 2, 3]),
+        ("mlx5_0:1", "rdma", "mlx5_0", 1, "eth0", [], None, None, [1000, 4242], [0]),
+    ]  # fmt: skip
+    assert down == [([0, 1, 2, 3],)]
+
+
 def test_an_old_dumps_sched_rows_name_no_cpu_holder() -> None:
     # format version 1, recorded before the holder was: NULL, never 0
     folder = Path(__file__).resolve().parents[1] / "data" / "lab-cpuhog-2x2"
@@ -183,6 +321,18 @@ def test_an_old_dumps_sched_rows_name_no_cpu_holder() -> None:
     with QueryEngine(recs, LOCAL) as engine:
         got = engine.query("SELECT count(*), count(prev_pid) FROM sched_events").rows
     assert got[0][0] > 0 and got[0][1] == 0, got
+
+
+def test_an_old_dump_has_link_tables_with_no_rows() -> None:
+    folder = Path(__file__).resolve().parents[1] / "data" / "lab-hang-2x2"
+    recs = [read_dump(p) for p in sorted(folder.glob("*.msgpack"))]
+    assert recs and all(r.links == () and "link" not in r.rings for r in recs)
+    with QueryEngine(recs, LOCAL) as engine:
+        got = engine.query(
+            "SELECT (SELECT count(*) FROM link_events), (SELECT count(*) FROM links), "
+            "(SELECT count(*) FROM nccl_events)"
+        ).rows
+    assert got[0][:2] == (0, 0) and got[0][2] > 0
 
 
 def test_many_recordings_concatenate_with_their_host() -> None:

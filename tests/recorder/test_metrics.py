@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from stallwatch.recorder.prometheus import AgentStats, RingStats, agent_metrics_text
+from stallwatch.recorder.prometheus import AgentStats, LinkState, RingStats, agent_metrics_text
 
 
 def test_agent_metrics_render_and_parse() -> None:
@@ -60,3 +60,35 @@ def test_the_http_surfaces_refusals_are_a_counter_and_open_connections_a_gauge()
     assert refused.samples[0].name == "stallwatch_http_connections_refused_total"
     assert families["stallwatch_http_connections_open"].type == "gauge"
     assert families["stallwatch_http_connections_timed_out"].samples[0].value == 3
+
+
+def test_links_carrier_errors_and_users_per_interface() -> None:
+    links = (
+        LinkState("eth0", "netdev", 0, 5, 4, {"rx_errors": 2, "tx_dropped": 9}, {}),
+        LinkState("mlx5_0:1", "rdma", 1, None, 1, {"link_downed": 1}, {"np_cnp_sent": 12884}),
+        LinkState("lo", "netdev", None, 0, 0, {}, {}),
+    )
+    text = agent_metrics_text(AgentStats((), 0, 0, 0, 0, 0, links=links), {})
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def values(name: str) -> dict[tuple[str, ...], float]:
+        samples = families[name].samples
+        keys = ("interface", "kind", "counter")
+        return {
+            tuple(s.labels[k] for k in keys if k in s.labels): s.value
+            for s in samples
+            if not s.name.endswith("_created")
+        }
+
+    # the alert on a downed link needs no dump: carrier 0 where processes are behind it
+    assert families["stallwatch_link_carrier"].type == "gauge"
+    assert values("stallwatch_link_carrier") == {("eth0", "netdev"): 0, ("mlx5_0:1", "rdma"): 1}
+    assert values("stallwatch_link_processes")[("eth0", "netdev")] == 4
+    assert values("stallwatch_link_carrier_changes") == {("eth0", "netdev"): 5, ("lo", "netdev"): 0}
+    assert families["stallwatch_link_errors"].type == "counter"
+    assert values("stallwatch_link_errors") == {
+        ("eth0", "netdev", "rx_errors"): 2,
+        ("eth0", "netdev", "tx_dropped"): 9,
+        ("mlx5_0:1", "rdma", "link_downed"): 1,
+    }
+    assert values("stallwatch_link_congestion") == {("mlx5_0:1", "rdma", "np_cnp_sent"): 12884}

@@ -1,6 +1,6 @@
-"""The job's TCP endpoints as the agent reads them from /proc: the local end
-of each socket a process holds, in the kernel's byte order, and a listener
-on every address standing for each address of its namespace too."""
+"""The job's TCP sockets as the agent reads them from /proc: its listeners by
+their own end (one on every address standing for each address of its
+namespace too), its connections by both ends, in the kernel's byte order."""
 
 from __future__ import annotations
 
@@ -34,12 +34,11 @@ def v4(text: str) -> bytes:
     return socket.inet_aton(text).ljust(16, b"\0")
 
 
-def test_a_tcp_table_gives_the_local_ends_of_the_processes_sockets() -> None:
-    found = sockets.parse_tcp_table(TCP_TABLE, socket.AF_INET, {111, 222})
-    assert found == {
-        (bytes(16), 7001, socket.AF_INET),  # the listener, on every address
-        (v4("10.0.0.1"), 40000, socket.AF_INET),
-    }  # not 333 (another process's), not the TIME_WAIT row
+def test_a_tcp_table_gives_the_processes_listeners_and_connections() -> None:
+    listeners, conns = sockets.parse_tcp_table(TCP_TABLE, socket.AF_INET, {111, 222})
+    assert listeners == {(bytes(16), 7001, socket.AF_INET)}  # on every address
+    assert conns == {(v4("10.0.0.1"), v4("10.0.0.2"), 40000, 7001, socket.AF_INET)}
+    # not 333 (another process's), not the TIME_WAIT row
 
 
 def test_the_namespaces_own_addresses_come_from_its_local_routes() -> None:
@@ -52,15 +51,16 @@ def test_a_live_process_listening_everywhere_stands_for_each_of_its_addresses() 
     server = socket.create_server(("0.0.0.0", 0))
     client = socket.create_connection(("127.0.0.1", server.getsockname()[1]))
     try:
-        port = server.getsockname()[1]
-        found = sockets.process_endpoints(os.getpid())
-        assert (bytes(16), port, socket.AF_INET) in found
-        assert (v4("127.0.0.1"), port, socket.AF_INET) in found
-        assert (v4("127.0.0.1"), client.getsockname()[1], socket.AF_INET) in found
-        assert (
-            sockets.job_endpoints([os.getpid()])[(bytes(16), port, socket.AF_INET)] == os.getpid()
-        )
+        port, mine = server.getsockname()[1], client.getsockname()[1]
+        listeners, conns = sockets.process_sockets(os.getpid())
+        assert (bytes(16), port, socket.AF_INET) in listeners
+        assert (v4("127.0.0.1"), port, socket.AF_INET) in listeners
+        assert (v4("127.0.0.1"), v4("127.0.0.1"), mine, port, socket.AF_INET) in conns
+        # its local end alone is no endpoint: another connection may reuse the port
+        assert (v4("127.0.0.1"), mine, socket.AF_INET) not in listeners
+        found = sockets.job_sockets([os.getpid()])
+        assert found.listeners[(bytes(16), port, socket.AF_INET)] == os.getpid()
     finally:
         client.close()
         server.close()
-    assert sockets.process_endpoints(2**22 + 12345) == set()  # no such process
+    assert sockets.process_sockets(2**22 + 12345) == (set(), set())  # no such process

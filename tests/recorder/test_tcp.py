@@ -368,3 +368,61 @@ def test_after_a_minute_of_neighbour_churn_the_jobs_retransmits_are_in_the_dump(
 def _retransmits_of(agent: Agent, pid: int) -> int:
     rows = agent.recording().rings["tcp"].rows
     return int(((rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB) & (rows["pid"] == pid)).sum())
+
+
+BOUND_CLIENT = """
+import socket, sys
+c = socket.socket()
+c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+c.bind(("{a}", {port}))
+c.connect(("{b}", int(sys.argv[1])))
+print("connected", flush=True)
+sys.stdin.readline()
+c.send(b"x")
+sys.stdin.readline()
+"""
+
+
+def test_a_neighbour_reusing_a_job_connections_local_port_is_not_the_jobs(
+    agent: Agent, link: tuple[str, str]
+) -> None:
+    """The kernel may give a neighbour's connection to another peer the very
+    local port of a job connection (ephemeral ports are shared under churn;
+    here both bind it with SO_REUSEADDR): its rows stay out."""
+    a, b = link
+    code = BOUND_CLIENT.format(a=A_IP, b=B_IP, port=7050)
+    with (
+        _python_args(b, SERVER, ()) as job_server,
+        _python_args(b, SERVER.replace(str(JOB_PORT), str(NEIGHBOUR_PORT)), ()) as other,
+    ):
+        assert hear(job_server) == "listening" and hear(other) == "listening"
+        with _python_args(a, code, (str(JOB_PORT),)) as job:
+            assert hear(job) == "connected"
+            place(agent, job.pid)
+            start = time.monotonic_ns()
+            with _python_args(a, code, (str(NEIGHBOUR_PORT),)) as neighbour:
+                assert hear(neighbour) == "connected"
+                say(neighbour)
+                say(neighbour)
+                neighbour.wait(10)
+            rows = rows_since(agent, start)
+    theirs = rows[rows["dport"] == NEIGHBOUR_PORT]
+    assert len(theirs) == 0, theirs
+
+
+@contextlib.contextmanager
+def _python_args(ns: str, code: str, args: tuple[str, ...]) -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", code, *args],
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(10)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()

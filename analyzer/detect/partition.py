@@ -1,0 +1,634 @@
+"""Network partition, link down, flap, resets: the job stalls (or stalls for
+a while) all together, and the network evidence points at one host or one
+pair of hosts.  The ranks blocked behind it are consequences.
+
+The metrics: what became of each connection between two hosts
+(``ConnFate``), from the rows both of its ends recorded: retransmission
+timeouts in a row and how long nothing was acknowledged (the kernel's own
+account, read at each retransmit), whether it was still stopped when its
+host's dump was taken or was acknowledged again (a flap), and its resets;
+and which ranks were blocked in a call at their dumps.
+
+The rules:
+- A connection stopped being acknowledged when it had ``DEAD_BACKOFF``
+  timeouts in a row and nothing acknowledged for ``DEAD_NO_ACK_NS``; it was
+  still stopped at the dump when its next timeout was not yet due (an RTO
+  doubles: a connection acknowledged again shows no more timeouts).
+- The host named is the one every such connection shares (with three hosts
+  or more); when they are all between the same two hosts (or the job has
+  two), the pair: both ends of one link look alike.
+- A stall: every rank with a dump blocked in a call (a collective, or a
+  group's end with its sends and receives) for ``STALL_NS`` at its dump,
+  with connections stopped at the dump.  A flap: the job went on, but the
+  collectives of some window took ``SLOW_NS`` and more on every member
+  while connections were stopped (for ``FLAP_MIN_NS``: loss alone stops
+  one for shorter runs) and later acknowledged again.  Resets: the
+  job's connections reset before any rank failed or died (a rank that dies
+  resets its own connections after it; those are its death's).
+
+Known limits: connections recorded without their state (agents before
+format 7, sockets made before the agent attached) count as stopped only
+from the spacing of their retransmits (each gap 1.5x the one before, as
+timeouts back off); a link of RDMA traffic shows here only through the
+TCP connections around it (bootstrap, the store) and the links table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Iterable
+
+import numpy as np
+
+from stallwatch.dumpers.schema import TcpEvent, op_name
+
+from ..incident import ConnFate, Incident, LinkFate, proc_hosts
+from ..verdict import Verdict, VerdictKind
+from .common import MAX_LISTED, Analysis, who
+
+DEAD_BACKOFF = 2  # timeouts in a row: nothing acknowledged through two RTOs
+DEAD_NO_ACK_NS = 1_000_000_000  # and nothing acknowledged for at least this long
+STALL_NS = 1_000_000_000  # every rank blocked at least this long at its dump
+SLOW_NS = 1_000_000_000  # a collective this long on every member, with stopped links
+# an outage the job came back from counts when nothing was acknowledged this
+# long, or half as long on connections to two peers at once: packet loss
+# alone brings runs of timeouts too, one connection at a time (8% loss on
+# one node of 4: a connection 0.7 s without an acknowledgement, a collective
+# held 3.2 s)
+FLAP_MIN_NS = 2_000_000_000
+DUE_SLACK_NS = 500_000_000  # a timeout due this long before the dump and not seen: acked
+# a call failing this close to the resets failed on them (a reset of many
+# sockets, one after another, on a loaded machine takes a while)
+RESET_WINDOW_NS = 2_000_000_000
+LINK_SLACK_NS = 2_000_000_000  # a link down this long before the stall began is its cause too
+BACKOFF_GROWTH = 1.5  # timeouts back off: each gap this much longer than the one before
+MIN_RTO_NS = 150_000_000  # below the kernel's smallest RTO (200 ms): no timeout
+
+RESET_EVENTS = (int(TcpEvent.TCP_SEND_RESET), int(TcpEvent.TCP_RECEIVE_RESET))
+
+
+# ---- metrics: what became of each connection between two hosts -------------------------
+
+
+def connection_fates(inc: Incident) -> tuple[ConnFate, ...]:
+    """One record per connection between two hosts' own addresses."""
+    t = inc.tcp
+    if not len(t):
+        return ()
+    walls = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
+    wall = t["ts"] + walls[t["host"]]
+    now = np.array([_now(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
+    order = np.lexsort((wall, t["conn"]))
+    t, wall = t[order], wall[order]
+    starts = np.flatnonzero(np.r_[True, t["conn"][1:] != t["conn"][:-1]])
+    ends = np.append(starts[1:], len(t))
+    return tuple(
+        _fate(t[a:b], wall[a:b], now) for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+    )
+
+
+def _offset(inc: Incident, host: int) -> int:
+    off = inc.to_wall(host)
+    return off if off is not None else 0
+
+
+def _now(inc: Incident, host: int) -> int:
+    """When the host's dump was taken, its own clock (-1 if unknown)."""
+    now = inc.host_now[host] if host < len(inc.host_now) else None
+    return now if now is not None else -1
+
+
+def _fate(rows: np.ndarray, wall: np.ndarray, now: np.ndarray) -> ConnFate:
+    """One connection, from the rows of both of its ends: each end told
+    alone (its own timeouts, on its own clock), then together."""
+    ends = [_end_fate(rows[rows["host"] == h], wall[rows["host"] == h], now)
+            for h in np.unique(rows["host"]).tolist()]  # fmt: skip
+    x, y = int(rows["local"][0]), int(rows["remote"][0])
+    stops = [e.stop_wall_ns for e in ends if e.stop_wall_ns is not None]
+    resets = [e.first_reset_wall_ns for e in ends if e.first_reset_wall_ns is not None]
+    no_ack = [e.no_ack_ns for e in ends if e.no_ack_ns is not None]
+    lasts = [e.last_wall_ns for e in ends if e.last_wall_ns is not None]
+    return ConnFate(
+        hosts=(min(x, y), max(x, y)),
+        retransmits=sum(e.retransmits for e in ends),
+        timeouts=sum(e.timeouts for e in ends),
+        backoff=max(e.backoff for e in ends),
+        no_ack_ns=max(no_ack) if no_ack else None,
+        stop_wall_ns=min(stops) if stops else None,
+        last_wall_ns=max(lasts) if lasts else None,
+        dead=any(e.dead for e in ends),
+        resets=sum(e.resets for e in ends),
+        first_reset_wall_ns=min(resets) if resets else None,
+        outages=tuple(sorted(o for e in ends for o in e.outages)),
+    )
+
+
+def _end_fate(rows: np.ndarray, wall: np.ndarray, now: np.ndarray) -> ConnFate:
+    """One end of a connection: the rows its host recorded, in time order."""
+    hosts = (int(rows["local"][0]), int(rows["remote"][0]))
+    resets = np.isin(rows["event"], RESET_EVENTS)
+    rt, rt_wall = rows[~resets], wall[~resets]
+    first_reset = int(wall[resets].min()) if resets.any() else None
+    if not len(rt):
+        return ConnFate(hosts, 0, 0, 0, None, None, None, False, int(resets.sum()), first_reset)
+    known = rt["known"] > 0
+    if known.all():
+        backoff, no_ack = rt["backoff"].astype(np.int64), rt["no_ack"]
+    else:
+        backoff, no_ack = _backoff_from_spacing(rt["ts"]), np.zeros(len(rt), dtype=np.int64)
+        backoff[known], no_ack[known] = rt["backoff"][known], rt["no_ack"][known]
+    host_now = int(now[int(rt["host"][0])])
+    runs = [
+        dataclasses.replace(
+            _run(rt[a:b], rt_wall[a:b], backoff[a:b], no_ack[a:b], known[a:b], host_now), end=b
+        )
+        for a, b in _runs_of(backoff)
+    ]
+    last = runs[-1] if runs and runs[-1].end == len(rt) else None
+    dead = last is not None and last.dead
+    return ConnFate(
+        hosts=hosts,
+        retransmits=len(rt),
+        timeouts=int(np.count_nonzero(backoff)),
+        backoff=last.backoff if last is not None else 0,
+        no_ack_ns=last.no_ack if last is not None else None,
+        stop_wall_ns=last.stop_wall if last is not None else None,
+        last_wall_ns=int(rt_wall[-1]),
+        dead=dead,
+        resets=int(resets.sum()),
+        first_reset_wall_ns=first_reset,
+        outages=tuple((r.stop_wall, r.back_wall) for r in runs if r.back_wall is not None),
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Run:
+    """A run of retransmission timeouts on one end of a connection."""
+
+    end: int  # index after its last row
+    backoff: int
+    no_ack: int  # nothing acknowledged for at least (up to the dump, if dead)
+    stop_wall: int
+    dead: bool  # still stopped at the dump
+    back_wall: int | None  # stopped for long enough, then acknowledged again after this
+
+
+def _runs_of(backoff: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of rows with backoff >= 1."""
+    on = np.r_[False, backoff > 0, False]
+    edges = np.flatnonzero(on[1:] != on[:-1])
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+def _run(
+    rt: np.ndarray, wall: np.ndarray, backoff: np.ndarray, no_ack: np.ndarray, known: np.ndarray,
+    host_now: int,
+) -> _Run:  # fmt: skip
+    end = len(rt) - 1
+    stopped_for = int(no_ack[end]) if known[end] else _spread(rt["ts"])
+    stop_wall = int(wall[end]) - stopped_for
+    stuck = int(backoff.max())
+    # told from spacing alone, one timeout more is asked for
+    needed = DEAD_BACKOFF if known[end] else DEAD_BACKOFF + 1
+    if stuck < needed or stopped_for < DEAD_NO_ACK_NS / 2:
+        return _Run(0, stuck, stopped_for, stop_wall, False, None)
+    due = _next_timeout(rt["ts"], rt["rto"])
+    dead = host_now >= 0 and (due is None or host_now <= due + DUE_SLACK_NS)
+    if dead:  # nothing acknowledged since, up to the dump
+        return _Run(0, stuck, stopped_for + host_now - int(rt["ts"][end]), stop_wall, True, None)
+    return _Run(0, stuck, stopped_for, stop_wall, False, int(wall[end]))
+
+
+def _backoff_from_spacing(ts: np.ndarray) -> np.ndarray:
+    """Timeouts in a row told from when retransmits came: a gap of at least
+    the smallest RTO starts a run, and each gap ``BACKOFF_GROWTH`` times the
+    one before continues it (the first gap of a run is the time since
+    whatever came before: it is not compared)."""
+    out = np.zeros(len(ts), dtype=np.int64)
+    gaps = np.diff(ts.astype(np.int64))
+    for i in range(1, len(ts)):
+        gap = gaps[i - 1]
+        if gap < MIN_RTO_NS:
+            continue
+        grew = out[i - 1] <= 1 or gap >= BACKOFF_GROWTH * gaps[i - 2]
+        out[i] = out[i - 1] + 1 if grew else 1
+    return out
+
+
+def _spread(ts: np.ndarray) -> int:
+    return int(ts[-1] - ts[0]) if len(ts) > 1 else 0
+
+
+def _next_timeout(ts: np.ndarray, rto: np.ndarray) -> int | None:
+    """When the run's next timeout was due (host clock): the RTO doubles."""
+    if rto[-1] > 0:
+        return int(ts[-1] + 2 * rto[-1])
+    if len(ts) >= 2:
+        return int(ts[-1] + 2 * (ts[-1] - ts[-2]))
+    return None
+
+
+# ---- where the job stood ---------------------------------------------------------------
+
+
+def blocked_procs(inc: Incident) -> dict[int, tuple[int, int]]:
+    """proc -> (op, blocked for ns at its dump), of the procs blocked in a call."""
+    hosts = proc_hosts(inc)
+    out: dict[int, tuple[int, int]] = {}
+    for proc, op, ts in inc.waiting.tolist():
+        now = inc.host_now[hosts[proc]]
+        if now is not None:
+            out[int(proc)] = (int(op), int(now) - int(ts))
+    return out
+
+
+def stalled_together(inc: Incident) -> dict[int, tuple[int, int]] | None:
+    """Every rank with calls blocked in one for STALL_NS at its dump, and none
+    died: the procs and where they wait; None when some rank was free."""
+    if not inc.procs or any(p.died_badly for p in inc.procs):
+        return None
+    with_calls = set(np.unique(inc.calls.rows["proc"]).tolist()) if len(inc.calls) else set()
+    blocked = {p: w for p, w in blocked_procs(inc).items() if w[1] >= STALL_NS}
+    if not with_calls or not with_calls <= set(blocked):
+        return None
+    return blocked
+
+
+# ---- naming the host ------------------------------------------------------------------
+
+
+def shared_hosts(conns: Iterable[ConnFate], nhosts: int) -> tuple[int, ...]:
+    """The host every connection touches (the pair, when two hosts are)."""
+    conns = list(conns)
+    if not conns:
+        return ()
+    common = set(conns[0].hosts)
+    for c in conns[1:]:
+        common &= set(c.hosts)
+    if nhosts <= 2 or len(common) == 2:
+        return tuple(sorted(common)) if len(common) == 2 else ()
+    return tuple(common) if len(common) == 1 else ()
+
+
+# ---- the verdicts ---------------------------------------------------------------------
+
+
+def detect_partition(a: Analysis) -> list[Verdict]:
+    inc = a.incident
+    fates = a.fates
+    if not fates and not inc.links:
+        return []
+    stalled = stalled_together(inc)
+    if stalled is not None:
+        dead = [f for f in fates if f.dead]
+        hosts = shared_hosts(dead, len(inc.hosts))
+        if not hosts:  # no TCP account (RDMA traffic): a link the ranks use went down
+            hosts = tuple(sorted({lk.host for lk in _down_links(inc, stalled)}))
+            hosts = hosts if len(hosts) == 1 or (len(hosts) == 2 and len(inc.hosts) == 2) else ()
+        if hosts:
+            return [_stall_verdict(a, hosts, dead, stalled)]
+    flap = _flap(a)
+    if flap is not None:
+        return [flap]
+    reset = _reset(a)
+    return [reset] if reset is not None else []
+
+
+def _names(inc: Incident, hosts: Iterable[int]) -> tuple[str, ...]:
+    return tuple(inc.hosts[h] for h in hosts)
+
+
+def _stall_verdict(
+    a: Analysis, hosts: tuple[int, ...], dead: list[ConnFate], stalled: dict[int, tuple[int, int]]
+) -> Verdict:
+    inc = a.incident
+    names = _names(inc, hosts)
+    procs = [i for i, h in enumerate(proc_hosts(inc)) if h in hosts]
+    ranks, _, pids = who(inc, procs)
+    down = [lk for lk in _down_links(inc, stalled) if lk.host in hosts]
+    longest = max((f.no_ack_ns or 0) for f in dead) if dead else 0
+    peers = sorted({inc.hosts[h] for f in dead for h in f.hosts} - set(names))
+    acked = f" (nothing acknowledged for {_s(longest)} and more)" if dead else ""
+    if down:
+        lk = down[0]
+        summary = (
+            f"host {inc.hosts[lk.host]}'s link {lk.name} went down: "
+            + (f"its connections to {', '.join(peers)} stopped being acknowledged{acked}; "
+               if dead else "")
+            + "every rank waits"
+        )  # fmt: skip
+    elif len(hosts) == 1:
+        summary = (
+            f"the network cut host {names[0]} off: its connections to {', '.join(peers)} "
+            f"stopped being acknowledged{acked}; every rank waits"
+        )
+    else:
+        summary = (
+            f"traffic between hosts {names[0]} and {names[1]} stopped{acked}; both ends of "
+            "one link look alike; every rank waits"
+        )
+    evidence = _link_lines(inc, hosts) + _connection_lines(inc, dead) + _blocked_lines(a, stalled)
+    return Verdict(
+        VerdictKind.NETWORK_PARTITION,
+        ranks,
+        names,
+        pids,
+        None,
+        None,
+        None,
+        summary,
+        tuple(evidence),
+    )
+
+
+def _down_links(inc: Incident, stalled: dict[int, tuple[int, int]]) -> list[LinkFate]:
+    """Links the ranks use that lost their carrier (physical link) and were
+    still down at the dump, or went down since the stall began."""
+    if not stalled:
+        return []
+    hosts = proc_hosts(inc)
+    began = min(
+        (inc.host_now[hosts[p]] or 0) - age + _offset(inc, hosts[p])
+        for p, (_, age) in stalled.items()
+    )
+    return [
+        lk
+        for lk in inc.links
+        if lk.used and any(up is None or down >= began - LINK_SLACK_NS for down, up in lk.downs)
+    ]
+
+
+def _link_lines(inc: Incident, hosts: Iterable[int]) -> list[str]:
+    """What the named hosts' links the ranks use went through."""
+    out = []
+    for lk in inc.links:
+        if lk.host not in hosts or not lk.used or not (lk.downs or lk.moved):
+            continue
+        where = f"host {inc.hosts[lk.host]} {lk.kind} {lk.name}"
+        for down, up in lk.downs[-MAX_LISTED:]:
+            back = "still down at the dump" if up is None else f"up again {_s(up - down)} later"
+            out.append(f"{where}: lost its carrier at {_clock(down)}, {back}")
+        if lk.moved:
+            counts = ", ".join(f"{name} +{n}" for name, n in lk.moved)
+            out.append(f"{where}: failure counters moved over the recording: {counts}")
+    return out
+
+
+def _clock(wall_ns: int) -> str:
+    """A wall-clock time for people (UTC, to the millisecond)."""
+    import datetime
+
+    t = datetime.datetime.fromtimestamp(wall_ns / 1e9, tz=datetime.UTC)
+    return t.strftime("%H:%M:%S.%f")[:-3] + " UTC"
+
+
+def _connection_lines(inc: Incident, conns: list[ConnFate]) -> list[str]:
+    by_pair: dict[tuple[int, int], list[ConnFate]] = defaultdict(list)
+    for f in conns:
+        by_pair[f.hosts].append(f)
+    out = []
+    for (x, y), fs in sorted(by_pair.items()):
+        no_ack = max((f.no_ack_ns or 0) for f in fs)
+        out.append(
+            f"hosts {inc.hosts[x]} and {inc.hosts[y]}: {len(fs)} connection(s) stopped being "
+            f"acknowledged: {sum(f.retransmits for f in fs)} retransmits, up to "
+            f"{max(f.backoff for f in fs)} timeouts in a row, nothing acknowledged for "
+            f"{_s(no_ack)}"
+        )
+    alive = [p for p in _pairs(inc) if p not in by_pair]
+    if alive:
+        text = ", ".join(f"{inc.hosts[x]}-{inc.hosts[y]}" for x, y in alive[:MAX_LISTED])
+        out.append(f"connections between the other hosts kept being acknowledged: {text}")
+    return out
+
+
+def _pairs(inc: Incident) -> list[tuple[int, int]]:
+    """The pairs of hosts whose connections the TCP table holds."""
+    t = inc.tcp
+    lo, hi = np.minimum(t["local"], t["remote"]), np.maximum(t["local"], t["remote"])
+    return sorted({(int(x), int(y)) for x, y in zip(lo.tolist(), hi.tolist(), strict=True)})
+
+
+def _blocked_lines(a: Analysis, stalled: dict[int, tuple[int, int]]) -> list[str]:
+    """Where the ranks wait: the consequences."""
+    inc = a.incident
+    by_op: dict[int, list[int]] = defaultdict(list)
+    for proc, (op, _) in stalled.items():
+        by_op[op].append(proc)
+    out = []
+    for op, procs in sorted(by_op.items()):
+        ranks = ", ".join(str(r) for r in sorted(inc.procs[p].world_rank for p in procs))
+        age = max(stalled[p][1] for p in procs)
+        out.append(f"consequence: ranks {ranks} wait in {op_name(op)} (up to {_s(age)})")
+    return out
+
+
+def _s(ns: float) -> str:
+    return f"{ns / 1e9:.1f} s"
+
+
+def _flap(a: Analysis) -> Verdict | None:
+    """Connections stopped and acknowledged again, inside a window in which
+    every member's collective took SLOW_NS and more."""
+    inc = a.incident
+    held = _held_collectives(a)
+    if not held:
+        return None
+
+    def within(outage: tuple[int, int]) -> bool:
+        return any(h.start <= outage[1] and outage[0] <= h.end for h in held)
+
+    outages = [
+        (f, o) for f in a.fates for o in f.outages if o[1] - o[0] >= FLAP_MIN_NS / 2 and within(o)
+    ]
+    kept = {
+        o
+        for f, o in outages
+        if o[1] - o[0] >= FLAP_MIN_NS
+        or any(g.hosts != f.hosts and p[0] <= o[1] and o[0] <= p[1] for g, p in outages)
+    }
+
+    inside = [f for f in a.fates if any(o in kept for o in f.outages)]
+    flapped = [
+        lk for lk in inc.links if lk.used and any(up and within((d, up)) for d, up in lk.downs)
+    ]
+    hosts = shared_hosts(inside, len(inc.hosts))
+    if not hosts and not inside:  # no TCP account (RDMA traffic): the links alone
+        hosts = tuple(sorted({lk.host for lk in flapped}))
+        hosts = hosts if len(hosts) == 1 else ()
+    if not hosts:
+        return None
+    names = _names(inc, hosts)
+    procs = [i for i, h in enumerate(proc_hosts(inc)) if h in hosts]
+    ranks, _, pids = who(inc, procs)
+    spans = [o for f in inside for o in f.outages if o in kept]
+    spans += [
+        (d, up)
+        for lk in flapped
+        if lk.host in hosts
+        for d, up in lk.downs
+        if up and within((d, up))
+    ]
+    start, end = min(s for s, _ in spans), max(e for _, e in spans)
+    place = f"host {names[0]} off" if len(hosts) == 1 else f"hosts {names[0]} and {names[1]} apart"
+    summary = (
+        f"the network cut {place} for {_s(end - start)} or more and it came back: every rank's "
+        f"collectives waited for it (up to {_s(max(h.shortest for h in held))})"
+    )
+    evidence = _link_lines(inc, hosts) + _outage_lines(inc, inside)
+    evidence += [f"{h.text} took {_s(h.shortest)} and more on every member" for h in held]
+    return Verdict(
+        VerdictKind.NETWORK_PARTITION,
+        ranks,
+        names,
+        pids,
+        None,
+        None,
+        None,
+        summary,
+        tuple(evidence[: 2 * MAX_LISTED]),
+    )
+
+
+def _outage_lines(inc: Incident, conns: list[ConnFate]) -> list[str]:
+    by_pair: dict[tuple[int, int], list[ConnFate]] = defaultdict(list)
+    for f in conns:
+        by_pair[f.hosts].append(f)
+    return [
+        f"hosts {inc.hosts[x]} and {inc.hosts[y]}: {len(fs)} connection(s) stopped being "
+        f"acknowledged for up to {_s(max(b - s for f in fs for s, b in f.outages))}, then "
+        f"were acknowledged again ({sum(f.timeouts for f in fs)} timeouts)"
+        for (x, y), fs in sorted(by_pair.items())
+    ]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Held:
+    """A collective every member's call of took SLOW_NS and more (wall clock)."""
+
+    start: int
+    end: int
+    shortest: int  # the shortest member call: what every member waited at least
+    text: str
+
+
+def _held_collectives(a: Analysis) -> list[Held]:
+    """The collectives every member of took SLOW_NS and more (the whole
+    rings: a flap long before the dump is still in them)."""
+    inc = a.incident
+    rows = inc.held
+    if not len(rows):
+        return []
+    hosts = np.array(proc_hosts(inc), dtype=np.int64)
+    walls = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
+    size = {c.comm_hash: c.nranks for c in inc.comms}
+    name = {c.comm_hash: c.name for c in inc.comms}
+    out = []
+    keys = np.rec.fromarrays([rows["hash"], rows["seq"]])
+    for key in np.unique(keys):
+        mine = rows[(rows["hash"] == key[0]) & (rows["seq"] == key[1])]
+        nranks = size.get(int(key[0]), 0)
+        if nranks < 2 or len(np.unique(mine["proc"])) < nranks:
+            continue  # some member did not wait that long
+        wall = walls[hosts[mine["proc"]]]
+        shortest = int((mine["end"] - mine["ts"]).min())
+        if shortest < SLOW_NS:
+            continue
+        text = f"{op_name(int(mine['op'][0]))} seq {int(key[1])} on {name[int(key[0])]}"
+        out.append(
+            Held(int((mine["ts"] + wall).min()), int((mine["end"] + wall).max()), shortest, text)
+        )
+    return out
+
+
+def _reset(a: Analysis) -> Verdict | None:
+    """The job's connections reset, and the ranks failed on them: the first
+    rank that died saw its own host's connections reset before it died (on
+    that host's one clock); a process that dies first resets its own
+    connections after it, and its death is the cause."""
+    inc = a.incident
+    reset = [f for f in a.fates if f.resets and f.first_reset_wall_ns is not None]
+    if not reset:
+        return None
+    first_reset = min(f.first_reset_wall_ns or 0 for f in reset)
+    death = _first_death(inc)
+    if death is not None:
+        host, died = death
+        before = _first_reset_on(inc, host)
+        if before is None or before > died:
+            return None  # a rank died first: its death reset its connections
+    failures = [t for t in (death[1] if death else None, _first_error_wall(inc)) if t is not None]
+    if failures and abs(min(failures) - first_reset) > RESET_WINDOW_NS:
+        return None  # the resets and the failures are unrelated
+    hosts = shared_hosts(reset, len(inc.hosts))
+    if not hosts:
+        return None
+    names = _names(inc, hosts)
+    procs = [i for i, h in enumerate(proc_hosts(inc)) if h in hosts]
+    ranks, _, pids = who(inc, procs)
+    peers = sorted({inc.hosts[h] for f in reset for h in f.hosts} - set(names))
+    where = f"host {names[0]}" if len(hosts) == 1 else f"hosts {names[0]} and {names[1]}"
+    summary = (
+        f"the job's connections of {where} were reset ({sum(f.resets for f in reset)} resets, "
+        f"with {', '.join(peers) or 'its peer'}); the ranks failed after them"
+    )
+    deaths = [
+        f"consequence: {p.label()} exited ({_death(p.exit_code, p.exit_signal)})"
+        for p in inc.procs
+        if p.died_badly
+    ][:MAX_LISTED]
+    by_pair: dict[tuple[int, int], list[ConnFate]] = defaultdict(list)
+    for f in reset:
+        by_pair[f.hosts].append(f)
+    evidence = [
+        f"hosts {inc.hosts[x]} and {inc.hosts[y]}: {len(fs)} connection(s) reset "
+        f"({sum(f.resets for f in fs)} resets sent and received)"
+        for (x, y), fs in sorted(by_pair.items())
+    ] + deaths
+    return Verdict(
+        VerdictKind.NETWORK_PARTITION,
+        ranks,
+        names,
+        pids,
+        None,
+        None,
+        None,
+        summary,
+        tuple(evidence),
+    )
+
+
+def _death(code: int | None, signal: int | None) -> str:
+    return f"signal {signal}" if signal else f"code {code}"
+
+
+def _first_death(inc: Incident) -> tuple[int, int] | None:
+    """The host of the first rank that died badly, and when (its wall clock)."""
+    hosts = proc_hosts(inc)
+    deaths = [(p.exit_wall_ns, hosts[i]) for i, p in enumerate(inc.procs)
+              if p.died_badly and p.exit_wall_ns]  # fmt: skip
+    if not deaths:
+        return None
+    when, host = min(deaths)
+    return host, when
+
+
+def _first_reset_on(inc: Incident, host: int) -> int | None:
+    """The first reset a host's own dump recorded (its wall clock)."""
+    t = inc.tcp
+    mine = t[(t["host"] == host) & np.isin(t["event"], RESET_EVENTS)]
+    return int(mine["ts"].min()) + _offset(inc, host) if len(mine) else None
+
+
+def _first_error_wall(inc: Incident) -> int | None:
+    """When the first call returned an error (wall clock)."""
+    rows = inc.calls.rows
+    if not len(rows):
+        return None
+    failed = rows["result"] > 0
+    if not failed.any():
+        return None
+    hosts = np.array(proc_hosts(inc), dtype=np.int64)
+    walls = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
+    return int((rows["end"][failed] + walls[hosts[rows["proc"][failed]]]).min())

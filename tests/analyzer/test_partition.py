@@ -1,0 +1,183 @@
+"""The network partition verdict on synthetic jobs: a node cut off for good,
+for a few seconds (a flap), its connections reset; two nodes apart; and the
+cases that are not it (a rank that hangs while the network is fine, a crash
+that resets its own connections, stopped connections no host shares, a
+stall with no network evidence)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from stallwatch.analyzer.pipeline import IncidentResult, analyze_recordings
+from stallwatch.analyzer.verdict import VerdictKind
+from stallwatch.dumpers.model import Recording, Ring
+from stallwatch.dumpers.schema import TCP_EVENT, TcpEvent
+from tests.analyzer.synth import MS, Job, _conn_row, host_of, recordings, with_
+
+JOB = Job(nodes=3, ranks_per_node=2, steps=30)
+
+
+def analyze(job: Job) -> IncidentResult:
+    recs = recordings(job)
+    result = analyze_recordings([(f"{r.host}.msgpack", r) for r in recs])
+    assert len(result.incidents) == 1
+    return result.incidents[0]
+
+
+def first(job: Job) -> tuple[VerdictKind, tuple[str, ...], str]:
+    v = analyze(job).verdicts[0]
+    return v.kind, v.hosts, v.summary
+
+
+@pytest.mark.parametrize("node", [0, 1, 2])
+@pytest.mark.parametrize("with_state", [True, False])
+def test_a_node_cut_off_is_named_alone(node: int, with_state: bool) -> None:
+    kind, hosts, summary = first(with_(JOB, cut=(node, 20), with_state=with_state))
+    assert kind is VerdictKind.NETWORK_PARTITION, summary
+    assert hosts == (host_of(node),)
+    assert "every rank waits" in summary
+
+
+def test_a_cut_names_its_consequences_and_the_links_that_stayed_up() -> None:
+    inc = analyze(with_(JOB, cut=(1, 20)))
+    v = inc.verdicts[0]
+    assert len(inc.verdicts) == 1  # the missing-rank view of it is a consequence
+    text = "\n".join(v.evidence)
+    assert "hosts node0 and node1" in text and "hosts node1 and node2" in text
+    assert "kept being acknowledged: node0-node2" in text
+    assert "consequence: ranks 0, 1, 2, 3, 4, 5 wait in ALL_REDUCE" in text
+    assert v.ranks == (2, 3)
+
+
+def test_two_nodes_apart_are_named_as_a_pair() -> None:
+    kind, hosts, summary = first(with_(JOB, nodes=2, cut=(1, 20)))
+    assert kind is VerdictKind.NETWORK_PARTITION
+    assert hosts == ("node0", "node1") and "look alike" in summary
+
+
+def test_one_link_stopped_between_two_of_four_nodes_names_that_pair() -> None:
+    kind, hosts, _ = first(with_(JOB, nodes=4, link=(1, 3, 20)))
+    assert kind is VerdictKind.NETWORK_PARTITION
+    assert hosts == ("node1", "node3")
+
+
+def test_a_flap_that_came_back_is_named_from_the_collective_it_held() -> None:
+    inc = analyze(with_(JOB, flap=(2, 15, 4000.0)))
+    v = inc.verdicts[0]
+    assert v.kind is VerdictKind.NETWORK_PARTITION, v.summary
+    assert v.hosts == ("node2",) and "came back" in v.summary
+    assert any("took 4.0 s and more on every member" in e for e in v.evidence)
+
+
+def test_resets_before_any_failure_name_the_node_and_claim_the_exits() -> None:
+    inc = analyze(with_(JOB, reset=(0, 20)))
+    v = inc.verdicts[0]
+    assert v.kind is VerdictKind.NETWORK_PARTITION, v.summary
+    assert v.hosts == ("node0",) and "reset" in v.summary
+    assert [x.kind for x in inc.verdicts] == [VerdictKind.NETWORK_PARTITION]
+    assert sum("exited (code 4)" in e for e in v.evidence) == 6
+
+
+def test_a_rank_that_hangs_on_a_healthy_network_stays_the_culprit() -> None:
+    kind, hosts, _ = first(with_(JOB, hang=(3, 20)))
+    assert kind is VerdictKind.MISSING_RANK and hosts == ("node1",)
+
+
+def test_a_hang_is_not_a_partition_even_with_a_lossy_link_beside_it() -> None:
+    kind, _, _ = first(with_(JOB, hang=(3, 20), loss_node=2))
+    assert kind is VerdictKind.MISSING_RANK
+
+
+def _with_rows(recs: list[Recording], extra: dict[str, list[np.void]]) -> list[Recording]:
+    """The recordings with more TCP rows (by host)."""
+    out = []
+    for r in recs:
+        rows = np.concatenate([r.rings["tcp"].rows, np.array(extra.get(r.host, []), TCP_EVENT)])
+        out.append(dataclasses.replace(r, rings={**r.rings, "tcp": Ring(rows)}))
+    return out
+
+
+def test_a_crash_resetting_its_own_connections_is_the_crash() -> None:
+    """A rank killed by a signal: its connections are reset after its death
+    (the kernel resets what it leaves unread); its death is the cause."""
+    job = with_(JOB, crash=(2, 20, 9), peers_exit_ms=5.0)
+    recs = recordings(job)
+    died = int(recs[1].rings["exit"].rows["ts_ns"][0])
+    resets = {
+        "node1": [_conn_row(job, 1, p, died + 2 * MS) for p in (0, 2)],
+        "node0": [_conn_row(job, 0, 1, died + 3 * MS)],
+        "node2": [_conn_row(job, 2, 1, died + 3 * MS)],
+    }
+    for host, rows in resets.items():
+        for x in rows:
+            x["event"] = TcpEvent.TCP_SEND_RESET if host == "node1" else TcpEvent.TCP_RECEIVE_RESET
+    # every node's connections seen early on: each host's own address is known
+    for k in range(3):
+        resets[f"node{k}"] += [_conn_row(job, k, p, died - 2_000 * MS) for p in range(3) if p != k]
+    result = analyze_recordings([(f"{r.host}.msgpack", r) for r in _with_rows(recs, resets)])
+    inc = result.incidents[0]
+    assert int((inc.incident.tcp["event"] != TcpEvent.TCP_RETRANSMIT_SKB).sum()) == 4
+    kinds = [v.kind for v in inc.verdicts]
+    assert kinds[0] is VerdictKind.RANK_EXITED and VerdictKind.NETWORK_PARTITION not in kinds
+
+
+def test_stopped_connections_no_host_shares_name_no_host() -> None:
+    """Two separate links stopped (node0-node1 and node2-node3): no one host."""
+    recs = recordings(with_(JOB, nodes=4, link=(0, 1, 20)))
+    other = recordings(with_(JOB, nodes=4, link=(2, 3, 20)))
+    extra = {o.host: list(o.rings["tcp"].rows) for o in other}
+    result = analyze_recordings([(f"{r.host}.msgpack", r) for r in _with_rows(recs, extra)])
+    kinds = [v.kind for v in result.incidents[0].verdicts]
+    assert VerdictKind.NETWORK_PARTITION not in kinds
+
+
+def test_a_stall_with_no_network_evidence_is_no_partition() -> None:
+    """Every rank blocked, the network quiet: nothing to name a host by."""
+    recs = recordings(with_(JOB, cut=(1, 20)))
+    quiet = [dataclasses.replace(r, rings={**r.rings, "tcp": Ring(r.rings["tcp"].rows[:0])})
+             for r in recs]  # fmt: skip
+    result = analyze_recordings([(f"{r.host}.msgpack", r) for r in quiet])
+    assert all(v.kind is not VerdictKind.NETWORK_PARTITION for v in result.incidents[0].verdicts)
+
+
+def test_a_link_down_on_a_tcp_cut_is_named_in_the_summary() -> None:
+    v = analyze(with_(JOB, cut=(1, 20), link_down=True)).verdicts[0]
+    assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node1",)
+    assert v.summary.startswith("host node1's link eth0 went down")
+    assert any("netdev eth0: lost its carrier at" in e and "still down" in e for e in v.evidence)
+
+
+def test_over_rdma_a_stall_is_named_by_the_link_that_went_down() -> None:
+    """No TCP account at all (the job's traffic is InfiniBand): the port the
+    ranks use lost its physical link."""
+    v = analyze(with_(JOB, cut=(2, 20), link_down=True, rdma=True)).verdicts[0]
+    assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node2",)
+    assert "mlx5_0:1 went down" in v.summary
+
+
+def test_over_rdma_a_link_no_rank_uses_names_nothing() -> None:
+    job = with_(JOB, cut=(2, 20), link_down=True, rdma=True, unused_link=True)
+    kinds = [v.kind for v in analyze(job).verdicts]
+    assert VerdictKind.NETWORK_PARTITION not in kinds
+
+
+def test_over_rdma_a_port_flap_is_named_from_the_collective_it_held() -> None:
+    v = analyze(with_(JOB, flap=(0, 15, 3000.0), link_down=True, rdma=True)).verdicts[0]
+    assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node0",)
+    assert "came back" in v.summary
+
+
+def test_a_short_outage_on_connections_to_two_peers_at_once_is_a_flap() -> None:
+    """1.5 s without acknowledgements on its connections to both peers at
+    once: the node's link, not packet loss (which stops one at a time)."""
+    v = analyze(with_(JOB, flap=(1, 15, 1500.0))).verdicts[0]
+    assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node1",)
+
+
+def test_a_short_outage_of_one_connection_is_no_flap() -> None:
+    """Two nodes, one link: 1.5 s of timeouts on it is what loss brings too."""
+    kinds = [v.kind for v in analyze(with_(JOB, nodes=2, flap=(1, 15, 1500.0))).verdicts]
+    assert VerdictKind.NETWORK_PARTITION not in kinds

@@ -17,7 +17,7 @@ import pytest
 from bench.bench_sql import Synthetic, synthetic_recording
 from stallwatch.query.answers import fetch_answer
 from stallwatch.query.engineproc import ChildConfig, EngineProcess
-from stallwatch.query.http import ServerHandle, serve_http
+from stallwatch.query.http import RecordingsBackend, ServerHandle, serve_http
 from stallwatch.query.sql import Limits, QueryEngine
 from stallwatch.query.wire import decode_frames
 from tests.query.test_http import FakeAgent, request
@@ -55,8 +55,23 @@ def agent() -> FakeAgent:
 @pytest.fixture(scope="module")
 def server(agent: FakeAgent) -> Iterator[ServerHandle]:
     handle = serve_http(agent, "127.0.0.1:0", None, Limits(time_limit_s=1))
+    _warm(handle)
     yield handle
     handle.close()
+
+
+def _warm(handle: ServerHandle) -> None:
+    """The engine process started (seconds on a loaded machine): the tests
+    time and bound what comes after."""
+    import http.client
+
+    host, port = handle.address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        conn.request("POST", "/query", json.dumps({"sql": "SELECT 1"}).encode())
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
 
 
 def test_an_answer_is_bounded_in_queries_and_bytes(server: ServerHandle) -> None:
@@ -96,17 +111,24 @@ def test_memory_past_the_engines_bound_is_an_error_not_the_agents(server: Server
 
 
 @pytest.mark.solo  # judged by time
-def test_a_query_is_cut_within_a_second_of_its_limit(server: ServerHandle) -> None:
-    started = server.counters()["query_engine_starts"]
-    t0 = time.monotonic()
-    status, doc = query(server.address, UNINTERRUPTIBLE)
-    took = time.monotonic() - t0
-    assert status == 400 and "longer than 1 s" in doc["error"], doc  # type: ignore[index]
-    assert took < 2.0, f"answered after {took:.2f} s for a limit of 1 s"
-    assert server.counters()["query_engine_stopped"] >= 1
-    status, doc = query(server.address, "SELECT 42 AS x")
-    assert (status, doc["rows"]) == (200, [[42]])  # type: ignore[index]
-    assert server.counters()["query_engine_starts"] == started + 1
+def test_a_query_is_cut_within_a_second_of_its_limit(agent: FakeAgent) -> None:
+    """Served dumps (loaded once per engine process), the engine started
+    first: what is timed is the query (28 s in one process)."""
+    served = RecordingsBackend([agent.rec])
+    handle = serve_http(served, "127.0.0.1:0", None, Limits(time_limit_s=1))
+    try:
+        _warm(handle)
+        t0 = time.monotonic()
+        status, doc = query(handle.address, UNINTERRUPTIBLE)
+        took = time.monotonic() - t0
+        assert status == 400 and "longer than 1 s" in doc["error"], doc  # type: ignore[index]
+        assert took < 2.0, f"answered after {took:.2f} s for a limit of 1 s"
+        assert handle.counters()["query_engine_stopped"] == 1
+        status, doc = query(handle.address, "SELECT 42 AS x")
+        assert (status, doc["rows"]) == (200, [[42]])  # type: ignore[index]
+        assert handle.counters()["query_engine_starts"] == 2
+    finally:
+        handle.close()
 
 
 def test_a_query_that_finds_the_engine_busy_is_answered_at_once(server: ServerHandle) -> None:

@@ -210,8 +210,11 @@ def serve_worker(first: int, count: int, tls_dir: str | None = None, scans: bool
     handles = []
     for i in range(first, first + count):
         backend = RecordingsBackend([agent_recording(i)])
-        handles.append(serve_http(backend, "127.0.0.1:0", None, tls=tls, scans=scans))
-        handles[-1].engine.query("SELECT 1")  # tables made now, not on the first fan-out
+        # hundreds of servers in one process: each engine in it, not in a process of its own
+        handles.append(
+            serve_http(backend, "127.0.0.1:0", None, tls=tls, scans=scans, isolated=False)
+        )
+        handles[-1].engine.query("SELECT 1", None, "")  # tables made now, not at the first fan-out
     print(" ".join(h.address for h in handles), flush=True)
     sys.stdin.read()
     for h in handles:

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     rows = _rows(call.agents, got)
     if args.format == "json":
         doc = {"incident_id": got.incident_id, "out": str(args.out), "agents": rows}
-        from stallwatch.query.http import encode_json
+        from stallwatch.query.wire import encode_json
 
         print(encode_json(doc).decode())
     else:

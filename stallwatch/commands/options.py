@@ -85,16 +85,16 @@ def add_token_option(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--token-file", type=Path, metavar="FILE", help=help)
 
 
-def read_token(path: Path | None) -> str | None:
+def read_token(path: Path | None, option: str = "--token-file") -> str | None:
     """The token in a file (surrounding whitespace ignored), or None."""
     if path is None:
         return None
     try:
         token = Path(path).read_text().strip()
     except OSError as exc:
-        raise UsageError(f"--token-file {path}: cannot read: {exc.strerror or exc}") from None
+        raise UsageError(f"{option} {path}: cannot read: {exc.strerror or exc}") from None
     if not token:
-        raise UsageError(f"--token-file {path}: the file is empty")
+        raise UsageError(f"{option} {path}: the file is empty")
     return token
 
 

@@ -224,7 +224,7 @@ def format_csv(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def render(fmt: str, doc: dict[str, Any]) -> str:
     if fmt == "json":
-        from stallwatch.query.http import encode_json
+        from stallwatch.query.wire import encode_json
 
         return encode_json(doc).decode()
     if fmt == "csv":

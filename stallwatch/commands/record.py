@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stallwatch.dumpers.errors import ExitCode, UsageError
-from stallwatch.query.tls import ClientTls
+from stallwatch.query.tls import ClientTls, ServerTls
 from stallwatch.recorder.rings import check_ring_size
 
 from .options import (
@@ -140,6 +140,20 @@ def _add_network_options(p: argparse.ArgumentParser) -> None:
         help="HTTP surface: /query /dump /metrics /healthz",
     )
     add_token_option(p, "bearer token (required for a non-loopback --listen)")
+    p.add_argument(
+        "--dump-token-file",
+        type=Path,
+        metavar="FILE",
+        help="a second token that opens POST /dump (and /healthz) only, for whoever may ask "
+        "for dumps and nothing else; an agent with neither token makes one at start, in "
+        "/run/stallwatch, where stallwatch dump on this node finds it",
+    )
+    p.add_argument(
+        "--scrape-token-file",
+        type=Path,
+        metavar="FILE",
+        help="a read-only token that opens GET /metrics (and /healthz) only: Prometheus's",
+    )
     add_server_tls(p)
     add_client_tls(p, what="the peers")
 
@@ -234,6 +248,17 @@ def _check_args(args: argparse.Namespace) -> None:
     _peers_from(args)  # a source that cannot work is named before anything is compiled
 
 
+def _check_listen(args: argparse.Namespace, server: ServerTls | None) -> None:
+    """--listen, its TLS and token, and that it is free: named before
+    anything is compiled or attached."""
+    from stallwatch.query.http import check_listen, try_listen
+
+    check_listen(args.listen, read_token(args.token_file), server)
+    for option in ("dump_token_file", "scrape_token_file"):
+        read_token(getattr(args, option), f"--{option.replace('_', '-')}")
+    try_listen(args.listen)
+
+
 def _peers_from(args: argparse.Namespace) -> PeerSource | None:
     from stallwatch.recorder.peers import peer_source, self_names
 
@@ -290,6 +315,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compile_only:
         return _compile_only(args)
     _check_paths(args)
+    _check_listen(args, server_tls_from(args))
     config = _config(args)
     try:
         config.dump_dir.mkdir(parents=True, exist_ok=True)
@@ -317,6 +343,8 @@ def _config(args: argparse.Namespace) -> AgentConfig:
         peers_from=_peers_from(args),
         listen=args.listen,
         token=read_token(args.token_file),
+        dump_token=read_token(args.dump_token_file, "--dump-token-file"),
+        scrape_token=read_token(args.scrape_token_file, "--scrape-token-file"),
         tls=server_tls_from(args),
         peer_tls=_peer_tls(args),
         max_dumps=args.max_dumps,

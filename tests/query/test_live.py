@@ -25,16 +25,9 @@ from stallwatch.dumpers.folder import list_dumps, save_dump
 from stallwatch.dumpers.format import decode, read_dump, write_dump
 from stallwatch.dumpers.model import Recording, Trigger, TriggerKind
 from stallwatch.query.agentclient import close_connections
-from stallwatch.query.http import (
-    DUMP_FRAMES,
-    DumpBundle,
-    RecordingsBackend,
-    decode_dumps,
-    encode_dumps,
-    join_frames,
-    serve_http,
-)
+from stallwatch.query.http import RecordingsBackend, serve_http
 from stallwatch.query.live import AgentCall, collect, fetch_recordings
+from stallwatch.query.wire import DUMP_FRAMES, DumpBundle, decode_dumps, encode_dumps, join_frames
 from tests.deploy.test_deploy import free_port
 from tests.dump_samples import assert_same, sample_recording
 from tests.query.test_http import request

@@ -15,6 +15,7 @@ MODULES = (
     "bench_recorder",
     "bench_dumps",
     "bench_analyzer",
+    "bench_flightrec",
     "bench_accuracy",
     "bench_sql",
     "bench_live",

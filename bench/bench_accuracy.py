@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.bench_analyzer import has_torchfrtrace
+from bench.bench_flightrec import has_torchfrtrace
 from bench.common import Figure, render
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -365,3 +365,24 @@ def test_worker_processes_read_what_one_process_reads(
     assert [v.to_json() for v in verdicts[0]] == [
         v.to_json() for v in analyze_incident(group_incidents(one)[0]).verdicts
     ]
+
+
+def test_of_a_long_ring_the_latest_calls_are_read(tmp_path: Path) -> None:
+    """As of our own dumps, a rank's latest WINDOW_CALLS calls are read and
+    the older ones count as overwritten; a coalesced group at the window's
+    edge is read whole (cut, its count would depart from its peers')."""
+    from stallwatch.analyzer.align import WINDOW_CALLS
+
+    for rank in range(3):
+        group = [_entry(336, op_id=336 + i, input_sizes=[[2]]) for i in range(10)]
+        group.append(_entry(336, op_id=346, profiling_name="nccl:coalesced"))
+        later = [_entry(s, op_id=s + 10) for s in range(337, 337 + 254)]
+        entries = [_entry(s) for s in range(1, 336)] + group + later
+        assert len(entries) == 600 and 600 - WINDOW_CALLS in range(335, 346)
+        _write(tmp_path, rank, {"version": "2.10", "pg_config": {}, "entries": entries})
+    d = read_flightrec(str(tmp_path / "nccl_trace_rank_0"))
+    assert d.wrapped
+    assert d.entries["seq"][0] == 336 and d.entries["count"][0] == 20
+    assert len(d.entries) == 1 + 254
+    (v,) = analyze_paths([str(tmp_path)]).incidents[0].verdicts
+    assert v.kind is VerdictKind.HEALTHY

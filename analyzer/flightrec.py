@@ -18,6 +18,15 @@ Field sets read (the format's ``version``):
 The JSON form writes ``process_group`` as a list, absent times as 0 and the
 ``pg_status`` counters as strings.
 
+Recorders: a backend's name leads each profiling name ("nccl:", "gloo:", and
+from torch 2.14 c10d's FlightRecorderHook's: "c10d:" in 2.14, the backend's
+own name after 2.15, "nccl2:").  An entry's group is its process group and
+that backend: one group served by two backends is two communicators, each
+sequenced by its own recorder.  The hook retires an entry when its op is
+issued on backends that push no completion (and in 2.14 on all): for its
+entries only a completion ends a call, and a retired one reads as returned
+(``State.ENQUEUED``).
+
 What each field means here: ``profiling_name`` ("nccl:all_reduce",
 "gloo:broadcast", "nccl:send 0->1") gives the op and the peer; the sizes and
 dtypes of the side that carries this rank's own data give count, shape and
@@ -54,7 +63,14 @@ from stallwatch.dumpers.schema import DataType, Op, State
 
 from .align import WINDOW_CALLS
 
-__all__ = ["FrDump", "looks_like_flightrec", "rank_in_name", "read_flightrec"]
+__all__ = [
+    "FrDump",
+    "backend_of",
+    "is_hooked",
+    "looks_like_flightrec",
+    "rank_in_name",
+    "read_flightrec",
+]
 
 COALESCED = 254  # an end-of-group marker entry ("nccl:coalesced"), folded away
 OPS: dict[str, int] = {
@@ -111,6 +127,10 @@ DTYPES: dict[str, int] = {
     "Float8_e5m2": DataType.FLOAT8E5M2,
 }
 STATES = {"scheduled": State.SCHEDULED, "started": State.STARTED, "completed": State.COMPLETED}
+# backends whose process groups write to a Flight Recorder themselves (torch's
+# recordsFlightRecorderNatively, and the vendor builds torchfrtrace knows);
+# any other name in a profiling name is c10d's FlightRecorderHook's
+NATIVE_BACKENDS = frozenset({"", "nccl", "gloo", "xccl", "ncclx", "rccl", "rcclx", "mccl", "hccl"})
 UNKNOWN_DTYPE = 255
 _RANK_IN_NAME = re.compile(r"(\d+)(?:\.json|\.pkl|\.pickle)?$")
 _PEER = re.compile(r"(\d+)\s*(?:->|<-)\s*(\d+)")
@@ -127,7 +147,7 @@ class _DataOnly(pickle.Unpickler):
 FR_ENTRY = np.dtype(
     [
         ("pg_id", "<i8"),
-        ("pg", "<i4"),  # index into FrDump.pg_names
+        ("pg", "<i4"),  # index into FrDump.pg_names and pg_backends
         ("seq", "<i8"),  # collective_seq_id, or p2p_seq_id for p2p
         ("op_id", "<i8"),
         ("is_p2p", "?"),
@@ -158,6 +178,10 @@ class FrDump:
     entries: np.ndarray  # FR_ENTRY, in record order
     wrapped: bool  # its ring overwrote entries (the first kept is not record 0)
     notes: tuple[str, ...] = ()  # what of it could not be used, and why
+    # the backend of each of pg_names' entries ("pg" indexes both): a group
+    # served by two backends is two communicators, each sequenced by its own
+    # recorder (a "cpu:gloo,cuda:nccl2" group: gloo's and the hook's)
+    pg_backends: tuple[str, ...] = ()
 
 
 def rank_in_name(path: str) -> int | None:
@@ -238,7 +262,7 @@ def _read(path: str, data: bytes) -> FrDump:
         raise DumpFormatError(f"{path}: field 'entries': expected a list")
     start = _window_start(everything)
     entries = everything[start:] if start else everything
-    names: dict[str, int] = {}
+    names: dict[tuple[str, str], int] = {}
     shapes: dict[str, int] = {"": 0}
     arr = _entries_by_column(entries, names, shapes)
     if arr is None:  # something is malformed: entry by entry, to say which and why
@@ -260,11 +284,12 @@ def _read(path: str, data: bytes) -> FrDump:
         ranks,
         desc,
         status,
-        tuple(names),
+        tuple(n for n, _ in names),
         tuple(shape_list),
         arr,
         start > 0 or _wrapped(entries),
         tuple(notes),
+        tuple(b for _, b in names),
     )
 
 
@@ -383,6 +408,22 @@ def _op_and_peer(name: str) -> tuple[int, int]:
     return int(OPS.get(short, Op.UNKNOWN)), int(peer.group(2)) if peer else -1
 
 
+def backend_of(profiling_name: str) -> str:
+    """The recorder's name for the backend ("nccl", "gloo", "nccl2", "c10d"):
+    what a profiling name holds before its colon."""
+    head, colon, _ = profiling_name.partition(":")
+    return head if colon else ""
+
+
+def is_hooked(backend: str) -> bool:
+    """Whether entries of this backend come from c10d's FlightRecorderHook
+    (torch 2.14 on): every backend but those recording natively.  Its
+    ``retired`` may mean only that the call was issued and returned (the
+    post-hook, on backends that push no completion, and in 2.14 on all):
+    only a completion says the collective finished."""
+    return backend not in NATIVE_BACKENDS
+
+
 def _count(sizes: object) -> int:
     total = 0
     if isinstance(sizes, list):
@@ -404,20 +445,26 @@ def _seq(e: dict[str, Any], p2p: bool) -> int:
 
 
 def _entry(
-    path: str, i: int, e: object, names: dict[str, int], shapes: dict[str, int]
+    path: str, i: int, e: object, names: dict[tuple[str, str], int], shapes: dict[str, int]
 ) -> tuple[object, ...]:
     if not isinstance(e, dict):
         raise DumpFormatError(f"{path}: entries[{i}]: expected a dict")
     try:
-        op, peer = _op_and_peer(str(e["profiling_name"]))
+        name = str(e["profiling_name"])
+        op, peer = _op_and_peer(name)
+        backend = backend_of(name)
         is_p2p = bool(e["is_p2p"]) if "is_p2p" in e else bool(IS_P2P_OP[op])
         sizes, dtypes = _own_side(op, e)
         completed = int(e.get("time_discovered_completed_ns") or 0)
         state = STATES.get(str(e.get("state")), State.SCHEDULED)
+        retired = bool(e.get("retired"))
+        ended = state == State.COMPLETED or completed > 0
+        if is_hooked(backend) and retired and not ended:
+            state = State.ENQUEUED  # retired at issue: the call returned, no more
         seq = _seq(e, is_p2p)
         return (
             int(e.get("pg_id", -1)),
-            names.setdefault(_group(e), len(names)),
+            names.setdefault((_group(e), backend), len(names)),
             seq,
             int(e.get("op_id", seq)),
             is_p2p,
@@ -426,7 +473,7 @@ def _entry(
             _shape_code(shapes, repr(sizes)),
             DTYPES.get(str(dtypes[0]), UNKNOWN_DTYPE) if dtypes else UNKNOWN_DTYPE,
             state,
-            bool(e.get("retired")) or state == State.COMPLETED or completed > 0,
+            ended or (retired and not is_hooked(backend)),
             int(e.get("time_created_ns") or 0),
             completed,
             peer,
@@ -449,7 +496,7 @@ def _shape_code(shapes: dict[str, int], text: str) -> int:
 
 
 def _entries_by_column(
-    entries: list[Any], names: dict[str, int], shapes: dict[str, int]
+    entries: list[Any], names: dict[tuple[str, str], int], shapes: dict[str, int]
 ) -> np.ndarray | None:
     """The entries as FR_ENTRY rows, one field of every entry at a time: a
     pass of C code per field (``map``), strings coded through a small table
@@ -464,8 +511,6 @@ def _entries_by_column(
         p2p = np.array(list(map(bool, map(dict.__getitem__, entries, repeat("is_p2p")))))
         out["is_p2p"] = p2p
         out["pg_id"] = list(map(dict.get, entries, repeat("pg_id"), repeat(-1)))
-        groups = [g[0] for g in map(dict.__getitem__, entries, repeat("process_group"))]
-        out["pg"] = _coded(groups, lambda g: names.setdefault(str(g), len(names)))
         cseq = list(map(dict.__getitem__, entries, repeat("collective_seq_id")))
         if p2p.any():
             pseq = list(map(dict.__getitem__, entries, repeat("p2p_seq_id")))
@@ -479,8 +524,13 @@ def _entries_by_column(
         op_peer = np.array([_op_and_peer(str(n)) for n in names_of_ops], dtype=np.int64)
         op = op_peer[which, 0]
         out["op"], out["peer"] = op, op_peer[which, 1]
+        backends = [backend_of(str(n)) for n in names_of_ops]
+        groups = [g[0] for g in map(dict.__getitem__, entries, repeat("process_group"))]
+        keys = list(zip(map(str, groups), [backends[i] for i in which.tolist()], strict=True))
+        out["pg"] = _coded(keys, lambda k: names.setdefault(k, len(names)))
         _sizes_by_column(entries, OUTPUT_SIDE[op], out, shapes)
-        _times_by_column(entries, out)
+        hooked = np.array([is_hooked(b) for b in backends], dtype=bool)[which]
+        _times_by_column(entries, out, hooked)
     except (AttributeError, KeyError, TypeError, ValueError, IndexError, OverflowError):
         names.clear()
         shapes.clear()
@@ -518,7 +568,7 @@ def _first(values: list[Any]) -> Any:
     return values[0] if values else None
 
 
-def _times_by_column(entries: list[Any], out: np.ndarray) -> None:
+def _times_by_column(entries: list[Any], out: np.ndarray, hooked: np.ndarray) -> None:
     states = list(map(dict.get, entries, repeat("state")))
     out["state"] = _coded(states, lambda v: STATES.get(str(v), State.SCHEDULED))
     out["created"] = [t or 0 for t in map(dict.get, entries, repeat("time_created_ns"))]
@@ -526,7 +576,10 @@ def _times_by_column(entries: list[Any], out: np.ndarray) -> None:
         t or 0 for t in map(dict.get, entries, repeat("time_discovered_completed_ns"))
     ]
     retired = np.array(list(map(bool, map(dict.get, entries, repeat("retired")))))
-    out["ended"] = retired | (out["state"] == State.COMPLETED) | (out["completed"] > 0)
+    ended = (out["state"] == State.COMPLETED) | (out["completed"] > 0)
+    out["ended"] = ended | (retired & ~hooked)
+    issued = retired & hooked & ~ended  # retired at issue: the call returned, no more
+    out["state"][issued] = State.ENQUEUED
 
 
 def _coded(values: list[Any], code: Callable[[Any], int]) -> np.ndarray:

@@ -18,8 +18,9 @@ Python's ``pickle`` makes of the same dict:
 wrote, ``tests/analyzer/test_frwrite.py``), so that what we write unpickles
 at the cost torch's own files do, and readers that pattern-match torch's
 output (ours, torchfrtrace, NVRx) see the same stream.  ``dumps_json``
-writes the JSON form (``_dump_fr_trace_json``): a tuple is a list, None is
-null.
+writes the JSON form (``_dump_fr_trace_json``) as torch's JSON writer does:
+keys sorted, no spaces (byte for byte on torch's JSON dumps too); a tuple
+is a list, None is null.
 """
 
 from __future__ import annotations
@@ -167,4 +168,4 @@ def dumps(doc: Mapping[str, Any]) -> bytes:
 
 def dumps_json(doc: Mapping[str, Any]) -> bytes:
     """``doc`` in the JSON form."""
-    return json.dumps(doc, separators=(",", ":")).encode()
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()

@@ -31,6 +31,14 @@ def test_torch_s_bytes_again(fixtures_dir: Path) -> None:
         assert dumps(pickle.loads(raw)) == raw, p
 
 
+def test_torch_s_json_again() -> None:
+    paths = sorted((DATA / "fr-torch").glob("*/json/nccl_trace_rank_*.json"))
+    assert len(paths) > 300
+    for p in paths:
+        raw = p.read_bytes()
+        assert dumps_json(json.loads(raw)) == raw, p
+
+
 def test_frames_are_written_once_and_fetched_after() -> None:
     """torch memoizes a value held more than once: each distinct frame is
     written the first time and fetched from the memo after (the stacks of the
@@ -70,11 +78,10 @@ def test_long_memo_ids_and_wide_integers() -> None:
 
 
 def test_json_form() -> None:
-    doc = {"version": "2.10", "entries": [{"process_group": ("0", "default_pg"), "x": None}]}
-    assert json.loads(dumps_json(doc)) == {
-        "version": "2.10",
-        "entries": [{"process_group": ["0", "default_pg"], "x": None}],
-    }
+    doc = {"version": "2.10", "entries": [{"x": None, "process_group": ("0", "default_pg")}]}
+    assert dumps_json(doc) == (
+        b'{"entries":[{"process_group":["0","default_pg"],"x":null}],"version":"2.10"}'
+    )
 
 
 def test_what_a_flight_recorder_file_cannot_hold_is_refused() -> None:

@@ -441,7 +441,7 @@ def _json(doc: dict[str, Any]) -> dict[str, Any]:
         for e in doc["entries"]
     ]
     status = {k: {n: str(c) for n, c in v.items()} for k, v in doc["pg_status"].items()}
-    return {**doc, "entries": entries, "pg_status": status}
+    return {**doc, "entries": entries, "pg_status": status, "nccl_comm_state": {}}
 
 
 if __name__ == "__main__":

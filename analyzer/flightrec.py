@@ -65,6 +65,7 @@ from .align import WINDOW_CALLS
 
 __all__ = [
     "FrDump",
+    "Origin",
     "backend_of",
     "is_hooked",
     "looks_like_flightrec",
@@ -123,6 +124,8 @@ DTYPES: dict[str, int] = {
     "Byte": DataType.UINT8,
     "Char": DataType.INT8,
     "Bool": DataType.UINT8,
+    "UInt32": DataType.UINT32,
+    "UInt64": DataType.UINT64,
     "Float8_e4m3fn": DataType.FLOAT8E4M3,
     "Float8_e5m2": DataType.FLOAT8E5M2,
 }
@@ -182,6 +185,24 @@ class FrDump:
     # served by two backends is two communicators, each sequenced by its own
     # recorder (a "cpu:gloo,cuda:nccl2" group: gloo's and the hook's)
     pg_backends: tuple[str, ...] = ()
+    origin: Origin | None = None  # a file stallwatch wrote: what torch's format cannot hold
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """The ``stallwatch`` section of a file ``stallwatch export
+    --flight-recorder`` wrote (``analyzer.frexport``): what Flight Recorder
+    has no field for.  Unknown values are None."""
+
+    pid: int | None
+    window_complete: bool
+    exit_code: int | None
+    exit_signal: int | None
+    exit_wall_ns: int | None
+    comms: dict[str, int]  # group name -> our communicator id (its hash)
+    seq_base: int  # what was added to our seqs to count them from 1 as torch does
+    # calls that returned an error: (group name, seq, p2p, result, return time)
+    errors: tuple[tuple[str, int, bool, int, int], ...] = ()
 
 
 def rank_in_name(path: str) -> int | None:
@@ -276,6 +297,10 @@ def _read(path: str, data: bytes) -> FrDump:
     for name, d in _descs(entries).items():
         desc.setdefault(name, d)
     status = _pg_status(path, doc.get("pg_status", {}))
+    origin = _origin(path, doc.get("stallwatch"))
+    if origin is not None and origin.seq_base:  # our seqs again
+        arr["seq"][~arr["is_p2p"]] -= origin.seq_base
+        status = {k: (e - origin.seq_base, c - origin.seq_base) for k, (e, c) in status.items()}
     return FrDump(
         path,
         rank,
@@ -287,9 +312,53 @@ def _read(path: str, data: bytes) -> FrDump:
         tuple(n for n, _ in names),
         tuple(shape_list),
         arr,
-        start > 0 or _wrapped(entries),
+        start > 0 or _wrapped(entries) or (origin is not None and not origin.window_complete),
         tuple(notes),
         tuple(b for _, b in names),
+        origin,
+    )
+
+
+def _origin(path: str, section: object) -> Origin | None:
+    """The ``stallwatch`` section, if the file has one."""
+    if section is None:
+        return None
+
+    def number(key: str) -> int | None:
+        v = section.get(key) if isinstance(section, dict) else None
+        if v is None or (isinstance(v, int) and not isinstance(v, bool)):
+            return v
+        raise DumpFormatError(f"{path}: field 'stallwatch.{key}': expected an integer or null")
+
+    if not isinstance(section, dict):
+        raise DumpFormatError(f"{path}: field 'stallwatch': expected a dict")
+    try:
+        comms = {str(k): int(str(v), 16) for k, v in section.get("comms", {}).items()}
+        base = int(section.get("seq_base") or 0)
+        errors = tuple(
+            (
+                str(e["group"]),
+                int(e["seq"]) - (0 if e["p2p"] else base),
+                bool(e["p2p"]),
+                int(e["result"]),
+                int(e["end_ns"]),
+            )
+            for e in section.get("errors", [])
+        )
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise DumpFormatError(
+            f"{path}: field 'stallwatch': comms or errors malformed (expected group -> "
+            "'0x...', and group, seq, p2p, result, end_ns per error)"
+        ) from None
+    return Origin(
+        number("pid"),
+        section.get("window_complete") is not False,
+        number("exit_code"),
+        number("exit_signal"),
+        number("exit_wall_ns"),
+        comms,
+        number("seq_base") or 0,
+        errors,
     )
 
 

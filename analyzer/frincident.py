@@ -99,24 +99,15 @@ def _incident(folder: str, dumps: list[FrDump], lost: list[str]) -> Incident:
     files: dict[int, list[FrDump]] = defaultdict(list)
     for d in dumps:
         files[d.rank].append(d)
-    procs = tuple(
-        Proc(
-            ", ".join(Path(d.path).name for d in files[r]),
-            0,
-            r,
-            files[r][0].path,
-            window_complete=not any(d.wrapped for d in files[r]),
-            from_file=True,
-        )
-        for r in ranks
-    )
-    names = sorted(members, key=lambda n: (comm_hash(n), n))
+    procs = tuple(_proc(r, files[r]) for r in ranks)
+    hashes = _hashes(dumps, labels, members)
+    names = sorted(members, key=lambda n: (hashes[n], n))
     by_label = _label_keys(labels)
     descs = {lab: _desc(dumps, name) for lab, (name, _) in by_label.items()}
     recorded = _recorders(files)
     comms = tuple(
         Comm(
-            comm_hash(n),
+            hashes[n],
             tuple(
                 by_rank[r] if r in by_rank and recorded(r, by_label.get(n, (n, ""))[1]) else -1
                 for r in members[n]
@@ -160,6 +151,23 @@ def _incident(folder: str, dumps: list[FrDump], lost: list[str]) -> Incident:
     )
 
 
+def _proc(rank: int, files: list[FrDump]) -> Proc:
+    """A rank, from its files; what a file stallwatch wrote says beyond torch's
+    format (its pid, how it ended) from that file's own section."""
+    origin = next((d.origin for d in files if d.origin is not None), None)
+    return Proc(
+        ", ".join(Path(d.path).name for d in files),
+        (origin.pid or 0) if origin else 0,
+        rank,
+        files[0].path,
+        exit_code=origin.exit_code if origin else None,
+        exit_signal=origin.exit_signal if origin else None,
+        window_complete=not any(d.wrapped for d in files),
+        from_file=True,
+        exit_wall_ns=origin.exit_wall_ns if origin else None,
+    )
+
+
 Labels = dict[tuple[str, str], str]  # (group name, backend) -> communicator label
 
 
@@ -172,6 +180,26 @@ def _labels(dumps: list[FrDump]) -> Labels:
     for name, _ in keys:
         count[name] += 1
     return {(n, b): (f"{n} ({b or 'unnamed'})" if count[n] > 1 else n) for n, b in keys}
+
+
+def _hashes(
+    dumps: list[FrDump], labels: Labels, members: dict[str, tuple[int, ...]]
+) -> dict[str, int]:
+    """Each communicator's id: the hash of its label, or, in files stallwatch
+    wrote, the id of the communicator it was recorded as (the same on every
+    file: a file that disagrees is not followed)."""
+    ours: dict[str, set[int]] = defaultdict(set)
+    for d in dumps:
+        if d.origin is not None:
+            for name, h in d.origin.comms.items():
+                ours[name].add(h)
+    by_label = _label_keys(labels)
+    out = {}
+    for lab in members:
+        name = by_label[lab][0] if lab in by_label else lab
+        given = ours.get(name, set())
+        out[lab] = next(iter(given)) if len(given) == 1 and lab == name else comm_hash(lab)
+    return out
 
 
 def _recorders(files: dict[int, list[FrDump]]) -> Callable[[int, str], bool]:
@@ -312,11 +340,28 @@ def _rows(
         ended[-1] = False
     out["end"][:] = np.where(ended, done, 0)
     out["result"][:] = np.where(ended, 0, -1)
+    if d.origin is not None and d.origin.errors:
+        _failed(out, e, d.pg_names, d.origin.errors)
     out["count"][:], out["root"][:], out["op"][:] = e["count"], e["peer"], e["op"]
     out["datatype"][:], out["state"][:] = e["datatype"], e["state"]
     if gloo_last and returned:
         out["state"][-1] = State.ENQUEUED  # it returned (retired); how is unknown
     out["shape"][:] = np.minimum(shape[e["shape"]], np.iinfo(np.uint16).max)
+
+
+def _failed(
+    out: Columns,
+    e: np.ndarray,
+    names: tuple[str, ...],
+    errors: Sequence[tuple[str, int, bool, int, int]],
+) -> None:
+    """Calls that returned an error, as a file stallwatch wrote lists them
+    (Flight Recorder has no field for a result): returned, with its code."""
+    for name, seq, p2p, result, end in errors:
+        groups = [pg for pg, n in enumerate(names) if n == name]
+        hit = np.isin(e["pg"], groups) & (e["seq"] == seq) & (e["is_p2p"] == p2p)
+        out["result"][hit] = result
+        out["end"][hit] = end
 
 
 def _pg_labels(

@@ -386,3 +386,20 @@ def test_of_a_long_ring_the_latest_calls_are_read(tmp_path: Path) -> None:
     assert len(d.entries) == 1 + 254
     (v,) = analyze_paths([str(tmp_path)]).incidents[0].verdicts
     assert v.kind is VerdictKind.HEALTHY
+
+
+def test_our_section_malformed_names_the_field(tmp_path: Path) -> None:
+    """A file stallwatch wrote carries a ``stallwatch`` section; a malformed
+    one is refused, naming the field."""
+    for section, field in (
+        ({"pid": "12"}, "stallwatch.pid"),
+        ({"comms": {"0": "not hex"}}, "stallwatch"),
+        ([1, 2], "stallwatch"),
+    ):
+        p = _write(
+            tmp_path,
+            0,
+            {"version": "2.10", "pg_config": {}, "entries": [_entry(1)], "stallwatch": section},
+        )
+        with pytest.raises(DumpFormatError, match=rf"nccl_trace_rank_0: field '{field}'"):
+            read_flightrec(str(p))

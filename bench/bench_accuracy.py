@@ -10,7 +10,7 @@ the one the dumps support, else 0.  ``--markdown`` prints the table of
 docs/flight-recorder.md instead.
 
 Then the other direction: recorded lab incidents (tests/data/lab-hang-2x2,
-tests/data/lab-incidents) exported as Flight Recorder files (``stallwatch
+lab-hang-4x2, lab-desync-*, lab-crash-*) exported as Flight Recorder files (``stallwatch
 export --flight-recorder``, with and without their point-to-point calls): our
 verdict on the files (the same as on the dumps, or the figure fails) and, when
 torch is installed, what torchfrtrace reports first on them (the figure fails
@@ -145,8 +145,8 @@ def rows(with_torch: bool) -> list[Row]:
 
 LAB = ROOT / "tests" / "data"
 LAB_INCIDENTS = {
-    "hang-2x2": LAB / "lab-hang-2x2",
-    **{p.name: p for p in sorted((LAB / "lab-incidents").glob("*-*x*"))},
+    name: LAB / f"lab-{name}"
+    for name in ("hang-2x2", "crash-2x2", "crash-4x2", "desync-2x2", "desync-4x2", "hang-4x2")
 }
 
 

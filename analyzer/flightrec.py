@@ -71,6 +71,7 @@ __all__ = [
     "looks_like_flightrec",
     "rank_in_name",
     "read_flightrec",
+    "stack_of",
 ]
 
 COALESCED = 254  # an end-of-group marker entry ("nccl:coalesced"), folded away
@@ -317,6 +318,40 @@ def _read(path: str, data: bytes) -> FrDump:
         tuple(b for _, b in names),
         origin,
     )
+
+
+Frame = tuple[str, str, int]  # function, file, line
+
+
+def stack_of(path: str, group: str, backend: str | None, seq: int, p2p: bool) -> tuple[Frame, ...]:
+    """The Python stack torch recorded for one call of a dump (the entry of
+    that group, backend and seq), innermost first; () where it recorded none.
+    Read only for the calls a verdict cites: the reader never builds frames'
+    text, and a file is read again for them, whole."""
+    try:
+        with _gc_paused():
+            entries = _parse(path, Path(path).read_bytes()).get("entries")
+    except (DumpFormatError, OSError):
+        return ()
+    key = "p2p_seq_id" if p2p else "collective_seq_id"
+    for e in reversed(entries if isinstance(entries, list) else []):
+        if not isinstance(e, dict) or e.get(key, e.get("seq_id")) != seq:
+            continue
+        pg = e.get("process_group")
+        name = str(pg[0]) if isinstance(pg, (list, tuple)) and pg else str(e.get("pg_id"))
+        if name != group or (
+            backend is not None and backend_of(str(e.get("profiling_name"))) != backend
+        ):
+            continue
+        frames = e.get("frames")
+        if not isinstance(frames, list):
+            return ()
+        return tuple(
+            (str(f.get("name", "?")), str(f.get("filename", "?")), int(f.get("line") or 0))
+            for f in frames
+            if isinstance(f, dict)
+        )
+    return ()
 
 
 def _origin(path: str, section: object) -> Origin | None:

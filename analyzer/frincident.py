@@ -37,6 +37,7 @@ subgroup that recorded nothing in it is not known to be one.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -53,10 +54,10 @@ from stallwatch.dumpers.inputs import (
     group_flight,
 )
 from stallwatch.dumpers.model import Clock, CommInfo, ProcessInfo, Recording, Ring
-from stallwatch.dumpers.schema import DATATYPE_SIZE, NCCL_EVENT, EventKind, State
+from stallwatch.dumpers.schema import DATATYPE_SIZE, NCCL_EVENT, EventKind, Op, State, op_name
 
 from .columns import Columns
-from .flightrec import FrDump, is_hooked, rank_in_name, read_flightrec
+from .flightrec import FrDump, is_hooked, rank_in_name, read_flightrec, stack_of
 from .incident import (
     CALL_DTYPE,
     SCHED_DTYPE,
@@ -66,6 +67,7 @@ from .incident import (
     Incident,
     Proc,
 )
+from .verdict import Verdict
 
 DEFAULT_PG = "default_pg"
 
@@ -436,6 +438,61 @@ def _seq_of_op(d: FrDump, label: str, labels: Labels, op_id: int) -> int:
         return -1
     mine = e[(e["pg"] == labs.index(label)) & ~e["is_p2p"] & (e["op_id"] <= op_id)]
     return int(mine["seq"].max()) if len(mine) else -1
+
+
+MAX_STACKS = 4  # culprits of a verdict whose stacks are read
+STACK_FRAMES = 8  # frames of a stack shown
+
+
+def with_stacks(inc: Incident, verdicts: Sequence[Verdict]) -> list[Verdict]:
+    """Each verdict with, as evidence, the Python stack torch recorded for
+    its culprits' cited call (the call at the verdict's seq, else their
+    last), read from their files now: frames are read only for the ranks a
+    verdict names."""
+    out = []
+    for v in verdicts:
+        ranks = [r for r in v.ranks if r is not None][:MAX_STACKS]
+        lines = [line for r in ranks if (line := _stack_line(inc, v, r))]
+        out.append(dataclasses.replace(v, evidence=v.evidence + tuple(lines)) if lines else v)
+    return out
+
+
+def _stack_line(inc: Incident, v: Verdict, rank: int) -> str | None:
+    p = next((i for i, pr in enumerate(inc.procs) if pr.world_rank == rank), None)
+    rows = inc.calls.rows
+    mine = np.flatnonzero(rows["proc"] == p) if p is not None else np.zeros(0, dtype=np.int64)
+    if p is None or not len(mine):
+        return None
+    hashes = np.array([inc.comms[c].hash_text == v.comm_id_hash for c in range(len(inc.comms))])
+    cited = mine[
+        hashes[rows["comm"][mine]] & (rows["seq"][mine] == (v.seq if v.seq is not None else -1))
+    ]
+    i = int(cited[0]) if len(cited) else int(mine[np.argmax(rows["ts"][mine])])
+    comm = inc.comms[int(rows["comm"][i])]
+    name, backend = _split_label(comm.label)
+    seq, op = int(rows["seq"][i]), int(rows["op"][i])
+    files = [s for s in inc.sources if rank_in_name(s) == rank]
+    for f in files:
+        frames = stack_of(f, name, backend, seq, op in (Op.SEND, Op.RECV))
+        if frames:
+            shown = " < ".join(
+                f"{fn} ({Path(file).name}:{line})" for fn, file, line in frames[:STACK_FRAMES]
+            )
+            more = f" < ... {len(frames) - STACK_FRAMES} more" if len(frames) > STACK_FRAMES else ""
+            return (
+                f"{inc.procs[p].label()}: its {op_name(op)} seq {seq} on {comm.group} was "
+                f"called from {shown}{more} (its file's stack, innermost first)"
+            )
+    return None
+
+
+def _split_label(label: str) -> tuple[str, str | None]:
+    """A communicator's group name and backend ("0 (nccl2)"), None where the
+    label names no backend (a group served by one)."""
+    if label.endswith(")") and " (" in label:
+        name, backend = label[:-1].rsplit(" (", 1)
+        return name, backend
+    return label, None
 
 
 def flight_recordings(

@@ -75,7 +75,7 @@ from .detect.causes import in_causal_order
 from .detect.inconclusive import detect_inconclusive, unjudged
 from .detect.missing import moments_apart_ns, taken_in_turn
 from .flightrec import FrDump
-from .frincident import incidents_from_flightrec
+from .frincident import incidents_from_flightrec, with_stacks
 from .incident import Incident, InputStatus, SourceKind
 from .load import Loaded, load_inputs
 from .match import match
@@ -153,6 +153,8 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
     if not verdicts:
         verdicts = detect_inconclusive(a) or [_healthy(a)]
     verdicts = late.amend(inc, verdicts)
+    if inc.kind is SourceKind.FLIGHT_RECORDER:  # the stacks of the calls they cite
+        verdicts = with_stacks(inc, verdicts)
     return IncidentResult(inc, tuple(verdicts), fronts, tuple(unjudged(a)))
 
 

@@ -403,3 +403,28 @@ def test_our_section_malformed_names_the_field(tmp_path: Path) -> None:
         )
         with pytest.raises(DumpFormatError, match=rf"nccl_trace_rank_0: field '{field}'"):
             read_flightrec(str(p))
+
+
+def test_the_stack_of_a_cited_rank_is_read_for_it_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dumps with stack frames (torch records them by default): the reader
+    leaves them; a verdict's culprit gets the stack of its cited call as
+    evidence, read from its file alone once the verdict is known."""
+    from stallwatch.analyzer import frincident
+
+    folder = CORPUS.parent / "fr-stacks" / "allreduce-hang-4"
+    read: list[str] = []
+    real = frincident.stack_of
+
+    def spy(path: str, *args: object) -> object:
+        read.append(Path(path).name)
+        return real(path, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(frincident, "stack_of", spy)
+    (inc,) = analyze_paths([str(folder)]).incidents
+    v = inc.verdicts[0]
+    assert v.kind is VerdictKind.MISSING_RANK and v.ranks == (2,)
+    assert read == ["nccl_trace_rank_2"]
+    (line,) = [e for e in v.evidence if "called from" in e]
+    assert "ALL_REDUCE seq 3" in line
+    assert "sync_grads (train.py:" in line and "step (train.py:" in line
+    assert line.index("all_reduce (distributed_c10d.py:") < line.index("<module> (train.py:")

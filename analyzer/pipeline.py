@@ -80,7 +80,7 @@ from .detect.network import retransmit_slowdowns, retransmits_in_windows
 from .detect.partition import connection_fates
 from .detect.stragglers import arrival_scores
 from .flightrec import FrDump
-from .frincident import incidents_from_flightrec
+from .frincident import incidents_from_flightrec, with_stacks
 from .frontier import frontiers
 from .incident import Frontier, Incident, InputStatus, SourceKind, proc_hosts
 from .load import Loaded, load_inputs
@@ -149,6 +149,8 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
     if not verdicts:
         verdicts = detect_inconclusive(a) or [_healthy(a)]
     verdicts = late.amend(inc, verdicts)
+    if inc.kind is SourceKind.FLIGHT_RECORDER:  # the stacks of the calls they cite
+        verdicts = with_stacks(inc, verdicts)
     return IncidentResult(inc, tuple(verdicts), fronts, tuple(unjudged(a)))
 
 

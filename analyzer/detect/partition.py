@@ -602,6 +602,8 @@ def _reset(a: Analysis) -> Verdict | None:
     failures = [t for t in (death[1] if death else None, _first_error_wall(inc)) if t is not None]
     if failures and abs(min(failures) - first_reset) > RESET_WINDOW_NS:
         return None  # the resets and the failures are unrelated
+    if death is not None:  # the resets before the first death: those after are its own
+        reset = [f for f in reset if (f.first_reset_wall_ns or 0) <= death[1]]
     hosts = shared_hosts(reset, len(inc.hosts))
     if not hosts:
         return None

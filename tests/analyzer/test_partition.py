@@ -208,3 +208,20 @@ def test_sampled_other_traffic_is_no_retransmit_of_the_job() -> None:
     inc = analyze(with_(JOB, link=(1, 2, 20), others=((0, 2),))).incident
     assert len(inc.tcp[inc.tcp["other"] == 1]) == 4
     assert not (inc.retransmits["other"] == 1).any()
+
+
+def test_resets_a_dying_rank_brings_after_the_first_death_do_not_blur_the_host() -> None:
+    """node0's connections reset; the ranks die; a dying rank of node1 then
+    resets its own connection to node2: still node0."""
+    job = with_(JOB, reset=(0, 20))
+    recs = recordings(job)
+    died = min(int(r.rings["exit"].rows["ts_ns"].min()) for r in recs)
+    late = {
+        "node1": [_conn_row(job, 1, 2, died + 50 * MS)],
+        "node2": [_conn_row(job, 2, 1, died + 51 * MS)],
+    }
+    late["node1"][0]["event"] = TcpEvent.TCP_SEND_RESET
+    late["node2"][0]["event"] = TcpEvent.TCP_RECEIVE_RESET
+    result = analyze_recordings([(f"{r.host}.msgpack", r) for r in _with_rows(recs, late)])
+    v = result.incidents[0].verdicts[0]
+    assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node0",), v.summary

@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-latest lock bench bench-compare bench-clean check clean
+.PHONY: setup demo test test-latest lock bench bench-compare bench-clean soak check clean
 
 setup:
 	bash scripts/setup
@@ -38,6 +38,11 @@ lock: setup
 
 bench: setup
 	$(PY) -m bench
+
+# the agent under a steady load for 30 minutes (memory flat, nothing lost);
+# light enough to run beside other work
+soak: setup
+	$(PY) -m bench.bench_soak
 
 # the big incidents' dumps (tens of GB) are kept in a cache folder between
 # runs; this removes them

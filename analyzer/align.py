@@ -15,6 +15,7 @@ in which files were given.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -471,9 +472,9 @@ def _extract(
     pids = tuple(int(p) for p in scope[used])
     if every is not None and len(every) > len(raw):
         every = every if every.dtype == NCCL_EVENT else every.astype(NCCL_EVENT)
-        long_calls = _held(every, IS_CALL[every["op"]] & _member_of(every["pid"], scope))
+        long_calls = _held(every, WAITS_IN[every["op"]] & _member_of(every["pid"], scope))
     else:
-        long_calls = _held(raw, keep)
+        long_calls = _held(raw, WAITS_IN[raw["op"]] & _member_of(raw["pid"], scope))
     return _Extract(
         s, dst, complete, latest, scope, pids, members,
         waiting=_waiting(raw, scope), held=long_calls,
@@ -482,7 +483,8 @@ def _extract(
 
 def _held(raw: np.ndarray, keep: np.ndarray) -> np.ndarray:
     """The calls of the whole ring (not only the window) that took HELD_NS
-    and more: a stall the job came back from, however long ago."""
+    and more, a group's end included: a stall the job came back from,
+    however long ago."""
     sel = np.flatnonzero(keep & (raw["end_ns"] > 0))
     sel = sel[(raw["end_ns"][sel] - raw["ts_ns"][sel]).astype(np.int64) >= HELD_NS]
     out = np.zeros(len(sel), dtype=HELD_DTYPE)
@@ -809,6 +811,9 @@ def _tcp(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
     for rows, source in _tcp_chunks(sources):
         own.update(_own_addresses(sources, rows, source))
     owner: dict[bytes, int] = {}
+    for s in sources:  # the addresses of the links its ranks use, where known
+        for addr in _rank_link_addresses(s.recording):
+            owner.setdefault(addr, host_of[s.recording.host])
     for i in sorted(own):
         owner.setdefault(own[i], host_of[sources[i].recording.host])
     found = [_between_hosts(rows, source, owner) for rows, source in _tcp_chunks(sources)]
@@ -827,12 +832,32 @@ def _tcp(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
     out["no_ack"] = np.where(rows["conn_known"] > 0, rows["no_ack_ns"].astype(np.int64), 0)
     out["rto"] = np.where(rows["conn_known"] > 0, rows["rto_us"].astype(np.int64) * 1000, 0)
     out["conn"] = _connection_keys(rows)
+    out["other"] = rows["other"]
     return out
 
 
 # what tells a connection's fate (state changes are the rest of the table)
 _FATE = np.zeros(256, dtype=bool)
 _FATE[[TcpEvent.TCP_RETRANSMIT_SKB, TcpEvent.TCP_SEND_RESET, TcpEvent.TCP_RECEIVE_RESET]] = True
+
+
+def _rank_link_addresses(rec: Recording) -> list[bytes]:
+    """The non-loopback addresses of the network interfaces the recording's
+    ranks use (its links table, format 7 on): a host's own addresses even
+    where none of its connections left a row."""
+    ranks = {c.pid for c in rec.communicators}
+    out = []
+    for link in rec.links:
+        if link.kind != "netdev" or not ranks & set(link.pids):
+            continue
+        for text in link.addresses:
+            try:
+                ip = ipaddress.ip_address(text.partition("/")[0].partition("%")[0])
+            except ValueError:
+                continue
+            if not ip.is_loopback:
+                out.append(addresses.pack(ip))
+    return out
 
 
 def _between_hosts(

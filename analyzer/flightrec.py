@@ -18,6 +18,15 @@ Field sets read (the format's ``version``):
 The JSON form writes ``process_group`` as a list, absent times as 0 and the
 ``pg_status`` counters as strings.
 
+Recorders: a backend's name leads each profiling name ("nccl:", "gloo:", and
+from torch 2.14 c10d's FlightRecorderHook's: "c10d:" in 2.14, the backend's
+own name after 2.15, "nccl2:").  An entry's group is its process group and
+that backend: one group served by two backends is two communicators, each
+sequenced by its own recorder.  The hook retires an entry when its op is
+issued on backends that push no completion (and in 2.14 on all): for its
+entries only a completion ends a call, and a retired one reads as returned
+(``State.ENQUEUED``).
+
 What each field means here: ``profiling_name`` ("nccl:all_reduce",
 "gloo:broadcast", "nccl:send 0->1") gives the op and the peer; the sizes and
 dtypes of the side that carries this rank's own data give count, shape and
@@ -52,7 +61,18 @@ from stallwatch.dumpers.errors import DumpFormatError, DumpVersionError
 from stallwatch.dumpers.inputs import looks_like_flightrec
 from stallwatch.dumpers.schema import DataType, Op, State
 
-__all__ = ["FrDump", "looks_like_flightrec", "rank_in_name", "read_flightrec"]
+from .align import WINDOW_CALLS
+
+__all__ = [
+    "FrDump",
+    "Origin",
+    "backend_of",
+    "is_hooked",
+    "looks_like_flightrec",
+    "rank_in_name",
+    "read_flightrec",
+    "stack_of",
+]
 
 COALESCED = 254  # an end-of-group marker entry ("nccl:coalesced"), folded away
 OPS: dict[str, int] = {
@@ -105,13 +125,22 @@ DTYPES: dict[str, int] = {
     "Byte": DataType.UINT8,
     "Char": DataType.INT8,
     "Bool": DataType.UINT8,
+    "UInt32": DataType.UINT32,
+    "UInt64": DataType.UINT64,
     "Float8_e4m3fn": DataType.FLOAT8E4M3,
     "Float8_e5m2": DataType.FLOAT8E5M2,
 }
 STATES = {"scheduled": State.SCHEDULED, "started": State.STARTED, "completed": State.COMPLETED}
+# backends whose process groups write to a Flight Recorder themselves (torch's
+# recordsFlightRecorderNatively, and the vendor builds torchfrtrace knows);
+# any other name in a profiling name is c10d's FlightRecorderHook's
+NATIVE_BACKENDS = frozenset({"", "nccl", "gloo", "xccl", "ncclx", "rccl", "rcclx", "mccl", "hccl"})
 UNKNOWN_DTYPE = 255
 _RANK_IN_NAME = re.compile(r"(\d+)(?:\.json|\.pkl|\.pickle)?$")
 _PEER = re.compile(r"(\d+)\s*(?:->|<-)\s*(\d+)")
+
+
+_PREFETCH = 64 << 10  # bytes the unpickler sees at once: less than its own prefetch
 
 
 class _DataOnly(pickle.Unpickler):
@@ -122,7 +151,7 @@ class _DataOnly(pickle.Unpickler):
 FR_ENTRY = np.dtype(
     [
         ("pg_id", "<i8"),
-        ("pg", "<i4"),  # index into FrDump.pg_names
+        ("pg", "<i4"),  # index into FrDump.pg_names and pg_backends
         ("seq", "<i8"),  # collective_seq_id, or p2p_seq_id for p2p
         ("op_id", "<i8"),
         ("is_p2p", "?"),
@@ -153,6 +182,28 @@ class FrDump:
     entries: np.ndarray  # FR_ENTRY, in record order
     wrapped: bool  # its ring overwrote entries (the first kept is not record 0)
     notes: tuple[str, ...] = ()  # what of it could not be used, and why
+    # the backend of each of pg_names' entries ("pg" indexes both): a group
+    # served by two backends is two communicators, each sequenced by its own
+    # recorder (a "cpu:gloo,cuda:nccl2" group: gloo's and the hook's)
+    pg_backends: tuple[str, ...] = ()
+    origin: Origin | None = None  # a file stallwatch wrote: what torch's format cannot hold
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """The ``stallwatch`` section of a file ``stallwatch export
+    --flight-recorder`` wrote (``analyzer.frexport``): what Flight Recorder
+    has no field for.  Unknown values are None."""
+
+    pid: int | None
+    window_complete: bool
+    exit_code: int | None
+    exit_signal: int | None
+    exit_wall_ns: int | None
+    comms: dict[str, int]  # group name -> our communicator id (its hash)
+    seq_base: int  # what was added to our seqs to count them from 1 as torch does
+    # calls that returned an error: (group name, seq, p2p, result, return time)
+    errors: tuple[tuple[str, int, bool, int, int], ...] = ()
 
 
 def rank_in_name(path: str) -> int | None:
@@ -161,9 +212,19 @@ def rank_in_name(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _unpickle(data: bytes) -> Any:
+    """``data`` unpickled with globals refused.  The C unpickler prefetches
+    from a stream that can ``peek`` and otherwise calls ``read`` once per
+    opcode (torch writes protocol 2: no frames to read at once): from a bare
+    BytesIO that cost 4.6 times what ``pickle.loads`` does (callgrind, 2,000
+    entries with stacks), behind a buffer 1.1 times."""
+    stream = io.BufferedReader(io.BytesIO(data), buffer_size=_PREFETCH)
+    return _DataOnly(stream).load()
+
+
 def _parse(path: str, data: bytes) -> dict[str, Any]:
     try:
-        doc = json.loads(data) if data.lstrip()[:1] == b"{" else _DataOnly(io.BytesIO(data)).load()
+        doc = json.loads(data) if data.lstrip()[:1] == b"{" else _unpickle(data)
     except (
         pickle.UnpicklingError,
         EOFError,
@@ -218,15 +279,17 @@ def _read(path: str, data: bytes) -> FrDump:
     rank = _rank(path, doc)
     notes: list[str] = []
     ranks, desc = _pg_config(path, doc.get("pg_config", {}), notes)
-    entries = doc.get("entries", [])
-    if not isinstance(entries, list):
+    everything = doc.get("entries", [])
+    if not isinstance(everything, list):
         raise DumpFormatError(f"{path}: field 'entries': expected a list")
-    names: dict[str, int] = {}
+    start = _window_start(everything)
+    entries = everything[start:] if start else everything
+    names: dict[tuple[str, str], int] = {}
     shapes: dict[str, int] = {"": 0}
     arr = _entries_by_column(entries, names, shapes)
     if arr is None:  # something is malformed: entry by entry, to say which and why
         names, shapes = {}, {"": 0}
-        rows = [_entry(path, i, e, names, shapes) for i, e in enumerate(entries)]
+        rows = [_entry(path, start + i, e, names, shapes) for i, e in enumerate(entries)]
         try:
             arr = np.array(rows, dtype=FR_ENTRY) if rows else np.zeros(0, dtype=FR_ENTRY)
         except (OverflowError, ValueError, TypeError) as exc:
@@ -235,6 +298,10 @@ def _read(path: str, data: bytes) -> FrDump:
     for name, d in _descs(entries).items():
         desc.setdefault(name, d)
     status = _pg_status(path, doc.get("pg_status", {}))
+    origin = _origin(path, doc.get("stallwatch"))
+    if origin is not None and origin.seq_base:  # our seqs again
+        arr["seq"][~arr["is_p2p"]] -= origin.seq_base
+        status = {k: (e - origin.seq_base, c - origin.seq_base) for k, (e, c) in status.items()}
     return FrDump(
         path,
         rank,
@@ -243,12 +310,112 @@ def _read(path: str, data: bytes) -> FrDump:
         ranks,
         desc,
         status,
-        tuple(names),
+        tuple(n for n, _ in names),
         tuple(shape_list),
         arr,
-        _wrapped(entries),
+        start > 0 or _wrapped(entries) or (origin is not None and not origin.window_complete),
         tuple(notes),
+        tuple(b for _, b in names),
+        origin,
     )
+
+
+Frame = tuple[str, str, int]  # function, file, line
+
+
+def stack_of(path: str, group: str, backend: str | None, seq: int, p2p: bool) -> tuple[Frame, ...]:
+    """The Python stack torch recorded for one call of a dump (the entry of
+    that group, backend and seq), innermost first; () where it recorded none.
+    Read only for the calls a verdict cites: the reader never builds frames'
+    text, and a file is read again for them, whole."""
+    try:
+        with _gc_paused():
+            entries = _parse(path, Path(path).read_bytes()).get("entries")
+    except (DumpFormatError, OSError):
+        return ()
+    key = "p2p_seq_id" if p2p else "collective_seq_id"
+    for e in reversed(entries if isinstance(entries, list) else []):
+        if not isinstance(e, dict) or e.get(key, e.get("seq_id")) != seq:
+            continue
+        pg = e.get("process_group")
+        name = str(pg[0]) if isinstance(pg, (list, tuple)) and pg else str(e.get("pg_id"))
+        if name != group or (
+            backend is not None and backend_of(str(e.get("profiling_name"))) != backend
+        ):
+            continue
+        frames = e.get("frames")
+        if not isinstance(frames, list):
+            return ()
+        return tuple(
+            (str(f.get("name", "?")), str(f.get("filename", "?")), int(f.get("line") or 0))
+            for f in frames
+            if isinstance(f, dict)
+        )
+    return ()
+
+
+def _origin(path: str, section: object) -> Origin | None:
+    """The ``stallwatch`` section, if the file has one."""
+    if section is None:
+        return None
+
+    def number(key: str) -> int | None:
+        v = section.get(key) if isinstance(section, dict) else None
+        if v is None or (isinstance(v, int) and not isinstance(v, bool)):
+            return v
+        raise DumpFormatError(f"{path}: field 'stallwatch.{key}': expected an integer or null")
+
+    if not isinstance(section, dict):
+        raise DumpFormatError(f"{path}: field 'stallwatch': expected a dict")
+    try:
+        comms = {str(k): int(str(v), 16) for k, v in section.get("comms", {}).items()}
+        base = int(section.get("seq_base") or 0)
+        errors = tuple(
+            (
+                str(e["group"]),
+                int(e["seq"]) - (0 if e["p2p"] else base),
+                bool(e["p2p"]),
+                int(e["result"]),
+                int(e["end_ns"]),
+            )
+            for e in section.get("errors", [])
+        )
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise DumpFormatError(
+            f"{path}: field 'stallwatch': comms or errors malformed (expected group -> "
+            "'0x...', and group, seq, p2p, result, end_ns per error)"
+        ) from None
+    return Origin(
+        number("pid"),
+        section.get("window_complete") is not False,
+        number("exit_code"),
+        number("exit_signal"),
+        number("exit_wall_ns"),
+        comms,
+        number("seq_base") or 0,
+        errors,
+    )
+
+
+def _window_start(entries: list[Any]) -> int:
+    """The first entry read: of a rank's ring only its latest WINDOW_CALLS
+    calls are, as of our own dumps (``align.WINDOW_CALLS``), and older ones
+    count as overwritten.  A coalesced group is never cut: its ops share a
+    group and a seq, and the window opens at its first."""
+    start = max(0, len(entries) - WINDOW_CALLS)
+    try:
+        first = _call_key(entries[start]) if start else None
+        while start and _call_key(entries[start - 1]) == first:
+            start -= 1
+    except (AttributeError, KeyError, TypeError, IndexError):
+        return 0  # malformed: read whole, entry by entry, to say where
+    return start
+
+
+def _call_key(e: dict[str, Any]) -> tuple[object, ...]:
+    """What the ops of one coalesced group share."""
+    seq = e.get("collective_seq_id", e.get("seq_id"))
+    return (e.get("process_group"), e.get("pg_id"), e.get("is_p2p"), seq, e.get("p2p_seq_id"))
 
 
 def _rank(path: str, doc: dict[str, Any]) -> int:
@@ -345,6 +512,22 @@ def _op_and_peer(name: str) -> tuple[int, int]:
     return int(OPS.get(short, Op.UNKNOWN)), int(peer.group(2)) if peer else -1
 
 
+def backend_of(profiling_name: str) -> str:
+    """The recorder's name for the backend ("nccl", "gloo", "nccl2", "c10d"):
+    what a profiling name holds before its colon."""
+    head, colon, _ = profiling_name.partition(":")
+    return head if colon else ""
+
+
+def is_hooked(backend: str) -> bool:
+    """Whether entries of this backend come from c10d's FlightRecorderHook
+    (torch 2.14 on): every backend but those recording natively.  Its
+    ``retired`` may mean only that the call was issued and returned (the
+    post-hook, on backends that push no completion, and in 2.14 on all):
+    only a completion says the collective finished."""
+    return backend not in NATIVE_BACKENDS
+
+
 def _count(sizes: object) -> int:
     total = 0
     if isinstance(sizes, list):
@@ -366,20 +549,26 @@ def _seq(e: dict[str, Any], p2p: bool) -> int:
 
 
 def _entry(
-    path: str, i: int, e: object, names: dict[str, int], shapes: dict[str, int]
+    path: str, i: int, e: object, names: dict[tuple[str, str], int], shapes: dict[str, int]
 ) -> tuple[object, ...]:
     if not isinstance(e, dict):
         raise DumpFormatError(f"{path}: entries[{i}]: expected a dict")
     try:
-        op, peer = _op_and_peer(str(e["profiling_name"]))
+        name = str(e["profiling_name"])
+        op, peer = _op_and_peer(name)
+        backend = backend_of(name)
         is_p2p = bool(e["is_p2p"]) if "is_p2p" in e else bool(IS_P2P_OP[op])
         sizes, dtypes = _own_side(op, e)
         completed = int(e.get("time_discovered_completed_ns") or 0)
         state = STATES.get(str(e.get("state")), State.SCHEDULED)
+        retired = bool(e.get("retired"))
+        ended = state == State.COMPLETED or completed > 0
+        if is_hooked(backend) and retired and not ended:
+            state = State.ENQUEUED  # retired at issue: the call returned, no more
         seq = _seq(e, is_p2p)
         return (
             int(e.get("pg_id", -1)),
-            names.setdefault(_group(e), len(names)),
+            names.setdefault((_group(e), backend), len(names)),
             seq,
             int(e.get("op_id", seq)),
             is_p2p,
@@ -388,7 +577,7 @@ def _entry(
             _shape_code(shapes, repr(sizes)),
             DTYPES.get(str(dtypes[0]), UNKNOWN_DTYPE) if dtypes else UNKNOWN_DTYPE,
             state,
-            bool(e.get("retired")) or state == State.COMPLETED or completed > 0,
+            ended or (retired and not is_hooked(backend)),
             int(e.get("time_created_ns") or 0),
             completed,
             peer,
@@ -411,7 +600,7 @@ def _shape_code(shapes: dict[str, int], text: str) -> int:
 
 
 def _entries_by_column(
-    entries: list[Any], names: dict[str, int], shapes: dict[str, int]
+    entries: list[Any], names: dict[tuple[str, str], int], shapes: dict[str, int]
 ) -> np.ndarray | None:
     """The entries as FR_ENTRY rows, one field of every entry at a time: a
     pass of C code per field (``map``), strings coded through a small table
@@ -426,8 +615,6 @@ def _entries_by_column(
         p2p = np.array(list(map(bool, map(dict.__getitem__, entries, repeat("is_p2p")))))
         out["is_p2p"] = p2p
         out["pg_id"] = list(map(dict.get, entries, repeat("pg_id"), repeat(-1)))
-        groups = [g[0] for g in map(dict.__getitem__, entries, repeat("process_group"))]
-        out["pg"] = _coded(groups, lambda g: names.setdefault(str(g), len(names)))
         cseq = list(map(dict.__getitem__, entries, repeat("collective_seq_id")))
         if p2p.any():
             pseq = list(map(dict.__getitem__, entries, repeat("p2p_seq_id")))
@@ -441,8 +628,13 @@ def _entries_by_column(
         op_peer = np.array([_op_and_peer(str(n)) for n in names_of_ops], dtype=np.int64)
         op = op_peer[which, 0]
         out["op"], out["peer"] = op, op_peer[which, 1]
+        backends = [backend_of(str(n)) for n in names_of_ops]
+        groups = [g[0] for g in map(dict.__getitem__, entries, repeat("process_group"))]
+        keys = list(zip(map(str, groups), [backends[i] for i in which.tolist()], strict=True))
+        out["pg"] = _coded(keys, lambda k: names.setdefault(k, len(names)))
         _sizes_by_column(entries, OUTPUT_SIDE[op], out, shapes)
-        _times_by_column(entries, out)
+        hooked = np.array([is_hooked(b) for b in backends], dtype=bool)[which]
+        _times_by_column(entries, out, hooked)
     except (AttributeError, KeyError, TypeError, ValueError, IndexError, OverflowError):
         names.clear()
         shapes.clear()
@@ -480,7 +672,7 @@ def _first(values: list[Any]) -> Any:
     return values[0] if values else None
 
 
-def _times_by_column(entries: list[Any], out: np.ndarray) -> None:
+def _times_by_column(entries: list[Any], out: np.ndarray, hooked: np.ndarray) -> None:
     states = list(map(dict.get, entries, repeat("state")))
     out["state"] = _coded(states, lambda v: STATES.get(str(v), State.SCHEDULED))
     out["created"] = [t or 0 for t in map(dict.get, entries, repeat("time_created_ns"))]
@@ -488,7 +680,10 @@ def _times_by_column(entries: list[Any], out: np.ndarray) -> None:
         t or 0 for t in map(dict.get, entries, repeat("time_discovered_completed_ns"))
     ]
     retired = np.array(list(map(bool, map(dict.get, entries, repeat("retired")))))
-    out["ended"] = retired | (out["state"] == State.COMPLETED) | (out["completed"] > 0)
+    ended = (out["state"] == State.COMPLETED) | (out["completed"] > 0)
+    out["ended"] = ended | (retired & ~hooked)
+    issued = retired & hooked & ~ended  # retired at issue: the call returned, no more
+    out["state"][issued] = State.ENQUEUED
 
 
 def _coded(values: list[Any], code: Callable[[Any], int]) -> np.ndarray:

@@ -22,6 +22,14 @@ failed on a peer's death as it ends one that succeeded: a rank's entry
 counts as completed only when the rank went on to a later call, and gloo's
 completion counters are not used.
 
+Several recorders: a communicator is a process group and the backend that
+recorded its calls (a "cpu:gloo,cuda:nccl2" group is two, labelled
+"0 (gloo)" and "0 (nccl2)" where a folder holds both).  After torch 2.15 a
+rank dumps each backend's recorder into a file of its own: a rank's files
+are one rank, and a rank whose file of a backend is missing has no dump of
+that backend's communicators.  Two files of one rank holding the same
+communicator: the one whose entries of it end later is read.
+
 Known limits: times are wall clock of each rank's host, compared only within
 one rank; a group no dump holds an entry of is not seen; a member of a
 subgroup that recorded nothing in it is not known to be one.
@@ -29,9 +37,10 @@ subgroup that recorded nothing in it is not known to be one.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -45,10 +54,10 @@ from stallwatch.dumpers.inputs import (
     group_flight,
 )
 from stallwatch.dumpers.model import Clock, CommInfo, ProcessInfo, Recording, Ring
-from stallwatch.dumpers.schema import DATATYPE_SIZE, NCCL_EVENT, EventKind, State
+from stallwatch.dumpers.schema import DATATYPE_SIZE, NCCL_EVENT, EventKind, Op, State, op_name
 
 from .columns import Columns
-from .flightrec import FrDump, rank_in_name, read_flightrec
+from .flightrec import FrDump, is_hooked, rank_in_name, read_flightrec, stack_of
 from .incident import (
     CALL_DTYPE,
     SCHED_DTYPE,
@@ -58,6 +67,7 @@ from .incident import (
     Incident,
     Proc,
 )
+from .verdict import Verdict
 
 DEFAULT_PG = "default_pg"
 
@@ -82,19 +92,30 @@ def incidents_from_flightrec(dumps: list[FrDump], lost: Sequence[str] = ()) -> l
 def _incident(folder: str, dumps: list[FrDump], lost: list[str]) -> Incident:
     have = {d.rank for d in dumps}
     lost_ranks = {r for p in lost if (r := rank_in_name(p)) is not None} - have
-    members, notes = _memberships(dumps, lost_ranks)
-    procs = tuple(
-        Proc(Path(d.path).name, 0, d.rank, d.path, window_complete=not d.wrapped, from_file=True)
-        for d in dumps
-    )
-    by_rank = {d.rank: i for i, d in enumerate(dumps)}
-    names = sorted(members, key=lambda n: (comm_hash(n), n))
+    labels = _labels(dumps)
+    kept, notes = _kept(dumps, labels)
+    members, more = _memberships(dumps, labels, lost_ranks)
+    notes += more
+    ranks = sorted(have)
+    by_rank = {r: i for i, r in enumerate(ranks)}
+    files: dict[int, list[FrDump]] = defaultdict(list)
+    for d in dumps:
+        files[d.rank].append(d)
+    procs = tuple(_proc(r, files[r]) for r in ranks)
+    hashes = _hashes(dumps, labels, members)
+    names = sorted(members, key=lambda n: (hashes[n], n))
+    by_label = _label_keys(labels)
+    descs = {lab: _desc(dumps, name) for lab, (name, _) in by_label.items()}
+    recorded = _recorders(files)
     comms = tuple(
         Comm(
-            comm_hash(n),
-            tuple(by_rank.get(r, -1) for r in members[n]),
+            hashes[n],
+            tuple(
+                by_rank[r] if r in by_rank and recorded(r, by_label.get(n, (n, ""))[1]) else -1
+                for r in members[n]
+            ),
             n,
-            desc=next((d.pg_desc[n] for d in dumps if d.pg_desc.get(n)), ""),
+            desc=descs.get(n, ""),
             world_ranks=members[n],
         )
         for n in names
@@ -102,11 +123,12 @@ def _incident(folder: str, dumps: list[FrDump], lost: list[str]) -> Incident:
     index = {n: i for i, n in enumerate(names)}
     shapes: dict[str, int] = {"": 0}
     # straight into columns, each dump's slice in turn: no records to join
-    rows = Columns.zeros(CALL_DTYPE, sum(len(d.entries) for d in dumps))
+    rows = Columns.zeros(CALL_DTYPE, sum(int(k.sum()) for k in kept))
     at = 0
-    for p, d in enumerate(dumps):
-        _rows(rows[at : at + len(d.entries)], p, d, members, index, shapes)
-        at += len(d.entries)
+    for d, keep in zip(dumps, kept, strict=True):
+        n = int(keep.sum())
+        _rows(rows[at : at + n], by_rank[d.rank], d, keep, labels, members, index, shapes)
+        at += n
     return Incident(
         id=flight_incident_id(folder),
         hosts=tuple(p.host for p in procs),
@@ -117,27 +139,144 @@ def _incident(folder: str, dumps: list[FrDump], lost: list[str]) -> Incident:
         tcp=np.zeros(0, dtype=TCP_DTYPE),
         sched=np.zeros(0, dtype=SCHED_DTYPE),
         sources=tuple(d.path for d in dumps),
-        progress=_progress(dumps, members, index),
+        progress=_progress(dumps, labels, members, index),
         notes=tuple(n for d in dumps for n in d.notes) + tuple(notes),
         shapes=tuple(shapes),
-        device_completion=any(d.backend not in ("", "gloo") for d in dumps),
+        # a collective completes on all its members, so completions compare
+        # across ranks wherever an ended call is a finished one: every
+        # backend but gloo (which ends a failed call as a finished one)
+        device_completion=not any("gloo" in d.pg_backends for d in dumps)
+        and any(len(d.entries) for d in dumps),
         ends_are_completions=True,
         kind=SourceKind.FLIGHT_RECORDER,
         wall_ns=int(rows["ts"].max()) if len(rows) else None,  # the latest entry
     )
 
 
+def _proc(rank: int, files: list[FrDump]) -> Proc:
+    """A rank, from its files; what a file stallwatch wrote says beyond torch's
+    format (its pid, how it ended) from that file's own section."""
+    origin = next((d.origin for d in files if d.origin is not None), None)
+    return Proc(
+        ", ".join(Path(d.path).name for d in files),
+        (origin.pid or 0) if origin else 0,
+        rank,
+        files[0].path,
+        exit_code=origin.exit_code if origin else None,
+        exit_signal=origin.exit_signal if origin else None,
+        window_complete=not any(d.wrapped for d in files),
+        from_file=True,
+        exit_wall_ns=origin.exit_wall_ns if origin else None,
+    )
+
+
+Labels = dict[tuple[str, str], str]  # (group name, backend) -> communicator label
+
+
+def _labels(dumps: list[FrDump]) -> Labels:
+    """Each (group, backend) of the folder's entries as a communicator: the
+    group's name, or "name (backend)" where the folder holds the group under
+    more than one backend (each recorder sequences its calls on its own)."""
+    keys = {k for d in dumps for k in zip(d.pg_names, _backends(d), strict=True)}
+    count: dict[str, int] = defaultdict(int)
+    for name, _ in keys:
+        count[name] += 1
+    return {(n, b): (f"{n} ({b or 'unnamed'})" if count[n] > 1 else n) for n, b in keys}
+
+
+def _hashes(
+    dumps: list[FrDump], labels: Labels, members: dict[str, tuple[int, ...]]
+) -> dict[str, int]:
+    """Each communicator's id: the hash of its label, or, in files stallwatch
+    wrote, the id of the communicator it was recorded as (the same on every
+    file: a file that disagrees is not followed)."""
+    ours: dict[str, set[int]] = defaultdict(set)
+    for d in dumps:
+        if d.origin is not None:
+            for name, h in d.origin.comms.items():
+                ours[name].add(h)
+    by_label = _label_keys(labels)
+    out = {}
+    for lab in members:
+        name = by_label[lab][0] if lab in by_label else lab
+        given = ours.get(name, set())
+        out[lab] = next(iter(given)) if len(given) == 1 and lab == name else comm_hash(lab)
+    return out
+
+
+def _recorders(files: dict[int, list[FrDump]]) -> Callable[[int, str], bool]:
+    """Whether a rank's files hold the recorder of a backend: one that
+    recorded it, or one that recorded nothing (whose it is, is unknown).  A
+    rank whose other backends' files are there but not this one's has no
+    dump of its communicators (torch after 2.15 dumps each backend's recorder
+    on its own; a rank stuck in teardown may leave some and not others)."""
+    seen = {r: {b for d in ds for b in d.pg_backends} for r, ds in files.items()}
+    empty = {r for r, ds in files.items() if any(not len(d.entries) for d in ds)}
+
+    def recorded(rank: int, backend: str) -> bool:
+        return rank in empty or backend in seen.get(rank, ())
+
+    return recorded
+
+
+def _label_keys(labels: Labels) -> dict[str, tuple[str, str]]:
+    return {lab: key for key, lab in labels.items()}
+
+
+def _backends(d: FrDump) -> tuple[str, ...]:
+    return d.pg_backends or (d.backend,) * len(d.pg_names)
+
+
+def _dump_labels(d: FrDump, labels: Labels) -> list[str]:
+    return [labels[k] for k in zip(d.pg_names, _backends(d), strict=True)]
+
+
+def _desc(dumps: list[FrDump], name: str) -> str:
+    return next((d.pg_desc[name] for d in dumps if d.pg_desc.get(name)), "")
+
+
+def _kept(dumps: list[FrDump], labels: Labels) -> tuple[list[np.ndarray], list[str]]:
+    """Per dump, which of its entries are read.  A rank may leave several
+    files (one per backend's recorder: torch after 2.15); when two of them
+    hold the same communicator (a recorder dumped twice), the one whose
+    entries of it end later is read and the other's are left out."""
+    latest: dict[tuple[int, str], tuple[int, int]] = {}  # (rank, label) -> (latest ts, dump)
+    for i, d in enumerate(dumps):
+        for pg, lab in enumerate(_dump_labels(d, labels)):
+            mine = d.entries["created"][d.entries["pg"] == pg]
+            last = int(mine.max()) if len(mine) else -1
+            cur = latest.get((d.rank, lab))
+            if cur is None or last > cur[0]:
+                latest[(d.rank, lab)] = (last, i)
+    kept, notes = [], []
+    for i, d in enumerate(dumps):
+        drop = [
+            pg for pg, lab in enumerate(_dump_labels(d, labels)) if latest[(d.rank, lab)][1] != i
+        ]
+        keep = ~np.isin(d.entries["pg"], drop)
+        if drop:
+            other = Path(dumps[latest[(d.rank, _dump_labels(d, labels)[drop[0]])][1]].path).name
+            notes.append(
+                f"{Path(d.path).name}: rank {d.rank}'s calls on "
+                + ", ".join(repr(_dump_labels(d, labels)[pg]) for pg in drop)
+                + f" are read from {other}, which holds later ones"
+            )
+        kept.append(keep)
+    return kept, notes
+
+
 def _memberships(
-    dumps: list[FrDump], lost_ranks: set[int]
+    dumps: list[FrDump], labels: Labels, lost_ranks: set[int]
 ) -> tuple[dict[str, tuple[int, ...]], list[str]]:
-    """Group name -> world ranks in comm-rank order, and notes on groups
-    whose members had to be inferred."""
+    """Communicator label -> world ranks in comm-rank order, and notes on
+    communicators whose members had to be inferred.  A group's pg_config
+    ranks hold for each backend serving it."""
     held: dict[str, set[int]] = defaultdict(set)
     configured: dict[str, tuple[int, ...]] = {}
     desc: dict[str, str] = {}
     for d in dumps:
-        for n in d.pg_names:
-            held[n].add(d.rank)
+        for lab in _dump_labels(d, labels):
+            held[lab].add(d.rank)
         for n, r in d.pg_ranks.items():
             configured.setdefault(n, r)
         for n, t in d.pg_desc.items():
@@ -145,15 +284,17 @@ def _memberships(
     world = 1 + max([d.rank for d in dumps] + list(lost_ranks))
     out: dict[str, tuple[int, ...]] = {}
     inferred: list[str] = []
-    for n in sorted(set(held) | set(configured)):
-        if n in configured:
-            extra = sorted(held[n] - set(configured[n]))
-            out[n] = configured[n] + tuple(extra)  # a dump holding its entries is a member
-        elif desc.get(n) == DEFAULT_PG:
-            out[n] = tuple(range(max(world, max(held[n]) + 1)))
+    by_label = _label_keys(labels)
+    for lab in sorted(set(held) | (set(configured) - {n for n, _ in labels})):
+        name = by_label[lab][0] if lab in by_label else lab
+        if name in configured:
+            extra = sorted(held[lab] - set(configured[name]))
+            out[lab] = configured[name] + tuple(extra)  # a dump holding its entries is a member
+        elif desc.get(name) == DEFAULT_PG:
+            out[lab] = tuple(range(max(world, max(held[lab]) + 1)))
         else:
-            out[n] = tuple(sorted(held[n]))
-            inferred.append(n)
+            out[lab] = tuple(sorted(held[lab]))
+            inferred.append(lab)
     notes = []
     if inferred:
         notes.append(
@@ -169,17 +310,20 @@ def _rows(
     out: Columns,
     p: int,
     d: FrDump,
+    keep: np.ndarray,
+    labels: Labels,
     members: dict[str, tuple[int, ...]],
     index: dict[str, int],
     shapes: dict[str, int],
 ) -> None:
-    """One dump's entries as calls, written into ``out`` (views of its slice
-    of the incident's columns, zeroed)."""
-    e = d.entries
+    """One dump's entries (those ``keep`` says) as calls, written into
+    ``out`` (views of its slice of the incident's columns, zeroed)."""
+    e = d.entries if keep.all() else d.entries[keep]
     if not len(e):
         return
-    comm = np.array([index[n] for n in d.pg_names], dtype=np.int64)
-    crank = np.array([members[n].index(d.rank) for n in d.pg_names], dtype=np.int64)
+    labs = _dump_labels(d, labels)
+    comm = np.array([index[lab] for lab in labs], dtype=np.int64)
+    crank = np.array([members[lab].index(d.rank) for lab in labs], dtype=np.int64)
     shape = np.array([shapes.setdefault(s, len(shapes)) for s in d.shapes], dtype=np.int64)
     pg = e["pg"]
     out["comm"][:], out["crank"][:], out["proc"][:] = comm[pg], crank[pg], p
@@ -188,7 +332,8 @@ def _rows(
     # as far as anyone can tell
     done = np.where(e["completed"] > 0, e["completed"], np.maximum(e["created"], 1))
     ended = e["ended"]
-    if d.backend == "gloo":
+    gloo_last = _backends(d)[int(pg[-1])] == "gloo"
+    if gloo_last:
         # gloo retires a work that failed as one that succeeded: only a rank
         # that went on to a later call shows its call succeeded; its last
         # call's outcome is unknown, and counts as pending
@@ -197,64 +342,157 @@ def _rows(
         ended[-1] = False
     out["end"][:] = np.where(ended, done, 0)
     out["result"][:] = np.where(ended, 0, -1)
+    if d.origin is not None and d.origin.errors:
+        _failed(out, e, d.pg_names, d.origin.errors)
     out["count"][:], out["root"][:], out["op"][:] = e["count"], e["peer"], e["op"]
     out["datatype"][:], out["state"][:] = e["datatype"], e["state"]
-    if d.backend == "gloo" and returned:
+    if gloo_last and returned:
         out["state"][-1] = State.ENQUEUED  # it returned (retired); how is unknown
     out["shape"][:] = np.minimum(shape[e["shape"]], np.iinfo(np.uint16).max)
 
 
-def _pg_names(dumps: list[FrDump]) -> tuple[list[dict[int, str]], dict[int, set[str]], set[str]]:
-    """Per dump, pg_id -> the group its own entries name; over all dumps,
-    pg_id -> every group named with it; and the groups with p2p entries."""
-    own: list[dict[int, str]] = []
+def _failed(
+    out: Columns,
+    e: np.ndarray,
+    names: tuple[str, ...],
+    errors: Sequence[tuple[str, int, bool, int, int]],
+) -> None:
+    """Calls that returned an error, as a file stallwatch wrote lists them
+    (Flight Recorder has no field for a result): returned, with its code."""
+    for name, seq, p2p, result, end in errors:
+        groups = [pg for pg, n in enumerate(names) if n == name]
+        hit = np.isin(e["pg"], groups) & (e["seq"] == seq) & (e["is_p2p"] == p2p)
+        out["result"][hit] = result
+        out["end"][hit] = end
+
+
+def _pg_labels(
+    dumps: list[FrDump], labels: Labels
+) -> tuple[list[dict[int, str | None]], dict[int, set[str]], set[str]]:
+    """Per dump, pg_id -> the communicator its own entries name (None where
+    they name several: recorders of two backends in one file number their
+    groups each from 0); over all dumps, pg_id -> every communicator named
+    with it; and the communicators with p2p entries."""
+    own: list[dict[int, str | None]] = []
     anywhere: dict[int, set[str]] = defaultdict(set)
     p2p: set[str] = set()
     for d in dumps:
         e = d.entries
-        mine: dict[int, str] = {}
+        labs = _dump_labels(d, labels)
+        mine: dict[int, str | None] = {}
         if len(e):
             key = e["pg"].astype(np.int64) * 2 + e["is_p2p"]  # (group, p2p): no structured sort
             for k in np.unique(key).tolist():
                 pg, is_p2p = divmod(k, 2)
                 for pg_id in np.unique(e["pg_id"][key == k]).tolist():
-                    mine[int(pg_id)] = d.pg_names[pg]
-                    anywhere[int(pg_id)].add(d.pg_names[pg])
+                    seen = mine.get(int(pg_id), labs[pg])
+                    mine[int(pg_id)] = labs[pg] if seen == labs[pg] else None
+                    anywhere[int(pg_id)].add(labs[pg])
                 if is_p2p:
-                    p2p.add(d.pg_names[pg])
+                    p2p.add(labs[pg])
         own.append(mine)
     return own, anywhere, p2p
 
 
 def _progress(
-    dumps: list[FrDump], members: dict[str, tuple[int, ...]], index: dict[str, int]
+    dumps: list[FrDump], labels: Labels, members: dict[str, tuple[int, ...]], index: dict[str, int]
 ) -> tuple[tuple[int, int, int, int], ...]:
-    """(comm, comm rank, last seq entered, last seq completed) from pg_status."""
-    own, anywhere, p2p = _pg_names(dumps)
+    """(comm, comm rank, last seq entered, last seq completed) from pg_status,
+    in the unit of the backend that wrote it: NCCL counts collectives (and p2p
+    ops apart, in the same counter: groups with p2p ops are left out), gloo
+    counts ops (translated through the rank's entries, and its completions
+    may be failures), and the hook's counters changed units between torch
+    versions (op ids, then seqs): they are not used, nor are a file's that
+    holds two backends' recorders."""
+    own, anywhere, p2p = _pg_labels(dumps, labels)
+    by_label = _label_keys(labels)
     out = []
     for d, mine in zip(dumps, own, strict=True):
+        if len(set(_backends(d))) > 1:
+            continue  # recorders of two backends in one file: whose counter is whose?
         for pg_id, (enq, done) in d.pg_status.items():
-            name = mine.get(pg_id)
-            if name is None:
+            lab = mine.get(pg_id)
+            if pg_id not in mine:
                 cands = [n for n in anywhere.get(pg_id, ()) if d.rank in members[n]]
-                name = cands[0] if len(cands) == 1 else None
-            if name is None or d.rank not in members[name]:
+                lab = cands[0] if len(cands) == 1 else None
+            if lab is None or d.rank not in members[lab]:
                 continue
-            if d.backend == "gloo":  # its completions may be failures: entries tell
-                enq, done = _seq_of_op(d, name, enq), -1
-            elif name in p2p:
+            backend = by_label[lab][1]
+            if is_hooked(backend) or (d.backend and backend != d.backend):
+                continue
+            if backend == "gloo":  # its completions may be failures: entries tell
+                enq, done = _seq_of_op(d, lab, labels, enq), -1
+            elif lab in p2p:
                 continue
             if enq >= 0:
-                out.append((index[name], members[name].index(d.rank), enq, done))
+                out.append((index[lab], members[lab].index(d.rank), enq, done))
     return tuple(sorted(out))
 
 
-def _seq_of_op(d: FrDump, name: str, op_id: int) -> int:
+def _seq_of_op(d: FrDump, label: str, labels: Labels, op_id: int) -> int:
     """The collective seq of a group's op counter on this rank: the latest
     entry at or before that op (-1 if its ring holds none)."""
     e = d.entries
-    mine = e[(e["pg"] == d.pg_names.index(name)) & ~e["is_p2p"] & (e["op_id"] <= op_id)]
+    labs = _dump_labels(d, labels)
+    if label not in labs:
+        return -1
+    mine = e[(e["pg"] == labs.index(label)) & ~e["is_p2p"] & (e["op_id"] <= op_id)]
     return int(mine["seq"].max()) if len(mine) else -1
+
+
+MAX_STACKS = 4  # culprits of a verdict whose stacks are read
+STACK_FRAMES = 8  # frames of a stack shown
+
+
+def with_stacks(inc: Incident, verdicts: Sequence[Verdict]) -> list[Verdict]:
+    """Each verdict with, as evidence, the Python stack torch recorded for
+    its culprits' cited call (the call at the verdict's seq, else their
+    last), read from their files now: frames are read only for the ranks a
+    verdict names."""
+    out = []
+    for v in verdicts:
+        ranks = [r for r in v.ranks if r is not None][:MAX_STACKS]
+        lines = [line for r in ranks if (line := _stack_line(inc, v, r))]
+        out.append(dataclasses.replace(v, evidence=v.evidence + tuple(lines)) if lines else v)
+    return out
+
+
+def _stack_line(inc: Incident, v: Verdict, rank: int) -> str | None:
+    p = next((i for i, pr in enumerate(inc.procs) if pr.world_rank == rank), None)
+    rows = inc.calls.rows
+    mine = np.flatnonzero(rows["proc"] == p) if p is not None else np.zeros(0, dtype=np.int64)
+    if p is None or not len(mine):
+        return None
+    hashes = np.array([inc.comms[c].hash_text == v.comm_id_hash for c in range(len(inc.comms))])
+    cited = mine[
+        hashes[rows["comm"][mine]] & (rows["seq"][mine] == (v.seq if v.seq is not None else -1))
+    ]
+    i = int(cited[0]) if len(cited) else int(mine[np.argmax(rows["ts"][mine])])
+    comm = inc.comms[int(rows["comm"][i])]
+    name, backend = _split_label(comm.label)
+    seq, op = int(rows["seq"][i]), int(rows["op"][i])
+    files = [s for s in inc.sources if rank_in_name(s) == rank]
+    for f in files:
+        frames = stack_of(f, name, backend, seq, op in (Op.SEND, Op.RECV))
+        if frames:
+            shown = " < ".join(
+                f"{fn} ({Path(file).name}:{line})" for fn, file, line in frames[:STACK_FRAMES]
+            )
+            more = f" < ... {len(frames) - STACK_FRAMES} more" if len(frames) > STACK_FRAMES else ""
+            return (
+                f"{inc.procs[p].label()}: its {op_name(op)} seq {seq} on {comm.group} was "
+                f"called from {shown}{more} (its file's stack, innermost first)"
+            )
+    return None
+
+
+def _split_label(label: str) -> tuple[str, str | None]:
+    """A communicator's group name and backend ("0 (nccl2)"), None where the
+    label names no backend (a group served by one)."""
+    if label.endswith(")") and " (" in label:
+        name, backend = label[:-1].rsplit(" (", 1)
+        return name, backend
+    return label, None
 
 
 def flight_recordings(

@@ -157,6 +157,7 @@ TCP_DTYPE = np.dtype(
         ("no_ack", "<i8"),
         ("rto", "<i8"),  # the timeout that expired (ns), 0 where unknown
         ("conn", "<u8"),
+        ("other", "u1"),  # 1: not the job's connection (a sampled retransmit of other traffic)
     ]
 )
 # A process blocked in a call (its group's end included) when its dump was
@@ -241,8 +242,9 @@ class Incident:
 
     @property
     def retransmits(self) -> np.ndarray:
-        """The TCP table's retransmits."""
-        rows: np.ndarray = self.tcp[self.tcp["event"] == TcpEvent.TCP_RETRANSMIT_SKB]
+        """The TCP table's retransmits of the job's connections."""
+        t = self.tcp
+        rows: np.ndarray = t[(t["event"] == TcpEvent.TCP_RETRANSMIT_SKB) & (t["other"] == 0)]
         return rows
 
     def to_wall(self, host: int) -> int | None:
@@ -534,6 +536,7 @@ class ConnFate:
     first_reset_wall_ns: int | None
     # runs of timeouts it came back from: (stopped, acknowledged again after)
     outages: tuple[tuple[int, int], ...] = ()
+    other: bool = False  # not the job's: sampled retransmits of other traffic between the hosts
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,7 +81,7 @@ from .detect.partition import connection_fates
 from .detect.slowdown import detect_slowdown, judged_on_window, slow_windows, window_matched
 from .detect.stragglers import arrival_scores
 from .flightrec import FrDump
-from .frincident import incidents_from_flightrec
+from .frincident import incidents_from_flightrec, with_stacks
 from .frontier import frontiers
 from .incident import Frontier, Incident, InputStatus, SourceKind, proc_hosts
 from .load import Loaded, load_inputs
@@ -156,6 +156,8 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
     if not verdicts:
         verdicts = detect_inconclusive(a) or detect_slowdown(a) or [_healthy(a)]
     verdicts = late.amend(inc, verdicts)
+    if inc.kind is SourceKind.FLIGHT_RECORDER:  # the stacks of the calls they cite
+        verdicts = with_stacks(inc, verdicts)
     return IncidentResult(inc, tuple(verdicts), fronts, tuple(unjudged(a)))
 
 

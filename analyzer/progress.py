@@ -1,4 +1,5 @@
-"""Progress of the long stages of ``analyze`` on stderr, for people waiting.
+"""Progress of the long stages of ``analyze`` (and of ``query``, which
+reads dumps the same way) on stderr, for people waiting.
 
 On a terminal, a rich progress bar that disappears when the stage ends.
 Elsewhere (a log, a pipe), a line at most every ``PROGRESS_EVERY_S``
@@ -21,9 +22,11 @@ PROGRESS_EVERY_S = 0.5
 
 
 class Progress:
-    def __init__(self, template: str, total: int, enabled: bool) -> None:
-        """``template`` takes the count and the total: "loaded {}/{} files"."""
+    def __init__(self, template: str, total: int, enabled: bool, command: str = "analyze") -> None:
+        """``template`` takes the count and the total: "loaded {}/{} files";
+        ``command`` names who speaks."""
         self.template = template
+        self.command = command
         self.total = total
         self.enabled = enabled
         self.count = 0
@@ -32,7 +35,7 @@ class Progress:
         self._lock = threading.Lock()
         self._bar: Bar | None = None
         if enabled and sys.stderr.isatty():
-            self._bar = _bar(template)
+            self._bar = _bar(template, command)
             self._task = self._bar.add_task("", total=total)
             self._bar.start()
 
@@ -61,14 +64,14 @@ class Progress:
     def _show(self) -> None:
         self.shown = self.count
         text = self.template.format(self.count, self.total)
-        print(f"stallwatch analyze: {text}", file=sys.stderr, flush=True)
+        print(f"stallwatch {self.command}: {text}", file=sys.stderr, flush=True)
 
 
-def _bar(template: str) -> Bar:
+def _bar(template: str, command: str) -> Bar:
     """A transient bar: "stallwatch analyze: loaded files ━━━━ 120/2048 0:00:03"."""
     what = template.replace("{}/{}", "").replace("  ", " ").strip()
     return Bar(
-        TextColumn(f"stallwatch analyze: {what}"),
+        TextColumn(f"stallwatch {command}: {what}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),

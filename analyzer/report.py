@@ -6,11 +6,19 @@ them), the verdicts (kind and one line, the culprits, the evidence), when it
 happened (wall clock, UTC) and which agent detected it and why, then one table per
 communicator: its frontier (the latest seq any member entered), whether it
 is stuck, and per member the last seq entered and returned, its state, and
-beside every member not at the frontier, why.  On a terminal the tables are
-rich's, boxed; anywhere else plain aligned text.  By default the
+beside every member not at the frontier, why.  By default the
 ``MAX_TABLES`` most telling communicators (with laggards first, then stuck
 ones, then the largest), ``MAX_TABLE_ROWS`` members each; ``show_all``
 shows every one.
+
+Layout.  Communicator ids are shortened (``shortid``: the fewest leading hex
+digits that tell the incident's communicators apart); ``wide`` prints them
+whole, as the JSON always does.  On a terminal, at any width from 80, lines
+wrap between words (continuations indented), no word and no id is cut, and
+a table takes the widths its cells need: columns that hold text wrap at
+blanks, and when even that does not fit, the "why" of each member goes on a
+line under its row instead of a column.  Anywhere else (a pipe, a file) the
+text is plain, one line per record, never wrapped, so it can be grepped.
 
 Flight Recorder dumps name no host and no pid: their ranks are shown with
 the file they came from, and process groups by their name and description.
@@ -25,6 +33,7 @@ import dataclasses
 import importlib
 import json
 import os
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -36,11 +45,12 @@ from rich.padding import Padding
 from rich.text import Text
 
 from stallwatch.dumpers.schema import op_name
-from stallwatch.query.output import new_table, plain_text, show
+from stallwatch.query.output import fit_widths, new_table, plain_text, show
 
 from .culprits import Culprit, culprits, judged_on
 from .incident import Frontier, Incident, InputStatus, Member, MemberState, SourceKind
 from .pipeline import AnalysisResult, IncidentResult
+from .shortid import short_ids, shorten
 from .verdict import Verdict, VerdictKind
 
 MAX_TABLES = 8
@@ -89,9 +99,10 @@ class CommTable:
         }[self.status]
         return f"{self.nranks} ranks, frontier seq {self.seq} {self.op}, {status}"
 
-    def to_json(self) -> dict[str, object]:
+    def to_json(self, short_id: str | None = None) -> dict[str, object]:
         return {
             "comm_id_hash": self.comm_id_hash,
+            "short_id": short_id,
             "group": self.group or None,
             "nranks": self.nranks,
             "is_split": self.is_split,
@@ -305,7 +316,7 @@ def to_json(result: AnalysisResult) -> str:
                 "verdicts": [verdict_json(r, v) for v in r.verdicts],
                 "notes": list(r.incident.notes),
                 "unjudged": list(r.unjudged),
-                "communicators": [t.to_json() for t in comm_tables(r)],
+                "communicators": _tables_json(r),
             }
             for r in result.incidents
         ],
@@ -316,6 +327,17 @@ def to_json(result: AnalysisResult) -> str:
     }
     _validate(doc)
     return json.dumps(doc, indent=2)
+
+
+def incident_ids(r: IncidentResult) -> dict[str, str]:
+    """Each communicator id of the incident to its short form, as the text
+    report prints it."""
+    return short_ids(c.hash_text for c in r.incident.comms)
+
+
+def _tables_json(r: IncidentResult) -> list[dict[str, object]]:
+    ids = incident_ids(r)
+    return [t.to_json(ids.get(t.comm_id_hash)) for t in comm_tables(r)]
 
 
 def _validate(doc: dict[str, object]) -> None:
@@ -333,27 +355,43 @@ def _validate(doc: dict[str, object]) -> None:
 # ---- text -------------------------------------------------------------------
 
 
-def to_text(result: AnalysisResult, show_all: bool = False) -> str:
+def to_text(result: AnalysisResult, show_all: bool = False, wide: bool = False) -> str:
     """The report as plain text (what is printed when not on a terminal)."""
-    return plain_text(lambda c: render(c, result, show_all))
+    return plain_text(lambda c: render(c, result, show_all, wide))
 
 
-def print_report(result: AnalysisResult, show_all: bool = False) -> None:
+def print_report(result: AnalysisResult, show_all: bool = False, wide: bool = False) -> None:
     """The report on stdout: rich tables on a terminal, plain text elsewhere."""
-    show(lambda c: render(c, result, show_all))
+    show(lambda c: render(c, result, show_all, wide))
 
 
-def render(c: Console, result: AnalysisResult, show_all: bool = False) -> None:
+def render(c: Console, result: AnalysisResult, show_all: bool = False, wide: bool = False) -> None:
     bad = [s for s in result.inputs if s.lost]
     for i, r in enumerate(result.incidents):
-        _incident(c, r, bad if i == 0 else [], len(result.inputs), show_all)
+        _incident(c, r, bad if i == 0 else [], len(result.inputs), show_all, wide)
     if not result.incidents:
         _unread(c, bad, len(result.inputs), 0)
         _line(c, 0, "nothing could be analyzed")
 
 
-def _line(c: Console, indent: int, text: str, style: str = "") -> None:
-    c.print(Text(" " * indent + text, style=style if c.is_terminal else ""))
+HANG = 2  # a wrapped line's continuations, this much further in
+
+
+def _line(c: Console, indent: int, text: str, style: str = "", hang: int = HANG) -> None:
+    """One record: on a terminal wrapped between words to its width, the
+    continuations indented; elsewhere one line."""
+    if not c.is_terminal:
+        c.print(Text(" " * indent + text))
+        return
+    lines = textwrap.wrap(
+        text,
+        width=c.width,
+        initial_indent=" " * indent,
+        subsequent_indent=" " * (indent + hang),
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+    c.print(Text("\n".join(lines), style=style))
 
 
 def _listing(word: str, values: Sequence[object]) -> str:
@@ -377,25 +415,49 @@ def _header(inc: Incident) -> str:
 
 
 def _incident(
-    c: Console, r: IncidentResult, bad: list[InputStatus], n_inputs: int, show_all: bool
+    c: Console,
+    r: IncidentResult,
+    bad: list[InputStatus],
+    n_inputs: int,
+    show_all: bool,
+    wide: bool = False,
 ) -> None:
     inc = r.incident
+    ids = {} if wide else incident_ids(r)
     _line(c, 0, _header(inc), "bold")
     for note in inc.notes:
-        _line(c, 2, f"note: {note}")
+        _line(c, 2, f"note: {shorten(note, ids)}")
     _unread(c, bad, n_inputs, 2)
     for u in r.unjudged:
-        _line(c, 2, f"not judged: {u}", "yellow")
+        _line(c, 2, f"not judged: {shorten(u, ids)}", "yellow")
     for v in r.verdicts:
-        _verdict(c, inc, v)
-    _when(c, inc)
-    tables = comm_tables(r)
+        _verdict(c, inc, _short_verdict(v, ids))
+    _when(c, inc, ids)
+    tables = [_short_table(t, ids) for t in comm_tables(r)]
     shown = tables if show_all else tables[: max(MAX_TABLES, judged_count(r))]
     for t in shown:
         _table(c, inc, t, show_all)
     if len(shown) < len(tables):
         _line(c, 2, f"({len(tables) - len(shown)} more communicators not shown; --all shows them)")
     _line(c, 0, "")
+
+
+def _short_verdict(v: Verdict, ids: dict[str, str]) -> Verdict:
+    if not ids:
+        return v
+    return dataclasses.replace(
+        v,
+        summary=shorten(v.summary, ids),
+        evidence=tuple(shorten(e, ids) for e in v.evidence),
+        comm_id_hash=shorten(v.comm_id_hash, ids) if v.comm_id_hash else v.comm_id_hash,
+    )
+
+
+def _short_table(t: CommTable, ids: dict[str, str]) -> CommTable:
+    if not ids:
+        return t
+    members = tuple(dataclasses.replace(m, reason=shorten(m.reason, ids)) for m in t.members)
+    return dataclasses.replace(t, comm_id_hash=shorten(t.comm_id_hash, ids), members=members)
 
 
 def _verdict(c: Console, inc: Incident, v: Verdict) -> None:
@@ -417,13 +479,13 @@ def _verdict(c: Console, inc: Incident, v: Verdict) -> None:
         _line(c, 4, f"- {e}")
 
 
-def _when(c: Console, inc: Incident) -> None:
+def _when(c: Console, inc: Incident, ids: dict[str, str]) -> None:
     if inc.wall_ns is None:
         return
     if inc.kind is SourceKind.FLIGHT_RECORDER:
         _line(c, 2, f"time: {_wall(inc.wall_ns)}, the latest entry (the dumps carry no dump time)")
     elif inc.detected_by:
-        _line(c, 2, f"time: {_wall(inc.wall_ns)}, detected by {inc.detected_by}")
+        _line(c, 2, f"time: {_wall(inc.wall_ns)}, detected by {shorten(inc.detected_by, ids)}")
     else:
         _line(c, 2, f"time: {_wall(inc.wall_ns)}, when the latest snapshot was taken")
 
@@ -444,18 +506,66 @@ def _table(c: Console, inc: Incident, t: CommTable, show_all: bool) -> None:
     columns = [("rank", True), ("world", True), ("file" if files else "host", False)]
     columns += [] if files else [("pid", True)]
     columns += [("last entered", True), ("last returned", True), ("state", False), ("why", False)]
-    table = new_table(c, columns)
     rows = t.members if show_all else _first_rows(t.members)
+    body = []
     for m in rows:
         cells = [str(m.rank), _cell(m.world_rank), _cell(m.host)]
         cells += [] if files else [_cell(m.pid)]
-        cells += [_cell(m.last_entered), _cell(m.last_returned), m.state, m.reason]
-        table.add_row(*(Text(x) for x in cells), style=_row_style(c, m))
-    c.print(Padding(table, (0, 0, 0, 4), expand=False))
+        body.append(([*cells, _cell(m.last_entered), _cell(m.last_returned), m.state, m.reason], m))
+    if c.is_terminal:
+        _fitted_table(c, columns, body)
+    else:
+        table = new_table(c, columns)
+        for cells, _ in body:
+            table.add_row(*(Text(x) for x in cells))
+        c.print(Padding(table, (0, 0, 0, TABLE_INDENT), expand=False))
     if len(rows) < len(t.members):
         rest = [m for m in t.members if m not in rows]
         lag = sum(1 for m in rest if m.kind is not MemberState.AT_FRONTIER)
         _line(c, 4, f"... {len(rest)} more ranks, {lag} of them not at the frontier")
+
+
+TABLE_INDENT = 4
+WHY_MIN = 30  # narrower than this, a member's why goes on a line under its row
+
+
+def _fitted_table(
+    c: Console, columns: list[tuple[str, bool]], body: list[tuple[list[str], MemberRow]]
+) -> None:
+    """A member table at the terminal's width: every column as wide as its
+    cells need (text wrapping between words where they do not fit), or,
+    when the why column would be too narrow, that column as a line under
+    each row that has one (no member has one: no column)."""
+    room = c.width - TABLE_INDENT
+    heads = [h for h, _ in columns]
+    rows = [cells for cells, _ in body]
+    natural_why = max(len(cells[-1]) for cells in rows) if rows else 0
+    widths = fit_widths([heads, *rows], room) if natural_why else None
+    if widths is not None and widths[-1] >= min(natural_why, WHY_MIN):
+        _rows_table(c, columns, body, widths)
+        return
+    narrow = fit_widths([heads[:-1], *(cells[:-1] for cells in rows)], room)
+    if not natural_why:
+        _rows_table(c, columns[:-1], [(cells[:-1], m) for cells, m in body], narrow)
+        return
+    c.print(Padding(new_table(c, columns[:-1], widths=narrow), (0, 0, 0, TABLE_INDENT)))
+    for cells, m in body:  # each row, then its why under it, at the header's widths
+        _rows_table(c, columns[:-1], [(cells[:-1], m)], narrow, header=False)
+        if m.reason:
+            _line(c, TABLE_INDENT + 3, f"why: {m.reason}", _row_style(c, m), hang=5)
+
+
+def _rows_table(
+    c: Console,
+    columns: list[tuple[str, bool]],
+    body: list[tuple[list[str], MemberRow]],
+    widths: list[int] | None,
+    header: bool = True,
+) -> None:
+    table = new_table(c, columns, widths=widths, header=header)
+    for cells, m in body:
+        table.add_row(*(Text(x) for x in cells), style=_row_style(c, m))
+    c.print(Padding(table, (0, 0, 0, TABLE_INDENT), expand=False))
 
 
 def _first_rows(members: tuple[MemberRow, ...]) -> tuple[MemberRow, ...]:

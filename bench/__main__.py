@@ -17,6 +17,7 @@ MODULES = (
     "bench_links",
     "bench_dumps",
     "bench_analyzer",
+    "bench_flightrec",
     "bench_accuracy",
     "bench_sql",
     "bench_live",

@@ -8,6 +8,13 @@ stallwatch's first verdict, and, when torch is installed, what torchfrtrace
 A figure per run: 1 when stallwatch's first verdict (kind and world ranks) is
 the one the dumps support, else 0.  ``--markdown`` prints the table of
 docs/flight-recorder.md instead.
+
+Then the other direction: recorded lab incidents (tests/data/lab-hang-2x2,
+lab-hang-4x2, lab-desync-*, lab-crash-*) exported as Flight Recorder files (``stallwatch
+export --flight-recorder``, with and without their point-to-point calls): our
+verdict on the files (the same as on the dumps, or the figure fails) and, when
+torch is installed, what torchfrtrace reports first on them (the figure fails
+when it does not name our culprit).  ``--markdown-export`` prints that table.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.bench_analyzer import has_torchfrtrace
+from bench.bench_flightrec import has_torchfrtrace
 from bench.common import Figure, render
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,8 +143,96 @@ def rows(with_torch: bool) -> list[Row]:
     return out
 
 
+LAB = ROOT / "tests" / "data"
+LAB_INCIDENTS = {
+    name: LAB / f"lab-{name}"
+    for name in ("hang-2x2", "crash-2x2", "crash-4x2", "desync-2x2", "desync-4x2", "hang-4x2")
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ExportRow:
+    incident: str
+    dumps: str  # our first verdict on the dumps
+    back: str  # ours on the exported files
+    theirs: str | None  # torchfrtrace on the files, None when torch is not installed
+    theirs_collectives: str | None  # ... on the files without point-to-point calls
+
+    @property
+    def right(self) -> bool:
+        return self.back == self.dumps
+
+    @property
+    def same_culprit(self) -> bool | None:
+        """Whether torchfrtrace's first report (on the files it can read)
+        names our first verdict's ranks."""
+        if self.theirs_collectives is None:
+            return None
+        ranks = set(re.findall(r"\d+", self.dumps.split(" ", 1)[-1]))
+        return bool(ranks) and set(re.findall(r"\d+", self.theirs_collectives)) == ranks
+
+
+def export_rows(with_torch: bool) -> list[ExportRow]:
+    import tempfile
+
+    from stallwatch.analyzer.frexport import export_flight_recorder
+    from stallwatch.analyzer.pipeline import analyze_paths
+
+    out = []
+    for name, folder in LAB_INCIDENTS.items():
+        result = analyze_paths([str(folder)])
+        with tempfile.TemporaryDirectory(prefix="bench-fr-export-") as tmp:
+            whole, collectives = Path(tmp) / "all", Path(tmp) / "collectives"
+            export_flight_recorder(result.incidents, whole)
+            export_flight_recorder(result.incidents, collectives, p2p=False)
+            v = result.incidents[0].verdicts[0]
+            out.append(
+                ExportRow(
+                    name,
+                    _verdict(v.kind.value, list(v.ranks)),
+                    _ours(whole),
+                    torchfrtrace(whole, "rank_") if with_torch else None,
+                    torchfrtrace(collectives, "rank_") if with_torch else None,
+                )
+            )
+    return out
+
+
+def export_markdown(table: list[ExportRow]) -> str:
+    head = (
+        "| incident | stallwatch on the dumps | stallwatch on the files | torchfrtrace | "
+        "torchfrtrace, p2p calls left out |\n|---|---|---|---|---|"
+    )
+    lines = [
+        f"| {r.incident} | {r.dumps} | {r.back} | {r.theirs or 'not run'} | "
+        f"{r.theirs_collectives or 'not run'} |"
+        for r in table
+    ]
+    return "\n".join([head, *lines])
+
+
+def _export_figures(quick: bool) -> list[Figure]:
+    return [
+        Figure(
+            f"FR export {r.incident}",
+            1.0 if r.right else 0.0,
+            "",
+            f"= {r.dumps}",
+            r.right and r.same_culprit is not False,
+            f"ours on the files {r.back}"
+            + (
+                "; torchfrtrace not run"
+                if r.theirs is None
+                else f"; torchfrtrace: {r.theirs}; p2p calls left out: {r.theirs_collectives}"
+            ),
+        )
+        for r in export_rows(with_torch=has_torchfrtrace() and not quick)
+    ]
+
+
 def figures(quick: bool = False) -> list[Figure]:
     table = rows(with_torch=has_torchfrtrace() and not quick)
+    exports = _export_figures(quick)
     figs = [
         Figure(
             f"FR corpus {r.run}",
@@ -150,6 +245,7 @@ def figures(quick: bool = False) -> list[Figure]:
         )
         for r in table
     ]
+    figs += exports
     right = sum(r.right for r in table)
     figs.append(
         Figure(
@@ -200,9 +296,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--markdown", action="store_true", help="the table of docs/flight-recorder.md"
     )
+    parser.add_argument(
+        "--markdown-export",
+        action="store_true",
+        help="the export table of docs/flight-recorder.md",
+    )
     args = parser.parse_args(argv)
     if args.markdown:
         print(markdown(rows(with_torch=has_torchfrtrace())))
+        return 0
+    if args.markdown_export:
+        print(export_markdown(export_rows(with_torch=has_torchfrtrace())))
         return 0
     figs = figures()
     print(render(figs))

@@ -16,19 +16,16 @@ Figures (one run each, in a child process so that peak RSS is the analysis'):
   (about 4.7 and 38 GB) are written once into a cache folder
   (``$STALLWATCH_BENCH_CACHE``, else ``~/.cache/stallwatch-bench``) and
   reused by later runs; ``--clean-cache`` removes it.  The anchor gives the
-  CPU time beside the wall time: these machines are shared;
-- PyTorch Flight Recorder pickles of 512 ranks x 2,000 entries: our time
-  (on every core, and on one); when torch is installed (``pip install
-  '.[compare]'``), torchfrtrace's on the same files and the ratio (>= 10x).
+  CPU time beside the wall time: these machines are shared.
+
+PyTorch Flight Recorder files are ``bench.bench_flightrec``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import pickle
 import resource
 import shutil
 import subprocess
@@ -40,40 +37,6 @@ from pathlib import Path
 from bench import incident3d
 from bench.common import Figure, render
 from bench.incident3d import Shape
-
-
-def write_flightrec(folder: Path, nranks: int, entries: int) -> None:
-    cfg = {"0": {"name": "0", "desc": "default_pg", "ranks": str(list(range(nranks)))}}
-    for r in range(nranks):
-        ents = [
-            {
-                "collective_seq_id": s,
-                "p2p_seq_id": 0,
-                "is_p2p": False,
-                "pg_id": 0,
-                "op_id": s,
-                "record_id": s,
-                "process_group": ("0", "default_pg"),
-                "profiling_name": "nccl:all_reduce",
-                "input_sizes": [[1024]],
-                "input_dtypes": ["Float"],
-                "output_sizes": [[1024]],
-                "output_dtypes": ["Float"],
-                "state": "completed" if s < entries - 1 else "scheduled",
-                "time_created_ns": 10**18 + s * 10**6,
-                "time_discovered_started_ns": None,
-                "time_discovered_completed_ns": 10**18 + s * 10**6 + 500
-                if s < entries - 1
-                else None,
-                "retired": False,
-                "timeout_ms": 600000,
-                "thread_id": "1",
-                "thread_name": "py",
-            }
-            for s in range(entries - (1 if r == 7 else 0))
-        ]
-        doc = {"version": "2.9", "pg_config": cfg, "pg_status": {}, "entries": ents}
-        (folder / f"_dump_{r}").write_bytes(pickle.dumps(doc, protocol=4))
 
 
 def peak_rss() -> int:
@@ -103,27 +66,6 @@ def _cpu() -> float:
     """CPU seconds of this process and of its worker processes (reaped)."""
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
-
-
-def torch_child(folder: str) -> None:
-    """torchfrtrace (torch's own Flight Recorder analyzer) on the folder;
-    its report goes to /dev/null, its time and peak RSS to stdout."""
-    import contextlib
-
-    from torch.distributed.flight_recorder.fr_trace import main as fr_trace
-
-    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
-        t0 = time.perf_counter()
-        fr_trace([folder])
-        elapsed = time.perf_counter() - t0
-    rss = peak_rss()
-    print(json.dumps({"seconds": elapsed, "rss": rss}))
-
-
-def has_torchfrtrace() -> bool:
-    return importlib.util.find_spec("torch") is not None and (
-        importlib.util.find_spec("torch.distributed.flight_recorder.fr_trace") is not None
-    )
 
 
 def measure(
@@ -203,60 +145,6 @@ def _progress(what: str):  # type: ignore[no-untyped-def]
     return step
 
 
-def _fr(nranks: int, entries: int, judged: bool = True) -> list[Figure]:
-    """Ours (on every core, and on one) and torchfrtrace on the same files.
-    The 10x target is judged at full size only (``judged``)."""
-    with tempfile.TemporaryDirectory(prefix="bench-fr-") as tmp:
-        write_flightrec(Path(tmp), nranks, entries)
-        r = measure(Path(tmp))
-        one = measure(Path(tmp), env={"STALLWATCH_THREADS": "1"})
-        theirs = measure(Path(tmp), "--torchfrtrace") if has_torchfrtrace() else None
-    right = all(x["kind"] == "missing_rank" and x["ranks"] == [7] for x in (r, one))
-    wrong = "" if right else "; WRONG verdict"
-    secs, secs1 = float(r["seconds"]), float(one["seconds"])  # type: ignore[arg-type]
-    tag = f"analyze FR {nranks} ranks x {entries} entries"
-    if theirs is None:
-        return [
-            Figure(
-                f"{tag}: time",
-                secs,
-                "s",
-                "10x faster than torchfrtrace",
-                None if right else False,
-                "torchfrtrace: torch not installed, not measured" + wrong,
-            ),
-        ]
-    t_theirs = float(theirs["seconds"])  # type: ignore[arg-type]
-    gb_theirs, gb = float(theirs["rss"]) / 1e9, float(r["rss"]) / 1e9  # type: ignore[arg-type]
-    return [
-        Figure(f"{tag}: time", secs, "s", "-", None, f"peak RSS {gb:.2f} GB" + wrong),
-        Figure(
-            f"{tag}: torchfrtrace time",
-            t_theirs,
-            "s",
-            "-",
-            None,
-            f"torch's analyzer, same files; peak RSS {gb_theirs:.2f} GB",
-        ),
-        Figure(
-            f"{tag}: torchfrtrace / ours",
-            t_theirs / secs,
-            "x",
-            ">= 10x" if judged else "-",
-            (t_theirs / secs >= 10 and right) if judged else (None if right else False),
-            f"ours {secs:.2f} s vs {t_theirs:.1f} s",
-        ),
-        Figure(
-            f"{tag}: torchfrtrace / ours, one thread",
-            t_theirs / secs1,
-            "x",
-            "-",
-            None,
-            f"STALLWATCH_THREADS=1: ours {secs1:.2f} s",
-        ),
-    ]
-
-
 def figures(quick: bool = False, big: bool = False) -> list[Figure]:
     small = Shape(128, calls=200, pp=4) if quick else Shape(512)
     figs = _ours(small, 1.0, 1.0) + _ours(
@@ -266,7 +154,6 @@ def figures(quick: bool = False, big: bool = False) -> list[Figure]:
         figs += _ours(Shape(16384), 5.0, 2.0, cached=True)
         figs += _ours(Shape(16384, fault="straggler"), 5.0, 2.0, cached=True)
         figs += _ours(Shape(131072), 60.0, 12.0, cached=True, repeats=1)
-    figs += _fr(64 if quick else 512, 200 if quick else 2000, judged=not quick)
     return figs
 
 
@@ -278,7 +165,6 @@ def main(argv: list[str] | None = None) -> int:
         "--clean-cache", action="store_true", help="remove the cached big incidents and exit"
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--torchfrtrace", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.clean_cache:
         shutil.rmtree(incident3d.cache_root(), ignore_errors=True)
@@ -286,9 +172,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.child:
         child(args.child)
-        return 0
-    if args.torchfrtrace:
-        torch_child(args.torchfrtrace)
         return 0
     figs = figures(quick=args.quick, big=args.big)
     print(render(figs))

@@ -13,7 +13,13 @@ Figures (medians over repeats, printed as figure / value / target):
 - the same fan-outs to agents that answer the fetches by scanning their
   Arrow columns (``query.scan``, as they do) and to agents that run every
   fetch in DuckDB (as they did before), asked in turn, as a ratio;
-- the fan-out to 64 agents over mutual TLS as a ratio to plain HTTP.
+- the fan-out to 64 agents over mutual TLS as a ratio to plain HTTP;
+- ``stallwatch query`` counting the NCCL calls of 256 dumps (a 3-D job of
+  2,048 ranks, ``bench.incident3d``) beside ``stallwatch analyze`` on the
+  same dumps, each command a process of its own: the memory each holds for
+  the data (peak RSS on the 256 dumps less its peak on one of them: DuckDB
+  and Arrow alone take query's process to about 150 MB, which analyze never
+  loads) as a ratio, query's at most analyze's; and the time as a ratio.
 
 The agents are HTTP servers (the real ``query.http`` surface and query
 engine), spread over worker processes (8, and 32 for 1,024 agents), each on
@@ -27,11 +33,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -202,8 +210,11 @@ def serve_worker(first: int, count: int, tls_dir: str | None = None, scans: bool
     handles = []
     for i in range(first, first + count):
         backend = RecordingsBackend([agent_recording(i)])
-        handles.append(serve_http(backend, "127.0.0.1:0", None, tls=tls, scans=scans))
-        handles[-1].engine.query("SELECT 1")  # tables made now, not on the first fan-out
+        # hundreds of servers in one process: each engine in it, not in a process of its own
+        handles.append(
+            serve_http(backend, "127.0.0.1:0", None, tls=tls, scans=scans, isolated=False)
+        )
+        handles[-1].engine.query("SELECT 1", None, "")  # tables made now, not at the first fan-out
     print(" ".join(h.address for h in handles), flush=True)
     sys.stdin.read()
     for h in handles:
@@ -375,6 +386,85 @@ def _tls_figure(agents: int, repeats: int, processes: int) -> Figure:
     )
 
 
+SCALE_SQL = "SELECT count(*) FROM nccl_events"
+# One command in a process of its own that imports nothing else (this module
+# loads Arrow, which analyze never does): its output to /dev/null, its time
+# and peak RSS (VmHWM: ru_maxrss would carry the parent's over exec) as JSON.
+SCALE_CHILD = """
+import contextlib, json, os, sys, time
+from stallwatch.commands.main import main
+t0 = time.perf_counter()
+with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+    code = main(sys.argv[1:])
+seconds = time.perf_counter() - t0
+hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print(json.dumps({"seconds": seconds, "rss": hwm * 1024, "code": code}))
+"""
+
+
+def _scale_run(command: str, folder: Path) -> dict[str, float]:
+    argv = ["query", str(folder), SCALE_SQL] if command == "query" else ["analyze", str(folder)]
+    done = subprocess.run(
+        [sys.executable, "-c", SCALE_CHILD, *argv],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    doc: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return doc
+
+
+def _scale_figures(quick: bool, repeats: int) -> list[Figure]:
+    from bench import incident3d
+    from bench.incident3d import Shape
+
+    if not quick:  # written once into the benchmarks' cache
+        return _scale_figures_on(incident3d.cached_incident(Shape(2048)), Shape(2048), repeats)
+    shape = Shape(256, calls=200, pp=4)
+    with tempfile.TemporaryDirectory(prefix="bench-sql-scale-") as tmp:
+        incident3d.write_incident(shape, Path(tmp))
+        return _scale_figures_on(Path(tmp), shape, repeats)
+
+
+def _scale_figures_on(folder: Path, shape: Any, repeats: int) -> list[Figure]:
+    dumps = sorted(folder.glob("*.msgpack"))
+    with tempfile.TemporaryDirectory(prefix="bench-sql-one-") as tmp:
+        one = Path(tmp)
+        (one / dumps[0].name).symlink_to(dumps[0])
+        runs: dict[str, list[dict[str, float]]] = {"query": [], "analyze": []}
+        floors: dict[str, list[float]] = {"query": [], "analyze": []}
+        for _ in range(repeats):  # side by side, in turn
+            for command in runs:
+                runs[command].append(_scale_run(command, folder))
+                floors[command].append(_scale_run(command, one)["rss"])
+    peak = {c: statistics.median(r["rss"] for r in rs) for c, rs in runs.items()}
+    floor = {c: statistics.median(f) for c, f in floors.items()}
+    held = {c: max(peak[c] - floor[c], 0.0) for c in runs}
+    secs = {c: statistics.median(r["seconds"] for r in rs) for c, rs in runs.items()}
+    tag = f"query {SCALE_SQL!r} on {len(dumps)} dumps ({shape.nranks:,} ranks)"
+    mb = {c: f"{peak[c] / 1e6:.0f} MB peak ({floor[c] / 1e6:.0f} MB on one dump)" for c in runs}
+    ratio = held["query"] / held["analyze"] if held["analyze"] else float("inf")
+    return [
+        Figure(
+            f"{tag}: memory for the data / analyze's",
+            ratio,
+            "x",
+            "<= 1.0x",
+            ratio <= 1.0,
+            f"query {mb['query']}, analyze {mb['analyze']}",
+        ),
+        Figure(
+            f"{tag}: time / analyze's",
+            secs["query"] / secs["analyze"],
+            "x",
+            "-",
+            None,
+            f"query {secs['query']:.2f} s, analyze {secs['analyze']:.2f} s",
+        ),
+    ]
+
+
 def figures(quick: bool = False, repeats: int = 5) -> list[Figure]:
     rows = 20_000 if quick else 1_000_000
     out = _seed_figures(rows, repeats)
@@ -386,6 +476,7 @@ def figures(quick: bool = False, repeats: int = 5) -> list[Figure]:
         out.append(_fanout_figure(1024, repeats, 32))
         out.append(_scan_figure(1024, repeats, 32))
     out.append(_tls_figure(8 if quick else 64, repeats, processes))
+    out += _scale_figures(quick, 1 if quick else 3)
     return out
 
 

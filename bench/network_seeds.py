@@ -13,7 +13,10 @@ start, blocking and async, dumped at the end, no neighbour.
 
     python -m bench.network_seeds [--seeds 10] [--faults partition flap ...]
                                   [--shapes 3x2 4x2] [--waits block spin] [--lossy]
-                                  [--out DIR]
+                                  [--out DIR] [--reanalyze]
+
+``--reanalyze`` runs nothing: it analyzes again the runs kept in ``--out``
+(the recordings are the expensive part; a rule changed is judged on them).
 """
 
 from __future__ import annotations
@@ -76,6 +79,20 @@ def spec(run: Run) -> tuple[list[str], bool]:
     raise ValueError(run.fault)
 
 
+def analyze(folder: Path) -> dict[str, Any]:
+    verdict = subprocess.run(
+        [sys.executable, "-m", "stallwatch", "analyze", str(folder / "dumps"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    (folder / "analyze.json").write_text(verdict.stdout)
+    try:
+        return dict(json.loads(verdict.stdout))
+    except ValueError:
+        return {"incidents": [], "error": verdict.stderr.strip()[-300:]}
+
+
 def lab_run(run: Run, folder: Path) -> dict[str, Any]:
     faults, at_end = spec(run)
     argv = [sys.executable, "-m", "stallwatch", "lab", "run", "--record", "--json"]
@@ -94,17 +111,7 @@ def lab_run(run: Run, folder: Path) -> dict[str, Any]:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     (folder / "lab.json").write_text(done.stdout)
     (folder / "lab.err").write_text(done.stderr)
-    verdict = subprocess.run(
-        [sys.executable, "-m", "stallwatch", "analyze", str(folder / "dumps"), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    (folder / "analyze.json").write_text(verdict.stdout)
-    try:
-        return dict(json.loads(verdict.stdout))
-    except ValueError:
-        return {"incidents": [], "error": verdict.stderr.strip()[-300:]}
+    return analyze(folder)
 
 
 def names_the_node_alone(run: Run, result: dict[str, Any]) -> tuple[bool, str]:
@@ -147,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lossy", action="store_true", help="the lossy-node straggler runs too")
     p.add_argument("--only-lossy", action="store_true", help="the lossy-node straggler alone")
     p.add_argument("--out", type=Path, default=None, help="keep the dumps here")
+    p.add_argument("--reanalyze", action="store_true", help="analyze the runs kept in --out again")
     args = p.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
     out = args.out or Path(tempfile.mkdtemp(prefix="network-seeds-"))
@@ -154,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.lossy or args.only_lossy)  # fmt: skip
     tally: dict[str, list[int]] = {}
     for run in todo:
-        result = lab_run(run, out / run.name)
+        if args.reanalyze and not (out / run.name / "dumps").is_dir():
+            continue
+        result = analyze(out / run.name) if args.reanalyze else lab_run(run, out / run.name)
         good, top = names_the_node_alone(run, result)
         key = f"{run.fault} {run.nodes}x{run.ranks_per_node} {run.wait} {run.mode}"
         count = tally.setdefault(key, [0, 0])

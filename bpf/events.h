@@ -231,7 +231,9 @@ _Static_assert(__builtin_offsetof(struct comm_event, unique_id) == 88, "comm_eve
 /* A TCP event of a job's socket, decided in the kernel (bpf/tcp.c): the
  * header's pid is the owning process, 0 if unknown.  Retransmits carry the
  * connection's state as the kernel had it (read by the sock_ops program: the
- * row is completed right after it is written), resets their reason.
+ * row is completed right after it is written), resets their reason.  A
+ * retransmit of another connection to a host the job talks to is a sample
+ * (`other` 1, pid 0): at most one a second per pair of addresses.
  */
 struct tcp_event {
 	struct event_header hdr;
@@ -253,7 +255,7 @@ struct tcp_event {
 	__u32 retrans_out; /* of them, retransmitted */
 	__u16 reason; /* resets: enum sk_rst_reason */
 	__u8 conn_known; /* 1: the fields from no_ack_ns on were read, 0: unknown */
-	__u8 _pad1;
+	__u8 other; /* 1: not the job's connection, a sample (see tcp.c) */
 	__s32 err; /* retransmits: the send's result (0, or -errno: not sent) */
 	__u32 _pad2;
 };
@@ -276,7 +278,7 @@ _Static_assert(__builtin_offsetof(struct tcp_event, packets_out) == 108, "tcp_ev
 _Static_assert(__builtin_offsetof(struct tcp_event, retrans_out) == 112, "tcp_event.retrans_out");
 _Static_assert(__builtin_offsetof(struct tcp_event, reason) == 116, "tcp_event.reason");
 _Static_assert(__builtin_offsetof(struct tcp_event, conn_known) == 118, "tcp_event.conn_known");
-_Static_assert(__builtin_offsetof(struct tcp_event, _pad1) == 119, "tcp_event._pad1");
+_Static_assert(__builtin_offsetof(struct tcp_event, other) == 119, "tcp_event.other");
 _Static_assert(__builtin_offsetof(struct tcp_event, err) == 120, "tcp_event.err");
 _Static_assert(__builtin_offsetof(struct tcp_event, _pad2) == 124, "tcp_event._pad2");
 

@@ -10,7 +10,12 @@
  * one ephemeral port to connections of other processes to other peers.
  * Everything else is counted (DROP_TCP_FILTERED) and never written, so that
  * no neighbour on the machine (a data loader opening thousands of
- * connections a second) can evict the job's rows from the ring.
+ * connections a second) can evict the job's rows from the ring; but a
+ * retransmit of another connection to a host the job talks to (`job_peers`:
+ * the far ends of the job's connections) is kept as a sample, at most one a
+ * second per pair of addresses (`other_sampled`): other traffic failing to
+ * reach a host is evidence of that host's network, where the job's own
+ * connections to it carried nothing when its link went.
  *
  * Owners: retransmits fire in softirq context, where the current pid means
  * nothing, so `sock_owner` (socket address -> tgid) is learned where a
@@ -98,6 +103,23 @@ struct conn_key {
 };
 /* -> the tracked process that holds it */
 BPF_HASH(job_conns, struct conn_key, u32, MAX_ENDPOINTS);
+
+/* Far-end addresses of the job's connections -> 1 */
+struct peer_addr {
+	u8 addr[16];
+	u16 family;
+	u16 _pad[3];
+};
+BPF_TABLE("lru_hash", struct peer_addr, u32, job_peers, MAX_ENDPOINTS);
+/* (this end, the far end) of other connections -> when one was last sampled */
+struct addr_pair {
+	u8 local[16];
+	u8 remote[16];
+	u16 family;
+	u16 _pad[3];
+};
+BPF_TABLE("lru_hash", struct addr_pair, u64, other_sampled, MAX_ENDPOINTS);
+#define OTHER_SAMPLE_NS 1000000000ULL
 
 struct conn {
 	u64 row_pos;        /* the retransmit row the tracepoint wrote last */
@@ -263,7 +285,7 @@ static __always_inline void clear_tail(struct tcp_event *e)
 	e->retrans_out = 0;
 	e->reason = 0;
 	e->conn_known = 0;
-	e->_pad1 = 0;
+	e->other = 0;
 	e->err = 0;
 	e->_pad2 = 0;
 }
@@ -288,6 +310,50 @@ static __always_inline void copy_conn(struct tcp_event *e, struct conn *c, u64 n
 	e->conn_known = 1;
 }
 
+static __always_inline void note_peer(struct endpoint *remote)
+{
+	struct peer_addr key = {};
+	__builtin_memcpy(key.addr, remote->addr, 16);
+	key.family = remote->family;
+	u32 one = 1;
+	job_peers.update(&key, &one);
+}
+
+/* Whether a retransmit of another connection is sampled: its far end is a
+ * host the job talks to, and its pair of addresses had none this second. */
+static __always_inline int sample_other(struct endpoint *local, struct endpoint *remote, u64 now)
+{
+	struct peer_addr peer = {};
+	__builtin_memcpy(peer.addr, remote->addr, 16);
+	peer.family = remote->family;
+	if (!job_peers.lookup(&peer))
+		return 0;
+	struct addr_pair pair = {};
+	__builtin_memcpy(pair.local, local->addr, 16);
+	__builtin_memcpy(pair.remote, remote->addr, 16);
+	pair.family = local->family;
+	u64 *last = other_sampled.lookup(&pair);
+	if (last && now - *last < OTHER_SAMPLE_NS)
+		return 0;
+	other_sampled.update(&pair, &now);
+	return 1;
+}
+
+/* A sampled retransmit of another connection: no owner, no state (a macro:
+ * tracepoint arguments at constant offsets). */
+#define WRITE_OTHER(a)                                                         \
+	do {                                                                   \
+		u64 __pos;                                                     \
+		struct tcp_event *__e = claim_tcp(&__pos);                     \
+		if (__e) {                                                     \
+			FILL_TCP_ROW(__e, a, TCPEV_TCP_RETRANSMIT_SKB, 0);     \
+			clear_tail(__e);                                       \
+			__e->state = (a)->state;                               \
+			__e->other = 1;                                        \
+			publish(&__e->hdr, __pos);                             \
+		}                                                              \
+	} while (0)
+
 TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
 {
 	u64 skaddr = (u64)args->skaddr;
@@ -299,8 +365,11 @@ TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
 	u32 pid = job_of(owner, &local, &remote);
 	if (!pid) {
 		count_filtered();
+		if (sample_other(&local, &remote, bpf_ktime_get_ns()))
+			WRITE_OTHER(args);
 		return 0;
 	}
+	note_peer(&remote);
 	struct tcp_event *e;
 	u64 pos;
 	e = claim_tcp(&pos);
@@ -429,6 +498,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 		count_filtered();
 		return 0;
 	}
+	note_peer(&remote);
 	struct tcp_event *e;
 	u64 pos;
 	e = claim_tcp(&pos);

@@ -10,6 +10,8 @@
     +-- PinError              a pinned recording cannot be made, adopted or removed
     +-- QueryError            an SQL query was refused or failed
     |   +-- QueryRefused      the query is not allowed (sandbox)
+    |   +-- AnswerTooLarge    its answer would be over the request's limit
+    |   +-- EngineBusy        the engine runs another query: ask again
     +-- AgentError            a live agent could not be reached or answered badly
     +-- LabError              the lab could not be set up or torn down
 
@@ -69,6 +71,14 @@ class QueryError(StallwatchError):
 
 
 class QueryRefused(QueryError):
+    pass
+
+
+class AnswerTooLarge(QueryError):
+    pass
+
+
+class EngineBusy(QueryError):
     pass
 
 

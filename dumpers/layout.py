@@ -331,14 +331,16 @@ TCP = Struct(
         Field("retrans_out", "u32", note="of them, retransmitted"),
         Field("reason", "u16", note="resets: enum sk_rst_reason"),
         Field("conn_known", "u8", note="1: the fields from no_ack_ns on were read, 0: unknown"),
-        Field("_pad1", "u8"),
+        Field("other", "u8", note="1: not the job's connection, a sample (see tcp.c)"),
         Field("err", "s32", note="retransmits: the send's result (0, or -errno: not sent)"),
         Field("_pad2", "u32"),
     ),
     """A TCP event of a job's socket, decided in the kernel (bpf/tcp.c): the
 header's pid is the owning process, 0 if unknown.  Retransmits carry the
 connection's state as the kernel had it (read by the sock_ops program: the
-row is completed right after it is written), resets their reason.""",
+row is completed right after it is written), resets their reason.  A
+retransmit of another connection to a host the job talks to is a sample
+(`other` 1, pid 0): at most one a second per pair of addresses.""",
 )
 
 SCHED = Struct(

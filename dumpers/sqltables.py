@@ -159,7 +159,7 @@ retransmits AS (  -- on the own connections of a rank: sent from its end, or tow
   FROM tcp_events t JOIN rank_ends e
     ON (t.host = e.host AND t.saddr = e.saddr AND t.sport = e.sport)
     OR (t.host <> e.host AND t.daddr = e.saddr AND t.dport = e.sport)
-  WHERE t.event = 'tcp_retransmit_skb')
+  WHERE t.event = 'tcp_retransmit_skb' AND NOT t.sampled)
 SELECT s.host, s.world_rank, s.seq, s.duration_ns/1e6 AS ms,
        count(r.sent) FILTER (WHERE r.sent) AS sent,
        count(r.sent) FILTER (WHERE NOT r.sent) AS received
@@ -182,9 +182,15 @@ WITH rank_sources AS (  -- source addresses of the connections of the ranks of e
   WHERE EXISTS (SELECT 1 FROM communicators c WHERE c.host = t.host AND c.pid = t.pid)
     AND NOT regexp_matches(t.saddr, '^(127\\.|::1$|::ffff:(127\\.|7f[0-9a-f]{2}:))')
   GROUP BY ALL),
-host_addresses AS (  -- the address of each host: the commonest of them
+host_addresses AS (  -- a host's: those of the links its ranks use, and the commonest source
   SELECT addr, min(host) AS host
-  FROM (SELECT host, first(saddr ORDER BY n DESC, saddr) AS addr FROM rank_sources GROUP BY host)
+  FROM (SELECT l.host, split_part(unnest(l.addresses), '/', 1) AS addr FROM links l
+        WHERE l.kind = 'netdev'
+          AND EXISTS (SELECT 1 FROM communicators c
+                      WHERE c.host = l.host AND list_contains(l.pids, c.pid))
+        UNION ALL
+        SELECT host, first(saddr ORDER BY n DESC, saddr) FROM rank_sources GROUP BY host)
+  WHERE NOT regexp_matches(addr, '^(127\\.|::1$)')
   GROUP BY addr),
 retransmits AS (  -- from the address of one host to that of another, each event once
   SELECT DISTINCT ON (t.saddr, t.sport, t.daddr, t.dport, t.host_timestamp_ns)
@@ -192,7 +198,7 @@ retransmits AS (  -- from the address of one host to that of another, each event
   FROM tcp_events t
   JOIN host_addresses src ON src.addr = t.saddr
   JOIN host_addresses dst ON dst.addr = t.daddr
-  WHERE t.event = 'tcp_retransmit_skb' AND src.host <> dst.host
+  WHERE t.event = 'tcp_retransmit_skb' AND NOT t.sampled AND src.host <> dst.host
   ORDER BY t.saddr, t.sport, t.daddr, t.dport, t.host_timestamp_ns, t.host),
 device_timed AS (SELECT DISTINCT host, pid FROM nccl_events WHERE completed_ns IS NOT NULL),
 windows AS (  -- collectives of the processes the host lists, on the device timeline if seen
@@ -669,6 +675,7 @@ def tcp_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     cols["packets_out"] = _maybe_null(rows["packets_out"].astype(np.int64), unknown)
     cols["retrans_out"] = _maybe_null(rows["retrans_out"].astype(np.int64), unknown)
     cols["send_error"] = _maybe_null(rows["err"].astype(np.int32), ~retransmit)
+    cols["sampled"] = pa.array(rows["other"] == 1)
     reset_sent = rows["event"] == TcpEvent.TCP_SEND_RESET
     cols["reset_reason"] = _maybe_null(rows["reason"].astype(np.int32), ~reset_sent)
     return cols

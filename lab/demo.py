@@ -25,7 +25,6 @@ import os
 import random
 import re
 import secrets
-import shlex
 import subprocess
 import sys
 import threading
@@ -38,6 +37,8 @@ from typing import TextIO
 
 from stallwatch.dumpers.errors import ExitCode, LabError, UsageError
 from stallwatch.dumpers.sqltables import HEADLINE_QUERY
+from stallwatch.lab.narrate import agent_line
+from stallwatch.lab.narrate import command_text as command_text
 
 STEPS = 16
 FIRST_HANG_STEP = 3  # every communicator has seen a few collectives by then
@@ -48,6 +49,10 @@ SETTLE_MAX_S = 5.0
 HEARTBEAT_S = 10.0
 LAB_EXIT_TIMEOUT = 180.0  # the lab's own deadlines end it well before this
 PERFETTO_UI = "https://ui.perfetto.dev"
+LAB_CLOCK = re.compile(r"^\[ *[\d.]+s\] ")  # the seconds lab run prefixes its lines with
+# lab run's commands for reaching its agents from a shell, which the demo
+# does not relay: it tears the agents down once they dumped
+CLIENT_LINES = ("from this shell", " ", "(in /")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,18 +95,6 @@ class Stage:
     @property
     def command(self) -> str:
         return command_text(self.argv)
-
-
-def _quote(arg: str) -> str:
-    """shlex.quote, but SQL with single quotes goes in double quotes when that
-    is safe (nothing the shell expands inside them): easier to read."""
-    if "'" in arg and not any(c in arg for c in '"$`\\!'):
-        return f'"{arg}"'
-    return shlex.quote(arg)
-
-
-def command_text(argv: Sequence[str]) -> str:
-    return " ".join(_quote(a) for a in argv)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,20 +210,10 @@ class Console:
 # --- the lab stage ------------------------------------------------------------------
 
 
-AGENT_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (  # the first match counts
-    (re.compile(r"listening on (\S+)"), "agent up, listening on {0}"),
-    (re.compile(r"recording pid (\d+)"), "agent records rank process {0}"),
-    (re.compile(r"dump written to (\S+)"), "dump written: {0}"),
-    (re.compile(r"incident \S+ \(peer\): (.*)"), "a peer asks for a dump: {0}"),
-    (re.compile(r"incident \S+ \((\w+)\): (.*)"), "stall detected ({0}): {1}"),
-    (re.compile(r"stopping: (.*)"), "agent stopping: {0}"),
-    (re.compile(r"INFO stopped$"), "agent stopped"),
-)
-
-
 @dataclass(slots=True)
 class LabWatch:
-    """Reads the agents' logs and the dump folder while the lab runs."""
+    """Reads the agents' logs (for the demo's timings: ``lab run`` itself
+    tells what they say) and the dump folder while the lab runs."""
 
     dump_dir: Path
     nodes: int
@@ -267,24 +250,20 @@ class LabWatch:
         return complete.decode(errors="replace").splitlines()
 
     def _agent_line(self, node: int, line: str) -> None:
-        for pattern, text in AGENT_PATTERNS:
-            m = pattern.search(line)
-            if m is None:
-                continue
-            self.console.progress(f"node{node}: " + text.format(*m.groups()))
-            if "listening" in text:
-                self.agents_up += 1
-                if self.agents_up == self.nodes:
-                    self.milestones["agents_up"] = self.console.elapsed()
-            if "stall detected" in text:
-                self.milestones.setdefault("stall_detected", self.console.elapsed())
-            if "agent stopping" in text:
-                self.milestones.setdefault("agents_stopping", self.console.elapsed())
-            if text == "agent stopped":
-                self.stopped += 1
-                if self.stopped == self.nodes:
-                    self.milestones["agents_stopped"] = self.console.elapsed()
-            return
+        found = agent_line(line)
+        kind = found[0] if found is not None else None
+        if kind == "listening":
+            self.agents_up += 1
+            if self.agents_up == self.nodes:
+                self.milestones["agents_up"] = self.console.elapsed()
+        if kind == "stall":
+            self.milestones.setdefault("stall_detected", self.console.elapsed())
+        if kind == "stopping":
+            self.milestones.setdefault("agents_stopping", self.console.elapsed())
+        if kind == "stopped":
+            self.stopped += 1
+            if self.stopped == self.nodes:
+                self.milestones["agents_stopped"] = self.console.elapsed()
 
 
 def _pump(stream: TextIO, sink: Callable[[str], None]) -> None:
@@ -315,7 +294,9 @@ class LabProcess:
 
         def on_err(line: str) -> None:
             err.append(line)
-            console.progress(line)
+            said = LAB_CLOCK.sub("", line, count=1)  # on the demo's clock
+            if not said.startswith(CLIENT_LINES):  # the demo tears the agents down at once
+                console.progress(said)
 
         assert proc.stdout is not None and proc.stderr is not None
         threads = [

@@ -2,11 +2,19 @@
 
 Run ``<id>`` makes namespaces ``swlab-<id>-n<k>`` (the nodes) and
 ``swlab-<id>-sw`` (the switch: a bridge ``br0`` with one port ``n<k>`` per
-node), so the root namespace is never touched.  Node k has ``eth0`` with
-``10.201.<b>.<k+1>/24`` (``b`` derived from the run id) and ``lo`` up.
-Everything a run makes lives inside its namespaces: deleting them removes the
-links, nftables tables and qdiscs with them; the processes inside are killed
-first (``ip netns pids``).
+node).  Node k has ``eth0`` with ``10.201.<b>.<k+1>/24`` (``b`` derived from
+the run id) and ``lo`` up.  Everything a run makes lives inside its
+namespaces: deleting them removes the links, nftables tables and qdiscs with
+them; the processes inside are killed first (``ip netns pids``).
+
+With ``host_port`` (runs with agents) the root namespace gets one link of the
+run's, the operator's seat: a veth ``swl-<id>`` whose other end is a port of
+the switch, with ``10.201.<b>.254/24``, so that the agents' addresses are
+reachable from the host's shell as a cluster's nodes are from an operator's
+machine (a connected route; no forwarding, no NAT; IPv6 off on it, so it
+sends nothing unasked).  A subnet that the root namespace already routes (an
+other run's seat, a network of the machine) is never used: new run ids avoid
+it, and an explicit one is refused.  It goes with the switch's namespace.
 
 Link faults act on the node's switch port, i.e. on its link, as a lossy cable
 or a capped port would:
@@ -95,10 +103,17 @@ class Network:
     run_id: str
     switch: str
     nodes: tuple[Node, ...]
+    host_ip: str | None = None  # the root namespace's address on the switch, if any
 
 
 def new_run_id() -> str:
-    return secrets.token_hex(3)
+    """A random run id whose subnet the root namespace does not route."""
+    taken = routed_subnets()
+    for _ in range(64):
+        run_id = secrets.token_hex(3)
+        if subnet(run_id) not in taken:
+            return run_id
+    raise LabError("every lab subnet (10.201.1-250.0/24) is routed here: too many runs at once")
 
 
 def check_run_id(run_id: str) -> str:
@@ -137,8 +152,35 @@ def subnet(run_id: str) -> str:
     return f"10.201.{int.from_bytes(run_id.encode(), 'big') % 250 + 1}"
 
 
-def create(run_id: str, nodes: int) -> Network:
-    """Namespaces, switch and links; on failure, what was made is removed."""
+HOST_OCTET = 254  # the host's address on a run's subnet (its seat on the switch)
+HOST_PORT = "host"  # the seat's port on the switch
+
+
+def host_dev(run_id: str) -> str:
+    """The seat's veth in the root namespace (at most 15 characters)."""
+    return f"swl-{run_id}"
+
+
+def routed_subnets() -> set[str]:
+    """The ``10.201.<b>`` prefixes the root namespace has routes to."""
+    try:
+        out = sh(["ip", "-4", "-o", "route", "show", "root", "10.201.0.0/16"], check=False)
+    except LabError:
+        return set()
+    return set(re.findall(r"^(10\.201\.\d+)\.", out, re.M))
+
+
+def check_subnet_free(run_id: str) -> None:
+    if subnet(run_id) in routed_subnets():
+        raise LabError(
+            f"run id {run_id!r}: its subnet {subnet(run_id)}.0/24 is routed here already "
+            "(another run's, or a network of this machine): give another --run-id"
+        )
+
+
+def create(run_id: str, nodes: int, host_port: bool = False) -> Network:
+    """Namespaces, switch and links (with ``host_port``, the root namespace's
+    seat on the switch too); on failure, what was made is removed."""
     switch, node_names = names(run_id, nodes)
     net = Network(
         run_id,
@@ -146,11 +188,16 @@ def create(run_id: str, nodes: int) -> Network:
         tuple(
             Node(k, name, f"{subnet(run_id)}.{k + 1}", f"n{k}") for k, name in enumerate(node_names)
         ),
+        f"{subnet(run_id)}.{HOST_OCTET}" if host_port else None,
     )
+    if host_port:
+        check_subnet_free(run_id)
     try:
         _make_switch(switch)
         for node in net.nodes:
             _make_node(switch, node)
+        if net.host_ip is not None:
+            _make_host_port(switch, run_id, net.host_ip)
     except BaseException:
         destroy(net)
         raise
@@ -175,9 +222,41 @@ def _make_node(switch: str, node: Node) -> None:
     sh(["ip", "-n", ns, "link", "set", "lo", "up"])
 
 
+def _make_host_port(switch: str, run_id: str, ip: str) -> None:
+    dev = host_dev(run_id)
+    sh(["ip", "link", "add", dev, "type", "veth", "peer", "name", HOST_PORT, "netns", switch])
+    sh(["ip", "-n", switch, "link", "set", HOST_PORT, "master", BRIDGE, "up"])
+    with contextlib.suppress(OSError):  # a kernel without IPv6 has nothing to turn off
+        Path(f"/proc/sys/net/ipv6/conf/{dev}/disable_ipv6").write_text("1")
+    sh(["ip", "addr", "add", f"{ip}/24", "dev", dev])
+    sh(["ip", "link", "set", dev, "up"])
+
+
+SWITCH_OCTET = 253  # the switch's own address, for a host-scope agent to listen on
+
+
+def address_switch(net: Network) -> str:
+    """Give the switch's bridge an address on the run's subnet (a host-scope
+    agent, which runs there, listens on it); returns it."""
+    ip = f"{subnet(net.run_id)}.{SWITCH_OCTET}"
+    sh(["ip", "-n", net.switch, "addr", "add", f"{ip}/24", "dev", BRIDGE])
+    return ip
+
+
+def _remove_host_port(run_id: str) -> list[str]:
+    dev = host_dev(run_id)
+    if not Path(f"/sys/class/net/{dev}").exists():
+        return []  # gone with the switch's namespace
+    try:
+        sh(["ip", "link", "delete", dev])
+    except LabError as exc:
+        return [str(exc)]
+    return []
+
+
 def destroy(net: Network) -> list[str]:
     """Kill what runs inside, delete the namespaces; returns problems, raises nothing."""
-    problems: list[str] = []
+    problems: list[str] = _remove_host_port(net.run_id) if net.host_ip is not None else []
     for ns in [*(node.netns for node in net.nodes), net.switch]:
         problems += delete_netns(ns)
     return problems
@@ -393,6 +472,9 @@ def cleanup_stale() -> list[str]:
     for run_dir in RUNS_DIR.glob("*") if RUNS_DIR.is_dir() else []:
         if not run_alive(run_dir.name):
             shutil.rmtree(run_dir, ignore_errors=True)
+    for seat in Path("/sys/class/net").glob(host_dev("*")):  # left by a dead run
+        if not run_alive(seat.name.removeprefix(host_dev(""))):
+            _remove_host_port(seat.name.removeprefix(host_dev("")))
     for pins in PIN_ROOT.glob(f"{PREFIX_PINS_GLOB}") if PIN_ROOT.is_dir() else []:
         run_id = pins.name.removeprefix(PIN_PREFIX).split("-", 1)[0]
         if not run_alive(run_id):

@@ -10,7 +10,12 @@ One run:
    ``--agent-scope host``, one agent for the whole machine instead (``record
    --scope host --job <run id>``: every node's ranks in one dump, other jobs
    on the machine left out), in the switch's namespace (the run's own, so its
-   port is free), listening on loopback there;
+   port is free), listening on the switch's own address there.  A run with
+   agents gives the host's shell a seat on the switch (``netns``), and once
+   the agents answer, writes what a client needs into ``<run dir>/client``
+   (``agents.txt``, ``token``, ``ca.pem``, ``client.pem``, ``client.key``:
+   the folder docs/runbook.md asks an operator to have at hand) and prints
+   the commands that reach them from that shell (``lab.narrate``);
 3. applies the faults that act from the start (link faults, CPU hogs:
    ``lab.injector``), starts the neighbour (``--neighbour-churn``:
    ``lab.neighbour``), then one ``python -m stallwatch.commands.labrank`` per
@@ -65,6 +70,7 @@ from stallwatch.lab.churn import CHURN_PORT
 from stallwatch.lab.faultlog import Episode, FaultRecord, Moment, wall_offset_ns
 from stallwatch.lab.injector import Injector, runner_faults
 from stallwatch.lab.logs import last_line
+from stallwatch.lab.narrate import STUCK_S, Narrator, command_text, program, wrapped
 from stallwatch.lab.neighbour import ChurnOutcome, Neighbour
 from stallwatch.lab.supervise import Service, Supervisor
 from stallwatch.query.agentclient import AgentClient
@@ -72,7 +78,7 @@ from stallwatch.query.agentclient import AgentClient
 AGENT_PORT = 9400
 HOST_SCOPE, NETNS_SCOPE = "host", "netns"
 AGENT_SCOPES = (NETNS_SCOPE, HOST_SCOPE)
-HOST_AGENT_IP = "127.0.0.1"  # the host agent listens on loopback in its namespace
+HOST_AGENT_IP = "127.0.0.1"  # the host agent, where the switch has no address of its own
 AGENT_START_TIMEOUT = 90.0
 DUMP_GRACE = 20.0  # after the job is given up: time for agents to dump
 HOGS_PER_RANK = 2
@@ -298,6 +304,17 @@ class AgentSite:
 
 
 @dataclass(slots=True)
+class JobWatch:
+    """What the waiting loops last told of the job."""
+
+    steps: tuple[int, ...] = ()
+    moved_at: float = field(default_factory=time.monotonic)
+    stuck: bool = False
+    next_look: float = 0.0
+    chaos_told: int = 0  # lines of the agent faults' log already told
+
+
+@dataclass(slots=True)
 class Lab:
     """What one run made; ``teardown`` removes all of it and may be called twice."""
 
@@ -316,6 +333,9 @@ class Lab:
     logs: list[TextIO] = field(default_factory=list)
     token: str = ""  # the agents' bearer token
     certs: LabCerts | None = None  # the agents' TLS (made per run, mutual)
+    switch_ip: str | None = None  # the switch's own address (a host agent listens there)
+    narrator: Narrator = field(default_factory=lambda: Narrator(None))  # what the run says
+    watch: JobWatch = field(default_factory=lambda: JobWatch())
     torn_down: bool = False
 
     def log_file(self, log: Path) -> TextIO:
@@ -364,7 +384,8 @@ class Lab:
         """Where the agents run: one per node, or the host's one."""
         assert self.net is not None
         if self.cfg.agent_scope == HOST_SCOPE:
-            return (AgentSite(0, self.net.switch, HOST_AGENT_IP, HOST_SCOPE, "the host"),)
+            ip = self.switch_ip or HOST_AGENT_IP
+            return (AgentSite(0, self.net.switch, ip, HOST_SCOPE, "the host"),)
         return tuple(
             AgentSite(n.index, n.netns, n.ip, f"node{n.index}", f"node {n.index}")
             for n in self.net.nodes
@@ -462,7 +483,7 @@ def signals_ignored() -> Iterator[None]:
 # --- setup ------------------------------------------------------------------
 
 
-def make_lab(cfg: RunConfig, lib: Path) -> Lab:
+def make_lab(cfg: RunConfig, lib: Path, progress_out: TextIO | None = None) -> Lab:
     netns.cleanup_stale()
     run_id = cfg.run_id or netns.new_run_id()
     if any(netns.run_of(ns) == run_id for ns in netns.list_netns()):
@@ -470,11 +491,15 @@ def make_lab(cfg: RunConfig, lib: Path) -> Lab:
     run_dir = netns.RUNS_DIR / run_id
     run_dir.mkdir(parents=True, exist_ok=False)
     (run_dir / "runner.pid").write_text(str(os.getpid()))
-    return Lab(cfg, lib, run_id, run_dir)
+    return Lab(cfg, lib, run_id, run_dir, narrator=Narrator(progress_out))
 
 
 def set_up(lab: Lab) -> None:
-    lab.net = netns.create(lab.run_id, lab.cfg.nodes)
+    say = lab.narrator.say
+    say(f"lab run {lab.run_id}: setting up {lab.cfg.nodes} node(s)")
+    lab.net = netns.create(lab.run_id, lab.cfg.nodes, host_port=lab.cfg.record)
+    if lab.cfg.record and lab.cfg.agent_scope == HOST_SCOPE:
+        lab.switch_ip = netns.address_switch(lab.net)
     lab.injector = Injector(
         net=lab.net,
         faults=runner_faults(lab.cfg.faults),
@@ -493,6 +518,9 @@ def set_up(lab: Lab) -> None:
         lab.neighbour.start()
     lab.injector.start()
     start_ranks(lab)
+    topo = lab.cfg.topology
+    say(f"job started: {topo.world_size} rank(s) on {topo.nodes} node(s), {lab.cfg.steps} "
+        f"step(s), {lab.cfg.mode}")  # fmt: skip
 
 
 def cpu_of(rank: int) -> int:
@@ -612,13 +640,73 @@ def start_agents(lab: Lab) -> None:
     lab.certs = make_certs(lab.run_dir / "tls", {s.index: s.ip for s in lab.sites()})
     lab.cfg.dump_dir.mkdir(parents=True, exist_ok=True)
     late = lab.chaos.late_nodes() if lab.chaos is not None else set()
+    starting = [s for s in lab.sites() if s.index not in late]
+    lab.narrator.say(
+        f"starting {len(starting)} agent(s): each compiles its eBPF programs (seconds; "
+        "a minute on a loaded machine)"
+    )
+    lab.narrator.phase()
     for site in lab.sites():
         agent_dump_dir(lab.cfg, site.index).mkdir(parents=True, exist_ok=True)
         if site.index not in late:
             start_agent(lab, site.index)
-    for site in lab.sites():
-        if site.index not in late:
-            wait_healthy(lab, site, token)
+    for site in starting:
+        wait_healthy(lab, site, token)
+    client = write_client_dir(lab)
+    say_client_commands(lab, client, late)
+
+
+CLIENT_DIR = "client"
+# in flight, longest first: what the runbook asks the agents live
+LIVE_SQL = (
+    "SELECT host, world_rank, op, seq, elapsed_ns/1e9 AS s FROM nccl_events "
+    "WHERE state = 'scheduled' ORDER BY elapsed_ns DESC, world_rank LIMIT 10"
+)
+
+
+def write_client_dir(lab: Lab) -> Path:
+    """What a client of the agents needs, named as docs/runbook.md names it:
+    agents.txt, token, ca.pem, client.pem, client.key (keys readable by
+    root alone); removed with the run."""
+    assert lab.certs is not None
+    folder = lab.run_dir / CLIENT_DIR
+    folder.mkdir(mode=0o700, exist_ok=True)
+    agents = "".join(f"{s.ip}:{AGENT_PORT}\n" for s in lab.sites())
+    (folder / "agents.txt").write_text(agents)
+    files = {"token": _token_file(lab), "ca.pem": lab.certs.ca}
+    files |= {"client.pem": lab.certs.client_cert, "client.key": lab.certs.client_key}
+    for name, source in files.items():
+        target = folder / name
+        target.touch(mode=0o600)
+        target.write_bytes(source.read_bytes())
+    return folder
+
+
+def client_commands(lab: Lab, folder: Path) -> list[list[str]]:
+    """The commands that reach the agents from the host's shell, as argv."""
+    reach = ["--agents-file", str(folder / "agents.txt"), "--token-file", str(folder / "token")]
+    reach += ["--tls-ca", str(folder / "ca.pem"), "--tls-cert", str(folder / "client.pem")]
+    reach += ["--tls-key", str(folder / "client.key")]
+    me = program()
+    return [
+        [*me, "analyze", *reach],
+        [*me, "query", *reach, LIVE_SQL],
+        [*me, "collect", *reach, "-o", "incident/"],
+    ]
+
+
+def say_client_commands(lab: Lab, folder: Path, late: set[int]) -> None:
+    sites = lab.sites()
+    where = ", ".join(f"{s.name} {s.ip}:{AGENT_PORT}" for s in sites if s.index not in late)
+    lab.narrator.say(f"agents ready: {where}")
+    if late:
+        lab.narrator.say(f"(the agents of node(s) {sorted(late)} start later: an agent fault)")
+    commands = [wrapped(argv) for argv in client_commands(lab, folder)]
+    lab.narrator.say(
+        "from this shell, while the job runs: the live verdict, the calls in flight, the dumps\n"
+        + "\n".join(commands)
+    )
+    lab.narrator.say(f"(in {folder}, gone at teardown, docs/runbook.md runs as printed)")
 
 
 def _agent_log(lab: Lab, site: AgentSite) -> Path:
@@ -656,6 +744,7 @@ def wait_healthy(lab: Lab, site: AgentSite, token: str) -> None:
     client = _client(lab, site, 1.0, token)
     deadline = time.monotonic() + AGENT_START_TIMEOUT
     while time.monotonic() < deadline:
+        narrate_agents(lab)
         exits = [e for e in sup.events if e.kind == "exited"]
         if exits:
             code = exits[0].code
@@ -667,6 +756,25 @@ def wait_healthy(lab: Lab, site: AgentSite, token: str) -> None:
             return
         time.sleep(0.25)
     raise LabError(f"the agent of {site.who} did not answer {url} in {AGENT_START_TIMEOUT}s")
+
+
+def agent_logs(lab: Lab) -> dict[str, Path]:
+    return {site.name: _agent_log(lab, site) for site in lab.sites()}
+
+
+def narrate_agents(lab: Lab) -> None:
+    """Tell what the agents' logs say; while some do not listen yet, a
+    heartbeat says how many do."""
+    n = lab.narrator
+    n.agent_logs(agent_logs(lab))
+    if not n.listening >= {s.name for s in lab.sites()}:
+        waited = time.monotonic() - n.phase_since
+        n.heartbeat(
+            lambda: (
+                f"waiting for the agents: {len(n.listening)} of {len(lab.sites())} "
+                f"listening after {waited:.0f} s (compiling their eBPF programs)"
+            )
+        )
 
 
 def _says_listening(log: Path) -> bool:
@@ -745,11 +853,13 @@ def wait_for_dumps(lab: Lab) -> None:
     deadline = time.monotonic() + lab.cfg.stall_timeout + grace
     gone = chaos.gone_nodes() if chaos is not None else set()
     nodes = [s.index for s in lab.sites() if s.index not in gone]  # dumped by pinned_dumps
+    lab.narrator.phase()
     while time.monotonic() < deadline:
         if chaos is not None:
             chaos.poll()
         if lab.injector is not None:
             lab.injector.check()
+        narrate_job(lab, waiting_for_dumps=True)
         dumped = all(any(agent_dump_dir(lab.cfg, n).glob("*.msgpack")) for n in nodes)
         if dumped and (chaos is None or chaos.settled()):
             return
@@ -895,12 +1005,14 @@ def say_agents_ready(lab: Lab) -> None:
 def wait_for_job(lab: Lab, started: float) -> str | None:
     """None when every rank exited; otherwise why the lab stopped waiting."""
     last, last_change = progress(lab), time.monotonic()
+    lab.narrator.phase()
     while True:
         if lab.chaos is not None:
             lab.chaos.poll()
         if lab.injector is not None:
             lab.injector.check()
         say_agents_ready(lab)
+        narrate_job(lab)
         now = time.monotonic()
         current = progress(lab)
         if len(current[1]) == len(lab.ranks):
@@ -912,6 +1024,72 @@ def wait_for_job(lab: Lab, started: float) -> str | None:
         if now - started > lab.cfg.deadline_s:
             return f"the job did not finish within {lab.cfg.deadline_s:g} s (--timeout)"
         time.sleep(POLL)
+
+
+LOOK_S = 0.25  # how often the narration looks at the ranks, faults and logs
+
+
+def narrate_job(lab: Lab, waiting_for_dumps: bool = False) -> None:
+    """Tell what changed: faults that took effect, the job stuck or moving
+    again, what the agents' logs say; between them, a heartbeat."""
+    w, n = lab.watch, lab.narrator
+    now = time.monotonic()
+    if now < w.next_look:
+        return
+    w.next_look = now + LOOK_S
+    if lab.cfg.record:
+        n.agent_logs(agent_logs(lab))
+    reports = {r: job.read_report(lab.run_dir, r) for r in sorted(lab.ranks)}
+    narrate_faults(lab, reports)
+    steps = tuple((rep.steps_done + 1 if rep is not None else 0) for rep in reports.values())
+    running = sum(1 for proc in lab.ranks.values() if proc.poll() is None)
+    if steps != w.steps:
+        if w.stuck and running:
+            n.say(f"the job moves again: step {min(steps, default=0)}")
+            n.phase()
+        w.steps, w.moved_at, w.stuck = steps, now, False
+    elif not w.stuck and running and now - w.moved_at >= STUCK_S:
+        w.stuck = True
+        step = min(steps, default=0)
+        after = f"; the agents call it a stall after {lab.cfg.stall_timeout:g} s"
+        n.say(f"the job is stuck at step {step}: no rank moved for {STUCK_S:g} s"
+              f"{after if lab.cfg.record else ''}")  # fmt: skip
+        n.phase()
+    n.heartbeat(lambda: _job_line(lab, steps, running, now - w.moved_at, waiting_for_dumps))
+
+
+def _job_line(
+    lab: Lab, steps: tuple[int, ...], running: int, still: float, waiting_for_dumps: bool
+) -> str:
+    total = lab.cfg.steps
+    first = min(min(steps, default=0), total)
+    if waiting_for_dumps:
+        sites = lab.sites()
+        dumped = sum(1 for s in sites if any(agent_dump_dir(lab.cfg, s.index).glob("*.msgpack")))
+        return f"waiting for the dumps: {dumped} of {len(sites)} agent(s) dumped"
+    if lab.watch.stuck:
+        return f"the job is stuck at step {first}: no rank moved for {still:.0f} s"
+    fastest = min(max(steps, default=0), total)
+    return f"step {first} of {total} (the slowest rank; the fastest: {fastest}), {running} running"
+
+
+def narrate_faults(lab: Lab, reports: dict[int, job.RankReport | None]) -> None:
+    """Each fault once, as it takes effect (and a runner's fault as it ends)."""
+    n = lab.narrator
+    records = list(lab.injector.records().values()) if lab.injector is not None else []
+    for rec in records:
+        if rec.injected:
+            n.once(f"fault {rec.spec}", f"fault {rec.spec}: {rec.how}, {rec.when()}")
+        if rec.ended_wall is not None:
+            n.once(f"end {rec.spec}", f"fault {rec.spec} ended: {rec.when()}")
+    if lab.chaos is not None:
+        for line in lab.chaos.log[lab.watch.chaos_told :]:
+            n.say(f"agent fault: {line}")
+        lab.watch.chaos_told = len(lab.chaos.log)
+    for rank, rep in reports.items():
+        for event in rep.events if rep is not None else []:
+            spec = event.get("spec")
+            n.once(f"fault {spec}", f"fault {spec}: rank {rank}, at step {event.get('step')}")
 
 
 def stop_stuck(lab: Lab) -> dict[int, job.RankReport | None]:
@@ -994,25 +1172,29 @@ def node_outcomes(lab: Lab) -> list[NodeOutcome]:
 def run(cfg: RunConfig, progress_out: TextIO | None = None) -> RunResult:
     lib = preflight(cfg)
     started = time.monotonic()
-    lab = make_lab(cfg, lib)
+    lab = make_lab(cfg, lib, progress_out)
+    say = lab.narrator.say
     atexit.register(lab.teardown)
     problems: list[str] = []
     try:
         with signals_as_interrupt():
-            _say(progress_out, f"lab run {lab.run_id}: setting up {cfg.nodes} node(s)")
             set_up(lab)
             gave_up = wait_for_job(lab, started)
             if gave_up is not None:
-                _say(progress_out, f"lab run {lab.run_id}: {gave_up}; giving up")
-                problems += look_late(lab, progress_out)
+                say(f"lab run {lab.run_id}: {gave_up}; giving up")
+                problems += look_late(lab)
+            else:
+                say(f"the job ended: every rank exited ({_exits(lab)})")
             if cfg.record and (
                 gave_up is not None or any(p.returncode for p in lab.ranks.values())
             ):
                 wait_for_dumps(lab)
                 problems += pinned_dumps(lab)
+                say_dumps(lab)
             elif cfg.record and cfg.dump_at_end:
-                _say(progress_out, f"lab run {lab.run_id}: asking every agent for a dump")
+                say(f"lab run {lab.run_id}: asking every agent for a dump")
                 problems += request_end_dumps(lab)
+                say_dumps(lab)
             assert lab.injector is not None
             lab.injector.finish()
             churn = lab.neighbour.stop() if lab.neighbour is not None else None
@@ -1023,6 +1205,7 @@ def run(cfg: RunConfig, progress_out: TextIO | None = None) -> RunResult:
             records = fault_records(lab, ranks)
     finally:
         with signals_ignored():
+            say(f"lab run {lab.run_id}: tearing down (the agents detach their probes: seconds)")
             problems += lab.teardown()
         atexit.unregister(lab.teardown)
     leftovers = [ns for ns in netns.list_netns() if netns.run_of(ns) == lab.run_id]
@@ -1080,23 +1263,35 @@ def _rank_fault_record(fault: F.Fault, ranks: Sequence[RankOutcome], offset_ns: 
     return FaultRecord.of(spec, where, episodes)
 
 
-def look_late(lab: Lab, progress_out: TextIO | None) -> list[str]:
+def look_late(lab: Lab) -> list[str]:
     """What someone arriving after the hang does (--snapshot-when-stuck,
     --late-agents); returns problems."""
     problems = []
     if lab.cfg.snapshot_when_stuck:
-        _say(progress_out, f"lab run {lab.run_id}: stallwatch snapshot in every node")
+        lab.narrator.say(f"lab run {lab.run_id}: stallwatch snapshot in every node")
         problems += snapshot_nodes(lab)
     if lab.cfg.record and lab.cfg.late_agents:
-        _say(progress_out, f"lab run {lab.run_id}: starting the agents now, then a snapshot")
+        lab.narrator.say(f"lab run {lab.run_id}: starting the agents now, then a snapshot")
         start_agents(lab)
         problems += request_snapshots(lab)
     return problems
 
 
-def _say(out: TextIO | None, text: str) -> None:
-    if out is not None:
-        print(text, file=out, flush=True)
+def _exits(lab: Lab) -> str:
+    codes = [p.returncode for p in lab.ranks.values()]
+    bad = sum(1 for c in codes if c)
+    return "all with code 0" if not bad else f"{bad} of {len(codes)} with a failure"
+
+
+def say_dumps(lab: Lab) -> None:
+    """The dumps written, and the command for the verdict."""
+    lab.narrator.agent_logs(agent_logs(lab))
+    found = dumps_found(lab.cfg)
+    if not found:
+        lab.narrator.say("no dump was written (the report below says what happened)")
+        return
+    verdict = command_text([*program(), "analyze", str(lab.cfg.dump_dir)])
+    lab.narrator.say(f"{len(found)} dump(s) in {lab.cfg.dump_dir}; the verdict: {verdict}")
 
 
 # --- the summary for people ---------------------------------------------------

@@ -8,7 +8,10 @@ HTTPS when given), the timeout, and the mapping of every failure to one
 line naming why (``AgentError``).
 
 An answer with any HTTP status is a ``Reply``: refusing is the agent's
-answer, and each caller words it for its own command.  No proxy is ever
+answer, and each caller words it for its own command.  "Busy" (503: the
+agent's engine runs another query, or the work of that kind is at its
+limit) is asked again every few hundred milliseconds while the timeout
+allows.  No proxy is ever
 used: agents are on the cluster network.  With ``keep_alive`` the
 connection is kept for the next request to the same agent (a process-wide
 pool: the fan-out of ``query --agents`` asks the same agents again and
@@ -19,8 +22,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import random
 import ssl
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +129,18 @@ class AgentClient:
         headers = dict(headers or {})
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
+        deadline = time.monotonic() + self.timeout
+        while True:
+            reply = self._request(method, path, body, headers)
+            # busy (its engine runs another query): asked again while the timeout allows
+            wait = random.uniform(0.1, 0.3)
+            if reply.status != 503 or time.monotonic() + wait > deadline:
+                return reply
+            time.sleep(wait)
+
+    def _request(
+        self, method: str, path: str, body: bytes | None, headers: dict[str, str]
+    ) -> Reply:
         try:
             return self._exchange(method, path, body, headers)
         except TimeoutError:

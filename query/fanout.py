@@ -39,10 +39,10 @@ from stallwatch.dumpers.model import Clock, CommInfo, Recording
 from stallwatch.dumpers.ranks import Ranks
 
 from .agentclient import Address, AgentClient, close_connections, context_of, parse_address
-from .http import ARROW_FRAMES, Frame, decode_frames
 from .plan import IDENTITY, Plan, final_connection, merge_tables, plan
 from .sql import run_on_tables
 from .tls import ClientTls
+from .wire import ARROW_FRAMES, Frame, decode_frames
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_CONCURRENCY = 128

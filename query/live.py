@@ -24,8 +24,8 @@ from stallwatch.dumpers.model import Recording
 
 from .agentclient import parse_address
 from .fanout import DEFAULT_CONCURRENCY, AgentFailure, call_agents
-from .http import DUMP_FRAMES, DumpBundle, decode_dumps
 from .tls import ClientTls
+from .wire import DUMP_FRAMES, DumpBundle, decode_dumps
 
 LIVE_REASON = "live verdict (stallwatch analyze --agents)"
 # An agent reads its rings and its ranks' threads before it answers, and a
@@ -95,7 +95,8 @@ def _bundle(content_type: str, body: bytes) -> DumpBundle:
 
 def _checked(agent: str, bundle: DumpBundle) -> list[Fetched]:
     out = []
-    for name, blob in zip(bundle.names, bundle.blobs, strict=True):
+    for name, sent in zip(bundle.names, bundle.blobs, strict=True):
+        blob = bytes(sent)  # decode_dumps gives bytes: no copy
         try:
             rec = decode(blob, f"{agent}/{name}")
         except DumpError as exc:

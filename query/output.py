@@ -48,25 +48,63 @@ def console(file: TextIO | None = None, terminal: bool | None = None) -> Console
     )
 
 
-def new_table(c: Console, columns: Sequence[tuple[str, bool]], whole: Sequence[int] = ()) -> Table:
+def new_table(
+    c: Console,
+    columns: Sequence[tuple[str, bool]],
+    whole: Sequence[int] = (),
+    widths: Sequence[int] | None = None,
+    header: bool = True,
+) -> Table:
     """A table of ``(header, right-aligned)`` columns in the console's form.
     ``whole``: per column, the width its cells need never to be cut (ids,
     which the next query needs whole); on a narrow terminal the other
-    columns wrap instead."""
+    columns wrap instead.  ``widths``: every column's width, fixed (cells
+    wrap inside it; see ``fit_widths``); ``header=False`` for rows printed
+    under a header drawn apart, at the same widths."""
     if c.is_terminal:
         t = Table(box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False, show_edge=False)
     else:
         t = Table(box=PLAIN_BOX, header_style="", pad_edge=False, show_edge=False)
-    for i, (header, right) in enumerate(columns):
+    t.show_header = header
+    for i, (head, right) in enumerate(columns):
         keep = whole[i] if i < len(whole) else 0
         t.add_column(
-            header,
+            head,
             justify="right" if right else "left",
             no_wrap=not c.is_terminal or bool(keep),
             min_width=keep or None,
+            width=widths[i] if widths is not None and c.is_terminal else None,
             overflow="fold",
         )
     return t
+
+
+COLUMN_GAP = 3  # between two columns of ``new_table`` on a terminal (padding, rule, padding)
+
+
+def fit_widths(cells: Sequence[Sequence[str]], width: int) -> list[int] | None:
+    """Column widths for ``new_table`` that fit ``width``, the header first
+    in ``cells`` (one sequence per row): each column as wide as its widest
+    cell, or, where they do not fit, narrowed but never below its longest
+    word, so that text wraps between words and no word is cut: headers
+    wrap first (a column no wider than its cells), then the cells (the
+    column with the most room to spare first).  None when even the longest
+    words do not fit."""
+    n = len(cells[0])
+    natural = [max(len(row[i]) for row in cells) for i in range(n)]
+    least = [max((len(w) for row in cells for w in row[i].split()), default=1) for i in range(n)]
+    body = [max((len(row[i]) for row in cells[1:]), default=0) for i in range(n)]
+    budget = width - COLUMN_GAP * (n - 1)
+    if sum(least) > budget:
+        return None
+    widths = list(natural)
+    for floor in ([max(b, low) for b, low in zip(body, least, strict=True)], least):
+        while sum(widths) > budget:
+            spare = [w - f for w, f in zip(widths, floor, strict=True)]
+            if max(spare) <= 0:
+                break
+            widths[spare.index(max(spare))] -= 1
+    return widths
 
 
 ID_TEXT = re.compile(r"0x[0-9a-f]{8,16}")

@@ -36,14 +36,14 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import duckdb
 import pyarrow as pa
 
-from stallwatch.dumpers.errors import QueryError, QueryRefused
+from stallwatch.dumpers.errors import AnswerTooLarge, QueryError, QueryRefused
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.sqltables import tables
 
@@ -54,7 +54,9 @@ from .limits import Limits
 from .scan import Scan, compile_scan
 
 _T = TypeVar("_T")
-Source = Sequence[Recording] | Callable[[], Sequence[Recording]]
+# recordings (dumps), a callable returning fresh ones (a live agent), or the
+# tables already built (``query.feed``: a dump at a time, what a query reads)
+Source = Sequence[Recording] | Callable[[], Sequence[Recording]] | Mapping[str, pa.Table]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,16 @@ def check_statement(con: duckdb.DuckDBPyConnection, sql: str, limits: Limits) ->
     if kind != duckdb.StatementType.SELECT:
         raise QueryRefused(f"only SELECT queries are allowed, not {kind.name}")
     return statements[0]
+
+
+def check_sql(sql: str, limits: Limits) -> None:
+    """``check_statement`` on a connection of its own: a query refused or
+    unparsable is said before anything is read for it."""
+    con = sandboxed_connection(limits)
+    try:
+        check_statement(con, sql, limits)
+    finally:
+        con.close()
 
 
 class _Watchdog:
@@ -188,6 +200,14 @@ class QueryEngine:
         self._scans: OrderedDict[str, Scan | None] = OrderedDict()  # by query text
         _OPEN.add(self)
 
+    def replace_source(self, recordings: Sequence[Recording]) -> None:
+        """Serve ``recordings`` from the next query on (the same connection:
+        its tables are registered again)."""
+        with self._lock:
+            self._source = recordings
+            self._loaded_at = None
+            self._arrow = {}
+
     def _connection(self) -> duckdb.DuckDBPyConnection:
         if self._con is None:
             raise QueryError("the query engine is closed")
@@ -198,8 +218,10 @@ class QueryEngine:
         static = not callable(self._source)
         if self._loaded_at is not None and (static or now - self._loaded_at < self._cache_s):
             return
-        recordings = list(self._source() if callable(self._source) else self._source)
-        built = tables(recordings)
+        if isinstance(self._source, Mapping):
+            built = dict(self._source)
+        else:
+            built = tables(list(self._source() if callable(self._source) else self._source))
         if {n: t.schema for n, t in built.items()} != {n: t.schema for n, t in self._arrow.items()}:
             self._scans.clear()  # compiled against the columns' types
         self._arrow = built
@@ -236,12 +258,16 @@ class QueryEngine:
         elapsed = (time.perf_counter() - start) * 1e3
         return QueryResult(columns, types, rows, truncated, elapsed)
 
-    def fetch_arrow(self, sql: str) -> tuple[pa.Table, bool]:
+    def fetch_arrow(
+        self, sql: str, max_rows: int | None = None, max_bytes: int | None = None
+    ) -> tuple[pa.Table, bool]:
         """Run one SELECT and return its rows as an Arrow table, at most
-        ``max_fetch_rows`` of them (the flag says whether more existed): the
-        rows a fan-out merges (``query.plan``).  A plain scan of one table
-        (``query.scan``) is answered from the Arrow columns, without DuckDB."""
-        cap = self.limits.max_fetch_rows
+        ``max_rows`` of them (default: ``max_fetch_rows``; the flag says
+        whether more existed): the rows a fan-out merges (``query.plan``).
+        Rows past ``max_bytes`` of Arrow buffers are not read: AnswerTooLarge.
+        A plain scan of one table (``query.scan``) is answered from the Arrow
+        columns, without DuckDB."""
+        cap = self.limits.max_fetch_rows if max_rows is None else max_rows
         self._acquire()
         try:
             con = self._connection()
@@ -249,9 +275,10 @@ class QueryEngine:
             scan = self._scan(con, sql) if self._use_scans else None
             if scan is not None:
                 table = scan.run(self._arrow[scan.table])
+                _check_bytes(table.nbytes, max_bytes)
             else:
                 statement = check_statement(con, sql, self.limits)
-                table = self._guarded(con, lambda: _arrow_rows(con, statement, cap))
+                table = self._guarded(con, lambda: _arrow_rows(con, statement, cap, max_bytes))
         finally:
             self._lock.release()
         truncated = cap is not None and table.num_rows > cap
@@ -367,20 +394,36 @@ def _execute(
 
 
 def _arrow_rows(
-    con: duckdb.DuckDBPyConnection, statement: duckdb.Statement, cap: int | None
+    con: duckdb.DuckDBPyConnection,
+    statement: duckdb.Statement,
+    cap: int | None,
+    max_bytes: int | None = None,
 ) -> pa.Table:
     """The rows, read in batches until one past ``cap`` (a ``LIMIT`` on the
-    relation would cost a second plan; the parsed statement saves a parse)."""
-    reader = con.sql(statement).to_arrow_reader(64 * 1024)
-    if cap is None:
+    relation would cost a second plan; the parsed statement saves a parse),
+    and never past ``max_bytes`` (AnswerTooLarge)."""
+    reader = con.sql(statement).to_arrow_reader(_BATCH_ROWS)
+    if cap is None and max_bytes is None:
         return reader.read_all()
-    batches, rows = [], 0
+    batches, rows, size = [], 0, 0
     for batch in reader:
         batches.append(batch)
         rows += batch.num_rows
-        if rows > cap:
+        size += batch.nbytes
+        _check_bytes(size, max_bytes)
+        if cap is not None and rows > cap:
             break
     return pa.Table.from_batches(batches, schema=reader.schema)
+
+
+_BATCH_ROWS = 16 * 1024  # rows read at a time: a batch of wide rows is a few MB
+
+
+def _check_bytes(size: int, max_bytes: int | None) -> None:
+    if max_bytes is not None and size > max_bytes:
+        from .answers import too_large
+
+        raise AnswerTooLarge(too_large(max_bytes))
 
 
 def run_on_tables(

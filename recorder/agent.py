@@ -75,6 +75,7 @@ DISCOVERY_S = 0.25  # the /proc scan's period where there are no kernel events
 # scope is alive or ended less than this ago (or the small rings moved): an
 # idle agent reads a few ring heads and nothing else.
 QUIET_NS = 10_000_000_000
+PIN_CHECK_S = 1.0  # the pinned recording's folder is looked at this often
 DUMP_RETRY_S = 5.0
 ENDPOINTS_S = 5.0  # the job's TCP endpoints are read again this often
 PEER_TIMEOUT_S = 3.0  # a peer answers once its dump is written
@@ -93,6 +94,8 @@ class AgentConfig:
     peers_from: PeerSource | None = None  # --peers-from: asked again at each incident
     listen: str = "127.0.0.1:9400"
     token: str | None = None
+    dump_token: str | None = None  # opens POST /dump only (query.credentials)
+    scrape_token: str | None = None  # opens GET /metrics only
     tls: ServerTls | None = None  # HTTPS for the agent's surface
     peer_tls: ClientTls | None = None  # HTTPS to the peers
     max_dumps: int | None = None
@@ -170,6 +173,8 @@ class Agent:
         self._lock = threading.RLock()
         self._libcs: set[discovery.LibraryId] = set()
         self.incidents = self._make_incidents()
+        self.incidents.scheduler.tidy()
+        self._pins_checked = 0.0
         # the HTTP surface's connection counters, once it serves (recorder.service)
         self.serving_counters: Callable[[], dict[str, int]] = dict
         self.positions = PositionKeeper(
@@ -580,14 +585,23 @@ class Agent:
         reason: str,
         incident_id: str | None = None,
         origin: str | None = None,
+        by_client: bool = True,
+        *,
         kind: str | None = None,
     ) -> dict[str, object]:
-        """``POST /dump``, ``stallwatch dump``, SIGUSR1, peers (``kind``: what
-        the peer's incident is, its trigger's kind; one this agent does not
-        know is taken for no slowdown)."""
+        """``POST /dump``, ``stallwatch dump``, peers; SIGUSR1 (not a client:
+        not rate-limited).  ``kind``: what the peer's incident is, its
+        trigger's kind (one this agent does not know is taken for no
+        slowdown)."""
         origin_kind = next((k for k in TriggerKind if k.value == kind), None)
-        answer = self.incidents.request_dump(reason, incident_id, origin, origin_kind)
+        answer = self.incidents.request_dump(
+            reason, incident_id, origin, by_client, origin_kind=origin_kind
+        )
         return {"host": self.host, **answer}
+
+    def dump_outcome(self, incident_id: str) -> dict[str, object]:
+        """What became of an incident's dump (``POST /dump``, ``outcome_of``)."""
+        return {"host": self.host, **self.incidents.outcome(incident_id)}
 
     def request_snapshot(
         self, reason: str, incident_id: str | None = None, samples: int = 3, interval_s: float = 0.5
@@ -675,6 +689,26 @@ class Agent:
         }
         return agent_metrics_text(self.stats(), counters)
 
+    def watch_pins(self) -> None:
+        """The pinned recording's folder as this agent left it: what was
+        removed or replaced is logged, counted and pinned again."""
+        pins = self.source.pinset
+        now = time.monotonic()
+        if pins is None or pins.read_only or now < self._pins_checked + PIN_CHECK_S:
+            return
+        self._pins_checked = now
+        damage = pins.damage()
+        if damage is None:
+            return
+        self.counters.add("pins_restored")
+        try:
+            pins.restore()
+        except PinError as exc:
+            self.counters.add("pins_restore_failures")
+            log.error("%s: not pinned again: %s (a SIGKILL now loses the recording)", damage, exc)
+            return
+        log.warning("%s: pinned again (the kernel recorded on meanwhile)", damage)
+
     def serving(self, port: int) -> None:
         """The HTTP surface listens on ``port``: its connections, and the
         agent's requests to peers, are not the job's (unless asked for)."""
@@ -745,8 +779,9 @@ def run_loop(agent: Agent, stop: Stop, notifier: Notifier | None = None) -> None
                 agent.positions.take_startup()  # what the job was doing before we came
             if stop.dump_requested:
                 stop.dump_requested = False
-                agent.request_dump("SIGUSR1")
+                agent.request_dump("SIGUSR1", by_client=False)
             agent.incidents.tick(agent.tick())
+            agent.watch_pins()
             if notifier is not None:
                 notifier.ping()
             waits.poll(1000 * (TICK_S if agent.busy() else IDLE_TICK_S))

@@ -325,6 +325,15 @@ class MapSet:
                 keys[i]["addr"] = np.frombuffer(addr, dtype=np.uint8)
                 keys[i]["port"], keys[i]["family"] = port, family
             _replace(listen, keys, list(listeners.values()))
+        peers = self.maps.get("job_peers")
+        if peers is not None and not peers.read_only and connections:
+            keys = np.zeros(len(connections), dtype=peers.spec.key)
+            for i, (_, raddr, _, _, family) in enumerate(connections):
+                keys[i]["addr"] = np.frombuffer(raddr, dtype=np.uint8)
+                keys[i]["family"] = family
+            one = np.ones(1, dtype=peers.spec.value).tobytes()
+            for k in np.unique(keys):
+                bpfsys.map_update(peers.fd, k.tobytes(), one)
         conns = self.maps.get("job_conns")
         if conns is not None and not conns.read_only:
             keys = np.zeros(len(connections), dtype=conns.spec.key)

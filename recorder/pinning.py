@@ -30,6 +30,11 @@ written into the rings.
   adoption run under a lock of the parent folder.
 - Removal (``stallwatch record --cleanup``) unpins everything; the kernel
   detaches the probes and frees the maps once no process holds them.
+- Watched: the agent holds every pinned object of its folder open (an fd
+  each), checks the folder every second (``damage``) and pins again what was
+  removed, or the whole folder if it was removed or replaced by an unlocked
+  one (``restore``): the kernel never stops recording while the agent runs,
+  and a later SIGKILL loses nothing.
 
 bpffs names may not contain dots; pin names here never do.
 """
@@ -140,6 +145,8 @@ class PinSet:
         self.description = description
         self.layout = Layout.from_json(description["layout"])
         self._lock_fd: int | None = None
+        self._held: dict[str, int] = {}  # "maps/<name>", ... -> an fd of ours on it
+        self._identity: tuple[int, int] | None = None  # the folder locked: (dev, inode)
 
     # ---- opening ---------------------------------------------------------
 
@@ -174,6 +181,71 @@ class PinSet:
                 "give this one its own --pin-dir"
             ) from None
         self._lock_fd = fd
+        self._identity = _identity(self.path)
+        self._hold()
+
+    def _hold(self) -> None:
+        """An fd on every pinned object of the folder: what ``restore``
+        pins again, and what keeps every probe attached meanwhile."""
+        for sub in _SUBFOLDERS:
+            with contextlib.suppress(FileNotFoundError):
+                for name in os.listdir(self.path / sub):
+                    key = f"{sub}/{name}"
+                    if key not in self._held:
+                        with contextlib.suppress(OSError):
+                            self._held[key] = bpfsys.obj_get(self.path / key)
+
+    # ---- watched ----------------------------------------------------------
+
+    def damage(self) -> str | None:
+        """What happened to the folder since it was locked, or None."""
+        if self._identity is None:
+            return None  # not this agent's (read only)
+        found = _identity(self.path)
+        if found is None:
+            return f"the pin folder {self.path} was removed"
+        if found != self._identity:
+            return f"the pin folder {self.path} was replaced"
+        missing = [k for k in (META_PIN, *self._held) if not os.path.lexists(self.path / k)]
+        if missing:
+            shown = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
+            return f"{len(missing)} pins removed from {self.path} ({shown})"
+        return None
+
+    def restore(self) -> None:
+        """Pin again what ``damage`` found missing: in place, or as a new
+        folder renamed into place (a folder that replaced ours is removed
+        first, unless an agent holds it).  PinError if it cannot."""
+        found = _identity(self.path)
+        if found is not None and found != self._identity:
+            if _flocked(self.path):
+                raise PinError(f"{self.path} was replaced by a pin folder another agent holds")
+            remove(self.path)
+            found = None
+        try:
+            if found is None:
+                self._rebuild()
+            else:
+                for key, fd in [(META_PIN, self.meta_fd), *self._held.items()]:
+                    if not os.path.lexists(self.path / key):
+                        (self.path / key).parent.mkdir(exist_ok=True)
+                        _pin(fd, self.path / key)
+        except OSError as exc:
+            raise PinError(f"cannot pin again at {self.path}: {exc.strerror or exc}") from None
+
+    def _rebuild(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temp = self.path.with_name(f"{self.path.name}{NEW_MARK}{os.getpid()}")
+        remove(temp)
+        for sub in ("", *_SUBFOLDERS):
+            (temp / sub).mkdir(exist_ok=True)
+        for key, fd in [(META_PIN, self.meta_fd), *self._held.items()]:
+            _pin(fd, temp / key)
+        os.rename(temp, self.path)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+        self._lock_fd = None
+        self.lock()
 
     def locked_by_other(self) -> bool:
         return _flocked(self.path)
@@ -204,6 +276,8 @@ class PinSet:
 
     def pin_link(self, name: str, fd: int) -> None:
         _pin(fd, self.path / "links" / name)
+        if self._identity is not None and f"links/{name}" not in self._held:
+            self._held[f"links/{name}"] = os.dup(fd)
 
     def links(self) -> set[str]:
         try:
@@ -228,11 +302,24 @@ class PinSet:
         _write_json(self.meta_fd, META_DESCRIPTION, self.description)
 
     def close(self) -> None:
-        for fd in (self.meta_fd, self._lock_fd):
+        for fd in (self.meta_fd, self._lock_fd, *self._held.values()):
             if fd is not None:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self._lock_fd = None
+        self._held.clear()
+        self._identity = None
+
+
+_SUBFOLDERS = ("maps", "progs", "links")
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _pin(fd: int, path: Path) -> None:

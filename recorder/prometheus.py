@@ -17,7 +17,14 @@ from .slowdown import StreamGauges
 if TYPE_CHECKING:  # loaded at the first scrape, not when the agent starts
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-GAUGES = frozenset({"dumps_pending", "http_connections_open"})
+GAUGES = frozenset(
+    {
+        "dumps_pending",
+        "http_connections_open",
+        "query_engine_running",
+        "query_engine_peak_resident_bytes",
+    }
+)
 HELP = {
     "kernel_inflight_full": "NCCL calls not recorded: the in-flight map was full.",
     "kernel_comms_full": "Communicators not tracked: the communicator map was full.",
@@ -37,11 +44,25 @@ HELP = {
     "attach_failures": "Libraries or probes that could not be attached.",
     "symbols_skipped": "NCCL symbols an attached library lacks.",
     "dumps_pending": "Dumps waiting to be written (retried).",
-    "http_connections_refused": "Client connections closed at accept: the agent had its "
-    "limit of connections open.",
-    "http_connections_timed_out": "Client connections closed because a request or TLS "
-    "handshake they began did not arrive in time.",
+    "dump_requests_rate_limited": "Clients' dump requests refused: too many lately.",
+    "pins_restored": "Times the pinned recording's folder was found removed or changed, "
+    "and pinned again.",
+    "pins_restore_failures": "Times it could not be pinned again (the log says why).",
+    "http_connections_refused": "Client connections closed at accept: no room, and no "
+    "idle connection to displace.",
+    "http_connections_timed_out": "Client connections closed because a request, TLS "
+    "handshake or first request they owed did not arrive in time.",
+    "http_connections_evicted": "Idle connections closed to make room for a new one "
+    "(unauthenticated ones first).",
+    "http_requests_unauthenticated": "Requests refused for a missing or wrong credential.",
+    "http_requests_busy": "Requests answered busy at once: their kind of work was at its limit.",
     "http_connections_open": "Client connections open on the agent's HTTP surface.",
+    "query_engine_starts": "Processes of the SQL engine started (at a query, after one ended).",
+    "query_engine_stopped": "Engine processes stopped: a query outlived its time limit.",
+    "query_engine_failed": "Engine processes that ended in a query (out of their memory, a crash).",
+    "query_engine_busy": "Queries answered busy at once: the engine was running another.",
+    "query_engine_running": "1 while the SQL engine's process runs (it ends when idle).",
+    "query_engine_peak_resident_bytes": "The largest resident set an engine process reported.",
     "link_read_failures": "Readings of the node's links that failed (rtnetlink).",
     "slowdowns_detected": "Slowdowns the watchdog raised as incidents (a communicator's "
     "rhythm degraded, a rank persistently last, a collective held by the network).",

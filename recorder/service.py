@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
 
 def run_agent(config: AgentConfig) -> int:
     """Load, attach, serve, loop until SIGTERM/SIGINT, detach."""
+    from stallwatch.query.credentials import remove_local_token
+
     from .agent import Agent, Stop, run_loop
     from .notify import Notifier
     from .source import BccSource
@@ -50,14 +53,14 @@ def run_agent(config: AgentConfig) -> int:
     log.info("link ring: %d slots, %.1f MiB", config.links.slots, agent.links.memory_bytes / 2**20)
     agent.serving(_port(config.listen))  # from the start: clients that wait for it too
     stop = Stop()
-    server = None
+    server = token_file = None
     notifier = Notifier()
     try:
         for lib in config.libs:
             agent.attach_library(lib, required=True)
         for pid in config.pids:
             agent.attach_pid(pid)
-        server = _serve(agent, config)
+        server, token_file = _serve(agent, config)
         _install_signals(stop)
         notifier.ready(f"recording, serving on {server.address}")
         run_loop(agent, stop, notifier)
@@ -65,6 +68,7 @@ def run_agent(config: AgentConfig) -> int:
         notifier.stopping("stopping")
         if server is not None:
             server.close()
+        remove_local_token(token_file)
         _stop_recording(agent, config.keep_pinned)
     log.info("stopped")
     return ExitCode.OK
@@ -120,14 +124,37 @@ def _about(config: AgentConfig) -> dict[str, object]:
     }
 
 
-def _serve(agent: Agent, config: AgentConfig) -> ServerHandle:
+def _serve(agent: Agent, config: AgentConfig) -> tuple[ServerHandle, Path | None]:
+    """The HTTP surface, and the file of its own dump credential, if it made
+    one (an agent without a token: ``query.credentials``)."""
+    from stallwatch.query import credentials
     from stallwatch.query.http import serve_http
 
-    handle = serve_http(agent, config.listen, config.token, tls=config.tls)
-    logging.getLogger("stallwatch.record").info("listening on %s", handle.url)
+    log = logging.getLogger("stallwatch.record")
+    made = config.token is None and config.dump_token is None
+    dump_token = credentials.new_token() if made else config.dump_token
+    handle = serve_http(
+        agent,
+        config.listen,
+        config.token,
+        tls=config.tls,
+        dump_token=dump_token,
+        scrape_token=config.scrape_token,
+    )
+    log.info("listening on %s", handle.url)
+    kept = None
+    if made and dump_token is not None:
+        host, port = handle.address.rsplit(":", 1)
+        kept = credentials.write_local_token(host, int(port), dump_token)
+        if kept is None:
+            log.warning(
+                "cannot write the dump credential to %s: dumps over HTTP need --token-file "
+                "or --dump-token-file (SIGUSR1 dumps as ever)",
+                credentials.RUN_DIR,
+            )
     agent.serving(_port(handle.address))
     agent.serving_counters = handle.counters
-    return handle
+    return handle, kept
 
 
 def _port(address: str) -> int:

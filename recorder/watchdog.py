@@ -68,6 +68,7 @@ import calendar
 import contextlib
 import dataclasses
 import enum
+import functools
 import itertools
 import logging
 import re
@@ -154,6 +155,9 @@ class Status(enum.Enum):
     QUEUED = "queued"  # accepted; the write failed and will be retried
     DUPLICATE = "duplicate"  # this incident is already dumped here
     COOLDOWN = "cooldown"  # refused: an incident was dumped moments ago
+    FAILED = "failed"  # not written and not kept for a retry: ``error`` says why
+    RATE_LIMITED = "rate_limited"  # refused: clients asked for too many dumps lately
+    UNKNOWN = "unknown"  # asked for the outcome of an incident this agent does not know
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,6 +470,14 @@ class Watchdog:
 # ---------------------------------------------------------------- dumping
 
 
+# Kinds of dump kept over others (retention, the pending queue): what a
+# watchdog raised, here or on a peer.  Asked for by a client (MANUAL) or at
+# exit, a dump is "requested": counted apart, never at an incident's cost.
+INCIDENT_KINDS = frozenset(
+    k for k in TriggerKind if k not in (TriggerKind.MANUAL, TriggerKind.SHUTDOWN)
+)
+
+
 @dataclass
 class _Pending:
     recording: Recording
@@ -473,6 +485,12 @@ class _Pending:
     next_ns: int = 0
     replaces: Path | None = None  # a dump to remove once this one is written
     old_id: str | None = None  # the incident id it had before a relabel
+    error: str = ""  # why the last attempt failed
+
+    @property
+    def incident(self) -> bool:
+        trig = self.recording.trigger
+        return trig is None or trig.kind in INCIDENT_KINDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -480,6 +498,7 @@ class DumpOutcome:
     status: Status
     incident_id: str
     path: Path | None
+    error: str | None = None  # why it is not written (yet)
 
 
 @dataclass
@@ -497,7 +516,7 @@ class DumpScheduler:
         self,
         recording: Callable[[], Recording],
         write: Callable[[Recording], Path],
-        retention: Callable[[Path], object] | None = None,
+        retention: Callable[[Path | None], object] | None = None,
         read: Callable[[Path], Recording] | None = None,
         clock: Callable[[], int] = time.monotonic_ns,
         backoff_ns: tuple[int, int] = (SECOND_NS // 2, 30 * SECOND_NS),
@@ -513,10 +532,30 @@ class DumpScheduler:
         self.stats = DumpStats()
         self.paths: dict[str, Path] = {}  # incident id -> dump written
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._given_up: OrderedDict[str, str] = OrderedDict()  # incident id -> why
 
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+    def tidy(self) -> None:
+        """At start: retention over the folder as it was left, temporary
+        files of writes killed half-way included."""
+        if self.retention is None:
+            return
+        try:
+            removed = self.retention(None)
+        except Exception:  # never at the cost of starting
+            log.exception("retention at start failed")
+            return
+        paths = removed if isinstance(removed, list) else []
+        unfinished = [p for p in paths if isinstance(p, Path) and ".tmp-" in p.name]
+        if unfinished:
+            log.warning(
+                "removed %d temporary files of dump writes that did not finish: %s",
+                len(unfinished),
+                ", ".join(p.name for p in unfinished),
+            )
 
     def submit(self, trigger: Trigger) -> DumpOutcome:
         """Take the recording now and try to write; a failed write is queued for retry."""
@@ -529,12 +568,43 @@ class DumpScheduler:
         return self._queue(trigger.incident_id, _Pending(rec))
 
     def _queue(self, incident_id: str, item: _Pending) -> DumpOutcome:
+        """Write now; a write that failed waits for a retry if there is room
+        (at most ``max_pending``): a requested dump never takes an incident's
+        place, and an incident the queue cannot take is refused, not queued
+        (the pinned rings still hold it, until overwritten)."""
         self._pending[incident_id] = item
-        while len(self._pending) > self.max_pending:
-            dropped, _ = self._pending.popitem(last=False)
-            self.stats.dumps_dropped += 1
-            log.error("incident %s: dropped, %d dumps already wait", dropped, self.max_pending)
-        return self._attempt(incident_id)
+        outcome = self._attempt(incident_id)
+        if outcome.status is not Status.QUEUED or len(self._pending) <= self.max_pending:
+            return outcome
+        others = [i for i, p in self._pending.items() if not p.incident and i != incident_id]
+        if item.incident and others:  # an incident displaces the oldest requested dump
+            self._give_up(others[0], f"displaced by incident {incident_id} (the disk is full)")
+            return outcome
+        waiting = len(self._pending) - 1
+        why = f"{item.error}; not kept for a retry: {waiting} dumps already wait"
+        self._give_up(incident_id, why)
+        return DumpOutcome(Status.FAILED, incident_id, None, why)
+
+    def _give_up(self, incident_id: str, why: str) -> None:
+        del self._pending[incident_id]
+        self.stats.dumps_dropped += 1
+        self._given_up[incident_id] = why
+        while len(self._given_up) > KNOWN_INCIDENTS:
+            self._given_up.popitem(last=False)
+        log.error("incident %s: dump dropped: %s", incident_id, why)
+
+    def outcome(self, incident_id: str) -> DumpOutcome:
+        """What became of an incident's dump: written, waiting for a retry
+        (and why), given up (and why), or unknown here."""
+        if incident_id in self.paths:
+            return DumpOutcome(Status.WRITTEN, incident_id, self.paths[incident_id])
+        item = self._pending.get(incident_id)
+        if item is not None:
+            return DumpOutcome(Status.QUEUED, incident_id, None, item.error)
+        why = self._given_up.get(incident_id)
+        if why is not None:
+            return DumpOutcome(Status.FAILED, incident_id, None, why)
+        return DumpOutcome(Status.UNKNOWN, incident_id, None)
 
     def retry_due(self) -> list[Path]:
         """Retry the pending writes whose backoff has expired (each tick)."""
@@ -561,10 +631,13 @@ class DumpScheduler:
         from stallwatch.dumpers.format import read_dump, write_dump
         from stallwatch.dumpers.retention import enforce
 
+        def kept(path: Path) -> bool:
+            return _kind_of(path) in INCIDENT_KINDS
+
         return cls(
             recording,
             write=lambda rec: write_dump(dump_dir, rec),
-            retention=lambda path: enforce(dump_dir, max_dumps, max_bytes, keep=path),
+            retention=lambda path: enforce(dump_dir, max_dumps, max_bytes, keep=path, kept=kept),
             read=read_dump,
         )
 
@@ -575,9 +648,8 @@ class DumpScheduler:
         except (DumpWriteError, OSError) as exc:
             return self._failed(incident_id, item, exc)
         except Exception as exc:  # a recording that cannot be encoded will never be
-            del self._pending[incident_id]
-            self.stats.dumps_dropped += 1
-            log.exception("incident %s: dump cannot be encoded, dropped", incident_id)
+            log.exception("incident %s: dump cannot be encoded", incident_id)
+            self._give_up(incident_id, f"cannot be encoded: {exc}")
             raise DumpWriteError(f"incident {incident_id}: dump dropped: {exc}") from exc
         del self._pending[incident_id]
         self._written(incident_id, item, path)
@@ -585,6 +657,7 @@ class DumpScheduler:
 
     def _failed(self, incident_id: str, item: _Pending, exc: Exception) -> DumpOutcome:
         item.attempts += 1
+        item.error = str(exc)
         first, cap = self.backoff_ns
         delay = min(cap, first << min(item.attempts - 1, 20))
         item.next_ns = self.clock() + delay
@@ -596,7 +669,7 @@ class DumpScheduler:
             delay / SECOND_NS,
             exc,
         )
-        return DumpOutcome(Status.QUEUED, incident_id, None)
+        return DumpOutcome(Status.QUEUED, incident_id, None, item.error)
 
     def _written(self, incident_id: str, item: _Pending, path: Path) -> None:
         self.paths[incident_id] = path
@@ -634,6 +707,28 @@ class DumpScheduler:
         return self._queue(new_id, _Pending(_retag(rec, trigger), replaces=old_path, old_id=old_id))
 
 
+@functools.lru_cache(maxsize=4096)
+def _kind_at(path: Path, stamp: tuple[int, int]) -> TriggerKind | None:
+    from stallwatch.dumpers.format import read_dump_deferred
+    from stallwatch.dumpers.schema import RING_DTYPES
+
+    try:
+        rec, _ = read_dump_deferred(path, RING_DTYPES)  # its header: the rings stay unread
+    except DumpError:
+        return None
+    return rec.trigger.kind if rec.trigger is not None else None
+
+
+def _kind_of(path: Path) -> TriggerKind | None:
+    """The trigger kind of a dump file (None: unreadable, or no trigger),
+    read once per version of the file."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return _kind_at(path, (st.st_mtime_ns, st.st_size))
+
+
 def _retag(rec: Recording, peer: Trigger) -> Recording:
     """The recording's own trigger, under the peer's id and origin."""
     own = rec.trigger
@@ -669,6 +764,8 @@ class Incidents:
         self.scheduler = scheduler
         self.notify = notify
         self._lock = threading.RLock()
+        self.client_requests = TokenBucket(CLIENT_DUMPS_BURST, CLIENT_DUMP_EVERY_NS)
+        self.rate_limited = 0  # client requests refused by the bucket
 
     def tick(self, state: TickState) -> list[DumpOutcome]:
         """Check for stalls, dump new incidents, retry pending writes."""
@@ -686,13 +783,26 @@ class Incidents:
         reason: str,
         incident_id: str | None = None,
         origin: str | None = None,
+        by_client: bool = False,
+        *,
         origin_kind: TriggerKind | None = None,
     ) -> dict[str, object]:
         """``POST /dump`` and friends: a peer's if ``origin`` is set (its
         incident's kind ``origin_kind``, if it says), else manual.
-        Returns ``{"incident_id", "status", "path"}``."""
+        A client's manual request (``by_client``: not a signal, not a peer)
+        that would write a new dump takes a token of ``client_requests``, or
+        is refused ("rate_limited", with ``retry_in_s``); a peer's request,
+        whatever its kind, never is.  Returns ``{"incident_id", "status",
+        "path"}`` and, when it is not written, ``error``: why."""
         kind = TriggerKind.PEER if origin else TriggerKind.MANUAL
         with self._lock:
+            if by_client and kind is TriggerKind.MANUAL:
+                new = incident_id is None or not self.watchdog.knows(incident_id)
+                wait_ns = self.client_requests.take(self.watchdog.clock()) if new else 0
+                if wait_ns:
+                    self.rate_limited += 1
+                    answer = _answer(DumpOutcome(Status.RATE_LIMITED, incident_id or "", None))
+                    return {**answer, "retry_in_s": round(wait_ns / SECOND_NS, 1)}
             decision = self.watchdog.decide(kind, reason, incident_id, origin, origin_kind)
             if decision.trigger is None:
                 assert decision.status is not None
@@ -701,12 +811,16 @@ class Incidents:
             elif decision.replaces is not None:
                 outcome = self.scheduler.relabel(decision.replaces, decision.trigger)
             else:
-                outcome = self._dump(decision.trigger)
-        return {
-            "incident_id": outcome.incident_id,
-            "status": outcome.status.value,
-            "path": str(outcome.path) if outcome.path else None,
-        }
+                try:
+                    outcome = self._dump(decision.trigger)
+                except DumpWriteError as exc:  # the snapshot or its encoding failed
+                    outcome = DumpOutcome(Status.FAILED, decision.incident_id, None, str(exc))
+        return _answer(outcome)
+
+    def outcome(self, incident_id: str) -> dict[str, object]:
+        """What became of an incident's dump (``stallwatch dump`` waits on it)."""
+        with self._lock:
+            return _answer(self.scheduler.outcome(incident_id))
 
     def peer_answered(self, trigger: Trigger, status: str, their_id: str | None) -> None:
         """A peer asked to dump ``trigger``'s incident said it holds an
@@ -747,11 +861,49 @@ class Incidents:
             "dump_write_failures": s.write_failures,
             "dumps_dropped": s.dumps_dropped,
             "dumps_pending": self.scheduler.pending,
+            "dump_requests_rate_limited": self.rate_limited,
         }
 
 
 def _is_slow(kind: TriggerKind) -> bool:
     return kind == TriggerKind.SLOWDOWN
+
+
+def _answer(outcome: DumpOutcome) -> dict[str, object]:
+    answer: dict[str, object] = {
+        "incident_id": outcome.incident_id,
+        "status": outcome.status.value,
+        "path": str(outcome.path) if outcome.path else None,
+    }
+    if outcome.error:
+        answer["error"] = outcome.error
+    return answer
+
+
+# Dumps clients may ask for (stallwatch dump, POST /dump): a burst of 3, then
+# one every 20 s.  Each may displace an older requested dump (--max-dumps),
+# never an incident's; peers and signals are not counted here.
+CLIENT_DUMPS_BURST = 3
+CLIENT_DUMP_EVERY_NS = 20 * SECOND_NS
+
+
+class TokenBucket:
+    """``burst`` tokens, one more every ``every_ns``."""
+
+    def __init__(self, burst: int, every_ns: int) -> None:
+        self.burst, self.every_ns = burst, every_ns
+        self._tokens = float(burst)
+        self._at: int | None = None
+
+    def take(self, now_ns: int) -> int:
+        """0 if a token was taken; else how long until one is there (ns)."""
+        if self._at is not None:
+            self._tokens = min(self.burst, self._tokens + (now_ns - self._at) / self.every_ns)
+        self._at = now_ns
+        if self._tokens >= 1:
+            self._tokens -= 1
+            return 0
+        return int((1 - self._tokens) * self.every_ns)
 
 
 def _comm_text(comm_hash: int) -> str:

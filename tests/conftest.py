@@ -4,7 +4,9 @@ Tests marked ``bpf``/``lab``/``realnccl`` need root and a kernel with eBPF;
 off CI they are skipped where that is missing.  On CI (``CI=true``) a skipped
 test fails the run: a skip must never pass for a test that ran.  A test that
 pins a recording under /sys/fs/bpf does it in a folder of ``tests.pins`` and
-removes it: a folder of this session left at its end fails the run.
+removes it: a folder of this session left at its end fails the run.  Every
+incident the run recorded in which a stall was detected is judged again at
+its end (``tests.stalls``): one judged healthy fails the run.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests import pins
+from tests import pins, stalls
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"
@@ -27,6 +29,7 @@ SCHEMA = ROOT / "docs" / "analyze.schema.json"
 os.environ["STALLWATCH_VALIDATE_JSON"] = str(SCHEMA)
 _skipped: list[str] = []
 _left_pins: list[str] = []
+_healthy_stalls: list[str] = []
 
 
 def _can_bpf() -> str | None:
@@ -61,9 +64,26 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if left:
         _left_pins.extend(str(p) for p in left)
         session.exitstatus = 1
+    _judge_stalls(session)
+
+
+def _judge_stalls(session: pytest.Session) -> None:
+    """No incident of this run in which a stall was detected is healthy."""
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is None or session.testscollected == 0 or hasattr(session.config, "workerinput"):
+        return  # the controller scans every worker's folders once they are done
+    try:
+        root = factory.getbasetemp()
+    except OSError:
+        return
+    _healthy_stalls.extend(stalls.healthy_stalls(Path(root)))
+    if _healthy_stalls:
+        session.exitstatus = 1
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for line in _healthy_stalls:
+        terminalreporter.write_line(f"a hung job judged healthy: {line}", red=True)
     if _left_pins:
         terminalreporter.write_line(
             f"pins left behind under /sys/fs/bpf by this run: {', '.join(_left_pins)}", red=True

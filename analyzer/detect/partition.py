@@ -121,6 +121,7 @@ def _fate(rows: np.ndarray, wall: np.ndarray, now: np.ndarray) -> ConnFate:
         resets=sum(e.resets for e in ends),
         first_reset_wall_ns=min(resets) if resets else None,
         outages=tuple(sorted(o for e in ends for o in e.outages)),
+        other=bool(rows["other"].any()),
     )
 
 
@@ -281,8 +282,8 @@ def detect_partition(a: Analysis) -> list[Verdict]:
         return []
     stalled = stalled_together(inc)
     if stalled is not None:
-        dead = [f for f in fates if f.dead]
-        hosts = shared_hosts(dead, len(inc.hosts))
+        dead = [f for f in fates if f.dead and not f.other]
+        hosts = _narrowed(inc, shared_hosts(dead, len(inc.hosts)), stalled)
         if not hosts:  # no TCP account (RDMA traffic): a link the ranks use went down
             hosts = tuple(sorted({lk.host for lk in _down_links(inc, stalled)}))
             hosts = hosts if len(hosts) == 1 or (len(hosts) == 2 and len(inc.hosts) == 2) else ()
@@ -293,6 +294,43 @@ def detect_partition(a: Analysis) -> list[Verdict]:
         return [flap]
     reset = _reset(a)
     return [reset] if reset is not None else []
+
+
+def _narrowed(
+    inc: Incident, hosts: tuple[int, ...], stalled: dict[int, tuple[int, int]]
+) -> tuple[int, ...]:
+    """Of a pair the job's connections name (every stopped one between the
+    two), the one that other traffic failed to reach too, from a third host,
+    since the stall began: the job's connection to a cut host may have
+    carried nothing when its link went, other traffic to it did."""
+    if len(hosts) != 2 or len(inc.hosts) < 3:
+        return hosts
+    began = _stall_began(inc, stalled) - LINK_SLACK_NS
+    reached = {h: 0 for h in hosts}
+    for f in inc_other_failures(inc, began):
+        far = set(f) - set(hosts)
+        for h in set(f) & set(hosts):
+            reached[h] += bool(far)
+    failing = [h for h, n in reached.items() if n]
+    return (failing[0],) if len(failing) == 1 else hosts
+
+
+def inc_other_failures(inc: Incident, since_wall: int) -> list[tuple[int, int]]:
+    """The pairs of hosts of sampled retransmits of other traffic (not the
+    job's) since ``since_wall``."""
+    t = inc.tcp
+    rows = t[(t["other"] == 1) & (t["event"] == TcpEvent.TCP_RETRANSMIT_SKB)]
+    walls = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
+    rows = rows[rows["ts"] + walls[rows["host"]] >= since_wall]
+    return [(int(a), int(b)) for a, b in zip(rows["local"], rows["remote"], strict=True)]
+
+
+def _stall_began(inc: Incident, stalled: dict[int, tuple[int, int]]) -> int:
+    hosts = proc_hosts(inc)
+    return min(
+        (inc.host_now[hosts[p]] or 0) - age + _offset(inc, hosts[p])
+        for p, (_, age) in stalled.items()
+    )
 
 
 def _names(inc: Incident, hosts: Iterable[int]) -> tuple[str, ...]:
@@ -347,11 +385,7 @@ def _down_links(inc: Incident, stalled: dict[int, tuple[int, int]]) -> list[Link
     still down at the dump, or went down since the stall began."""
     if not stalled:
         return []
-    hosts = proc_hosts(inc)
-    began = min(
-        (inc.host_now[hosts[p]] or 0) - age + _offset(inc, hosts[p])
-        for p, (_, age) in stalled.items()
-    )
+    began = _stall_began(inc, stalled)
     return [
         lk
         for lk in inc.links
@@ -429,18 +463,25 @@ def _s(ns: float) -> str:
 
 
 def _flap(a: Analysis) -> Verdict | None:
-    """Connections stopped and acknowledged again, inside a window in which
-    every member's collective took SLOW_NS and more."""
+    """Connections stopped and acknowledged again while every rank waited in
+    a call (a collective, or a group's end with its sends and receives) of
+    SLOW_NS and more: the job stalled for it, and went on."""
     inc = a.incident
-    held = _held_collectives(a)
-    if not held:
+    waits = _long_waits(inc)
+    if not waits:
         return None
+    everyone = set(np.unique(inc.calls.rows["proc"]).tolist()) if len(inc.calls) else set()
 
     def within(outage: tuple[int, int]) -> bool:
-        return any(h.start <= outage[1] and outage[0] <= h.end for h in held)
+        waiting = {p for p, (s, e) in waits if s <= outage[1] and outage[0] <= e}
+        return bool(everyone) and everyone <= waiting
 
     outages = [
-        (f, o) for f in a.fates for o in f.outages if o[1] - o[0] >= FLAP_MIN_NS / 2 and within(o)
+        (f, o)
+        for f in a.fates
+        if not f.other
+        for o in f.outages
+        if o[1] - o[0] >= FLAP_MIN_NS / 2 and within(o)
     ]
     kept = {
         o
@@ -448,7 +489,6 @@ def _flap(a: Analysis) -> Verdict | None:
         if o[1] - o[0] >= FLAP_MIN_NS
         or any(g.hosts != f.hosts and p[0] <= o[1] and o[0] <= p[1] for g, p in outages)
     }
-
     inside = [f for f in a.fates if any(o in kept for o in f.outages)]
     flapped = [
         lk for lk in inc.links if lk.used and any(up and within((d, up)) for d, up in lk.downs)
@@ -471,13 +511,14 @@ def _flap(a: Analysis) -> Verdict | None:
         if up and within((d, up))
     ]
     start, end = min(s for s, _ in spans), max(e for _, e in spans)
+    longest = max(e - s for p, (s, e) in waits if s <= end and start <= e)
     place = f"host {names[0]} off" if len(hosts) == 1 else f"hosts {names[0]} and {names[1]} apart"
     summary = (
-        f"the network cut {place} for {_s(end - start)} or more and it came back: every rank's "
-        f"collectives waited for it (up to {_s(max(h.shortest for h in held))})"
+        f"the network cut {place} and it came back: its connections went unacknowledged for "
+        f"up to {_s(end - start)}, and every rank waited for it (a call of up to {_s(longest)})"
     )
     evidence = _link_lines(inc, hosts) + _outage_lines(inc, inside)
-    evidence += [f"{h.text} took {_s(h.shortest)} and more on every member" for h in held]
+    evidence += _held_lines(a, start, end)
     return Verdict(
         VerdictKind.NETWORK_PARTITION,
         ranks,
@@ -491,6 +532,45 @@ def _flap(a: Analysis) -> Verdict | None:
     )
 
 
+def _long_waits(inc: Incident) -> list[tuple[int, tuple[int, int]]]:
+    """(proc, (entered, returned) on the wall clock) of every call of the
+    whole rings that took SLOW_NS and more (a group's end included)."""
+    rows = inc.held
+    rows = rows[rows["end"] - rows["ts"] >= SLOW_NS]
+    if not len(rows):
+        return []
+    hosts = np.array(proc_hosts(inc), dtype=np.int64)
+    walls = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
+    wall = walls[hosts[rows["proc"]]]
+    return [
+        (int(p), (int(s), int(e)))
+        for p, s, e in zip(rows["proc"], rows["ts"] + wall, rows["end"] + wall, strict=True)
+    ]
+
+
+def _held_lines(a: Analysis, start: int, end: int) -> list[str]:
+    """The long calls the ranks waited in during [start, end], one line per op."""
+    inc = a.incident
+    rows = inc.held
+    hosts = np.array(proc_hosts(inc), dtype=np.int64)
+    walls = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
+    wall = walls[hosts[rows["proc"]]] if len(rows) else np.zeros(0, dtype=np.int64)
+    during = (
+        (rows["end"] - rows["ts"] >= SLOW_NS)
+        & (rows["ts"] + wall <= end)
+        & (rows["end"] + wall >= start)
+    )
+    out = []
+    for op in np.unique(rows["op"][during]).tolist():
+        mine = rows[during & (rows["op"] == op)]
+        ranks = sorted({inc.procs[int(p)].world_rank for p in mine["proc"]})
+        out.append(
+            f"ranks {', '.join(map(str, ranks))} waited in {op_name(op)} up to "
+            f"{_s(int((mine['end'] - mine['ts']).max()))}"
+        )
+    return out
+
+
 def _outage_lines(inc: Incident, conns: list[ConnFate]) -> list[str]:
     by_pair: dict[tuple[int, int], list[ConnFate]] = defaultdict(list)
     for f in conns:
@@ -501,45 +581,6 @@ def _outage_lines(inc: Incident, conns: list[ConnFate]) -> list[str]:
         f"were acknowledged again ({sum(f.timeouts for f in fs)} timeouts)"
         for (x, y), fs in sorted(by_pair.items())
     ]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Held:
-    """A collective every member's call of took SLOW_NS and more (wall clock)."""
-
-    start: int
-    end: int
-    shortest: int  # the shortest member call: what every member waited at least
-    text: str
-
-
-def _held_collectives(a: Analysis) -> list[Held]:
-    """The collectives every member of took SLOW_NS and more (the whole
-    rings: a flap long before the dump is still in them)."""
-    inc = a.incident
-    rows = inc.held
-    if not len(rows):
-        return []
-    hosts = np.array(proc_hosts(inc), dtype=np.int64)
-    walls = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
-    size = {c.comm_hash: c.nranks for c in inc.comms}
-    name = {c.comm_hash: c.name for c in inc.comms}
-    out = []
-    keys = np.rec.fromarrays([rows["hash"], rows["seq"]])
-    for key in np.unique(keys):
-        mine = rows[(rows["hash"] == key[0]) & (rows["seq"] == key[1])]
-        nranks = size.get(int(key[0]), 0)
-        if nranks < 2 or len(np.unique(mine["proc"])) < nranks:
-            continue  # some member did not wait that long
-        wall = walls[hosts[mine["proc"]]]
-        shortest = int((mine["end"] - mine["ts"]).min())
-        if shortest < SLOW_NS:
-            continue
-        text = f"{op_name(int(mine['op'][0]))} seq {int(key[1])} on {name[int(key[0])]}"
-        out.append(
-            Held(int((mine["ts"] + wall).min()), int((mine["end"] + wall).max()), shortest, text)
-        )
-    return out
 
 
 def _reset(a: Analysis) -> Verdict | None:
@@ -561,6 +602,8 @@ def _reset(a: Analysis) -> Verdict | None:
     failures = [t for t in (death[1] if death else None, _first_error_wall(inc)) if t is not None]
     if failures and abs(min(failures) - first_reset) > RESET_WINDOW_NS:
         return None  # the resets and the failures are unrelated
+    if death is not None:  # the resets before the first death: those after are its own
+        reset = [f for f in reset if (f.first_reset_wall_ns or 0) <= death[1]]
     hosts = shared_hosts(reset, len(inc.hosts))
     if not hosts:
         return None

@@ -16,21 +16,28 @@ from typing import TYPE_CHECKING, Any
 from stallwatch.analyzer.report import MAX_TABLE_ROWS, MAX_TABLES
 from stallwatch.dumpers.errors import UsageError
 
-from .options import HelpFormatter, add_agent_options, add_format_option, agent_call_from
+from .options import (
+    HelpFormatter,
+    add_agent_options,
+    add_format_option,
+    agent_call_from,
+    wants_agents,
+)
 
 if TYPE_CHECKING:
     from stallwatch.analyzer.pipeline import AnalysisResult
 
 EXAMPLES = """\
 examples:
-  stallwatch analyze dumps/                      every dump under a folder
-  stallwatch analyze dumps/*.msgpack --json      for programs (= --format json)
-  stallwatch analyze dumps/ --all                every communicator, every rank
-  stallwatch analyze fr_traces/                  PyTorch Flight Recorder dumps (_dump_<rank>)
-  STALLWATCH_THREADS=1 stallwatch analyze dumps/ on one core (default: up to 4)
-  stallwatch analyze --agents node1:9400,node2:9400 --token-file /etc/stallwatch/token \
-      --tls-ca /etc/stallwatch/ca.pem            live: the agents' current recordings
-  stallwatch analyze --agents-file nodes.txt --save incident/   ... and keep them as dumps
+  stallwatch analyze dumps/                    # every dump under a folder
+  stallwatch analyze dumps/*.msgpack --json    # for programs (= --format json)
+  stallwatch analyze dumps/ --all              # every communicator, every rank
+  stallwatch analyze fr_traces/                # PyTorch Flight Recorder dumps (_dump_<rank>)
+  STALLWATCH_THREADS=1 stallwatch analyze dumps/    # on one core (default: up to 4)
+  # live: the agents' current recordings
+  stallwatch analyze --agents node1:9400,node2:9400 --token-file /etc/stallwatch/token \\
+      --tls-ca /etc/stallwatch/ca.pem
+  stallwatch analyze --agents-file nodes.txt --save incident/    # ... and keep them as dumps
 
 exit codes: 0 healthy, 1 findings (inconclusive, or an input lost), 2 nothing could be read
 """
@@ -46,7 +53,7 @@ def register(subparsers: Any) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("paths", nargs="*", metavar="PATH", help="dump files or folders")
-    add_agent_options(p, timeout=10.0)  # live, instead of PATH
+    add_agent_options(p)  # live, instead of PATH
     p.add_argument(
         "--save",
         type=Path,
@@ -54,6 +61,12 @@ def register(subparsers: Any) -> None:
         help="with --agents: write the answers as one incident (DIR/<host>/)",
     )
     add_format_option(p)
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help="communicator ids whole (default: their shortest prefix unique in the incident, "
+        "as comm_id_hash LIKE '0xcd50%%' finds it in SQL; --json always has them whole)",
+    )
     p.add_argument(
         "--all",
         dest="show_all",
@@ -67,7 +80,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from stallwatch.analyzer.pipeline import analyze_paths
 
-    live = args.agents is not None or args.agents_file is not None
+    live = wants_agents(args)
     if live == bool(args.paths):
         raise UsageError("give dump files or folders, or --agents/--agents-file (not both)")
     if args.save is not None and not live:
@@ -96,13 +109,13 @@ def _run_live(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, result: AnalysisResult) -> int:
     from stallwatch.analyzer.report import print_report, to_json
 
-    for s in result.inputs:
-        if not s.ok:
+    for s in result.inputs:  # each once: the text report names the lost ones itself
+        if not s.ok and (args.format == "json" or not s.lost):
             print(f"stallwatch analyze: {s.note}", file=sys.stderr)
     if args.format == "json":
         print(to_json(result))
     else:
-        print_report(result, args.show_all)
+        print_report(result, args.show_all, args.wide)
     if not result.anything_read:
         return 2
     return 0 if result.healthy else 1

@@ -25,14 +25,14 @@ if TYPE_CHECKING:
 
 EXAMPLES = """\
 examples:
-  stallwatch collect --agents node1:9400,node2:9400 -o incident/     the newest incident
+  stallwatch collect --agents node1:9400,node2:9400 -o incident/    # the newest incident
   stallwatch collect 20261123T170635508-node2-329539 --agents-file nodes.txt -o incident/ \\
       --token-file /etc/stallwatch/token --tls-ca /etc/stallwatch/ca.pem
-  stallwatch analyze incident/                                       then, the verdict
+  stallwatch analyze incident/             # then, the verdict
 
 The dumps land as DIR/<host>/<file>, each checked by the dump reader on
-arrival and written as the agent kept it; agents that sent nothing are named
-with the reason (a stopped agent: lost).
+arrival and written as the agent kept it; every agent that sent nothing is
+named with its reason (unreachable, refused, no dump of the incident).
 
 exit codes: 0 every agent sent its dumps, 1 some did not, 2 nothing collected
 """
@@ -54,7 +54,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "-o", "--out", type=Path, required=True, metavar="DIR", help="the folder to write into"
     )
-    add_agent_options(p, timeout=30.0)
+    add_agent_options(p)
     add_format_option(p)
     p.set_defaults(func=run)
 
@@ -71,19 +71,23 @@ def run(args: argparse.Namespace) -> int:
     rows = _rows(call.agents, got)
     if args.format == "json":
         doc = {"incident_id": got.incident_id, "out": str(args.out), "agents": rows}
-        from stallwatch.query.http import encode_json
+        from stallwatch.query.wire import encode_json
 
         print(encode_json(doc).decode())
     else:
         show(lambda c: _table(c, got.incident_id, args.out, rows))
     if not got.saved:
-        print("stallwatch collect: nothing collected", file=sys.stderr)
+        print(f"stallwatch collect: nothing collected: {_why_nothing(got, rows)}", file=sys.stderr)
         return ExitCode.USAGE
     return ExitCode.FINDINGS if got.failed else ExitCode.OK
 
 
+NO_INCIDENT = "holds no dump of any incident"
+
+
 def _rows(agents: tuple[str, ...], got: Collected) -> list[dict[str, Any]]:
-    """Per agent, in the order given: its host, files, bytes, or why none."""
+    """Per agent, in the order given: its host, files, bytes, or why none
+    (an agent that answered with no dump at all says so too)."""
     rows: dict[str, dict[str, Any]] = {
         a: {"agent": a, "host": None, "files": [], "bytes": 0, "lost": None} for a in agents
     }
@@ -94,15 +98,27 @@ def _rows(agents: tuple[str, ...], got: Collected) -> list[dict[str, Any]]:
         row["bytes"] += len(fetched.blob)
     for failure in got.failed:
         rows[failure.agent]["lost"] = failure.error
+    if got.incident_id is None:
+        for row in rows.values():
+            row["lost"] = row["lost"] or NO_INCIDENT
     return list(rows.values())
 
 
+def _why_nothing(got: Collected, rows: list[dict[str, Any]]) -> str:
+    answered = sum(1 for r in rows if r["lost"] in (None, NO_INCIDENT))
+    if not answered:
+        return f"none of {len(rows)} agents answered (each agent's reason above)"
+    if got.incident_id is None:
+        return f"{answered} of {len(rows)} agents answered, none holds a dump"
+    return f"no agent sent a dump of incident {got.incident_id}"
+
+
 def _table(c: Console, incident: str | None, out: Path, rows: list[dict[str, Any]]) -> None:
-    if incident is None:
-        c.print("no agent holds a dump of any incident")
-        return
     came = sum(1 for r in rows if r["files"])
-    c.print(f"incident {incident}: {came} of {len(rows)} agents sent their dumps into {out}")
+    if incident is None:
+        c.print(f"no incident to collect: 0 of {len(rows)} agents sent a dump")
+    else:
+        c.print(f"incident {incident}: {came} of {len(rows)} agents sent their dumps into {out}")
     columns = [("agent", False), ("host", False), ("dumps", True), ("size", True), ("lost", False)]
     t = new_table(c, columns)
     for r in rows:

@@ -1,5 +1,7 @@
 """``stallwatch export PATH... --perfetto -o FILE``: the incident as a timeline;
-``stallwatch export PATH... --parquet -o DIR``: the SQL tables as Parquet.
+``stallwatch export PATH... --parquet -o DIR``: the SQL tables as Parquet;
+``stallwatch export PATH... --flight-recorder -o DIR`` (or ``--agents``): the
+incident as PyTorch Flight Recorder files.
 
 Perfetto: dumps are read by the analyzer's loader (files or folders; unreadable files
 are named one per line on stderr and the others still used), analyzed, and
@@ -11,6 +13,16 @@ included, as ``query`` reads them: ``frincident.read_as_recordings``),
 Hive-partitioned by incident and host (``analyzer.parquet``;
 ``docs/parquet.md`` documents the columns).  Another incident can be added to
 the same folder later; one already there is refused, never rewritten.
+
+Flight Recorder: the incident as the analyzer reads it (dumps, or the live
+agents' current recordings with ``--agents``), one file per rank,
+``rank_<world rank>``, format 2.10, pickled as torch pickles them or, with
+``--json``, in torch's JSON form (``analyzer.frexport``); torchfrtrace and
+NVRx's attribution read them as torch's own.  ``--collectives-only`` leaves
+point-to-point calls out, for torchfrtrace (torch 2.13 and 2.14), which groups
+a collective with the send or recv after it when their seqs are alike and then
+fails on a group that does both in turn.  A file already there is refused,
+never rewritten.
 
 Exit codes: 0 written from every input; 1 written, but inputs that could not
 be read were skipped (named on stderr); 2 bad usage or nothing could be read.
@@ -25,7 +37,13 @@ from pathlib import Path
 
 from stallwatch.dumpers.errors import ExitCode, UsageError
 
-from .options import HelpFormatter, add_format_option
+from .options import (
+    HelpFormatter,
+    add_agent_options,
+    add_format_option,
+    agent_call_from,
+    wants_agents,
+)
 
 EXAMPLES = """\
 examples:
@@ -34,10 +52,16 @@ examples:
   stallwatch export --parquet dumps/incident-42/ -o /data/stallwatch-parquet
   duckdb -c "SELECT host, count(*) FROM read_parquet(
       '/data/stallwatch-parquet/nccl_events/**/*.parquet', hive_partitioning=true) GROUP BY host"
+  stallwatch export --flight-recorder dumps/incident-42/ -o fr/
+  python -m torch.distributed.flight_recorder.fr_trace fr/ -p rank_
+  stallwatch export --flight-recorder --agents node1:9400,node2:9400 -o fr/ --json
 
 Open a trace at https://ui.perfetto.dev (Open trace file) or chrome://tracing.
 Parquet: one folder per table, incident=<id>/host=<host>/ below it; adding
 another incident later never rewrites the ones already there.
+Flight Recorder: rank_<world rank> per rank (one folder per incident when the
+inputs hold several); --json writes torch's JSON form (and prints this summary
+as JSON).
 exit codes: 0 written, 1 written with unreadable inputs skipped, 2 bad usage or no
 dump could be read.
 """
@@ -55,7 +79,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         epilog=EXAMPLES,
         formatter_class=HelpFormatter,
     )
-    p.add_argument("paths", nargs="+", metavar="PATH", help="dump files or folders")
+    p.add_argument("paths", nargs="*", metavar="PATH", help="dump files or folders")
     kind = p.add_mutually_exclusive_group(required=True)
     kind.add_argument(
         "--perfetto", action="store_true", help="a trace-event JSON file for ui.perfetto.dev"
@@ -63,14 +87,25 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     kind.add_argument(
         "--parquet", action="store_true", help="Parquet files under a folder (-o DIR)"
     )
+    kind.add_argument(
+        "--flight-recorder",
+        action="store_true",
+        help="PyTorch Flight Recorder files, rank_<world rank>, under a folder (-o DIR)",
+    )
     p.add_argument(
         "-o",
         "--output",
         required=True,
         type=Path,
         metavar="FILE|DIR",
-        help="where to write: the trace file, or the Parquet folder",
+        help="where to write: the trace file, or the Parquet or Flight Recorder folder",
     )
+    p.add_argument(
+        "--collectives-only",
+        action="store_true",
+        help="--flight-recorder: leave point-to-point calls out (for torchfrtrace)",
+    )
+    add_agent_options(p)  # --flight-recorder, live, instead of PATH
     p.add_argument(
         "--incident",
         metavar="ID",
@@ -82,6 +117,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    live = wants_agents(args)
+    if live and not args.flight_recorder:
+        raise UsageError("--agents goes with --flight-recorder (the others export dumps)")
+    if args.collectives_only and not args.flight_recorder:
+        raise UsageError("--collectives-only goes with --flight-recorder")
+    if args.flight_recorder:
+        return run_flight_recorder(args, live)
+    if not args.paths:
+        raise UsageError("give dump files or folders to export")
     if args.parquet:
         return run_parquet(args)
     if args.incident is not None:
@@ -137,3 +181,70 @@ def run_parquet(args: argparse.Namespace) -> int:
             f"{w.files} file(s); rows: {rows or 'none'}"
         )
     return code
+
+
+def run_flight_recorder(args: argparse.Namespace, live: bool) -> int:
+    from stallwatch.analyzer.frexport import export_flight_recorder
+    from stallwatch.analyzer.pipeline import analyze_paths
+
+    if live == bool(args.paths):
+        raise UsageError("give dump files or folders, or --agents/--agents-file (not both)")
+    if args.incident is not None:
+        raise UsageError("--incident names a Parquet export's incident (with --parquet)")
+    if live:
+        from stallwatch.analyzer.live import analyze_agents
+        from stallwatch.query.agentclient import close_connections
+
+        call = agent_call_from(args)
+        try:
+            result = analyze_agents(call).result
+        finally:
+            close_connections()
+    else:
+        result = analyze_paths(args.paths)
+    for s in result.inputs:
+        if not s.ok:
+            print(f"stallwatch export: {s.note}", file=sys.stderr)
+    if not result.anything_read or not result.incidents:
+        why = "; ".join(s.error or s.path for s in result.inputs if not s.ok) or "no input"
+        raise UsageError(f"no dump could be read ({why})")
+    json_form = args.format == "json"
+    written = export_flight_recorder(
+        result.incidents, args.output, json_form, p2p=not args.collectives_only
+    )
+    for w in written:
+        for note in w.left_out:
+            print(f"stallwatch export: {w.incident}: left out: {note}", file=sys.stderr)
+    if json_form:
+        doc = {
+            "path": str(args.output),
+            "form": "json",
+            "incidents": [
+                {
+                    "id": w.incident,
+                    "folder": str(w.folder),
+                    "ranks": list(w.ranks),
+                    "files": [str(f) for f in w.files],
+                    "calls": w.calls,
+                    "left_out": list(w.left_out),
+                }
+                for w in written
+            ],
+            "inputs": [{"path": s.path, "ok": s.ok, "error": s.error} for s in result.inputs],
+        }
+        print(json.dumps(doc, indent=2))
+    else:
+        for w in written:
+            print(
+                f"wrote incident {w.incident} to {w.folder}: {len(w.files)} Flight Recorder "
+                f"file(s) (ranks {_ranks_text(w.ranks)}), {w.calls} call(s); torchfrtrace: "
+                f"python -m torch.distributed.flight_recorder.fr_trace {w.folder} -p rank_"
+            )
+    lost = any(s.lost for s in result.inputs) or any(w.left_out for w in written)
+    return ExitCode.FINDINGS if lost else ExitCode.OK
+
+
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    if ranks and list(ranks) == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(str(r) for r in ranks) or "none"

@@ -8,7 +8,9 @@ works on a laptop with no BCC and no root.
 
 One grammar for every command: options go before or after its paths
 (``parse``), each prints data with ``--format`` (``--json`` its short form)
-and shows its defaults and examples in ``--help`` (``commands.options``).
+and shows its defaults, examples (lines a shell runs as printed) and exit
+codes in ``--help`` (``commands.options``); a command that has subcommands,
+given none (``stallwatch`` alone), prints them.
 
 Exit codes everywhere (``ExitCode``): 0 clean, 1 findings, 2 bad input or usage.
 """
@@ -24,6 +26,8 @@ from typing import Any
 from stallwatch import __version__
 from stallwatch.dumpers.errors import ExitCode, StallwatchError
 
+from .options import HelpFormatter
+
 # Modules that define register(subparsers); each adds its subcommand.
 COMMAND_MODULES = (
     "stallwatch.commands.record",
@@ -35,19 +39,27 @@ COMMAND_MODULES = (
     "stallwatch.commands.serve",
     "stallwatch.commands.export",
     "stallwatch.commands.lab",
+    "stallwatch.commands.completion",
 )
 
 EPILOG = """\
 examples:
-  stallwatch lab demo                         a 4-node job hangs; find the rank
+  stallwatch lab demo                   # a 4-node job hangs; find the rank
   stallwatch record --dump-dir /var/lib/stallwatch --stall-timeout 60
   stallwatch dump --reason "loss spike at step 1200"
-  stallwatch snapshot --agents node1:9400,node2:9400   where every rank is, now
-  stallwatch analyze dumps/                   name the culprit rank, and why
-  stallwatch analyze --agents node1:9400,node2:9400    the same, live, from the agents
-  stallwatch collect --agents node1:9400,node2:9400 -o incident/   every node's dumps
+  stallwatch snapshot --agents node1:9400,node2:9400    # where every rank is, now
+  stallwatch analyze dumps/             # name the culprit rank, and why
+  stallwatch analyze --agents node1:9400,node2:9400     # the same, live, from the agents
+  stallwatch collect --agents node1:9400,node2:9400 -o incident/    # every node's dumps
   stallwatch query dumps/*.msgpack "SELECT op, count(*) FROM nccl_events GROUP BY op"
   stallwatch query --agents node1:9400,node2:9400 "SELECT * FROM tcp_events LIMIT 5"
+  source <(stallwatch completion bash)  # commands and options complete on TAB
+
+Options that reach agents are the same on every command: --agents or
+--agents-file, --token-file, --tls-ca (--tls-cert, --tls-key), --timeout.
+
+exit codes (every command): 0 clean, 1 findings or a partial result, 2 bad
+input or usage; each command's --help says what they mean for it.
 """
 
 
@@ -61,7 +73,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         description="Flight recorder for distributed training: records every NCCL call "
         "and the kernel events that explain a stall, then names the rank that caused it.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"stallwatch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -98,6 +110,9 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Name
     commands = _commands(parser)
     if commands is None:
         return parser.parse_intermixed_args(argv)
+    if not argv:  # ``stallwatch`` or ``stallwatch lab`` alone: the commands
+        parser.print_help()
+        parser.exit(ExitCode.OK)
     for i, token in enumerate(argv):
         if token in commands.choices:
             if argv[:i]:

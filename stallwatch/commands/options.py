@@ -23,8 +23,14 @@ _NO_DEFAULT = (None, False, argparse.SUPPRESS)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Epilogs (examples, exit codes) kept as written; each option's default
-    shown after its help, unless it has none or the help already says it."""
+    """Epilogs (examples, exit codes) kept as written, a one-paragraph
+    description wrapped to the terminal; each option's default shown after
+    its help, unless it has none or the help already says it."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text.strip():  # laid out by hand: examples, exit codes
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -79,16 +85,16 @@ def add_token_option(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--token-file", type=Path, metavar="FILE", help=help)
 
 
-def read_token(path: Path | None) -> str | None:
+def read_token(path: Path | None, option: str = "--token-file") -> str | None:
     """The token in a file (surrounding whitespace ignored), or None."""
     if path is None:
         return None
     try:
         token = Path(path).read_text().strip()
     except OSError as exc:
-        raise UsageError(f"--token-file {path}: cannot read: {exc.strerror or exc}") from None
+        raise UsageError(f"{option} {path}: cannot read: {exc.strerror or exc}") from None
     if not token:
-        raise UsageError(f"--token-file {path}: the file is empty")
+        raise UsageError(f"{option} {path}: the file is empty")
     return token
 
 
@@ -158,10 +164,37 @@ def add_pin_dir(parser: argparse.ArgumentParser) -> None:
 
 # ---- which agents: --agents, --agents-file, and how to reach them ----------------
 
+# One default for every command that asks agents (analyze --agents, query
+# --agents, collect, dump, snapshot --agents): long enough for an agent to
+# read its rings and threads or write a dump on a busy node, short enough
+# that one dead agent is named within seconds at 3 a.m.
+AGENT_TIMEOUT_S = 10.0
 
-def add_agent_options(parser: argparse.ArgumentParser, timeout: float) -> None:
-    """``--agents``, ``--agents-file``, the token, client TLS and a timeout:
-    the agents a live command asks (``analyze --agents``, ``collect``)."""
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"expected seconds from 0 to 3600, got {text}")
+    return value
+
+
+def add_timeout_option(parser: argparse.ArgumentParser, what: str = "each agent") -> None:
+    """``--timeout SEC``: how long an agent may take to answer, once asked."""
+    parser.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=AGENT_TIMEOUT_S,
+        metavar="SEC",
+        help=f"seconds {what} may take to answer, once asked",
+    )
+
+
+def add_agent_options(parser: argparse.ArgumentParser) -> None:
+    """``--agents``, ``--agents-file``, the token, client TLS and the
+    timeout: the agents a live command asks, the same on every command."""
     parser.add_argument("--agents", metavar="HOST:PORT,...", help="ask these live agents")
     parser.add_argument(
         "--agents-file",
@@ -170,14 +203,12 @@ def add_agent_options(parser: argparse.ArgumentParser, timeout: float) -> None:
         help="the agents, one HOST:PORT a line (# comments), with or instead of --agents",
     )
     add_token_option(parser, help="bearer token for the agents")
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=timeout,
-        metavar="SEC",
-        help="per agent, once it is asked",
-    )
+    add_timeout_option(parser)
     add_client_tls(parser)
+
+
+def wants_agents(args: argparse.Namespace) -> bool:
+    return args.agents is not None or args.agents_file is not None
 
 
 def agent_call_from(args: argparse.Namespace) -> AgentCall:

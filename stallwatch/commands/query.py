@@ -11,26 +11,29 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
 import sys
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from rich.console import Console
 from rich.text import Text
 
-from stallwatch.dumpers.errors import ExitCode, UsageError
+from stallwatch.dumpers.errors import DumpError, ExitCode, UsageError
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.sqltables import EXAMPLES
 from stallwatch.query.output import id_widths, new_table, text_for
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+
 from .options import (
     HelpFormatter,
-    add_client_tls,
+    add_agent_options,
     add_format_option,
-    add_token_option,
-    client_tls_from,
-    read_token,
+    agent_call_from,
+    wants_agents,
 )
 
 QUERY_EPILOG = """\
@@ -82,6 +85,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "query",
         usage="stallwatch query [options] PATH... SQL\n"
         "       stallwatch query [options] --agents HOST:PORT,... SQL\n"
+        "       stallwatch query [options] --agents-file FILE SQL\n"
         "       stallwatch query [options] [PATH... | --agents HOST:PORT,...] --example NAME",
         help="run one SQL query on dumps, or on live agents in parallel",
         description="Run one read-only SQL SELECT on dump files and folders, or send it "
@@ -99,13 +103,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help=f"run this named query ({', '.join(sorted(EXAMPLES))}) instead of SQL "
         "given; with no dumps or agents, print its SQL",
     )
-    q.add_argument("--agents", metavar="HOST:PORT,...", help="query these live agents instead")
-    add_token_option(q, "bearer token for the agents")
-    q.add_argument(
-        "--timeout", type=float, default=5.0, metavar="SEC", help="per agent, once it is asked"
-    )
+    add_agent_options(q)  # live, instead of PATH
     q.add_argument("--concurrency", type=int, default=128, metavar="N", help="agents asked at once")
-    add_client_tls(q)
     add_format_option(q, ("table", "json", "csv"))
     q.add_argument("--limit", type=int, metavar="N", help="at most N rows")
     q.add_argument(
@@ -117,6 +116,51 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 # ---- inputs ----------------------------------------------------------------
+
+
+def read_tables(
+    paths: Sequence[str], sql: str, progress: bool
+) -> tuple[dict[str, pa.Table] | None, list[str], bool]:
+    """The tables ``sql`` reads over the dumps (``query.feed``): every
+    input's header first (incidents, ranks), then one dump at a time read
+    whole, its rows turned into what the query reads and the dump let go, so
+    that memory holds the columns the query reads and one dump; None when no
+    dump is readable.  Progress as ``analyze`` shows it.  Also: a note per
+    input not read, and whether any was lost."""
+    from stallwatch.analyzer.load import open_incidents
+    from stallwatch.analyzer.progress import Progress
+    from stallwatch.dumpers.format import read_dump
+    from stallwatch.dumpers.inputs import InputStatus, SourceKind
+    from stallwatch.dumpers.ranks import Ranks
+    from stallwatch.dumpers.schema import RING_DTYPES
+    from stallwatch.query.feed import feed, needs
+
+    incidents, statuses = open_incidents(paths, defer=tuple(RING_DTYPES))
+    notes = [s.note for s in statuses if not s.ok]
+    lost = any(s.lost for s in statuses)
+    heads = [(path, rec, i.flight_recorder) for i in incidents for path, rec in i.recordings]
+    if not heads:
+        return None, notes, lost
+
+    def load(path: str, head: Recording, flight: bool) -> Recording | None:
+        nonlocal lost
+        if flight:  # a Flight Recorder file's recording is whole already
+            return head
+        try:
+            return read_dump(path)
+        except DumpError as exc:  # a ring that fails its reader: lost, as on any read
+            notes.append(InputStatus(path, False, str(exc), SourceKind.STALLWATCH).note)
+            lost = True
+            return None
+
+    loads = [functools.partial(load, *h) for h in heads]
+    shown = Progress("read {}/{} dumps", len(heads), progress, command="query")
+    try:
+        known = Ranks.of(h for _, h, _ in heads)
+        built = feed(loads, known, needs(sql), shown.step)
+    finally:
+        shown.close()
+    return built, notes, lost
 
 
 def read_recordings(paths: Sequence[str]) -> tuple[list[Recording], list[str], bool]:
@@ -180,7 +224,7 @@ def format_csv(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def render(fmt: str, doc: dict[str, Any]) -> str:
     if fmt == "json":
-        from stallwatch.query.http import encode_json
+        from stallwatch.query.wire import encode_json
 
         return encode_json(doc).decode()
     if fmt == "csv":
@@ -198,9 +242,9 @@ def _split_args(args: argparse.Namespace) -> tuple[list[str], str]:
         raise UsageError("give dump files or folders, then the SQL (or --example NAME)")
     else:
         *paths, sql = args.args
-    if args.agents and paths:
-        raise UsageError("with --agents, give only the SQL (no dump paths)")
-    if not args.agents and not paths:
+    if wants_agents(args) and paths:
+        raise UsageError("with --agents/--agents-file, give only the SQL (no dump paths)")
+    if not wants_agents(args) and not paths:
         raise UsageError("give dump files or folders, then the SQL (or --agents HOST:PORT,...)")
     if args.limit is not None and args.limit < 0:
         raise UsageError(f"--limit must be 0 or more, got {args.limit}")
@@ -208,20 +252,22 @@ def _split_args(args: argparse.Namespace) -> tuple[list[str], str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.example is not None and not args.args and not args.agents:
+    if args.example is not None and not args.args and not wants_agents(args):
         print(EXAMPLES[args.example])
         return ExitCode.OK
     paths, sql = _split_args(args)
-    if args.agents:
+    if wants_agents(args):
         return _query_agents(args, sql)
-    recordings, notes, lost = read_recordings(paths)
+    from stallwatch.query.sql import QUERY, QueryEngine, check_sql
+
+    check_sql(sql, QUERY)  # refused or unparsable: before any dump is read
+    progress = sys.stderr.isatty() or len(paths) > 1
+    built, notes, lost = read_tables(paths, sql, progress)
     for note in notes:
         print(f"stallwatch query: {note}", file=sys.stderr)
-    if not recordings:
+    if built is None:
         raise UsageError("no readable dump among the inputs")
-    from stallwatch.query.sql import QUERY, QueryEngine
-
-    with QueryEngine(recordings, QUERY) as engine:
+    with QueryEngine(built, QUERY) as engine:
         result = engine.query(sql, args.limit)
     if result.truncated and args.limit is None:
         print(
@@ -237,12 +283,11 @@ def run(args: argparse.Namespace) -> int:
 def _query_agents(args: argparse.Namespace, sql: str) -> int:
     from stallwatch.query.fanout import close_connections, query_agents
 
-    agents = [a for a in args.agents.split(",") if a.strip()]
-    token = read_token(args.token_file)
-    client_tls = client_tls_from(args)
+    call = agent_call_from(args)
+    agents = call.agents
     try:
         result = query_agents(
-            agents, sql, token, args.timeout, args.limit, client_tls, args.concurrency
+            agents, sql, call.token, call.timeout, args.limit, call.tls, args.concurrency
         )
     finally:
         close_connections()

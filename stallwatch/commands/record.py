@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stallwatch.dumpers.errors import ExitCode, UsageError
-from stallwatch.query.tls import ClientTls
+from stallwatch.query.tls import ClientTls, ServerTls
 from stallwatch.recorder.rings import check_ring_size
 
 from .options import (
@@ -37,16 +37,16 @@ examples:
   stallwatch record --listen 10.0.0.1:9400 --token-file /etc/stallwatch/token \\
       --tls-cert /etc/stallwatch/node.pem --tls-key /etc/stallwatch/node.key \\
       --tls-ca /etc/stallwatch/ca.pem --peers node2:9400,node3:9400
-  stallwatch record ... --peers-from k8s-service stallwatch-peers.stallwatch.svc
-  stallwatch record ... --peers-from slurm            the job's nodes (a Slurm prolog)
-  stallwatch record ... --peers-from file /etc/stallwatch/peers
+  stallwatch record --peers-from k8s-service stallwatch-peers.stallwatch.svc
+  stallwatch record --peers-from slurm     # the job's nodes (a Slurm prolog)
+  stallwatch record --peers-from file /etc/stallwatch/peers
   stallwatch record --lib /opt/venv/lib/python3.11/site-packages/nvidia/nccl/lib/libnccl.so.2
+  # as a service (the systemd unit, DaemonSet, Slurm):
   stallwatch record --keep-pinned --pin-dir /sys/fs/bpf/stallwatch/agent
-                                       as a service (the systemd unit, DaemonSet, Slurm)
-  kill -USR1 $(pidof stallwatch)       dump now
-  stallwatch record --cleanup          remove the pinned recording (stop for good)
-  stallwatch record --compile-only     compile once at install: a start with nothing
-                                       pinned then loads the programs (seconds less)
+  kill -USR1 "$(pidof stallwatch)"         # dump now
+  stallwatch record --cleanup              # remove the pinned recording (stop for good)
+  # compile once at install: a start with nothing pinned then loads the programs
+  stallwatch record --compile-only
 
 the recording is pinned under --pin-dir (one folder per agent). Started by
 hand, the agent is a foreground tool: stopped with Ctrl-C or SIGTERM it
@@ -208,6 +208,20 @@ def _add_network_options(p: argparse.ArgumentParser) -> None:
         help="HTTP surface: /query /dump /metrics /healthz",
     )
     add_token_option(p, "bearer token (required for a non-loopback --listen)")
+    p.add_argument(
+        "--dump-token-file",
+        type=Path,
+        metavar="FILE",
+        help="a second token that opens POST /dump (and /healthz) only, for whoever may ask "
+        "for dumps and nothing else; an agent with neither token makes one at start, in "
+        "/run/stallwatch, where stallwatch dump on this node finds it",
+    )
+    p.add_argument(
+        "--scrape-token-file",
+        type=Path,
+        metavar="FILE",
+        help="a read-only token that opens GET /metrics (and /healthz) only: Prometheus's",
+    )
     add_server_tls(p)
     add_client_tls(p, what="the peers")
 
@@ -303,6 +317,17 @@ def _check_args(args: argparse.Namespace) -> None:
     _peers_from(args)  # a source that cannot work is named before anything is compiled
 
 
+def _check_listen(args: argparse.Namespace, server: ServerTls | None) -> None:
+    """--listen, its TLS and token, and that it is free: named before
+    anything is compiled or attached."""
+    from stallwatch.query.http import check_listen, try_listen
+
+    check_listen(args.listen, read_token(args.token_file), server)
+    for option in ("dump_token_file", "scrape_token_file"):
+        read_token(getattr(args, option), f"--{option.replace('_', '-')}")
+    try_listen(args.listen)
+
+
 def _peers_from(args: argparse.Namespace) -> PeerSource | None:
     from stallwatch.recorder.peers import peer_source, self_names
 
@@ -359,6 +384,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compile_only:
         return _compile_only(args)
     _check_paths(args)
+    _check_listen(args, server_tls_from(args))
     config = _config(args)
     try:
         config.dump_dir.mkdir(parents=True, exist_ok=True)
@@ -386,6 +412,8 @@ def _config(args: argparse.Namespace) -> AgentConfig:
         peers_from=_peers_from(args),
         listen=args.listen,
         token=read_token(args.token_file),
+        dump_token=read_token(args.dump_token_file, "--dump-token-file"),
+        scrape_token=read_token(args.scrape_token_file, "--scrape-token-file"),
         tls=server_tls_from(args),
         peer_tls=_peer_tls(args),
         max_dumps=args.max_dumps,

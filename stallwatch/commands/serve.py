@@ -24,6 +24,9 @@ examples:
 Serves POST /query, POST /fetch, GET /metrics and GET /healthz like a live
 agent (POST /dump answers 501). A non-loopback --listen needs TLS (--tls-cert,
 --tls-key) and --token-file.
+
+exit codes: 0 stopped (Ctrl-C, SIGTERM); 2 bad usage, a port it cannot listen
+on, or no dump could be read.
 """
 
 

@@ -28,27 +28,27 @@ from stallwatch.recorder.positions import reading_summary, summary_lines
 
 from .options import (
     HelpFormatter,
-    add_client_tls,
+    add_agent_options,
     add_format_option,
     add_process_options,
-    add_token_option,
-    client_tls_from,
-    read_token,
+    agent_call_from,
+    wants_agents,
 )
 
-EXIT_OK = 0
 EPILOG = """\
 examples:
-  stallwatch snapshot                               this node, into ./dumps
+  stallwatch snapshot                      # this node, into ./dumps
   stallwatch snapshot --pid 4242 --pid 4243 --dump-dir /tmp/hang
-  stallwatch snapshot --agents node1:9400,node2:9400   every node, one incident
-  stallwatch analyze dumps/                         then: which rank is missing
+  stallwatch snapshot --agents node1:9400,node2:9400    # every node, one incident
+  stallwatch analyze dumps/                # then: which rank is missing
 
 Reading another process's threads needs the right to trace it (root, or the
-same user with ptrace allowed); nothing is stopped or attached.
+same user with ptrace allowed); nothing is stopped or attached. With --agents,
+each agent has its readings' time (--samples x --interval), then --timeout.
 
-exit codes: 0 read and dumped; 2 bad usage, or an agent could not be reached
-or refused (the others' answers are printed).
+exit codes: 0 read and dumped; 1 nothing to read on this node (no NCCL process:
+no dump), or some agents could not be reached or refused (each named on stderr,
+the others' answers printed); 2 bad usage, or no agent answered.
 """
 
 
@@ -68,12 +68,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         scope_help="netns: only processes in this network namespace (as record --scope)",
     )
     p.add_argument(
-        "--agents",
-        default=None,
-        metavar="HOST:PORT,...",
-        help="ask these agents to read their nodes and dump, as one incident",
-    )
-    p.add_argument(
         "--dump-dir",
         type=Path,
         default=Path("dumps"),
@@ -91,8 +85,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--reason", default="stallwatch snapshot", metavar="TEXT", help="written in the dump"
     )
-    add_token_option(p, "the agents' bearer token")
-    add_client_tls(p, what="the agents")
+    add_agent_options(p)  # every node: the agents read their nodes and dump, as one incident
     p.add_argument("--host-name", default="", help="host name in the dump (default: hostname)")
     add_format_option(p)
     p.set_defaults(func=run)
@@ -103,7 +96,7 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--samples: expected >= 1, got {args.samples}")
     if not 0 <= args.interval <= 60:
         raise UsageError(f"--interval: expected seconds from 0 to 60, got {args.interval}")
-    if args.agents and (args.pid or args.scope != "host"):
+    if wants_agents(args) and (args.pid or args.scope != "host"):
         raise UsageError("--pid and --scope choose what this node reads: not with --agents")
     for pid in args.pid:
         if pid <= 0 or not os.path.exists(f"/proc/{pid}"):
@@ -112,7 +105,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    if args.agents:
+    if wants_agents(args):
         return _ask_agents(args)
     return _local(args)
 
@@ -144,7 +137,7 @@ def _local(args: argparse.Namespace) -> int:
     if args.format == "json":
         doc = {"host": host, "path": str(path), "positions": reading_summary(snaps[-1])}
         print(json.dumps(doc, indent=2, sort_keys=True))
-        return EXIT_OK
+        return ExitCode.OK
     print(f"{host}: {len(snaps[-1].processes)} process(es), {len(snaps)} reading(s)")
     if not snaps[-1].processes:
         where = " in this network namespace" if netns else ""
@@ -152,24 +145,23 @@ def _local(args: argparse.Namespace) -> int:
     for line in summary_lines(reading_summary(snaps[-1])):
         print(f"  {line}")
     print(f"wrote {path}")
-    return EXIT_OK
+    return ExitCode.OK
 
 
 # -- every node, through its agent --------------------------------------------
 
 
 def _ask_agents(args: argparse.Namespace) -> int:
-    from stallwatch.recorder.peers import parse_peers
     from stallwatch.recorder.watchdog import new_incident_id
 
-    agents = parse_peers(args.agents)
-    token = read_token(args.token_file)
+    call = agent_call_from(args)
+    agents = list(call.agents)
     incident = new_incident_id(args.host_name or socket.gethostname())
     body = {"reason": args.reason, "incident_id": incident, "samples": args.samples,
             "interval_s": args.interval}  # fmt: skip
-    timeout = args.samples * args.interval + 60
-    client_tls = client_tls_from(args)
-    clients = [AgentClient(a, token, client_tls, timeout) for a in agents]
+    # the agent answers once its readings are taken: their time, then --timeout
+    timeout = args.samples * args.interval + call.timeout
+    clients = [AgentClient(a, call.token, call.tls, timeout) for a in agents]
     with ThreadPoolExecutor(len(agents)) as pool:
         answers = list(pool.map(functools.partial(_ask, body=body), clients))
     failed = [(a, ans) for a, ans in zip(agents, answers, strict=True) if isinstance(ans, str)]
@@ -178,9 +170,11 @@ def _ask_agents(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
         _print_answers(incident, agents, answers)
-    if failed:
-        raise AgentError("; ".join(f"{a}: {why}" for a, why in failed))
-    return EXIT_OK
+    for agent, why in failed:  # one line each, here only
+        print(f"stallwatch snapshot: agent {agent}: {why}", file=sys.stderr)
+    if len(failed) == len(agents):
+        return ExitCode.USAGE
+    return ExitCode.FINDINGS if failed else ExitCode.OK
 
 
 Answer = dict[str, object] | str  # the agent's JSON object, or why there is none
@@ -201,10 +195,10 @@ def _ask(client: AgentClient, body: dict[str, object]) -> Answer:
 
 
 def _print_answers(incident: str, agents: list[str], answers: list[Answer]) -> None:
-    print(f"incident {incident}")
+    came = sum(not isinstance(ans, str) for ans in answers)
+    print(f"incident {incident}: {came} of {len(agents)} agents read their nodes")
     for agent, ans in zip(agents, answers, strict=True):
-        if isinstance(ans, str):
-            print(f"{agent}: error: {ans}")
+        if isinstance(ans, str):  # named on stderr
             continue
         print(f"{ans.get('host', agent)}: {ans.get('status')} {ans.get('path')}")
         for line in summary_lines(ans.get("positions", [])):

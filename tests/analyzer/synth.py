@@ -99,6 +99,9 @@ class Job:
     from_step: int = 0
     all_slow_ms: float = 0.0
     slowdown_by: int | None = None
+    # other traffic (not the job's) failing from the fault's step on: a node
+    # sends to another and retransmits (sampled rows, one a second)
+    others: tuple[tuple[int, int], ...] = ()
 
     @property
     def nranks(self) -> int:
@@ -509,6 +512,12 @@ def _net(job: Job, k: int, calls: list[np.void], now: int, skew: int) -> np.ndar
     if job.link is not None:
         a, b = job.link[0], job.link[1]
         touched = [p for p in range(job.nodes) if p != k and {k, p} == {a, b}]
+    for a, b in job.others:  # other traffic failing since the fault: a sample a second
+        if a == k:
+            for i in range(4):
+                x = _conn_row(job, k, b, start + (i + 1) * 1_000 * MS)
+                x["pid"], x["other"], x["sport"], x["dport"] = 0, 1, 50000 + i, 9500
+                rows.append(x)
     if job.reset is not None:
         for p in touched:
             x = _conn_row(job, k, p, start)

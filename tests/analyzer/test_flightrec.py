@@ -365,3 +365,66 @@ def test_worker_processes_read_what_one_process_reads(
     assert [v.to_json() for v in verdicts[0]] == [
         v.to_json() for v in analyze_incident(group_incidents(one)[0]).verdicts
     ]
+
+
+def test_of_a_long_ring_the_latest_calls_are_read(tmp_path: Path) -> None:
+    """As of our own dumps, a rank's latest WINDOW_CALLS calls are read and
+    the older ones count as overwritten; a coalesced group at the window's
+    edge is read whole (cut, its count would depart from its peers')."""
+    from stallwatch.analyzer.align import WINDOW_CALLS
+
+    for rank in range(3):
+        group = [_entry(336, op_id=336 + i, input_sizes=[[2]]) for i in range(10)]
+        group.append(_entry(336, op_id=346, profiling_name="nccl:coalesced"))
+        later = [_entry(s, op_id=s + 10) for s in range(337, 337 + 254)]
+        entries = [_entry(s) for s in range(1, 336)] + group + later
+        assert len(entries) == 600 and 600 - WINDOW_CALLS in range(335, 346)
+        _write(tmp_path, rank, {"version": "2.10", "pg_config": {}, "entries": entries})
+    d = read_flightrec(str(tmp_path / "nccl_trace_rank_0"))
+    assert d.wrapped
+    assert d.entries["seq"][0] == 336 and d.entries["count"][0] == 20
+    assert len(d.entries) == 1 + 254
+    (v,) = analyze_paths([str(tmp_path)]).incidents[0].verdicts
+    assert v.kind is VerdictKind.HEALTHY
+
+
+def test_our_section_malformed_names_the_field(tmp_path: Path) -> None:
+    """A file stallwatch wrote carries a ``stallwatch`` section; a malformed
+    one is refused, naming the field."""
+    for section, field in (
+        ({"pid": "12"}, "stallwatch.pid"),
+        ({"comms": {"0": "not hex"}}, "stallwatch"),
+        ([1, 2], "stallwatch"),
+    ):
+        p = _write(
+            tmp_path,
+            0,
+            {"version": "2.10", "pg_config": {}, "entries": [_entry(1)], "stallwatch": section},
+        )
+        with pytest.raises(DumpFormatError, match=rf"nccl_trace_rank_0: field '{field}'"):
+            read_flightrec(str(p))
+
+
+def test_the_stack_of_a_cited_rank_is_read_for_it_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dumps with stack frames (torch records them by default): the reader
+    leaves them; a verdict's culprit gets the stack of its cited call as
+    evidence, read from its file alone once the verdict is known."""
+    from stallwatch.analyzer import frincident
+
+    folder = CORPUS.parent / "fr-stacks" / "allreduce-hang-4"
+    read: list[str] = []
+    real = frincident.stack_of
+
+    def spy(path: str, *args: object) -> object:
+        read.append(Path(path).name)
+        return real(path, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(frincident, "stack_of", spy)
+    (inc,) = analyze_paths([str(folder)]).incidents
+    v = inc.verdicts[0]
+    assert v.kind is VerdictKind.MISSING_RANK and v.ranks == (2,)
+    assert read == ["nccl_trace_rank_2"]
+    (line,) = [e for e in v.evidence if "called from" in e]
+    assert "ALL_REDUCE seq 3" in line
+    assert "sync_grads (train.py:" in line and "step (train.py:" in line
+    assert line.index("all_reduce (distributed_c10d.py:") < line.index("<module> (train.py:")

@@ -83,12 +83,13 @@ def test_a_cut_says_which_connections_stopped_and_which_stayed_up(
     assert "hosts node0 and node1" in text and "hosts node1 and node2" in text
     assert "kept being acknowledged: node0-node2" in text
     assert "timeouts in a row" in text and "consequence: ranks " in text
-    # the neighbour's connections were left out in the kernel, and counted
+    # the neighbour's connections were left out in the kernel, and counted;
+    # its retransmits to a host the job talks to are samples (one a second)
     dump = read_dump(next(folder.rglob("*.msgpack")))
     assert dump.counters["kernel_tcp_filtered"] > 1000
-    assert not (
-        (dump.rings["tcp"].rows["dport"] == 9500) | (dump.rings["tcp"].rows["sport"] == 9500)
-    ).any()
+    tcp = dump.rings["tcp"].rows
+    theirs = (tcp["dport"] == 9500) | (tcp["sport"] == 9500)
+    assert (tcp["other"][theirs] == 1).all() and theirs.sum() <= 2 * 30
 
 
 def test_a_flap_the_job_came_back_from_names_the_collective_it_held(
@@ -96,7 +97,7 @@ def test_a_flap_the_job_came_back_from_names_the_collective_it_held(
 ) -> None:
     _, v = recorded("flap")
     assert "came back" in v.summary
-    assert any("on every member" in e for e in v.evidence)
+    assert any(" waited in " in e for e in v.evidence)
 
 
 def test_a_link_down_is_named_by_its_interface(

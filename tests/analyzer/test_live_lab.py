@@ -4,11 +4,16 @@ eBPF, token and mutual TLS) hangs at a random rank; ``stallwatch analyze
 still hung and before any agent wrote a dump (their stall timeout is far
 away), names the hung rank.  ``live_verdict_on_hang`` is also what the
 10-seed loop runs (``python -m tests.analyzer.test_live_lab SEEDS``).
+
+The same hung job rehearses the runbook from the host's shell: the commands
+the lab prints once its agents are ready, run exactly as printed, and then
+docs/runbook.md's commands, in the folder the lab wrote for a client.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import random
@@ -95,6 +100,7 @@ class HungLab:
     lab: Lab
     culprit: int
     step: int
+    said: io.StringIO  # what the lab printed while it set up and ran
 
 
 @contextlib.contextmanager
@@ -114,11 +120,12 @@ def hung_lab(seed: int, dump_dir: Path) -> Iterator[HungLab]:
         faults=faults.parse_faults([f"hang:rank={culprit},step={step}"]),
         run_id="v" + secrets.token_hex(3),
     )
-    lab = runner.make_lab(cfg, runner.preflight(cfg))
+    said = io.StringIO()
+    lab = runner.make_lab(cfg, runner.preflight(cfg), said)
     try:
         runner.set_up(lab)
         _wait_hung(lab, step)
-        yield HungLab(lab, culprit, step)
+        yield HungLab(lab, culprit, step, said)
     finally:
         lab.teardown()
         for proc in lab.ranks.values():
@@ -170,6 +177,43 @@ def test_live_verdict_names_the_hung_rank_before_any_dump(hung: HungLab) -> None
     assert got.named and got.exit_code == 1, got
 
 
+# ---- the lab's printed commands, from the host's shell ------------------------------
+
+
+def printed_commands(said: str) -> list[str]:
+    """The commands the lab printed for reaching its agents, each with its
+    continuation lines, as a person would copy them."""
+    block = said.split("from this shell, while the job runs", 1)[1].split("\n[", 1)[0]
+    commands: list[str] = []
+    for line in block.splitlines()[1:]:
+        if commands and commands[-1].endswith("\\"):
+            commands[-1] += "\n" + line
+        else:
+            commands.append(line.strip())
+    return commands
+
+
+def test_the_printed_commands_run_from_the_host_shell(hung: HungLab, tmp_path: Path) -> None:
+    """Once its agents are ready, the lab prints how to reach them; run as
+    printed from the host's shell while the job hangs (no dump yet): the
+    live verdict names the hung rank, the query lists the calls in flight,
+    collect names every agent and why it has nothing yet."""
+    said = hung.said.getvalue()
+    commands = printed_commands(said)
+    assert [c.split()[1] for c in commands] == ["analyze", "query", "collect"], said
+    assert all(len(line) < 100 for c in commands for line in c.splitlines()), commands
+    ran = run_as_printed(commands, tmp_path)
+    verdict, query, collect = ran
+    assert verdict.code == 1, verdict
+    assert f"MISSING_RANK: rank {hung.culprit} never entered" in verdict.output, verdict
+    # every rank but the hung one waits in a call (blocking mode: one each)
+    in_flight = {int(line.split()[1]) for line in query.output.splitlines() if line[:4] == "node"}
+    assert query.code == 0 and f"({NODES * RANKS_PER_NODE - 1} rows)" in query.output, query
+    assert in_flight == set(range(NODES * RANKS_PER_NODE)) - {hung.culprit}, query
+    assert collect.code == 2 and collect.output.count("holds no dump of any incident") == NODES
+    assert _dumps(hung.lab) == 0  # nothing of this wrote one
+
+
 # ---- the runbook, as printed ------------------------------------------------------
 
 RUNBOOK = Path(__file__).resolve().parents[2] / "docs" / "runbook.md"
@@ -193,19 +237,7 @@ def runbook_commands(text: str) -> list[str]:
     return commands
 
 
-def operator_dir(lab: Lab, where: Path) -> Path:
-    """What the runbook asks an operator to have at hand: the agents' list,
-    the token and the TLS files (here: the lab's)."""
-    assert lab.certs is not None
-    tls = lab.certs.client()
-    assert tls.ca is not None and tls.cert is not None and tls.key is not None
-    where.mkdir(parents=True, exist_ok=True)
-    agents = "".join(f"{lab.node(k).ip}:{AGENT_PORT}\n" for k in range(NODES))
-    (where / "agents.txt").write_text(agents)
-    (where / "token").write_text((lab.run_dir / "agent.token").read_text())
-    for name, path in (("ca.pem", tls.ca), ("client.pem", tls.cert), ("client.key", tls.key)):
-        (where / name).write_bytes(path.read_bytes())
-    return where
+MARKER = "@@stallwatch-exit="
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,14 +247,23 @@ class Ran:
     output: str
 
 
-def run_as_printed(lab: Lab, commands: list[str], where: Path) -> list[Ran]:
-    """Each command in one bash session in node 0's namespace (its variables
-    kept from one to the next), as an operator would paste them."""
-    marker = "@@stallwatch-runbook-exit="
-    script = "exec 2>&1\n" + "".join(f'{c}\necho "{marker}$?"\n' for c in commands)
+def _split_runs(commands: list[str], done: subprocess.CompletedProcess[str]) -> list[Ran]:
+    """out0 MARKER rc0 \\n out1 MARKER rc1 \\n ...: each command's output and code."""
+    parts = done.stdout.split(MARKER)
+    outputs = [parts[0]] + [p.split("\n", 1)[1] if "\n" in p else "" for p in parts[1:]]
+    codes = [int(p.split("\n", 1)[0]) for p in parts[1:]]
+    assert len(codes) == len(commands), done.stdout + done.stderr
+    return [Ran(c, code, out) for c, code, out in zip(commands, codes, outputs, strict=False)]
+
+
+def run_as_printed(commands: list[str], where: Path) -> list[Ran]:
+    """Each command in one bash session of the host's shell (its variables
+    kept from one to the next), ``stallwatch`` on its PATH, as an operator
+    would paste them."""
+    script = "exec 2>&1\n" + "".join(f'{c}\necho "{MARKER}$?"\n' for c in commands)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     done = subprocess.run(
-        [*lab.node(0).exec_prefix(), "bash", "--norc", "--noprofile"],
+        ["bash", "--norc", "--noprofile"],
         input=script,
         capture_output=True,
         text=True,
@@ -230,12 +271,7 @@ def run_as_printed(lab: Lab, commands: list[str], where: Path) -> list[Ran]:
         cwd=where,
         env=env,
     )
-    # out0 MARKER rc0 \n out1 MARKER rc1 \n ...
-    parts = done.stdout.split(marker)
-    outputs = [parts[0]] + [p.split("\n", 1)[1] if "\n" in p else "" for p in parts[1:]]
-    codes = [int(p.split("\n", 1)[0]) for p in parts[1:]]
-    assert len(codes) == len(commands), done.stdout + done.stderr
-    return [Ran(c, code, out) for c, code, out in zip(commands, codes, outputs, strict=False)]
+    return _split_runs(commands, done)
 
 
 def _first_verdict(done: subprocess.CompletedProcess[str]) -> tuple[str, list[int]]:
@@ -244,14 +280,16 @@ def _first_verdict(done: subprocess.CompletedProcess[str]) -> tuple[str, list[in
     return first["kind"], first["ranks"]
 
 
-def test_runbook_runs_as_printed(hung: HungLab, tmp_path: Path) -> None:
-    """docs/runbook.md, its ``sh runbook`` commands in order, in one shell on
-    node 0 of the hung job: the live verdict, a dump, collect, analyze, SQL
-    on the dumps and live, Perfetto."""
-    where = operator_dir(hung.lab, tmp_path / "operator")
+def test_runbook_runs_as_printed(hung: HungLab) -> None:
+    """docs/runbook.md, its ``sh runbook`` commands in order, in one shell of
+    the host, in the folder the lab wrote for a client (agents.txt, token,
+    ca.pem, client.pem, client.key) while the job hangs: the live verdict, a
+    dump, collect, analyze, SQL on the dumps and live, Perfetto."""
+    where = hung.lab.run_dir / runner.CLIENT_DIR
+    assert f"(in {where}, gone at teardown" in hung.said.getvalue()
     commands = runbook_commands(RUNBOOK.read_text())
     assert len(commands) >= 8 and "OUTPUT:" not in RUNBOOK.read_text()
-    ran = run_as_printed(hung.lab, commands, where)
+    ran = run_as_printed(commands, where)
     for r in ran:
         findings = r.command.startswith("stallwatch analyze")
         assert r.code == (1 if findings else 0), f"{r.command}: exit {r.code}\n{r.output}"

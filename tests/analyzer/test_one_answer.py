@@ -215,7 +215,9 @@ def _agents(recordings: Sequence[Recording], per_file: bool) -> Answers:
     file), a whole minute, where the 16-rank fixtures already take real
     Flight Recorder dumps one per node through the same reader."""
     groups = [[r] for r in recordings] if per_file else [list(recordings)]
-    handles = [serve_http(RecordingsBackend(g), "127.0.0.1:0", None) for g in groups]
+    handles = [
+        serve_http(RecordingsBackend(g), "127.0.0.1:0", None, isolated=False) for g in groups
+    ]
     try:
         agents = [h.address for h in handles]
         rows = {}

@@ -213,7 +213,7 @@ def _expected(dumps: list[Path], sql: str) -> list[tuple[object, ...]]:
 
 def _json_round(rows: Sequence[Sequence[Any]]) -> list[list[Any]]:
     """Rows as ``stallwatch query --format json`` would print them."""
-    from stallwatch.query.http import encode_json
+    from stallwatch.query.wire import encode_json
 
     out: list[list[Any]] = json.loads(encode_json({"rows": [list(r) for r in rows]}))["rows"]
     return out

@@ -17,6 +17,7 @@ import pytest
 
 from stallwatch.analyzer import report
 from stallwatch.analyzer.pipeline import AnalysisResult, analyze_paths
+from stallwatch.analyzer.shortid import shorten
 from stallwatch.dumpers.format import read_dump
 from stallwatch.query.output import text_for
 
@@ -44,8 +45,8 @@ def fr(fr_folder: Path) -> AnalysisResult:
     return analyze_paths([str(fr_folder)])
 
 
-def lines(result: AnalysisResult, show_all: bool = False) -> list[str]:
-    return report.to_text(result, show_all).splitlines()
+def lines(result: AnalysisResult, show_all: bool = False, wide: bool = False) -> list[str]:
+    return report.to_text(result, show_all, wide).splitlines()
 
 
 def headers(out: list[str]) -> list[int]:
@@ -76,7 +77,12 @@ def test_lab_report_reads_verdict_then_time_then_tables(lab: AnalysisResult) -> 
     ]
     wall, host, reason = min(seen)  # the first agent that saw it itself
     assert f"time: {_wall(wall)}" in out[time] and f" UTC, detected by {host} (" in out[time]
-    assert reason in out[time]
+    (r,) = lab.incidents  # its communicator's id as the report shortens them, whole with --wide
+    assert shorten(reason, report.incident_ids(r)) in out[time] and reason not in out[time]
+    assert reason in lines(lab, wide=True)[time]
+    tables = json.loads(report.to_json(lab))["incidents"][0]["communicators"]
+    assert all(t["short_id"] == report.incident_ids(r)[t["comm_id_hash"]] for t in tables)
+    assert {t["short_id"] for t in tables} == set(report.incident_ids(r).values())
 
 
 def test_fr_report_time_is_the_latest_entry(fr: AnalysisResult, fr_folder: Path) -> None:
@@ -138,7 +144,7 @@ def test_stuck_only_where_a_rank_waits(which: str, request: pytest.FixtureReques
     for t in tables:
         waiting = t.laggards or any(m.in_flight and m.reason == "" for m in t.members)
         assert (t.status == "stuck") == bool(waiting), t.comm_id_hash
-    text = report.to_text(result, show_all=True)
+    text = report.to_text(result, show_all=True, wide=True)
     for t in tables:
         (head,) = [
             line
@@ -246,7 +252,7 @@ def test_fr_names_files_ranks_and_groups(fr: AnalysisResult, fr_folder: Path) ->
         desc.update({n: c["desc"] for n, c in _unpickle(p)["pg_config"].items()})
     heads = [out[i] for i in headers(out)]
     for head in heads:
-        found = re.match(r"  communicator 0x[0-9a-f]{16} \(group (\w+): (\w+)\): \d+ ranks", head)
+        found = re.match(r"  communicator 0x[0-9a-f]{4} \(group (\w+): (\w+)\): \d+ ranks", head)
         assert found is not None and desc[found[1]] == found[2], head
     assert any("(group 58: TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP)" in h for h in heads)
     table = out[headers(out)[0] + 1].split()

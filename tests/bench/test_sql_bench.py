@@ -25,3 +25,6 @@ def test_quick_bench_measures_every_figure() -> None:
     assert pairs is not None and int(pairs.group(1).replace(",", "")) > 0
     table = render(figures)
     assert all(f.name in table for f in figures)
+    # query over many dumps holds no more for the data than analyze does
+    (held,) = [f for f in figures if f.name.endswith("memory for the data / analyze's")]
+    assert "on 32 dumps (256 ranks)" in held.name and held.ok, held

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -90,13 +92,141 @@ def test_options_before_or_after_the_paths(argv: list[str], want: dict[str, obje
 
 
 def test_usage_errors_exit_2_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["bogus"], ["--bogus", "analyze", "x"], ["analyze", "--agents"], ["lab"], []):
+    for argv in (["bogus"], ["--bogus", "analyze", "x"], ["analyze", "--agents"], ["lab", "x"]):
         with pytest.raises(SystemExit) as exc:
             parse(build_parser(), argv)
         assert exc.value.code == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("stallwatch"), (argv, err)
         assert "Traceback" not in "\n".join(err)
+
+
+@pytest.mark.parametrize("argv", [[], ["lab"]])
+def test_a_command_group_alone_prints_its_commands(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(build_parser(), argv)
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    wanted = ("analyze", "collect", "query", "lab") if not argv else ("run", "demo")
+    assert out.startswith("usage: ") and all(f"\n    {w} " in out for w in wanted), out
+
+
+# ---- --help: fits 100 columns, examples a shell runs, exit codes ---------------------
+
+
+def _groups() -> dict[str, argparse.ArgumentParser]:
+    """The root parser and every command that has commands (``lab``)."""
+    root = build_parser()
+    subs = next(a for a in root._actions if isinstance(a, argparse._SubParsersAction))
+    groups = {"": root}
+    for name, sub in subs.choices.items():
+        if any(isinstance(a, argparse._SubParsersAction) for a in sub._actions):
+            groups[name] = sub
+    return groups
+
+
+EVERY_HELP = {**_groups(), **COMMANDS}
+
+
+def help_text(parser: argparse.ArgumentParser) -> str:
+    """As printed on an 80-column terminal."""
+    saved = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "80"
+    try:
+        return parser.format_help()
+    finally:
+        if saved is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = saved
+
+
+def examples(text: str) -> list[str]:
+    """The example commands of a help text as printed, each with its
+    continuation lines (and lines inside its quotes); comment lines dropped."""
+    lines = text.split("\nexamples:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    out, pending = [], ""
+    for line in lines:
+        if not pending and line.strip().startswith("#"):
+            continue
+        pending += line.strip() + "\n"
+        if line.endswith("\\") or _open_quote(pending):
+            continue
+        out.append(pending.strip())
+        pending = ""
+    assert not pending, pending
+    return out
+
+
+def _command_words(line: str) -> list[str]:
+    """The words of the first command of a shell line (up to a redirection,
+    a pipe or a list operator), continuation lines joined as the shell does."""
+    lex = shlex.shlex(line.replace("\\\n", " "), posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    words = []
+    for word in lex:
+        if set(word) <= set("();<>|&"):
+            break
+        words.append(word)
+    return words
+
+
+def _open_quote(text: str) -> bool:
+    try:
+        shlex.split(text, comments=True)
+    except ValueError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("name", sorted(EVERY_HELP))
+def test_help_fits_and_its_examples_run_in_a_shell(name: str) -> None:
+    """Under 100 columns; every example is valid shell (bash -n), and the
+    stallwatch ones parse as given (descriptions are shell comments)."""
+    text = help_text(EVERY_HELP[name])
+    wide = [line for line in text.splitlines() if len(line) >= 100]
+    assert not wide, wide
+    found = examples(text)
+    assert found, name
+    for line in found:
+        checked = subprocess.run(["bash", "-n", "-c", line], capture_output=True, text=True)
+        assert checked.returncode == 0, (line, checked.stderr)
+        argv = _command_words(line)
+        while argv and re.fullmatch(r"\w+=\S*", argv[0]):  # VAR=value before the command
+            argv.pop(0)
+        if argv[0] != "stallwatch":
+            continue
+        try:
+            parse(build_parser(), argv[1:])
+        except SystemExit as exc:  # --help exits 0
+            assert exc.code == 0, f"{name}: {line!r} is refused (exit {exc.code})"
+
+
+@pytest.mark.parametrize("name", sorted(EVERY_HELP))
+def test_help_says_the_exit_codes(name: str) -> None:
+    text = " ".join(help_text(EVERY_HELP[name]).split())
+    assert re.search(r"exit codes( \(every command\))?: ", text), name
+    if name in COMMANDS and name != "lab":
+        assert "0 " in text.split("exit codes", 1)[1], name
+
+
+def test_one_timeout_and_one_way_to_name_agents_on_every_command_that_asks_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from stallwatch.commands.options import AGENT_TIMEOUT_S
+
+    for name in ("analyze", "query", "collect", "snapshot", "dump"):
+        options = COMMANDS[name]._option_string_actions
+        assert options["--timeout"].default == AGENT_TIMEOUT_S, name
+        assert "--token-file" in options and "--tls-ca" in options, name
+        if name != "dump":  # one agent: --agent
+            assert {"--agents", "--agents-file"} <= set(options), name
+        with pytest.raises(SystemExit) as exc:
+            parse(build_parser(), [name, "--timeout", "0", *(["SQL"] if name == "query" else [])])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and "--timeout: expected seconds" in err[-1], (name, err)
 
 
 def test_version_before_a_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -40,6 +40,7 @@ import yaml
 
 from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.schema import Op, Result
+from stallwatch.query.credentials import read_local_token
 from stallwatch.query.tls import ServerTls
 from tests import pins
 from tests.query.certs import make_certs
@@ -49,6 +50,7 @@ DEPLOY = ROOT / "deploy"
 UNIT = DEPLOY / "systemd" / "stallwatch.service"
 CLEANUP_UNIT = DEPLOY / "systemd" / "stallwatch-cleanup.service"
 DAEMONSET = DEPLOY / "kubernetes" / "stallwatch-daemonset.yaml"
+PROMETHEUS = DEPLOY / "prometheus" / "stallwatch-scrape.yaml"
 SLURM = DEPLOY / "slurm"
 STALLWATCH = Path(sys.executable).parent / "stallwatch"
 Doc = dict[str, Any]  # one parsed Kubernetes object
@@ -298,6 +300,13 @@ def test_unit_dump_dir_is_writable_under_the_sandbox(unit: Unit) -> None:
     assert any(dump_dir == w or w in dump_dir.parents for w in writable), (dump_dir, writable)
 
 
+def test_unit_gives_the_agent_its_dump_credentials_folder(unit: Unit) -> None:
+    from stallwatch.query.credentials import RUN_DIR
+
+    runtime = [Path("/run") / d for d in unit.words("Service", "RuntimeDirectory")]
+    assert RUN_DIR in runtime and unit.get("Service", "RuntimeDirectoryMode") == "0700"
+
+
 def test_unit_exec_start_parses_with_the_real_cli(unit: Unit) -> None:
     from stallwatch.commands.main import build_parser
 
@@ -322,10 +331,14 @@ def free_port() -> int:
         return port
 
 
-def http_json(url: str, body: dict[str, object] | None = None) -> tuple[int, object]:
+def http_json(
+    url: str, body: dict[str, object] | None = None, token: str | None = None
+) -> tuple[int, object]:
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
     request.add_header("Content-Type", "application/json")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, json.loads(response.read())
@@ -405,7 +418,10 @@ exec "$@"
 def filesystem_sandbox(unit: Unit, dump_dir: Path) -> list[str]:
     assert unit.get("Service", "ProtectSystem") == "strict"
     assert unit.get("Service", "PrivateTmp") == "yes"
-    writable = ["/tmp", str(dump_dir)]
+    runtime = [f"/run/{d}" for d in unit.words("Service", "RuntimeDirectory")]
+    for folder in runtime:  # systemd makes them
+        Path(folder).mkdir(mode=0o700, exist_ok=True)
+    writable = ["/tmp", str(dump_dir), *runtime]
     unshare = ["unshare", "--mount", "--propagation", "private"]
     return [*unshare, "bash", "-c", READ_ONLY_SANDBOX, "sandbox", ":".join(writable)]
 
@@ -485,7 +501,11 @@ def test_unit_exec_start_records_and_stops_on_kill_signal(
     pid, *results = map(int, call_real_nccl(libnccl, times=3).split())
     assert results == [Result.INVALID_ARGUMENT]  # a null communicator is refused, not run
 
-    status, answer = http_json(agent.base + "/dump", {"reason": "deploy test"})
+    # no token: the agent's own dump credential, kept for root in its RuntimeDirectory
+    token = read_local_token("127.0.0.1", int(agent.base.rpartition(":")[2]))
+    assert token is not None, agent.log_tail()
+    assert http_json(agent.base + "/dump", {"reason": "deploy test"})[0] == 401
+    status, answer = http_json(agent.base + "/dump", {"reason": "deploy test"}, token)
     assert status == 200, (answer, agent.log_tail())
     dumps = sorted(agent.dump_dir.glob("*.msgpack"))
     assert len(dumps) == 1, (answer, dumps)
@@ -770,6 +790,57 @@ def test_daemonset_probe_passes_the_agents_token_check(agent: Doc, tmp_path: Pat
         assert run_probe(agent, "livenessProbe", port, bad, tmp_path) != 0
         # an agent whose certificate another CA signed is not taken for ours
         assert run_probe(agent, "livenessProbe", port, good, tmp_path / "other") != 0
+    finally:
+        handle.close()
+
+
+def test_daemonset_scrape_credential_comes_from_the_token_secret(pod: Doc, agent: Doc) -> None:
+    argv = k8s_argv(agent)
+    scrape = Path(option(argv, "--scrape-token-file"))
+    assert scrape.parent == Path(option(argv, "--token-file")).parent
+    _, volume = mounts_by_path(pod, agent)[str(scrape.parent)]
+    assert volume["secret"]["secretName"] == "stallwatch-token"
+    assert f"--from-file={scrape.name}=" in DAEMONSET.read_text()  # how the Secret is made
+
+
+def test_prometheus_example_scrapes_with_the_read_only_credential(
+    manifests: list[Doc], agent: Doc, tmp_path: Path
+) -> None:
+    """The scrape job's files are the DaemonSet's CA and scrape credential,
+    it keeps the agents' Service; scraped as it says, a real server answers
+    /metrics to that credential and nothing else."""
+    (job,) = yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"]
+    argv = k8s_argv(agent)
+    assert job["scheme"] == "https" and job["metrics_path"] == "/metrics"
+    credentials = Path(job["authorization"]["credentials_file"])
+    assert credentials.name == Path(option(argv, "--scrape-token-file")).name
+    assert Path(job["tls_config"]["ca_file"]).name == Path(option(argv, "--tls-ca")).name
+    service = of_kind(manifests, "Service")["metadata"]
+    (sd,) = job["kubernetes_sd_configs"]
+    assert sd["namespaces"]["names"] == [service["namespace"]]
+    assert {"regex": service["name"], "action": "keep"}.items() <= job["relabel_configs"][0].items()
+    from stallwatch.query.http import serve_http
+
+    certs = make_certs(tmp_path, "127.0.0.1")
+    handle = serve_http(
+        _HealthOnly(),  # type: ignore[arg-type]
+        "127.0.0.1:0",
+        token="the-agents-own",
+        scrape_token="read-only",
+        tls=ServerTls(certs.cert, certs.key),
+    )
+    try:
+        context = ssl.create_default_context(cafile=str(certs.ca))
+        url = f"https://{handle.address}"
+        scrape = {"Authorization": f"{job['authorization']['type']} read-only"}
+        for path, body, want in (("/metrics", None, 200), ("/query", b"{}", 403)):
+            request = urllib.request.Request(url + path, data=body, headers=scrape)
+            try:
+                with urllib.request.urlopen(request, timeout=10, context=context) as answer:
+                    status = answer.status
+            except urllib.error.HTTPError as exc:
+                status = exc.code
+            assert status == want, path
     finally:
         handle.close()
 

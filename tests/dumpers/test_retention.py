@@ -1,16 +1,21 @@
 """Retention of the dump folder: newest kept, the new dump never removed,
-other files left alone, stale temporary files cleaned."""
+incidents counted apart from requested dumps, other files left alone,
+temporary files of writers gone (or stale) cleaned, live ones counted."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from stallwatch.dumpers import format as fmt
+from stallwatch.dumpers.model import Trigger, TriggerKind
 from stallwatch.dumpers.retention import STALE_TEMP_S, enforce
+from stallwatch.dumpers.schema import RING_DTYPES
 from tests.dump_samples import sample_recording
 
 
@@ -71,8 +76,8 @@ def test_ignores_other_files_and_cleans_only_stale_temporaries(tmp_path: Path) -
     for name in others:
         (tmp_path / name).write_text("keep me")
     (tmp_path / "sub.msgpack").mkdir()
-    fresh = tmp_path / ".n1-a.msgpack.tmp-123-abcd"
-    stale = tmp_path / ".n1-b.msgpack.tmp-456-ef01"
+    fresh = tmp_path / f".n1-a.msgpack.tmp-{os.getppid()}-abcd"  # its writer lives
+    stale = tmp_path / f".n1-b.msgpack.tmp-{os.getppid()}-ef01"
     fresh.write_bytes(b"partial")
     stale.write_bytes(b"partial")
     old = time.time() - STALE_TEMP_S - 60
@@ -82,6 +87,56 @@ def test_ignores_other_files_and_cleans_only_stale_temporaries(tmp_path: Path) -
     assert len(removed) == 3  # the stale temporary and the two oldest dumps
     for name in [*others, "sub.msgpack"]:
         assert (tmp_path / name).exists()
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_killed_writers_temporary_file_goes_and_a_live_ones_counts(tmp_path: Path) -> None:
+    """A SIGKILL during a dump write left a 10 MB hidden file that no later
+    agent removed and --max-dump-bytes did not count."""
+    dumps = _dumps(tmp_path, [100, 100])
+    killed = tmp_path / f".n1-c.msgpack.tmp-{_dead_pid()}-0001"
+    killed.write_bytes(b"x" * 500)
+    assert enforce(tmp_path, max_dumps=None, max_bytes=None) == [killed]
+    writing = tmp_path / f".n1-d.msgpack.tmp-{os.getppid()}-0002"  # its writer lives
+    writing.write_bytes(b"x" * 150)
+    assert enforce(tmp_path, max_dumps=None, max_bytes=300) == [dumps[0]]
+    assert writing.exists() and dumps[1].exists()
+
+
+def _write(folder: Path, kind: TriggerKind, n: int) -> Path:
+    rec = sample_recording(10)
+    trig = Trigger(kind, "r", f"inc-{kind.value}-{n}", 1_000_000_000 + n, origin_host="h")
+    path = fmt.write_dump(folder, dataclasses.replace(rec, trigger=trig))
+    os.utime(path, (1_000 + n, 1_000 + n))
+    return path
+
+
+def _incident(path: Path) -> bool:
+    rec, _ = fmt.read_dump_deferred(path, RING_DTYPES)
+    return rec.trigger is not None and rec.trigger.kind is not TriggerKind.MANUAL
+
+
+def test_requested_dumps_never_displace_an_incident(tmp_path: Path) -> None:
+    """--max-dumps 3 counts incidents and requested dumps apart: a stall's
+    dump and two of a peer's survive a hundred requested ones; the bytes
+    limit takes requested dumps first."""
+    stall = _write(tmp_path, TriggerKind.IN_FLIGHT, 0)
+    peer = _write(tmp_path, TriggerKind.PEER, 1)
+    for n in range(2, 102):
+        new = _write(tmp_path, TriggerKind.MANUAL, n)
+        enforce(tmp_path, max_dumps=3, max_bytes=None, keep=new, kept=_incident)
+    left = {p.name for p in tmp_path.glob("*.msgpack")}
+    assert {stall.name, peer.name} <= left and len(left) == 5
+    size = stall.stat().st_size
+    newest = _write(tmp_path, TriggerKind.MANUAL, 200)
+    enforce(tmp_path, max_dumps=3, max_bytes=3 * size + size // 2, keep=newest, kept=_incident)
+    left = {p.name for p in tmp_path.glob("*.msgpack")}
+    assert left == {stall.name, peer.name, newest.name}
 
 
 def test_negative_limits_are_refused(tmp_path: Path) -> None:

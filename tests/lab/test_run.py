@@ -8,6 +8,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
+from stallwatch.dumpers.errors import LabError
 from stallwatch.lab import netns, runner
 from stallwatch.lab.certs import LabCerts, make_certs
 
@@ -67,6 +69,7 @@ def assert_nothing_left(run_id: str) -> None:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
     assert f"{netns.PREFIX}{run_id}-" not in listed.stdout
     assert not (netns.RUNS_DIR / run_id).exists()
+    assert not Path(f"/sys/class/net/{netns.host_dev(run_id)}").exists()  # the host's seat
     marker = str(netns.RUNS_DIR / run_id)
     left = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
@@ -447,6 +450,48 @@ def test_interrupt_tears_everything_down(sig: signal.Signals) -> None:
     assert_nothing_left(run_id)
 
 
+# --- the host's seat on the switch ----------------------------------------------------
+
+
+def _same_subnet(run_id: str) -> str:
+    """Another run id whose subnet is ``run_id``'s."""
+    while True:
+        other = secrets.token_hex(3)
+        if other != run_id and netns.subnet(other) == netns.subnet(run_id):
+            return other
+
+
+@pytest.mark.lab
+def test_the_host_shell_reaches_the_nodes_through_its_seat_and_nothing_is_left() -> None:
+    """A run with agents puts a veth of the root namespace on its switch: a
+    node's address answers from the host's shell (a listener inside node 1,
+    a connection from here); a run whose subnet that seat routes already is
+    refused in one line; the seat goes with the run."""
+    run_id = netns.new_run_id()
+    net = netns.create(run_id, 2, host_port=True)
+    try:
+        assert net.host_ip == f"{netns.subnet(run_id)}.{netns.HOST_OCTET}"
+        assert netns.subnet(run_id) in netns.routed_subnets()
+        assert netns.subnet(netns.new_run_id()) != netns.subnet(run_id)
+        node = net.nodes[1]
+        listen = (
+            "import socket; s = socket.create_server(('0.0.0.0', 9411)); print('up', flush=True);"
+            "c, a = s.accept(); c.sendall(a[0].encode())"
+        )
+        argv = [*node.exec_prefix(), sys.executable, "-c", listen]
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as server:
+            assert server.stdout is not None and server.stdout.readline().strip() == "up"
+            with socket.create_connection((node.ip, 9411), timeout=5) as conn:
+                assert conn.recv(64).decode() == net.host_ip  # from the host's seat, no NAT
+            server.wait(timeout=10)
+        with pytest.raises(LabError, match=rf"subnet {netns.subnet(run_id)}\.0/24 is routed"):
+            netns.create(_same_subnet(run_id), 1, host_port=True)
+    finally:
+        assert netns.destroy(net) == []
+    assert not Path(f"/sys/class/net/{netns.host_dev(run_id)}").exists()
+    assert netns.subnet(run_id) not in netns.routed_subnets()
+
+
 # --- --record plumbing (the agent is another part: only its command line here) ----
 
 
@@ -482,7 +527,8 @@ def test_agent_command_line(tmp_path: Path) -> None:
 
 def test_host_agent_command_line(tmp_path: Path) -> None:
     """--agent-scope host: one agent for every node, in the switch's
-    namespace on loopback, kept to the run's job, no peers."""
+    namespace on its own address (loopback without one), kept to the run's
+    job, no peers."""
     cfg = runner.RunConfig(nodes=3, record=True, dump_dir=tmp_path / "d", agent_scope="host")
     lab = runner.Lab(cfg, Path("/x/libnccl.so.2"), "abc", tmp_path)
     nodes = tuple(netns.Node(k, f"swlab-abc-n{k}", f"10.201.9.{k + 1}", f"n{k}") for k in range(3))
@@ -498,6 +544,9 @@ def test_host_agent_command_line(tmp_path: Path) -> None:
 
     assert opt("--job") == "abc"  # the ranks' TORCHELASTIC_RUN_ID: other jobs stay out
     assert (opt("--listen"), opt("--host-name")) == ("127.0.0.1:9400", "host")
+    lab.switch_ip = "10.201.9.253"  # with the host's seat: the switch's own address
+    seated = runner.agent_argv(lab, lab.sites()[0], tmp_path / "token")
+    assert seated[seated.index("--listen") + 1] == "10.201.9.253:9400"
     assert opt("--dump-dir") == str(tmp_path / "d" / "host")
     assert "--peers" not in argv
     assert site.exec_prefix() == ["nsenter", "--net=/run/netns/swlab-abc-sw", "--"]
@@ -526,7 +575,6 @@ def test_a_failure_during_setup_leaves_nothing(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from stallwatch.cli import main
-    from stallwatch.dumpers.errors import LabError
 
     def broken(*_args: object) -> None:
         raise LabError("nft: simulated failure")

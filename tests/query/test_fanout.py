@@ -51,7 +51,9 @@ def recordings() -> list[Recording]:
 
 @pytest.fixture(scope="module")
 def agents(recordings: list[Recording]) -> Iterator[list[str]]:
-    handles = [serve_http(RecordingsBackend([r]), "127.0.0.1:0", None) for r in recordings]
+    handles = [
+        serve_http(RecordingsBackend([r]), "127.0.0.1:0", None, isolated=False) for r in recordings
+    ]
     yield [h.address for h in handles]
     close_connections()
     for h in handles:
@@ -193,7 +195,7 @@ class _Slow:
 def test_a_slow_agent_times_out_and_the_rest_answer(
     agents: list[str], recordings: list[Recording]
 ) -> None:
-    slow = serve_http(_Slow(recordings[0], 1.5), "127.0.0.1:0", None)
+    slow = serve_http(_Slow(recordings[0], 1.5), "127.0.0.1:0", None, isolated=False)
     try:
         start = time.monotonic()
         result = query_agents(
@@ -214,7 +216,8 @@ def test_concurrency_is_bounded_and_each_agent_has_its_own_time(
     """Six agents that take 0.3 s each, two asked at a time: the fan-out takes
     three rounds, longer than the 0.5 s each agent is given, and all answer."""
     handles = [
-        serve_http(_Slow(recordings[0], 0.3, f"slow{i}"), "127.0.0.1:0", None) for i in range(6)
+        serve_http(_Slow(recordings[0], 0.3, f"slow{i}"), "127.0.0.1:0", None, isolated=False)
+        for i in range(6)
     ]
     _Slow.most = 0
     try:
@@ -235,7 +238,11 @@ def test_concurrency_is_bounded_and_each_agent_has_its_own_time(
 
 def test_an_agent_with_more_rows_than_it_may_send_is_named(recordings: list[Recording]) -> None:
     handle = serve_http(
-        RecordingsBackend(recordings[:1]), "127.0.0.1:0", None, Limits(max_fetch_rows=50)
+        RecordingsBackend(recordings[:1]),
+        "127.0.0.1:0",
+        None,
+        Limits(max_fetch_rows=50),
+        isolated=False,
     )
     try:
         result = query_agents([handle.address], "SELECT rank, seq FROM nccl_events")
@@ -249,7 +256,10 @@ def test_an_agent_with_more_rows_than_it_may_send_is_named(recordings: list[Reco
 
 
 def test_token_reaches_the_agents(recordings: list[Recording]) -> None:
-    handles = [serve_http(RecordingsBackend([r]), "127.0.0.1:0", TOKEN) for r in recordings[:2]]
+    handles = [
+        serve_http(RecordingsBackend([r]), "127.0.0.1:0", TOKEN, isolated=False)
+        for r in recordings[:2]
+    ]
     try:
         addrs = [h.address for h in handles]
         denied = query_agents(addrs, "SELECT 1")
@@ -298,12 +308,14 @@ def test_an_agent_that_cannot_answer_is_named(agents: list[str]) -> None:
 
 
 def test_persistent_connections_survive_a_restarted_agent(recordings: list[Recording]) -> None:
-    handle = serve_http(RecordingsBackend([recordings[0]]), "127.0.0.1:0", None)
+    handle = serve_http(RecordingsBackend([recordings[0]]), "127.0.0.1:0", None, isolated=False)
     address = handle.address
     assert not query_agents([address], "SELECT count(*) FROM nccl_events").failed
     handle.close()
     port = int(address.rsplit(":", 1)[1])
-    handle = serve_http(RecordingsBackend([recordings[0]]), f"127.0.0.1:{port}", None)
+    handle = serve_http(
+        RecordingsBackend([recordings[0]]), f"127.0.0.1:{port}", None, isolated=False
+    )
     try:
         assert not query_agents([address], "SELECT count(*) FROM nccl_events").failed
     finally:

@@ -111,14 +111,16 @@ def agent() -> FakeAgent:
 
 @pytest.fixture
 def server(agent: FakeAgent) -> Iterator[ServerHandle]:
-    handle = serve_http(agent, "127.0.0.1:0", None, Limits(time_limit_s=0.5, max_rows=100))
+    handle = serve_http(
+        agent, "127.0.0.1:0", None, Limits(time_limit_s=0.5, max_rows=100), isolated=False
+    )
     yield handle
     handle.close()
 
 
 @pytest.fixture
 def guarded(agent: FakeAgent) -> Iterator[ServerHandle]:
-    handle = serve_http(agent, "127.0.0.1:0", TOKEN)
+    handle = serve_http(agent, "127.0.0.1:0", TOKEN, isolated=False)
     yield handle
     handle.close()
 
@@ -254,7 +256,7 @@ def test_loopback_addresses() -> None:
 
 
 def test_listening_on_another_loopback_address(agent: FakeAgent) -> None:
-    handle = serve_http(agent, "127.0.0.2:0", None)
+    handle = serve_http(agent, "127.0.0.2:0", None, isolated=False)
     try:
         assert handle.address.startswith("127.0.0.2:")
         assert query(handle.address, "SELECT 1")[0] == 200
@@ -352,7 +354,7 @@ class BrokenAgent(FakeAgent):
 
 def test_a_backend_exception_is_a_500_not_a_crash() -> None:
     agent = BrokenAgent(synthetic_recording(Synthetic()))
-    handle = serve_http(agent, "127.0.0.1:0", None)
+    handle = serve_http(agent, "127.0.0.1:0", None, isolated=False)
     try:
         status, doc = query(handle.address, "SELECT 1")
         assert status == 500 and "ring snapshot failed" in doc["error"]
@@ -374,15 +376,20 @@ def test_keep_alive_serves_many_requests_on_one_connection(server: ServerHandle)
 
 
 def test_live_snapshot_is_reused_briefly(server: ServerHandle, agent: FakeAgent) -> None:
+    t0 = time.monotonic()
     for _ in range(3):
         assert query(server.address, "SELECT count(*) FROM tcp_events")[0] == 200
-    assert agent.snapshots == 1
+    took = time.monotonic() - t0  # a loaded machine may take longer than the reuse
+    assert agent.snapshots <= 1 + int(took / 0.5), (agent.snapshots, took)
+    assert agent.snapshots < 3 or took > 1.0
 
 
 @pytest.fixture(scope="module")
 def shared_server() -> Iterator[ServerHandle]:
     agent = FakeAgent(synthetic_recording(Synthetic(host="fuzz")))
-    handle = serve_http(agent, "127.0.0.1:0", None, Limits(time_limit_s=0.5, max_rows=10))
+    handle = serve_http(
+        agent, "127.0.0.1:0", None, Limits(time_limit_s=0.5, max_rows=10), isolated=False
+    )
     yield handle
     handle.close()
 
@@ -410,30 +417,45 @@ def _wait(what: Callable[[], bool], timeout: float = 20.0) -> None:
         time.sleep(0.02)
 
 
-def test_health_answers_while_a_thousand_idle_clients_hold_sockets(agent: FakeAgent) -> None:
-    """1,000 idle clients hold a socket each and no thread; /healthz is
-    answered; a client slower than the read timeout is closed and counted;
-    past the limit, connections are closed at accept and counted."""
-    idle, extra = 1000, 5
-    limits = ServeLimits(max_connections=idle + 2, read_timeout_s=0.5)
+def test_idle_unauthenticated_clients_get_a_small_budget_and_health_gets_in(
+    agent: FakeAgent,
+) -> None:
+    """1,000 idle connections from one address: at most 64 are kept (the
+    oldest that sent nothing make room, counted), each until its first
+    request is due; /healthz gets in beside them, and no connection holds a
+    thread.  Past the total, a client that sent part of a request is not
+    displaced: the newcomer is refused and counted."""
+    idle = 1000
+    limits = ServeLimits(first_request_s=1.0)
     before = threading.active_count()
-    handle = serve_http(agent, "127.0.0.1:0", None, serving=limits)
+    handle = serve_http(agent, "127.0.0.1:0", None, serving=limits, isolated=False)
     host, port = handle.address.rsplit(":", 1)
     clients: list[socket.socket] = []
     try:
         clients += [socket.create_connection((host, int(port))) for _ in range(idle)]
-        _wait(lambda: handle.counters()["http_connections_open"] == idle)
+        _wait(lambda: handle.counters()["http_connections_evicted"] == idle - 64)
+        assert handle.counters()["http_connections_open"] == 64
         assert request(handle.address, "GET", "/healthz")[0] == 200
         assert threading.active_count() - before <= limits.workers + 1
-        slow = socket.create_connection((host, int(port)), timeout=5)
-        clients.append(slow)
-        slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and never the rest
-        assert slow.recv(1) == b""  # closed by the server after the read timeout
-        assert handle.counters()["http_connections_timed_out"] == 1
-        _wait(lambda: handle.counters()["http_connections_open"] == idle)
-        clients += [socket.create_connection((host, int(port))) for _ in range(2 + extra)]
-        _wait(lambda: handle.counters()["http_connections_refused"] == extra)
-        assert handle.counters()["http_connections_open"] == idle + 2
+        _wait(lambda: handle.counters()["http_connections_open"] == 0)  # their first second
+        counts = handle.counters()  # the health check's connection displaced one more
+        assert counts["http_connections_timed_out"] + counts["http_connections_evicted"] == idle
+    finally:
+        for sock in clients:
+            sock.close()
+        handle.close()
+    limits = ServeLimits(max_connections=5, first_request_s=10.0)
+    handle = serve_http(agent, "127.0.0.1:0", None, serving=limits, isolated=False)
+    clients = []
+    try:
+        for _ in range(5):
+            clients.append(socket.create_connection((host, handle.server.server_address[1])))
+            clients[-1].sendall(b"GET /healthz HTTP/1.1\r\n")  # and never the rest
+        _wait(lambda: handle.counters()["http_connections_open"] == 5)
+        late = socket.create_connection((host, handle.server.server_address[1]), timeout=5)
+        clients.append(late)
+        assert late.recv(1) == b""  # closed at accept: nothing idle to displace
+        assert handle.counters()["http_connections_refused"] == 1
     finally:
         for sock in clients:
             sock.close()
@@ -453,3 +475,143 @@ def test_a_client_waiting_for_100_continue_is_told_to_go_on(server: ServerHandle
         sock.sendall(body)
         answer = sock.recv(65536)
     assert answer.startswith(b"HTTP/1.1 200") and answer.count(b"100 Continue") == 0
+
+
+@pytest.fixture
+def credentials(agent: FakeAgent) -> Iterator[ServerHandle]:
+    handle = serve_http(
+        agent, "127.0.0.1:0", TOKEN, dump_token="dump-only", scrape_token="scrape-only",
+        isolated=False,
+    )  # fmt: skip
+    yield handle
+    handle.close()
+
+
+def _auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_a_dump_only_and_a_scrape_credential_open_what_they_say(
+    credentials: ServerHandle, agent: FakeAgent
+) -> None:
+    a = credentials.address
+    assert request(a, "GET", "/metrics", headers=_auth("scrape-only"))[0] == 200
+    assert request(a, "GET", "/healthz", headers=_auth("scrape-only"))[0] == 200
+    status, doc = query(a, "SELECT 1", token="scrape-only")
+    assert status == 403 and "(scrape) does not open /query" in doc["error"]
+    assert request(a, "POST", "/dump", b"{}", _auth("scrape-only"))[0] == 403
+    status, doc = request(a, "POST", "/dump", b'{"reason": "r"}', _auth("dump-only"))
+    assert status == 200 and agent.dumps == [("r", None, None)]
+    assert request(a, "GET", "/healthz", headers=_auth("dump-only"))[0] == 200
+    assert request(a, "GET", "/metrics", headers=_auth("dump-only"))[0] == 403
+    # a peer's request (it names its origin) needs the agent's own token
+    peer = json.dumps({"incident_id": "i-1", "origin": "node3"}).encode()
+    status, doc = request(a, "POST", "/dump", peer, _auth("dump-only"))
+    assert status == 403 and "needs the agent's token" in doc["error"]
+    assert request(a, "POST", "/dump", peer, _auth(TOKEN))[0] == 200
+    assert len(agent.dumps) == 2
+
+
+def test_refusals_are_json_answered_without_a_worker(credentials: ServerHandle) -> None:
+    a = credentials.address
+    for headers in ({}, _auth("wrong"), {"Authorization": "Basic eDp5"}):
+        status, doc = request(a, "POST", "/dump", b"{}", headers)
+        assert status == 401 and "token" in doc["error"], doc
+    assert request(a, "GET", "/nope", headers=_auth(TOKEN))[0] == 404
+    assert credentials.counters()["http_requests_unauthenticated"] == 3
+
+
+def test_a_loopback_agent_without_a_token_asks_one_for_dumps(agent: FakeAgent) -> None:
+    handle = serve_http(agent, "127.0.0.1:0", None, dump_token="local-dump", isolated=False)
+    try:
+        status, doc = request(handle.address, "POST", "/dump", b"{}")
+        assert status == 401 and "dump credential" in doc["error"]
+        assert query(handle.address, "SELECT 1")[0] == 200  # reads stay open on loopback
+        assert request(handle.address, "POST", "/dump", b"{}", _auth("local-dump"))[0] == 200
+    finally:
+        handle.close()
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b"GARBAGE\r\n\r\n", "400"),
+        (b"GET /healthz HTTP/9.9\r\n\r\n", "400"),
+        (b"\x16\x03\x01\x00\x05hello\r\n\r\n", "400"),
+        (b"GET /healthz HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n", "431"),
+    ],
+    ids=["garbage", "version", "tls-on-plain", "long-header"],
+)
+def test_garbage_gets_a_json_error(server: ServerHandle, raw: bytes, needle: str) -> None:
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(raw)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.") and b"application/json" in head, answer
+    assert needle in json.loads(body)["error"]
+
+
+def test_deeply_nested_json_is_a_400_that_says_so(server: ServerHandle) -> None:
+    body = b'{"sql": ' + b"[" * 30000 + b"]" * 30000 + b"}"  # 60 KB
+    status, doc = request(server.address, "POST", "/query", body)
+    assert status == 400 and "nested 30001 levels deep: the limit is 32" in doc["error"]
+    assert query(server.address, "SELECT 1")[0] == 200
+
+
+class SlowDumps(FakeAgent):
+    def __init__(self, rec: Recording) -> None:
+        super().__init__(rec)
+        self.release = threading.Event()
+
+    def request_dump(self, reason: str, incident_id: str | None, origin: str | None) -> object:
+        self.release.wait(30)
+        return super().request_dump(reason, incident_id, origin)
+
+
+def test_each_kind_of_work_waits_only_behind_its_own(agent: FakeAgent) -> None:
+    """Dumps that do not finish fill their lane's workers and waiting
+    places: the next dump is answered busy at once, while /healthz,
+    /metrics and queries are answered as ever."""
+    slow = SlowDumps(agent.rec)
+    handle = serve_http(slow, "127.0.0.1:0", None, isolated=False)
+    dump_lane = next(lane for lane in handle.server.limits.lanes if lane.name == "dump")
+    threads = [
+        threading.Thread(target=request, args=(handle.address, "POST", "/dump", b"{}"))
+        for _ in range(dump_lane.workers + dump_lane.waiting)
+    ]
+    try:
+        for t in threads:
+            t.start()
+        _wait(lambda: handle.server._lanes["dump"].in_flight == len(threads))
+        t0 = time.monotonic()
+        status, doc = request(handle.address, "POST", "/dump", b"{}")
+        assert status == 503 and doc["error"].startswith("busy: dump requests")
+        assert time.monotonic() - t0 < 1.0
+        assert request(handle.address, "GET", "/healthz")[0] == 200
+        assert request(handle.address, "GET", "/metrics")[0] == 200
+        assert query(handle.address, "SELECT 1")[0] == 200
+    finally:
+        slow.release.set()
+        for t in threads:
+            t.join()
+        handle.close()
+    assert len(slow.dumps) == len(threads)
+
+
+@pytest.mark.parametrize(
+    ("raw", "depth"),
+    [
+        (b'{"sql": "SELECT 1"}', 1),
+        (b'{"sql": "[[[[{{{{"}', 1),  # brackets in a string do not nest
+        (b'{"a": "\\"[[", "b": [[1]]}', 3),  # nor after an escaped quote
+        (b"[[[]], [[[]]]]", 4),
+        (b"not json at all", 0),
+    ],
+)
+def test_json_depth_reads_nesting_outside_strings(raw: bytes, depth: int) -> None:
+    from stallwatch.query.routes import json_depth
+
+    assert json_depth(raw) == depth

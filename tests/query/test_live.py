@@ -25,16 +25,9 @@ from stallwatch.dumpers.folder import list_dumps, save_dump
 from stallwatch.dumpers.format import decode, read_dump, write_dump
 from stallwatch.dumpers.model import Recording, Trigger, TriggerKind
 from stallwatch.query.agentclient import close_connections
-from stallwatch.query.http import (
-    DUMP_FRAMES,
-    DumpBundle,
-    RecordingsBackend,
-    decode_dumps,
-    encode_dumps,
-    join_frames,
-    serve_http,
-)
+from stallwatch.query.http import RecordingsBackend, serve_http
 from stallwatch.query.live import AgentCall, collect, fetch_recordings
+from stallwatch.query.wire import DUMP_FRAMES, DumpBundle, decode_dumps, encode_dumps, join_frames
 from tests.deploy.test_deploy import free_port
 from tests.dump_samples import assert_same, sample_recording
 from tests.query.test_http import request
@@ -414,3 +407,40 @@ def test_collect_summarises_what_came_and_what_did_not(
     (lost_line,) = [line for line in text.splitlines() if line.startswith(stopped)]
     assert "cannot reach the agent" in lost_line
     assert sorted(p.name for p in out.iterdir()) == ["n0", "n1"]
+
+
+def test_collect_with_nothing_names_each_agents_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No incident anywhere: one agent unreachable, one that answers with no
+    dump; each agent's reason in the table, one line on stderr, exit 2."""
+    fake = LiveFake(sample_recording(host="n0"), tmp_path / "d0")  # keeps no dump
+    handle = serve_http(fake, "127.0.0.1:0", None)
+    stopped = f"127.0.0.1:{free_port()}"
+    out = tmp_path / "incident"
+    try:
+        code = main(["collect", "--agents", f"{stopped},{handle.address}", "-o", str(out)])
+    finally:
+        handle.close()
+    first = capsys.readouterr()
+    assert code == 2
+    text = first.out
+    assert "no incident to collect: 0 of 2 agents sent a dump" in text
+    rows = {line.split()[0]: line for line in text.splitlines() if line.startswith("127.")}
+    assert "cannot reach the agent" in rows[stopped]
+    assert "holds no dump of any incident" in rows[handle.address]
+    err = first.err.strip().splitlines()
+    assert err[-1].startswith("stallwatch collect: nothing collected")
+    assert len(err) == 1 and not out.exists()
+
+
+def test_collect_unreachable_agents_say_why_in_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stopped = f"127.0.0.1:{free_port()}"
+    assert main(["collect", "--agents", stopped, "-o", str(tmp_path / "x"), "--json"]) == 2
+    out, err = capsys.readouterr()
+    (row,) = json.loads(out)["agents"]
+    assert row["agent"] == stopped and "cannot reach the agent" in row["lost"]
+    why = "none of 1 agents answered (each agent's reason above)"
+    assert err.strip() == f"stallwatch collect: nothing collected: {why}"

@@ -168,4 +168,6 @@ def test_partition_recorded_by_the_lab_agrees(tmp_path: Path) -> None:
     dumps = sorted(tmp_path.rglob("*.msgpack"))
     assert len(dumps) == 4, f"one dump per node expected: {dumps}\n{done.stdout}{done.stderr}"
     counts = assert_agree(tmp_path)
-    assert counts["node2"][2] > 0  # the cut node kept retransmitting
+    # the cut node's connections retransmitted: from it (when it had data
+    # unacknowledged) or towards it (when it waited to receive, as under load)
+    assert counts["node2"][1] + counts["node2"][2] > 0, counts

@@ -75,7 +75,10 @@ def servers(
         token: str | None = TOKEN,
         listen: str = "127.0.0.1:0",
     ) -> list[ServerHandle]:
-        handles = [serve_http(DumpingAgent(r), listen, token, tls=tls) for r in recordings[:count]]
+        handles = [
+            serve_http(DumpingAgent(r), listen, token, tls=tls, isolated=False)
+            for r in recordings[:count]
+        ]
         started.extend(handles)
         return handles
 
@@ -165,19 +168,19 @@ def test_plain_http_with_a_token_is_refused_on_a_non_loopback_listener(
 
 def test_a_token_over_plain_http_from_another_host_is_refused() -> None:
     """A loopback listener only sees loopback peers; the rule behind it is
-    checked on the handler: plain HTTP from a non-loopback peer with a token
+    checked on the gate: plain HTTP from a non-loopback peer with a token
     is 403, whatever the token."""
-    from stallwatch.query.http import HttpError, ServerConfig, _Handler
+    from stallwatch.query.routes import Secrets, ServerConfig, admit
+    from stallwatch.query.server import RequestHead
 
-    handler = object.__new__(_Handler)
-    handler.config = ServerConfig(None, None, TOKEN.encode(), 1024, tls=False)  # type: ignore[arg-type]
-    handler.client_address = ("10.0.0.7", 50000)
-    handler.headers = {"Authorization": f"Bearer {TOKEN}"}  # type: ignore[assignment]
-    with pytest.raises(HttpError, match="only over TLS or from loopback") as refused:
-        handler._authorize()
-    assert refused.value.status == 403
-    handler.client_address = ("127.0.0.1", 50000)
-    handler._authorize()  # loopback: the token is checked as usual
+    config = ServerConfig(None, None, Secrets(TOKEN.encode()), 1024, tls=False)  # type: ignore[arg-type]
+    head = RequestHead("GET", "/healthz", f"Bearer {TOKEN}", "10.0.0.7", tls=False)
+    refused = admit(config, head)
+    assert refused.lane is None and refused.status == 403
+    assert b"only over TLS or from loopback" in refused.body
+    # loopback: the token is checked as usual
+    local = admit(config, RequestHead("GET", "/healthz", f"Bearer {TOKEN}", "127.0.0.1", False))
+    assert local.lane == "health" and local.authenticated
 
 
 def test_peer_triggers_over_tls_and_mutual_tls(

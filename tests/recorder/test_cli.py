@@ -43,6 +43,31 @@ def test_record_bad_arguments_exit_2_with_one_line(
     assert message in err and "Traceback" not in err and len(err.splitlines()) == 1
 
 
+def test_record_checks_its_listen_address_before_anything_is_attached(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-loopback --listen without TLS, and an address taken: refused in
+    one line, exit 2, before the agent starts (it was refused only after
+    every probe had been attached and detached)."""
+    from stallwatch.recorder import service
+
+    def must_not_start(config: object) -> int:
+        raise AssertionError("the agent started")
+
+    monkeypatch.setattr(service, "run_agent", must_not_start)
+    assert main(["record", "--dump-dir", str(tmp_path), "--listen", "0.0.0.0:9400"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "a non-loopback address needs TLS and a token" in err and len(err.splitlines()) == 1
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        listen = f"127.0.0.1:{port}"
+        assert main(["record", "--dump-dir", str(tmp_path), "--listen", listen]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--listen {listen}: cannot listen: Address already in use" in err
+
+
 def test_dump_with_no_agent_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     port = _free_port()
     assert main(["dump", "--agent", f"127.0.0.1:{port}"]) == 2

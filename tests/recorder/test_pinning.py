@@ -31,6 +31,7 @@ from bench.fakenccl import FakeNccl, build
 from stallwatch.dumpers.errors import PinError
 from stallwatch.dumpers.format import read_dump
 from stallwatch.dumpers.model import Recording
+from stallwatch.query.credentials import read_local_token
 from stallwatch.recorder import compiled, pinning
 from stallwatch.recorder.maps import Layout, MapSpec
 from tests import pins
@@ -103,6 +104,8 @@ class Agent:
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/dump", data=body, method="POST"
         )
+        token = read_local_token("127.0.0.1", self.port)  # an agent without a token makes one
+        request.add_header("Authorization", f"Bearer {token}")
         with urllib.request.urlopen(request, timeout=60) as response:
             return read_dump(json.loads(response.read())["path"])
 

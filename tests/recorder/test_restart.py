@@ -48,10 +48,11 @@ class Node:
         return ""
 
     def request_dump(
-        self, reason: str, incident_id: str | None, origin: str | None, kind: str | None = None
+        self, reason: str, incident_id: str | None, origin: str | None, *, kind: str | None = None
     ) -> object:
         said = TriggerKind(kind) if kind else None  # what the peer's incident is
-        return {"host": self.host, **self.incidents.request_dump(reason, incident_id, origin, said)}
+        answer = self.incidents.request_dump(reason, incident_id, origin, origin_kind=said)
+        return {"host": self.host, **answer}
 
     def dumps(self) -> list[str]:
         """The incident id of every dump in the folder."""

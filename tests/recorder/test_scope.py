@@ -103,11 +103,13 @@ def test_netns_tcp_rows_by_the_socket_address_foreign_owners_unattributed(
 @pytest.mark.lab
 def test_netns_scope_every_pid_of_a_dump_is_a_rank_of_its_node(tmp_path: Path) -> None:
     """Loss on node 1 and a hang of rank 3: each node's dump holds only its
-    own ranks' rows, processes and triggers."""
+    own ranks' rows, processes and triggers; a node whose kernel counted
+    retransmits (both ends of node 1's link retransmit what it drops) has its
+    ranks' retransmits in its dumps."""
     result = lab_run(
         "--nodes", "2", "--ranks-per-node", "2", "--steps", "20", "--record",
         "--dump-dir", str(tmp_path), "--stall-timeout", "2",
-        "--fault", "loss:node=1,pct=8", "--fault", "hang:rank=3,step=15",
+        "--fault", "loss:node=1,pct=15", "--fault", "hang:rank=3,step=15",
     )  # fmt: skip
     ranks = {n: {r["pid"] for r in result["ranks"] if r["node"] == n} for n in (0, 1)}
     assert all(ranks.values()), result["ranks"]
@@ -115,7 +117,7 @@ def test_netns_scope_every_pid_of_a_dump_is_a_rank_of_its_node(tmp_path: Path) -
     for path in map(Path, result["dumps"]):
         by_node[int(path.parent.name.removeprefix("node"))].append(path)
     assert all(by_node.values()), result["dumps"]
-    retransmits = 0
+    retransmits = {0: 0, 1: 0}
     tcp_keys: dict[int, set[tuple[int, int, int]]] = {0: set(), 1: set()}
     for node, paths in by_node.items():
         for path in paths:
@@ -138,11 +140,17 @@ def test_netns_scope_every_pid_of_a_dump_is_a_rank_of_its_node(tmp_path: Path) -
             assert rec.trigger.pid == 0 or rec.trigger.pid in ranks[0] | ranks[1], where
             if rec.trigger.origin_host in ("", rec.host):
                 assert rec.trigger.pid in ranks[node] | {0}, f"{where}: {rec.trigger}"
-            if node == 1:
-                retransmits += int((rec.rings["tcp"].rows["pid"] != 0).sum())
+            retransmits[node] += int((rec.rings["tcp"].rows["pid"] != 0).sum())
     assert not tcp_keys[0] & tcp_keys[1], "the same TCP event in both nodes' dumps"
     seen = [(n.get("tcp_out_segs"), n.get("tcp_retrans_segs")) for n in result["nodes_seen"]]
-    assert retransmits, f"node 1 recorded no TCP event owned by its ranks; segs, retrans: {seen}"
+    # 15% of node 1's packets dropped both ways: some data segment is lost
+    # (at 8% a 20-step run once lost only acknowledgements on node 1's side)
+    assert any(retrans for _, retrans in seen), f"no retransmit on either node: {seen}"
+    for n in result["nodes_seen"]:
+        if n.get("tcp_retrans_segs"):
+            assert retransmits[n["index"]], (
+                f"node {n['index']} retransmitted ({seen}), recorded none"
+            )
 
 
 def test_a_job_narrows_the_scope() -> None:

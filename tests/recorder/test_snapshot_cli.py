@@ -129,8 +129,11 @@ def test_every_agent_at_once_under_one_incident() -> None:
     assert all(a.asked[0][2:] == (2, 0.1) for a in agents)
     assert "n0: written /d/n0.msgpack" in done.stdout and "n1: written /d/n1.msgpack" in done.stdout
     assert "pid 7 rank 1: thread 7 inside ncclAllReduce(count=8" in done.stdout
-    assert dead.returncode == 2 and "127.0.0.1:1: unreachable" in dead.stderr
-    assert "n0: written" in dead.stdout  # the agents that answered are still shown
+    # a partial answer: the agent that failed named once, on stderr; the others shown
+    assert dead.returncode == 1, dead.stderr
+    assert dead.stderr.count("127.0.0.1:1") == 1 and "127.0.0.1:1: unreachable" in dead.stderr
+    assert "127.0.0.1:1" not in dead.stdout and "2 of 3 agents read their nodes" in dead.stdout
+    assert "n0: written" in dead.stdout
 
 
 def test_every_agent_over_mutual_tls_and_a_wrong_ca_named(tmp_path: Path) -> None:
@@ -153,8 +156,9 @@ def test_every_agent_over_mutual_tls_and_a_wrong_ca_named(tmp_path: Path) -> Non
     assert done.returncode == 0, done.stderr
     assert all(len(a.asked) == 1 for a in agents)
     assert "n0: written /d/n0.msgpack" in done.stdout
-    assert wrong.returncode == 2
-    assert f"not trusted by --tls-ca {certs.other_ca}" in wrong.stderr, wrong.stderr
+    assert wrong.returncode == 2  # no agent answered
+    assert wrong.stderr.count(f"not trusted by --tls-ca {certs.other_ca}") == 2, wrong.stderr
+    assert len(wrong.stderr.splitlines()) == 2  # one line per agent, nothing more
     assert "Traceback" not in wrong.stderr
 
 

@@ -426,3 +426,46 @@ def _python_args(ns: str, code: str, args: tuple[str, ...]) -> Iterator[subproce
         for pipe in (proc.stdin, proc.stdout):
             if pipe is not None:
                 pipe.close()
+
+
+def test_other_traffic_to_a_host_the_job_talks_to_is_sampled_once_a_second(
+    agent: Agent, link: tuple[str, str]
+) -> None:
+    """A job connection from a to b makes b a host the job talks to: another
+    process's retransmits to b are sampled (pid 0, `other`), at most one a
+    second for the pair of addresses; another's retransmits to a host the job
+    does not talk to (from b to a) are left out."""
+    a, b = link
+    other_port = NEIGHBOUR_PORT + 1
+    sink = SERVER.replace(str(JOB_PORT), str(other_port))
+    to_b = SENDER.replace(str(JOB_PORT), str(other_port))
+    to_a = to_b.replace(B_IP, A_IP)
+    with python_in(b, SERVER) as server, python_in(a, SENDER) as job:
+        assert hear(server) == "listening"
+        say(job)
+        assert hear(job) == "connected"
+        place(agent, job.pid)
+        with (
+            python_in(b, sink) as sink_b,
+            python_in(a, sink) as sink_a,
+            python_in(a, to_b) as other_ab,
+            python_in(b, to_a) as other_ba,
+        ):
+            assert hear(sink_b) == "listening" and hear(sink_a) == "listening"
+            for proc in (other_ab, other_ba):
+                say(proc)
+                assert hear(proc) == "connected"
+            start = time.monotonic_ns()
+            drop_all(b)  # a and b apart: every connection retransmits
+            drop_all(a)
+            for proc in (other_ab, other_ba):
+                say(proc)
+            time.sleep(4.5)
+            rows = rows_since(agent, start)
+    sampled = rows[(rows["other"] == 1) & (rows["dport"] == other_port)]
+    b_addr = bytes(map(int, B_IP.split(".")))
+    to_b_rows = sampled[[bytes(r[:4]) == b_addr for r in sampled["daddr"]]]
+    assert 1 <= len(to_b_rows) <= 6, sampled  # a sample a second at most
+    assert (to_b_rows["pid"] == 0).all() and (to_b_rows["conn_known"] == 0).all()
+    assert (np.diff(np.sort(to_b_rows["ts_ns"].astype(np.int64))) >= 1_000_000_000).all()
+    assert len(to_b_rows) == len(sampled)  # none of b's retransmits to a

@@ -408,6 +408,56 @@ def test_scheduler_bounds_pending_snapshots(tmp_path: Path) -> None:
     assert sched.pending == 4 and sched.stats.dumps_dropped == 2
 
 
+def _manual(incident: str) -> Trigger:
+    return Trigger(TriggerKind.MANUAL, "by hand", incident, 7 * S, origin_host="node-1")
+
+
+def test_a_full_disk_keeps_the_incident_and_says_what_it_did_not_keep(tmp_path: Path) -> None:
+    """The disk is full: the watchdog's incident and three requests wait
+    (four at most); a fifth request is refused, not queued (its client was
+    told "queued" and later lost it, and the incident was dropped for it);
+    a second incident displaces the oldest request, whose outcome says so."""
+    disk = FlakyDisk(tmp_path)
+    disk.full = True
+    clock = [0]
+    sched = scheduler(tmp_path, clock, disk)
+    assert sched.submit(trigger("stall")).status == Status.QUEUED
+    for i in range(3):
+        assert sched.submit(_manual(f"asked-{i}")).status == Status.QUEUED
+    refused = sched.submit(_manual("asked-3"))
+    assert refused.status == Status.FAILED and refused.path is None
+    assert "No space left" in (refused.error or "") and "4 dumps already wait" in refused.error
+    waiting = sched.outcome("stall")
+    assert waiting.status == Status.QUEUED and "No space left" in (waiting.error or "")
+    assert sched.submit(trigger("stall-2")).status == Status.QUEUED
+    gone = sched.outcome("asked-0")
+    assert gone.status == Status.FAILED and "displaced by incident stall-2" in (gone.error or "")
+    assert sched.outcome("nobody-asked").status == Status.UNKNOWN
+    disk.full = False
+    clock[0] = 10 * S
+    written = {p.name for p in sched.retry_due()}
+    assert sched.pending == 0 and len(written) == 4
+    assert sched.outcome("stall").status == Status.WRITTEN
+    assert sched.stats.dumps_dropped == 2
+
+
+def test_clients_dumps_are_rate_limited_not_peers_nor_signals(tmp_path: Path) -> None:
+    clock = [13 * S]
+    inc = incidents(tmp_path, "node-1", clock, [])
+    answers = [inc.request_dump("script", by_client=True) for _ in range(5)]
+    assert [a["status"] for a in answers] == ["written"] * 3 + ["rate_limited"] * 2
+    assert answers[3]["retry_in_s"] == 20.0 and inc.rate_limited == 2
+    # asking again about a dumped incident is no new dump: not counted
+    again = inc.request_dump("again", str(answers[0]["incident_id"]), by_client=True)
+    assert again["status"] == "duplicate"
+    assert inc.request_dump("SIGUSR1")["status"] == "written"  # not a client
+    peer = inc.request_dump("peer", "20260921T141500000-node-3-000000", "node-3", True)
+    assert peer["status"] in ("written", "cooldown", "duplicate")  # the watchdog's word
+    clock[0] += 20 * S
+    assert inc.request_dump("later", by_client=True)["status"] == "written"
+    assert inc.counters()["dump_requests_rate_limited"] == 2
+
+
 def test_scheduler_drops_what_cannot_be_encoded(tmp_path: Path) -> None:
     def broken() -> Recording:
         raise RuntimeError("rings are gone")
@@ -666,10 +716,11 @@ class _Node:
         return ""
 
     def request_dump(
-        self, reason: str, incident_id: str | None, origin: str | None, kind: str | None = None
+        self, reason: str, incident_id: str | None, origin: str | None, *, kind: str | None = None
     ) -> object:
         said = TriggerKind(kind) if kind else None  # what the peer's incident is
-        return {"host": self.host, **self.incidents.request_dump(reason, incident_id, origin, said)}
+        answer = self.incidents.request_dump(reason, incident_id, origin, origin_kind=said)
+        return {"host": self.host, **answer}
 
 
 def test_four_agents_over_http_share_one_incident(tmp_path: Path) -> None:

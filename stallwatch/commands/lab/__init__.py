@@ -12,9 +12,11 @@ from . import demo, run
 
 LAB_EPILOG = """\
 examples:
-  stallwatch lab demo                      the guided example (a hang, found)
+  stallwatch lab demo                  # the guided example (a hang, found)
   stallwatch lab run --nodes 4 --fault hang:rank=5,step=10 --record --dump-dir dumps/
-  stallwatch lab run --help                the job's options and fault specs
+  stallwatch lab run --help            # the job's options and fault specs
+
+exit codes: those of lab run and lab demo (their --help)
 """
 
 

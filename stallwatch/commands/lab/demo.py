@@ -17,8 +17,8 @@ from ..options import HelpFormatter, add_format_option
 
 EPILOG = f"""\
 examples:
-  stallwatch lab demo                       a random rank hangs; the analyzer finds it
-  stallwatch lab demo --seed 7 --json       reproducible, for programs
+  stallwatch lab demo                  # a random rank hangs; the analyzer finds it
+  stallwatch lab demo --seed 7 --json  # reproducible, for programs
   stallwatch lab demo --nodes 2 --out /tmp/demo
 
 needs root (network namespaces, eBPF). The dumps and the trace stay in the

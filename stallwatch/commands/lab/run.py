@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 
 from stallwatch.dumpers.errors import ExitCode, LabError
@@ -13,9 +14,24 @@ from stallwatch.lab.job import DEFAULT_COMPUTE_MS, DEFAULT_ELEMENTS, MODES, WAIT
 
 from ..options import HelpFormatter, add_format_option
 
+SPEC_WIDTH = 38  # where a fault's description begins, in --help
+
+
+def _spec_lines(width: int = 96) -> list[str]:
+    """``F.SPEC_HELP``, each description wrapped under itself."""
+    lines = []
+    for line in F.SPEC_HELP:
+        spec, _, what = line.partition("  ")
+        head = f"  {spec}".ljust(SPEC_WIDTH) if len(spec) + 4 <= SPEC_WIDTH else f"  {spec}\n"
+        indent = " " * SPEC_WIDTH
+        body = textwrap.fill(what.strip(), width, initial_indent=indent, subsequent_indent=indent)
+        lines.append(head + body[len(indent) :] if not head.endswith("\n") else head + body)
+    return lines
+
+
 RUN_EPILOG = f"""\
 fault specs (ranks are global: node n holds ranks n*R .. n*R+R-1):
-{chr(10).join("  " + line for line in F.SPEC_HELP)}
+{chr(10).join(_spec_lines())}
 
 examples:
   stallwatch lab run --nodes 2 --ranks-per-node 2 --steps 20 --json

@@ -1321,3 +1321,29 @@ def test_daemonset_runs_the_image_by_its_name(agent: Doc) -> None:
     assert f"-t {name} ." in text
     assert f'org.opencontainers.image.version="{__version__}"' in text
     assert f"-t {name} ." in DAEMONSET.read_text()  # the manifest says how it is built
+
+
+ALERTS = DEPLOY / "prometheus" / "stallwatch-alerts.yaml"
+
+
+def test_the_alert_rules_name_only_metrics_and_labels_the_agent_exposes() -> None:
+    """Every series an alert rule reads is one the agent's /metrics renders
+    (a stream the slowdown trigger knows everything of, its counters), and
+    every label its annotations cite is on that series."""
+    from stallwatch.recorder.prometheus import counter_families, render, stream_families
+    from stallwatch.recorder.slowdown import StreamGauges
+
+    known = StreamGauges(7, 0x5EED, 1, 6, 3.5, 10**9, 3 * 10**8, 10**7, 10**7, 1.0, 10**8, 0)
+    text = render([*stream_families([known]), *counter_families({"slowdowns_detected": 1})])
+    exposed = {
+        line.split("{")[0].split(" ")[0]: line
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    (group,) = yaml.safe_load(ALERTS.read_text())["groups"]
+    assert len(group["rules"]) == 3
+    for rule in group["rules"]:
+        names = set(re.findall(r"\bstallwatch_[a-z_]+\b", rule["expr"]))
+        assert names and names <= exposed.keys(), (rule["alert"], names - exposed.keys())
+        for label in re.findall(r"\$labels\.(\w+)", rule["annotations"]["summary"]):
+            assert all(f'{label}="' in exposed[n] for n in names), (rule["alert"], label)

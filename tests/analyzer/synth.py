@@ -99,6 +99,8 @@ class Job:
     from_step: int = 0
     all_slow_ms: float = 0.0
     slowdown_by: int | None = None
+    # checkpoints: every N steps, every rank computes M ms longer (healthy)
+    pause: tuple[int, float] | None = None
     # other traffic (not the job's) failing from the fault's step on: a node
     # sends to another and retransmits (sampled rows, one a second)
     others: tuple[tuple[int, int], ...] = ()
@@ -167,6 +169,8 @@ def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[W
         for r in range(n):
             extra = slow_ms if r in slowed and faulty else 0.0
             extra += job.all_slow_ms if faulty else 0.0
+            if job.pause is not None and step and step % job.pause[0] == 0:
+                extra += job.pause[1]
             ms = job.compute_ms + extra + rng.uniform(0, job.jitter_ms)
             arrive[r] = t + int(ms * MS)
         entered = [r for r in range(n) if step < stop[r]]

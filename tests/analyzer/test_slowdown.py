@@ -100,3 +100,17 @@ def test_analyze_incident_without_a_slowdown_reads_no_window() -> None:
     inc = incident_from_recordings("i", [_source(r) for r in recordings(job)])
     assert inc.slowdown is None
     assert analyze_incident(inc).verdicts[0].kind is VerdictKind.HEALTHY
+
+
+def test_checkpoints_are_no_onset_and_a_slowdown_after_them_is_found() -> None:
+    """Every rank pausing 1.5 s every 25 steps: no slow window begins at a
+    checkpoint; a rank slowed after a dozen of them is still named on its
+    window, and the whole job slowed alike still found where it began."""
+    raised = Job(**{**BASE.__dict__, "pause": (25, 1500.0), "slowdown_by": 0})
+    inc = incident_from_recordings("i", [_source(r) for r in recordings(raised)])
+    assert not any(w.onset for w in slow_windows(inc, match(inc)))
+    assert "do not show where its rhythm changed" in top(raised).summary
+    slow = top(Job(**{**raised.__dict__, "slow": (3, 60.0)}))
+    assert slow.kind is VerdictKind.COMPUTE_STRAGGLER and slow.ranks == (3,)
+    alike = top(Job(**{**raised.__dict__, "all_slow_ms": 60.0}))
+    assert alike.kind is VerdictKind.SLOWDOWN and "from seq 30" in alike.summary

@@ -219,9 +219,18 @@ def window_text(a: Analysis, w: SlowWindow) -> str:
     return f"slow window of {comm.name} {since}, {how}{pace}{took}"
 
 
+# the verdicts judged on the slow window (the others judge the incident whole)
+ON_WINDOW = (
+    VerdictKind.COMPUTE_STRAGGLER,
+    VerdictKind.CPU_INTERFERENCE,
+    VerdictKind.NETWORK_STRAGGLER,
+)
+
+
 def judged_on_window(a: Analysis, v: Verdict) -> Verdict:
-    """A verdict of a slowdown incident, saying the window it was judged on."""
-    if not a.windows:
+    """A straggler verdict of a slowdown incident, saying the window it was
+    judged on."""
+    if not a.windows or v.kind not in ON_WINDOW:
         return v
     lines = [f"judged on the slow window: {window_text(a, w)}" for w in _shown(a)]
     return dataclasses.replace(v, evidence=(*v.evidence, *lines))

@@ -93,6 +93,7 @@ def test_a_slowdown_incident_is_judged_whole_when_something_else_departs() -> No
     """A rank hung after the slowdown began: the hang is the verdict."""
     v = top(Job(**{**BASE.__dict__, "all_slow_ms": 60.0, "hang": (4, 340), "slowdown_by": 0}))
     assert v.kind is VerdictKind.MISSING_RANK and v.ranks == (4,)
+    assert not any("slow window" in e for e in v.evidence)  # judged on its frontier
 
 
 def test_analyze_incident_without_a_slowdown_reads_no_window() -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 from stallwatch.analyzer.align import incident_from_recordings
 from stallwatch.analyzer.detect.slowdown import slow_windows
 from stallwatch.analyzer.match import match
@@ -115,3 +117,19 @@ def test_checkpoints_are_no_onset_and_a_slowdown_after_them_is_found() -> None:
     assert slow.kind is VerdictKind.COMPUTE_STRAGGLER and slow.ranks == (3,)
     alike = top(Job(**{**raised.__dict__, "all_slow_ms": 60.0}))
     assert alike.kind is VerdictKind.SLOWDOWN and "from seq 30" in alike.summary
+
+
+def test_group_medians_are_numpys_per_group_leaving_nan_out() -> None:
+    from stallwatch.analyzer.detect.slowdown import _group_medians
+
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        groups = int(rng.integers(1, 20))
+        group = np.repeat(np.arange(groups), rng.integers(1, 6, groups))
+        values = rng.integers(0, 100, len(group)).astype(float)
+        values[rng.random(len(group)) < 0.3] = np.nan
+        got = _group_medians(values, group, groups)
+        for g in range(groups):
+            known = values[(group == g) & ~np.isnan(values)]
+            want = float(np.median(known)) if len(known) else np.nan
+            assert np.isnan(got[g]) if np.isnan(want) else got[g] == want

@@ -672,9 +672,10 @@ def network_evidence(held: Held, tcp: np.ndarray, links: np.ndarray) -> str | No
 def held_slowdown(held: Held, evidence: str) -> Slowdown:
     """The incident a held call with network evidence inside it is."""
     comm = f"communicator {held.comm_hash:#018x}" if held.comm_hash else "a communicator"
+    rank = f"rank {held.rank} of {held.nranks}" if held.rank >= 0 else "rank unknown"
     reason = (
-        f"slowdown: {op_name(held.op)} seq {held.seq} on {comm} (pid {held.pid}, rank "
-        f"{held.rank} of {held.nranks}) held {_ms(held.settled_ns - held.entered_ns)} "
+        f"slowdown: {op_name(held.op)} seq {held.seq} on {comm} (pid {held.pid}, {rank}) "
+        f"held {_ms(held.settled_ns - held.entered_ns)} "
         f"against {_ms(held.baseline_ns)} in its baseline; {evidence}"
     )
     return Slowdown(Cause.HELD, held.pid, held.comm, held.comm_hash, held.entered_ns, reason)

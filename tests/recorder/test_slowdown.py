@@ -236,6 +236,10 @@ def test_network_evidence_inside_a_held_call() -> None:
     assert text is not None and "2 retransmits" in text and "up to 1.6 s, 3 timeouts" in text
     slow = held_slowdown(h, text)
     assert slow.cause == "held" and slow.since_ns == h.entered_ns and "held 6.0 s" in slow.reason
+    assert f"rank {h.rank} of 2)" in slow.reason
+    # a communicator whose rank the agent did not see made: unknown, never -1
+    unknown = held_slowdown(dataclasses.replace(h, rank=-1, nranks=-1), text)
+    assert "rank unknown)" in unknown.reason and "-1" not in unknown.reason
     # a retransmit now and then, or one outside the call: nothing (a checkpoint's barrier)
     assert network_evidence(h, _tcp(inside, 1, 200 * MS), no_links) is None
     assert network_evidence(h, _tcp(h.settled_ns + S, 5, 3 * S), no_links) is None

@@ -36,8 +36,10 @@ from .incident import (
     Calls,
     Comm,
     Incident,
+    InputStatus,
     LateReport,
     Proc,
+    SourceKind,
     host_readings,
 )
 from .match import order_calls
@@ -129,10 +131,16 @@ def incident_from_recordings(
     sources = [dataclasses.replace(s, recording=in_scope(s.recording, consume)) for s in sources]
     sources = sorted(sources, key=lambda s: (s.recording.host, s.path))
     sources, report = _align_late(sources)
-    hosts = tuple(sorted({s.recording.host for s in sources}))
     shown = Progress("read the NCCL calls of {}/{} dumps", len(sources), progress)
     stage, extracts = _extract_all(sources, consume, shown)
     shown.close()
+    # a dump whose rows could not be read (damaged, changed since) is lost:
+    # its ranks are judged as those of a dump never found, from their peers
+    lost = tuple(InputStatus(e.source.path, False, e.error, SourceKind.STALLWATCH)
+                 for e in extracts if e.error)  # fmt: skip
+    extracts = [e for e in extracts if not e.error]
+    sources = [e.source for e in extracts]
+    hosts = tuple(sorted({s.recording.host for s in sources}))
     now = _host_now(extracts)
     procs, proc_index = _procs(extracts)
     comms, membership, world = _comms(extracts, proc_index)
@@ -149,7 +157,7 @@ def incident_from_recordings(
         retransmits=_retransmits(sources, hosts),
         sched=_sched(sources, hosts),
         sources=tuple(s.path for s in sources),
-        notes=tuple(f"{e.error}: its NCCL calls are left out" for e in extracts if e.error),
+        lost=lost,
         wall_ns=(detected := _detection(sources))[0],
         detected_by=detected[1],
         readings=host_readings(s.recording for s in sources),

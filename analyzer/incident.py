@@ -193,6 +193,9 @@ class Incident:
     # (one boot id): hosts that share CPUs and pids (the lab's nodes on one
     # machine); () where every host is its own
     machines: tuple[int, ...] = ()
+    # inputs found unreadable once their rows were read (a damaged block of a
+    # ring left in its file, a file changed since): left out, as lost dumps
+    lost: tuple[InputStatus, ...] = ()
 
     def to_wall(self, host: int) -> int | None:
         """The offset of a host's timestamps to wall clock, None if unknown."""

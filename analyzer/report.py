@@ -310,7 +310,13 @@ def to_json(result: AnalysisResult) -> str:
             for r in result.incidents
         ],
         "inputs": [
-            {"path": s.path, "ok": s.ok, "error": s.error, "kind": s.kind.value if s.kind else None}
+            {
+                "path": s.path,
+                "ok": s.ok,
+                "error": s.error,
+                "kind": s.kind.value if s.kind else None,
+                "checked": not s.unchecked if s.ok and s.kind is SourceKind.STALLWATCH else None,
+            }
             for s in result.inputs
         ],
     }

@@ -17,9 +17,12 @@ from .readings import ThreadReading
 
 FORMAT_NAME = "stallwatch-dump"
 # 2: nccl rows carry device start and completion; 3: thread position snapshots;
-# 4: CUDA graph columns; 5: sched rows name the CPU's last holder (prev_pid).
-# Older files are still read (their rows converted, no snapshots).
-FORMAT_VERSION = 5
+# 4: CUDA graph columns; 5: sched rows name the CPU's last holder (prev_pid);
+# 6: a checksum per section (header, tables, each ring).
+# Older files are still read (their rows converted, no snapshots, nothing
+# checked); what each version added is listed in dumpers.format.
+FORMAT_VERSION = 6
+CHECKSUMS_SINCE = 6  # the first format version whose dumps carry checksums
 
 
 class TriggerKind(enum.Enum):
@@ -110,3 +113,11 @@ class Recording:
     counters: dict[str, int] = field(default_factory=dict)
     # where every thread of the node's NCCL processes was (dumpers.readings), oldest first
     snapshots: tuple[ThreadReading, ...] = ()
+    # the format version of the dump it was read from (older ones lack what
+    # later versions added: checksums before 6); this version when live
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def checked(self) -> bool:
+        """Whether its dump carried checksums (and they matched)."""
+        return self.format_version >= CHECKSUMS_SINCE

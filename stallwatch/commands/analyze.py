@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from stallwatch.analyzer.report import MAX_TABLE_ROWS, MAX_TABLES
 from stallwatch.dumpers.errors import UsageError
+from stallwatch.dumpers.inputs import input_notes
 
 from .options import HelpFormatter, add_agent_options, add_format_option, agent_call_from
 
@@ -96,9 +97,8 @@ def _run_live(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, result: AnalysisResult) -> int:
     from stallwatch.analyzer.report import print_report, to_json
 
-    for s in result.inputs:
-        if not s.ok:
-            print(f"stallwatch analyze: {s.note}", file=sys.stderr)
+    for note in input_notes(result.inputs):
+        print(f"stallwatch analyze: {note}", file=sys.stderr)
     if args.format == "json":
         print(to_json(result))
     else:

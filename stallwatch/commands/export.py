@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from stallwatch.dumpers.errors import ExitCode, UsageError
+from stallwatch.dumpers.inputs import input_notes
 
 from .options import HelpFormatter, add_format_option
 
@@ -89,9 +90,8 @@ def run(args: argparse.Namespace) -> int:
     from stallwatch.analyzer.export import export
 
     result = export(args.paths, args.output)
-    for s in result.inputs:
-        if not s.ok:
-            print(f"stallwatch export: {s.note}", file=sys.stderr)
+    for note in input_notes(result.inputs):
+        print(f"stallwatch export: {note}", file=sys.stderr)
     kinds = [m.kind for m in result.markers]
     if args.format == "json":
         doc = {
@@ -115,9 +115,8 @@ def run_parquet(args: argparse.Namespace) -> int:
     from stallwatch.analyzer.parquet import export_parquet
 
     written, statuses = export_parquet(args.paths, args.output, args.incident)
-    for s in statuses:
-        if not s.ok:
-            print(f"stallwatch export: {s.note}", file=sys.stderr)
+    for note in input_notes(statuses):
+        print(f"stallwatch export: {note}", file=sys.stderr)
     code = ExitCode.FINDINGS if any(s.lost for s in statuses) else ExitCode.OK
     if args.format == "json":
         doc = {

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.text import Text
 
 from stallwatch.dumpers.errors import ExitCode, UsageError
+from stallwatch.dumpers.inputs import input_notes
 from stallwatch.dumpers.model import Recording
 from stallwatch.query.output import id_widths, new_table, text_for
 
@@ -113,7 +114,7 @@ def read_recordings(paths: Sequence[str]) -> tuple[list[Recording], list[str], b
 
     incidents, statuses = open_incidents(paths)
     recordings = [rec for inc in incidents for _, rec in inc.recordings]
-    return recordings, [s.note for s in statuses if not s.ok], any(s.lost for s in statuses)
+    return recordings, input_notes(statuses), any(s.lost for s in statuses)
 
 
 # ---- output ----------------------------------------------------------------

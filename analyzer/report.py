@@ -36,7 +36,7 @@ from rich.padding import Padding
 from rich.text import Text
 
 from stallwatch.dumpers.schema import op_name
-from stallwatch.query.output import new_table, plain_text, show
+from stallwatch.query.output import new_table, plain_text, printable, show
 
 from .culprits import Culprit, culprits, judged_on
 from .incident import Frontier, Incident, InputStatus, Member, MemberState, SourceKind
@@ -359,7 +359,7 @@ def render(c: Console, result: AnalysisResult, show_all: bool = False) -> None:
 
 
 def _line(c: Console, indent: int, text: str, style: str = "") -> None:
-    c.print(Text(" " * indent + text, style=style if c.is_terminal else ""))
+    c.print(Text(" " * indent + printable(text), style=style if c.is_terminal else ""))
 
 
 def _listing(word: str, values: Sequence[object]) -> str:
@@ -456,7 +456,7 @@ def _table(c: Console, inc: Incident, t: CommTable, show_all: bool) -> None:
         cells = [str(m.rank), _cell(m.world_rank), _cell(m.host)]
         cells += [] if files else [_cell(m.pid)]
         cells += [_cell(m.last_entered), _cell(m.last_returned), m.state, m.reason]
-        table.add_row(*(Text(x) for x in cells), style=_row_style(c, m))
+        table.add_row(*(Text(printable(x)) for x in cells), style=_row_style(c, m))
     c.print(Padding(table, (0, 0, 0, 4), expand=False))
     if len(rows) < len(t.members):
         rest = [m for m in t.members if m not in rows]

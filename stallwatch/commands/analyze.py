@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from stallwatch.analyzer.report import MAX_TABLE_ROWS, MAX_TABLES
 from stallwatch.dumpers.errors import UsageError
 from stallwatch.dumpers.inputs import input_notes
+from stallwatch.query.output import note
 
 from .options import HelpFormatter, add_agent_options, add_format_option, agent_call_from
 
@@ -97,8 +98,8 @@ def _run_live(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, result: AnalysisResult) -> int:
     from stallwatch.analyzer.report import print_report, to_json
 
-    for note in input_notes(result.inputs):
-        print(f"stallwatch analyze: {note}", file=sys.stderr)
+    for line in input_notes(result.inputs):
+        note("analyze", line)
     if args.format == "json":
         print(to_json(result))
     else:

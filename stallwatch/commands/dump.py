@@ -10,6 +10,7 @@ from pathlib import Path
 
 from stallwatch.dumpers.errors import AgentError, ExitCode
 from stallwatch.query.agentclient import AgentClient
+from stallwatch.query.output import printable
 
 from .options import (
     HelpFormatter,
@@ -90,6 +91,6 @@ def run(args: argparse.Namespace) -> int:
 def _print_answer(answer: dict[str, object], fmt: str) -> None:
     if fmt == "table":
         for key, value in sorted(answer.items()):
-            print(f"{key:<14} {value}")
+            print(printable(f"{key:<14} {value}"))
     else:
         print(json.dumps(answer, indent=2, sort_keys=True))

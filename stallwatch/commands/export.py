@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from stallwatch.dumpers.errors import ExitCode, UsageError
 from stallwatch.dumpers.inputs import input_notes
+from stallwatch.query.output import note
 
 from .options import HelpFormatter, add_format_option
 
@@ -90,8 +90,8 @@ def run(args: argparse.Namespace) -> int:
     from stallwatch.analyzer.export import export
 
     result = export(args.paths, args.output)
-    for note in input_notes(result.inputs):
-        print(f"stallwatch export: {note}", file=sys.stderr)
+    for line in input_notes(result.inputs):
+        note("export", line)
     kinds = [m.kind for m in result.markers]
     if args.format == "json":
         doc = {
@@ -115,8 +115,8 @@ def run_parquet(args: argparse.Namespace) -> int:
     from stallwatch.analyzer.parquet import export_parquet
 
     written, statuses = export_parquet(args.paths, args.output, args.incident)
-    for note in input_notes(statuses):
-        print(f"stallwatch export: {note}", file=sys.stderr)
+    for line in input_notes(statuses):
+        note("export", line)
     code = ExitCode.FINDINGS if any(s.lost for s in statuses) else ExitCode.OK
     if args.format == "json":
         doc = {

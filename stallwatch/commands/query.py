@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.text import Text
 
 from stallwatch.dumpers.errors import ExitCode, UsageError
-from stallwatch.dumpers.inputs import input_notes
+from stallwatch.dumpers.inputs import InputStatus, input_notes
 from stallwatch.dumpers.model import Recording
-from stallwatch.query.output import id_widths, new_table, text_for
+from stallwatch.query.output import id_widths, new_table, note, printable, text_for
 
 from .options import (
     HelpFormatter,
@@ -105,16 +105,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 # ---- inputs ----------------------------------------------------------------
 
 
-def read_recordings(paths: Sequence[str]) -> tuple[list[Recording], list[str], bool]:
+def read_recordings(paths: Sequence[str]) -> tuple[list[Recording], list[InputStatus]]:
     """Dumps read (ours, and PyTorch Flight Recorder dumps as one recording
     per rank) through the one input opener, as ``analyze`` and ``export``
-    read them: the recordings, one note per input not read (lost, or
-    foreign and ignored), and whether any was lost."""
+    read them: the recordings, and every input's status (``input_notes``
+    says them for people)."""
     from stallwatch.analyzer.load import open_incidents
 
     incidents, statuses = open_incidents(paths)
-    recordings = [rec for inc in incidents for _, rec in inc.recordings]
-    return recordings, input_notes(statuses), any(s.lost for s in statuses)
+    return [rec for inc in incidents for _, rec in inc.recordings], statuses
 
 
 # ---- output ----------------------------------------------------------------
@@ -141,7 +140,7 @@ def format_table(
         heads = [(n, _is_numeric(t)) for n, t in zip(columns, types, strict=True)]
         table = new_table(c, heads, id_widths(rows, len(columns)))
         for row in rows:
-            table.add_row(*(Text(_cell(v)) for v in row))
+            table.add_row(*(Text(printable(_cell(v))) for v in row))
         c.print(table)
         c.print(Text(f"({len(rows)} row{'s' if len(rows) != 1 else ''})"))
 
@@ -192,9 +191,9 @@ def run(args: argparse.Namespace) -> int:
     paths, sql = _split_args(args)
     if args.agents:
         return _query_agents(args, sql)
-    recordings, notes, lost = read_recordings(paths)
-    for note in notes:
-        print(f"stallwatch query: {note}", file=sys.stderr)
+    recordings, statuses = read_recordings(paths)
+    for line in input_notes(statuses):
+        note("query", line)
     if not recordings:
         raise UsageError("no readable dump among the inputs")
     from stallwatch.query.sql import QUERY, QueryEngine
@@ -207,9 +206,9 @@ def run(args: argparse.Namespace) -> int:
             "(as an agent sends at most; aggregate, or --limit N for fewer)",
             file=sys.stderr,
         )
-    doc = {**_table(result), "skipped": notes}
+    doc = {**_table(result), "skipped": [s.note for s in statuses if not s.ok]}
     print(render(args.format, doc))
-    return ExitCode.FINDINGS if lost else ExitCode.OK
+    return ExitCode.FINDINGS if any(s.lost for s in statuses) else ExitCode.OK
 
 
 def _query_agents(args: argparse.Namespace, sql: str) -> int:
@@ -225,7 +224,7 @@ def _query_agents(args: argparse.Namespace, sql: str) -> int:
     finally:
         close_connections()
     for f in result.failed:
-        print(f"stallwatch query: agent {f.agent}: {f.error}", file=sys.stderr)
+        note("query", f"agent {f.agent}: {f.error}")
     for a in result.answers:
         if a.truncated:
             print(

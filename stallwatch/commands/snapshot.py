@@ -23,6 +23,7 @@ from pathlib import Path
 
 from stallwatch.dumpers.errors import AgentError, ExitCode, UsageError
 from stallwatch.query.agentclient import AgentClient
+from stallwatch.query.output import printable
 from stallwatch.recorder import discovery
 from stallwatch.recorder.positions import reading_summary, summary_lines
 
@@ -145,13 +146,13 @@ def _local(args: argparse.Namespace) -> int:
         doc = {"host": host, "path": str(path), "positions": reading_summary(snaps[-1])}
         print(json.dumps(doc, indent=2, sort_keys=True))
         return EXIT_OK
-    print(f"{host}: {len(snaps[-1].processes)} process(es), {len(snaps)} reading(s)")
+    print(printable(f"{host}: {len(snaps[-1].processes)} process(es), {len(snaps)} reading(s)"))
     if not snaps[-1].processes:
         where = " in this network namespace" if netns else ""
         print(f"  {'no --pid process is' if args.pid else 'no process maps a libnccl'}{where}")
     for line in summary_lines(reading_summary(snaps[-1])):
-        print(f"  {line}")
-    print(f"wrote {path}")
+        print(f"  {printable(line)}")
+    print(printable(f"wrote {path}"))
     return EXIT_OK
 
 
@@ -201,11 +202,11 @@ def _ask(client: AgentClient, body: dict[str, object]) -> Answer:
 
 
 def _print_answers(incident: str, agents: list[str], answers: list[Answer]) -> None:
-    print(f"incident {incident}")
+    print(printable(f"incident {incident}"))
     for agent, ans in zip(agents, answers, strict=True):
         if isinstance(ans, str):
-            print(f"{agent}: error: {ans}")
+            print(printable(f"{agent}: error: {ans}"))
             continue
-        print(f"{ans.get('host', agent)}: {ans.get('status')} {ans.get('path')}")
+        print(printable(f"{ans.get('host', agent)}: {ans.get('status')} {ans.get('path')}"))
         for line in summary_lines(ans.get("positions", [])):
-            print(f"  {line}")
+            print(f"  {printable(line)}")

@@ -44,6 +44,7 @@ from .incident import (
 )
 from .match import order_calls
 from .parallel import in_parallel, threads
+from .plausible import implausible
 from .progress import Progress
 
 IS_CALL = np.zeros(256, dtype=bool)  # op -> is a collective or p2p call
@@ -281,7 +282,7 @@ def _extract_all(
                 ring = s.recording.rings.get("nccl")
                 rows = ring.rows[skip:] if ring is not None else None
                 complete = ring is None or (ring.overwritten == 0 and not skip)
-                out.append(_extract(s, rows, complete, stage, at))
+                out.append(_extract(s, rows, complete, stage, at, ring.lost if ring else 0))
                 if consume:  # the caller gave the recordings up: free each ring once read
                     s.recording.rings.pop("nccl", None)
             else:
@@ -294,7 +295,7 @@ def _extract_all(
                     out.append(_Extract(s, slice(at, at), True, None, NO_PIDS, (), (), str(exc)))
                 else:
                     complete = later.overwritten == 0 and not skip
-                    out.append(_extract(s, rows, complete, stage, at))
+                    out.append(_extract(s, rows, complete, stage, at, later.lost))
                     del rows  # a view of the buffer, which the next file reuses
             at = out[-1].rows.stop
             if shown is not None:
@@ -355,12 +356,19 @@ def _window(s: Source) -> tuple[int, int]:
 
 
 def _extract(
-    s: Source, raw: np.ndarray | None, complete: bool, stage: Columns, at: int
+    s: Source, raw: np.ndarray | None, complete: bool, stage: Columns, at: int, lost: int = 0
 ) -> _Extract:
     rec = s.recording
     if raw is None or not len(raw):
         return _Extract(s, slice(at, at), complete, None, NO_PIDS, (), ())
     raw = raw if raw.dtype == NCCL_EVENT else raw.astype(NCCL_EVENT)
+    bad, why = implausible(raw, rec, lost, _listed_pids(rec))
+    if bad.any():  # a damaged dump: lost, never judged on (analyzer.plausible)
+        n = int(np.count_nonzero(bad))
+        error = f"{s.path}: rings.nccl: damaged ({n} row(s) the recorder cannot write: "
+        return _Extract(
+            s, slice(at, at), complete, None, NO_PIDS, (), (), error + "; ".join(why) + ")"
+        )
     keep = IS_CALL[raw["op"]] & ~captured_rows(raw)  # a captured call runs as its replays
     times = _device_timeline(raw, keep)
     # an agent's process table is its scope (one node); without one, every pid

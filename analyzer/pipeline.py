@@ -222,4 +222,4 @@ def analyze_recordings(
     statuses += lost
     incidents = group_incidents(sources, lost=[s.path for s in lost])
     results = tuple(analyze_incident(inc) for inc in incidents)
-    return AnalysisResult(results, tuple(sorted(statuses, key=lambda s: s.path)))
+    return AnalysisResult(results, _with_lost(sorted(statuses, key=lambda s: s.path), incidents))

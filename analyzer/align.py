@@ -41,13 +41,16 @@ from .incident import (
     Calls,
     Comm,
     Incident,
+    InputStatus,
     LateReport,
     LinkFate,
     Proc,
+    SourceKind,
     host_readings,
 )
 from .match import order_calls
 from .parallel import in_parallel, threads
+from .plausible import implausible
 from .progress import Progress
 
 IS_CALL = np.zeros(256, dtype=bool)  # op -> is a collective or p2p call
@@ -145,6 +148,15 @@ def incident_from_recordings(
     whole = bool((tcp["backoff"] > 0).any() or (tcp["known"] == 0).any())
     stage, extracts = _extract_all(sources, consume, shown, whole)
     shown.close()
+    # a dump whose rows could not be read (damaged, changed since) is lost:
+    # its ranks are judged as those of a dump never found, from their peers
+    lost = tuple(InputStatus(e.source.path, False, e.error, SourceKind.STALLWATCH)
+                 for e in extracts if e.error)  # fmt: skip
+    if lost:
+        extracts = [e for e in extracts if not e.error]
+        sources = [e.source for e in extracts]
+        hosts = tuple(sorted({s.recording.host for s in sources}))
+        tcp = _tcp(sources, hosts)
     now = _host_now(extracts)
     procs, proc_index = _procs(extracts)
     comms, membership, world = _comms(extracts, proc_index)
@@ -161,7 +173,7 @@ def incident_from_recordings(
         tcp=tcp,
         sched=_sched(sources, hosts),
         sources=tuple(s.path for s in sources),
-        notes=tuple(f"{e.error}: its NCCL calls are left out" for e in extracts if e.error),
+        lost=lost,
         wall_ns=(detected := _detection(sources))[0],
         detected_by=detected[1],
         readings=host_readings(s.recording for s in sources),
@@ -318,7 +330,8 @@ def _extract_all(
                 rows = ring.rows[skip:] if ring is not None else None
                 complete = ring is None or (ring.overwritten == 0 and not skip)
                 every = ring.rows if whole and ring is not None else None
-                out.append(_extract(s, rows, complete, stage, at, every))
+                lost = ring.lost if ring is not None else 0
+                out.append(_extract(s, rows, complete, stage, at, lost, every))
                 if consume:  # the caller gave the recordings up: free each ring once read
                     s.recording.rings.pop("nccl", None)
             else:
@@ -333,8 +346,9 @@ def _extract_all(
                 else:
                     complete = later.overwritten == 0 and not skip
                     rows = every[skip - first :]
-                    out.append(_extract(s, rows, complete, stage, at, every if whole else None))
-                    del rows, every  # views of the buffer, which the next file reuses
+                    whole_ring = every if whole else None
+                    out.append(_extract(s, rows, complete, stage, at, later.lost, whole_ring))
+                    del rows, every, whole_ring  # views of the buffer, which the next file reuses
             at = out[-1].rows.stop
             if shown is not None:
                 shown.step()
@@ -399,6 +413,7 @@ def _extract(
     complete: bool,
     stage: Columns,
     at: int,
+    lost: int = 0,
     every: np.ndarray | None = None,
 ) -> _Extract:
     """``every``: the whole ring, where the long calls are looked for (else
@@ -407,6 +422,13 @@ def _extract(
     if raw is None or not len(raw):
         return _Extract(s, slice(at, at), complete, None, NO_PIDS, (), ())
     raw = raw if raw.dtype == NCCL_EVENT else raw.astype(NCCL_EVENT)
+    bad, why = implausible(raw, rec, lost, _listed_pids(rec))
+    if bad.any():  # a damaged dump: lost, never judged on (analyzer.plausible)
+        n = int(np.count_nonzero(bad))
+        error = f"{s.path}: rings.nccl: damaged ({n} row(s) the recorder cannot write: "
+        return _Extract(
+            s, slice(at, at), complete, None, NO_PIDS, (), (), error + "; ".join(why) + ")"
+        )
     keep = IS_CALL[raw["op"]] & ~captured_rows(raw)  # a captured call runs as its replays
     times = _device_timeline(raw, keep)
     # an agent's process table is its scope (one node); without one, every pid

@@ -224,6 +224,9 @@ class Incident:
     waiting: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=WAIT_DTYPE))
     held: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=HELD_DTYPE))
     links: tuple[LinkFate, ...] = ()  # every host's interfaces (our dumps from format 7)
+    # inputs found unreadable once their rows were read (a damaged block of a
+    # ring left in its file, a file changed since): left out, as lost dumps
+    lost: tuple[InputStatus, ...] = ()
 
     @property
     def retransmits(self) -> np.ndarray:

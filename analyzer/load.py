@@ -34,6 +34,7 @@ from stallwatch.dumpers.inputs import (
     incident_key,
     looks_like_flightrec,
     read_dump_input,
+    read_status,
     sorted_statuses,
 )
 from stallwatch.dumpers.model import Recording
@@ -77,7 +78,7 @@ def load_one(
     if isinstance(read, InputStatus):
         return None, read
     rec, deferred = read
-    return Source(path, rec, deferred), InputStatus(path, True, None, SourceKind.STALLWATCH)
+    return Source(path, rec, deferred), read_status(path, rec)
 
 
 # Flight Recorder pickles cost seconds of unpickling per thousand entries,
@@ -196,7 +197,7 @@ def open_incidents(
             statuses.append(read)
             continue
         ours.append((f, read[0]))
-        statuses.append(InputStatus(f, True, None, SourceKind.STALLWATCH))
+        statuses.append(read_status(f, read[0]))
     groups = group_dumps(ours, lambda x: incident_key(x[1]), lambda x: x[1].host)
     out = [IncidentInputs(k, k, tuple(v)) for k, v in groups.items()]
     for folder, files in group_flight(found.flight).items():

@@ -347,7 +347,7 @@ def test_rows_of_processes_outside_the_agents_scope_are_ignored() -> None:
     recs = recordings(BASE)
     rows = recs[0].rings["nccl"].rows
     foreign = rows[:5].copy()
-    foreign["pid"] = 4242
+    foreign["pid"] = foreign["tid"] = 4242  # its rows, by its own thread
     foreign["count"] = 7
     rings = dict(recs[0].rings)
     rings["nccl"] = dataclasses.replace(rings["nccl"], rows=np.concatenate([rows, foreign]))

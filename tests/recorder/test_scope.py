@@ -148,7 +148,9 @@ def test_netns_scope_every_pid_of_a_dump_is_a_rank_of_its_node(tmp_path: Path) -
     assert any(retrans for _, retrans in seen), f"no retransmit on either node: {seen}"
     for n in result["nodes_seen"]:
         if n.get("tcp_retrans_segs"):
-            assert retransmits[n["index"]], f"node {n['index']} retransmitted ({seen}), recorded none"
+            assert retransmits[n["index"]], (
+                f"node {n['index']} retransmitted ({seen}), recorded none"
+            )
 
 
 def test_a_job_narrows_the_scope() -> None:

@@ -44,7 +44,7 @@ from .incident import (
 )
 from .match import order_calls
 from .parallel import in_parallel, threads
-from .plausible import implausible
+from .plausible import implausible, other_rings
 from .progress import Progress
 
 IS_CALL = np.zeros(256, dtype=bool)  # op -> is a collective or p2p call
@@ -131,14 +131,18 @@ def incident_from_recordings(
     ``progress``, reading them is shown on stderr."""
     sources = [dataclasses.replace(s, recording=in_scope(s.recording, consume)) for s in sources]
     sources = sorted(sources, key=lambda s: (s.recording.host, s.path))
+    early = [(s, why) for s in sources if (why := other_rings(s.recording)) is not None]
+    sources = [s for s in sources if all(s is not d for d, _ in early)]
     sources, report = _align_late(sources)
     shown = Progress("read the NCCL calls of {}/{} dumps", len(sources), progress)
     stage, extracts = _extract_all(sources, consume, shown)
     shown.close()
     # a dump whose rows could not be read (damaged, changed since) is lost:
     # its ranks are judged as those of a dump never found, from their peers
-    lost = tuple(InputStatus(e.source.path, False, e.error, SourceKind.STALLWATCH)
-                 for e in extracts if e.error)  # fmt: skip
+    lost = tuple(InputStatus(s.path, False, f"{s.path}: {why}", SourceKind.STALLWATCH)
+                 for s, why in early)  # fmt: skip
+    lost += tuple(InputStatus(e.source.path, False, e.error, SourceKind.STALLWATCH)
+                  for e in extracts if e.error)  # fmt: skip
     extracts = [e for e in extracts if not e.error]
     sources = [e.source for e in extracts]
     hosts = tuple(sorted({s.recording.host for s in sources}))

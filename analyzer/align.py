@@ -30,7 +30,6 @@ from stallwatch.dumpers.schema import NCCL_EVENT, TCP_EVENT, ExitEvent, Op, TcpE
 
 from . import late
 from .columns import Columns
-from .detect.stragglers import RECENT_GROUPS
 from .incident import (
     CALL_DTYPE,
     HELD_DTYPE,
@@ -38,6 +37,7 @@ from .incident import (
     SCHED_DTYPE,
     TCP_DTYPE,
     WAIT_DTYPE,
+    WINDOW_CALLS,
     Calls,
     Comm,
     Incident,
@@ -50,7 +50,7 @@ from .incident import (
 )
 from .match import order_calls
 from .parallel import in_parallel, threads
-from .plausible import implausible
+from .plausible import implausible, other_rings
 from .progress import Progress
 
 IS_CALL = np.zeros(256, dtype=bool)  # op -> is a collective or p2p call
@@ -139,6 +139,8 @@ def incident_from_recordings(
     ``progress``, reading them is shown on stderr."""
     sources = [dataclasses.replace(s, recording=in_scope(s.recording, consume)) for s in sources]
     sources = sorted(sources, key=lambda s: (s.recording.host, s.path))
+    early = [(s, why) for s in sources if (why := other_rings(s.recording)) is not None]
+    sources = [s for s in sources if all(s is not d for d, _ in early)]
     sources, report = _align_late(sources)
     hosts = tuple(sorted({s.recording.host for s in sources}))
     tcp = _tcp(sources, hosts)
@@ -150,9 +152,12 @@ def incident_from_recordings(
     shown.close()
     # a dump whose rows could not be read (damaged, changed since) is lost:
     # its ranks are judged as those of a dump never found, from their peers
-    lost = tuple(InputStatus(e.source.path, False, e.error, SourceKind.STALLWATCH)
-                 for e in extracts if e.error)  # fmt: skip
-    if lost:
+    lost = tuple(InputStatus(s.path, False, f"{s.path}: {why}", SourceKind.STALLWATCH)
+                 for s, why in early)  # fmt: skip
+    damaged = tuple(InputStatus(e.source.path, False, e.error, SourceKind.STALLWATCH)
+                    for e in extracts if e.error)  # fmt: skip
+    lost += damaged
+    if damaged:
         extracts = [e for e in extracts if not e.error]
         sources = [e.source for e in extracts]
         hosts = tuple(sorted({s.recording.host for s in sources}))
@@ -391,10 +396,9 @@ def _runs(sizes: list[int], n: int) -> list[tuple[int, int, int]]:
 # Of each rank, its latest calls are read (the straggler detectors' window,
 # RECENT_GROUPS, and the frontier of every communicator it used since):
 # an incident of 131,072 ranks is not read whole.  A ring holds a node's
-# ranks interleaved: its last WINDOW_CALLS x (ranks it lists) rows.  Older
+# ranks interleaved: its last WINDOW_CALLS (incident.py) x (ranks it lists) rows.  Older
 # rows are left in the file, like rows the ring overwrote: a communicator a
 # rank used only before them is unknown for that rank, never missing.
-WINDOW_CALLS = RECENT_GROUPS
 
 
 def _window(s: Source) -> tuple[int, int]:

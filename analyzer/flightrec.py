@@ -61,7 +61,7 @@ from stallwatch.dumpers.errors import DumpFormatError, DumpVersionError
 from stallwatch.dumpers.inputs import looks_like_flightrec
 from stallwatch.dumpers.schema import DataType, Op, State
 
-from .align import WINDOW_CALLS
+from .incident import UNKNOWN_DTYPE, WINDOW_CALLS
 
 __all__ = [
     "FrDump",
@@ -135,7 +135,6 @@ STATES = {"scheduled": State.SCHEDULED, "started": State.STARTED, "completed": S
 # recordsFlightRecorderNatively, and the vendor builds torchfrtrace knows);
 # any other name in a profiling name is c10d's FlightRecorderHook's
 NATIVE_BACKENDS = frozenset({"", "nccl", "gloo", "xccl", "ncclx", "rccl", "rcclx", "mccl", "hccl"})
-UNKNOWN_DTYPE = 255
 _RANK_IN_NAME = re.compile(r"(\d+)(?:\.json|\.pkl|\.pickle)?$")
 _PEER = re.compile(r"(\d+)\s*(?:->|<-)\s*(\d+)")
 
@@ -399,7 +398,7 @@ def _origin(path: str, section: object) -> Origin | None:
 
 def _window_start(entries: list[Any]) -> int:
     """The first entry read: of a rank's ring only its latest WINDOW_CALLS
-    calls are, as of our own dumps (``align.WINDOW_CALLS``), and older ones
+    calls are, as of our own dumps (``incident.WINDOW_CALLS``), and older ones
     count as overwritten.  A coalesced group is never cut: its ops share a
     group and a seq, and the window opens at its first."""
     start = max(0, len(entries) - WINDOW_CALLS)

@@ -162,6 +162,13 @@ TCP_DTYPE = np.dtype(
 )
 # A process blocked in a call (its group's end included) when its dump was
 # taken: proc, the call's op, when it entered it (its host's clock).
+# Of each rank, its latest calls are read (the straggler detectors' window,
+# and the frontier of every communicator it used since): an incident of
+# 131,072 ranks is not read whole (analyzer.align says how).
+WINDOW_CALLS = 256
+# a call's datatype that no input names (a Flight Recorder entry without
+# one): unknown, never compared
+UNKNOWN_DTYPE = 255
 WAIT_DTYPE = np.dtype([("proc", "<i4"), ("op", "u1"), ("ts", "<i8")])
 # A call of the whole ring (not only the analyzed window) that took HELD_NS
 # and more: proc, its communicator's hash, seq, op, entry and return (host clock).

@@ -42,6 +42,7 @@ from stallwatch.dumpers.model import Recording
 from .align import Source
 from .flightrec import FrDump, read_flightrec
 from .parallel import threads
+from .plausible import fr_damage
 from .progress import Progress
 
 Loaded = Source | FrDump
@@ -73,6 +74,9 @@ def load_one(
             fr = read_flightrec(path)
         except DumpError as exc:
             return None, InputStatus(path, False, str(exc), SourceKind.FLIGHT_RECORDER)
+        damaged = fr_damage(fr)
+        if damaged is not None:  # lost, as one that cannot be read (analyzer.plausible)
+            return None, InputStatus(path, False, damaged, SourceKind.FLIGHT_RECORDER)
         return fr, InputStatus(path, True, None, SourceKind.FLIGHT_RECORDER)
     read = read_dump_input(path, defer)
     if isinstance(read, InputStatus):

@@ -1,4 +1,5 @@
-"""Stage "plausibility": NCCL rows the recorder cannot write.
+"""Stage "plausibility": NCCL rows the recorder cannot write, and Flight
+Recorder files that say what torch cannot have written.
 
 A dump whose checksums matched (format version 6) holds what its agent
 wrote; an older dump, or a recorder gone wrong, may hold anything.  Before a
@@ -36,6 +37,8 @@ import numpy as np
 
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.schema import DATATYPE_SIZE, Op, Result, State, captured_rows
+
+from .flightrec import FrDump
 
 MAX_BYTES = 1 << 48  # 256 TiB: more than any device or host buffer holds
 CLOCK_SLACK_NS = 1_000_000_000  # rows timed after the dump's clock was read, at most
@@ -131,7 +134,40 @@ def _field_rules(raw: np.ndarray, rec: Recording) -> list[tuple[np.ndarray, str]
         out.append((times, "a time after the dump read its rings"))
     out.append(((raw["ts_ns"] == 0) | (~flying & (raw["end_ns"] < raw["ts_ns"])),
                 "a return before its entry"))  # fmt: skip
+    done = raw["completed_ns"] > 0
+    out.append((done & (raw["started_ns"] > raw["completed_ns"]),
+                "a device that completed a call before it started it"))  # fmt: skip
     return out
+
+
+MAX_SIGNAL = 64  # Linux's highest signal number
+
+
+def other_rings(rec: Recording) -> str | None:
+    """What in ``rec``'s scheduler, TCP and exit rings no agent writes, in
+    one line (None: nothing): a time after the dump read its rings, a wait
+    in the run queue that began before the clock did, a signal number Linux
+    does not have.  Their rows feed the straggler and network detectors: a
+    run-queue delay of 39 hours (one flipped bit) once made a rank look
+    starved of CPU."""
+    now = rec.clock.monotonic_ns
+    late = np.uint64(now + CLOCK_SLACK_NS)
+    for name in ("sched", "tcp", "exit"):
+        ring = rec.rings.get(name)
+        if ring is None or not len(ring.rows):
+            continue
+        rows = ring.rows
+        checks = [(rows["ts_ns"] > late if now > 0 else rows["ts_ns"] < 0, "a time after the dump")]
+        if name == "sched":
+            checks.append((rows["delay_ns"] > rows["ts_ns"], "a wait that began before the clock"))
+        if name == "exit":
+            bad = (rows["signal"] > MAX_SIGNAL) | (rows["signal"] < 0)
+            checks.append((bad, "a signal Linux does not have"))
+        for mask, text in checks:
+            if mask.any():
+                i = int(np.flatnonzero(mask)[0])
+                return f"rings.{name}: damaged ({text}: row {i})"
+    return None
 
 
 def _stream_rules(raw: np.ndarray, rec: Recording, lost: int) -> list[tuple[np.ndarray, str]]:
@@ -204,3 +240,43 @@ def _moved_thread(raw: np.ndarray) -> np.ndarray:
     owner[main] = tids[main]
     out: np.ndarray = owner[np.searchsorted(tids, tid)] != pid
     return out
+
+
+# ---- Flight Recorder files ------------------------------------------------------------
+#
+# A Flight Recorder file carries no checksum.  Its entries are in record
+# order (the order torch created them): their creation times never go back,
+# each group's op_id grows, and its collective seq steps by one (the ring
+# keeps the latest entries, one run).  An entry's op is one the reader
+# knows, and one that carries data records its sizes.  A file that breaks
+# any of these is damaged (a key's name changed, a number's digit): lost,
+# as one that cannot be read.  None of them fails on any file of the
+# corpus (1,266 files of tests/data/fr-torch and a 16-rank NCCL job).
+
+
+def fr_damage(d: FrDump) -> str | None:
+    """Why a Flight Recorder file is damaged, in one line; None if it is not."""
+    e = d.entries
+    if not len(e):
+        return None
+    created = e["created"].astype(np.int64)
+    # shape 0: the reader found no sizes (FrDump.shapes[0] is "")
+    unsized = TAKES_DATA[e["op"]] & (e["shape"] == 0)
+    checks = [
+        (e["op"] == Op.UNKNOWN, "an op it does not name"),
+        (unsized, "a call that carries data without its sizes"),
+        (created <= 0, "no creation time"),
+        (np.r_[False, created[1:] < created[:-1]], "created before the entry before it"),
+    ]
+    for pg in np.unique(e["pg"]).tolist():
+        mine = np.flatnonzero((e["pg"] == pg) & ~e["is_p2p"])
+        step = np.diff(e["seq"][mine])
+        ops = np.diff(e["op_id"][mine])
+        bad = np.zeros(len(e), dtype=bool)
+        bad[mine[1:][(step != 1) | (ops <= 0)]] = True
+        checks.append((bad, "a seq or op_id out of order in its group"))
+    for mask, text in checks:
+        if mask.any():
+            i = int(np.flatnonzero(mask)[0])
+            return f"{d.path}: entries[{i}]: damaged ({text})"
+    return None

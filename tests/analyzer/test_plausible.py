@@ -5,13 +5,16 @@ one: left out as damaged, never a verdict of its own."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from stallwatch.analyzer.pipeline import analyze_recordings
-from stallwatch.analyzer.plausible import implausible
+from stallwatch.analyzer.flightrec import FrDump, read_flightrec
+from stallwatch.analyzer.pipeline import analyze_paths, analyze_recordings
+from stallwatch.analyzer.plausible import fr_damage, implausible, other_rings
 from stallwatch.analyzer.verdict import VerdictKind
 from stallwatch.dumpers.model import CommInfo, Recording, Ring
 from stallwatch.dumpers.schema import DataType, Op, Result
@@ -205,3 +208,91 @@ def test_comm_tables_are_left_as_they_are() -> None:
         _judge(dataclasses.replace(rec, communicators=(*rec.communicators, extra)), _rows(rec))
         == []
     )
+
+
+def test_a_device_completes_a_call_after_it_starts_it() -> None:
+    rec = _node()
+    rows = _rows(rec)
+    i = _last_call(rows, rec.processes[0].pid)
+    rows["started_ns"][i], rows["completed_ns"][i] = rows["ts_ns"][i] + 10, rows["ts_ns"][i] + 20
+    assert _judge(rec, rows) == []
+    rows["started_ns"][i] = rows["completed_ns"][i] + 1
+    (why,) = _judge(rec, rows)
+    assert why.startswith("a device that completed a call before it started it")
+
+
+def test_scheduler_tcp_and_exit_rows_no_agent_writes() -> None:
+    """A run-queue delay of 39 hours (one bit of 3.6 ms flipped) made a rank
+    look starved of CPU: such a row makes the dump damaged."""
+    rec = recordings(with_(BASE_JOB, cpuhog=2))[1]
+    assert other_rings(rec) is None
+    for name, field, value, words in [
+        ("sched", "delay_ns", 0x80000036FF22, "a wait that began before the clock"),
+        ("sched", "ts_ns", 2**62, "a time after the dump"),
+        ("exit", "signal", 99, "a signal Linux does not have"),
+    ]:
+        ring = rec.rings[name]
+        rows = ring.rows.copy()
+        if not len(rows):  # a row of its own
+            rows = np.zeros(1, rows.dtype)
+            rows["ts_ns"] = 1
+        rows[field][0] = value
+        broken = dataclasses.replace(rec, rings={**rec.rings, name: Ring(rows)})
+        why = other_rings(broken)
+        assert why is not None and why.startswith(f"rings.{name}: damaged ({words}"), why
+
+
+FR = Path(__file__).resolve().parents[1] / "data" / "fr-torch"
+
+
+def test_flight_recorder_files_of_the_corpus_are_not_damaged() -> None:
+    files = sorted(FR.glob("*/pickle/*")) + sorted(FR.glob("*-4/json/*"))
+    assert len(files) > 300
+    assert [fr_damage(read_flightrec(str(f))) for f in files] == [None] * len(files)
+
+
+def _entries(d: FrDump, change: Callable[[np.ndarray], None]) -> FrDump:
+    e = d.entries.copy()
+    change(e)
+    return dataclasses.replace(d, entries=e)
+
+
+@pytest.mark.parametrize(
+    ("words", "change"),
+    [
+        ("a seq or op_id out of order", lambda e: e["seq"].__setitem__(-1, e["seq"][-1] + 2)),
+        ("a seq or op_id out of order", lambda e: e["op_id"].__setitem__(-2, e["op_id"][-1])),
+        ("created before the entry before it", lambda e: e["created"].__setitem__(-1, 5)),
+        ("no creation time", lambda e: e["created"].__setitem__(0, 0)),
+        ("an op it does not name", lambda e: e["op"].__setitem__(2, Op.UNKNOWN)),
+        ("a call that carries data without its sizes", lambda e: e["shape"].__setitem__(1, 0)),
+    ],
+)
+def test_a_damaged_flight_recorder_file(words: str, change: Callable[[np.ndarray], None]) -> None:
+    d = read_flightrec(str(FR / "allreduce-hang-4" / "pickle" / "nccl_trace_rank_0"))
+    assert fr_damage(d) is None
+    why = fr_damage(_entries(d, change))
+    assert why is not None and why.endswith(f"damaged ({words} in its group)" if "seq" in words
+                                            else f"damaged ({words})"), why  # fmt: skip
+
+
+def _first_kinds(folder: Path) -> list[VerdictKind]:
+    (inc,) = analyze_paths([str(folder)]).incidents
+    return [v.kind for v in inc.verdicts]
+
+
+def test_a_datatype_no_input_names_is_unknown_never_a_desync(tmp_path: Path) -> None:
+    """One damaged letter of a Flight Recorder dtype ('Float' read as
+    'Flmat') once made a datatype desync: a name the reader does not know is
+    unknown, compared where every member's is known.  A datatype torch
+    names that differs (the corpus' dtype run: 'Double') stays a desync."""
+    run = FR / "allreduce-healthy-4" / "json"
+    for f in sorted(run.iterdir()):
+        doc = json.loads(f.read_text())
+        if f.name.endswith("_1.json"):
+            last = [e for e in doc["entries"] if e["input_dtypes"]][-1]
+            last["input_dtypes"] = last["output_dtypes"] = ["Flmat"]
+        (tmp_path / f.name).write_text(json.dumps(doc))
+    assert _first_kinds(run) == [VerdictKind.HEALTHY]
+    assert _first_kinds(tmp_path) == [VerdictKind.HEALTHY]
+    assert _first_kinds(FR / "allreduce-dtype-4" / "json")[0] is VerdictKind.DESYNC

@@ -30,7 +30,6 @@ from stallwatch.dumpers.schema import NCCL_EVENT, TCP_EVENT, ExitEvent, Op, TcpE
 
 from . import late
 from .columns import Columns
-from .detect.stragglers import RECENT_GROUPS
 from .incident import (
     CALL_DTYPE,
     HELD_DTYPE,
@@ -38,17 +37,21 @@ from .incident import (
     SCHED_DTYPE,
     TCP_DTYPE,
     WAIT_DTYPE,
+    WINDOW_CALLS,
     Calls,
     Comm,
     Incident,
+    InputStatus,
     LateReport,
     LinkFate,
     Proc,
     SlowTrigger,
+    SourceKind,
     host_readings,
 )
 from .match import order_calls
 from .parallel import in_parallel, threads
+from .plausible import implausible, other_rings
 from .progress import Progress
 
 IS_CALL = np.zeros(256, dtype=bool)  # op -> is a collective or p2p call
@@ -137,6 +140,8 @@ def incident_from_recordings(
     ``progress``, reading them is shown on stderr."""
     sources = [dataclasses.replace(s, recording=in_scope(s.recording, consume)) for s in sources]
     sources = sorted(sources, key=lambda s: (s.recording.host, s.path))
+    early = [(s, why) for s in sources if (why := other_rings(s.recording)) is not None]
+    sources = [s for s in sources if all(s is not d for d, _ in early)]
     sources, report = _align_late(sources)
     hosts = tuple(sorted({s.recording.host for s in sources}))
     tcp = _tcp(sources, hosts)
@@ -148,6 +153,18 @@ def incident_from_recordings(
     per_rank = SLOW_WINDOW_CALLS if slow is not None else WINDOW_CALLS
     stage, extracts = _extract_all(sources, consume, shown, whole, per_rank)
     shown.close()
+    # a dump whose rows could not be read (damaged, changed since) is lost:
+    # its ranks are judged as those of a dump never found, from their peers
+    lost = tuple(InputStatus(s.path, False, f"{s.path}: {why}", SourceKind.STALLWATCH)
+                 for s, why in early)  # fmt: skip
+    damaged = tuple(InputStatus(e.source.path, False, e.error, SourceKind.STALLWATCH)
+                    for e in extracts if e.error)  # fmt: skip
+    lost += damaged
+    if damaged:
+        extracts = [e for e in extracts if not e.error]
+        sources = [e.source for e in extracts]
+        hosts = tuple(sorted({s.recording.host for s in sources}))
+        tcp = _tcp(sources, hosts)
     now = _host_now(extracts)
     procs, proc_index = _procs(extracts)
     comms, membership, world = _comms(extracts, proc_index)
@@ -164,7 +181,7 @@ def incident_from_recordings(
         tcp=tcp,
         sched=_sched(sources, hosts),
         sources=tuple(s.path for s in sources),
-        notes=tuple(f"{e.error}: its NCCL calls are left out" for e in extracts if e.error),
+        lost=lost,
         wall_ns=(detected := _detection(sources))[0],
         detected_by=detected[1],
         readings=host_readings(s.recording for s in sources),
@@ -338,7 +355,8 @@ def _extract_all(
                 rows = ring.rows[skip:] if ring is not None else None
                 complete = ring is None or (ring.overwritten == 0 and not skip)
                 every = ring.rows if whole and ring is not None else None
-                out.append(_extract(s, rows, complete, stage, at, every))
+                lost = ring.lost if ring is not None else 0
+                out.append(_extract(s, rows, complete, stage, at, lost, every))
                 if consume:  # the caller gave the recordings up: free each ring once read
                     s.recording.rings.pop("nccl", None)
             else:
@@ -353,8 +371,9 @@ def _extract_all(
                 else:
                     complete = later.overwritten == 0 and not skip
                     rows = every[skip - first :]
-                    out.append(_extract(s, rows, complete, stage, at, every if whole else None))
-                    del rows, every  # views of the buffer, which the next file reuses
+                    whole_ring = every if whole else None
+                    out.append(_extract(s, rows, complete, stage, at, later.lost, whole_ring))
+                    del rows, every, whole_ring  # views of the buffer, which the next file reuses
             at = out[-1].rows.stop
             if shown is not None:
                 shown.step()
@@ -397,10 +416,9 @@ def _runs(sizes: list[int], n: int) -> list[tuple[int, int, int]]:
 # Of each rank, its latest calls are read (the straggler detectors' window,
 # RECENT_GROUPS, and the frontier of every communicator it used since):
 # an incident of 131,072 ranks is not read whole.  A ring holds a node's
-# ranks interleaved: its last WINDOW_CALLS x (ranks it lists) rows.  Older
+# ranks interleaved: its last WINDOW_CALLS (incident.py) x (ranks it lists) rows.  Older
 # rows are left in the file, like rows the ring overwrote: a communicator a
 # rank used only before them is unknown for that rank, never missing.
-WINDOW_CALLS = RECENT_GROUPS
 # A slowdown is judged on its slow window against the baseline before it:
 # more of each rank's calls are read (a job slowed tenfold makes in 20 s what
 # it made in 2 before; detect.slowdown)
@@ -424,6 +442,7 @@ def _extract(
     complete: bool,
     stage: Columns,
     at: int,
+    lost: int = 0,
     every: np.ndarray | None = None,
 ) -> _Extract:
     """``every``: the whole ring, where the long calls are looked for (else
@@ -432,6 +451,13 @@ def _extract(
     if raw is None or not len(raw):
         return _Extract(s, slice(at, at), complete, None, NO_PIDS, (), ())
     raw = raw if raw.dtype == NCCL_EVENT else raw.astype(NCCL_EVENT)
+    bad, why = implausible(raw, rec, lost, _listed_pids(rec))
+    if bad.any():  # a damaged dump: lost, never judged on (analyzer.plausible)
+        n = int(np.count_nonzero(bad))
+        error = f"{s.path}: rings.nccl: damaged ({n} row(s) the recorder cannot write: "
+        return _Extract(
+            s, slice(at, at), complete, None, NO_PIDS, (), (), error + "; ".join(why) + ")"
+        )
     keep = IS_CALL[raw["op"]] & ~captured_rows(raw)  # a captured call runs as its replays
     times = _device_timeline(raw, keep)
     # an agent's process table is its scope (one node); without one, every pid

@@ -46,10 +46,12 @@ import functools
 import gc
 import io
 import json
+import marshal
 import math
+import operator
 import pickle
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
@@ -61,7 +63,7 @@ from stallwatch.dumpers.errors import DumpFormatError, DumpVersionError
 from stallwatch.dumpers.inputs import looks_like_flightrec
 from stallwatch.dumpers.schema import DataType, Op, State
 
-from .align import WINDOW_CALLS
+from .incident import UNKNOWN_DTYPE, WINDOW_CALLS
 
 __all__ = [
     "FrDump",
@@ -135,7 +137,6 @@ STATES = {"scheduled": State.SCHEDULED, "started": State.STARTED, "completed": S
 # recordsFlightRecorderNatively, and the vendor builds torchfrtrace knows);
 # any other name in a profiling name is c10d's FlightRecorderHook's
 NATIVE_BACKENDS = frozenset({"", "nccl", "gloo", "xccl", "ncclx", "rccl", "rcclx", "mccl", "hccl"})
-UNKNOWN_DTYPE = 255
 _RANK_IN_NAME = re.compile(r"(\d+)(?:\.json|\.pkl|\.pickle)?$")
 _PEER = re.compile(r"(\d+)\s*(?:->|<-)\s*(\d+)")
 
@@ -399,7 +400,7 @@ def _origin(path: str, section: object) -> Origin | None:
 
 def _window_start(entries: list[Any]) -> int:
     """The first entry read: of a rank's ring only its latest WINDOW_CALLS
-    calls are, as of our own dumps (``align.WINDOW_CALLS``), and older ones
+    calls are, as of our own dumps (``incident.WINDOW_CALLS``), and older ones
     count as overwritten.  A coalesced group is never cut: its ops share a
     group and a seq, and the window opens at its first."""
     start = max(0, len(entries) - WINDOW_CALLS)
@@ -599,42 +600,65 @@ def _shape_code(shapes: dict[str, int], text: str) -> int:
     return 0 if text == "None" else shapes.setdefault(text, len(shapes))
 
 
+# the fields of a 2.2+ entry that a call is made of, fetched in one pass
+_FIELDS = (
+    "is_p2p",
+    "pg_id",
+    "process_group",
+    "collective_seq_id",
+    "p2p_seq_id",
+    "op_id",
+    "profiling_name",
+    "input_sizes",
+    "output_sizes",
+    "input_dtypes",
+    "output_dtypes",
+    "state",
+    "retired",
+    "time_created_ns",
+    "time_discovered_completed_ns",
+)
+_GET_FIELDS = operator.itemgetter(*_FIELDS)
+
+
 def _entries_by_column(
     entries: list[Any], names: dict[tuple[str, str], int], shapes: dict[str, int]
 ) -> np.ndarray | None:
-    """The entries as FR_ENTRY rows, one field of every entry at a time: a
-    pass of C code per field (``map``), strings coded through a small table
-    of the distinct values.  None if any entry is malformed, or of a field
-    set other than 2.2+'s: ``_entry`` then reads each (and says which)."""
+    """The entries as FR_ENTRY rows: every field of every entry fetched in
+    one pass of C code (``itemgetter``), turned into columns (``zip``), and
+    strings coded through a small table of the distinct values.  None if any
+    entry is malformed, or of a field set other than 2.2+'s: ``_entry`` then
+    reads each (and says which)."""
     out = np.zeros(len(entries), dtype=FR_ENTRY)
     if not entries:
         return out
     try:
         if set(map(type, entries)) != {dict}:
             return None
-        p2p = np.array(list(map(bool, map(dict.__getitem__, entries, repeat("is_p2p")))))
+        col = dict(zip(_FIELDS, zip(*map(_GET_FIELDS, entries), strict=True), strict=True))
+        p2p = np.fromiter(map(bool, col["is_p2p"]), dtype=bool, count=len(entries))
         out["is_p2p"] = p2p
-        out["pg_id"] = list(map(dict.get, entries, repeat("pg_id"), repeat(-1)))
-        cseq = list(map(dict.__getitem__, entries, repeat("collective_seq_id")))
-        if p2p.any():
-            pseq = list(map(dict.__getitem__, entries, repeat("p2p_seq_id")))
-            out["seq"] = np.where(p2p, pseq, cseq)
-        else:
-            out["seq"] = cseq
-        out["op_id"] = list(map(dict.get, entries, repeat("op_id"), cseq))
-        names_of_ops, which = _distinct(
-            list(map(dict.__getitem__, entries, repeat("profiling_name")))
-        )
+        out["pg_id"] = col["pg_id"]
+        cseq = np.array(col["collective_seq_id"], dtype=np.int64)
+        out["seq"] = np.where(p2p, col["p2p_seq_id"], cseq) if p2p.any() else cseq
+        out["op_id"] = col["op_id"]
+        names_of_ops, which = _distinct(col["profiling_name"])
         op_peer = np.array([_op_and_peer(str(n)) for n in names_of_ops], dtype=np.int64)
         op = op_peer[which, 0]
         out["op"], out["peer"] = op, op_peer[which, 1]
         backends = [backend_of(str(n)) for n in names_of_ops]
-        groups = [g[0] for g in map(dict.__getitem__, entries, repeat("process_group"))]
-        keys = list(zip(map(str, groups), [backends[i] for i in which.tolist()], strict=True))
-        out["pg"] = _coded(keys, lambda k: names.setdefault(k, len(names)))
-        _sizes_by_column(entries, OUTPUT_SIDE[op], out, shapes)
+        groups, group_of = _distinct([g[0] for g in col["process_group"]])
+        pairs, pair_of = _distinct((group_of * len(backends) + which).tolist())
+        codes = [
+            names.setdefault(
+                (str(groups[k // len(backends)]), backends[k % len(backends)]), len(names)
+            )
+            for k in pairs
+        ]
+        out["pg"] = np.array(codes, dtype=np.int64)[pair_of]
+        _sizes_by_column(col, OUTPUT_SIDE[op], out, shapes)
         hooked = np.array([is_hooked(b) for b in backends], dtype=bool)[which]
-        _times_by_column(entries, out, hooked)
+        _times_by_column(col, out, hooked)
     except (AttributeError, KeyError, TypeError, ValueError, IndexError, OverflowError):
         names.clear()
         shapes.clear()
@@ -644,24 +668,29 @@ def _entries_by_column(
 
 
 def _sizes_by_column(
-    entries: list[Any], output_side: np.ndarray, out: np.ndarray, shapes: dict[str, int]
+    col: dict[str, tuple[Any, ...]],
+    output_side: np.ndarray,
+    out: np.ndarray,
+    shapes: dict[str, int],
 ) -> None:
-    """count, shape and datatype of each entry's own side; counts computed
-    once per distinct shape (a job repeats a few)."""
-    sizes = list(map(dict.get, entries, repeat("input_sizes")))
-    firsts = [d[0] if d else None for d in map(dict.get, entries, repeat("input_dtypes"))]
-    if output_side.any():
-        for i in np.flatnonzero(output_side).tolist():
-            sizes[i], dtypes = _own_side(Op.SCATTER, entries[i])
-            firsts[i] = dtypes[0] if dtypes else None
-    if None in firsts:  # no input: the output's
-        firsts = [
-            f if f is not None else _first(_own_side(Op.UNKNOWN, e)[1])
-            for f, e in zip(firsts, entries, strict=True)
-        ]
-    texts, which = _distinct(list(map(repr, sizes)))  # repr: str's, without a detour
+    """count, shape and datatype of each entry's own side; counts and shape
+    texts computed once per distinct shape (a job repeats a few)."""
+    sizes = list(col["input_sizes"])
+    dtypes = list(col["input_dtypes"])
+    for i in np.flatnonzero(output_side).tolist():  # scatter, reduce_scatter, recv
+        sizes[i] = col["output_sizes"][i]
+        dtypes[i] = col["output_dtypes"][i] or dtypes[i]
+    firsts = [d[0] if d else None for d in dtypes]
+    if None in firsts:  # no dtype on that side: the first of either
+        either = [i or o for i, o in zip(col["input_dtypes"], col["output_dtypes"], strict=True)]
+        firsts = [f if f is not None else _first(e) for f, e in zip(firsts, either, strict=True)]
+    # the shapes keyed by marshal's bytes, a seventh of repr's time (version 2: no
+    # back-references, so a value's bytes do not depend on which lists the
+    # pickle shared; equal bytes, equal repr), repr of the distinct ones only
+    _, which = _distinct(list(map(marshal.dumps, sizes, repeat(2))))
     first = np.unique(which, return_index=True)[1].tolist()
     out["count"] = np.array([_count_fast(sizes[i]) for i in first], dtype=np.uint64)[which]
+    texts = [repr(sizes[i]) for i in first]
     out["shape"] = np.array([_shape_code(shapes, t) for t in texts], dtype=np.int64)[which]
     out["datatype"] = _coded(
         firsts, lambda d: DTYPES.get(str(d), UNKNOWN_DTYPE) if d else UNKNOWN_DTYPE
@@ -672,21 +701,19 @@ def _first(values: list[Any]) -> Any:
     return values[0] if values else None
 
 
-def _times_by_column(entries: list[Any], out: np.ndarray, hooked: np.ndarray) -> None:
-    states = list(map(dict.get, entries, repeat("state")))
-    out["state"] = _coded(states, lambda v: STATES.get(str(v), State.SCHEDULED))
-    out["created"] = [t or 0 for t in map(dict.get, entries, repeat("time_created_ns"))]
-    out["completed"] = [
-        t or 0 for t in map(dict.get, entries, repeat("time_discovered_completed_ns"))
-    ]
-    retired = np.array(list(map(bool, map(dict.get, entries, repeat("retired")))))
+def _times_by_column(col: dict[str, tuple[Any, ...]], out: np.ndarray, hooked: np.ndarray) -> None:
+    n = len(out)
+    out["state"] = _coded(col["state"], lambda v: STATES.get(str(v), State.SCHEDULED))
+    out["created"] = [t or 0 for t in col["time_created_ns"]]
+    out["completed"] = [t or 0 for t in col["time_discovered_completed_ns"]]
+    retired = np.fromiter(map(bool, col["retired"]), dtype=bool, count=n)
     ended = (out["state"] == State.COMPLETED) | (out["completed"] > 0)
     out["ended"] = ended | (retired & ~hooked)
     issued = retired & hooked & ~ended  # retired at issue: the call returned, no more
     out["state"][issued] = State.ENQUEUED
 
 
-def _coded(values: list[Any], code: Callable[[Any], int]) -> np.ndarray:
+def _coded(values: Sequence[Any], code: Callable[[Any], int]) -> np.ndarray:
     """``[code(v) for v in values]`` with ``code`` called once per distinct
     value (values repeat: a few groups, ops, dtypes and states)."""
     distinct, which = _distinct(values)
@@ -694,7 +721,7 @@ def _coded(values: list[Any], code: Callable[[Any], int]) -> np.ndarray:
     return out
 
 
-def _distinct(values: list[Any]) -> tuple[list[Any], np.ndarray]:
+def _distinct(values: Sequence[Any]) -> tuple[list[Any], np.ndarray]:
     """The distinct values in order of first appearance, and the index of
     each value among them."""
     distinct = dict.fromkeys(values)

@@ -67,6 +67,7 @@ from .incident import (
     Incident,
     Proc,
 )
+from .plausible import fr_damage
 from .verdict import Verdict
 
 DEFAULT_PG = "default_pg"
@@ -505,11 +506,17 @@ def flight_recordings(
     lost: list[str] = []
     for p in paths:
         try:
-            dumps.append(read_flightrec(p))
+            d = read_flightrec(p)
         except DumpError as exc:
             statuses.append(InputStatus(p, False, str(exc), SourceKind.FLIGHT_RECORDER))
             lost.append(p)
             continue
+        damaged = fr_damage(d)
+        if damaged is not None:  # lost, as one that cannot be read (analyzer.plausible)
+            statuses.append(InputStatus(p, False, damaged, SourceKind.FLIGHT_RECORDER))
+            lost.append(p)
+            continue
+        dumps.append(d)
         statuses.append(InputStatus(p, True, None, SourceKind.FLIGHT_RECORDER))
     recs = [
         (rec.processes[0].cmdline, rec)

@@ -162,6 +162,13 @@ TCP_DTYPE = np.dtype(
 )
 # A process blocked in a call (its group's end included) when its dump was
 # taken: proc, the call's op, when it entered it (its host's clock).
+# Of each rank, its latest calls are read (the straggler detectors' window,
+# and the frontier of every communicator it used since): an incident of
+# 131,072 ranks is not read whole (analyzer.align says how).
+WINDOW_CALLS = 256
+# a call's datatype that no input names (a Flight Recorder entry without
+# one): unknown, never compared
+UNKNOWN_DTYPE = 255
 WAIT_DTYPE = np.dtype([("proc", "<i4"), ("op", "u1"), ("ts", "<i8")])
 # A call of the whole ring (not only the analyzed window) that took HELD_NS
 # and more: proc, its communicator's hash, seq, op, entry and return (host clock).
@@ -236,6 +243,9 @@ class Incident:
     waiting: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=WAIT_DTYPE))
     held: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=HELD_DTYPE))
     links: tuple[LinkFate, ...] = ()  # every host's interfaces (our dumps from format 7)
+    # inputs found unreadable once their rows were read (a damaged block of a
+    # ring left in its file, a file changed since): left out, as lost dumps
+    lost: tuple[InputStatus, ...] = ()
     # the agent that raised the incident saw the job go on, only slower
     # (trigger kind slowdown): judged on the slow window (detect.slowdown)
     slowdown: SlowTrigger | None = None

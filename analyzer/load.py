@@ -34,6 +34,7 @@ from stallwatch.dumpers.inputs import (
     incident_key,
     looks_like_flightrec,
     read_dump_input,
+    read_status,
     sorted_statuses,
 )
 from stallwatch.dumpers.model import Recording
@@ -41,6 +42,7 @@ from stallwatch.dumpers.model import Recording
 from .align import Source
 from .flightrec import FrDump, read_flightrec
 from .parallel import threads
+from .plausible import fr_damage
 from .progress import Progress
 
 Loaded = Source | FrDump
@@ -72,12 +74,15 @@ def load_one(
             fr = read_flightrec(path)
         except DumpError as exc:
             return None, InputStatus(path, False, str(exc), SourceKind.FLIGHT_RECORDER)
+        damaged = fr_damage(fr)
+        if damaged is not None:  # lost, as one that cannot be read (analyzer.plausible)
+            return None, InputStatus(path, False, damaged, SourceKind.FLIGHT_RECORDER)
         return fr, InputStatus(path, True, None, SourceKind.FLIGHT_RECORDER)
     read = read_dump_input(path, defer)
     if isinstance(read, InputStatus):
         return None, read
     rec, deferred = read
-    return Source(path, rec, deferred), InputStatus(path, True, None, SourceKind.STALLWATCH)
+    return Source(path, rec, deferred), read_status(path, rec)
 
 
 # Flight Recorder pickles cost seconds of unpickling per thousand entries,
@@ -196,7 +201,7 @@ def open_incidents(
             statuses.append(read)
             continue
         ours.append((f, read[0]))
-        statuses.append(InputStatus(f, True, None, SourceKind.STALLWATCH))
+        statuses.append(read_status(f, read[0]))
     groups = group_dumps(ours, lambda x: incident_key(x[1]), lambda x: x[1].host)
     out = [IncidentInputs(k, k, tuple(v)) for k, v in groups.items()]
     for folder, files in group_flight(found.flight).items():

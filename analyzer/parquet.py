@@ -46,14 +46,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from stallwatch.dumpers.errors import UsageError
+from stallwatch.dumpers.errors import DumpError, UsageError
 from stallwatch.dumpers.inputs import SNAPSHOT_KEY, unique_id
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.ranks import Ranks
 from stallwatch.dumpers.schema import RING_DTYPES
 from stallwatch.dumpers.sqltables import TABLE_NAMES, tables
 
-from .incident import InputStatus
+from .incident import InputStatus, SourceKind
 from .load import IncidentInputs, open_incidents
 
 FORMAT_NAME = "stallwatch-parquet"
@@ -245,10 +245,11 @@ def export_parquet(
     for i in ids:
         _refuse_existing(root, i)
     out = []
+    lost: dict[str, InputStatus] = {}
     for inc, i in zip(planned, ids, strict=True):
         known = Ranks.of(r for _, r in inc.recordings)
-        out.append(write_incident(root, i, _read_each(inc), known))
-    return out, statuses
+        out.append(write_incident(root, i, _read_each(inc, lost), known))
+    return out, [lost.get(s.path, s) for s in statuses]
 
 
 def _nothing_read(statuses: Sequence[InputStatus]) -> str:
@@ -256,10 +257,22 @@ def _nothing_read(statuses: Sequence[InputStatus]) -> str:
     return f"no dump could be read ({why})"
 
 
-def _read_each(inc: IncidentInputs) -> Iterable[tuple[str, Recording]]:
+def _read_each(
+    inc: IncidentInputs, lost: dict[str, InputStatus]
+) -> Iterable[tuple[str, Recording]]:
     """The incident's recordings whole, one at a time: our dumps read again
-    with their rings (the first pass read their headers)."""
+    with their rings (the first pass read their headers).  One that cannot
+    be read now (a damaged ring, a file changed since) is left out and
+    ``lost`` says why."""
     from stallwatch.dumpers.format import read_dump
 
     for path, rec in inc.recordings:
-        yield path, (rec if inc.flight_recorder else read_dump(path))
+        if inc.flight_recorder:
+            yield path, rec
+            continue
+        try:
+            whole = read_dump(path)
+        except DumpError as exc:
+            lost[path] = InputStatus(path, False, str(exc), SourceKind.STALLWATCH)
+            continue
+        yield path, whole

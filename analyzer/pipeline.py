@@ -65,7 +65,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from stallwatch.dumpers.inputs import group_dumps, incident_key
+from stallwatch.dumpers.inputs import group_dumps, incident_key, read_status
 from stallwatch.dumpers.model import Recording
 
 from . import late
@@ -209,7 +209,16 @@ def analyze_paths(paths: Sequence[str], progress: bool = False) -> AnalysisResul
     incidents = group_incidents(loaded, consume=True, progress=progress, lost=lost)
     del loaded
     results = tuple(analyze_incident(inc) for inc in incidents)
-    return AnalysisResult(results, tuple(statuses))
+    return AnalysisResult(results, _with_lost(statuses, incidents))
+
+
+def _with_lost(
+    statuses: Sequence[InputStatus], incidents: list[Incident]
+) -> tuple[InputStatus, ...]:
+    """The inputs' statuses, those found unreadable while their rows were
+    read (``Incident.lost``) lost."""
+    later = {s.path: s for inc in incidents for s in inc.lost}
+    return tuple(later.get(s.path, s) for s in statuses)
 
 
 def analyze_recordings(
@@ -220,8 +229,8 @@ def analyze_recordings(
     inputs that could not be had (agents that did not answer), reported as
     lost inputs like unreadable files."""
     sources = [Source(name, rec) for name, rec in answers]
-    statuses = [InputStatus(name, True, None, SourceKind.STALLWATCH) for name, _ in answers]
+    statuses = [read_status(name, rec) for name, rec in answers]
     statuses += lost
     incidents = group_incidents(sources, lost=[s.path for s in lost])
     results = tuple(analyze_incident(inc) for inc in incidents)
-    return AnalysisResult(results, tuple(sorted(statuses, key=lambda s: s.path)))
+    return AnalysisResult(results, _with_lost(sorted(statuses, key=lambda s: s.path), incidents))

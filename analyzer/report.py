@@ -45,7 +45,7 @@ from rich.padding import Padding
 from rich.text import Text
 
 from stallwatch.dumpers.schema import op_name
-from stallwatch.query.output import fit_widths, new_table, plain_text, show
+from stallwatch.query.output import fit_widths, new_table, plain_text, printable, show
 
 from .culprits import Culprit, culprits, judged_on
 from .incident import Frontier, Incident, InputStatus, Member, MemberState, SourceKind
@@ -321,7 +321,13 @@ def to_json(result: AnalysisResult) -> str:
             for r in result.incidents
         ],
         "inputs": [
-            {"path": s.path, "ok": s.ok, "error": s.error, "kind": s.kind.value if s.kind else None}
+            {
+                "path": s.path,
+                "ok": s.ok,
+                "error": s.error,
+                "kind": s.kind.value if s.kind else None,
+                "checked": not s.unchecked if s.ok and s.kind is SourceKind.STALLWATCH else None,
+            }
             for s in result.inputs
         ],
     }
@@ -380,6 +386,7 @@ HANG = 2  # a wrapped line's continuations, this much further in
 def _line(c: Console, indent: int, text: str, style: str = "", hang: int = HANG) -> None:
     """One record: on a terminal wrapped between words to its width, the
     continuations indented; elsewhere one line."""
+    text = printable(text)
     if not c.is_terminal:
         c.print(Text(" " * indent + text))
         return
@@ -511,7 +518,8 @@ def _table(c: Console, inc: Incident, t: CommTable, show_all: bool) -> None:
     for m in rows:
         cells = [str(m.rank), _cell(m.world_rank), _cell(m.host)]
         cells += [] if files else [_cell(m.pid)]
-        body.append(([*cells, _cell(m.last_entered), _cell(m.last_returned), m.state, m.reason], m))
+        cells += [_cell(m.last_entered), _cell(m.last_returned), m.state, m.reason]
+        body.append(([printable(x) for x in cells], m))
     if c.is_terminal:
         _fitted_table(c, columns, body)
     else:

@@ -7,6 +7,12 @@ Figures (medians over repeats, printed as figure / value / target):
   temporary file, fsync, rename, fsync of the folder; anchor: the same bytes
   written and fsynced raw, in the same run (the disk's floor);
 - validating read of it back (< 0.2 s); anchor: the raw file read into numpy;
+- what the checksums (format version 6) cost, side by side in one run (no
+  target: the read above has its own, checksums included): the validating
+  read against the same dump without them (as format 5 wrote it), the read
+  of the ring's latest 65,536 rows (what ``analyze`` reads of a node's
+  ring) with and without checking their blocks, and the write's checksums
+  against the whole write;
 - four agents on loopback HTTP (the real server of ``analyzer.http``, the
   real peers client, 65,536-entry nccl rings): from the tick that detects a
   hang, on two nodes at once, to the last node's dump renamed into place
@@ -25,21 +31,24 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import msgpack
 import numpy as np
 
 from bench.common import Figure, median_time, render
 from stallwatch.dumpers.errors import DumpError
-from stallwatch.dumpers.format import read_dump, write_dump
+from stallwatch.dumpers.format import _descr, block_crcs, read_dump, read_dump_deferred, write_dump
 from stallwatch.dumpers.model import Clock, Recording, Ring, Trigger, TriggerKind
-from stallwatch.dumpers.schema import NCCL_EVENT, Op, State
+from stallwatch.dumpers.schema import NCCL_EVENT, RING_DTYPES, TCP_EVENT_V6, Op, State
 from stallwatch.recorder.peers import peer_notifier
 from stallwatch.recorder.tickstate import CommProgress, InflightCall, ProcessState, TickState
 from stallwatch.recorder.watchdog import DumpScheduler, Incidents, Watchdog
 
 WRITE_TARGET_S = 0.5
 READ_TARGET_S = 0.2
+WINDOW_ROWS = 65_536  # of a ring, read by analyze (a node's ranks x its window)
 
 
 def _recording(rows: int) -> Recording:
@@ -85,7 +94,6 @@ def _io_figures(rows: int, repeats: int, folder: Path) -> list[Figure]:
 
     t_write = median_time(write, repeats)
     path = written[-1]
-    size_mb = path.stat().st_size / 1e6
     raw = folder / "raw.bin"
     t_raw_write = median_time(
         lambda: _raw_write(raw, rec.rings["nccl"].rows.view(np.uint8).data), repeats
@@ -95,6 +103,95 @@ def _io_figures(rows: int, repeats: int, folder: Path) -> list[Figure]:
     t_read = median_time(lambda: read_dump(path), repeats)
     t_raw_read = median_time(lambda: _raw_read(raw), repeats)
     label = f"{rows / 1e6:g}M" if rows >= 1_000_000 else f"{rows:,}"
+    return [*_plain_figures(path, rec, label, t_write, t_raw_write, t_read, t_raw_read),
+            *_checksum_figures(path, rec, repeats, label, t_write)]  # fmt: skip
+
+
+def _unchecked_copy(path: Path) -> Path:
+    """The dump as format 5 wrote it: no checksums (nor links, nor the TCP
+    rows' connection state of format 7)."""
+    doc = msgpack.unpackb(path.read_bytes(), raw=False)
+    del doc["checksums"]
+    doc.pop("links", None)
+    doc["rings"].pop("link", None)
+    tcp = doc["rings"].get("tcp")
+    if tcp is not None:
+        rows = np.frombuffer(tcp["data"], dtype=RING_DTYPES["tcp"])
+        old = np.zeros(len(rows), TCP_EVENT_V6)
+        for name in TCP_EVENT_V6.names or ():
+            old[name] = rows[name]
+        tcp["dtype"], tcp["data"] = _descr(TCP_EVENT_V6), old.tobytes()
+    doc["version"] = 5
+    old = path.with_name("unchecked.msgpack")
+    old.write_bytes(msgpack.packb(doc, use_bin_type=True))
+    return old
+
+
+def _checksum_figures(
+    path: Path, rec: Recording, repeats: int, label: str, t_write: float
+) -> list[Figure]:
+    old = _unchecked_copy(path)
+    t_checked, t_plain = _side_by_side(lambda: read_dump(path), lambda: read_dump(old), repeats)
+    ring = read_dump_deferred(path, ["nccl"])[1]["nccl"]
+    bare = dataclasses.replace(ring, checksums=())
+    first = max(ring.rows - WINDOW_ROWS, 0)
+    buffer = bytearray(ring.nbytes)
+    t_window, t_window_bare = _side_by_side(
+        lambda: ring.read(buffer, first), lambda: bare.read(buffer, first), repeats
+    )
+    data = rec.rings["nccl"].rows.view(np.uint8).data
+    t_sums = median_time(lambda: block_crcs(data), repeats)
+    ratio, window = t_checked / t_plain, t_window / t_window_bare
+    return [
+        Figure(
+            f"dumps: validating read with checksums, {label} nccl entries",
+            ratio,
+            "x",
+            "-",
+            None,
+            f"{t_checked:.3f} s against {t_plain:.3f} s without (format 5)",
+        ),
+        Figure(
+            f"dumps: a ring's latest {min(WINDOW_ROWS, ring.rows):,} rows read, blocks checked",
+            window,
+            "x",
+            "-",
+            None,
+            f"{t_window * 1e3:.1f} ms against {t_window_bare * 1e3:.1f} ms unchecked",
+        ),
+        Figure(
+            "dumps: checksums of the ring's data, written with it",
+            t_sums / t_write,
+            "x",
+            "-",
+            None,
+            f"{t_sums:.3f} s of the {t_write:.3f} s write",
+        ),
+    ]
+
+
+def _side_by_side(
+    a: Callable[[], object], b: Callable[[], object], repeats: int
+) -> tuple[float, float]:
+    """Median times of ``a`` and ``b``, run in turn (the load of the moment
+    falls on both alike)."""
+    ta, tb = [], []
+    for _ in range(repeats):
+        ta.append(median_time(a, 1))
+        tb.append(median_time(b, 1))
+    return statistics.median(ta), statistics.median(tb)
+
+
+def _plain_figures(
+    path: Path,
+    rec: Recording,
+    label: str,
+    t_write: float,
+    t_raw_write: float,
+    t_read: float,
+    t_raw_read: float,
+) -> list[Figure]:
+    size_mb = path.stat().st_size / 1e6
     return [
         Figure(
             f"dumps: atomic write, {label} nccl entries ({size_mb:.0f} MB)",

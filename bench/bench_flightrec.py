@@ -1,7 +1,7 @@
 """Flight Recorder benchmark: ``stallwatch analyze`` on PyTorch Flight
 Recorder pickles, against torchfrtrace and against unpickling alone.
 
-    python -m bench.bench_flightrec [--quick] [--stacks N]
+    python -m bench.bench_flightrec [--quick] [--stacks N] [--ranks N] [--entries N]
 
 The files are written as torch 2.13 writes them (``analyzer.frwrite``:
 torch's pickler, byte for byte): 512 ranks x 2,000 entries of NCCL
@@ -343,12 +343,16 @@ def _set(nranks: int, entries: int, depth: int, judged: bool, repeats: int) -> l
     return figs
 
 
-def figures(quick: bool = False, stacks: int = 40) -> list[Figure]:
-    nranks, entries = (64, 200) if quick else (512, 2000)
+def figures(
+    quick: bool = False, stacks: int = 40, ranks: int | None = None, entries: int | None = None
+) -> list[Figure]:
+    """Both sets; the targets judged at the issue's size only (512 x 2,000),
+    and ``ranks``/``entries`` (a smaller size on a busy machine) not."""
+    nranks, count = (64, 200) if quick else (512, 2000)
+    nranks, count = ranks or nranks, entries or count
+    judged = (nranks, count) == (512, 2000)
     repeats = 1 if quick else 3
-    return _set(nranks, entries, stacks, not quick, repeats) + _set(
-        nranks, entries, 0, not quick, repeats
-    )
+    return _set(nranks, count, stacks, judged, repeats) + _set(nranks, count, 0, judged, repeats)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,6 +360,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="64 ranks x 200 entries")
     parser.add_argument(
         "--stacks", type=int, default=40, metavar="N", help="frames per stack (default 40)"
+    )
+    parser.add_argument(
+        "--ranks", type=int, metavar="N", help="files (default 512): another size judges no target"
+    )
+    parser.add_argument(
+        "--entries",
+        type=int,
+        metavar="N",
+        help="entries per file (default 2,000): another size judges no target",
     )
     parser.add_argument("--ours", help=argparse.SUPPRESS)
     parser.add_argument("--floor", help=argparse.SUPPRESS)
@@ -366,7 +379,11 @@ def main(argv: list[str] | None = None) -> int:
         if folder:
             print(json.dumps(fn(folder)))
             return 0
-    figs = figures(quick=args.quick, stacks=args.stacks)
+    if args.ranks is not None and args.ranks <= CULPRIT:
+        parser.error(f"--ranks: at least {CULPRIT + 1} (rank {CULPRIT} is the culprit)")
+    if args.entries is not None and args.entries < 2:
+        parser.error("--entries: at least 2")
+    figs = figures(quick=args.quick, stacks=args.stacks, ranks=args.ranks, entries=args.entries)
     print(render(figs))
     return 0 if all(f.ok is not False for f in figs) else 1
 

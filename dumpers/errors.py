@@ -4,6 +4,7 @@
     +-- UsageError            bad argument or option (exit code 2)
     +-- DumpError             a dump or foreign recorder file cannot be used
     |   +-- DumpFormatError   not a dump, truncated, corrupt, or a field is wrong
+    |   |   +-- DumpChecksumError  a section's bytes differ from what was written
     |   +-- DumpVersionError  a dump of a newer format version
     |   +-- DumpWriteError    a dump could not be written (disk full, permissions)
     +-- ProbeError            a BPF program failed to load or attach
@@ -48,6 +49,11 @@ class DumpError(StallwatchError):
 
 class DumpFormatError(DumpError):
     pass
+
+
+class DumpChecksumError(DumpFormatError):
+    """A section of a dump (header, tables, a ring) whose checksum does not
+    match what its writer recorded: damaged on disk or on the way."""
 
 
 class DumpVersionError(DumpError):

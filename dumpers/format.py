@@ -18,7 +18,25 @@ so that a newer layout is recognised as such before anything else is read)::
      "links": [interfaces, as in dumpers.linksdoc],            # version 7 on
      "rings": {name: {"dtype": numpy descr as lists, "rows": n, "data": bin,
                       "overwritten": u64, "lost": u64}},
-     "counters": {str: u64}}
+     "counters": {str: u64},
+     "checksums": {"algorithm": "crc32", "block": bytes,
+                   "header": u32, "tables": u32,
+                   "rings": {name: {"meta": u32, "data": [u32, ...]}}}}
+
+Checksums (version 6): one per section, CRC-32 (``zlib.crc32``).  The
+*header* is ``format``, ``version``, ``host``, ``boot_id``, ``agent``,
+``trigger``, ``clock`` and ``counters``; the *tables* are ``processes``,
+``communicators``, ``snapshots`` and (version 7) ``links``: each is checked over the msgpack
+encoding of the map of those keys to their values, in that order (msgpack
+encodes a value one way only, so the reader re-encodes what it read).  A
+ring's ``meta`` is checked over ``[dtype, rows, overwritten, lost]``; its
+``data`` in blocks of ``block`` bytes, one CRC each, so that a reader that
+reads only a ring's latest rows (``DeferredRing.read``) checks the blocks
+it reads.  A section
+whose checksum differs is refused with ``DumpChecksumError`` naming the file
+and the section: the dump is then as good as lost.  CRC-32 finds every burst
+of up to 32 flipped bits and all but one in 2**32 of other damage; it is no
+defence against someone who rewrites a file on purpose.
 
 A communicator with ``comm_hash`` 0 is one whose id the agent could not
 know: made before it attached (``init_ns`` 0; its calls' ``seq`` count from
@@ -43,9 +61,13 @@ RTT, bytes unacknowledged, nothing acknowledged since): it reads as unknown
 (``conn_known`` 0), and only retransmits and state changes were recorded
 (resets are rows from version 7 on).  Versions 1 and 2 have no
 ``snapshots``: they are read as recordings without thread positions.
-Version 7 adds the ``link`` ring (the agent's samples of its interfaces,
-``recorder.links``) and the ``links`` table it names; older versions are
-read with neither (no link rows), and refused if they hold a ``link`` ring.
+Version 6 adds a checksum per section; before it dumps are read
+unchecked (``Recording.checked`` says so).  Version 7 adds the ``link``
+ring (the agent's samples of its interfaces, ``recorder.links``) and the
+``links`` table it names; older versions are read with neither (no link
+rows), and refused if they hold a ``link`` ring.
+The top-level keys each version added are in ``TOP_KEYS_SINCE``; a ring's
+earlier dtypes in ``dumpers.schema.RING_DTYPES_BEFORE``.
 
 The reader refuses anything else with ``DumpFormatError`` (or
 ``DumpVersionError`` for a newer version), naming the file and the field; it
@@ -68,17 +90,25 @@ import re
 import secrets
 import struct
 import time
-from collections.abc import Collection, Iterator
+import zlib
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, NoReturn
+from typing import Any, BinaryIO, NoReturn, cast
 
 import msgpack
 import numpy as np
 
-from .errors import DumpError, DumpFormatError, DumpVersionError, DumpWriteError
+from .errors import (
+    DumpChecksumError,
+    DumpError,
+    DumpFormatError,
+    DumpVersionError,
+    DumpWriteError,
+)
 from .linksdoc import links_doc, read_links
 from .model import (
+    CHECKSUMS_SINCE,
     FORMAT_NAME,
     FORMAT_VERSION,
     Clock,
@@ -102,6 +132,51 @@ U64 = (0, 2**64 - 1)
 I32 = (-(2**31), 2**31 - 1)
 
 _Chunk = bytes | memoryview
+
+CHECKSUM = "crc32"
+# bytes of ring data under one checksum: a reader of a ring's latest rows
+# reads up to one block before them to check the first (a node's window of
+# 2,048 rows is 320 KiB); crc32 runs at 3.7-4.2 GB/s here from 16 KiB blocks up
+CHECK_BLOCK = 1 << 16
+CHECK_BLOCK_RANGE = (1 << 12, 1 << 30)  # what a reader accepts as a file's block size
+HEADER_KEYS = ("format", "version", "host", "boot_id", "agent", "trigger", "clock", "counters")
+TABLE_KEYS = ("processes", "communicators", "snapshots", "links")
+RING_META = ("dtype", "rows", "overwritten", "lost")
+
+
+def section_crc(values: object) -> int:
+    """The checksum of a section: CRC-32 of the msgpack encoding of its values
+    (a packer per call: readers run on several threads)."""
+    return zlib.crc32(msgpack.packb(values, use_bin_type=True))
+
+
+def block_crcs(data: bytes | memoryview, block: int = CHECK_BLOCK) -> list[int]:
+    """CRC-32 of each ``block`` bytes of ``data`` (the last block shorter)."""
+    view = memoryview(data).cast("B")
+    return [zlib.crc32(view[i : i + block]) for i in range(0, len(view), block)]
+
+
+def _section(doc: Mapping[str, object], keys: tuple[str, ...]) -> int:
+    return section_crc({k: doc[k] for k in keys if k in doc})
+
+
+def checksums_doc(doc: Mapping[str, object], block: int = CHECK_BLOCK) -> dict[str, object]:
+    """The ``checksums`` of a document: its values as they are written, each
+    ring's data as bytes (a ring whose data is not bytes has no block)."""
+    rings = doc.get("rings")
+    sums: dict[str, object] = {}
+    for name, ring in (rings if isinstance(rings, dict) else {}).items():
+        r = ring if isinstance(ring, dict) else {}
+        data = r.get("data")
+        blocks = block_crcs(data, block) if isinstance(data, bytes | memoryview) else []
+        sums[name] = {"meta": section_crc([r.get(k) for k in RING_META]), "data": blocks}
+    return {
+        "algorithm": CHECKSUM,
+        "block": block,
+        "header": _section(doc, HEADER_KEYS),
+        "tables": _section(doc, TABLE_KEYS),
+        "rings": sums,
+    }
 
 
 # ---------------------------------------------------------------- encoding
@@ -239,20 +314,29 @@ def _pieces(rec: Recording, ring_data: dict[str, memoryview]) -> Iterator[_Chunk
     (bin 8/16/32, as in the msgpack spec)."""
     packer = msgpack.Packer(use_bin_type=True)
     header = _header_doc(rec)
-    yield packer.pack_map_header(len(header) + 2)
+    counters = dict(rec.counters)
+    yield packer.pack_map_header(len(header) + 3)
     for key, value in header.items():
         yield packer.pack(key) + packer.pack(value)
     yield packer.pack("rings") + packer.pack_map_header(len(rec.rings))
+    rings: dict[str, dict[str, object]] = {}
     for name, ring in rec.rings.items():
         data = ring_data[name]
-        yield packer.pack(name) + packer.pack_map_header(5)
-        yield packer.pack("dtype") + packer.pack(_expected_descr(name, FORMAT_VERSION))
-        yield packer.pack("rows") + packer.pack(len(ring.rows))
-        yield packer.pack("overwritten") + packer.pack(ring.overwritten)
-        yield packer.pack("lost") + packer.pack(ring.lost)
+        rings[name] = r = {
+            "dtype": _expected_descr(name, FORMAT_VERSION),
+            "rows": len(ring.rows),
+            "overwritten": ring.overwritten,
+            "lost": ring.lost,
+        }
+        yield packer.pack(name) + packer.pack_map_header(len(r) + 1)
+        for key, value in r.items():
+            yield packer.pack(key) + packer.pack(value)
         yield packer.pack("data") + _bin_header(len(data))
         yield data
-    yield packer.pack("counters") + packer.pack(dict(rec.counters))
+        r["data"] = data
+    yield packer.pack("counters") + packer.pack(counters)
+    sums = checksums_doc({**header, "counters": counters, "rings": rings})
+    yield packer.pack("checksums") + packer.pack(sums)
 
 
 def encode(rec: Recording) -> bytes:
@@ -382,6 +466,9 @@ class _Checker:
     def fail(self, path: str, problem: str) -> NoReturn:
         raise DumpFormatError(f"{self.name}: {path}: {problem}")
 
+    def damaged(self, section: str, problem: str) -> NoReturn:
+        raise DumpChecksumError(f"{self.name}: {section}: damaged ({problem})")
+
     def map(self, obj: object, path: str, keys: tuple[str, ...] | None) -> dict[str, object]:
         if not isinstance(obj, dict):
             self.fail(path, f"expected a map, found {_kind(obj)}")
@@ -427,21 +514,22 @@ def _kind(obj: object) -> str:
     )
 
 
-_TOP_KEYS_V2 = (
-    "format",
-    "version",
-    "host",
-    "boot_id",
-    "agent",
-    "trigger",
-    "clock",
-    "processes",
-    "communicators",
-    "rings",
-    "counters",
+# the document's keys, each with the format version that brought it
+TOP_KEYS_SINCE: tuple[tuple[str, int], ...] = (
+    *((k, 1) for k in ("format", "version", "host", "boot_id", "agent", "trigger", "clock")),
+    *((k, 1) for k in ("processes", "communicators", "rings", "counters")),
+    ("snapshots", 3),
+    ("checksums", CHECKSUMS_SINCE),
+    ("links", 7),
 )
-_TOP_KEYS = (*_TOP_KEYS_V2, "snapshots")  # version 3
-_TOP_KEYS_V7 = (*_TOP_KEYS, "links")
+
+
+@functools.cache
+def top_keys(version: int) -> tuple[str, ...]:
+    """The keys a document of format ``version`` holds."""
+    return tuple(k for k, since in TOP_KEYS_SINCE if version >= since)
+
+
 _TRIGGER_KEYS = ("kind", "reason", "incident_id", "time_ns", "pid", "comm_hash", "origin_host")
 # world_rank: only an input that names it (Flight Recorder) sets it, never a dump
 _PROCESS_KEYS = tuple(k for k in ProcessInfo.__dataclass_fields__ if k != "world_rank")
@@ -616,6 +704,96 @@ def _check_header(doc: dict[str, object], c: _Checker) -> int:
     return version
 
 
+_SUM_KEYS = ("algorithm", "block", "header", "tables", "rings")
+
+
+@dataclass(frozen=True, slots=True)
+class _Sums:
+    """The checksums of a file's ring data (the rest is checked when read)."""
+
+    block: int
+    rings: dict[str, tuple[int, ...]]  # ring name -> the CRC of each block of its data
+
+
+def _is_u32(x: object) -> bool:
+    return type(x) is int and 0 <= x < 1 << 32
+
+
+def _sums_doc(obj: object, c: _Checker) -> dict[str, object]:
+    """The ``checksums`` map, its shape checked (a damaged one checks nothing)."""
+    if not isinstance(obj, dict) or tuple(obj) != _SUM_KEYS:
+        c.damaged("checksums", "missing or unreadable")
+    lo, hi = CHECK_BLOCK_RANGE
+    block = obj["block"]
+    rings = obj["rings"]
+    ok = (
+        obj["algorithm"] == CHECKSUM
+        and type(block) is int
+        and lo <= block <= hi
+        and _is_u32(obj["header"])
+        and _is_u32(obj["tables"])
+        and isinstance(rings, dict)
+        and all(
+            isinstance(r, dict)
+            and tuple(r) == ("meta", "data")
+            and _is_u32(r["meta"])
+            and isinstance(r["data"], list)
+            and all(_is_u32(x) for x in r["data"])
+            for r in rings.values()
+        )
+    )
+    if not ok:
+        c.damaged("checksums", "unreadable")
+    return obj
+
+
+def _same(c: _Checker, section: str, got: int, want: object) -> None:
+    if got != want:
+        c.damaged(section, f"checksum {got:08x}, written {want:08x}")
+
+
+def _check_sums(doc: dict[str, object], c: _Checker, version: int) -> _Sums | None:
+    """Every section's checksum against the file's, before any field is
+    trusted; ring data left in the file (deferred) is checked when read.
+    None for a dump written before checksums."""
+    if version < CHECKSUMS_SINCE:
+        return None
+    sums = _sums_doc(doc.get("checksums"), c)
+    for section, keys in (("header", HEADER_KEYS), ("tables", TABLE_KEYS)):
+        _same(c, section, _section(doc, keys), sums[section])
+    rings = doc.get("rings")
+    written = cast(dict[str, dict[str, Any]], sums["rings"])  # _sums_doc checked its shape
+    if not isinstance(rings, dict) or list(rings) != list(written):
+        c.damaged("rings", "its rings are not those the checksums were written for")
+    block = cast(int, sums["block"])
+    out: dict[str, tuple[int, ...]] = {}
+    for name, ring in rings.items():
+        r = ring if isinstance(ring, dict) else {}
+        path = f"rings.{str(name)[:40]}"
+        _same(c, path, section_crc([r.get(k) for k in RING_META]), written[name]["meta"])
+        crcs = tuple(written[name]["data"])
+        data = r.get("data")
+        if isinstance(data, np.ndarray | _Skipped):
+            if len(crcs) != -(-data.nbytes // block):
+                c.damaged(path, f"{len(crcs)} checksums for {data.nbytes} bytes of data")
+            if isinstance(data, np.ndarray):
+                _check_blocks(c.name, path, data.data, crcs, block)
+        out[name] = crcs
+    return _Sums(block, out)
+
+
+def _check_blocks(
+    name: str, path: str, data: memoryview, crcs: tuple[int, ...], block: int
+) -> None:
+    for k, got in enumerate(block_crcs(data, block)):
+        if got != crcs[k]:
+            lo, hi = k * block, min((k + 1) * block, len(data)) - 1
+            raise DumpChecksumError(
+                f"{name}: {path}: damaged (bytes {lo}-{hi} of its data: checksum {got:08x}, "
+                f"written {crcs[k]:08x})"
+            )
+
+
 def _read_trigger(obj: object, c: _Checker) -> Trigger | None:
     if obj is None:
         return None
@@ -732,6 +910,8 @@ class DeferredRing:
     lost: int
     stamp: tuple[int, int, int]  # the file's (inode, size, mtime ns) when it was read
     version: int = FORMAT_VERSION  # of the file: older rows are converted when read
+    checksums: tuple[int, ...] = ()  # of each block of its data; () before format 6
+    block: int = CHECK_BLOCK  # bytes per checksum
 
     @property
     def nbytes(self) -> int:
@@ -750,8 +930,11 @@ class DeferredRing:
         """The rows from ``first`` on (the latest ones: rings are oldest
         first), in ``buffer`` (long enough; the result is a view of it,
         unless the file is of an older format: then converted rows in fresh
-        memory) or in fresh memory.  DumpError if the file is gone or
-        changed since it was read."""
+        memory) or in fresh memory.  The blocks of data they lie in are
+        checked against their checksums (the bytes of the first block
+        before ``first`` are read for it, apart).  DumpError if the file is
+        gone or changed since it was read, DumpChecksumError if a block is
+        damaged."""
         first = min(max(first, 0), self.rows)
         size = ring_dtype(self.name, self.version).itemsize
         nbytes = (self.rows - first) * size
@@ -759,24 +942,50 @@ class DeferredRing:
         if len(out) < nbytes:
             raise ValueError(f"buffer of {len(out)} bytes for {nbytes}")
         view = memoryview(out)[:nbytes]
+        start = first * size  # in the ring's data
+        lead = start % self.block if self.checksums and nbytes else 0
         try:
             with open(self.path, "rb", buffering=0) as f:
                 st = os.fstat(f.fileno())
                 if (st.st_ino, st.st_size, st.st_mtime_ns) != self.stamp:
                     raise DumpError(f"{self.path}: changed since it was first read")
-                f.seek(self.offset + first * size)
-                while view:
-                    got = f.readinto(view)
-                    if not got:
-                        raise DumpError(f"{self.path}: truncated since it was first read")
-                    view = view[got:]
+                f.seek(self.offset + start - lead)
+                head = bytearray(lead)
+                self._fill(f, memoryview(head))
+                self._fill(f, view)
         except FileNotFoundError:
             raise DumpError(f"{self.path}: removed since it was first read") from None
         except OSError as exc:
             raise DumpError(f"{self.path}: cannot read: {exc.strerror or exc}") from None
+        if self.checksums:
+            self._check(head, view, start)
         dtype = ring_dtype(self.name, self.version)
         rows = np.frombuffer(out, dtype=dtype, count=self.rows - first)
         return upgrade_rows(self.name, rows, self.version)
+
+    def _fill(self, f: BinaryIO, view: memoryview) -> None:
+        while view:
+            got = f.readinto(view)  # type: ignore[attr-defined]
+            if not got:
+                raise DumpError(f"{self.path}: truncated since it was first read")
+            view = view[got:]
+
+    def _check(self, head: bytearray, view: memoryview, start: int) -> None:
+        """The blocks that hold the data from ``start`` on: ``head`` is the
+        first one's bytes before ``start``, ``view`` the data after it."""
+        total = self.rows * ring_dtype(self.name, self.version).itemsize
+        k = start // self.block
+        crc, at = zlib.crc32(head), 0
+        while at < len(view):
+            end = min((k + 1) * self.block, total) - start
+            crc = zlib.crc32(view[at:end], crc)
+            if crc != self.checksums[k]:
+                lo, hi = k * self.block, end + start - 1
+                raise DumpChecksumError(
+                    f"{self.path}: rings.{self.name}: damaged (bytes {lo}-{hi} of its data: "
+                    f"checksum {crc:08x}, written {self.checksums[k]:08x})"
+                )
+            at, k, crc = end, k + 1, 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -786,9 +995,13 @@ class _Deferred:
     overwritten: int
     lost: int
     version: int
+    checksums: tuple[int, ...] = ()
+    block: int = CHECK_BLOCK
 
 
-def _read_ring(name: str, obj: object, c: _Checker, version: int) -> Ring | _Deferred:
+def _read_ring(
+    name: str, obj: object, c: _Checker, version: int, sums: _Sums | None
+) -> Ring | _Deferred:
     path = f"rings.{name[:40]}"
     if name not in RING_DTYPES:
         c.fail(path, f"unknown ring (this reader knows {', '.join(RING_DTYPES)})")
@@ -817,6 +1030,8 @@ def _read_ring(name: str, obj: object, c: _Checker, version: int) -> Ring | _Def
             c.integer(r["overwritten"], f"{path}.overwritten"),
             c.integer(r["lost"], f"{path}.lost"),
             version,
+            sums.rings[name] if sums is not None else (),
+            sums.block if sums is not None else CHECK_BLOCK,
         )
     return Ring(
         rows=upgrade_rows(name, data.view(dtype), version),
@@ -825,9 +1040,11 @@ def _read_ring(name: str, obj: object, c: _Checker, version: int) -> Ring | _Def
     )
 
 
-def _read_rings(obj: object, c: _Checker, version: int) -> dict[str, Ring | _Deferred]:
+def _read_rings(
+    obj: object, c: _Checker, version: int, sums: _Sums | None
+) -> dict[str, Ring | _Deferred]:
     rings = c.map(obj, "rings", None)
-    return {name: _read_ring(name, ring, c, version) for name, ring in rings.items()}
+    return {name: _read_ring(name, ring, c, version, sums) for name, ring in rings.items()}
 
 
 def _read_counters(obj: object, c: _Checker) -> dict[str, int]:
@@ -848,12 +1065,6 @@ def _decode_stream(stream: BinaryIO, size: int, name: str) -> Recording:
     return _decode_parts(stream, size, name, frozenset())[0]
 
 
-def _top_keys(version: int) -> tuple[str, ...]:
-    if version <= 2:
-        return _TOP_KEYS_V2
-    return _TOP_KEYS if version < 7 else _TOP_KEYS_V7
-
-
 def _decode_parts(
     stream: BinaryIO, size: int, name: str, defer: frozenset[str]
 ) -> tuple[Recording, dict[str, _Deferred]]:
@@ -862,12 +1073,13 @@ def _decode_parts(
     version = _check_header(doc, c)
     if trailing:
         c.fail("document", f"{trailing} unexpected bytes after the document")
-    doc = c.map(doc, "document", _top_keys(version))
+    sums = _check_sums(doc, c, version)
+    doc = c.map(doc, "document", top_keys(version))
     agent = c.map(doc["agent"], "agent", ("version", "args"))
     clock = c.map(doc["clock"], "clock", ("monotonic_ns", "realtime_ns"))
     procs = c.array(doc["processes"], "processes")
     comms = c.array(doc["communicators"], "communicators")
-    rings = _read_rings(doc["rings"], c, version)
+    rings = _read_rings(doc["rings"], c, version, sums)
     rec = Recording(
         host=c.string(doc["host"], "host"),
         boot_id=c.string(doc["boot_id"], "boot_id"),
@@ -885,6 +1097,7 @@ def _decode_parts(
         counters=_read_counters(doc["counters"], c),
         snapshots=read_snapshots(doc["snapshots"], c) if version >= 3 else (),
         links=read_links(doc["links"], c) if version >= 7 else (),
+        format_version=version,
     )
     return rec, {k: r for k, r in rings.items() if isinstance(r, _Deferred)}
 
@@ -908,7 +1121,18 @@ def read_dump_deferred(
             rec, deferred = _decode_parts(stream, st.st_size, name, frozenset(defer))
             stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
             return rec, {
-                k: DeferredRing(name, k, d.offset, d.rows, d.overwritten, d.lost, stamp, d.version)
+                k: DeferredRing(
+                    name,
+                    k,
+                    d.offset,
+                    d.rows,
+                    d.overwritten,
+                    d.lost,
+                    stamp,
+                    d.version,
+                    d.checksums,
+                    d.block,
+                )
                 for k, d in deferred.items()
             }
     except IsADirectoryError:

@@ -36,7 +36,7 @@ from typing import TypeVar
 
 from .errors import DumpError
 from .format import DeferredRing, read_dump_deferred
-from .model import Recording
+from .model import CHECKSUMS_SINCE, Recording
 
 T = TypeVar("T")
 
@@ -64,6 +64,9 @@ class InputStatus:
     ok: bool
     error: str | None = None
     kind: SourceKind | None = None
+    # read, but written before checksums (format version 6): damage in it
+    # cannot be told
+    unchecked: bool = False
 
     @property
     def ignored(self) -> bool:
@@ -77,6 +80,30 @@ class InputStatus:
     def note(self) -> str:
         """The one line a command prints about an input not read."""
         return f"ignored {self.error}" if self.ignored else f"skipped {self.error or self.path}"
+
+
+UNCHECKED_SHOWN = 3  # paths named in the note on dumps read unchecked
+
+
+def input_notes(statuses: Sequence[InputStatus]) -> list[str]:
+    """What a command says about its inputs, one line each: every input not
+    read, and one line for the dumps read without checksums."""
+    out = [s.note for s in statuses if not s.ok]
+    old = [s.path for s in statuses if s.ok and s.unchecked]
+    if old:
+        more = len(old) - UNCHECKED_SHOWN
+        shown = ", ".join(old[:UNCHECKED_SHOWN]) + (f" and {more} more" if more > 0 else "")
+        read = sum(1 for s in statuses if s.ok and s.kind is SourceKind.STALLWATCH)
+        out.append(
+            f"note: {len(old)} of {read} dumps were written before checksums (format version "
+            f"{CHECKSUMS_SINCE}): damage in them cannot be told ({shown})"
+        )
+    return out
+
+
+def read_status(path: str, rec: Recording) -> InputStatus:
+    """The status of one of our dumps, read."""
+    return InputStatus(path, True, None, SourceKind.STALLWATCH, unchecked=not rec.checked)
 
 
 def looks_like_dump(head: bytes) -> bool:
@@ -272,9 +299,11 @@ __all__ = [
     "group_flight",
     "head_of",
     "incident_key",
+    "input_notes",
     "kind_of",
     "looks_like_dump",
     "looks_like_flightrec",
     "read_dump_input",
+    "read_status",
     "unique_id",
 ]

@@ -18,9 +18,12 @@ from .readings import ThreadReading
 FORMAT_NAME = "stallwatch-dump"
 # 2: nccl rows carry device start and completion; 3: thread position snapshots;
 # 4: CUDA graph columns; 5: sched rows name the CPU's last holder (prev_pid);
-# 7: TCP rows carry the connection's state, the link ring and the links table.
-# Older files are still read (their rows converted, no snapshots, no links).
+# 6: a checksum per section (header, tables, each ring); 7: TCP rows carry
+# the connection's state, the link ring and the links table.
+# Older files are still read (their rows converted, no snapshots, no links,
+# nothing checked); what each version added is listed in dumpers.format.
 FORMAT_VERSION = 7
+CHECKSUMS_SINCE = 6  # the first format version whose dumps carry checksums
 
 
 class TriggerKind(enum.Enum):
@@ -140,3 +143,11 @@ class Recording:
     snapshots: tuple[ThreadReading, ...] = ()
     # the interfaces the link ring names, and which processes use them
     links: tuple[LinkInfo, ...] = ()
+    # the format version of the dump it was read from (older ones lack what
+    # later versions added: checksums before 6); this version when live
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def checked(self) -> bool:
+        """Whether its dump carried checksums (and they matched)."""
+        return self.format_version >= CHECKSUMS_SINCE

@@ -23,6 +23,31 @@ from rich.table import Table
 # test) plain aligned columns, no colour, no escape codes, lines never
 # wrapped, so that what is printed can be grepped and diffed.
 
+# Text from an input (a dump request's reason, a host, a file or process
+# group name, a command line) is shown with its control characters escaped,
+# on a terminal or not: C0 and C1 controls, DEL, and the invisible format
+# characters that reorder or hide text (bidi overrides, zero widths).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escaped(m: re.Match[str]) -> str:
+    c = m.group()
+    return _NAMED.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped (``\\x1b``, ``\\n``,
+    ``\\u202e``): it can neither move the cursor, colour the terminal nor
+    start a line of its own."""
+    return _CONTROL.sub(_escaped, text)
+
+
+def note(command: str, text: str) -> None:
+    """One line on stderr for people: ``stallwatch <command>: <text>``, escaped."""
+    print(f"stallwatch {command}: {printable(text)}", file=sys.stderr)
+
+
 # A header underlined with dashes, columns apart by spaces: the plain form.
 PLAIN_BOX = Box("    \n    \n -  \n    \n    \n    \n    \n    \n", ascii=True)
 PLAIN_WIDTH = 100_000  # wide enough that rich never wraps a line

@@ -11,7 +11,7 @@ import numpy as np
 from stallwatch.dumpers.schema import Op, RedOp, datatype_name, op_name
 
 from ..frontier import ROOTED_OPS
-from ..incident import Disagreement, Incident
+from ..incident import UNKNOWN_DTYPE, Disagreement, Incident
 from ..match import Matched
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, who
@@ -39,9 +39,12 @@ def disagreements(m: Matched) -> list[Disagreement]:
             vals = np.where(op == Op.ALL_TO_ALL, -1, vals.astype(np.int64))
             if field == "shape":
                 vals[vals == 0] = -1
+        elif field == "datatype":  # one no input names (Flight Recorder) is unknown
+            vals = np.where(vals == UNKNOWN_DTYPE, -1, vals.astype(np.int64))
         lo = np.minimum.reduceat(vals, m.group_start)
         hi = np.maximum.reduceat(vals, m.group_start)
-        odd = (lo != hi) & (lo >= 0) if field == "shape" else lo != hi
+        # a value some member's input does not tell is compared where every one's does
+        odd = (lo != hi) & (lo >= 0) if field in ("shape", "datatype") else lo != hi
         for g in np.flatnonzero(odd).tolist():
             out.append(_majority(m, vals, g, field))
     return out

@@ -16,7 +16,7 @@ from stallwatch.dumpers.schema import op_name
 
 from ..columns import Columns
 from ..frontier import ASYNC_BELOW_NS
-from ..incident import ArrivalScore, Incident, proc_hosts
+from ..incident import WINDOW_CALLS, ArrivalScore, Incident, proc_hosts
 from ..match import Matched
 from ..verdict import Verdict, VerdictKind
 from .common import Analysis, ms
@@ -32,7 +32,7 @@ from .network import lossy_hosts
 # spreads (its 90th percentile).
 DEVICE_WAIT_SPREAD_NS = 5_000_000
 DEVICE_WAIT_SPREAD_SHARE = 0.5
-RECENT_GROUPS = 256  # stragglers are judged on each communicator's latest collectives
+RECENT_GROUPS = WINDOW_CALLS  # stragglers are judged on each communicator's latest collectives
 
 
 def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:

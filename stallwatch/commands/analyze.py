@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from stallwatch.analyzer.report import MAX_TABLE_ROWS, MAX_TABLES
 from stallwatch.dumpers.errors import UsageError
+from stallwatch.dumpers.inputs import input_notes
+from stallwatch.query.output import note
 
 from .options import (
     HelpFormatter,
@@ -109,9 +111,10 @@ def _run_live(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, result: AnalysisResult) -> int:
     from stallwatch.analyzer.report import print_report, to_json
 
-    for s in result.inputs:  # each once: the text report names the lost ones itself
-        if not s.ok and (args.format == "json" or not s.lost):
-            print(f"stallwatch analyze: {s.note}", file=sys.stderr)
+    # each once: the text report names the lost ones itself
+    shown = [s for s in result.inputs if args.format == "json" or not s.lost]
+    for line in input_notes(shown):
+        note("analyze", line)
     if args.format == "json":
         print(to_json(result))
     else:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stallwatch.dumpers.errors import ExitCode
-from stallwatch.query.output import new_table, show
+from stallwatch.query.output import new_table, printable, show
 
 from .options import HelpFormatter, add_agent_options, add_format_option, agent_call_from
 
@@ -118,12 +118,17 @@ def _table(c: Console, incident: str | None, out: Path, rows: list[dict[str, Any
     if incident is None:
         c.print(f"no incident to collect: 0 of {len(rows)} agents sent a dump")
     else:
-        c.print(f"incident {incident}: {came} of {len(rows)} agents sent their dumps into {out}")
+        c.print(
+            printable(
+                f"incident {incident}: {came} of {len(rows)} agents sent their dumps into {out}"
+            )
+        )
     columns = [("agent", False), ("host", False), ("dumps", True), ("size", True), ("lost", False)]
     t = new_table(c, columns)
     for r in rows:
         size = _size(r["bytes"]) if r["files"] else ""
-        t.add_row(r["agent"], r["host"] or "", str(len(r["files"])), size, r["lost"] or "")
+        cells = (r["agent"], r["host"] or "", str(len(r["files"])), size, r["lost"] or "")
+        t.add_row(*(printable(x) for x in cells))
     c.print(t)
 
 

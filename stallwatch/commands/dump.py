@@ -12,6 +12,7 @@ from pathlib import Path
 from stallwatch.dumpers.errors import AgentError, ExitCode, UsageError
 from stallwatch.query.agentclient import AgentClient, parse_address
 from stallwatch.query.credentials import read_local_token
+from stallwatch.query.output import printable
 from stallwatch.query.server import is_loopback
 
 from .options import (
@@ -148,6 +149,6 @@ def _token(args: argparse.Namespace) -> str | None:
 def _print_answer(answer: dict[str, object], fmt: str) -> None:
     if fmt == "table":
         for key, value in sorted(answer.items()):
-            print(f"{key:<14} {value}")
+            print(printable(f"{key:<14} {value}"))
     else:
         print(json.dumps(answer, indent=2, sort_keys=True))

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from stallwatch.dumpers.errors import ExitCode, UsageError
+from stallwatch.dumpers.inputs import input_notes
+from stallwatch.query.output import note
 
 from .options import (
     HelpFormatter,
@@ -133,9 +134,8 @@ def run(args: argparse.Namespace) -> int:
     from stallwatch.analyzer.export import export
 
     result = export(args.paths, args.output)
-    for s in result.inputs:
-        if not s.ok:
-            print(f"stallwatch export: {s.note}", file=sys.stderr)
+    for line in input_notes(result.inputs):
+        note("export", line)
     kinds = [m.kind for m in result.markers]
     if args.format == "json":
         doc = {
@@ -159,9 +159,8 @@ def run_parquet(args: argparse.Namespace) -> int:
     from stallwatch.analyzer.parquet import export_parquet
 
     written, statuses = export_parquet(args.paths, args.output, args.incident)
-    for s in statuses:
-        if not s.ok:
-            print(f"stallwatch export: {s.note}", file=sys.stderr)
+    for line in input_notes(statuses):
+        note("export", line)
     code = ExitCode.FINDINGS if any(s.lost for s in statuses) else ExitCode.OK
     if args.format == "json":
         doc = {
@@ -202,9 +201,8 @@ def run_flight_recorder(args: argparse.Namespace, live: bool) -> int:
             close_connections()
     else:
         result = analyze_paths(args.paths)
-    for s in result.inputs:
-        if not s.ok:
-            print(f"stallwatch export: {s.note}", file=sys.stderr)
+    for line in input_notes(result.inputs):
+        note("export", line)
     if not result.anything_read or not result.incidents:
         why = "; ".join(s.error or s.path for s in result.inputs if not s.ok) or "no input"
         raise UsageError(f"no dump could be read ({why})")
@@ -213,8 +211,8 @@ def run_flight_recorder(args: argparse.Namespace, live: bool) -> int:
         result.incidents, args.output, json_form, p2p=not args.collectives_only
     )
     for w in written:
-        for note in w.left_out:
-            print(f"stallwatch export: {w.incident}: left out: {note}", file=sys.stderr)
+        for why in w.left_out:
+            note("export", f"{w.incident}: left out: {why}")
     if json_form:
         doc = {
             "path": str(args.output),

@@ -25,6 +25,7 @@ from typing import Any
 
 from stallwatch import __version__
 from stallwatch.dumpers.errors import ExitCode, StallwatchError
+from stallwatch.query.output import note
 
 from .options import HelpFormatter
 
@@ -133,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.func(args)
     except StallwatchError as exc:
-        print(f"stallwatch {args.command}: error: {exc}", file=sys.stderr)
+        note(args.command, f"error: {exc}")
         return getattr(exc, "exit_code", ExitCode.USAGE)
     except KeyboardInterrupt:
         print(f"stallwatch {args.command}: interrupted", file=sys.stderr)

@@ -21,9 +21,10 @@ from rich.console import Console
 from rich.text import Text
 
 from stallwatch.dumpers.errors import DumpError, ExitCode, UsageError
+from stallwatch.dumpers.inputs import InputStatus, input_notes
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.sqltables import EXAMPLES
-from stallwatch.query.output import id_widths, new_table, text_for
+from stallwatch.query.output import id_widths, new_table, note, printable, text_for
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -120,37 +121,34 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def read_tables(
     paths: Sequence[str], sql: str, progress: bool
-) -> tuple[dict[str, pa.Table] | None, list[str], bool]:
+) -> tuple[dict[str, pa.Table] | None, list[InputStatus]]:
     """The tables ``sql`` reads over the dumps (``query.feed``): every
     input's header first (incidents, ranks), then one dump at a time read
     whole, its rows turned into what the query reads and the dump let go, so
     that memory holds the columns the query reads and one dump; None when no
-    dump is readable.  Progress as ``analyze`` shows it.  Also: a note per
-    input not read, and whether any was lost."""
+    dump is readable.  Progress as ``analyze`` shows it.  Also: every
+    input's status (``input_notes`` says them for people)."""
     from stallwatch.analyzer.load import open_incidents
     from stallwatch.analyzer.progress import Progress
     from stallwatch.dumpers.format import read_dump
-    from stallwatch.dumpers.inputs import InputStatus, SourceKind
+    from stallwatch.dumpers.inputs import SourceKind
     from stallwatch.dumpers.ranks import Ranks
     from stallwatch.dumpers.schema import RING_DTYPES
     from stallwatch.query.feed import feed, needs
 
-    incidents, statuses = open_incidents(paths, defer=tuple(RING_DTYPES))
-    notes = [s.note for s in statuses if not s.ok]
-    lost = any(s.lost for s in statuses)
+    incidents, found = open_incidents(paths, defer=tuple(RING_DTYPES))
+    statuses = list(found)
     heads = [(path, rec, i.flight_recorder) for i in incidents for path, rec in i.recordings]
     if not heads:
-        return None, notes, lost
+        return None, statuses
 
     def load(path: str, head: Recording, flight: bool) -> Recording | None:
-        nonlocal lost
         if flight:  # a Flight Recorder file's recording is whole already
             return head
         try:
             return read_dump(path)
         except DumpError as exc:  # a ring that fails its reader: lost, as on any read
-            notes.append(InputStatus(path, False, str(exc), SourceKind.STALLWATCH).note)
-            lost = True
+            statuses.append(InputStatus(path, False, str(exc), SourceKind.STALLWATCH))
             return None
 
     loads = [functools.partial(load, *h) for h in heads]
@@ -160,19 +158,18 @@ def read_tables(
         built = feed(loads, known, needs(sql), shown.step)
     finally:
         shown.close()
-    return built, notes, lost
+    return built, statuses
 
 
-def read_recordings(paths: Sequence[str]) -> tuple[list[Recording], list[str], bool]:
+def read_recordings(paths: Sequence[str]) -> tuple[list[Recording], list[InputStatus]]:
     """Dumps read (ours, and PyTorch Flight Recorder dumps as one recording
     per rank) through the one input opener, as ``analyze`` and ``export``
-    read them: the recordings, one note per input not read (lost, or
-    foreign and ignored), and whether any was lost."""
+    read them: the recordings, and every input's status (``input_notes``
+    says them for people)."""
     from stallwatch.analyzer.load import open_incidents
 
     incidents, statuses = open_incidents(paths)
-    recordings = [rec for inc in incidents for _, rec in inc.recordings]
-    return recordings, [s.note for s in statuses if not s.ok], any(s.lost for s in statuses)
+    return [rec for inc in incidents for _, rec in inc.recordings], statuses
 
 
 # ---- output ----------------------------------------------------------------
@@ -199,7 +196,7 @@ def format_table(
         heads = [(n, _is_numeric(t)) for n, t in zip(columns, types, strict=True)]
         table = new_table(c, heads, id_widths(rows, len(columns)))
         for row in rows:
-            table.add_row(*(Text(_cell(v)) for v in row))
+            table.add_row(*(Text(printable(_cell(v))) for v in row))
         c.print(table)
         c.print(Text(f"({len(rows)} row{'s' if len(rows) != 1 else ''})"))
 
@@ -262,9 +259,9 @@ def run(args: argparse.Namespace) -> int:
 
     check_sql(sql, QUERY)  # refused or unparsable: before any dump is read
     progress = sys.stderr.isatty() or len(paths) > 1
-    built, notes, lost = read_tables(paths, sql, progress)
-    for note in notes:
-        print(f"stallwatch query: {note}", file=sys.stderr)
+    built, statuses = read_tables(paths, sql, progress)
+    for line in input_notes(statuses):
+        note("query", line)
     if built is None:
         raise UsageError("no readable dump among the inputs")
     with QueryEngine(built, QUERY) as engine:
@@ -275,9 +272,9 @@ def run(args: argparse.Namespace) -> int:
             "(as an agent sends at most; aggregate, or --limit N for fewer)",
             file=sys.stderr,
         )
-    doc = {**_table(result), "skipped": notes}
+    doc = {**_table(result), "skipped": [s.note for s in statuses if not s.ok]}
     print(render(args.format, doc))
-    return ExitCode.FINDINGS if lost else ExitCode.OK
+    return ExitCode.FINDINGS if any(s.lost for s in statuses) else ExitCode.OK
 
 
 def _query_agents(args: argparse.Namespace, sql: str) -> int:
@@ -292,7 +289,7 @@ def _query_agents(args: argparse.Namespace, sql: str) -> int:
     finally:
         close_connections()
     for f in result.failed:
-        print(f"stallwatch query: agent {f.agent}: {f.error}", file=sys.stderr)
+        note("query", f"agent {f.agent}: {f.error}")
     for a in result.answers:
         if a.truncated:
             print(

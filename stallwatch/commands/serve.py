@@ -8,6 +8,8 @@ import sys
 import threading
 
 from stallwatch.dumpers.errors import ExitCode, UsageError
+from stallwatch.dumpers.inputs import input_notes
+from stallwatch.query.output import note
 
 from .options import HelpFormatter, add_server_tls, add_token_option, read_token, server_tls_from
 from .query import read_recordings
@@ -53,9 +55,9 @@ def run(args: argparse.Namespace) -> int:
 
     token = read_token(args.token_file)
     server_tls = server_tls_from(args)
-    recordings, notes, _ = read_recordings(args.paths)
-    for note in notes:
-        print(f"stallwatch serve: {note}", file=sys.stderr)
+    recordings, statuses = read_recordings(args.paths)
+    for line in input_notes(statuses):
+        note("serve", line)
     if not recordings:
         raise UsageError("no readable dump among the inputs")
     backend = RecordingsBackend(recordings)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from stallwatch.dumpers.errors import AgentError, ExitCode, UsageError
 from stallwatch.query.agentclient import AgentClient
+from stallwatch.query.output import printable
 from stallwatch.recorder import discovery
 from stallwatch.recorder.positions import reading_summary, summary_lines
 
@@ -138,13 +139,13 @@ def _local(args: argparse.Namespace) -> int:
         doc = {"host": host, "path": str(path), "positions": reading_summary(snaps[-1])}
         print(json.dumps(doc, indent=2, sort_keys=True))
         return ExitCode.OK
-    print(f"{host}: {len(snaps[-1].processes)} process(es), {len(snaps)} reading(s)")
+    print(printable(f"{host}: {len(snaps[-1].processes)} process(es), {len(snaps)} reading(s)"))
     if not snaps[-1].processes:
         where = " in this network namespace" if netns else ""
         print(f"  {'no --pid process is' if args.pid else 'no process maps a libnccl'}{where}")
     for line in summary_lines(reading_summary(snaps[-1])):
-        print(f"  {line}")
-    print(f"wrote {path}")
+        print(f"  {printable(line)}")
+    print(printable(f"wrote {path}"))
     return ExitCode.OK
 
 
@@ -171,7 +172,7 @@ def _ask_agents(args: argparse.Namespace) -> int:
     else:
         _print_answers(incident, agents, answers)
     for agent, why in failed:  # one line each, here only
-        print(f"stallwatch snapshot: agent {agent}: {why}", file=sys.stderr)
+        print(f"stallwatch snapshot: agent {printable(agent)}: {printable(why)}", file=sys.stderr)
     if len(failed) == len(agents):
         return ExitCode.USAGE
     return ExitCode.FINDINGS if failed else ExitCode.OK
@@ -196,10 +197,10 @@ def _ask(client: AgentClient, body: dict[str, object]) -> Answer:
 
 def _print_answers(incident: str, agents: list[str], answers: list[Answer]) -> None:
     came = sum(not isinstance(ans, str) for ans in answers)
-    print(f"incident {incident}: {came} of {len(agents)} agents read their nodes")
+    print(printable(f"incident {incident}: {came} of {len(agents)} agents read their nodes"))
     for agent, ans in zip(agents, answers, strict=True):
         if isinstance(ans, str):  # named on stderr
             continue
-        print(f"{ans.get('host', agent)}: {ans.get('status')} {ans.get('path')}")
+        print(printable(f"{ans.get('host', agent)}: {ans.get('status')} {ans.get('path')}"))
         for line in summary_lines(ans.get("positions", [])):
-            print(f"  {line}")
+            print(f"  {printable(line)}")

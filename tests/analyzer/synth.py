@@ -254,10 +254,11 @@ def _apply_mismatch(job: Job, rows: dict[int, list[np.void]]) -> None:
     rank, step, fld = job.mismatch
     for r in rows[job.node_of(rank)]:
         if int(r["rank"]) == rank and int(r["seq"]) == step and int(r["comm_hash"]) == WORLD:
+            # bytes as the probe writes them: the count times the datatype's size
             if fld == "count":
-                r["count"] = 2048
+                r["count"], r["bytes"] = 2048, 2048 * 4
             elif fld == "dtype":
-                r["datatype"] = DataType.FLOAT16
+                r["datatype"], r["bytes"] = DataType.FLOAT16, int(r["count"]) * 2
             elif fld == "op":
                 r["op"] = Op.ALL_GATHER
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from stallwatch.analyzer.verdict import VerdictKind
 from stallwatch.commands.main import main
 from stallwatch.dumpers.format import write_dump
 from tests.analyzer.synth import BASE_JOB, recordings, with_
@@ -138,20 +139,28 @@ def test_through_the_stallwatch_command(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["analyze", str(tmp_path / "nothing-here")]) == 2
 
 
-def test_a_dump_changed_during_analysis_is_noted_and_the_rest_analyzed(tmp_path: Path) -> None:
-    """Rings are read when wanted: a file rewritten between the two reads is
-    named in a note, its calls left out, and its peers still judged."""
+@pytest.mark.parametrize("node", [0, 1])
+def test_a_dump_changed_during_analysis_is_lost_and_never_blamed(tmp_path: Path, node: int) -> None:
+    """Rings are read when wanted: a file rewritten (or found damaged)
+    between the two reads is a lost dump, its ranks judged from their peers
+    alone.  Their calls only left out, its ranks looked behind: rank 0 (node
+    0 rewritten) or ranks 2 and 3 (node 1) were blamed beside the hung rank 1."""
     from stallwatch.analyzer.load import load_inputs
     from stallwatch.analyzer.pipeline import analyze_incident, group_incidents
 
     paths = write(tmp_path, hang=(1, 12))
     loaded, statuses = load_inputs([str(tmp_path)], defer=("nccl",))
     assert all(s.ok for s in statuses)
-    paths[0].write_bytes(paths[0].read_bytes()[:100])
+    paths[node].write_bytes(paths[node].read_bytes()[:100])
     (inc,) = group_incidents(loaded, consume=True)
-    assert len(inc.notes) == 1 and paths[0].name in inc.notes[0] and "left out" in inc.notes[0]
-    assert len(inc.calls) > 0  # the other node's calls
-    assert analyze_incident(inc).verdicts
+    (lost,) = inc.lost
+    assert lost.path == str(paths[node]) and "changed since it was first read" in str(lost.error)
+    assert len(inc.calls) > 0 and {p.host for p in inc.procs} == {f"node{1 - node}"}
+    (v,) = analyze_incident(inc).verdicts
+    if node == 0:  # the hung rank's own dump is lost: it cannot be told from its node's peer
+        assert v.kind is VerdictKind.INCONCLUSIVE and set(v.ranks) == {0, 1}
+    else:
+        assert v.kind is VerdictKind.MISSING_RANK and v.ranks == (1,)
 
 
 def test_deferred_and_in_memory_rings_give_one_answer(tmp_path: Path) -> None:

@@ -371,7 +371,7 @@ def test_of_a_long_ring_the_latest_calls_are_read(tmp_path: Path) -> None:
     """As of our own dumps, a rank's latest WINDOW_CALLS calls are read and
     the older ones count as overwritten; a coalesced group at the window's
     edge is read whole (cut, its count would depart from its peers')."""
-    from stallwatch.analyzer.align import WINDOW_CALLS
+    from stallwatch.analyzer.incident import WINDOW_CALLS
 
     for rank in range(3):
         group = [_entry(336, op_id=336 + i, input_sizes=[[2]]) for i in range(10)]

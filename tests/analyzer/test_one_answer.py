@@ -235,7 +235,7 @@ def _agents(recordings: Sequence[Recording], per_file: bool) -> Answers:
 def _on_the_dumps(name: str, path: Path) -> tuple[Answers, Answers]:
     """``query`` on the dumps and ``query --agents`` on them served, from
     one read of them (both read through the one input opener)."""
-    recordings, _, _ = read_recordings([str(path)])
+    recordings, _ = read_recordings([str(path)])
     return _local(recordings), _agents(recordings, name in NODE_PER_FILE)
 
 

@@ -215,6 +215,7 @@ def test_run_queue_delay_is_split_by_the_cpus_holder(one_kernel: bool) -> None:
     rows["pid"] = rows["tid"] = pid_of(0)
     rows["delay_ns"] = [1 * MS, 2 * MS, 4 * MS, 8 * MS, 16 * MS]
     rows["prev_pid"] = holders
+    rows["ts_ns"] = recs[0].clock.monotonic_ns  # each wait ended as the dump was taken
     node0 = dataclasses.replace(recs[0], rings={**recs[0].rings, "sched": Ring(rows)})
     (inc,) = group_incidents([Source(f"dump-{r.host}.msgpack", r) for r in [node0, recs[1]]])
     d = sched_delays(inc)
@@ -347,7 +348,7 @@ def test_rows_of_processes_outside_the_agents_scope_are_ignored() -> None:
     recs = recordings(BASE)
     rows = recs[0].rings["nccl"].rows
     foreign = rows[:5].copy()
-    foreign["pid"] = 4242
+    foreign["pid"] = foreign["tid"] = 4242  # its rows, by its own thread
     foreign["count"] = 7
     rings = dict(recs[0].rings)
     rings["nccl"] = dataclasses.replace(rings["nccl"], rows=np.concatenate([rows, foreign]))

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bench import bench_flightrec
+from bench.common import Figure
 
 pytestmark = pytest.mark.solo  # speed figures: measured alone
 
@@ -42,3 +44,32 @@ def test_bench_quick_runs_and_is_right() -> None:
     assert all("verdict right" in f.anchor for f in timed)
     floor = [f for f in figures if f.name.endswith("unpickling alone, CPU")]
     assert len(floor) == 2 and all(f.value > 0 for f in floor)
+
+
+def test_another_size_judges_no_target(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--ranks``/``--entries`` measure a smaller size on a busy machine: both
+    sets at that size, no target judged; the issue's size alone is judged."""
+    sets: list[tuple[int, int, int, bool, int]] = []
+
+    def one_set(*args: Any) -> list[Figure]:
+        sets.append(args)
+        return []
+
+    monkeypatch.setattr(bench_flightrec, "_set", one_set)
+    bench_flightrec.figures(stacks=40, ranks=128, entries=500)
+    bench_flightrec.figures(stacks=40)
+    assert sets == [
+        (128, 500, 40, False, 3),
+        (128, 500, 0, False, 3),
+        (512, 2000, 40, True, 3),
+        (512, 2000, 0, True, 3),
+    ]
+    for args, text in (
+        (["--ranks", "7"], "--ranks: at least 8"),
+        (["--entries", "1"], "at least 2"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            bench_flightrec.main(args)
+        assert exc.value.code == 2 and text in capsys.readouterr().err

@@ -55,7 +55,7 @@ def test_bash_completes_commands_options_and_their_values(
         ("stallwatch", "lab", ""),
         ("stallwatch", "lab", "run", "--mode", ""),
         ("stallwatch", "analyze", "--format", "j"),
-        ("stallwatch", "analyze", "tests/data/lab-h"),
+        ("stallwatch", "analyze", "tests/data/lab-hang-2"),
         ("stallwatch", "collect", "-o", "tests/dat"),
         ("stallwatch", "analyze", "--agents", ""),
         ("stallwatch", "completion", ""),

@@ -47,6 +47,13 @@ def _decode_doc(doc: object, name: str = "dumps/n1.msgpack") -> Recording:
     return fmt.decode(msgpack.packb(doc, use_bin_type=True), name)
 
 
+def _reseal(doc: dict[str, object]) -> None:
+    """The checksums of a document changed on purpose, written again: what
+    its fields hold is then checked, not only that they changed."""
+    if "checksums" in doc:
+        doc["checksums"] = fmt.checksums_doc(doc)
+
+
 # ---------------------------------------------------------------- round trip
 
 
@@ -130,6 +137,7 @@ def _as_version_6(rec: Recording) -> dict[str, object]:
     del doc["links"]
     del doc["rings"]["link"]  # type: ignore[attr-defined]
     doc["version"] = 6
+    _reseal(doc)  # version 6 has checksums (of what it holds)
     return doc
 
 
@@ -137,6 +145,7 @@ def _as_version_4(rec: Recording) -> dict[str, object]:
     """``rec``'s document as versions 1 to 4 wrote its sched rows: without
     ``prev_pid`` (``_pad1`` where it is now, zero)."""
     doc = _as_version_6(rec)
+    del doc["checksums"]  # version 6's
     _old_ring(doc, rec, "sched", SCHED_EVENT_V4)
     return doc
 
@@ -361,6 +370,7 @@ BAD_FIELDS = [
 def test_every_field_is_checked(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
     doc = _doc(sample_recording(100))
     mutate(doc)
+    _reseal(doc)
     with pytest.raises(DumpFormatError) as err:
         _decode_doc(doc)
     assert str(err.value).startswith(f"dumps/n1.msgpack: {message}"), str(err.value)
@@ -387,10 +397,12 @@ def test_versions_before_7_are_read_without_links_and_refuse_a_link_ring() -> No
     assert back.links == () and "link" not in back.rings
     assert len(back.rings["nccl"].rows) == 100
     doc["links"] = []
+    _reseal(doc)
     with pytest.raises(DumpFormatError, match="document: unexpected field 'links'"):
         _decode_doc(doc)
     doc = _as_version_6(rec)
     doc["rings"]["link"] = _doc(rec)["rings"]["link"]  # type: ignore[index]
+    _reseal(doc)
     with pytest.raises(DumpFormatError, match=r"rings\.link: no such ring in format version 6"):
         _decode_doc(doc)
 
@@ -513,7 +525,9 @@ def test_the_benchmark_runs_on_a_small_size(tmp_path: Path) -> None:
 
     figures = bench_dumps.figures(rows=5000, repeats=1, folder=tmp_path)
     assert [f.ok for f in figures[:2]] == [True, True]
-    assert "4 agents" in figures[2].name and figures[2].value < 5  # converged, or raised
+    assert "with checksums" in figures[2].name and figures[2].value > 0
+    assert "checked" in figures[3].name and "written with it" in figures[4].name
+    assert "4 agents" in figures[5].name and figures[5].value < 5  # converged, or raised
     assert "5,000 nccl entries" in figures[0].name
     assert list(tmp_path.iterdir()) == []  # its temporary folder is gone
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stallwatch.analyzer.align import WINDOW_CALLS
 from stallwatch.analyzer.detect.network import retransmits_in_windows
+from stallwatch.analyzer.incident import WINDOW_CALLS
 from stallwatch.analyzer.load import load_inputs
 from stallwatch.analyzer.match import match
 from stallwatch.analyzer.pipeline import group_incidents

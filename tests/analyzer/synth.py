@@ -380,7 +380,7 @@ def _sched(job: Job, k: int, windows: list[Window], skew: int) -> np.ndarray:
             x = np.zeros(1, dtype=SCHED_EVENT)[0]
             x["pid"], x["tid"], x["delay_ns"] = pid_of(r), pid_of(r), delay
             x["prev_pid"] = holder
-            x["ts_ns"] = hogged[-1 - i][0] + skew
+            x["ts_ns"] = hogged[i][0] + skew
             rows.append(x)
     return np.array(rows, dtype=SCHED_EVENT)
 

@@ -163,6 +163,7 @@ def incident_from_recordings(
         sched=_sched(sources, hosts),
         sources=tuple(s.path for s in sources),
         lost=lost,
+        stall_triggers=_stall_triggers(sources),
         wall_ns=(detected := _detection(sources))[0],
         detected_by=detected[1],
         readings=host_readings(s.recording for s in sources),
@@ -170,6 +171,18 @@ def incident_from_recordings(
         wall_offset=tuple(clocks.get(h, (None, None))[0] for h in hosts),
         captured=tuple(clocks.get(h, (None, None))[1] for h in hosts),
         machines=_machines(sources, hosts),
+    )
+
+
+STALL_TRIGGERS = (TriggerKind.IN_FLIGHT, TriggerKind.NO_PROGRESS)
+
+
+def _stall_triggers(sources: list[Source]) -> tuple[str, ...]:
+    """The dumps an agent's watchdog wrote on a stall, as "host (why)"."""
+    return tuple(
+        f"{s.recording.host} ({t.reason})"
+        for s in sources
+        if (t := s.recording.trigger) is not None and t.kind in STALL_TRIGGERS
     )
 
 

@@ -113,14 +113,15 @@ def test_a_lost_dump_of_a_rank_dumped_before_the_hang_leaves_it_inconclusive(
 ) -> None:
     """Rank 0 dumped before rank 4 stopped; its dump lost, nothing proves it
     went on after it, and it may be the one that stopped: the stall is never
-    healthy, and no rank but the culprit is blamed."""
+    healthy, no rank is blamed, and both are named as candidates."""
     run = "inturn-hangs-50ms-middle-8"
     for p in (CORPUS / run / "pickle").iterdir():
         data = p.read_bytes()
         (tmp_path / p.name).write_bytes(data[:100] if p.name.endswith("_0") else data)
     (inc,) = analyze_paths([str(tmp_path)]).incidents
     v = inc.verdicts[0]
-    assert v.kind is VerdictKind.INCONCLUSIVE and 0 in v.ranks, v.summary
+    assert v.kind is VerdictKind.INCONCLUSIVE and v.ranks == (0, 4), v.summary
+    assert "where the dumps taken last stand" in v.summary
     assert all(w.kind is VerdictKind.INCONCLUSIVE for w in inc.verdicts)
     (whole,) = analyze_paths([str(CORPUS / run / "pickle")]).incidents
     assert [(w.kind, w.ranks) for w in whole.verdicts] == [(VerdictKind.MISSING_RANK, (4,))]

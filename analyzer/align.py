@@ -214,6 +214,8 @@ def _waiting_procs(extracts: list[_Extract], proc_index: dict[tuple[str, int], i
         if (key := (e.source.recording.host, pid)) in proc_index
     ]
     return np.array(rows, dtype=WAIT_DTYPE) if rows else np.zeros(0, dtype=WAIT_DTYPE)
+
+
 STALL_TRIGGERS = (TriggerKind.IN_FLIGHT, TriggerKind.NO_PROGRESS)
 
 

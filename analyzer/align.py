@@ -182,6 +182,7 @@ def incident_from_recordings(
         sched=_sched(sources, hosts),
         sources=tuple(s.path for s in sources),
         lost=lost,
+        stall_triggers=_stall_triggers(sources),
         wall_ns=(detected := _detection(sources))[0],
         detected_by=detected[1],
         readings=host_readings(s.recording for s in sources),
@@ -228,6 +229,18 @@ def _waiting_procs(extracts: list[_Extract], proc_index: dict[tuple[str, int], i
         if (key := (e.source.recording.host, pid)) in proc_index
     ]
     return np.array(rows, dtype=WAIT_DTYPE) if rows else np.zeros(0, dtype=WAIT_DTYPE)
+
+
+STALL_TRIGGERS = (TriggerKind.IN_FLIGHT, TriggerKind.NO_PROGRESS)
+
+
+def _stall_triggers(sources: list[Source]) -> tuple[str, ...]:
+    """The dumps an agent's watchdog wrote on a stall, as "host (why)"."""
+    return tuple(
+        f"{s.recording.host} ({t.reason})"
+        for s in sources
+        if (t := s.recording.trigger) is not None and t.kind in STALL_TRIGGERS
+    )
 
 
 def _machines(sources: list[Source], hosts: tuple[str, ...]) -> tuple[int, ...]:

@@ -100,13 +100,14 @@ def frontiers(inc: Incident, m: Matched, proc_host: list[int]) -> tuple[Frontier
     offset = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)[host]
     entered = np.where(has & (offset != NO_OFFSET), r["ts"][at] + offset, NO_OFFSET)
     out = []
+    returned = (has & (r["state"][at] == State.ENQUEUED) & (r["end"][at] == 0)).tolist()
     cols = (last.tolist(), m.pair_last_returned.tolist(), flight.tolist(), front.tolist(),
-            aged.tolist(), age.tolist(), ops.tolist())  # fmt: skip
+            aged.tolist(), age.tolist(), ops.tolist(), returned)  # fmt: skip
     when = (
         [moment[h] for h in host.tolist()],
         [exact[h] for h in host.tolist()],
         entered.tolist(),
-        (has & (r["state"][at] == State.ENQUEUED) & (r["end"][at] == 0)).tolist(),
+        returned,
     )
     for comm in np.flatnonzero(top >= 0).tolist():
         f = _frontier_of(inc, m, comm, int(top[comm]), members, complete, cols)
@@ -189,9 +190,11 @@ def _frontier_of(
     f: int,
     members: list[int],
     complete: list[bool],
-    cols: tuple[list[int], list[int], list[bool], list[bool], list[bool], list[int], list[int]],
+    cols: tuple[
+        list[int], list[int], list[bool], list[bool], list[bool], list[int], list[int], list[bool]
+    ],
 ) -> Frontier:
-    last, ret, flight, front, aged, age, ops = cols
+    last, ret, flight, front, aged, age, ops, returned = cols
     lo, hi = int(m.pair_offset[comm]), int(m.pair_offset[comm + 1])
     unseen = any(p < 0 for p in inc.comms[comm].members)
     proven = _proven(inc, m, comm) if unseen else -1
@@ -216,7 +219,7 @@ def _frontier_of(
             state = MemberState.NO_ROWS
         else:
             state = MemberState.UNKNOWN
-        out.append(Member(p - lo, proc, state, seq, ret[p], in_flight))
+        out.append(Member(p - lo, proc, state, seq, ret[p], in_flight, returned=returned[p]))
     median = int(np.median(ages)) if ages else None
     # no dump time (Flight Recorder): stuck while a call is pending there
     stuck = flying if median is None else median >= _stall_threshold(m, comm)

@@ -246,6 +246,8 @@ class Incident:
     # inputs found unreadable once their rows were read (a damaged block of a
     # ring left in its file, a file changed since): left out, as lost dumps
     lost: tuple[InputStatus, ...] = ()
+    # dumps an agent's watchdog wrote on a stall: "host (why)"
+    stall_triggers: tuple[str, ...] = ()
     # the agent that raised the incident saw the job go on, only slower
     # (trigger kind slowdown): judged on the slow window (detect.slowdown)
     slowdown: SlowTrigger | None = None
@@ -479,6 +481,29 @@ class Frontier:
     def unseen(self) -> tuple[Member, ...]:
         """Members no readable dump holds: known only from their peers."""
         return tuple(m for m in self.members if m.state is MemberState.NO_DUMP)
+
+    @property
+    def standing(self) -> tuple[Member, ...]:
+        """Members in flight at the frontier's seq (entered, never returned)."""
+        return tuple(
+            m
+            for m in self.members
+            if m.state is MemberState.AT_FRONTIER and m.in_flight and not m.returned
+        )
+
+    @property
+    def stood_still(self) -> bool:
+        """The dumps taken last stand at it: it is stuck, two members or more
+        are in flight at its seq, and none returned from it.  A job that goes
+        on while its ranks dump in turn completes its frontier, or has one
+        rank there (the one dumped last): never two standing at one that no
+        member ever leaves."""
+        ended = any(
+            m.last_returned >= self.seq or (m.state is MemberState.AT_FRONTIER and m.returned)
+            for m in self.members
+            if m.proc >= 0
+        )
+        return self.stuck and len(self.standing) >= 2 and not ended
 
 
 # ---- the detector families' metrics (detect/) ----------------------------------------

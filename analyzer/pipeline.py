@@ -44,11 +44,21 @@ Known limits:
   began (beyond 50 ms of skew); it was read before it went on when its
   peers' completions prove it entered a later seq, or it was inside a
   collective they completed.  When some dump is shown older (dumps taken in
-  turn), ranks that cannot be ordered with the frontier are not named: the
-  staircase is healthy.  Without any such sign, a Flight Recorder rank one
-  collective behind, between calls, is indistinguishable from one that
-  stopped there, and is named (a dump taken in turn that is lost can take
-  that sign with it).
+  turn), the dumps taken last decide: where they stand at the frontier
+  (``Frontier.stood_still``), the one member absent from it whose evidence
+  is not shown older is named; with several that cannot be told (a lost
+  dump among them), none is, and the stall is inconclusive.  A staircase
+  whose latest dumps keep going is healthy.  Without any sign of dumps
+  taken in turn, a Flight Recorder rank one collective behind, between
+  calls, is indistinguishable from one that stopped there, and is named (a
+  dump taken in turn that is lost can take that sign with it).  A rank read
+  in its gap between two calls just before another, dumped earlier,
+  stopped looks like the one that stopped, and is named in its place.
+- A hung job is never healthy (``detect.stall``): a watchdog's stall dump,
+  calls in flight past the stall threshold, the latest Flight Recorder dumps
+  standing at one collective or threads held in one NCCL call make the
+  verdict, when nothing else is found, ``inconclusive`` (the candidates and
+  why none can be named, or what every rank shares).
 - A rank without a readable dump is judged only from its peers' records (a
   collective any member completed proves every member entered it) and never
   blamed beyond them: when only such ranks could hold a stall up, or nothing
@@ -70,7 +80,7 @@ from stallwatch.dumpers.model import Recording
 
 from . import late
 from .align import Source, incident_from_recordings
-from .detect import DETECTORS, FALLBACK_DETECTORS, Analysis, Detector
+from .detect import DETECTORS, FALLBACK_DETECTORS, STALL_DETECTORS, Analysis, Detector
 from .detect.causes import in_causal_order
 from .detect.cpu import sched_delays
 from .detect.desync import disagreements
@@ -154,11 +164,20 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
     verdicts = in_causal_order(a, sorted(verdicts, key=Verdict.sort_key))
     verdicts = [judged_on_window(a, v) for v in verdicts]
     if not verdicts:
-        verdicts = detect_inconclusive(a) or detect_slowdown(a) or [_healthy(a)]
+        verdicts = detect_inconclusive(a) or _stalled(a) or detect_slowdown(a) or [_healthy(a)]
     verdicts = late.amend(inc, verdicts)
     if inc.kind is SourceKind.FLIGHT_RECORDER:  # the stacks of the calls they cite
         verdicts = with_stacks(inc, verdicts)
     return IncidentResult(inc, tuple(verdicts), fronts, tuple(unjudged(a)))
+
+
+def _stalled(a: Analysis) -> list[Verdict]:
+    """The first stall detector that finds anything (a hung job is never healthy)."""
+    for detect in STALL_DETECTORS:
+        found = detect(a)
+        if found:
+            return found
+    return []
 
 
 def _healthy(a: Analysis) -> Verdict:

@@ -49,6 +49,9 @@ COLLECTIVE = np.zeros(256, dtype=bool)
 COLLECTIVE[[int(op) for op in Op if op.is_collective]] = True
 TAKES_DATA = COLLECTIVE.copy()
 TAKES_DATA[[int(Op.SEND), int(Op.RECV)]] = True
+PEERED = np.zeros(256, dtype=bool)  # ops whose peer column is a rank: the peer, or the root
+PEERED[[int(Op.SEND), int(Op.RECV), int(Op.BROADCAST), int(Op.REDUCE), int(Op.GATHER),
+        int(Op.SCATTER)]] = True  # fmt: skip
 TYPE_SIZE = np.zeros(256, dtype=np.uint64)  # 0: a datatype NCCL does not know
 TYPE_SIZE[list(DATATYPE_SIZE)] = list(DATATYPE_SIZE.values())
 STATES = max(State) + 1
@@ -84,16 +87,6 @@ def implausible(
             bad |= full
             why.append(_example(raw, full, text))
     return bad, why
-    mine = np.isin(raw["pid"], scope) if scope is not None and len(scope) else None
-    rows = raw if mine is None else raw[mine]
-    rules = [*_field_rules(rows, rec), *_stream_rules(rows, rec, lost)]
-    rules.append((_moved_thread(raw)[mine] if mine is not None else _moved_thread(raw),
-                  "a thread that names another process"))  # fmt: skip
-    for mask, text in rules:
-        if mask.any():
-            bad[np.flatnonzero(mine)[mask] if mine is not None else mask] = True
-            why.append(_example(rows, mask, text))
-    return bad, why
 
 
 def _example(raw: np.ndarray, mask: np.ndarray, text: str) -> str:
@@ -122,8 +115,8 @@ def _field_rules(raw: np.ndarray, rec: Recording) -> list[tuple[np.ndarray, str]
         (data & (size > 0) & (raw["bytes"] != raw["count"] * size),
          "bytes other than the count times the datatype's size"),
         ((nranks > 0) & ((rank < -1) | (rank >= nranks)), "a rank outside its communicator"),
-        ((nranks > 0) & np.isin(op, [Op.SEND, Op.RECV]) & accepted
-         & ((raw["peer"] < 0) | (raw["peer"] >= nranks)), "a peer outside its communicator"),
+        ((nranks > 0) & PEERED[op] & accepted & ((raw["peer"] < 0) | (raw["peer"] >= nranks)),
+         "a peer or root outside its communicator, on a call NCCL took"),
     ]  # fmt: skip
     now = rec.clock.monotonic_ns
     if now > 0:  # a dump's clock: rows cannot be timed after it read its rings

@@ -13,10 +13,12 @@ start, blocking and async, dumped at the end, no neighbour.
 
     python -m bench.network_seeds [--seeds 10] [--faults partition flap ...]
                                   [--shapes 3x2 4x2] [--waits block spin] [--lossy]
-                                  [--out DIR] [--reanalyze]
+                                  [--out DIR] [--reanalyze | --resume]
 
 ``--reanalyze`` runs nothing: it analyzes again the runs kept in ``--out``
 (the recordings are the expensive part; a rule changed is judged on them).
+``--resume`` runs only the runs not kept in ``--out`` yet and analyzes the
+kept ones again: a run of many seeds stopped part way goes on.
 """
 
 from __future__ import annotations
@@ -155,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only-lossy", action="store_true", help="the lossy-node straggler alone")
     p.add_argument("--out", type=Path, default=None, help="keep the dumps here")
     p.add_argument("--reanalyze", action="store_true", help="analyze the runs kept in --out again")
+    p.add_argument(
+        "--resume", action="store_true", help="run what --out lacks, analyze what it keeps"
+    )
     args = p.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
     out = args.out or Path(tempfile.mkdtemp(prefix="network-seeds-"))
@@ -164,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     for run in todo:
         if args.reanalyze and not (out / run.name / "dumps").is_dir():
             continue
-        result = analyze(out / run.name) if args.reanalyze else lab_run(run, out / run.name)
+        kept = (out / run.name / "lab.json").is_file() and (out / run.name / "dumps").is_dir()
+        again = args.reanalyze or (args.resume and kept)
+        result = analyze(out / run.name) if again else lab_run(run, out / run.name)
         good, top = names_the_node_alone(run, result)
         key = f"{run.fault} {run.nodes}x{run.ranks_per_node} {run.wait} {run.mode}"
         count = tally.setdefault(key, [0, 0])

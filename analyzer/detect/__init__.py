@@ -26,6 +26,7 @@ from .missing import detect_missing_rank, detect_p2p_missing
 from .network import detect_network
 from .partition import detect_partition
 from .positions import detect_positions
+from .stall import detect_stall
 from .stragglers import detect_stragglers
 
 DETECTORS: tuple[Detector, ...] = (
@@ -42,4 +43,13 @@ DETECTORS: tuple[Detector, ...] = (
 # recorded better than where threads were found
 FALLBACK_DETECTORS: tuple[Detector, ...] = (detect_p2p_missing, detect_positions)
 
-__all__ = ["DETECTORS", "FALLBACK_DETECTORS", "Analysis", "Detector"]
+# run last, when no verdict was found and nothing is unjudged
+# (``inconclusive``), before a healthy is said: a hung job is never healthy.
+# Each takes the evidence of a stall no rank departs from; the first that
+# finds anything is the verdict.  The network's verdicts on a stall every
+# member shares (a link down, connections no longer acknowledged) go before
+# ``detect_stall``, which says only that the job stood still and what every
+# rank shares.
+STALL_DETECTORS: tuple[Detector, ...] = (detect_stall,)
+
+__all__ = ["DETECTORS", "FALLBACK_DETECTORS", "STALL_DETECTORS", "Analysis", "Detector"]

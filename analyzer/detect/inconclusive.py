@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from stallwatch.dumpers.schema import op_name
 
-from ..incident import Frontier
+from ..incident import Frontier, Lag
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, primary, world_of
 
@@ -69,7 +69,23 @@ def detect_inconclusive(a: Analysis) -> list[Verdict]:
     stalls = [f for f in lost if f.stuck]
     ranks = _unseen_ranks(a, stalls or lost)
     who = ", ".join(map(str, ranks)) or "members"
-    if stalls:
+    # dumps taken in turn, the latest standing at the frontier: members whose
+    # own dumps lag it, not shown older, are as likely to have stopped as
+    # those without a dump (detect.missing.behind names neither)
+    untold = sorted(
+        {world_of(inc, g.comm, m.crank) for g in stalls if g.stood_still for m in g.laggards
+         if g.lag(m) is Lag.UNPROVEN} - {-1}
+    )  # fmt: skip
+    if untold:
+        f = primary(a, stalls)
+        summary = (
+            f"the job stood still at {op_name(f.op)} seq {f.seq} on {inc.comms[f.comm].name}, "
+            f"where the dumps taken last stand: rank(s) {who} left no readable dump, and "
+            f"rank(s) {', '.join(map(str, untold))} never entered it, their dumps not shown "
+            "older; any of them may have stopped there"
+        )
+        ranks = sorted({*ranks, *untold})
+    elif stalls:
         f = primary(a, stalls)
         summary = (
             f"a collective is stuck at {op_name(f.op)} seq {f.seq} on {inc.comms[f.comm].name}, "

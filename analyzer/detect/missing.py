@@ -111,7 +111,11 @@ def _victims(frontiers: tuple[Frontier, ...]) -> dict[int, bool]:
     """Procs that lag somewhere only because they wait, inside a collective
     of a stuck communicator, for a member that never entered it (a gather's
     root waits for its sources while the others have gone on): proc -> whether
-    only members without a dump are among those it waits for."""
+    only members without a dump are among those it waits for.  One in flight
+    at a stuck frontier that every member known entered waits too: for a
+    member no input shows (a group whose members are known only from the
+    dumps that hold its entries, one of them lost), or for the collective
+    itself; never for a rank seen."""
     out: dict[int, bool] = {}
     for f in frontiers:
         if not f.stuck:
@@ -121,9 +125,12 @@ def _victims(frontiers: tuple[Frontier, ...]) -> dict[int, bool]:
         # it (one pass per communicator: a world of 131,072 members)
         lowest = min(x.last_seq for x in f.members)
         lowest_seen = min((x.last_seq for x in f.members if x.proc >= 0), default=NO_SEQ)
+        everyone = lowest == max(x.last_seq for x in f.members)
         for m in f.members:
-            if m.proc < 0 or not m.in_flight or lowest >= m.last_seq:
+            if m.proc < 0 or not m.in_flight or m.returned or lowest > m.last_seq:
                 continue
+            if lowest == m.last_seq and not everyone:
+                continue  # among the lowest: waits for no one behind it
             unseen_only = lowest_seen >= m.last_seq
             out[m.proc] = out.get(m.proc, True) and unseen_only
     return out
@@ -148,12 +155,27 @@ def moments_apart_ns(a: Analysis) -> int | None:
 
 def behind(a: Analysis) -> list[tuple[Frontier, Member]]:
     """Laggards of stuck frontiers that are proven stuck: their evidence was
-    taken after the frontier began; where that cannot be told (no dump time),
-    those not shown older, unless the dumps were taken in turn (a staircase
-    where nothing proves a rank stuck is not a hang)."""
+    taken after the frontier began; where that cannot be told (no dump
+    time), those not shown older.  When the dumps were taken in turn (some
+    are shown older: a staircase), the dumps taken last decide: where they
+    stand at the frontier (``Frontier.stood_still``), a laggard that cannot
+    be told is named when it is the one member absent from it whose own
+    evidence is not proven older than it (the rank the standing ones wait
+    for); those proven older (their peers' completions prove they went on
+    after their dumps: dumped before the stall) are not, and neither is
+    anyone where two or more cannot be told, or a member without a dump is
+    absent too (inconclusive between them: ``detect.stall``).  A staircase
+    whose latest dumps keep going names nobody."""
     in_turn = taken_in_turn(a)
-    keep = (Lag.STUCK,) if in_turn else (Lag.STUCK, Lag.UNPROVEN)
-    return [(f, m) for f in a.frontiers if f.stuck for m in f.laggards if f.lag(m) in keep]
+    out = []
+    for f in a.frontiers:
+        if not f.stuck:
+            continue
+        lags = [(m, f.lag(m)) for m in f.laggards]
+        untold = sum(lag is not Lag.OLDER for _, lag in lags) + len(f.unseen)
+        lone = not in_turn or (f.stood_still and untold == 1)
+        out += [(f, m) for m, lag in lags if lag is Lag.STUCK or (lag is Lag.UNPROVEN and lone)]
+    return out
 
 
 def stuck_laggards(a: Analysis) -> list[tuple[Frontier, Member]]:

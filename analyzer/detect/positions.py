@@ -259,6 +259,16 @@ def detect_positions(a: Analysis) -> list[Verdict]:
     return judge(positions)
 
 
+def held_waits(inc: Incident, held_ns: int) -> list[str]:
+    """Ranks the readings found inside an NCCL call, unchanged across them
+    for ``held_ns`` or more: a stall, whoever is to blame."""
+    if not inc.readings:
+        return []
+    known = {(p.host, p.pid): p.world_rank for p in inc.procs if p.world_rank >= 0}
+    held = [p for p in rank_positions(inc.readings, known) if p.inside and p.held_ns >= held_ns]
+    return [position_text(p) for p in held[:MAX_LISTED]]
+
+
 def calls_in_flight(inc: Incident) -> dict[tuple[str, int], str]:
     """(host, pid) -> the collective its latest recorded call is, where that
     call was entered and has not returned."""

@@ -149,7 +149,15 @@ def test_a_lost_dump_is_not_blamed_and_hides_no_culprit(run: str, tmp_path: Path
     folder = _copy(run, tmp_path / "other")
     _lose(folder, other, "truncated")
     v = first(analyze_paths([str(folder)]))
-    assert v.kind is VerdictKind.MISSING_RANK and list(v.ranks) == culprits, v.summary
+    if expected(run).get("dump_order"):
+        # a hang that began while the dumps were taken in turn: the lost
+        # rank, whenever its dump was taken, may be the one that stopped
+        # (inconclusive); where it was the one proven dumped earlier, the
+        # sign of dumps taken in turn is lost with it (the culprit is named)
+        named = (v.kind, list(v.ranks)) == (VerdictKind.MISSING_RANK, culprits)
+        assert named or (v.kind is VerdictKind.INCONCLUSIVE and other in v.ranks), v.summary
+    else:
+        assert v.kind is VerdictKind.MISSING_RANK and list(v.ranks) == culprits, v.summary
     # the culprit's own dump lost: nobody with a dump is behind; the lost one
     # is not blamed, the stall is not called healthy
     folder = _copy(run, tmp_path / "culprit")

@@ -41,20 +41,36 @@ def _cut(rec: Recording, at: int, upto_seq: int, stuck: bool = False) -> Recordi
     )
 
 
-def _verdicts(node1_read_at: Callable[[int], int]) -> list[Verdict]:
+def _verdicts(node1_read_at: Callable[[int], int], node0_after: int = 2 * S) -> list[Verdict]:
     node0, node1 = recordings(Job(compute_ms=100.0, steps=40))
     entered = node0.rings["nccl"].rows
     began = int(entered["ts_ns"][entered["seq"] == K + 1].min())
-    n0 = _cut(node0, began + 2 * S, K + 1, stuck=True)
+    n0 = _cut(node0, began + node0_after, K + 1, stuck=True)
     n1 = _cut(node1, node1_read_at(began), K)
     (inc,) = group_incidents([Source("node0.msgpack", n0), Source("node1.msgpack", n1)])
     return list(analyze_incident(inc).verdicts)
 
 
 def test_a_dump_read_before_the_frontier_began_is_older_not_stuck() -> None:
-    vs = _verdicts(lambda began: began - 60 * MS)  # read between steps K and K+1
+    # node 0 read 60 ms after its ranks entered step K+1, node 1 between
+    # steps K and K+1: a staircase, nothing in flight past the stall
+    # threshold
+    vs = _verdicts(lambda began: began - 60 * MS, node0_after=60 * MS)
     assert [v.kind for v in vs] == [VerdictKind.HEALTHY], [v.summary for v in vs]
     assert "the dumps were taken at different moments" in vs[0].summary
+
+
+def test_calls_in_flight_past_the_stall_threshold_are_never_healthy() -> None:
+    """Node 0's ranks in flight at step K+1 for 2 s at its dump (100 ms
+    steps): the job stood still, whatever node 1's older dump shows.  Node
+    1's ranks are not blamed (read before K+1 began: they may have come),
+    nor is the stall called healthy (it was, before a hung job could never
+    be): inconclusive, naming them."""
+    vs = _verdicts(lambda began: began - 60 * MS)
+    assert [v.kind for v in vs] == [VerdictKind.INCONCLUSIVE], [v.summary for v in vs]
+    assert sorted(r for r in vs[0].ranks if r is not None) == [2, 3]
+    assert "the job stood still at ALL_REDUCE seq 21" in vs[0].summary
+    assert any("in flight 2.0 s when the dumps were taken" in e for e in vs[0].evidence)
 
 
 def test_a_dump_read_after_the_frontier_began_shows_the_hang() -> None:

@@ -57,15 +57,26 @@ def _set(field: str, value: int) -> Change:
     return change
 
 
+def _rooted(root: int) -> Change:
+    """A broadcast from ``root`` (a flipped bit once made root 134217734 on
+    a communicator of 8: a desync blamed on a rank that had none)."""
+
+    def change(rows: np.ndarray, i: int) -> None:
+        rows["op"][i], rows["peer"][i] = Op.BROADCAST, root
+
+    return change
+
+
 CASES: list[tuple[str, Change, Change | None]] = [
     # (the rule's words, a value it refuses, the closest value it takes)
-    ("an op no probe writes", _set("op", 0x41), _set("op", Op.BROADCAST)),
+    ("an op no probe writes", _set("op", 0x41), _set("op", Op.ALL_GATHER)),
     ("a lifecycle state", _set("state", 9), _set("state", 3)),
     ("a result NCCL never returns", _set("result", 77), _set("result", Result.REMOTE_ERROR)),
     ("a datatype NCCL does not know", _set("datatype", 39), None),
     ("a count of more than 256 TiB", _set("count", 2**54 + 1), None),
     ("bytes other than the count", _set("count", 1025), _set("datatype", DataType.INT32)),
     ("a rank outside its communicator", _set("rank", 4), _set("rank", 3)),
+    ("a peer or root outside", _rooted(4), _rooted(3)),
     ("a time after the dump", _set("ts_ns", 2**62), None),
     ("a return before its entry", _set("end_ns", 1), None),
     ("a seq out of order", _set("seq", 2), None),

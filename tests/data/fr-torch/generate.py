@@ -64,6 +64,7 @@ class Job:
     store: dist.Store
     groups: dict[str, object] = field(default_factory=dict)
     spacing_ms: float = 0.0  # dumps taken in turn, this far apart
+    stop_after_dumps: int = 0  # "hang-while-dumped": the culprit stops once this many dumped
 
     def at(self, fault: str, rank: int | None = None) -> bool:
         return self.fault == fault and self.rank == (self.culprit if rank is None else rank)
@@ -71,6 +72,7 @@ class Job:
     def hang(self) -> None:
         """Stop here for good (a rank stuck outside any collective)."""
         self.store.set(f"state/{self.rank}", "hung")
+        self.store.set("fr/hung", "1")
         while True:
             time.sleep(1)
 
@@ -219,12 +221,21 @@ def in_turn_steps(world: int, spacing_ms: float) -> int:
 
 def in_turn_job(j: Job) -> None:
     """all_reduces with compute between them; with the fault, rank k stops
-    for good after HANG_AT_S (outside any collective)."""
+    for good (outside any collective) after HANG_AT_S ("hang"), or halfway
+    between two dumps once ``stop_after_dumps`` ranks have dumped
+    ("hang-while-dumped": the ranks dumped before are a few collectives
+    behind, not caught between two calls at the very moment it stopped)."""
     t0 = time.monotonic()
+    seen: float | None = None  # when it saw the dumps it stops after
     for _ in range(in_turn_steps(j.world, j.spacing_ms)):
         time.sleep(STEP_S)
         if j.at("hang") and time.monotonic() - t0 > HANG_AT_S:
             j.hang()
+        if j.at("hang-while-dumped"):
+            if seen is None and j.store.add("fr/dumps", 0) >= j.stop_after_dumps:
+                seen = time.monotonic()
+            if seen is not None and time.monotonic() - seen >= j.spacing_ms / 2e3:
+                j.hang()
         dist.all_reduce(torch.ones(64))
 
 
@@ -240,6 +251,27 @@ class Scenario:
     # >0: the ranks dump in turn, rank r this much after rank r-1, while the
     # job runs (healthy) or after the culprit stopped (hang)
     spacing_ms: float = 0.0
+    # "hang-while-dumped": where the culprit comes in the dump order ("first",
+    # "early", "middle", "late"); the others dump in rank order
+    place: str = ""
+
+
+def stop_after_dumps(world: int) -> int:
+    """How many ranks dump before the culprit stops ("hang-while-dumped")."""
+    return world // 2 - 1
+
+
+def dump_order(scn: Scenario, world: int) -> list[int]:
+    """The ranks in the order they dump: rank order, but for the culprit of
+    a "hang-while-dumped" run, placed first (it dumps before it stops), or
+    early, in the middle or last among those that dump after it stopped."""
+    if not scn.place:
+        return list(range(world))
+    k = scn.culprit(world)
+    n = stop_after_dumps(world)
+    at = {"first": 0, "early": n, "middle": (n + world - 1) // 2, "late": world - 1}[scn.place]
+    others = [r for r in range(world) if r != k]
+    return [*others[:at], k, *others[at:]]
 
 
 def _k(w: int) -> int:
@@ -416,6 +448,22 @@ for _ms in (10, 50, 200):
             spacing_ms=_ms,
         )
     )
+for _ms in (50, 200):
+    for _place in ("first", "early", "middle", "late"):
+        SCENARIOS.append(
+            Scenario(
+                f"inturn-hangs-{_ms}ms-{_place}",
+                in_turn_job,
+                "hang-while-dumped",
+                f"all_reduces 10 ms apart; 1 s after every rank runs, the ranks dump "
+                f"{_ms} ms apart; rank k stops for good halfway between two dumps, once "
+                f"the first ranks in the dump order have dumped; it dumps {_place} in that "
+                "order",
+                "missing_rank",
+                spacing_ms=_ms,
+                place=_place,
+            )
+        )
 for _ms in (10, 200):
     SCENARIOS.append(
         Scenario(
@@ -437,11 +485,18 @@ def rank_main(scn_name: str, rank: int, world: int, port: int, out: str) -> None
     scn = next(s for s in SCENARIOS if s.name == scn_name)
     os.environ["TORCH_FR_BUFFER_SIZE"] = str(scn.buffer(rank))
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=TIMEOUT)
-    job = Job(rank, world, scn.fault, scn.culprit(world), store, spacing_ms=scn.spacing_ms)
+    job = Job(rank, world, scn.fault, scn.culprit(world), store, spacing_ms=scn.spacing_ms,
+              stop_after_dumps=stop_after_dumps(world))  # fmt: skip
     # its own connection: a client blocked in wait() holds its socket
     side = dist.TCPStore("127.0.0.1", port, None, False, timeout=TIMEOUT)
-    delay = rank * scn.spacing_ms / 1e3
-    threading.Thread(target=dumper, args=(side, rank, Path(out), delay), daemon=True).start()
+    place = dump_order(scn, world).index(rank)
+    delay = place * scn.spacing_ms / 1e3
+    # "hang-while-dumped": the ranks after the first few dump only once the
+    # culprit has stopped, and HUNG_FOR_S later (its peers then wait in the
+    # collective it never entered, even on a loaded machine)
+    after = scn.fault == "hang-while-dumped" and place >= stop_after_dumps(world)
+    args = (side, rank, Path(out), delay, after)
+    threading.Thread(target=dumper, args=args, daemon=True).start()
     dist.init_process_group(
         "gloo",
         store=dist.PrefixStore("pg", store),
@@ -462,10 +517,16 @@ def rank_main(scn_name: str, rank: int, world: int, port: int, out: str) -> None
         time.sleep(1)
 
 
-def dumper(store: dist.Store, rank: int, out: Path, delay: float) -> None:
+HUNG_FOR_S = 0.1  # "hang-while-dumped": the dumps after the culprit stopped, at least this later
+
+
+def dumper(store: dist.Store, rank: int, out: Path, delay: float, after_hang: bool) -> None:
     try:
         store.wait(["fr/dump"], TIMEOUT)
         time.sleep(delay)  # dumps in turn
+        if after_hang:
+            store.wait(["fr/hung"], TIMEOUT)
+            time.sleep(HUNG_FOR_S)
         pickled = _dump_fr_trace(includeStackTraces=False)
         as_json = _dump_fr_trace_json()
         (out / "pickle" / f"{FILE}{rank}").write_bytes(pickled)
@@ -473,6 +534,7 @@ def dumper(store: dist.Store, rank: int, out: Path, delay: float) -> None:
         if (out / "pickle-pg").is_dir():
             write_pg_fixed(out, rank, pickled, as_json)
         store.set(f"dumped/{rank}", "1")
+        store.add("fr/dumps", 1)
         store.wait(["fr/exit"], TIMEOUT)
     except Exception:
         traceback.print_exc()
@@ -575,7 +637,8 @@ def when_to_dump(store: dist.Store, procs: list[mp.Process], world: int, scn: Sc
         seen = states(store, world)
         if scn.fault == "hang" and seen.get(k) == "hung":
             break
-        if not scn.fault and len(seen) == world and set(seen.values()) == {"running"}:
+        running = len(seen) == world and set(seen.values()) == {"running"}
+        if scn.fault in ("", "hang-while-dumped") and running:
             break
         time.sleep(0.05)
     else:
@@ -648,6 +711,22 @@ def expected(scn: Scenario, world: int, facts: list[dict[str, object]], out: Pat
             "the odd rank died of the mismatch and left no dump; the ranks that dumped agree "
             "among themselves"
         )
+    elif scn.fault == "hang-while-dumped" and scn.place == "first":
+        verdict = "inconclusive"
+        ranks = sorted(dump_order(scn, world)[: stop_after_dumps(world)])
+        why = (
+            "the ranks that dumped after rank k stopped stand at the collective it never "
+            "entered; every rank absent from it dumped before it stopped (rank k among "
+            "them), each proven by its peers' completions to have gone on after its dump, "
+            "and any of them may have stopped there"
+        )
+    elif scn.fault == "hang-while-dumped":
+        why = (
+            "the ranks that dumped after rank k stopped stand at the collective it never "
+            "entered; of the ranks absent from it, those that dumped before it stopped are "
+            "proven (by their peers' completions) to have gone on after their dumps: rank k "
+            "is the one whose own evidence is not shown older"
+        )
     elif lost and scn.truth == "desync":
         why = (
             f"rank(s) {lost} died of the mismatch (gloo aborts on a size it did not expect) "
@@ -661,6 +740,7 @@ def expected(scn: Scenario, world: int, facts: list[dict[str, object]], out: Pat
         "backend": "gloo",
         "buffer": [scn.buffer(r) for r in range(world)],
         "dumps_in_turn_ms": scn.spacing_ms or None,
+        "dump_order": dump_order(scn, world) if scn.spacing_ms else None,
         "truth": {"kind": scn.truth, "ranks": truth_ranks},
         "verdict": {"kind": verdict, "ranks": ranks, "why": why},
         "no_dump": lost,

@@ -115,6 +115,18 @@ def frontiers(inc: Incident, m: Matched, proc_host: list[int]) -> tuple[Frontier
     return tuple(out)
 
 
+def _ended_before(m: Matched, comm: int, f: int) -> bool:
+    """Whether a collective of ``comm`` before its frontier ``f`` ended on a
+    member: every member took part in it, so a member whose window holds
+    none of the communicator's calls has a record that is not all it did
+    (a Flight Recorder file that lost its entries, a ring that lost rows):
+    unknown, never proof that it did not enter."""
+    r = m.rows
+    lo, hi = np.searchsorted(r["comm"], [comm, comm + 1])
+    part = r[int(lo) : int(hi)]
+    return bool(((part["seq"] < f) & (part["end"] != 0)).any())
+
+
 NO_OFFSET = np.iinfo(np.int64).min  # a host whose clock cannot be read as wall clock
 
 
@@ -215,7 +227,7 @@ def _frontier_of(
                     ages.append(age[p])
         elif seq >= 0:
             state = MemberState.BEHIND
-        elif complete[proc]:
+        elif complete[proc] and not _ended_before(m, comm, f):
             state = MemberState.NO_ROWS
         else:
             state = MemberState.UNKNOWN

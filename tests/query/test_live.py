@@ -193,7 +193,8 @@ def test_lost_agents_are_lost_inputs() -> None:
 
 
 def test_saved_dumps_take_the_per_node_layout_as_sent(tmp_path: Path) -> None:
-    rec = sample_recording(host="node3")
+    # a recorded dump: analyze reads it (random rows are refused as damaged)
+    rec = read_dump(sorted((DATA / "lab-hang-2x2").glob("*.msgpack"))[0])
     data = encode_dumps(DumpBundle("x", None, (), ()))  # not a dump at all
     with pytest.raises(DumpFormatError, match=r"node3:bad\.msgpack"):
         save_dump(tmp_path, "node3", "bad.msgpack", data)

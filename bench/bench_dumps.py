@@ -228,8 +228,19 @@ class _Agent:
     def metrics_text(self) -> str:
         return ""
 
-    def request_dump(self, reason: str, incident_id: str | None, origin: str | None) -> object:
-        return self.incidents.request_dump(reason, incident_id, origin)
+    def request_dump(
+        self,
+        reason: str,
+        incident_id: str | None,
+        origin: str | None,
+        by_client: bool = True,
+        *,
+        kind: str | None = None,
+    ) -> object:
+        origin_kind = next((k for k in TriggerKind if k.value == kind), None)
+        return self.incidents.request_dump(
+            reason, incident_id, origin, by_client, origin_kind=origin_kind
+        )
 
 
 def _converged(agents: list[_Agent]) -> bool:

@@ -33,7 +33,7 @@ NODE = 1  # the node whose network fails (ranks 2 and 3)
 STEP = 20
 RUNS: dict[str, list[str]] = {
     "partition": ["--fault", f"partition:node={NODE},step={STEP}"],
-    "flap": ["--fault", f"partition:node={NODE},step={STEP},ms=3000", "--dump-at-end"],
+    "flap": ["--fault", f"partition:node={NODE},step={STEP},ms=4500", "--dump-at-end"],
     "linkdown": ["--fault", f"linkdown:node={NODE},step={STEP}"],
     "rst": ["--fault", f"rst:node={NODE},step={STEP}"],
 }

@@ -433,8 +433,8 @@ def test_other_traffic_to_a_host_the_job_talks_to_is_sampled_once_a_second(
 ) -> None:
     """A job connection from a to b makes b a host the job talks to: another
     process's retransmits to b are sampled (pid 0, `other`), at most one a
-    second for the pair of addresses; another's retransmits to a host the job
-    does not talk to (from b to a) are left out."""
+    second for the pair of addresses; another's retransmits from b to a are
+    left out until the job connection's end on b has named a as a peer."""
     a, b = link
     other_port = NEIGHBOUR_PORT + 1
     sink = SERVER.replace(str(JOB_PORT), str(other_port))
@@ -468,4 +468,14 @@ def test_other_traffic_to_a_host_the_job_talks_to_is_sampled_once_a_second(
     assert 1 <= len(to_b_rows) <= 6, sampled  # a sample a second at most
     assert (to_b_rows["pid"] == 0).all() and (to_b_rows["conn_known"] == 0).all()
     assert (np.diff(np.sort(to_b_rows["ts_ns"].astype(np.int64))) >= 1_000_000_000).all()
-    assert len(to_b_rows) == len(sampled)  # none of b's retransmits to a
+    # b's retransmits to a: a host the job talks to only once a row of the
+    # job connection's own end on b (the server's, a job connection by its
+    # four-tuple) named a; before that, none is sampled
+    from_b = rows[(rows["other"] == 0) & np.array([bytes(r[:4]) == b_addr for r in rows["saddr"]])]
+    to_a_rows = sampled[[bytes(r[:4]) != b_addr for r in sampled["daddr"]]]
+    if len(from_b):
+        first = int(from_b["ts_ns"].min())
+        assert (to_a_rows["ts_ns"].astype(np.int64) >= first).all(), (from_b, to_a_rows)
+        assert (np.diff(np.sort(to_a_rows["ts_ns"].astype(np.int64))) >= 1_000_000_000).all()
+    else:
+        assert len(to_b_rows) == len(sampled)  # none of b's retransmits to a

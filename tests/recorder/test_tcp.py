@@ -462,6 +462,7 @@ def test_other_traffic_to_a_host_the_job_talks_to_is_sampled_once_a_second(
                 say(proc)
             time.sleep(4.5)
             rows = rows_since(agent, start)
+            every = rows_since(agent, 0)  # the job's rows since it was placed
     sampled = rows[(rows["other"] == 1) & (rows["dport"] == other_port)]
     b_addr = bytes(map(int, B_IP.split(".")))
     to_b_rows = sampled[[bytes(r[:4]) == b_addr for r in sampled["daddr"]]]
@@ -471,7 +472,8 @@ def test_other_traffic_to_a_host_the_job_talks_to_is_sampled_once_a_second(
     # b's retransmits to a: a host the job talks to only once a row of the
     # job connection's own end on b (the server's, a job connection by its
     # four-tuple) named a; before that, none is sampled
-    from_b = rows[(rows["other"] == 0) & np.array([bytes(r[:4]) == b_addr for r in rows["saddr"]])]
+    mine = every[every["other"] == 0]
+    from_b = mine[np.array([bytes(r[:4]) == b_addr for r in mine["saddr"]], dtype=bool)]
     to_a_rows = sampled[[bytes(r[:4]) != b_addr for r in sampled["daddr"]]]
     if len(from_b):
         first = int(from_b["ts_ns"].min())

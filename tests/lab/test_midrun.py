@@ -73,6 +73,7 @@ def test_a_partition_flap_and_a_link_down_and_up_and_the_job_finishes() -> None:
 
 
 @pytest.mark.lab
+@pytest.mark.solo  # judges at which step the job stood: timing, alone
 def test_a_partition_for_good_stops_the_job_at_its_step() -> None:
     spec = "partition:node=1,step=10"
     run = lab_run("--nodes", "2", "--ranks-per-node", "1", "--steps", "500", "--fault", spec,
@@ -88,6 +89,7 @@ def test_a_partition_for_good_stops_the_job_at_its_step() -> None:
 
 
 @pytest.mark.lab
+@pytest.mark.solo  # judges at which step the job stood: timing, alone
 def test_reset_ends_every_ranks_collective_with_an_error() -> None:
     """rst: node 1's connections aborted (ss -K); its peers receive RSTs.
     No rank hangs: every one's NCCL call returns ncclRemoteError, as real

@@ -46,7 +46,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import Figure, render
+from bench.common import Figure, children, render, rss_kb
 from bench.fakenccl import FakeNccl, build
 
 # The last commit of the previous design (before the loader process, the
@@ -305,26 +305,10 @@ def _rss_after_query(agent: Running) -> str:
     except (OSError, urllib.error.HTTPError) as exc:
         return f"(query failed: {exc})"
     own = agent.status("VmRSS") / 1024
-    engine = sum(_rss_kb(pid) for pid in _children(agent.proc.pid)) / 1024
+    engine = sum(rss_kb(pid) for pid in children(agent.proc.pid)) / 1024
     if not engine:  # an agent that queries in its own process
         return f"{own:.0f} MB"
     return f"{own:.0f} MB (+ {engine:.0f} MB its query engine's process)"
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            out += [int(c) for c in (task / "children").read_text().split()]
-    return out
-
-
-def _rss_kb(pid: int) -> int:
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 @contextlib.contextmanager

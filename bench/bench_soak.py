@@ -36,7 +36,6 @@ run beside other work, whose load shows in the time figures only.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import itertools
 import json
@@ -54,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import Figure, render
+from bench.common import Figure, children, render, rss_kb
 from bench.fakenccl import FakeNccl, build
 
 SAMPLE_S = 10.0
@@ -125,12 +124,8 @@ class Agent:
 
     def rss_mb(self) -> tuple[float, float]:
         """The agent's VmRSS and its engine process's (0 while none runs)."""
-        own = _rss_kb(self.proc.pid)
-        children = []
-        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
-            with contextlib.suppress(OSError):
-                children += [int(c) for c in (task / "children").read_text().split()]
-        return own / 1024, sum(_rss_kb(c) for c in children) / 1024
+        own = rss_kb(self.proc.pid)
+        return own / 1024, sum(rss_kb(c) for c in children(self.proc.pid)) / 1024
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -141,14 +136,6 @@ class Agent:
                 self.proc.kill()
                 self.proc.wait()
         subprocess.run(["rm", "-rf", str(self.pin_dir)], check=False)
-
-
-def _rss_kb(pid: int) -> int:
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 def _query(agent: Agent, soak: Soak) -> None:

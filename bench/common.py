@@ -7,10 +7,12 @@ figures are medians over repeats.  These machines are shared and noisy.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,3 +61,21 @@ def render(figures: Sequence[Figure]) -> str:
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def rss_kb(pid: int) -> int:
+    """A process's resident memory (VmRSS), 0 once it is gone."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def children(pid: int) -> list[int]:
+    """The pids of a process's children (those of every one of its threads)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out

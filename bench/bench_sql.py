@@ -75,6 +75,7 @@ class Synthetic:
     tcp_rows: int = 200
     retransmit_share: float = 0.5  # the rest are inet_sock_set_state
     in_flight: int = 1  # trailing calls still in flight
+    hosts: int = 4  # hosts of the job: its communicator has ranks * hosts members
     seed: int = 1
     base_ns: int = BASE_NS  # the host's monotonic clock at the first step
 
@@ -100,7 +101,7 @@ def _nccl_rows(s: Synthetic) -> np.ndarray:
     rows["ts_ns"][tail] = s.base_ns + s.steps * s.step_ns
     rows["pid"][tail] = 1000
     rows["rank"][tail] = s.first_rank
-    rows["nranks"][tail] = s.ranks
+    rows["nranks"][tail] = s.ranks * s.hosts
     rows["comm_hash"][tail] = COMM_HASH
     rows["result"][tail] = Result.PENDING
     rows["op"] = Op.ALL_REDUCE
@@ -136,7 +137,7 @@ def synthetic_recording(s: Synthetic) -> Recording:
             comm=0x7F0000001000 + r,
             comm_hash=COMM_HASH,
             rank=s.first_rank + r,
-            nranks=s.ranks * 4,
+            nranks=s.ranks * s.hosts,
             root_addr="10.0.0.1:29500",
             init_ns=s.base_ns - 1000,
         )
@@ -147,7 +148,10 @@ def synthetic_recording(s: Synthetic) -> Recording:
         for r in range(s.ranks)
     )
     rings = {"nccl": Ring(_nccl_rows(s)), "tcp": Ring(_tcp_rows(s), overwritten=3)}
-    clock = Clock(monotonic_ns=s.base_ns, realtime_ns=1_790_000_000_000_000_000)
+    # dumped a second after its last row (a row after the dump is damage);
+    # the rows' wall times stay where they were
+    after = s.steps * s.step_ns + s.slow_ns + s.ranks * 1000 + 10**9
+    clock = Clock(monotonic_ns=s.base_ns + after, realtime_ns=1_790_000_000_000_000_000 + after)
     return Recording(s.host, "boot-" + s.host, clock, procs, comms, rings, agent_version="bench")
 
 
@@ -183,19 +187,22 @@ def _seed_figures(rows: int, repeats: int) -> list[Figure]:
 BOOT_SPREAD_NS = 600 * 10**9  # synthetic hosts booted ten minutes apart
 
 
-def agent_recording(i: int) -> Recording:
-    """Agent ``i``'s recording.  Each host's monotonic clock is its own (hosts
+def agent_recording(i: int, hosts: int = 4) -> Recording:
+    """Agent ``i``'s recording, one of ``hosts`` in the job.  Each host's monotonic clock is its own (hosts
     boot at different times), so the seed query, which names no host and is
     answered over all agents' rows as one table, joins each slow window with
     the retransmits of the one host whose clock it shares."""
     shape = Synthetic(
-        host=f"node{i}", first_rank=4 * i, seed=i, base_ns=BASE_NS + i * BOOT_SPREAD_NS
+        host=f"node{i}", first_rank=4 * i, seed=i, base_ns=BASE_NS + i * BOOT_SPREAD_NS,
+        hosts=hosts,
     )
     return synthetic_recording(shape)
 
 
-def serve_worker(first: int, count: int, tls_dir: str | None = None, scans: bool = True) -> None:
-    """In a worker process: ``count`` agents (one HTTP server and engine
+def serve_worker(
+    first: int, count: int, hosts: int, tls_dir: str | None = None, scans: bool = True
+) -> None:
+    """In a worker process: ``count`` agents of a job on ``hosts`` (one HTTP server and engine
     each, on its own loopback port) serving synthetic recordings; prints their
     addresses on one line, serves until stdin closes.  With ``tls_dir``
     (``lab.certs`` files), HTTPS with client certificates required; without
@@ -209,7 +216,7 @@ def serve_worker(first: int, count: int, tls_dir: str | None = None, scans: bool
         tls = ServerTls(folder / "node0.pem", folder / "node0.key", folder / "ca.pem")
     handles = []
     for i in range(first, first + count):
-        backend = RecordingsBackend([agent_recording(i)])
+        backend = RecordingsBackend([agent_recording(i, hosts)])
         # hundreds of servers in one process: each engine in it, not in a process of its own
         handles.append(
             serve_http(backend, "127.0.0.1:0", None, tls=tls, scans=scans, isolated=False)
@@ -234,7 +241,7 @@ def agent_processes(
     try:
         for first in range(0, agents, per):
             argv = [sys.executable, "-m", "bench.bench_sql", "--serve-worker", str(first)]
-            argv.append(str(min(per, agents - first)))
+            argv += [str(min(per, agents - first)), "--job-hosts", str(agents)]
             argv += ["--tls-dir", tls_dir] if tls_dir else []
             argv += [] if scans else ["--no-scans"]
             procs.append(
@@ -486,11 +493,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--serve-worker", nargs=2, type=int, metavar=("FIRST", "COUNT"),
                         help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument("--job-hosts", type=int, default=4, help=argparse.SUPPRESS)
     parser.add_argument("--tls-dir", help=argparse.SUPPRESS)
     parser.add_argument("--no-scans", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_worker:
-        serve_worker(*args.serve_worker, args.tls_dir, not args.no_scans)
+        serve_worker(*args.serve_worker, args.job_hosts, args.tls_dir, not args.no_scans)
         return 0
     result = figures(args.quick, args.repeats)
     print(render(result))

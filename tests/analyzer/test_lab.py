@@ -148,10 +148,18 @@ HANGS = [
 def test_hang_is_the_missing_rank_and_nothing_else(
     recorded: Callable[[str], Recorded], name: str, rank: int, host: str
 ) -> None:
+    """The hang, and no other departure.  A rank starved of CPU by processes
+    outside the job (this suite's other workers share the machine's two
+    CPUs) is a true finding beside it, and said so only with the kernel's
+    run-queue waits behind them; a quiet machine has none (the solo
+    healthy and straggler runs judge those verdicts' false positives)."""
     run = recorded(name)
-    assert run.kinds() == [VerdictKind.MISSING_RANK], run.texts()
-    (v,) = run.verdicts
+    v, *others = run.verdicts
+    assert v.kind is VerdictKind.MISSING_RANK, run.texts()
     assert list(v.ranks) == [rank] and list(v.hosts) == [host]
+    for o in others:
+        assert o.kind is VerdictKind.CPU_INTERFERENCE and rank not in o.ranks, run.texts()
+        assert any("behind processes outside the job" in e for e in o.evidence), o.evidence
 
 
 def test_hang_exits_1(recorded: Callable[[str], Recorded]) -> None:

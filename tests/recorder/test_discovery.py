@@ -20,6 +20,7 @@ from stallwatch.recorder import agent as agent_mod
 from stallwatch.recorder import discovery
 from stallwatch.recorder.agent import Agent, AgentConfig
 from stallwatch.recorder.discovery import KernelDiscovery
+from stallwatch.recorder.links import LinkSampler
 from stallwatch.recorder.maps import DISC_EXEC, DISC_LINKMAP, DISCOVERY_EVENT
 from stallwatch.recorder.rings import RingBuffer, RingWriter
 from stallwatch.recorder.source import ReplaySource
@@ -127,6 +128,8 @@ def test_the_loop_sleeps_a_second_when_idle_and_a_signal_wakes_it(
     a process in scope makes it busy; a dump asked for or a stop is acted on
     at once, not at the next turn."""
     monkeypatch.setattr(discovery, "scan_all", lambda self_pid: {})  # no other process
+    # nor any link news: the lab's namespaces, made beside this test, ring rtnetlink
+    monkeypatch.setattr(agent_mod, "LinkSampler", lambda cfg: LinkSampler(cfg, rtnl=None))
     source = EventsSource()
     agent = Agent(AgentConfig(dump_dir=tmp_path, host_name="idle"), source)
     turns: list[float] = []

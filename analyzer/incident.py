@@ -610,6 +610,12 @@ class CommSlowdown:
     hit_groups: int  # of them, with a retransmit inside a member's window
     hit_ns: int  # median duration of those (of their longest member call)
     baseline_ns: int  # median of the others (lower quartile of all when too few)
+    # calls queued (returned at once, never seen on a device): durations are
+    # windows up to the next call and cannot be compared; what counts is the
+    # time a retransmission timeout of the job's connections held them
+    queued: bool = False
+    held_groups: int = 0  # collectives with a timeout inside a member's window
+    held_share: float = 0.0  # share of their time (longest member window) held
 
 
 @dataclass(frozen=True, slots=True)

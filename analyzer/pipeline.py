@@ -27,8 +27,10 @@ Known limits:
   A busy machine retransmits now and then on every link: that is noise.
   When every host named holds a rank starved of CPU, the starvation is the
   finding (a starved process stalls its connections into retransmits).
-  Asynchronous calls return at once: their windows hold no retransmits, and
-  a lossy link is not named in asynchronous mode.
+  Asynchronous calls return at once: seen on no device, a collective's
+  window runs to its ranks' next call after a pause, durations of such
+  windows compare nothing, and it is slowed when retransmission timeouts of
+  the job's connections held a tenth of its communicator's time.
 - Packet loss between exactly two nodes looks the same from both ends: both
   hosts are named.  With three or more, the host involved in nearly every
   retransmit (halfway between its even share, 2 of n hosts, and all).

@@ -175,7 +175,9 @@ GROUP BY ALL ORDER BY ms DESC LIMIT 20;"""
 # connections; a retransmit counts once (two agents may see one), between
 # two hosts' addresses; it is inside a window when the host that recorded it
 # had a completed collective call of a process its agent lists around it (on
-# the device's timeline for processes whose device side was observed).
+# the device's timeline for processes whose device side was observed; calls
+# queued, asynchronous and seen on no device, until their rank's next call
+# on the communicator after a pause of 1 ms: analyzer.detect.network.call_windows).
 RETRANSMITS_BY_HOST_QUERY = """\
 WITH rank_sources AS (  -- source addresses of the connections of the ranks of each host
   SELECT t.host, t.saddr, count(*) AS n FROM tcp_events t
@@ -201,15 +203,35 @@ retransmits AS (  -- from the address of one host to that of another, each event
   WHERE t.event = 'tcp_retransmit_skb' AND NOT t.sampled AND src.host <> dst.host
   ORDER BY t.saddr, t.sport, t.daddr, t.dport, t.host_timestamp_ns, t.host),
 device_timed AS (SELECT DISTINCT host, pid FROM nccl_events WHERE completed_ns IS NOT NULL),
-windows AS (  -- collectives of the processes the host lists, on the device timeline if seen
-  SELECT n.host,
-         CASE WHEN d.pid IS NULL THEN n.timestamp_ns
-              ELSE coalesce(n.started_ns, n.timestamp_ns) END AS lo,
-         CASE WHEN d.pid IS NULL THEN n.end_ns ELSE n.completed_ns END AS hi
-  FROM nccl_events n LEFT JOIN device_timed d ON d.host = n.host AND d.pid = n.pid
+calls AS (  -- collectives of the processes the host lists
+  SELECT n.* FROM nccl_events n
   WHERE n.seq IS NOT NULL AND n.op NOT IN ('SEND', 'RECV')
     AND n.pid IN (SELECT pid FROM processes p WHERE p.host = n.host
                   UNION SELECT pid FROM communicators c WHERE c.host = n.host)),
+queued AS (  -- communicators whose calls return at once (median under 1 ms), with members to
+             -- wait for, seen on no device: asynchronous
+  SELECT comm_id_hash FROM calls GROUP BY comm_id_hash
+  HAVING count(completed_ns) = 0 AND count(DISTINCT (host, pid)) >= 2
+     AND median(end_ns - timestamp_ns) < 1000000),
+runs AS (  -- each call, whether it ends a run (its rank's next call there after 1 ms, or none)
+  SELECT c.*, q.comm_id_hash IS NOT NULL AS is_queued, lead(c.timestamp_ns) OVER rank_calls AS next_ts,
+         next_ts IS NULL OR next_ts - c.timestamp_ns >= 1000000 AS run_end
+  FROM calls c LEFT JOIN queued q ON q.comm_id_hash = c.comm_id_hash
+  WINDOW rank_calls AS (PARTITION BY c.host, c.pid, c.comm ORDER BY c.timestamp_ns)),
+worked AS (  -- a queued call works until the call after its run (a rank's last run: its return)
+  SELECT *, first_value(CASE WHEN run_end THEN coalesce(next_ts, 0) END IGNORE NULLS)
+              OVER (PARTITION BY host, pid, comm ORDER BY timestamp_ns
+                    ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING) AS after_run
+  FROM runs),
+windows AS (  -- on the device timeline where seen; queued calls until after their run
+  SELECT n.host,
+         CASE WHEN d.pid IS NULL THEN n.timestamp_ns
+              ELSE coalesce(n.started_ns, n.timestamp_ns) END AS lo,
+         CASE WHEN d.pid IS NOT NULL THEN n.completed_ns
+              WHEN n.is_queued AND n.end_ns IS NOT NULL AND n.after_run > n.end_ns
+                THEN n.after_run
+              ELSE n.end_ns END AS hi
+  FROM worked n LEFT JOIN device_timed d ON d.host = n.host AND d.pid = n.pid),
 flagged AS (
   SELECT r.sender, r.receiver,
          EXISTS (SELECT 1 FROM windows w

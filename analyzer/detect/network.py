@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..frontier import ASYNC_BELOW_NS
 from ..incident import CommSlowdown, HostRetransmits, Incident, proc_hosts
 from ..match import Matched
 from ..verdict import Verdict, VerdictKind
@@ -18,20 +19,73 @@ from .cpu import starved_hosts
 # ---- metrics: retransmits inside collective windows, and what they slow --------------
 
 
+def queued_comms(m: Matched, ncomms: int) -> np.ndarray:
+    """Per communicator: whether its calls are queued (asynchronous NCCL
+    seen only on the host): none was seen on a device, and they return at
+    once (median under ASYNC_BELOW_NS, as the straggler detectors take it;
+    a busy CPU holds a few of them for milliseconds), though it has members
+    to wait for."""
+    rows = m.rows
+    out = np.zeros(ncomms, dtype=bool)
+    for comm in range(ncomms):
+        sl = m.comm_rows(comm)
+        if len(np.unique(rows["crank"][sl])) < 2:  # alone: its calls wait for nobody
+            continue
+        end, ts, dev = rows["end"][sl], rows["ts"][sl], rows["device"][sl]
+        done = end > 0
+        if done.any() and not dev.any():
+            out[comm] = np.median((end - ts)[done]) < ASYNC_BELOW_NS
+    return out
+
+
+def call_windows(m: Matched, queued: np.ndarray) -> np.ndarray:
+    """Where each matched call's work may lie, as an end time (0: it did not
+    return).  A blocking call works until it returns; one seen on its device,
+    until it completed there.  Queued calls (``queued_comms``) run on their
+    stream one after another: a rank's run of them on a communicator (entered
+    less than ASYNC_BELOW_NS apart) works until, at the latest, the rank
+    enters its next call there after a pause (a job that synchronises its
+    streams each step enters it once the work completed).  A rank's last run
+    keeps its returns."""
+    rows = m.rows
+    end = rows["end"]
+    take = (end > 0) & queued[rows["comm"]] if len(queued) else np.zeros(len(rows), bool)
+    if not take.any():
+        return end
+    # rows run by (comm, seq, crank): a stable sort by (comm, crank) leaves each
+    # rank's calls in seq order
+    order = np.lexsort((rows["crank"], rows["comm"]))
+    comm, crank, ts = rows["comm"][order], rows["crank"][order], rows["ts"][order]
+    n = len(order)
+    same = np.r_[(comm[1:] == comm[:-1]) & (crank[1:] == crank[:-1]), False]
+    gap = np.r_[np.diff(ts), 0]
+    last = ~same | (gap >= ASYNC_BELOW_NS)  # the last call of a run
+    at = np.where(last, np.arange(n), n)
+    run_last = np.minimum.accumulate(at[::-1])[::-1]  # each call's run's last call
+    after = np.where(same[run_last], ts[np.minimum(run_last + 1, n - 1)], 0)
+    later = np.zeros(len(rows), dtype=np.int64)
+    later[order] = after
+    out = np.array(end, dtype=np.int64, copy=True)
+    take &= later > end
+    out[take] = later[take]
+    return out
+
+
 def retransmits_in_windows(inc: Incident, m: Matched) -> list[HostRetransmits]:
     rt = inc.retransmits
     nh = len(inc.hosts)
     if not len(rt):
         return []
     phost = np.array(proc_hosts(inc), dtype=np.int64)
+    queued = queued_comms(m, len(inc.comms))
+    end = call_windows(m, queued) if len(m.rows) else np.zeros(0, dtype=np.int64)
     inside = np.zeros(len(rt), dtype=bool)
     for h in range(nh):
         sel = rt["host"] == h
         if not sel.any():
             continue
-        times = m.rows.select(("ts", "end"))
-        rows = times[(phost[m.rows["proc"]] == h) & (m.rows["end"] > 0)] if len(m.rows) else times
-        inside[sel] = _within(rt["ts"][sel], rows["ts"], rows["end"])
+        mine = (phost[m.rows["proc"]] == h) & (end > 0)
+        inside[sel] = _within(rt["ts"][sel], m.rows["ts"][mine], end[mine])
     sent = rt[inside & (rt["local"] >= 0)]
     got = rt[inside & (rt["remote"] >= 0)]
     local = np.bincount(sent["local"], minlength=nh)
@@ -69,44 +123,94 @@ def retransmit_slowdowns(inc: Incident, m: Matched) -> list[CommSlowdown]:
     if not len(rt) or not len(m.rows):
         return []
     phost = np.array(proc_hosts(inc), dtype=np.int64)
-    hits = _retransmits_per_row(inc, m, phost)
+    queued = queued_comms(m, len(inc.comms))
+    end = call_windows(m, queued)
+    hits = _retransmits_per_row(inc, m, phost, end)
+    held = _held_per_row(inc, m, phost, end) if queued.any() else hits * 0
     out = []
     for comm, c in enumerate(inc.comms):
         hosts = tuple(sorted({int(phost[p]) for p in c.members if p >= 0}))
         if len(hosts) < 2:
             continue
-        s = _slowdown(m, comm, c.nranks, hits)
+        s = _slowdown(m, comm, c.nranks, hits, end)
         if s is not None:
-            out.append(CommSlowdown(comm, hosts, *s))
+            held_groups, share = (
+                _held_share(m, comm, c.nranks, held, end) if queued[comm] else (0, 0.0)
+            )
+            out.append(CommSlowdown(comm, hosts, *s, bool(queued[comm]), held_groups, share))
     return out
 
 
-def _retransmits_per_row(inc: Incident, m: Matched, phost: np.ndarray) -> np.ndarray:
+def _retransmits_per_row(
+    inc: Incident, m: Matched, phost: np.ndarray, end: np.ndarray
+) -> np.ndarray:
     rows, rt = m.rows, inc.retransmits
     host = phost[rows["proc"]]
     hits = np.zeros(len(rows), dtype=np.int64)
-    done = rows["end"] > 0
+    done = end > 0
     for h in np.unique(rt["host"]).tolist():
         t = np.sort(rt["ts"][rt["host"] == h])
         sel = np.flatnonzero((host == h) & done)
-        hi = np.searchsorted(t, rows["end"][sel], side="right")
+        hi = np.searchsorted(t, end[sel], side="right")
         hits[sel] = hi - np.searchsorted(t, rows["ts"][sel], side="left")
     return hits
 
 
+def _held_per_row(inc: Incident, m: Matched, phost: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """How long each call's window had one of its host's job connections in
+    a retransmission timeout (at most the window): the longest of the
+    timeouts that sent a retransmit inside it (``backoff`` 1 or more, as the
+    connection state says), each nothing acknowledged for the timeout that
+    expired or longer."""
+    rows, rt = m.rows, inc.retransmits
+    rt = rt[(rt["known"] > 0) & (rt["backoff"] > 0)]
+    held_ns = np.maximum(rt["rto"], rt["no_ack"])
+    host = phost[rows["proc"]]
+    held = np.zeros(len(rows), dtype=np.int64)
+    for h in np.unique(rt["host"]).tolist():
+        mine = rt["host"] == h
+        order = np.argsort(rt["ts"][mine])
+        t, length = rt["ts"][mine][order], held_ns[mine][order]
+        sel = np.flatnonzero((host == h) & (end > rows["ts"]))
+        lo = np.searchsorted(t, rows["ts"][sel], side="left")
+        hi = np.searchsorted(t, end[sel], side="right")
+        inside = np.flatnonzero(hi > lo)
+        longest = [int(length[a:b].max()) for a, b in zip(lo[inside], hi[inside], strict=True)]
+        held[sel[inside]] = np.minimum(longest, (end - rows["ts"])[sel[inside]])
+    return held
+
+
+def _held_share(
+    m: Matched, comm: int, nranks: int, held: np.ndarray, end: np.ndarray
+) -> tuple[int, float]:
+    """Of a communicator's complete collectives: how many a timeout held, and
+    the share of their time (their longest member window) it held them."""
+    sl = m.comm_rows(comm)
+    gid, h, e, ts = m.gid[sl], held[sl], end[sl], m.rows["ts"][sl]
+    if not len(gid):
+        return 0, 0.0
+    starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
+    size = np.diff(np.append(starts, len(gid)))
+    ok = (np.minimum.reduceat(e, starts) > 0) & (size == nranks)
+    g_held = np.maximum.reduceat(h, starts)[ok]
+    g_len = np.maximum.reduceat(e - ts, starts)[ok]
+    total = int(g_len.sum())
+    return int((g_held > 0).sum()), (float(g_held.sum()) / total if total > 0 else 0.0)
+
+
 def _slowdown(
-    m: Matched, comm: int, nranks: int, hits: np.ndarray
+    m: Matched, comm: int, nranks: int, hits: np.ndarray, windows: np.ndarray
 ) -> tuple[int, int, int, int] | None:
     sl = m.comm_rows(comm)
-    rows, gid, hit = m.rows[sl], m.gid[sl], hits[sl]
+    rows, gid, hit, end = m.rows[sl], m.gid[sl], hits[sl], windows[sl]
     if not len(rows):
         return None
     starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
     size = np.diff(np.append(starts, len(gid)))
-    ok = (np.minimum.reduceat(rows["end"], starts) > 0) & (size == nranks)
+    ok = (np.minimum.reduceat(end, starts) > 0) & (size == nranks)
     if not ok.any():
         return None
-    dur = np.maximum.reduceat(rows["end"] - rows["ts"], starts)[ok]
+    dur = np.maximum.reduceat(end - rows["ts"], starts)[ok]
     ghit = np.maximum.reduceat(hit, starts)[ok] > 0
     n_hit = int(ghit.sum())
     if not n_hit:
@@ -126,6 +230,10 @@ SLOWDOWN = 3.0  # collectives with retransmits inside: this many times the basel
 SLOWDOWN_MIN_NS = 5_000_000  # and this much slower
 SLOW_MIN_GROUPS = 3  # in at least this many collectives
 SLOW_MIN_SHARE = 0.25  # and this share of the communicator's
+# queued calls: the share of the collectives' time a retransmission timeout
+# held them (one timeout of 200 ms every 2 s of collectives; a healthy
+# network's stray timeout holds well under 1%)
+HELD_MIN_SHARE = 0.1
 
 
 def _concentration_min(nhosts: int) -> float:
@@ -136,6 +244,8 @@ def _concentration_min(nhosts: int) -> float:
 
 
 def _is_slowed(s: CommSlowdown) -> bool:
+    if s.queued:  # windows up to the next call: held, not compared
+        return s.held_groups >= SLOW_MIN_GROUPS and s.held_share >= HELD_MIN_SHARE
     return (
         s.hit_groups >= max(SLOW_MIN_GROUPS, SLOW_MIN_SHARE * s.groups)
         and s.hit_ns >= SLOWDOWN * s.baseline_ns
@@ -195,13 +305,9 @@ def detect_network(a: Analysis) -> list[Verdict]:
         for h in lossy
     ]
     evidence += [
-        f"{s.hit_groups} of {s.groups} collectives on {inc.comms[s.comm].name} had retransmits "
-        f"inside and took {ms(s.hit_ns)} (median) against {ms(s.baseline_ns)} for the others"
-        for s in slowed_comms(a, {h.host for h in lossy})[:MAX_LISTED]
+        _slowed_text(inc, s) for s in slowed_comms(a, {h.host for h in lossy})[:MAX_LISTED]
     ]
-    durations = _median_duration(a)
-    if durations is not None:
-        evidence.append(f"median collective duration (all ranks): {ms(durations)}")
+    evidence += _median_duration(a)
     rank_text = ", ".join(map(str, ranks))
     if len(hosts) == 1:
         summary = f"collectives slowed by TCP retransmits on host {hosts[0]} (ranks {rank_text})"
@@ -225,14 +331,36 @@ def detect_network(a: Analysis) -> list[Verdict]:
     ]
 
 
+def _slowed_text(inc: Incident, s: CommSlowdown) -> str:
+    name = inc.comms[s.comm].name
+    if s.queued:
+        return (
+            f"retransmission timeouts of the job's connections held {s.held_groups} of "
+            f"{s.groups} collectives on {name}, {s.held_share:.0%} of their time (calls "
+            "queued, seen on no device: a collective's window runs to its ranks' next call "
+            f"after a pause, {ms(s.hit_ns)} median with retransmits inside)"
+        )
+    return (
+        f"{s.hit_groups} of {s.groups} collectives on {name} had retransmits "
+        f"inside and took {ms(s.hit_ns)} (median) against {ms(s.baseline_ns)} for the others"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class _Named:
     host_name: str
     h: HostRetransmits
 
 
-def _median_duration(a: Analysis) -> float | None:
-    rows = a.matched.rows
-    end, ts = rows["end"], rows["ts"]
+def _median_duration(a: Analysis) -> list[str]:
+    m = a.matched
+    queued = queued_comms(m, len(a.incident.comms))
+    end = call_windows(m, queued)
     done = end > 0
-    return float(np.median((end - ts)[done])) if done.any() else None
+    if not done.any():
+        return []
+    median = float(np.median((end - m.rows["ts"])[done]))
+    text = f"median collective duration (all ranks): {ms(median)}"
+    if queued[m.rows["comm"][done]].any():
+        text += " (queued calls: to the rank's next call after a pause)"
+    return [text]

@@ -65,6 +65,9 @@ class Job:
     mismatch: tuple[int, int, str] | None = None  # (rank, step, field)
     slow: tuple[int, float] | None = None  # (rank, extra ms per step)
     loss_node: int | None = None
+    # each lossy step held by a retransmission timeout this long (0: fast
+    # retransmits only): its retransmits are the timeouts, sent once it expired
+    loss_rto_ms: float = 0.0
     cpuhog: int | None = None  # rank
     hog_shared: int | None = None  # a rank sharing the hogged CPU: starved alike
     # who held the CPU when each wait ended: "outside" (a hog, HOG_PID),
@@ -162,7 +165,7 @@ def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[W
         # a lossy link slows the collectives whose packets it drops (half of
         # them), by far more than the jitter: retransmits fall inside exactly those
         lossy = job.loss_node is not None and step % 2 == 0 and faulty
-        xfer = job.xfer_ms * (8 if lossy else 1)
+        xfer = job.xfer_ms * (8 if lossy else 1) + (job.loss_rto_ms if lossy else 0.0)
         if job.flap is not None and step == job.flap[1]:
             xfer += job.flap[2]
         arrive = {}
@@ -355,6 +358,10 @@ def _tcp(job: Job, k: int, windows: list[Window], skew: int) -> np.ndarray:
     for i in range(len(out)):
         a, b, _ = windows[(i * 7) % len(windows)]
         out[i]["ts_ns"] = (a + b) // 2 + skew
+        if job.loss_rto_ms:  # a timeout: sent when it expired, backoff 1
+            out[i]["ts_ns"] = a + int(job.loss_rto_ms * MS) + skew
+            out[i]["conn_known"], out[i]["backoff"] = 1, 1
+            out[i]["rto_us"] = int(job.loss_rto_ms * 1000)
         out[i]["pid"] = pid_of(k * job.ranks_per_node)
         out[i]["event"] = TcpEvent.TCP_RETRANSMIT_SKB
         out[i]["saddr"] = _addr(k)

@@ -70,6 +70,12 @@ RUNS: dict[str, list[str]] = {
         *("--nodes", "4", "--ranks-per-node", "1", "--dump-at-end", "--fault", LOSS),
         *("--stall-timeout", "30"),
     ],
+    # calls queued, seen on no device: named by the timeouts that held the
+    # windows up to each rank's next call
+    "loss-async": [
+        *("--nodes", "4", "--ranks-per-node", "1", "--dump-at-end", "--fault", LOSS),
+        *("--stall-timeout", "30", "--mode", "async"),
+    ],
 }
 
 
@@ -211,8 +217,9 @@ def test_straggler_is_named_and_nothing_is_missing(
 
 
 @pytest.mark.solo  # judges timing (lateness, CPU, retransmits): runs alone
-def test_loss_names_the_lossy_host_only(recorded: Callable[[str], Recorded]) -> None:
-    run = recorded("loss")
+@pytest.mark.parametrize("name", ["loss", "loss-async"])
+def test_loss_names_the_lossy_host_only(recorded: Callable[[str], Recorded], name: str) -> None:
+    run = recorded(name)
     net = [v for v in run.verdicts if v.kind is VerdictKind.NETWORK_STRAGGLER]
     assert len(net) == 1, run.texts()
     assert net[0].hosts == ("node2",) and net[0].ranks == (2,)
@@ -220,12 +227,14 @@ def test_loss_names_the_lossy_host_only(recorded: Callable[[str], Recorded]) -> 
 
 
 @pytest.mark.solo  # shares the loss run with the test above
+@pytest.mark.parametrize("name", ["loss", "loss-async"])
 def test_loss_per_host_retransmits_in_sql_are_the_analyzers(
-    recorded: Callable[[str], Recorded],
+    recorded: Callable[[str], Recorded], name: str
 ) -> None:
     """The shipped per-host query gives the numbers the network verdict
-    prints (tests/query/test_retransmit_agreement.py)."""
-    counts = assert_agree(recorded("loss").folder)
+    prints (tests/query/test_retransmit_agreement.py), windows of queued
+    calls included."""
+    counts = assert_agree(recorded(name).folder)
     assert max(counts, key=lambda h: counts[h][0] + counts[h][1]) == "node2"
 
 

@@ -142,6 +142,52 @@ def test_loss_between_two_nodes_names_both_ends() -> None:
     assert "cannot be told apart" in vs[0].summary
 
 
+def test_async_loss_is_named_by_the_timeouts_that_held_its_collectives() -> None:
+    """Queued calls return at once: a collective's window runs to its ranks'
+    next call after a pause, and what proves it slowed is the time a
+    retransmission timeout held it (durations of such windows compare
+    nothing: every one may hold retransmits)."""
+    vs = verdicts(with_(BASE, mode="async", nodes=4, loss_node=1, loss_rto_ms=200.0))
+    assert kinds(vs) == [VerdictKind.NETWORK_STRAGGLER], [v.summary for v in vs]
+    assert vs[0].hosts == ("node1",)
+    (held,) = [e for e in vs[0].evidence if "retransmission timeouts" in e]
+    assert "calls queued" in held and "of their time" in held
+
+
+@pytest.mark.parametrize(
+    ("changes", "why"),
+    [
+        ({}, "fast retransmits only: nothing held the collectives"),
+        # a 200 ms timeout every other step of 2 s: 5% of the time
+        ({"loss_rto_ms": 200.0, "compute_ms": 2000.0}, "timeouts hold too little of the time"),
+    ],
+)
+def test_async_retransmits_that_held_little_name_nobody(changes: dict[str, float], why: str) -> None:
+    job = with_(BASE, mode="async", nodes=4, loss_node=1, steps=20, **changes)
+    assert kinds(verdicts(job)) == [VerdictKind.HEALTHY], why
+
+
+def test_queued_calls_work_until_their_ranks_next_call_after_a_pause() -> None:
+    from stallwatch.analyzer.detect.network import call_windows, queued_comms
+    from stallwatch.analyzer.match import match
+
+    for mode in ("async", "blocking"):
+        recs = recordings(with_(BASE, mode=mode))
+        (inc,) = group_incidents([Source(f"dump-{r.host}.msgpack", r) for r in recs])
+        m = match(inc)
+        queued = queued_comms(m, len(inc.comms))
+        end = call_windows(m, queued)
+        rows = m.rows
+        if mode == "blocking":
+            assert not queued.any() and np.array_equal(end, rows["end"])
+            continue
+        assert queued.all()
+        for comm, crank in {(int(c), int(r)) for c, r in zip(rows["comm"], rows["crank"])}:
+            mine = np.flatnonzero((rows["comm"] == comm) & (rows["crank"] == crank))
+            assert np.array_equal(end[mine[:-1]], rows["ts"][mine[1:]])  # its next call
+            assert end[mine[-1]] == rows["end"][mine[-1]]  # the last keeps its return
+
+
 def _with_noise_retransmits(recs: list[Recording], nodes: int) -> list[Recording]:
     """Retransmits as a loaded machine has them: in every other collective
     window, spread over all the node pairs, none slowing anything; plus many

@@ -188,12 +188,16 @@ BOOT_SPREAD_NS = 600 * 10**9  # synthetic hosts booted ten minutes apart
 
 
 def agent_recording(i: int, hosts: int = 4) -> Recording:
-    """Agent ``i``'s recording, one of ``hosts`` in the job.  Each host's monotonic clock is its own (hosts
-    boot at different times), so the seed query, which names no host and is
-    answered over all agents' rows as one table, joins each slow window with
-    the retransmits of the one host whose clock it shares."""
+    """Agent ``i``'s recording, one of ``hosts`` in the job.  Each host's
+    monotonic clock is its own (hosts boot at different times), so the seed
+    query, which names no host and is answered over all agents' rows as one
+    table, joins each slow window with the retransmits of the one host whose
+    clock it shares."""
     shape = Synthetic(
-        host=f"node{i}", first_rank=4 * i, seed=i, base_ns=BASE_NS + i * BOOT_SPREAD_NS,
+        host=f"node{i}",
+        first_rank=4 * i,
+        seed=i,
+        base_ns=BASE_NS + i * BOOT_SPREAD_NS,
         hosts=hosts,
     )
     return synthetic_recording(shape)

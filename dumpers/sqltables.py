@@ -214,7 +214,8 @@ queued AS (  -- communicators whose calls return at once (median under 1 ms), wi
   HAVING count(completed_ns) = 0 AND count(DISTINCT (host, pid)) >= 2
      AND median(end_ns - timestamp_ns) < 1000000),
 runs AS (  -- each call, whether it ends a run (its rank's next call there after 1 ms, or none)
-  SELECT c.*, q.comm_id_hash IS NOT NULL AS is_queued, lead(c.timestamp_ns) OVER rank_calls AS next_ts,
+  SELECT c.*, q.comm_id_hash IS NOT NULL AS is_queued,
+         lead(c.timestamp_ns) OVER rank_calls AS next_ts,
          next_ts IS NULL OR next_ts - c.timestamp_ns >= 1000000 AS run_end
   FROM calls c LEFT JOIN queued q ON q.comm_id_hash = c.comm_id_hash
   WINDOW rank_calls AS (PARTITION BY c.host, c.pid, c.comm ORDER BY c.timestamp_ns)),

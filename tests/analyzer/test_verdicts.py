@@ -162,7 +162,9 @@ def test_async_loss_is_named_by_the_timeouts_that_held_its_collectives() -> None
         ({"loss_rto_ms": 200.0, "compute_ms": 2000.0}, "timeouts hold too little of the time"),
     ],
 )
-def test_async_retransmits_that_held_little_name_nobody(changes: dict[str, float], why: str) -> None:
+def test_async_retransmits_that_held_little_name_nobody(
+    changes: dict[str, float], why: str
+) -> None:
     job = with_(BASE, mode="async", nodes=4, loss_node=1, steps=20, **changes)
     assert kinds(verdicts(job)) == [VerdictKind.HEALTHY], why
 
@@ -182,7 +184,8 @@ def test_queued_calls_work_until_their_ranks_next_call_after_a_pause() -> None:
             assert not queued.any() and np.array_equal(end, rows["end"])
             continue
         assert queued.all()
-        for comm, crank in {(int(c), int(r)) for c, r in zip(rows["comm"], rows["crank"])}:
+        pairs = zip(rows["comm"].tolist(), rows["crank"].tolist(), strict=True)
+        for comm, crank in set(pairs):
             mine = np.flatnonzero((rows["comm"] == comm) & (rows["crank"] == crank))
             assert np.array_equal(end[mine[:-1]], rows["ts"][mine[1:]])  # its next call
             assert end[mine[-1]] == rows["end"][mine[-1]]  # the last keeps its return

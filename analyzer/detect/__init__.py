@@ -23,11 +23,10 @@ from .common import Analysis, Detector
 from .desync import detect_desync
 from .exits import detect_rank_exited
 from .missing import detect_missing_rank, detect_p2p_missing
-from .network import detect_network
 from .partition import detect_partition
 from .positions import detect_positions
 from .stall import detect_stall
-from .stragglers import detect_stragglers
+from .stragglers import detect_network_unexplained, detect_stragglers
 
 DETECTORS: tuple[Detector, ...] = (
     detect_partition,
@@ -35,7 +34,7 @@ DETECTORS: tuple[Detector, ...] = (
     detect_desync,
     detect_rank_exited,
     detect_stragglers,
-    detect_network,
+    detect_network_unexplained,
 )
 
 # run when no detector above finds anything: a collective verdict explains

@@ -259,12 +259,29 @@ def slowed_comms(a: Analysis, hosts: set[int]) -> list[CommSlowdown]:
     return [s for s in a.slowdowns if hosts <= set(s.hosts) and _is_slowed(s)]
 
 
-def lossy_hosts(a: Analysis) -> tuple[HostRetransmits, ...]:
+# retransmits into a host against those out of it (inside collective
+# windows) from which its retransmits are its own ranks' lateness: a rank
+# late to read leaves its sockets' queues full and its peers retransmit
+# into them; a lossy link drops both ways (1.0-1.4x into the lossy node in
+# the lab's seeded loss runs, 3.4x into a rank computing 150 ms late)
+SLOW_READER = 2.0
+
+
+def received_mostly(h: HostRetransmits) -> bool:
+    """Whether a host's retransmits are mostly its peers' into it."""
+    return h.remote >= SLOW_READER * max(h.local, 1)
+
+
+def lossy_hosts(
+    a: Analysis, explained: frozenset[int] = frozenset()
+) -> tuple[HostRetransmits, ...]:
     """The host(s) involved in nearly every retransmit on the ranks'
     connections (two nodes: both ends of the one link lose alike), when there
     are many per collective and the collectives they fall into are markedly
     slower than the communicator's others.  A few retransmits spread over
-    the hosts, or ones that slow nothing, happen on any busy network."""
+    the hosts, or ones that slow nothing, happen on any busy network.
+    ``explained``: hosts whose retransmits a late rank on them explains
+    (``stragglers.slow_readers``)."""
 
     def score(h: HostRetransmits) -> int:
         return h.local + h.remote
@@ -282,11 +299,13 @@ def lossy_hosts(a: Analysis) -> tuple[HostRetransmits, ...]:
         return ()
     if all(h.host in starved_hosts(a) for h in named):
         return ()  # a process starved of CPU stalls its connections: TCP retransmits
+    if all(h.host in explained for h in named):
+        return ()  # a late rank's peers retransmit into its full queues (``explained``)
     return tuple(sorted(named, key=lambda h: h.host))
 
 
-def detect_network(a: Analysis) -> list[Verdict]:
-    lossy = lossy_hosts(a)
+def detect_network(a: Analysis, explained: frozenset[int] = frozenset()) -> list[Verdict]:
+    lossy = lossy_hosts(a, explained)
     if not lossy:
         return []
     inc = a.incident

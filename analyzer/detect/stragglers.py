@@ -21,7 +21,7 @@ from ..match import Matched
 from ..verdict import Verdict, VerdictKind
 from .common import Analysis, ms
 from .cpu import sched_heavy
-from .network import lossy_hosts
+from .network import detect_network, lossy_hosts, received_mostly
 
 # ---- metric: how each rank arrives at its collectives --------------------------------
 
@@ -499,6 +499,20 @@ def _late_somewhere(a: Analysis, proc: int, heavy: set[int]) -> tuple[ArrivalSco
     return s, share
 
 
+def _with_reading(a: Analysis, v: Verdict, proc: int) -> Verdict:
+    """A straggler on a host whose retransmits it explains says so."""
+    host = proc_hosts(a.incident)[proc]
+    if host not in slow_readers(a):
+        return v
+    (h,) = [x for x in a.retransmits if x.host == host]
+    line = (
+        f"its peers retransmit into host {a.incident.hosts[host]} ({h.remote} received against "
+        f"{h.local} sent inside collective windows): a rank late to read leaves its sockets' "
+        "queues full; those retransmits are its lateness's, not a lossy link's"
+    )
+    return dataclasses.replace(v, evidence=(*v.evidence, line))
+
+
 def _starved_text(a: Analysis, proc: int) -> str:
     """How long the rank waited in the run queue, and behind whom: the CPU's
     last holder when each wait ended (unknown in dumps before format 5)."""
@@ -562,8 +576,25 @@ def _straggler_verdict(
     )
 
 
+def slow_readers(a: Analysis) -> frozenset[int]:
+    """Hosts (indexes) whose retransmits their late ranks explain: a rank
+    consistently last to a collective holds one, and the host's retransmits
+    are mostly its peers' into it (``network.received_mostly``).  A rank that
+    enters late reads late: the queues of its sockets fill, its peers'
+    segments are dropped and retransmitted.  A lossy link drops both ways."""
+    late = {proc_hosts(a.incident)[s.proc] for s in straggler_candidates(a)}
+    return frozenset(h.host for h in a.retransmits if h.host in late and received_mostly(h))
+
+
+def detect_network_unexplained(a: Analysis) -> list[Verdict]:
+    """The network straggler, but for hosts whose late ranks explain their
+    retransmits (named by ``detect_stragglers`` instead)."""
+    return detect_network(a, slow_readers(a))
+
+
 def detect_stragglers(a: Analysis) -> list[Verdict]:
-    lossy = {a.incident.hosts[h.host] for h in lossy_hosts(a)}
+    readers = slow_readers(a)
+    lossy = {a.incident.hosts[h.host] for h in lossy_hosts(a, readers)}
     heavy = sched_heavy(a)
     out = []
     named = set()
@@ -572,7 +603,8 @@ def detect_stragglers(a: Analysis) -> list[Verdict]:
         if s.proc in heavy:
             out.append(_straggler_verdict(a, s, VerdictKind.CPU_INTERFERENCE))
         elif a.incident.procs[s.proc].host not in lossy:
-            out.append(_straggler_verdict(a, s, VerdictKind.COMPUTE_STRAGGLER))
+            v = _straggler_verdict(a, s, VerdictKind.COMPUTE_STRAGGLER)
+            out.append(_with_reading(a, v, s.proc) if readers else v)
     for proc in sorted(heavy - named):  # starved, and late (if less consistently)
         late = _late_somewhere(a, proc, heavy)
         if late is not None:

@@ -68,6 +68,10 @@ class Job:
     # each lossy step held by a retransmission timeout this long (0: fast
     # retransmits only): its retransmits are the timeouts, sent once it expired
     loss_rto_ms: float = 0.0
+    # the loss node's packets dropped on the way in only, in every collective
+    # from the fault's step: its peers retransmit into it, it retransmits
+    # nothing (a slow reader's full queues, or a NIC dropping what it receives)
+    loss_into: bool = False
     cpuhog: int | None = None  # rank
     hog_shared: int | None = None  # a rank sharing the hogged CPU: starved alike
     # who held the CPU when each wait ended: "outside" (a hog, HOG_PID),
@@ -164,7 +168,7 @@ def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[W
         faulty = step >= job.from_step
         # a lossy link slows the collectives whose packets it drops (half of
         # them), by far more than the jitter: retransmits fall inside exactly those
-        lossy = job.loss_node is not None and step % 2 == 0 and faulty
+        lossy = job.loss_node is not None and (step % 2 == 0 or job.loss_into) and faulty
         xfer = job.xfer_ms * (8 if lossy else 1) + (job.loss_rto_ms if lossy else 0.0)
         if job.flap is not None and step == job.flap[1]:
             xfer += job.flap[2]
@@ -354,6 +358,22 @@ def _tcp(job: Job, k: int, windows: list[Window], skew: int) -> np.ndarray:
     # all its connections, the others only towards it
     targets = peers if k == job.loss_node else ([job.loss_node] if k != job.loss_node else [])
     n = len(windows) * len(targets) // (1 if k == job.loss_node else 3)
+    if job.loss_into:
+        targets = [] if k == job.loss_node else [job.loss_node]
+        n = len(windows) * len(targets)
+        if not targets:  # its address known from a connection of its own
+            own = np.zeros(1, dtype=TCP_EVENT)
+            own["ts_ns"], own["pid"], own["family"] = (
+                windows[0][0] + skew,
+                pid_of(k * job.ranks_per_node),
+                2,
+            )
+            own["event"], own["saddr"], own["daddr"] = (
+                TcpEvent.INET_SOCK_SET_STATE,
+                _addr(k),
+                _addr(peers[0]),
+            )
+            return own
     out = np.zeros(max(n, 0), dtype=TCP_EVENT)
     for i in range(len(out)):
         a, b, _ = windows[(i * 7) % len(windows)]

@@ -191,6 +191,24 @@ def test_queued_calls_work_until_their_ranks_next_call_after_a_pause() -> None:
             assert end[mine[-1]] == rows["end"][mine[-1]]  # the last keeps its return
 
 
+def test_retransmits_into_a_late_ranks_host_are_its_lateness() -> None:
+    """A rank that computes late reads late: its peers retransmit into its
+    full queues.  The straggler is named, the retransmits are evidence of it."""
+    # rank 2 computes 150 ms longer from step 10 of 40, and its host's queues fill
+    job = with_(BASE, nodes=4, slow=(2, 150.0), from_step=10, loss_node=1, loss_into=True)
+    vs = verdicts(job)
+    assert kinds(vs) == [VerdictKind.COMPUTE_STRAGGLER], [v.summary for v in vs]
+    assert vs[0].ranks == (2,)
+    assert any("retransmit into host node1" in e for e in vs[0].evidence)
+
+
+def test_retransmits_into_a_host_no_late_rank_explains_are_the_network() -> None:
+    # node1 drops what it receives from step 10 (a NIC's receive errors): no rank is late
+    vs = verdicts(with_(BASE, nodes=4, from_step=10, loss_node=1, loss_into=True))
+    net = [v for v in vs if v.kind is VerdictKind.NETWORK_STRAGGLER]
+    assert len(net) == 1 and net[0].hosts == ("node1",), [v.summary for v in vs]
+
+
 def _with_noise_retransmits(recs: list[Recording], nodes: int) -> list[Recording]:
     """Retransmits as a loaded machine has them: in every other collective
     window, spread over all the node pairs, none slowing anything; plus many

@@ -37,7 +37,8 @@ Three conditions, each sustained before it is reported:
   Only this node's ranks are compared: a rank alone on its node is never
   called late here (its slowdown shows as the rhythm of its peers, and the
   analyzer tells who was late from every node's dump).  Judged only on
-  streams whose calls wait on the host (``_Stream.blocking``).
+  communicators whose calls wait on the host here (any member's: the
+  late rank's own calls wait for nobody; ``_Stream.blocking``).
 - **a held collective**: a call that took ``hold_s`` and ``HOLD_FACTOR``
   times its signature's baseline duration, reported (``Held``) for the agent
   to look for network evidence inside it (``network_evidence``): an outage
@@ -458,6 +459,14 @@ class SlowdownWatch:
             Cause.RHYTHM, stream.pid, stream.comm, stream.comm_hash, stream.slow_since, reason
         )
 
+    def _waits_on_host(self, stream: _Stream) -> bool:
+        """Whether the communicator's calls wait on the host: those of any of
+        this node's members (``_Stream.blocking``).  The late rank's own
+        calls do not: its peers waited for it, it waits for nobody."""
+        if not stream.comm_hash:
+            return stream.blocking
+        return any(m.blocking for m in self._by_hash.get(stream.comm_hash, [stream]))
+
     def _late(self, stream: _Stream, now: int, window: int) -> Slowdown | None:
         share, late = _last_share(stream), _median_lateness(stream)
         cycle = stream.baseline_interval()
@@ -465,7 +474,7 @@ class SlowdownWatch:
         cfg = self.config
         judged = (
             cfg.late_share > 0
-            and stream.blocking
+            and self._waits_on_host(stream)
             and share is not None
             and late is not None
             and cycle is not None
@@ -531,9 +540,9 @@ class SlowdownWatch:
                     s.baseline_interval(),
                     int(np.median(s.durations)) if s.durations else None,
                     int(np.median(bases)) if bases else None,
-                    _last_share(s) if s.blocking else None,  # see _Stream.blocking
-                    _median_lateness(s) if s.blocking else None,
-                    s.base_lateness if s.blocking else None,
+                    _last_share(s) if self._waits_on_host(s) else None,  # _Stream.blocking
+                    _median_lateness(s) if self._waits_on_host(s) else None,
+                    s.base_lateness if self._waits_on_host(s) else None,
                 )
             )
         return out

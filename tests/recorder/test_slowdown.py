@@ -43,6 +43,7 @@ def job(
     pause: Callable[[int], float] = lambda step: 0.0,
     seed: int = 0,
     queued: bool = False,
+    after_last_ms: float = 5.0,
 ) -> np.ndarray:
     """Rows of ranks (pids) of one node: each step a compute phase, then a
     1 MiB AllReduce and an 8-byte loss AllReduce on one communicator (every
@@ -59,7 +60,7 @@ def job(
         now += int(step_ms(step) * MS * rnd.uniform(0.9, 1.1))
         for nbytes in (1 << 20, 8):
             entries = {p: now + int((late_ms(step, p) + rnd.uniform(0, 2)) * MS) for p in ranks}
-            end = max(entries.values()) + 5 * MS
+            end = max(entries.values()) + int(after_last_ms * MS)
             for rank, pid in enumerate(ranks):
                 back = entries[pid] + 50_000 if queued else end
                 rows.append((entries[pid], back, pid, rank, nbytes, seq))
@@ -157,6 +158,19 @@ def test_a_rank_persistently_last_is_named_and_its_peer_is_not() -> None:
     gauges = {g.pid: g for g in watch.gauges()}
     assert gauges[101].last_share == 1.0 and gauges[100].last_share == 0.0
     assert gauges[101].lateness_ns is not None and gauges[101].lateness_ns > 50 * MS
+
+
+def test_a_late_rank_whose_own_calls_wait_for_nobody_is_still_named() -> None:
+    """The late rank enters last: the collective is over at once, its calls
+    take 0.2 ms while its peers wait 60 ms.  Its communicator's calls wait on
+    the host (its peers' do): the lateness is judged."""
+
+    def late(step: int, pid: int) -> float:
+        return 60.0 if pid == 101 and step >= 600 else 0.0
+
+    found = drive(SlowdownWatch(), job(900, lambda step: 100, late_ms=late, after_last_ms=0.2))
+    lates = [s for _, s in found if s.cause == "late"]
+    assert lates and {s.pid for s in lates} == {101}
 
 
 def test_a_rank_late_to_queue_its_calls_is_no_straggler() -> None:

@@ -42,6 +42,7 @@ from ..incident import Incident, SlowWindow, proc_hosts
 from ..match import Matched
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, is_world, ms
+from .cpu import SCHED_MIN_NS
 
 ONSET_FACTOR = 2.0  # an interval this many times its kind's lower quartile is slow
 SLOW_MIN_GROUPS = 3  # slow collectives a window needs
@@ -254,6 +255,19 @@ def _shown(a: Analysis) -> list[SlowWindow]:
     return sorted(a.windows, key=lambda w: (not w.onset, -comms[w.comm].nranks, w.comm))[:2]
 
 
+def _all_starved(a: Analysis) -> str | None:
+    """Every rank's threads waited in the run queue behind processes outside
+    the job (SCHED_MIN_NS and more each, in the recording): CPUs shared with
+    other work, on every host alike (one host's would name its ranks)."""
+    outside = a.sched.outside
+    if not len(outside) or int(outside.min()) < SCHED_MIN_NS:
+        return None
+    return (
+        f"every rank's threads waited in the run queue behind processes outside the job: "
+        f"{ms(int(outside.min()))} to {ms(int(outside.max()))} each in the recording"
+    )
+
+
 def detect_slowdown(a: Analysis) -> list[Verdict]:
     """The whole job slowed alike: nothing else departs (run last)."""
     slow = a.incident.slowdown
@@ -269,6 +283,9 @@ def detect_slowdown(a: Analysis) -> list[Verdict]:
         "no rank arrives last and no host's connections retransmit inside the slow "
         "collectives: every rank slowed alike"
     )
+    starved = _all_starved(a)
+    if starved is not None:
+        evidence.append(starved)
     evidence.append(f"raised by {slow.host}: {slow.reason}")
     top = shown[0] if shown else None
     comm = inc.comms[top.comm] if top is not None else None
@@ -277,7 +294,11 @@ def detect_slowdown(a: Analysis) -> list[Verdict]:
             f"the whole job slowed {top.factor:.1f}x from seq {top.seq} on "
             f"{comm.name if comm else '?'} (a collective every {ms(top.slow_interval_ns or 0)} "
             f"against {ms(top.base_interval_ns or 0)}), every rank alike: no rank or host "
-            "departs (shared storage, a data loader, the job's own work?)"
+            + (
+                "departs (every rank waited for a CPU behind processes outside the job)"
+                if starved is not None
+                else "departs (shared storage, a data loader, the job's own work?)"
+            )
         )
     else:
         summary = (

@@ -74,6 +74,7 @@ class Job:
     loss_into: bool = False
     cpuhog: int | None = None  # rank
     hog_shared: int | None = None  # a rank sharing the hogged CPU: starved alike
+    hog_all: bool = False  # every rank starved alike (other work on every CPU)
     # who held the CPU when each wait ended: "outside" (a hog, HOG_PID),
     # "job" (another rank of the node: too few CPUs for the job), "unknown"
     # (a dump before format 5)
@@ -399,7 +400,7 @@ def _sched(job: Job, k: int, windows: list[Window], skew: int) -> np.ndarray:
     # windows are one per rank and step: those from the faulty step on
     hogged = [w for w in windows if w[0] >= _from_ns(job, windows)]
     for r in ranks:
-        starved = r in (job.cpuhog, job.hog_shared)
+        starved = job.hog_all or r in (job.cpuhog, job.hog_shared)
         n, delay = (40, 12 * MS) if starved else (2, int(0.2 * MS))
         neighbour = pid_of(ranks[(ranks.index(r) + 1) % len(ranks)])
         holder = {"outside": HOG_PID, "job": neighbour, "unknown": PREV_PID_UNKNOWN}[job.held_by]

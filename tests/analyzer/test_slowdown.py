@@ -66,6 +66,20 @@ def test_a_job_slowed_alike_is_a_slowdown_never_healthy() -> None:
     assert top(Job(**{**BASE.__dict__, "all_slow_ms": 60.0})).kind is VerdictKind.HEALTHY
 
 
+def test_a_job_slowed_alike_on_starved_cpus_says_so() -> None:
+    """Other work on every CPU starves every rank alike: nobody departs, and
+    the run-queue waits behind processes outside the job are the evidence."""
+    job = Job(**{**BASE.__dict__, "all_slow_ms": 60.0, "slowdown_by": 1, "hog_all": True})
+    v = top(job)
+    assert v.kind is VerdictKind.SLOWDOWN and v.ranks == ()
+    assert "waited for a CPU behind processes outside the job" in v.summary
+    assert any("run queue behind processes outside the job: 480.0 ms" in e for e in v.evidence)
+    # the same slowdown without the waits: no such claim
+    plain = top(Job(**{**BASE.__dict__, "all_slow_ms": 60.0, "slowdown_by": 1}))
+    assert "outside the job" not in plain.summary
+    assert not any("run queue" in e for e in plain.evidence)
+
+
 def test_a_rank_slowed_mid_run_is_named_on_the_slow_window() -> None:
     job = Job(**{**BASE.__dict__, "slow": (3, 60.0), "slowdown_by": 0})
     v = top(job)

@@ -267,8 +267,9 @@ class LabWatch:
 
 
 def _pump(stream: TextIO, sink: Callable[[str], None]) -> None:
-    for line in stream:
-        sink(line.rstrip("\n"))
+    with stream:  # closed at its end: the process's pipe is ours to close
+        for line in stream:
+            sink(line.rstrip("\n"))
 
 
 @dataclass(slots=True)

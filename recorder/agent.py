@@ -700,13 +700,13 @@ class Agent:
         damage = pins.damage()
         if damage is None:
             return
-        self.counters.add("pins_restored")
         try:
             pins.restore()
         except PinError as exc:
             self.counters.add("pins_restore_failures")
             log.error("%s: not pinned again: %s (a SIGKILL now loses the recording)", damage, exc)
             return
+        self.counters.add("pins_restored")  # once it is: /metrics is read meanwhile
         log.warning("%s: pinned again (the kernel recorded on meanwhile)", damage)
 
     def serving(self, port: int) -> None:

@@ -19,6 +19,8 @@ from stallwatch.dumpers.format import read_dump
 from stallwatch.lab.demo import (
     HEADLINE_QUERY,
     STEPS,
+    Console,
+    LabProcess,
     check_dump_dir,
     choose_injection,
     command_text,
@@ -32,6 +34,21 @@ DEMO_TIMEOUT = 240
 
 
 # --- fast ---------------------------------------------------------------------------
+
+
+def test_the_lab_process_pipes_are_closed_once_it_finished() -> None:
+    """Its output is read to the end and its pipes closed (left to the
+    garbage collector, they warn in whatever code runs next)."""
+    import io
+
+    console = Console(io.StringIO(), io.StringIO(), quiet=True)
+    lab = LabProcess.start(
+        (sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"), console
+    )
+    assert lab.finish() == 0
+    assert lab.stdout == ["out"] and lab.stderr == ["err"]
+    assert lab.proc.stdout is not None and lab.proc.stdout.closed
+    assert lab.proc.stderr is not None and lab.proc.stderr.closed
 
 
 def test_injection_is_drawn_from_the_seed_alone_and_fits_the_job() -> None:

@@ -382,6 +382,7 @@ def test_a_full_disk_is_said_and_stallwatch_dump_exits_non_zero(
 # ---------------------------------------------------------------- pins
 
 
+@pytest.mark.solo  # judges how soon (5 s) a removal is noticed: runs alone
 def test_a_removed_pin_folder_is_pinned_again_and_a_sigkill_loses_nothing(
     fake: FakeNccl, folder: Path
 ) -> None:

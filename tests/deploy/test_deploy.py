@@ -62,6 +62,7 @@ EBPF_CAPS = {
     "CAP_SYS_RESOURCE",
     "CAP_SYS_PTRACE",
     "CAP_DAC_READ_SEARCH",
+    "CAP_NET_ADMIN",
 }
 
 

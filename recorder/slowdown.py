@@ -529,6 +529,7 @@ class SlowdownWatch:
         out = []
         for s in sorted(self._streams.values(), key=lambda s: (s.comm_hash, s.rank, s.pid)):
             bases = [x.base_duration for x in s.sigs.values() if x.base_duration]
+            waits = self._waits_on_host(s)  # lateness only then: see _Stream.blocking
             out.append(
                 StreamGauges(
                     s.pid,
@@ -540,9 +541,9 @@ class SlowdownWatch:
                     s.baseline_interval(),
                     int(np.median(s.durations)) if s.durations else None,
                     int(np.median(bases)) if bases else None,
-                    _last_share(s) if self._waits_on_host(s) else None,  # _Stream.blocking
-                    _median_lateness(s) if self._waits_on_host(s) else None,
-                    s.base_lateness if self._waits_on_host(s) else None,
+                    _last_share(s) if waits else None,
+                    _median_lateness(s) if waits else None,
+                    s.base_lateness if waits else None,
                 )
             )
         return out

@@ -126,7 +126,7 @@ def retransmit_slowdowns(inc: Incident, m: Matched) -> list[CommSlowdown]:
     queued = queued_comms(m, len(inc.comms))
     end = call_windows(m, queued)
     hits = _retransmits_per_row(inc, m, phost, end)
-    held = _held_per_row(inc, m, phost, end) if queued.any() else hits * 0
+    held = _held_per_row(inc, m, phost, end) if queued.any() else np.zeros_like(hits)
     out = []
     for comm, c in enumerate(inc.comms):
         hosts = tuple(sorted({int(phost[p]) for p in c.members if p >= 0}))
@@ -154,6 +154,16 @@ def _retransmits_per_row(
         hi = np.searchsorted(t, end[sel], side="right")
         hits[sel] = hi - np.searchsorted(t, rows["ts"][sel], side="left")
     return hits
+
+
+def _complete_groups(
+    gid: np.ndarray, end: np.ndarray, nranks: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """A communicator's rows' groups: where each starts, and whether it is
+    complete (every member's call in it, each window ended)."""
+    starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
+    size = np.diff(np.append(starts, len(gid)))
+    return starts, (np.minimum.reduceat(end, starts) > 0) & (size == nranks)
 
 
 def _held_per_row(inc: Incident, m: Matched, phost: np.ndarray, end: np.ndarray) -> np.ndarray:
@@ -189,9 +199,7 @@ def _held_share(
     gid, h, e, ts = m.gid[sl], held[sl], end[sl], m.rows["ts"][sl]
     if not len(gid):
         return 0, 0.0
-    starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
-    size = np.diff(np.append(starts, len(gid)))
-    ok = (np.minimum.reduceat(e, starts) > 0) & (size == nranks)
+    starts, ok = _complete_groups(gid, e, nranks)
     g_held = np.maximum.reduceat(h, starts)[ok]
     g_len = np.maximum.reduceat(e - ts, starts)[ok]
     total = int(g_len.sum())
@@ -205,9 +213,7 @@ def _slowdown(
     rows, gid, hit, end = m.rows[sl], m.gid[sl], hits[sl], windows[sl]
     if not len(rows):
         return None
-    starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
-    size = np.diff(np.append(starts, len(gid)))
-    ok = (np.minimum.reduceat(end, starts) > 0) & (size == nranks)
+    starts, ok = _complete_groups(gid, end, nranks)
     if not ok.any():
         return None
     dur = np.maximum.reduceat(end - rows["ts"], starts)[ok]

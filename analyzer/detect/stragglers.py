@@ -499,10 +499,11 @@ def _late_somewhere(a: Analysis, proc: int, heavy: set[int]) -> tuple[ArrivalSco
     return s, share
 
 
-def _with_reading(a: Analysis, v: Verdict, proc: int) -> Verdict:
-    """A straggler on a host whose retransmits it explains says so."""
+def _with_reading(a: Analysis, v: Verdict, proc: int, readers: frozenset[int]) -> Verdict:
+    """A straggler on a host whose retransmits it explains (one of
+    ``readers``, from ``slow_readers``) says so."""
     host = proc_hosts(a.incident)[proc]
-    if host not in slow_readers(a):
+    if host not in readers:
         return v
     (h,) = [x for x in a.retransmits if x.host == host]
     line = (
@@ -604,7 +605,7 @@ def detect_stragglers(a: Analysis) -> list[Verdict]:
             out.append(_straggler_verdict(a, s, VerdictKind.CPU_INTERFERENCE))
         elif a.incident.procs[s.proc].host not in lossy:
             v = _straggler_verdict(a, s, VerdictKind.COMPUTE_STRAGGLER)
-            out.append(_with_reading(a, v, s.proc) if readers else v)
+            out.append(_with_reading(a, v, s.proc, readers))
     for proc in sorted(heavy - named):  # starved, and late (if less consistently)
         late = _late_somewhere(a, proc, heavy)
         if late is not None:

@@ -23,7 +23,7 @@ from .common import Analysis, Detector
 from .desync import detect_desync
 from .exits import detect_rank_exited
 from .missing import detect_missing_rank, detect_p2p_missing
-from .partition import detect_partition
+from .partition import detect_lossy_stall, detect_partition
 from .positions import detect_positions
 from .stall import detect_stall
 from .stragglers import detect_network_unexplained, detect_stragglers
@@ -46,9 +46,11 @@ FALLBACK_DETECTORS: tuple[Detector, ...] = (detect_p2p_missing, detect_positions
 # (``inconclusive``), before a healthy is said: a hung job is never healthy.
 # Each takes the evidence of a stall no rank departs from; the first that
 # finds anything is the verdict.  The network's verdicts on a stall every
-# member shares (a link down, connections no longer acknowledged) go before
-# ``detect_stall``, which says only that the job stood still and what every
-# rank shares.
-STALL_DETECTORS: tuple[Detector, ...] = (detect_stall,)
+# member shares go before ``detect_stall``, which says only that the job
+# stood still and what every rank shares: a link down or connections no
+# longer acknowledged are ``detect_partition``'s (above); connections that
+# kept losing data up to the dumps, each time acknowledged again, are
+# ``detect_lossy_stall``'s.
+STALL_DETECTORS: tuple[Detector, ...] = (detect_lossy_stall, detect_stall)
 
 __all__ = ["DETECTORS", "FALLBACK_DETECTORS", "STALL_DETECTORS", "Analysis", "Detector"]

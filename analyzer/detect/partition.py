@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 
@@ -259,7 +260,12 @@ def stalled_together(inc: Incident) -> dict[int, tuple[int, int]] | None:
 # ---- naming the host ------------------------------------------------------------------
 
 
-def shared_hosts(conns: Iterable[ConnFate], nhosts: int) -> tuple[int, ...]:
+class _Between(Protocol):
+    @property
+    def hosts(self) -> tuple[int, int]: ...
+
+
+def shared_hosts(conns: Iterable[_Between], nhosts: int) -> tuple[int, ...]:
     """The host every connection touches (the pair, when two hosts are)."""
     conns = list(conns)
     if not conns:
@@ -640,6 +646,117 @@ def _reset(a: Analysis) -> Verdict | None:
         summary,
         tuple(evidence),
     )
+
+
+# ---- a stall held by loss -------------------------------------------------------------
+
+# retransmits since the stall began on one host's (or one pair's) connections,
+# a timeout among them, and the last of them this close to its host's dump
+# (or within two of its timeouts: the next one was still to come)
+LOSSY_STALL_MIN = 4
+LOSSY_RECENT_NS = 1_000_000_000
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Lossy:
+    """A connection between two hosts that kept losing while the job stood still."""
+
+    hosts: tuple[int, int]
+    retransmits: int
+    timeouts: int
+    rto_ns: int  # the longest timeout that expired (0: unknown)
+
+
+def lossy_during_stall(inc: Incident, began_wall: int) -> list[_Lossy]:
+    """The job's connections that retransmitted since ``began_wall`` and
+    were still retransmitting when their hosts' dumps were taken: data the
+    stalled calls wait for, lost and sent again (a connection whose
+    retransmits ended long before the dump was acknowledged since)."""
+    t = inc.tcp
+    t = t[(t["other"] == 0) & (t["event"] == TcpEvent.TCP_RETRANSMIT_SKB)]
+    if not len(t):
+        return []
+    walls = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
+    now = np.array([_now(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
+    t = t[t["ts"] + walls[t["host"]] >= began_wall]
+    out = []
+    for conn in np.unique(t["conn"]).tolist():
+        rows = t[t["conn"] == conn]
+        recent, timeouts = False, 0
+        for h in np.unique(rows["host"]).tolist():
+            mine = rows[rows["host"] == h]
+            mine = mine[np.argsort(mine["ts"], kind="stable")]
+            last = int(mine["ts"][-1])
+            rto = int(mine["rto"][-1])
+            recent |= now[h] >= 0 and now[h] - last <= max(LOSSY_RECENT_NS, 2 * rto)
+            # rows without the connection's state: timeouts told from their spacing
+            spaced = _backoff_from_spacing(mine["ts"])
+            timeouts += int(np.count_nonzero(np.where(mine["known"] > 0, mine["backoff"], spaced)))
+        if not recent:
+            continue
+        x, y = int(rows["local"][0]), int(rows["remote"][0])
+        out.append(_Lossy((min(x, y), max(x, y)), len(rows), timeouts, int(rows["rto"].max())))
+    return out
+
+
+def detect_lossy_stall(a: Analysis) -> list[Verdict]:
+    """Every rank blocked in a call and no connection stopped for good, but
+    the job's connections of one host (or between the two hosts of a job of
+    two) lost and resent data all through the stall, up to the dumps: packet
+    loss held the collectives every rank waits on past the stall timeout (a
+    lossy link under a loaded host: timeouts backing off to seconds).  Run
+    only when no other detector found anything: a rank that departs is the
+    culprit, loss beside it or not."""
+    inc = a.incident
+    stalled = stalled_together(inc)
+    if stalled is None:
+        return []
+    lossy = lossy_during_stall(inc, _stall_began(inc, stalled))
+    hosts = shared_hosts(lossy, len(inc.hosts))
+    total = sum(c.retransmits for c in lossy)
+    if not hosts or total < LOSSY_STALL_MIN or not any(c.timeouts for c in lossy):
+        return []
+    names = _names(inc, hosts)
+    procs = [i for i, h in enumerate(proc_hosts(inc)) if h in hosts]
+    ranks, _, pids = who(inc, procs)
+    longest = max(age for _, age in stalled.values())
+    rto = max(c.rto_ns for c in lossy)
+    backed = f", timeouts backing off to {_s(rto)}" if rto else ""
+    where = (
+        f"host {names[0]}'s connections"
+        if len(hosts) == 1
+        else f"the connections between hosts {names[0]} and {names[1]}"
+    )
+    summary = (
+        f"the job stood still for {_s(longest)} while {where} kept losing data: "
+        f"{total} retransmits since the stall began{backed}, still retransmitting when the "
+        "dumps were taken; every rank waits on the collectives that loss holds"
+        + ("; both ends of one link look alike" if len(hosts) == 2 else "")
+    )
+    by_pair: dict[tuple[int, int], list[_Lossy]] = defaultdict(list)
+    for c in lossy:
+        by_pair[c.hosts].append(c)
+    evidence = [
+        f"hosts {inc.hosts[x]} and {inc.hosts[y]}: {len(cs)} connection(s) retransmitting "
+        f"since the stall began: {sum(c.retransmits for c in cs)} retransmits, "
+        f"{sum(c.timeouts for c in cs)} of them timeouts, acknowledged between them (lossy, "
+        "not cut)"
+        for (x, y), cs in sorted(by_pair.items())
+    ]
+    evidence += _link_lines(inc, hosts) + _blocked_lines(a, stalled)
+    return [
+        Verdict(
+            VerdictKind.NETWORK_STRAGGLER,
+            ranks,
+            names,
+            pids,
+            None,
+            None,
+            None,
+            summary,
+            tuple(evidence[: 2 * MAX_LISTED]),
+        )
+    ]
 
 
 def _death(code: int | None, signal: int | None) -> str:

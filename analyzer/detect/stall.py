@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from stallwatch.dumpers.schema import op_name
 
-from ..incident import Frontier, Lag
+from ..incident import Frontier, Lag, Member
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, primary, world_of
 from .positions import held_waits
@@ -77,13 +77,20 @@ def detect_stall(a: Analysis) -> list[Verdict]:
     ranks = tuple(sorted({world_of(inc, g.comm, m.crank) for g in fronts for m in g.laggards}))
     if absent:
         older = [m for g in fronts for m in g.laggards if g.lag(m) is Lag.OLDER]
-        why = (
-            "their dumps were read before it began (their peers' completions prove they went "
-            "further)"
-            if len(older) == len(absent)
-            else "their dumps may have been read before it began (dumps taken in turn), and "
-            "they cannot be told apart"
-        )
+        elsewhere = _blocked_elsewhere(a, absent)
+        if len(older) == len(absent):
+            why = (
+                "their dumps were read before it began (their peers' completions prove they "
+                "went further)"
+            )
+        elif elsewhere:
+            why = f"they wait in {elsewhere} at their dumps, a stall they share, and they "
+            why += "cannot be told apart"
+        else:
+            why = (
+                "their dumps may have been read before it began (dumps taken in turn), and "
+                "they cannot be told apart"
+            )
         names = ", ".join(map(str, ranks)) or f"{len(absent)} member(s)"
         summary = (
             f"the job stood still at {where}, and rank(s) {names} never entered it there, "
@@ -96,6 +103,17 @@ def detect_stall(a: Analysis) -> list[Verdict]:
         )
     comm = inc.comms[f.comm].hash_text
     return [_verdict(f, comm, tuple(r for r in ranks if r >= 0), summary, evidence)]
+
+
+def _blocked_elsewhere(a: Analysis, absent: list[Member]) -> str | None:
+    """Where the absent members were blocked when their dumps were taken
+    ("ALL_REDUCE", "ALL_REDUCE, SEND"), if every one of them was: they are
+    behind because they wait in another call, not because their dumps are old."""
+    waiting = {int(p): int(op) for p, op, _ in a.incident.waiting.tolist()}
+    ops = [waiting.get(m.proc) for m in absent]
+    if not ops or any(op is None for op in ops):
+        return None
+    return ", ".join(op_name(op) for op in sorted({op for op in ops if op is not None}))
 
 
 def _verdict(

@@ -91,6 +91,11 @@ class Job:
     flap: tuple[int, int, float] | None = None  # (node, step, ms)
     reset: tuple[int, int] | None = None  # (node, step)
     link: tuple[int, int, int] | None = None
+    # the collective of a step held by loss on a node's connections past the
+    # dump: retransmits all along, acknowledged between them (never two
+    # timeouts in a row for a second), the last ``lossy_quiet_ms`` before it
+    lossy_stall: tuple[int, int] | None = None  # (node, step)
+    lossy_quiet_ms: float = 0.0
     with_state: bool = True
     # a node's link loses its carrier at the network fault's step (cut: for
     # good; flap: for flap_ms); rdma: the job's traffic crosses no TCP
@@ -205,6 +210,8 @@ def _cut_step(job: Job) -> int | None:
         return job.cut[1]
     if job.link is not None:
         return job.link[2]
+    if job.lossy_stall is not None:
+        return job.lossy_stall[1]
     return None
 
 
@@ -496,6 +503,28 @@ def _timeouts(job: Job, k: int, peer: int, start: int, until: int) -> list[np.vo
     return out
 
 
+LOSS_GAP_MS = 700.0
+
+
+def _losses(job: Job, k: int, peer: int, start: int, until: int) -> list[np.void]:
+    """Node k's retransmits on its connection to ``peer`` from ``start`` to
+    ``until`` on a lossy link: a timeout, a second one in a row, then
+    acknowledged, again and again (what 10% loss looks like)."""
+    out = []
+    t, n = start, 0
+    while t + int(LOSS_GAP_MS * MS) <= until:
+        t += int(LOSS_GAP_MS * MS)
+        backoff = 1 + n % 2
+        x = _conn_row(job, k, peer, t)
+        if job.with_state:
+            x["conn_known"], x["backoff"] = 1, backoff
+            x["no_ack_ns"] = int(RTO_MS * MS) * (2**backoff - 1)
+            x["rto_us"], x["srtt_us"], x["unacked"] = int(RTO_MS * 1000) * backoff, 300, 65536
+        out.append(x)
+        n += 1
+    return out
+
+
 def _links(
     job: Job, k: int, calls: list[np.void], now: int, skew: int, ranks: list[int]
 ) -> tuple[tuple[LinkInfo, ...], np.ndarray]:
@@ -529,7 +558,13 @@ def _net(job: Job, k: int, calls: list[np.void], now: int, skew: int) -> np.ndar
     """Node k's rows of a cut, a flap, a reset or a stopped link; and one
     acknowledged retransmit on each of its connections early on (every
     host's own address is then known, as a busy link shows)."""
-    if job.cut is None and job.flap is None and job.reset is None and job.link is None:
+    if (
+        job.cut is None
+        and job.flap is None
+        and job.reset is None
+        and job.link is None
+        and job.lossy_stall is None
+    ):
         return np.zeros(0, dtype=TCP_EVENT)
     if job.rdma:  # the job's traffic crosses no TCP connection
         return np.zeros(0, dtype=TCP_EVENT)
@@ -556,6 +591,9 @@ def _net(job: Job, k: int, calls: list[np.void], now: int, skew: int) -> np.ndar
             x = _conn_row(job, k, p, start)
             x["event"] = TcpEvent.TCP_SEND_RESET if k == node else TcpEvent.TCP_RECEIVE_RESET
             rows.append(x)
+    elif job.lossy_stall is not None:
+        for p in touched:
+            rows += _losses(job, k, p, start, now - int(job.lossy_quiet_ms * MS))
     else:
         until = now if job.flap is None else start + int(job.flap[2] * MS)
         for p in touched:
@@ -566,7 +604,7 @@ def _net(job: Job, k: int, calls: list[np.void], now: int, skew: int) -> np.ndar
 
 
 def _network_fault(job: Job) -> tuple[int, int]:
-    for fault in (job.cut, job.reset):
+    for fault in (job.cut, job.reset, job.lossy_stall):
         if fault is not None:
             return fault[0], fault[1]
     if job.flap is not None:

@@ -225,3 +225,58 @@ def test_resets_a_dying_rank_brings_after_the_first_death_do_not_blur_the_host()
     result = analyze_recordings([(f"{r.host}.msgpack", r) for r in _with_rows(recs, late)])
     v = result.incidents[0].verdicts[0]
     assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node0",), v.summary
+
+
+# ---- a stall held by loss (connections acknowledged between timeouts) -----------------
+
+
+@pytest.mark.parametrize("node", [0, 2])
+@pytest.mark.parametrize("with_state", [True, False])
+def test_a_stall_held_by_loss_names_the_lossy_node(node: int, with_state: bool) -> None:
+    kind, hosts, summary = first(with_(JOB, lossy_stall=(node, 20), with_state=with_state))
+    assert kind is VerdictKind.NETWORK_STRAGGLER, summary
+    assert hosts == (host_of(node),)
+    assert "kept losing data" in summary and "still retransmitting" in summary
+
+
+def test_a_stall_held_by_loss_between_two_nodes_names_the_pair() -> None:
+    inc = analyze(with_(JOB, nodes=2, lossy_stall=(1, 20)))
+    v = inc.verdicts[0]
+    assert v.kind is VerdictKind.NETWORK_STRAGGLER and v.hosts == ("node0", "node1")
+    assert "look alike" in v.summary
+    assert any("acknowledged between them" in e for e in v.evidence)
+    assert any(e.startswith("consequence: ranks 0, 1, 2, 3 wait") for e in v.evidence)
+
+
+def test_loss_that_ended_seconds_before_the_dumps_holds_no_stall() -> None:
+    """Acknowledged again since: the loss did not hold what the ranks wait on."""
+    kind, _, summary = first(with_(JOB, lossy_stall=(1, 20), lossy_quiet_ms=4000))
+    assert kind is VerdictKind.INCONCLUSIVE, summary
+
+
+def test_a_hang_beside_a_stall_held_by_loss_stays_the_hang() -> None:
+    kind, hosts, _ = first(with_(JOB, hang=(3, 20), lossy_stall=(2, 20)))
+    assert kind is VerdictKind.MISSING_RANK and hosts == ("node1",)
+
+
+def test_a_cut_is_still_a_cut_not_loss() -> None:
+    kind, _, _ = first(with_(JOB, cut=(1, 20)))
+    assert kind is VerdictKind.NETWORK_PARTITION
+
+
+def test_a_real_lossy_stall_names_the_pair_not_dumps_in_turn() -> None:
+    """The lab's 2x2 job whose first cross-node AllReduce stood still for
+    10 s on 10% loss under load (tests/data/net-loss-stall-2x2)."""
+    from pathlib import Path
+
+    from stallwatch.analyzer.pipeline import analyze_paths
+
+    folder = Path(__file__).resolve().parents[1] / "data" / "net-loss-stall-2x2"
+    result = analyze_paths([str(p) for p in sorted(folder.glob("*.msgpack"))])
+    (inc,) = result.incidents
+    kinds = [v.kind for v in inc.verdicts]
+    assert kinds == [VerdictKind.NETWORK_STRAGGLER], [v.summary for v in inc.verdicts]
+    v = inc.verdicts[0]
+    assert v.hosts == ("node0", "node1")
+    assert "timeouts backing off to 2.8 s" in v.summary
+    assert "in turn" not in v.summary

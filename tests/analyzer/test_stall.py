@@ -7,6 +7,7 @@ two nodes' dumps (test_moments)."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
 
@@ -72,3 +73,21 @@ def test_threads_held_briefly_or_moving_on_are_no_stall() -> None:
     assert held_waits(_incident(0.5), STALL_HELD_NS) == []
     held = held_waits(_incident(1.5, moving=True), STALL_HELD_NS)
     assert not any(h.startswith("rank 3") for h in held), held
+
+
+def test_ranks_blocked_in_another_call_are_not_called_dumps_in_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lab's lossy stall without the network rule: ranks 0 and 2 never
+    entered the Broadcast because they wait in their AllReduce; both dumps
+    were taken 14 ms apart, so "dumps taken in turn" would be false."""
+    import stallwatch.analyzer.pipeline as pipeline
+    from stallwatch.analyzer.detect.stall import detect_stall
+
+    monkeypatch.setattr(pipeline, "STALL_DETECTORS", (detect_stall,))
+    folder = Path(__file__).resolve().parents[1] / "data" / "net-loss-stall-2x2"
+    (inc,) = pipeline.analyze_paths([str(p) for p in sorted(folder.glob("*.msgpack"))]).incidents
+    (v,) = inc.verdicts
+    assert v.kind is VerdictKind.INCONCLUSIVE
+    assert "they wait in ALL_REDUCE at their dumps" in v.summary
+    assert "in turn" not in v.summary

@@ -163,10 +163,13 @@ def test_faults_recorded_by_the_node_they_hit(tmp_path: Path) -> None:
     rank 0 crashes at step 6: every agent dumps that incident.  The lab drops
     node 1's packets in both directions, so node 0's sockets to node 1 may
     retransmit too; what must hold is that each node's retransmits are its
-    own sockets', never the other node's ranks'."""
+    own sockets', never the other node's ranks'.  The stall timeout is long:
+    on a loaded machine 10% loss can hold one collective for more than 10 s
+    (timeouts backing off to seconds), and a stall dumped before step 6
+    would be another incident than the one this test reads."""
     result = lab_run(
         "--nodes", "2", "--ranks-per-node", "2", "--steps", "10", "--record",
-        "--dump-dir", str(tmp_path), "--stall-timeout", "10",
+        "--dump-dir", str(tmp_path), "--stall-timeout", "40",
         "--fault", "loss:node=1,pct=10",
         "--fault", "cpuhog:rank=3",
         "--fault", "crash:rank=0,step=6,signal=KILL",

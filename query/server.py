@@ -302,6 +302,15 @@ class Server:
         self.listener = socket.socket(family, socket.SOCK_STREAM)
         try:
             self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            # the kernel hands a connection over once its client sent something
+            # (HTTP and TLS clients speak first): sockets opened and left
+            # silent wait in its handshake queue for up to FIRST_REQUEST_S,
+            # not here, where they would displace clients about to speak (a
+            # reconnecting flood from one address cycled through its places
+            # in 2 ms and displaced health checks before their TLS handshake)
+            self.listener.setsockopt(
+                socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, int(FIRST_REQUEST_S)
+            )
             self.listener.bind(address)
             self.listener.listen(socket.SOMAXCONN)
         except OSError:

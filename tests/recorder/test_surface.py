@@ -242,9 +242,10 @@ def test_health_and_dumps_beside_16_expensive_queries(plain: Agent) -> None:
 
 def _idle_and_flood(
     agent: Agent, context: ssl.SSLContext | None, token: str | None
-) -> tuple[list[float], list[float]]:
+) -> tuple[list[float], list[float], int]:
     """/healthz beside 4,200 idle sockets, then beside one client that holds
-    as many connections as it can and reconnects each one closed."""
+    as many connections as it can and reconnects each one closed; and how
+    many connections that client opened."""
     raise_files(12000)
     idle = [socket.create_connection(("127.0.0.1", agent.port)) for _ in range(4200)]
     try:
@@ -253,11 +254,14 @@ def _idle_and_flood(
         for sock in idle:
             sock.close()
 
+    opened = [0]
+
     def flood(done: threading.Event) -> None:
         held: list[socket.socket] = []
         while not done.is_set():
             try:
                 held.append(socket.create_connection(("127.0.0.1", agent.port), timeout=1))
+                opened[0] += 1
             except OSError:
                 time.sleep(0.01)
             if len(held) >= 4200:  # full: reconnect those the agent closed
@@ -281,7 +285,7 @@ def _idle_and_flood(
         beside_flood = health_times(agent, 3.0, context, token)
     finally:
         finish()
-    return beside_idle, beside_flood
+    return beside_idle, beside_flood, opened[0]
 
 
 @pytest.mark.solo  # judged by time
@@ -290,23 +294,28 @@ def test_health_beside_idle_sockets_and_a_reconnecting_flood(
 ) -> None:
     """Plain and TLS: /healthz under 2 s beside 4,200 idle unauthenticated
     sockets (before: failed while they were held) and beside a reconnecting
-    flood (before: 39 of 41 failed, TLS)."""
+    flood (before: 39 of 41 failed, TLS; then, with idle connections
+    displaced oldest first, a TLS health check whose handshake had not come
+    yet was displaced in 1 run of 3: the flood cycled through an address's
+    64 places in 2 ms).  The connections that never send reach the agent
+    only after the kernel held them back for 3 s (TCP_DEFER_ACCEPT)."""
     tls_agent, context, _ = tls
     figures = {}
     for name, agent, ctx, token in (
         ("plain", plain, None, None),
         ("TLS", tls_agent, context, TOKEN),
     ):
-        idle, flood = _idle_and_flood(agent, ctx, token)
+        idle, flood, opened = _idle_and_flood(agent, ctx, token)
         figures[name] = (idle, flood)
         evicted = metric(agent, "stallwatch_http_connections_evicted_total", token=token,
                          context=ctx)  # fmt: skip
         print(
             f"\nfigure ({name}): /healthz worst {max(idle):.3f} s beside 4,200 idle sockets, "
-            f"{max(flood):.3f} s beside a reconnecting flood ({len(idle)} and {len(flood)} "
-            f"asked; {evicted:.0f} idle connections displaced; target < 2 s)"
+            f"{max(flood):.3f} s beside a reconnecting flood of {opened} connections "
+            f"({len(idle)} and {len(flood)} asked; {evicted:.0f} idle connections displaced; "
+            "target < 2 s)"
         )
-        assert evicted > 4000
+        assert opened >= 4200  # the flood was one
     for idle, flood in figures.values():
         assert max(idle) < 2.0 and max(flood) < 2.0
 

@@ -29,9 +29,11 @@
  * every socket of the machine) asks the kernel for retransmission-timeout
  * and retransmit callbacks on every established socket; for the job's, it
  * keeps in `conn_state` what the kernel says there (RTO and the timeouts in
- * a row, smoothed RTT, bytes unacknowledged, segments out) and completes
- * the retransmit row the tracepoint just wrote (the tracepoint fires first,
- * inside the retransmission; the callback right after it).  Only the
+ * a row, smoothed RTT, bytes unacknowledged, segments out), and the
+ * retransmit row copies it: __tcp_retransmit_skb calls the callback first
+ * and the tracepoint right after it (the timeout's callback comes before
+ * both).  A retransmit that fails early reaches the tracepoint alone: its
+ * row says the state as last seen.  Only the
  * sock_ops context is read: no kernel struct by pointer.  "Nothing
  * acknowledged for at least" is a lower bound: the last acknowledgement
  * came before the first timeout of a run of timeouts minus its RTO, and
@@ -122,7 +124,6 @@ BPF_TABLE("lru_hash", struct addr_pair, u64, other_sampled, MAX_ENDPOINTS);
 #define OTHER_SAMPLE_NS 1000000000ULL
 
 struct conn {
-	u64 row_pos;        /* the retransmit row the tracepoint wrote last */
 	u64 una_since_ns;   /* when snd_una was first seen where it is */
 	u64 rto_run_ns;     /* a run of timeouts: nothing acknowledged since */
 	u32 snd_una;
@@ -381,15 +382,9 @@ TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
 #ifdef TP_RETRANSMIT_ERR
 	e->err = args->err;
 #endif
-	struct conn fresh = {};
-	struct conn *c = conn_state.lookup_or_try_init(&skaddr, &fresh);
-	if (c) {
-		if (c->known)
-			copy_conn(e, c, e->hdr.ts_ns);
-		c->row_pos = pos;
-	} else {
-		count_drop(DROP_CONN_FULL);
-	}
+	struct conn *c = conn_state.lookup(&skaddr);
+	if (c && c->known)  /* the callbacks of this retransmit came first */
+		copy_conn(e, c, e->hdr.ts_ns);
 	publish(&e->hdr, pos);
 	return 0;
 }
@@ -579,24 +574,25 @@ static __always_inline void on_timeout(struct bpf_sock_ops *skops, u64 skaddr, u
 	read_conn(c, skops, now);
 }
 
-/* Right after the retransmit tracepoint: complete the row it wrote. */
+/* Right before the retransmit tracepoint: what the row it writes will say.
+ * A retransmit with no timeout before it (a tail loss probe, a fast
+ * retransmit) may be the first the program hears of a connection. */
 static __always_inline void on_retransmit(struct bpf_sock_ops *skops, u64 skaddr, u64 now)
 {
 	struct conn *c = conn_state.lookup(&skaddr);
-	if (!c)
-		return; /* not the job's (the tracepoint made no entry) */
-	if (skops->snd_una != c->snd_una)
+	if (!c) {
+		if (!job_of_sockops(skops, skaddr))
+			return;
+		struct conn fresh = {};
+		c = conn_state.lookup_or_try_init(&skaddr, &fresh);
+		if (!c) {
+			count_drop(DROP_CONN_FULL);
+			return;
+		}
+	} else if (skops->snd_una != c->snd_una) {
 		c->backoff = 0; /* acknowledged since the last timeout */
+	}
 	read_conn(c, skops, now);
-	u64 pos = c->row_pos;
-	if (!pos)
-		return;
-	c->row_pos = 0;
-	u32 slot = slot_of(pos, TCP_RING_SLOTS);
-	struct tcp_event *e = tcp_ring.lookup(&slot);
-	if (!e || e->hdr.pos != pos || e->skaddr != skaddr)
-		return; /* overwritten meanwhile */
-	copy_conn(e, c, e->hdr.ts_ns);
 }
 
 int handle_sock_ops(struct bpf_sock_ops *skops)

@@ -35,6 +35,11 @@ log = logging.getLogger("stallwatch.positions")
 
 RECHECK_S = 5.0
 KEEP_REQUESTED = 8  # on-demand readings kept for the next dump and for live SQL
+# a reading asked for while the agent starts waits this long at most for its
+# start-up reading (the HTTP surface answers before the first discovery: a
+# series taken then read no process, and one late agent's readings spanned
+# 0.9 s, too short to call a wait a stall)
+STARTUP_WAIT_S = 10.0
 SECOND_NS = 1_000_000_000
 
 
@@ -58,6 +63,7 @@ class PositionKeeper:
     _blocked: list[_Blocked] = field(default_factory=list)
     _checked_ns: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _started: threading.Event = field(default_factory=threading.Event)
 
     def read(self, reason: str) -> ThreadReading:
         with self._lock:
@@ -66,6 +72,7 @@ class PositionKeeper:
     def take_startup(self) -> ThreadReading:
         snap = self.read("startup")
         self.startup = snap
+        self._started.set()
         self._blocked = [
             _Blocked(p.pid, t.tid, p.taken_ns, t)
             for p in snap.processes
@@ -82,7 +89,9 @@ class PositionKeeper:
         return snap
 
     def take_series(self, samples: int, interval_s: float, reason: str) -> list[ThreadReading]:
-        """``samples`` readings ``interval_s`` apart, kept for the next dump."""
+        """``samples`` readings ``interval_s`` apart, kept for the next dump
+        (after the start-up reading: the processes are known then)."""
+        self._started.wait(STARTUP_WAIT_S)
         out = []
         for i in range(samples):
             if i:

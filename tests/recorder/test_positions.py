@@ -4,6 +4,8 @@ as soon as they are seen to move."""
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -63,3 +65,22 @@ def test_nothing_blocked_at_start_up_is_nothing_in_flight() -> None:
     keeper = PositionKeeper(list, stall_timeout_ns=S)
     snap = keeper.take_startup()
     assert snap.processes == () and keeper.inflight(snap.taken_ns + 10 * S, []) == []
+
+
+def test_a_reading_asked_for_during_start_up_waits_for_the_start_up_reading() -> None:
+    """The HTTP surface answers before the agent's first discovery: a series
+    asked for then is taken after the start-up reading, once the processes
+    are known (before, its first reading read none, and a late agent's
+    readings spanned 0.9 s: too short to call a wait a stall)."""
+    known: list[int] = []
+    keeper = PositionKeeper(lambda: list(known), stall_timeout_ns=S)
+    taken: list[list[object]] = []
+    asker = threading.Thread(target=lambda: taken.append(keeper.take_series(2, 0.0, "request")))
+    asker.start()
+    asker.join(0.3)
+    assert asker.is_alive() and not taken  # waiting for the start-up reading
+    known.append(os.getpid())
+    start = keeper.take_startup()
+    asker.join(10)
+    (series,) = taken
+    assert all(r.taken_ns >= start.taken_ns and r.processes for r in series)  # type: ignore[attr-defined]

@@ -343,13 +343,21 @@ def _names(inc: Incident, hosts: Iterable[int]) -> tuple[str, ...]:
     return tuple(inc.hosts[h] for h in hosts)
 
 
+def _hosts_verdict(
+    inc: Incident, kind: VerdictKind, hosts: tuple[int, ...], summary: str, evidence: list[str]
+) -> Verdict:
+    """A network verdict naming ``hosts`` and every rank on them."""
+    procs = [i for i, h in enumerate(proc_hosts(inc)) if h in hosts]
+    ranks, _, pids = who(inc, procs)
+    names = _names(inc, hosts)
+    return Verdict(kind, ranks, names, pids, None, None, None, summary, tuple(evidence))
+
+
 def _stall_verdict(
     a: Analysis, hosts: tuple[int, ...], dead: list[ConnFate], stalled: dict[int, tuple[int, int]]
 ) -> Verdict:
     inc = a.incident
     names = _names(inc, hosts)
-    procs = [i for i, h in enumerate(proc_hosts(inc)) if h in hosts]
-    ranks, _, pids = who(inc, procs)
     down = [lk for lk in _down_links(inc, stalled) if lk.host in hosts]
     longest = max((f.no_ack_ns or 0) for f in dead) if dead else 0
     peers = sorted({inc.hosts[h] for f in dead for h in f.hosts} - set(names))
@@ -373,17 +381,7 @@ def _stall_verdict(
             "one link look alike; every rank waits"
         )
     evidence = _link_lines(inc, hosts) + _connection_lines(inc, dead) + _blocked_lines(a, stalled)
-    return Verdict(
-        VerdictKind.NETWORK_PARTITION,
-        ranks,
-        names,
-        pids,
-        None,
-        None,
-        None,
-        summary,
-        tuple(evidence),
-    )
+    return _hosts_verdict(inc, VerdictKind.NETWORK_PARTITION, hosts, summary, evidence)
 
 
 def _down_links(inc: Incident, stalled: dict[int, tuple[int, int]]) -> list[LinkFate]:
@@ -506,8 +504,6 @@ def _flap(a: Analysis) -> Verdict | None:
     if not hosts:
         return None
     names = _names(inc, hosts)
-    procs = [i for i, h in enumerate(proc_hosts(inc)) if h in hosts]
-    ranks, _, pids = who(inc, procs)
     spans = [o for f in inside for o in f.outages if o in kept]
     spans += [
         (d, up)
@@ -525,16 +521,8 @@ def _flap(a: Analysis) -> Verdict | None:
     )
     evidence = _link_lines(inc, hosts) + _outage_lines(inc, inside)
     evidence += _held_lines(a, start, end)
-    return Verdict(
-        VerdictKind.NETWORK_PARTITION,
-        ranks,
-        names,
-        pids,
-        None,
-        None,
-        None,
-        summary,
-        tuple(evidence[: 2 * MAX_LISTED]),
+    return _hosts_verdict(
+        inc, VerdictKind.NETWORK_PARTITION, hosts, summary, evidence[: 2 * MAX_LISTED]
     )
 
 
@@ -614,8 +602,6 @@ def _reset(a: Analysis) -> Verdict | None:
     if not hosts:
         return None
     names = _names(inc, hosts)
-    procs = [i for i, h in enumerate(proc_hosts(inc)) if h in hosts]
-    ranks, _, pids = who(inc, procs)
     peers = sorted({inc.hosts[h] for f in reset for h in f.hosts} - set(names))
     where = f"host {names[0]}" if len(hosts) == 1 else f"hosts {names[0]} and {names[1]}"
     summary = (
@@ -635,17 +621,7 @@ def _reset(a: Analysis) -> Verdict | None:
         f"({sum(f.resets for f in fs)} resets sent and received)"
         for (x, y), fs in sorted(by_pair.items())
     ] + deaths
-    return Verdict(
-        VerdictKind.NETWORK_PARTITION,
-        ranks,
-        names,
-        pids,
-        None,
-        None,
-        None,
-        summary,
-        tuple(evidence),
-    )
+    return _hosts_verdict(inc, VerdictKind.NETWORK_PARTITION, hosts, summary, evidence)
 
 
 # ---- a stall held by loss -------------------------------------------------------------
@@ -717,8 +693,6 @@ def detect_lossy_stall(a: Analysis) -> list[Verdict]:
     if not hosts or total < LOSSY_STALL_MIN or not any(c.timeouts for c in lossy):
         return []
     names = _names(inc, hosts)
-    procs = [i for i, h in enumerate(proc_hosts(inc)) if h in hosts]
-    ranks, _, pids = who(inc, procs)
     longest = max(age for _, age in stalled.values())
     rto = max(c.rto_ns for c in lossy)
     backed = f", timeouts backing off to {_s(rto)}" if rto else ""
@@ -744,19 +718,10 @@ def detect_lossy_stall(a: Analysis) -> list[Verdict]:
         for (x, y), cs in sorted(by_pair.items())
     ]
     evidence += _link_lines(inc, hosts) + _blocked_lines(a, stalled)
-    return [
-        Verdict(
-            VerdictKind.NETWORK_STRAGGLER,
-            ranks,
-            names,
-            pids,
-            None,
-            None,
-            None,
-            summary,
-            tuple(evidence[: 2 * MAX_LISTED]),
-        )
-    ]
+    verdict = _hosts_verdict(
+        inc, VerdictKind.NETWORK_STRAGGLER, hosts, summary, evidence[: 2 * MAX_LISTED]
+    )
+    return [verdict]
 
 
 def _death(code: int | None, signal: int | None) -> str:

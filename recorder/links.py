@@ -35,7 +35,10 @@ on an interface stays on it.
 Known limits: netdevs are those of the agent's network namespace; a
 counter's movement is seen at the next reading (1 s for netdevs, up to
 ``rdma_counters_s`` for RDMA counters); a carrier flap inside one reading
-shows as ``carrier_flap`` (the counts moved), with its bounds.
+shows as ``carrier_flap`` (the counts moved), with its bounds; a netdev's
+oper state follows its carrier when the kernel's linkwatch runs (within
+milliseconds, later on a loaded machine), so a reading between the two shows
+the carrier down with the oper state still up, and a ``state`` row follows.
 """
 
 from __future__ import annotations

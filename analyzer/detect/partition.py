@@ -16,7 +16,8 @@ The rules:
   doubles: a connection acknowledged again shows no more timeouts).
 - The host named is the one every such connection shares (with three hosts
   or more); when they are all between the same two hosts (or the job has
-  two), the pair: both ends of one link look alike.
+  two), the pair: both ends of one link look alike, unless one of the two
+  lost the carrier of a link the ranks use (a fact of that host alone).
 - A stall: every rank with a dump blocked in a call (a collective, or a
   group's end with its sends and receives) for ``STALL_NS`` at its dump,
   with connections stopped at the dump.  A flap: the job went on, but the
@@ -306,10 +307,16 @@ def _narrowed(
     inc: Incident, hosts: tuple[int, ...], stalled: dict[int, tuple[int, int]]
 ) -> tuple[int, ...]:
     """Of a pair the job's connections name (every stopped one between the
-    two), the one that other traffic failed to reach too, from a third host,
-    since the stall began: the job's connection to a cut host may have
-    carried nothing when its link went, other traffic to it did."""
-    if len(hosts) != 2 or len(inc.hosts) < 3:
+    two), the one whose link the ranks use went down (a carrier is one
+    host's own), else the one that other traffic failed to reach too, from
+    a third host, since the stall began: the job's connection to a cut host
+    may have carried nothing when its link went, other traffic to it did."""
+    if len(hosts) != 2:
+        return hosts
+    down = {lk.host for lk in _down_links(inc, stalled)} & set(hosts)
+    if len(down) == 1:
+        return tuple(down)
+    if len(inc.hosts) < 3:
         return hosts
     began = _stall_began(inc, stalled) - LINK_SLACK_NS
     reached = {h: 0 for h in hosts}

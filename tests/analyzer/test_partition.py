@@ -199,6 +199,23 @@ def test_with_no_other_traffic_the_pair_stays_a_pair() -> None:
     assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node1", "node2")
 
 
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_of_a_pair_the_host_whose_link_went_down_is_named(nodes: int) -> None:
+    """Every stopped connection lies between node1 and one other host (a
+    two-node job; or the dumps of two hosts alone, as when the others'
+    agents were lost): node1's link lost its carrier, a fact of its own."""
+    fault = {"cut": (1, 20)} if nodes == 2 else {"link": (1, 2, 20)}
+    v = analyze(with_(JOB, nodes=nodes, link_down=True, **fault)).verdicts[0]
+    assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node1",)
+    other = "node0" if nodes == 2 else "node2"
+    assert v.summary.startswith(f"host node1's link eth0 went down: its connections to {other} ")
+
+
+def test_of_a_pair_a_link_down_no_rank_uses_narrows_nothing() -> None:
+    job = with_(JOB, link=(1, 2, 20), link_down=True, unused_link=True)
+    assert analyze(job).verdicts[0].hosts == ("node1", "node2")
+
+
 def test_other_traffic_failing_to_both_of_the_pair_narrows_nothing() -> None:
     job = with_(JOB, link=(1, 2, 20), others=((0, 2), (0, 1)))
     assert analyze(job).verdicts[0].hosts == ("node1", "node2")

@@ -7,6 +7,7 @@ builds the ``AgentConfig`` from its options and calls it.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -33,6 +34,9 @@ def run_agent(config: AgentConfig) -> int:
     from .source import BccSource
 
     log = logging.getLogger("stallwatch.record")
+    # A wedged agent is stopped by its service manager's watchdog with SIGABRT:
+    # every thread's Python stack goes to stderr (the journal), where it hung.
+    faulthandler.enable(all_threads=True)
     source = BccSource(
         config.ring_size,
         int(config.runq_threshold_ms * 1e6),

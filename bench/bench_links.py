@@ -20,6 +20,11 @@ that namespace (``ip netns exec``: its /sys is the namespace's), CPU time
   runs; the sampler reads at most once a second).
 - Mapping one process to its interfaces: its descriptors and its
   namespace's TCP table, with 100 connections open.
+- Reading a process's TCP sockets for the kernel's TCP filter (every 5 s
+  and when a process is placed) beside ``TIME_WAIT`` sockets that a
+  neighbour's churn leaves (10,000, made in the namespace): one sock_diag
+  dump filtered by state (``recorder.sockets.SocketReader``), beside the
+  namespace's ``/proc/<pid>/net/tcp{,6}`` text, which formats every one.
 - The sampler's share of a core at its rate: a netdev reading and a port
   state reading a second, the RDMA counters every 5 s, four empty ticks a
   second.  The idle agent's whole budget is 0.2% of a core
@@ -53,6 +58,7 @@ FIXTURE = REPO / "tests" / "recorder" / "data" / "rdma-sysfs" / "class"
 PAIRS = 5  # veth pairs: 10 interfaces and lo
 SHARE_TARGET = 0.0005  # of a core: a quarter of the idle agent's 0.2%
 CONNECTIONS = 100
+TIME_WAITS = 10_000
 
 
 def _cpu_us(fn: Callable[[], object], n: int, repeats: int) -> float:
@@ -142,11 +148,44 @@ def child(quick: bool, sysfs: Path) -> dict[str, float]:
     me = os.getpid()
     out["map_us"] = _cpu_us(lambda: netdevs.map_users([me]), max(5, n // 10), repeats)
     out["mapped"] = float(sum(1 for li in netdevs.table() if me in li.pids))
+    out |= _job_sockets(me, TIME_WAITS // 10 if quick else TIME_WAITS, repeats)
     for c in [server, *conns]:
         c.close()
     netdevs.close()
     held.close()
     reopened.close()
+    return out
+
+
+def _time_waits(n: int) -> int:
+    """``n`` connections opened and closed by their client: ``n`` sockets in
+    TIME_WAIT for a minute, as a neighbour's churn leaves them."""
+    server = socket.create_server(("10.77.0.1", 0), backlog=1024)
+    port = server.getsockname()[1]
+    for _ in range(n):
+        client = socket.create_connection(("10.77.0.1", port))
+        server.accept()[0].close()
+        client.close()
+    server.close()
+    return n
+
+
+def _job_sockets(me: int, waits: int, repeats: int) -> dict[str, float]:
+    from stallwatch.recorder import sockets
+
+    _time_waits(waits)
+    reader = sockets.SocketReader()
+    by_diag = reader.job_sockets([me])
+    by_proc = sockets.process_sockets(me)
+    same = set(by_diag.listeners) == by_proc[0] and set(by_diag.connections) == by_proc[1]
+    runs = max(3, repeats)
+    out = {
+        "time_waits": float(waits),
+        "sockets_same": float(same),
+        "diag_us": _cpu_us(lambda: reader.job_sockets([me]), 5, runs),
+        "proc_us": _cpu_us(lambda: sockets.process_sockets(me), 5, runs),
+    }
+    reader.close()
     return out
 
 
@@ -219,6 +258,16 @@ def figures(quick: bool) -> list[Figure]:
             "-",
             None,
             f"mapped to {int(m['mapped'])} interface(s); once per process every 30 s",
+        ),
+        Figure(
+            f"a process's TCP sockets for the filter, beside {int(m['time_waits']):,} "
+            "in TIME_WAIT (sock_diag)",
+            m["diag_us"],
+            "us CPU",
+            ">= 3x less than /proc",
+            m["sockets_same"] == 1.0 and m["proc_us"] >= 3 * m["diag_us"],
+            f"/proc/<pid>/net/tcp: {m['proc_us']:,.0f} us ({m['proc_us'] / m['diag_us']:.0f}x); "
+            f"the same sockets: {'yes' if m['sockets_same'] else 'NO'}",
         ),
         Figure(
             "link sampler, share of a core",

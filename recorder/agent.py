@@ -170,6 +170,7 @@ class Agent:
         self.scope = Scope(config.scope, self.classify, netns=netns, job=config.job)
         self._heads = {"comm": -1, "exit": -1}
         self._endpoints_due = 0.0  # when the job's TCP endpoints are read again
+        self._socket_reader = sockets.SocketReader()  # one sock_diag socket per namespace
         self._lock = threading.RLock()
         self._libcs: set[discovery.LibraryId] = set()
         self.incidents = self._make_incidents()
@@ -454,7 +455,7 @@ class Agent:
         if now < self._endpoints_due:
             return
         self._endpoints_due = now + ENDPOINTS_S
-        self.source.set_job_sockets(sockets.job_sockets(self.scope.inside))
+        self.source.set_job_sockets(self._socket_reader.job_sockets(self.scope.inside))
 
     def _forget_ended(self, progress: list[CommProgress], now: int) -> None:
         """Processes ended more than QUIET_NS ago leave the kernel's maps
@@ -725,6 +726,7 @@ class Agent:
 
     def close(self) -> None:
         self.links.close()
+        self._socket_reader.close()
         self.source.close()
 
 

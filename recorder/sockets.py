@@ -5,9 +5,19 @@ tracked process, when it is one of the job's connections (`job_conns`: both
 ends), or when either end is a job listener (`job_endpoints`).  The programs
 learn owners and a tracked listener's endpoint themselves; this module gives
 them what a tracked process already holds, read from ``/proc/<pid>/fd`` (its
-socket inodes) and ``/proc/<pid>/net/tcp{,6}`` (the sockets of its network
-namespace): connections made before the agent came, or before discovery
-placed the process, are the job's too.
+socket inodes) and the sockets of its network namespace: connections made
+before the agent came, or before discovery placed the process, are the job's
+too.
+
+The namespace's sockets come from one sock_diag dump per namespace of the
+job (``SocketReader``, a socket made in that namespace), which the kernel
+filters by state: listeners and connections carrying traffic, never the
+TIME_WAIT sockets a neighbour's churn leaves by the thousand.
+``/proc/<pid>/net/tcp`` formats every one of those as text: measured in a
+lab node under a neighbour's churn (8,500-9,100 sockets) 0.56-4.75 s a read
+against 0.04-0.05 s for the dump, and 30 s and more on a 2-core machine with
+eight spinning ranks, which starved the agent's loop into its service
+manager's watchdog.  It is read only where a namespace cannot be asked.
 
 A connected socket is known by both of its ends, never by its local end
 alone: under a neighbour's churn the kernel hands the same ephemeral port to
@@ -25,10 +35,18 @@ is ``(local address, remote address, local port, remote port, family)``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import logging
 import os
 import socket
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from .netlink import NetlinkError, SockDiag, TcpSocket
+
+log = logging.getLogger(__name__)
 
 Endpoint = tuple[bytes, int, int]
 Connection = tuple[bytes, bytes, int, int, int]
@@ -38,6 +56,10 @@ LISTEN = "0A"
 # (TIME_WAIT and the closing states carry none)
 _CONNECTED = {"01", "02", "03"}  # ESTABLISHED, SYN_SENT, SYN_RECV
 ANY = bytes(16)
+TCP_LISTEN = 10
+_CONNECTED_STATES = {1, 2, 3}  # the same, as sock_diag gives them
+DIAG_STATES = sum(1 << st for st in (*_CONNECTED_STATES, TCP_LISTEN))
+CLONE_NEWNET = 0x40000000
 
 
 @dataclass
@@ -135,17 +157,29 @@ def _read(path: str) -> str:
         return ""
 
 
-def process_sockets(pid: int) -> tuple[set[Endpoint], set[Connection]]:
-    """The listeners and connections process ``pid`` holds."""
+def process_sockets(
+    pid: int, table: list[TcpSocket] | None = None
+) -> tuple[set[Endpoint], set[Connection]]:
+    """The listeners and connections process ``pid`` holds, of ``table``
+    (its namespace's sock_diag dump), or of ``/proc/<pid>/net/tcp{,6}``."""
     inodes = socket_inodes(pid)
     listeners: set[Endpoint] = set()
     conns: set[Connection] = set()
     if not inodes:
         return listeners, conns
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        found = parse_tcp_table(_read(f"/proc/{pid}/net/{table}"), family, inodes)
-        listeners |= found[0]
-        conns |= found[1]
+    if table is not None:
+        for sk in table:
+            if sk.inode not in inodes:
+                continue
+            if sk.state == TCP_LISTEN:
+                listeners.add((sk.src, sk.sport, sk.family))
+            elif sk.state in _CONNECTED_STATES:
+                conns.add((sk.src, sk.dst, sk.sport, sk.dport, sk.family))
+    else:
+        for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+            found = parse_tcp_table(_read(f"/proc/{pid}/net/{name}"), family, inodes)
+            listeners |= found[0]
+            conns |= found[1]
     if any(addr == ANY for addr, _, _ in listeners):  # on every address
         net = f"/proc/{pid}/net"
         mine: dict[int, set[bytes]] = {
@@ -157,13 +191,119 @@ def process_sockets(pid: int) -> tuple[set[Endpoint], set[Connection]]:
     return listeners, conns
 
 
+def netns_of(pid: int) -> int | None:
+    """The inode of process ``pid``'s network namespace; None if gone."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+
+
+def _made_in_netns(pid: int) -> SockDiag:
+    """A sock_diag socket of ``pid``'s network namespace: made by a thread of
+    ours that joins it (setns moves the calling thread alone) and ends."""
+    made: list[SockDiag] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if _libc().setns(fd, CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"setns: {os.strerror(err)}")
+            finally:
+                os.close(fd)
+            made.append(SockDiag())
+        except (OSError, NetlinkError) as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="netns-sockdiag", daemon=True)
+    thread.start()
+    thread.join()
+    if failed or not made:
+        raise failed[0] if failed else OSError("sock_diag: no socket made")
+    return made[0]
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _families(pid: int) -> tuple[int, ...]:
+    """IPv4, and IPv6 unless ``pid``'s namespace has no IPv6 TCP socket at
+    all (its ``sockstat6``: a listener on ``::`` counts): a dump of a family
+    walks every socket of the host, the namespace's or not."""
+    for line in _read(f"/proc/{pid}/net/sockstat6").splitlines():
+        if line.startswith("TCP6:"):
+            fields = line.split()
+            if fields[1:3] == ["inuse", "0"]:
+                return (socket.AF_INET,)
+    return (socket.AF_INET, socket.AF_INET6)
+
+
+class SocketReader:
+    """``job_sockets`` by one sock_diag dump per network namespace of the
+    job; each namespace's socket is kept while a process of the job is in it."""
+
+    def __init__(self) -> None:
+        self._own = netns_of(os.getpid())
+        self._diag: dict[int, SockDiag | None] = {}
+        self.fallbacks = 0  # namespaces read from /proc: sock_diag could not be asked
+
+    def job_sockets(self, pids: Iterable[int]) -> JobSockets:
+        """Every listener and connection of the processes ``pids``, and whose it is."""
+        by_ns: dict[int, list[int]] = {}
+        for pid in sorted(pids):
+            ns = netns_of(pid)
+            if ns is not None:
+                by_ns.setdefault(ns, []).append(pid)
+        for ns in set(self._diag) - set(by_ns):  # no process of the job there now
+            diag = self._diag.pop(ns)
+            if diag is not None:
+                diag.close()
+        out = JobSockets()
+        for ns, members in by_ns.items():
+            table = self._table(ns, members[0])
+            for pid in members:
+                listeners, conns = process_sockets(pid, table)
+                for endpoint in listeners:
+                    out.listeners.setdefault(endpoint, pid)
+                for conn in conns:
+                    out.connections.setdefault(conn, pid)
+        return out
+
+    def _table(self, ns: int, pid: int) -> list[TcpSocket] | None:
+        if ns not in self._diag:
+            try:
+                self._diag[ns] = SockDiag() if ns == self._own else _made_in_netns(pid)
+            except (OSError, NetlinkError) as exc:
+                self._diag[ns] = None
+                self.fallbacks += 1
+                log.warning("sock_diag for the network namespace of pid %d: %s; "
+                            "reading /proc/%d/net/tcp instead", pid, exc, pid)  # fmt: skip
+        diag = self._diag[ns]
+        if diag is None:
+            return None
+        try:
+            return diag.tcp(DIAG_STATES, _families(pid))
+        except NetlinkError as exc:
+            log.warning("sock_diag dump for pid %d's namespace failed: %s", pid, exc)
+            return None
+
+    def close(self) -> None:
+        for diag in self._diag.values():
+            if diag is not None:
+                diag.close()
+        self._diag.clear()
+
+
 def job_sockets(pids: Iterable[int]) -> JobSockets:
-    """Every listener and connection of the processes ``pids``, and whose it is."""
-    out = JobSockets()
-    for pid in sorted(pids):
-        listeners, conns = process_sockets(pid)
-        for endpoint in listeners:
-            out.listeners.setdefault(endpoint, pid)
-        for conn in conns:
-            out.connections.setdefault(conn, pid)
-    return out
+    """Every listener and connection of the processes ``pids`` (a reader of
+    its own: the agent keeps one)."""
+    reader = SocketReader()
+    try:
+        return reader.job_sockets(pids)
+    finally:
+        reader.close()

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+
+import pytest
 
 from stallwatch.recorder import sockets
 
@@ -64,3 +68,88 @@ def test_a_live_process_listening_everywhere_stands_for_each_of_its_addresses() 
         client.close()
         server.close()
     assert sockets.process_sockets(2**22 + 12345) == (set(), set())  # no such process
+
+
+def test_the_sock_diag_reading_equals_the_proc_reading() -> None:
+    """One dump of the namespace's listeners and connections, matched by
+    inode, says what /proc/<pid>/net/tcp says of this process; sockets in
+    TIME_WAIT (a neighbour's churn) are in neither."""
+    server = socket.create_server(("0.0.0.0", 0))
+    client = socket.create_connection(("127.0.0.1", server.getsockname()[1]))
+    accepted, _ = server.accept()
+    closed = socket.create_connection(("127.0.0.1", server.getsockname()[1]))
+    far, _ = server.accept()
+    closed.close()  # the active closer's end goes to TIME_WAIT
+    far.close()
+    reader = sockets.SocketReader()
+    try:
+        assert reader.job_sockets([os.getpid()]) == sockets.JobSockets(
+            *({k: os.getpid() for k in found} for found in sockets.process_sockets(os.getpid()))
+        )
+        listeners, conns = sockets.process_sockets(os.getpid(), reader._table(
+            sockets.netns_of(os.getpid()) or 0, os.getpid()) or [])  # fmt: skip
+        mine, port = client.getsockname()[1], server.getsockname()[1]
+        assert (v4("127.0.0.1"), v4("127.0.0.1"), mine, port, socket.AF_INET) in conns
+        assert (v4("127.0.0.1"), v4("127.0.0.1"), port, mine, socket.AF_INET) in conns
+        assert len({c for c in conns if port in c[2:4]}) == 2  # not the one in TIME_WAIT
+        assert (bytes(16), port, socket.AF_INET) in listeners
+        assert reader.fallbacks == 0
+    finally:
+        reader.close()
+        for s in (client, accepted, server):
+            s.close()
+
+
+@pytest.mark.bpf
+def test_a_process_of_another_network_namespace_is_read_in_its_own() -> None:
+    """A rank in a namespace of its own (a container): its namespace is
+    asked by a socket made in it, not the agent's."""
+    code = (
+        "import socket, sys\n"
+        "s = socket.create_server(('127.0.0.1', 7001))\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    command = f'ip link set lo up && exec {sys.executable} -c "{code}"'
+    with subprocess.Popen(["unshare", "--net", "sh", "-c", command], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as child:  # fmt: skip
+        reader = sockets.SocketReader()
+        try:
+            assert child.stdout is not None and child.stdout.readline() == "ready\n"
+            assert sockets.netns_of(child.pid) != sockets.netns_of(os.getpid())
+            found = reader.job_sockets([child.pid])
+            assert found.listeners == {(v4("127.0.0.1"), 7001, socket.AF_INET): child.pid}
+            assert reader.fallbacks == 0
+        finally:
+            reader.close()
+            child.kill()
+
+
+@pytest.mark.bpf
+def test_ipv6_is_asked_only_where_the_namespace_has_an_ipv6_socket() -> None:
+    """A dump of a family walks every socket of the host: none for IPv6
+    where the namespace holds no IPv6 TCP socket (its sockstat6)."""
+    code = (
+        "import socket, sys\n"
+        "s = socket.create_server(('::1', 7002), family=socket.AF_INET6) if sys.argv[1] == '6' "
+        "else socket.create_server(('127.0.0.1', 7002))\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    for six in ("4", "6"):
+        command = f'ip link set lo up && exec {sys.executable} -c "{code}" {six}'
+        with subprocess.Popen(["unshare", "--net", "sh", "-c", command], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) as child:  # fmt: skip
+            try:
+                assert child.stdout is not None and child.stdout.readline() == "ready\n"
+                families = sockets._families(child.pid)
+                found = sockets.job_sockets([child.pid])
+            finally:
+                child.kill()
+        if six == "4":
+            assert families == (socket.AF_INET,)
+            assert set(found.listeners) == {(v4("127.0.0.1"), 7002, socket.AF_INET)}
+        else:
+            assert families == (socket.AF_INET, socket.AF_INET6)
+            loopback = socket.inet_pton(socket.AF_INET6, "::1")
+            assert set(found.listeners) == {(loopback, 7002, socket.AF_INET6)}

@@ -22,8 +22,9 @@ The rules:
   group's end with its sends and receives) for ``STALL_NS`` at its dump,
   with connections stopped at the dump.  A flap: the job went on, but the
   collectives of some window took ``SLOW_NS`` and more on every member
-  while connections were stopped (for ``FLAP_MIN_NS``: loss alone stops
-  one for shorter runs) and later acknowledged again.  Resets: the
+  while connections of two pairs of hosts were stopped together (for half
+  ``FLAP_MIN_NS``; loss stops one at a time; the whole of it where the
+  connections are of one pair) and later acknowledged again.  Resets: the
   job's connections reset before any rank failed or died (a rank that dies
   resets its own connections after it; those are its death's).
 
@@ -53,11 +54,14 @@ DEAD_BACKOFF = 2  # timeouts in a row: nothing acknowledged through two RTOs
 DEAD_NO_ACK_NS = 1_000_000_000  # and nothing acknowledged for at least this long
 STALL_NS = 1_000_000_000  # every rank blocked at least this long at its dump
 SLOW_NS = 1_000_000_000  # a collective this long on every member, with stopped links
-# an outage the job came back from counts when nothing was acknowledged this
-# long, or half as long on connections to two peers at once: packet loss
-# alone brings runs of timeouts too, one connection at a time (8% loss on
-# one node of 4: a connection 0.7 s without an acknowledgement, a collective
-# held 3.2 s)
+# an outage the job came back from counts when it stopped connections of two
+# pairs of hosts at once, each for half this long: a link's outage stops its
+# host's connections to every peer together, while packet loss brings runs
+# of timeouts one connection at a time (8% loss on one node of 4: a
+# connection 0.7 s without an acknowledgement, a collective held 3.2 s; in
+# one seed, one connection 3.7 s, no other pair's stopped with it).  Where
+# the TCP table holds one pair of hosts alone, nothing tells the two apart:
+# an outage of this long counts.
 FLAP_MIN_NS = 2_000_000_000
 DUE_SLACK_NS = 500_000_000  # a timeout due this long before the dump and not seen: acked
 # a call failing this close to the resets failed on them (a reset of many
@@ -494,10 +498,11 @@ def _flap(a: Analysis) -> Verdict | None:
         for o in f.outages
         if o[1] - o[0] >= FLAP_MIN_NS / 2 and within(o)
     ]
+    pairs = len(_pairs(inc))
     kept = {
         o
         for f, o in outages
-        if o[1] - o[0] >= FLAP_MIN_NS
+        if (o[1] - o[0] >= FLAP_MIN_NS and pairs <= 1)
         or any(g.hosts != f.hosts and p[0] <= o[1] and o[0] <= p[1] for g, p in outages)
     }
     inside = [f for f in a.fates if any(o in kept for o in f.outages)]

@@ -185,6 +185,20 @@ def test_a_short_outage_of_one_connection_is_no_flap() -> None:
     assert VerdictKind.NETWORK_PARTITION not in kinds
 
 
+def test_one_connection_stopped_long_and_back_beside_others_is_no_flap() -> None:
+    """3.7 s without acknowledgements on node1-node2 alone, the connections
+    of the other pairs untouched: what loss brings to one connection (a
+    seed run at 8% loss), not a link's outage, which stops every peer's."""
+    job = with_(JOB, flap=(1, 15, 3700.0), link=(1, 2, 15))
+    assert VerdictKind.NETWORK_PARTITION not in [v.kind for v in analyze(job).verdicts]
+
+
+def test_with_one_pair_of_hosts_a_long_outage_is_a_flap() -> None:
+    v = analyze(with_(JOB, nodes=2, flap=(1, 15, 3700.0))).verdicts[0]
+    assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node0", "node1")
+    assert "came back" in v.summary
+
+
 def test_of_a_pair_the_host_other_traffic_failed_to_reach_is_named() -> None:
     """The job's only stopped connection is node1-node2 (its connections to a
     cut node2 from node0 carried nothing then); node0's other traffic to

@@ -872,6 +872,7 @@ def _tcp(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
     out["rto"] = np.where(rows["conn_known"] > 0, rows["rto_us"].astype(np.int64) * 1000, 0)
     out["conn"] = _connection_keys(rows)
     out["other"] = rows["other"]
+    out["reason"] = rows["reason"]
     return out
 
 

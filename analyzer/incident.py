@@ -158,6 +158,7 @@ TCP_DTYPE = np.dtype(
         ("rto", "<i8"),  # the timeout that expired (ns), 0 where unknown
         ("conn", "<u8"),
         ("other", "u1"),  # 1: not the job's connection (a sampled retransmit of other traffic)
+        ("reason", "<u2"),  # a sent reset's enum sk_rst_reason (0: not said)
     ]
 )
 # A process blocked in a call (its group's end included) when its dump was

@@ -72,6 +72,7 @@ BACKOFF_GROWTH = 1.5  # timeouts back off: each gap this much longer than the on
 MIN_RTO_NS = 150_000_000  # below the kernel's smallest RTO (200 ms): no timeout
 
 RESET_EVENTS = (int(TcpEvent.TCP_SEND_RESET), int(TcpEvent.TCP_RECEIVE_RESET))
+SK_RST_REASON_TCP_STATE = 14  # enum sk_rst_reason (Linux 6.10+): tcp_abort, tcp_disconnect
 
 
 # ---- metrics: what became of each connection between two hosts -------------------------
@@ -613,6 +614,11 @@ def _reset(a: Analysis) -> Verdict | None:
     hosts = shared_hosts(reset, len(inc.hosts))
     if not hosts:
         return None
+    aborted: dict[int, int] = {}
+    if len(hosts) == 2 and death is not None:
+        aborted = _aborted_beyond(inc, hosts, death[1])
+        if len(aborted) == 1:
+            hosts = tuple(aborted)
     names = _names(inc, hosts)
     peers = sorted({inc.hosts[h] for f in reset for h in f.hosts} - set(names))
     where = f"host {names[0]}" if len(hosts) == 1 else f"hosts {names[0]} and {names[1]}"
@@ -632,8 +638,41 @@ def _reset(a: Analysis) -> Verdict | None:
         f"hosts {inc.hosts[x]} and {inc.hosts[y]}: {len(fs)} connection(s) reset "
         f"({sum(f.resets for f in fs)} resets sent and received)"
         for (x, y), fs in sorted(by_pair.items())
-    ] + deaths
-    return _hosts_verdict(inc, VerdictKind.NETWORK_PARTITION, hosts, summary, evidence)
+    ]
+    evidence += [
+        f"host {inc.hosts[h]} went on aborting its connections to other hosts, their processes "
+        f"alive ({n} resets, reason TCP_STATE: sockets the kernel aborted)"
+        for h, n in aborted.items()
+        if h in hosts
+    ]
+    return _hosts_verdict(inc, VerdictKind.NETWORK_PARTITION, hosts, summary, evidence + deaths)
+
+
+def _aborted_beyond(inc: Incident, pair: tuple[int, ...], since_wall: int) -> dict[int, int]:
+    """Of a pair whose connection's resets came before the first death: the
+    hosts of the pair that went on, within RESET_WINDOW_NS, resetting their
+    connections to a third host with reason TCP_STATE (the kernel aborted a
+    socket its process held: a destroyed socket, an abortive close) before
+    that process exited: what their connections went through, not a death's
+    (a dying process's resets say ABORT_ON_CLOSE or NO_SOCKET, or come after
+    its exit).  Host -> resets."""
+    t = inc.tcp
+    sent = t[
+        (t["event"] == TcpEvent.TCP_SEND_RESET)
+        & (t["reason"] == SK_RST_REASON_TCP_STATE)
+        & np.isin(t["local"], pair)
+        & ~np.isin(t["remote"], pair)
+    ]
+    hosts = proc_hosts(inc)
+    exited = {(hosts[i], p.pid): p.exit_wall_ns for i, p in enumerate(inc.procs) if p.exit_wall_ns}
+    out: dict[int, int] = {}
+    for row in sent:
+        host = int(row["local"])
+        wall = int(row["ts"]) + _offset(inc, int(row["host"]))
+        gone = exited.get((int(row["host"]), int(row["pid"])))
+        if since_wall < wall <= since_wall + RESET_WINDOW_NS and (gone is None or wall < gone):
+            out[host] = out.get(host, 0) + 1
+    return out
 
 
 # ---- a stall held by loss -------------------------------------------------------------

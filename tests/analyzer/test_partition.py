@@ -15,7 +15,7 @@ from stallwatch.analyzer.pipeline import IncidentResult, analyze_recordings
 from stallwatch.analyzer.verdict import VerdictKind
 from stallwatch.dumpers.model import Recording, Ring
 from stallwatch.dumpers.schema import TCP_EVENT, TcpEvent
-from tests.analyzer.synth import MS, Job, _conn_row, host_of, recordings, with_
+from tests.analyzer.synth import MS, Job, _addr, _conn_row, host_of, recordings, with_
 
 JOB = Job(nodes=3, ranks_per_node=2, steps=30)
 
@@ -311,3 +311,53 @@ def test_a_real_lossy_stall_names_the_pair_not_dumps_in_turn() -> None:
     assert v.hosts == ("node0", "node1")
     assert "timeouts backing off to 2.8 s" in v.summary
     assert "in turn" not in v.summary
+
+
+# ---- resets: of a pair, the host that went on aborting its connections ----------------
+
+
+def _pair_reset(reason: int, after_exit: bool) -> IncidentResult:
+    """node0's connection to node1 reset before any death (node0's to node2
+    are left out: a pair); node1's and node2's ranks die on it, node0's 1 s
+    later; then node0 sends resets to node2, ``reason`` (14: TCP_STATE, the
+    kernel aborted the socket; 11: ABORT_ON_CLOSE, a process closing),
+    before its process exited or (``after_exit``) after."""
+    job = with_(JOB, reset=(0, 20))
+    out = []
+    for r in recordings(job):
+        tcp = r.rings["tcp"].rows
+        ends = {(v4(0), v4(2)), (v4(2), v4(0))}
+        resets = np.isin(tcp["event"], [TcpEvent.TCP_SEND_RESET, TcpEvent.TCP_RECEIVE_RESET])
+        both = zip(tcp["saddr"], tcp["daddr"], strict=True)
+        pair = np.array([(bytes(s), bytes(d)) in ends for s, d in both], dtype=bool)
+        rings = {**r.rings, "tcp": Ring(tcp[~(resets & pair)])}
+        if r.host == "node0":
+            exits = r.rings["exit"].rows.copy()
+            exits["ts_ns"] += 1_000 * MS
+            rings["exit"] = Ring(exits)
+        out.append(dataclasses.replace(r, rings=rings))
+    died = min(int(r.rings["exit"].rows["ts_ns"].min()) for r in out)
+    at = died + (1_100 if after_exit else 20) * MS
+    late = {"node0": [_conn_row(job, 0, 2, at + i * MS) for i in range(3)]}
+    for x in late["node0"]:
+        x["event"], x["reason"] = TcpEvent.TCP_SEND_RESET, reason
+    result = analyze_recordings([(f"{r.host}.msgpack", r) for r in _with_rows(out, late)])
+    return result.incidents[0]
+
+
+def v4(node: int) -> bytes:
+    return bytes(_addr(node))
+
+
+def test_of_a_reset_pair_the_host_aborting_more_while_alive_is_named() -> None:
+    v = _pair_reset(14, after_exit=False).verdicts[0]
+    assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node0",), v.summary
+    assert any("went on aborting its connections" in e and "3 resets" in e for e in v.evidence)
+
+
+@pytest.mark.parametrize(("reason", "after_exit"), [(11, False), (14, True)])
+def test_of_a_reset_pair_a_closing_or_exited_process_narrows_nothing(
+    reason: int, after_exit: bool
+) -> None:
+    v = _pair_reset(reason, after_exit).verdicts[0]
+    assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node0", "node1"), v.summary

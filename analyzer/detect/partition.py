@@ -26,7 +26,9 @@ The rules:
   ``FLAP_MIN_NS``; loss stops one at a time; the whole of it where the
   connections are of one pair) and later acknowledged again.  Resets: the
   job's connections reset before any rank failed or died (a rank that dies
-  resets its own connections after it; those are its death's).
+  resets its own connections after it; those are its death's); of a pair
+  they name, the one that went on aborting its connections to a third host
+  (reason TCP_STATE, its processes alive) after the first death.
 
 Known limits: connections recorded without their state (agents before
 format 7, sockets made before the agent attached) count as stopped only

@@ -34,6 +34,7 @@ BPF_MAP_DELETE_ELEM = 3
 BPF_MAP_GET_NEXT_KEY = 4
 BPF_OBJ_PIN = 6
 BPF_OBJ_GET = 7
+BPF_PROG_GET_FD_BY_ID = 13
 BPF_OBJ_GET_INFO_BY_FD = 15
 BPF_MAP_LOOKUP_BATCH = 24
 BPF_LINK_CREATE = 28
@@ -138,7 +139,8 @@ class _MapInfo(ctypes.Structure):
 
 
 class _ProgInfo(ctypes.Structure):
-    """``struct bpf_prog_info`` up to ``run_cnt`` (the kernel fills what it has)."""
+    """``struct bpf_prog_info`` up to ``recursion_misses`` (the kernel fills
+    what it has: 5.12 and later count the misses)."""
 
     _fields_ = [
         ("type", ctypes.c_uint32),
@@ -175,6 +177,26 @@ class _ProgInfo(ctypes.Structure):
         ("prog_tags", ctypes.c_uint64),
         ("run_time_ns", ctypes.c_uint64),
         ("run_cnt", ctypes.c_uint64),
+        ("recursion_misses", ctypes.c_uint64),
+    ]
+
+
+class _LinkInfo(ctypes.Structure):
+    """``struct bpf_link_info``: its type, id and program; the rest unread."""
+
+    _fields_ = [
+        ("type", ctypes.c_uint32),
+        ("id", ctypes.c_uint32),
+        ("prog_id", ctypes.c_uint32),
+        ("_rest", ctypes.c_uint8 * 68),
+    ]
+
+
+class _GetIdAttr(ctypes.Structure):
+    _fields_ = [
+        ("id", ctypes.c_uint32),
+        ("next_id", ctypes.c_uint32),
+        ("open_flags", ctypes.c_uint32),
     ]
 
 
@@ -196,6 +218,9 @@ class ProgInfo:
     name: str
     run_time_ns: int  # while statistics are enabled (enable_stats)
     run_cnt: int
+    # runs the kernel skipped: the program's event came while a tracing
+    # program was already running on that CPU (a softirq interrupting it)
+    recursion_misses: int = 0
 
 
 def _info(fd: int, info: ctypes.Structure) -> None:
@@ -221,8 +246,27 @@ def prog_info(fd: int) -> ProgInfo:
     info = _ProgInfo()
     _info(fd, info)
     return ProgInfo(
-        info.type, info.id, info.name.decode(errors="replace"), info.run_time_ns, info.run_cnt
+        info.type,
+        info.id,
+        info.name.decode(errors="replace"),
+        info.run_time_ns,
+        info.run_cnt,
+        info.recursion_misses,
     )
+
+
+def link_prog_id(fd: int) -> int:
+    """The id of the program a link (``fd``) holds."""
+    info = _LinkInfo()
+    _info(fd, info)
+    return int(info.prog_id)
+
+
+def prog_fd_by_id(prog_id: int) -> int:
+    """A descriptor of the loaded program ``prog_id`` (OSError: gone)."""
+    fd = bpf(BPF_PROG_GET_FD_BY_ID, _GetIdAttr(id=prog_id))
+    _cloexec(fd)
+    return fd
 
 
 class _StatsAttr(ctypes.Structure):

@@ -435,6 +435,20 @@ def cgroup2_root() -> Path | None:
     return None
 
 
+def _linked_prog(folder: Path, name: str) -> int:
+    """The id of the program a pinned link holds (0: unreadable)."""
+    try:
+        fd = bpfsys.obj_get(folder / "links" / name)
+    except OSError:
+        return 0
+    try:
+        return bpfsys.link_prog_id(fd)
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
+
+
 def _tracepoints(bpf: Any, lib: Any) -> list[tuple[str, str, str]]:
     """(program, category, event) of every TRACEPOINT_PROBE of the module."""
     out = []
@@ -477,6 +491,7 @@ class Probes:
         self._bcc: Any = None
         self._lib: Any = None
         self._links: list[int] = []  # link fds
+        self._tracepoint_ids: dict[str, int] = {}  # event -> its program's id
         self._linked: set[str] = set()  # pin names of the links made or adopted
         self._progs: dict[str, int] = {}  # uprobe_multi programs: name -> fd
         self._offsets: dict[str, dict[str, discovery.ElfFunction]] = {}
@@ -709,6 +724,7 @@ class Probes:
                     continue
                 category, _, event = prog.link[1].partition(":")
                 link = bpfsys.tracepoint_link(fd, category, event)
+                self._tracepoint_ids[event] = bpfsys.prog_info(fd).id
             finally:
                 os.close(fd)  # the link holds the program
             self._links.append(link)
@@ -735,6 +751,9 @@ class Probes:
                 raise PinError(f"{pinset.path}: program {program} is not pinned there")
             self._progs[program] = fd
         self._linked = pinset.links()
+        for name in self._linked:
+            if name.startswith("tp-"):
+                self._tracepoint_ids[name[3:].partition("-")[2]] = _linked_prog(pinset.path, name)
         self._multi = True
         if self.bpf is not None:  # the module's own maps and programs are not used
             for fn in self.bpf.funcs.values():
@@ -787,6 +806,7 @@ class Probes:
         for program, category, event in _tracepoints(self.bpf, self._lib):
             try:
                 fn = self.bpf.load_func(program.encode(), self._bcc.BPF.TRACEPOINT)
+                self._tracepoint_ids[event] = bpfsys.prog_info(int(fn.fd)).id
                 try:
                     fd = bpfsys.tracepoint_link(int(fn.fd), category, event)
                 except OSError as exc:  # no perf-event links before 5.15: BCC's way
@@ -802,6 +822,25 @@ class Probes:
             self._links.append(fd)
             if building is not None:
                 building.pin_link(pinning.tracepoint_link_name(category, event), fd)
+
+    def tracepoints_skipped(self) -> dict[str, int]:
+        """Per tracepoint (its event's name), the runs the kernel skipped: an
+        event that came while another tracing program ran on its CPU (a
+        softirq's retransmit interrupting a program in process context) is
+        not seen by ours.  Kernels before 5.12 do not count them (0)."""
+        out = {}
+        for event, prog_id in self._tracepoint_ids.items():
+            if not prog_id:
+                continue
+            try:
+                fd = bpfsys.prog_fd_by_id(prog_id)
+            except OSError:
+                continue
+            try:
+                out[event] = bpfsys.prog_info(fd).recursion_misses
+            finally:
+                os.close(fd)
+        return out
 
     # ---- views -------------------------------------------------------------
 

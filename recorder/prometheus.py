@@ -17,6 +17,7 @@ from .slowdown import StreamGauges
 if TYPE_CHECKING:  # loaded at the first scrape, not when the agent starts
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+SKIPPED_PREFIX = "kernel_skipped_"  # per tracepoint: one family, labelled
 GAUGES = frozenset(
     {
         "dumps_pending",
@@ -300,8 +301,19 @@ def counter_families(counters: Mapping[str, int]) -> Iterator[Metric]:
     family each (a few are gauges)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+    skipped = CounterMetricFamily(
+        "stallwatch_kernel_tracepoint_skipped",
+        "Events of a tracepoint the kernel did not run our program for: they came while "
+        "another tracing program ran on the CPU (evidence not seen, e.g. a retransmit).",
+        labels=["tracepoint"],
+    )
     for name, value in sorted(counters.items()):
-        if name in COVERED:
+        if name.startswith(SKIPPED_PREFIX):
+            skipped.add_metric([name[len(SKIPPED_PREFIX) :]], float(value))
+    if skipped.samples:
+        yield skipped
+    for name, value in sorted(counters.items()):
+        if name in COVERED or name.startswith(SKIPPED_PREFIX):
             continue
         help_text = HELP.get(name, name.replace("_", " ").capitalize() + ".")
         if name in GAUGES:

@@ -111,7 +111,13 @@ class MapSource:
         return RingbufBell(bell.fd) if bell is not None and not bell.read_only else None
 
     def kernel_counters(self) -> dict[str, int]:
-        return {**self.maps.drops(), **self.maps.cuda_seen()}
+        skipped = {f"kernel_skipped_{k}": v for k, v in self.tracepoints_skipped().items()}
+        return {**self.maps.drops(), **self.maps.cuda_seen(), **skipped}
+
+    def tracepoints_skipped(self) -> dict[str, int]:
+        """Per tracepoint, the events the kernel did not run its program for
+        (none known here: a recording read from its maps alone)."""
+        return {}
 
     def comm_progress(self) -> list[CommProgress]:
         values = self.maps.communicators()
@@ -208,6 +214,9 @@ class BccSource(MapSource):
     @property
     def adopted(self) -> bool:
         return self.probes.adopted
+
+    def tracepoints_skipped(self) -> dict[str, int]:
+        return self.probes.tracepoints_skipped()
 
     def attach(self, path: str, symbol: str) -> None:
         self.probes.attach_symbol(path, symbol)

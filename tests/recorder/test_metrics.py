@@ -50,6 +50,18 @@ def test_plain_counters_are_counters_and_pending_dumps_a_gauge() -> None:
     assert [s.value for s in families["stallwatch_stalls_detected"].samples] == [0.0]
 
 
+def test_tracepoint_runs_the_kernel_skipped_are_one_family_by_tracepoint() -> None:
+    stats = AgentStats((), 0, 0, 0, 0, 0)
+    counters = {"kernel_skipped_tcp_retransmit_skb": 107, "kernel_skipped_sched_wakeup": 445}
+    families = {f.name: f for f in text_string_to_metric_families(
+        agent_metrics_text(stats, {**counters, "attach_failures": 0}))}  # fmt: skip
+    skipped = families["stallwatch_kernel_tracepoint_skipped"]
+    assert skipped.type == "counter"
+    got = {s.labels["tracepoint"]: s.value for s in skipped.samples if s.name.endswith("_total")}
+    assert got == {"tcp_retransmit_skb": 107.0, "sched_wakeup": 445.0}
+    assert not any(name.startswith("stallwatch_kernel_skipped") for name in families)
+
+
 def test_the_http_surfaces_refusals_are_a_counter_and_open_connections_a_gauge() -> None:
     stats = AgentStats((), 0, 0, 0, 0, 0)
     served = {"http_connections_refused": 5, "http_connections_open": 1000}

@@ -367,6 +367,11 @@ def test_after_a_minute_of_neighbour_churn_the_jobs_retransmits_are_in_the_dump(
         made = int(churn.stdout.split()[-1])
         assert made >= 20_000, f"the neighbour made only {made} connections"
         path = write_dump(tmp_path, agent.recording())
+        # the events the kernel ran no program for (another was running on its CPU)
+        metrics = agent.metrics_text()
+        assert (
+            'stallwatch_kernel_tracepoint_skipped_total{tracepoint="tcp_retransmit_skb"}' in metrics
+        )
     finally:
         agent.close()
     dump = read_dump(path)
@@ -375,6 +380,8 @@ def test_after_a_minute_of_neighbour_churn_the_jobs_retransmits_are_in_the_dump(
     assert ((rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB) & (rows["pid"] == job)).sum() >= kept
     assert NEIGHBOUR_PORT not in set(rows["sport"].tolist()) | set(rows["dport"].tolist())
     assert dump.counters["kernel_tcp_filtered"] >= made * 4  # at least 4 state changes each
+    for event in ("tcp_retransmit_skb", "tcp_send_reset", "inet_sock_set_state", "sched_switch"):
+        assert dump.counters[f"kernel_skipped_{event}"] >= 0  # counted for every tracepoint
     assert dump.rings["tcp"].overwritten == 0
 
 

@@ -58,12 +58,13 @@ STALL_NS = 1_000_000_000  # every rank blocked at least this long at its dump
 SLOW_NS = 1_000_000_000  # a collective this long on every member, with stopped links
 # an outage the job came back from counts when it stopped connections of two
 # pairs of hosts at once, each for half this long: a link's outage stops its
-# host's connections to every peer together, while packet loss brings runs
-# of timeouts one connection at a time (8% loss on one node of 4: a
-# connection 0.7 s without an acknowledgement, a collective held 3.2 s; in
-# one seed, one connection 3.7 s, no other pair's stopped with it).  Where
-# the TCP table holds one pair of hosts alone, nothing tells the two apart:
-# an outage of this long counts.
+# host's connections to every peer with data in flight together, while
+# packet loss brings runs of timeouts one connection at a time (8% loss on
+# one node of 4: a connection 0.7 s without an acknowledgement, a collective
+# held 3.2 s; in one seed, one connection 3.7 s, no other pair's stopped
+# with it, and other runs of theirs before and after).  An outage of this
+# long on one pair counts where the TCP table holds that pair alone, or
+# where it is the only one its hosts' connections went through (a flap, once).
 FLAP_MIN_NS = 2_000_000_000
 DUE_SLACK_NS = 500_000_000  # a timeout due this long before the dump and not seen: acked
 # a call failing this close to the resets failed on them (a reset of many
@@ -185,10 +186,15 @@ class _Run:
 
 
 def _runs_of(backoff: np.ndarray) -> list[tuple[int, int]]:
-    """[start, end) of each run of rows with backoff >= 1."""
-    on = np.r_[False, backoff > 0, False]
-    edges = np.flatnonzero(on[1:] != on[:-1])
-    return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
+    """[start, end) of each run of rows with backoff >= 1; a run ends where
+    the count does not grow (acknowledged in between, then timed out anew:
+    1, 2, 3, 1, 2 is two runs)."""
+    on = backoff > 0
+    starts = on & np.r_[True, ~on[:-1] | (backoff[1:] <= backoff[:-1])]
+    ends = on & np.r_[~on[1:] | (backoff[1:] <= backoff[:-1]), True]
+    return list(
+        zip(np.flatnonzero(starts).tolist(), (np.flatnonzero(ends) + 1).tolist(), strict=True)
+    )
 
 
 def _run(
@@ -323,11 +329,18 @@ def _narrowed(
     down = {lk.host for lk in _down_links(inc, stalled)} & set(hosts)
     if len(down) == 1:
         return tuple(down)
-    if len(inc.hosts) < 3:
+    return _unreached(inc, hosts, _stall_began(inc, stalled) - LINK_SLACK_NS)
+
+
+def _unreached(
+    inc: Incident, hosts: tuple[int, ...], since_wall: int, until_wall: int | None = None
+) -> tuple[int, ...]:
+    """Of a pair, the one that other traffic from a third host failed to
+    reach (sampled retransmits) in [since_wall, until_wall]; else the pair."""
+    if len(hosts) != 2 or len(inc.hosts) < 3:
         return hosts
-    began = _stall_began(inc, stalled) - LINK_SLACK_NS
     reached = {h: 0 for h in hosts}
-    for f in inc_other_failures(inc, began):
+    for f in inc_other_failures(inc, since_wall, until_wall):
         far = set(f) - set(hosts)
         for h in set(f) & set(hosts):
             reached[h] += bool(far)
@@ -335,13 +348,19 @@ def _narrowed(
     return (failing[0],) if len(failing) == 1 else hosts
 
 
-def inc_other_failures(inc: Incident, since_wall: int) -> list[tuple[int, int]]:
+def inc_other_failures(
+    inc: Incident, since_wall: int, until_wall: int | None = None
+) -> list[tuple[int, int]]:
     """The pairs of hosts of sampled retransmits of other traffic (not the
-    job's) since ``since_wall``."""
+    job's) since ``since_wall`` (and up to ``until_wall``)."""
     t = inc.tcp
     rows = t[(t["other"] == 1) & (t["event"] == TcpEvent.TCP_RETRANSMIT_SKB)]
     walls = np.array([_offset(inc, h) for h in range(len(inc.hosts))], dtype=np.int64)
-    rows = rows[rows["ts"] + walls[rows["host"]] >= since_wall]
+    wall = rows["ts"] + walls[rows["host"]]
+    keep = wall >= since_wall
+    if until_wall is not None:
+        keep &= wall <= until_wall
+    rows = rows[keep]
     return [(int(a), int(b)) for a, b in zip(rows["local"], rows["remote"], strict=True)]
 
 
@@ -502,12 +521,25 @@ def _flap(a: Analysis) -> Verdict | None:
         if o[1] - o[0] >= FLAP_MIN_NS / 2 and within(o)
     ]
     pairs = len(_pairs(inc))
-    kept = {
-        o
-        for f, o in outages
-        if (o[1] - o[0] >= FLAP_MIN_NS and pairs <= 1)
-        or any(g.hosts != f.hosts and p[0] <= o[1] and o[0] <= p[1] for g, p in outages)
-    }
+
+    def isolated(f: ConnFate, o: tuple[int, int]) -> bool:
+        """No other outage of a connection of its hosts, before or after it:
+        loss stops their connections again and again, a link's outage once."""
+        return not any(
+            set(g.hosts) & set(f.hosts) and (p[1] < o[0] or o[1] < p[0])
+            for g in a.fates
+            if not g.other
+            for p in g.outages
+        )
+
+    def counts(f: ConnFate, o: tuple[int, int]) -> bool:
+        long = o[1] - o[0] >= FLAP_MIN_NS
+        if pairs <= 1:
+            return long
+        beside = any(g.hosts != f.hosts and p[0] <= o[1] and o[0] <= p[1] for g, p in outages)
+        return (long or beside) and isolated(f, o)
+
+    kept = {o for f, o in outages if counts(f, o)}
     inside = [f for f in a.fates if any(o in kept for o in f.outages)]
     flapped = [
         lk for lk in inc.links if lk.used and any(up and within((d, up)) for d, up in lk.downs)
@@ -518,7 +550,6 @@ def _flap(a: Analysis) -> Verdict | None:
         hosts = hosts if len(hosts) == 1 else ()
     if not hosts:
         return None
-    names = _names(inc, hosts)
     spans = [o for f in inside for o in f.outages if o in kept]
     spans += [
         (d, up)
@@ -528,6 +559,8 @@ def _flap(a: Analysis) -> Verdict | None:
         if up and within((d, up))
     ]
     start, end = min(s for s, _ in spans), max(e for _, e in spans)
+    hosts = _unreached(inc, hosts, start - LINK_SLACK_NS, end)
+    names = _names(inc, hosts)
     longest = max(e - s for p, (s, e) in waits if s <= end and start <= e)
     place = f"host {names[0]} off" if len(hosts) == 1 else f"hosts {names[0]} and {names[1]} apart"
     summary = (

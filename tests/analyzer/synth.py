@@ -85,7 +85,8 @@ class Job:
     seed: int = 1
     # network faults from a step: a node cut off for good (cut), or for
     # flap_ms and back (flap); its connections reset (reset); a connection
-    # between two nodes stopped (link: (node, node, step)); with_state False:
+    # between two nodes stopped (link: (node, node, step); with flap, the
+    # flap stops that pair's connection alone); with_state False:
     # the TCP rows carry no connection state (dumps before format 7)
     cut: tuple[int, int] | None = None  # (node, step)
     flap: tuple[int, int, float] | None = None  # (node, step, ms)
@@ -208,7 +209,7 @@ def _cut_step(job: Job) -> int | None:
     """The step whose collective never ends: the network stopped under it."""
     if job.cut is not None:
         return job.cut[1]
-    if job.link is not None:
+    if job.link is not None and job.flap is None:  # with a flap: that pair's flap
         return job.link[2]
     if job.lossy_stall is not None:
         return job.lossy_stall[1]

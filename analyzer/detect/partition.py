@@ -22,9 +22,12 @@ The rules:
   group's end with its sends and receives) for ``STALL_NS`` at its dump,
   with connections stopped at the dump.  A flap: the job went on, but the
   collectives of some window took ``SLOW_NS`` and more on every member
-  while connections of two pairs of hosts were stopped together (for half
-  ``FLAP_MIN_NS``; loss stops one at a time; the whole of it where the
-  connections are of one pair) and later acknowledged again.  Resets: the
+  while connections were stopped and later acknowledged again: an outage
+  that is the only one its hosts' connections went through (loss stops
+  them again and again, a link's outage once) and stopped two pairs of
+  hosts together for half ``FLAP_MIN_NS``, or one pair for all of it; of a
+  pair, the host other traffic from a third host failed to reach
+  meanwhile.  Resets: the
   job's connections reset before any rank failed or died (a rank that dies
   resets its own connections after it; those are its death's); of a pair
   they name, the one that went on aborting its connections to a third host

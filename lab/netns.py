@@ -106,11 +106,12 @@ class Network:
     host_ip: str | None = None  # the root namespace's address on the switch, if any
 
 
-def new_run_id() -> str:
-    """A random run id whose subnet the root namespace does not route."""
+def new_run_id(prefix: str = "") -> str:
+    """A random run id (after ``prefix``, at most 2 letters) whose subnet
+    the root namespace does not route."""
     taken = routed_subnets()
     for _ in range(64):
-        run_id = secrets.token_hex(3)
+        run_id = prefix + secrets.token_hex(3)
         if subnet(run_id) not in taken:
             return run_id
     raise LabError("every lab subnet (10.201.1-250.0/24) is routed here: too many runs at once")

@@ -18,7 +18,6 @@ import json
 import os
 import random
 import re
-import secrets
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from stallwatch.dumpers.format import read_dump
-from stallwatch.lab import faults, runner
+from stallwatch.lab import faults, netns, runner
 from stallwatch.lab.runner import AGENT_PORT, Lab, agent_dump_dir
 
 pytestmark = [pytest.mark.bpf, pytest.mark.lab, pytest.mark.slow]
@@ -118,7 +117,7 @@ def hung_lab(seed: int, dump_dir: Path) -> Iterator[HungLab]:
         dump_dir=dump_dir,
         stall_timeout=AGENT_STALL_TIMEOUT_S,
         faults=faults.parse_faults([f"hang:rank={culprit},step={step}"]),
-        run_id="v" + secrets.token_hex(3),
+        run_id=netns.new_run_id("v"),  # a subnet no other lab of the machine routes
     )
     said = io.StringIO()
     lab = runner.make_lab(cfg, runner.preflight(cfg), said)

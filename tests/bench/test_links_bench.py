@@ -20,6 +20,7 @@ def test_bench_links_quick_figures() -> None:
         "RDMA reading",
         "link tick with nothing to read",
         "mapping a process with 200 TCP sockets to its links",
+        "a process's TCP sockets for the filter",
         "link sampler",
     }, table
     assert all(f.value > 0 for f in figures), table
@@ -30,3 +31,6 @@ def test_bench_links_quick_figures() -> None:
         in by_name["mapping a process with 200 TCP sockets to its links"].anchor
     ), table  # its connections leave by the veth that holds their address
     assert by_name["link sampler"].ok is not None, table
+    # the filter's sock_diag reading finds what /proc/<pid>/net/tcp does, beside TIME_WAITs
+    sockets = by_name["a process's TCP sockets for the filter"]
+    assert "1,000 in TIME_WAIT" in sockets.name and "the same sockets: yes" in sockets.anchor, table

@@ -76,7 +76,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         dump_dir=tmp_path_factory.mktemp("sql-lab"),
         stall_timeout=90.0,
         faults=faults.parse_faults([f"loss:node={LOSSY},pct=8"]),
-        run_id="q" + secrets.token_hex(3),
+        run_id=netns.new_run_id("q"),  # a subnet no other lab of the machine routes
     )
     the_lab = runner.make_lab(cfg, runner.preflight(cfg))
     try:

@@ -377,9 +377,15 @@ class Supervisor:
                 proc.wait(max(0.1, timeout))
             except subprocess.TimeoutExpired:
                 problem = f"{self.name} ignored SIGTERM for {timeout:g} s"
+                # SIGABRT first: a Python service writes where it hung (faulthandler)
                 with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                proc.wait()
+                    proc.send_signal(signal.SIGABRT)
+                try:
+                    proc.wait(ABORT_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+                    proc.wait()
         if self._thread is not None:
             self._thread.join(timeout=10)
         self._event("stopped", proc.pid if proc is not None else 0)

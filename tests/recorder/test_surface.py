@@ -307,17 +307,32 @@ def test_health_beside_idle_sockets_and_a_reconnecting_flood(
     ):
         idle, flood, opened = _idle_and_flood(agent, ctx, token)
         figures[name] = (idle, flood)
-        evicted = metric(agent, "stallwatch_http_connections_evicted_total", token=token,
-                         context=ctx)  # fmt: skip
+        evicted, reset = _after_the_flood(agent, token, ctx)
         print(
             f"\nfigure ({name}): /healthz worst {max(idle):.3f} s beside 4,200 idle sockets, "
             f"{max(flood):.3f} s beside a reconnecting flood of {opened} connections "
             f"({len(idle)} and {len(flood)} asked; {evicted:.0f} idle connections displaced; "
-            "target < 2 s)"
+            f"target < 2 s; {reset} request(s) reset right after the flood)"
         )
         assert opened >= 4200  # the flood was one
     for idle, flood in figures.values():
         assert max(idle) < 2.0 and max(flood) < 2.0
+
+
+def _after_the_flood(
+    agent: Agent, token: str | None, ctx: ssl.SSLContext | None
+) -> tuple[float, int]:
+    """The displaced count, read once the flood's last connections are in:
+    a request made as they arrive may be reset (a TLS client accepted before
+    its handshake came, through SYN cookies, which skip the deferred accept:
+    docs/agent.md's known limit), as a scrape then is; it is asked again."""
+    for reset in range(3):
+        try:
+            return metric(agent, "stallwatch_http_connections_evicted_total", token=token,
+                          context=ctx), reset  # fmt: skip
+        except ConnectionResetError:
+            time.sleep(1.0)
+    raise AssertionError("/metrics reset 3 times in 3 s after the flood")
 
 
 # ---------------------------------------------------------------- incidents

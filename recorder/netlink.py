@@ -57,7 +57,6 @@ _IFINFOMSG = struct.Struct("=BxHiII")  # family, type, index, flags, change
 _IFADDRMSG = struct.Struct("=BBBBi")  # family, prefixlen, flags, scope, index
 _RTATTR = struct.Struct("=HH")  # len, type
 _DIAG_REQ = struct.Struct("=BBBxI48x")  # inet_diag_req_v2: family, protocol, ext, states, id
-_DIAG_MSG = struct.Struct("=BBxx4x16s16s4x8x16xI")  # inet_diag_msg: family, state, src, dst, inode
 # inet_diag_msg with the ports: family, state, sport, dport (big-endian), src, dst, inode
 _DIAG_PORTS = struct.Struct("=BBxx2s2s16s16s4x8x16xI")
 _U32 = struct.Struct("=I")
@@ -293,14 +292,12 @@ class Rtnl:
         except OSError:
             self._ethtool = None
         try:
-            self._diag: socket.socket | None = socket.socket(
-                socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG
-            )
-        except OSError:
+            self._diag: SockDiag | None = SockDiag()
+        except NetlinkError:
             self._diag = None
         # closed with this object, whoever forgets to close it
-        socks = [self._ask, self._hear, self._ethtool, self._diag]
-        self.close = weakref.finalize(self, _close, socks)
+        socks = [self._ask, self._hear, self._ethtool]
+        self.close = weakref.finalize(self, _close_all, socks, self._diag)
 
     @property
     def fd(self) -> int | None:
@@ -313,14 +310,9 @@ class Rtnl:
         if self._diag is None:
             raise NetlinkError(0, "sock_diag: no socket")
         out: dict[int, str] = {}
-        for family in (socket.AF_INET, socket.AF_INET6):
-            body = _DIAG_REQ.pack(family, socket.IPPROTO_TCP, 0, TCP_CARRYING)
-            for kind, a, _, buf in self._dump(SOCK_DIAG_BY_FAMILY, body, self._diag):
-                if kind != SOCK_DIAG_BY_FAMILY:
-                    continue
-                got, _, src, _, inode = _DIAG_MSG.unpack_from(buf, a)
-                raw = src[:4] if got == socket.AF_INET else src
-                out[inode] = socket.inet_ntop(got, raw)
+        for sk in self._diag.tcp(TCP_CARRYING):
+            raw = sk.src[:4] if sk.family == socket.AF_INET else sk.src
+            out[sk.inode] = socket.inet_ntop(sk.family, raw)
         return out
 
     def links(self) -> list[NetdevSample]:
@@ -338,11 +330,9 @@ class Rtnl:
                 out.setdefault(found[0], []).append(found[1])
         return {k: tuple(v) for k, v in out.items()}
 
-    def _dump(
-        self, kind: int, body: bytes, sock: socket.socket | None = None
-    ) -> Iterator[tuple[int, int, int, bytes]]:
+    def _dump(self, kind: int, body: bytes) -> Iterator[tuple[int, int, int, bytes]]:
         self._seq += 1
-        return _dump(sock or self._ask, self._seq, kind, body, self._buf)
+        return _dump(self._ask, self._seq, kind, body, self._buf)
 
     def heard(self) -> Heard:
         """Everything the listening socket holds, without waiting."""
@@ -386,6 +376,12 @@ class Rtnl:
         )
         speed = low | high << 16
         return None if speed in (0, 0xFFFF, 0xFFFFFFFF) else speed
+
+
+def _close_all(sockets: list[socket.socket | None], diag: SockDiag | None) -> None:
+    _close(sockets)
+    if diag is not None:
+        diag.close()
 
 
 def _close(sockets: list[socket.socket | None]) -> None:

@@ -347,14 +347,7 @@ class Supervisor:
         return how
 
     def _kill(self, proc: subprocess.Popen[bytes], first: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(first)
-        try:
-            proc.wait(ABORT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            proc.wait()
+        _signal_then_kill(proc, first)
         self._event("exited", proc.pid, f"killed after {first.name}")
 
     def request_stop(self) -> None:
@@ -378,14 +371,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 problem = f"{self.name} ignored SIGTERM for {timeout:g} s"
                 # SIGABRT first: a Python service writes where it hung (faulthandler)
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGABRT)
-                try:
-                    proc.wait(ABORT_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
-                    proc.wait()
+                _signal_then_kill(proc, signal.SIGABRT)
         if self._thread is not None:
             self._thread.join(timeout=10)
         self._event("stopped", proc.pid if proc is not None else 0)
@@ -404,3 +390,15 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
         return pid
+
+
+def _signal_then_kill(proc: subprocess.Popen[bytes], first: signal.Signals) -> None:
+    """``first``, then SIGKILL after ABORT_TIMEOUT_S; until it is gone."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(first)
+    try:
+        proc.wait(ABORT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()

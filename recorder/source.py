@@ -24,6 +24,7 @@ from stallwatch.dumpers.schema import RING_DTYPES
 from .bpfsys import RingbufBell
 from .maps import DISCOVERY_BELL, RING_MAPS, MapSet
 from .pinning import PinOptions, PinSet
+from .prometheus import SKIPPED_PREFIX
 from .rings import RingBuffer, RingWriter
 from .sockets import JobSockets
 from .tickstate import CommProgress, InflightCall
@@ -111,7 +112,7 @@ class MapSource:
         return RingbufBell(bell.fd) if bell is not None and not bell.read_only else None
 
     def kernel_counters(self) -> dict[str, int]:
-        skipped = {f"kernel_skipped_{k}": v for k, v in self.tracepoints_skipped().items()}
+        skipped = {SKIPPED_PREFIX + k: v for k, v in self.tracepoints_skipped().items()}
         return {**self.maps.drops(), **self.maps.cuda_seen(), **skipped}
 
     def tracepoints_skipped(self) -> dict[str, int]:

@@ -841,10 +841,11 @@ def _own_addresses(sources: list[Source], rows: np.ndarray, source: np.ndarray) 
 
 
 def _tcp(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
-    """Retransmits and resets on connections between two hosts' own
-    addresses (the nodes of rank processes): never loopback, never both ends
-    on one host.  Duplicates of one event seen by two agents are counted
-    once (the first, in the order of ``sources``)."""
+    """Retransmits, resets and states at the dump (``tcp_info``) of
+    connections between two hosts' own addresses (the nodes of rank
+    processes): never loopback, never both ends on one host.  Duplicates
+    of one event seen by two agents are counted once (the first, in the
+    order of ``sources``)."""
     host_of = {h: i for i, h in enumerate(hosts)}
     own: dict[int, bytes] = {}
     for rows, source in _tcp_chunks(sources):
@@ -876,9 +877,11 @@ def _tcp(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
     return out
 
 
-# what tells a connection's fate (state changes are the rest of the table)
+# what tells a connection's fate (state changes are the rest of the table):
+# its retransmits, its resets, and its state when the dump was taken
 _FATE = np.zeros(256, dtype=bool)
-_FATE[[TcpEvent.TCP_RETRANSMIT_SKB, TcpEvent.TCP_SEND_RESET, TcpEvent.TCP_RECEIVE_RESET]] = True
+_FATE[[TcpEvent.TCP_RETRANSMIT_SKB, TcpEvent.TCP_SEND_RESET, TcpEvent.TCP_RECEIVE_RESET,
+       TcpEvent.TCP_INFO]] = True  # fmt: skip
 
 
 def _rank_link_addresses(rec: Recording) -> list[bytes]:

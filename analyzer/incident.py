@@ -138,8 +138,10 @@ class Calls:
 
 
 # The TCP events between two hosts' own addresses that tell what became of
-# a connection: retransmits (with what the kernel said of the connection)
-# and resets.  host: the dump it came from (whose clock ts is in); local /
+# a connection: retransmits (with what the kernel said of the connection),
+# resets, and its state when its host dumped (``tcp_info``: backoff the
+# timeouts unanswered, no_ack since the peer last acknowledged anything).
+# host: the dump it came from (whose clock ts is in); local /
 # remote: the hosts whose addresses are this end and the other; event:
 # dumpers.schema.TcpEvent; backoff, no_ack: timeouts in a row and nothing
 # acknowledged for at least so long (ns), where known (known 1); conn: one

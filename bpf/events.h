@@ -71,6 +71,7 @@
 #define TCPEV_INET_SOCK_SET_STATE 2
 #define TCPEV_TCP_SEND_RESET 3
 #define TCPEV_TCP_RECEIVE_RESET 4
+#define TCPEV_TCP_INFO 5
 
 /* `exit_event.event`. */
 #define EXITEV_EXIT_GROUP 1

@@ -108,6 +108,9 @@ class TcpEvent(enum.IntEnum):
     INET_SOCK_SET_STATE = 2
     TCP_SEND_RESET = 3  # this end sent a reset (the socket, or a segment no socket took)
     TCP_RECEIVE_RESET = 4  # the peer reset the connection
+    # not a kernel event: the connection's state when the agent dumped (its
+    # sock_diag read of struct tcp_info), one row per job connection
+    TCP_INFO = 5
 
 
 class ExitEvent(enum.IntEnum):

@@ -19,10 +19,11 @@ FORMAT_NAME = "stallwatch-dump"
 # 2: nccl rows carry device start and completion; 3: thread position snapshots;
 # 4: CUDA graph columns; 5: sched rows name the CPU's last holder (prev_pid);
 # 6: a checksum per section (header, tables, each ring); 7: TCP rows carry
-# the connection's state, the link ring and the links table.
+# the connection's state, the link ring and the links table; 8: TCP rows of
+# event tcp_info, each job connection's state when the dump was taken.
 # Older files are still read (their rows converted, no snapshots, no links,
 # nothing checked); what each version added is listed in dumpers.format.
-FORMAT_VERSION = 7
+FORMAT_VERSION = 8
 CHECKSUMS_SINCE = 6  # the first format version whose dumps carry checksums
 
 

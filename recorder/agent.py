@@ -44,6 +44,7 @@ from stallwatch.query.tls import ClientTls, ServerTls
 
 from . import discovery, sockets
 from .links import LinkConfig, LinkSampler
+from .netlink import NetlinkError
 from .notify import Notifier
 from .peers import PeerList, PeerSource, peer_notifier
 from .pinning import PinSet
@@ -534,6 +535,8 @@ class Agent:
             rings["link"] = self.links.copy()
             if trigger is not None:  # a dump: who uses which link now (queries: as last read)
                 self.links.refresh_users(self.procs.alive())
+                if "tcp" in rings and not self.read_only:
+                    rings["tcp"] = self._with_connection_states(rings["tcp"])
             counters = {**self.source.kernel_counters(), **self.counters.values}
             counters["link_read_failures"] = self.links.errors
             counters.update(self.incidents.counters())
@@ -557,6 +560,19 @@ class Agent:
                 snapshots=self.positions.for_recording(dump=trigger is not None),
                 links=self.links.table(keep=lambda pid: self.procs.get(pid) is not None),
             )
+
+    def _with_connection_states(self, ring: Ring) -> Ring:
+        """The TCP ring with each job connection's state as the kernel has
+        it now (``tcp_info`` rows): whether it was still unacknowledged at
+        the dump, told by the kernel, not from which retransmits the ring
+        kept.  A failed read leaves the ring as it is."""
+        try:
+            states = self._socket_reader.connection_states(self.scope.inside)
+        except (OSError, NetlinkError) as exc:
+            self.counters.add("tcp_info_read_failures")
+            log.warning("reading the job's connections for the dump: %s", exc)
+            return ring
+        return sockets.with_states(ring, states, time.monotonic_ns())
 
     def _rings(self) -> dict[str, Ring]:
         out = {}

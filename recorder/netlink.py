@@ -59,6 +59,14 @@ _RTATTR = struct.Struct("=HH")  # len, type
 _DIAG_REQ = struct.Struct("=BBBxI48x")  # inet_diag_req_v2: family, protocol, ext, states, id
 # inet_diag_msg with the ports: family, state, sport, dport (big-endian), src, dst, inode
 _DIAG_PORTS = struct.Struct("=BBxx2s2s16s16s4x8x16xI")
+INET_DIAG_MSG_SIZE = 72  # sizeof(struct inet_diag_msg): its attributes follow
+INET_DIAG_INFO = 2  # the attribute that holds struct tcp_info
+# struct tcp_info (include/uapi/linux/tcp.h): the offsets of the fields read
+# (tcpi_retransmits, tcpi_rto, tcpi_unacked, tcpi_retrans, tcpi_last_ack_recv,
+# tcpi_rtt; then tcpi_bytes_acked, tcpi_bytes_sent, tcpi_bytes_retrans, 4.19+)
+_TCPI = struct.Struct("=2xB5xI12xI8xI16xI8xI")
+_TCPI_BYTES_ACKED, _TCPI_BYTES_SENT = struct.Struct("=Q"), struct.Struct("=QQ")
+_TCPI_BYTES_AT = (120, 200, 216)  # bytes_acked; bytes_sent and bytes_retrans; their end
 _U32 = struct.Struct("=I")
 RECV_BYTES = 1 << 16
 
@@ -205,6 +213,34 @@ class TcpSocket:
     sport: int
     dport: int
     inode: int  # 0: a request socket (SYN_RECV), no file
+    info: TcpInfo | None = None  # asked for and given (``SockDiag.tcp(info=True)``)
+
+
+@dataclass(frozen=True, slots=True)
+class TcpInfo:
+    """What the kernel says of a connection now (``struct tcp_info``)."""
+
+    retransmits: int  # retransmission timeouts in a row, unanswered (icsk_retransmits)
+    rto_us: int
+    srtt_us: int
+    last_ack_recv_ms: int  # since the peer last acknowledged anything
+    packets_out: int  # segments sent and not acknowledged (tcpi_unacked)
+    retrans_out: int  # of them, retransmitted
+    unacked_bytes: int | None  # sent and not acknowledged; None before Linux 4.19
+
+
+def parse_tcp_info(buf: bytes, start: int, end: int) -> TcpInfo | None:
+    """A ``struct tcp_info`` at buf[start:end] (shorter in older kernels)."""
+    if end - start < _TCPI.size:
+        return None
+    retransmits, rto, unacked, retrans, last_ack_recv, rtt = _TCPI.unpack_from(buf, start)
+    acked_at, sent_at, bytes_end = _TCPI_BYTES_AT
+    unacked_bytes = None
+    if end - start >= bytes_end:
+        (acked,) = _TCPI_BYTES_ACKED.unpack_from(buf, start + acked_at)
+        sent, retransmitted = _TCPI_BYTES_SENT.unpack_from(buf, start + sent_at)
+        unacked_bytes = max(0, sent - retransmitted - acked)
+    return TcpInfo(retransmits, rto, rtt, last_ack_recv, unacked, retrans, unacked_bytes)
 
 
 def _dump(
@@ -247,23 +283,33 @@ class SockDiag:
         self.close = weakref.finalize(self, _close, [self._sock])
 
     def tcp(
-        self, states: int, families: tuple[int, ...] = (socket.AF_INET, socket.AF_INET6)
+        self,
+        states: int,
+        families: tuple[int, ...] = (socket.AF_INET, socket.AF_INET6),
+        info: bool = False,
     ) -> list[TcpSocket]:
         """The namespace's TCP sockets in ``states`` (a mask of 1 << state),
         of ``families``: the kernel skips the others (TIME_WAIT) unformatted.
-        Each family is one walk of the host's whole socket hash."""
+        Each family is one walk of the host's whole socket hash.  With
+        ``info``, each socket's ``struct tcp_info`` too."""
         out = []
+        ext = 1 << (INET_DIAG_INFO - 1) if info else 0
         for family in families:
             self._seq += 1
-            body = _DIAG_REQ.pack(family, socket.IPPROTO_TCP, 0, states)
-            for kind, a, _, buf in _dump(
+            body = _DIAG_REQ.pack(family, socket.IPPROTO_TCP, ext, states)
+            for kind, a, b, buf in _dump(
                 self._sock, self._seq, SOCK_DIAG_BY_FAMILY, body, self._buf
             ):
                 if kind != SOCK_DIAG_BY_FAMILY:
                     continue
                 got, state, sport, dport, src, dst, inode = _DIAG_PORTS.unpack_from(buf, a)
+                tcpi = None
+                if info:
+                    for attr, x, y in _attrs(buf, a + INET_DIAG_MSG_SIZE, b):
+                        if attr == INET_DIAG_INFO:
+                            tcpi = parse_tcp_info(buf, x, y)
                 out.append(TcpSocket(got, state, src, dst, int.from_bytes(sport, "big"),
-                                     int.from_bytes(dport, "big"), inode))  # fmt: skip
+                                     int.from_bytes(dport, "big"), inode, tcpi))  # fmt: skip
         return out
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
@@ -43,6 +44,11 @@ import socket
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import numpy as np
+
+from stallwatch.dumpers.model import Ring
+from stallwatch.dumpers.schema import TCP_EVENT, EventKind, TcpEvent
 
 from .netlink import NetlinkError, SockDiag, TcpSocket
 
@@ -274,7 +280,28 @@ class SocketReader:
                     out.connections.setdefault(conn, pid)
         return out
 
-    def _table(self, ns: int, pid: int) -> list[TcpSocket] | None:
+    def connection_states(self, pids: Iterable[int]) -> list[tuple[int, TcpSocket]]:
+        """The connections of the processes ``pids`` as the kernel has them
+        now (``TcpSocket.info``), each with the pid that holds it; none of a
+        namespace that sock_diag cannot be asked in."""
+        by_ns: dict[int, list[int]] = {}
+        for pid in sorted(pids):
+            ns = netns_of(pid)
+            if ns is not None:
+                by_ns.setdefault(ns, []).append(pid)
+        out: list[tuple[int, TcpSocket]] = []
+        for ns, members in by_ns.items():
+            table = self._table(ns, members[0], info=True)
+            if table is None:
+                continue
+            for pid in members:
+                inodes = socket_inodes(pid)
+                out += [(pid, sk) for sk in table
+                        if sk.inode in inodes and sk.state in _CONNECTED_STATES
+                        and sk.info is not None]  # fmt: skip
+        return out
+
+    def _table(self, ns: int, pid: int, info: bool = False) -> list[TcpSocket] | None:
         if ns not in self._diag:
             try:
                 self._diag[ns] = SockDiag() if ns == self._own else _made_in_netns(pid)
@@ -287,7 +314,7 @@ class SocketReader:
         if diag is None:
             return None
         try:
-            return diag.tcp(DIAG_STATES, _families(pid))
+            return diag.tcp(DIAG_STATES, _families(pid), info=info)
         except NetlinkError as exc:
             log.warning("sock_diag dump for pid %d's namespace failed: %s", pid, exc)
             return None
@@ -297,6 +324,32 @@ class SocketReader:
             if diag is not None:
                 diag.close()
         self._diag.clear()
+
+
+def with_states(ring: Ring, states: list[tuple[int, TcpSocket]], ts_ns: int) -> Ring:
+    """``ring`` (a copy of the TCP ring) with one ``tcp_info`` row per
+    connection of ``states`` after its rows, at ``ts_ns`` (CLOCK_MONOTONIC,
+    the kernel rows' clock): a dump tells whether each connection was still
+    unacknowledged when it was taken, whatever retransmit rows its ring lost."""
+    rows = np.zeros(len(states), dtype=TCP_EVENT)
+    last = int(ring.rows["pos"].max()) if len(ring.rows) else 0
+    for i, (pid, sk) in enumerate(states):
+        info = sk.info
+        assert info is not None
+        r = rows[i]
+        r["pos"], r["ts_ns"], r["pid"] = last + i + 1, ts_ns, pid
+        r["kind"], r["size"] = EventKind.TCP, TCP_EVENT.itemsize
+        r["saddr"], r["daddr"] = np.frombuffer(sk.src, np.uint8), np.frombuffer(sk.dst, np.uint8)
+        r["sport"], r["dport"] = sk.sport, sk.dport
+        r["family"], r["event"], r["state"] = sk.family, TcpEvent.TCP_INFO, sk.state
+        r["backoff"] = min(info.retransmits, 255)
+        r["no_ack_ns"] = info.last_ack_recv_ms * 1_000_000
+        r["srtt_us"], r["rto_us"] = info.srtt_us, info.rto_us
+        r["unacked"] = min(info.unacked_bytes or 0, 0xFFFFFFFF)
+        r["packets_out"], r["retrans_out"] = info.packets_out, info.retrans_out
+        r["conn_known"] = 1
+    joined = np.concatenate([ring.rows.astype(TCP_EVENT, copy=False), rows])
+    return dataclasses.replace(ring, rows=joined)
 
 
 def job_sockets(pids: Iterable[int]) -> JobSockets:

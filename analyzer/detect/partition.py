@@ -12,8 +12,12 @@ and which ranks were blocked in a call at their dumps.
 The rules:
 - A connection stopped being acknowledged when it had ``DEAD_BACKOFF``
   timeouts in a row and nothing acknowledged for ``DEAD_NO_ACK_NS``; it was
-  still stopped at the dump when its next timeout was not yet due (an RTO
-  doubles: a connection acknowledged again shows no more timeouts).
+  still stopped at the dump when the kernel's state of it then (the agent's
+  ``tcp_info`` row, format 9 on) says the peer was last heard before its
+  last timeout, or, without that row, when its next timeout was not yet due
+  (an RTO doubles: a connection acknowledged again shows no more timeouts;
+  a loaded machine can run a timer late, and the kernel skips a tracepoint
+  program now and then, so the row is the better account).
 - The host named is the one every such connection shares (with three hosts
   or more); when they are all between the same two hosts (or the job has
   two), the pair: both ends of one link look alike, unless one of the two
@@ -70,6 +74,9 @@ SLOW_NS = 1_000_000_000  # a collective this long on every member, with stopped 
 # where it is the only one its hosts' connections went through (a flap, once).
 FLAP_MIN_NS = 2_000_000_000
 DUE_SLACK_NS = 500_000_000  # a timeout due this long before the dump and not seen: acked
+# the peer last heard (tcp_info at the dump) this long before a run's last
+# timeout or earlier: still stopped (the kernel keeps that time in jiffies)
+HEARD_SLACK_NS = 20_000_000
 # a call failing this close to the resets failed on them (a reset of many
 # sockets, one after another, on a loaded machine takes a while)
 RESET_WINDOW_NS = 2_000_000_000
@@ -142,10 +149,18 @@ def _end_fate(rows: np.ndarray, wall: np.ndarray, now: np.ndarray) -> ConnFate:
     """One end of a connection: the rows its host recorded, in time order."""
     hosts = (int(rows["local"][0]), int(rows["remote"][0]))
     resets = np.isin(rows["event"], RESET_EVENTS)
-    rt, rt_wall = rows[~resets], wall[~resets]
+    info = rows["event"] == TcpEvent.TCP_INFO
+    at_dump = rows[info][-1] if info.any() else None
+    rt, rt_wall = rows[~resets & ~info], wall[~resets & ~info]
     first_reset = int(wall[resets].min()) if resets.any() else None
+    stuck = None
+    if at_dump is not None and (not len(rt) or int(at_dump["ts"]) >= int(rt["ts"][-1])):
+        stuck = _stuck_at_dump(at_dump, int(wall[info][-1]), len(rt))
     if not len(rt):
-        return ConnFate(hosts, 0, 0, 0, None, None, None, False, int(resets.sum()), first_reset)
+        if stuck is None:
+            return ConnFate(hosts, 0, 0, 0, None, None, None, False, int(resets.sum()), first_reset)
+        return ConnFate(hosts, 0, stuck.backoff, stuck.backoff, stuck.no_ack, stuck.stop_wall,
+                        None, True, int(resets.sum()), first_reset)  # fmt: skip
     known = rt["known"] > 0
     if known.all():
         backoff, no_ack = rt["backoff"].astype(np.int64), rt["no_ack"]
@@ -155,11 +170,15 @@ def _end_fate(rows: np.ndarray, wall: np.ndarray, now: np.ndarray) -> ConnFate:
     host_now = int(now[int(rt["host"][0])])
     runs = [
         dataclasses.replace(
-            _run(rt[a:b], rt_wall[a:b], backoff[a:b], no_ack[a:b], known[a:b], host_now), end=b
+            _run(rt[a:b], rt_wall[a:b], backoff[a:b], no_ack[a:b], known[a:b], host_now,
+                 at_dump if b == len(rt) else None),
+            end=b,
         )
         for a, b in _runs_of(backoff)
-    ]
+    ]  # fmt: skip
     last = runs[-1] if runs and runs[-1].end == len(rt) else None
+    if last is None and stuck is not None:  # its timeouts left no row: its state at the dump
+        runs.append(last := stuck)
     dead = last is not None and last.dead
     return ConnFate(
         hosts=hosts,
@@ -202,7 +221,7 @@ def _runs_of(backoff: np.ndarray) -> list[tuple[int, int]]:
 
 def _run(
     rt: np.ndarray, wall: np.ndarray, backoff: np.ndarray, no_ack: np.ndarray, known: np.ndarray,
-    host_now: int,
+    host_now: int, at_dump: np.ndarray | None = None,
 ) -> _Run:  # fmt: skip
     end = len(rt) - 1
     stopped_for = int(no_ack[end]) if known[end] else _spread(rt["ts"])
@@ -212,11 +231,29 @@ def _run(
     needed = DEAD_BACKOFF if known[end] else DEAD_BACKOFF + 1
     if stuck < needed or stopped_for < DEAD_NO_ACK_NS / 2:
         return _Run(0, stuck, stopped_for, stop_wall, False, None)
-    due = _next_timeout(rt["ts"], rt["rto"])
-    dead = host_now >= 0 and (due is None or host_now <= due + DUE_SLACK_NS)
+    last = int(rt["ts"][end])
+    if at_dump is not None and int(at_dump["ts"]) >= last:
+        # the kernel's account at the dump: the peer heard from since the
+        # run's last timeout, or not (whatever timeout rows the ring lost,
+        # however late a loaded machine ran the timer)
+        heard = int(at_dump["ts"]) - int(at_dump["no_ack"])
+        dead = heard + HEARD_SLACK_NS < last
+    else:
+        due = _next_timeout(rt["ts"], rt["rto"])
+        dead = host_now >= 0 and (due is None or host_now <= due + DUE_SLACK_NS)
     if dead:  # nothing acknowledged since, up to the dump
         return _Run(0, stuck, stopped_for + host_now - int(rt["ts"][end]), stop_wall, True, None)
     return _Run(0, stuck, stopped_for, stop_wall, False, int(wall[end]))
+
+
+def _stuck_at_dump(at_dump: np.ndarray, wall: int, end: int) -> _Run | None:
+    """A run of timeouts told by the state at the dump alone: its rows were
+    lost, not its fate (``DEAD_BACKOFF`` timeouts unanswered, the peer
+    silent for ``DEAD_NO_ACK_NS``)."""
+    silent = int(at_dump["no_ack"])
+    if at_dump["backoff"] < DEAD_BACKOFF or silent < DEAD_NO_ACK_NS:
+        return None
+    return _Run(end, int(at_dump["backoff"]), silent, wall - silent, True, None)
 
 
 def _backoff_from_spacing(ts: np.ndarray) -> np.ndarray:
@@ -480,6 +517,7 @@ def _connection_lines(inc: Incident, conns: list[ConnFate]) -> list[str]:
 def _pairs(inc: Incident) -> list[tuple[int, int]]:
     """The pairs of hosts whose connections the TCP table holds."""
     t = inc.tcp
+    t = t[t["event"] != TcpEvent.TCP_INFO]  # every connection has one: not a failure
     lo, hi = np.minimum(t["local"], t["remote"]), np.maximum(t["local"], t["remote"])
     return sorted({(int(x), int(y)) for x, y in zip(lo.tolist(), hi.tolist(), strict=True)})
 

@@ -98,6 +98,11 @@ class Job:
     lossy_stall: tuple[int, int] | None = None  # (node, step)
     lossy_quiet_ms: float = 0.0
     with_state: bool = True
+    # the dumps end with each connection's state then (tcp_info rows, format
+    # 8 on); lost_timeouts: the last timeouts of each stopped connection left
+    # no row (the kernel skipped its program, or ran the timer late)
+    at_dump: bool = False
+    lost_timeouts: int = 0
     # a node's link loses its carrier at the network fault's step (cut: for
     # good; flap: for flap_ms); rdma: the job's traffic crosses no TCP
     # connection (InfiniBand): the link ring is all the network evidence;
@@ -504,6 +509,16 @@ def _timeouts(job: Job, k: int, peer: int, start: int, until: int) -> list[np.vo
     return out
 
 
+def _at_dump(job: Job, k: int, peer: int, now: int, timeouts: int, heard: int) -> np.void:
+    """Node k's ``tcp_info`` row of its connection to ``peer`` at its dump:
+    ``timeouts`` still unanswered, the peer last heard at ``heard``."""
+    x = _conn_row(job, k, peer, now)
+    x["event"], x["conn_known"], x["srtt_us"] = TcpEvent.TCP_INFO, 1, 300
+    x["backoff"], x["no_ack_ns"] = timeouts, now - heard
+    x["rto_us"] = int(RTO_MS * 1000) * 2**timeouts
+    return x
+
+
 LOSS_GAP_MS = 700.0
 
 
@@ -598,7 +613,15 @@ def _net(job: Job, k: int, calls: list[np.void], now: int, skew: int) -> np.ndar
     else:
         until = now if job.flap is None else start + int(job.flap[2] * MS)
         for p in touched:
-            rows += _timeouts(job, k, p, start, until)
+            timeouts = _timeouts(job, k, p, start, until)
+            rows += timeouts[: len(timeouts) - job.lost_timeouts]
+            if job.at_dump and job.flap is None:  # still stopped: heard before it stopped
+                rows.append(_at_dump(job, k, p, now, len(timeouts), start - 5 * MS))
+            elif job.at_dump:  # came back: heard since
+                rows.append(_at_dump(job, k, p, now, 0, until + 5 * MS))
+    if job.at_dump:
+        rows += [_at_dump(job, k, p, now, 0, now - 5 * MS) for p in range(job.nodes)
+                 if p != k and p not in touched]  # fmt: skip
     out = np.array(rows, dtype=TCP_EVENT)
     out["ts_ns"] = out["ts_ns"].astype(np.int64) + skew
     return out

@@ -4,6 +4,7 @@ namespace too), its connections by both ends, in the kernel's byte order."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -153,3 +154,59 @@ def test_ipv6_is_asked_only_where_the_namespace_has_an_ipv6_socket() -> None:
             assert families == (socket.AF_INET, socket.AF_INET6)
             loopback = socket.inet_pton(socket.AF_INET6, "::1")
             assert set(found.listeners) == {(loopback, 7002, socket.AF_INET6)}
+
+
+def test_a_connections_state_is_struct_tcp_info_as_the_socket_itself_gives_it() -> None:
+    """sock_diag's INET_DIAG_INFO and getsockopt(TCP_INFO) are one struct:
+    parsed alike, and read for the job's connections only."""
+    from stallwatch.recorder.netlink import parse_tcp_info
+
+    ls = socket.create_server(("127.0.0.1", 0))
+    c = socket.create_connection(ls.getsockname())
+    s, _ = ls.accept()
+    try:
+        c.sendall(b"x" * 1000)
+        s.recv(1000)
+        raw = c.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 512)
+        own = parse_tcp_info(raw, 0, len(raw))
+        reader = sockets.SocketReader()
+        try:
+            states = reader.connection_states([os.getpid()])
+        finally:
+            reader.close()
+        mine = [sk for pid, sk in states if sk.sport == c.getsockname()[1]]
+        assert len(mine) == 1 and all(pid == os.getpid() for pid, _ in states)
+        got = mine[0].info
+        assert own is not None and got is not None
+        assert (got.retransmits, got.rto_us, got.packets_out) == (0, own.rto_us, 0)
+        assert got.unacked_bytes == 0 and 0 < got.srtt_us < 100_000
+        assert got.last_ack_recv_ms < 5_000
+        # an older kernel's shorter struct: no byte counts (unknown, not 0)
+        assert parse_tcp_info(raw, 0, 104) == dataclasses.replace(own, unacked_bytes=None)
+        assert parse_tcp_info(raw, 0, 40) is None
+    finally:
+        for x in (c, s, ls):
+            x.close()
+
+
+def test_a_dumps_state_rows_follow_the_rings_rows() -> None:
+    import numpy as np
+
+    from stallwatch.dumpers.model import Ring
+    from stallwatch.dumpers.schema import TCP_EVENT, TcpEvent
+    from stallwatch.recorder.netlink import TcpInfo, TcpSocket
+
+    ring = Ring(np.zeros(3, dtype=TCP_EVENT), overwritten=7)
+    ring.rows["pos"] = [5, 6, 7]
+    src, dst = bytes([10, 0, 0, 1]) + bytes(12), bytes([10, 0, 0, 2]) + bytes(12)
+    sk = TcpSocket(2, 1, src, dst, 40000, 7001, 99,
+                   TcpInfo(3, 1_600_000, 250, 4_200, 12, 12, 1 << 40))  # fmt: skip
+    out = sockets.with_states(ring, [(1234, sk)], 10**12)
+    assert out.overwritten == 7 and len(out.rows) == 4
+    row = out.rows[-1]
+    assert (row["pos"], row["ts_ns"], row["pid"]) == (8, 10**12, 1234)
+    assert row["event"] == TcpEvent.TCP_INFO
+    assert bytes(row["saddr"]) == src and bytes(row["daddr"]) == dst
+    assert (row["sport"], row["dport"], row["backoff"], row["conn_known"]) == (40000, 7001, 3, 1)
+    assert row["no_ack_ns"] == 4_200_000_000 and row["rto_us"] == 1_600_000
+    assert row["unacked"] == 0xFFFFFFFF  # more than the column holds: its largest

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from stallwatch.dumpers.format import read_dump, write_dump
+from stallwatch.dumpers.model import Trigger, TriggerKind
 from stallwatch.dumpers.schema import TcpEvent, TcpState
 from stallwatch.recorder.agent import Agent, AgentConfig
 from stallwatch.recorder.source import BccSource
@@ -237,6 +238,54 @@ def test_a_cut_links_retransmits_carry_the_connections_state(
     assert last["no_ack_ns"] <= int(last["ts_ns"]) - start + 500_000_000
     assert last["unacked"] > 0 and last["packets_out"] > 0
     assert 0 < last["srtt_us"] < 100_000  # a veth: well under 100 ms
+
+
+def _states_at_dump(agent: Agent, pid: int) -> np.ndarray:
+    """The tcp_info rows a dump of the agent holds now, of ``pid``'s connections."""
+    trigger = Trigger(TriggerKind.MANUAL, "test", "tcp-state", time.monotonic_ns())
+    rows = agent.recording(trigger).rings["tcp"].rows
+    return rows[(rows["event"] == TcpEvent.TCP_INFO) & (rows["pid"] == pid)]
+
+
+def undrop_all(ns: str) -> None:
+    _sh("ip", "netns", "exec", ns, "nft", "delete table inet cut")
+
+
+def test_a_dump_holds_each_job_connections_state_as_the_kernel_has_it(
+    agent: Agent, link: tuple[str, str]
+) -> None:
+    """At a dump the agent asks the kernel (sock_diag) for the state of each
+    connection of the job: still unacknowledged under a cut, heard from
+    again once the link is back; the peer's end, not the job's, has none."""
+    a, b = link
+    with python_in(b, SERVER) as server, python_in(a, SENDER) as sender:
+        assert hear(server) == "listening"
+        say(sender)
+        assert hear(sender) == "connected"
+        place(agent, sender.pid)
+        say(sender)
+        time.sleep(0.3)
+        assert len(_states_at_dump(agent, sender.pid)) == 1  # before the cut: heard from
+        drop_all(b)
+        time.sleep(2.5)  # RTOs of ~0.2, 0.4, 0.8 s
+        cut = _states_at_dump(agent, sender.pid)
+        undrop_all(b)
+        deadline = time.monotonic() + 10
+        while True:  # the next timeout's retransmit is acknowledged
+            back = _states_at_dump(agent, sender.pid)
+            if (len(back) and back["backoff"][0] == 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert len(_states_at_dump(agent, server.pid)) == 0  # not placed: not the job's
+    assert len(cut) == 1, cut
+    row = cut[0]
+    assert (row["sport"], row["dport"]) != (0, 0) and row["dport"] == JOB_PORT
+    assert row["conn_known"] == 1 and row["state"] == TcpState.ESTABLISHED
+    assert row["backoff"] >= 2, row  # timeouts unanswered
+    assert row["no_ack_ns"] >= 1_500_000_000, row  # the peer silent since the cut
+    assert row["packets_out"] > 0 and row["unacked"] > 0 and row["rto_us"] >= 400_000
+    assert len(back) == 1 and back["backoff"][0] == 0, back
+    assert back["no_ack_ns"][0] < 1_000_000_000
 
 
 def test_a_lossy_links_retransmits_are_acknowledged_in_between(

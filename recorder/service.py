@@ -64,8 +64,9 @@ def run_agent(config: AgentConfig) -> int:
             agent.attach_library(lib, required=True)
         for pid in config.pids:
             agent.attach_pid(pid)
-        server, token_file = _serve(agent, config)
+        # before it says it listens: whoever waits for that line may stop it at once
         _install_signals(stop)
+        server, token_file = _serve(agent, config)
         notifier.ready(f"recording, serving on {server.address}")
         run_loop(agent, stop, notifier)
     finally:

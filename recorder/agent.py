@@ -526,17 +526,23 @@ class Agent:
 
     # ---- recording and dumps --------------------------------------------
 
-    def recording(self, trigger: Trigger | None = None) -> Recording:
+    def recording(
+        self, trigger: Trigger | None = None, connections: bool | None = None
+    ) -> Recording:
         """Everything the agent holds now (the query layer's ``Backend``);
-        with ``trigger``, what its dump holds."""
+        with ``trigger``, what its dump holds.  ``connections`` (a dump's,
+        by default where there is a trigger): each job connection's state
+        now, as ``tcp_info`` rows after the TCP ring's."""
         self.tick()
         with self._lock:
             rings = self._rings()
             rings["link"] = self.links.copy()
             if trigger is not None:  # a dump: who uses which link now (queries: as last read)
                 self.links.refresh_users(self.procs.alive())
-                if "tcp" in rings and not self.read_only:
-                    rings["tcp"] = self._with_connection_states(rings["tcp"])
+            if connections is None:
+                connections = trigger is not None
+            if connections and "tcp" in rings and not self.read_only:
+                rings["tcp"] = self._with_connection_states(rings["tcp"])
             counters = {**self.source.kernel_counters(), **self.counters.values}
             counters["link_read_failures"] = self.links.errors
             counters.update(self.incidents.counters())
@@ -631,7 +637,10 @@ class Agent:
     def _make_incidents(self) -> Incidents:
         cfg = self.config
         scheduler = DumpScheduler.for_directory(
-            cfg.dump_dir, self.recording, cfg.max_dumps, cfg.max_dump_bytes
+            cfg.dump_dir,
+            lambda: self.recording(connections=True),  # the trigger is the scheduler's
+            cfg.max_dumps,
+            cfg.max_dump_bytes,
         )
         watchdog = Watchdog(int(cfg.stall_timeout_s * 1e9), self.host)
         incidents = Incidents(watchdog, scheduler)

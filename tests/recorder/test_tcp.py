@@ -247,6 +247,15 @@ def _states_at_dump(agent: Agent, pid: int) -> np.ndarray:
     return rows[(rows["event"] == TcpEvent.TCP_INFO) & (rows["pid"] == pid)]
 
 
+def _states_in_dump(agent: Agent, pid: int) -> np.ndarray:
+    """The tcp_info rows of ``pid``'s connections in a dump the agent writes
+    now (``stallwatch dump``: the incidents' scheduler)."""
+    answer = agent.request_dump("test", by_client=False)
+    assert answer.get("path"), answer
+    rows = read_dump(Path(str(answer["path"]))).rings["tcp"].rows
+    return rows[(rows["event"] == TcpEvent.TCP_INFO) & (rows["pid"] == pid)]
+
+
 def undrop_all(ns: str) -> None:
     _sh("ip", "netns", "exec", ns, "nft", "delete table inet cut")
 
@@ -254,9 +263,10 @@ def undrop_all(ns: str) -> None:
 def test_a_dump_holds_each_job_connections_state_as_the_kernel_has_it(
     agent: Agent, link: tuple[str, str]
 ) -> None:
-    """At a dump the agent asks the kernel (sock_diag) for the state of each
-    connection of the job: still unacknowledged under a cut, heard from
-    again once the link is back; the peer's end, not the job's, has none."""
+    """At a dump (an incident's, and what a client asks for) the agent asks
+    the kernel (sock_diag) for the state of each connection of the job:
+    still unacknowledged under a cut, heard from again once the link is
+    back; the peer's end, not the job's, has none."""
     a, b = link
     with python_in(b, SERVER) as server, python_in(a, SENDER) as sender:
         assert hear(server) == "listening"
@@ -268,7 +278,7 @@ def test_a_dump_holds_each_job_connections_state_as_the_kernel_has_it(
         assert len(_states_at_dump(agent, sender.pid)) == 1  # before the cut: heard from
         drop_all(b)
         time.sleep(2.5)  # RTOs of ~0.2, 0.4, 0.8 s
-        cut = _states_at_dump(agent, sender.pid)
+        cut = _states_in_dump(agent, sender.pid)  # as an incident's dump (the watchdog's)
         undrop_all(b)
         deadline = time.monotonic() + 10
         while True:  # the next timeout's retransmit is acknowledged

@@ -259,13 +259,15 @@ _STREAM_GAUGES: tuple[tuple[str, str, Callable[[StreamGauges], float | int | Non
     (
         "last_arrival_share",
         "Of this node's ranks on the communicator, how often this one entered its latest "
-        "collectives last (only ranks of one node are compared).",
+        "collectives last (only ranks of one node are compared; of the kind of collective, "
+        "op and size, it is most often last at).",
         lambda g: g.last_share,
         1.0,
     ),
     (
         "arrival_lateness_seconds",
-        "How long after the first of this node's ranks it entered its latest collectives (median).",
+        "How long after the first of this node's ranks it entered its latest collectives of "
+        "that kind (median).",
         lambda g: g.lateness_ns,
         1e-9,
     ),

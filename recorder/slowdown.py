@@ -31,9 +31,15 @@ Three conditions, each sustained before it is reported:
   ``--stall-timeout``).
 - **a rank persistently last**: among the ranks of this node that share a
   communicator (matched by seq, one clock), one enters last in
-  ``LATE_LAST_SHARE`` of the last ``LATE_RECENT`` collectives, later than
-  the first by ``late_share`` of the communicator's baseline interval more
-  than it was in its own baseline (and ``LATE_MIN_NS``), for ``window_s``.
+  ``LATE_LAST_SHARE`` of the last ``LATE_RECENT`` collectives of one
+  signature, later than the first by ``late_share`` of that signature's
+  baseline interval more than it was in its own baseline (and
+  ``LATE_MIN_NS``), for ``window_s``.  Per signature: a rank that computes
+  longer is late at the first collective of each step only, and its peers
+  wait for it there; at the step's later collectives every member enters
+  together, in any order (on a 4x2 lab job, a rank 150 ms slower was last
+  at its communicators' first collective each step and at half of the rest:
+  judged over all of them, never 90%).
   Only this node's ranks are compared: a rank alone on its node is never
   called late here (its slowdown shows as the rhythm of its peers, and the
   analyzer tells who was late from every node's dump).  Judged only on
@@ -179,6 +185,12 @@ class _Signature:
     recent: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT))
     base_interval: int | None = None
     base_duration: int | None = None
+    # lateness against the first local member to enter, per collective of
+    # this signature: (how late, last of them)
+    lateness: deque[tuple[int, bool]] = field(default_factory=lambda: deque(maxlen=LATE_RECENT))
+    late_buckets: _Buckets | None = None
+    base_lateness: int | None = None
+    late_since: int | None = None
 
 
 @dataclass(slots=True)
@@ -195,12 +207,7 @@ class _Stream:
     device: bool = False  # its calls complete on the device (CUDA probes)
     host_durations: deque[int] = field(default_factory=lambda: deque(maxlen=LATE_RECENT))
     slow_since: int | None = None
-    late_since: int | None = None
     factor: float | None = None
-    # lateness against the first local member to enter, per collective
-    lateness: deque[tuple[int, bool]] = field(default_factory=lambda: deque(maxlen=LATE_RECENT))
-    late_buckets: _Buckets | None = None
-    base_lateness: int | None = None
     durations: deque[int] = field(default_factory=lambda: deque(maxlen=LATE_RECENT))
 
     @property
@@ -341,7 +348,7 @@ class SlowdownWatch:
         sig.last_ts = max(sig.last_ts, ts)
         stream.last_ts = max(stream.last_ts, ts)
         if comm_hash and _COLLECTIVE[op]:
-            self._arrived(stream, seq, ts)
+            self._arrived(stream, (op, nbytes, peer), seq, ts)
 
     def _settled(
         self,
@@ -383,35 +390,40 @@ class SlowdownWatch:
         for sig in stream.sigs.values():
             sig.base_interval = sig.intervals.baseline(before)
             sig.base_duration = sig.durations.baseline(before)
-        if stream.late_buckets is not None:
-            stream.base_lateness = stream.late_buckets.baseline(before)
+            if sig.late_buckets is not None:
+                sig.base_lateness = sig.late_buckets.baseline(before)
 
     # ---- lateness among this node's ranks ---------------------------------------
 
-    def _arrived(self, stream: _Stream, seq: int, ts: int) -> None:
+    def _arrived(self, stream: _Stream, key: tuple[int, int, int], seq: int, ts: int) -> None:
         members = self._by_hash[stream.comm_hash]
         if len(members) < 2:
             return
         seqs = self._entries.setdefault(stream.comm_hash, {})
         got = seqs.setdefault(seq, {})
-        got[stream.pid] = ts
+        got[stream.pid] = (ts, key)
         if len(got) >= len(members):
             del seqs[seq]
             self._lateness(members, got)
         while len(seqs) > SEQS_KEPT:  # a member that left, or calls it never made
             del seqs[next(iter(seqs))]
 
-    def _lateness(self, members: list[_Stream], got: dict[int, int]) -> None:
-        first, last = min(got.values()), max(got.values())
+    def _lateness(
+        self, members: list[_Stream], got: dict[int, tuple[int, tuple[int, int, int]]]
+    ) -> None:
+        first = min(ts for ts, _ in got.values())
+        last = max(ts for ts, _ in got.values())
         for m in members:
-            ts = got.get(m.pid)
-            if ts is None:
+            entry = got.get(m.pid)
+            sig = m.sigs.get(entry[1]) if entry is not None else None
+            if entry is None or sig is None:
                 continue
+            ts = entry[0]
             late = ts - first
-            m.lateness.append((late, ts == last and last > first))
-            if m.late_buckets is None:
-                m.late_buckets = _Buckets(self._keep)
-            if m.late_buckets.add(ts, late):
+            sig.lateness.append((late, ts == last and last > first))
+            if sig.late_buckets is None:
+                sig.late_buckets = _Buckets(self._keep)
+            if sig.late_buckets.add(ts, late):
                 self._rebase(m, ts)
 
     # ---- judging ----------------------------------------------------------------
@@ -468,39 +480,44 @@ class SlowdownWatch:
         return any(m.blocking for m in self._by_hash.get(stream.comm_hash, [stream]))
 
     def _late(self, stream: _Stream, now: int, window: int) -> Slowdown | None:
-        share, late = _last_share(stream), _median_lateness(stream)
-        cycle = stream.baseline_interval()
-        base = stream.base_lateness
-        cfg = self.config
-        judged = (
-            cfg.late_share > 0
-            and self._waits_on_host(stream)
-            and share is not None
-            and late is not None
-            and cycle is not None
-            and base is not None
-            and now - stream.last_ts <= window
-        )
-        if not judged or share is None or late is None or cycle is None or base is None:
-            stream.late_since = None
+        """The rank late at one kind of collective (a signature) for
+        ``window``: a rank that computes longer is late at the first
+        collective of each step only; after it, every member enters at once."""
+        waits = self.config.late_share > 0 and self._waits_on_host(stream)
+        found: Slowdown | None = None
+        for sig in stream.sigs.values():
+            since = self._late_since(stream, sig, now, window) if waits else None
+            sig.late_since = since
+            if since is None or now - since < window:
+                continue
+            if found is None or since < found.since_ns:
+                found = self._late_slowdown(stream, sig, now)
+        return found
+
+    def _late_since(self, stream: _Stream, sig: _Signature, now: int, window: int) -> int | None:
+        share, late = _last_share(sig), _median_lateness(sig)
+        cycle = sig.base_interval or stream.baseline_interval()
+        base = sig.base_lateness
+        if share is None or late is None or cycle is None or base is None:
             return None
-        margin = max(LATE_MIN_NS, cfg.late_share * cycle)
+        if now - sig.last_ts > window:
+            return None
+        margin = max(LATE_MIN_NS, self.config.late_share * cycle)
         if share < LATE_LAST_SHARE or late - base < margin:
-            stream.late_since = None
             return None
-        if stream.late_since is None:
-            stream.late_since = now
-        if now - stream.late_since < window:
-            return None
+        return now if sig.late_since is None else sig.late_since
+
+    def _late_slowdown(self, stream: _Stream, sig: _Signature, now: int) -> Slowdown:
+        share, late = _last_share(sig) or 0.0, _median_lateness(sig) or 0
+        cycle = sig.base_interval or stream.baseline_interval() or 0
+        since = sig.late_since if sig.late_since is not None else now
         reason = (
             f"slowdown: {_stream_text(stream)} is the last of this node's ranks to enter "
-            f"{share:.0%} of its latest {len(stream.lateness)} collectives, {_ms(late)} after "
-            f"the first (median; {_ms(base)} in its baseline, the communicator calls every "
-            f"{_ms(cycle)}), for {_s(now - stream.late_since)}"
+            f"{share:.0%} of its latest {len(sig.lateness)} {op_name(sig.op)} calls, "
+            f"{_ms(late)} after the first (median; {_ms(sig.base_lateness or 0)} in its "
+            f"baseline, called every {_ms(cycle)}), for {_s(now - since)}"
         )
-        return Slowdown(
-            Cause.LATE, stream.pid, stream.comm, stream.comm_hash, stream.late_since, reason
-        )
+        return Slowdown(Cause.LATE, stream.pid, stream.comm, stream.comm_hash, since, reason)
 
     def held(self) -> list[Held]:
         """The held calls settled since the last call of this (then forgotten)."""
@@ -530,6 +547,7 @@ class SlowdownWatch:
         for s in sorted(self._streams.values(), key=lambda s: (s.comm_hash, s.rank, s.pid)):
             bases = [x.base_duration for x in s.sigs.values() if x.base_duration]
             waits = self._waits_on_host(s)  # lateness only then: see _Stream.blocking
+            worst = _latest_signature(s)
             out.append(
                 StreamGauges(
                     s.pid,
@@ -541,24 +559,38 @@ class SlowdownWatch:
                     s.baseline_interval(),
                     int(np.median(s.durations)) if s.durations else None,
                     int(np.median(bases)) if bases else None,
-                    _last_share(s) if waits else None,
-                    _median_lateness(s) if waits else None,
-                    s.base_lateness if waits else None,
+                    _last_share(worst) if waits and worst else None,
+                    _median_lateness(worst) if waits and worst else None,
+                    worst.base_lateness if waits and worst else None,
                 )
             )
         return out
 
 
-def _last_share(stream: _Stream) -> float | None:
-    if len(stream.lateness) < LATE_RECENT:
+def _last_share(sig: _Signature) -> float | None:
+    if len(sig.lateness) < LATE_RECENT:
         return None
-    return sum(last for _, last in stream.lateness) / len(stream.lateness)
+    return sum(last for _, last in sig.lateness) / len(sig.lateness)
 
 
-def _median_lateness(stream: _Stream) -> int | None:
-    if len(stream.lateness) < LATE_RECENT:
+def _median_lateness(sig: _Signature) -> int | None:
+    if len(sig.lateness) < LATE_RECENT:
         return None
-    return int(np.median([late for late, _ in stream.lateness]))
+    return int(np.median([late for late, _ in sig.lateness]))
+
+
+def _latest_signature(stream: _Stream) -> _Signature | None:
+    """The signature at which the stream's rank is the most often last (of
+    equal shares, the one it is latest at, against its baseline): the
+    communicator's lateness on /metrics."""
+    judged = [s for s in stream.sigs.values() if len(s.lateness) >= LATE_RECENT]
+    if not judged:
+        return None
+
+    def key(s: _Signature) -> tuple[float, int]:
+        return (_last_share(s) or 0.0, (_median_lateness(s) or 0) - (s.base_lateness or 0))
+
+    return max(judged, key=key)
 
 
 def _uncaptured(rows: np.ndarray) -> np.ndarray:

@@ -44,13 +44,15 @@ def job(
     seed: int = 0,
     queued: bool = False,
     after_last_ms: float = 5.0,
+    first_only: bool = False,
 ) -> np.ndarray:
     """Rows of ranks (pids) of one node: each step a compute phase, then a
     1 MiB AllReduce and an 8-byte loss AllReduce on one communicator (every
     rank returns when the last one entered, plus 5 ms; ``queued``: each
     returns 50 us after it entered, as a call queued on a stream does);
     ``late_ms`` delays a rank's entry, ``pause`` adds a phase before a step in
-    which nobody calls."""
+    which nobody calls; ``first_only``: only at the step's first collective
+    (a rank that computes longer: at the second, everyone enters at once)."""
     rnd = random.Random(seed)
     rows = []
     now = 10 * S
@@ -59,7 +61,8 @@ def job(
         now += int(pause(step) * MS)
         now += int(step_ms(step) * MS * rnd.uniform(0.9, 1.1))
         for nbytes in (1 << 20, 8):
-            entries = {p: now + int((late_ms(step, p) + rnd.uniform(0, 2)) * MS) for p in ranks}
+            delay = (lambda p: 0.0) if first_only and nbytes == 8 else (lambda p: late_ms(step, p))
+            entries = {p: now + int((delay(p) + rnd.uniform(0, 2)) * MS) for p in ranks}
             end = max(entries.values()) + int(after_last_ms * MS)
             for rank, pid in enumerate(ranks):
                 back = entries[pid] + 50_000 if queued else end
@@ -158,6 +161,46 @@ def test_a_rank_persistently_last_is_named_and_its_peer_is_not() -> None:
     gauges = {g.pid: g for g in watch.gauges()}
     assert gauges[101].last_share == 1.0 and gauges[100].last_share == 0.0
     assert gauges[101].lateness_ns is not None and gauges[101].lateness_ns > 50 * MS
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_rank_late_only_at_each_steps_first_collective_is_named(seed: int) -> None:
+    """A rank that computes 150 ms longer is last at the step's first
+    collective; at the next one every rank enters at once, in any order.
+    Over both it is last at about 75% of them (never the 90% asked); at the
+    first, at all (a 4x2 lab job slowed 2.5x this way raised nothing)."""
+
+    def late(step: int, pid: int) -> float:
+        return 150.0 if pid == 101 and step >= 600 else 0.0
+
+    rows = job(800, lambda step: 100, late_ms=late, first_only=True, seed=seed)
+    began = int(rows["ts_ns"][rows["seq"] == 2 * 600][0])
+    watch = SlowdownWatch()
+    found = drive(watch, rows)
+    first = first_of(found, "late")
+    assert first is not None and {s.pid for _, s in found if s.cause == "late"} == {101}
+    assert "ALL_REDUCE" in first[1].reason
+    # 16 steps to judge (4 s at 250 ms), then the 10 s window
+    assert first[0] - began < 20 * S, (first[0] - began) / S
+    gauges = {g.pid: g for g in watch.gauges()}
+    assert gauges[101].last_share == 1.0
+    assert gauges[101].lateness_ns is not None and gauges[101].lateness_ns > 100 * MS
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_rank_first_only_late_from_the_start_or_checkpointing_is_no_slowdown(seed: int) -> None:
+    """The same lateness all run long is the baseline; a rank pausing 1.5 s
+    before the step's first collective every 100 steps (checkpoints) is last
+    there once in 100."""
+    always = job(800, lambda step: 100, late_ms=lambda s, p: 150.0 * (p == 101),
+                 first_only=True, seed=seed)  # fmt: skip
+    assert first_of(drive(SlowdownWatch(), always), "late") is None
+
+    def checkpoint(step: int, pid: int) -> float:
+        return 1500.0 if pid == 100 and step % 100 == 99 else 0.0
+
+    paused = job(800, lambda step: 100, late_ms=checkpoint, first_only=True, seed=seed)
+    assert drive(SlowdownWatch(), paused) == []
 
 
 def test_a_late_rank_whose_own_calls_wait_for_nobody_is_still_named() -> None:

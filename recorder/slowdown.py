@@ -193,6 +193,9 @@ class _Signature:
     late_since: int | None = None
 
 
+_Arrival = tuple[int, tuple[int, int, int]]  # when a member entered a collective, its signature
+
+
 @dataclass(slots=True)
 class _Stream:
     """One process's communicator as this node sees it."""
@@ -286,7 +289,8 @@ class SlowdownWatch:
         self._streams: dict[tuple[int, int], _Stream] = {}
         self._by_hash: dict[int, list[_Stream]] = {}  # this node's members of a communicator
         # comm hash -> seq -> {pid: entry}: the local members' entries
-        self._entries: dict[int, dict[int, dict[int, int]]] = {}
+        # comm hash -> seq -> pid -> (entry, signature): the local members' entries
+        self._entries: dict[int, dict[int, dict[int, _Arrival]]] = {}
         self._keep = (
             math.ceil((self.config.baseline_s + self.config.window_s) * SECOND_NS / BUCKET_NS) + 2
         )
@@ -408,9 +412,7 @@ class SlowdownWatch:
         while len(seqs) > SEQS_KEPT:  # a member that left, or calls it never made
             del seqs[next(iter(seqs))]
 
-    def _lateness(
-        self, members: list[_Stream], got: dict[int, tuple[int, tuple[int, int, int]]]
-    ) -> None:
+    def _lateness(self, members: list[_Stream], got: dict[int, _Arrival]) -> None:
         first = min(ts for ts, _ in got.values())
         last = max(ts for ts, _ in got.values())
         for m in members:

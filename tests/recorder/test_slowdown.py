@@ -61,8 +61,9 @@ def job(
         now += int(pause(step) * MS)
         now += int(step_ms(step) * MS * rnd.uniform(0.9, 1.1))
         for nbytes in (1 << 20, 8):
-            delay = (lambda p: 0.0) if first_only and nbytes == 8 else (lambda p: late_ms(step, p))
-            entries = {p: now + int((delay(p) + rnd.uniform(0, 2)) * MS) for p in ranks}
+            quiet = first_only and nbytes == 8  # the step's second collective
+            delays = {p: 0.0 if quiet else late_ms(step, p) for p in ranks}
+            entries = {p: now + int((delays[p] + rnd.uniform(0, 2)) * MS) for p in ranks}
             end = max(entries.values()) + int(after_last_ms * MS)
             for rank, pid in enumerate(ranks):
                 back = entries[pid] + 50_000 if queued else end

@@ -538,6 +538,8 @@ class ArrivalScore:
     nranks: int = 2
     period_ns: int = 0  # median time between a rank's entries into consecutive collectives
     device: bool = False  # judged on the device's timeline (CUDA probes)
+    # judged on one kind of its collectives (this op and count), not on all
+    op: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

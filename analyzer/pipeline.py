@@ -91,7 +91,7 @@ from .detect.missing import moments_apart_ns, p2p_gaps, taken_in_turn
 from .detect.network import retransmit_slowdowns, retransmits_in_windows
 from .detect.partition import connection_fates
 from .detect.slowdown import detect_slowdown, judged_on_window, slow_windows, window_matched
-from .detect.stragglers import arrival_scores
+from .detect.stragglers import arrival_scores, kind_scores
 from .flightrec import FrDump
 from .frincident import incidents_from_flightrec, with_stacks
 from .frontier import frontiers
@@ -147,17 +147,19 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
     # whose connections retransmit in it against as long a baseline before it
     windows = tuple(slow_windows(inc, m)) if inc.slowdown is not None else ()
     compared = window_matched(m, windows, baseline=True)
+    slow = window_matched(m, windows)
     a = Analysis(
         incident=inc,
         matched=m,
         frontiers=fronts,
         disagreements=tuple(disagreements(m)),
-        arrivals=tuple(arrival_scores(inc, window_matched(m, windows))),
+        arrivals=tuple(arrival_scores(inc, slow)),
         retransmits=tuple(retransmits_in_windows(inc, compared)),
         sched=sched_delays(inc),
         slowdowns=tuple(retransmit_slowdowns(inc, compared)),
         fates=connection_fates(inc),
         windows=windows,
+        kind_arrivals=tuple(kind_scores(inc, slow)) if windows else (),
     )
     verdicts = [v for d in detectors for v in d(a)]
     if not verdicts and detectors is DETECTORS:

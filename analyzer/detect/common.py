@@ -44,6 +44,9 @@ class Analysis:
     fates: tuple[ConnFate, ...] = ()  # what became of each connection between hosts
     # a slowdown incident: each communicator's slow window (detect.slowdown)
     windows: tuple[SlowWindow, ...] = ()
+    # a slowdown incident: each kind of a communicator's collectives scored
+    # alone (detect.stragglers.kind_scores), to tell who is held up by a peer
+    kind_arrivals: tuple[ArrivalScore, ...] = ()
 
 
 Detector = Callable[[Analysis], list[Verdict]]

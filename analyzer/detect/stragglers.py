@@ -78,6 +78,55 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
     return out
 
 
+KIND_FIELDS = ("ts", "end", "crank", "proc", "device", "op", "count")
+
+
+def kind_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
+    """Per communicator whose latest blocking collectives are of more than
+    one kind (op and count), each kind's ``_wait_scores`` alone.  A rank that
+    computes longer holds its peers up at the first collective of each step
+    only; at the step's later ones every member enters together.  Over all of
+    a communicator's collectives, how long its pair peer waits is a median of
+    a mixture (about half the collectives: the slow rank's lateness; the
+    rest: nothing), which lands on either side of the margin from run to run;
+    at the first kind alone it waits the whole lateness, every time."""
+    out: list[ArrivalScore] = []
+    for comm, c in enumerate(inc.comms):
+        if c.nranks < 2:
+            continue
+        sl = m.comm_rows(comm)
+        if sl.stop - sl.start < 2 * c.nranks:
+            continue
+        rows, gid = m.rows.select(KIND_FIELDS)[sl], m.gid[sl]
+        if rows["device"].any():
+            continue
+        if int(gid[-1] - gid[0]) >= RECENT_GROUPS:
+            start = int(np.searchsorted(gid, gid[-1] - RECENT_GROUPS + 1))
+            rows, gid = rows[start:], gid[start:]
+        complete = _complete_groups(m, rows, gid, c.nranks)
+        if not complete.any():
+            continue
+        keep = np.flatnonzero(complete)
+        rows, gid = rows.take(keep), gid[keep]
+        if np.median(rows["end"] - rows["ts"]) < ASYNC_BELOW_NS:
+            continue
+        starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
+        size = np.diff(np.append(starts, len(gid)))
+        op, count = rows["op"][starts].astype(np.int64), rows["count"][starts].astype(np.int64)
+        kinds, of_group = np.unique(np.stack([op, count]), axis=1, return_inverse=True)
+        if kinds.shape[1] < 2:
+            continue
+        of_row = np.repeat(of_group.ravel(), size)
+        for k in range(kinds.shape[1]):
+            sel = np.flatnonzero(of_row == k)
+            kr, kg = rows.take(sel), gid[sel]
+            out.extend(
+                dataclasses.replace(s, nranks=c.nranks, op=int(kinds[0, k]))
+                for s in _wait_scores(inc, comm, kr, kg, c.nranks)
+            )
+    return out
+
+
 GRID_CHUNK = 1 << 22  # calls scored at once by _grid_scores (bounds its temporaries)
 
 
@@ -391,10 +440,11 @@ def _waits_on_others(a: Analysis) -> set[int]:
     held up by someone, so their lateness elsewhere is inherited.  On the
     device's timeline, clearly means by the margin a straggler must show
     against the same pace: device timings are observed by polling, and a few
-    ms of wait in a large communicator holds nobody up."""
+    ms of wait in a large communicator holds nobody up.  Somewhere: at all of
+    a communicator's collectives, or at one kind of them (``kind_scores``)."""
     return {
         s.proc
-        for s in a.arrivals
+        for s in (*a.arrivals, *a.kind_arrivals)
         if s.method == "wait"
         and s.groups >= STRAGGLER_MIN_GROUPS
         and s.margin_ns <= -_held_margin(s)

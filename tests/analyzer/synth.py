@@ -123,6 +123,11 @@ class Job:
     # other traffic (not the job's) failing from the fault's step on: a node
     # sends to another and retransmits (sampled rows, one a second)
     others: tuple[tuple[int, int], ...] = ()
+    # the lab's shape instead of one world AllReduce a step: each node's
+    # ranks share a pair communicator (an AllGather after the compute, then
+    # a ReduceScatter and a small AllReduce entered together, in any order),
+    # then ranks of one local index across nodes an AllReduce (data parallel)
+    lab_shape: bool = False
 
     @property
     def nranks(self) -> int:
@@ -160,8 +165,67 @@ def _row(
 Window = tuple[int, int, bool]  # entry, return, whether a lossy link slowed it
 
 
+def pair_hash(node: int) -> int:
+    return 0x9A17_0000_0000_0000 + node
+
+
+def dp_hash(local: int) -> int:
+    return 0xD9_0000_0000_0000 + local
+
+
+PAIR_KINDS = ((Op.ALL_GATHER, 1024), (Op.REDUCE_SCATTER, 1024), (Op.ALL_REDUCE, 8))
+
+
+def _lab_timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[Window]]]:
+    """``Job.lab_shape``: per step, each node's pair collectives, then the
+    data-parallel AllReduces (every rank returns when the last of its
+    communicator entered, plus the transfer time)."""
+    rng = np.random.default_rng(job.seed)
+    rows: dict[int, list[np.void]] = {k: [] for k in range(job.nodes)}
+    windows: dict[int, list[Window]] = {k: [] for k in range(job.nodes)}
+    slow_rank, slow_ms = job.slow if job.slow else (-1, 0.0)
+    per, xfer = job.ranks_per_node, int(job.xfer_ms * MS)
+    t = 1_000 * MS
+
+    def jitter() -> int:
+        return int(rng.uniform(0, job.jitter_ms) * MS)
+
+    def collective(members: list[int], entries: dict[int, int], seq: int, chash: int,
+                   op: int, count: int, comm_base: int) -> int:  # fmt: skip
+        done = max(entries[r] for r in members) + xfer
+        for crank, r in enumerate(members):
+            row = _row(r, len(members), seq, entries[r], done, chash, crank)
+            row["op"], row["count"], row["bytes"] = op, count, count * 4
+            row["comm"] = comm_base + r
+            rows[job.node_of(r)].append(row)
+            windows[job.node_of(r)].append((entries[r], done, False))
+        return done
+
+    for step in range(job.steps):
+        extra = {r: slow_ms if r == slow_rank and step >= job.from_step else 0.0
+                 for r in range(job.nranks)}  # fmt: skip
+        ready = {r: t + int((job.compute_ms + extra[r]) * MS) + jitter() for r in range(job.nranks)}
+        after = {}
+        for k in range(job.nodes):
+            pair = [k * per + i for i in range(per)]
+            entries = ready
+            for i, (op, count) in enumerate(PAIR_KINDS):
+                done = collective(pair, entries, step * len(PAIR_KINDS) + i, pair_hash(k),
+                                  op, count, 0x3000)  # fmt: skip
+                entries = {r: done + jitter() for r in pair}
+            after.update(entries)
+        ends = []
+        for local in range(per):
+            dp = [k * per + local for k in range(job.nodes)]
+            ends.append(collective(dp, after, step, dp_hash(local), Op.ALL_REDUCE, 4096, 0x4000))
+        t = max(ends)
+    return rows, t, windows
+
+
 def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[Window]]]:
     """Rows per node (true time), the end of the job, and windows per node."""
+    if job.lab_shape:
+        return _lab_timeline(job)
     rng = np.random.default_rng(job.seed)
     n = job.nranks
     rows: dict[int, list[np.void]] = {k: [] for k in range(job.nodes)}
@@ -318,7 +382,12 @@ def _node(
                 exit_signal=sig,
             )
         )
-        comms.append(CommInfo(pid_of(r), 0x1000 + r, WORLD, r, job.nranks))
+        if job.lab_shape:
+            local = r % job.ranks_per_node
+            comms.append(CommInfo(pid_of(r), 0x3000 + r, pair_hash(k), local, job.ranks_per_node))
+            comms.append(CommInfo(pid_of(r), 0x4000 + r, dp_hash(local), k, job.nodes))
+        else:
+            comms.append(CommInfo(pid_of(r), 0x1000 + r, WORLD, r, job.nranks))
         if job.split and r % 2 == 0:
             comms.append(
                 CommInfo(

@@ -51,7 +51,7 @@ def _score(
 
 
 def _candidates(scores: list[ArrivalScore]) -> set[int]:
-    a = cast(Analysis, SimpleNamespace(arrivals=tuple(scores)))
+    a = cast(Analysis, SimpleNamespace(arrivals=tuple(scores), kind_arrivals=()))
     return {s.proc for s in straggler_candidates(a)}
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from stallwatch.analyzer.align import incident_from_recordings
 from stallwatch.analyzer.detect.slowdown import slow_windows
@@ -15,7 +16,7 @@ from stallwatch.analyzer.match import match
 from stallwatch.analyzer.pipeline import analyze_incident, analyze_recordings
 from stallwatch.analyzer.report import to_json
 from stallwatch.analyzer.verdict import VerdictKind
-from tests.analyzer.synth import Job, recordings
+from tests.analyzer.synth import Job, pid_of, recordings
 
 # 3 nodes of 2 ranks, 10 ms of compute a step; a fault from step 300 of 360
 BASE = Job(nodes=3, ranks_per_node=2, steps=360, from_step=300)
@@ -147,3 +148,42 @@ def test_group_medians_are_numpys_per_group_leaving_nan_out() -> None:
             known = values[(group == g) & ~np.isnan(values)]
             want = float(np.median(known)) if len(known) else np.nan
             assert np.isnan(got[g]) if np.isnan(want) else got[g] == want
+
+
+# The lab's shape: each node's two ranks share a pair communicator (an
+# AllGather after the compute, then a ReduceScatter and a small AllReduce
+# entered together), then the ranks of one local index across nodes an
+# AllReduce.  The slow rank's pair peer leaves the AllGather with it and is
+# last in its own data-parallel AllReduce every step: inherited lateness.
+LAB = Job(nodes=3, ranks_per_node=2, steps=360, from_step=300, lab_shape=True, slowdown_by=0)
+
+
+def _lab(slow: int, seed: int = 1) -> list[tuple[VerdictKind, tuple[int, ...]]]:
+    """(kind, pids) of each verdict (the job has no world communicator)."""
+    job = Job(**{**LAB.__dict__, "slow": (slow, 150.0), "seed": seed})
+    result = analyze_recordings([(r.host, r) for r in recordings(job)])
+    return [(v.kind, v.pids) for v in result.incidents[0].verdicts]
+
+
+@pytest.mark.parametrize("slow", [1, 2, 3, 4, 5])
+def test_in_the_labs_shape_the_slow_rank_is_named_not_its_pair_peer(slow: int) -> None:
+    """Over all of the pair's collectives its peer waits at a third of them
+    (the median of its wait says nothing); at the AllGathers, at all: it is
+    held up, and its lateness elsewhere is the slow rank's."""
+    assert _lab(slow) == [(VerdictKind.COMPUTE_STRAGGLER, (pid_of(slow),))]
+
+
+def test_without_each_kind_alone_the_pair_peer_would_be_named_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import stallwatch.analyzer.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "kind_scores", lambda inc, m: [])
+    got = _lab(3)
+    assert (VerdictKind.COMPUTE_STRAGGLER, (pid_of(2),)) in got, got  # rank 3's pair peer
+
+
+def test_in_the_labs_shape_a_job_slowed_alike_names_nobody() -> None:
+    job = Job(**{**LAB.__dict__, "all_slow_ms": 150.0})
+    result = analyze_recordings([(r.host, r) for r in recordings(job)])
+    assert [v.kind for v in result.incidents[0].verdicts] == [VerdictKind.SLOWDOWN]

@@ -108,8 +108,6 @@ def kind_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
             continue
         keep = np.flatnonzero(complete)
         rows, gid = rows.take(keep), gid[keep]
-        if np.median(rows["end"] - rows["ts"]) < ASYNC_BELOW_NS:
-            continue
         starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
         size = np.diff(np.append(starts, len(gid)))
         op, count = rows["op"][starts].astype(np.int64), rows["count"][starts].astype(np.int64)
@@ -120,6 +118,11 @@ def kind_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
         for k in range(kinds.shape[1]):
             sel = np.flatnonzero(of_row == k)
             kr, kg = rows.take(sel), gid[sel]
+            # calls that return at once (queued) tell nothing by their
+            # durations; judged per kind: a node's pair whose later
+            # collectives take microseconds still waits at the first
+            if np.median(kr["end"] - kr["ts"]) < ASYNC_BELOW_NS:
+                continue
             out.extend(
                 dataclasses.replace(s, nranks=c.nranks, op=int(kinds[0, k]))
                 for s in _wait_scores(inc, comm, kr, kg, c.nranks)

@@ -125,7 +125,8 @@ class Job:
     others: tuple[tuple[int, int], ...] = ()
     # the lab's shape instead of one world AllReduce a step: each node's
     # ranks share a pair communicator (an AllGather after the compute, then
-    # a ReduceScatter and a small AllReduce entered together, in any order),
+    # a ReduceScatter and a small AllReduce entered together, in any order;
+    # each done 50 us after its last member entered),
     # then ranks of one local index across nodes an AllReduce (data parallel)
     lab_shape: bool = False
 
@@ -174,6 +175,10 @@ def dp_hash(local: int) -> int:
 
 
 PAIR_KINDS = ((Op.ALL_GATHER, 1024), (Op.REDUCE_SCATTER, 1024), (Op.ALL_REDUCE, 8))
+# within a node, a collective whose members enter together takes microseconds
+# (the lab's: its later pair collectives' median is under the 1 ms the
+# analyzer takes for calls that return at once)
+PAIR_XFER_NS = 50_000
 
 
 def _lab_timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[Window]]]:
@@ -191,7 +196,7 @@ def _lab_timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, li
         return int(rng.uniform(0, job.jitter_ms) * MS)
 
     def collective(members: list[int], entries: dict[int, int], seq: int, chash: int,
-                   op: int, count: int, comm_base: int) -> int:  # fmt: skip
+                   op: int, count: int, comm_base: int, xfer: int) -> int:  # fmt: skip
         done = max(entries[r] for r in members) + xfer
         for crank, r in enumerate(members):
             row = _row(r, len(members), seq, entries[r], done, chash, crank)
@@ -211,13 +216,15 @@ def _lab_timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, li
             entries = ready
             for i, (op, count) in enumerate(PAIR_KINDS):
                 done = collective(pair, entries, step * len(PAIR_KINDS) + i, pair_hash(k),
-                                  op, count, 0x3000)  # fmt: skip
+                                  op, count, 0x3000, PAIR_XFER_NS)  # fmt: skip
                 entries = {r: done + jitter() for r in pair}
             after.update(entries)
         ends = []
         for local in range(per):
             dp = [k * per + local for k in range(job.nodes)]
-            ends.append(collective(dp, after, step, dp_hash(local), Op.ALL_REDUCE, 4096, 0x4000))
+            ends.append(
+                collective(dp, after, step, dp_hash(local), Op.ALL_REDUCE, 4096, 0x4000, xfer)
+            )
         t = max(ends)
     return rows, t, windows
 

@@ -123,11 +123,22 @@ def kind_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
             # collectives take microseconds still waits at the first
             if np.median(kr["end"] - kr["ts"]) < ASYNC_BELOW_NS:
                 continue
+            period = _cadence(kr, kg)
             out.extend(
-                dataclasses.replace(s, nranks=c.nranks, op=int(kinds[0, k]))
+                dataclasses.replace(s, nranks=c.nranks, period_ns=period, op=int(kinds[0, k]))
                 for s in _wait_scores(inc, comm, kr, kg, c.nranks)
             )
     return out
+
+
+def _cadence(rows: Columns, gid: np.ndarray) -> int:
+    """Median time between one rank's entries into consecutive collectives
+    of these rows (one kind: a step's, for a kind called once a step)."""
+    order = np.lexsort((gid, rows["crank"]))
+    ts, cr = rows["ts"][order].astype(np.int64), rows["crank"][order]
+    same = cr[1:] == cr[:-1]
+    gaps = (ts[1:] - ts[:-1])[same]
+    return int(np.median(gaps)) if len(gaps) else 0
 
 
 GRID_CHUNK = 1 << 22  # calls scored at once by _grid_scores (bounds its temporaries)
@@ -455,7 +466,12 @@ def _waits_on_others(a: Analysis) -> set[int]:
 
 
 def _held_margin(s: ArrivalScore) -> float:
-    if not s.device:
+    """How much longer than its peers a rank must wait to be held up: a few
+    ms on the host's timeline; on the device's (observed by polling), and at
+    one kind of collective (half as many samples, each a step apart: a slow
+    rank itself waits a few ms more than its peers at some kind, now and
+    then), the margin a straggler must show against the same pace."""
+    if not s.device and s.op is None:
         return STRAGGLER_MARGIN_NS
     return max(STRAGGLER_MARGIN_NS, STRAGGLER_PERIOD_SHARE * s.period_ns)
 

@@ -187,3 +187,29 @@ def test_in_the_labs_shape_a_job_slowed_alike_names_nobody() -> None:
     job = Job(**{**LAB.__dict__, "all_slow_ms": 150.0})
     result = analyze_recordings([(r.host, r) for r in recordings(job)])
     assert [v.kind for v in result.incidents[0].verdicts] == [VerdictKind.SLOWDOWN]
+
+
+def test_held_up_at_one_kind_means_waiting_as_long_as_a_straggler_must_be_late() -> None:
+    """A slow rank itself waits a few ms more than its peers at some kind of
+    collective now and then (a 4x2 lab seed: 5.1 ms at a world Broadcast,
+    a step of 350 ms): that is no peer holding it up.  Its pair peer waits
+    the whole lateness (160-210 ms) at the step's first collective.  Over
+    all of a communicator's collectives, a few ms still count."""
+    from types import SimpleNamespace
+    from typing import cast
+
+    from stallwatch.analyzer.detect.common import Analysis
+    from stallwatch.analyzer.detect.stragglers import _waits_on_others
+    from stallwatch.analyzer.incident import ArrivalScore
+
+    ms = 1_000_000
+
+    def score(proc: int, margin_ms: float, op: int | None) -> ArrivalScore:
+        return ArrivalScore(0, proc, proc, 38, 0.1, int(margin_ms * ms), 0, 0, "wait", 8,
+                            350 * ms, False, op)  # fmt: skip
+
+    a = SimpleNamespace(
+        arrivals=(score(2, -6.0, None),),
+        kind_arrivals=(score(1, -5.1, 4), score(0, -160.0, 2), score(3, -80.0, 2)),
+    )
+    assert _waits_on_others(cast(Analysis, a)) == {0, 2}

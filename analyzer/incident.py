@@ -624,6 +624,20 @@ class CommSlowdown:
 
 
 @dataclass(frozen=True, slots=True)
+class NetHeld:
+    """A collective the network held (``detect.network.held_by_network``):
+    it took ``duration_ns`` (its longest member call) against its
+    communicator's median ``baseline_ns``, a retransmission timeout of the
+    job's connections inside."""
+
+    comm: int
+    seq: int
+    op: int
+    duration_ns: int
+    baseline_ns: int
+
+
+@dataclass(frozen=True, slots=True)
 class P2pGap:
     """Point-to-point messages of one direction (``src`` to ``dst`` on a
     communicator) that one side posted and the other has not: the n-th send

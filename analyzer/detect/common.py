@@ -20,6 +20,7 @@ from ..incident import (
     Incident,
     Member,
     MemberState,
+    NetHeld,
     P2pGap,
     SchedDelays,
     SlowWindow,
@@ -47,6 +48,10 @@ class Analysis:
     # a slowdown incident: each kind of a communicator's collectives scored
     # alone (detect.stragglers.kind_scores), to tell who is held up by a peer
     kind_arrivals: tuple[ArrivalScore, ...] = ()
+    # the collectives the network held (detect.network.held_by_network), and
+    # the retransmits inside them by host
+    held: tuple[NetHeld, ...] = ()
+    held_retransmits: tuple[HostRetransmits, ...] = ()
 
 
 Detector = Callable[[Analysis], list[Verdict]]

@@ -1,7 +1,12 @@
 """Network straggler: collectives slow for everyone, with TCP retransmits on
 one host's rank connections inside their windows.  The metrics: retransmits
 per host inside collective windows, and per communicator how much slower its
-collectives with retransmits inside are than those without."""
+collectives with retransmits inside are than those without; and the
+collectives the network held (``held_by_network``: one held 10x its
+communicator's median and 1 s or more, a retransmission timeout inside, as
+the agent's held-call trigger asks), with the retransmits inside them: a
+link choked for seconds, or cut and back, slows one or two collectives,
+too few for the rule that compares many, and its incident is dumped at once."""
 
 from __future__ import annotations
 
@@ -9,8 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from stallwatch.dumpers.schema import op_name
+
 from ..frontier import ASYNC_BELOW_NS
-from ..incident import CommSlowdown, HostRetransmits, Incident, proc_hosts
+from ..incident import CommSlowdown, HostRetransmits, Incident, NetHeld, proc_hosts
 from ..match import Matched
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, ms, who
@@ -71,7 +78,11 @@ def call_windows(m: Matched, queued: np.ndarray) -> np.ndarray:
     return out
 
 
-def retransmits_in_windows(inc: Incident, m: Matched) -> list[HostRetransmits]:
+def retransmits_in_windows(
+    inc: Incident, m: Matched, only: np.ndarray | None = None
+) -> list[HostRetransmits]:
+    """Per host, the retransmits inside its ranks' collective windows (of
+    the matched rows ``only`` selects, if given)."""
     rt = inc.retransmits
     nh = len(inc.hosts)
     if not len(rt):
@@ -79,12 +90,13 @@ def retransmits_in_windows(inc: Incident, m: Matched) -> list[HostRetransmits]:
     phost = np.array(proc_hosts(inc), dtype=np.int64)
     queued = queued_comms(m, len(inc.comms))
     end = call_windows(m, queued) if len(m.rows) else np.zeros(0, dtype=np.int64)
+    keep = (end > 0) if only is None else (end > 0) & only
     inside = np.zeros(len(rt), dtype=bool)
     for h in range(nh):
         sel = rt["host"] == h
         if not sel.any():
             continue
-        mine = (phost[m.rows["proc"]] == h) & (end > 0)
+        mine = (phost[m.rows["proc"]] == h) & keep
         inside[sel] = _within(rt["ts"][sel], m.rows["ts"][mine], end[mine])
     sent = rt[inside & (rt["local"] >= 0)]
     got = rt[inside & (rt["remote"] >= 0)]
@@ -92,9 +104,8 @@ def retransmits_in_windows(inc: Incident, m: Matched) -> list[HostRetransmits]:
     remote = np.bincount(got["remote"], minlength=nh)
     total = np.bincount(rt["local"][rt["local"] >= 0], minlength=nh)
     rows = m.rows
-    done = (
-        np.bincount(phost[rows["proc"][rows["end"] > 0]], minlength=nh) if len(rows) else total * 0
-    )
+    counted = rows["end"] > 0 if only is None else (rows["end"] > 0) & only
+    done = np.bincount(phost[rows["proc"][counted]], minlength=nh) if len(rows) else total * 0
     return [
         HostRetransmits(h, int(local[h]), int(remote[h]), int(total[h]), int(done[h]))
         for h in range(nh)
@@ -190,6 +201,52 @@ def _held_per_row(inc: Incident, m: Matched, phost: np.ndarray, end: np.ndarray)
     return held
 
 
+# a collective the network held: it took HOLD_MIN_NS and HOLD_FACTOR times
+# its communicator's median with a retransmission timeout of the job's
+# connections inside a member's call (the agent's held-call trigger,
+# recorder.slowdown: an outage or a choked link the job came back from is
+# one such collective, which no median sees; a checkpoint's barrier holds
+# as long with no timeout inside)
+HOLD_MIN_NS = 1_000_000_000
+HOLD_FACTOR = 10.0
+
+
+def held_by_network(inc: Incident, m: Matched) -> tuple[list[NetHeld], np.ndarray]:
+    """The complete collectives of communicators spanning hosts that the
+    network held, and which matched rows are theirs."""
+    rows = np.zeros(len(m.rows), dtype=bool)
+    rt = inc.retransmits
+    if not len(rt) or not len(m.rows):
+        return [], rows
+    phost = np.array(proc_hosts(inc), dtype=np.int64)
+    end = call_windows(m, queued_comms(m, len(inc.comms)))
+    held = _held_per_row(inc, m, phost, end)
+    out = []
+    for comm, c in enumerate(inc.comms):
+        if len({int(phost[p]) for p in c.members if p >= 0}) < 2:
+            continue
+        sl = m.comm_rows(comm)
+        gid, e, ts = m.gid[sl], end[sl], m.rows["ts"][sl]
+        if not len(gid):
+            continue
+        starts, ok = _complete_groups(gid, e, c.nranks)
+        if not ok.any():
+            continue
+        dur = np.maximum.reduceat(e - ts, starts)
+        base = int(np.median(dur[ok]))
+        g_held = np.maximum.reduceat(held[sl], starts) > 0
+        hit = ok & g_held & (dur >= HOLD_MIN_NS) & (dur >= HOLD_FACTOR * base)
+        for g in np.flatnonzero(hit).tolist():
+            first = sl.start + int(starts[g])
+            out.append(
+                NetHeld(comm, int(m.rows["seq"][first]), int(m.rows["op"][first]),
+                        int(dur[g]), base)
+            )  # fmt: skip
+        size = np.diff(np.append(starts, len(gid)))
+        rows[sl] = np.repeat(hit, size)
+    return out, rows
+
+
 def _held_share(
     m: Matched, comm: int, nranks: int, held: np.ndarray, end: np.ndarray
 ) -> tuple[int, float]:
@@ -282,7 +339,10 @@ def lossy_hosts(
     a: Analysis, explained: frozenset[int] = frozenset()
 ) -> tuple[HostRetransmits, ...]:
     """The host(s) involved in nearly every retransmit on the ranks'
-    connections (two nodes: both ends of the one link lose alike), when there
+    connections (two nodes: both ends of the one link lose alike; of hosts
+    involved in nearly every one, those involved in the most: a host cut
+    off or lossy towards all its peers is in every one, each peer only in
+    those of its own link to it), when there
     are many per collective and the collectives they fall into are markedly
     slower than the communicator's others.  A few retransmits spread over
     the hosts, or ones that slow nothing, happen on any busy network.
@@ -292,17 +352,24 @@ def lossy_hosts(
     def score(h: HostRetransmits) -> int:
         return h.local + h.remote
 
-    total = sum(h.local for h in a.retransmits)
-    if not total:
-        return ()
-    share = _concentration_min(len(a.incident.hosts))
-    named = [
-        h
-        for h in a.retransmits
-        if score(h) >= share * total and score(h) >= max(RETRANS_MIN, RETRANS_PER_CALL * h.calls)
-    ]
+    def involved(counts: tuple[HostRetransmits, ...]) -> list[HostRetransmits]:
+        total = sum(h.local for h in counts)
+        share = _concentration_min(len(a.incident.hosts))
+        return [
+            h
+            for h in counts
+            if total
+            and score(h) >= share * total
+            and score(h) >= max(RETRANS_MIN, RETRANS_PER_CALL * h.calls)
+        ]
+
+    named = involved(a.retransmits)
     if not named or not slowed_comms(a, {h.host for h in named}):
+        named = involved(a.held_retransmits)  # the collectives the network held
+    if not named:
         return ()
+    top = max(score(h) for h in named)
+    named = [h for h in named if score(h) == top]  # beside it: its links' other ends
     if all(h.host in starved_hosts(a) for h in named):
         return ()  # a process starved of CPU stalls its connections: TCP retransmits
     if all(h.host in explained for h in named):
@@ -318,19 +385,27 @@ def detect_network(a: Analysis, explained: frozenset[int] = frozenset()) -> list
     hosts = tuple(inc.hosts[h.host] for h in lossy)
     procs = [i for i, p in enumerate(inc.procs) if p.host in hosts]
     ranks, _, pids = who(inc, procs)
+    slowed = slowed_comms(a, {h.host for h in lossy})
+    counts = a.retransmits if slowed else a.held_retransmits
     evidence = [
         f"host {x.host_name}: {x.h.local} retransmits sent and {x.h.remote} received inside "
         f"collective windows ({x.h.total} sent in all)"
         for x in (_Named(inc.hosts[h.host], h) for h in a.retransmits)
     ]
-    total = sum(h.local for h in a.retransmits)
+    evidence += [_slowed_text(inc, s) for s in slowed[:MAX_LISTED]]
+    if not slowed:  # named on the collectives the network held
+        evidence += [
+            f"{op_name(h.op)} seq {h.seq} on {inc.comms[h.comm].name} was held {ms(h.duration_ns)} "
+            f"against {ms(h.baseline_ns)} (its communicator's median), a retransmission timeout "
+            "of the job's connections inside"
+            for h in a.held[:MAX_LISTED]
+        ]
+    where = "on the ranks' connections" if slowed else "inside the collectives held"
+    total = sum(h.local for h in counts)
     evidence += [
         f"host {inc.hosts[h.host]} is involved in {h.local + h.remote} of the {total} "
-        "retransmits on the ranks' connections"
+        f"retransmits {where}"
         for h in lossy
-    ]
-    evidence += [
-        _slowed_text(inc, s) for s in slowed_comms(a, {h.host for h in lossy})[:MAX_LISTED]
     ]
     evidence += _median_duration(a)
     rank_text = ", ".join(map(str, ranks))

@@ -11,8 +11,10 @@ and which ranks were blocked in a call at their dumps.
 
 The rules:
 - A connection stopped being acknowledged when it had ``DEAD_BACKOFF``
-  timeouts in a row and nothing acknowledged for ``DEAD_NO_ACK_NS``; it was
-  still stopped at the dump when the kernel's state of it then (the agent's
+  timeouts in a row and nothing acknowledged for ``DEAD_NO_ACK_NS``; a run
+  its end followed with a retransmit that was no timeout in a row ended
+  there (the count starts anew only once something was acknowledged); the
+  last run was still stopped at the dump when the kernel's state of it then (the agent's
   ``tcp_info`` row, format 9 on) says the peer was last heard before its
   last timeout, or, without that row, when its next timeout was not yet due
   (an RTO doubles: a connection acknowledged again shows no more timeouts;
@@ -171,7 +173,7 @@ def _end_fate(rows: np.ndarray, wall: np.ndarray, now: np.ndarray) -> ConnFate:
     runs = [
         dataclasses.replace(
             _run(rt[a:b], rt_wall[a:b], backoff[a:b], no_ack[a:b], known[a:b], host_now,
-                 at_dump if b == len(rt) else None),
+                 at_dump if b == len(rt) else None, followed=b < len(rt)),
             end=b,
         )
         for a, b in _runs_of(backoff)
@@ -221,8 +223,11 @@ def _runs_of(backoff: np.ndarray) -> list[tuple[int, int]]:
 
 def _run(
     rt: np.ndarray, wall: np.ndarray, backoff: np.ndarray, no_ack: np.ndarray, known: np.ndarray,
-    host_now: int, at_dump: np.ndarray | None = None,
+    host_now: int, at_dump: np.ndarray | None = None, followed: bool = False,
 ) -> _Run:  # fmt: skip
+    """``followed``: the end recorded retransmits after the run's last
+    timeout that were no timeout in a row (its count starts anew only once
+    something was acknowledged): the run ended there, whenever the dump."""
     end = len(rt) - 1
     stopped_for = int(no_ack[end]) if known[end] else _spread(rt["ts"])
     stop_wall = int(wall[end]) - stopped_for
@@ -232,7 +237,9 @@ def _run(
     if stuck < needed or stopped_for < DEAD_NO_ACK_NS / 2:
         return _Run(0, stuck, stopped_for, stop_wall, False, None)
     last = int(rt["ts"][end])
-    if at_dump is not None and int(at_dump["ts"]) >= last:
+    if followed:
+        dead = False
+    elif at_dump is not None and int(at_dump["ts"]) >= last:
         # the kernel's account at the dump: the peer heard from since the
         # run's last timeout, or not (whatever timeout rows the ring lost,
         # however late a loaded machine ran the timer)

@@ -97,6 +97,16 @@ class Job:
     # timeouts in a row for a second), the last ``lossy_quiet_ms`` before it
     lossy_stall: tuple[int, int] | None = None  # (node, step)
     lossy_quiet_ms: float = 0.0
+    # a node's link choked for one step's collective (node, step, ms): it is
+    # held ms longer, the node's connections retransmitting all along inside
+    # it, each a timeout acknowledged before the next (a rate-capped link's
+    # queue), then the job goes on; node -1: every link choked alike
+    choke: tuple[int, int, float] | None = None
+    # after a flap's last timeout, each stopped connection retransmits again
+    # without a timeout (acknowledged, then resending what was lost: the
+    # lab's flaps show it within milliseconds of the link's return)
+    flap_resent: bool = False
+    dump_after_ms: float = 5000.0  # the dumps taken this long after the job's last step
     with_state: bool = True
     # the dumps end with each connection's state then (tcp_info rows, format
     # 8 on); lost_timeouts: the last timeouts of each stopped connection left
@@ -255,6 +265,8 @@ def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[W
         xfer = job.xfer_ms * (8 if lossy else 1) + (job.loss_rto_ms if lossy else 0.0)
         if job.flap is not None and step == job.flap[1]:
             xfer += job.flap[2]
+        if job.choke is not None and step == job.choke[1]:
+            xfer += job.choke[2]
         arrive = {}
         for r in range(n):
             extra = slow_ms if r in slowed and faulty else 0.0
@@ -315,7 +327,7 @@ def recordings(job: Job, incident: str = "inc-1") -> list[Recording]:
         _apply_mismatch(job, rows)
     if job.reset is not None:
         _apply_reset(job, rows)
-    now = t_end + 5_000 * MS
+    now = t_end + int(job.dump_after_ms * MS)
     return [_node(job, k, rows[k], windows[k], now, incident) for k in range(job.nodes)]
 
 
@@ -617,6 +629,24 @@ def _losses(job: Job, k: int, peer: int, start: int, until: int) -> list[np.void
     return out
 
 
+CHOKE_GAP_MS = 100.0
+
+
+def _choked(job: Job, k: int, peer: int, start: int, until: int) -> list[np.void]:
+    """Node k's retransmits on its connection to ``peer`` through a choked
+    link from ``start`` to ``until``: a timeout every CHOKE_GAP_MS, each
+    acknowledged before the next (never two in a row)."""
+    out = []
+    t = start
+    while t + int(CHOKE_GAP_MS * MS) <= until:
+        t += int(CHOKE_GAP_MS * MS)
+        x = _conn_row(job, k, peer, t)
+        x["conn_known"], x["backoff"], x["no_ack_ns"] = 1, 1, int(RTO_MS * MS)
+        x["rto_us"], x["srtt_us"], x["unacked"] = int(RTO_MS * 1000), 300, 65536
+        out.append(x)
+    return out
+
+
 def _links(
     job: Job, k: int, calls: list[np.void], now: int, skew: int, ranks: list[int]
 ) -> tuple[tuple[LinkInfo, ...], np.ndarray]:
@@ -656,6 +686,7 @@ def _net(job: Job, k: int, calls: list[np.void], now: int, skew: int) -> np.ndar
         and job.reset is None
         and job.link is None
         and job.lossy_stall is None
+        and job.choke is None
     ):
         return np.zeros(0, dtype=TCP_EVENT)
     if job.rdma:  # the job's traffic crosses no TCP connection
@@ -668,7 +699,7 @@ def _net(job: Job, k: int, calls: list[np.void], now: int, skew: int) -> np.ndar
     node, step = _network_fault(job)
     at = [int(r["ts_ns"]) for r in calls if int(r["seq"]) == step]
     start = min(at) if at else now
-    touched = [p for p in range(job.nodes) if p != k and (node in (k, p))]
+    touched = [p for p in range(job.nodes) if p != k and (node in (k, p, -1))]
     if job.link is not None:
         a, b = job.link[0], job.link[1]
         touched = [p for p in range(job.nodes) if p != k and {k, p} == {a, b}]
@@ -686,11 +717,18 @@ def _net(job: Job, k: int, calls: list[np.void], now: int, skew: int) -> np.ndar
     elif job.lossy_stall is not None:
         for p in touched:
             rows += _losses(job, k, p, start, now - int(job.lossy_quiet_ms * MS))
+    elif job.choke is not None:
+        for p in touched:
+            rows += _choked(job, k, p, start, start + int(job.choke[2] * MS))
     else:
         until = now if job.flap is None else start + int(job.flap[2] * MS)
         for p in touched:
             timeouts = _timeouts(job, k, p, start, until)
             rows += timeouts[: len(timeouts) - job.lost_timeouts]
+            if job.flap_resent and job.flap is not None:
+                x = _conn_row(job, k, p, until + 5 * MS)
+                x["conn_known"], x["srtt_us"], x["rto_us"] = 1, 300, int(RTO_MS * 1000)
+                rows.append(x)
             if job.at_dump and job.flap is None:  # still stopped: heard before it stopped
                 rows.append(_at_dump(job, k, p, now, len(timeouts), start - 5 * MS))
             elif job.at_dump:  # came back: heard since
@@ -707,6 +745,8 @@ def _network_fault(job: Job) -> tuple[int, int]:
     for fault in (job.cut, job.reset, job.lossy_stall):
         if fault is not None:
             return fault[0], fault[1]
+    if job.choke is not None:
+        return job.choke[0], job.choke[1]
     if job.flap is not None:
         return job.flap[0], job.flap[1]
     assert job.link is not None

@@ -77,6 +77,20 @@ def test_a_flap_that_came_back_is_named_from_the_collective_it_held() -> None:
     )
 
 
+def test_a_flap_resent_after_is_over_however_soon_the_dump_came() -> None:
+    """The dump 100 ms after the job's last step, before the run's next
+    timeout was due: the retransmit after its last timeout, no timeout in a
+    row, ends the run (the lab's 3-5 s flaps raise their incident that
+    soon).  Read by when the next timeout was due, the outage was still on
+    at the dump and the job that went on through it healthy."""
+    soon = with_(JOB, flap=(2, 15, 4000.0), dump_after_ms=100.0)
+    v = analyze(with_(soon, flap_resent=True)).verdicts[0]
+    assert v.kind is VerdictKind.NETWORK_PARTITION, v.summary
+    assert v.hosts == ("node2",) and "came back" in v.summary
+    # without a row after its last timeout, nothing says it ended: not a flap
+    assert analyze(soon).verdicts[0].kind is not VerdictKind.NETWORK_PARTITION
+
+
 def test_resets_before_any_failure_name_the_node_and_claim_the_exits() -> None:
     inc = analyze(with_(JOB, reset=(0, 20)))
     v = inc.verdicts[0]

@@ -213,3 +213,33 @@ def test_held_up_at_one_kind_means_waiting_as_long_as_a_straggler_must_be_late()
         kind_arrivals=(score(1, -5.1, 4), score(0, -160.0, 2), score(3, -80.0, 2)),
     )
     assert _waits_on_others(cast(Analysis, a)) == {0, 2}
+
+
+# a node's link choked for one collective (a rate cap's queue, the lab's
+# ``rate``): held 3 s, then the job goes on and the incident is dumped at once
+CHOKED = Job(**{**BASE.__dict__, "steps": 306, "choke": (1, 300, 3000.0), "slowdown_by": 0})
+
+
+def test_a_collective_the_network_held_names_the_host_in_its_retransmits() -> None:
+    """One collective held 3 s with retransmission timeouts inside, every
+    retransmit on the choked node's connections: too few slow collectives
+    for a slow window or the retransmit rule (3 asked), named on the held
+    one; the peers, each only on its own link to it, are not."""
+    v = top(CHOKED)
+    assert v.kind is VerdictKind.NETWORK_STRAGGLER and v.hosts == ("node1",), v.summary
+    assert any("seq 300" in e and "was held 300" in e for e in v.evidence), v.evidence
+    assert any(e.startswith("host node1 is involved in 120 of the 120") for e in v.evidence)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"choke": (-1, 300, 3000.0)},  # every link choked alike: no host departs
+        {"choke": (1, 300, 900.0)},  # held under HOLD_MIN_NS: no held collective
+    ],
+)
+def test_a_held_collective_names_no_host_when_none_departs_or_it_was_short(
+    change: dict[str, object],
+) -> None:
+    v = top(Job(**{**CHOKED.__dict__, **change}))
+    assert v.kind is VerdictKind.SLOWDOWN and v.hosts == ("node0", "node1", "node2"), v.summary

@@ -23,7 +23,10 @@ right).
 
 ``--before`` is the steps before the fault (the trigger needs 30 s of
 baseline: at 30-100 ms a step, 1,200 is enough); small values are for a
-smoke test only.
+smoke test only.  ``--after`` is the steps after it, but at most
+``AFTER_CAP`` of a fault that slows each step to seconds (a rate cap: 3-4 s
+a step on 3x2, so 250 steps took 16 minutes a run; 25 are 90 s or more,
+three times the 30 s an incident is asked within).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ RANK_FAULTS = ("slow", "cpuhog", "gpuslow")
 SHAPES = ((3, 2), (4, 2))
 CHECKPOINT = "pause:every=100,ms=1500,rank=0"
 WITHIN_NS = 30_000_000_000
+AFTER_CAP = {"rate": 25}  # steps after the fault, at most (see the docstring)
 # (mode, wait, graphs) of the healthy runs
 MODES = (("blocking", "block", False), ("blocking", "spin", False), ("async", "block", False),
          ("gpu", "block", False), ("gpu", "block", True))  # fmt: skip
@@ -60,7 +64,7 @@ class Run:
     ranks_per_node: int
     seed: int
     before: int  # steps before the fault (it begins within 100 more)
-    after: int  # steps after it
+    after: int  # steps after it (at most AFTER_CAP's)
 
     @property
     def name(self) -> str:
@@ -122,7 +126,7 @@ def top_verdict(folder: Path) -> dict[str, Any] | None:
 
 def judge(run: Run, folder: Path) -> tuple[bool, str]:
     who, step, _ = run.pick()
-    steps = step + run.after
+    steps = step + min(run.after, AFTER_CAP.get(run.fault, run.after))
     argv = ["--nodes", str(run.nodes), "--ranks-per-node", str(run.ranks_per_node)]
     argv += ["--steps", str(steps), "--fault", CHECKPOINT, "--fault", run.spec()]
     argv += ["--mode", "gpu"] if run.fault == "gpuslow" else []

@@ -249,6 +249,16 @@ def _families(pid: int) -> tuple[int, ...]:
     return (socket.AF_INET, socket.AF_INET6)
 
 
+def _by_netns(pids: Iterable[int]) -> dict[int, list[int]]:
+    """The processes ``pids`` by network namespace (those gone are left out)."""
+    by_ns: dict[int, list[int]] = {}
+    for pid in sorted(pids):
+        ns = netns_of(pid)
+        if ns is not None:
+            by_ns.setdefault(ns, []).append(pid)
+    return by_ns
+
+
 class SocketReader:
     """``job_sockets`` by one sock_diag dump per network namespace of the
     job; each namespace's socket is kept while a process of the job is in it."""
@@ -260,11 +270,7 @@ class SocketReader:
 
     def job_sockets(self, pids: Iterable[int]) -> JobSockets:
         """Every listener and connection of the processes ``pids``, and whose it is."""
-        by_ns: dict[int, list[int]] = {}
-        for pid in sorted(pids):
-            ns = netns_of(pid)
-            if ns is not None:
-                by_ns.setdefault(ns, []).append(pid)
+        by_ns = _by_netns(pids)
         for ns in set(self._diag) - set(by_ns):  # no process of the job there now
             diag = self._diag.pop(ns)
             if diag is not None:
@@ -284,13 +290,8 @@ class SocketReader:
         """The connections of the processes ``pids`` as the kernel has them
         now (``TcpSocket.info``), each with the pid that holds it; none of a
         namespace that sock_diag cannot be asked in."""
-        by_ns: dict[int, list[int]] = {}
-        for pid in sorted(pids):
-            ns = netns_of(pid)
-            if ns is not None:
-                by_ns.setdefault(ns, []).append(pid)
         out: list[tuple[int, TcpSocket]] = []
-        for ns, members in by_ns.items():
+        for ns, members in _by_netns(pids).items():
             table = self._table(ns, members[0], info=True)
             if table is None:
                 continue

@@ -119,6 +119,22 @@ def place(agent: Agent, pid: int) -> None:
     agent.tick()
 
 
+@contextlib.contextmanager
+def job_sending(
+    agent: Agent, link: tuple[str, str]
+) -> Iterator[tuple[subprocess.Popen[str], subprocess.Popen[str]]]:
+    """The job's sender (in the link's first namespace, connected to the
+    server in the second, placed in scope) and the server, ready:
+    ``say(sender)`` starts it sending."""
+    a, b = link
+    with python_in(b, SERVER) as server, python_in(a, SENDER) as sender:
+        assert hear(server) == "listening"
+        say(sender)
+        assert hear(sender) == "connected"
+        place(agent, sender.pid)
+        yield server, sender
+
+
 def rows_since(agent: Agent, start_ns: int) -> np.ndarray:
     rows = agent.recording().rings["tcp"].rows
     return rows[rows["ts_ns"] >= start_ns]
@@ -199,12 +215,8 @@ def test_a_neighbours_connections_are_counted_never_written(agent: Agent) -> Non
 def test_a_cut_links_retransmits_carry_the_connections_state(
     agent: Agent, link: tuple[str, str]
 ) -> None:
-    a, b = link
-    with python_in(b, SERVER) as server, python_in(a, SENDER) as sender:
-        assert hear(server) == "listening"
-        say(sender)
-        assert hear(sender) == "connected"
-        place(agent, sender.pid)
+    b = link[1]
+    with job_sending(agent, link) as (_server, sender):
         start = time.monotonic_ns()
         say(sender)
         time.sleep(0.3)
@@ -267,12 +279,8 @@ def test_a_dump_holds_each_job_connections_state_as_the_kernel_has_it(
     the kernel (sock_diag) for the state of each connection of the job:
     still unacknowledged under a cut, heard from again once the link is
     back; the peer's end, not the job's, has none."""
-    a, b = link
-    with python_in(b, SERVER) as server, python_in(a, SENDER) as sender:
-        assert hear(server) == "listening"
-        say(sender)
-        assert hear(sender) == "connected"
-        place(agent, sender.pid)
+    b = link[1]
+    with job_sending(agent, link) as (server, sender):
         say(sender)
         time.sleep(0.3)
         assert len(_states_at_dump(agent, sender.pid)) == 1  # before the cut: heard from
@@ -302,13 +310,9 @@ def test_a_lossy_links_retransmits_are_acknowledged_in_between(
     agent: Agent, link: tuple[str, str]
 ) -> None:
     """Packet loss, not a cut: acknowledgements go on, timeouts do not pile up."""
-    a, b = link
+    b = link[1]
     lose(b, JOB_PORT, 10)
-    with python_in(b, SERVER) as server, python_in(a, SENDER) as sender:
-        assert hear(server) == "listening"
-        say(sender)
-        assert hear(sender) == "connected"
-        place(agent, sender.pid)
+    with job_sending(agent, link) as (_server, sender):
         start = time.monotonic_ns()
         say(sender)
         time.sleep(3.0)
@@ -404,17 +408,13 @@ def test_after_a_minute_of_neighbour_churn_the_jobs_retransmits_are_in_the_dump(
     start, then a neighbour churns connections for 60 s (hundreds of
     thousands of TCP events, the ring many times over): the dump holds every
     job retransmit and says how much was left out."""
-    a, b = link
+    b = link[1]
     config = AgentConfig(dump_dir=tmp_path / "dumps", host_name="churn-test")
     agent = Agent(config, BccSource(1 << 13, 1_000_000))
     try:
         assert len(agent.source.rings()["tcp"].slots) == 2048
         lose(b, JOB_PORT, 20)
-        with python_in(b, SERVER) as server, python_in(a, SENDER) as sender:
-            assert hear(server) == "listening"
-            say(sender)
-            assert hear(sender) == "connected"
-            place(agent, sender.pid)
+        with job_sending(agent, link) as (_server, sender):
             say(sender)
             time.sleep(3.0)
             job = sender.pid

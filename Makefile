@@ -16,10 +16,12 @@ demo: setup
 # once), then the tests that judge timing alone (marker solo)
 WORKERS ?= 4
 SUITE = -m "not solo" -n $(WORKERS) --dist loadfile
+# the slowest tests of each phase are listed at its end: where the time goes
+DURATIONS = --durations=15
 test: setup
 	bash scripts/check
-	$(PY) -m pytest $(SUITE)
-	$(PY) -m pytest -m solo
+	$(PY) -m pytest $(SUITE) $(DURATIONS)
+	$(PY) -m pytest -m solo $(DURATIONS)
 
 # the suite on the newest versions pyproject's ranges allow, in a venv of its
 # own (.venv-latest): upgrading is then `make lock` and its own commit

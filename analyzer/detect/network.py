@@ -212,18 +212,21 @@ HOLD_FACTOR = 10.0
 
 
 def held_by_network(inc: Incident, m: Matched) -> tuple[list[NetHeld], np.ndarray]:
-    """The complete collectives of communicators spanning hosts that the
-    network held, and which matched rows are theirs."""
+    """The complete collectives of communicators spanning hosts (calls not
+    queued) that the network held, and which matched rows are theirs."""
     rows = np.zeros(len(m.rows), dtype=bool)
     rt = inc.retransmits
     if not len(rt) or not len(m.rows):
         return [], rows
     phost = np.array(proc_hosts(inc), dtype=np.int64)
-    end = call_windows(m, queued_comms(m, len(inc.comms)))
+    queued = queued_comms(m, len(inc.comms))
+    end = call_windows(m, queued)
     held = _held_per_row(inc, m, phost, end)
     out = []
     for comm, c in enumerate(inc.comms):
-        if len({int(phost[p]) for p in c.members if p >= 0}) < 2:
+        # queued calls' windows run to the next call, a checkpoint's pause
+        # included: not comparable (``_held_share`` judges them)
+        if queued[comm] or len({int(phost[p]) for p in c.members if p >= 0}) < 2:
             continue
         sl = m.comm_rows(comm)
         gid, e, ts = m.gid[sl], end[sl], m.rows["ts"][sl]

@@ -236,6 +236,10 @@ def test_a_collective_the_network_held_names_the_host_in_its_retransmits() -> No
     [
         {"choke": (-1, 300, 3000.0)},  # every link choked alike: no host departs
         {"choke": (1, 300, 900.0)},  # held under HOLD_MIN_NS: no held collective
+        # calls queued: a window runs to the rank's next call, a checkpoint's
+        # pause included, so none is held; one held collective goes unnamed
+        # there (a known limit: the queued rule asks for 3)
+        {"mode": "async"},
     ],
 )
 def test_a_held_collective_names_no_host_when_none_departs_or_it_was_short(

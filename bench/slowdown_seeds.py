@@ -3,7 +3,8 @@ slowdown trigger on, its defaults), a fault injected mid-run on a rank or a
 node the seed picks, at a step it picks; for each run, the time from the
 fault's start (``lab run --json``, monotonic) to the first incident an agent
 raised (the dumps' triggers, same clock), whether every node dumped it, and
-whether the first verdict names the fault's rank (or node) and nothing else.
+whether the first verdict names the fault's rank (or node) and nothing else (a
+node's network fault: as a network verdict, not a rank of it).
 
 Faults: ``slow`` (a rank computes 150 ms longer a step), ``cpuhog`` (busy
 processes on a rank's CPU), ``gpuslow`` (gpu mode: a rank's device work
@@ -47,6 +48,7 @@ from stallwatch.dumpers.model import TriggerKind
 
 FAULTS = ("slow", "cpuhog", "gpuslow", "rate", "loss", "flap")
 RANK_FAULTS = ("slow", "cpuhog", "gpuslow")
+NETWORK_VERDICTS = ("network_partition", "network_straggler")
 SHAPES = ((3, 2), (4, 2))
 CHECKPOINT = "pause:every=100,ms=1500,rank=0"
 WITHIN_NS = 30_000_000_000
@@ -145,8 +147,8 @@ def judge(run: Run, folder: Path) -> tuple[bool, str]:
         return False, f"{delay / 1e9:.1f} s, no verdict"
     if run.fault in RANK_FAULTS:
         named = top["ranks"] == [who]
-    else:
-        named = set(top["hosts"]) == {f"node{who}"}
+    else:  # the node, and the network as the cause (not a rank of it)
+        named = set(top["hosts"]) == {f"node{who}"} and top["kind"] in NETWORK_VERDICTS
     good = 0 < delay <= WITHIN_NS and len(nodes) == run.nodes and named
     return good, f"{delay / 1e9:.1f} s, {len(nodes)} nodes dumped, {top['kind']}: {top['summary']}"
 

@@ -6,6 +6,10 @@ the ranks whose calls failed on a reset connection exit, the collectives it
 held look slowed by retransmits.  Those verdicts are named in its evidence
 as consequences and leave the list.
 
+A network straggler named on the collectives the network held is a cause
+of a rank of its hosts missing from a collective for no longer than those
+were held: the rank is late behind its link.
+
 A desync is a cause: ranks that disagree on a collective wait for each other
 forever or fail on the size they receive, and then hang, crash, exit or
 leave no dump.  When a desync is found it comes first, and what followed it
@@ -33,7 +37,36 @@ EXPLAINED_BY_NETWORK = frozenset(
 
 
 def in_causal_order(a: Analysis, verdicts: list[Verdict]) -> list[Verdict]:
-    return _desync_first(a, _network_first(verdicts))
+    return _desync_first(a, _network_first(_held_first(a, verdicts)))
+
+
+def _held_first(a: Analysis, verdicts: list[Verdict]) -> list[Verdict]:
+    """A network straggler named on the collectives the network held
+    (``Analysis.held``) explains a rank of its hosts missing from a
+    collective for no longer than the network held one: late behind its
+    link, not hung (a rank missing for longer stays a verdict of its own)."""
+    net = next((v for v in verdicts if v.kind is VerdictKind.NETWORK_STRAGGLER), None)
+    if net is None or not a.held:
+        return verdicts
+    longest = max(h.duration_ns for h in a.held)
+    waits = {a.incident.comms[f.comm].hash_text: f.age_ns for f in a.frontiers}
+
+    def behind_link(v: Verdict) -> bool:
+        wait = waits.get(v.comm_id_hash or "")
+        return (
+            v.kind is VerdictKind.MISSING_RANK
+            and bool(v.hosts)
+            and set(v.hosts) <= set(net.hosts)
+            and wait is not None
+            and wait <= longest
+        )
+
+    explained = [v for v in verdicts if behind_link(v)]
+    if not explained:
+        return verdicts
+    after = tuple(f"consequence: {v.summary}" for v in explained)[:MAX_LISTED]
+    first = dataclasses.replace(net, evidence=net.evidence + after)
+    return [first, *(v for v in verdicts if v is not net and v not in explained)]
 
 
 def _network_first(verdicts: list[Verdict]) -> list[Verdict]:

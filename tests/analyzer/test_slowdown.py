@@ -247,3 +247,28 @@ def test_a_held_collective_names_no_host_when_none_departs_or_it_was_short(
 ) -> None:
     v = top(Job(**{**CHOKED.__dict__, **change}))
     assert v.kind is VerdictKind.SLOWDOWN and v.hosts == ("node0", "node1", "node2"), v.summary
+
+
+@pytest.mark.parametrize(
+    ("rank", "after_ms", "behind_link"),
+    [
+        (3, 1500.0, True),  # on the choked node, missing 1.5 s: late behind its link
+        (4, 1500.0, False),  # on another node: a rank of its own
+        (3, 5000.0, False),  # missing longer than the network held anything: hung
+    ],
+)
+def test_a_rank_missing_behind_a_link_the_network_held_is_its_consequence(
+    rank: int, after_ms: float, behind_link: bool
+) -> None:
+    """A rank that has not entered a collective since its link held the one
+    before for 3 s (the lab's rate cap, seed 8: rank 3 on the capped node
+    behind by 1.0 s at the dump, named missing)."""
+    job = Job(**{**CHOKED.__dict__, "hang": (rank, 305), "dump_after_ms": after_ms})
+    got = verdicts(job)
+    if behind_link:
+        assert [k for k, _, _ in got] == [VerdictKind.NETWORK_STRAGGLER], got
+        v = top(job)
+        assert any(e.startswith(f"consequence: rank {rank} never entered") for e in v.evidence)
+    else:
+        assert got[0][:2] == (VerdictKind.MISSING_RANK, (rank,)), got
+        assert got[1][0] is VerdictKind.NETWORK_STRAGGLER

@@ -487,7 +487,7 @@ class Agent:
             settled = settled[keep(settled)] if len(settled) else settled
         self.slowdown.feed(new, settled)
         found = self.slowdown.judge(now)
-        held = self.slowdown.held()
+        held = self.slowdown.held(now)
         if held:
             tcp = self.source.rings()["tcp"].copy(self.scope.ring_filter("tcp")).rows
             links = self.links.copy().rows

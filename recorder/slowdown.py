@@ -48,7 +48,11 @@ Three conditions, each sustained before it is reported:
 - **a held collective**: a call that took ``hold_s`` and ``HOLD_FACTOR``
   times its signature's baseline duration, reported (``Held``) for the agent
   to look for network evidence inside it (``network_evidence``): an outage
-  the job came back from is one such call, which no median sees.
+  the job came back from is one such call, which no median sees.  It is
+  handed over ``held_wait_s`` after it returned, so that the incident's
+  dumps hold what followed it too (a lossy link's next collectives: one
+  held call's few retransmits tell its host from its peer's no better than
+  chance).
 
 Known limits: a signature needs ``MIN_BASELINE_SAMPLES`` intervals over
 ``MIN_BASELINE_BUCKETS`` buckets before it is judged (a job's first 30 s or
@@ -103,6 +107,7 @@ DEFAULT_WINDOW_S = 10.0
 DEFAULT_BASELINE_S = 300.0
 DEFAULT_LATE_SHARE = 0.5
 DEFAULT_HOLD_S = 1.0
+DEFAULT_HELD_WAIT_S = 5.0
 
 _CALLS = np.zeros(256, dtype=bool)
 _CALLS[[int(op) for op in Op if op.is_collective or op.is_p2p]] = True
@@ -122,6 +127,7 @@ class SlowdownConfig:
     baseline_s: float = DEFAULT_BASELINE_S
     late_share: float = DEFAULT_LATE_SHARE  # 0: no lateness trigger
     hold_s: float = DEFAULT_HOLD_S  # 0: no held-call trigger
+    held_wait_s: float = DEFAULT_HELD_WAIT_S  # after the held call returned
 
     @property
     def on(self) -> bool:
@@ -521,16 +527,20 @@ class SlowdownWatch:
         )
         return Slowdown(Cause.LATE, stream.pid, stream.comm, stream.comm_hash, since, reason)
 
-    def held(self) -> list[Held]:
-        """The held calls settled since the last call of this (then forgotten)."""
-        out, self._held = self._held, []
+    def held(self, now_ns: int) -> list[Held]:
+        """The held calls that returned ``held_wait_s`` or more before
+        ``now_ns``, each handed over once."""
+        due = now_ns - int(self.config.held_wait_s * SECOND_NS)
+        out = [h for h in self._held if h.settled_ns <= due]
+        self._held = [h for h in self._held if h.settled_ns > due]
         return out
 
     # ---- upkeep and metrics -----------------------------------------------------
 
     def forget(self, alive: Iterable[int]) -> None:
-        """Streams of processes no longer alive go."""
+        """Streams (and held calls) of processes no longer alive go."""
         keep = set(alive)
+        self._held = [h for h in self._held if h.pid in keep]
         for key in [k for k in self._streams if k[0] not in keep]:
             stream = self._streams.pop(key)
             if stream.comm_hash:

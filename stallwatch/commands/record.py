@@ -165,6 +165,14 @@ def _add_slowdown_options(p: argparse.ArgumentParser) -> None:
         help="a collective held this long (and 10x its baseline) with the network failing "
         "inside it (connections unacknowledged, a carrier lost) is a slowdown (0: never)",
     )
+    g.add_argument(
+        "--slowdown-hold-wait",
+        type=float,
+        default=sd.DEFAULT_HELD_WAIT_S,
+        metavar="SEC",
+        help="a held collective's incident is raised this long after it returned, so that "
+        "the dumps hold what followed it too",
+    )
 
 
 def _slowdown_config(args: argparse.Namespace) -> SlowdownConfig:
@@ -179,11 +187,18 @@ def _slowdown_config(args: argparse.Namespace) -> SlowdownConfig:
         raise UsageError(
             f"--slowdown-baseline: expected {MIN_BASELINE_S:g} seconds or more, got {base:g}"
         )
-    for name in ("slowdown_late_share", "slowdown_hold"):
+    for name in ("slowdown_late_share", "slowdown_hold", "slowdown_hold_wait"):
         value = getattr(args, name)
         if value < 0:
             raise UsageError(f"--{name.replace('_', '-')}: expected >= 0, got {value:g}")
-    return SlowdownConfig(factor, window, base, args.slowdown_late_share, args.slowdown_hold)
+    return SlowdownConfig(
+        factor,
+        window,
+        base,
+        args.slowdown_late_share,
+        args.slowdown_hold,
+        args.slowdown_hold_wait,
+    )
 
 
 def _add_network_options(p: argparse.ArgumentParser) -> None:

@@ -33,6 +33,8 @@ def _free_port() -> int:
         (["--peers", "nohostport"], "--peers: expected HOST:PORT"),
         (["--max-dumps", "-1"], "--max-dumps"),
         (["--token-file", "/nonexistent/token"], "--token-file /nonexistent/token"),
+        (["--slowdown-hold-wait", "-1"], "--slowdown-hold-wait: expected >= 0, got -1"),
+        (["--slowdown-factor", "0.5"], "--slowdown-factor: expected 0 (off) or more than 1"),
     ],
 )
 def test_record_bad_arguments_exit_2_with_one_line(

@@ -16,6 +16,7 @@ from stallwatch.dumpers.schema import RING_DTYPES, LinkEvent, Op, TcpEvent
 from stallwatch.recorder.rings import RingWriter
 from stallwatch.recorder.slowdown import (
     DEFAULT_FACTOR,
+    DEFAULT_HELD_WAIT_S,
     RowFollower,
     SlowdownConfig,
     SlowdownWatch,
@@ -32,6 +33,7 @@ LINK_EVENT = RING_DTYPES["link"]
 S = 1_000_000_000
 MS = 1_000_000
 TICK = 200 * MS
+END_OF_TIME = 1 << 62
 WORLD = 0x5EED_0000_0000_0001
 
 
@@ -147,7 +149,7 @@ def test_checkpoints_raise_nothing_short_or_long() -> None:
     for rows in (short, long_):
         watch = SlowdownWatch()
         assert drive(watch, rows) == []
-        assert watch.held() == []  # nobody waited inside a call
+        assert watch.held(END_OF_TIME) == []  # nobody waited inside a call
 
 
 def test_a_rank_persistently_last_is_named_and_its_peer_is_not() -> None:
@@ -262,18 +264,31 @@ def _held_job() -> np.ndarray:
     return rows
 
 
-def test_a_held_collective_is_handed_over_with_its_baseline() -> None:
+def test_a_held_collective_is_handed_over_with_its_baseline_once_it_waited() -> None:
     rows = _held_job()
     watch = SlowdownWatch()
     assert drive(watch, rows) == []
-    held = watch.held()
+    returned = int(rows["end_ns"][rows["seq"] == 1400].max())
+    wait = int(DEFAULT_HELD_WAIT_S * S)
+    assert wait > 0 and watch.held(returned + wait - MS) == []  # what follows it is recorded first
+    held = watch.held(returned + wait)
     assert {h.pid for h in held} == {100, 101} and {h.seq for h in held} == {1400}
     h = held[0]
     assert h.settled_ns - h.entered_ns >= 6 * S and h.baseline_ns < 10 * MS
-    assert watch.held() == []  # handed over once
+    assert watch.held(END_OF_TIME) == []  # handed over once
     off = SlowdownWatch(SlowdownConfig(hold_s=0))
     drive(off, rows)
-    assert off.held() == []
+    assert off.held(END_OF_TIME) == []
+    at_once = SlowdownWatch(SlowdownConfig(held_wait_s=0))
+    drive(at_once, rows)
+    assert len(at_once.held(returned)) == 2
+
+
+def test_a_held_call_of_a_process_gone_is_forgotten() -> None:
+    watch = SlowdownWatch()
+    drive(watch, _held_job())
+    watch.forget([100])
+    assert {h.pid for h in watch.held(END_OF_TIME)} == {100}
 
 
 def _tcp(ts: int, backoff: int, no_ack_ns: int) -> np.ndarray:
@@ -286,7 +301,7 @@ def _tcp(ts: int, backoff: int, no_ack_ns: int) -> np.ndarray:
 def test_network_evidence_inside_a_held_call() -> None:
     watch = SlowdownWatch()
     drive(watch, _held_job())
-    h = watch.held()[0]
+    h = watch.held(END_OF_TIME)[0]
     inside = h.entered_ns + S
     no_links = np.zeros(0, dtype=LINK_EVENT)
     stopped = np.concatenate([_tcp(inside, 3, 1600 * MS), _tcp(inside + MS, 1, 200 * MS)])

@@ -64,9 +64,7 @@ def _held_first(a: Analysis, verdicts: list[Verdict]) -> list[Verdict]:
     explained = [v for v in verdicts if behind_link(v)]
     if not explained:
         return verdicts
-    after = tuple(f"consequence: {v.summary}" for v in explained)[:MAX_LISTED]
-    first = dataclasses.replace(net, evidence=net.evidence + after)
-    return [first, *(v for v in verdicts if v is not net and v not in explained)]
+    return _first(net, [], explained, verdicts, _consequences(explained))
 
 
 def _network_first(verdicts: list[Verdict]) -> list[Verdict]:
@@ -74,10 +72,7 @@ def _network_first(verdicts: list[Verdict]) -> list[Verdict]:
     if not causes:
         return verdicts
     explained = [v for v in verdicts if v.kind in EXPLAINED_BY_NETWORK]
-    rest = [v for v in verdicts if v not in explained and v not in causes]
-    after = tuple(f"consequence: {v.summary}" for v in explained)[:MAX_LISTED]
-    first = dataclasses.replace(causes[0], evidence=causes[0].evidence + after)
-    return [first, *causes[1:], *rest]
+    return _first(causes[0], causes[1:], explained, verdicts, _consequences(explained))
 
 
 def _desync_first(a: Analysis, verdicts: list[Verdict]) -> list[Verdict]:
@@ -97,8 +92,26 @@ def _desync_first(a: Analysis, verdicts: list[Verdict]) -> list[Verdict]:
         for p in a.incident.procs
         if p.died_badly and p.world_rank not in named
     ][:MAX_LISTED]
-    first = dataclasses.replace(cause, evidence=cause.evidence + tuple(after))
-    return [first, *desyncs[1:], *rest]
+    return _first(cause, desyncs[1:], [], verdicts, after)
+
+
+def _first(
+    cause: Verdict,
+    peers: list[Verdict],
+    explained: list[Verdict],
+    verdicts: list[Verdict],
+    lines: list[str] | tuple[str, ...],
+) -> list[Verdict]:
+    """``cause`` first with ``lines`` (what it explains) added to its
+    evidence, then ``peers`` (causes of its kind), then the other verdicts
+    but the ``explained`` ones, which leave the list."""
+    first = dataclasses.replace(cause, evidence=cause.evidence + tuple(lines))
+    gone = [cause, *peers, *explained]
+    return [first, *peers, *(v for v in verdicts if not any(v is g for g in gone))]
+
+
+def _consequences(explained: list[Verdict]) -> tuple[str, ...]:
+    return tuple(f"consequence: {v.summary}" for v in explained)[:MAX_LISTED]
 
 
 def _lost_after(a: Analysis, cause: Verdict) -> list[str]:

@@ -88,7 +88,7 @@ from .detect.cpu import sched_delays
 from .detect.desync import disagreements
 from .detect.inconclusive import detect_inconclusive, unjudged
 from .detect.missing import moments_apart_ns, p2p_gaps, taken_in_turn
-from .detect.network import held_by_network, retransmit_slowdowns, retransmits_in_windows
+from .detect.network import network_metrics
 from .detect.partition import connection_fates
 from .detect.slowdown import detect_slowdown, judged_on_window, slow_windows, window_matched
 from .detect.stragglers import arrival_scores, kind_scores
@@ -148,21 +148,21 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
     windows = tuple(slow_windows(inc, m)) if inc.slowdown is not None else ()
     compared = window_matched(m, windows, baseline=True)
     slow = window_matched(m, windows)
-    held, held_rows = held_by_network(inc, compared)
+    net = network_metrics(inc, compared)
     a = Analysis(
         incident=inc,
         matched=m,
         frontiers=fronts,
         disagreements=tuple(disagreements(m)),
         arrivals=tuple(arrival_scores(inc, slow)),
-        retransmits=tuple(retransmits_in_windows(inc, compared)),
+        retransmits=net.retransmits,
         sched=sched_delays(inc),
-        slowdowns=tuple(retransmit_slowdowns(inc, compared)),
+        slowdowns=net.slowdowns,
         fates=connection_fates(inc),
         windows=windows,
         kind_arrivals=tuple(kind_scores(inc, slow)) if windows else (),
-        held=tuple(held),
-        held_retransmits=tuple(retransmits_in_windows(inc, compared, held_rows)) if held else (),
+        held=net.held,
+        held_retransmits=net.held_retransmits,
     )
     verdicts = [v for d in detectors for v in d(a)]
     if not verdicts and detectors is DETECTORS:

@@ -78,8 +78,54 @@ def call_windows(m: Matched, queued: np.ndarray) -> np.ndarray:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class CallWindows:
+    """What the network metrics share, computed once per matched table:
+    each process's host, which communicators' calls are queued, each
+    row's window end (``call_windows``) and how long a retransmission
+    timeout held it (``_held_per_row``)."""
+
+    phost: np.ndarray
+    queued: np.ndarray
+    end: np.ndarray
+    held: np.ndarray
+
+
+def windows_of(inc: Incident, m: Matched) -> CallWindows:
+    phost = np.array(proc_hosts(inc), dtype=np.int64)
+    queued = queued_comms(m, len(inc.comms))
+    end = call_windows(m, queued) if len(m.rows) else np.zeros(0, dtype=np.int64)
+    held = (
+        _held_per_row(inc, m, phost, end)
+        if len(inc.retransmits) and len(m.rows)
+        else np.zeros(len(m.rows), dtype=np.int64)
+    )
+    return CallWindows(phost, queued, end, held)
+
+
+@dataclass(frozen=True, slots=True)
+class NetMetrics:
+    """The network metrics of one matched table (``Analysis`` fields)."""
+
+    retransmits: tuple[HostRetransmits, ...]
+    slowdowns: tuple[CommSlowdown, ...]
+    held: tuple[NetHeld, ...]
+    held_retransmits: tuple[HostRetransmits, ...]
+
+
+def network_metrics(inc: Incident, m: Matched) -> NetMetrics:
+    w = windows_of(inc, m)
+    held, held_rows = held_by_network(inc, m, w)
+    return NetMetrics(
+        tuple(retransmits_in_windows(inc, m, w=w)),
+        tuple(retransmit_slowdowns(inc, m, w)),
+        tuple(held),
+        tuple(retransmits_in_windows(inc, m, held_rows, w)) if held else (),
+    )
+
+
 def retransmits_in_windows(
-    inc: Incident, m: Matched, only: np.ndarray | None = None
+    inc: Incident, m: Matched, only: np.ndarray | None = None, w: CallWindows | None = None
 ) -> list[HostRetransmits]:
     """Per host, the retransmits inside its ranks' collective windows (of
     the matched rows ``only`` selects, if given)."""
@@ -87,9 +133,8 @@ def retransmits_in_windows(
     nh = len(inc.hosts)
     if not len(rt):
         return []
-    phost = np.array(proc_hosts(inc), dtype=np.int64)
-    queued = queued_comms(m, len(inc.comms))
-    end = call_windows(m, queued) if len(m.rows) else np.zeros(0, dtype=np.int64)
+    w = w or windows_of(inc, m)
+    phost, end = w.phost, w.end
     keep = (end > 0) if only is None else (end > 0) & only
     inside = np.zeros(len(rt), dtype=bool)
     for h in range(nh):
@@ -125,7 +170,9 @@ def _within(points: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndar
 BASELINE_MIN_GROUPS = 3
 
 
-def retransmit_slowdowns(inc: Incident, m: Matched) -> list[CommSlowdown]:
+def retransmit_slowdowns(
+    inc: Incident, m: Matched, w: CallWindows | None = None
+) -> list[CommSlowdown]:
     """Per communicator spanning two hosts or more.  A collective's duration
     is its longest member call: a stalled link holds up the whole ring, its
     ranks finishing one after another.  Times are compared within one host:
@@ -133,11 +180,9 @@ def retransmit_slowdowns(inc: Incident, m: Matched) -> list[CommSlowdown]:
     rt = inc.retransmits
     if not len(rt) or not len(m.rows):
         return []
-    phost = np.array(proc_hosts(inc), dtype=np.int64)
-    queued = queued_comms(m, len(inc.comms))
-    end = call_windows(m, queued)
+    w = w or windows_of(inc, m)
+    phost, queued, end, held = w.phost, w.queued, w.end, w.held
     hits = _retransmits_per_row(inc, m, phost, end)
-    held = _held_per_row(inc, m, phost, end) if queued.any() else np.zeros_like(hits)
     out = []
     for comm, c in enumerate(inc.comms):
         hosts = tuple(sorted({int(phost[p]) for p in c.members if p >= 0}))
@@ -211,17 +256,17 @@ HOLD_MIN_NS = 1_000_000_000
 HOLD_FACTOR = 10.0
 
 
-def held_by_network(inc: Incident, m: Matched) -> tuple[list[NetHeld], np.ndarray]:
+def held_by_network(
+    inc: Incident, m: Matched, w: CallWindows | None = None
+) -> tuple[list[NetHeld], np.ndarray]:
     """The complete collectives of communicators spanning hosts (calls not
     queued) that the network held, and which matched rows are theirs."""
     rows = np.zeros(len(m.rows), dtype=bool)
     rt = inc.retransmits
     if not len(rt) or not len(m.rows):
         return [], rows
-    phost = np.array(proc_hosts(inc), dtype=np.int64)
-    queued = queued_comms(m, len(inc.comms))
-    end = call_windows(m, queued)
-    held = _held_per_row(inc, m, phost, end)
+    w = w or windows_of(inc, m)
+    phost, queued, end, held = w.phost, w.queued, w.end, w.held
     out = []
     for comm, c in enumerate(inc.comms):
         # queued calls' windows run to the next call, a checkpoint's pause
@@ -351,7 +396,21 @@ def lossy_hosts(
     the hosts, or ones that slow nothing, happen on any busy network.
     ``explained``: hosts whose retransmits a late rank on them explains
     (``stragglers.slow_readers``)."""
+    return _lossy(a, explained).hosts
 
+
+@dataclass(frozen=True, slots=True)
+class _Lossy:
+    """The hosts named, and on what: the communicators their retransmits
+    slowed (the usual rule), or, when none, the collectives the network held
+    (``counts``: the retransmits they were judged on)."""
+
+    hosts: tuple[HostRetransmits, ...]
+    slowed: list[CommSlowdown]
+    counts: tuple[HostRetransmits, ...]
+
+
+def _lossy(a: Analysis, explained: frozenset[int]) -> _Lossy:
     def score(h: HostRetransmits) -> int:
         return h.local + h.remote
 
@@ -366,30 +425,33 @@ def lossy_hosts(
             and score(h) >= max(RETRANS_MIN, RETRANS_PER_CALL * h.calls)
         ]
 
-    named = involved(a.retransmits)
-    if not named or not slowed_comms(a, {h.host for h in named}):
-        named = involved(a.held_retransmits)  # the collectives the network held
+    counts, named = a.retransmits, involved(a.retransmits)
+    on_held = not named or not slowed_comms(a, {h.host for h in named})
+    if on_held:  # the collectives the network held
+        counts, named = a.held_retransmits, involved(a.held_retransmits)
+    if named:  # beside the top: its links' other ends
+        top = max(score(h) for h in named)
+        named = [h for h in named if score(h) == top]
+    slowed = [] if on_held else slowed_comms(a, {h.host for h in named})
+    nobody = _Lossy((), [], counts)
     if not named:
-        return ()
-    top = max(score(h) for h in named)
-    named = [h for h in named if score(h) == top]  # beside it: its links' other ends
+        return nobody
     if all(h.host in starved_hosts(a) for h in named):
-        return ()  # a process starved of CPU stalls its connections: TCP retransmits
+        return nobody  # a process starved of CPU stalls its connections: TCP retransmits
     if all(h.host in explained for h in named):
-        return ()  # a late rank's peers retransmit into its full queues (``explained``)
-    return tuple(sorted(named, key=lambda h: h.host))
+        return nobody  # a late rank's peers retransmit into its full queues (``explained``)
+    return _Lossy(tuple(sorted(named, key=lambda h: h.host)), slowed, counts)
 
 
 def detect_network(a: Analysis, explained: frozenset[int] = frozenset()) -> list[Verdict]:
-    lossy = lossy_hosts(a, explained)
-    if not lossy:
+    lossy = _lossy(a, explained)
+    if not lossy.hosts:
         return []
     inc = a.incident
-    hosts = tuple(inc.hosts[h.host] for h in lossy)
+    hosts = tuple(inc.hosts[h.host] for h in lossy.hosts)
     procs = [i for i, p in enumerate(inc.procs) if p.host in hosts]
     ranks, _, pids = who(inc, procs)
-    slowed = slowed_comms(a, {h.host for h in lossy})
-    counts = a.retransmits if slowed else a.held_retransmits
+    slowed, counts = lossy.slowed, lossy.counts
     evidence = [
         f"host {x.host_name}: {x.h.local} retransmits sent and {x.h.remote} received inside "
         f"collective windows ({x.h.total} sent in all)"
@@ -408,7 +470,7 @@ def detect_network(a: Analysis, explained: frozenset[int] = frozenset()) -> list
     evidence += [
         f"host {inc.hosts[h.host]} is involved in {h.local + h.remote} of the {total} "
         f"retransmits {where}"
-        for h in lossy
+        for h in lossy.hosts
     ]
     evidence += _median_duration(a)
     rank_text = ", ".join(map(str, ranks))

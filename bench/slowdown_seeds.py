@@ -23,8 +23,10 @@ right).
                                    [--healthy MINUTES] [--out DIR]
 
 ``--before`` is the steps before the fault (the trigger needs 30 s of
-baseline: at 30-100 ms a step, 1,200 is enough); small values are for a
-smoke test only.  ``--after`` is the steps after it, but at most
+baseline: at 30-100 ms a step, 1,200 is enough), but at most
+``BEFORE_CAP`` in gpu mode (0.2-0.7 s a step here: 1,200 steps took 4-14
+minutes; 300 are 60 s or more, twice what a baseline needs); small values
+are for a smoke test only.  ``--after`` is the steps after it, but at most
 ``AFTER_CAP`` of a fault that slows each step to seconds (a rate cap: 3-4 s
 a step on 3x2, so 250 steps took 16 minutes a run; 25 are 90 s or more,
 three times the 30 s an incident is asked within).
@@ -52,7 +54,8 @@ NETWORK_VERDICTS = ("network_partition", "network_straggler")
 SHAPES = ((3, 2), (4, 2))
 CHECKPOINT = "pause:every=100,ms=1500,rank=0"
 WITHIN_NS = 30_000_000_000
-AFTER_CAP = {"rate": 25}  # steps after the fault, at most (see the docstring)
+AFTER_CAP = {"rate": 25, "gpuslow": 100}  # steps after the fault, at most (see the docstring)
+BEFORE_CAP = {"gpuslow": 300}  # steps before it, at most (gpu mode: see the docstring)
 # (mode, wait, graphs) of the healthy runs
 MODES = (("blocking", "block", False), ("blocking", "spin", False), ("async", "block", False),
          ("gpu", "block", False), ("gpu", "block", True))  # fmt: skip
@@ -78,7 +81,8 @@ class Run:
         rnd = random.Random(self.name)
         n = self.nodes * self.ranks_per_node if self.fault in RANK_FAULTS else self.nodes
         who = rnd.randrange(1, n)
-        return who, self.before + rnd.randrange(0, 100), rnd.uniform(3000, 5000)
+        before = min(self.before, BEFORE_CAP.get(self.fault, self.before))
+        return who, before + rnd.randrange(0, 100), rnd.uniform(3000, 5000)
 
     def spec(self) -> str:
         who, step, ms = self.pick()

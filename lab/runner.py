@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from stallwatch.dumpers.errors import AgentError, LabError
+from stallwatch.dumpers.errors import AgentError, DumpError, LabError
 from stallwatch.lab import faults as F
 from stallwatch.lab import job, netns
 from stallwatch.lab.certs import LabCerts, make_certs
@@ -845,7 +845,9 @@ def dumps_found(cfg: RunConfig) -> list[Path]:
 
 
 def wait_for_dumps(lab: Lab) -> None:
-    """Every node's agent writes a dump for the incident, or DUMP_GRACE passes.
+    """Every node's agent writes a dump of every incident any node dumped
+    (a stall after a slowdown is a second incident: a dump of the first is
+    not one of it), or DUMP_GRACE passes.
     With agent faults, also until they were all applied and the agents they
     touched had time to raise the stall again (``Chaos.settled``)."""
     chaos = lab.chaos
@@ -860,10 +862,46 @@ def wait_for_dumps(lab: Lab) -> None:
         if lab.injector is not None:
             lab.injector.check()
         narrate_job(lab, waiting_for_dumps=True)
-        dumped = all(any(agent_dump_dir(lab.cfg, n).glob("*.msgpack")) for n in nodes)
+        dumped = every_incident_everywhere([agent_dump_dir(lab.cfg, n) for n in nodes])
         if dumped and (chaos is None or chaos.settled()):
             return
         time.sleep(0.25)
+
+
+def every_incident_everywhere(folders: Sequence[Path]) -> bool:
+    """Whether each folder holds a dump, and one of every incident any holds."""
+    ids = [incidents_dumped(f) for f in folders]
+    every = set().union(*ids)
+    return all(held and held >= every for held in ids)
+
+
+def incidents_dumped(folder: Path) -> set[str]:
+    """The incident ids of the dumps in ``folder`` (a dump being written,
+    or unreadable, is none yet)."""
+    out = set()
+    for path in folder.glob("*.msgpack"):
+        if path.name.startswith("."):
+            continue
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        incident = _incident_at(path, (st.st_mtime_ns, st.st_size))
+        if incident is not None:
+            out.add(incident)
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _incident_at(path: Path, stamp: tuple[int, int]) -> str | None:
+    from stallwatch.dumpers.format import read_dump_deferred
+    from stallwatch.dumpers.schema import RING_DTYPES
+
+    try:
+        rec, _ = read_dump_deferred(path, RING_DTYPES)  # its header: the rings stay unread
+    except (DumpError, OSError):
+        return None
+    return rec.trigger.incident_id if rec.trigger is not None else "snapshot"
 
 
 def pinned_dumps(lab: Lab) -> list[str]:

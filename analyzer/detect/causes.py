@@ -71,8 +71,32 @@ def _network_first(verdicts: list[Verdict]) -> list[Verdict]:
     causes = [v for v in verdicts if v.kind is VerdictKind.NETWORK_PARTITION]
     if not causes:
         return verdicts
-    explained = [v for v in verdicts if v.kind in EXPLAINED_BY_NETWORK]
-    return _first(causes[0], causes[1:], explained, verdicts, _consequences(explained))
+    cause = _one_end(causes[0], verdicts)
+    explained = [v for v in verdicts if v.kind in EXPLAINED_BY_NETWORK and v is not cause]
+    lines = _consequences(explained)
+    pair, peers = causes[0], causes[1:]
+    if cause is not pair:  # the pair's stop is the straggler's evidence
+        lines = (f"beside it: {pair.summary}", *pair.evidence[:MAX_LISTED], *lines)
+        explained.append(pair)
+    return _first(cause, peers, explained, verdicts, lines)
+
+
+def _one_end(partition: Verdict, verdicts: list[Verdict]) -> Verdict:
+    """A partition of a pair of hosts (connections between those two alone
+    stopped: either end may be the one) whose one end a network straggler
+    names alone (in nearly every retransmit on the ranks' connections, its
+    other links' too): that straggler is the cause, the pair's stop one of
+    its connections' (a link capped or lossy loses so).  Else the partition."""
+    pair = set(partition.hosts)
+    if len(pair) != 2:
+        return partition
+    ends = (
+        v
+        for v in verdicts
+        if v.kind is VerdictKind.NETWORK_STRAGGLER
+        and len(set(v.hosts)) == 1 <= len(pair & set(v.hosts))
+    )
+    return next(ends, partition)
 
 
 def _desync_first(a: Analysis, verdicts: list[Verdict]) -> list[Verdict]:

@@ -503,3 +503,54 @@ def test_a_connection_state_row_is_no_failure_of_its_pair() -> None:
     inc = _incident(quiet)
     assert len(inc.tcp[inc.tcp["event"] == TcpEvent.TCP_INFO]) == 12
     assert (1, 3) in _pairs(inc) and (0, 2) not in _pairs(inc)
+
+
+def _verdict(kind: VerdictKind, hosts: tuple[str, ...], summary: str) -> Verdict:
+    ranks = tuple(range(len(hosts)))
+    return Verdict(kind, ranks, hosts, (), None, None, None, summary, (f"{summary}: evidence",))
+
+
+PAIR = _verdict(
+    VerdictKind.NETWORK_PARTITION,
+    ("node0", "node0", "node3", "node3"),
+    "the network cut hosts node0 and node3 apart and it came back",
+)
+MISSING = _verdict(VerdictKind.MISSING_RANK, ("node3",), "rank 6 never entered")
+
+
+@pytest.mark.parametrize("host", ["node3", "node0"])
+def test_a_pair_cut_apart_whose_one_end_loses_on_every_link_is_that_end(host: str) -> None:
+    """Seen on a 4x2 lab job whose node3 was capped at 8 Mbit/s: one of its
+    connections, to node0, went unacknowledged 2.4 s (the pair), while node3
+    was in nearly every retransmit on the ranks' connections."""
+    from stallwatch.analyzer.detect.causes import _network_first
+
+    straggler = _verdict(VerdictKind.NETWORK_STRAGGLER, (host, host), f"retransmits on {host}")
+    out = _network_first([PAIR, straggler, MISSING])
+    assert [v.kind for v in out] == [VerdictKind.NETWORK_STRAGGLER]
+    assert out[0].hosts == (host, host)
+    assert f"beside it: {PAIR.summary}" in out[0].evidence
+    assert f"{PAIR.summary}: evidence" in out[0].evidence
+    assert f"consequence: {MISSING.summary}" in out[0].evidence
+
+
+@pytest.mark.parametrize(
+    "hosts",
+    [("node1", "node1"), ("node0", "node3")],  # another host; both ends alike
+)
+def test_a_pair_cut_apart_stays_the_cause_when_no_one_end_is_named(hosts: tuple[str, ...]) -> None:
+    from stallwatch.analyzer.detect.causes import _network_first
+
+    straggler = _verdict(VerdictKind.NETWORK_STRAGGLER, hosts, "retransmits")
+    out = _network_first([PAIR, straggler, MISSING])
+    assert [v.kind for v in out] == [VerdictKind.NETWORK_PARTITION]
+    assert "consequence: retransmits" in out[0].evidence
+
+
+def test_a_host_cut_off_stays_the_cause_beside_its_own_retransmits() -> None:
+    from stallwatch.analyzer.detect.causes import _network_first
+
+    alone = dataclasses.replace(PAIR, hosts=("node3", "node3"), summary="cut host node3 off")
+    straggler = _verdict(VerdictKind.NETWORK_STRAGGLER, ("node3",), "retransmits on node3")
+    out = _network_first([alone, straggler])
+    assert [v.kind for v in out] == [VerdictKind.NETWORK_PARTITION]

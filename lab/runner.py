@@ -309,6 +309,7 @@ class JobWatch:
 
     steps: tuple[int, ...] = ()
     moved_at: float = field(default_factory=time.monotonic)
+    exited_at: float | None = None  # when a rank was first seen gone
     stuck: bool = False
     next_look: float = 0.0
     chaos_told: int = 0  # lines of the agent faults' log already told
@@ -845,9 +846,10 @@ def dumps_found(cfg: RunConfig) -> list[Path]:
 
 
 def wait_for_dumps(lab: Lab) -> None:
-    """Every node's agent writes a dump of every incident any node dumped
-    (a stall after a slowdown is a second incident: a dump of the first is
-    not one of it), or DUMP_GRACE passes.
+    """Every node's agent writes a dump raised since the job last moved or a
+    rank exited (a stall after a slowdown: a dump of the slowdown is none of
+    the stall's; a cut node dumps its own incident, its peers' never reach
+    it), or DUMP_GRACE passes.
     With agent faults, also until they were all applied and the agents they
     touched had time to raise the stall again (``Chaos.settled``)."""
     chaos = lab.chaos
@@ -862,23 +864,23 @@ def wait_for_dumps(lab: Lab) -> None:
         if lab.injector is not None:
             lab.injector.check()
         narrate_job(lab, waiting_for_dumps=True)
-        dumped = every_incident_everywhere([agent_dump_dir(lab.cfg, n) for n in nodes])
+        w = lab.watch  # the stall's or the exit's, not an earlier incident's
+        since = int((min(w.moved_at, w.exited_at or w.moved_at) - LOOK_S) * 1e9)
+        dumped = dumped_since([agent_dump_dir(lab.cfg, n) for n in nodes], since)
         if dumped and (chaos is None or chaos.settled()):
             return
         time.sleep(0.25)
 
 
-def every_incident_everywhere(folders: Sequence[Path]) -> bool:
-    """Whether each folder holds a dump, and one of every incident any holds."""
-    ids = [incidents_dumped(f) for f in folders]
-    every = set().union(*ids)
-    return all(held and held >= every for held in ids)
+def dumped_since(folders: Sequence[Path], since_ns: int) -> bool:
+    """Whether each folder holds a dump raised at ``since_ns`` or later
+    (monotonic; a dump with no trigger, taken on request, counts), a dump
+    being written or unreadable being none yet."""
+    return all(any(t >= since_ns for t in _trigger_times(f)) for f in folders)
 
 
-def incidents_dumped(folder: Path) -> set[str]:
-    """The incident ids of the dumps in ``folder`` (a dump being written,
-    or unreadable, is none yet)."""
-    out = set()
+def _trigger_times(folder: Path) -> list[int]:
+    out = []
     for path in folder.glob("*.msgpack"):
         if path.name.startswith("."):
             continue
@@ -886,14 +888,14 @@ def incidents_dumped(folder: Path) -> set[str]:
             st = path.stat()
         except OSError:
             continue
-        incident = _incident_at(path, (st.st_mtime_ns, st.st_size))
-        if incident is not None:
-            out.add(incident)
+        when = _trigger_at(path, (st.st_mtime_ns, st.st_size))
+        if when is not None:
+            out.append(when)
     return out
 
 
 @functools.lru_cache(maxsize=1024)
-def _incident_at(path: Path, stamp: tuple[int, int]) -> str | None:
+def _trigger_at(path: Path, stamp: tuple[int, int]) -> int | None:
     from stallwatch.dumpers.format import read_dump_deferred
     from stallwatch.dumpers.schema import RING_DTYPES
 
@@ -901,7 +903,7 @@ def _incident_at(path: Path, stamp: tuple[int, int]) -> str | None:
         rec, _ = read_dump_deferred(path, RING_DTYPES)  # its header: the rings stay unread
     except (DumpError, OSError):
         return None
-    return rec.trigger.incident_id if rec.trigger is not None else "snapshot"
+    return rec.trigger.time_ns if rec.trigger is not None else 1 << 62
 
 
 def pinned_dumps(lab: Lab) -> list[str]:
@@ -1081,6 +1083,8 @@ def narrate_job(lab: Lab, waiting_for_dumps: bool = False) -> None:
     narrate_faults(lab, reports)
     steps = tuple((rep.steps_done + 1 if rep is not None else 0) for rep in reports.values())
     running = sum(1 for proc in lab.ranks.values() if proc.poll() is None)
+    if running < len(lab.ranks) and w.exited_at is None:
+        w.exited_at = now
     if steps != w.steps:
         if w.stuck and running:
             n.say(f"the job moves again: step {min(steps, default=0)}")

@@ -625,10 +625,12 @@ def test_lab_certificates_serve_and_verify(tmp_path: Path) -> None:
     assert "IP Address:10.201.9.2" in text and "TLS Web Client Authentication" in text
 
 
-def test_the_incidents_a_node_dumped_are_read_from_its_files(tmp_path: Path) -> None:
-    """``wait_for_dumps`` waits for every node to hold every incident some
-    node dumped: a stall raised after a slowdown is a second incident, and a
-    node's dump of the first is none of it."""
+def test_a_node_has_dumped_the_stall_once_a_dump_raised_since_the_job_stopped_is_there(
+    tmp_path: Path,
+) -> None:
+    """``wait_for_dumps`` waits for a dump raised since the job last moved:
+    a stall raised after a slowdown is a second incident, and a node's dump
+    of the first is none of it; a cut node dumps its own incident."""
     import dataclasses
 
     from stallwatch.dumpers.format import read_dump, write_dump
@@ -636,16 +638,16 @@ def test_the_incidents_a_node_dumped_are_read_from_its_files(tmp_path: Path) -> 
     src = sorted((ROOT / "tests" / "data" / "lab-hang-2x2").glob("*.msgpack"))[0]
     rec = read_dump(src)
     assert rec.trigger is not None
+    at = rec.trigger.time_ns
     first = write_dump(tmp_path, rec)
-    assert runner.incidents_dumped(tmp_path) == {rec.trigger.incident_id}
     other = tmp_path / "node1"
     write_dump(other, rec)
-    assert runner.every_incident_everywhere([tmp_path, other])
-    second = dataclasses.replace(rec.trigger, incident_id="20990101T000000000-node0-abcdef")
-    write_dump(tmp_path, dataclasses.replace(rec, trigger=second))
-    (tmp_path / ".tmp-half.msgpack").write_bytes(first.read_bytes()[:100])  # being written
-    (tmp_path / "torn.msgpack").write_bytes(first.read_bytes()[:1000])
-    assert runner.incidents_dumped(tmp_path) == {rec.trigger.incident_id, second.incident_id}
-    assert runner.incidents_dumped(tmp_path / "none") == set()
-    assert not runner.every_incident_everywhere([tmp_path, other])  # node1 lacks the second
-    assert not runner.every_incident_everywhere([tmp_path, tmp_path / "none"])
+    assert runner.dumped_since([tmp_path, other], at)
+    assert not runner.dumped_since([tmp_path, other], at + 1)  # the slowdown's dump only
+    later = dataclasses.replace(rec.trigger, time_ns=at + 5, incident_id="20990101T0-node0-ab")
+    write_dump(tmp_path, dataclasses.replace(rec, trigger=later))
+    (other / ".tmp-half.msgpack").write_bytes(first.read_bytes()[:100])  # being written
+    (other / "torn.msgpack").write_bytes(first.read_bytes()[:1000])
+    assert runner.dumped_since([tmp_path], at + 1)
+    assert not runner.dumped_since([tmp_path, other], at + 1)  # node1 has not dumped the stall
+    assert not runner.dumped_since([tmp_path, tmp_path / "none"], 0)

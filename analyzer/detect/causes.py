@@ -94,7 +94,8 @@ def _one_end(partition: Verdict, verdicts: list[Verdict]) -> Verdict:
         v
         for v in verdicts
         if v.kind is VerdictKind.NETWORK_STRAGGLER
-        and len(set(v.hosts)) == 1 <= len(pair & set(v.hosts))
+        and len(set(v.hosts)) == 1
+        and set(v.hosts) <= pair
     )
     return next(ends, partition)
 

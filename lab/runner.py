@@ -431,7 +431,10 @@ def _stop_agents(agents: dict[int, Supervisor]) -> list[str]:
     deadline = time.monotonic() + AGENT_STOP_GRACE
     for node, sup in agents.items():
         if sup.wait_stopped(deadline - time.monotonic()) is not None:
-            problems.append(f"agent of node {node} ignored SIGTERM for {AGENT_STOP_GRACE:g} s")
+            where = f" (it was in {sup.hung_in})" if sup.hung_in else ""
+            problems.append(
+                f"agent of node {node} ignored SIGTERM for {AGENT_STOP_GRACE:g} s{where}"
+            )
     return problems
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import socket
 import struct
@@ -43,6 +44,10 @@ log = logging.getLogger("stallwatch.lab")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 ABORT_TIMEOUT_S = 5.0  # TimeoutAbortSec: SIGABRT, then SIGKILL
 POLL_S = 0.05
+LOG_TAIL_BYTES = 64 * 1024  # enough for every thread's stack in a report
+FAULT_HEADER = "Fatal Python error"
+FRAME = re.compile(r'\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+OWN_PACKAGE = "stallwatch"
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +233,8 @@ class Supervisor:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # where its threads were when it ignored a stop (its faulthandler's report)
+    hung_in: str = ""
 
     def start(self) -> None:
         bounded = self.service.memory_max is not None or self.service.cpu_quota_pct is not None
@@ -369,9 +376,12 @@ class Supervisor:
             try:
                 proc.wait(max(0.1, timeout))
             except subprocess.TimeoutExpired:
-                problem = f"{self.name} ignored SIGTERM for {timeout:g} s"
                 # SIGABRT first: a Python service writes where it hung (faulthandler)
                 _signal_then_kill(proc, signal.SIGABRT)
+                problem = f"{self.name} ignored SIGTERM for {timeout:g} s"
+                self.hung_in = hung_in(_log_text(self.log_file))
+                if self.hung_in:
+                    problem += f" (it was in {self.hung_in})"
         if self._thread is not None:
             self._thread.join(timeout=10)
         self._event("stopped", proc.pid if proc is not None else 0)
@@ -402,3 +412,44 @@ def _signal_then_kill(proc: subprocess.Popen[bytes], first: signal.Signals) -> N
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         proc.wait()
+
+
+def _log_text(log_file: TextIO) -> str:
+    """The tail of the service's log, as written so far ("" if unreadable)."""
+    with contextlib.suppress(OSError, ValueError):
+        log_file.flush()
+        with open(log_file.name, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - LOG_TAIL_BYTES))
+            return f.read().decode(errors="replace")
+    return ""
+
+
+def hung_in(log: str) -> str:
+    """Where a Python service's threads were, from the last report its
+    faulthandler wrote (``Fatal Python error``, every thread's stack, the
+    innermost call first): each thread's innermost frame, and the innermost
+    of the service's own package when that one is not, identical threads
+    counted; the signalled thread first.  "" when the log holds no report."""
+    start = log.rfind(FAULT_HEADER)
+    if start < 0:
+        return ""
+    threads: list[tuple[bool, list[tuple[str, str]]]] = []
+    for line in log[start:].splitlines()[1:]:
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            threads.append((line.startswith("Current"), []))
+            continue
+        frame = FRAME.match(line)
+        if frame is not None and threads:
+            where = f"{Path(frame['file']).name}:{frame['line']}"
+            threads[-1][1].append((f"{frame['func']} ({where})", frame["file"]))
+    counts: dict[str, int] = {}
+    for current, frames in sorted(threads, key=lambda t: not t[0]):
+        if not frames:
+            continue
+        said = frames[0][0]
+        own = next((f for f, path in frames if f"/{OWN_PACKAGE}/" in path), None)
+        if own is not None and own != said:
+            said += f" under {own}"
+        key = ("signalled thread: " if current else "") + said
+        counts[key] = counts.get(key, 0) + 1
+    return "; ".join(k if n == 1 else f"{n} threads: {k}" for k, n in counts.items())

@@ -13,14 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.lab.supervise import Service, Supervisor
+from stallwatch.lab.supervise import Service, Supervisor, hung_in
 
 pytestmark = pytest.mark.lab
 
 # A service: READY=1, then WATCHDOG=1 every 0.1 s; its behaviour after
 # that is the argument: "ping" forever, "hang" (stops pinging), "exit N",
 # "grow" (allocates until the memory bound kills it), "child" (a child
-# process sends READY, not the main one).
+# process sends READY, not the main one), "deaf" (ignores SIGTERM, its
+# threads asleep in ``parked_here``).
 SERVICE = textwrap.dedent(
     """
     import os, sys, time
@@ -35,6 +36,15 @@ SERVICE = textwrap.dedent(
     n.ready("up")
     if what[0] == "exit":
         sys.exit(int(what[1]))
+    if what[0] == "deaf":
+        import faulthandler, signal, threading
+        faulthandler.enable(all_threads=True)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        def parked_here():
+            time.sleep(60)
+        for _ in range(2):
+            threading.Thread(target=parked_here, daemon=True).start()
+        parked_here()
     hold = []
     for i in range(600):
         if what[0] == "grow":
@@ -129,3 +139,50 @@ def test_only_the_main_process_is_heard(supervised: list[Supervisor], tmp_path: 
     sup = start(supervised, tmp_path, "child", start_timeout_s=3.0)
     assert wait_until(lambda: "start-timeout" in kinds(sup), 30), sup.events
     assert "ready" not in kinds(sup)[: kinds(sup).index("start-timeout")]
+
+
+def test_a_service_deaf_to_sigterm_is_aborted_and_says_where_it_was(
+    supervised: list[Supervisor], tmp_path: Path
+) -> None:
+    sup = start(supervised, tmp_path, "deaf")
+    assert sup.wait_ready(1, timeout=60), sup.events
+    time.sleep(0.3)  # past its signal(SIGTERM, SIG_IGN)
+    problem = sup.wait_stopped(1.0)
+    assert problem is not None and problem.startswith(f"{sup.name} ignored SIGTERM for 1 s")
+    assert sup.hung_in.startswith("signalled thread: parked_here (<string>:"), sup.hung_in
+    assert "2 threads: parked_here (<string>:" in sup.hung_in, sup.hung_in
+    assert problem.endswith(f"(it was in {sup.hung_in})")
+
+
+# what faulthandler wrote for an agent stuck at its end: the main thread
+# joins a worker at the interpreter's exit, the worker waits in a request
+REPORT = """2026-11-28 06:14:57,137 stallwatch record: INFO stopped
+Fatal Python error: Aborted
+
+Thread 0x00007f1c3df9c6c0 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+  File "/opt/v/lib/python3.11/site-packages/stallwatch/query/server.py", line 88 in answer
+  File "/usr/lib/python3.11/concurrent/futures/thread.py", line 58 in run
+
+Thread 0x00007f1c3df9c6d0 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+  File "/opt/v/lib/python3.11/site-packages/stallwatch/query/server.py", line 88 in answer
+
+Current thread 0x00007f1c3eddfb80 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 1132 in _wait_for_tstate_lock
+  File "/usr/lib/python3.11/concurrent/futures/thread.py", line 31 in _python_exit
+"""
+
+
+def test_the_report_names_each_threads_innermost_frame_and_its_own_code() -> None:
+    assert hung_in(REPORT) == (
+        "signalled thread: _wait_for_tstate_lock (threading.py:1132); "
+        "2 threads: wait (threading.py:320) under answer (server.py:88)"
+    )
+
+
+def test_no_report_no_place() -> None:
+    assert hung_in("") == ""
+    assert hung_in("INFO stopped\nTraceback (most recent call last):\n") == ""
+    # an earlier report, then a restart that wrote none: the last report is read
+    assert hung_in(REPORT + "INFO stopped\n").startswith("signalled thread")

@@ -1110,6 +1110,32 @@ def read_dump(path: str | os.PathLike[str]) -> Recording:
     return read_dump_deferred(path, ())[0]
 
 
+def dump_trigger(path: Path) -> Trigger | None:
+    """A dump file's trigger (None: a dump taken with none), its header read
+    once per version of the file (its mtime and size), the rings left
+    unread: for whoever looks at a folder of dumps again and again (the
+    agent's retention, the lab waiting for its nodes' dumps).  DumpError if
+    it cannot be read (gone, being written, not a dump)."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise DumpError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    got = _trigger_at(path, (st.st_mtime_ns, st.st_size))
+    if isinstance(got, str):
+        raise DumpError(got)
+    return got
+
+
+@functools.lru_cache(maxsize=4096)
+def _trigger_at(path: Path, stamp: tuple[int, int]) -> Trigger | str | None:
+    """The trigger, or why the file cannot be read (kept as such: a file
+    that changes has another stamp)."""
+    try:
+        return read_dump_deferred(path, RING_DTYPES)[0].trigger
+    except DumpError as exc:
+        return str(exc)
+
+
 def read_dump_deferred(
     path: str | os.PathLike[str], defer: Collection[str]
 ) -> tuple[Recording, dict[str, DeferredRing]]:

@@ -883,30 +883,18 @@ def dumped_since(folders: Sequence[Path], since_ns: int) -> bool:
 
 
 def _trigger_times(folder: Path) -> list[int]:
+    from stallwatch.dumpers.format import dump_trigger
+
     out = []
     for path in folder.glob("*.msgpack"):
         if path.name.startswith("."):
             continue
         try:
-            st = path.stat()
-        except OSError:
+            trigger = dump_trigger(path)
+        except DumpError:
             continue
-        when = _trigger_at(path, (st.st_mtime_ns, st.st_size))
-        if when is not None:
-            out.append(when)
+        out.append(trigger.time_ns if trigger is not None else 1 << 62)
     return out
-
-
-@functools.lru_cache(maxsize=1024)
-def _trigger_at(path: Path, stamp: tuple[int, int]) -> int | None:
-    from stallwatch.dumpers.format import read_dump_deferred
-    from stallwatch.dumpers.schema import RING_DTYPES
-
-    try:
-        rec, _ = read_dump_deferred(path, RING_DTYPES)  # its header: the rings stay unread
-    except (DumpError, OSError):
-        return None
-    return rec.trigger.time_ns if rec.trigger is not None else 1 << 62
 
 
 def pinned_dumps(lab: Lab) -> list[str]:

@@ -68,7 +68,6 @@ import calendar
 import contextlib
 import dataclasses
 import enum
-import functools
 import itertools
 import logging
 import re
@@ -707,26 +706,15 @@ class DumpScheduler:
         return self._queue(new_id, _Pending(_retag(rec, trigger), replaces=old_path, old_id=old_id))
 
 
-@functools.lru_cache(maxsize=4096)
-def _kind_at(path: Path, stamp: tuple[int, int]) -> TriggerKind | None:
-    from stallwatch.dumpers.format import read_dump_deferred
-    from stallwatch.dumpers.schema import RING_DTYPES
+def _kind_of(path: Path) -> TriggerKind | None:
+    """The trigger kind of a dump file (None: unreadable, or no trigger)."""
+    from stallwatch.dumpers.format import dump_trigger
 
     try:
-        rec, _ = read_dump_deferred(path, RING_DTYPES)  # its header: the rings stay unread
+        trigger = dump_trigger(path)
     except DumpError:
         return None
-    return rec.trigger.kind if rec.trigger is not None else None
-
-
-def _kind_of(path: Path) -> TriggerKind | None:
-    """The trigger kind of a dump file (None: unreadable, or no trigger),
-    read once per version of the file."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return _kind_at(path, (st.st_mtime_ns, st.st_size))
+    return trigger.kind if trigger is not None else None
 
 
 def _retag(rec: Recording, peer: Trigger) -> Recording:

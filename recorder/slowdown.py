@@ -108,6 +108,7 @@ DEFAULT_BASELINE_S = 300.0
 DEFAULT_LATE_SHARE = 0.5
 DEFAULT_HOLD_S = 1.0
 DEFAULT_HELD_WAIT_S = 5.0
+DEFAULT_DEVICE_LATE_SHARE = 0.1
 
 _CALLS = np.zeros(256, dtype=bool)
 _CALLS[[int(op) for op in Op if op.is_collective or op.is_p2p]] = True
@@ -115,7 +116,7 @@ _COLLECTIVE = np.zeros(256, dtype=bool)
 _COLLECTIVE[[int(op) for op in Op if op.is_collective]] = True
 _KEY_FIELDS = ("pid", "comm", "comm_hash", "rank", "nranks", "op", "bytes", "peer", "seq")
 _ENTRY_FIELDS = ("ts_ns", *_KEY_FIELDS)
-_SETTLED_FIELDS = ("ts_ns", "end_ns", "completed_ns", *_KEY_FIELDS)
+_SETTLED_FIELDS = ("ts_ns", "end_ns", "started_ns", "completed_ns", *_KEY_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,7 @@ class SlowdownConfig:
     late_share: float = DEFAULT_LATE_SHARE  # 0: no lateness trigger
     hold_s: float = DEFAULT_HOLD_S  # 0: no held-call trigger
     held_wait_s: float = DEFAULT_HELD_WAIT_S  # after the held call returned
+    device_late_share: float = DEFAULT_DEVICE_LATE_SHARE  # 0: no device lateness trigger
 
     @property
     def on(self) -> bool:
@@ -294,9 +296,10 @@ class SlowdownWatch:
         self.stats = SlowdownStats()
         self._streams: dict[tuple[int, int], _Stream] = {}
         self._by_hash: dict[int, list[_Stream]] = {}  # this node's members of a communicator
-        # comm hash -> seq -> {pid: entry}: the local members' entries
-        # comm hash -> seq -> pid -> (entry, signature): the local members' entries
+        # comm hash -> seq -> pid -> (entry, signature): the local members'
+        # entries; for streams timed on the device, their device starts
         self._entries: dict[int, dict[int, dict[int, _Arrival]]] = {}
+        self._starts: dict[int, dict[int, dict[int, _Arrival]]] = {}
         self._keep = (
             math.ceil((self.config.baseline_s + self.config.window_s) * SECOND_NS / BUCKET_NS) + 2
         )
@@ -357,13 +360,14 @@ class SlowdownWatch:
                 self._rebase(stream, ts)
         sig.last_ts = max(sig.last_ts, ts)
         stream.last_ts = max(stream.last_ts, ts)
-        if comm_hash and _COLLECTIVE[op]:
-            self._arrived(stream, (op, nbytes, peer), seq, ts)
+        if comm_hash and _COLLECTIVE[op] and not stream.device:
+            self._arrived(self._entries, stream, (op, nbytes, peer), seq, ts)
 
     def _settled(
         self,
         ts: int,
         end: int,
+        started: int,
         completed: int,
         pid: int,
         comm: int,
@@ -379,6 +383,8 @@ class SlowdownWatch:
         sig = self._signature(stream, op, nbytes, peer)
         stream.device |= completed > 0
         stream.host_durations.append(end - ts)
+        if stream.device and comm_hash and _COLLECTIVE[op] and started > 0:
+            self._arrived(self._starts, stream, (op, nbytes, peer), seq, started)
         end = completed if completed > 0 else end
         if end <= ts:
             return
@@ -405,11 +411,20 @@ class SlowdownWatch:
 
     # ---- lateness among this node's ranks ---------------------------------------
 
-    def _arrived(self, stream: _Stream, key: tuple[int, int, int], seq: int, ts: int) -> None:
+    def _arrived(
+        self,
+        arrivals: dict[int, dict[int, dict[int, _Arrival]]],
+        stream: _Stream,
+        key: tuple[int, int, int],
+        seq: int,
+        ts: int,
+    ) -> None:
+        """A member entered a collective (``_entries``), or its device
+        started it (``_starts``): once every local member did, how late each was."""
         members = self._by_hash[stream.comm_hash]
         if len(members) < 2:
             return
-        seqs = self._entries.setdefault(stream.comm_hash, {})
+        seqs = arrivals.setdefault(stream.comm_hash, {})
         got = seqs.setdefault(seq, {})
         got[stream.pid] = (ts, key)
         if len(got) >= len(members):
@@ -487,11 +502,20 @@ class SlowdownWatch:
             return stream.blocking
         return any(m.blocking for m in self._by_hash.get(stream.comm_hash, [stream]))
 
+    def _judged_late(self, stream: _Stream) -> bool:
+        """Whether lateness is judged on the stream: its device starts, when
+        its calls complete on the device (a collective's kernel waits there
+        for its peers'); its host entries, when its communicator's calls
+        wait on the host."""
+        if stream.device:
+            return self.config.device_late_share > 0
+        return self.config.late_share > 0 and self._waits_on_host(stream)
+
     def _late(self, stream: _Stream, now: int, window: int) -> Slowdown | None:
         """The rank late at one kind of collective (a signature) for
         ``window``: a rank that computes longer is late at the first
         collective of each step only; after it, every member enters at once."""
-        waits = self.config.late_share > 0 and self._waits_on_host(stream)
+        waits = self._judged_late(stream)
         found: Slowdown | None = None
         for sig in stream.sigs.values():
             since = self._late_since(stream, sig, now, window) if waits else None
@@ -510,7 +534,8 @@ class SlowdownWatch:
             return None
         if now - sig.last_ts > window:
             return None
-        margin = max(LATE_MIN_NS, self.config.late_share * cycle)
+        share_of_cycle = self.config.device_late_share if stream.device else self.config.late_share
+        margin = max(LATE_MIN_NS, share_of_cycle * cycle)
         if share < LATE_LAST_SHARE or late - base < margin:
             return None
         return now if sig.late_since is None else sig.late_since
@@ -520,7 +545,8 @@ class SlowdownWatch:
         cycle = sig.base_interval or stream.baseline_interval() or 0
         since = sig.late_since if sig.late_since is not None else now
         reason = (
-            f"slowdown: {_stream_text(stream)} is the last of this node's ranks to enter "
+            f"slowdown: {_stream_text(stream)} is the last of this node's ranks "
+            f"{'whose device starts' if stream.device else 'to enter'} "
             f"{share:.0%} of its latest {len(sig.lateness)} {op_name(sig.op)} calls, "
             f"{_ms(late)} after the first (median; {_ms(sig.base_lateness or 0)} in its "
             f"baseline, called every {_ms(cycle)}), for {_s(now - since)}"
@@ -549,6 +575,7 @@ class SlowdownWatch:
                 if not members:
                     del self._by_hash[stream.comm_hash]
                     self._entries.pop(stream.comm_hash, None)
+                    self._starts.pop(stream.comm_hash, None)
 
     def device_stream(self, pid: int, comm: int) -> bool:
         stream = self._streams.get((pid, comm))
@@ -558,7 +585,7 @@ class SlowdownWatch:
         out = []
         for s in sorted(self._streams.values(), key=lambda s: (s.comm_hash, s.rank, s.pid)):
             bases = [x.base_duration for x in s.sigs.values() if x.base_duration]
-            waits = self._waits_on_host(s)  # lateness only then: see _Stream.blocking
+            waits = self._judged_late(s)  # lateness only then: see _Stream.blocking
             worst = _latest_signature(s)
             out.append(
                 StreamGauges(

@@ -158,6 +158,15 @@ def _add_slowdown_options(p: argparse.ArgumentParser) -> None:
         "communicator's baseline interval later than it used to be, is a slowdown (0: never)",
     )
     g.add_argument(
+        "--slowdown-device-late-share",
+        type=float,
+        default=sd.DEFAULT_DEVICE_LATE_SHARE,
+        metavar="S",
+        help="the same, for calls timed on the device (CUDA): a rank whose device starts "
+        "nearly every collective last, S of the baseline interval later than it used to "
+        "(0: never)",
+    )
+    g.add_argument(
         "--slowdown-hold",
         type=float,
         default=sd.DEFAULT_HOLD_S,
@@ -187,7 +196,12 @@ def _slowdown_config(args: argparse.Namespace) -> SlowdownConfig:
         raise UsageError(
             f"--slowdown-baseline: expected {MIN_BASELINE_S:g} seconds or more, got {base:g}"
         )
-    for name in ("slowdown_late_share", "slowdown_hold", "slowdown_hold_wait"):
+    for name in (
+        "slowdown_late_share",
+        "slowdown_device_late_share",
+        "slowdown_hold",
+        "slowdown_hold_wait",
+    ):
         value = getattr(args, name)
         if value < 0:
             raise UsageError(f"--{name.replace('_', '-')}: expected >= 0, got {value:g}")
@@ -198,6 +212,7 @@ def _slowdown_config(args: argparse.Namespace) -> SlowdownConfig:
         args.slowdown_late_share,
         args.slowdown_hold,
         args.slowdown_hold_wait,
+        args.slowdown_device_late_share,
     )
 
 

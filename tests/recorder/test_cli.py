@@ -34,6 +34,10 @@ def _free_port() -> int:
         (["--max-dumps", "-1"], "--max-dumps"),
         (["--token-file", "/nonexistent/token"], "--token-file /nonexistent/token"),
         (["--slowdown-hold-wait", "-1"], "--slowdown-hold-wait: expected >= 0, got -1"),
+        (
+            ["--slowdown-device-late-share", "-0.1"],
+            "--slowdown-device-late-share: expected >= 0, got -0.1",
+        ),
         (["--slowdown-factor", "0.5"], "--slowdown-factor: expected 0 (off) or more than 1"),
     ],
 )

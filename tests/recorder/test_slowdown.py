@@ -81,12 +81,60 @@ def job(
     return out
 
 
+def device_job(
+    steps: int,
+    late_ms: Callable[[int, int], float] = lambda step, pid: 0.0,
+    ranks: Sequence[int] = (100, 101),
+    seed: int = 0,
+    jitter_ms: float = 2.0,
+    compute_ms: float = 600.0,
+    pause: Callable[[int], float] = lambda step: 0.0,
+) -> np.ndarray:
+    """Rows of ranks of one node in a gpu job, as the lab's gpu mode runs
+    it: each step the host queues the compute and two AllReduces on its
+    device (its calls return at once), then waits for the device; each
+    device computes ``compute_ms`` (+``late_ms`` for a rank, and up to
+    ``jitter_ms``), then starts the step's first collective, which completes
+    5 ms after the last device started it; the second one starts on every
+    device as the first completes."""
+    rnd = random.Random(seed)
+    rows = []
+    now = 10 * S
+    seq = 0
+    for step in range(steps):
+        now += int(pause(step) * MS)
+        entered = {p: now + int(rnd.uniform(0, 2) * MS) for p in ranks}
+        computed = {
+            p: entered[p] + int((compute_ms + late_ms(step, p) + rnd.uniform(0, jitter_ms)) * MS)
+            for p in ranks
+        }
+        starts = computed
+        for nbytes in (1 << 20, 8):
+            done = max(starts.values()) + 5 * MS
+            for rank, pid in enumerate(ranks):
+                ts = entered[pid] + seq % 2 * 100_000
+                rows.append((ts, ts + 50_000, starts[pid], done, pid, rank, nbytes, seq))
+            seq += 1
+            starts = {p: done + int(rnd.uniform(0, 1) * MS) for p in ranks}
+        now = done + int(rnd.uniform(1, 3) * MS)
+    out = np.zeros(len(rows), dtype=NCCL_EVENT)
+    for i, (ts, end, started, completed, pid, rank, nbytes, sq) in enumerate(sorted(rows)):
+        out[i]["ts_ns"], out[i]["end_ns"], out[i]["pid"] = ts, end, pid
+        out[i]["started_ns"], out[i]["completed_ns"] = started, completed
+        out[i]["comm"], out[i]["comm_hash"] = 0x7F00 + pid, WORLD
+        out[i]["rank"], out[i]["nranks"], out[i]["peer"] = rank, len(ranks), -1
+        out[i]["op"], out[i]["bytes"], out[i]["count"], out[i]["seq"] = Op.ALL_REDUCE, nbytes, 1, sq
+    return out
+
+
 def drive(
     watch: SlowdownWatch, rows: np.ndarray, until_ns: int | None = None
 ) -> list[tuple[int, Slowdown]]:
-    """Feed the rows tick by tick, as the agent does; every slowdown reported."""
+    """Feed the rows tick by tick, as the agent does (a row settles once
+    it returned, and completed where the device completes it); every
+    slowdown reported."""
     rows = rows[np.argsort(rows["ts_ns"], kind="stable")]
-    end = rows["end_ns"].astype(np.int64)
+    end = np.maximum(rows["end_ns"], rows["completed_ns"]).astype(np.int64)
     last = int(until_ns if until_ns is not None else end.max() + TICK)
     fed, settled = 0, np.zeros(len(rows), dtype=bool)
     out = []
@@ -251,6 +299,53 @@ def test_the_lateness_trigger_can_be_turned_off_and_the_whole_trigger_too() -> N
     off = SlowdownWatch(SlowdownConfig(factor=0))
     assert drive(off, rows) == []
     assert any(g.factor is not None and g.factor > DEFAULT_FACTOR for g in off.gauges())
+
+
+def test_a_rank_whose_device_starts_its_collectives_late_is_named() -> None:
+    """gpu mode: the host of a rank whose device computes 150 ms longer
+    queues its calls on time; its device starts the step's first collective
+    last (a step of 0.6 s, one fourth of it: the host rule's margin, half
+    the cycle, is not reached)."""
+
+    def late(step: int, pid: int) -> float:
+        return 150.0 if pid == 101 and step >= 600 else 0.0
+
+    rows = device_job(800, late)
+    began = int(rows["ts_ns"][rows["seq"] == 2 * 600].min())
+    watch = SlowdownWatch()
+    found = drive(watch, rows)
+    first = first_of(found, "late")
+    assert first is not None and {s.pid for _, s in found if s.cause == "late"} == {101}
+    assert "whose device starts 100% of its latest 16" in first[1].reason, first[1].reason
+    assert first[0] - began < 30 * S, (first[0] - began) / S
+    assert first_of(found, "rhythm") is None  # 1.25x: the rhythm sees nothing
+    gauges = {g.pid: g for g in watch.gauges()}
+    # its peer is last at the step's second collective by chance (1 ms apart)
+    assert gauges[101].last_share == 1.0 and (gauges[100].last_share or 0) < 0.9
+    assert gauges[101].lateness_ns is not None and gauges[101].lateness_ns > 140 * MS
+    # the host rule alone would not have seen it: its entries are on time
+    host_only = SlowdownWatch(SlowdownConfig(device_late_share=0))
+    assert first_of(drive(host_only, rows), "late") is None
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_devices_that_start_apart_by_chance_or_always_or_checkpointing_raise_nothing(
+    seed: int,
+) -> None:
+    """No device late: starts up to 30 ms apart at random.  One always 150
+    ms late: its baseline.  Rank 0's host pausing 1.5 s every 100 steps
+    while its device is idle: every device waits alike."""
+    assert drive(SlowdownWatch(), device_job(800, seed=seed, jitter_ms=30.0)) == []
+    always = device_job(800, lambda step, pid: 150.0 * (pid == 101), seed=seed)
+    assert drive(SlowdownWatch(), always) == []
+    paused = device_job(800, pause=lambda step: 1500.0 * (step % 100 == 99), seed=seed)
+    assert drive(SlowdownWatch(), paused) == []
+
+
+def test_a_device_late_by_less_than_its_margin_is_no_slowdown() -> None:
+    """50 ms late on a 0.6 s step: under a tenth of the cycle."""
+    rows = device_job(800, lambda step, pid: 50.0 * (pid == 101 and step >= 600))
+    assert first_of(drive(SlowdownWatch(), rows), "late") is None
 
 
 def _held_job() -> np.ndarray:

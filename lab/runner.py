@@ -48,6 +48,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
 import secrets
 import signal
@@ -55,7 +56,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -310,6 +311,9 @@ class JobWatch:
     steps: tuple[int, ...] = ()
     moved_at: float = field(default_factory=time.monotonic)
     exited_at: float | None = None  # when a rank was first seen gone
+    # per node: its ranks' steps, and when one of them last moved
+    node_steps: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    node_moved_at: dict[int, float] = field(default_factory=dict)
     stuck: bool = False
     next_look: float = 0.0
     chaos_told: int = 0  # lines of the agent faults' log already told
@@ -849,10 +853,11 @@ def dumps_found(cfg: RunConfig) -> list[Path]:
 
 
 def wait_for_dumps(lab: Lab) -> None:
-    """Every node's agent writes a dump raised since the job last moved or a
-    rank exited (a stall after a slowdown: a dump of the slowdown is none of
-    the stall's; a cut node dumps its own incident, its peers' never reach
-    it), or DUMP_GRACE passes.
+    """Every node's agent writes a dump raised since its node's ranks last
+    moved or a rank exited (a stall after a slowdown: a dump of the slowdown
+    is none of the stall's; a cut node dumps its own incident, its peers'
+    never reach it, and the others' ranks may move on in their own node's
+    communicators after it dumped), or DUMP_GRACE passes.
     With agent faults, also until they were all applied and the agents they
     touched had time to raise the stall again (``Chaos.settled``)."""
     chaos = lab.chaos
@@ -868,18 +873,23 @@ def wait_for_dumps(lab: Lab) -> None:
             lab.injector.check()
         narrate_job(lab, waiting_for_dumps=True)
         w = lab.watch  # the stall's or the exit's, not an earlier incident's
-        since = int((min(w.moved_at, w.exited_at or w.moved_at) - LOOK_S) * 1e9)
-        dumped = dumped_since([agent_dump_dir(lab.cfg, n) for n in nodes], since)
+        since = {
+            agent_dump_dir(lab.cfg, n): int(
+                (min(w.node_moved_at.get(n, 0.0), w.exited_at or math.inf) - LOOK_S) * 1e9
+            )
+            for n in nodes
+        }
+        dumped = dumped_since(since)
         if dumped and (chaos is None or chaos.settled()):
             return
         time.sleep(0.25)
 
 
-def dumped_since(folders: Sequence[Path], since_ns: int) -> bool:
-    """Whether each folder holds a dump raised at ``since_ns`` or later
+def dumped_since(since_ns: Mapping[Path, int]) -> bool:
+    """Whether each folder holds a dump raised at its time or later
     (monotonic; a dump with no trigger, taken on request, counts), a dump
     being written or unreadable being none yet."""
-    return all(any(t >= since_ns for t in _trigger_times(f)) for f in folders)
+    return all(any(t >= ns for t in _trigger_times(f)) for f, ns in since_ns.items())
 
 
 def _trigger_times(folder: Path) -> list[int]:
@@ -1076,6 +1086,11 @@ def narrate_job(lab: Lab, waiting_for_dumps: bool = False) -> None:
     running = sum(1 for proc in lab.ranks.values() if proc.poll() is None)
     if running < len(lab.ranks) and w.exited_at is None:
         w.exited_at = now
+    topo = lab.cfg.topology
+    for node in range(lab.cfg.nodes):
+        mine = tuple(s for r, s in zip(reports, steps, strict=True) if topo.node_of(r) == node)
+        if w.node_steps.get(node) != mine:
+            w.node_steps[node], w.node_moved_at[node] = mine, now
     if steps != w.steps:
         if w.stuck and running:
             n.say(f"the job moves again: step {min(steps, default=0)}")

@@ -625,12 +625,13 @@ def test_lab_certificates_serve_and_verify(tmp_path: Path) -> None:
     assert "IP Address:10.201.9.2" in text and "TLS Web Client Authentication" in text
 
 
-def test_a_node_has_dumped_the_stall_once_a_dump_raised_since_the_job_stopped_is_there(
+def test_a_node_has_dumped_the_stall_once_a_dump_raised_since_its_ranks_stopped_is_there(
     tmp_path: Path,
 ) -> None:
-    """``wait_for_dumps`` waits for a dump raised since the job last moved:
-    a stall raised after a slowdown is a second incident, and a node's dump
-    of the first is none of it; a cut node dumps its own incident."""
+    """``wait_for_dumps`` waits for each node's dump raised since its own
+    ranks last moved: a stall raised after a slowdown is a second incident,
+    and a node's dump of the first is none of it; a cut node dumps its own
+    incident while the others' ranks still move on in their own node."""
     import dataclasses
 
     from stallwatch.dumpers.format import read_dump, write_dump
@@ -642,12 +643,15 @@ def test_a_node_has_dumped_the_stall_once_a_dump_raised_since_the_job_stopped_is
     first = write_dump(tmp_path, rec)
     other = tmp_path / "node1"
     write_dump(other, rec)
-    assert runner.dumped_since([tmp_path, other], at)
-    assert not runner.dumped_since([tmp_path, other], at + 1)  # the slowdown's dump only
+    assert runner.dumped_since({tmp_path: at, other: at})
+    assert not runner.dumped_since({tmp_path: at + 1, other: at + 1})  # the slowdown's only
+    # node0 cut off (its ranks stopped before its dump), node1's moved on after it
+    assert runner.dumped_since({tmp_path: at - 10, other: at - 10})
+    assert not runner.dumped_since({tmp_path: at - 10, other: at + 1})
     later = dataclasses.replace(rec.trigger, time_ns=at + 5, incident_id="20990101T0-node0-ab")
     write_dump(tmp_path, dataclasses.replace(rec, trigger=later))
     (other / ".tmp-half.msgpack").write_bytes(first.read_bytes()[:100])  # being written
     (other / "torn.msgpack").write_bytes(first.read_bytes()[:1000])
-    assert runner.dumped_since([tmp_path], at + 1)
-    assert not runner.dumped_since([tmp_path, other], at + 1)  # node1 has not dumped the stall
-    assert not runner.dumped_since([tmp_path, tmp_path / "none"], 0)
+    assert runner.dumped_since({tmp_path: at + 1})
+    assert not runner.dumped_since({tmp_path: at + 1, other: at + 1})  # node1: not the stall
+    assert not runner.dumped_since({tmp_path: 0, tmp_path / "none": 0})

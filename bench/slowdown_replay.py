@@ -45,6 +45,10 @@ def replay(rows: np.ndarray, config: SlowdownConfig) -> dict[tuple[int, int], di
     settled = np.zeros(len(rows), dtype=bool)
     held: dict[tuple[int, int], dict[str, deque[tuple[int, float]]]] = {}
     best: dict[tuple[int, int], dict[str, object]] = {}
+    comms = {
+        (int(pid), int(h)): int(c)
+        for pid, h, c in zip(rows["pid"], rows["comm_hash"], rows["comm"], strict=True)
+    }
     fed = 0
     for now in range(int(rows["ts_ns"][0]), int(settle.max()) + TICK_NS, TICK_NS):
         hi = int(np.searchsorted(rows["ts_ns"], now, side="right"))
@@ -66,7 +70,7 @@ def replay(rows: np.ndarray, config: SlowdownConfig) -> dict[tuple[int, int], di
                 late = (g.lateness_ns - g.baseline_lateness_ns) / g.baseline_interval_ns
             seen = held.setdefault(key, {"factor": deque(), "late": deque()})
             out = best.setdefault(key, {"rank": g.rank, "factor": 0.0, "late": 0.0})
-            out["device"] = watch.device_stream(g.pid, _comm_of(rows, g.pid, g.comm_hash))
+            out["device"] = watch.device_stream(g.pid, comms.get(key, 0))
             for name, value in (("factor", g.factor or 0.0), ("late", late)):
                 q = seen[name]
                 q.append((now, value))
@@ -75,11 +79,6 @@ def replay(rows: np.ndarray, config: SlowdownConfig) -> dict[tuple[int, int], di
                 if now - q[0][0] >= window - TICK_NS:  # a whole window's ticks
                     out[name] = max(float(out[name]), min(v for _, v in q))  # type: ignore[arg-type]
     return best
-
-
-def _comm_of(rows: np.ndarray, pid: int, comm_hash: int) -> int:
-    mine = rows[(rows["pid"] == pid) & (rows["comm_hash"] == comm_hash)]
-    return int(mine["comm"][0]) if len(mine) else 0
 
 
 def main(argv: list[str] | None = None) -> int:

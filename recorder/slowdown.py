@@ -20,7 +20,8 @@ leaving out the latest ``window_s`` and the bucket before: a moving, robust
 baseline that a checkpoint's one long interval does not move, and that a
 slowdown only becomes after half of ``baseline_s``.
 
-Three conditions, each sustained before it is reported:
+Three conditions, each sustained before it is reported (lateness read on
+the host or on the device):
 
 - **slow rhythm**: a stream's *slowdown factor* (per signature, the median of
   its last ``RECENT`` intervals over its baseline; the median over its
@@ -40,6 +41,12 @@ Three conditions, each sustained before it is reported:
   together, in any order (on a 4x2 lab job, a rank 150 ms slower was last
   at its communicators' first collective each step and at half of the rest:
   judged over all of them, never 90%).
+  Calls timed on the device (the CUDA probes' ``started_ns``) are judged by
+  when each device started the collective, not by the host's entry: a gpu
+  job's host only enqueues, on time, while its device starts late and its
+  peers' kernels wait for it; the margin is then ``device_late_share`` of
+  the cycle (devices start a kind of collective tens of ms apart either way
+  by chance, never one of them last nearly always).
   Only this node's ranks are compared: a rank alone on its node is never
   called late here (its slowdown shows as the rhythm of its peers, and the
   analyzer tells who was late from every node's dump).  Judged only on

@@ -44,9 +44,12 @@ the host or on the device):
   Calls timed on the device (the CUDA probes' ``started_ns``) are judged by
   when each device started the collective, not by the host's entry: a gpu
   job's host only enqueues, on time, while its device starts late and its
-  peers' kernels wait for it; the margin is then ``device_late_share`` of
-  the cycle (devices start a kind of collective tens of ms apart either way
-  by chance, never one of them last nearly always).
+  peers' kernels wait for it.  Its lateness is no more than its device's
+  own: the wait from its host's entry to its device's start, beyond the
+  quickest member's (a host starved of CPU enqueues late, and its idle
+  device starts late with it: on a healthy gpu lab run, rank 0's host and
+  device 300-480 ms behind its peer's for 15 s).  The margin is then
+  ``device_late_share`` of the cycle.
   Only this node's ranks are compared: a rank alone on its node is never
   called late here (its slowdown shows as the rhythm of its peers, and the
   analyzer tells who was late from every node's dump).  Judged only on
@@ -208,7 +211,10 @@ class _Signature:
     late_since: int | None = None
 
 
-_Arrival = tuple[int, tuple[int, int, int]]  # when a member entered a collective, its signature
+# when a member entered a collective (or its device started it), its
+# signature, and how long its own side took to get there (the host: its
+# entry; the device: the wait from the host's entry to the device's start)
+_Arrival = tuple[int, tuple[int, int, int], int]
 
 
 @dataclass(slots=True)
@@ -368,7 +374,7 @@ class SlowdownWatch:
         sig.last_ts = max(sig.last_ts, ts)
         stream.last_ts = max(stream.last_ts, ts)
         if comm_hash and _COLLECTIVE[op] and not stream.device:
-            self._arrived(self._entries, stream, (op, nbytes, peer), seq, ts)
+            self._arrived(self._entries, stream, seq, (ts, (op, nbytes, peer), ts))
 
     def _settled(
         self,
@@ -390,8 +396,8 @@ class SlowdownWatch:
         sig = self._signature(stream, op, nbytes, peer)
         stream.device |= completed > 0
         stream.host_durations.append(end - ts)
-        if stream.device and comm_hash and _COLLECTIVE[op] and started > 0:
-            self._arrived(self._starts, stream, (op, nbytes, peer), seq, started)
+        if stream.device and comm_hash and _COLLECTIVE[op] and started >= ts:
+            self._arrived(self._starts, stream, seq, (started, (op, nbytes, peer), started - ts))
         end = completed if completed > 0 else end
         if end <= ts:
             return
@@ -422,9 +428,8 @@ class SlowdownWatch:
         self,
         arrivals: dict[int, dict[int, dict[int, _Arrival]]],
         stream: _Stream,
-        key: tuple[int, int, int],
         seq: int,
-        ts: int,
+        arrival: _Arrival,
     ) -> None:
         """A member entered a collective (``_entries``), or its device
         started it (``_starts``): once every local member did, how late each was."""
@@ -433,7 +438,7 @@ class SlowdownWatch:
             return
         seqs = arrivals.setdefault(stream.comm_hash, {})
         got = seqs.setdefault(seq, {})
-        got[stream.pid] = (ts, key)
+        got[stream.pid] = arrival
         if len(got) >= len(members):
             del seqs[seq]
             self._lateness(members, got)
@@ -441,15 +446,20 @@ class SlowdownWatch:
             del seqs[next(iter(seqs))]
 
     def _lateness(self, members: list[_Stream], got: dict[int, _Arrival]) -> None:
-        first = min(ts for ts, _ in got.values())
-        last = max(ts for ts, _ in got.values())
+        """Each member's lateness: after the first to arrive, and no more
+        than its own side took beyond the quickest member's (a device that
+        starts late because its host enqueued late, on time for its queue,
+        is its host's lateness: not the device's)."""
+        first = min(ts for ts, _, _ in got.values())
+        last = max(ts for ts, _, _ in got.values())
+        quickest = min(own for _, _, own in got.values())
         for m in members:
             entry = got.get(m.pid)
             sig = m.sigs.get(entry[1]) if entry is not None else None
             if entry is None or sig is None:
                 continue
             ts = entry[0]
-            late = ts - first
+            late = min(ts - first, entry[2] - quickest)
             sig.lateness.append((late, ts == last and last > first))
             if sig.late_buckets is None:
                 sig.late_buckets = _Buckets(self._keep)

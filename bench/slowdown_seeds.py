@@ -20,7 +20,7 @@ right).
 
     python -m bench.slowdown_seeds [--seeds 10] [--faults slow rate ...]
                                    [--shapes 3x2 4x2] [--before 1200] [--after 250]
-                                   [--healthy MINUTES] [--out DIR]
+                                   [--healthy MINUTES [--modes gpu-block ...]] [--out DIR]
 
 ``--before`` is the steps before the fault (the trigger needs 30 s of
 baseline: at 30-100 ms a step, 1,200 is enough), but at most
@@ -158,16 +158,21 @@ def judge(run: Run, folder: Path) -> tuple[bool, str]:
     return good, f"{delay / 1e9:.1f} s, {len(nodes)} nodes dumped, {top['kind']}: {top['summary']}"
 
 
-def healthy(minutes: float, out: Path, steps: int) -> int:
+def mode_name(mode: str, wait: str, graphs: bool) -> str:
+    return f"{mode}-{wait}{'-graphs' if graphs else ''}"
+
+
+def healthy(minutes: float, out: Path, steps: int, modes: list[str]) -> int:
     """Healthy runs with checkpoints across the modes until ``minutes``
     passed; every incident raised is printed (0 is right)."""
+    chosen = [m for m in MODES if mode_name(*m) in modes]
     began, false, i = time.monotonic(), 0, 0
     while time.monotonic() - began < minutes * 60:
-        mode, wait, graphs = MODES[i % len(MODES)]
+        mode, wait, graphs = chosen[i % len(chosen)]
         argv = ["--nodes", "3", "--ranks-per-node", "2", "--steps", str(steps)]
         argv += ["--mode", mode, "--wait", wait, "--fault", CHECKPOINT]
         argv += ["--graphs"] if graphs else []
-        folder = out / f"healthy-{i}-{mode}-{wait}{'-graphs' if graphs else ''}"
+        folder = out / f"healthy-{i}-{mode_name(mode, wait, graphs)}"
         t0 = time.monotonic()
         lab(folder, argv)
         raised = [t for _, t in triggers(folder) if t is not None and t.kind in RAISED]
@@ -187,11 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--before", type=int, default=1200, help="steps before the fault")
     p.add_argument("--after", type=int, default=250, help="steps after the fault")
     p.add_argument("--healthy", type=float, metavar="MINUTES", help="healthy runs instead")
+    names = [mode_name(*m) for m in MODES]
+    p.add_argument("--modes", nargs="+", choices=names, default=names, help="of healthy runs")
     p.add_argument("--out", type=Path, default=None, help="keep the dumps here")
     args = p.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="slowdown-seeds-"))
     if args.healthy is not None:
-        return healthy(args.healthy, out, args.before + args.after)
+        return healthy(args.healthy, out, args.before + args.after, args.modes)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
     tally: dict[str, list[int]] = {}
     for seed in range(args.seeds):  # seed by seed: stopped early, the counts stay even

@@ -486,6 +486,7 @@ def _extract(
     for name, src in (*CALL_FIELDS, ("crank", "rank"), ("hash", "comm_hash")):
         stage[name][dst] = (times[name] if name in times else raw[src])[sel]
     stage["device"][dst] = times["device"][sel] if "device" in times else 0
+    stage["queued"][dst] = times["queued"][sel] if "queued" in times else 0
     stage["shape"][dst] = 0  # our rings record counts, not tensor shapes
     index, rank, comm_hash = stage["proc"][dst], stage["crank"][dst], stage["hash"][dst]
     unknown = comm_hash == 0
@@ -570,7 +571,9 @@ def _device_timeline(raw: np.ndarray, keep: np.ndarray) -> dict[str, np.ndarray]
     there).  A call the device never reached is left out (``keep``): at a
     hang, the rank whose device stopped is the one that never "entered".
     A call seen completed but not started keeps its host entry.  Other
-    processes keep their host times.  Updates ``keep``; returns ts and end."""
+    processes keep their host times.  Updates ``keep``; returns ts and end,
+    and how long each call waited on its device's queue (its host's entry
+    to the device's start)."""
     done = raw["completed_ns"] > 0
     if not done.any():
         return {}
@@ -579,7 +582,9 @@ def _device_timeline(raw: np.ndarray, keep: np.ndarray) -> dict[str, np.ndarray]
     ts = np.where(gpu & started, raw["started_ns"], raw["ts_ns"]).astype(np.int64)
     end = np.where(gpu, raw["completed_ns"], raw["end_ns"]).astype(np.int64)
     keep &= ~(gpu & ~started & ~done)
-    return {"ts": ts, "end": end, "device": (gpu & started).astype(np.uint8)}
+    device = gpu & started
+    queued = np.where(device, ts - raw["ts_ns"].astype(np.int64), 0).clip(min=0)
+    return {"ts": ts, "end": end, "device": device.astype(np.uint8), "queued": queued}
 
 
 def _host_now(extracts: list[_Extract]) -> dict[str, int]:

@@ -118,6 +118,7 @@ CALL_DTYPE = np.dtype(
         ("state", "u1"),
         ("result", "<i4"),  # ncclResult_t, -1 while in flight
         ("device", "u1"),  # 1: ts/end are the device's start/completion (CUDA probes)
+        ("queued", "<i8"),  # device: from the host's entry to the device's start (else 0)
         ("shape", "<u2"),  # index into Incident.shapes, 0 where unknown
     ]
 )

@@ -12,7 +12,11 @@ import numpy as np
 
 from stallwatch.analyzer.columns import Columns
 from stallwatch.analyzer.detect.common import Analysis
-from stallwatch.analyzer.detect.stragglers import _shared_completion, straggler_candidates
+from stallwatch.analyzer.detect.stragglers import (
+    _own_device_start,
+    _shared_completion,
+    straggler_candidates,
+)
 from stallwatch.analyzer.incident import ArrivalScore
 from stallwatch.analyzer.pipeline import analyze_paths
 from stallwatch.analyzer.verdict import VerdictKind
@@ -39,6 +43,28 @@ def test_a_collective_completes_once_for_all_its_members() -> None:
     assert (end[:3] == 50 * MS).all()  # the earliest completion seen
     assert end[3] == 149 * MS and end[4] == 151 * MS  # a start seen after: no wait
     assert (end[6:] == rows["end"][6:]).all()  # host-timed calls keep their return
+
+
+def test_a_device_is_late_by_no_more_than_its_own_queue_made_it() -> None:
+    # group 0: rank 1's host queued 300 ms late and its idle device started
+    # at once (queued 2 ms, as rank 0's): no later than rank 0, on its own;
+    # group 1: rank 1's device waited 150 ms longer in its queue (a slower
+    # device) and started 150 ms late; group 2: host-timed, unchanged
+    rows = Columns(
+        {
+            "ts": np.array([1000, 1300, 2000, 2150, 3000, 3100]) * MS,
+            "queued": np.array([2, 2, 5, 155, 0, 0]) * MS,
+            "device": np.array([1, 1, 1, 1, 0, 0], dtype=np.uint8),
+        }
+    )
+    gid = np.array([0, 0, 1, 1, 2, 2])
+    start = _own_device_start(rows, gid)
+    assert start[:2].tolist() == [1000 * MS, 1000 * MS]  # the host's lateness: not the device's
+    assert start[2:4].tolist() == [2000 * MS, 2150 * MS]  # the device's own
+    assert start[4:].tolist() == rows["ts"][4:].tolist()
+    # a device that waited longer in its queue but started first is not late
+    rows["queued"][2:4] = np.array([155, 5]) * MS
+    assert _own_device_start(rows, gid)[2:4].tolist() == [2000 * MS, 2000 * MS]
 
 
 def _score(

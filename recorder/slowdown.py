@@ -449,18 +449,19 @@ class SlowdownWatch:
         """Each member's lateness: after the first to arrive, and no more
         than its own side took beyond the quickest member's (a device that
         starts late because its host enqueued late, on time for its queue,
-        is its host's lateness: not the device's)."""
+        is its host's lateness: not the device's); the last is the latest so
+        counted."""
         first = min(ts for ts, _, _ in got.values())
-        last = max(ts for ts, _, _ in got.values())
         quickest = min(own for _, _, own in got.values())
+        lates = {pid: min(ts - first, own - quickest) for pid, (ts, _, own) in got.items()}
+        latest = max(lates.values())
         for m in members:
             entry = got.get(m.pid)
             sig = m.sigs.get(entry[1]) if entry is not None else None
             if entry is None or sig is None:
                 continue
-            ts = entry[0]
-            late = min(ts - first, entry[2] - quickest)
-            sig.lateness.append((late, ts == last and last > first))
+            ts, late = entry[0], lates[m.pid]
+            sig.lateness.append((late, late == latest > 0))
             if sig.late_buckets is None:
                 sig.late_buckets = _Buckets(self._keep)
             if sig.late_buckets.add(ts, late):

@@ -8,10 +8,13 @@ For every stream (one process's communicator) of each dump, over the ticks
 
 - ``factor``: the highest slowdown factor held at every tick for the window
   (10 s), against the 3x asked;
-- ``late``: the highest lateness held for the window by a rank last in 90% or
-  more of a kind of collective, as a share of its communicator's baseline
-  interval (the margin is that share: 0.5 on the host, 0.1 on the device),
-  and whether it was read from the host's entries or the device's starts.
+- ``last``: the highest share of a kind of collective a rank was the last
+  to arrive at (of the latest 16), held for the window;
+- ``late``: the highest lateness held for the window by a rank last often
+  enough at a kind of collective (90% on the host, 85% on the device), as a
+  share of its communicator's baseline interval (the margin is that share:
+  0.5 on the host, 0.1 on the device), and whether it was read from the
+  host's entries or the device's starts.
 
 Each dump is replayed alone (one node's ranks, as its agent sees them); the
 rows must reach back past the trigger's 30 s baseline (a lab run dumped at
@@ -29,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from stallwatch.dumpers.format import read_dump
-from stallwatch.recorder.slowdown import LATE_LAST_SHARE, SlowdownConfig, SlowdownWatch
+from stallwatch.recorder.slowdown import SlowdownConfig, SlowdownWatch, last_share_needed
 
 TICK_NS = 200_000_000
 
@@ -59,19 +62,21 @@ def replay(rows: np.ndarray, config: SlowdownConfig) -> dict[tuple[int, int], di
         watch.judge(now)
         for g in watch.gauges():
             key = (g.pid, g.comm_hash)
+            device = watch.device_stream(g.pid, comms.get(key, 0))
             late = 0.0
             if (
                 g.last_share is not None
-                and g.last_share >= LATE_LAST_SHARE
+                and g.last_share >= last_share_needed(device)
                 and g.lateness_ns is not None
                 and g.baseline_lateness_ns is not None
                 and g.baseline_interval_ns
             ):
                 late = (g.lateness_ns - g.baseline_lateness_ns) / g.baseline_interval_ns
-            seen = held.setdefault(key, {"factor": deque(), "late": deque()})
-            out = best.setdefault(key, {"rank": g.rank, "factor": 0.0, "late": 0.0})
-            out["device"] = watch.device_stream(g.pid, comms.get(key, 0))
-            for name, value in (("factor", g.factor or 0.0), ("late", late)):
+            seen = held.setdefault(key, {"factor": deque(), "late": deque(), "share": deque()})
+            out = best.setdefault(key, {"rank": g.rank, "factor": 0.0, "late": 0.0, "share": 0.0})
+            out["device"] = device
+            values = (("factor", g.factor or 0.0), ("late", late), ("share", g.last_share or 0.0))
+            for name, value in values:
                 q = seen[name]
                 q.append((now, value))
                 while q and now - q[0][0] > window:
@@ -104,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             where = "device" if out["device"] else "host"
             print(
                 f"  pid {pid} rank {out['rank']} comm {comm_hash:#018x}: "
-                f"factor {out['factor']:.2f}x, late {out['late']:.3f} of the cycle ({where})"
+                f"factor {out['factor']:.2f}x, last {out['share']:.0%}, "
+                f"late {out['late']:.3f} of the cycle ({where})"
             )
     return 0
 

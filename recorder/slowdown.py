@@ -44,12 +44,16 @@ the host or on the device):
   Calls timed on the device (the CUDA probes' ``started_ns``) are judged by
   when each device started the collective, not by the host's entry: a gpu
   job's host only enqueues, on time, while its device starts late and its
-  peers' kernels wait for it.  Its lateness is no more than its device's
-  own: the wait from its host's entry to its device's start, beyond the
-  quickest member's (a host starved of CPU enqueues late, and its idle
-  device starts late with it: on a healthy gpu lab run, rank 0's host and
-  device 300-480 ms behind its peer's for 15 s).  The margin is then
-  ``device_late_share`` of the cycle.
+  peers' kernels wait for it; last in ``LATE_LAST_SHARE_DEVICE`` of them
+  (a checkpoint's barrier lines every device's queue up behind it, and the
+  slow device is not last at the next collective or two: seen on 3x2 gpu
+  lab runs, while a healthy gpu run's devices were last in at most 75% for
+  the window).  Its lateness is no more than its device's own: the wait
+  from its host's entry to its device's start, beyond the quickest
+  member's (a host starved of CPU enqueues late, and its idle device starts
+  late with it: on a healthy gpu lab run, rank 0's host and device 300-480
+  ms behind its peer's for 15 s).  The margin is then ``device_late_share``
+  of the cycle.
   Only this node's ranks are compared: a rank alone on its node is never
   called late here (its slowdown shows as the rhythm of its peers, and the
   analyzer tells who was late from every node's dump).  Judged only on
@@ -94,6 +98,9 @@ BUCKET_CAP = 4096  # samples a bucket keeps (beyond, every other one is dropped)
 RECENT = 3  # a signature's latest intervals its factor is the median of
 LATE_RECENT = 16  # collectives a rank's lateness is judged on
 LATE_LAST_SHARE = 0.9  # last to enter in this share of them
+# on the device, all but two of them: a checkpoint's barrier puts every
+# device's queue behind it, and the next collectives or two start together
+LATE_LAST_SHARE_DEVICE = 0.85
 LATE_MIN_NS = 20_000_000  # and later than it used to be by this much at least
 BLOCKING_NS = 1_000_000  # a stream whose calls take this long (median) waits on the host
 HOLD_FACTOR = 10.0  # a held call: this many times its baseline duration
@@ -554,7 +561,7 @@ class SlowdownWatch:
             return None
         share_of_cycle = self.config.device_late_share if stream.device else self.config.late_share
         margin = max(LATE_MIN_NS, share_of_cycle * cycle)
-        if share < LATE_LAST_SHARE or late - base < margin:
+        if share < last_share_needed(stream.device) or late - base < margin:
             return None
         return now if sig.late_since is None else sig.late_since
 
@@ -622,6 +629,12 @@ class SlowdownWatch:
                 )
             )
         return out
+
+
+def last_share_needed(device: bool) -> float:
+    """How often a rank must be the last to arrive to be late: its host's
+    entries, or its device's starts."""
+    return LATE_LAST_SHARE_DEVICE if device else LATE_LAST_SHARE
 
 
 def _last_share(sig: _Signature) -> float | None:

@@ -364,6 +364,19 @@ def test_a_device_late_because_its_host_queued_late_is_no_device_straggler(seed:
     assert first_of(drive(SlowdownWatch(), device_late), "late") is not None
 
 
+@pytest.mark.parametrize(("on_time", "named"), [(2, True), (3, False)])
+def test_a_device_must_be_last_at_all_but_two_of_16(on_time: int, named: bool) -> None:
+    """After a checkpoint's barrier a slow device starts the next
+    collective or two with its peers: 14 of 16 is late enough, 13 is not."""
+
+    def late(step: int, pid: int) -> float:
+        return 150.0 if pid == 101 and step >= 600 and step % 16 >= on_time else 0.0
+
+    # no jitter: at the steps on time no device is last
+    found = first_of(drive(SlowdownWatch(), device_job(800, late, jitter_ms=0.0)), "late")
+    assert (found is not None) is named
+
+
 def test_a_device_late_by_less_than_its_margin_is_no_slowdown() -> None:
     """50 ms late on a 0.6 s step: under a tenth of the cycle."""
     rows = device_job(800, lambda step, pid: 50.0 * (pid == 101 and step >= 600))

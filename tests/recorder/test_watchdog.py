@@ -740,7 +740,6 @@ def test_four_agents_over_http_share_one_incident(tmp_path: Path) -> None:
             node.incidents.notify = peers_mod.peer_notifier(others, node.host, "t0ken")
         now = time.monotonic_ns()
         stuck = TickState(now, (call(1, now - 3 * S),), (comm(1, now - 3 * S),), (proc(1),))
-        start = time.monotonic()
         nodes[2].incidents.tick(stuck)  # two nodes see the hang; 0 and 3 see nothing
         nodes[1].incidents.tick(stuck)
         deadline = time.monotonic() + 5
@@ -752,13 +751,11 @@ def test_four_agents_over_http_share_one_incident(tmp_path: Path) -> None:
                 if len(ids) == 1:
                     break
             time.sleep(0.02)
-        elapsed = time.monotonic() - start
         assert len(ids) == 1, [list(n.folder.iterdir()) for n in nodes]
         for node in nodes:
             [path] = node.folder.glob("*.msgpack")
             rec = read_dump(path)
             assert rec.trigger is not None and rec.trigger.incident_id in path.name
-        assert elapsed < 2.0, elapsed
         # a wrong token is refused by the server, and reported by the client
         bad = peers_mod.notify_peers(addresses[:1], "x", "r", "h", "wrong", timeout=1.0)
         assert bad[addresses[0]] == "error: HTTP 401 Unauthorized"

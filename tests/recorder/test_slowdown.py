@@ -56,7 +56,7 @@ def job(
     which nobody calls; ``first_only``: only at the step's first collective
     (a rank that computes longer: at the second, everyone enters at once)."""
     rnd = random.Random(seed)
-    rows = []
+    rows: list[_Row] = []
     now = 10 * S
     seq = 0
     for step in range(steps):
@@ -69,15 +69,25 @@ def job(
             end = max(entries.values()) + int(after_last_ms * MS)
             for rank, pid in enumerate(ranks):
                 back = entries[pid] + 50_000 if queued else end
-                rows.append((entries[pid], back, pid, rank, nbytes, seq))
+                rows.append((entries[pid], back, 0, 0, pid, rank, nbytes, seq))
             seq += 1
             now = end
+    return _allreduces(rows, len(ranks))
+
+
+_Row = tuple[int, int, int, int, int, int, int, int]
+
+
+def _allreduces(rows: list[_Row], nranks: int) -> np.ndarray:
+    """NCCL rows of AllReduces on one communicator, in time order, from
+    (entry, return, device start, device completion, pid, rank, bytes, seq)."""
     out = np.zeros(len(rows), dtype=NCCL_EVENT)
-    for i, (ts, end, pid, rank, nbytes, s) in enumerate(sorted(rows)):
+    for i, (ts, end, started, completed, pid, rank, nbytes, sq) in enumerate(sorted(rows)):
         out[i]["ts_ns"], out[i]["end_ns"], out[i]["pid"] = ts, end, pid
+        out[i]["started_ns"], out[i]["completed_ns"] = started, completed
         out[i]["comm"], out[i]["comm_hash"] = 0x7F00 + pid, WORLD
-        out[i]["rank"], out[i]["nranks"], out[i]["peer"] = rank, len(ranks), -1
-        out[i]["op"], out[i]["bytes"], out[i]["count"], out[i]["seq"] = Op.ALL_REDUCE, nbytes, 1, s
+        out[i]["rank"], out[i]["nranks"], out[i]["peer"] = rank, nranks, -1
+        out[i]["op"], out[i]["bytes"], out[i]["count"], out[i]["seq"] = Op.ALL_REDUCE, nbytes, 1, sq
     return out
 
 
@@ -100,7 +110,7 @@ def device_job(
     device as the first completes.  ``host_late_ms``: a rank's host queues
     the step that much later (its device, idle, starts that much later)."""
     rnd = random.Random(seed)
-    rows = []
+    rows: list[_Row] = []
     now = 10 * S
     seq = 0
     for step in range(steps):
@@ -119,14 +129,7 @@ def device_job(
             seq += 1
             starts = {p: done + int(rnd.uniform(0, 1) * MS) for p in ranks}
         now = done + int(rnd.uniform(1, 3) * MS)
-    out = np.zeros(len(rows), dtype=NCCL_EVENT)
-    for i, (ts, end, started, completed, pid, rank, nbytes, sq) in enumerate(sorted(rows)):
-        out[i]["ts_ns"], out[i]["end_ns"], out[i]["pid"] = ts, end, pid
-        out[i]["started_ns"], out[i]["completed_ns"] = started, completed
-        out[i]["comm"], out[i]["comm_hash"] = 0x7F00 + pid, WORLD
-        out[i]["rank"], out[i]["nranks"], out[i]["peer"] = rank, len(ranks), -1
-        out[i]["op"], out[i]["bytes"], out[i]["count"], out[i]["seq"] = Op.ALL_REDUCE, nbytes, 1, sq
-    return out
+    return _allreduces(rows, len(ranks))
 
 
 def drive(

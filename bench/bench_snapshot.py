@@ -17,6 +17,13 @@ and that it pauses no rank.
   does (the control: the measure must see that); the reader spinning instead;
   idle.  The figure is the median over windows of the 99th percentile of
   every wake-up's lateness, snapshots against spinning, in the same run.
+- Waiters read running: 8 processes wait as the lab's blocked ranks do (in
+  poll(2) with a 200 ms timeout, a moment's work between polls), sharing one
+  CPU with 12 busy loops; the reader runs on the other CPU.  Each round reads
+  them twice in a row: one pass (each thread read once, as before running
+  threads were read again) and a reading as taken (threads found running read
+  again over about 0.13 s).  The figure is how many of the waiters' readings
+  said "running" (a position that cannot be told), side by side.
 
 ``python -m bench.bench_snapshot [--quick]`` prints the table.
 """
@@ -38,6 +45,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.common import Figure, render
+from stallwatch.dumpers.readings import RUNNING, ProcessThreads
 from stallwatch.lab import build
 from stallwatch.lab.job import LIB_ENV, read_report
 from stallwatch.recorder.threadreader import Reader, nccl_pids
@@ -64,6 +72,26 @@ while True:
         late[w].append(round((time.monotonic() - before - 0.001) * 1000, 3))
 print(json.dumps(late))
 """
+
+WAITER = """
+import os, select, sys
+if sys.argv[1] != "-":
+    os.sched_setaffinity(0, {int(sys.argv[1])})
+p = select.poll()
+r, w = os.pipe()
+p.register(r, select.POLLIN)
+while True:
+    p.poll(200)
+    sum(range(2000))
+"""
+HOG = """
+import os, sys
+if sys.argv[1] != "-":
+    os.sched_setaffinity(0, {int(sys.argv[1])})
+while True:
+    pass
+"""
+HOGS = 12
 
 
 @contextmanager
@@ -183,6 +211,40 @@ def _rotate(reader: Reader, pids: list[int], t0: float, windows: int) -> int:
     return taken
 
 
+def waiters_read_running(rounds: int) -> tuple[int, int, int]:
+    """Of the waiters' main threads read in ``rounds`` rounds: how many one
+    pass found running, how many a reading as taken did, and how many reads
+    each way."""
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = len(cpus) >= 2
+    cpu = str(cpus[0]) if pinned else "-"
+    waiters = [subprocess.Popen([sys.executable, "-c", WAITER, cpu]) for _ in range(RANKS)]
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG, cpu]) for _ in range(HOGS)]
+    pids = [w.pid for w in waiters]
+    reader = Reader()
+    one = settled = 0
+    if pinned:
+        os.sched_setaffinity(0, {cpus[1]})
+    try:
+        time.sleep(1.0)  # every waiter in its loop
+        for _ in range(rounds):
+            once = [reader.process(pid) for pid in pids]
+            taken = reader.read(pids).processes
+            one += sum(_main_running(p) for p in once)
+            settled += sum(_main_running(p) for p in taken)
+            time.sleep(0.05)
+    finally:
+        os.sched_setaffinity(0, cpus)
+        for proc in waiters + hogs:
+            proc.kill()
+            proc.wait()
+    return one, settled, rounds * RANKS
+
+
+def _main_running(p: ProcessThreads) -> bool:
+    return any(t.tid == p.pid and t.syscall == RUNNING for t in p.threads)
+
+
 def _read_stopped(reader: Reader, pid: int) -> None:
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -205,6 +267,7 @@ def figures(quick: bool) -> list[Figure]:
     ):
         cold, warm, scan, procs = snapshot_times(pids, 3 if quick else 9)
     p99, taken = lateness(lib, 3 if quick else 10)
+    one, settled, reads = waiters_read_running(60 if quick else 300)
     snap, spin = p99["snapshots"], p99["spinning"]
     anchor = ", ".join(f"{name} {v:.2f} ms" for name, v in p99.items() if name != "snapshots")
     anchor += f" ({taken} snapshots)"
@@ -224,6 +287,11 @@ def figures(quick: bool) -> list[Figure]:
         Figure(
             "rank wake-up lateness p99, snapshots running", snap, "ms", "<= spinning + 0.5 ms",
             snap <= spin + 0.5, anchor,
+        ),
+        Figure(
+            f"waiters read running, {HOGS} busy loops on their CPU", settled, "reads",
+            "<= one pass / 10", settled * 10 <= one,
+            f"one pass {one} of {reads} reads; reading as taken {settled} of {reads}",
         ),
     ]  # fmt: skip
 

@@ -20,9 +20,13 @@ of its threads:
 
 Reading a sleeping thread does not wake or stop it: the kernel samples its
 saved registers while it stays blocked (``syscall`` says ``running`` for a
-thread on a CPU, whose stack cannot be read without stopping it; such threads
-are retried a few times, then reported as running).  A thread that wakes while
-its stack is read is read again once.
+thread on a CPU or waiting for one, whose stack cannot be read without
+stopping it).  Such threads are read again, over about a tenth of a second
+once the whole reading is done: a waiter that wakes now and then (a poll
+with a timeout) is runnable for a moment, and on a loaded machine that moment
+lasts until the scheduler gets to it; only a thread still running after that
+is reported as running (a spinning waiter, a thread at work).  A thread that
+wakes while its stack is read is read again once.
 
 Python-level stacks (``py-spy dump --nonblocking``) are a bonus taken only when
 asked for and when py-spy is installed; they are marked as such.
@@ -60,6 +64,9 @@ from . import discovery
 from .unwind import Frame, ModuleCache, ProcessMaps, ProcessMemory, Unwinder
 
 RUNNING_RETRIES = 3
+# after a reading, threads found running are read again after these pauses
+# (about 0.13 s in all, once per reading whatever the number of processes)
+RUNNING_SETTLE_S = (0.002, 0.004, 0.008, 0.016, 0.032, 0.064)
 READ_RETRIES = 4
 PYSPY_TIMEOUT_S = 10.0
 _COLD = re.compile(r"\.(cold|part|isra|constprop)(\.\d+)*$")
@@ -89,7 +96,7 @@ class Reader:
     def read(self, pids: Iterable[int] | None = None, reason: str = "request") -> ThreadReading:
         start = time.monotonic_ns()
         chosen = sorted(set(pids)) if pids is not None else nccl_pids(self.self_pid)
-        procs = tuple(self.process(pid) for pid in chosen)
+        procs = settle_running([self.process(pid) for pid in chosen], self.cache)
         tool = pyspy_version() if self.python_stacks else ""
         if tool:
             procs = tuple(_with_python(p) for p in procs)
@@ -113,6 +120,41 @@ class Reader:
             mem.close()
         took = time.monotonic_ns() - start
         return ProcessThreads(pid, start, took, job_env(pid), threads)
+
+
+def settle_running(
+    procs: list[ProcessThreads], cache: ModuleCache, pauses: tuple[float, ...] = RUNNING_SETTLE_S
+) -> tuple[ProcessThreads, ...]:
+    """``procs`` with each thread that was running read again after short
+    pauses, until it is seen asleep or the pauses run out (then it stays as
+    read: running).  A process's span (``took_ns``) grows to its last read."""
+    for pause in pauses:
+        running = [i for i, p in enumerate(procs) if any(t.syscall == RUNNING for t in p.threads)]
+        if not running:
+            break
+        time.sleep(pause)
+        for i in running:
+            procs[i] = _reread_running(procs[i], cache)
+    return tuple(procs)
+
+
+def _reread_running(p: ProcessThreads, cache: ModuleCache) -> ProcessThreads:
+    maps = ProcessMaps.of(p.pid)
+    if maps is None:
+        return p  # gone since: what was read stands
+    try:
+        mem = ProcessMemory(p.pid)
+    except OSError:
+        return p
+    try:
+        unwinder = Unwinder(p.pid, maps, mem, cache)
+        threads = []
+        for t in p.threads:
+            again = read_thread(p.pid, t.tid, unwinder) if t.syscall == RUNNING else None
+            threads.append(t if again is None or again.syscall == RUNNING else again)
+    finally:
+        mem.close()
+    return replace(p, threads=tuple(threads), took_ns=time.monotonic_ns() - p.taken_ns)
 
 
 def nccl_pids(self_pid: int | None = None) -> list[int]:

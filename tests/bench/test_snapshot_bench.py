@@ -19,3 +19,5 @@ def test_bench_snapshot_quick_figures() -> None:
     assert warm > 0 and 0 < cold < 1000, table  # ms
     assert figures["finding the NCCL processes (/proc scan)"].value > 0, table
     assert figures["rank wake-up lateness p99, snapshots running"].value >= 0, table
+    running = figures["waiters read running, 12 busy loops on their CPU"]
+    assert 0 <= running.value <= 60 * 8, table  # reads, of 60 rounds of 8 waiters

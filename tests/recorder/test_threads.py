@@ -6,6 +6,9 @@
   arguments it passed (count, datatype, its own communicator handle), the
   hung rank inside no NCCL call, and every stack is walked to the program's
   entry point.
+- A thread on a CPU when read: one that goes back to sleep within the
+  reader's pauses is read asleep, with its stack; one still running after
+  them is reported running, with no stack.
 - The call frame interpreter against ``readelf``'s reading of the same
   files, row by row.
 - The real ``libnccl.so.2``: a thread blocked inside it (the bootstrap root
@@ -24,12 +27,19 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from stallwatch.dumpers.readings import ArgsFrom, ProcessThreads, ThreadReading
+from stallwatch.dumpers.readings import (
+    RUNNING,
+    ArgsFrom,
+    ProcessThreads,
+    ThreadReading,
+    ThreadState,
+)
 from stallwatch.dumpers.schema import NCCL_SYMBOLS, DataType
 from stallwatch.lab import build
 from stallwatch.lab.job import LIB_ENV, Sizes, read_report
@@ -177,6 +187,50 @@ def test_reading_stops_no_thread(hung_job: HungJob) -> None:
         status = Path(f"/proc/{pid}/status").read_text()
         assert re.search(r"^TracerPid:\s+0$", status, re.M)
         assert re.search(r"^State:\s+[RS] ", status, re.M)  # never T (stopped) nor t (traced)
+
+
+@contextmanager
+def _spinning_then_asleep(spin_s: float) -> Iterator[int]:
+    """A process that says so when it starts spinning, spins ``spin_s`` on
+    the clock, then sleeps in read(2) on its stdin; its pid."""
+    code = textwrap.dedent(f"""
+        import os, time
+        os.write(1, b"x")
+        end = time.monotonic() + {spin_s}
+        while time.monotonic() < end:
+            pass
+        os.read(0, 1)
+    """)
+    argv = [sys.executable, "-c", code]
+    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE) as child:
+        try:
+            assert child.stdout is not None and child.stdout.read(1) == b"x"
+            yield child.pid
+        finally:
+            child.kill()
+
+
+def _main_thread(reading: ThreadReading, pid: int) -> ThreadState:
+    (proc,) = reading.processes
+    return next(t for t in proc.threads if t.tid == pid)
+
+
+@pytest.mark.parametrize("spin_s", [0.03, 0.06])
+def test_a_thread_that_ran_for_a_moment_is_read_once_it_sleeps(spin_s: float) -> None:
+    """Read while it spins (as a waiter that woke from a timed poll, or one a
+    loaded machine has not scheduled yet): read again until it sleeps."""
+    with _spinning_then_asleep(spin_s) as pid:
+        t = _main_thread(Reader().read([pid]), pid)
+    assert (t.state, t.syscall_name) == ("S", "read"), t
+    assert t.frames and t.frames[0].startswith("libc.so.6"), t.frames
+
+
+def test_a_thread_still_running_after_the_pauses_is_reported_running() -> None:
+    with _spinning_then_asleep(5.0) as pid:
+        started = time.monotonic()
+        t = _main_thread(Reader().read([pid]), pid)
+        assert time.monotonic() - started < 5.0, "the spin ended before the reading did"
+    assert (t.state, t.syscall, t.frames) == ("R", RUNNING, ()), t
 
 
 @pytest.mark.lab

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 import struct
+from typing import Any
 
 import numpy as np
 
@@ -317,6 +318,18 @@ def decode_root_address(unique_id: bytes) -> str | None:
     if family == 10:  # AF_INET6
         return f"[{ipaddress.IPv6Address(unique_id[16:32])}]:{port}"
     return None
+
+
+def arrival_lateness(start: Any, first_start: Any, own: Any, quickest_own: Any) -> Any:
+    """How late a member of a collective arrived (the agent's slowdown
+    trigger and the analyzer's arrival scores read it alike): after the
+    first member to arrive, and no more than its own side took beyond the
+    quickest member's.  On the host ``own`` is the entry itself, and the two
+    agree; on a device it is the wait from the host's entry to the device's
+    start: a device that starts late because its host enqueued late, on time
+    for its queue, is late by its host's lateness, not its own.  Integers
+    or numpy arrays alike."""
+    return np.minimum(start - first_start, own - quickest_own)
 
 
 def op_name(op: int) -> str:

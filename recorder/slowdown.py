@@ -85,7 +85,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from stallwatch.dumpers.schema import LinkEvent, Op, TcpEvent, op_name
+from stallwatch.dumpers.schema import LinkEvent, Op, TcpEvent, arrival_lateness, op_name
 
 from .rings import RingBuffer
 from .tickstate import Slowdown
@@ -460,7 +460,10 @@ class SlowdownWatch:
         counted."""
         first = min(ts for ts, _, _ in got.values())
         quickest = min(own for _, _, own in got.values())
-        lates = {pid: min(ts - first, own - quickest) for pid, (ts, _, own) in got.items()}
+        lates = {
+            pid: int(arrival_lateness(ts, first, own, quickest))
+            for pid, (ts, _, own) in got.items()
+        }
         latest = max(lates.values())
         for m in members:
             entry = got.get(m.pid)

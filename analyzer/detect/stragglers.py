@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from stallwatch.dumpers.schema import op_name
+from stallwatch.dumpers.schema import arrival_lateness, op_name
 
 from ..columns import Columns
 from ..frontier import ASYNC_BELOW_NS
@@ -299,7 +299,7 @@ def _own_device_start(rows: Columns, gid: np.ndarray) -> np.ndarray:
     device = np.repeat(np.minimum.reduceat(rows["device"], starts) == 1, size)
     first = np.repeat(np.minimum.reduceat(ts, starts), size)
     quickest = np.repeat(np.minimum.reduceat(queued, starts), size)
-    own = np.minimum(ts - first, queued - quickest)
+    own = arrival_lateness(ts, first, queued, quickest)
     out: np.ndarray = np.where(device, first + own, ts).astype(rows["ts"].dtype)
     return out
 

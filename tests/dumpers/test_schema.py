@@ -223,3 +223,15 @@ def test_fold_unique_id_is_order_sensitive_and_uses_all_bytes() -> None:
         changed[i] ^= 1
         assert schema.fold_unique_id(bytes(changed)) != h
     assert np.uint64(h) == h  # fits in 64 bits
+
+
+def test_arrival_lateness_is_no_more_than_a_members_own_wait() -> None:
+    """The one rule the slowdown trigger and the analyzer's scores share."""
+    # on the host a member's own time is its entry: lateness after the first
+    starts = np.array([100, 130, 160])
+    assert schema.arrival_lateness(starts, 100, starts, 100).tolist() == [0, 30, 60]
+    # on devices: the third starts 60 late, but its own queue waited only 5
+    # beyond the quickest (its host enqueued late): late by 5, not 60
+    waits = np.array([10, 40, 15])
+    assert schema.arrival_lateness(starts, 100, waits, 10).tolist() == [0, 30, 5]
+    assert int(schema.arrival_lateness(160, 100, 15, 10)) == 5  # integers alike

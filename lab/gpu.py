@@ -13,14 +13,17 @@ NCCL process group uses it, on the lab's ``libcudart.so.12``.
 - Each step ends with one ``cudaStreamSynchronize`` of the compute stream
   (PyTorch's ``loss.item()``), after which the host reads the results.
 
-For every collective the rank logs when its call returned and when the host
-first saw it complete (the watchdog's successful query, or the step's
-synchronisation that covered it, whichever came first), in CLOCK_MONOTONIC
-nanoseconds, the clock the recorder stamps with.
+For every collective the rank logs when its call returned, when the host
+first saw it start (the watchdog's query of its start event) and complete
+(the watchdog's successful query, or the step's synchronisation that covered
+it, whichever came first), and when the first synchronisation after it was
+entered: all in CLOCK_MONOTONIC nanoseconds, the clock the recorder stamps
+with.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections import deque
@@ -51,7 +54,7 @@ class Work:
     seen_ns: int = 0
     seen_by: str = ""
 
-    def log(self) -> dict[str, object]:
+    def log(self, sync_entered_ns: int) -> dict[str, object]:
         return {
             "label": self.label,
             "index": self.index,
@@ -60,6 +63,7 @@ class Work:
             "started_seen_ns": self.started_seen_ns,
             "seen_ns": self.seen_ns,
             "seen_by": self.seen_by,
+            "sync_entered_ns": sync_entered_ns,
         }
 
 
@@ -78,6 +82,7 @@ class Device:
     outstanding: deque[Work] = field(default_factory=deque)
     finished: list[Work] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    syncs: list[int] = field(default_factory=list)  # when each synchronisation was entered
     lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
@@ -129,6 +134,7 @@ class Device:
     def synchronize(self) -> None:
         """The step's one synchronisation: the compute stream, which waited
         for every end event of the step."""
+        self.syncs.append(time.monotonic_ns())
         self.rt.stream_synchronize(self.compute)
         now = time.monotonic_ns()
         with self.lock:
@@ -168,9 +174,17 @@ class Device:
                 self.pool += [work.start, work.end]
 
     def log(self) -> list[dict[str, object]]:
-        """Every collective queued so far, in order; ``seen_ns`` 0: not seen complete."""
+        """Every collective queued so far, in order; ``seen_ns`` 0: not seen
+        complete; ``sync_entered_ns``: when the first synchronisation after
+        its call was entered (it covered the call), 0 if none was."""
         with self.lock:
-            return [w.log() for w in sorted([*self.finished, *self.outstanding], key=_order)]
+            works = sorted([*self.finished, *self.outstanding], key=_order)
+        syncs = list(self.syncs)
+        out = []
+        for w in works:
+            i = bisect.bisect_left(syncs, w.returned_ns)
+            out.append(w.log(syncs[i] if i < len(syncs) else 0))
+        return out
 
     def close(self) -> None:
         self.stop.set()

@@ -142,8 +142,19 @@ def test_gpu_mode_completion_lies_between_return_and_the_next_observation(
         if row["started_ns"]:  # a start is seen before the completion, or in a race with it
             assert row["ts_ns"] <= row["started_after_ns"] < row["started_ns"]
             assert row["started_ns"] <= row["completed_ns"] + RACE_NS, row
-    started = sum(1 for row, _ in pairs if row["started_ns"])
-    assert started >= 0.9 * len(pairs)  # the watchdog polls start events too
+    # every start the rank's watchdog saw before the step's synchronisation
+    # began is in its row; one seen only after a synchronisation covered the
+    # call tells no more than its completion, and is not kept (bpf/cuda.c,
+    # mark_started): at a job's last step the watchdog often looks late
+    told = [
+        (row, work)
+        for row, work in pairs
+        if work["started_seen_ns"]
+        and (not work["sync_entered_ns"] or work["started_seen_ns"] < work["sync_entered_ns"])
+    ]
+    missed = [(int(row["pid"]), int(row["seq"]), work) for row, work in told if not row["started_ns"]]
+    assert missed == [], missed[:5]
+    assert len(told) >= len(pairs) // 2  # the watchdog polls start events too
 
 
 def _dumps_by_node(result: dict[str, Any]) -> dict[int, Recording]:

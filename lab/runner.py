@@ -56,7 +56,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -531,13 +531,31 @@ def set_up(lab: Lab) -> None:
         f"step(s), {lab.cfg.mode}")  # fmt: skip
 
 
-def cpu_of(rank: int) -> int:
-    return rank % (os.cpu_count() or 1)
+def cpu_of(rank: int, world_size: int, hogged: Collection[int], cpus: int | None = None) -> int:
+    """The CPU a rank is pinned to when a cpuhog fault runs: its own where
+    there are as many CPUs as ranks.  With fewer (this lab's nodes share one
+    machine), each hogged rank still gets a CPU of its own, as on a node with
+    cores for every rank, and the other ranks share the remaining CPUs: a
+    hog then steals from its rank alone, not from neighbours that happen to
+    share the CPU (on two cores they would be half the job)."""
+    n = cpus or os.cpu_count() or 1
+    alone = sorted(set(hogged))
+    if n >= world_size or not alone or len(alone) >= n:
+        return rank % n
+    if rank in alone:
+        return alone.index(rank)
+    others = [r for r in range(world_size) if r not in alone]
+    return len(alone) + others.index(rank) % (n - len(alone))
+
+
+def _hogged(cfg: RunConfig) -> list[int]:
+    return [f.rank for f in cfg.faults if isinstance(f, F.CpuHog)]
 
 
 def start_hog(lab: Lab, fault: F.CpuHog) -> str:
     """The busy processes of one cpuhog fault, now; says how."""
-    cpu = cpu_of(fault.rank)
+    world = lab.cfg.topology.world_size
+    cpu = cpu_of(fault.rank, world, _hogged(lab.cfg))
     code = HOG_CODE.format(run_dir=lab.run_dir, cpu=cpu, nice=HOG_NICE)
     node = lab.node(lab.cfg.topology.node_of(fault.rank))
     for k in range(HOGS_PER_RANK):
@@ -573,9 +591,9 @@ def rank_argv(lab: Lab, rank: int) -> list[str]:
         argv.append("--graphs")
     for fault in F.for_rank(cfg.faults, rank):
         argv += ["--fault", F.format_fault(fault)]
-    if any(isinstance(f, F.CpuHog) for f in cfg.faults):
-        # every rank pinned: the hog's neighbours share its CPU, the others do not
-        argv += ["--cpu", str(cpu_of(rank))]
+    if hogged := _hogged(cfg):
+        # every rank pinned: the hog's rank alone on its CPU where it can be
+        argv += ["--cpu", str(cpu_of(rank, cfg.topology.world_size, hogged))]
     return argv
 
 

@@ -56,8 +56,8 @@ RUNS: dict[str, list[str]] = {
         "slow:rank=1,ms=100",
         "--dump-at-end",
     ],
-    # The hog is pinned to rank 2's CPU; on a machine with two CPUs rank 0
-    # shares it and is starved too: rank 2 must be among those named.
+    # The hog is pinned to rank 2's CPU, rank 2 alone on it (the other ranks
+    # share the other CPUs): rank 2 must be among those named.
     "cpuhog": ["--nodes", "2", "--fault", "cpuhog:rank=2", "--dump-at-end"],
     # 4 nodes of one rank: with two, both ends of the one link lose alike.
     # 8%: 15% could stall the job for a minute on TCP backoff. The whole

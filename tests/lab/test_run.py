@@ -23,6 +23,7 @@ import pytest
 from stallwatch.dumpers.errors import LabError
 from stallwatch.lab import netns, runner
 from stallwatch.lab.certs import LabCerts, make_certs
+from stallwatch.lab.runner import cpu_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -353,6 +354,17 @@ def test_cpuhog_takes_the_ranks_cpu() -> None:
     assert hogged["compute_cpu_share"] < other["compute_cpu_share"]
 
 
+def test_a_hogged_rank_gets_a_cpu_of_its_own_where_there_are_too_few() -> None:
+    # 3x2 on two CPUs: the hog's rank alone on CPU 0, the other five on CPU 1
+    assert [cpu_of(r, 6, [3], cpus=2) for r in range(6)] == [1, 1, 1, 0, 1, 1]
+    # two hogged ranks on four CPUs: one each, the others share CPUs 2 and 3
+    assert [cpu_of(r, 8, [5, 1], cpus=4) for r in range(8)] == [2, 0, 3, 2, 3, 1, 2, 3]
+    # a CPU for every rank: its own, whatever is hogged
+    assert [cpu_of(r, 4, [2], cpus=8) for r in range(4)] == [0, 1, 2, 3]
+    # as many hogged ranks as CPUs: none can be alone, ranks go round
+    assert [cpu_of(r, 4, [0, 1], cpus=2) for r in range(4)] == [0, 1, 0, 1]
+
+
 # --- bad input ------------------------------------------------------------------
 
 
@@ -562,10 +574,11 @@ def test_rank_command_line_carries_its_faults(tmp_path: Path) -> None:
     assert argv[1:3] == ["-m", "stallwatch.commands.labrank"]
     given = [argv[i + 1] for i, a in enumerate(argv) if a == "--fault"]
     assert given == ["cpuhog:rank=1", "slow:rank=1,ms=5"]
-    ncpu = os.cpu_count() or 1
-    assert argv[argv.index("--cpu") + 1] == str(1 % ncpu)
-    argv0 = runner.rank_argv(lab, 0)
-    assert argv0[argv0.index("--cpu") + 1] == "0"  # with a hog, every rank is pinned
+    world = cfg.topology.world_size
+    cpus = {r: (a := runner.rank_argv(lab, r))[a.index("--cpu") + 1] for r in range(world)}
+    assert cpus == {r: str(cpu_of(r, world, [1])) for r in range(world)}  # every rank pinned
+    if (os.cpu_count() or 1) >= 2:  # the hogged rank alone on its CPU
+        assert list(cpus.values()).count(cpus[1]) == 1, cpus
     healthy = runner.Lab(runner.RunConfig(), Path("/x/lib.so"), "abc", tmp_path)
     assert "--cpu" not in runner.rank_argv(healthy, 0)
 

@@ -152,7 +152,9 @@ def test_gpu_mode_completion_lies_between_return_and_the_next_observation(
         if work["started_seen_ns"]
         and (not work["sync_entered_ns"] or work["started_seen_ns"] < work["sync_entered_ns"])
     ]
-    missed = [(int(row["pid"]), int(row["seq"]), work) for row, work in told if not row["started_ns"]]
+    missed = [
+        (int(row["pid"]), int(row["seq"]), work) for row, work in told if not row["started_ns"]
+    ]
     assert missed == [], missed[:5]
     assert len(told) >= len(pairs) // 2  # the watchdog polls start events too
 

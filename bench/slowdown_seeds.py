@@ -18,7 +18,7 @@ modes (blocking with blocked and spinning waits, async, gpu, gpu with
 graphs) until that much time has passed, and counts incidents (none is
 right).
 
-    python -m bench.slowdown_seeds [--seeds 10] [--faults slow rate ...]
+    python -m bench.slowdown_seeds [--seeds 10] [--first-seed 0] [--faults slow rate ...]
                                    [--shapes 3x2 4x2] [--before 1200] [--after 250]
                                    [--healthy MINUTES [--modes gpu-block ...]] [--out DIR]
 
@@ -186,7 +186,8 @@ def healthy(minutes: float, out: Path, steps: int, modes: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", type=int, default=10)
+    p.add_argument("--seeds", type=int, default=10, help="how many seeds")
+    p.add_argument("--first-seed", type=int, default=0, help="the first of them")
     p.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS))
     p.add_argument("--shapes", nargs="+", default=[f"{n}x{r}" for n, r in SHAPES])
     p.add_argument("--before", type=int, default=1200, help="steps before the fault")
@@ -201,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         return healthy(args.healthy, out, args.before + args.after, args.modes)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
     tally: dict[str, list[int]] = {}
-    for seed in range(args.seeds):  # seed by seed: stopped early, the counts stay even
+    for seed in range(
+        args.first_seed, args.first_seed + args.seeds
+    ):  # seed by seed: stopped early, the counts stay even
         for fault in args.faults:
             for n, r in shapes:
                 run = Run(fault, n, r, seed, args.before, args.after)

@@ -90,7 +90,13 @@ from .detect.inconclusive import detect_inconclusive, unjudged
 from .detect.missing import moments_apart_ns, p2p_gaps, taken_in_turn
 from .detect.network import network_metrics
 from .detect.partition import connection_fates
-from .detect.slowdown import detect_slowdown, judged_on_window, slow_windows, window_matched
+from .detect.slowdown import (
+    detect_slowdown,
+    judged_on_window,
+    slow_windows,
+    window_matched,
+    window_since,
+)
 from .detect.stragglers import arrival_scores, kind_scores
 from .flightrec import FrDump
 from .frincident import incidents_from_flightrec, with_stacks
@@ -156,7 +162,7 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
         disagreements=tuple(disagreements(m)),
         arrivals=tuple(arrival_scores(inc, slow)),
         retransmits=net.retransmits,
-        sched=sched_delays(inc),
+        sched=sched_delays(inc, window_since(inc, m, windows)),
         slowdowns=net.slowdowns,
         fates=connection_fates(inc),
         windows=windows,

@@ -6,6 +6,8 @@ starvation's, not a lossy link's)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from stallwatch.dumpers.schema import PREV_PID_UNKNOWN
@@ -16,19 +18,25 @@ from .common import Analysis
 # ---- metric: run-queue delay per rank, by the CPU's holder ---------------------------
 
 
-def sched_delays(inc: Incident) -> SchedDelays:
+def sched_delays(inc: Incident, since: Mapping[int, int] | None = None) -> SchedDelays:
     """Each proc's recorded run-queue delay, split by the CPU's holder: ranks
     sharing too few CPUs wait for each other, which is no interference (an
     oversubscribed job with spinning waiters would call its slowest rank
-    starved)."""
+    starved).  ``since``: per host, only the waits that ended from then on
+    (a slowdown's window: a rank starved since its fault began stands out
+    there, where over the whole ring every rank's waits behind the machine's
+    other work can hide it); hosts not in it, all of theirs."""
     n = len(inc.procs)
     zero = np.zeros(n, dtype=np.int64)
-    if not len(inc.sched) or not n:
+    rows = inc.sched
+    if since and len(rows):
+        start = np.array([since.get(h, np.iinfo(np.int64).min) for h in range(len(inc.hosts))])
+        rows = rows[rows["ts"] >= start[rows["host"]]]
+    if not len(rows) or not n:
         return SchedDelays(zero, zero.copy(), zero.copy())
     hosts, pids = np.array(proc_hosts(inc)), np.array([p.pid for p in inc.procs])
     procs = _host_pid_keys(hosts, pids)
     order = np.argsort(procs)
-    rows = inc.sched
     keys = _host_pid_keys(rows["host"], rows["pid"])
     pos = np.minimum(np.searchsorted(procs[order], keys), n - 1)
     owner = order[pos]  # the proc whose thread waited, where procs[owner] == keys

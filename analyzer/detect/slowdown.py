@@ -210,6 +210,26 @@ def window_matched(
     )
 
 
+def window_since(
+    inc: Incident, m: Matched, windows: list[SlowWindow] | tuple[SlowWindow, ...]
+) -> dict[int, int]:
+    """Per host (index), when the slow windows began on its clock: its
+    members' earliest entry into a window's first collective, less one slow
+    interval (the step whose collective first ran slow began that much
+    before it).  What else its rings hold (the run-queue waits) is read from
+    there on; a host with no member in a window is not in it."""
+    hosts = proc_hosts(inc)
+    out: dict[int, int] = {}
+    for w in windows:
+        start = int(m.group_start[w.first_gid])
+        rows = m.rows[start : start + int(m.group_size[w.first_gid])]
+        back = w.slow_interval_ns or 0
+        for proc, ts in zip(rows["proc"].tolist(), rows["ts"].tolist(), strict=True):
+            h = hosts[proc]
+            out[h] = min(out.get(h, ts - back), ts - back)
+    return out
+
+
 # ---- the detector ---------------------------------------------------------------------
 
 

@@ -75,6 +75,16 @@ class Job:
     cpuhog: int | None = None  # rank
     hog_shared: int | None = None  # a rank sharing the hogged CPU: starved alike
     hog_all: bool = False  # every rank starved alike (other work on every CPU)
+    # a rank starved of CPU from the fault's step that enters on time: every
+    # collective takes inside_ms longer (its part of it waits for its CPU),
+    # and it waits that long in the run queue each step
+    starved_inside: int | None = None
+    inside_ms: float = 60.0
+    # every rank waits this long in the run queue each step, all along,
+    # behind processes outside the job (the machine's other work)
+    background_wait_ms: float = 0.0
+    # a rank starved (1.2 s of run-queue waits) before the fault's step only
+    starved_before: int | None = None
     # who held the CPU when each wait ended: "outside" (a hog, HOG_PID),
     # "job" (another rank of the node: too few CPUs for the job), "unknown"
     # (a dump before format 5)
@@ -267,6 +277,8 @@ def _timeline(job: Job) -> tuple[dict[int, list[np.void]], int, dict[int, list[W
             xfer += job.flap[2]
         if job.choke is not None and step == job.choke[1]:
             xfer += job.choke[2]
+        if job.starved_inside is not None and faulty:
+            xfer += job.inside_ms
         arrive = {}
         for r in range(n):
             extra = slow_ms if r in slowed and faulty else 0.0
@@ -500,17 +512,31 @@ def _sched(job: Job, k: int, windows: list[Window], skew: int) -> np.ndarray:
     rows = []
     # windows are one per rank and step: those from the faulty step on
     hogged = [w for w in windows if w[0] >= _from_ns(job, windows)]
+    early = [w for w in windows if w[0] < _from_ns(job, windows)]
+    steps = windows[:: len(ranks)] if ranks else []  # one a step
+
+    def wait(r: int, ts: int, delay: int, holder: int) -> None:
+        x = np.zeros(1, dtype=SCHED_EVENT)[0]
+        x["pid"], x["tid"], x["delay_ns"] = pid_of(r), pid_of(r), delay
+        x["prev_pid"], x["ts_ns"] = holder, ts + skew
+        rows.append(x)
+
     for r in ranks:
         starved = job.hog_all or r in (job.cpuhog, job.hog_shared)
         n, delay = (40, 12 * MS) if starved else (2, int(0.2 * MS))
         neighbour = pid_of(ranks[(ranks.index(r) + 1) % len(ranks)])
         holder = {"outside": HOG_PID, "job": neighbour, "unknown": PREV_PID_UNKNOWN}[job.held_by]
         for i in range(min(n, len(hogged))):
-            x = np.zeros(1, dtype=SCHED_EVENT)[0]
-            x["pid"], x["tid"], x["delay_ns"] = pid_of(r), pid_of(r), delay
-            x["prev_pid"] = holder
-            x["ts_ns"] = hogged[i][0] + skew
-            rows.append(x)
+            wait(r, hogged[i][0], delay, holder)
+        if r == job.starved_inside:
+            for w in hogged[:: len(ranks)]:
+                wait(r, w[0], int(job.inside_ms * MS), HOG_PID)
+        if r == job.starved_before:
+            for w in early[: 100 * len(ranks) : len(ranks)]:
+                wait(r, w[0], 12 * MS, HOG_PID)
+        if job.background_wait_ms:
+            for w in steps:
+                wait(r, w[0], int(job.background_wait_ms * MS), HOG_PID)
     return np.array(rows, dtype=SCHED_EVENT)
 
 

@@ -98,6 +98,38 @@ def test_a_cpu_hog_mid_run_is_cpu_interference_and_a_lossy_node_a_network_stragg
     assert lossy.kind is VerdictKind.NETWORK_STRAGGLER and lossy.hosts == ("node1",)
 
 
+def test_a_rank_starved_through_the_slow_window_is_named_though_it_enters_on_time() -> None:
+    """Its collectives wait for its CPU from inside (the lab's cpuhog on a
+    3x2 job, seed 1: a network straggler before, then a bare slowdown).
+    Every rank also waits behind the machine's other work all along (8 ms a
+    step): over the whole ring the starved rank waited 2.3x the others, in
+    the slow window 8.5x."""
+    job = Job(**{**BASE.__dict__, "starved_inside": 2, "slowdown_by": 1, "background_wait_ms": 8.0})
+    v = top(job)
+    assert (v.kind, v.ranks) == (VerdictKind.CPU_INTERFERENCE, (2,)), v.summary
+    assert any("not the last to enter" in e for e in v.evidence), v.evidence
+    assert any(e.startswith("the slow window of") and "run queue there" in e for e in v.evidence)
+
+
+def test_a_rank_starved_a_little_in_a_job_wide_slowdown_is_not_its_cause() -> None:
+    """Its run-queue wait in the window (5 ms a step) is far less than half
+    of what the window lost (65 ms a step): the job slowed alike."""
+    job = Job(
+        **{**BASE.__dict__, "all_slow_ms": 60.0, "starved_inside": 2, "inside_ms": 5.0}
+        | {"slowdown_by": 1}
+    )
+    v = top(job)
+    assert v.kind is VerdictKind.SLOWDOWN and v.ranks == (), v.summary
+
+
+def test_a_rank_starved_before_the_slow_window_is_judged_on_the_window() -> None:
+    """Rank 3 slowed from the fault, and starved of CPU before it only: in
+    the window it computes longer, it is not starved there."""
+    job = Job(**{**BASE.__dict__, "slow": (3, 60.0), "starved_before": 3, "slowdown_by": 0})
+    v = top(job)
+    assert (v.kind, v.ranks) == (VerdictKind.COMPUTE_STRAGGLER, (3,)), v.summary
+
+
 def test_a_slowdown_whose_dumps_show_no_change_says_so() -> None:
     """The rings no longer hold the baseline (or the agent saw a rank late
     that every dump shows on time): still a slowdown, saying what is missing."""

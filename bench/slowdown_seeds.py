@@ -13,6 +13,9 @@ a node's packets dropped), ``flap`` (a node cut off for 3-5 s, then back).
 Every run has checkpoints before the fault (rank 0 pausing 1.5 s every 100
 steps, the others waiting): an incident before the fault is a false one.
 
+``--rejudge DIR`` judges the runs an earlier ``--out DIR`` kept again, by
+today's analyzer (the lab's account and the dumps are read; no job runs).
+
 ``--healthy MINUTES`` runs healthy jobs instead, with checkpoints, across the
 modes (blocking with blocked and spinning waits, async, gpu, gpu with
 graphs) until that much time has passed, and counts incidents (none is
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -138,7 +142,14 @@ def judge(run: Run, folder: Path) -> tuple[bool, str]:
     argv += ["--steps", str(steps), "--fault", CHECKPOINT, "--fault", run.spec()]
     argv += ["--mode", "gpu"] if run.fault == "gpuslow" else []
     result = lab(folder, argv)
-    fault = next((f for f in result.get("faults", []) if f["spec"] == run.spec()), None)
+    return judged(run.fault, run.nodes, who, run.spec(), folder, result)
+
+
+def judged(
+    kind: str, nodes: int, who: int, spec: str, folder: Path, result: dict[str, Any]
+) -> tuple[bool, str]:
+    """A run's outcome from what its lab run said and the dumps it left."""
+    fault = next((f for f in result.get("faults", []) if f["spec"] == spec), None)
     if fault is None or not fault.get("injected"):
         return False, f"fault not injected: {result.get('error', '')}"
     seen = triggers(folder)
@@ -146,16 +157,46 @@ def judge(run: Run, folder: Path) -> tuple[bool, str]:
     if not raised:
         return False, "no incident"
     delay = min(raised) - int(fault["injected_ns"])
-    nodes = {h for h, t in seen if t is not None}
+    nodes_asked, nodes = nodes, {h for h, t in seen if t is not None}
     top = top_verdict(folder)
     if top is None:
         return False, f"{delay / 1e9:.1f} s, no verdict"
-    if run.fault in RANK_FAULTS:
+    if kind in RANK_FAULTS:
         named = top["ranks"] == [who]
     else:  # the node, and the network as the cause (not a rank of it)
         named = set(top["hosts"]) == {f"node{who}"} and top["kind"] in NETWORK_VERDICTS
-    good = 0 < delay <= WITHIN_NS and len(nodes) == run.nodes and named
+    good = 0 < delay <= WITHIN_NS and len(nodes) == nodes_asked and named
     return good, f"{delay / 1e9:.1f} s, {len(nodes)} nodes dumped, {top['kind']}: {top['summary']}"
+
+
+RUN_FOLDER = re.compile(r"(?P<fault>[a-z]+)-(?P<nodes>\d+)x\d+-seed\d+")
+
+
+def rejudge(out: Path) -> int:
+    """Every run kept under ``out`` judged again, by today's analyzer, from
+    its lab run's account and its dumps (no job is run)."""
+    tally: dict[str, list[int]] = {}
+    for folder in sorted(p for p in out.iterdir() if RUN_FOLDER.fullmatch(p.name)):
+        match = RUN_FOLDER.fullmatch(folder.name)
+        assert match is not None
+        try:
+            result = json.loads((folder / "lab.json").read_text())
+        except (OSError, ValueError):
+            print(f"{folder.name}: no lab account (lab.json)", flush=True)
+            continue
+        kind = match["fault"]
+        spec = next((f["spec"] for f in result.get("faults", []) if f["spec"] != CHECKPOINT), "")
+        who = re.search(r"(?:rank|node)=(\d+)", spec)
+        if who is None:
+            print(f"{folder.name}: no fault in its lab account", flush=True)
+            continue
+        good, text = judged(kind, int(match["nodes"]), int(who[1]), spec, folder, result)
+        count = tally.setdefault(folder.name.rsplit("-seed", 1)[0], [0, 0])
+        count[0] += good
+        count[1] += 1
+        print(f"{folder.name} {spec}: {'ok' if good else 'WRONG'}: {text}", flush=True)
+    print("== " + "; ".join(f"{k}: {g}/{n}" for k, (g, n) in tally.items()), flush=True)
+    return 0 if tally and all(g == n for g, n in tally.values()) else 1
 
 
 def mode_name(mode: str, wait: str, graphs: bool) -> str:
@@ -196,7 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     names = [mode_name(*m) for m in MODES]
     p.add_argument("--modes", nargs="+", choices=names, default=names, help="of healthy runs")
     p.add_argument("--out", type=Path, default=None, help="keep the dumps here")
+    p.add_argument(
+        "--rejudge", type=Path, metavar="DIR", help="judge the runs kept in DIR again (no job)"
+    )
     args = p.parse_args(argv)
+    if args.rejudge is not None:
+        if not args.rejudge.is_dir():
+            p.error(f"--rejudge: {args.rejudge} is not a folder")
+        return rejudge(args.rejudge)
     out = args.out or Path(tempfile.mkdtemp(prefix="slowdown-seeds-"))
     if args.healthy is not None:
         return healthy(args.healthy, out, args.before + args.after, args.modes)

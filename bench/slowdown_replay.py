@@ -32,7 +32,12 @@ from pathlib import Path
 import numpy as np
 
 from stallwatch.dumpers.format import read_dump
-from stallwatch.recorder.slowdown import SlowdownConfig, SlowdownWatch, last_share_needed
+from stallwatch.recorder.slowdown import (
+    SlowdownConfig,
+    SlowdownWatch,
+    last_share_needed,
+    replay_ticks,
+)
 
 TICK_NS = 200_000_000
 
@@ -42,24 +47,13 @@ def replay(rows: np.ndarray, config: SlowdownConfig) -> dict[tuple[int, int], di
     the window, and whether lateness was read on the device."""
     watch = SlowdownWatch(config)
     window = int(config.window_s * 1e9)
-    rows = rows[np.argsort(rows["ts_ns"], kind="stable")]
-    settle = np.where(rows["completed_ns"] > 0, rows["completed_ns"], rows["end_ns"])
-    settle = settle.astype(np.int64)
-    settled = np.zeros(len(rows), dtype=bool)
     held: dict[tuple[int, int], dict[str, deque[tuple[int, float]]]] = {}
     best: dict[tuple[int, int], dict[str, object]] = {}
     comms = {
         (int(pid), int(h)): int(c)
         for pid, h, c in zip(rows["pid"], rows["comm_hash"], rows["comm"], strict=True)
     }
-    fed = 0
-    for now in range(int(rows["ts_ns"][0]), int(settle.max()) + TICK_NS, TICK_NS):
-        hi = int(np.searchsorted(rows["ts_ns"], now, side="right"))
-        done = np.flatnonzero(~settled[:hi] & (settle[:hi] > 0) & (settle[:hi] <= now))
-        settled[done] = True
-        watch.feed(rows[fed:hi], rows[done])
-        fed = hi
-        watch.judge(now)
+    for now, _ in replay_ticks(watch, rows, TICK_NS):
         for g in watch.gauges():
             key = (g.pid, g.comm_hash)
             device = watch.device_stream(g.pid, comms.get(key, 0))

@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -748,6 +748,29 @@ def _settled(rows: np.ndarray, now_ns: int, device: Callable[[int, int], bool]) 
         on_device = np.array([device(p, c) for p, c in pairs], dtype=bool)
         out[idx[recent | on_device]] = False
     return out
+
+
+def replay_ticks(
+    watch: SlowdownWatch, rows: np.ndarray, tick_ns: int, until_ns: int | None = None
+) -> Iterator[tuple[int, list[Slowdown]]]:
+    """Recorded rows fed to ``watch`` tick by tick as the agent feeds its
+    ring's (a row settles once it returned, and completed where the device
+    completes it), each tick judged: (tick, slowdowns raised then), up to
+    ``until_ns`` or one tick past the last row's end.  For replaying dumps
+    (bench.slowdown_replay) and rows built by hand (the tests)."""
+    rows = rows[np.argsort(rows["ts_ns"], kind="stable")]
+    if not len(rows):
+        return
+    end = np.maximum(rows["end_ns"], rows["completed_ns"]).astype(np.int64)
+    last = int(until_ns if until_ns is not None else end.max() + tick_ns)
+    fed, settled = 0, np.zeros(len(rows), dtype=bool)
+    for now in range(int(rows["ts_ns"][0]), last, tick_ns):
+        hi = int(np.searchsorted(rows["ts_ns"], now, side="right"))
+        done = np.flatnonzero(~settled[:hi] & (end[:hi] > 0) & (end[:hi] <= now))
+        settled[done] = True
+        watch.feed(rows[fed:hi], rows[done])
+        fed = hi
+        yield now, watch.judge(now)
 
 
 # ---- network evidence inside a held call ---------------------------------------------

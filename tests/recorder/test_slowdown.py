@@ -22,6 +22,7 @@ from stallwatch.recorder.slowdown import (
     SlowdownWatch,
     held_slowdown,
     network_evidence,
+    replay_ticks,
 )
 from stallwatch.recorder.tickstate import Slowdown, TickState
 from stallwatch.recorder.watchdog import Status
@@ -138,19 +139,7 @@ def drive(
     """Feed the rows tick by tick, as the agent does (a row settles once
     it returned, and completed where the device completes it); every
     slowdown reported."""
-    rows = rows[np.argsort(rows["ts_ns"], kind="stable")]
-    end = np.maximum(rows["end_ns"], rows["completed_ns"]).astype(np.int64)
-    last = int(until_ns if until_ns is not None else end.max() + TICK)
-    fed, settled = 0, np.zeros(len(rows), dtype=bool)
-    out = []
-    for now in range(int(rows["ts_ns"][0]), last, TICK):
-        hi = int(np.searchsorted(rows["ts_ns"], now, side="right"))
-        done = np.flatnonzero(~settled[:hi] & (end[:hi] > 0) & (end[:hi] <= now))
-        settled[done] = True
-        watch.feed(rows[fed:hi], rows[done])
-        fed = hi
-        out += [(now, s) for s in watch.judge(now)]
-    return out
+    return [(now, s) for now, raised in replay_ticks(watch, rows, TICK, until_ns) for s in raised]
 
 
 def first_of(found: list[tuple[int, Slowdown]], cause: str) -> tuple[int, Slowdown] | None:

@@ -685,3 +685,10 @@ class SlowWindow:
         if not self.base_interval_ns or self.slow_interval_ns is None:
             return None
         return self.slow_interval_ns / self.base_interval_ns
+
+    @property
+    def lost_ns(self) -> int:
+        """What the window lost against its baseline: its span less what it
+        would have taken at the baseline's rhythm (0 if not known)."""
+        f = self.factor
+        return int(self.span_ns * (1 - 1 / f)) if f is not None and f > 1 else 0

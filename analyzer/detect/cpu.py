@@ -12,7 +12,7 @@ import numpy as np
 
 from stallwatch.dumpers.schema import PREV_PID_UNKNOWN
 
-from ..incident import Incident, SchedDelays, proc_hosts
+from ..incident import Incident, SchedDelays, SlowWindow, proc_hosts
 from .common import Analysis
 
 # ---- metric: run-queue delay per rank, by the CPU's holder ---------------------------
@@ -67,16 +67,47 @@ SCHED_MIN_NS = 10_000_000  # run-queue delay that counts as interference
 SCHED_DOMINANCE = 3.0  # times an unaffected rank's run-queue delay
 
 
+# in a slowdown, a rank's waits in the slow window must be at least this
+# share of what a window of its communicators lost to have slowed the job
+STARVED_LOST_SHARE = 0.5
+
+
 def sched_heavy(a: Analysis) -> set[int]:
     """Procs whose threads waited in the run queue far more than an
     unaffected rank (the lower quartile: a hog may starve several ranks).
     Only waits the job did not cause count: a rank that waited for the
-    job's own ranks on its machine is not starved by interference."""
+    job's own ranks on its machine is not starved by interference.  In a
+    slowdown (waits read in its window), the waits must also be at least
+    ``STARVED_LOST_SHARE`` of what the window lost (``most_lost``): a short
+    window on a loaded machine puts some rank at 3x the others by chance,
+    and a wait that small beside what was lost did not slow the job."""
     d = a.sched.starving
     if not len(d):
         return set()
     typical = max(float(np.percentile(d, 25)), 1.0)
-    return {int(i) for i in np.flatnonzero((d >= SCHED_MIN_NS) & (d >= SCHED_DOMINANCE * typical))}
+    heavy = np.flatnonzero((d >= SCHED_MIN_NS) & (d >= SCHED_DOMINANCE * typical))
+    if not a.windows:
+        return {int(i) for i in heavy}
+    out = set()
+    for i in heavy.tolist():
+        lost = most_lost(a, i)
+        if lost is not None and d[i] >= STARVED_LOST_SHARE * lost[1]:
+            out.add(i)
+    return out
+
+
+def most_lost(a: Analysis, proc: int) -> tuple[SlowWindow, int] | None:
+    """Of the slow windows of communicators ``proc`` is in, the one that lost
+    the most against its baseline, and what it lost (None: in none)."""
+    m = a.matched
+    best = None
+    for w in a.windows:
+        lost = w.lost_ns
+        if lost <= 0 or (best is not None and lost <= best[1]):
+            continue
+        if (m.rows["proc"][m.comm_rows(w.comm)] == proc).any():
+            best = (w, lost)
+    return best
 
 
 def starved_hosts(a: Analysis) -> set[int]:

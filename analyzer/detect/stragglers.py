@@ -16,11 +16,11 @@ from stallwatch.dumpers.schema import arrival_lateness, op_name
 
 from ..columns import Columns
 from ..frontier import ASYNC_BELOW_NS
-from ..incident import WINDOW_CALLS, ArrivalScore, Incident, SlowWindow, proc_hosts
+from ..incident import WINDOW_CALLS, ArrivalScore, Incident, proc_hosts
 from ..match import Matched
 from ..verdict import Verdict, VerdictKind
 from .common import Analysis, ms
-from .cpu import sched_heavy
+from .cpu import most_lost, sched_heavy
 from .network import detect_network, lossy_hosts, received_mostly
 
 # ---- metric: how each rank arrives at its collectives --------------------------------
@@ -706,38 +706,18 @@ def detect_stragglers(a: Analysis) -> list[Verdict]:
     return out
 
 
-# a rank starved in a slowdown's window is its cause when its run-queue wait
-# there is at least this share of the time the window lost against its baseline
-STARVED_LOST_SHARE = 0.5
-
-
 def _starved_through_window(a: Analysis, proc: int) -> Verdict | None:
-    """A rank starved of CPU (``sched_heavy``, on the slow window's waits)
-    that is not last to enter: the host's part of a collective runs on its
-    CPU too (the lab's reductions and socket transfers, a real NCCL's proxy
-    thread), so its peers wait for it inside the collective.  It is named
-    when its run-queue wait in the window is at least ``STARVED_LOST_SHARE``
-    of the time a window of a communicator it is in lost against that
-    window's baseline (its span less what it would have taken at the
-    baseline's rhythm): a wait that small beside what was lost is not what
-    slowed the job."""
+    """A rank starved of CPU in a slowdown's window (``sched_heavy``: its
+    waits there are also a good share of what the window lost) that is not
+    last to enter: the host's part of a collective runs on its CPU too (the
+    lab's reductions and socket transfers, a real NCCL's proxy thread), so
+    its peers wait for it inside the collective."""
     m, inc = a.matched, a.incident
-    best: tuple[float, SlowWindow, int] | None = None
-    for w in a.windows:
-        if w.base_interval_ns is None or w.slow_interval_ns is None:
-            continue
-        # the window's span less what it would have taken at the baseline's rhythm
-        lost = int(w.span_ns * (1 - w.base_interval_ns / w.slow_interval_ns))
-        rows = m.rows[m.comm_rows(w.comm)]
-        mine = rows["proc"] == proc
-        if lost <= 0 or not mine.any():
-            continue
-        share = float(a.sched.starving[proc]) / lost
-        if share >= STARVED_LOST_SHARE and (best is None or lost > best[2]):
-            best = (share, w, lost)
-    if best is None:
+    found = most_lost(a, proc)
+    if found is None:
         return None
-    share, w, lost = best
+    w, lost = found
+    share = float(a.sched.starving[proc]) / lost
     p, comm = inc.procs[proc], inc.comms[w.comm]
     rows = m.rows[m.comm_rows(w.comm)]
     crank = int(rows["crank"][rows["proc"] == proc][0])

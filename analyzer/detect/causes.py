@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from ..verdict import Verdict, VerdictKind
-from .common import MAX_LISTED, Analysis, world_of
+from .common import MAX_LISTED, Analysis, ms, world_of
 
 # what a network partition explains
 EXPLAINED_BY_NETWORK = frozenset(
@@ -37,7 +39,49 @@ EXPLAINED_BY_NETWORK = frozenset(
 
 
 def in_causal_order(a: Analysis, verdicts: list[Verdict]) -> list[Verdict]:
-    return _desync_first(a, _network_first(_held_first(a, verdicts)))
+    return _desync_first(a, _network_first(_held_first(a, _within_pace_last(a, verdicts))))
+
+
+def _within_pace_last(a: Analysis, verdicts: list[Verdict]) -> list[Verdict]:
+    """In a slowdown, a rank missing from a collective for no longer than
+    its communicator already paused between collectives before the slow
+    window (a checkpoint's barrier: the lab's rank 0 pauses 1.5 s every 100
+    steps) is the job's own pace, not a hang: it goes after the other
+    verdicts, saying so.  A rank missing for longer stays where it was."""
+    if not a.windows:
+        return verdicts
+    pauses = {w.comm: _longest_pause(a, w.comm, w.first_gid) for w in a.windows}
+    waits = {a.incident.comms[f.comm].hash_text: (f.comm, f.age_ns) for f in a.frontiers}
+    rest: list[Verdict] = []
+    within: list[Verdict] = []
+    for v in verdicts:
+        comm, age = waits.get(v.comm_id_hash or "", (-1, None))
+        pause = pauses.get(comm)
+        if v.kind is not VerdictKind.MISSING_RANK or age is None or not pause or age > pause:
+            rest.append(v)
+            continue
+        line = (
+            f"within the job's own pace: before its slow window this communicator's ranks "
+            f"paused up to {ms(pause)} between collectives (median of each rank's longest), "
+            f"and this wait is {ms(age)}: on its own, no hang"
+        )
+        within.append(dataclasses.replace(v, evidence=(*v.evidence, line)))
+    return rest + within
+
+
+def _longest_pause(a: Analysis, comm: int, first_gid: int) -> int | None:
+    """The median over a communicator's members of each one's longest time
+    between two of its calls there, before group ``first_gid``."""
+    m = a.matched
+    sl = m.comm_rows(comm)
+    rows, gid = m.rows[sl], m.gid[sl]
+    rows = rows[gid < first_gid]
+    longest = []
+    for proc in np.unique(rows["proc"]).tolist():
+        ts = np.sort(rows["ts"][rows["proc"] == proc].astype(np.int64))
+        if len(ts) >= 2:
+            longest.append(int(np.diff(ts).max()))
+    return int(np.median(longest)) if longest else None
 
 
 def _held_first(a: Analysis, verdicts: list[Verdict]) -> list[Verdict]:

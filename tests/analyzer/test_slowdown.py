@@ -135,6 +135,30 @@ def test_a_lossy_node_whose_rank_waited_a_little_for_a_cpu_is_still_the_network(
     assert (v.kind, v.hosts) == (VerdictKind.NETWORK_STRAGGLER, ("node1",)), v.summary
 
 
+@pytest.mark.parametrize(
+    ("dump_after_ms", "first"), [(1000.0, "compute_straggler"), (5000.0, "missing_rank")]
+)
+def test_a_rank_missing_within_the_jobs_own_pauses_comes_after_the_slowdowns_cause(
+    dump_after_ms: float, first: str
+) -> None:
+    """Every rank paused 1.5 s every 50 steps before the fault (checkpoints);
+    rank 2 is 60 ms slower a step from step 300, and at the dumps rank 0 has
+    not entered the last collective: for 1 s, within the job's own pauses (a
+    checkpoint caught at the dump: the lab's cpuhog 4x2, seed 8), it goes
+    after the straggler; for 5 s, longer than any pause the job made, it
+    stays first."""
+    job = Job(
+        **{**BASE.__dict__, "slow": (2, 60.0), "slowdown_by": 1, "pause": (50, 1500.0)}
+        | {"hang": (0, 359), "dump_after_ms": dump_after_ms}
+    )
+    result = analyze_recordings([(r.host, r) for r in recordings(job)])
+    kinds = [v.kind.value for v in result.incidents[0].verdicts]
+    assert kinds[0] == first and set(kinds) == {"compute_straggler", "missing_rank"}, kinds
+    missing = next(v for v in result.incidents[0].verdicts if v.kind is VerdictKind.MISSING_RANK)
+    within = [e for e in missing.evidence if e.startswith("within the job's own pace")]
+    assert bool(within) == (first == "compute_straggler"), missing.evidence
+
+
 def test_a_rank_starved_before_the_slow_window_is_judged_on_the_window() -> None:
     """Rank 3 slowed from the fault, and starved of CPU before it only: in
     the window it computes longer, it is not starved there."""

@@ -48,7 +48,7 @@ def _within_pace_last(a: Analysis, verdicts: list[Verdict]) -> list[Verdict]:
     window (a checkpoint's barrier: the lab's rank 0 pauses 1.5 s every 100
     steps) is the job's own pace, not a hang: it goes after the other
     verdicts, saying so.  A rank missing for longer stays where it was."""
-    if not a.windows:
+    if not a.windows or not any(v.kind is VerdictKind.MISSING_RANK for v in verdicts):
         return verdicts
     pauses = {w.comm: _longest_pause(a, w.comm, w.first_gid) for w in a.windows}
     waits = {a.incident.comms[f.comm].hash_text: (f.comm, f.age_ns) for f in a.frontiers}
@@ -76,12 +76,14 @@ def _longest_pause(a: Analysis, comm: int, first_gid: int) -> int | None:
     sl = m.comm_rows(comm)
     rows, gid = m.rows[sl], m.gid[sl]
     rows = rows[gid < first_gid]
-    longest = []
-    for proc in np.unique(rows["proc"]).tolist():
-        ts = np.sort(rows["ts"][rows["proc"] == proc].astype(np.int64))
-        if len(ts) >= 2:
-            longest.append(int(np.diff(ts).max()))
-    return int(np.median(longest)) if longest else None
+    order = np.lexsort((rows["ts"], rows["proc"]))
+    proc, ts = rows["proc"][order], rows["ts"][order].astype(np.int64)
+    same = proc[1:] == proc[:-1]  # gaps between one member's calls
+    if not same.any():
+        return None
+    gap, owner = np.diff(ts)[same], proc[1:][same]
+    starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+    return int(np.median(np.maximum.reduceat(gap, starts)))
 
 
 def _held_first(a: Analysis, verdicts: list[Verdict]) -> list[Verdict]:

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 def query_answer(engine: QueryEngine, sql: str, limit: int | None, host: str) -> bytes:
     """``POST /query``'s JSON body."""
-    result = engine.query(sql, limit)
+    cap = engine.limits.max_answer_bytes
+    result = engine.query(sql, limit, max_bytes=cap)  # refused while its rows are read
     body = encode_json(
         {
             "host": host,
@@ -41,7 +42,6 @@ def query_answer(engine: QueryEngine, sql: str, limit: int | None, host: str) ->
             "elapsed_ms": round(result.elapsed_ms, 3),
         }
     )
-    cap = engine.limits.max_answer_bytes
     if cap is not None and len(body) > cap:
         raise AnswerTooLarge(too_large(cap))
     return body

@@ -239,9 +239,14 @@ class QueryEngine:
         if not self._lock.acquire(timeout=-1 if wait is None else wait):
             raise QueryError(f"the query engine is busy (waited {wait:g} s for another query)")
 
-    def query(self, sql: str, limit: int | None = None) -> QueryResult:
+    def query(
+        self, sql: str, limit: int | None = None, max_bytes: int | None = None
+    ) -> QueryResult:
         """Run one SELECT; at most ``limit`` rows (and never more than the
-        engine's row limit) come back, ``truncated`` says whether more existed."""
+        engine's row limit) come back, ``truncated`` says whether more existed.
+        Rows whose values alone take more than ``max_bytes`` as JSON text are
+        not read on: AnswerTooLarge (an answer's bound, refused while the rows
+        are fetched rather than once all are held)."""
         start = time.perf_counter()
         max_rows = _row_limit(limit, self.limits.max_rows)
         self._acquire()
@@ -249,7 +254,7 @@ class QueryEngine:
             con = self._connection()
             statement = check_statement(con, sql, self.limits)
             self._refresh(con)
-            columns, types, rows = self._run(con, statement, max_rows)
+            columns, types, rows = self._run(con, statement, max_rows, max_bytes)
         finally:
             self._lock.release()
         truncated = max_rows is not None and len(rows) > max_rows
@@ -302,9 +307,13 @@ class QueryEngine:
         return scan
 
     def _run(
-        self, con: duckdb.DuckDBPyConnection, statement: duckdb.Statement, max_rows: int | None
+        self,
+        con: duckdb.DuckDBPyConnection,
+        statement: duckdb.Statement,
+        max_rows: int | None,
+        max_bytes: int | None = None,
     ) -> tuple[tuple[str, ...], tuple[str, ...], list[tuple[Any, ...]]]:
-        return self._guarded(con, lambda: _execute(con, statement, max_rows))
+        return self._guarded(con, lambda: _execute(con, statement, max_rows, max_bytes))
 
     def _guarded(self, con: duckdb.DuckDBPyConnection, run: Callable[[], _T]) -> _T:
         """``run`` under the time limit, DuckDB's errors as QueryError."""
@@ -376,10 +385,14 @@ _ZONED = "TIMESTAMP WITH TIME ZONE"
 
 
 def _execute(
-    con: duckdb.DuckDBPyConnection, statement: duckdb.Statement, max_rows: int | None
+    con: duckdb.DuckDBPyConnection,
+    statement: duckdb.Statement,
+    max_rows: int | None,
+    max_bytes: int | None = None,
 ) -> tuple[tuple[str, ...], tuple[str, ...], Rows]:
     """Stream the result, stopping after one row past the limit (so the
-    caller knows it truncated)."""
+    caller knows it truncated), and before the rows' values take more than
+    ``max_bytes`` as JSON text (AnswerTooLarge)."""
     con.execute(statement)
     description = con.description or []
     columns = tuple(d[0] for d in description)
@@ -388,9 +401,37 @@ def _execute(
         # Zoned times come back as text whatever the duckdb release: before 2.0
         # fetching them needs pytz, from 2.0 on they are ``datetime`` with a
         # zoneinfo; Arrow's text form is the one both agree on.
-        return columns, types, _via_arrow(con, statement.query, max_rows)
-    rows = con.fetchall() if max_rows is None else con.fetchmany(max_rows + 1)
+        return columns, types, _via_arrow(con, statement, max_rows, max_bytes)
+    if max_bytes is None:
+        rows = con.fetchall() if max_rows is None else con.fetchmany(max_rows + 1)
+        return columns, types, rows
+    rows, size = [], 0
+    while max_rows is None or len(rows) <= max_rows:
+        want = _FETCH_ROWS if max_rows is None else min(_FETCH_ROWS, max_rows + 1 - len(rows))
+        chunk = con.fetchmany(want)
+        size += sum(map(json_floor, chunk))
+        _check_bytes(size, max_bytes)
+        rows += chunk
+        if len(chunk) < want:
+            break
     return columns, types, rows
+
+
+_FETCH_ROWS = 1024  # rows fetched at a time when an answer's bytes are bounded
+
+
+def json_floor(value: object) -> int:
+    """A lower bound of ``value``'s length as JSON text (``query.wire``):
+    what an answer's rows are counted by while they are fetched."""
+    if isinstance(value, str):
+        return len(value) + 2
+    if isinstance(value, bytes | bytearray | memoryview):
+        return 2 * len(value) + 2  # hex
+    if isinstance(value, list | tuple):
+        return 2 + sum(map(json_floor, value)) + max(0, len(value) - 1)
+    if isinstance(value, dict):
+        return 2 + sum(len(str(k)) + 3 + json_floor(v) for k, v in value.items())
+    return 1
 
 
 def _arrow_rows(
@@ -407,6 +448,8 @@ def _arrow_rows(
         return reader.read_all()
     batches, rows, size = [], 0, 0
     for batch in reader:
+        if cap is not None and rows + batch.num_rows > cap + 1:
+            batch = batch.slice(0, cap + 1 - rows)  # one past the cap tells it truncated
         batches.append(batch)
         rows += batch.num_rows
         size += batch.nbytes
@@ -453,11 +496,20 @@ def run_on_tables(
     return QueryResult(columns, types, rows, truncated, (time.perf_counter() - start) * 1e3)
 
 
-def _via_arrow(con: duckdb.DuckDBPyConnection, sql: str, max_rows: int | None) -> Rows:
+def _via_arrow(
+    con: duckdb.DuckDBPyConnection,
+    statement: duckdb.Statement,
+    max_rows: int | None,
+    max_bytes: int | None,
+) -> Rows:
     con.abort()
-    rel = con.sql(sql)
-    table = (rel if max_rows is None else rel.limit(max_rows + 1)).to_arrow_table()
-    return list(zip(*(_pylist(c) for c in table.columns), strict=True))
+    table = _arrow_rows(con, statement, max_rows, max_bytes)
+    if max_rows is not None:
+        table = table.slice(0, max_rows + 1)
+    rows = list(zip(*(_pylist(c) for c in table.columns), strict=True))
+    if max_bytes is not None:
+        _check_bytes(sum(map(json_floor, rows)), max_bytes)
+    return rows
 
 
 def _pylist(column: pa.ChunkedArray) -> list[Any]:

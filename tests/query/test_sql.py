@@ -522,3 +522,62 @@ def test_thread_states_one_row_per_thread_per_snapshot() -> None:
     assert r.rows[:3] == [call, helper, gone]
     assert len(r.rows) == 6 and r.rows[3][0] == 1
     assert waiting == [("node-1", 2)]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [0, -12, 3.5, float("nan"), None, True, "", "x" * 50, "é\n\"", b"\x00\xff", [1, [2, "ab"]],
+     {"k": [1.5, None], "kk": "v"}, (), {}],  # fmt: skip
+)
+def test_the_json_floor_is_never_more_than_the_json(value: object) -> None:
+    from stallwatch.query.sql import json_floor
+    from stallwatch.query.wire import encode_json
+
+    assert 1 <= json_floor(value) <= len(encode_json(value))
+
+
+_PEAK_RISE = """
+import sys
+from stallwatch.dumpers.errors import AnswerTooLarge
+from stallwatch.query.sql import LOCAL, QueryEngine
+
+def peak():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+
+engine = QueryEngine((), LOCAL)
+engine.query("SELECT repeat('x', 10) FROM range(10)")
+before = peak()
+try:
+    engine.query("SELECT repeat('x', 4000) AS big FROM range(25000)", max_bytes=8 * 2**20)
+    print("answered")
+except AnswerTooLarge as exc:
+    print(exc)
+print(peak() - before)
+"""
+
+
+def test_an_answer_over_its_bytes_is_refused_before_its_rows_are_all_held() -> None:
+    """100 MB of rows asked with an 8 MiB bound: refused, and the process
+    never held more than half of them (a fresh process: its peak is the query's)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _PEAK_RISE], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    said, rise = run.stdout.splitlines()
+    assert "over its limit of 8 MiB" in said
+    assert int(rise) < 50 * 2**20, f"the peak rose {int(rise) / 2**20:.0f} MiB"
+
+
+def test_rows_under_the_byte_bound_all_come_back(tmp_path: Path) -> None:
+    with QueryEngine((), LOCAL) as engine:
+        sql = ("SELECT i, repeat('x', 100) AS s, "
+               "TIMESTAMPTZ '2026-01-01 00:00:00+00' + to_seconds(i) AS t FROM range(3000) r(i)")
+        whole = engine.query(sql)
+        bounded = engine.query(sql, max_bytes=1_000_000)
+        assert bounded.rows == whole.rows and len(whole.rows) == 3000
+        with pytest.raises(QueryError, match="over its limit"):
+            engine.query(sql, max_bytes=200_000)  # a zoned time: read through Arrow
+        assert engine.query(sql, limit=5, max_bytes=2_000).truncated

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -185,7 +186,7 @@ def incident_from_recordings(
         stall_triggers=_stall_triggers(sources),
         wall_ns=(detected := _detection(sources))[0],
         detected_by=detected[1],
-        readings=host_readings(s.recording for s in sources),
+        readings=host_readings((s.recording for s in sources), _entered_by_host(extracts)),
         late=report,
         wall_offset=tuple(clocks.get(h, (None, None))[0] for h in hosts),
         captured=tuple(clocks.get(h, (None, None))[1] for h in hosts),
@@ -195,6 +196,15 @@ def incident_from_recordings(
         links=_links(sources, hosts, procs),
         slowdown=slow,
     )
+
+
+def _entered_by_host(extracts: list[_Extract]) -> dict[str, dict[int, int]]:
+    out: dict[str, dict[int, int]] = defaultdict(dict)
+    for e in extracts:
+        seen = out[e.source.recording.host]
+        for pid, ts in e.entered:
+            seen[pid] = max(seen.get(pid, 0), ts)
+    return out
 
 
 def _slowdown(sources: list[Source]) -> SlowTrigger | None:
@@ -326,6 +336,9 @@ class _Extract:
     # included) had not returned when the dump was taken
     waiting: tuple[tuple[int, int, int], ...] = ()
     held: np.ndarray | None = None  # its long calls (HELD_DTYPE, "proc" a pid), window or not
+    # (pid, entered) of each process's latest call: its thread readings
+    # before that are no longer where it is
+    entered: tuple[tuple[int, int], ...] = ()
 
 
 # the stage: CALL_DTYPE's columns, "proc" holding indices into the source's
@@ -517,8 +530,19 @@ def _extract(
         long_calls = _held(raw, WAITS_IN[raw["op"]] & _member_of(raw["pid"], scope))
     return _Extract(
         s, dst, complete, latest, scope, pids, members,
-        waiting=_waiting(raw, scope), held=long_calls,
+        waiting=_waiting(raw, scope), held=long_calls, entered=_entered(raw, scope),
     )  # fmt: skip
+
+
+def _entered(raw: np.ndarray, scope: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """Per process in scope, when it entered its latest recorded call."""
+    sel = np.flatnonzero(_member_of(raw["pid"], scope))
+    if not len(sel):
+        return ()
+    order = sel[np.lexsort((raw["ts_ns"][sel], raw["pid"][sel]))]
+    pids = raw["pid"][order]
+    last = order[np.r_[pids[1:] != pids[:-1], True]]
+    return tuple(zip(raw["pid"][last].tolist(), raw["ts_ns"][last].tolist(), strict=True))
 
 
 def _held(raw: np.ndarray, keep: np.ndarray) -> np.ndarray:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import enum
 from collections import defaultdict
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -288,11 +288,34 @@ class HostReadings:
     host: str
     snapshots: tuple[ThreadReading, ...]
     communicators: tuple[CommInfo, ...] = ()
+    # pid -> when the recording saw it enter its latest NCCL call: where a
+    # reading before that found it is no longer where it is
+    entered: Mapping[int, int] = field(default_factory=dict)
+
+    def current(self) -> list[ThreadReading]:
+        """The readings without the processes seen to enter a call after
+        they were read (an agent's start-up reading, taken while the job
+        still ran, is in all its dumps); a call entered while a process was
+        read may be the one seen, and keeps it."""
+        out = []
+        for s in self.snapshots:
+            kept = tuple(
+                p for p in s.processes if self.entered.get(p.pid, 0) <= p.taken_ns + p.took_ns
+            )
+            if kept:
+                out.append(s if len(kept) == len(s.processes) else replace(s, processes=kept))
+        return out
 
 
-def host_readings(recordings: Iterable[Recording]) -> tuple[HostReadings, ...]:
+def host_readings(
+    recordings: Iterable[Recording], entered: Mapping[str, Mapping[int, int]] | None = None
+) -> tuple[HostReadings, ...]:
     """Each host's readings (a host may have dumped several times: all of
-    them, in time order) with every communicator its recordings know."""
+    them, in time order) with every communicator its recordings know, and
+    when the recording saw each process enter its latest NCCL call
+    (``entered``: host -> pid -> the host's monotonic clock, as its readings
+    are)."""
+    entered = entered or {}
     snaps: dict[str, list[ThreadReading]] = defaultdict(list)
     comms: dict[str, list[CommInfo]] = defaultdict(list)
     for rec in recordings:
@@ -300,7 +323,12 @@ def host_readings(recordings: Iterable[Recording]) -> tuple[HostReadings, ...]:
             snaps[rec.host] += rec.snapshots
             comms[rec.host] += rec.communicators
     return tuple(
-        HostReadings(h, tuple(sorted(set(snaps[h]), key=lambda s: s.taken_ns)), tuple(comms[h]))
+        HostReadings(
+            h,
+            tuple(sorted(set(snaps[h]), key=lambda s: s.taken_ns)),
+            tuple(comms[h]),
+            dict(entered.get(h, {})),
+        )
         for h in sorted(snaps)
     )
 

@@ -119,10 +119,11 @@ class RankPosition:
 def rank_positions(
     readings: Sequence[HostReadings], known_ranks: Mapping[tuple[str, int], int] | None = None
 ) -> list[RankPosition]:
-    """One position per (host, pid) seen in the last reading of its host."""
+    """One position per (host, pid) seen in the last reading of its host,
+    of the readings the recording does not show it left (``current``)."""
     out = []
     for hr in sorted(readings, key=lambda h: h.host):
-        snaps = sorted(hr.snapshots, key=lambda s: s.taken_ns)
+        snaps = sorted(hr.current(), key=lambda s: s.taken_ns)
         if not snaps:
             continue
         comms = {(c.pid, c.comm): c for c in hr.communicators if not c.destroy_ns}

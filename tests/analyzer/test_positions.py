@@ -207,3 +207,36 @@ def test_a_call_in_flight_in_the_rings_outranks_a_reading() -> None:
     assert all(v.kind is not VerdictKind.MISSING_RANK for v in judge(flying))
     (p5,) = [p for p in flying if p.world_rank == 5]
     assert "ALL_GATHER seq 998 on 0x72 in flight in the rings" in position_text(p5)
+
+
+def _entered_after(readings: list[HostReadings], ranks: set[int], at: int) -> list[HostReadings]:
+    """The recording saw ``ranks`` enter an NCCL call at ``at``."""
+    return [
+        replace(hr, entered={1000 + r: at for r in ranks if any(
+            p.pid == 1000 + r for s in hr.snapshots for p in s.processes)})
+        for hr in readings
+    ]  # fmt: skip
+
+
+def test_a_reading_the_recording_shows_the_ranks_left_is_not_judged() -> None:
+    """An agent's start-up reading (the job still running) in a dump taken
+    later: every rank made calls after it, so where it found them is not
+    where they are, and no desync is made of it."""
+    calls: dict[int, NcclCall | None] = {r: _call("ncclAllReduce", 0xAA) for r in range(8)}
+    calls[6] = _call("ncclBroadcast", 0xAA, root=0)  # caught at another point of the step
+    readings = _readings(calls, times=(0,))
+    assert judge(rank_positions(readings))  # read alone, it would be judged
+    stale = _entered_after(readings, set(range(8)), 5 * S)
+    assert judge(rank_positions(stale)) == [] and rank_positions(stale) == []
+
+
+def test_only_the_ranks_seen_to_move_lose_their_position() -> None:
+    """Rank 5 hung before the reading (no call since), the others moved on
+    after it: rank 5 keeps its place; and a call entered while a process was
+    being read may be the one the reading saw: it keeps its place too."""
+    readings = _readings(_chain(), times=(0,))
+    moved = _entered_after(readings, {0, 1, 2, 3}, 5 * S)
+    kept = {p.world_rank for p in rank_positions(moved)}
+    assert kept == {4, 5, 6, 7}
+    during = _entered_after(readings, set(range(8)), 500)  # within the 1000 ns it took
+    assert judge(rank_positions(during)) == judge(rank_positions(readings))

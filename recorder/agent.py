@@ -526,22 +526,23 @@ class Agent:
 
     # ---- recording and dumps --------------------------------------------
 
-    def recording(
-        self, trigger: Trigger | None = None, connections: bool | None = None
-    ) -> Recording:
+    def recording(self, trigger: Trigger | None = None, dump: bool | None = None) -> Recording:
         """Everything the agent holds now (the query layer's ``Backend``);
-        with ``trigger``, what its dump holds.  ``connections`` (a dump's,
-        by default where there is a trigger): each job connection's state
-        now, as ``tcp_info`` rows after the TCP ring's."""
+        with ``dump`` (by default where there is a trigger; the dump
+        scheduler sets its trigger after), what a dump holds besides: a
+        thread reading taken now, who uses which link now, and each job
+        connection's state now, as ``tcp_info`` rows after the TCP ring's."""
+        if dump is None:
+            dump = trigger is not None
         self.tick()
+        # read before the lock: reading the threads takes a tenth of a second
+        snapshots = self.positions.for_recording(dump=dump)
         with self._lock:
             rings = self._rings()
             rings["link"] = self.links.copy()
-            if trigger is not None:  # a dump: who uses which link now (queries: as last read)
+            if dump:  # who uses which link now (queries: as last read)
                 self.links.refresh_users(self.procs.alive())
-            if connections is None:
-                connections = trigger is not None
-            if connections and "tcp" in rings and not self.read_only:
+            if dump and "tcp" in rings and not self.read_only:
                 rings["tcp"] = self._with_connection_states(rings["tcp"])
             counters = {**self.source.kernel_counters(), **self.counters.values}
             counters["link_read_failures"] = self.links.errors
@@ -563,7 +564,7 @@ class Agent:
                 agent_args=self.config.args,
                 trigger=trigger,
                 counters=counters,
-                snapshots=self.positions.for_recording(dump=trigger is not None),
+                snapshots=snapshots,
                 links=self.links.table(keep=lambda pid: self.procs.get(pid) is not None),
             )
 
@@ -638,7 +639,7 @@ class Agent:
         cfg = self.config
         scheduler = DumpScheduler.for_directory(
             cfg.dump_dir,
-            lambda: self.recording(connections=True),  # the trigger is the scheduler's
+            lambda: self.recording(dump=True),  # the trigger is the scheduler's
             cfg.max_dumps,
             cfg.max_dump_bytes,
         )

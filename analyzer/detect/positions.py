@@ -26,7 +26,9 @@ being one (no ``RANK`` and no rank in the recording) is left out.
   ranks outside the largest group are the culprits; a tie names nobody.
 
 Nothing is judged when a reading shows the waiting ranks moving on (their
-position changed between readings: the job progresses), when every rank
+position changed between readings: the job progresses), on one reading of a
+rank the recording saw make NCCL calls (a dump reads its node once: a
+running job's ranks are caught at different points), when every rank
 waits in the same call (no rank departs: the collective itself does not
 finish), or when no rank is inside an NCCL call.
 
@@ -90,6 +92,7 @@ class RankPosition:
     # the call the rings show it in (entered, not returned), "" if none: a
     # call in flight outranks a reading that could not see the stack
     in_flight: str = ""
+    recorded: bool = False  # the recording saw it enter NCCL calls
 
     @property
     def unknown(self) -> bool:
@@ -131,7 +134,7 @@ def rank_positions(
             history = [p for s in snaps for p in s.processes if p.pid == proc.pid]
             pos = _position(hr.host, proc, history, comms, known_ranks or {})
             held = frozenset(c.comm_hash for (pid, _), c in comms.items() if pid == proc.pid)
-            out.append(replace(pos, member_of=held))
+            out.append(replace(pos, member_of=held, recorded=proc.pid in hr.entered))
     return out
 
 
@@ -313,6 +316,11 @@ def judge_job(ps: Sequence[RankPosition]) -> list[Verdict]:
     waiting = [p for p in read if p.inside]
     if not waiting or any(p.readings >= 2 and p.held_ns <= 0 for p in waiting):
         return []  # nobody waits, or the waiting ranks move on: no hang to judge
+    if any(p.readings < 2 and p.recorded for p in read):
+        # one look at a process the recording saw calling (a dump's own
+        # reading of a running job catches its ranks at different points):
+        # its recording is judged, not where one reading found it
+        return []
     # a rank in flight in the rings waits too; one running whose stack was
     # not read is unknown: neither is outside NCCL
     outside = [p for p in read if p.outside]

@@ -238,5 +238,18 @@ def test_only_the_ranks_seen_to_move_lose_their_position() -> None:
     moved = _entered_after(readings, {0, 1, 2, 3}, 5 * S)
     kept = {p.world_rank for p in rank_positions(moved)}
     assert kept == {4, 5, 6, 7}
-    during = _entered_after(readings, set(range(8)), 500)  # within the 1000 ns it took
-    assert judge(rank_positions(during)) == judge(rank_positions(readings))
+    twice = _readings(_chain())
+    during = _entered_after(twice, set(range(8)), 500)  # within the 1000 ns it took
+    assert judge(rank_positions(during)) == judge(rank_positions(twice)) != []
+
+
+def test_one_reading_of_ranks_the_recording_saw_calling_is_not_judged() -> None:
+    """A dump's own reading of a job whose calls were recorded up to it: one
+    look catches running ranks at different points, and their recording is
+    what is judged.  Read twice and unchanged, they are judged; ranks no
+    call was recorded of (hung before the agent came) are judged on one."""
+    once = _entered_after(_readings(_chain(), times=(0,)), set(range(8)), -1)
+    assert judge(rank_positions(once)) == []
+    twice = _entered_after(_readings(_chain()), set(range(8)), -1)
+    assert [v.ranks for v in judge(rank_positions(twice))] == [(5,)]
+    assert [v.ranks for v in judge(rank_positions(_readings(_chain(), times=(0,))))] == [(5,)]

@@ -211,3 +211,10 @@ def test_faults_recorded_by_the_node_they_hit(tmp_path: Path) -> None:
     (proc0,) = [p for p in dumps[0].processes if p.pid == rank0]
     assert proc0.exit_signal == 9
     assert all(p.pid in pids[1] for p in dumps[1].processes)
+    # each dump read its node's threads when it was made (the ranks a crash
+    # ended may be gone by then: read or not, none of another node's)
+    for node, rec in dumps.items():
+        last = rec.snapshots[-1]
+        assert rec.trigger is not None and last.reason == "dump"
+        assert last.taken_ns >= rec.trigger.time_ns
+        assert {p.pid for p in last.processes} <= pids[node]

@@ -526,8 +526,22 @@ def test_thread_states_one_row_per_thread_per_snapshot() -> None:
 
 @pytest.mark.parametrize(
     "value",
-    [0, -12, 3.5, float("nan"), None, True, "", "x" * 50, "é\n\"", b"\x00\xff", [1, [2, "ab"]],
-     {"k": [1.5, None], "kk": "v"}, (), {}],  # fmt: skip
+    [
+        0,
+        -12,
+        3.5,
+        float("nan"),
+        None,
+        True,
+        "",
+        "x" * 50,
+        'é\n"',
+        b"\x00\xff",
+        [1, [2, "ab"]],
+        {"k": [1.5, None], "kk": "v"},
+        (),
+        {},
+    ],
 )
 def test_the_json_floor_is_never_more_than_the_json(value: object) -> None:
     from stallwatch.query.sql import json_floor
@@ -573,8 +587,10 @@ def test_an_answer_over_its_bytes_is_refused_before_its_rows_are_all_held() -> N
 
 def test_rows_under_the_byte_bound_all_come_back(tmp_path: Path) -> None:
     with QueryEngine((), LOCAL) as engine:
-        sql = ("SELECT i, repeat('x', 100) AS s, "
-               "TIMESTAMPTZ '2026-01-01 00:00:00+00' + to_seconds(i) AS t FROM range(3000) r(i)")
+        sql = (
+            "SELECT i, repeat('x', 100) AS s, "
+            "TIMESTAMPTZ '2026-01-01 00:00:00+00' + to_seconds(i) AS t FROM range(3000) r(i)"
+        )
         whole = engine.query(sql)
         bounded = engine.query(sql, max_bytes=1_000_000)
         assert bounded.rows == whole.rows and len(whole.rows) == 3000

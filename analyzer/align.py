@@ -536,13 +536,17 @@ def _extract(
 
 def _entered(raw: np.ndarray, scope: np.ndarray) -> tuple[tuple[int, int], ...]:
     """Per process in scope, when it entered its latest recorded call."""
-    sel = np.flatnonzero(_member_of(raw["pid"], scope))
+    last = _latest_per_pid(raw, np.flatnonzero(_member_of(raw["pid"], scope)))
+    return tuple(zip(raw["pid"][last].tolist(), raw["ts_ns"][last].tolist(), strict=True))
+
+
+def _latest_per_pid(raw: np.ndarray, sel: np.ndarray) -> np.ndarray:
+    """Of the rows ``sel``, each pid's latest entry (its index in ``raw``)."""
     if not len(sel):
-        return ()
+        return sel
     order = sel[np.lexsort((raw["ts_ns"][sel], raw["pid"][sel]))]
     pids = raw["pid"][order]
-    last = order[np.r_[pids[1:] != pids[:-1], True]]
-    return tuple(zip(raw["pid"][last].tolist(), raw["ts_ns"][last].tolist(), strict=True))
+    return order[np.r_[pids[1:] != pids[:-1], True]]
 
 
 def _held(raw: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -561,11 +565,7 @@ def _waiting(raw: np.ndarray, scope: np.ndarray) -> tuple[tuple[int, int, int], 
     """Per process in scope, its latest call (a group's end included) if it
     had not returned: where it was blocked when the dump was taken."""
     sel = np.flatnonzero(WAITS_IN[raw["op"]] & ~captured_rows(raw) & _member_of(raw["pid"], scope))
-    if not len(sel):
-        return ()
-    order = sel[np.lexsort((raw["ts_ns"][sel], raw["pid"][sel]))]
-    pids = raw["pid"][order]
-    last = order[np.r_[pids[1:] != pids[:-1], True]]  # each pid's latest entry
+    last = _latest_per_pid(raw, sel)
     last = last[raw["end_ns"][last] == 0]
     return tuple(
         (int(p), int(o), int(t))

@@ -38,6 +38,7 @@ the lab's op record, not an ABI, and is left unread when it does not fit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -45,7 +46,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 from stallwatch.dumpers.readings import (
@@ -104,22 +105,33 @@ class Reader:
 
     def process(self, pid: int) -> ProcessThreads:
         start = time.monotonic_ns()
-        maps = ProcessMaps.of(pid)
-        if maps is None:
-            return _failed(pid, start, "process gone or not readable (/proc/PID/maps)")
-        try:
-            mem = ProcessMemory(pid)
-        except OSError as exc:
-            return _failed(pid, start, f"cannot open /proc/{pid}/mem: {exc.strerror}")
-        try:
-            unwinder = Unwinder(pid, maps, mem, self.cache)
+        with _opened(pid, self.cache) as unwinder:
+            if isinstance(unwinder, str):
+                return _failed(pid, start, unwinder)
             threads = tuple(
                 t for tid in _tids(pid) if (t := read_thread(pid, tid, unwinder)) is not None
             )
-        finally:
-            mem.close()
         took = time.monotonic_ns() - start
         return ProcessThreads(pid, start, took, job_env(pid), threads)
+
+
+@contextlib.contextmanager
+def _opened(pid: int, cache: ModuleCache) -> Iterator[Unwinder | str]:
+    """An unwinder over the process's memory, closed after; or why it could
+    not be opened."""
+    maps = ProcessMaps.of(pid)
+    if maps is None:
+        yield "process gone or not readable (/proc/PID/maps)"
+        return
+    try:
+        mem = ProcessMemory(pid)
+    except OSError as exc:
+        yield f"cannot open /proc/{pid}/mem: {exc.strerror}"
+        return
+    try:
+        yield Unwinder(pid, maps, mem, cache)
+    finally:
+        mem.close()
 
 
 def settle_running(
@@ -139,21 +151,13 @@ def settle_running(
 
 
 def _reread_running(p: ProcessThreads, cache: ModuleCache) -> ProcessThreads:
-    maps = ProcessMaps.of(p.pid)
-    if maps is None:
-        return p  # gone since: what was read stands
-    try:
-        mem = ProcessMemory(p.pid)
-    except OSError:
-        return p
-    try:
-        unwinder = Unwinder(p.pid, maps, mem, cache)
+    with _opened(p.pid, cache) as unwinder:
+        if isinstance(unwinder, str):
+            return p  # gone since: what was read stands
         threads = []
         for t in p.threads:
             again = read_thread(p.pid, t.tid, unwinder) if t.syscall == RUNNING else None
             threads.append(t if again is None or again.syscall == RUNNING else again)
-    finally:
-        mem.close()
     return replace(p, threads=tuple(threads), took_ns=time.monotonic_ns() - p.taken_ns)
 
 

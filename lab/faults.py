@@ -6,17 +6,33 @@ A spec is ``kind:key=value,key=value``:
                                        (agents=ready: S steps after every agent of the run is
                                        ready, e.g. late ones: however long their start takes)
     slow:rank=R,ms=M[,step=S]          rank R computes M ms longer every step (from step S)
-    loss:node=N,pct=P[,step=S]         P% of node N's TCP packets are dropped (nftables numgen),
-                                       from the start or once a rank reaches step S
-    rate:node=N,mbit=M[,step=S]        node N's link is capped at M Mbit/s (tc tbf)
-    partition:node=N,step=S[,ms=M]     every packet to and from node N is dropped on its switch
-                                       port from step S (with ms: for M ms, a flap; the job goes on)
+    loss:node=N,pct=P[,dir=D][,step=S] P% of node N's TCP packets are dropped (nftables numgen),
+                                       from the start or once a rank reaches step S; D is
+                                       both (default), in (to the node) or out (from it)
+    rate:node=N,mbit=M[,dir=D][,step=S]
+                                       node N's link is capped at M Mbit/s (tc tbf)
+    partition:node=N,step=S[,ms=M][,dir=D]
+                                       every packet to and from node N is dropped on its switch
+                                       port from step S (with ms: for M ms, a flap; the job goes
+                                       on); dir=in or out: one direction only (a one-way cut)
+    mtu:node=N,bytes=B[,step=S]        packets of node N larger than B bytes (IP length) dropped
+                                       both ways, small ones pass: an MTU blackhole
+    syn:node=N[,step=S]                TCP SYNs to and from node N dropped: no new connection
+    corrupt:node=N,pct=P[,step=S]      P% of node N's TCP packets get a byte overwritten on its
+                                       switch port, with checksums computed in software: the
+                                       receiver's TCP drops them as corrupt
+    bulk:node=N,mbit=M[,to=K][,step=S] a neighbour outside the job streams M Mbit/s of TCP from
+                                       node N to node K (default: the next node)
     linkdown:node=N,step=S[,ms=M]      node N's link loses carrier at step S (its switch port
                                        set down: eth0 shows NO-CARRIER); with ms, back after M ms
     rst:node=N,step=S                  the job's TCP connections of node N are reset at step S
     mismatch:rank=R,step=S,field=F     rank R passes a different count|dtype|op at step S
     crash:rank=R,step=S[,signal=SIG]   rank R exits with code 3 at step S, or kills itself with SIG
     cpuhog:rank=R[,step=S]             busy processes pinned to rank R's CPU (from step S)
+    throttle:rank=R,pct=P[,step=S]     rank R's process capped at P% of a CPU (its cgroup's CPU
+                                       quota), from the start or from step S
+    stop:rank=R,step=S,ms=M            rank R is stopped (SIGSTOP) at step S and continued after
+                                       M ms; rank=all stops every rank of the job together
     gpuslow:rank=R,ms=M[,step=S]       (gpu mode) rank R's device work takes M ms longer every step
     gpuhang:rank=R,step=S              (gpu mode) rank R's device stops at step S (its host goes on)
     pause:every=N,ms=M[,rank=R]        every N steps every rank pauses M ms, as for a checkpoint
@@ -57,14 +73,23 @@ SPEC_HELP = (
     "hang:rank=R,step=S[,agents=ready]  rank R blocks before its collectives of step S"
     " (agents=ready: S steps after every agent is ready)",
     "slow:rank=R,ms=M[,step=S]          rank R computes M ms longer every step (from step S)",
-    "loss:node=N,pct=P[,step=S]         P% of node N's TCP packets are dropped (from step S)",
-    "rate:node=N,mbit=M[,step=S]        node N's link is capped at M Mbit/s (from step S)",
-    "partition:node=N,step=S[,ms=M]     every packet of node N dropped from step S (ms: a flap)",
+    "loss:node=N,pct=P[,dir=D][,step=S] P% of node N's TCP packets are dropped (from step S;"
+    " D: both, in or out)",
+    "rate:node=N,mbit=M[,dir=D][,step=S] node N's link is capped at M Mbit/s (from step S)",
+    "partition:node=N,step=S[,ms=M][,dir=D] every packet of node N dropped from step S"
+    " (ms: a flap; dir=in|out: one way only)",
+    "mtu:node=N,bytes=B[,step=S]        node N's packets over B bytes dropped both ways"
+    " (an MTU blackhole)",
+    "syn:node=N[,step=S]                TCP SYNs to and from node N dropped: no new connection",
+    "corrupt:node=N,pct=P[,step=S]      P% of node N's TCP packets corrupted (dropped by TCP)",
+    "bulk:node=N,mbit=M[,to=K][,step=S] a neighbour streams M Mbit/s from node N to node K",
     "linkdown:node=N,step=S[,ms=M]      node N's link loses carrier at step S (ms: up after M ms)",
     "rst:node=N,step=S                  the job's TCP connections of node N reset at step S",
     "mismatch:rank=R,step=S,field=F     rank R passes another count|dtype|op at step S",
     "crash:rank=R,step=S[,signal=SIG]   rank R exits with code 3 at step S, or dies of SIG",
     "cpuhog:rank=R[,step=S]             busy processes pinned to rank R's CPU (from step S)",
+    "throttle:rank=R,pct=P[,step=S]     rank R capped at P% of a CPU by its cgroup (from step S)",
+    "stop:rank=R,step=S,ms=M            rank R (rank=all: every rank) stopped for M ms at step S",
     "gpuslow:rank=R,ms=M[,step=S]       (gpu mode) rank R's device work is M ms slower a step",
     "gpuhang:rank=R,step=S              (gpu mode) rank R's device stops at step S",
     "pause:every=N,ms=M[,rank=R]        every N steps every rank (or rank R alone, the others"
@@ -98,6 +123,14 @@ class Topology:
         return rank % self.ranks_per_node
 
 
+class Direction(enum.Enum):
+    """Which of a node's packets a link fault acts on, seen from the node."""
+
+    BOTH = "both"
+    IN = "in"  # to the node (its switch port's egress)
+    OUT = "out"  # from the node (its switch port's ingress)
+
+
 class MismatchField(enum.Enum):
     COUNT = "count"
     DTYPE = "dtype"
@@ -126,12 +159,54 @@ class Loss:
     node: int
     pct: int
     step: int | None = None  # None: from before the job starts
+    dir: Direction = Direction.BOTH
 
 
 @dataclass(frozen=True, slots=True)
 class Rate:
     node: int
     mbit: float
+    step: int | None = None
+    dir: Direction = Direction.BOTH
+
+
+@dataclass(frozen=True, slots=True)
+class Mtu:
+    """Packets of the node over ``size`` bytes (IP length) dropped both ways."""
+
+    node: int
+    size: int
+    step: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SynDrop:
+    """TCP SYNs to and from the node dropped: its established connections go
+    on, no new one is made."""
+
+    node: int
+    step: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Corrupt:
+    """``pct``% of the node's TCP packets get a byte overwritten on its
+    switch port; checksums are computed in software on every node, so the
+    receiving TCP drops them (as a NIC would on a bad frame check)."""
+
+    node: int
+    pct: int
+    step: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Bulk:
+    """A neighbour outside the job streaming ``mbit`` Mbit/s of TCP from the
+    node to node ``to`` (None: the next node)."""
+
+    node: int
+    mbit: float
+    to: int | None = None
     step: int | None = None
 
 
@@ -142,6 +217,7 @@ class Partition:
     node: int
     step: int
     ms: float | None = None  # a flap: the drop rule removed after ms; None: for good
+    dir: Direction = Direction.BOTH  # in or out: a one-way cut
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +269,25 @@ class CpuHog:
 
 
 @dataclass(frozen=True, slots=True)
+class Throttle:
+    """The rank's process capped at ``pct``% of one CPU (its cgroup's quota)."""
+
+    rank: int
+    pct: int
+    step: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """The rank (None: every rank) stopped with SIGSTOP at ``step`` and
+    continued ``ms`` later."""
+
+    rank: int | None
+    step: int
+    ms: float
+
+
+@dataclass(frozen=True, slots=True)
 class GpuSlow:
     rank: int
     ms: float
@@ -239,6 +334,12 @@ Fault = (
     | Partition
     | LinkDown
     | Rst
+    | Mtu
+    | SynDrop
+    | Corrupt
+    | Bulk
+    | Throttle
+    | Stop
     | Pause
     | Mismatch
     | Crash
@@ -252,7 +353,9 @@ Fault = (
 )
 RankFault = Hang | Slow | Mismatch | Crash | CpuHog | GpuSlow | GpuHang
 GPU_FAULTS = (GpuSlow, GpuHang)
-NodeFault = Loss | Rate | Partition | LinkDown | Rst
+NodeFault = Loss | Rate | Partition | LinkDown | Rst | Mtu | SynDrop | Corrupt | Bulk
+# acted on a rank's process from outside it (by the runner)
+ProcessFault = Throttle | Stop
 AgentFault = AgentKill | AgentOom | AgentLate | AgentGone
 
 CRASH_EXIT_CODE = 3
@@ -354,19 +457,77 @@ def _slow(f: _Fields) -> Fault:
     return Slow(rank=rank, ms=ms, step=f.optional_integer("step", 0, MAX_STEP))
 
 
+def _direction(fields: _Fields) -> Direction:
+    if "dir" not in fields.values:
+        return Direction.BOTH
+    raw = fields.values.pop("dir")
+    try:
+        return Direction(raw)
+    except ValueError:
+        fields.fail(f"dir={raw!r} must be one of both, in, out")
+        raise
+
+
 def _loss(f: _Fields) -> Fault:
     node, pct = f.integer("node", 0, MAX_STEP), f.integer("pct", 1, MAX_PCT)
-    return Loss(node=node, pct=pct, step=f.optional_integer("step", 0, MAX_STEP))
+    step = f.optional_integer("step", 0, MAX_STEP)
+    return Loss(node=node, pct=pct, step=step, dir=_direction(f))
 
 
 def _rate(f: _Fields) -> Fault:
     node, mbit = f.integer("node", 0, MAX_STEP), f.number("mbit", 0.0, 100_000.0)
-    return Rate(node=node, mbit=mbit, step=f.optional_integer("step", 0, MAX_STEP))
+    step = f.optional_integer("step", 0, MAX_STEP)
+    return Rate(node=node, mbit=mbit, step=step, dir=_direction(f))
 
 
 def _partition(f: _Fields) -> Fault:
     node, step = f.integer("node", 0, MAX_STEP), f.integer("step", 0, MAX_STEP)
-    return Partition(node=node, step=step, ms=f.optional_number("ms", 0.0, MAX_OUTAGE_MS))
+    ms = f.optional_number("ms", 0.0, MAX_OUTAGE_MS)
+    return Partition(node=node, step=step, ms=ms, dir=_direction(f))
+
+
+# an IPv4 packet carries at least its 20-byte header and a TCP or ICMP
+# header; 65,535 is the largest IP length
+MIN_IP_SIZE, MAX_IP_SIZE = 28, 65_535
+
+
+def _mtu(f: _Fields) -> Fault:
+    node, size = f.integer("node", 0, MAX_STEP), f.integer("bytes", MIN_IP_SIZE, MAX_IP_SIZE)
+    return Mtu(node=node, size=size, step=f.optional_integer("step", 0, MAX_STEP))
+
+
+def _syn(f: _Fields) -> Fault:
+    return SynDrop(
+        node=f.integer("node", 0, MAX_STEP), step=f.optional_integer("step", 0, MAX_STEP)
+    )
+
+
+def _corrupt(f: _Fields) -> Fault:
+    node, pct = f.integer("node", 0, MAX_STEP), f.integer("pct", 1, MAX_PCT)
+    return Corrupt(node=node, pct=pct, step=f.optional_integer("step", 0, MAX_STEP))
+
+
+def _bulk(f: _Fields) -> Fault:
+    node, mbit = f.integer("node", 0, MAX_STEP), f.number("mbit", 0.0, 100_000.0)
+    to = f.optional_integer("to", 0, MAX_STEP)
+    if to == node:
+        f.fail(f"to={to} is the node itself: a bulk neighbour streams to another node")
+    return Bulk(node=node, mbit=mbit, to=to, step=f.optional_integer("step", 0, MAX_STEP))
+
+
+def _throttle(f: _Fields) -> Fault:
+    rank, pct = f.integer("rank", 0, MAX_STEP), f.integer("pct", 1, MAX_PCT)
+    return Throttle(rank=rank, pct=pct, step=f.optional_integer("step", 0, MAX_STEP))
+
+
+def _stop(f: _Fields) -> Fault:
+    rank: int | None = None
+    if f.values.get("rank") == "all":
+        del f.values["rank"]
+    else:
+        rank = f.integer("rank", 0, MAX_STEP)
+    step, ms = f.integer("step", 0, MAX_STEP), f.number("ms", 0.0, MAX_OUTAGE_MS)
+    return Stop(rank=rank, step=step, ms=ms)
 
 
 def _linkdown(f: _Fields) -> Fault:
@@ -436,6 +597,12 @@ _PARSERS: Mapping[str, Callable[[_Fields], Fault]] = {
     "partition": _partition,
     "linkdown": _linkdown,
     "rst": _rst,
+    "mtu": _mtu,
+    "syn": _syn,
+    "corrupt": _corrupt,
+    "bulk": _bulk,
+    "throttle": _throttle,
+    "stop": _stop,
     "mismatch": _mismatch,
     "crash": _crash,
     "cpuhog": _cpuhog,
@@ -481,6 +648,8 @@ def validate(
             raise UsageError(
                 f"{where}: node {fault.node} does not exist (nodes are 0..{topology.nodes - 1})"
             )
+        if isinstance(fault, Bulk):
+            _check_bulk(fault, topology, where)
         rank = fault.rank if not isinstance(fault, NodeFault | AgentFault) else None
         if rank is not None and rank >= topology.world_size:
             raise UsageError(
@@ -495,6 +664,20 @@ def validate(
                 f"never reached (steps are 0..{steps - 1})"
             )
     _check_duplicates(faults)
+
+
+def bulk_peer(fault: Bulk, nodes: int) -> int:
+    """The node a bulk neighbour streams to."""
+    return fault.to if fault.to is not None else (fault.node + 1) % nodes
+
+
+def _check_bulk(fault: Bulk, topology: Topology, where: str) -> None:
+    if topology.nodes < 2:
+        raise UsageError(f"{where}: a bulk neighbour needs a second node to stream to")
+    if fault.to is not None and fault.to >= topology.nodes:
+        raise UsageError(
+            f"{where}: node {fault.to} does not exist (nodes are 0..{topology.nodes - 1})"
+        )
 
 
 def _target(fault: Fault) -> int | None:
@@ -512,6 +695,10 @@ def _check_duplicates(faults: Iterable[Fault]) -> None:
         seen.add(key)
 
 
+def _dir(way: Direction) -> str:
+    return "" if way is Direction.BOTH else f",dir={way.value}"
+
+
 def _opt(key: str, value: float | None) -> str:
     if value is None:
         return ""
@@ -525,12 +712,25 @@ def format_fault(fault: Fault) -> str:
             return f"hang:rank={rank},step={step}" + (",agents=ready" if ready else "")
         case Slow(rank, ms, step):
             return f"slow:rank={rank},ms={ms:g}{_opt('step', step)}"
-        case Loss(node, pct, step):
-            return f"loss:node={node},pct={pct}{_opt('step', step)}"
-        case Rate(node, mbit, step):
-            return f"rate:node={node},mbit={mbit:g}{_opt('step', step)}"
-        case Partition(node, step, ms):
-            return f"partition:node={node},step={step}{_opt('ms', ms)}"
+        case Loss(node, pct, step, way):
+            return f"loss:node={node},pct={pct}{_opt('step', step)}{_dir(way)}"
+        case Rate(node, mbit, step, way):
+            return f"rate:node={node},mbit={mbit:g}{_opt('step', step)}{_dir(way)}"
+        case Partition(node, step, ms, way):
+            return f"partition:node={node},step={step}{_opt('ms', ms)}{_dir(way)}"
+        case Mtu(node, size, step):
+            return f"mtu:node={node},bytes={size}{_opt('step', step)}"
+        case SynDrop(node, step):
+            return f"syn:node={node}{_opt('step', step)}"
+        case Corrupt(node, pct, step):
+            return f"corrupt:node={node},pct={pct}{_opt('step', step)}"
+        case Bulk(node, mbit, to, step):
+            return f"bulk:node={node},mbit={mbit:g}{_opt('to', to)}{_opt('step', step)}"
+        case Throttle(rank, pct, step):
+            return f"throttle:rank={rank},pct={pct}{_opt('step', step)}"
+        case Stop(rank, step, ms):
+            who = "all" if rank is None else str(rank)
+            return f"stop:rank={who},step={step},ms={ms:g}"
         case LinkDown(node, step, ms):
             return f"linkdown:node={node},step={step}{_opt('ms', ms)}"
         case Rst(node, step):
@@ -569,7 +769,7 @@ def for_rank(faults: Iterable[Fault], rank: int) -> tuple[RankFault | Pause, ...
     )
 
 
-def active(fault: Slow | GpuSlow | CpuHog | Loss | Rate, step: int) -> bool:
+def active(fault: Slow | GpuSlow | CpuHog | Loss | Rate | Throttle, step: int) -> bool:
     """Whether a fault that acts from a step (or from the start) acts at ``step``."""
     return fault.step is None or step >= fault.step
 

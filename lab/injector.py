@@ -1,9 +1,10 @@
 """Faults the runner injects from outside the job: network faults on a node's
 link and CPU hogs, from the start or once a rank reaches a step.
 
-From the start (before any rank runs): ``loss`` and ``rate`` without a step,
-``cpuhog`` without a step.  At a step: ``partition``, ``linkdown``, ``rst``,
-and ``loss``, ``rate``, ``cpuhog`` with ``step=S``.  Each rank writes the step
+From the start (before any rank runs): ``loss``, ``rate``, ``mtu``, ``syn``,
+``corrupt``, ``bulk`` and ``cpuhog`` without a step; ``throttle`` without a
+step as soon as the ranks run.  At a step: ``partition``, ``linkdown``,
+``rst``, ``stop``, and the others with ``step=S``.  Each rank writes the step
 it begins into ``job.STEPS_FILE`` (one pwrite a step); a thread here reads it
 every ``POLL_S`` and fires a fault as soon as any rank is at its step or
 later, then ends a flap or an outage (``ms=M``) M ms after it began.  A fault
@@ -18,8 +19,11 @@ How each is done (the mechanisms are in ``lab.netns``):
   read before, during and after.
 - rst: ``ss -K`` inside the node on the job's established connections (the
   agents' and the neighbour's ports are left alone).
-- loss, rate: as from the start, applied at the step; they last.
-- cpuhog: the runner's hog processes, started at the step.
+- loss, rate, mtu, syn, corrupt: nftables tables or tbf qdiscs as from the
+  start, applied at the step; they last.
+- cpuhog, bulk: the runner's processes, started at the step.
+- throttle: the rank's process moved into a cgroup with a CPU quota.
+- stop: SIGSTOP to the rank's process (every rank's), SIGCONT ``ms`` later.
 
 Every network fault records every node's TCP counters (``/proc/net/snmp``)
 just before it acts, so a test or a benchmark can tell what happened before
@@ -44,8 +48,19 @@ from stallwatch.lab.faultlog import Episode, FaultRecord, Moment
 POLL_S = 0.01
 LINK_SETTLE_S = 1.0  # how long to wait for the node's carrier to follow its switch port
 
-RunnerFault = F.Loss | F.Rate | F.Partition | F.LinkDown | F.Rst | F.CpuHog
+LinkFault = F.Loss | F.Rate | F.Partition | F.LinkDown | F.Rst | F.Mtu | F.SynDrop | F.Corrupt
+RunnerFault = LinkFault | F.CpuHog | F.Bulk | F.Throttle | F.Stop
 StartHog = Callable[[F.CpuHog], str]  # starts the hogs, says how
+StartBulk = Callable[[F.Bulk], str]  # starts a bulk neighbour, says how
+# acts on the ranks' processes (True: the fault begins; False: it ends), says how
+OnRanks = Callable[[F.Throttle | F.Stop, bool], str]
+_RUNNER_KINDS = (
+    F.Loss, F.Rate, F.Partition, F.LinkDown, F.Rst, F.Mtu, F.SynDrop, F.Corrupt,
+    F.CpuHog, F.Bulk, F.Throttle, F.Stop,
+)  # fmt: skip
+# the nftables table each counting link fault keeps on the switch, by kind
+_TABLES = {F.Loss: "loss", F.Partition: "partition", F.Mtu: "mtu", F.SynDrop: "syn",
+           F.Corrupt: "corrupt"}  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -64,8 +79,7 @@ class _Planned:
 def runner_faults(faults: Iterable[F.Fault]) -> list[RunnerFault]:
     """The faults this module injects (the others act inside the ranks or
     on the agents)."""
-    kinds = (F.Loss, F.Rate, F.Partition, F.LinkDown, F.Rst, F.CpuHog)
-    return [f for f in faults if isinstance(f, kinds)]
+    return [f for f in faults if isinstance(f, _RUNNER_KINDS)]
 
 
 @dataclass
@@ -77,6 +91,8 @@ class Injector:
     run_dir: Path
     start_hog: StartHog
     keep_ports: Sequence[int]  # reset leaves connections on these ports alone
+    start_bulk: StartBulk | None = None
+    on_ranks: OnRanks | None = None
     _planned: list[_Planned] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -88,9 +104,10 @@ class Injector:
     # --- the run's side -------------------------------------------------------
 
     def apply_from_start(self) -> None:
-        """The faults without a step, before any rank starts."""
+        """The faults without a step, before any rank starts (a throttle
+        acts on the ranks' processes: once they run, in the thread)."""
         for p in self._planned:
-            if p.step is None:
+            if p.step is None and not isinstance(p.fault, F.Throttle):
                 self._fire(p, None)
 
     def start(self) -> None:
@@ -112,8 +129,11 @@ class Injector:
         """Stop, and read what a fault that lasted did until now."""
         self.stop()
         for p in self._planned:
-            if isinstance(p.fault, F.Partition) and p.fired is not None and p.fired.end is None:
-                p.measured["dropped_packets"] = netns.partition_drops(self.net, self._node(p))
+            table = _TABLES.get(type(p.fault))
+            if table is not None and p.fired is not None and p.fired.end is None:
+                key = "corrupted_packets" if isinstance(p.fault, F.Corrupt) else "dropped_packets"
+                port = self._node(p).port
+                p.measured[key] = netns.table_packets(self.net, f"{table}_{port}")
             if isinstance(p.fault, F.LinkDown) and p.fired is not None and p.fired.end is None:
                 p.measured["link_at_end"] = netns.link_state(self._node(p))
 
@@ -145,8 +165,8 @@ class Injector:
         now = time.monotonic()
         left = False
         for p in self._planned:
-            if p.fired is None and p.step is not None:
-                if reached >= p.step:
+            if p.fired is None and (p.step is not None or isinstance(p.fault, F.Throttle)):
+                if reached >= (p.step or 0):
                     self._fire(p, reached)
                 left = True
             if p.ends_at is not None:
@@ -159,14 +179,17 @@ class Injector:
     # --- the faults -------------------------------------------------------------
 
     def _node(self, p: _Planned) -> netns.Node:
-        assert not isinstance(p.fault, F.CpuHog)
+        assert not isinstance(p.fault, F.CpuHog | F.Throttle | F.Stop)
         return self.net.nodes[p.fault.node]
 
     def _fire(self, p: _Planned, step: int | None) -> None:
         fault = p.fault
-        if isinstance(fault, F.CpuHog):
-            p.how = self.start_hog(fault)
-            p.fired = Episode(step, Moment.now())
+        if isinstance(fault, F.CpuHog | F.Bulk | F.Throttle | F.Stop):
+            start = Moment.now()
+            p.how = self._local(fault)
+            p.fired = Episode(step, start)
+            if isinstance(fault, F.Stop):
+                p.ends_at = start.mono_ns / 1e9 + fault.ms / 1000.0
             return
         node = self._node(p)
         p.measured["tcp_before"] = {
@@ -183,11 +206,29 @@ class Injector:
         if ms is not None:
             p.ends_at = start.mono_ns / 1e9 + ms / 1000.0  # time.monotonic()'s clock
 
+    def _local(self, fault: F.CpuHog | F.Bulk | F.Throttle | F.Stop) -> str:
+        """A fault the runner's own processes or the ranks' act out."""
+        if isinstance(fault, F.CpuHog):
+            return self.start_hog(fault)
+        if isinstance(fault, F.Bulk):
+            if self.start_bulk is None:
+                raise LabError("this run cannot start a bulk neighbour")
+            return self.start_bulk(fault)
+        if self.on_ranks is None:
+            raise LabError("this run cannot act on its ranks' processes")
+        return self.on_ranks(fault, True)
+
     def _end(self, p: _Planned) -> None:
-        fault, node = p.fault, self._node(p)
+        fault = p.fault
         assert p.fired is not None
         p.ends_at = None
         end = Moment.now()
+        if isinstance(fault, F.Stop):
+            assert self.on_ranks is not None
+            self.on_ranks(fault, False)
+            p.fired = Episode(p.fired.step, p.fired.start, end)
+            return
+        node = self._node(p)
         if isinstance(fault, F.Partition):
             p.measured["dropped_packets"] = netns.remove_partition(self.net, node)
         else:
@@ -197,18 +238,24 @@ class Injector:
 
 
 def _act(
-    fault: F.Loss | F.Rate | F.Partition | F.LinkDown | F.Rst,
+    fault: LinkFault,
     net: netns.Network,
     node: netns.Node,
     measured: dict[str, Any],
     keep_ports: Sequence[int],
 ) -> None:
     if isinstance(fault, F.Loss):
-        netns.add_loss(net, node, fault.pct)
+        netns.add_loss(net, node, fault.pct, fault.dir.value)
     elif isinstance(fault, F.Rate):
-        netns.add_rate(net, node, fault.mbit)
+        netns.add_rate(net, node, fault.mbit, fault.dir.value)
     elif isinstance(fault, F.Partition):
-        netns.add_partition(net, node)
+        netns.add_partition(net, node, fault.dir.value)
+    elif isinstance(fault, F.Mtu):
+        netns.add_mtu(net, node, fault.size)
+    elif isinstance(fault, F.SynDrop):
+        netns.add_syn_drop(net, node)
+    elif isinstance(fault, F.Corrupt):
+        netns.add_corrupt(net, node, fault.pct)
     elif isinstance(fault, F.LinkDown):
         netns.set_link(net, node, up=False)
     else:
@@ -226,18 +273,45 @@ def _settled_link(node: netns.Node, carrier: int) -> dict[str, int | str | None]
     return state
 
 
+_WAYS = {
+    F.Direction.BOTH: "both ways",
+    F.Direction.IN: "to the node only",
+    F.Direction.OUT: "from the node only",
+}
+
+
 def _how(fault: RunnerFault, net: netns.Network) -> str:
     if isinstance(fault, F.CpuHog):
         return "busy processes pinned to the rank's CPU"
+    if isinstance(fault, F.Throttle):
+        return f"the rank's process in a cgroup with a CPU quota of {fault.pct}%"
+    if isinstance(fault, F.Stop):
+        return f"SIGSTOP, SIGCONT after {fault.ms:g} ms"
+    if isinstance(fault, F.Bulk):
+        return f"a TCP stream of {fault.mbit:g} Mbit/s outside the job"
     node = net.nodes[fault.node]
     port = f"switch port {node.port}"
     if isinstance(fault, F.Loss):
-        return f"nftables netdev drop of {fault.pct}% of TCP packets on {port}, both ways"
+        return f"nftables netdev drop of {fault.pct}% of TCP packets on {port}, {_WAYS[fault.dir]}"
     if isinstance(fault, F.Rate):
-        return f"tc tbf on {node.netns} {netns.NODE_DEV} and on {port}"
+        where = {
+            F.Direction.BOTH: f"{node.netns} {netns.NODE_DEV} and on {port}",
+            F.Direction.OUT: f"{node.netns} {netns.NODE_DEV}",
+            F.Direction.IN: port,
+        }[fault.dir]
+        return f"tc tbf at {fault.mbit:g} Mbit/s on {where}"
+    if isinstance(fault, F.Mtu):
+        return f"nftables netdev drop of IPv4 packets over {fault.size} bytes on {port}, both ways"
+    if isinstance(fault, F.SynDrop):
+        return f"nftables netdev drop of TCP SYNs on {port}, both ways"
+    if isinstance(fault, F.Corrupt):
+        return (
+            f"nftables netdev overwrite of a byte in {fault.pct}% of TCP packets on {port}, "
+            "both ways; every node checksums in software"
+        )
     if isinstance(fault, F.Partition):
         flap = f", removed after {fault.ms:g} ms" if fault.ms is not None else ""
-        return f"nftables netdev drop of every packet on {port}, both ways{flap}"
+        return f"nftables netdev drop of every packet on {port}, {_WAYS[fault.dir]}{flap}"
     if isinstance(fault, F.LinkDown):
         back = f", up again after {fault.ms:g} ms" if fault.ms is not None else ""
         return f"{port} set down: {node.netns} {netns.NODE_DEV} loses carrier{back}"

@@ -40,7 +40,9 @@ every rank joins a barrier (a one-element AllReduce on world).  Each fires
 at the rank's own step and is written in the report as it fires
 (``events``: when, on CLOCK_MONOTONIC, and at which step).  At each step's
 start the rank also writes the step into ``STEPS_FILE`` (one pwrite), from
-which the runner fires its own faults at a step (``lab.injector``).
+which the runner fires its own faults at a step (``lab.injector``), and reads
+``END_FILE`` (one pread): a step written there by the runner (``lab run
+--duration``) ends the job before it, on every rank alike.
 
 Exit codes: 0 done and verified, 1 results wrong, 2 setup error (library, id),
 3 crash fault, 4 an NCCL call failed.
@@ -83,6 +85,7 @@ UID_FILE = "world.uid"
 # one little-endian int64 per rank: 1 + the step it is in (0: not begun);
 # the runner reads it to fire faults at a step (``lab.injector``)
 STEPS_FILE = "steps.bin"
+END_FILE = "end.bin"  # the step every rank ends before (plus one; 0: as asked)
 AGENTS_READY_FILE = "agents.ready"  # the runner writes it once every agent is ready
 NO_COMM = "none"
 
@@ -152,6 +155,16 @@ class RankReport:
 
 def make_steps_file(run_dir: Path, world: int) -> None:
     (run_dir / STEPS_FILE).write_bytes(bytes(8 * world))
+    (run_dir / END_FILE).write_bytes(bytes(8))
+
+
+def end_job_at(run_dir: Path, step: int) -> None:
+    """Every rank ends before ``step`` (the runner's ``--duration``)."""
+    fd = os.open(run_dir / END_FILE, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.pwrite(fd, (step + 1).to_bytes(8, "little", signed=True), 0)
+    finally:
+        os.close(fd)
 
 
 def read_steps(run_dir: Path) -> list[int]:
@@ -173,9 +186,21 @@ class StepMark:
         except OSError:
             self.fd = None  # started by hand, without a runner: nobody reads it
 
+        try:
+            self.end_fd: int | None = os.open(run_dir / END_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self.end_fd = None
+
     def begin(self, step: int) -> None:
         if self.fd is not None:
             os.pwrite(self.fd, (step + 1).to_bytes(8, "little", signed=True), 8 * self.rank)
+
+    def end(self) -> int | None:
+        """The step the runner asked every rank to end before, if it did."""
+        if self.end_fd is None:
+            return None
+        value = int.from_bytes(os.pread(self.end_fd, 8, 0).ljust(8, b"\0"), "little", signed=True)
+        return value - 1 if value > 0 else None
 
 
 def read_report(run_dir: Path, rank: int) -> RankReport | None:
@@ -283,6 +308,7 @@ class Rank:
     agents_ready_at: int | None = None  # the step at which it saw every agent ready
     events: list[dict[str, Any]] = field(default_factory=list)
     marks: StepMark | None = None
+    steps_total: int = 0  # as asked, or fewer: where the runner ended the job
 
     @property
     def rank(self) -> int:
@@ -296,7 +322,7 @@ class Rank:
             local_rank=self.topo.local_rank(self.rank),
             pid=os.getpid(),
             mode=self.args.mode,
-            steps_total=self.args.steps,
+            steps_total=self.steps_total or self.args.steps,
             steps_done=self.steps_done,
             verified_ok=self.ok,
             verified_failed=self.failed,
@@ -806,6 +832,10 @@ def train(r: Rank) -> int:
     r.mark_start()
     r.report(STATUS_RUNNING)
     for step in range(r.args.steps):
+        end = r.marks.end() if r.marks is not None else None
+        if end is not None and step >= end:
+            r.steps_total = step
+            break
         run_step(r, step)
         r.steps_done = step + 1
         r.report(STATUS_RUNNING)

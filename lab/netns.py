@@ -78,7 +78,7 @@ RUNS_DIR = Path("/run/stallwatch-lab")
 PIN_ROOT = Path("/sys/fs/bpf/stallwatch")
 PIN_PREFIX = "lab-"
 NETNS_DIR = Path("/run/netns")
-TOOLS = ("ip", "nft", "tc", "nsenter")
+TOOLS = ("ip", "nft", "tc", "nsenter", "ethtool")
 NODE_DEV = "eth0"
 BRIDGE = "br0"
 CLONE_NEWNET = 0x40000000
@@ -127,7 +127,8 @@ def check_tools() -> None:
     missing = [tool for tool in TOOLS if shutil.which(tool) is None]
     if missing:
         raise LabError(
-            f"the lab needs {', '.join(missing)} on PATH (Debian: iproute2, nftables, util-linux)"
+            f"the lab needs {', '.join(missing)} on PATH "
+            "(Debian: iproute2, nftables, util-linux, ethtool)"
         )
 
 
@@ -298,50 +299,108 @@ def kill_inside(ns: str, grace: float = 0.0) -> list[str]:
 # --- link faults -------------------------------------------------------------
 
 
-def add_loss(net: Network, node: Node, pct: int) -> None:
-    rule = f"meta l4proto tcp numgen random mod 100 < {pct} drop"
-    _nft_table(net, f"loss_{node.port}", node, rule)
+# which of a node's packets a rule acts on, seen from the node: what its
+# switch port receives from it (ingress: "out") and sends to it (egress: "in")
+WAYS = ("both", "in", "out")
 
 
-def add_rate(net: Network, node: Node, mbit: float) -> None:
+def add_loss(net: Network, node: Node, pct: int, way: str = "both") -> None:
+    rule = f"meta l4proto tcp numgen random mod 100 < {pct} counter drop"
+    _nft_table(net, f"loss_{node.port}", node, rule, way)
+
+
+def add_rate(net: Network, node: Node, mbit: float, way: str = "both") -> None:
     # burst must hold at least one MTU-sized packet per timer tick.
     burst = max(16, int(mbit * 1000 / 8 / 100))  # kbyte: 10 ms at the rate
     tbf = ["tbf", "rate", f"{mbit}mbit", "burst", f"{burst}kb", "latency", "200ms"]
-    sh(["ip", "netns", "exec", node.netns, "tc", "qdisc", "add", "dev", NODE_DEV, "root", *tbf])
-    sh(["ip", "netns", "exec", net.switch, "tc", "qdisc", "add", "dev", node.port, "root", *tbf])
+    if way in ("both", "out"):
+        sh(["ip", "netns", "exec", node.netns, "tc", "qdisc", "add", "dev", NODE_DEV, "root", *tbf])
+    if way in ("both", "in"):
+        sh(
+            [
+                "ip",
+                "netns",
+                "exec",
+                net.switch,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                node.port,
+                "root",
+                *tbf,
+            ]
+        )
 
 
-def _nft_table(net: Network, table: str, node: Node, rule: str) -> None:
-    ruleset = (
-        f"table netdev {table} {{\n"
-        f'  chain from_node {{ type filter hook ingress device "{node.port}" priority 0;\n'
-        f"    {rule}\n  }}\n"
-        f'  chain to_node {{ type filter hook egress device "{node.port}" priority 0;\n'
-        f"    {rule}\n  }}\n"
-        "}\n"
-    )
+def _nft_table(net: Network, table: str, node: Node, rule: str, way: str = "both") -> None:
+    if way not in WAYS:
+        raise LabError(f"a link rule acts {' or '.join(WAYS)}, not {way!r}")
+    chains = []
+    if way in ("both", "out"):
+        chains.append(
+            f'  chain from_node {{ type filter hook ingress device "{node.port}" priority 0;\n'
+            f"    {rule}\n  }}\n"
+        )
+    if way in ("both", "in"):
+        chains.append(
+            f'  chain to_node {{ type filter hook egress device "{node.port}" priority 0;\n'
+            f"    {rule}\n  }}\n"
+        )
+    ruleset = f"table netdev {table} {{\n{''.join(chains)}}}\n"
     sh(["ip", "netns", "exec", net.switch, "nft", "-f", "-"], stdin=ruleset)
 
 
-def add_partition(net: Network, node: Node) -> None:
-    """Every packet to and from the node dropped (and counted) on its switch port."""
-    _nft_table(net, f"partition_{node.port}", node, "counter drop")
+def add_partition(net: Network, node: Node, way: str = "both") -> None:
+    """Every packet to and from the node (or one way) dropped, and counted, on
+    its switch port."""
+    _nft_table(net, f"partition_{node.port}", node, "counter drop", way)
 
 
-def partition_drops(net: Network, node: Node) -> int:
-    """Packets the node's partition table dropped so far, both ways."""
-    out = sh(["ip", "netns", "exec", net.switch, "nft", "-j", "list", "table", "netdev",
-              f"partition_{node.port}"])  # fmt: skip
+def add_mtu(net: Network, node: Node, size: int) -> None:
+    """IPv4 packets of the node longer than ``size`` bytes dropped both ways:
+    an MTU blackhole (a hop with a smaller MTU that sends no ICMP)."""
+    _nft_table(net, f"mtu_{node.port}", node, f"ip length > {size} counter drop")
+
+
+def add_syn_drop(net: Network, node: Node) -> None:
+    """TCP SYNs to and from the node dropped (SYN-ACKs pass: only the opening
+    of a connection is refused, by silence)."""
+    _nft_table(net, f"syn_{node.port}", node, "tcp flags & (syn|ack) == syn counter drop")
+
+
+def add_corrupt(net: Network, node: Node, pct: int) -> None:
+    """``pct``% of the node's TCP packets get a byte of their TCP header past
+    its first 20 bytes, or of the payload, overwritten on its switch port.
+    Over veth a sender leaves the checksum to the receiver's trust
+    (CHECKSUM_PARTIAL), which would let corrupt data through to the job; so
+    every node's ``eth0`` computes checksums in software first (``ethtool -K
+    eth0 tx off``), and the receiver's TCP drops the packet as a NIC would
+    a frame that fails its check (``InCsumErrors``)."""
+    for n in net.nodes:
+        sh(["ip", "netns", "exec", n.netns, "ethtool", "-K", NODE_DEV, "tx", "off"])
+    rule = f"meta l4proto tcp numgen random mod 100 < {pct} @th,160,8 set 0x5a counter"
+    _nft_table(net, f"corrupt_{node.port}", node, rule)
+
+
+def table_packets(net: Network, table: str) -> int:
+    """Packets the rules of one of the switch's netdev tables counted so far."""
+    out = sh(["ip", "netns", "exec", net.switch, "nft", "-j", "list", "table", "netdev", table])
     try:
         items = json.loads(out)["nftables"]
     except (ValueError, KeyError, TypeError) as exc:
-        raise LabError(f"nft -j list table partition_{node.port}: unreadable ({exc})") from exc
+        raise LabError(f"nft -j list table {table}: unreadable ({exc})") from exc
     return sum(
         int(expr["counter"]["packets"])
         for item in items
         for expr in item.get("rule", {}).get("expr", [])
         if "counter" in expr
     )
+
+
+def partition_drops(net: Network, node: Node) -> int:
+    """Packets the node's partition table dropped so far."""
+    return table_packets(net, f"partition_{node.port}")
 
 
 def remove_partition(net: Network, node: Node) -> int:

@@ -63,8 +63,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from stallwatch.dumpers.errors import AgentError, DumpError, LabError
+from stallwatch.lab import bulk, job, netns
 from stallwatch.lab import faults as F
-from stallwatch.lab import job, netns
 from stallwatch.lab.certs import LabCerts, make_certs
 from stallwatch.lab.chaos import Chaos, post_query
 from stallwatch.lab.churn import CHURN_PORT
@@ -73,6 +73,7 @@ from stallwatch.lab.injector import Injector, runner_faults
 from stallwatch.lab.logs import last_line
 from stallwatch.lab.narrate import STUCK_S, Narrator, command_text, program, wrapped
 from stallwatch.lab.neighbour import ChurnOutcome, Neighbour
+from stallwatch.lab.procfaults import RankActs
 from stallwatch.lab.supervise import Service, Supervisor
 from stallwatch.query.agentclient import AgentClient
 
@@ -118,6 +119,10 @@ class RunConfig:
     dump_at_end: bool = False  # with record: every agent dumps once the ranks finished
     stall_timeout: float = 10.0
     timeout: float | None = None  # None: 30 s plus 0.5 s per step
+    # the job ends this long after it reached the latest step a fault names
+    # (after its first step, if none names one): every rank at the same step,
+    # a few steps after the fastest one then; None: after --steps
+    duration: float | None = None
     elements: int = job.DEFAULT_ELEMENTS
     compute_ms: float = job.DEFAULT_COMPUTE_MS
     run_id: str | None = None
@@ -140,7 +145,11 @@ class RunConfig:
 
     @property
     def deadline_s(self) -> float:
-        return self.timeout if self.timeout is not None else 30.0 + 0.5 * self.steps
+        if self.timeout is not None:
+            return self.timeout
+        if self.duration is not None:  # the end's last steps, however slow the job is then
+            return 60.0 + 1.5 * self.duration
+        return 30.0 + 0.5 * self.steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,10 +338,13 @@ class Lab:
     run_dir: Path
     net: netns.Network | None = None
     ranks: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    from_ns: int | None = None  # CLOCK_MONOTONIC: --duration counts from here
+    ended_at_step: int | None = None  # where --duration ended the job
     hogs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     agents: dict[int, Supervisor] = field(default_factory=dict)
     chaos: Chaos | None = None
     injector: Injector | None = None
+    rank_acts: RankActs | None = None  # throttles and stops of the ranks' processes
     neighbour: Neighbour | None = None
     killed: set[int] = field(default_factory=set)
     logs: list[TextIO] = field(default_factory=list)
@@ -408,6 +420,8 @@ class Lab:
         problems = _stop_agents(self.agents)
         for proc in [*self.ranks.values(), *self.hogs]:
             _kill(proc)
+        if self.rank_acts is not None:
+            self.rank_acts.release()
         if self.neighbour is not None:
             self.neighbour.kill()
         if self.net is not None:
@@ -508,12 +522,15 @@ def set_up(lab: Lab) -> None:
     lab.net = netns.create(lab.run_id, lab.cfg.nodes, host_port=lab.cfg.record)
     if lab.cfg.record and lab.cfg.agent_scope == HOST_SCOPE:
         lab.switch_ip = netns.address_switch(lab.net)
+    lab.rank_acts = RankActs(lab.run_id, lab.ranks)
     lab.injector = Injector(
         net=lab.net,
         faults=runner_faults(lab.cfg.faults),
         run_dir=lab.run_dir,
         start_hog=lambda fault: start_hog(lab, fault),
-        keep_ports=(AGENT_PORT, CHURN_PORT),
+        keep_ports=(AGENT_PORT, CHURN_PORT, bulk.BULK_PORT),
+        start_bulk=lambda fault: start_bulk(lab, fault),
+        on_ranks=lab.rank_acts,
     )
     if lab.cfg.record:
         lab.chaos = make_chaos(lab)
@@ -564,6 +581,14 @@ def start_hog(lab: Lab, fault: F.CpuHog) -> str:
         _renice_autogroup(hog.pid, HOG_NICE)
         lab.hogs.append(hog)
     return f"{HOGS_PER_RANK} busy processes and the rank pinned to CPU {cpu}"
+
+
+def start_bulk(lab: Lab, fault: F.Bulk) -> str:
+    """A bulk neighbour's two processes, now; says how."""
+    assert lab.net is not None
+    procs, how = bulk.start(fault, lab.net.nodes, lab.run_dir, lab.spawn)
+    lab.hogs.extend(procs)  # they go with the run, as the hogs do
+    return how
 
 
 def _renice_autogroup(pid: int, nice: int) -> None:
@@ -1072,6 +1097,7 @@ def wait_for_job(lab: Lab, started: float) -> str | None:
             lab.injector.check()
         say_agents_ready(lab)
         narrate_job(lab)
+        end_when_due(lab)
         now = time.monotonic()
         current = progress(lab)
         if len(current[1]) == len(lab.ranks):
@@ -1083,6 +1109,32 @@ def wait_for_job(lab: Lab, started: float) -> str | None:
         if now - started > lab.cfg.deadline_s:
             return f"the job did not finish within {lab.cfg.deadline_s:g} s (--timeout)"
         time.sleep(POLL)
+
+
+# a rank between reading the steps and the end being written may begin one
+# more step; each checks the end before every step
+END_MARGIN_STEPS = 3
+
+
+def end_when_due(lab: Lab) -> None:
+    """With ``--duration``: once that long has passed since the job reached
+    the latest step a fault names (or began its first step), every rank is
+    asked to end a few steps after the fastest."""
+    if lab.cfg.duration is None or lab.ended_at_step is not None:
+        return
+    reached = max(job.read_steps(lab.run_dir), default=-1)
+    if lab.from_ns is None:
+        if reached < max((s for f in lab.cfg.faults if (s := getattr(f, "step", None))), default=0):
+            return
+        lab.from_ns = time.monotonic_ns()
+    if time.monotonic_ns() - lab.from_ns < lab.cfg.duration * 1e9:
+        return
+    step = min(reached + END_MARGIN_STEPS, lab.cfg.steps)
+    job.end_job_at(lab.run_dir, step)
+    lab.ended_at_step = step
+    lab.narrator.say(
+        f"--duration {lab.cfg.duration:g} s reached: every rank ends before step {step}"
+    )
 
 
 LOOK_S = 0.25  # how often the narration looks at the ranks, faults and logs

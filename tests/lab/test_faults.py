@@ -48,6 +48,18 @@ TOPO = F.Topology(nodes=2, ranks_per_node=2)
         ("gpuslow:rank=5,ms=20,step=4", F.GpuSlow(rank=5, ms=20.0, step=4)),
         ("pause:every=50,ms=2000", F.Pause(every=50, ms=2000.0)),
         ("pause:every=50,ms=2000,rank=0", F.Pause(every=50, ms=2000.0, rank=0)),
+        ("loss:node=1,pct=5,dir=in", F.Loss(1, 5, dir=F.Direction.IN)),
+        ("rate:node=0,mbit=8,dir=out,step=3", F.Rate(0, 8.0, 3, F.Direction.OUT)),
+        ("partition:node=1,step=5,dir=in", F.Partition(1, 5, dir=F.Direction.IN)),
+        ("partition:node=1,step=5,dir=both", F.Partition(1, 5)),
+        ("mtu:node=1,bytes=1200,step=4", F.Mtu(node=1, size=1200, step=4)),
+        ("syn:node=0", F.SynDrop(node=0)),
+        ("corrupt:node=1,pct=3,step=2", F.Corrupt(node=1, pct=3, step=2)),
+        ("bulk:node=0,mbit=30", F.Bulk(node=0, mbit=30.0)),
+        ("bulk:node=0,mbit=30,to=1,step=5", F.Bulk(node=0, mbit=30.0, to=1, step=5)),
+        ("throttle:rank=1,pct=30,step=5", F.Throttle(rank=1, pct=30, step=5)),
+        ("stop:rank=2,step=3,ms=1500", F.Stop(rank=2, step=3, ms=1500.0)),
+        ("stop:rank=all,step=3,ms=1500", F.Stop(rank=None, step=3, ms=1500.0)),
     ],
 )
 def test_parse(spec: str, fault: F.Fault) -> None:
@@ -86,6 +98,13 @@ def test_parse(spec: str, fault: F.Fault) -> None:
         ("pause:ms=100", "pause needs every=<an integer>"),
         ("pause:every=5", "pause needs ms=<a number>"),
         ("pause:every=5,ms=100,node=1", "unknown key(s) for pause: node"),
+        ("loss:node=0,pct=5,dir=up", "dir='up' must be one of both, in, out"),
+        ("mtu:node=0,bytes=10", "bytes=10 is out of range 28..65535"),
+        ("mtu:node=0", "mtu needs bytes=<an integer>"),
+        ("bulk:node=1,mbit=5,to=1", "to=1 is the node itself"),
+        ("throttle:rank=1,pct=0", "pct=0 is out of range 1..100"),
+        ("stop:rank=1,step=2", "stop needs ms=<a number>"),
+        ("stop:rank=some,step=2,ms=5", "rank='some' is not an integer"),
     ],
 )
 def test_bad_specs_say_what_is_wrong(spec: str, names: str) -> None:
@@ -113,6 +132,11 @@ def test_bad_specs_say_what_is_wrong(spec: str, names: str) -> None:
         ("cpuhog:rank=0,step=99", "step 99 is never reached"),
         ("pause:every=20,ms=100", "every=20 pauses before step 20, never reached"),
         ("pause:every=5,ms=100,rank=4", "rank 4 does not exist (ranks are 0..3)"),
+        ("mtu:node=2,bytes=900", "node 2 does not exist"),
+        ("bulk:node=0,mbit=5,to=3", "node 3 does not exist (nodes are 0..1)"),
+        ("throttle:rank=4,pct=5", "rank 4 does not exist"),
+        ("stop:rank=4,step=1,ms=5", "rank 4 does not exist"),
+        ("stop:rank=all,step=21,ms=5", "step 21 is never reached"),
     ],
 )
 def test_validate_against_topology(spec: str, names: str) -> None:
@@ -172,6 +196,8 @@ def test_the_runner_injects_network_faults_and_hogs_the_ranks_the_rest() -> None
 
     runner = ["partition:node=0,step=1", "linkdown:node=0,step=1,ms=5", "rst:node=1,step=2"]
     runner += ["loss:node=0,pct=5,step=3", "rate:node=0,mbit=5", "cpuhog:rank=1,step=4"]
+    runner += ["mtu:node=1,bytes=900", "syn:node=1,step=2", "corrupt:node=0,pct=2"]
+    runner += ["bulk:node=0,mbit=5", "throttle:rank=0,pct=20", "stop:rank=all,step=2,ms=9"]
     ranks = ["slow:rank=0,ms=5,step=3", "gpuslow:rank=1,ms=5", "pause:every=2,ms=5"]
     ranks += ["hang:rank=0,step=1", "agentkill:node=0,step=1"]
     faults = F.parse_faults(runner + ranks)
@@ -206,6 +232,16 @@ _faults = st.one_of(
     st.builds(F.CpuHog, st.integers(0, 999), _STEP),
     st.builds(F.GpuSlow, st.integers(0, 999), _MS, _STEP),
     st.builds(F.Pause, st.integers(1, 10**9), _MS, st.none() | st.integers(0, 999)),
+    st.builds(F.Loss, st.integers(0, 99), st.integers(1, 100), _STEP, st.sampled_from(F.Direction)),
+    st.builds(F.Rate, st.integers(0, 99), _MS, _STEP, st.sampled_from(F.Direction)),
+    st.builds(F.Partition, st.integers(0, 99), st.integers(0, 10**9), st.none() | _MS,
+              st.sampled_from(F.Direction)),  # fmt: skip
+    st.builds(F.Mtu, st.integers(0, 99), st.integers(28, 65535), _STEP),
+    st.builds(F.SynDrop, st.integers(0, 99), _STEP),
+    st.builds(F.Corrupt, st.integers(0, 99), st.integers(1, 100), _STEP),
+    st.builds(F.Bulk, st.integers(0, 99), _MS, st.none() | st.integers(100, 200), _STEP),
+    st.builds(F.Throttle, st.integers(0, 999), st.integers(1, 100), _STEP),
+    st.builds(F.Stop, st.none() | st.integers(0, 999), st.integers(0, 10**9), _MS),
 )
 
 

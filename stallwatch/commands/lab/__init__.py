@@ -8,13 +8,14 @@ import argparse
 from collections.abc import Callable, Sequence
 
 from ..options import HelpFormatter
-from . import demo, run
+from . import demo, run, zoo
 
 LAB_EPILOG = """\
 examples:
   stallwatch lab demo                  # the guided example (a hang, found)
   stallwatch lab run --nodes 4 --fault hang:rank=5,step=10 --record --dump-dir dumps/
   stallwatch lab run --help            # the job's options and fault specs
+  stallwatch lab zoo                   # a random job and fault; its seed replays it
 
 exit codes: those of lab run and lab demo (their --help)
 """
@@ -23,6 +24,7 @@ exit codes: those of lab run and lab demo (their --help)
 SUBCOMMANDS: Sequence[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = (
     run.register,
     demo.register,
+    zoo.register,
 )
 
 

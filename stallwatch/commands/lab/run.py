@@ -121,6 +121,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--timeout", type=_positive_float, default=None, metavar="SEC", help="give up after SEC"
     )
+    p.add_argument("--duration", type=_positive_float, default=None, metavar="SEC",
+                   help="end the job SEC seconds after it reached the latest step a fault "
+                   "names (after its first step if none does), every rank at the same step, "
+                   "however many of --steps remain (default: run every step)")  # fmt: skip
     add_format_option(p)
     p.add_argument("--elements", type=_positive_int, default=DEFAULT_ELEMENTS, metavar="N",
                    help="float32 elements of the gradient AllReduce")  # fmt: skip
@@ -166,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         dump_at_end=args.dump_at_end,
         stall_timeout=args.stall_timeout,
         timeout=args.timeout,
+        duration=args.duration,
         elements=args.elements,
         compute_ms=args.compute_ms,
         run_id=args.run_id,

@@ -234,8 +234,13 @@ _faults = st.one_of(
     st.builds(F.Pause, st.integers(1, 10**9), _MS, st.none() | st.integers(0, 999)),
     st.builds(F.Loss, st.integers(0, 99), st.integers(1, 100), _STEP, st.sampled_from(F.Direction)),
     st.builds(F.Rate, st.integers(0, 99), _MS, _STEP, st.sampled_from(F.Direction)),
-    st.builds(F.Partition, st.integers(0, 99), st.integers(0, 10**9), st.none() | _MS,
-              st.sampled_from(F.Direction)),  # fmt: skip
+    st.builds(
+        F.Partition,
+        st.integers(0, 99),
+        st.integers(0, 10**9),
+        st.none() | _MS,
+        st.sampled_from(F.Direction),
+    ),  # fmt: skip
     st.builds(F.Mtu, st.integers(0, 99), st.integers(28, 65535), _STEP),
     st.builds(F.SynDrop, st.integers(0, 99), _STEP),
     st.builds(F.Corrupt, st.integers(0, 99), st.integers(1, 100), _STEP),

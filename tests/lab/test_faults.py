@@ -240,7 +240,7 @@ _faults = st.one_of(
         st.integers(0, 10**9),
         st.none() | _MS,
         st.sampled_from(F.Direction),
-    ),  # fmt: skip
+    ),
     st.builds(F.Mtu, st.integers(0, 99), st.integers(28, 65535), _STEP),
     st.builds(F.SynDrop, st.integers(0, 99), _STEP),
     st.builds(F.Corrupt, st.integers(0, 99), st.integers(1, 100), _STEP),

@@ -144,8 +144,8 @@ def test_naming_the_pair_where_three_nodes_tell_them_apart_is_a_wrong_culprit() 
 def test_the_incident_an_agent_raised_is_judged_before_the_end_dumps() -> None:
     wrong_kind = _verdict("compute_straggler", ["node1"], [2])
     right = _verdict("network_straggler", ["node1"], [2, 3])
-    row = bench_zoo.judge(_record(_truth()),
-                          _analysis(("lab-x-end", [right]), ("agent-inc", [wrong_kind])))  # fmt: skip
+    both = _analysis(("lab-x-end", [right]), ("agent-inc", [wrong_kind]))
+    row = bench_zoo.judge(_record(_truth()), both)
     assert not row.right and not row.wrong_culprit and row.incidents_raised == 1
 
 

@@ -352,9 +352,13 @@ def _nft_table(net: Network, table: str, node: Node, rule: str, way: str = "both
 
 
 def add_partition(net: Network, node: Node, way: str = "both") -> None:
-    """Every packet to and from the node (or one way) dropped, and counted, on
-    its switch port."""
-    _nft_table(net, f"partition_{node.port}", node, "counter drop", way)
+    """Every packet to and from the node dropped, and counted, on its switch
+    port; one way (``in`` or ``out``), every IPv4 packet of that way, as an
+    ACL or a route that blackholes one direction would: ARP still passes
+    (were it dropped too, the node's neighbour entries would fail within a
+    minute and the cut would act both ways)."""
+    rule = "counter drop" if way == "both" else "meta protocol ip counter drop"
+    _nft_table(net, f"partition_{node.port}", node, rule, way)
 
 
 def add_mtu(net: Network, node: Node, size: int) -> None:

@@ -111,7 +111,10 @@ def wrong_names(truth: zoo.Truth, verdict: Mapping[str, Any]) -> bool:
 
 
 def judge(record: Mapping[str, Any], analysis: Mapping[str, Any]) -> Judged:
-    truth, affect = zoo.Truth.from_json(record["truth"]), dict(record.get("affect") or {})
+    truth = zoo.Truth.from_json(record["truth"])
+    # measured again from the run: the rule of what counts as affected may have changed
+    affect = zoo.affected(truth, record["lab"]).to_json() if "lab" in record else {}
+    affect = affect or dict(record.get("affect") or {})
     job = record.get("job") or {}
     incidents = list(analysis.get("incidents") or [])
     verdicts = [v for i in incidents for v in i.get("verdicts") or []]

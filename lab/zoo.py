@@ -20,11 +20,12 @@ stop the job (hang, crash, desync; a device that is slower or stops, in
 gpu mode); and healthy draws with benign noise (checkpoint pauses, a
 neighbour, every link capped alike, the whole job stopped briefly).
 
-Onset: ``early`` (steps 8-20: in effect from the start, with a few steps
-before it, so that the draw itself shows whether the fault slowed the job)
-or ``mid`` (steps 150-600).  Whether the job was affected is measured on
-the run (``affected``): it stood still, or its median step after the onset
-was ``SLOWED_FACTOR`` times its median before.  A fault that affected
+Onset: ``early`` (steps 25-40: in effect from the start, with enough steps
+before it that the draw itself shows whether the fault slowed the job) or
+``mid`` (steps 150-600).  Whether the job was affected is measured on the
+run (``affected``): it stood still, or its median step after the onset was
+both ``SLOWED_FACTOR`` times its median before and above nine in ten of
+its steps before (a shared machine's steps vary by half and more).  A fault that affected
 nothing expects its culprit or a verdict naming nobody, never another host.
 
 This module only draws and describes; ``stallwatch lab zoo`` runs a draw
@@ -52,9 +53,10 @@ from stallwatch.lab import runner
 RANKS_PER_CPU = 4  # the lab's job on a shared machine: ranks per CPU at most
 HEALTHY_SHARE = 0.22  # of the draws
 # a job whose median step after the onset is this many times its median
-# before was affected (below it, a fault that slowed nothing: its culprit or
-# nobody may be named); the lab's healthy runs vary by well under this
+# before, and above the 90th percentile of its steps before, was affected
+# (below it, a fault that slowed nothing: its culprit or nobody may be named)
 SLOWED_FACTOR = 1.25
+BEFORE_QUANTILE = 0.9
 STALL_TIMEOUT_S = 20.0  # the agents' ceiling and the lab's patience: a 10 s flap recovers within
 RUN_AFTER_FAULT_S = 40.0  # how long a job that goes on runs after its fault's step
 
@@ -257,7 +259,7 @@ def _onset(rnd: random.Random, mechanism: str) -> tuple[str, int]:
     if mechanism in STALLS:  # judged by the stall: a short history before it will do
         return "mid", rnd.randint(30, 200)
     if rnd.random() < 0.3:
-        return "early", rnd.randint(8, 20)
+        return "early", rnd.randint(25, 40)
     return "mid", rnd.randint(150, 600)
 
 
@@ -462,11 +464,13 @@ def job_step_ms(ranks: Sequence[Mapping[str, Any]]) -> list[float]:
 class Affect:
     stalled: bool  # the lab gave up: no rank moved for its patience
     factor: float | None  # median step after the onset over the median before
+    above_before: bool  # the median after is above BEFORE_QUANTILE of the steps before
     longest_s: float | None  # the longest step after the onset
 
     @property
     def affected(self) -> bool:
-        return self.stalled or (self.factor is not None and self.factor >= SLOWED_FACTOR)
+        slowed = self.factor is not None and self.factor >= SLOWED_FACTOR and self.above_before
+        return self.stalled or slowed
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "affected": self.affected}
@@ -480,11 +484,13 @@ def affected(truth: Truth, result: Mapping[str, Any]) -> Affect:
     onset = truth.step if truth.step is not None else 0
     before = steps[max(3, onset - 100) : onset]
     after = steps[onset + 2 :]
-    factor = None
+    factor, above = None, False
     if before and after:
-        factor = round(statistics.median(after) / max(statistics.median(before), 1e-3), 3)
+        late = statistics.median(after)
+        factor = round(late / max(statistics.median(before), 1e-3), 3)
+        above = late > sorted(before)[min(len(before) - 1, int(BEFORE_QUANTILE * len(before)))]
     longest = round(max(steps[onset:]) / 1000, 3) if steps[onset:] else None
-    return Affect(stalled, factor, longest)
+    return Affect(stalled, factor, above, longest)
 
 
 def accepted_kinds(truth: Truth) -> frozenset[str]:

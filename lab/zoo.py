@@ -23,9 +23,10 @@ neighbour, every link capped alike, the whole job stopped briefly).
 Onset: ``early`` (steps 25-40: in effect from the start, with enough steps
 before it that the draw itself shows whether the fault slowed the job) or
 ``mid`` (steps 150-600).  Whether the job was affected is measured on the
-run (``affected``): it stood still, or its median step after the onset was
-both ``SLOWED_FACTOR`` times its median before and above nine in ten of
-its steps before (a shared machine's steps vary by half and more).  A fault that affected
+run (``affected``): it stood still (for good, or for ``STOOD_STILL_S`` and
+more, then went on), or its median step after the onset was both
+``SLOWED_FACTOR`` times its median before and above nine in ten of its
+steps before (a shared machine's steps vary by half and more).  A fault that affected
 nothing expects its culprit or a verdict naming nobody, never another host.
 
 This module only draws and describes; ``stallwatch lab zoo`` runs a draw
@@ -57,6 +58,9 @@ HEALTHY_SHARE = 0.22  # of the draws
 # (below it, a fault that slowed nothing: its culprit or nobody may be named)
 SLOWED_FACTOR = 1.25
 BEFORE_QUANTILE = 0.9
+# a step this long after the onset: the job stood still that long and came
+# back (a flap, a stopped rank); DESIGN's floor of the stall bound
+STOOD_STILL_S = 5.0
 STALL_TIMEOUT_S = 20.0  # the agents' ceiling and the lab's patience: a 10 s flap recovers within
 RUN_AFTER_FAULT_S = 40.0  # how long a job that goes on runs after its fault's step
 
@@ -470,7 +474,8 @@ class Affect:
     @property
     def affected(self) -> bool:
         slowed = self.factor is not None and self.factor >= SLOWED_FACTOR and self.above_before
-        return self.stalled or slowed
+        stood = self.longest_s is not None and self.longest_s >= STOOD_STILL_S
+        return self.stalled or slowed or stood
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "affected": self.affected}

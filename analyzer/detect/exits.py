@@ -7,7 +7,10 @@ recorder does not see it (a stream synchronisation, an async error check).
 "After" is told by each host's clock converted to wall time; across hosts a
 death within ``SKEW_NS`` of another cannot be ordered by clocks, and then a
 rank killed by a signal (it did not react to anything) is the cause of an
-error exit, never the reverse."""
+error exit, never the reverse.  A desync is the cause of the error exits of
+its communicator's members that were alive when it was entered: a rank that
+met a mismatched collective fails in it, or at the next synchronisation on
+its stream (the recorder sees no error there), and exits with an error."""
 
 from __future__ import annotations
 
@@ -56,6 +59,25 @@ def _consequences(a: Analysis, dead: list[int]) -> set[int]:
     return out
 
 
+def _after_desync(a: Analysis, dead: list[int]) -> set[int]:
+    """Ranks that exited with an error code (no signal) and were members of a
+    communicator a desync was found on, alive when it was entered: they
+    entered that seq or a later one there."""
+    m = a.matched
+    out: set[int] = set()
+    for d in a.disagreements:
+        members = set(a.incident.comms[d.comm].members)
+        sl = m.comm_rows(d.comm)
+        procs, seqs = m.rows["proc"][sl], m.rows["seq"][sl]
+        for i in dead:
+            p = a.incident.procs[i]
+            if i not in members or p.exit_signal or p.exit_code in (None, 0):
+                continue
+            if ((procs == i) & (seqs >= d.seq)).any():
+                out.add(i)
+    return out
+
+
 def _failed_calls(a: Analysis) -> set[int]:
     """Procs whose last call returned an error: they died of a peer's death."""
     rows = a.incident.calls.rows
@@ -77,7 +99,7 @@ def detect_rank_exited(a: Analysis) -> list[Verdict]:
     dead = [i for i, p in enumerate(inc.procs) if p.died_badly]
     if not dead:
         return []
-    after = _consequences(a, dead)
+    after = _consequences(a, dead) | _after_desync(a, dead)
     culprits = [i for i in dead if i not in after]
     if not culprits and a.disagreements:
         return []  # they exited on the error a desync caused: the desync is the finding

@@ -52,6 +52,45 @@ def test_hang_names_exactly_the_hung_rank(mode: str, rank: int) -> None:
     assert v.comm_id_hash is not None and v.comm_id_hash.startswith("0x")
 
 
+def _exited(
+    recs: list[Recording], codes: dict[int, tuple[int | None, int | None]]
+) -> list[Recording]:
+    """The recordings with ranks given an exit (code, signal) in their node's process table."""
+    return [
+        dataclasses.replace(
+            rec,
+            processes=tuple(
+                dataclasses.replace(p, exit_code=codes[p.pid][0], exit_signal=codes[p.pid][1])
+                if p.pid in codes
+                else p
+                for p in rec.processes
+            ),
+        )
+        for rec in recs
+    ]
+
+
+def _judged(recs: list[Recording]) -> list[Verdict]:
+    (inc,) = group_incidents([Source(f"dump-{r.host}.msgpack", r) for r in recs])
+    return list(analyze_incident(inc).verdicts)
+
+
+def test_error_exits_after_a_desync_are_its_consequences() -> None:
+    """A mismatched collective fails on its members, at the call or at their
+    next synchronisation (unseen by the recorder): ranks alive at it that then
+    exit with an error code are the desync's consequences, not culprits."""
+    recs = recordings(with_(BASE, mismatch=(2, 25, "op")))
+    vs = _judged(_exited(recs, {pid_of(r): (4, None) for r in range(BASE.nranks)}))
+    assert kinds(vs) == [VerdictKind.DESYNC] and vs[0].ranks == (2,)
+
+
+def test_a_rank_killed_by_a_signal_beside_a_desync_is_still_named() -> None:
+    recs = recordings(with_(BASE, mismatch=(2, 25, "op")))
+    vs = _judged(_exited(recs, {pid_of(1): (None, 9), pid_of(3): (4, None)}))
+    assert kinds(vs) == [VerdictKind.DESYNC, VerdictKind.RANK_EXITED]
+    assert vs[1].ranks == (1,)
+
+
 @pytest.mark.parametrize("field", ["count", "dtype", "op"])
 def test_mismatch_names_the_odd_rank(field: str) -> None:
     vs = verdicts(with_(BASE, mismatch=(2, 25, field)))

@@ -63,6 +63,7 @@ BEFORE_QUANTILE = 0.9
 STOOD_STILL_S = 5.0
 STALL_TIMEOUT_S = 20.0  # the agents' ceiling and the lab's patience: a 10 s flap recovers within
 RUN_AFTER_FAULT_S = 40.0  # how long a job that goes on runs after its fault's step
+DEADLINE_S = 3600.0
 
 
 class Expect(enum.Enum):
@@ -214,6 +215,7 @@ class Draw:
         argv = ["--nodes", str(j.nodes), "--ranks-per-node", str(j.ranks_per_node)]
         argv += ["--steps", str(j.steps), "--mode", j.mode, "--wait", j.wait]
         argv += ["--elements", str(j.elements), "--stall-timeout", f"{STALL_TIMEOUT_S:g}"]
+        argv += ["--timeout", f"{DEADLINE_S:g}"]
         argv += ["--graphs"] if j.graphs else []
         argv += ["--neighbour-churn", str(j.churn)] if j.neighbour == "churn" else []
         argv += ["--duration", f"{j.duration:g}"] if j.duration is not None else []
@@ -520,6 +522,9 @@ def config(d: Draw, dump_dir: Path) -> runner.RunConfig:
         dump_dir=dump_dir,
         dump_at_end=j.dump_at_end,
         stall_timeout=STALL_TIMEOUT_S,
+        # the job's pace is the machine's (a shared one runs it ten times
+        # slower): it ends by its duration or its stall, never by a deadline
+        timeout=DEADLINE_S,
         duration=j.duration,
         elements=j.elements,
         wait=j.wait,

@@ -95,7 +95,8 @@ STOPPING = ("hang", "crash", "desync", "gpuhang")
 MECHANISMS = (*NETWORK, *COMPUTE, *STOPPING, "healthy")
 GPU_ONLY = ("gpuslow", "gpuhang")
 # faults after which the job stands still for good: the agents' stall dumps judge them
-STALLS = ("cut", "partition", "linkdown", "rst", "hang", "crash", "desync", "gpuhang")
+# (an MTU blackhole too: the job's segments are full-sized, at the interface's MTU)
+STALLS = ("cut", "partition", "linkdown", "mtu", "rst", "hang", "crash", "desync", "gpuhang")
 
 
 @dataclass(frozen=True, slots=True)

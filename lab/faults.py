@@ -73,16 +73,16 @@ SPEC_HELP = (
     "hang:rank=R,step=S[,agents=ready]  rank R blocks before its collectives of step S"
     " (agents=ready: S steps after every agent is ready)",
     "slow:rank=R,ms=M[,step=S]          rank R computes M ms longer every step (from step S)",
-    "loss:node=N,pct=P[,dir=D][,step=S] P% of node N's TCP packets are dropped (from step S;"
+    "loss:node=N,pct=P[,dir=D][,step=S]  P% of node N's TCP packets are dropped (from step S;"
     " D: both, in or out)",
-    "rate:node=N,mbit=M[,dir=D][,step=S] node N's link is capped at M Mbit/s (from step S)",
-    "partition:node=N,step=S[,ms=M][,dir=D] every packet of node N dropped from step S"
+    "rate:node=N,mbit=M[,dir=D][,step=S]  node N's link is capped at M Mbit/s (from step S)",
+    "partition:node=N,step=S[,ms=M][,dir=D]  every packet of node N dropped from step S"
     " (ms: a flap; dir=in|out: one way only)",
     "mtu:node=N,bytes=B[,step=S]        node N's packets over B bytes dropped both ways"
     " (an MTU blackhole)",
     "syn:node=N[,step=S]                TCP SYNs to and from node N dropped: no new connection",
     "corrupt:node=N,pct=P[,step=S]      P% of node N's TCP packets corrupted (dropped by TCP)",
-    "bulk:node=N,mbit=M[,to=K][,step=S] a neighbour streams M Mbit/s from node N to node K",
+    "bulk:node=N,mbit=M[,to=K][,step=S]  a neighbour streams M Mbit/s from node N to node K",
     "linkdown:node=N,step=S[,ms=M]      node N's link loses carrier at step S (ms: up after M ms)",
     "rst:node=N,step=S                  the job's TCP connections of node N reset at step S",
     "mismatch:rank=R,step=S,field=F     rank R passes another count|dtype|op at step S",

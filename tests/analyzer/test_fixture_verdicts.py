@@ -1,7 +1,9 @@
-"""Every real recording kept in tests/data is judged as its truth says: each
-folder's ``expected.json`` holds what the run was (``truth``) and the
-verdicts it supports, first ones first, with the ranks and hosts they name.
-A rule changed for one input is judged here on every other real input too."""
+"""Every real recording kept in tests/data is judged as its truth says:
+``tests/data/verdicts.json`` holds, per folder of dumps, what the run was
+(``truth``) and the verdicts it supports, first ones first, with the ranks
+and hosts they name (kept apart from the dumps: a folder given to
+``analyze`` holds inputs only).  A rule changed for one input is judged here
+on every other real input too."""
 
 from __future__ import annotations
 
@@ -13,11 +15,8 @@ import pytest
 from stallwatch.analyzer.pipeline import analyze_paths
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-FIXTURES = sorted(
-    p.parent.relative_to(DATA).as_posix()
-    for p in DATA.glob("**/expected.json")
-    if any(p.parent.glob("*.msgpack"))
-)
+TRUTH = json.loads((DATA / "verdicts.json").read_text())
+FIXTURES = sorted(TRUTH)
 
 
 def test_every_recorded_lab_incident_has_its_truth() -> None:
@@ -27,7 +26,7 @@ def test_every_recorded_lab_incident_has_its_truth() -> None:
 
 @pytest.mark.parametrize("name", FIXTURES)
 def test_a_real_recording_gets_the_verdict_its_truth_supports(name: str) -> None:
-    expected = json.loads((DATA / name / "expected.json").read_text())
+    expected = TRUTH[name]
     (inc,) = analyze_paths([str(DATA / name)]).incidents
     want = expected["verdicts"]
     got = [

@@ -63,7 +63,7 @@ def test_bash_completes_commands_options_and_their_values(
     )
     assert got[0] == ["analyze"]
     assert set(got[1]) == {name for name, _ in COMMANDS[0].commands} >= {"analyze", "lab"}
-    assert sorted(got[2]) == ["demo", "run"]
+    assert sorted(got[2]) == ["demo", "run", "zoo"]
     assert sorted(got[3]) == ["async", "blocking", "gpu"]
     assert got[4] == ["json"]
     assert got[5] == ["tests/data/lab-hang-2x2"]  # a path argument: files

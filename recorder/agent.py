@@ -61,6 +61,7 @@ from .slowdown import (
     network_evidence,
 )
 from .source import EventSource
+from .stallbound import DEFAULT_FLOOR_S, StallBounds
 from .tickstate import CommProgress, ProcessState, Slowdown, TickState
 from .watchdog import DumpScheduler, Incidents, Watchdog
 
@@ -85,7 +86,8 @@ PEER_TIMEOUT_S = 3.0  # a peer answers once its dump is written
 @dataclass(frozen=True, slots=True)
 class AgentConfig:
     dump_dir: Path = Path("dumps")
-    stall_timeout_s: float = 60.0
+    stall_timeout_s: float = 60.0  # the ceiling of every communicator's stall bound
+    stall_floor_s: float = DEFAULT_FLOOR_S  # and its floor (recorder.stallbound)
     libs: tuple[str, ...] = ()
     pids: tuple[int, ...] = ()
     scope: str = "host"  # host | netns
@@ -486,6 +488,7 @@ class Agent:
             new = new[keep(new)] if len(new) else new
             settled = settled[keep(settled)] if len(settled) else settled
         self.slowdown.feed(new, settled)
+        self.incidents.watchdog.bounds.feed(settled)
         found = self.slowdown.judge(now)
         held = self.slowdown.held(now)
         if held:
@@ -495,7 +498,9 @@ class Agent:
                 evidence = network_evidence(call, tcp, links)
                 if evidence is not None:
                     found.append(held_slowdown(call, evidence))
-        self.slowdown.forget(self.procs.alive())
+        alive = self.procs.alive()
+        self.slowdown.forget(alive)
+        self.incidents.watchdog.bounds.forget(set(alive))
         return tuple(found)
 
     def _tick_state(
@@ -643,7 +648,9 @@ class Agent:
             cfg.max_dumps,
             cfg.max_dump_bytes,
         )
-        watchdog = Watchdog(int(cfg.stall_timeout_s * 1e9), self.host)
+        ceiling = int(cfg.stall_timeout_s * 1e9)
+        bounds = StallBounds(ceiling, int(cfg.stall_floor_s * 1e9))
+        watchdog = Watchdog(ceiling, self.host, bounds=bounds)
         incidents = Incidents(watchdog, scheduler)
         peers = PeerList(cfg.peers, cfg.peers_from)
         if peers:
@@ -831,9 +838,9 @@ def dump_pinned(
     from stallwatch import __version__
     from stallwatch.dumpers.format import write_dump
 
+    from .incidentids import new_incident_id
     from .pinning import PinSet
     from .source import PinnedSource
-    from .watchdog import new_incident_id
 
     pins = PinSet.open(pin_dir, read_only=True)
     about = pins.description

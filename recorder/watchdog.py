@@ -5,8 +5,11 @@ is tested on hand-built ``TickState``s.  Three pieces:
 
 ``Watchdog`` decides.  ``check(state)`` turns each tick's state into triggers:
 
-- IN_FLIGHT: a call entered and not returned for longer than the stall timeout
-  (a call of a process known to be dead is left to EXIT);
+- IN_FLIGHT: a call entered and not returned while its communicator made no
+  progress on this node for longer than that communicator's own bound
+  (``recorder.stallbound``: a floor, its rhythm, the pauses it survived; the
+  stall timeout is the ceiling), the bound and what set it in the reason (a
+  call of a process known to be dead is left to EXIT);
 - NO_PROGRESS: a live process whose active communicators (calls > 0, not
   destroyed) have all been silent (no entry, no return) for longer than the
   stall timeout.  Judged per process, not per communicator: a process that
@@ -64,14 +67,10 @@ through an injected callable.  Thread-safe: one lock around all of it, so
 
 from __future__ import annotations
 
-import calendar
 import contextlib
 import dataclasses
 import enum
-import itertools
 import logging
-import re
-import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -83,7 +82,26 @@ from stallwatch.dumpers.errors import DumpError, DumpWriteError
 from stallwatch.dumpers.model import Recording, Trigger, TriggerKind
 from stallwatch.dumpers.schema import op_name
 
+from .incidentids import (
+    CLIENT_DUMP_EVERY_NS,
+    CLIENT_DUMPS_BURST,
+    ID_CLOCK_SLACK_NS,
+    TokenBucket,
+    incident_wall_ns,
+    new_incident_id,
+)
+from .stallbound import StallBounds
 from .tickstate import TickState
+
+__all__ = [  # ids and the client bucket live in recorder.incidentids; named here as before
+    "DumpScheduler",
+    "Incidents",
+    "Status",
+    "TokenBucket",
+    "Watchdog",
+    "incident_wall_ns",
+    "new_incident_id",
+]
 
 log = logging.getLogger("stallwatch.watchdog")
 
@@ -102,40 +120,6 @@ _PRIORITY = {
 
 def default_cooldown_ns(stall_timeout_ns: int) -> int:
     return max(MIN_COOLDOWN_NS, 2 * stall_timeout_ns)
-
-
-_HOST_UNSAFE = re.compile(r"[^A-Za-z0-9]+")
-_SUFFIX_BITS = 24
-# a counter from a random start: an agent never repeats a suffix (random
-# ones of 24 bits did, once in about 130 runs of 500 ids); each agent starts
-# at its own random point
-_SUFFIXES = itertools.count(secrets.randbits(_SUFFIX_BITS))
-
-
-ID_CLOCK_SLACK_NS = SECOND_NS  # clocks of two nodes, and ids to the ms
-
-
-def incident_wall_ns(incident_id: str) -> int | None:
-    """When an incident id says it was raised (UTC, to the ms), or None."""
-    stamp = incident_id.split("-", 1)[0]
-    try:
-        when = calendar.timegm(time.strptime(stamp[:15], "%Y%m%dT%H%M%S"))
-        ms = int(stamp[15:18])
-    except ValueError:
-        return None
-    return when * SECOND_NS + ms * 1_000_000
-
-
-def new_incident_id(host: str, wall_ns: int | None = None) -> str:
-    """``<UTC time to the ms>-<host>-<suffix>``, URL-safe, about 40 characters;
-    sorts by detection time across hosts (to the ms, then host, then chance).
-    The suffix (6 hex digits) counts from a random start: unique within a process."""
-    wall = time.time_ns() if wall_ns is None else wall_ns
-    secs, ns = divmod(wall, SECOND_NS)
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(secs)) + f"{ns // 1_000_000:03d}"
-    name = _HOST_UNSAFE.sub("-", host).strip("-")[:16] or "host"
-    suffix = next(_SUFFIXES) % (1 << _SUFFIX_BITS)
-    return f"{stamp}-{name}-{suffix:06x}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,10 +174,14 @@ class Watchdog:
         merge_window_ns: int | None = None,
         clock: Callable[[], int] = time.monotonic_ns,
         wall_clock: Callable[[], int] = time.time_ns,
+        bounds: StallBounds | None = None,
     ) -> None:
+        """``bounds``: each communicator's own bound for calls in flight
+        (``recorder.stallbound``); by default the stall timeout for all."""
         if stall_timeout_ns <= 0:
             raise ValueError(f"stall timeout must be positive, got {stall_timeout_ns} ns")
         self.stall_timeout_ns = stall_timeout_ns
+        self.bounds = StallBounds(stall_timeout_ns) if bounds is None else bounds
         self.host = host
         self.cooldown_ns = (
             default_cooldown_ns(stall_timeout_ns) if cooldown_ns is None else cooldown_ns
@@ -299,23 +287,19 @@ class Watchdog:
     def _inflight_conditions(
         self, state: TickState, out: dict[tuple[object, ...], _Condition]
     ) -> None:
-        dead = {p.pid for p in state.processes if not p.alive}
-        for call in state.inflight:
-            age = state.now_ns - call.entered_ns
-            if age <= self.stall_timeout_ns or call.pid in dead:
-                continue
-            reason = (
-                f"{op_name(call.op)} seq {call.seq} on {_comm_text(call.comm_hash)} "
-                f"in flight for {age / SECOND_NS:.1f} s (pid {call.pid}, tid {call.tid})"
-            )
+        for stall in self.bounds.judge(state):
+            call, now = stall.call, state.now_ns
+            what = f"{op_name(call.op)} seq {call.seq} on {_comm_text(call.comm_hash)}"
             if call.seq < 0:  # found on the thread's stack (recorder.positions)
-                reason = (
-                    f"{op_name(call.op)} in flight since before the agent started, "
-                    f"{age / SECOND_NS:.1f} s ago (pid {call.pid}, tid {call.tid}: thread position)"
-                )
+                what = f"{op_name(call.op)} (thread position: since before the agent started)"
+            reason = (
+                f"{what} in flight for {(now - call.entered_ns) / SECOND_NS:.1f} s, no progress "
+                f"on this node for {(now - stall.since_ns) / SECOND_NS:.1f} s "
+                f"(pid {call.pid}, tid {call.tid}); {stall.bound.text()}"
+            )
             key = (TriggerKind.IN_FLIGHT, call.pid, call.tid, call.entered_ns)
             out[key] = _Condition(
-                TriggerKind.IN_FLIGHT, reason, call.entered_ns, call.pid, call.comm_hash
+                TriggerKind.IN_FLIGHT, reason, stall.since_ns, call.pid, call.comm_hash
             )
 
     def _progress_conditions(
@@ -866,32 +850,6 @@ def _answer(outcome: DumpOutcome) -> dict[str, object]:
     if outcome.error:
         answer["error"] = outcome.error
     return answer
-
-
-# Dumps clients may ask for (stallwatch dump, POST /dump): a burst of 3, then
-# one every 20 s.  Each may displace an older requested dump (--max-dumps),
-# never an incident's; peers and signals are not counted here.
-CLIENT_DUMPS_BURST = 3
-CLIENT_DUMP_EVERY_NS = 20 * SECOND_NS
-
-
-class TokenBucket:
-    """``burst`` tokens, one more every ``every_ns``."""
-
-    def __init__(self, burst: int, every_ns: int) -> None:
-        self.burst, self.every_ns = burst, every_ns
-        self._tokens = float(burst)
-        self._at: int | None = None
-
-    def take(self, now_ns: int) -> int:
-        """0 if a token was taken; else how long until one is there (ns)."""
-        if self._at is not None:
-            self._tokens = min(self.burst, self._tokens + (now_ns - self._at) / self.every_ns)
-        self._at = now_ns
-        if self._tokens >= 1:
-            self._tokens -= 1
-            return 0
-        return int((1 - self._tokens) * self.every_ns)
 
 
 def _comm_text(comm_hash: int) -> str:

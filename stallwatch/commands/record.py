@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from stallwatch.dumpers.errors import ExitCode, UsageError
 from stallwatch.query.tls import ClientTls, ServerTls
 from stallwatch.recorder.rings import check_ring_size
+from stallwatch.recorder.stallbound import DEFAULT_FLOOR_S
 
 from .options import (
     HelpFormatter,
@@ -89,7 +90,17 @@ def _add_recording_options(p: argparse.ArgumentParser) -> None:
         type=float,
         default=60.0,
         metavar="SEC",
-        help="dump when a call or a communicator is stuck this long",
+        help="the ceiling: dump when a communicator made no progress this long, or a call "
+        "stood still this long whatever its communicator's own bound",
+    )
+    p.add_argument(
+        "--stall-floor",
+        type=float,
+        default=DEFAULT_FLOOR_S,
+        metavar="SEC",
+        help="a call in flight is a stall once its communicator made no progress for the "
+        "larger of this and a multiple of its recent durations (raised by its warm-up and by "
+        "pauses it survived; --stall-timeout at most)",
     )
     p.add_argument(
         "--lib",
@@ -329,6 +340,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("--keep-pinned and --no-pin: a recording not pinned cannot be kept")
     if args.stall_timeout <= 0:
         raise UsageError(f"--stall-timeout: expected seconds > 0, got {args.stall_timeout}")
+    if args.stall_floor <= 0:
+        raise UsageError(f"--stall-floor: expected seconds > 0, got {args.stall_floor}")
     if args.runq_threshold_ms < 0:
         raise UsageError(f"--runq-threshold-ms: expected >= 0, got {args.runq_threshold_ms}")
     _slowdown_config(args)
@@ -433,6 +446,7 @@ def _config(args: argparse.Namespace) -> AgentConfig:
     return AgentConfig(
         dump_dir=args.dump_dir,
         stall_timeout_s=args.stall_timeout,
+        stall_floor_s=args.stall_floor,
         libs=tuple(args.lib),
         pids=tuple(args.pid),
         scope=args.scope,

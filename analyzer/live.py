@@ -1,7 +1,10 @@
 """The live verdict (``stallwatch analyze --agents``): every agent's current
 recording, fetched at once under one incident id, analyzed in memory as its
 dumps would be; nothing is written unless asked (``save``: the answers, as
-sent, in the per-node layout every other command reads).
+sent, in the per-node layout every other command reads).  With an incident
+id (``--incident``), every agent's dumps of that incident instead, as
+written: the verdict ``analyze`` gives on the same files (the one an agent
+publishes after its incident, ``recorder.verdicts``).
 
 Agents that do not answer, or send what the dump reader refuses, are lost
 inputs under the rules for unreadable dumps: their ranks are judged only from
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stallwatch.dumpers.folder import save_dump
-from stallwatch.query.live import AgentCall, Gathered, fetch_recordings
+from stallwatch.query.live import AgentCall, Gathered, fetch_incident, fetch_recordings
 
 from .incident import InputStatus
 from .pipeline import AnalysisResult, analyze_recordings
@@ -37,8 +40,14 @@ def new_live_id() -> str:
     return f"live-{stamp}-{secrets.token_hex(3)}"
 
 
-def analyze_agents(call: AgentCall, save: Path | None = None) -> LiveVerdict:
-    got = fetch_recordings(call, new_live_id())
+def analyze_agents(
+    call: AgentCall, save: Path | None = None, incident_id: str | None = None
+) -> LiveVerdict:
+    """The agents' current recordings, or (``incident_id``) their dumps of it."""
+    if incident_id is not None:
+        got = fetch_incident(call, incident_id)
+    else:
+        got = fetch_recordings(call, new_live_id())
     saved: tuple[Path, ...] = ()
     if save is not None:  # first: what was fetched is kept whatever the analysis does
         saved = tuple(save_dump(save, f.host, f.name, f.blob)[0] for f in got.fetched)

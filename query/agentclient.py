@@ -250,3 +250,27 @@ def close_connections() -> None:
     _POOL.clear()
     with _contexts_lock:
         _contexts.clear()
+
+
+def post_url(
+    url: str, body: bytes, timeout: float, content_type: str = "application/json"
+) -> Reply:
+    """POST to a URL that is no agent's (a webhook, ``--notify``): no token,
+    the system's trusted CAs for ``https://``.  ``AgentError`` if there is
+    no answer, as for an agent."""
+    address, path = split_url(url)
+    client = AgentClient(address, timeout=timeout)
+    return client.request("POST", path, body, {"Content-Type": content_type})
+
+
+def split_url(url: str) -> tuple[Address, str]:
+    """``http[s]://host[:port][/path]`` -> its address and path (a usage
+    error naming the URL otherwise)."""
+    scheme, sep, rest = url.strip().partition("://")
+    if not sep or scheme not in ("http", "https"):
+        raise UsageError(f"{url!r}: expected http://HOST[:PORT]/PATH or https://...")
+    where, slash, path = rest.partition("/")
+    https = scheme == "https"
+    if not where.rpartition("]")[2].count(":"):  # no port: the scheme's
+        where = f"{where}:{443 if https else 80}"
+    return parse_address(f"{scheme}://{where}"), "/" + path if slash else "/"

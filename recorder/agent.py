@@ -63,7 +63,9 @@ from .slowdown import (
 from .source import EventSource
 from .stallbound import DEFAULT_FLOOR_S, StallBounds
 from .tickstate import CommProgress, ProcessState, Slowdown, TickState
+from .verdicts import Judge, VerdictPublisher
 from .watchdog import DumpScheduler, Incidents, Watchdog
+from .webhook import Webhook
 
 log = logging.getLogger("stallwatch.record")
 
@@ -114,6 +116,10 @@ class AgentConfig:
     bpf_cache: Path | None = None  # compiled programs kept there (recorder.compiled)
     links: LinkConfig = field(default_factory=LinkConfig)  # the link sampler (recorder.links)
     slowdown: SlowdownConfig = field(default_factory=SlowdownConfig)  # recorder.slowdown
+    # the verdict of each incident it detects, gathered from every node's dump
+    # (recorder.verdicts; None: not published) and posted to --notify
+    judge: Judge | None = None
+    notify_url: str | None = None
 
 
 @dataclass(slots=True)
@@ -665,7 +671,25 @@ class Agent:
         pins = self.source.pinset
         if pins is not None and not pins.read_only:
             watchdog.on_change = lambda: self._save_state(pins)
+        self.verdicts = self._publisher(incidents, peers)
         return incidents
+
+    def _publisher(self, incidents: Incidents, peers: PeerList) -> VerdictPublisher | None:
+        """Each incident this agent detects: its verdict, from every node's dump."""
+        cfg = self.config
+        if cfg.judge is None:
+            return None
+        webhook = Webhook(cfg.notify_url) if cfg.notify_url else None
+        publisher = VerdictPublisher(
+            cfg.judge,
+            lambda: (cfg.listen, *peers()),
+            cfg.dump_dir,
+            self.host,
+            relabelled=lambda incident: incident in incidents.relabelled,
+            webhook=webhook,
+        )
+        incidents.on_dumped = publisher.dumped
+        return publisher
 
     def _save_state(self, pins: PinSet) -> None:
         """The watchdog's incidents, kept with the pinned recording: an agent
@@ -701,6 +725,7 @@ class Agent:
             processes_watched=len(self.procs.alive()),
             links=self._link_states(),
             streams=self._stream_gauges(),
+            incidents=self.verdicts.latest() if self.verdicts is not None else (),
         )
 
     def _stream_gauges(self) -> tuple[StreamGauges, ...]:
@@ -719,9 +744,21 @@ class Agent:
             **self.counters.values,
             **self.incidents.counters(),
             **self.serving_counters(),
+            **self._verdict_counters(),
             "link_read_failures": self.links.errors,
         }
         return agent_metrics_text(self.stats(), counters)
+
+    def _verdict_counters(self) -> dict[str, int]:
+        v = self.verdicts
+        if v is None:
+            return {}
+        out = {"verdicts_published": v.published, "verdict_failures": v.failures}
+        if v.webhook is not None:
+            w = v.webhook.stats
+            out |= {"notify_sent": w.sent, "notify_failures": w.failures}
+            out["notify_dropped"] = w.dropped
+        return out
 
     def watch_pins(self) -> None:
         """The pinned recording's folder as this agent left it: what was

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .slowdown import StreamGauges
+from .verdicts import Published, incident_families
 
 if TYPE_CHECKING:  # loaded at the first scrape, not when the agent starts
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -67,6 +68,11 @@ HELP = {
     "link_read_failures": "Readings of the node's links that failed (rtnetlink).",
     "slowdowns_detected": "Slowdowns the watchdog raised as incidents (a communicator's "
     "rhythm degraded, a rank persistently last, a collective held by the network).",
+    "verdicts_published": "Verdicts of this agent's incidents published (revisions too).",
+    "verdict_failures": "Gatherings of an incident's verdict that gave none (the log says why).",
+    "notify_sent": "Verdict notices the --notify webhook took.",
+    "notify_failures": "Posts to the --notify webhook that failed (each retried while it may be).",
+    "notify_dropped": "Verdict notices given up: refused, too old, or displaced.",
 }
 
 
@@ -105,6 +111,7 @@ class AgentStats:
     processes_watched: int
     links: tuple[LinkState, ...] = ()
     streams: tuple[StreamGauges, ...] = ()  # the slowdown trigger's view (recorder.slowdown)
+    incidents: tuple[Published, ...] = ()  # the latest verdicts published (recorder.verdicts)
 
 
 # counters that AgentStats already reports under a name of its own
@@ -350,6 +357,7 @@ def agent_metrics_text(stats: AgentStats, counters: Mapping[str, int]) -> str:
             *stats_families(stats),
             *link_families(stats.links),
             *stream_families(stats.streams),
+            *incident_families(stats.incidents),
             *counter_families(counters),
         ]
     )

@@ -92,6 +92,7 @@ from .incidentids import (
 )
 from .stallbound import StallBounds
 from .tickstate import TickState
+from .verdicts import Dumped
 
 __all__ = [  # ids and the client bucket live in recorder.incidentids; named here as before
     "DumpScheduler",
@@ -735,6 +736,9 @@ class Incidents:
         self.watchdog = watchdog
         self.scheduler = scheduler
         self.notify = notify
+        # an incident of this node dumped here: its verdict (recorder.verdicts)
+        self.on_dumped: Callable[[Dumped], object] | None = None
+        self.relabelled: dict[str, str] = {}  # own incident -> the peer's earlier id
         self._lock = threading.RLock()
         self.client_requests = TokenBucket(CLIENT_DUMPS_BURST, CLIENT_DUMP_EVERY_NS)
         self.rate_limited = 0  # client requests refused by the bucket
@@ -781,6 +785,7 @@ class Incidents:
                 path = self.scheduler.paths.get(decision.incident_id)
                 outcome = DumpOutcome(decision.status, decision.incident_id, path)
             elif decision.replaces is not None:
+                self.relabelled[decision.replaces] = decision.incident_id
                 outcome = self.scheduler.relabel(decision.replaces, decision.trigger)
             else:
                 try:
@@ -808,16 +813,23 @@ class Incidents:
             if not self.watchdog.adopt_earlier(ours, their_id):
                 return
             peer = dataclasses.replace(trigger, kind=TriggerKind.PEER, incident_id=their_id)
+            self.relabelled[ours] = their_id
             with contextlib.suppress(DumpWriteError):
                 self.scheduler.relabel(ours, peer)
 
     def _dump(self, trigger: Trigger) -> DumpOutcome:
+        peers = None
         if self.notify is not None and trigger.kind != TriggerKind.PEER:
             try:  # peers first: they dump while this node writes
-                self.notify(trigger)
+                peers = self.notify(trigger)
             except Exception:
                 log.exception("incident %s: notifying peers failed", trigger.incident_id)
-        return self.scheduler.submit(trigger)
+        began = time.monotonic()
+        outcome = self.scheduler.submit(trigger)
+        if outcome.status is Status.WRITTEN and self.on_dumped is not None:
+            round_ = peers if isinstance(peers, threading.Thread) else None
+            self.on_dumped(Dumped(trigger, time.monotonic() - began, round_))
+        return outcome
 
     def counters(self) -> dict[str, int]:
         """For /metrics (each a counter, except ``dumps_pending``)."""

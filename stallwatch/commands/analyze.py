@@ -40,6 +40,8 @@ examples:
   stallwatch analyze --agents node1:9400,node2:9400 --token-file /etc/stallwatch/token \\
       --tls-ca /etc/stallwatch/ca.pem
   stallwatch analyze --agents-file nodes.txt --save incident/    # ... and keep them as dumps
+  stallwatch analyze --agents-file nodes.txt --incident 20261123T170635508-node2-329539
+      # one incident's dumps as the agents wrote them (what an agent publishes)
 
 exit codes: 0 healthy, 1 findings (inconclusive, or an input lost), 2 nothing could be read
 """
@@ -61,6 +63,12 @@ def register(subparsers: Any) -> None:
         type=Path,
         metavar="DIR",
         help="with --agents: write the answers as one incident (DIR/<host>/)",
+    )
+    p.add_argument(
+        "--incident",
+        metavar="ID",
+        help="with --agents: the agents' dumps of this incident, as written (not their "
+        "current recordings)",
     )
     add_format_option(p)
     p.add_argument(
@@ -87,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give dump files or folders, or --agents/--agents-file (not both)")
     if args.save is not None and not live:
         raise UsageError("--save goes with --agents: dumps given as paths are saved already")
+    if args.incident is not None and not live:
+        raise UsageError("--incident goes with --agents: give the incident's dumps as paths")
     if live:
         return _run_live(args)
     result = analyze_paths(args.paths, progress=sys.stderr.isatty() or len(args.paths) > 1)
@@ -99,7 +109,7 @@ def _run_live(args: argparse.Namespace) -> int:
 
     call = agent_call_from(args)
     try:
-        verdict = analyze_agents(call, args.save)
+        verdict = analyze_agents(call, args.save, args.incident)
     finally:
         close_connections()
     if args.save is not None:

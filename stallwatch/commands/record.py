@@ -27,9 +27,12 @@ from .options import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from stallwatch.recorder.agent import AgentConfig
     from stallwatch.recorder.peers import PeerSource
     from stallwatch.recorder.slowdown import SlowdownConfig
+    from stallwatch.recorder.verdicts import Judge
 
 EPILOG = """\
 examples:
@@ -265,6 +268,18 @@ def _add_network_options(p: argparse.ArgumentParser) -> None:
     )
     add_server_tls(p)
     add_client_tls(p, what="the peers")
+    p.add_argument(
+        "--notify",
+        metavar="URL",
+        help="post each verdict of an incident this agent detects to this webhook "
+        "(Alertmanager's webhook JSON, with a 'text' line chat webhooks show), retried",
+    )
+    p.add_argument(
+        "--no-verdict",
+        action="store_true",
+        help="do not gather and publish the verdict of the incidents this agent detects "
+        "(<incident>.verdict.json beside the dumps, the log, /metrics, --notify)",
+    )
 
 
 def _add_limit_options(p: argparse.ArgumentParser) -> None:
@@ -358,6 +373,15 @@ def _check_args(args: argparse.Namespace) -> None:
         server.context()  # a bad certificate or key is named before anything is compiled
     _peer_tls(args)
     _peers_from(args)  # a source that cannot work is named before anything is compiled
+    if args.notify is not None:
+        if args.no_verdict:
+            raise UsageError("--notify and --no-verdict: the notice is the verdict")
+        from stallwatch.query.agentclient import split_url
+
+        try:
+            split_url(args.notify)
+        except UsageError as exc:
+            raise UsageError(f"--notify: {exc}") from None
 
 
 def _check_listen(args: argparse.Namespace, server: ServerTls | None) -> None:
@@ -472,7 +496,40 @@ def _config(args: argparse.Namespace) -> AgentConfig:
         keep_pinned=args.keep_pinned,
         bpf_cache=None if args.no_bpf_cache else args.bpf_cache,
         slowdown=_slowdown_config(args),
+        judge=None if args.no_verdict else _judge(args),
+        notify_url=args.notify,
     )
+
+
+def _judge(args: argparse.Namespace) -> Judge:
+    """The verdict of an incident, as ``stallwatch analyze --agents ...
+    --incident ID --json`` run as a child of the agent: the agent carries no
+    analysis (its memory bound and its loop are the recording's), and the
+    verdict is the live verdict's, on the dumps as written.  The token goes
+    through the child's standard input, never its command line."""
+    from stallwatch.recorder.verdicts import ChildJudge
+
+    token = read_token(args.token_file)
+    peer = _peer_tls(args)
+
+    def argv(incident: str, agents: Sequence[str], timeout: float) -> list[str]:
+        out = [sys.executable, "-m", "stallwatch", "analyze", "--json"]
+        out += ["--agents", ",".join(agents), "--incident", incident, "--timeout", f"{timeout:g}"]
+        if token is not None:
+            out += ["--token-file", "/dev/stdin"]
+        if peer is not None:
+            out += _tls_args(peer)
+        return out
+
+    return ChildJudge(argv, (token or "").encode())
+
+
+def _tls_args(tls: ClientTls) -> list[str]:
+    out = []
+    for flag, path in (("--tls-ca", tls.ca), ("--tls-cert", tls.cert), ("--tls-key", tls.key)):
+        if path is not None:
+            out += [flag, str(Path(path).resolve())]
+    return out
 
 
 def _compile_only(args: argparse.Namespace) -> int:

@@ -35,9 +35,15 @@ A spec is ``kind:key=value,key=value``:
                                        M ms; rank=all stops every rank of the job together
     gpuslow:rank=R,ms=M[,step=S]       (gpu mode) rank R's device work takes M ms longer every step
     gpuhang:rank=R,step=S              (gpu mode) rank R's device stops at step S (its host goes on)
-    pause:every=N,ms=M[,rank=R]        every N steps every rank pauses M ms, as for a checkpoint
+    pause:every=N,ms=M[,rank=R][,work=W]
+                                       every N steps every rank pauses M ms, as for a checkpoint
                                        (with rank: only R pauses, the others wait for it in a
-                                       barrier); a healthy job's long phase, not a fault
+                                       barrier); a healthy job's long phase, not a fault; W what
+                                       it does meanwhile: sleep (default), io (writes and syncs a
+                                       file, as a checkpoint does), cpu (computes, as an
+                                       evaluation does): no collective either way
+    late:rank=R,ms=M                   rank R starts M ms after the others (its peers wait for
+                                       it in their first NCCL calls); healthy, not a fault
     agentkill:node=N,step=S[,after=SEC][,signal=SIG]
                                        node N's agent is killed (SIGKILL) once a rank
                                        reaches step S (SEC later); supervision restarts it
@@ -92,8 +98,9 @@ SPEC_HELP = (
     "stop:rank=R,step=S,ms=M            rank R (rank=all: every rank) stopped for M ms at step S",
     "gpuslow:rank=R,ms=M[,step=S]       (gpu mode) rank R's device work is M ms slower a step",
     "gpuhang:rank=R,step=S              (gpu mode) rank R's device stops at step S",
-    "pause:every=N,ms=M[,rank=R]        every N steps every rank (or rank R alone, the others"
-    " waiting in a barrier) pauses M ms, as for a checkpoint: healthy",
+    "pause:every=N,ms=M[,rank=R][,work=W]  every N steps every rank (or rank R alone, the"
+    " others waiting in a barrier) pauses M ms, sleeping, writing (io) or computing (cpu): healthy",
+    "late:rank=R,ms=M                   rank R starts M ms after the others: healthy",
     "agentkill:node=N,step=S[,after=SEC][,signal=SIG]  node N's agent killed at step S, restarted",
     "agentoom:node=N,step=S             node N's agent killed by its memory bound, restarted",
     "agentlate:node=N,step=S            node N's agent started only at step S",
@@ -246,6 +253,18 @@ class Pause:
     every: int
     ms: float
     rank: int | None = None  # None: every rank pauses
+    work: str = "sleep"  # PAUSE_WORK: what the pausing ranks do meanwhile
+
+
+PAUSE_WORK = ("sleep", "io", "cpu")
+
+
+@dataclass(frozen=True, slots=True)
+class Late:
+    """Rank ``rank`` starts ``ms`` after the others: healthy, not a fault."""
+
+    rank: int
+    ms: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,8 +369,9 @@ Fault = (
     | AgentOom
     | AgentLate
     | AgentGone
+    | Late
 )
-RankFault = Hang | Slow | Mismatch | Crash | CpuHog | GpuSlow | GpuHang
+RankFault = Hang | Slow | Mismatch | Crash | CpuHog | GpuSlow | GpuHang | Late
 GPU_FAULTS = (GpuSlow, GpuHang)
 NodeFault = Loss | Rate | Partition | LinkDown | Rst | Mtu | SynDrop | Corrupt | Bulk
 # acted on a rank's process from outside it (by the runner)
@@ -541,7 +561,14 @@ def _rst(f: _Fields) -> Fault:
 
 def _pause(f: _Fields) -> Fault:
     every, ms = f.integer("every", 1, MAX_STEP), f.number("ms", 0.0, MAX_MS)
-    return Pause(every=every, ms=ms, rank=f.optional_integer("rank", 0, MAX_STEP))
+    work = f.values.pop("work", "sleep")
+    if work not in PAUSE_WORK:
+        f.fail(f"work={work!r}: expected one of {', '.join(PAUSE_WORK)}")
+    return Pause(every=every, ms=ms, rank=f.optional_integer("rank", 0, MAX_STEP), work=work)
+
+
+def _late(f: _Fields) -> Fault:
+    return Late(rank=f.integer("rank", 0, MAX_STEP), ms=f.number("ms", 0.0, MAX_MS))
 
 
 def _mismatch(f: _Fields) -> Fault:
@@ -609,6 +636,7 @@ _PARSERS: Mapping[str, Callable[[_Fields], Fault]] = {
     "gpuslow": _gpuslow,
     "gpuhang": _gpuhang,
     "pause": _pause,
+    "late": _late,
     "agentkill": _agentkill,
     "agentoom": _agentoom,
     "agentlate": _agentlate,
@@ -680,14 +708,16 @@ def _check_bulk(fault: Bulk, topology: Topology, where: str) -> None:
         )
 
 
-def _target(fault: Fault) -> int | None:
+def _target(fault: Fault) -> object:
     if isinstance(fault, NodeFault | AgentFault):
         return fault.node
+    if isinstance(fault, Pause):  # a checkpoint and an evaluation: two pauses of every rank
+        return (fault.rank, fault.every, fault.work)
     return fault.rank
 
 
 def _check_duplicates(faults: Iterable[Fault]) -> None:
-    seen: set[tuple[type, int | None]] = set()
+    seen: set[tuple[type, object]] = set()
     for fault in faults:
         key = (type(fault), _target(fault))
         if key in seen:
@@ -735,8 +765,11 @@ def format_fault(fault: Fault) -> str:
             return f"linkdown:node={node},step={step}{_opt('ms', ms)}"
         case Rst(node, step):
             return f"rst:node={node},step={step}"
-        case Pause(every, ms, rank):
-            return f"pause:every={every},ms={ms:g}{_opt('rank', rank)}"
+        case Pause(every, ms, rank, work):
+            tail = f",work={work}" if work != "sleep" else ""
+            return f"pause:every={every},ms={ms:g}{_opt('rank', rank)}{tail}"
+        case Late(rank, ms):
+            return f"late:rank={rank},ms={ms:g}"
         case Mismatch(rank, step, field):
             return f"mismatch:rank={rank},step={step},field={field.value}"
         case Crash(rank, step, sig):

@@ -604,9 +604,40 @@ def pause(r: Rank, step: int) -> None:
             continue
         if p.rank is None or p.rank == r.rank:
             began = time.monotonic_ns()
-            time.sleep(p.ms / 1000.0)
+            PAUSE_WORK[p.work](r, p.ms / 1000.0)
             r.fired(p, step, began, time.monotonic_ns())
         barrier(r)
+
+
+def _checkpoint(r: Rank, seconds: float) -> None:
+    """Write and sync a file for ``seconds``, as a checkpoint does."""
+    path = r.args.run_dir / f"checkpoint-{r.rank}.bin"
+    block = os.urandom(CHECKPOINT_BLOCK)
+    end = time.monotonic() + seconds
+    with open(path, "wb") as f:
+        while time.monotonic() < end:
+            f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+            if f.tell() >= CHECKPOINT_MAX:
+                f.seek(0)
+    path.unlink(missing_ok=True)
+
+
+def _evaluate(r: Rank, seconds: float) -> None:
+    """Compute for ``seconds`` with no collective, as an evaluation does."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        busy(10.0)
+
+
+CHECKPOINT_BLOCK = 1 << 20
+CHECKPOINT_MAX = 64 << 20  # the file is rewritten from its start past this
+PAUSE_WORK = {
+    "sleep": lambda _r, seconds: time.sleep(seconds),
+    "io": _checkpoint,
+    "cpu": _evaluate,
+}
 
 
 def barrier(r: Rank) -> None:
@@ -828,6 +859,11 @@ def start(args: RankArgs) -> Rank:
 
 
 def train(r: Rank) -> int:
+    late = r.fault(F.Late)
+    if isinstance(late, F.Late):  # its peers wait for it in their first calls
+        began = time.monotonic_ns()
+        time.sleep(late.ms / 1000.0)
+        r.fired(late, 0, began, time.monotonic_ns())
     init_comms(r)
     r.mark_start()
     r.report(STATUS_RUNNING)

@@ -40,6 +40,7 @@ AGENT_PATTERNS: tuple[tuple[str, re.Pattern[str], str], ...] = (  # the first ma
     ("listening", re.compile(r"listening on (\S+)"), "agent up, listening on {0}"),
     ("recording", re.compile(r"recording pid (\d+)"), "agent records rank process {0}"),
     ("dump", re.compile(r"dump written to (\S+)"), "dump written: {0}"),
+    ("verdict", re.compile(r"incident \S+: verdict: (.*)"), "verdict: {0}"),
     ("peer", re.compile(r"incident \S+ \(peer\): (.*)"), "a peer asks for a dump: {0}"),
     ("stall", re.compile(r"incident \S+ \((\w+)\): (.*)"), "stall detected ({0}): {1}"),
     ("stopping", re.compile(r"stopping: (.*)"), "agent stopping: {0}"),

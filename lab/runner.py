@@ -118,6 +118,10 @@ class RunConfig:
     dump_dir: Path = Path("dumps")
     dump_at_end: bool = False  # with record: every agent dumps once the ranks finished
     stall_timeout: float = 10.0
+    # with record: the agents run with record's defaults, as deployed (no
+    # --stall-timeout: each communicator's own bound, 60 s the ceiling);
+    # stall_timeout is then only how long the lab waits for a rank to move
+    agent_defaults: bool = False
     timeout: float | None = None  # None: 30 s plus 0.5 s per step
     # the job ends this long after it reached the latest step a fault names
     # (after its first step, if none names one): every rank at the same step,
@@ -662,7 +666,8 @@ def agent_argv(lab: Lab, site: AgentSite, token_file: Path) -> list[str]:
     peers = [f"{s.ip}:{AGENT_PORT}" for s in lab.sites() if s.index != site.index]
     argv = [sys.executable, "-m", "stallwatch", "record", "--scope", lab.cfg.agent_scope]
     argv += ["--dump-dir", str(agent_dump_dir(lab.cfg, site.index))]
-    argv += ["--stall-timeout", f"{lab.cfg.stall_timeout:g}"]
+    if not lab.cfg.agent_defaults:
+        argv += ["--stall-timeout", f"{lab.cfg.stall_timeout:g}"]
     argv += ["--listen", f"{site.ip}:{AGENT_PORT}", "--token-file", str(token_file)]
     assert lab.certs is not None
     argv += lab.certs.agent_args(site.index)
@@ -926,6 +931,25 @@ def wait_for_dumps(lab: Lab) -> None:
         if dumped and (chaos is None or chaos.settled()):
             return
         time.sleep(0.25)
+
+
+VERDICT_GRACE = 30.0  # after the dumps: time for the detecting agent to publish its verdict
+
+
+def wait_for_verdict(lab: Lab) -> None:
+    """Until an agent published the verdict of an incident it detected
+    (``<incident>.verdict.json`` beside its dumps), or VERDICT_GRACE passes."""
+    deadline = time.monotonic() + VERDICT_GRACE
+    while time.monotonic() < deadline and not verdicts_found(lab.cfg):
+        narrate_job(lab, waiting_for_dumps=True)
+        time.sleep(0.25)
+    narrate_job(lab, waiting_for_dumps=True)
+
+
+def verdicts_found(cfg: RunConfig) -> list[Path]:
+    if not cfg.dump_dir.is_dir():
+        return []
+    return sorted(p for p in cfg.dump_dir.rglob("*.verdict.json") if not p.name.startswith("."))
 
 
 def dumped_since(since_ns: Mapping[Path, int]) -> bool:
@@ -1308,6 +1332,7 @@ def run(cfg: RunConfig, progress_out: TextIO | None = None) -> RunResult:
             ):
                 wait_for_dumps(lab)
                 problems += pinned_dumps(lab)
+                wait_for_verdict(lab)
                 say_dumps(lab)
             elif cfg.record and cfg.dump_at_end:
                 say(f"lab run {lab.run_id}: asking every agent for a dump")

@@ -688,6 +688,7 @@ class Agent:
             relabelled=lambda incident: incident in incidents.relabelled,
             webhook=webhook,
         )
+        incidents.on_raised = publisher.raised
         incidents.on_dumped = publisher.dumped
         return publisher
 

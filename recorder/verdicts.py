@@ -113,37 +113,74 @@ class Published:
 
 
 class ChildJudge:
-    """Runs the live verdict as a child process: ``argv(incident, agents,
-    timeout)`` is its command line (``analyze ... --json``), ``stdin`` what
-    it reads first (the agents' token, never on a command line)."""
+    """Runs the live verdict as a child process: ``argv(incident, agents)``
+    is its command line (``analyze ... --request-stdin --json``).  A child
+    is started when the incident is raised (``warm``), so that it has
+    loaded the analyzer by the time the dumps are written; it is then given
+    its timeout and the agents' token on stdin (never on a command line)."""
 
     def __init__(
-        self, argv: Callable[[str, Sequence[str], float], list[str]], stdin: bytes = b""
+        self, argv: Callable[[str, Sequence[str]], list[str]], token: str | None = None
     ) -> None:
-        self.argv, self.stdin = argv, stdin
+        self.argv, self.token = argv, token
+        self._lock = threading.Lock()
+        self._ready: dict[str, tuple[tuple[str, ...], subprocess.Popen[bytes]]] = {}
+
+    def warm(self, incident_id: str, agents: Sequence[str]) -> None:
+        """Start the child for an incident now (one waiting at a time)."""
+        try:
+            proc = self._spawn(incident_id, agents)
+        except OSError as exc:
+            log.warning("incident %s: cannot start the verdict's child: %s", incident_id, exc)
+            return
+        with self._lock:
+            stale = list(self._ready.values())
+            self._ready = {incident_id: (tuple(agents), proc)}
+        for _, old in stale:
+            _stop(old)
 
     def __call__(self, incident_id: str, agents: Sequence[str], timeout_s: float) -> Judgement:
-        argv = self.argv(incident_id, agents, timeout_s)
+        with self._lock:
+            ready = self._ready.pop(incident_id, None)
+        if ready is not None and ready[0] != tuple(agents):
+            _stop(ready[1])
+            ready = None
         try:
-            done = subprocess.run(
-                argv,
-                input=self.stdin,
-                capture_output=True,
-                timeout=timeout_s + JUDGE_SLACK_S,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            return Judgement(None, f"no verdict within {timeout_s + JUDGE_SLACK_S:g} s")
+            proc = ready[1] if ready is not None else self._spawn(incident_id, agents)
         except OSError as exc:
-            return Judgement(None, f"cannot run {argv[0]}: {exc.strerror or exc}")
-        if done.returncode not in (0, 1):
-            last = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
-            return Judgement(None, f"exit code {done.returncode}: {last[0][:300]}")
+            return Judgement(None, f"cannot run the verdict's child: {exc.strerror or exc}")
+        request = json.dumps({"timeout": timeout_s, "token": self.token}) + "\n"
         try:
-            doc = json.loads(done.stdout)
-        except ValueError as exc:
-            return Judgement(None, f"the answer is not JSON: {exc}")
-        return Judgement(doc if isinstance(doc, dict) else None, None)
+            out, err = proc.communicate(request.encode(), timeout=timeout_s + JUDGE_SLACK_S)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            return Judgement(None, f"no verdict within {timeout_s + JUDGE_SLACK_S:g} s")
+        return _answer(proc.returncode, out, err)
+
+    def _spawn(self, incident_id: str, agents: Sequence[str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            self.argv(incident_id, agents),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.kill()
+    proc.communicate()
+
+
+def _answer(code: int, out: bytes, err: bytes) -> Judgement:
+    """0 healthy, 1 findings: a document; anything else: why not."""
+    if code not in (0, 1):
+        last = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
+        return Judgement(None, f"exit code {code}: {last[0][:300]}")
+    try:
+        doc = json.loads(out)
+    except ValueError as exc:
+        return Judgement(None, f"the answer is not JSON: {exc}")
+    return Judgement(doc if isinstance(doc, dict) else None, None)
 
 
 # ---- reading the document ----------------------------------------------------------
@@ -248,6 +285,16 @@ class VerdictPublisher:
         self.failures = 0  # gatherings that gave no verdict
         self.published = 0  # verdicts (revisions too) published
         self.threads: list[threading.Thread] = []
+
+    def raised(self, trigger: Trigger) -> None:
+        """An incident of ours is raised: a judge that can, gets ready now."""
+        warm = getattr(self.judge, "warm", None)
+        if trigger.kind not in PUBLISHED_KINDS or warm is None:
+            return
+        incident = trigger.incident_id
+        threading.Thread(  # the peers' list may need a lookup: never in the tick
+            target=lambda: warm(incident, tuple(self.agents())), name=f"judge-{incident}"
+        ).start()
 
     def dumped(self, event: Dumped) -> None:
         """An incident of ours is dumped here: its verdict, in the background."""

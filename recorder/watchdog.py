@@ -736,7 +736,8 @@ class Incidents:
         self.watchdog = watchdog
         self.scheduler = scheduler
         self.notify = notify
-        # an incident of this node dumped here: its verdict (recorder.verdicts)
+        # an incident of this node raised, then dumped here: its verdict (recorder.verdicts)
+        self.on_raised: Callable[[Trigger], object] | None = None
         self.on_dumped: Callable[[Dumped], object] | None = None
         self.relabelled: dict[str, str] = {}  # own incident -> the peer's earlier id
         self._lock = threading.RLock()
@@ -818,6 +819,8 @@ class Incidents:
                 self.scheduler.relabel(ours, peer)
 
     def _dump(self, trigger: Trigger) -> DumpOutcome:
+        if self.on_raised is not None and trigger.kind != TriggerKind.PEER:
+            self.on_raised(trigger)
         peers = None
         if self.notify is not None and trigger.kind != TriggerKind.PEER:
             try:  # peers first: they dump while this node writes

@@ -9,6 +9,8 @@ could not be read, counts as one), 2 nothing could be read.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +30,7 @@ from .options import (
 
 if TYPE_CHECKING:
     from stallwatch.analyzer.pipeline import AnalysisResult
+    from stallwatch.query.live import AgentCall
 
 EXAMPLES = """\
 examples:
@@ -70,6 +73,9 @@ def register(subparsers: Any) -> None:
         help="with --agents: the agents' dumps of this incident, as written (not their "
         "current recordings)",
     )
+    # an agent's verdict child (recorder.verdicts): started at once, it loads
+    # the analyzer, then reads {"timeout": s, "token": str|null} on stdin
+    p.add_argument("--request-stdin", action="store_true", help=argparse.SUPPRESS)
     add_format_option(p)
     p.add_argument(
         "--wide",
@@ -105,9 +111,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_live(args: argparse.Namespace) -> int:
     from stallwatch.analyzer.live import analyze_agents
+    from stallwatch.analyzer.report import to_json  # noqa: F401 (loaded before waiting)
     from stallwatch.query.agentclient import close_connections
 
     call = agent_call_from(args)
+    if args.request_stdin:
+        call = _stdin_request(call)
     try:
         verdict = analyze_agents(call, args.save, args.incident)
     finally:
@@ -116,6 +125,20 @@ def _run_live(args: argparse.Namespace) -> int:
         saved = f"saved {len(verdict.saved)} dump(s) in {args.save}"
         print(f"stallwatch analyze: {saved}", file=sys.stderr)
     return _report(args, verdict.result)
+
+
+def _stdin_request(call: AgentCall) -> AgentCall:
+    """The timeout and token an agent's verdict child is given once it is
+    ready (one JSON line on stdin)."""
+    try:
+        doc = json.loads(sys.stdin.readline() or "{}")
+        timeout = float(doc.get("timeout", call.timeout))
+        token = doc.get("token") or call.token
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise UsageError(f"--request-stdin: expected one JSON object line: {exc}") from None
+    if timeout <= 0 or not (token is None or isinstance(token, str)):
+        raise UsageError("--request-stdin: expected a timeout > 0 and a token string or null")
+    return dataclasses.replace(call, timeout=timeout, token=token)
 
 
 def _report(args: argparse.Namespace, result: AnalysisResult) -> int:

@@ -509,19 +509,14 @@ def _judge(args: argparse.Namespace) -> Judge:
     through the child's standard input, never its command line."""
     from stallwatch.recorder.verdicts import ChildJudge
 
-    token = read_token(args.token_file)
     peer = _peer_tls(args)
 
-    def argv(incident: str, agents: Sequence[str], timeout: float) -> list[str]:
-        out = [sys.executable, "-m", "stallwatch", "analyze", "--json"]
-        out += ["--agents", ",".join(agents), "--incident", incident, "--timeout", f"{timeout:g}"]
-        if token is not None:
-            out += ["--token-file", "/dev/stdin"]
-        if peer is not None:
-            out += _tls_args(peer)
-        return out
+    def argv(incident: str, agents: Sequence[str]) -> list[str]:
+        out = [sys.executable, "-m", "stallwatch", "analyze", "--json", "--request-stdin"]
+        out += ["--agents", ",".join(agents), "--incident", incident]
+        return out + (_tls_args(peer) if peer is not None else [])
 
-    return ChildJudge(argv, (token or "").encode())
+    return ChildJudge(argv, read_token(args.token_file))
 
 
 def _tls_args(tls: ClientTls) -> list[str]:

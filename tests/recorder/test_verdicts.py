@@ -125,25 +125,37 @@ def test_a_request_or_a_peers_incident_publishes_nothing(tmp_path: Path) -> None
     assert not pub.threads and not judge.asked
 
 
-def test_the_child_judge_reads_the_childs_json_and_names_its_failure() -> None:
+ECHO = "import json, sys; r = json.loads(sys.stdin.readline()); print(json.dumps({'got': r}))"
+
+
+def test_the_child_judge_is_started_early_and_given_its_request_on_stdin() -> None:
     import sys
 
-    ok = vd.ChildJudge(lambda i, a, t: [sys.executable, "-c", "print('{\"incidents\": []}')"])
-    assert ok(INCIDENT, AGENTS, 1.0) == Judgement({"incidents": []}, None)
-    token = vd.ChildJudge(
-        lambda i, a, t: [
-            sys.executable,
-            "-c",
-            'import sys; print(\'{"t": "%s"}\' % sys.stdin.read())',
-        ],
-        b"secret",
-    )
-    assert token(INCIDENT, AGENTS, 1.0).document == {"t": "secret"}
-    bad = vd.ChildJudge(lambda i, a, t: [sys.executable, "-c", "import sys; sys.exit('no')"])
-    assert bad(INCIDENT, AGENTS, 1.0).document is None
-    assert "exit code 1" not in (bad(INCIDENT, AGENTS, 1.0).error or "")  # 1 is findings
-    two = vd.ChildJudge(lambda i, a, t: [sys.executable, "-c", "import sys; sys.exit(2)"])
-    assert (two(INCIDENT, AGENTS, 1.0).error or "").startswith("exit code 2")
+    started: list[tuple[str, tuple[str, ...]]] = []
+
+    def argv(incident: str, agents: Sequence[str]) -> list[str]:
+        started.append((incident, tuple(agents)))
+        return [sys.executable, "-c", ECHO]
+
+    judge = vd.ChildJudge(argv, "secret")
+    judge.warm(INCIDENT, AGENTS)
+    got = judge(INCIDENT, AGENTS, 1.5)
+    assert got == Judgement({"got": {"timeout": 1.5, "token": "secret"}}, None)
+    assert started == [(INCIDENT, AGENTS)]  # the warm child answered: no second one
+    judge(INCIDENT, AGENTS[:1], 1.0)  # other agents than warmed: a child of its own
+    assert started[-1] == (INCIDENT, AGENTS[:1])
+
+
+def test_the_child_judge_names_a_childs_failure() -> None:
+    import sys
+
+    def judge_of(code: str) -> Judgement:
+        return vd.ChildJudge(lambda i, a: [sys.executable, "-c", code])(INCIDENT, AGENTS, 1.0)
+
+    assert judge_of("import sys; sys.stdin.readline(); print('{}'); sys.exit(1)").document == {}
+    two = judge_of("import sys; sys.stderr.write('nothing could be read\\n'); sys.exit(2)")
+    assert two.document is None and two.error == "exit code 2: nothing could be read"
+    assert (judge_of("print('not json')").error or "").startswith("the answer is not JSON")
 
 
 # ---- the webhook, to a real local receiver ------------------------------------------

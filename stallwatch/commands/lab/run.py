@@ -119,6 +119,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="the agents' stall timeout; also: give up when no rank progresses this long",
     )
     p.add_argument(
+        "--agent-defaults",
+        action="store_true",
+        help="with --record: the agents run with record's defaults, as deployed (each "
+        "communicator's own bound, 60 s the ceiling); --stall-timeout is then the lab's wait only",
+    )
+    p.add_argument(
         "--timeout", type=_positive_float, default=None, metavar="SEC", help="give up after SEC"
     )
     p.add_argument("--duration", type=_positive_float, default=None, metavar="SEC",
@@ -169,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         dump_dir=args.dump_dir,
         dump_at_end=args.dump_at_end,
         stall_timeout=args.stall_timeout,
+        agent_defaults=args.agent_defaults,
         timeout=args.timeout,
         duration=args.duration,
         elements=args.elements,

@@ -712,7 +712,7 @@ def _target(fault: Fault) -> object:
     if isinstance(fault, NodeFault | AgentFault):
         return fault.node
     if isinstance(fault, Pause):  # a checkpoint and an evaluation: two pauses of every rank
-        return (fault.rank, fault.every, fault.work)
+        return (fault.rank, fault.work)
     return fault.rank
 
 

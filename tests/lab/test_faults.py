@@ -153,9 +153,23 @@ def test_validate_accepts_the_edges() -> None:
 def test_one_fault_per_kind_and_target_but_pauses_of_different_ranks() -> None:
     F.validate(F.parse_faults(["pause:every=5,ms=9", "pause:every=3,ms=9,rank=1"]), TOPO, 20)
     F.validate(F.parse_faults(["partition:node=0,step=3", "linkdown:node=0,step=9"]), TOPO, 20)
+    # a checkpoint and an evaluation of every rank: two phases of one job
+    F.validate(F.parse_faults(["pause:every=5,ms=9", "pause:every=7,ms=9,work=cpu"]), TOPO, 20)
     for twice in (["pause:every=5,ms=9", "pause:every=3,ms=1"], ["rst:node=1,step=2"] * 2):
         with pytest.raises(UsageError, match="given twice"):
             F.validate(F.parse_faults(twice), TOPO, steps=20)
+
+
+def test_pause_work_and_a_late_start_parse_and_format_back() -> None:
+    for spec in ("pause:every=5,ms=20000,rank=1,work=io", "pause:every=9,ms=30,work=cpu",
+                 "late:rank=2,ms=20000"):  # fmt: skip
+        assert F.format_fault(F.parse_fault(spec)) == spec
+    assert F.parse_fault("pause:every=5,ms=9").work == "sleep"  # type: ignore[union-attr]
+    assert F.for_rank(F.parse_faults(["late:rank=2,ms=9"]), 2) == (F.Late(2, 9.0),)
+    with pytest.raises(UsageError, match="work='disk'"):
+        F.parse_fault("pause:every=5,ms=9,work=disk")
+    with pytest.raises(UsageError, match="rank 9 does not exist"):
+        F.validate(F.parse_faults(["late:rank=9,ms=9"]), TOPO, 20)
 
 
 def test_device_faults_need_gpu_mode() -> None:

@@ -47,15 +47,21 @@ JOB_ID_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
 NOT_IN_SYSCALL = -1  # blocked or preempted in user code
 RUNNING = -2  # on a CPU when read: no registers to read without stopping it
 
-# x86-64 system call numbers of the calls a rank thread sleeps in.
+# x86-64 system call numbers of the calls a rank thread sleeps in, or does
+# file I/O in.
 SYSCALL_NAMES: dict[int, str] = {
-    0: "read", 1: "write", 7: "poll", 16: "ioctl", 17: "pread64", 23: "select",
+    0: "read", 1: "write", 3: "close", 7: "poll", 16: "ioctl", 17: "pread64",
+    18: "pwrite64", 19: "readv", 20: "writev", 23: "select", 26: "msync", 40: "sendfile",
     24: "sched_yield", 34: "pause", 35: "nanosleep", 42: "connect", 43: "accept",
     44: "sendto", 45: "recvfrom", 46: "sendmsg", 47: "recvmsg", 61: "wait4",
     128: "rt_sigtimedwait", 130: "rt_sigsuspend", 202: "futex", 219: "restart_syscall",
     230: "clock_nanosleep", 232: "epoll_wait", 247: "waitid", 270: "pselect6",
     271: "ppoll", 281: "epoll_pwait", 288: "accept4", 299: "recvmmsg", 307: "sendmmsg",
     426: "io_uring_enter", 441: "epoll_pwait2", 449: "futex_waitv",
+    # file I/O a rank is found in while it writes a checkpoint (analyzer.detect.busy)
+    74: "fsync", 75: "fdatasync", 77: "ftruncate", 208: "io_getevents", 257: "openat",
+    277: "sync_file_range", 285: "fallocate", 295: "preadv", 296: "pwritev",
+    326: "copy_file_range",
 }  # fmt: skip
 
 

@@ -686,6 +686,7 @@ class Agent:
             cfg.dump_dir,
             self.host,
             relabelled=lambda incident: incident in incidents.relabelled,
+            answers=incidents.answers,
             webhook=webhook,
         )
         incidents.on_raised = publisher.raised

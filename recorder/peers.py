@@ -167,12 +167,12 @@ def peer_notifier(
     token: str | None,
     timeout: float = DEFAULT_TIMEOUT_S,
     tls: ClientTls | None = None,
-    answered: Callable[[Trigger, str, str | None], object] | None = None,
+    answered: Callable[[Trigger, str, str | None, str], object] | None = None,
 ) -> Callable[[Trigger], object]:
     """The ``notify`` callable of ``recorder.watchdog.Incidents``: each local
     incident is sent to every peer in the background (over HTTPS with
     ``tls``; its files are read now, once); ``answered`` gets (the trigger, a
-    peer's status, the id it answered with).  ``peers`` is a list, or a
+    peer's status, the id it answered with, the peer).  ``peers`` is a list, or a
     callable asked for the current list at each incident (``--peers-from``),
     on the background thread: a DNS lookup never holds up the agent's tick."""
     context = tls.context() if tls is not None else None
@@ -182,9 +182,9 @@ def peer_notifier(
             return None
         reason = f"{host}: {trigger.reason}"
 
-        def each(_peer: str, status: str, their_id: str | None) -> None:
+        def each(peer: str, status: str, their_id: str | None) -> None:
             if answered is not None:
-                answered(trigger, status, their_id)
+                answered(trigger, status, their_id, peer)
 
         return notify_in_background(
             peers,

@@ -38,7 +38,7 @@ import subprocess
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -73,6 +73,7 @@ JUDGE_SLACK_S = 30.0
 SHOWN = 8
 # Incidents this agent raised whose verdict it publishes (a peer's request,
 # a client's or a shutdown's dump is the asker's).
+PEER_DUMPED = frozenset({"written", "duplicate"})  # a peer's answers that say its dump is there
 PUBLISHED_KINDS = frozenset(
     {TriggerKind.IN_FLIGHT, TriggerKind.NO_PROGRESS, TriggerKind.EXIT, TriggerKind.SLOWDOWN}
 )
@@ -270,15 +271,18 @@ class VerdictPublisher:
         dump_dir: Path,
         host: str,
         relabelled: Callable[[str], bool] = lambda _id: False,
+        answers: Callable[[str], Mapping[str, str]] = lambda _id: {},
         webhook: Webhook | None = None,
         regather_s: Sequence[float] = REGATHER_S,
         clock: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         """``agents``: every agent to gather from (this one and its peers),
         asked at each incident; ``relabelled(id)``: whether this node's
-        incident was given a peer's earlier id (then it is the peer's)."""
+        incident was given a peer's earlier id (then it is the peer's);
+        ``answers(id)``: what each peer answered to the request to dump it."""
         self.judge, self.agents, self.dump_dir, self.host = judge, agents, dump_dir, host
         self.relabelled, self.webhook, self.regather_s = relabelled, webhook, regather_s
+        self.answers = answers
         self.clock = clock
         self._lock = threading.Lock()
         self._shown: OrderedDict[str, Published] = OrderedDict()
@@ -335,14 +339,30 @@ class VerdictPublisher:
                 if event.peers is not None:
                     event.peers.join()  # the round ends within its own timeout
                 time.sleep(max(0.0, at - (time.monotonic() - started)))
-            current = self._gather(incident, REGATHER_TIMEOUT_S if at else wait, detected, current)
+            agents = tuple(self.agents())
+            ask = agents if at else self._dumped_by(incident, agents)
+            timeout = REGATHER_TIMEOUT_S if at else wait
+            current = self._gather(incident, agents, ask, timeout, detected, current)
+
+    def _dumped_by(self, incident: str, agents: tuple[str, ...]) -> tuple[str, ...]:
+        """For the first verdict: this agent, and the peers that said their
+        dump is written (one that did not answer, or could not write, is
+        asked again for the revision)."""
+        said = self.answers(incident)
+        return agents[:1] + tuple(a for a in agents[1:] if said.get(a) in PEER_DUMPED)
 
     def _gather(
-        self, incident: str, timeout_s: float, detected: int, before: Published | None
+        self,
+        incident: str,
+        agents: tuple[str, ...],
+        ask: tuple[str, ...],
+        timeout_s: float,
+        detected: int,
+        before: Published | None,
     ) -> Published | None:
-        """Gather the verdict; publish it if it is the first or differs."""
-        agents = tuple(self.agents())
-        got = self.judge(incident, agents, timeout_s)
+        """Gather the verdict from ``ask`` (of ``agents``); publish it if it
+        is the first or differs."""
+        got = self.judge(incident, ask, timeout_s)
         revision = 1 if before is None else before.revision + 1
         doc = got.document
         found = None if doc is None else summarize(doc, incident, agents, detected, revision)

@@ -740,6 +740,7 @@ class Incidents:
         self.on_raised: Callable[[Trigger], object] | None = None
         self.on_dumped: Callable[[Dumped], object] | None = None
         self.relabelled: dict[str, str] = {}  # own incident -> the peer's earlier id
+        self._answers: dict[str, dict[str, str]] = {}  # own incident -> peer -> its answer
         self._lock = threading.RLock()
         self.client_requests = TokenBucket(CLIENT_DUMPS_BURST, CLIENT_DUMP_EVERY_NS)
         self.rate_limited = 0  # client requests refused by the bucket
@@ -795,28 +796,40 @@ class Incidents:
                     outcome = DumpOutcome(Status.FAILED, decision.incident_id, None, str(exc))
         return _answer(outcome)
 
+    def answers(self, incident_id: str) -> dict[str, str]:
+        """What each peer answered so far to this node's incident (peer -> status)."""
+        with self._lock:
+            return dict(self._answers.get(incident_id, {}))
+
     def outcome(self, incident_id: str) -> dict[str, object]:
         """What became of an incident's dump (``stallwatch dump`` waits on it)."""
         with self._lock:
             return _answer(self.scheduler.outcome(incident_id))
 
-    def peer_answered(self, trigger: Trigger, status: str, their_id: str | None) -> None:
-        """A peer asked to dump ``trigger``'s incident said it holds an
+    def peer_answered(
+        self, trigger: Trigger, status: str, their_id: str | None, peer: str = ""
+    ) -> None:
+        """Each peer's answer is kept for the incident's verdict (``answers``).
+        A peer asked to dump ``trigger``'s incident said it holds an
         earlier one for the same stall (``duplicate`` or ``cooldown`` with a
         smaller id raised after this stall began): this node's dump takes
         that id, so every node's dump of a stall has one.
         (An agent restarted during a stall detects it again under a new id
         after its peers dumped theirs; this is how it converges.)"""
+        with self._lock:
+            self._answers.setdefault(trigger.incident_id, {})[peer] = status
+            while len(self._answers) > STATE_INCIDENTS:
+                del self._answers[next(iter(self._answers))]
         if status not in (Status.DUPLICATE.value, Status.COOLDOWN.value) or not their_id:
             return
         with self._lock:
             ours = trigger.incident_id
             if not self.watchdog.adopt_earlier(ours, their_id):
                 return
-            peer = dataclasses.replace(trigger, kind=TriggerKind.PEER, incident_id=their_id)
+            theirs = dataclasses.replace(trigger, kind=TriggerKind.PEER, incident_id=their_id)
             self.relabelled[ours] = their_id
             with contextlib.suppress(DumpWriteError):
-                self.scheduler.relabel(ours, peer)
+                self.scheduler.relabel(ours, theirs)
 
     def _dump(self, trigger: Trigger) -> DumpOutcome:
         if self.on_raised is not None and trigger.kind != TriggerKind.PEER:

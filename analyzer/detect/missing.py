@@ -16,6 +16,7 @@ from stallwatch.dumpers.schema import Op, op_name
 from ..incident import Frontier, Incident, Lag, Member, MemberState, P2pGap, proc_hosts
 from ..match import IS_P2P
 from ..verdict import Verdict, VerdictKind, rank_text
+from .busy import busy_instead
 from .common import MAX_LISTED, Analysis, member_text, primary, who
 
 # ---- metrics: point-to-point calls one side posted and the other did not -------------
@@ -253,20 +254,20 @@ def detect_missing_rank(a: Analysis) -> list[Verdict]:
     evidence += _consequences(a, main, pairs)
     evidence += [_device_text(a, *device[p]) for p in sorted(device)][:MAX_LISTED]
     age = "" if main.age_ns is None else f" for {main.age_ns / 1e9:.1f} s"
-    return [
-        _missing_rank(
-            inc,
-            main.comm,
-            [m.proc for _, m in pairs] + sorted(device),
-            [(m.crank, m.proc) for f, m in pairs if f.comm == main.comm]
-            + [(m.crank, m.proc) for f, m, _ in device.values() if f.comm == main.comm],
-            main.seq,
-            op_name(main.op),
-            lambda names: _summary(a, main, host, device, age),
-            evidence,
-            _judged_on(main, pairs, device),
-        )
-    ]
+    verdict = _missing_rank(
+        inc,
+        main.comm,
+        [m.proc for _, m in pairs] + sorted(device),
+        [(m.crank, m.proc) for f, m in pairs if f.comm == main.comm]
+        + [(m.crank, m.proc) for f, m, _ in device.values() if f.comm == main.comm],
+        main.seq,
+        op_name(main.op),
+        lambda names: _summary(a, main, host, device, age),
+        evidence,
+        _judged_on(main, pairs, device),
+    )
+    busy = None if device else busy_instead(a, verdict, [(f, m.proc) for f, m in pairs], age)
+    return [busy or verdict]
 
 
 def _headline(a: Analysis, pairs: list[tuple[Frontier, Member]]) -> Frontier:

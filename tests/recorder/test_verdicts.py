@@ -288,3 +288,16 @@ def test_the_payload_says_unknown_ranks_as_such() -> None:
     doc = alert_payload(replace(NOTICE, ranks=(None, 5), hosts=("node1", "node3"), revision=1))
     assert doc["commonLabels"]["ranks"] == "unknown,5"  # type: ignore[index]
     assert ", revision" not in str(doc["text"])
+
+
+def test_the_first_verdict_asks_only_the_peers_that_dumped_and_the_revision_asks_all(
+    tmp_path: Path,
+) -> None:
+    cut_off = analyze_doc("network_partition", [2, 3], ["node2"], read=AGENTS[:1])
+    judge = FakeJudge([Judgement(cut_off)])
+    said = {AGENTS[1]: "error: no answer within 3 s"}
+    pub = publish(tmp_path, judge, answers=lambda incident: said)
+    assert judge.asked[0][1] == AGENTS[:1]  # not the peer that did not answer
+    assert all(asked == AGENTS for _, asked, _ in judge.asked[1:])
+    assert len(judge.asked) == 1 + 3  # still missing: asked at every regathering
+    assert pub.latest()[0].missing == AGENTS[1:] and pub.published == 1

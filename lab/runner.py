@@ -120,7 +120,8 @@ class RunConfig:
     stall_timeout: float = 10.0
     # with record: the agents run with record's defaults, as deployed (no
     # --stall-timeout: each communicator's own bound, 60 s the ceiling);
-    # stall_timeout is then only how long the lab waits for a rank to move
+    # stall_timeout is then only how long the lab waits for a rank to move.
+    # Otherwise every call's bound is stall_timeout (floor and ceiling)
     agent_defaults: bool = False
     timeout: float | None = None  # None: 30 s plus 0.5 s per step
     # the job ends this long after it reached the latest step a fault names
@@ -666,8 +667,9 @@ def agent_argv(lab: Lab, site: AgentSite, token_file: Path) -> list[str]:
     peers = [f"{s.ip}:{AGENT_PORT}" for s in lab.sites() if s.index != site.index]
     argv = [sys.executable, "-m", "stallwatch", "record", "--scope", lab.cfg.agent_scope]
     argv += ["--dump-dir", str(agent_dump_dir(lab.cfg, site.index))]
-    if not lab.cfg.agent_defaults:
-        argv += ["--stall-timeout", f"{lab.cfg.stall_timeout:g}"]
+    if not lab.cfg.agent_defaults:  # one bound for every call, as the lab's tests expect
+        timeout = f"{lab.cfg.stall_timeout:g}"
+        argv += ["--stall-timeout", timeout, "--stall-floor", timeout]
     argv += ["--listen", f"{site.ip}:{AGENT_PORT}", "--token-file", str(token_file)]
     assert lab.certs is not None
     argv += lab.certs.agent_args(site.index)

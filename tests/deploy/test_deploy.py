@@ -1327,24 +1327,78 @@ def test_daemonset_runs_the_image_by_its_name(agent: Doc) -> None:
 ALERTS = DEPLOY / "prometheus" / "stallwatch-alerts.yaml"
 
 
-def test_the_alert_rules_name_only_metrics_and_labels_the_agent_exposes() -> None:
-    """Every series an alert rule reads is one the agent's /metrics renders
-    (a stream the slowdown trigger knows everything of, its counters), and
-    every label its annotations cite is on that series."""
+def _exposed_series() -> dict[str, str]:
+    """Name -> one line of each series the agent's /metrics renders (a
+    stream the slowdown trigger knows everything of, its counters, an
+    incident's published verdict)."""
     from stallwatch.recorder.prometheus import counter_families, render, stream_families
     from stallwatch.recorder.slowdown import StreamGauges
+    from stallwatch.recorder.verdicts import Published, incident_families
 
     known = StreamGauges(7, 0x5EED, 1, 6, 3.5, 10**9, 3 * 10**8, 10**7, 10**7, 1.0, 10**8, 0)
-    text = render([*stream_families([known]), *counter_families({"slowdowns_detected": 1})])
-    exposed = {
+    incident = Published(
+        "20261207T120000000-node1-00002a", 1, "missing_rank", ("node2",), (3,), "rank 3 ...",
+        1_796_644_800 * 10**9, 1_796_644_808 * 10**9, ("a:1",), (), None, (),
+    )  # fmt: skip
+    text = render(
+        [
+            *stream_families([known]),
+            *incident_families([incident]),
+            *counter_families({"slowdowns_detected": 1}),
+        ]
+    )
+    return {
         line.split("{")[0].split(" ")[0]: line
         for line in text.splitlines()
         if line and not line.startswith("#")
     }
-    (group,) = yaml.safe_load(ALERTS.read_text())["groups"]
-    assert len(group["rules"]) == 3
-    for rule in group["rules"]:
-        names = set(re.findall(r"\bstallwatch_[a-z_]+\b", rule["expr"]))
-        assert names and names <= exposed.keys(), (rule["alert"], names - exposed.keys())
-        for label in re.findall(r"\$labels\.(\w+)", rule["annotations"]["summary"]):
-            assert all(f'{label}="' in exposed[n] for n in names), (rule["alert"], label)
+
+
+def test_the_alert_rules_name_only_metrics_and_labels_the_agent_exposes() -> None:
+    """Every series an alert rule reads is one the agent's /metrics renders,
+    and every label its annotations cite (but the scrape's own, instance)
+    is on the series an ``and`` keeps: the first the expression names."""
+    exposed = _exposed_series()
+    groups = {g["name"]: g for g in yaml.safe_load(ALERTS.read_text())["groups"]}
+    assert [len(g["rules"]) for g in groups.values()] == [1, 3]
+    for rule in (r for g in groups.values() for r in g["rules"]):
+        named = re.findall(r"\bstallwatch_[a-z_]+\b", rule["expr"])
+        assert named and set(named) <= exposed.keys(), (rule["alert"], set(named) - exposed.keys())
+        cited = re.findall(r"\$labels\.(\w+)", " ".join(rule["annotations"].values()))
+        for label in set(cited) - {"instance"}:
+            assert f'{label}="' in exposed[named[0]], (rule["alert"], label)
+
+
+def test_the_incident_alert_carries_the_culprit() -> None:
+    (rule,) = next(
+        g["rules"] for g in yaml.safe_load(ALERTS.read_text())["groups"]
+        if g["name"] == "stallwatch-incidents"
+    )  # fmt: skip
+    assert rule["expr"].split()[0] == "stallwatch_incident_info"
+    summary = rule["annotations"]["summary"]
+    for label in ("kind", "ranks", "hosts", "incident", "revision"):
+        assert f"$labels.{label}" in summary
+    # the time filter matches the info series on every label but the verdict's own
+    ignored = re.search(r"ignoring \(([^)]*)\)", rule["expr"])
+    assert ignored is not None
+    info = _exposed_series()["stallwatch_incident_info"]
+    when = _exposed_series()["stallwatch_incident_timestamp_seconds"]
+    labels = set(re.findall(r'(\w+)="', info)) - {x.strip() for x in ignored.group(1).split(",")}
+    assert labels == set(re.findall(r'(\w+)="', when))
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+def test_promtool_accepts_the_alert_rules() -> None:
+    done = subprocess.run(
+        ["promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+def test_promtool_fires_the_incident_alert_with_the_culprit() -> None:
+    case = Path(__file__).parent / "data" / "incident-alert.promtool.yml"
+    done = subprocess.run(
+        ["promtool", "test", "rules", str(case)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

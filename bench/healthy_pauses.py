@@ -1,0 +1,153 @@
+"""No incident on a healthy job that pauses, with the agents as deployed
+(``lab run --agent-defaults``): lab jobs on 3x2 and 4x2 whose every rank
+checkpoints 20 s together, whose rank 1 starts 20 s after the others, and
+which evaluate for 30 s without a collective; counted: the incidents the
+agents raised (their logs' ``incident ID (kind)`` lines, peers' requests
+apart) over the jobs' time.
+
+``--one-rank`` runs the other case: rank 1 alone checkpoints (writes and
+syncs a file) for 20 s while the others wait for it in a barrier, twice.
+The first pause may raise an incident, whose published verdict must say
+what the rank was doing (busy outside NCCL, never a hang); the second must
+raise none (not even one held back by the cool-down).
+
+    python -m bench.healthy_pauses [--minutes 10] [--shapes 3x2 4x2] [--one-rank] [--out DIR]
+
+Each run is one lab job of about ``--minutes``; run it under the quiet lock,
+in batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+INCIDENT = re.compile(r"^(\S+ \S+) .*incident (\S+) \((\w+)\): (.*)$")
+SUPPRESSED = "in cool-down, not dumping"
+VERDICT = re.compile(r"incident (\S+): verdict: (.*)$")
+# about 7 steps a second on the lab's loaded 2 cores with --compute-ms 50
+STEPS_PER_MINUTE = 400
+
+
+def healthy_faults(steps: int) -> list[str]:
+    """A 20 s checkpoint of every rank about every 3 minutes, a 30 s
+    evaluation about every 4, rank 1 20 s late."""
+    every = max(50, steps // 4)
+    return [
+        f"pause:every={every},ms=20000,work=io",
+        f"pause:every={every + every // 3},ms=30000,work=cpu",
+        "late:rank=1,ms=20000",
+    ]
+
+
+def one_rank_faults(steps: int) -> list[str]:
+    return [f"pause:every={max(50, steps // 3)},ms=20000,rank=1,work=io"]
+
+
+def lab_run(
+    shape: tuple[int, int], minutes: float, faults: list[str], folder: Path
+) -> dict[str, Any]:
+    steps = int(minutes * STEPS_PER_MINUTE)
+    argv = [sys.executable, "-m", "stallwatch", "lab", "run", "--record", "--json"]
+    argv += ["--agent-defaults", "--stall-timeout", "90", "--timeout", str(int(minutes * 60 * 3))]
+    argv += ["--nodes", str(shape[0]), "--ranks-per-node", str(shape[1])]
+    argv += ["--steps", str(steps), "--compute-ms", "50", "--dump-dir", str(folder / "dumps")]
+    for f in faults:
+        argv += ["--fault", f]
+    folder.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=minutes * 60 * 4)
+    (folder / "lab.json").write_text(done.stdout)
+    (folder / "lab.err").write_text(done.stderr)
+    try:
+        return dict(json.loads(done.stdout))
+    except ValueError:
+        return {}
+
+
+def agent_lines(folder: Path) -> tuple[list[tuple[float, str, str, str]], int, list[str]]:
+    """The incidents agents raised (wall time, node, kind, reason), the
+    episodes held back by a cool-down, and the verdict lines."""
+    raised, held, verdicts = [], 0, []
+    for log in sorted((folder / "dumps").glob("*.agent.log")):
+        node = log.name.split(".")[0]
+        for line in log.read_text(errors="replace").splitlines():
+            m = INCIDENT.search(line)
+            if m and m.group(3) != "peer":
+                when = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                raised.append((when, node, m.group(3), m.group(4)))
+            held += SUPPRESSED in line
+            v = VERDICT.search(line)
+            if v:
+                verdicts.append(f"{node}: {v.group(2)}")
+    return raised, held, verdicts
+
+
+def _one_rank_problems(
+    result: dict[str, Any],
+    raised: list[tuple[float, str, str, str]],
+    held: int,
+    verdicts: list[str],
+) -> int:
+    """The first pause may raise an incident, said busy (never a hang); the
+    later ones none, not even held back by a cool-down."""
+    episodes = [e for f in result.get("faults", []) for e in f.get("episodes", [])]
+    if len(episodes) < 2:
+        print("    PROBLEM: fewer than two pauses were taken")
+        return 1
+    second = datetime.fromisoformat(episodes[1]["at_wall"].replace("Z", "+00:00")).timestamp()
+    later = [r for r in raised if r[0] >= second - 1.0]
+    hangs = [v for v in verdicts if "missing_rank" in v]
+    busy = [v for v in verdicts if "busy outside NCCL" in v]
+    problems = len(later) + held + len(hangs) + (1 if raised and not busy else 0)
+    if problems:
+        print(f"    PROBLEM: {len(later)} raised at a later pause, {held} held back, "
+              f"{len(hangs)} hang verdict(s), busy said: {bool(busy)}")  # fmt: skip
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--shapes", nargs="+", default=["3x2", "4x2"])
+    p.add_argument("--one-rank", action="store_true")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    out = args.out or Path(tempfile.mkdtemp(prefix="healthy-pauses-"))
+    bad = 0
+    for text in args.shapes:
+        shape = (int(text.split("x")[0]), int(text.split("x")[1]))
+        steps = int(args.minutes * STEPS_PER_MINUTE)
+        faults = one_rank_faults(steps) if args.one_rank else healthy_faults(steps)
+        folder = out / f"{text}-{'one-rank' if args.one_rank else 'healthy'}"
+        result = lab_run(shape, args.minutes, faults, folder)
+        raised, held, verdicts = agent_lines(folder)
+        ranks = result.get("ranks", [])
+        done = sum(1 for r in ranks if r.get("status") == "done")
+        pauses = [len(f.get("episodes", [])) for f in result.get("faults", [])]
+        print(
+            f"{text} {' '.join(faults)}: {result.get('duration_s', 0):.0f} s, "
+            f"{done}/{len(ranks)} ranks done, pauses taken {pauses}; "
+            f"{len(raised)} incident(s) raised, {held} held back by a cool-down",
+            flush=True,
+        )
+        for _, node, kind, reason in raised:
+            print(f"    incident on {node} ({kind}): {reason[:300]}")
+        for line in verdicts:
+            print(f"    verdict {line[:400]}")
+        if args.one_rank:
+            bad += _one_rank_problems(result, raised, held, verdicts)
+        else:
+            bad += len(raised) + held
+    print(f"== {'one-rank pauses' if args.one_rank else 'healthy'}: {bad} problem(s)", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

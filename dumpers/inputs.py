@@ -4,8 +4,8 @@ Every reader (``analyze``, ``query``, ``serve``, ``export``) starts here, so
 every command treats a file the same way:
 
 - paths are expanded: a file named is read; a folder is walked recursively in
-  name order, hidden files and the agent's logs (``SKIPPED_IN_FOLDERS``) left
-  out; a missing path, or a folder without files, is a lost input;
+  name order, hidden files, the agent's logs and its published verdicts
+  (``SKIPPED_IN_FOLDERS``) left out; a missing path, or a folder without files, is a lost input;
 - each file's first bytes tell its kind: our msgpack dump, or a PyTorch
   Flight Recorder dump (a pickle, or JSON with Flight Recorder's keys);
   a file whose bytes tell neither but whose name does (``*.msgpack``, or the
@@ -40,7 +40,8 @@ from .model import CHECKSUMS_SINCE, Recording
 
 T = TypeVar("T")
 
-SKIPPED_IN_FOLDERS = (".log", ".txt", ".md", ".json.tmp", ".tmp")
+# the agent's logs, its published verdicts (recorder.verdicts) and files being written
+SKIPPED_IN_FOLDERS = (".log", ".txt", ".md", ".verdict.json", ".json.tmp", ".tmp")
 HEAD_BYTES = 16  # enough to tell a pickle or one of our dumps
 JSON_HEAD_BYTES = 1 << 16  # of a JSON file, searched for Flight Recorder's keys
 # top-level keys of a Flight Recorder JSON dump (torch writes some of them first)

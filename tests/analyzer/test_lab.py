@@ -281,3 +281,32 @@ def test_hang_with_two_nodes_lost_names_the_hung_rank_and_the_lost_inputs(
     for p in lost:
         assert (done.stdout + done.stderr).count(str(p)) == 1  # once: the report names it
         assert done.stdout.index(str(p)) < done.stdout.index("MISSING_RANK")
+
+
+def test_the_detecting_agent_published_the_verdict_analyze_gives(
+    recorded: Callable[[str], Recorded],
+) -> None:
+    """The agent that raised the hang gathered the verdict from every node's
+    dump and wrote it beside its dumps, with its line in its log: the
+    verdict ``analyze`` gives on the same dumps."""
+    run = recorded("hang")
+    [published] = sorted(run.folder.rglob("*.verdict.json"))
+    doc = json.loads(published.read_text())
+    assert doc["publication"]["revision"] >= 1 and doc["publication"]["agents_missing"] == []
+    code, report = analyze_cli(run.folder)  # the folder's verdict file is not an input
+    assert code == 1 and [i["ok"] for i in report["inputs"]] == [True] * run.nodes
+
+    def key(d: dict[str, object]) -> list[tuple[object, ...]]:
+        return [
+            (v["kind"], v["ranks"], v["hosts"])
+            for inc in d["incidents"]  # type: ignore[attr-defined]
+            for v in inc["verdicts"]
+        ]
+
+    assert key(doc) == key(report)
+    assert key(doc)[0] == ("missing_rank", [3], ["node1"])
+    detector = published.parent.name
+    log = (run.folder / f"{detector}.agent.log").read_text()
+    assert (
+        f"incident {doc['publication']['incident']}: verdict: missing_rank: rank 3 on node1" in log
+    )

@@ -13,8 +13,9 @@ raise none (not even one held back by the cool-down).
 
     python -m bench.healthy_pauses [--minutes 10] [--shapes 3x2 4x2] [--one-rank] [--out DIR]
 
-Each run is one lab job of about ``--minutes``; run it under the quiet lock,
-in batches.
+Each run is one lab job of ``--minutes`` (it is given many steps and
+stopped then: the lab's teardown kills its ranks, and the exits that kill
+makes are the lab's, not counted); run it under the quiet lock, in batches.
 """
 
 from __future__ import annotations
@@ -32,37 +33,28 @@ from typing import Any
 INCIDENT = re.compile(r"^(\S+ \S+) .*incident (\S+) \((\w+)\): (.*)$")
 SUPPRESSED = "in cool-down, not dumping"
 VERDICT = re.compile(r"incident (\S+): verdict: (.*)$")
-# about 7 steps a second on the lab's loaded 2 cores with --compute-ms 50
-STEPS_PER_MINUTE = 400
-
-
-def healthy_faults(steps: int) -> list[str]:
-    """A 20 s checkpoint of every rank about every 3 minutes, a 30 s
-    evaluation about every 4, rank 1 20 s late."""
-    every = max(50, steps // 4)
-    return [
-        f"pause:every={every},ms=20000,work=io",
-        f"pause:every={every + every // 3},ms=30000,work=cpu",
-        "late:rank=1,ms=20000",
-    ]
-
-
-def one_rank_faults(steps: int) -> list[str]:
-    return [f"pause:every={max(50, steps // 3)},ms=20000,rank=1,work=io"]
+STEPS = 1_000_000  # never reached: the run is stopped at --minutes
+# a 20 s checkpoint of every rank, a 30 s evaluation (no collective), rank 1
+# 20 s late; one rank's 20 s checkpoint while the others wait.  A step takes
+# 0.15-0.6 s on the lab's shared 2 cores (--compute-ms 50): pauses come every
+# minute or few
+HEALTHY = ("pause:every=300,ms=20000,work=io", "pause:every=400,ms=30000,work=cpu",
+           "late:rank=1,ms=20000")  # fmt: skip
+ONE_RANK = ("pause:every=200,ms=20000,rank=1,work=io",)
 
 
 def lab_run(
     shape: tuple[int, int], minutes: float, faults: list[str], folder: Path
 ) -> dict[str, Any]:
-    steps = int(minutes * STEPS_PER_MINUTE)
     argv = [sys.executable, "-m", "stallwatch", "lab", "run", "--record", "--json"]
-    argv += ["--agent-defaults", "--stall-timeout", "90", "--timeout", str(int(minutes * 60 * 3))]
+    # the lab's own wait for a rank to move: more than the longest pause
+    argv += ["--agent-defaults", "--stall-timeout", "45", "--timeout", str(int(minutes * 60))]
     argv += ["--nodes", str(shape[0]), "--ranks-per-node", str(shape[1])]
-    argv += ["--steps", str(steps), "--compute-ms", "50", "--dump-dir", str(folder / "dumps")]
+    argv += ["--steps", str(STEPS), "--compute-ms", "50", "--dump-dir", str(folder / "dumps")]
     for f in faults:
         argv += ["--fault", f]
     folder.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=minutes * 60 * 4)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=minutes * 60 + 900)
     (folder / "lab.json").write_text(done.stdout)
     (folder / "lab.err").write_text(done.stderr)
     try:
@@ -87,6 +79,11 @@ def agent_lines(folder: Path) -> tuple[list[tuple[float, str, str, str]], int, l
             if v:
                 verdicts.append(f"{node}: {v.group(2)}")
     return raised, held, verdicts
+
+
+def _pid_of(reason: str) -> str:
+    m = re.match(r"pid (\d+),", reason)
+    return m.group(1) if m else ""
 
 
 def _one_rank_problems(
@@ -123,18 +120,20 @@ def main(argv: list[str] | None = None) -> int:
     bad = 0
     for text in args.shapes:
         shape = (int(text.split("x")[0]), int(text.split("x")[1]))
-        steps = int(args.minutes * STEPS_PER_MINUTE)
-        faults = one_rank_faults(steps) if args.one_rank else healthy_faults(steps)
+        faults = list(ONE_RANK if args.one_rank else HEALTHY)
         folder = out / f"{text}-{'one-rank' if args.one_rank else 'healthy'}"
         result = lab_run(shape, args.minutes, faults, folder)
         raised, held, verdicts = agent_lines(folder)
         ranks = result.get("ranks", [])
-        done = sum(1 for r in ranks if r.get("status") == "done")
+        killed = {str(r["pid"]) for r in ranks if r.get("killed_by_lab")}
+        raised = [r for r in raised if not (r[2] == "exit" and _pid_of(r[3]) in killed)]
+        ran = max((r.get("wall_s", 0.0) for r in ranks), default=0.0)
+        steps = max((r.get("steps_done", 0) for r in ranks), default=0)
         pauses = [len(f.get("episodes", [])) for f in result.get("faults", [])]
         print(
-            f"{text} {' '.join(faults)}: {result.get('duration_s', 0):.0f} s, "
-            f"{done}/{len(ranks)} ranks done, pauses taken {pauses}; "
-            f"{len(raised)} incident(s) raised, {held} held back by a cool-down",
+            f"{text} {' '.join(faults)}: the job ran {ran / 60:.1f} min, {steps} steps, "
+            f"pauses taken {pauses}; {len(raised)} incident(s) raised (the lab's kills at "
+            f"its end apart), {held} held back by a cool-down",
             flush=True,
         )
         for _, node, kind, reason in raised:

@@ -632,7 +632,7 @@ def _evaluate(r: Rank, seconds: float) -> None:
 
 
 CHECKPOINT_BLOCK = 1 << 20
-CHECKPOINT_MAX = 64 << 20  # the file is rewritten from its start past this
+CHECKPOINT_MAX = 16 << 20  # the file is rewritten from its start past this
 PAUSE_WORK = {
     "sleep": lambda _r, seconds: time.sleep(seconds),
     "io": _checkpoint,

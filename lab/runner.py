@@ -936,16 +936,31 @@ def wait_for_dumps(lab: Lab) -> None:
 
 
 VERDICT_GRACE = 30.0  # after the dumps: time for the detecting agent to publish its verdict
+# the incidents whose verdict the detecting agent publishes (recorder.verdicts)
+PUBLISHED = ("in_flight", "no_progress", "exit", "slowdown")
 
 
 def wait_for_verdict(lab: Lab) -> None:
     """Until an agent published the verdict of an incident it detected
-    (``<incident>.verdict.json`` beside its dumps), or VERDICT_GRACE passes."""
+    (``<incident>.verdict.json`` beside its dumps), or VERDICT_GRACE passes;
+    not at all when no agent detected one (the dumps are peers' or asked for)."""
+    if not any(_detected(p) for p in dumps_found(lab.cfg)):
+        return
     deadline = time.monotonic() + VERDICT_GRACE
     while time.monotonic() < deadline and not verdicts_found(lab.cfg):
         narrate_job(lab, waiting_for_dumps=True)
         time.sleep(0.25)
     narrate_job(lab, waiting_for_dumps=True)
+
+
+def _detected(path: Path) -> bool:
+    from stallwatch.dumpers.format import dump_trigger
+
+    try:
+        trigger = dump_trigger(path)
+    except DumpError:
+        return False
+    return trigger is not None and trigger.kind.value in PUBLISHED
 
 
 def verdicts_found(cfg: RunConfig) -> list[Path]:

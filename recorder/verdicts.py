@@ -118,14 +118,15 @@ class ChildJudge:
     is its command line (``analyze ... --request-stdin --json``).  A child
     is started when the incident is raised (``warm``), so that it has
     loaded the analyzer by the time the dumps are written; it is then given
-    its timeout and the agents' token on stdin (never on a command line)."""
+    the agents to ask, its timeout and their token on stdin (the token never
+    on a command line)."""
 
     def __init__(
         self, argv: Callable[[str, Sequence[str]], list[str]], token: str | None = None
     ) -> None:
         self.argv, self.token = argv, token
         self._lock = threading.Lock()
-        self._ready: dict[str, tuple[tuple[str, ...], subprocess.Popen[bytes]]] = {}
+        self._ready: dict[str, subprocess.Popen[bytes]] = {}
 
     def warm(self, incident_id: str, agents: Sequence[str]) -> None:
         """Start the child for an incident now (one waiting at a time)."""
@@ -136,23 +137,24 @@ class ChildJudge:
             return
         with self._lock:
             stale = list(self._ready.values())
-            self._ready = {incident_id: (tuple(agents), proc)}
-        for _, old in stale:
+            self._ready = {incident_id: proc}
+        for old in stale:
             _stop(old)
 
     def __call__(self, incident_id: str, agents: Sequence[str], timeout_s: float) -> Judgement:
+        """The verdict from ``agents`` (the warm child's, whichever agents it
+        was started with: they are told on stdin)."""
         with self._lock:
             ready = self._ready.pop(incident_id, None)
-        if ready is not None and ready[0] != tuple(agents):
-            _stop(ready[1])
-            ready = None
         try:
-            proc = ready[1] if ready is not None else self._spawn(incident_id, agents)
+            proc = ready if ready is not None else self._spawn(incident_id, agents)
         except OSError as exc:
             return Judgement(None, f"cannot run the verdict's child: {exc.strerror or exc}")
-        request = json.dumps({"timeout": timeout_s, "token": self.token}) + "\n"
+        ask = {"timeout": timeout_s, "token": self.token, "agents": list(agents)}
         try:
-            out, err = proc.communicate(request.encode(), timeout=timeout_s + JUDGE_SLACK_S)
+            out, err = proc.communicate(
+                (json.dumps(ask) + "\n").encode(), timeout=timeout_s + JUDGE_SLACK_S
+            )
         except subprocess.TimeoutExpired:
             _stop(proc)
             return Judgement(None, f"no verdict within {timeout_s + JUDGE_SLACK_S:g} s")

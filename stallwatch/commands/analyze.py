@@ -74,7 +74,8 @@ def register(subparsers: Any) -> None:
         "current recordings)",
     )
     # an agent's verdict child (recorder.verdicts): started at once, it loads
-    # the analyzer, then reads {"timeout": s, "token": str|null} on stdin
+    # the analyzer, then reads {"timeout": s, "token": str|null, "agents":
+    # [HOST:PORT, ...]} on stdin (the agents: those of --agents to ask)
     p.add_argument("--request-stdin", action="store_true", help=argparse.SUPPRESS)
     add_format_option(p)
     p.add_argument(
@@ -128,17 +129,20 @@ def _run_live(args: argparse.Namespace) -> int:
 
 
 def _stdin_request(call: AgentCall) -> AgentCall:
-    """The timeout and token an agent's verdict child is given once it is
-    ready (one JSON line on stdin)."""
+    """The agents, timeout and token an agent's verdict child is given once
+    it is ready (one JSON line on stdin); the agents, of those of --agents."""
     try:
         doc = json.loads(sys.stdin.readline() or "{}")
         timeout = float(doc.get("timeout", call.timeout))
         token = doc.get("token") or call.token
+        agents = tuple(str(a) for a in doc.get("agents", call.agents))
     except (ValueError, TypeError, AttributeError) as exc:
         raise UsageError(f"--request-stdin: expected one JSON object line: {exc}") from None
     if timeout <= 0 or not (token is None or isinstance(token, str)):
         raise UsageError("--request-stdin: expected a timeout > 0 and a token string or null")
-    return dataclasses.replace(call, timeout=timeout, token=token)
+    if not agents or not set(agents) <= set(call.agents):
+        raise UsageError("--request-stdin: expected agents among those of --agents")
+    return dataclasses.replace(call, timeout=timeout, token=token, agents=agents)
 
 
 def _report(args: argparse.Namespace, result: AnalysisResult) -> int:

@@ -139,11 +139,13 @@ def test_the_child_judge_is_started_early_and_given_its_request_on_stdin() -> No
 
     judge = vd.ChildJudge(argv, "secret")
     judge.warm(INCIDENT, AGENTS)
-    got = judge(INCIDENT, AGENTS, 1.5)
-    assert got == Judgement({"got": {"timeout": 1.5, "token": "secret"}}, None)
+    got = judge(INCIDENT, AGENTS[:1], 1.5)  # fewer agents than it was started with
+    assert got == Judgement(
+        {"got": {"timeout": 1.5, "token": "secret", "agents": list(AGENTS[:1])}}, None
+    )
     assert started == [(INCIDENT, AGENTS)]  # the warm child answered: no second one
-    judge(INCIDENT, AGENTS[:1], 1.0)  # other agents than warmed: a child of its own
-    assert started[-1] == (INCIDENT, AGENTS[:1])
+    judge(INCIDENT, AGENTS, 1.0)  # not warmed (any more): a child of its own
+    assert started[-1] == (INCIDENT, AGENTS)
 
 
 def test_the_child_judge_names_a_childs_failure() -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stallwatch.dumpers.errors import DumpWriteError, PinError, ProbeError
+from stallwatch.dumpers.errors import PinError, ProbeError
 from stallwatch.dumpers.model import Clock, Recording, Ring, Trigger, TriggerKind
 from stallwatch.dumpers.schema import CUDA_SYMBOLS, NCCL_SYMBOLS
 from stallwatch.query.tls import ClientTls, ServerTls
@@ -63,9 +63,8 @@ from .slowdown import (
 from .source import EventSource
 from .stallbound import DEFAULT_FLOOR_S, StallBounds
 from .tickstate import CommProgress, ProcessState, Slowdown, TickState
-from .verdicts import Judge, VerdictPublisher
+from .verdicts import Judge, publisher_of
 from .watchdog import DumpScheduler, Incidents, Watchdog
-from .webhook import Webhook
 
 log = logging.getLogger("stallwatch.record")
 
@@ -671,27 +670,14 @@ class Agent:
         pins = self.source.pinset
         if pins is not None and not pins.read_only:
             watchdog.on_change = lambda: self._save_state(pins)
-        self.verdicts = self._publisher(incidents, peers)
-        return incidents
-
-    def _publisher(self, incidents: Incidents, peers: PeerList) -> VerdictPublisher | None:
-        """Each incident this agent detects: its verdict, from every node's dump."""
-        cfg = self.config
-        if cfg.judge is None:
-            return None
-        webhook = Webhook(cfg.notify_url) if cfg.notify_url else None
-        publisher = VerdictPublisher(
-            cfg.judge,
-            lambda: (cfg.listen, *peers()),
-            cfg.dump_dir,
-            self.host,
-            relabelled=lambda incident: incident in incidents.relabelled,
-            answers=incidents.answers,
-            webhook=webhook,
+        self.verdicts = (
+            None
+            if cfg.judge is None
+            else publisher_of(
+                cfg.judge, incidents, (cfg.listen, peers), cfg.dump_dir, self.host, cfg.notify_url
+            )
         )
-        incidents.on_raised = publisher.raised
-        incidents.on_dumped = publisher.dumped
-        return publisher
+        return incidents
 
     def _save_state(self, pins: PinSet) -> None:
         """The watchdog's incidents, kept with the pinned recording: an agent
@@ -746,21 +732,10 @@ class Agent:
             **self.counters.values,
             **self.incidents.counters(),
             **self.serving_counters(),
-            **self._verdict_counters(),
+            **(self.verdicts.counters() if self.verdicts is not None else {}),
             "link_read_failures": self.links.errors,
         }
         return agent_metrics_text(self.stats(), counters)
-
-    def _verdict_counters(self) -> dict[str, int]:
-        v = self.verdicts
-        if v is None:
-            return {}
-        out = {"verdicts_published": v.published, "verdict_failures": v.failures}
-        if v.webhook is not None:
-            w = v.webhook.stats
-            out |= {"notify_sent": w.sent, "notify_failures": w.failures}
-            out["notify_dropped"] = w.dropped
-        return out
 
     def watch_pins(self) -> None:
         """The pinned recording's folder as this agent left it: what was
@@ -865,52 +840,3 @@ def run_loop(agent: Agent, stop: Stop, notifier: Notifier | None = None) -> None
     finally:
         if bell is not None:
             bell.close()
-
-
-def dump_pinned(
-    pin_dir: Path, dump_dir: Path | None, reason: str, args: tuple[str, ...] = ()
-) -> dict[str, object]:
-    """``stallwatch dump --pinned``: a dump of the pinned recording at
-    ``pin_dir``, read with no agent (and no BCC).  It is run where the agent
-    ran: in ``netns`` scope, its TCP rows are kept by this namespace's
-    addresses."""
-    from stallwatch import __version__
-    from stallwatch.dumpers.format import write_dump
-
-    from .incidentids import new_incident_id
-    from .pinning import PinSet
-    from .source import PinnedSource
-
-    pins = PinSet.open(pin_dir, read_only=True)
-    about = pins.description
-    if pins.locked_by_other():
-        log.warning(
-            "an agent (pid %s) records into %s: dumping its pins all the same",
-            about.get("agent_pid", "?"),
-            pin_dir,
-        )
-    target = dump_dir or Path(str(about.get("dump_dir", "dumps")))
-    config = AgentConfig(
-        dump_dir=target,
-        scope=str(about.get("scope", "host")),
-        job=str(about["job"]) if about.get("job") else None,
-        host_name=str(about.get("host_name", "")),
-        args=args,
-        version=__version__,
-    )
-    netns = about.get("netns")
-    agent = Agent(config, PinnedSource(pins), netns=int(netns) if netns else None)
-    try:
-        now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-        incident = new_incident_id(agent.host)
-        why = f"{reason} (from the pinned recording at {pin_dir}, no agent)"
-        trigger = Trigger(TriggerKind.MANUAL, why, incident, now, origin_host=agent.host)
-        rec = agent.recording(trigger)
-    finally:
-        agent.close()
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-        path = write_dump(target, rec)
-    except OSError as exc:
-        raise DumpWriteError(f"--dump-dir {target}: {exc.strerror or exc}") from None
-    return {"host": agent.host, "incident_id": incident, "status": "written", "path": str(path)}

@@ -41,7 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from stallwatch.dumpers.model import Trigger, TriggerKind
 
@@ -313,6 +313,15 @@ class VerdictPublisher:
         self.threads = [t for t in self.threads if t.is_alive()] + [thread]
         thread.start()
 
+    def counters(self) -> dict[str, int]:
+        """For /metrics (each a counter)."""
+        out = {"verdicts_published": self.published, "verdict_failures": self.failures}
+        if self.webhook is not None:
+            w = self.webhook.stats
+            out |= {"notify_sent": w.sent, "notify_failures": w.failures}
+            out["notify_dropped"] = w.dropped
+        return out
+
     def latest(self) -> tuple[Published, ...]:
         with self._lock:
             return tuple(self._shown.values())
@@ -401,6 +410,41 @@ class VerdictPublisher:
         if self.webhook is not None:
             self.webhook.send(notice)
         return found
+
+
+class _Incidents(Protocol):
+    """What the publisher is wired to (``recorder.watchdog.Incidents``)."""
+
+    relabelled: dict[str, str]
+    on_raised: Callable[[Trigger], object] | None
+    on_dumped: Callable[[Dumped], object] | None
+
+    def answers(self, incident_id: str) -> dict[str, str]: ...
+
+
+def publisher_of(
+    judge: Judge,
+    incidents: _Incidents,
+    agents: tuple[str, Callable[[], Sequence[str]]],
+    dump_dir: Path,
+    host: str,
+    notify_url: str | None = None,
+) -> VerdictPublisher:
+    """The agent's publisher, wired to its incidents: ``agents`` is this
+    agent's address and where its peers' come from."""
+    own, peers = agents
+    publisher = VerdictPublisher(
+        judge,
+        lambda: (own, *peers()),
+        dump_dir,
+        host,
+        relabelled=lambda incident: incident in incidents.relabelled,
+        answers=incidents.answers,
+        webhook=Webhook(notify_url) if notify_url else None,
+    )
+    incidents.on_raised = publisher.raised
+    incidents.on_dumped = publisher.dumped
+    return publisher
 
 
 def verdict_line(p: Published) -> str:

@@ -91,7 +91,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run(args: argparse.Namespace) -> int:
     if args.pinned:
-        from stallwatch.recorder.agent import dump_pinned
+        from stallwatch.recorder.pinneddump import dump_pinned
 
         answer = dump_pinned(args.pin_dir, args.dump_dir, args.reason, tuple(sys.argv[1:]))
         _print_answer(answer, args.format)

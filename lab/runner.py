@@ -942,15 +942,25 @@ PUBLISHED = ("in_flight", "no_progress", "exit", "slowdown")
 
 def wait_for_verdict(lab: Lab) -> None:
     """Until an agent published the verdict of an incident it detected
-    (``<incident>.verdict.json`` beside its dumps), or VERDICT_GRACE passes;
-    not at all when no agent detected one (the dumps are peers' or asked for)."""
+    (``<incident>.verdict.json`` beside its dumps) from every node's dump
+    (revised, if its first lacked some), or VERDICT_GRACE passes; not at all
+    when no agent detected one (the dumps are peers' or asked for)."""
     if not any(_detected(p) for p in dumps_found(lab.cfg)):
         return
     deadline = time.monotonic() + VERDICT_GRACE
-    while time.monotonic() < deadline and not verdicts_found(lab.cfg):
+    while time.monotonic() < deadline and not _verdicts_complete(lab.cfg):
         narrate_job(lab, waiting_for_dumps=True)
         time.sleep(0.25)
     narrate_job(lab, waiting_for_dumps=True)
+
+
+def _verdicts_complete(cfg: RunConfig) -> bool:
+    found = verdicts_found(cfg)
+    try:
+        docs = [json.loads(p.read_text()) for p in found]
+        return bool(docs) and all(not d["publication"]["agents_missing"] for d in docs)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _detected(path: Path) -> bool:

@@ -69,8 +69,9 @@ class Notice:
         ranks = ", ".join("unknown" if r is None else str(r) for r in self.ranks) or "none"
         hosts = ", ".join(self.hosts) or "none"
         rev = f", revision {self.revision}" if self.revision > 1 else ""
+        word = "rank" if len(self.ranks) == 1 else "ranks"
         return (
-            f"stallwatch incident {self.incident_id}{rev}: {self.kind}: ranks {ranks} "
+            f"stallwatch incident {self.incident_id}{rev}: {self.kind}: {word} {ranks} "
             f"on {hosts}: {self.summary}"
         )
 

@@ -238,7 +238,7 @@ def test_the_webhook_posts_what_alertmanager_receivers_and_chats_read(receiver: 
     assert doc["commonLabels"] == alert["labels"]
     # a chat webhook's line
     assert doc["text"] == (
-        f"stallwatch incident {INCIDENT}, revision 2: missing_rank: ranks 3 on node2: "
+        f"stallwatch incident {INCIDENT}, revision 2: missing_rank: rank 3 on node2: "
         "rank 3 never entered ALL_REDUCE seq 57"
     )
     hook.close()

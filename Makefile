@@ -26,7 +26,7 @@ test: setup
 # the suite on the newest versions pyproject's ranges allow, in a venv of its
 # own (.venv-latest): upgrading is then `make lock` and its own commit
 test-latest:
-	VENV=.venv-latest STALLWATCH_LOCK= bash scripts/setup
+	VENV=.venv-latest STALLWATCH_LOCK= STALLWATCH_LINK= bash scripts/setup
 	VENV=.venv-latest bash scripts/check
 	.venv-latest/bin/python -m pytest $(SUITE)
 	.venv-latest/bin/python -m pytest -m solo

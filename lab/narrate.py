@@ -9,6 +9,10 @@ effect (the runner's from the injector's records, the ranks' own from their
 reports); the job stuck (no rank moved for ``STUCK_S``) or moving again;
 what the agents say of the stall (detected, a peer's request, a dump
 written: their logs); every node dumped, and the command for the verdict.
+A dump is told once it stands: an agent that detected a stall a peer
+detected first rewrites its dump under the peer's incident id (the peers
+converge on the earlier one), so a dump is told ``HOLD_S`` after it was
+written, as the file it became (what was folded into what is said).
 Between them, a heartbeat (what is awaited, and for how long) every
 ``HEARTBEAT_S`` for the first minute of a wait, every ``SLOW_HEARTBEAT_S``
 after it.
@@ -34,14 +38,25 @@ HEARTBEAT_S = 5.0
 SLOW_HEARTBEAT_S = 30.0
 STUCK_S = 3.0  # no rank moved for this long: the job is said to be stuck
 WIDTH = 96  # printed commands are wrapped to this many columns
+# A dump is told this long after its agent wrote it, unless a relabelling
+# tells it first: two agents that detect one stall converge on one incident
+# id at once (the detector notifies its peers before it writes), well
+# within a second on a loaded machine; twice that, to be safe.
+HOLD_S = 2.0
 
 
 AGENT_PATTERNS: tuple[tuple[str, re.Pattern[str], str], ...] = (  # the first match counts
     ("listening", re.compile(r"listening on (\S+)"), "agent up, listening on {0}"),
     ("recording", re.compile(r"recording pid (\d+)"), "agent records rank process {0}"),
-    ("dump", re.compile(r"dump written to (\S+)"), "dump written: {0}"),
+    ("dump", re.compile(r"incident (\S+): dump written to (\S+)"), "dump written: {1}"),
+    (
+        "relabel",
+        re.compile(r"incident (\S+) is (.+)'s (\S+): relabelling"),
+        "its incident {0} is {1}'s {2}: its dump is rewritten under that id",
+    ),
     ("verdict", re.compile(r"incident \S+: verdict: (.*)"), "verdict: {0}"),
     ("peer", re.compile(r"incident \S+ \(peer\): (.*)"), "a peer asks for a dump: {0}"),
+    ("asked", re.compile(r"incident \S+ \(manual\): (.*)"), "a dump is asked for: {0}"),
     ("stall", re.compile(r"incident \S+ \((\w+)\): (.*)"), "stall detected ({0}): {1}"),
     ("stopping", re.compile(r"stopping: (.*)"), "agent stopping: {0}"),
     ("stopped", re.compile(r"INFO stopped$"), "agent stopped"),
@@ -50,11 +65,63 @@ AGENT_PATTERNS: tuple[tuple[str, re.Pattern[str], str], ...] = (  # the first ma
 
 def agent_line(line: str) -> tuple[str, str] | None:
     """(kind, what to say) of an agent's log line worth telling, or None."""
+    found = agent_event(line)
+    return None if found is None else (found[0], found[2])
+
+
+def agent_event(line: str) -> tuple[str, tuple[str, ...], str] | None:
+    """(kind, the parts it names, what to say) of an agent's log line worth
+    telling, or None."""
     for kind, pattern, text in AGENT_PATTERNS:
         m = pattern.search(line)
         if m is not None:
-            return kind, text.format(*m.groups())
+            return kind, m.groups(), text.format(*m.groups())
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Fold:
+    old: str  # the agent's own incident id
+    origin: str  # whose incident it was folded into ("node1", "a peer")
+
+
+@dataclass(slots=True)
+class DumpLines:
+    """Each agent's dumps, told once they stand (``HOLD_S``): a dump that
+    an agent rewrote under a peer's incident id is told as the file it
+    became, with what was folded into what; one rewritten after it was told
+    is said to be."""
+
+    held: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
+    told: dict[tuple[str, str], str] = field(default_factory=dict)  # (agent, incident) -> file
+    folds: dict[tuple[str, str], _Fold] = field(default_factory=dict)  # by the new id
+
+    def written(self, agent: str, incident: str, path: str) -> None:
+        self.held[(agent, incident)] = (path, time.monotonic())
+
+    def relabelled(self, agent: str, old: str, origin: str, new: str) -> str | None:
+        """What to say now, if anything (a dump already told is rewritten)."""
+        self.held.pop((agent, old), None)
+        before = self.folds.pop((agent, old), None)  # folded once already: its own id stays
+        self.folds[(agent, new)] = _Fold(before.old if before else old, origin)
+        told = self.told.pop((agent, old), None)
+        if told is None:
+            return None
+        return f"its incident {old} is {origin}'s {new}: {told} is rewritten under that id"
+
+    def standing(self, everything: bool = False) -> list[tuple[str, str]]:
+        """(agent, what to say) of the dumps held ``HOLD_S`` (or all)."""
+        now, out = time.monotonic(), []
+        for key, (path, at) in list(self.held.items()):
+            if everything or now - at >= HOLD_S:
+                del self.held[key]
+                self.told[key] = path
+                fold = self.folds.pop(key, None)
+                text = f"dump written: {path}"
+                if fold is not None:
+                    text += f" (its own incident {fold.old} folded into {fold.origin}'s {key[1]})"
+                out.append((key[0], text))
+        return out
 
 
 @dataclass(slots=True)
@@ -89,6 +156,7 @@ class Narrator:
     listening: set[str] = field(default_factory=set)
     dumped: set[str] = field(default_factory=set)
     told: set[str] = field(default_factory=set)  # keys of things said once
+    dumps: DumpLines = field(default_factory=DumpLines)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def say(self, text: str) -> None:
@@ -113,20 +181,30 @@ class Narrator:
         if now - self.last >= every:
             self.say(what())
 
-    def agent_logs(self, logs: dict[str, Path]) -> None:
-        """Tell what each agent's log (by name) says that matters."""
+    def agent_logs(self, logs: dict[str, Path], everything: bool = False) -> None:
+        """Tell what each agent's log (by name) says that matters; the dumps
+        once they stand (``everything``: all of them now)."""
         for name, path in logs.items():
             tail = self.tails.setdefault(name, LogTail(path))
             for line in tail.new_lines():
-                found = agent_line(line)
+                found = agent_event(line)
                 if found is None:
                     continue
-                kind, text = found
+                kind, parts, text = found
                 if kind == "listening":
                     self.listening.add(name)
                 if kind == "dump":
                     self.dumped.add(name)
+                    self.dumps.written(name, *parts)
+                    continue
+                if kind == "relabel":
+                    said = self.dumps.relabelled(name, *parts)
+                    if said is not None:
+                        self.say(f"{name}: {said}")
+                    continue
                 self.say(f"{name}: {text}")
+        for name, text in self.dumps.standing(everything):
+            self.say(f"{name}: {text}")
 
 
 # --- commands a person runs ------------------------------------------------------

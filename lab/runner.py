@@ -50,6 +50,7 @@ import functools
 import json
 import math
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -71,7 +72,7 @@ from stallwatch.lab.churn import CHURN_PORT
 from stallwatch.lab.faultlog import Episode, FaultRecord, Moment, wall_offset_ns
 from stallwatch.lab.injector import Injector, runner_faults
 from stallwatch.lab.logs import last_line
-from stallwatch.lab.narrate import STUCK_S, Narrator, command_text, program, wrapped
+from stallwatch.lab.narrate import HOLD_S, STUCK_S, Narrator, command_text, program, wrapped
 from stallwatch.lab.neighbour import ChurnOutcome, Neighbour
 from stallwatch.lab.procfaults import RankActs
 from stallwatch.lab.supervise import Service, Supervisor
@@ -123,7 +124,8 @@ class RunConfig:
     # stall_timeout is then only how long the lab waits for a rank to move.
     # Otherwise every call's bound is stall_timeout (floor and ceiling)
     agent_defaults: bool = False
-    timeout: float | None = None  # None: 30 s plus 0.5 s per step
+    # None: no deadline but with --duration (the stall timeout still gives up)
+    timeout: float | None = None
     # the job ends this long after it reached the latest step a fault names
     # (after its first step, if none names one): every rank at the same step,
     # a few steps after the fastest one then; None: after --steps
@@ -143,18 +145,24 @@ class RunConfig:
     # a TCP neighbour outside the job: this many connections a second in
     # total between the nodes, from before the job starts (0: none)
     neighbour_churn: int = 0
+    # with record: where a client's files (agents.txt, token, certificates)
+    # go, kept after the run; None: <run dir>/client, removed with the run
+    client_dir: Path | None = None
 
     @property
     def topology(self) -> F.Topology:
         return F.Topology(self.nodes, self.ranks_per_node)
 
     @property
-    def deadline_s(self) -> float:
+    def deadline_s(self) -> float | None:
+        """When the lab gives up in any case: ``--timeout``; with
+        ``--duration``, the end's last steps however slow the job is then;
+        else never (a job that stops moving is given up on its own)."""
         if self.timeout is not None:
             return self.timeout
-        if self.duration is not None:  # the end's last steps, however slow the job is then
+        if self.duration is not None:
             return 60.0 + 1.5 * self.duration
-        return 30.0 + 0.5 * self.steps
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +194,15 @@ class RankOutcome:
 
     @property
     def healthy(self) -> bool:
-        return self.status == job.STATUS_DONE and self.exit_code == 0 and self.verified
+        """Every step done and verified, and it exited cleanly, or was still
+        exiting when the lab ended the run (its work was done)."""
+        if self.status == STATUS_EXITING:
+            return self.verified
+        return (
+            self.status == job.STATUS_DONE
+            and self.verified
+            and (self.exit_code == 0 or self.killed_by_lab)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -725,10 +741,11 @@ LIVE_SQL = (
 def write_client_dir(lab: Lab) -> Path:
     """What a client of the agents needs, named as docs/runbook.md names it:
     agents.txt, token, ca.pem, client.pem, client.key (keys readable by
-    root alone); removed with the run."""
+    root alone); in ``--client-dir`` (kept after the run, so that what a
+    rehearsal writes there outlives it), else removed with the run."""
     assert lab.certs is not None
-    folder = lab.run_dir / CLIENT_DIR
-    folder.mkdir(mode=0o700, exist_ok=True)
+    folder = lab.cfg.client_dir or lab.run_dir / CLIENT_DIR
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     agents = "".join(f"{s.ip}:{AGENT_PORT}\n" for s in lab.sites())
     (folder / "agents.txt").write_text(agents)
     files = {"token": _token_file(lab), "ca.pem": lab.certs.ca}
@@ -764,7 +781,10 @@ def say_client_commands(lab: Lab, folder: Path, late: set[int]) -> None:
         "from this shell, while the job runs: the live verdict, the calls in flight, the dumps\n"
         + "\n".join(commands)
     )
-    lab.narrator.say(f"(in {folder}, gone at teardown, docs/runbook.md runs as printed)")
+    kept = (
+        "kept after the run" if lab.cfg.client_dir else "gone at teardown: --client-dir keeps one"
+    )
+    lab.narrator.say(f"(in {folder}, {kept}; docs/runbook.md runs as printed there)")
 
 
 def _agent_log(lab: Lab, site: AgentSite) -> Path:
@@ -902,6 +922,27 @@ def dumps_found(cfg: RunConfig) -> list[Path]:
     return sorted(p for p in cfg.dump_dir.rglob("*.msgpack") if not p.name.startswith("."))
 
 
+def end_incident(run_id: str) -> str:
+    """The incident id of a run's ``--dump-at-end`` dumps."""
+    return f"lab-{run_id}-end"
+
+
+def end_dumps(folder: Path) -> list[Path]:
+    """The ``--dump-at-end`` dumps under ``folder`` (an incident the agents
+    raised during the run is another incident, dumped beside them)."""
+    from stallwatch.dumpers.format import dump_trigger
+
+    out = []
+    for path in sorted(folder.rglob("*.msgpack")):
+        try:
+            trigger = dump_trigger(path)
+        except DumpError:
+            continue
+        if trigger is not None and re.fullmatch(r"lab-\w+-end", trigger.incident_id):
+            out.append(path)
+    return out
+
+
 def wait_for_dumps(lab: Lab) -> None:
     """Every node's agent writes a dump raised since its node's ranks last
     moved or a rank exited (a stall after a slowdown: a dump of the slowdown
@@ -1026,25 +1067,33 @@ def pinned_dumps(lab: Lab) -> list[str]:
 
 
 def request_end_dumps(lab: Lab) -> list[str]:
-    """Ask every agent to dump now (one incident for all: ``lab-<run
-    id>-end``), then wait until each wrote a new file.  Returns problems."""
-    before = {s.index: _dump_count(lab.cfg, s.index) for s in lab.sites()}
-    body = json.dumps(
-        {"reason": "end of lab run", "incident_id": f"lab-{lab.run_id}-end", "origin": "lab"}
-    ).encode()
-    problems = []
-    for site in lab.sites():
-        ask = functools.partial(_post_dump, _client(lab, site, 30.0), "/dump", body)
-        answer = netns.in_netns(site.netns, ask)
-        if answer is not None:
-            problems.append(f"the agent of {site.who} refused to dump: {answer}")
+    """Ask every agent (but those gone for good) to dump now, one incident
+    for all (``lab-<run id>-end``), as an operator's ``stallwatch dump``
+    does: a request of a client, which an incident's cool-down does not
+    hold back (a peer's would be); then wait until each wrote a new file.
+    Returns problems, each with what the agent answered."""
+    gone = lab.chaos.gone_nodes() if lab.chaos is not None else set()
+    sites = [s for s in lab.sites() if s.index not in gone]
+    before = {s.index: _dump_count(lab.cfg, s.index) for s in sites}
+    body = json.dumps({"reason": "end of lab run", "incident_id": end_incident(lab.run_id)})
+
+    def ask(site: AgentSite) -> str | None:  # every agent at once, as the command does
+        post = functools.partial(_end_dump_answer, _client(lab, site, 30.0), body.encode())
+        return netns.in_netns(site.netns, post)
+
+    with ThreadPoolExecutor(max(1, len(sites))) as pool:
+        answers = dict(zip([s.index for s in sites], pool.map(ask, sites), strict=True))
     deadline = time.monotonic() + DUMP_GRACE
     while time.monotonic() < deadline:
         if all(_dump_count(lab.cfg, i) > n for i, n in before.items()):
-            return problems
+            return []
         time.sleep(0.25)
-    late = [i for i, n in before.items() if _dump_count(lab.cfg, i) <= n]
-    return [*problems, f"no dump at the end from node(s) {late} within {DUMP_GRACE:g} s"]
+    late = [s for s in sites if _dump_count(lab.cfg, s.index) <= before[s.index]]
+    return [
+        f"no dump at the end from {s.who} within {DUMP_GRACE:g} s"
+        + (f": it answered {answers[s.index]}" if answers[s.index] else "")
+        for s in late
+    ]
 
 
 SNAPSHOT_TIMEOUT = 120.0
@@ -1106,6 +1155,21 @@ def _dump_count(cfg: RunConfig, node: int) -> int:
     return sum(1 for p in agent_dump_dir(cfg, node).glob("*.msgpack") if not p.name.startswith("."))
 
 
+def _end_dump_answer(client: AgentClient, body: bytes) -> str | None:
+    """None when the agent writes the dump asked for, else what it said."""
+    try:
+        reply = client.post("/dump", body)
+        if not reply.ok:
+            return reply.error_text()
+        doc = reply.json()
+    except AgentError as exc:
+        return str(exc)
+    status = doc.get("status") if isinstance(doc, dict) else None
+    if status in ("written", "queued"):
+        return None
+    return f"{status} (incident {doc.get('incident_id')})" if status else "no status"
+
+
 def _post_dump(client: AgentClient, path: str, body: bytes) -> str | None:
     """None when the agent took the request, else why not."""
     try:
@@ -1138,8 +1202,12 @@ def say_agents_ready(lab: Lab) -> None:
 
 
 def wait_for_job(lab: Lab, started: float) -> str | None:
-    """None when every rank exited; otherwise why the lab stopped waiting."""
+    """None when every rank exited, or did its last step and had
+    ``--stall-timeout`` to exit (destroying communicators is local work: one
+    that takes longer is killed, and said so, but the job is done);
+    otherwise why the lab stopped waiting."""
     last, last_change = progress(lab), time.monotonic()
+    finished_at: float | None = None  # when every rank had done its last step
     lab.narrator.phase()
     while True:
         if lab.chaos is not None:
@@ -1153,13 +1221,25 @@ def wait_for_job(lab: Lab, started: float) -> str | None:
         current = progress(lab)
         if len(current[1]) == len(lab.ranks):
             return None
-        if current != last:
+        if all(step > last_step(lab) for step in current[0]):  # steps_done + 1 each
+            finished_at = finished_at or now
+            if now - finished_at > lab.cfg.stall_timeout:
+                return None
+        elif current != last:
             last, last_change = current, now
-        if now - last_change > lab.cfg.stall_timeout:
+        elif now - last_change > lab.cfg.stall_timeout:
             return f"no rank made progress for {lab.cfg.stall_timeout:g} s"
-        if now - started > lab.cfg.deadline_s:
-            return f"the job did not finish within {lab.cfg.deadline_s:g} s (--timeout)"
+        deadline = lab.cfg.deadline_s
+        if finished_at is None and deadline is not None and now - started > deadline:
+            why = "--timeout" if lab.cfg.timeout is not None else "--duration's deadline"
+            return f"the job did not finish within {deadline:g} s ({why})"
         time.sleep(POLL)
+
+
+def last_step(lab: Lab) -> int:
+    """How many steps every rank does: ``--steps``, or fewer where
+    ``--duration`` ended the job."""
+    return lab.ended_at_step if lab.ended_at_step is not None else lab.cfg.steps
 
 
 # a rank between reading the steps and the end being written may begin one
@@ -1288,17 +1368,18 @@ def outcome(lab: Lab, rank: int, stuck: dict[int, job.RankReport | None]) -> Ran
     error = rep.error if rep is not None else None
     if error is None and code not in (0, None) and not killed:
         error = last_line(lab.run_dir / f"rank-{rank}.log")
+    status = _status(rep, killed, last_step(lab))
     return RankOutcome(
         world_rank=rank,
         node=topo.node_of(rank),
         local_rank=topo.local_rank(rank),
         pid=proc.pid if proc is not None else None,
         steps_done=rep.steps_done if rep is not None else 0,
-        status=_status(rep, killed),
+        status=status,
         exit_code=code if code is None or code >= 0 else None,
         exit_signal=sig,
         killed_by_lab=killed,
-        stuck=killed,
+        stuck=killed and status not in (job.STATUS_DONE, STATUS_EXITING),
         verified=rep is not None and rep.verified_failed == 0 and rep.steps_done == rep.steps_total,
         verified_ok=rep.verified_ok if rep is not None else 0,
         verified_failed=rep.verified_failed if rep is not None else 0,
@@ -1316,11 +1397,16 @@ def outcome(lab: Lab, rank: int, stuck: dict[int, job.RankReport | None]) -> Ran
     )
 
 
-def _status(rep: job.RankReport | None, killed: bool) -> str:
+# a rank that did its last step and was still destroying its communicators
+# or exiting when the lab ended the run
+STATUS_EXITING = "exiting"
+
+
+def _status(rep: job.RankReport | None, killed: bool, last: int) -> str:
     if rep is None:
         return "no report"
     if killed and rep.status == job.STATUS_RUNNING:
-        return "stuck"
+        return STATUS_EXITING if rep.steps_done >= last else "stuck"
     return rep.status
 
 
@@ -1354,16 +1440,15 @@ def run(cfg: RunConfig, progress_out: TextIO | None = None) -> RunResult:
                 problems += look_late(lab)
             else:
                 say(f"the job ended: every rank exited ({_exits(lab)})")
-            if cfg.record and (
-                gave_up is not None or any(p.returncode for p in lab.ranks.values())
-            ):
+            failed = gave_up is not None or any(p.returncode for p in lab.ranks.values())
+            if cfg.record and failed:
                 wait_for_dumps(lab)
                 problems += pinned_dumps(lab)
                 wait_for_verdict(lab)
-                say_dumps(lab)
-            elif cfg.record and cfg.dump_at_end:
-                say(f"lab run {lab.run_id}: asking every agent for a dump")
+            if cfg.record and cfg.dump_at_end:
+                say(f"lab run {lab.run_id}: asking every agent for a dump (--dump-at-end)")
                 problems += request_end_dumps(lab)
+            if cfg.record and (failed or cfg.dump_at_end or dumps_found(cfg)):
                 say_dumps(lab)
             assert lab.injector is not None
             lab.injector.finish()
@@ -1454,8 +1539,14 @@ def _exits(lab: Lab) -> str:
 
 
 def say_dumps(lab: Lab) -> None:
-    """The dumps written, and the command for the verdict."""
-    lab.narrator.agent_logs(agent_logs(lab))
+    """The dumps written, once they stand (an agent may still be folding
+    its own into a peer's incident: ``narrate.HOLD_S``), and the command
+    for the verdict."""
+    deadline = time.monotonic() + 2 * HOLD_S
+    while lab.narrator.dumps.held and time.monotonic() < deadline:
+        lab.narrator.agent_logs(agent_logs(lab))
+        time.sleep(LOOK_S)
+    lab.narrator.agent_logs(agent_logs(lab), everything=True)
     found = dumps_found(lab.cfg)
     if not found:
         lab.narrator.say("no dump was written (the report below says what happened)")
@@ -1498,11 +1589,19 @@ def _row(r: RankOutcome, steps: int) -> Sequence[str]:
         str(r.pid or "-"),
         f"{r.steps_done}/{steps}",
         r.status,
-        exit_text + (" (killed by lab)" if r.killed_by_lab else ""),
+        exit_text + _killed_text(r),
         "yes" if r.verified else _unverified(r, steps),
         f"{mean:.1f}",
         r.error or "",
     )
+
+
+def _killed_text(r: RankOutcome) -> str:
+    if not r.killed_by_lab:
+        return ""
+    if r.status in (job.STATUS_DONE, STATUS_EXITING):
+        return " (killed by lab while exiting, after its last step)"
+    return " (killed by lab)"
 
 
 def _unverified(r: RankOutcome, steps: int) -> str:

@@ -30,6 +30,7 @@ from stallwatch.analyzer.verdict import VerdictKind
 from stallwatch.dumpers.format import read_dump, write_dump
 from stallwatch.dumpers.model import Ring
 from stallwatch.dumpers.schema import DEVICE_FIELDS, State
+from stallwatch.lab.runner import end_dumps
 
 # the hangs are judged on what completed, whatever the machine's load: they
 # run on the suite's parallel workers; the runs judged on timing (the slow
@@ -50,6 +51,8 @@ def lab_run(folder: Path, *args: str, agents: int = 4) -> list[Path]:
     cmd += ["--agent-scope", "host"] if agents == 1 else []
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     dumps = sorted(folder.rglob("*.msgpack"))
+    if "--dump-at-end" in args:  # an incident the agents raised meanwhile is another one
+        dumps = end_dumps(folder)
     assert len(dumps) == agents, f"one dump per agent expected: {dumps}\n{done.stdout}{done.stderr}"
     return dumps
 
@@ -59,7 +62,7 @@ def slow_rank(seed: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def gpuslow_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+def gpuslow_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[str]]:
     runs = {}
     for seed in SEEDS:
         folder = tmp_path_factory.mktemp(f"gpuslow-{seed}")
@@ -67,8 +70,7 @@ def gpuslow_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
         # one host-scope agent records the job: the seeds judge the device's
         # timeline, not the agents (an agent per node: the hang runs below);
         # each run then starts in about half the time
-        lab_run(folder, "--dump-at-end", "--fault", fault, agents=1)
-        runs[seed] = folder
+        runs[seed] = [str(p) for p in lab_run(folder, "--dump-at-end", "--fault", fault, agents=1)]
     return runs
 
 
@@ -81,9 +83,9 @@ def stragglers(result: AnalysisResult) -> set[int]:
 
 @pytest.mark.solo
 def test_gpuslow_is_the_compute_straggler_in_9_of_10_seeded_runs(
-    gpuslow_runs: dict[int, Path],
+    gpuslow_runs: dict[int, list[str]],
 ) -> None:
-    named = {seed: stragglers(analyze_paths([str(f)])) for seed, f in gpuslow_runs.items()}
+    named = {seed: stragglers(analyze_paths(dumps)) for seed, dumps in gpuslow_runs.items()}
     right = [seed for seed, ranks in named.items() if ranks == {slow_rank(seed)}]
     assert len(right) >= 9, {seed: (slow_rank(seed), ranks) for seed, ranks in named.items()}
 
@@ -104,11 +106,11 @@ def _host_only(dumps: list[Path], out: Path) -> None:
 
 @pytest.mark.solo
 def test_arrival_order_alone_would_not_name_it(
-    gpuslow_runs: dict[int, Path], tmp_path: Path
+    gpuslow_runs: dict[int, list[str]], tmp_path: Path
 ) -> None:
     seed = SEEDS[0]
-    dumps = sorted(gpuslow_runs[seed].rglob("*.msgpack"))
-    assert stragglers(analyze_paths([str(gpuslow_runs[seed])])) == {slow_rank(seed)}
+    dumps = [Path(p) for p in gpuslow_runs[seed]]
+    assert stragglers(analyze_paths(gpuslow_runs[seed])) == {slow_rank(seed)}
     _host_only(dumps, tmp_path / "host-only")
     assert slow_rank(seed) not in stragglers(analyze_paths([str(tmp_path / "host-only")]))
 
@@ -145,7 +147,7 @@ def test_a_hang_inside_a_graph_replay_names_the_rank(tmp_path: Path, kind: str) 
 @pytest.mark.solo
 def test_a_healthy_graph_run_is_healthy_and_every_replay_completed(tmp_path: Path) -> None:
     dumps = lab_run(tmp_path, "--graphs", "--steps", "10", "--dump-at-end")
-    (incident,) = analyze_paths([str(tmp_path)]).incidents
+    (incident,) = analyze_paths([str(p) for p in dumps]).incidents
     assert [v.kind for v in incident.verdicts] == [VerdictKind.HEALTHY]
     replays = 0
     for path in dumps:

@@ -22,6 +22,7 @@ import pytest
 
 from stallwatch.analyzer.pipeline import AnalysisResult, analyze_paths
 from stallwatch.analyzer.verdict import Verdict, VerdictKind
+from stallwatch.lab.runner import end_dumps
 from tests.query.agreement import assert_agree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,9 +106,11 @@ def lab_run(folder: Path, args: list[str]) -> Recorded:
     cmd += args  # a later --ranks-per-node wins
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     dumps = sorted(folder.rglob("*.msgpack"))
+    if "--dump-at-end" in args:  # an incident the agents raised meanwhile is another one
+        dumps = end_dumps(folder)
     nodes = int(args[args.index("--nodes") + 1])
     assert len(dumps) == nodes, f"one dump per node expected: {dumps}\n{done.stdout}{done.stderr}"
-    return Recorded(folder, nodes, dumps, analyze_paths([str(folder)]))
+    return Recorded(folder, nodes, dumps, analyze_paths([str(p) for p in dumps]))
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ import pytest
 from stallwatch.analyzer.pipeline import AnalysisResult, analyze_paths
 from stallwatch.analyzer.verdict import Verdict, VerdictKind
 from stallwatch.dumpers.format import read_dump
+from stallwatch.lab.runner import end_dumps
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,8 +49,10 @@ def lab_run(folder: Path, args: list[str]) -> AnalysisResult:
     cmd += ["--neighbour-churn", "500", "--timeout", "150", *args]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     dumps = sorted(folder.rglob("*.msgpack"))
+    if "--dump-at-end" in args:  # an incident the agents raised meanwhile is another one
+        dumps = end_dumps(folder)
     assert len(dumps) == 3, f"one dump per node expected: {dumps}\n{done.stdout}{done.stderr}"
-    return analyze_paths([str(folder)])
+    return analyze_paths([str(p) for p in dumps])
 
 
 @pytest.fixture(scope="module")

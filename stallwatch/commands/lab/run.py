@@ -7,12 +7,16 @@ import argparse
 import sys
 import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stallwatch.dumpers.errors import ExitCode, LabError
 from stallwatch.lab import faults as F
 from stallwatch.lab.job import DEFAULT_COMPUTE_MS, DEFAULT_ELEMENTS, MODES, WAITS
 
 from ..options import HelpFormatter, add_format_option
+
+if TYPE_CHECKING:
+    from stallwatch.lab.runner import RunConfig
 
 SPEC_WIDTH = 38  # where a fault's description begins, in --help
 
@@ -93,24 +97,30 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="gpu mode: capture each step's collectives in a CUDA graph once and "
                    "replay it every step")  # fmt: skip
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
-                   help="a fault to inject (repeatable; specs below)")  # fmt: skip
+                   help="a fault to inject (repeatable; specs below; default: none, a "
+                   "healthy job)")  # fmt: skip
     p.add_argument("--neighbour-churn", type=_positive_int, default=None, metavar="N",
                    help="a TCP neighbour outside the job: N short connections a second "
                    "in total between the nodes (not the job's processes), from before "
                    "the job starts until it ended and the agents dumped; the rate "
-                   "reached is reported")  # fmt: skip
+                   "reached is reported (default: none)")  # fmt: skip
     p.add_argument("--record", action="store_true", help="one stallwatch agent per node")
     p.add_argument("--agent-scope", choices=("netns", "host"), default=None,
-                   help="with --record: netns, one agent per node in its namespace (default); "
-                   "host, one agent for the whole machine (record --scope host: every node's "
-                   "ranks in one dump), named node=0 by agent faults")  # fmt: skip
+                   help="with --record: netns, one agent per node in its namespace; host, one "
+                   "agent for the whole machine (record --scope host: every node's ranks in "
+                   "one dump), named node=0 by agent faults (default: netns)")  # fmt: skip
     p.add_argument("--dump-dir", type=Path, default=Path("dumps"), metavar="DIR",
                    help="with --record: where the agents write dumps")  # fmt: skip
     p.add_argument(
         "--dump-at-end",
         action="store_true",
-        help="with --record: once every rank finished, ask each agent for a dump",
+        help="with --record: at the end of the run (the job ended, or was given up), ask "
+        "each agent for a dump, after the dumps of any incident",
     )
+    p.add_argument("--client-dir", type=Path, default=None, metavar="DIR",
+                   help="with --record: write what a client of the agents needs (agents.txt, "
+                   "token, ca.pem, client.pem, client.key) into DIR, kept after the run "
+                   "(default: a folder of the run's, gone at teardown)")  # fmt: skip
     p.add_argument(
         "--stall-timeout",
         type=_positive_float,
@@ -125,7 +135,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "communicator's own bound, 60 s the ceiling); --stall-timeout is then the lab's wait only",
     )
     p.add_argument(
-        "--timeout", type=_positive_float, default=None, metavar="SEC", help="give up after SEC"
+        "--timeout",
+        type=_positive_float,
+        default=None,
+        metavar="SEC",
+        help="give up after SEC in all (default: none: the run lasts while the job moves, and "
+        "gives up once no rank progressed for --stall-timeout; with --duration, 60 s plus "
+        "1.5 times the duration)",
     )
     p.add_argument("--duration", type=_positive_float, default=None, metavar="SEC",
                    help="end the job SEC seconds after it reached the latest step a fault "
@@ -155,16 +171,30 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     from stallwatch.lab import runner  # the lab's machinery loads only when it runs
 
+    cfg = config_from(args)
+    as_json = args.format == "json"
+    result = runner.run(cfg, progress_out=None if as_json else sys.stderr)
+    print(result.to_json() if as_json else runner.summary(result))
+    return ExitCode.OK if result.ok else ExitCode.FINDINGS
+
+
+def config_from(args: argparse.Namespace) -> RunConfig:
+    """The run the parsed options ask for (refusing what goes together with
+    nothing)."""
+    from stallwatch.lab import runner
+
     if args.dump_at_end and not args.record:
         raise LabError("--dump-at-end needs --record (the agents write the dumps)")
     if args.late_agents and not args.record:
         raise LabError("--late-agents needs --record")
+    if args.client_dir is not None and not args.record:
+        raise LabError("--client-dir needs --record (it is how to reach the agents)")
     if args.agent_scope is not None and not args.record:
         raise LabError("--agent-scope needs --record (it says where the agents run)")
     if args.graphs and args.mode != "gpu":
         raise LabError("--graphs needs --mode gpu (graphs are captured on CUDA streams)")
 
-    cfg = runner.RunConfig(
+    return runner.RunConfig(
         nodes=args.nodes,
         ranks_per_node=args.ranks_per_node,
         steps=args.steps,
@@ -187,8 +217,5 @@ def run(args: argparse.Namespace) -> int:
         wait=args.wait,
         agent_scope=args.agent_scope or "netns",
         neighbour_churn=args.neighbour_churn or 0,
+        client_dir=args.client_dir.expanduser().resolve() if args.client_dir else None,
     )
-    as_json = args.format == "json"
-    result = runner.run(cfg, progress_out=None if as_json else sys.stderr)
-    print(result.to_json() if as_json else runner.summary(result))
-    return ExitCode.OK if result.ok else ExitCode.FINDINGS

@@ -20,13 +20,18 @@ The command is ``stallwatch.commands.lab.demo``.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
 import random
 import re
 import secrets
+import shutil
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -37,7 +42,7 @@ from typing import TextIO
 
 from stallwatch.dumpers.errors import ExitCode, LabError, UsageError
 from stallwatch.dumpers.sqltables import HEADLINE_QUERY
-from stallwatch.lab.narrate import agent_line
+from stallwatch.lab.narrate import agent_line, program
 from stallwatch.lab.narrate import command_text as command_text
 
 STEPS = 16
@@ -49,6 +54,7 @@ SETTLE_MAX_S = 5.0
 HEARTBEAT_S = 10.0
 LAB_EXIT_TIMEOUT = 180.0  # the lab's own deadlines end it well before this
 PERFETTO_UI = "https://ui.perfetto.dev"
+BLOCK_INDENT = 4  # a command's output, shown under it
 LAB_CLOCK = re.compile(r"^\[ *[\d.]+s\] ")  # the seconds lab run prefixes its lines with
 # lab run's commands for reaching its agents from a shell, which the demo
 # does not relay: it tears the agents down once they dumped
@@ -171,7 +177,9 @@ def check_dump_dir(dump_dir: Path) -> None:
 
 
 def stallwatch(*args: str) -> tuple[str, ...]:
-    return (sys.executable, "-m", "stallwatch", *args)
+    """This stallwatch, as a shell finds it (``stallwatch`` where the PATH
+    leads to it: the commands printed are the ones that ran)."""
+    return (*program(), *args)
 
 
 # --- output -------------------------------------------------------------------------
@@ -204,7 +212,17 @@ class Console:
         self.say(f"\n== {text}")
 
     def block(self, text: str) -> None:
-        self.say("\n".join("    " + line for line in text.rstrip("\n").splitlines()))
+        pad = " " * BLOCK_INDENT
+        self.say("\n".join(pad + line for line in text.rstrip("\n").splitlines()))
+
+    def columns(self) -> int | None:
+        """The width of the terminal the narration goes to, if it goes to one."""
+        if self.quiet or not self.out.isatty():
+            return None
+        try:
+            return os.get_terminal_size(self.out.fileno()).columns
+        except (OSError, ValueError):  # not a real file descriptor
+            return shutil.get_terminal_size().columns
 
 
 # --- the lab stage ------------------------------------------------------------------
@@ -356,15 +374,56 @@ def settle(watch: LabWatch) -> None:
 # --- the analysis stages --------------------------------------------------------------
 
 
-def run_stage(name: str, argv: tuple[str, ...], console: Console) -> Stage:
-    text = command_text(("stallwatch", *argv[3:]))
+def run_stage(
+    name: str, argv: tuple[str, ...], console: Console, for_people: bool = False
+) -> Stage:
+    """One command; ``for_people`` (a report the demo shows) on a terminal
+    as wide as what is left of the demo's beside the block's indent, when
+    the demo prints to one: the report fits it, as by hand."""
+    text = command_text(("stallwatch", *argv[len(program()) :]))
     first = text.split("\n")[0]
     console.progress(f"{name}: {first}{' ...' if first != text else ''}")
     started = time.monotonic()
-    done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    columns = console.columns() if for_people else None
+    if columns is not None:
+        done = run_on_terminal(argv, columns - BLOCK_INDENT)
+    else:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
     seconds = round(time.monotonic() - started, 2)
     console.progress(f"{name}: exit {done.returncode} after {seconds:.1f} s")
     return Stage(name, argv, seconds, done.returncode, done.stdout, done.stderr)
+
+
+def run_on_terminal(argv: Sequence[str], columns: int) -> subprocess.CompletedProcess[str]:
+    """``argv`` with its stdout on a pseudo-terminal ``columns`` wide (its
+    stderr on a pipe), as a person's shell runs it; the output with the
+    terminal's line ends made plain."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    env = {**os.environ, "COLUMNS": str(columns)}
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave,
+                            stderr=subprocess.PIPE, env=env)  # fmt: skip
+    os.close(slave)
+    err: list[bytes] = []
+    stderr = proc.stderr
+    assert stderr is not None
+    reader = threading.Thread(target=lambda: err.append(stderr.read()), daemon=True)
+    reader.start()
+    out = bytearray()
+    while True:
+        try:
+            data = os.read(master, 1 << 16)
+        except OSError:  # EIO: the command closed its end
+            break
+        if not data:
+            break
+        out += data
+    os.close(master)
+    code = proc.wait()
+    reader.join()
+    stderr.close()
+    text = out.decode(errors="replace").replace("\r\n", "\n")
+    return subprocess.CompletedProcess(argv, code, text, b"".join(err).decode(errors="replace"))
 
 
 def verdicts_of(stage: Stage) -> tuple[dict[str, object], ...]:
@@ -430,12 +489,14 @@ def analysis_stages(cfg: DemoConfig, console: Console) -> list[Stage]:
     console.heading("2. stallwatch analyze: the culprit")
     console.say("The analyzer matches each communicator's n-th collective across ranks; "
                 "the rank that never\nentered the frontier collective is the culprit.")  # fmt: skip
-    report = run_stage("analyze", stallwatch("analyze", d), console)
+    report = run_stage("analyze", stallwatch("analyze", d), console, for_people=True)
     show_stage(console, report)
     as_json = run_stage("analyze_json", stallwatch("analyze", d, "--json"), console)
     console.heading("3. SQL: slow AllReduces and their ranks' retransmits inside them")
     nodes = [str(p) for p in sorted(cfg.dump_dir.glob("node*")) if p.is_dir()]
-    query = run_stage("query", stallwatch("query", *nodes, HEADLINE_QUERY), console)
+    query = run_stage(
+        "query", stallwatch("query", *nodes, HEADLINE_QUERY), console, for_people=True
+    )
     show_stage(console, query, ok_codes=(0,))
     console.say("Each row: an AllReduce slower than 50 ms, with the TCP retransmits of its "
                 "rank's own\nconnections inside its window: sent from the rank's end, and "
@@ -479,8 +540,9 @@ def by_hand(console: Console, lab: LabProcess, stages: Sequence[Stage]) -> None:
     console.heading("run it by hand")
     for s in (command_text(lab.argv), *(s.command for s in stages if s.name != "analyze_json")):
         console.say(f"  {s}")
-    console.say("(`stallwatch` instead of the interpreter path works where the venv's bin is "
-                "on PATH; analyze --json for programs)")  # fmt: skip
+    if program() != ["stallwatch"]:
+        console.say("(`stallwatch` alone where the PATH leads to this one: scripts/setup links "
+                    "it; analyze --json for programs)")  # fmt: skip
 
 
 def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> DemoResult:

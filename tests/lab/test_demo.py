@@ -185,3 +185,22 @@ def test_demo_random_seed_output_and_commands_run_as_printed(tmp_path: Path) -> 
     rerun = subprocess.run(shlex.split(query), capture_output=True, text=True, timeout=120)
     assert rerun.returncode == 0, rerun.stderr
     assert "[" in done.stderr and "dump written" in done.stderr  # progress on stderr
+
+
+def test_a_report_for_people_fits_the_terminal_the_demo_prints_to(tmp_path: Path) -> None:
+    """On a terminal the demo runs analyze and the query on a terminal as
+    wide as its own beside the block's indent: the report fits, as analyze
+    by hand does (piped, the same command prints one record per line)."""
+    import re
+
+    from stallwatch.lab.demo import BLOCK_INDENT, run_on_terminal, stallwatch
+
+    folder = str(ROOT / "tests" / "data" / "lab-hang-4x2")
+    argv = stallwatch("analyze", folder)
+    piped = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert max(len(line) for line in piped.stdout.splitlines()) > 100  # too wide for a terminal
+    shown = run_on_terminal(argv, 100 - BLOCK_INDENT)
+    assert shown.returncode == piped.returncode == 1
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", shown.stdout)  # the terminal's colours
+    assert "\r" not in plain and "MISSING_RANK: rank 5 never entered" in plain
+    assert max(len(line) for line in plain.splitlines()) <= 100 - BLOCK_INDENT, plain

@@ -32,11 +32,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stallwatch.dumpers.errors import ExitCode, UsageError
 from stallwatch.dumpers.inputs import input_notes
 from stallwatch.query.output import note
+
+if TYPE_CHECKING:
+    from stallwatch.analyzer.incident import Incident
 
 from .options import (
     HelpFormatter,
@@ -54,7 +59,8 @@ examples:
   duckdb -c "SELECT host, count(*) FROM read_parquet(
       '/data/stallwatch-parquet/nccl_events/**/*.parquet', hive_partitioning=true) GROUP BY host"
   stallwatch export --flight-recorder dumps/incident-42/ -o fr/
-  python -m torch.distributed.flight_recorder.fr_trace fr/ -p rank_
+  stallwatch export --flight-recorder dumps/incident-42/ --collectives-only -o fr-coll/
+  torchfrtrace fr-coll/ -p rank_
   stallwatch export --flight-recorder --agents node1:9400,node2:9400 -o fr/ --json
 
 Open a trace at https://ui.perfetto.dev (Open trace file) or chrome://tracing.
@@ -62,7 +68,8 @@ Parquet: one folder per table, incident=<id>/host=<host>/ below it; adding
 another incident later never rewrites the ones already there.
 Flight Recorder: rank_<world rank> per rank (one folder per incident when the
 inputs hold several); --json writes torch's JSON form (and prints this summary
-as JSON).
+as JSON). torchfrtrace (torch 2.13, 2.14) fails on files that hold point-to-point
+calls: export them for it with --collectives-only (the summary says when).
 exit codes: 0 written, 1 written with unreadable inputs skipped, 2 bad usage or no
 dump could be read.
 """
@@ -71,12 +78,15 @@ dump could be read.
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "export",
-        help="the incident as a Perfetto timeline, or the SQL tables as Parquet",
+        help="the incident as a Perfetto timeline, as PyTorch Flight Recorder files, or the "
+        "SQL tables as Parquet",
         description="--perfetto: write dumps as a trace-event JSON file: one process per "
         "host, one track per rank and communicator, every NCCL call a slice, kernel events "
-        "as instants, the analyzer's verdicts as markers.  --parquet: write every SQL table "
-        "of the dumps as Hive-partitioned Parquet (incident=/host=) into a folder, for "
-        "DuckDB, Spark, Trino and other engines.",
+        "as instants, the analyzer's verdicts as markers.  --flight-recorder: write the "
+        "incident as PyTorch Flight Recorder files, one per rank (rank_<world rank>), for "
+        "torchfrtrace and NVRx's attribution.  --parquet: write every SQL table of the dumps "
+        "as Hive-partitioned Parquet (incident=/host=) into a folder, for DuckDB, Spark, "
+        "Trino and other engines.",
         epilog=EXAMPLES,
         formatter_class=HelpFormatter,
     )
@@ -210,6 +220,7 @@ def run_flight_recorder(args: argparse.Namespace, live: bool) -> int:
     written = export_flight_recorder(
         result.incidents, args.output, json_form, p2p=not args.collectives_only
     )
+    p2p_calls = [0 if args.collectives_only else p2p_written(r.incident) for r in result.incidents]
     for w in written:
         for why in w.left_out:
             note("export", f"{w.incident}: left out: {why}")
@@ -224,22 +235,65 @@ def run_flight_recorder(args: argparse.Namespace, live: bool) -> int:
                     "ranks": list(w.ranks),
                     "files": [str(f) for f in w.files],
                     "calls": w.calls,
+                    "p2p_calls": p2p,
                     "left_out": list(w.left_out),
                 }
-                for w in written
+                for w, p2p in zip(written, p2p_calls, strict=True)
             ],
             "inputs": [{"path": s.path, "ok": s.ok, "error": s.error} for s in result.inputs],
         }
         print(json.dumps(doc, indent=2))
     else:
-        for w in written:
+        for w, p2p in zip(written, p2p_calls, strict=True):
             print(
                 f"wrote incident {w.incident} to {w.folder}: {len(w.files)} Flight Recorder "
-                f"file(s) (ranks {_ranks_text(w.ranks)}), {w.calls} call(s); torchfrtrace: "
-                f"python -m torch.distributed.flight_recorder.fr_trace {w.folder} -p rank_"
+                f"file(s) (ranks {_ranks_text(w.ranks)}), {w.calls} call(s)"
+                + (f", {p2p} of them point-to-point" if p2p else "")
             )
+            print(_torchfrtrace_hint(args, live, w.folder, p2p, several=len(written) > 1))
     lost = any(s.lost for s in result.inputs) or any(w.left_out for w in written)
     return ExitCode.FINDINGS if lost else ExitCode.OK
+
+
+TORCHFRTRACE = "torchfrtrace"  # the console script torch installs (its fr_trace module)
+
+
+def p2p_written(inc: Incident) -> int:
+    """The point-to-point calls among those written: of the processes whose
+    world rank is known (a file each)."""
+    import numpy as np
+
+    from stallwatch.dumpers.schema import Op
+
+    rows = inc.calls.rows
+    known = [p for p, proc in enumerate(inc.procs) if proc.world_rank >= 0]
+    mask = np.isin(rows["op"], [int(Op.SEND), int(Op.RECV)]) & np.isin(rows["proc"], known)
+    return int(mask.sum())
+
+
+def _torchfrtrace_hint(
+    args: argparse.Namespace, live: bool, folder: Path, p2p: int, several: bool
+) -> str:
+    """How to read the files with torchfrtrace, which (torch 2.13, 2.14) fails
+    on point-to-point calls (it takes a collective and the send or recv
+    after it for one coalesced group, then asks the collective for a peer):
+    with them in the files, the export that leaves them out, then the tool."""
+    if not p2p:
+        return f"torchfrtrace reads them: {TORCHFRTRACE} {shlex.quote(str(folder))} -p rank_"
+    if live:
+        return (
+            "torchfrtrace fails on point-to-point calls: for it, export again with "
+            f"--collectives-only, then {TORCHFRTRACE} DIR -p rank_"
+        )
+    out = Path(f"{str(args.output).rstrip('/')}-collectives")
+    files = out / folder.name if several else out  # one folder per incident, as here
+    paths = " ".join(shlex.quote(p) for p in args.paths)
+    return (
+        "torchfrtrace fails on point-to-point calls; for it, leave them out:\n"
+        f"  stallwatch export --flight-recorder {paths} --collectives-only "
+        f"-o {shlex.quote(str(out))}\n"
+        f"  {TORCHFRTRACE} {shlex.quote(str(files))} -p rank_"
+    )
 
 
 def _ranks_text(ranks: tuple[int, ...]) -> str:

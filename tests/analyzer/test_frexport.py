@@ -230,7 +230,7 @@ def test_the_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     folder = str(INCIDENTS["hang-4x2"])
     code, out, _ = _run(capsys, "--flight-recorder", folder, "-o", str(tmp_path / "a"))
     assert code == 0 and "8 Flight Recorder file(s) (ranks 0-7)" in out
-    assert f"fr_trace {tmp_path / 'a'} -p rank_" in out
+    assert f"torchfrtrace {tmp_path / 'a'}-collectives -p rank_" in out  # p2p calls left out
     code, _, err = _run(capsys, "--flight-recorder", folder, "-o", str(tmp_path / "a"))
     assert code == 2 and "rank_0: already there" in err
     code, out, _ = _run(capsys, "--flight-recorder", folder, "-o", str(tmp_path / "j"), "--json")

@@ -249,6 +249,27 @@ def _split_args(args: argparse.Namespace) -> tuple[list[str], str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from stallwatch.dumpers.errors import QueryError
+
+    try:
+        return _run(args)
+    except QueryError as exc:
+        say_query_error(str(exc))
+        return ExitCode.USAGE
+
+
+def say_query_error(message: str, file: TextIO | None = None) -> None:
+    """One message on stderr: its first line after ``stallwatch query:
+    error:``, DuckDB's further lines (the excerpt of the SQL, the caret
+    under it) indented beneath, each line escaped."""
+    from stallwatch.query.errortext import error_lines
+
+    first, *rest = error_lines(message) or ["the query failed"]
+    lines = [f"stallwatch query: error: {printable(first)}", *(f"  {printable(r)}" for r in rest)]
+    print("\n".join(lines), file=file if file is not None else sys.stderr)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.example is not None and not args.args and not wants_agents(args):
         print(EXAMPLES[args.example])
         return ExitCode.OK

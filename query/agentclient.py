@@ -66,6 +66,7 @@ class Reply:
     reason: str  # the status line's phrase
     content_type: str
     body: bytes
+    server: str = ""  # its Server header: who answered, if not an agent
 
     @property
     def ok(self) -> bool:
@@ -78,11 +79,26 @@ class Reply:
             raise AgentError(f"the answer is not JSON: {exc}") from None
 
     def error_text(self) -> str:
-        """``HTTP <status>: <the agent's error>`` for a refusal."""
+        """``HTTP <status>: <the agent's error>`` for a refusal; an answer
+        that is not an agent's (an agent says why in JSON, whatever it
+        refuses: another server on that port, a proxy) says so."""
         try:
             return f"HTTP {self.status}: {json.loads(self.body)['error']}"
         except (ValueError, KeyError, TypeError):
-            return f"HTTP {self.status}: {self.body[:200].decode(errors='replace').strip()}"
+            pass
+        return (
+            f"HTTP {self.status} {self.reason}".rstrip()
+            + f" from a server that is not a stallwatch agent ({self._gist()}): "
+            "is that the agent's address and port?"
+        )
+
+    def _gist(self) -> str:
+        """Who answered (its Server header), what: its type and size."""
+        who = f"server {self.server[:60]!r}, " if self.server else ""
+        if not self.body:
+            return f"{who}no body"
+        kind = self.content_type.split(";")[0].strip() or "no content type"
+        return f"{who}{kind}, {len(self.body)} bytes"
 
 
 class AgentClient:
@@ -179,7 +195,8 @@ class AgentClient:
             else:
                 _POOL.give(self._key(), conn)
             content_type = resp.getheader("Content-Type", "") or ""
-            return Reply(resp.status, resp.reason, content_type, data)
+            server = "".join(c for c in resp.getheader("Server", "") or "" if c.isprintable())
+            return Reply(resp.status, resp.reason, content_type, data, server)
         raise AgentError("the connection was closed twice")  # pragma: no cover
 
     def _key(self) -> tuple[Any, ...]:

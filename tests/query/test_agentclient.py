@@ -23,6 +23,9 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args: object) -> None:
         pass
 
+    def version_string(self) -> str:  # its Server header
+        return "nginx"
+
     def do_POST(self) -> None:
         server = self.server
         assert isinstance(server, _Server)
@@ -31,6 +34,15 @@ class _Handler(BaseHTTPRequestHandler):
         server.peers.add(self.client_address[1])
         if self.path == "/slow":
             time.sleep(1.0)
+        if self.path.startswith("/not-an-agent"):  # another server on the agent's port
+            html = self.path.endswith("html")
+            data = b"<html><body>Not Found</body></html>" if html else b""
+            self.send_response(404)
+            self.send_header("Content-Type", "text/html" if html else "")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
         status = 401 if self.path == "/refuse" else 200
         data = b'{"error": "bad token"}' if status == 401 else b'{"status": "written"}'
         self.send_response(status)
@@ -73,6 +85,19 @@ def test_the_token_and_body_are_sent_and_a_refusal_is_an_answer(server: _Server)
     assert refused.status == 401 and refused.reason == "Unauthorized"
     assert refused.error_text() == "HTTP 401: bad token"
     assert server.seen[0] == ("/dump", "Bearer s3cret", b'{"reason": "r"}')
+
+
+def test_an_answer_that_is_not_an_agents_says_so(server: _Server) -> None:
+    """An agent says why it refuses, in JSON; a 404 of a server that is not
+    one (an empty body, a web page) is named as such, never ``HTTP 404:``."""
+    client = AgentClient(_address(server), timeout=5.0)
+    for path, what in (("/not-an-agent", "no body"), ("/not-an-agent.html", "text/html, 35 bytes")):
+        text = client.post(path, b"{}").error_text()
+        assert text == (
+            f"HTTP 404 Not Found from a server that is not a stallwatch agent (server 'nginx', "
+            f"{what}): "
+            "is that the agent's address and port?"
+        )
 
 
 def test_failures_are_one_line_agent_errors(server: _Server) -> None:

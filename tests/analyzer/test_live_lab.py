@@ -1,23 +1,27 @@
 """The live verdict on a real hang: a 4x2 lab job (one agent per node, real
-eBPF, token and mutual TLS) hangs at a random rank; ``stallwatch analyze
---agents`` over the 4 agents, run from node 0's namespace while the job is
-still hung and before any agent wrote a dump (their stall timeout is far
-away), names the hung rank.  ``live_verdict_on_hang`` is also what the
-10-seed loop runs (``python -m tests.analyzer.test_live_lab SEEDS``).
+eBPF, token and mutual TLS) hangs; ``stallwatch analyze --agents`` over the
+4 agents, run from node 0's namespace while the job is still hung and
+before any agent wrote a dump (their stall timeout is far away), names the
+hung rank.  The job is the one docs/runbook.md's rehearsal command makes
+(parsed by the command line's own parser, run here); the 10-seed loop
+(``python -m tests.analyzer.test_live_lab SEEDS``, ``live_verdict_on_hang``)
+hangs a rank drawn at random instead.
 
 The same hung job rehearses the runbook from the host's shell: the commands
 the lab prints once its agents are ready, run exactly as printed, and then
-docs/runbook.md's commands, in the folder the lab wrote for a client.
+docs/runbook.md's runnable commands, in a new login shell, in the folder
+the rehearsal command names (``tests.docs.runnable``), which outlives the lab.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
 import random
-import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -28,9 +32,12 @@ from pathlib import Path
 
 import pytest
 
+from stallwatch.commands.lab.run import config_from
+from stallwatch.commands.main import build_parser, parse
 from stallwatch.dumpers.format import read_dump
-from stallwatch.lab import faults, netns, runner
+from stallwatch.lab import faults, job, netns, runner
 from stallwatch.lab.runner import AGENT_PORT, Lab, agent_dump_dir
+from tests.docs import runnable
 
 pytestmark = [pytest.mark.bpf, pytest.mark.lab, pytest.mark.slow]
 
@@ -61,19 +68,27 @@ def _dumps(lab: Lab) -> int:
     return sum(len(list(agent_dump_dir(lab.cfg, k).glob("*.msgpack"))) for k in range(NODES))
 
 
-def _wait_hung(lab: Lab, step: int, timeout: float = 120.0) -> None:
-    """Until the ranks got to the hang and none moved for QUIET_S."""
+def quiet(since: float) -> bool:
+    return time.monotonic() - since >= QUIET_S
+
+
+def _wait_hung(lab: Lab, culprit: int, timeout: float = 180.0) -> int:
+    """Until the culprit says it hangs and no rank moved for QUIET_S (the
+    agents told ready as the runner tells them, for ``agents=ready``);
+    returns the step it hangs at."""
     deadline = time.monotonic() + timeout
     last, since = runner.progress(lab), time.monotonic()
     while time.monotonic() < deadline:
+        runner.say_agents_ready(lab)
         time.sleep(0.2)
         now = runner.progress(lab)
+        report = job.read_report(lab.run_dir, culprit)
         if now != last:
             last, since = now, time.monotonic()
-        elif min(last[0]) >= step and time.monotonic() - since >= QUIET_S:
-            return
+        elif report is not None and report.status == job.STATUS_HUNG and quiet(since):
+            return report.steps_done
         assert not now[1], f"ranks exited: {sorted(now[1])}"
-    raise AssertionError(f"the job did not hang at step {step} within {timeout:g} s: {last}")
+    raise AssertionError(f"rank {culprit} did not hang within {timeout:g} s: {last}")
 
 
 def _client_args(lab: Lab) -> list[str]:
@@ -119,11 +134,37 @@ def hung_lab(seed: int, dump_dir: Path) -> Iterator[HungLab]:
         faults=faults.parse_faults([f"hang:rank={culprit},step={step}"]),
         run_id=netns.new_run_id("v"),  # a subnet no other lab of the machine routes
     )
+    with _hung(cfg) as hung:
+        yield hung
+
+
+def rehearsal_config(home: Path, dump_dir: Path) -> runner.RunConfig:
+    """The lab job of docs/runbook.md's rehearsal, its command parsed by the
+    command line's own parser (``~`` is ``home``), its dumps in ``dump_dir``
+    and on a subnet no other lab of the machine routes."""
+    ((command,),) = [b.commands for b in runnable.of_context("rehearsal")]
+    argv = shlex.split(command.replace("\\\n", " "))
+    assert argv[:3] == ["stallwatch", "lab", "run"], argv
+    saved = os.environ.get("HOME")
+    os.environ["HOME"] = str(home)  # the shell's ~, as the command line expands it
+    try:
+        cfg = config_from(parse(build_parser(), argv[1:]))
+    finally:
+        if saved is not None:
+            os.environ["HOME"] = saved
+    return dataclasses.replace(cfg, dump_dir=dump_dir, run_id=netns.new_run_id("v"))
+
+
+@contextlib.contextmanager
+def _hung(cfg: runner.RunConfig) -> Iterator[HungLab]:
+    """The job of ``cfg`` (one hang fault), up to its hang; torn down on the
+    way out."""
+    (culprit,) = [f.rank for f in cfg.faults if isinstance(f, faults.Hang)]
     said = io.StringIO()
     lab = runner.make_lab(cfg, runner.preflight(cfg), said)
     try:
         runner.set_up(lab)
-        _wait_hung(lab, step)
+        step = _wait_hung(lab, culprit)
         yield HungLab(lab, culprit, step, said)
     finally:
         lab.teardown()
@@ -163,11 +204,21 @@ def live_verdict_on_hang(seed: int, dump_dir: Path) -> LiveOutcome:
 
 
 @pytest.fixture(scope="module")
-def hung(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HungLab]:
-    seed = random.SystemRandom().randrange(1 << 16)
-    print(f"hung lab: seed {seed}")
-    with hung_lab(seed, tmp_path_factory.mktemp("live-lab")) as the_lab:
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The home of the rehearsal's shells (its ``~``)."""
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture(scope="module")
+def hung(home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HungLab]:
+    """docs/runbook.md's rehearsal, hung; once it is torn down, what the
+    runbook wrote in its client folder is still there."""
+    cfg = rehearsal_config(home, tmp_path_factory.mktemp("live-lab"))
+    assert cfg.client_dir == home / "rehearsal"
+    with _hung(cfg) as the_lab:
         yield the_lab
+        kept = sorted(p.name for p in cfg.client_dir.iterdir())
+    assert sorted(p.name for p in cfg.client_dir.iterdir()) == kept  # the teardown kept them
 
 
 def test_live_verdict_names_the_hung_rank_before_any_dump(hung: HungLab) -> None:
@@ -192,7 +243,9 @@ def printed_commands(said: str) -> list[str]:
     return commands
 
 
-def test_the_printed_commands_run_from_the_host_shell(hung: HungLab, tmp_path: Path) -> None:
+def test_the_printed_commands_run_from_the_host_shell(
+    hung: HungLab, home: Path, tmp_path: Path
+) -> None:
     """Once its agents are ready, the lab prints how to reach them; run as
     printed from the host's shell while the job hangs (no dump yet): the
     live verdict names the hung rank, the query lists the calls in flight,
@@ -201,8 +254,8 @@ def test_the_printed_commands_run_from_the_host_shell(hung: HungLab, tmp_path: P
     commands = printed_commands(said)
     assert [c.split()[1] for c in commands] == ["analyze", "query", "collect"], said
     assert all(len(line) < 100 for c in commands for line in c.splitlines()), commands
-    ran = run_as_printed(commands, tmp_path)
-    verdict, query, collect = ran
+    printed = runnable.Block(runnable.ROOT / "lab run", 0, tuple(commands), True, "runbook", 0)
+    verdict, query, collect = runnable.run_in_login_shell([printed], tmp_path, home)
     assert verdict.code == 1, verdict
     assert f"MISSING_RANK: rank {hung.culprit} never entered" in verdict.output, verdict
     # every rank but the hung one waits in a call (blocking mode: one each)
@@ -216,61 +269,6 @@ def test_the_printed_commands_run_from_the_host_shell(hung: HungLab, tmp_path: P
 # ---- the runbook, as printed ------------------------------------------------------
 
 RUNBOOK = Path(__file__).resolve().parents[2] / "docs" / "runbook.md"
-RUNBOOK_BLOCK = re.compile(r"^```sh runbook\n(.*?)^```$", re.M | re.S)
-
-
-def runbook_commands(text: str) -> list[str]:
-    """The commands of the runbook's ``sh runbook`` blocks, in order, each
-    with its continuation lines (comments and blank lines dropped)."""
-    commands: list[str] = []
-    for block in RUNBOOK_BLOCK.findall(text):
-        pending = ""
-        for line in block.splitlines():
-            if not pending and (not line.strip() or line.lstrip().startswith("#")):
-                continue
-            pending += line + "\n"
-            if not line.endswith("\\"):
-                commands.append(pending.rstrip("\n"))
-                pending = ""
-        assert not pending, f"a command of the runbook ends in a continuation: {pending!r}"
-    return commands
-
-
-MARKER = "@@stallwatch-exit="
-
-
-@dataclass(frozen=True, slots=True)
-class Ran:
-    command: str
-    code: int
-    output: str
-
-
-def _split_runs(commands: list[str], done: subprocess.CompletedProcess[str]) -> list[Ran]:
-    """out0 MARKER rc0 \\n out1 MARKER rc1 \\n ...: each command's output and code."""
-    parts = done.stdout.split(MARKER)
-    outputs = [parts[0]] + [p.split("\n", 1)[1] if "\n" in p else "" for p in parts[1:]]
-    codes = [int(p.split("\n", 1)[0]) for p in parts[1:]]
-    assert len(codes) == len(commands), done.stdout + done.stderr
-    return [Ran(c, code, out) for c, code, out in zip(commands, codes, outputs, strict=False)]
-
-
-def run_as_printed(commands: list[str], where: Path) -> list[Ran]:
-    """Each command in one bash session of the host's shell (its variables
-    kept from one to the next), ``stallwatch`` on its PATH, as an operator
-    would paste them."""
-    script = "exec 2>&1\n" + "".join(f'{c}\necho "{MARKER}$?"\n' for c in commands)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    done = subprocess.run(
-        ["bash", "--norc", "--noprofile"],
-        input=script,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=where,
-        env=env,
-    )
-    return _split_runs(commands, done)
 
 
 def _first_verdict(done: subprocess.CompletedProcess[str]) -> tuple[str, list[int]]:
@@ -279,19 +277,19 @@ def _first_verdict(done: subprocess.CompletedProcess[str]) -> tuple[str, list[in
     return first["kind"], first["ranks"]
 
 
-def test_runbook_runs_as_printed(hung: HungLab) -> None:
-    """docs/runbook.md, its ``sh runbook`` commands in order, in one shell of
-    the host, in the folder the lab wrote for a client (agents.txt, token,
-    ca.pem, client.pem, client.key) while the job hangs: the live verdict, a
-    dump, collect, analyze, SQL on the dumps and live, Perfetto."""
-    where = hung.lab.run_dir / runner.CLIENT_DIR
-    assert f"(in {where}, gone at teardown" in hung.said.getvalue()
-    commands = runbook_commands(RUNBOOK.read_text())
-    assert len(commands) >= 8 and "OUTPUT:" not in RUNBOOK.read_text()
-    ran = run_as_printed(commands, where)
-    for r in ran:
-        findings = r.command.startswith("stallwatch analyze")
-        assert r.code == (1 if findings else 0), f"{r.command}: exit {r.code}\n{r.output}"
+def test_runbook_runs_as_printed(hung: HungLab, home: Path) -> None:
+    """docs/runbook.md, its runnable commands in order, in one new login
+    shell (``cd ~/rehearsal`` first: the folder the lab wrote for a client,
+    agents.txt, token, ca.pem, client.pem, client.key) while the job hangs:
+    the live verdict, a dump, collect, analyze, SQL on the dumps and live,
+    Perfetto; each ends as its block says."""
+    where = home / "rehearsal"
+    assert f"(in {where}, kept after the run" in hung.said.getvalue()
+    blocks = runnable.of_context("runbook")
+    assert blocks[0].commands == ("cd ~/rehearsal",)
+    ran = runnable.run_in_login_shell(blocks, home, home)
+    assert len(ran) >= 10 and "OUTPUT:" not in RUNBOOK.read_text()
+    runnable.check(ran)
     named = f"MISSING_RANK: rank {hung.culprit} never entered"
     verdicts = [r for r in ran if r.command.startswith("stallwatch analyze")]
     assert len(verdicts) == 2 and all(named in r.output for r in verdicts), verdicts

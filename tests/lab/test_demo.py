@@ -163,30 +163,6 @@ def _complete(command: str) -> bool:
     return True
 
 
-@pytest.mark.lab
-def test_demo_random_seed_output_and_commands_run_as_printed(tmp_path: Path) -> None:
-    seed = secrets.randbelow(1_000_000)
-    done = run_demo(tmp_path, "--seed", str(seed))
-    inj = choose_injection(seed, 4, 2)
-    assert done.returncode == 0, f"seed {seed}, {inj}:\n{done.stdout}\n{done.stderr}"
-    out = done.stdout
-    assert f"rank {inj.rank} (on node{inj.node})" in out and f"step {inj.step}" in out
-    assert f"the analyzer named rank {inj.rank}" in out
-    assert "ui.perfetto.dev" in out
-    command, report = shown_report(out, " analyze ")
-    assert f"MISSING_RANK: rank {inj.rank} never entered" in report
-    by_hand = out[out.index("== run it by hand") :]
-    assert command in by_hand and "lab run" in by_hand and "export --perfetto" in by_hand
-    again = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=120)
-    assert again.returncode == 1  # findings
-    assert again.stdout.rstrip("\n") == report
-    query, _ = shown_report(out, " query ")
-    assert shlex.split(query)[-1] == HEADLINE_QUERY
-    rerun = subprocess.run(shlex.split(query), capture_output=True, text=True, timeout=120)
-    assert rerun.returncode == 0, rerun.stderr
-    assert "[" in done.stderr and "dump written" in done.stderr  # progress on stderr
-
-
 def test_a_report_for_people_fits_the_terminal_the_demo_prints_to(tmp_path: Path) -> None:
     """On a terminal the demo runs analyze and the query on a terminal as
     wide as its own beside the block's indent: the report fits, as analyze

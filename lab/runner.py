@@ -1090,10 +1090,23 @@ def request_end_dumps(lab: Lab) -> list[str]:
         time.sleep(0.25)
     late = [s for s in sites if _dump_count(lab.cfg, s.index) <= before[s.index]]
     return [
-        f"no dump at the end from {s.who} within {DUMP_GRACE:g} s"
-        + (f": it answered {answers[s.index]}" if answers[s.index] else "")
+        f"no dump at the end from {s.who} within {DUMP_GRACE:g} s: it answered "
+        f"{answers[s.index] or 'written'}; now it says {_end_dump_outcome(lab, s)}"
         for s in late
     ]
+
+
+def _end_dump_outcome(lab: Lab, site: AgentSite) -> str:
+    """What the agent says became of the end-of-run dump (``outcome_of``)."""
+    body = json.dumps({"outcome_of": end_incident(lab.run_id)}).encode()
+
+    def ask() -> str:
+        try:
+            return _client(lab, site, 30.0).post("/dump", body).body.decode(errors="replace")
+        except AgentError as exc:
+            return str(exc)
+
+    return netns.in_netns(site.netns, ask)
 
 
 SNAPSHOT_TIMEOUT = 120.0
@@ -1446,6 +1459,7 @@ def run(cfg: RunConfig, progress_out: TextIO | None = None) -> RunResult:
                 problems += pinned_dumps(lab)
                 wait_for_verdict(lab)
             if cfg.record and cfg.dump_at_end:
+                tell_dumps(lab)  # the incident's, before the end's
                 say(f"lab run {lab.run_id}: asking every agent for a dump (--dump-at-end)")
                 problems += request_end_dumps(lab)
             if cfg.record and (failed or cfg.dump_at_end or dumps_found(cfg)):
@@ -1538,15 +1552,20 @@ def _exits(lab: Lab) -> str:
     return "all with code 0" if not bad else f"{bad} of {len(codes)} with a failure"
 
 
-def say_dumps(lab: Lab) -> None:
-    """The dumps written, once they stand (an agent may still be folding
-    its own into a peer's incident: ``narrate.HOLD_S``), and the command
-    for the verdict."""
+def tell_dumps(lab: Lab) -> None:
+    """Tell the dumps written, once they stand (an agent may still be
+    folding its own into a peer's incident: ``narrate.HOLD_S``)."""
     deadline = time.monotonic() + 2 * HOLD_S
+    lab.narrator.agent_logs(agent_logs(lab))
     while lab.narrator.dumps.held and time.monotonic() < deadline:
-        lab.narrator.agent_logs(agent_logs(lab))
         time.sleep(LOOK_S)
+        lab.narrator.agent_logs(agent_logs(lab))
     lab.narrator.agent_logs(agent_logs(lab), everything=True)
+
+
+def say_dumps(lab: Lab) -> None:
+    """The dumps written, and the command for the verdict."""
+    tell_dumps(lab)
     found = dumps_found(lab.cfg)
     if not found:
         lab.narrator.say("no dump was written (the report below says what happened)")

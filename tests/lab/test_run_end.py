@@ -134,7 +134,8 @@ def test_dump_at_end_dumps_after_an_incident_and_the_client_folder_stays(
     assert_nothing_left(run_id)
     assert done.returncode == 1, done.stderr  # a rank crashed
     result = json.loads(done.stdout)
-    assert result["problems"] == [], result["problems"]
+    logs = "\n".join(p.read_text()[-3000:] for p in sorted((tmp_path / "dumps").glob("*.log")))
+    assert result["problems"] == [], f"{result['problems']}\n{done.stderr[-3000:]}\n{logs}"
     ends = runner.end_dumps(tmp_path / "dumps")
     assert sorted(p.parent.name for p in ends) == ["node0", "node1"], result["dumps"]
     incidents = {dump_trigger(Path(p)).incident_id for p in result["dumps"]}  # type: ignore[union-attr]

@@ -68,7 +68,7 @@ def test_the_blocks_that_run_beside_dumps(tmp_path: Path) -> None:
     """In a folder holding dumps/: a recorded lab hang, as a recorded lab
     run or the demo leaves them."""
     here = tmp_path / "here"
-    shutil.copytree(HANG, here / "dumps", ignore=shutil.ignore_patterns("*.md"))
+    shutil.copytree(HANG, here / "dumps", ignore=shutil.ignore_patterns("*.md", "*.json"))
     blocks = [b for b in of_context("dumps") if not b.lab]
     _run_pages(blocks, here, tmp_path / "home")
 

@@ -53,7 +53,8 @@ def query(sql: str) -> subprocess.CompletedProcess[str]:
 def test_the_command_prints_one_message_in_real_lines() -> None:
     done = query("SELECT host FROM nccl_event")
     assert done.returncode == 2 and done.stdout == ""
-    err = [line for line in done.stderr.splitlines() if "note:" not in line]
+    lines = done.stderr.splitlines()  # notes on the inputs come first
+    err = lines[next(i for i, line in enumerate(lines) if "error:" in line) :]
     assert (
         err[0]
         == "stallwatch query: error: Catalog Error: Table with name nccl_event does not exist!"

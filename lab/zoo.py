@@ -61,7 +61,9 @@ BEFORE_QUANTILE = 0.9
 # a step this long after the onset: the job stood still that long and came
 # back (a flap, a stopped rank); DESIGN's floor of the stall bound
 STOOD_STILL_S = 5.0
-STALL_TIMEOUT_S = 20.0  # the agents' ceiling and the lab's patience: a 10 s flap recovers within
+# the lab's patience with a job no rank moves in (the agents run as deployed:
+# each communicator's own stall bound, 5 s at least): a 10 s flap recovers within
+STALL_TIMEOUT_S = 20.0
 RUN_AFTER_FAULT_S = 40.0  # how long a job that goes on runs after its fault's step
 DEADLINE_S = 3600.0
 
@@ -220,7 +222,7 @@ class Draw:
         argv += ["--graphs"] if j.graphs else []
         argv += ["--neighbour-churn", str(j.churn)] if j.neighbour == "churn" else []
         argv += ["--duration", f"{j.duration:g}"] if j.duration is not None else []
-        argv += ["--record", "--dump-dir", dump_dir]
+        argv += ["--record", "--agent-defaults", "--dump-dir", dump_dir]
         argv += ["--dump-at-end"] if j.dump_at_end else []
         for spec in (*self.faults, *self.noise):
             argv += ["--fault", spec]
@@ -520,6 +522,7 @@ def config(d: Draw, dump_dir: Path) -> runner.RunConfig:
         graphs=j.graphs,
         faults=F.parse_faults((*d.faults, *d.noise)),
         record=True,
+        agent_defaults=True,  # the agents as deployed: each communicator's own stall bound
         dump_dir=dump_dir,
         dump_at_end=j.dump_at_end,
         stall_timeout=STALL_TIMEOUT_S,

@@ -24,10 +24,8 @@ not recorded.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import select
 import socket
 import threading
 import time
@@ -38,14 +36,14 @@ from pathlib import Path
 import numpy as np
 
 from stallwatch.dumpers.errors import PinError, ProbeError
-from stallwatch.dumpers.model import Clock, Recording, Ring, Trigger, TriggerKind
+from stallwatch.dumpers.model import Recording, Ring, Trigger, TriggerKind
 from stallwatch.dumpers.schema import CUDA_SYMBOLS, NCCL_SYMBOLS
 from stallwatch.query.tls import ClientTls, ServerTls
 
 from . import discovery, sockets
+from .hostclock import boot_id, sample_clock
 from .links import LinkConfig, LinkSampler
 from .netlink import NetlinkError
-from .notify import Notifier
 from .peers import PeerList, PeerSource, peer_notifier
 from .pinning import PinSet
 from .positions import PositionKeeper, reading_summary
@@ -68,12 +66,6 @@ from .watchdog import DumpScheduler, Incidents, Watchdog
 
 log = logging.getLogger("stallwatch.record")
 
-TICK_S = 0.2
-# Nothing to watch (no process in scope, nothing in flight, nobody to look
-# at): the loop wakes this often, or at once when the kernel rings its
-# doorbell (a process loaded a GPU library) or a signal comes.
-IDLE_TICK_S = 1.0
-DISCOVERY_S = 0.25  # the /proc scan's period where there are no kernel events
 # A tick reads the communicator and in-flight maps only while a process in
 # scope is alive or ended less than this ago (or the small rings moved): an
 # idle agent reads a few ring heads and nothing else.
@@ -137,19 +129,6 @@ class Counters:
 
     def add(self, name: str, n: int = 1) -> None:
         self.values[name] = self.values.get(name, 0) + n
-
-
-def boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def sample_clock() -> Clock:
-    mono = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-    real = time.clock_gettime_ns(time.CLOCK_REALTIME)
-    return Clock(mono, real)
 
 
 class Agent:
@@ -775,68 +754,3 @@ class Agent:
         self.links.close()
         self._socket_reader.close()
         self.source.close()
-
-
-class Stop:
-    """What the signal handlers set; the loop reads it between ticks, and
-    waits on its pipe, so that a signal ends the wait at once."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.dump_requested = False
-        self.fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-
-    def set(self) -> None:
-        self.event.set()
-        self.wake()
-
-    def request_dump(self) -> None:
-        self.dump_requested = True
-        self.wake()
-
-    def wake(self) -> None:
-        with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending anyway
-            os.write(self._write_fd, b"\0")
-
-    def drain(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self.fd, 64):
-                pass
-
-
-def run_loop(agent: Agent, stop: Stop, notifier: Notifier | None = None) -> None:
-    """Each tick (200 ms; 1 s when there is nothing to watch, or when the
-    kernel rings): discovery (the kernel's events, or a /proc scan every
-    250 ms where there are none), the watchdog checks and dumps, and the
-    service manager hears that the loop turns (a wedged agent stops pinging
-    and is restarted)."""
-    bell = agent.source.doorbell()
-    waits = select.poll()
-    waits.register(stop.fd, select.POLLIN)
-    if bell is not None:
-        waits.register(bell.fd, select.POLLIN)
-    if agent.links.fd is not None:  # a link changed: sample it now, not at the next tick
-        waits.register(agent.links.fd, select.POLLIN)
-    next_discovery = 0.0
-    try:
-        while not stop.event.is_set():
-            now = time.monotonic()
-            if agent.events is not None or now >= next_discovery:
-                agent.discover()
-                next_discovery = now + DISCOVERY_S
-            if agent.positions.startup is None:
-                agent.positions.take_startup()  # what the job was doing before we came
-            if stop.dump_requested:
-                stop.dump_requested = False
-                agent.request_dump("SIGUSR1", by_client=False)
-            agent.incidents.tick(agent.tick())
-            agent.watch_pins()
-            if notifier is not None:
-                notifier.ping()
-            waits.poll(1000 * (TICK_S if agent.busy() else IDLE_TICK_S))
-            stop.drain()
-            if bell is not None:
-                bell.clear()  # before discovery reads the rows: a later one rings again
-    finally:
-        if bell is not None:
-            bell.close()

@@ -28,6 +28,7 @@ from stallwatch.dumpers.readings import RUNNING, ThreadReading, ThreadState, sys
 from stallwatch.dumpers.schema import RING_DTYPES
 
 from . import discovery
+from .hostclock import boot_id, sample_clock
 from .threadreader import Reader
 from .tickstate import CommProgress, InflightCall
 
@@ -207,8 +208,6 @@ def readings_recording(
     host: str, snaps: list[ThreadReading], reason: str, incident_id: str
 ) -> Recording:
     """A dump of readings alone: no rings, no communicators."""
-    from .agent import boot_id, sample_clock  # the agent imports this module
-
     clock: Clock = sample_clock()
     pids = sorted({p.pid for s in snaps for p in s.processes})
     infos = tuple(i for pid in pids if (i := _info(pid)) is not None)

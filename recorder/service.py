@@ -21,7 +21,8 @@ from stallwatch.dumpers.errors import ExitCode
 if TYPE_CHECKING:
     from stallwatch.query.http import ServerHandle
 
-    from .agent import Agent, AgentConfig, Stop
+    from .agent import Agent, AgentConfig
+    from .loop import Stop
     from .pinning import PinOptions
 
 
@@ -29,7 +30,8 @@ def run_agent(config: AgentConfig) -> int:
     """Load, attach, serve, loop until SIGTERM/SIGINT, detach."""
     from stallwatch.query.credentials import remove_local_token
 
-    from .agent import Agent, Stop, run_loop
+    from .agent import Agent
+    from .loop import Stop, run_loop
     from .notify import Notifier
     from .source import BccSource
 

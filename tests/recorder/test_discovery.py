@@ -18,6 +18,7 @@ from bench.fakenccl import build
 from stallwatch.dumpers.model import ProcessInfo
 from stallwatch.recorder import agent as agent_mod
 from stallwatch.recorder import discovery
+from stallwatch.recorder import loop as loop_mod
 from stallwatch.recorder.agent import Agent, AgentConfig
 from stallwatch.recorder.discovery import KernelDiscovery
 from stallwatch.recorder.links import LinkSampler
@@ -135,8 +136,8 @@ def test_the_loop_sleeps_a_second_when_idle_and_a_signal_wakes_it(
     turns: list[float] = []
     tick = agent.tick
     monkeypatch.setattr(agent, "tick", lambda: (turns.append(time.monotonic()), tick())[1])
-    stop = agent_mod.Stop()
-    loop = threading.Thread(target=agent_mod.run_loop, args=(agent, stop))
+    stop = loop_mod.Stop()
+    loop = threading.Thread(target=loop_mod.run_loop, args=(agent, stop))
     loop.start()
     try:
         time.sleep(2.5)
@@ -145,14 +146,14 @@ def test_the_loop_sleeps_a_second_when_idle_and_a_signal_wakes_it(
         asked = time.monotonic()
         stop.request_dump()
         wait_until(lambda: any(tmp_path.glob("*.msgpack")), 10)
-        assert turns[-1] - asked < agent_mod.IDLE_TICK_S * 0.9
+        assert turns[-1] - asked < loop_mod.IDLE_TICK_S * 0.9
         agent.procs.add(ProcessInfo(os.getpid(), "me", "", 0, 1, ()))
         assert agent.busy()
     finally:
         asked = time.monotonic()
         stop.set()
         loop.join(10)
-    assert not loop.is_alive() and time.monotonic() - asked < agent_mod.IDLE_TICK_S * 0.9
+    assert not loop.is_alive() and time.monotonic() - asked < loop_mod.IDLE_TICK_S * 0.9
 
 
 class EventsSource(ReplaySource):

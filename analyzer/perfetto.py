@@ -29,11 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
+from stallwatch.dumpers.columns import clock_offset
 from stallwatch.dumpers.errors import UsageError
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.ranks import Ranks
 from stallwatch.dumpers.schema import PREV_PID_UNKNOWN, State, TcpEvent, datatype_name, op_name
-from stallwatch.dumpers.sqltables import clock_offset, recording_now
+from stallwatch.dumpers.sqltables import recording_now
 
 _STATE_NAMES = {int(s): s.name.lower() for s in State}
 _DEVICE_TRACK = "device"

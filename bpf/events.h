@@ -22,6 +22,9 @@
 #define EVENT_SCHED 4
 #define EVENT_EXIT 5
 #define EVENT_LINK 6
+#define EVENT_CONN_SAMPLE 7
+#define EVENT_IFACE_SAMPLE 8
+#define EVENT_PROBE 9
 #define EVENT_DISC 16
 
 /* NCCL call kinds (`nccl_event.op`, `comm_event.op`); `name` is the SQL spelling (`ALL_REDUCE`). */
@@ -95,6 +98,24 @@
 #define LINKEV_STATE 6
 #define LINKEV_ERRORS 7
 #define LINKEV_GONE 8
+
+/* `probe_event.probe`: how a path between two of the job's nodes was probed (the SQL spelling is the name in lower case). */
+#define PROBE_ICMP 1
+#define PROBE_UDP 2
+#define PROBE_TCP 3
+
+/* `probe_event.role`: whose probes a row counts. */
+#define PROBEROLE_SENT 1
+#define PROBEROLE_RECEIVED 2
+
+/* `probe_event.outcome`: what became of a row's probes. */
+#define PROBEOUT_OK 1
+#define PROBEOUT_PARTIAL 2
+#define PROBEOUT_LOST 3
+#define PROBEOUT_FRAG_NEEDED 4
+#define PROBEOUT_UNREACHABLE 5
+#define PROBEOUT_REFUSED 6
+#define PROBEOUT_ERROR 7
 
 /* Index of each ring's head in `heads`, and of its loss counter in `drops`. */
 #define RING_NCCL 0
@@ -472,6 +493,200 @@ _Static_assert(__builtin_offsetof(struct link_event, np_ecn_marked_roce_packets)
 _Static_assert(__builtin_offsetof(struct link_event, np_cnp_sent) == 520, "link_event.np_cnp_sent");
 _Static_assert(__builtin_offsetof(struct link_event, rp_cnp_handled) == 528, "link_event.rp_cnp_handled");
 _Static_assert(__builtin_offsetof(struct link_event, rp_cnp_ignored) == 536, "link_event.rp_cnp_ignored");
+
+/* One job connection's struct tcp_info, sampled by the agent each second
+ * (recorder.netsamples: sock_diag), one row per connection per sample.  The
+ * header's pid is the process that holds it (0: unknown), tid 0.  A value
+ * the running kernel does not give is unknown: all ones in its width.
+ */
+struct conn_sample {
+	struct event_header hdr;
+	__u8 saddr[16]; /* this end's address; IPv4 in the first 4 bytes */
+	__u8 daddr[16]; /* the peer's */
+	__u16 sport;
+	__u16 dport;
+	__u16 family; /* AF_INET or AF_INET6 */
+	__u8 state; /* TCP state (TCP_ESTABLISHED 1 ...) */
+	__u8 ca_state; /* congestion control state: Open 0, Disorder 1, CWR 2, Recovery 3, Loss 4 */
+	__u32 ifindex; /* the interface holding saddr (lo's for a local peer) */
+	__u8 backoff; /* retransmission timeouts in a row, unanswered */
+	__u8 retransmits; /* icsk_retransmits: retransmissions of the head, unanswered */
+	__u8 delivery_rate_app_limited; /* 1: the rate was limited by the sender */
+	__u8 _pad1;
+	__u32 rto_us; /* retransmission timeout */
+	__u32 srtt_us; /* smoothed round-trip time */
+	__u32 rttvar_us;
+	__u32 min_rtt_us; /* the lowest RTT seen (windowed) */
+	__u32 snd_cwnd; /* congestion window, segments */
+	__u32 snd_mss;
+	__u32 pmtu; /* the path MTU the connection uses */
+	__u32 unacked; /* segments sent and not acknowledged (packets_out) */
+	__u32 retrans_out; /* of them, retransmitted */
+	__u32 lost; /* of them, deemed lost */
+	__u32 total_retrans; /* segments retransmitted over the connection's life */
+	__u32 notsent_bytes; /* written by the application, not yet sent */
+	__u32 last_data_sent_ms; /* since data was last sent */
+	__u32 last_data_recv_ms; /* since data was last received */
+	__u32 last_ack_recv_ms; /* since the peer last acknowledged anything */
+	__u32 segs_out;
+	__u32 segs_in;
+	__u32 snd_wnd; /* the peer's receive window, bytes */
+	__u64 delivery_rate; /* bytes/s, the latest sample */
+	__u64 bytes_acked;
+	__u64 bytes_received;
+	__u64 bytes_sent; /* retransmissions included */
+	__u64 bytes_retrans;
+	__u64 busy_time_us; /* time with data in flight */
+	__u64 rwnd_limited_us; /* of it, limited by the peer's receive window */
+	__u64 sndbuf_limited_us; /* of it, limited by the send buffer */
+};
+_Static_assert(sizeof(struct conn_sample) == 216, "conn_sample size");
+_Static_assert(__builtin_offsetof(struct conn_sample, saddr) == 32, "conn_sample.saddr");
+_Static_assert(__builtin_offsetof(struct conn_sample, daddr) == 48, "conn_sample.daddr");
+_Static_assert(__builtin_offsetof(struct conn_sample, sport) == 64, "conn_sample.sport");
+_Static_assert(__builtin_offsetof(struct conn_sample, dport) == 66, "conn_sample.dport");
+_Static_assert(__builtin_offsetof(struct conn_sample, family) == 68, "conn_sample.family");
+_Static_assert(__builtin_offsetof(struct conn_sample, state) == 70, "conn_sample.state");
+_Static_assert(__builtin_offsetof(struct conn_sample, ca_state) == 71, "conn_sample.ca_state");
+_Static_assert(__builtin_offsetof(struct conn_sample, ifindex) == 72, "conn_sample.ifindex");
+_Static_assert(__builtin_offsetof(struct conn_sample, backoff) == 76, "conn_sample.backoff");
+_Static_assert(__builtin_offsetof(struct conn_sample, retransmits) == 77, "conn_sample.retransmits");
+_Static_assert(__builtin_offsetof(struct conn_sample, delivery_rate_app_limited) == 78, "conn_sample.delivery_rate_app_limited");
+_Static_assert(__builtin_offsetof(struct conn_sample, _pad1) == 79, "conn_sample._pad1");
+_Static_assert(__builtin_offsetof(struct conn_sample, rto_us) == 80, "conn_sample.rto_us");
+_Static_assert(__builtin_offsetof(struct conn_sample, srtt_us) == 84, "conn_sample.srtt_us");
+_Static_assert(__builtin_offsetof(struct conn_sample, rttvar_us) == 88, "conn_sample.rttvar_us");
+_Static_assert(__builtin_offsetof(struct conn_sample, min_rtt_us) == 92, "conn_sample.min_rtt_us");
+_Static_assert(__builtin_offsetof(struct conn_sample, snd_cwnd) == 96, "conn_sample.snd_cwnd");
+_Static_assert(__builtin_offsetof(struct conn_sample, snd_mss) == 100, "conn_sample.snd_mss");
+_Static_assert(__builtin_offsetof(struct conn_sample, pmtu) == 104, "conn_sample.pmtu");
+_Static_assert(__builtin_offsetof(struct conn_sample, unacked) == 108, "conn_sample.unacked");
+_Static_assert(__builtin_offsetof(struct conn_sample, retrans_out) == 112, "conn_sample.retrans_out");
+_Static_assert(__builtin_offsetof(struct conn_sample, lost) == 116, "conn_sample.lost");
+_Static_assert(__builtin_offsetof(struct conn_sample, total_retrans) == 120, "conn_sample.total_retrans");
+_Static_assert(__builtin_offsetof(struct conn_sample, notsent_bytes) == 124, "conn_sample.notsent_bytes");
+_Static_assert(__builtin_offsetof(struct conn_sample, last_data_sent_ms) == 128, "conn_sample.last_data_sent_ms");
+_Static_assert(__builtin_offsetof(struct conn_sample, last_data_recv_ms) == 132, "conn_sample.last_data_recv_ms");
+_Static_assert(__builtin_offsetof(struct conn_sample, last_ack_recv_ms) == 136, "conn_sample.last_ack_recv_ms");
+_Static_assert(__builtin_offsetof(struct conn_sample, segs_out) == 140, "conn_sample.segs_out");
+_Static_assert(__builtin_offsetof(struct conn_sample, segs_in) == 144, "conn_sample.segs_in");
+_Static_assert(__builtin_offsetof(struct conn_sample, snd_wnd) == 148, "conn_sample.snd_wnd");
+_Static_assert(__builtin_offsetof(struct conn_sample, delivery_rate) == 152, "conn_sample.delivery_rate");
+_Static_assert(__builtin_offsetof(struct conn_sample, bytes_acked) == 160, "conn_sample.bytes_acked");
+_Static_assert(__builtin_offsetof(struct conn_sample, bytes_received) == 168, "conn_sample.bytes_received");
+_Static_assert(__builtin_offsetof(struct conn_sample, bytes_sent) == 176, "conn_sample.bytes_sent");
+_Static_assert(__builtin_offsetof(struct conn_sample, bytes_retrans) == 184, "conn_sample.bytes_retrans");
+_Static_assert(__builtin_offsetof(struct conn_sample, busy_time_us) == 192, "conn_sample.busy_time_us");
+_Static_assert(__builtin_offsetof(struct conn_sample, rwnd_limited_us) == 200, "conn_sample.rwnd_limited_us");
+_Static_assert(__builtin_offsetof(struct conn_sample, sndbuf_limited_us) == 208, "conn_sample.sndbuf_limited_us");
+
+/* One job interface's counters (rtnetlink: the netdev's 64-bit counters
+ * and its root qdisc's statistics), sampled by the agent each second
+ * (recorder.netsamples) for every interface a job connection uses.  The
+ * header's pid and tid are 0.  Unknown values are all ones in their width;
+ * counters count since the interface (or its qdisc) was made.
+ */
+struct iface_sample {
+	struct event_header hdr;
+	__u32 ifindex;
+	__u32 mtu;
+	__u8 name[16]; /* the netdev's name, NUL-padded */
+	__u8 qdisc_kind[16]; /* its root qdisc (tbf, htb, fq_codel, noqueue...), NUL-padded */
+	__u64 rx_bytes;
+	__u64 tx_bytes;
+	__u64 rx_packets;
+	__u64 tx_packets;
+	__u64 rx_dropped;
+	__u64 tx_dropped;
+	__u64 rx_errors;
+	__u64 tx_errors;
+	__u64 qdisc_bytes; /* bytes the root qdisc sent */
+	__u32 qdisc_packets;
+	__u32 qdisc_drops;
+	__u32 qdisc_overlimits;
+	__u32 qdisc_requeues;
+	__u32 qdisc_backlog_bytes;
+	__u32 qdisc_backlog_packets;
+	__u32 qdisc_handle;
+	__u32 _pad1;
+};
+_Static_assert(sizeof(struct iface_sample) == 176, "iface_sample size");
+_Static_assert(__builtin_offsetof(struct iface_sample, ifindex) == 32, "iface_sample.ifindex");
+_Static_assert(__builtin_offsetof(struct iface_sample, mtu) == 36, "iface_sample.mtu");
+_Static_assert(__builtin_offsetof(struct iface_sample, name) == 40, "iface_sample.name");
+_Static_assert(__builtin_offsetof(struct iface_sample, qdisc_kind) == 56, "iface_sample.qdisc_kind");
+_Static_assert(__builtin_offsetof(struct iface_sample, rx_bytes) == 72, "iface_sample.rx_bytes");
+_Static_assert(__builtin_offsetof(struct iface_sample, tx_bytes) == 80, "iface_sample.tx_bytes");
+_Static_assert(__builtin_offsetof(struct iface_sample, rx_packets) == 88, "iface_sample.rx_packets");
+_Static_assert(__builtin_offsetof(struct iface_sample, tx_packets) == 96, "iface_sample.tx_packets");
+_Static_assert(__builtin_offsetof(struct iface_sample, rx_dropped) == 104, "iface_sample.rx_dropped");
+_Static_assert(__builtin_offsetof(struct iface_sample, tx_dropped) == 112, "iface_sample.tx_dropped");
+_Static_assert(__builtin_offsetof(struct iface_sample, rx_errors) == 120, "iface_sample.rx_errors");
+_Static_assert(__builtin_offsetof(struct iface_sample, tx_errors) == 128, "iface_sample.tx_errors");
+_Static_assert(__builtin_offsetof(struct iface_sample, qdisc_bytes) == 136, "iface_sample.qdisc_bytes");
+_Static_assert(__builtin_offsetof(struct iface_sample, qdisc_packets) == 144, "iface_sample.qdisc_packets");
+_Static_assert(__builtin_offsetof(struct iface_sample, qdisc_drops) == 148, "iface_sample.qdisc_drops");
+_Static_assert(__builtin_offsetof(struct iface_sample, qdisc_overlimits) == 152, "iface_sample.qdisc_overlimits");
+_Static_assert(__builtin_offsetof(struct iface_sample, qdisc_requeues) == 156, "iface_sample.qdisc_requeues");
+_Static_assert(__builtin_offsetof(struct iface_sample, qdisc_backlog_bytes) == 160, "iface_sample.qdisc_backlog_bytes");
+_Static_assert(__builtin_offsetof(struct iface_sample, qdisc_backlog_packets) == 164, "iface_sample.qdisc_backlog_packets");
+_Static_assert(__builtin_offsetof(struct iface_sample, qdisc_handle) == 168, "iface_sample.qdisc_handle");
+_Static_assert(__builtin_offsetof(struct iface_sample, _pad1) == 172, "iface_sample._pad1");
+
+/* Probes between the job's nodes at an incident (recorder.pathprobe sends
+ * them, each agent's recorder.pathecho answers and counts what arrives), one
+ * row per peer, kind and size: the header's ts_ns is the first probe's
+ * (sent or arrived), pid and tid 0.  Unknown values are all ones in their
+ * width (rtt_us with nothing answered, mtu but for FRAG_NEEDED).
+ */
+struct probe_event {
+	struct event_header hdr;
+	__u8 incident[48]; /* the incident id the probes were sent for, NUL-padded */
+	__u8 saddr[16]; /* where the probes came from: this host when sent, else the peer */
+	__u8 daddr[16]; /* where they went */
+	__u16 family;
+	__u8 probe; /* PROBE_* */
+	__u8 role; /* PROBEROLE_* */
+	__u8 outcome; /* PROBEOUT_* */
+	__u8 df; /* 1: sent with don't-fragment */
+	__u16 _pad1;
+	__u32 ifindex; /* this host's interface (sent: the source's; received: where) */
+	__u32 probe_size; /* bytes of each IP packet (tcp: of the exchange's payload) */
+	__u32 sent; /* probes sent (tcp: exchanges) */
+	__u32 answered; /* sent: answers back here; received: probes that arrived */
+	__u32 rtt_us; /* median round trip of the answered (tcp: the probe's srtt) */
+	__u32 mtu; /* FRAG_NEEDED: the MTU the ICMP named */
+	__s32 err; /* ERROR: the errno */
+	__u32 _pad2;
+	__u64 round; /* the sender's round: one per incident and host, random */
+	__u64 throughput_bps; /* tcp: bits/s of the exchange */
+	__u64 bytes_sent; /* payload bytes this host sent for the row */
+	__u64 bytes_received; /* payload bytes it received for the row */
+	__u64 duration_us; /* from the first probe sent (arrived) to the last answer */
+};
+_Static_assert(sizeof(struct probe_event) == 192, "probe_event size");
+_Static_assert(__builtin_offsetof(struct probe_event, incident) == 32, "probe_event.incident");
+_Static_assert(__builtin_offsetof(struct probe_event, saddr) == 80, "probe_event.saddr");
+_Static_assert(__builtin_offsetof(struct probe_event, daddr) == 96, "probe_event.daddr");
+_Static_assert(__builtin_offsetof(struct probe_event, family) == 112, "probe_event.family");
+_Static_assert(__builtin_offsetof(struct probe_event, probe) == 114, "probe_event.probe");
+_Static_assert(__builtin_offsetof(struct probe_event, role) == 115, "probe_event.role");
+_Static_assert(__builtin_offsetof(struct probe_event, outcome) == 116, "probe_event.outcome");
+_Static_assert(__builtin_offsetof(struct probe_event, df) == 117, "probe_event.df");
+_Static_assert(__builtin_offsetof(struct probe_event, _pad1) == 118, "probe_event._pad1");
+_Static_assert(__builtin_offsetof(struct probe_event, ifindex) == 120, "probe_event.ifindex");
+_Static_assert(__builtin_offsetof(struct probe_event, probe_size) == 124, "probe_event.probe_size");
+_Static_assert(__builtin_offsetof(struct probe_event, sent) == 128, "probe_event.sent");
+_Static_assert(__builtin_offsetof(struct probe_event, answered) == 132, "probe_event.answered");
+_Static_assert(__builtin_offsetof(struct probe_event, rtt_us) == 136, "probe_event.rtt_us");
+_Static_assert(__builtin_offsetof(struct probe_event, mtu) == 140, "probe_event.mtu");
+_Static_assert(__builtin_offsetof(struct probe_event, err) == 144, "probe_event.err");
+_Static_assert(__builtin_offsetof(struct probe_event, _pad2) == 148, "probe_event._pad2");
+_Static_assert(__builtin_offsetof(struct probe_event, round) == 152, "probe_event.round");
+_Static_assert(__builtin_offsetof(struct probe_event, throughput_bps) == 160, "probe_event.throughput_bps");
+_Static_assert(__builtin_offsetof(struct probe_event, bytes_sent) == 168, "probe_event.bytes_sent");
+_Static_assert(__builtin_offsetof(struct probe_event, bytes_received) == 176, "probe_event.bytes_received");
+_Static_assert(__builtin_offsetof(struct probe_event, duration_us) == 184, "probe_event.duration_us");
 
 /* Discovery: not a dump ring.  The agent reads it each tick instead of
  * scanning /proc; one row per event, the pid in the header.

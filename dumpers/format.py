@@ -1,10 +1,10 @@
 """The dump file: one node's ``Recording`` as a msgpack document.
 
-Layout (format version 8; every key is required, no other key is allowed;
+Layout (format version 9; every key is required, no other key is allowed;
 ``format`` and ``version`` come first, in this version and every later one,
 so that a newer layout is recognised as such before anything else is read)::
 
-    {"format": "stallwatch-dump", "version": 8,
+    {"format": "stallwatch-dump", "version": 9,
      "host": str, "boot_id": str,
      "agent": {"version": str, "args": [str, ...]},
      "trigger": null | {"kind": str, "reason": str, "incident_id": str, "time_ns": u64,
@@ -67,7 +67,12 @@ ring (the agent's samples of its interfaces, ``recorder.links``) and the
 ``links`` table it names; older versions are read with neither (no link
 rows), and refused if they hold a ``link`` ring.  Version 8 adds TCP rows
 of event ``tcp_info`` (5): each job connection's state as the kernel had it
-when the dump was taken; older dumps have none.
+when the dump was taken; older dumps have none.  Version 9 adds the
+agent's network rings: ``conn_samples`` (each job connection's ``tcp_info``
+every second), ``iface_samples`` (each job interface's netdev and root qdisc
+counters every second) and ``probes`` (the probes between the job's nodes at
+an incident, sent and received); older versions are read with none, and
+refused if they hold one.
 The top-level keys each version added are in ``TOP_KEYS_SINCE``; a ring's
 earlier dtypes in ``dumpers.schema.RING_DTYPES_BEFORE``.
 

@@ -37,6 +37,9 @@ class EventKind(enum.IntEnum):
     SCHED = 4
     EXIT = 5
     LINK = 6  # written by the agent (recorder.links), not by a BPF program
+    CONN_SAMPLE = 7  # written by the agent (recorder.netsamples): a job connection's tcp_info
+    IFACE_SAMPLE = 8  # written by the agent (recorder.netsamples): a job interface's counters
+    PROBE = 9  # written by the agent (recorder.pathprobe, recorder.pathecho): probes of a path
     DISC = 16  # discovery: not a dump ring
 
 
@@ -149,6 +152,34 @@ class LinkEvent(enum.IntEnum):
     GONE = 8  # the interface is no more (every value unknown)
 
 
+class ProbeKind(enum.IntEnum):
+    """``probe_event.probe``: how a path between two of the job's nodes was
+    probed (the SQL spelling is the name in lower case)."""
+
+    ICMP = 1  # ICMP echo: the peer's kernel answers, whether its agent lives or not
+    UDP = 2  # datagrams to the peer agent's responder, each answered by a small one
+    TCP = 3  # a short TCP exchange with the peer agent's responder: RTT and throughput
+
+
+class ProbeRole(enum.IntEnum):
+    """``probe_event.role``: whose probes a row counts."""
+
+    SENT = 1  # this host sent them to the peer; `answered` counts the answers that came back
+    RECEIVED = 2  # the peer sent them to this host; `answered` counts those that arrived here
+
+
+class ProbeOutcome(enum.IntEnum):
+    """``probe_event.outcome``: what became of a row's probes."""
+
+    OK = 1  # every one answered (received: every one the peer sent arrived)
+    PARTIAL = 2  # some answered, some not
+    LOST = 3  # none answered and nothing came back to say why
+    FRAG_NEEDED = 4  # an ICMP "fragmentation needed" came back (the MTU it named: `mtu`)
+    UNREACHABLE = 5  # an ICMP destination unreachable (host, net, prohibited) came back
+    REFUSED = 6  # the peer's host answered that nobody listens: its agent is not there
+    ERROR = 7  # not sent: a local error (`err`: the errno)
+
+
 # enum -> the prefix of its C names
 C_PREFIXES: tuple[tuple[type[enum.IntEnum], str], ...] = (
     (EventKind, "EVENT_"),
@@ -160,11 +191,15 @@ C_PREFIXES: tuple[tuple[type[enum.IntEnum], str], ...] = (
     (DiscEvent, "DISC_"),
     (LinkKind, "LINK_"),
     (LinkEvent, "LINKEV_"),
+    (ProbeKind, "PROBE_"),
+    (ProbeRole, "PROBEROLE_"),
+    (ProbeOutcome, "PROBEOUT_"),
 )
 
 # The rings the BPF programs write, in the order of their heads and loss
 # counters (``RING_<NAME>`` in C); the discovery ring's head is the last one.
-# The link ring (RING_STRUCTS) is the agent's own and has neither.
+# The link ring and the agent's network rings (RING_STRUCTS) are the agent's
+# own and have neither.
 RINGS = ("nccl", "comm", "tcp", "sched", "exit")
 DISC_HEAD = 7
 HEADS = 8  # struct ring_head slots in `heads`
@@ -435,6 +470,133 @@ not have or that could not be read is unknown: 0xff, 0xffffffff or
 unknown and RDMA rows the netdev ones.""",
 )
 
+# ---- the agent's network samples and probes ------------------------------------
+
+# The fields of conn_sample that hold a value of struct tcp_info (the kernel's
+# name without `tcpi_`, times in the unit of its suffix) or "unknown" (all
+# ones in their width: a kernel whose struct tcp_info is shorter than the
+# field's place does not have it).  Names match tcp_event's where they mean
+# the same (saddr, daddr, sport, dport, state, backoff, srtt_us, rto_us,
+# retrans_out).
+CONN = Struct(
+    "conn_sample",
+    (
+        Field("saddr", "u8", 16, "this end's address; IPv4 in the first 4 bytes"),
+        Field("daddr", "u8", 16, "the peer's"),
+        Field("sport", "u16"),
+        Field("dport", "u16"),
+        Field("family", "u16", note="AF_INET or AF_INET6"),
+        Field("state", "u8", note="TCP state (TCP_ESTABLISHED 1 ...)"),
+        Field(
+            "ca_state",
+            "u8",
+            note="congestion control state: Open 0, Disorder 1, CWR 2, Recovery 3, Loss 4",
+        ),
+        Field("ifindex", "u32", note="the interface holding saddr (lo's for a local peer)"),
+        Field("backoff", "u8", note="retransmission timeouts in a row, unanswered"),
+        Field(
+            "retransmits", "u8", note="icsk_retransmits: retransmissions of the head, unanswered"
+        ),
+        Field("delivery_rate_app_limited", "u8", note="1: the rate was limited by the sender"),
+        Field("_pad1", "u8"),
+        Field("rto_us", "u32", note="retransmission timeout"),
+        Field("srtt_us", "u32", note="smoothed round-trip time"),
+        Field("rttvar_us", "u32"),
+        Field("min_rtt_us", "u32", note="the lowest RTT seen (windowed)"),
+        Field("snd_cwnd", "u32", note="congestion window, segments"),
+        Field("snd_mss", "u32"),
+        Field("pmtu", "u32", note="the path MTU the connection uses"),
+        Field("unacked", "u32", note="segments sent and not acknowledged (packets_out)"),
+        Field("retrans_out", "u32", note="of them, retransmitted"),
+        Field("lost", "u32", note="of them, deemed lost"),
+        Field("total_retrans", "u32", note="segments retransmitted over the connection's life"),
+        Field("notsent_bytes", "u32", note="written by the application, not yet sent"),
+        Field("last_data_sent_ms", "u32", note="since data was last sent"),
+        Field("last_data_recv_ms", "u32", note="since data was last received"),
+        Field("last_ack_recv_ms", "u32", note="since the peer last acknowledged anything"),
+        Field("segs_out", "u32"),
+        Field("segs_in", "u32"),
+        Field("snd_wnd", "u32", note="the peer's receive window, bytes"),
+        Field("delivery_rate", "u64", note="bytes/s, the latest sample"),
+        Field("bytes_acked", "u64"),
+        Field("bytes_received", "u64"),
+        Field("bytes_sent", "u64", note="retransmissions included"),
+        Field("bytes_retrans", "u64"),
+        Field("busy_time_us", "u64", note="time with data in flight"),
+        Field("rwnd_limited_us", "u64", note="of it, limited by the peer's receive window"),
+        Field("sndbuf_limited_us", "u64", note="of it, limited by the send buffer"),
+    ),
+    """One job connection's struct tcp_info, sampled by the agent each second
+(recorder.netsamples: sock_diag), one row per connection per sample.  The
+header's pid is the process that holds it (0: unknown), tid 0.  A value
+the running kernel does not give is unknown: all ones in its width.""",
+)
+
+# an interface's netdev counters in an iface_sample (rtnl_link_stats64's names)
+IFACE_NETDEV = (
+    "rx_bytes", "tx_bytes", "rx_packets", "tx_packets", "rx_dropped", "tx_dropped",
+    "rx_errors", "tx_errors",
+)  # fmt: skip
+IFACE_QDISC = (
+    "qdisc_packets", "qdisc_drops", "qdisc_overlimits", "qdisc_requeues",
+    "qdisc_backlog_bytes", "qdisc_backlog_packets",
+)  # fmt: skip
+
+IFACE = Struct(
+    "iface_sample",
+    (
+        Field("ifindex", "u32"),
+        Field("mtu", "u32"),
+        Field("name", "u8", 16, "the netdev's name, NUL-padded"),
+        Field(
+            "qdisc_kind", "u8", 16, "its root qdisc (tbf, htb, fq_codel, noqueue...), NUL-padded"
+        ),
+        *(Field(name, "u64") for name in IFACE_NETDEV),
+        Field("qdisc_bytes", "u64", note="bytes the root qdisc sent"),
+        *(Field(name, "u32") for name in IFACE_QDISC),
+        Field("qdisc_handle", "u32"),
+        Field("_pad1", "u32"),
+    ),
+    """One job interface's counters (rtnetlink: the netdev's 64-bit counters
+and its root qdisc's statistics), sampled by the agent each second
+(recorder.netsamples) for every interface a job connection uses.  The
+header's pid and tid are 0.  Unknown values are all ones in their width;
+counters count since the interface (or its qdisc) was made.""",
+)
+
+PROBE = Struct(
+    "probe_event",
+    (
+        Field("incident", "u8", 48, "the incident id the probes were sent for, NUL-padded"),
+        Field("saddr", "u8", 16, "where the probes came from: this host when sent, else the peer"),
+        Field("daddr", "u8", 16, "where they went"),
+        Field("family", "u16"),
+        Field("probe", "u8", note="PROBE_*"),
+        Field("role", "u8", note="PROBEROLE_*"),
+        Field("outcome", "u8", note="PROBEOUT_*"),
+        Field("df", "u8", note="1: sent with don't-fragment"),
+        Field("_pad1", "u16"),
+        Field("ifindex", "u32", note="this host's interface (sent: the source's; received: where)"),
+        Field("probe_size", "u32", note="bytes of each IP packet (tcp: of the exchange's payload)"),
+        Field("sent", "u32", note="probes sent (tcp: exchanges)"),
+        Field("answered", "u32", note="sent: answers back here; received: probes that arrived"),
+        Field("rtt_us", "u32", note="median round trip of the answered (tcp: the probe's srtt)"),
+        Field("mtu", "u32", note="FRAG_NEEDED: the MTU the ICMP named"),
+        Field("err", "s32", note="ERROR: the errno"),
+        Field("_pad2", "u32"),
+        Field("round", "u64", note="the sender's round: one per incident and host, random"),
+        Field("throughput_bps", "u64", note="tcp: bits/s of the exchange"),
+        Field("bytes_sent", "u64", note="payload bytes this host sent for the row"),
+        Field("bytes_received", "u64", note="payload bytes it received for the row"),
+        Field("duration_us", "u64", note="from the first probe sent (arrived) to the last answer"),
+    ),
+    """Probes between the job's nodes at an incident (recorder.pathprobe sends
+them, each agent's recorder.pathecho answers and counts what arrives), one
+row per peer, kind and size: the header's ts_ns is the first probe's
+(sent or arrived), pid and tid 0.  Unknown values are all ones in their
+width (rtt_us with nothing answered, mtu but for FRAG_NEEDED).""",
+)
+
 DISC = Struct(
     "disc_event",
     (Field("event", "u32", note="DISC_*"), Field("_pad1", "u32")),
@@ -442,7 +604,8 @@ DISC = Struct(
 scanning /proc; one row per event, the pid in the header.""",
 )
 
-STRUCTS: tuple[Struct, ...] = (HEADER, NCCL, COMM, TCP, SCHED, EXIT, LINK, DISC)
+STRUCTS: tuple[Struct, ...] = (HEADER, NCCL, COMM, TCP, SCHED, EXIT, LINK, CONN, IFACE, PROBE,
+                                DISC)  # fmt: skip
 # Ring name -> its record, for the rings a dump holds.
 RING_STRUCTS: dict[str, Struct] = {
     "nccl": NCCL,
@@ -451,6 +614,10 @@ RING_STRUCTS: dict[str, Struct] = {
     "sched": SCHED,
     "exit": EXIT,
     "link": LINK,  # the agent's own ring: no head nor loss counter in the kernel
+    # the agent's own too (recorder.netsamples, recorder.pathprobe), named as their tables
+    "conn_samples": CONN,
+    "iface_samples": IFACE,
+    "probes": PROBE,
 }
 
 # ---- bpf/events.h -------------------------------------------------------------

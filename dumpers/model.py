@@ -20,10 +20,12 @@ FORMAT_NAME = "stallwatch-dump"
 # 4: CUDA graph columns; 5: sched rows name the CPU's last holder (prev_pid);
 # 6: a checksum per section (header, tables, each ring); 7: TCP rows carry
 # the connection's state, the link ring and the links table; 8: TCP rows of
-# event tcp_info, each job connection's state when the dump was taken.
+# event tcp_info, each job connection's state when the dump was taken; 9: the
+# agent's network rings: each job connection's tcp_info and each job
+# interface's counters every second, the probes between nodes at an incident.
 # Older files are still read (their rows converted, no snapshots, no links,
 # nothing checked); what each version added is listed in dumpers.format.
-FORMAT_VERSION = 8
+FORMAT_VERSION = 9
 CHECKSUMS_SINCE = 6  # the first format version whose dumps carry checksums
 
 

@@ -17,9 +17,33 @@ from typing import Any
 import numpy as np
 
 from . import layout
-from .layout import EventKind, ExitEvent, LinkEvent, LinkKind, Op, Result, State, TcpEvent
+from .layout import (
+    EventKind,
+    ExitEvent,
+    LinkEvent,
+    LinkKind,
+    Op,
+    ProbeKind,
+    ProbeOutcome,
+    ProbeRole,
+    Result,
+    State,
+    TcpEvent,
+)
 
-__all__ = ["EventKind", "ExitEvent", "LinkEvent", "LinkKind", "Op", "Result", "State", "TcpEvent"]
+__all__ = [
+    "EventKind",
+    "ExitEvent",
+    "LinkEvent",
+    "LinkKind",
+    "Op",
+    "ProbeKind",
+    "ProbeOutcome",
+    "ProbeRole",
+    "Result",
+    "State",
+    "TcpEvent",
+]
 
 UNIQUE_ID_BYTES = 128
 MASK64 = (1 << 64) - 1
@@ -220,6 +244,9 @@ PREV_PID_UNKNOWN = -1
 
 EXIT_EVENT = layout.EXIT.dtype
 LINK_EVENT = layout.LINK.dtype
+CONN_SAMPLE = layout.CONN.dtype
+IFACE_SAMPLE = layout.IFACE.dtype
+PROBE_EVENT = layout.PROBE.dtype
 
 # Ring name -> record dtype.  The names are those of the dump file's "rings".
 RING_DTYPES: dict[str, np.dtype] = {name: s.dtype for name, s in layout.RING_STRUCTS.items()}
@@ -254,7 +281,7 @@ def blank_link_rows(n: int) -> np.ndarray:
 
 
 # Rings that older dump formats did not have: name -> the first version with it.
-RING_SINCE: dict[str, int] = {"link": 7}
+RING_SINCE: dict[str, int] = {"link": 7, "conn_samples": 9, "iface_samples": 9, "probes": 9}
 
 
 def captured_rows(rows: np.ndarray) -> np.ndarray:

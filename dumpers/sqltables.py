@@ -11,6 +11,9 @@ the SQL tables (docs/architecture.md, docs/parquet.md), each with a ``host`` col
     sched_events   run-queue delays of rank threads (ring "sched")
     exit_events    exit_group, fatal signals, process exits (ring "exit")
     link_events    samples of the node's interfaces and RDMA ports (ring "link")
+    conn_samples   each job connection's tcp_info every second (dumpers.nettables)
+    iface_samples  each job interface's netdev and qdisc counters every second (nettables)
+    probes         the probes between the job's nodes at an incident (nettables)
     processes      the processes the agent watched
     communicators  the communicators they held
     links          the interfaces link_events names, and the processes using them
@@ -103,9 +106,31 @@ from functools import cache
 import numpy as np
 import pyarrow as pa
 
-from . import addresses
+from .columns import (
+    Columns,
+    address_column,
+    address_keys,
+    by_pid,
+    counter,
+    enum_names,
+    families,
+    flag,
+    header,
+    hex_ids,
+    host_column,
+    i64,
+    lower_name,
+    maybe_null,
+    on_clock,
+    on_clock_list,
+    pids,
+    ring_rows,
+    tcp_state_name,
+    wall,
+)
 from .layout import LINK_COUNTERS, UNKNOWN_U8, UNKNOWN_U32, UNKNOWN_U64
 from .model import CommInfo, Recording
+from .nettables import conn_sample_columns, iface_sample_columns, probe_columns
 from .ranks import Ranks
 from .readings import ArgsFrom, NcclCall, ProcessThreads, ThreadState, syscall_name
 from .schema import (
@@ -262,6 +287,9 @@ TABLE_NAMES = (
     "sched_events",
     "exit_events",
     "link_events",
+    "conn_samples",
+    "iface_samples",
+    "probes",
     "processes",
     "communicators",
     "links",
@@ -269,54 +297,28 @@ TABLE_NAMES = (
 )
 
 
-Columns = dict[str, pa.Array]
-
 DATA_OPS = np.zeros(256, dtype=bool)  # ops that move data: count, datatype, seq mean something
 DATA_OPS[[int(op) for op in Op if op.is_collective or op.is_p2p]] = True
 REDUCING_OPS = np.zeros(256, dtype=bool)  # ops that take a reduction operator
 REDUCING_OPS[[Op.ALL_REDUCE, Op.REDUCE, Op.REDUCE_SCATTER]] = True
-FAMILY_CODES = np.full(1 << 16, -1, dtype=np.int8)  # AF_* -> index into FAMILY_NAMES
-FAMILY_CODES[[2, 10]] = [0, 1]
-FAMILY_NAMES = ("ipv4", "ipv6")
-
-
-def _enum_names(names: Callable[[int], str], size: int = 256) -> pa.Array:
-    return pa.array([names(i) for i in range(size)], type=pa.string())
-
-
-def _lower_name(enum_type: type, prefix: str) -> Callable[[int], str]:
-    def name(value: int) -> str:
-        try:
-            return str(enum_type(value).name.lower())
-        except ValueError:
-            return f"{prefix}_{value}"
-
-    return name
-
-
-def _tcp_state_name(value: int) -> str:
-    try:
-        return TcpState(value).name
-    except ValueError:
-        return f"TCP_STATE_{value}"
 
 
 @cache
 def _dictionaries() -> dict[str, pa.Array]:
     """Fixed dictionaries indexed by the u8 code stored in the rings."""
     return {
-        "op": _enum_names(op_name),
-        "datatype": _enum_names(datatype_name),
-        "redop": _enum_names(_lower_name(RedOp, "redop")),
-        "state": _enum_names(_lower_name(State, "state")),
-        "tcp_event": _enum_names(_lower_name(TcpEvent, "tcp_event")),
-        "tcp_state": _enum_names(_tcp_state_name),
-        "exit_event": _enum_names(_lower_name(ExitEvent, "exit_event")),
-        "link_event": _enum_names(_lower_name(LinkEvent, "link_event")),
-        "link_kind": _enum_names(_lower_name(LinkKind, "link_kind")),
-        "operstate": _enum_names(_state_name(OPERSTATES, "operstate")),
-        "port_state": _enum_names(_state_name(PORT_STATES, "port_state")),
-        "phys_state": _enum_names(_state_name(PHYS_STATES, "phys_state")),
+        "op": enum_names(op_name),
+        "datatype": enum_names(datatype_name),
+        "redop": enum_names(lower_name(RedOp, "redop")),
+        "state": enum_names(lower_name(State, "state")),
+        "tcp_event": enum_names(lower_name(TcpEvent, "tcp_event")),
+        "tcp_state": enum_names(tcp_state_name),
+        "exit_event": enum_names(lower_name(ExitEvent, "exit_event")),
+        "link_event": enum_names(lower_name(LinkEvent, "link_event")),
+        "link_kind": enum_names(lower_name(LinkKind, "link_kind")),
+        "operstate": enum_names(_state_name(OPERSTATES, "operstate")),
+        "port_state": enum_names(_state_name(PORT_STATES, "port_state")),
+        "phys_state": enum_names(_state_name(PHYS_STATES, "phys_state")),
     }
 
 
@@ -327,93 +329,6 @@ def _state_name(names: tuple[str, ...], prefix: str) -> Callable[[int], str]:
 def _coded(codes: np.ndarray, dictionary: str, null: np.ndarray | None = None) -> pa.Array:
     indices = pa.array(codes.astype(np.uint8, copy=False), mask=null)
     return pa.DictionaryArray.from_arrays(indices, _dictionaries()[dictionary])
-
-
-def _host(host: str, n: int) -> pa.DictionaryArray:
-    return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int8)), pa.array([host]))
-
-
-def _i64(values: np.ndarray) -> pa.Array:
-    return pa.array(values.astype(np.int64, copy=False))
-
-
-def _pids(values: np.ndarray) -> pa.Array:
-    """pid 0 is no process's (the idle task): an input that names no pid
-    (Flight Recorder's) says 0, NULL here."""
-    values = values.astype(np.int64, copy=False)
-    return _maybe_null(values, values == 0)
-
-
-def _hex(values: np.ndarray) -> pa.DictionaryArray:
-    """64-bit ids as ``0x%016x`` text, interned (a few distinct per table);
-    0 (no id) is NULL."""
-    values = values.astype(np.uint64, copy=False)
-    encoded = pa.array(values, mask=values == 0).dictionary_encode()
-    names = [f"0x{v:016x}" for v in encoded.dictionary.to_pylist()]
-    return pa.DictionaryArray.from_arrays(encoded.indices, pa.array(names, pa.string()))
-
-
-def _by_pid(pids: np.ndarray, values: dict[int, int]) -> pa.Array:
-    """Per row, ``values`` of its pid (NULL where it has none), by a binary
-    search among the few pids that have one."""
-    if not values:
-        return pa.nulls(len(pids), pa.int32())
-    keys = np.array(sorted(values), dtype=np.int64)
-    found = np.array([values[k] for k in keys.tolist()], dtype=np.int32)
-    pids = pids.astype(np.int64, copy=False)
-    pos = np.minimum(np.searchsorted(keys, pids), len(keys) - 1)
-    return _maybe_null(found[pos], keys[pos] != pids)
-
-
-def clock_offset(rec: Recording) -> int | None:
-    """What turns the recording's monotonic stamps into the incident's clock
-    (ns since the epoch): realtime - monotonic of the pair it sampled; None
-    where it has no pair (realtime 0)."""
-    if rec.clock.realtime_ns <= 0:
-        return None
-    return rec.clock.realtime_ns - rec.clock.monotonic_ns
-
-
-def on_clock(rec: Recording, stamps: np.ndarray, unknown: np.ndarray | None = None) -> pa.Array:
-    """Monotonic stamps of the recording on the incident's clock (int64 ns
-    since the epoch): NULL where ``unknown`` (default: a stamp of 0, the
-    rings' "not observed") and everywhere when the recording has no clock
-    pair."""
-    stamps = stamps.astype(np.int64, copy=False)
-    offset = clock_offset(rec)
-    if offset is None:
-        return pa.nulls(len(stamps), pa.int64())
-    return _maybe_null(stamps + offset, stamps == 0 if unknown is None else unknown)
-
-
-def _on_clock_list(rec: Recording, stamps: Sequence[int]) -> pa.Array:
-    """:func:`on_clock` of a table's stamps (0: unknown)."""
-    return on_clock(rec, np.array(stamps, dtype=np.int64))
-
-
-def _wall(times: pa.Array) -> pa.Array:
-    """Times on the incident's clock as DuckDB ``TIMESTAMP_NS``."""
-    return times.cast(pa.timestamp("ns"))
-
-
-def _header(rec: Recording, rows: np.ndarray) -> tuple[np.ndarray, Columns]:
-    """The columns every event table starts with; and the rows' monotonic
-    stamps, from which durations are taken."""
-    ts = rows["ts_ns"].astype(np.int64)
-    times = on_clock(rec, ts, np.zeros(len(ts), dtype=bool))
-    return ts, {
-        "host": _host(rec.host, len(rows)),
-        "timestamp_ns": times,
-        "host_timestamp_ns": pa.array(ts),
-        "wall_time": _wall(times),
-    }
-
-
-def _ring(rec: Recording, name: str) -> np.ndarray:
-    ring = rec.rings.get(name)
-    if ring is None:
-        return np.zeros(0, dtype=RING_DTYPES[name])
-    return ring.rows
 
 
 def _comm_matches(c: CommInfo, pid: np.ndarray, comm: np.ndarray, ts: np.ndarray) -> np.ndarray:
@@ -461,10 +376,6 @@ def _fill_from_comms(
     return rank, nranks, comm_hash
 
 
-def _maybe_null(values: np.ndarray, null: np.ndarray) -> pa.Array:
-    return pa.array(values, mask=null) if null.any() else pa.array(values)
-
-
 def recording_now(rec: Recording) -> int:
     """The recording's own time (host monotonic): when it was dumped, or
     snapshotted (a Flight Recorder file: its latest entry).  Calls in flight
@@ -475,7 +386,7 @@ def recording_now(rec: Recording) -> int:
 def nccl_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     """``nccl_events`` of one recording (``known``: ranks derived over every
     recording queried with it; by default over this one alone)."""
-    rows = _ring(rec, "nccl")
+    rows = ring_rows(rec, "nccl")
     cols = _call_columns(rec, rows[~captured_rows(rows)], known)
     cols.pop("launches")
     return cols
@@ -491,7 +402,7 @@ GRAPH_COLUMNS = ("host", "timestamp_ns", "host_timestamp_ns", "wall_time", "pid"
 
 def cuda_graph_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     """``cuda_graphs``: one row per NCCL call captured into a CUDA graph."""
-    rows = _ring(rec, "nccl")
+    rows = ring_rows(rec, "nccl")
     cols = _call_columns(rec, rows[captured_rows(rows)], known)
     return {name: cols[name] for name in GRAPH_COLUMNS}
 
@@ -513,44 +424,44 @@ def _graph_columns(rec: Recording, rows: np.ndarray) -> Columns:
     node = rows["graph_node"].astype(np.int64)
     replay = rows["replay"].astype(np.int64)
     return {
-        "graph": _maybe_null(graph, graph == 0),
-        "graph_node": _maybe_null(node, node == 0),
-        "replay": _maybe_null(replay, replay == 0),
-        "launches": _i64(_launches(_ring(rec, "nccl"), rows)),
+        "graph": maybe_null(graph, graph == 0),
+        "graph_node": maybe_null(node, node == 0),
+        "replay": maybe_null(replay, replay == 0),
+        "launches": i64(_launches(ring_rows(rec, "nccl"), rows)),
     }
 
 
 def _call_columns(rec: Recording, rows: np.ndarray, known: Ranks | None) -> Columns:
     known = known if known is not None else Ranks.of([rec])
-    ts, cols = _header(rec, rows)
+    ts, cols = header(rec, rows)
     rank, nranks, comm_hash = _fill_from_comms(rec, rows, ts, known)
     end = rows["end_ns"].astype(np.int64)
     pending = end == 0
     moves = DATA_OPS[rows["op"]]
     idle = ~moves
     cols["end_ns"] = on_clock(rec, end, pending)
-    cols["duration_ns"] = _maybe_null(end - ts, pending)
+    cols["duration_ns"] = maybe_null(end - ts, pending)
     elapsed = np.where(pending, np.maximum(recording_now(rec) - ts, 0), end - ts)
     cols["elapsed_ns"] = pa.array(elapsed)
     cols["op"] = _coded(rows["op"], "op")
-    cols["rank"] = _maybe_null(rank, rank < 0)
-    cols["world_rank"] = _by_pid(rows["pid"], known.world_of(rec.host))
-    cols["nranks"] = _maybe_null(nranks, nranks < 0)
-    cols["comm_id_hash"] = _hex(comm_hash)
-    cols["seq"] = _maybe_null(rows["seq"].astype(np.int64), idle)
-    cols["pid"] = _pids(rows["pid"])
-    cols["tid"] = _i64(rows["tid"])
+    cols["rank"] = maybe_null(rank, rank < 0)
+    cols["world_rank"] = by_pid(rows["pid"], known.world_of(rec.host))
+    cols["nranks"] = maybe_null(nranks, nranks < 0)
+    cols["comm_id_hash"] = hex_ids(comm_hash)
+    cols["seq"] = maybe_null(rows["seq"].astype(np.int64), idle)
+    cols["pid"] = pids(rows["pid"])
+    cols["tid"] = i64(rows["tid"])
     launch = rows["op"] == Op.GRAPH_LAUNCH  # its count: the calls it replays
-    cols["count"] = _maybe_null(rows["count"].astype(np.int64), idle & ~launch)
-    cols["bytes"] = _maybe_null(rows["bytes"].astype(np.int64), idle)
+    cols["count"] = maybe_null(rows["count"].astype(np.int64), idle & ~launch)
+    cols["bytes"] = maybe_null(rows["bytes"].astype(np.int64), idle)
     cols["datatype"] = _coded(rows["datatype"], "datatype", idle)
     cols["redop"] = _coded(rows["redop"], "redop", ~REDUCING_OPS[rows["op"]])
-    cols["peer"] = _maybe_null(rows["peer"].astype(np.int32), (rows["peer"] < 0) | idle)
+    cols["peer"] = maybe_null(rows["peer"].astype(np.int32), (rows["peer"] < 0) | idle)
     cols["state"] = _coded(rows["state"], "state")
     result = rows["result"].astype(np.int32)
-    cols["result"] = _maybe_null(result, result == Result.PENDING)
-    cols["comm"] = _hex(rows["comm"])
-    cols["stream"] = _hex(rows["stream"])
+    cols["result"] = maybe_null(result, result == Result.PENDING)
+    cols["comm"] = hex_ids(rows["comm"])
+    cols["stream"] = hex_ids(rows["stream"])
     cols.update(_device_columns(rec, rows))
     cols.update(_graph_columns(rec, rows))
     return cols
@@ -571,73 +482,43 @@ def _root_addresses(unique_ids: np.ndarray) -> pa.Array:
 
 def _unless_negative(values: np.ndarray) -> pa.Array:
     values = values.astype(np.int32)
-    return _maybe_null(values, values < 0)
+    return maybe_null(values, values < 0)
 
 
 def comm_event_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     known = known if known is not None else Ranks.of([rec])
-    rows = _ring(rec, "comm")
-    ts, cols = _header(rec, rows)
+    rows = ring_rows(rec, "comm")
+    ts, cols = header(rec, rows)
     end = rows["end_ns"].astype(np.int64)
     pending = end == 0
     cols["end_ns"] = on_clock(rec, end, pending)
-    cols["duration_ns"] = _maybe_null(end - ts, pending)
+    cols["duration_ns"] = maybe_null(end - ts, pending)
     cols["op"] = _coded(rows["op"], "op")
-    cols["pid"] = _pids(rows["pid"])
-    cols["tid"] = _i64(rows["tid"])
-    cols["world_rank"] = _by_pid(rows["pid"], known.world_of(rec.host))
-    cols["comm"] = _hex(rows["comm"])
-    cols["comm_id_hash"] = _hex(rows["comm_hash"])
-    cols["parent_hash"] = _hex(rows["parent_hash"])
+    cols["pid"] = pids(rows["pid"])
+    cols["tid"] = i64(rows["tid"])
+    cols["world_rank"] = by_pid(rows["pid"], known.world_of(rec.host))
+    cols["comm"] = hex_ids(rows["comm"])
+    cols["comm_id_hash"] = hex_ids(rows["comm_hash"])
+    cols["parent_hash"] = hex_ids(rows["parent_hash"])
     rank = rows["rank"].astype(np.int32)
     for i in np.flatnonzero(rank < 0).tolist():  # a split's own rank, where derived
         member = (rec.host, int(rows["pid"][i]))
         rank[i] = known.comm.get((member, int(rows["comm_hash"][i])), -1)
-    cols["rank"] = _maybe_null(rank, rank < 0)
+    cols["rank"] = maybe_null(rank, rank < 0)
     for name in ("nranks", "color", "key"):
         cols[name] = _unless_negative(rows[name])
     cols["state"] = _coded(rows["state"], "state")
     result = rows["result"].astype(np.int32)
-    cols["result"] = _maybe_null(result, result == Result.PENDING)
+    cols["result"] = maybe_null(result, result == Result.PENDING)
     cols["root_addr"] = _root_addresses(rows["unique_id"])
     return cols
-
-
-def _address_keys(family: np.ndarray, raw: np.ndarray) -> np.ndarray:
-    """One 64-bit key per (family, 16 address bytes), by multiply-xor mixing:
-    sorting integers is ~100x faster than sorting 18-byte records."""
-    words = np.ascontiguousarray(raw).view("<u8").reshape(-1, 2)
-    with np.errstate(over="ignore"):
-        key = words[:, 0] * np.uint64(0x9E3779B97F4A7C15)
-        key ^= (words[:, 1] + np.uint64(0xBF58476D1CE4E5B9)) * np.uint64(0x94D049BB133111EB)
-        key ^= family.astype(np.uint64) << np.uint64(48)
-    return key
-
-
-def _addresses(family: np.ndarray, raw: np.ndarray) -> pa.DictionaryArray:
-    """Addresses as text, interned: format each distinct (family, bytes) once."""
-    if not len(raw):
-        return pa.DictionaryArray.from_arrays(pa.array([], pa.int32()), pa.array([], pa.string()))
-    _, first, codes = np.unique(_address_keys(family, raw), return_index=True, return_inverse=True)
-    codes = codes.reshape(-1)
-    if not (
-        np.array_equal(raw[first][codes], raw) and np.array_equal(family[first][codes], family)
-    ):
-        # two addresses mixed to one key (never seen): sort the bytes themselves
-        keys = np.concatenate([family.astype("<u2").view(np.uint8).reshape(-1, 2), raw], axis=1)
-        _, first, codes = np.unique(keys, axis=0, return_index=True, return_inverse=True)
-        codes = codes.reshape(-1)
-    names = [addresses.format_address(int(family[i]), bytes(raw[i])) for i in first]
-    return pa.DictionaryArray.from_arrays(
-        pa.array(codes.astype(np.int32)), pa.array(names, pa.string())
-    )
 
 
 def _connection_keys(rows: np.ndarray) -> np.ndarray:
     """One key per connection (addresses and ports of both ends)."""
     with np.errstate(over="ignore"):
-        key = _address_keys(rows["family"], rows["saddr"])
-        key = key * np.uint64(0x9E3779B97F4A7C15) ^ _address_keys(rows["family"], rows["daddr"])
+        key = address_keys(rows["family"], rows["saddr"])
+        key = key * np.uint64(0x9E3779B97F4A7C15) ^ address_keys(rows["family"], rows["daddr"])
         ports = (rows["sport"].astype(np.uint64) << np.uint64(16)) | rows["dport"]
         out: np.ndarray = key * np.uint64(0xBF58476D1CE4E5B9) ^ ports
     return out
@@ -663,73 +544,67 @@ def tcp_owners(rows: np.ndarray) -> np.ndarray:
     return pid
 
 
-def _families(family: np.ndarray) -> pa.DictionaryArray:
-    codes = FAMILY_CODES[family]
-    indices = pa.array(codes, mask=codes < 0)
-    return pa.DictionaryArray.from_arrays(indices, pa.array(FAMILY_NAMES, pa.string()))
-
-
 def tcp_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     known = known if known is not None else Ranks.of([rec])
-    rows = _ring(rec, "tcp")
-    _, cols = _header(rec, rows)
+    rows = ring_rows(rec, "tcp")
+    _, cols = header(rec, rows)
     pid = tcp_owners(rows)
     retransmit = rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB
     change = rows["event"] == TcpEvent.INET_SOCK_SET_STATE
     cols["event"] = _coded(rows["event"], "tcp_event")
-    cols["pid"] = _maybe_null(pid, pid == 0)
-    cols["world_rank"] = _by_pid(pid, known.world_of(rec.host))
-    cols["tid"] = _maybe_null(rows["tid"].astype(np.int64), rows["tid"] == 0)
-    cols["saddr"] = _addresses(rows["family"], rows["saddr"])
-    cols["daddr"] = _addresses(rows["family"], rows["daddr"])
+    cols["pid"] = maybe_null(pid, pid == 0)
+    cols["world_rank"] = by_pid(pid, known.world_of(rec.host))
+    cols["tid"] = maybe_null(rows["tid"].astype(np.int64), rows["tid"] == 0)
+    cols["saddr"] = address_column(rows["family"], rows["saddr"])
+    cols["daddr"] = address_column(rows["family"], rows["daddr"])
     cols["sport"] = pa.array(rows["sport"].astype(np.int32))
     cols["dport"] = pa.array(rows["dport"].astype(np.int32))
-    cols["family"] = _families(rows["family"])
+    cols["family"] = families(rows["family"])
     cols["state"] = _coded(rows["state"], "tcp_state", rows["state"] <= 0)
     cols["newstate"] = _coded(rows["newstate"], "tcp_state", ~change | (rows["newstate"] <= 0))
-    cols["skaddr"] = _hex(rows["skaddr"])
+    cols["skaddr"] = hex_ids(rows["skaddr"])
     # the connection as the kernel had it at a retransmit (NULL: not read)
     unknown = ~retransmit | (rows["conn_known"] == 0)
-    cols["backoff"] = _maybe_null(rows["backoff"].astype(np.int32), unknown)
-    cols["no_ack_ns"] = _maybe_null(rows["no_ack_ns"].astype(np.int64), unknown)
-    cols["srtt_us"] = _maybe_null(rows["srtt_us"].astype(np.int64), unknown)
-    cols["rto_us"] = _maybe_null(rows["rto_us"].astype(np.int64), unknown | (rows["rto_us"] == 0))
-    cols["unacked_bytes"] = _maybe_null(rows["unacked"].astype(np.int64), unknown)
-    cols["packets_out"] = _maybe_null(rows["packets_out"].astype(np.int64), unknown)
-    cols["retrans_out"] = _maybe_null(rows["retrans_out"].astype(np.int64), unknown)
-    cols["send_error"] = _maybe_null(rows["err"].astype(np.int32), ~retransmit)
+    cols["backoff"] = maybe_null(rows["backoff"].astype(np.int32), unknown)
+    cols["no_ack_ns"] = maybe_null(rows["no_ack_ns"].astype(np.int64), unknown)
+    cols["srtt_us"] = maybe_null(rows["srtt_us"].astype(np.int64), unknown)
+    cols["rto_us"] = maybe_null(rows["rto_us"].astype(np.int64), unknown | (rows["rto_us"] == 0))
+    cols["unacked_bytes"] = maybe_null(rows["unacked"].astype(np.int64), unknown)
+    cols["packets_out"] = maybe_null(rows["packets_out"].astype(np.int64), unknown)
+    cols["retrans_out"] = maybe_null(rows["retrans_out"].astype(np.int64), unknown)
+    cols["send_error"] = maybe_null(rows["err"].astype(np.int32), ~retransmit)
     cols["sampled"] = pa.array(rows["other"] == 1)
     reset_sent = rows["event"] == TcpEvent.TCP_SEND_RESET
-    cols["reset_reason"] = _maybe_null(rows["reason"].astype(np.int32), ~reset_sent)
+    cols["reset_reason"] = maybe_null(rows["reason"].astype(np.int32), ~reset_sent)
     return cols
 
 
 def sched_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     known = known if known is not None else Ranks.of([rec])
-    rows = _ring(rec, "sched")
-    _, cols = _header(rec, rows)
-    cols["pid"] = _pids(rows["pid"])
-    cols["world_rank"] = _by_pid(rows["pid"], known.world_of(rec.host))
-    cols["tid"] = _i64(rows["tid"])
-    cols["delay_ns"] = _i64(rows["delay_ns"])
+    rows = ring_rows(rec, "sched")
+    _, cols = header(rec, rows)
+    cols["pid"] = pids(rows["pid"])
+    cols["world_rank"] = by_pid(rows["pid"], known.world_of(rec.host))
+    cols["tid"] = i64(rows["tid"])
+    cols["delay_ns"] = i64(rows["delay_ns"])
     cols["cpu"] = pa.array(rows["cpu"].astype(np.int32))
     holder = rows["prev_pid"].astype(np.int64)  # 0 is the idle task: a real holder
-    cols["prev_pid"] = _maybe_null(holder, rows["prev_pid"] == PREV_PID_UNKNOWN)
+    cols["prev_pid"] = maybe_null(holder, rows["prev_pid"] == PREV_PID_UNKNOWN)
     return cols
 
 
 def exit_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     known = known if known is not None else Ranks.of([rec])
-    rows = _ring(rec, "exit")
-    _, cols = _header(rec, rows)
-    cols["pid"] = _pids(rows["pid"])
-    cols["world_rank"] = _by_pid(rows["pid"], known.world_of(rec.host))
-    cols["tid"] = _i64(rows["tid"])
+    rows = ring_rows(rec, "exit")
+    _, cols = header(rec, rows)
+    cols["pid"] = pids(rows["pid"])
+    cols["world_rank"] = by_pid(rows["pid"], known.world_of(rec.host))
+    cols["tid"] = i64(rows["tid"])
     cols["event"] = _coded(rows["event"], "exit_event")
     code = rows["code"].astype(np.int32)
-    cols["code"] = _maybe_null(code, rows["event"] != ExitEvent.EXIT_GROUP)
+    cols["code"] = maybe_null(code, rows["event"] != ExitEvent.EXIT_GROUP)
     signal = rows["signal"].astype(np.int32)
-    cols["signal"] = _maybe_null(signal, signal <= 0)
+    cols["signal"] = maybe_null(signal, signal <= 0)
     return cols
 
 
@@ -747,33 +622,21 @@ def _link_names(rec: Recording, ids: np.ndarray) -> pa.DictionaryArray:
     return pa.DictionaryArray.from_arrays(indices, names)
 
 
-def _flag(values: np.ndarray) -> pa.Array:
-    """A u8 flag as a boolean, NULL where unknown."""
-    return pa.array(values == 1, mask=values == UNKNOWN_U8)
-
-
-def _counter(values: np.ndarray, unknown: int) -> pa.Array:
-    """A counter as int64, NULL where unknown (past int64: never a real count)."""
-    values = values.astype(np.uint64, copy=False)
-    null = (values == np.uint64(unknown)) | (values > np.uint64(2**63 - 1))
-    return _maybe_null(values.astype(np.int64), null)
-
-
 def link_event_columns(rec: Recording, known: Ranks | None = None) -> Columns:
-    rows = _ring(rec, "link")
-    _, cols = _header(rec, rows)
+    rows = ring_rows(rec, "link")
+    _, cols = header(rec, rows)
     cols["after_ns"] = on_clock(rec, rows["after_ns"])
     cols["interface"] = _link_names(rec, rows["link"])
     cols["kind"] = _coded(rows["link_kind"], "link_kind")
     cols["event"] = _coded(rows["event"], "link_event")
-    cols["carrier"] = _flag(rows["carrier"])
-    cols["admin_up"] = _flag(rows["admin_up"])
+    cols["carrier"] = flag(rows["carrier"])
+    cols["admin_up"] = flag(rows["admin_up"])
     for name in ("operstate", "port_state", "phys_state"):
         cols[name] = _coded(rows[name], name, rows[name] == UNKNOWN_U8)
     for name in ("carrier_changes", "carrier_up_count", "carrier_down_count"):
-        cols[name] = _counter(rows[name], UNKNOWN_U32)
+        cols[name] = counter(rows[name], UNKNOWN_U32)
     for name in LINK_COUNTERS:
-        cols[name] = _counter(rows[name], UNKNOWN_U64)
+        cols[name] = counter(rows[name], UNKNOWN_U64)
     return cols
 
 
@@ -781,10 +644,10 @@ def link_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     known = known if known is not None else Ranks.of([rec])
     links = rec.links
     world = known.world_of(rec.host)
-    first = _on_clock_list(rec, [li.first_ns for li in links])
-    gone = _on_clock_list(rec, [li.gone_ns for li in links])
+    first = on_clock_list(rec, [li.first_ns for li in links])
+    gone = on_clock_list(rec, [li.gone_ns for li in links])
     return {
-        "host": _host(rec.host, len(links)),
+        "host": host_column(rec.host, len(links)),
         "interface": pa.array([li.name for li in links], pa.string()),
         "kind": pa.array([li.kind for li in links], pa.string()),
         "device": pa.array([li.device for li in links], pa.string()),
@@ -803,19 +666,19 @@ def link_columns(rec: Recording, known: Ranks | None = None) -> Columns:
         ),
         "first_seen_ns": first,
         "gone_ns": gone,
-        "first_seen_time": _wall(first),
-        "gone_time": _wall(gone),
+        "first_seen_time": wall(first),
+        "gone_time": wall(gone),
     }
 
 
 def process_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     known = known if known is not None else Ranks.of([rec])
     procs = rec.processes
-    start = _on_clock_list(rec, [p.start_ns for p in procs])
-    exit_ns = _on_clock_list(rec, [p.exit_ns for p in procs])
+    start = on_clock_list(rec, [p.start_ns for p in procs])
+    exit_ns = on_clock_list(rec, [p.exit_ns for p in procs])
     world = known.world_of(rec.host)
     return {
-        "host": _host(rec.host, len(procs)),
+        "host": host_column(rec.host, len(procs)),
         "pid": pa.array([p.pid or None for p in procs], pa.int64()),
         "world_rank": pa.array([world.get(p.pid) for p in procs], pa.int32()),
         "comm": pa.array([p.comm or None for p in procs], pa.string()),
@@ -826,8 +689,8 @@ def process_columns(rec: Recording, known: Ranks | None = None) -> Columns:
         "exit_code": pa.array([p.exit_code for p in procs], pa.int32()),
         "exit_signal": pa.array([p.exit_signal for p in procs], pa.int32()),
         "libs": pa.array([list(p.libs) for p in procs], pa.list_(pa.string())),
-        "start_time": _wall(start),
-        "exit_time": _wall(exit_ns),
+        "start_time": wall(start),
+        "exit_time": wall(exit_ns),
     }
 
 
@@ -840,20 +703,20 @@ def communicator_columns(rec: Recording, known: Ranks | None = None) -> Columns:
         zip(*(_comm_rank(rec, c, known) for c in comms), strict=True) if comms else ((), ())
     )
     return {
-        "host": _host(rec.host, len(comms)),
+        "host": host_column(rec.host, len(comms)),
         "pid": pa.array([c.pid or None for c in comms], pa.int64()),
         "world_rank": pa.array([world.get(c.pid) for c in comms], pa.int32()),
         "process": pa.array([comm_of.get(c.pid) or None for c in comms], pa.string()),
-        "comm": _hex(np.array([c.comm for c in comms], np.uint64)),
-        "comm_id_hash": _hex(np.array([c.comm_hash for c in comms], np.uint64)),
+        "comm": hex_ids(np.array([c.comm for c in comms], np.uint64)),
+        "comm_id_hash": hex_ids(np.array([c.comm_hash for c in comms], np.uint64)),
         "rank": pa.array([r if r >= 0 else None for r in rank], pa.int32()),
         "nranks": pa.array([n if n >= 0 else None for n in nranks], pa.int32()),
-        "parent_hash": _hex(np.array([c.parent_hash for c in comms], np.uint64)),
+        "parent_hash": hex_ids(np.array([c.parent_hash for c in comms], np.uint64)),
         "color": pa.array([c.color if c.color >= 0 else None for c in comms], pa.int32()),
         "key": pa.array([c.key if c.key >= 0 else None for c in comms], pa.int32()),
         "root_addr": pa.array([c.root_addr or None for c in comms], pa.string()),
-        "init_ns": _on_clock_list(rec, [c.init_ns for c in comms]),
-        "destroy_ns": _on_clock_list(rec, [c.destroy_ns for c in comms]),
+        "init_ns": on_clock_list(rec, [c.init_ns for c in comms]),
+        "destroy_ns": on_clock_list(rec, [c.destroy_ns for c in comms]),
     }
 
 
@@ -929,7 +792,7 @@ def _call_row(rec: Recording, pid: int, call: NcclCall | None, known: Ranks) -> 
         "nranks": nranks if nranks >= 0 else None,
         "count": call.count if read else None,
         "datatype": datatype_name(call.datatype) if read else None,
-        "redop": _lower_name(RedOp, "redop")(call.redop) if read and call.op in _REDUCING else None,
+        "redop": lower_name(RedOp, "redop")(call.redop) if read and call.op in _REDUCING else None,
         "root": call.root if read and call.root >= 0 else None,
     }
 
@@ -944,14 +807,14 @@ def thread_state_columns(rec: Recording, known: Ranks | None = None) -> Columns:
         for p in snap.processes:
             for t in p.threads or (None,):
                 rows.append({"snapshot": i, "reason": snap.reason} | _thread_row(rec, p, t, known))
-    cols: Columns = {"host": _host(rec.host, len(rows))}
+    cols: Columns = {"host": host_column(rec.host, len(rows))}
     for name, kind in _THREAD_COLUMNS.items():
         cols[name] = pa.array([r.get(name) for r in rows], kind)
     for name in ("comm", "comm_id_hash"):  # ids as every table writes them
-        cols[name] = _hex(np.array([r.get(name) or 0 for r in rows], np.uint64))
+        cols[name] = hex_ids(np.array([r.get(name) or 0 for r in rows], np.uint64))
     ts = np.array([r["host_timestamp_ns"] for r in rows], dtype=np.int64)
     cols["timestamp_ns"] = on_clock(rec, ts, np.zeros(len(ts), dtype=bool))
-    cols["wall_time"] = _wall(cols["timestamp_ns"])
+    cols["wall_time"] = wall(cols["timestamp_ns"])
     return cols
 
 
@@ -965,6 +828,9 @@ BUILDERS: dict[str, Builder] = {
     "sched_events": sched_columns,
     "exit_events": exit_columns,
     "link_events": link_event_columns,
+    "conn_samples": conn_sample_columns,
+    "iface_samples": iface_sample_columns,
+    "probes": probe_columns,
     "processes": process_columns,
     "communicators": communicator_columns,
     "links": link_columns,

@@ -39,8 +39,8 @@ from .options import (
 
 QUERY_EPILOG = """\
 tables: nccl_events, comm_events, tcp_events, sched_events, exit_events,
-        link_events, processes, communicators, links, thread_states,
-        cuda_graphs (each with a host column;
+        link_events, conn_samples, iface_samples, probes, processes,
+        communicators, links, thread_states, cuda_graphs (each with a host column;
         every time of every host is on one clock, the incident's: timestamp_ns,
         end_ns, ... are ns since the epoch, each host's monotonic stamps
         converted with its own clock pair, so hosts join on time;

@@ -129,10 +129,23 @@ def _old_ring(doc: dict[str, object], rec: Recording, name: str, dtype: np.dtype
     return old
 
 
+NET_RINGS = ("conn_samples", "iface_samples", "probes")
+
+
+def _as_version_8(rec: Recording) -> dict[str, object]:
+    """``rec``'s document as versions 7 and 8 wrote it: no network rings."""
+    doc = _doc(rec)
+    for name in NET_RINGS:
+        del doc["rings"][name]  # type: ignore[attr-defined]
+    doc["version"] = 8
+    _reseal(doc)
+    return doc
+
+
 def _as_version_6(rec: Recording) -> dict[str, object]:
     """``rec``'s document as versions 1 to 6 wrote it: TCP rows without the
     connection's state, no link ring, no links."""
-    doc = _doc(rec)
+    doc = _as_version_8(rec)
     _old_ring(doc, rec, "tcp", TCP_EVENT_V6)
     del doc["links"]
     del doc["rings"]["link"]  # type: ignore[attr-defined]
@@ -407,6 +420,22 @@ def test_versions_before_7_are_read_without_links_and_refuse_a_link_ring() -> No
         _decode_doc(doc)
 
 
+def test_versions_before_9_are_read_without_network_rings_and_refuse_one() -> None:
+    rec = sample_recording()
+    assert all(len(rec.rings[name].rows) for name in NET_RINGS)
+    back = _decode_doc(_as_version_8(rec))
+    assert not set(NET_RINGS) & set(back.rings) and back.format_version == 8
+    assert len(back.rings["link"].rows) == len(rec.rings["link"].rows)
+    for name in NET_RINGS:
+        doc = _as_version_8(rec)
+        doc["rings"][name] = _doc(rec)["rings"][name]  # type: ignore[index]
+        _reseal(doc)
+        with pytest.raises(
+            DumpFormatError, match=rf"rings\.{name}: no such ring in format version 8"
+        ):
+            _decode_doc(doc)
+
+
 def test_trailing_bytes_and_truncation_are_refused() -> None:
     data = fmt.encode(sample_recording())
     with pytest.raises(DumpFormatError, match="x: document: 3 unexpected bytes after"):
@@ -505,14 +534,14 @@ def test_interrupted_encoding_cleans_the_temporary_file(
 
 @pytest.mark.bpf
 def test_disk_full_and_read_only_on_a_real_tmpfs(tmp_path: Path) -> None:
-    rec = sample_recording(20_000)  # about 2.3 MB
+    rec = sample_recording(20_000)  # about 11 MB
     with tmpfs(tmp_path / "mnt", "1m") as mnt:
         with pytest.raises(DumpWriteError) as err:
             fmt.write_dump(mnt, rec)
         assert str(err.value).startswith(f"{mnt}/node-1-inc-1-")
         assert str(err.value).endswith("cannot write dump: No space left on device")
         assert _files(mnt) == []
-        remount(mnt, "size=8m")
+        remount(mnt, "size=16m")
         remount(mnt, "ro")
         with pytest.raises(DumpWriteError, match="cannot write dump: Read-only file system"):
             fmt.write_dump(mnt, rec)

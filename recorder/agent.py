@@ -40,10 +40,10 @@ from stallwatch.dumpers.model import Recording, Ring, Trigger, TriggerKind
 from stallwatch.dumpers.schema import CUDA_SYMBOLS, NCCL_SYMBOLS
 from stallwatch.query.tls import ClientTls, ServerTls
 
-from . import discovery, sockets
+from . import discovery
 from .hostclock import boot_id, sample_clock
 from .links import LinkConfig, LinkSampler
-from .netlink import NetlinkError
+from .netsamples import NetSampleConfig, NetSampler
 from .peers import PeerList, PeerSource, peer_notifier
 from .pinning import PinSet
 from .positions import PositionKeeper, reading_summary
@@ -72,7 +72,6 @@ log = logging.getLogger("stallwatch.record")
 QUIET_NS = 10_000_000_000
 PIN_CHECK_S = 1.0  # the pinned recording's folder is looked at this often
 DUMP_RETRY_S = 5.0
-ENDPOINTS_S = 5.0  # the job's TCP endpoints are read again this often
 PEER_TIMEOUT_S = 3.0  # a peer answers once its dump is written
 
 
@@ -106,6 +105,7 @@ class AgentConfig:
     keep_pinned: bool = False  # stopped, leave the pins (a service); else remove them
     bpf_cache: Path | None = None  # compiled programs kept there (recorder.compiled)
     links: LinkConfig = field(default_factory=LinkConfig)  # the link sampler (recorder.links)
+    netsamples: NetSampleConfig = field(default_factory=NetSampleConfig)  # recorder.netsamples
     slowdown: SlowdownConfig = field(default_factory=SlowdownConfig)  # recorder.slowdown
     # the verdict of each incident it detects, gathered from every node's dump
     # (recorder.verdicts; None: not published) and posted to --notify
@@ -156,8 +156,6 @@ class Agent:
         self.libraries: dict[discovery.LibraryId, AttachedLibrary] = {}
         self.scope = Scope(config.scope, self.classify, netns=netns, job=config.job)
         self._heads = {"comm": -1, "exit": -1}
-        self._endpoints_due = 0.0  # when the job's TCP endpoints are read again
-        self._socket_reader = sockets.SocketReader()  # one sock_diag socket per namespace
         self._lock = threading.RLock()
         self._libcs: set[discovery.LibraryId] = set()
         self.incidents = self._make_incidents()
@@ -169,6 +167,7 @@ class Agent:
             lambda: sorted(self.scope.inside), int(config.stall_timeout_s * 1e9)
         )
         self.links = LinkSampler(config.links)
+        self.netsamples = NetSampler(config.netsamples)
         # the NCCL rows already in a ring adopted from an earlier agent teach
         # the slowdown trigger each communicator's rhythm at once
         self.slowdown = SlowdownWatch(config.slowdown)
@@ -291,7 +290,7 @@ class Agent:
         if not inside:  # what it made before it was excluded: not this node's to watch
             self.source.forget_process(pid, keep_scope=True)
         if inside:
-            self._endpoints_due = 0.0  # its sockets join the TCP filter at the next tick
+            self.netsamples.place()  # its sockets join the TCP filter at the next tick
             self.procs.add(info)
             if not self.read_only:
                 self._attach_exit_probe(pid)
@@ -414,7 +413,8 @@ class Agent:
         """Update the tables from the small rings and maps; the watchdog's input."""
         with self._lock:
             self.links.tick(self.procs.alive)
-            self._sync_endpoints()
+            if not self.read_only:  # the job's sockets for the TCP filter, and their samples
+                self.netsamples.tick(lambda: self.scope.inside, self.source.set_job_sockets)
             comm_rows = self._new_rows("comm", self.comms.done, again=self.comms.pending)
             if comm_rows is not None:
                 self.comms.apply_rows(self.scope.rows(comm_rows))
@@ -432,17 +432,6 @@ class Agent:
             state = self._tick_state(progress, now, self._slowdowns(now))
             self._maps_busy = bool(raw) or bool(state.inflight)
             return state
-
-    def _sync_endpoints(self) -> None:
-        """The listeners and connections of the processes in scope, for the
-        kernel's TCP filter: at once when one was placed, else every ENDPOINTS_S."""
-        if self.read_only:
-            return
-        now = time.monotonic()
-        if now < self._endpoints_due:
-            return
-        self._endpoints_due = now + ENDPOINTS_S
-        self.source.set_job_sockets(self._socket_reader.job_sockets(self.scope.inside))
 
     def _forget_ended(self, progress: list[CommProgress], now: int) -> None:
         """Processes ended more than QUIET_NS ago leave the kernel's maps
@@ -529,12 +518,14 @@ class Agent:
         with self._lock:
             rings = self._rings()
             rings["link"] = self.links.copy()
+            rings.update(self.netsamples.copy())
             if dump:  # who uses which link now (queries: as last read)
                 self.links.refresh_users(self.procs.alive())
             if dump and "tcp" in rings and not self.read_only:
-                rings["tcp"] = self._with_connection_states(rings["tcp"])
+                rings["tcp"] = self.netsamples.with_states(rings["tcp"], self.scope.inside)
             counters = {**self.source.kernel_counters(), **self.counters.values}
             counters["link_read_failures"] = self.links.errors
+            counters["netsample_read_failures"] = self.netsamples.errors
             counters.update(self.incidents.counters())
             for name, ring in rings.items():
                 counters[f"ring_{name}_overwritten"] = ring.overwritten
@@ -556,19 +547,6 @@ class Agent:
                 snapshots=snapshots,
                 links=self.links.table(keep=lambda pid: self.procs.get(pid) is not None),
             )
-
-    def _with_connection_states(self, ring: Ring) -> Ring:
-        """The TCP ring with each job connection's state as the kernel has
-        it now (``tcp_info`` rows): whether it was still unacknowledged at
-        the dump, told by the kernel, not from which retransmits the ring
-        kept.  A failed read leaves the ring as it is."""
-        try:
-            states = self._socket_reader.connection_states(self.scope.inside)
-        except (OSError, NetlinkError) as exc:
-            self.counters.add("tcp_info_read_failures")
-            log.warning("reading the job's connections for the dump: %s", exc)
-            return ring
-        return sockets.with_states(ring, states, time.monotonic_ns())
 
     def _rings(self) -> dict[str, Ring]:
         out = {}
@@ -680,7 +658,11 @@ class Agent:
                 held=min(head, buf.capacity),
                 capacity=buf.capacity,
             )
-            for name, buf in {**self.source.rings(), "link": self.links.writer.buffer}.items()
+            for name, buf in {
+                **self.source.rings(),
+                "link": self.links.writer.buffer,
+                **self.netsamples.buffers(),
+            }.items()
         )
         incidents = self.incidents.counters()
         return AgentStats(
@@ -752,5 +734,5 @@ class Agent:
 
     def close(self) -> None:
         self.links.close()
-        self._socket_reader.close()
+        self.netsamples.close()
         self.source.close()

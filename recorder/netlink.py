@@ -33,6 +33,7 @@ import struct
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TypeGuard
 
 NETLINK_ROUTE, NETLINK_SOCK_DIAG = 0, 4
 SOCK_DIAG_BY_FAMILY = 20
@@ -40,7 +41,11 @@ SOCK_DIAG_BY_FAMILY = 20
 TCP_CARRYING = sum(1 << s for s in (1, 2, 3, 4, 5, 8, 9, 11))
 RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK = 16, 17, 18
 RTM_NEWADDR, RTM_DELADDR, RTM_GETADDR = 20, 21, 22
-NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
+RTM_NEWQDISC, RTM_GETQDISC = 36, 38
+TC_H_ROOT = 0xFFFFFFFF
+TCA_KIND, TCA_STATS, TCA_STATS2 = 1, 3, 7
+TCA_STATS_BASIC, TCA_STATS_QUEUE = 1, 3
+NLM_F_REQUEST, NLM_F_ACK, NLM_F_ECHO, NLM_F_DUMP = 0x1, 0x4, 0x8, 0x300
 NLMSG_ERROR, NLMSG_DONE = 2, 3
 # multicast groups (RTMGRP_*): links, IPv4 and IPv6 addresses
 GROUPS = 0x1 | 0x10 | 0x100
@@ -57,6 +62,15 @@ _IFINFOMSG = struct.Struct("=BxHiII")  # family, type, index, flags, change
 _IFADDRMSG = struct.Struct("=BBBBi")  # family, prefixlen, flags, scope, index
 _RTATTR = struct.Struct("=HH")  # len, type
 _DIAG_REQ = struct.Struct("=BBBxI48x")  # inet_diag_req_v2: family, protocol, ext, states, id
+# inet_diag_req_v2 naming one socket: its id is sport, dport (big-endian),
+# src, dst, ifindex, and the cookie (INET_DIAG_NOCOOKIE: any)
+_DIAG_ONE = struct.Struct("=BBBxI2s2s16s16sIII")
+NOCOOKIE = 0xFFFFFFFF
+DIAG_BATCH = 64  # requests sent in one write: their answers fit the socket's buffer
+_TCMSG = struct.Struct("=BxxxiIII")  # family, ifindex, handle, parent, info
+_GNET_BASIC = struct.Struct("=QI")  # bytes, packets
+_GNET_QUEUE = struct.Struct("=IIIII")  # qlen, backlog, drops, requeues, overlimits
+_TC_STATS = struct.Struct("=QIIIIIII")  # bytes, packets, drops, overlimits, bps, pps, qlen, backlog
 # inet_diag_msg with the ports: family, state, sport, dport (big-endian), src, dst, inode
 _DIAG_PORTS = struct.Struct("=BBxx2s2s16s16s4x8x16xI")
 INET_DIAG_MSG_SIZE = 72  # sizeof(struct inet_diag_msg): its attributes follow
@@ -69,6 +83,10 @@ _TCPI_BYTES_ACKED, _TCPI_BYTES_SENT = struct.Struct("=Q"), struct.Struct("=QQ")
 _TCPI_BYTES_AT = (120, 200, 216)  # bytes_acked; bytes_sent and bytes_retrans; their end
 _U32 = struct.Struct("=I")
 RECV_BYTES = 1 << 16
+# an answer the kernel never gives must not hold the agent's loop: a wait
+# longer than this fails the read (a sock_diag dump of a namespace under a
+# neighbour's churn took 0.05 s; a million sockets would take seconds)
+ASK_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +261,92 @@ def parse_tcp_info(buf: bytes, start: int, end: int) -> TcpInfo | None:
     return TcpInfo(retransmits, rto, rtt, last_ack_recv, unacked, retrans, unacked_bytes)
 
 
+@dataclass(frozen=True, slots=True)
+class QdiscSample:
+    """A device's root qdisc and its statistics (``tc -s qdisc``'s numbers)."""
+
+    ifindex: int
+    kind: str  # noqueue, fq_codel, mq, tbf, htb...
+    handle: int
+    bytes: int  # sent
+    packets: int
+    drops: int
+    overlimits: int
+    requeues: int
+    backlog_bytes: int
+    backlog_packets: int
+
+
+def parse_qdisc(buf: bytes, start: int, end: int) -> QdiscSample | None:
+    """The qdisc of an ``RTM_NEWQDISC`` message (its payload is buf[start:end])."""
+    if end - start < _TCMSG.size:
+        return None
+    _, ifindex, handle, _, _ = _TCMSG.unpack_from(buf, start)
+    kind = ""
+    basic = queue = None
+    legacy: tuple[int, ...] | None = None
+    for attr, a, b in _attrs(buf, start + _TCMSG.size, end):
+        if attr == TCA_KIND:
+            kind = _text(buf, a, b)
+        elif attr == TCA_STATS and b - a >= _TC_STATS.size:
+            legacy = _TC_STATS.unpack_from(buf, a)
+        elif attr == TCA_STATS2:
+            for inner, x, y in _attrs(buf, a, b):
+                if inner == TCA_STATS_BASIC and y - x >= _GNET_BASIC.size:
+                    basic = _GNET_BASIC.unpack_from(buf, x)
+                elif inner == TCA_STATS_QUEUE and y - x >= _GNET_QUEUE.size:
+                    queue = _GNET_QUEUE.unpack_from(buf, x)
+    if basic is None or queue is None:
+        if legacy is None:
+            return None
+        sent, packets, drops, overlimits, _, _, qlen, backlog = legacy
+        basic, queue = (sent, packets), (qlen, backlog, drops, 0, overlimits)
+    qlen, backlog, drops, requeues, overlimits = queue
+    return QdiscSample(ifindex, kind, handle, basic[0], basic[1], drops, overlimits, requeues,
+                       backlog, qlen)  # fmt: skip
+
+
+def _ask_each(
+    sock: socket.socket, seq: int, requests: list[tuple[int, bytes]], buf: bytearray
+) -> dict[int, tuple[int, int, int, bytes] | int]:
+    """Requests that are not dumps, written at once (the kernel answers each
+    in turn): request i (its type and body) gets seq ``seq + i``.  Returns,
+    per i, its answer (type, payload start, end, buffer) or the errno the
+    kernel answered with.  Each is asked with NLM_F_ACK, so that each ends
+    with an acknowledgement even where the kernel has nothing to say (a
+    device's built-in qdisc); a qdisc with NLM_F_ECHO too: the kernel
+    answers a qdisc get as a notification, to the asker only if asked to."""
+    out: dict[int, tuple[int, int, int, bytes] | int] = {}
+    acked: set[int] = set()
+    packed = b"".join(
+        _NLMSGHDR.pack(_NLMSGHDR.size + len(body), kind, NLM_F_REQUEST | NLM_F_ACK
+                       | (NLM_F_ECHO if kind == RTM_GETQDISC else 0), seq + i, 0) + body
+        for i, (kind, body) in enumerate(requests)
+    )  # fmt: skip
+    try:
+        sock.send(packed)
+    except OSError as exc:
+        raise NetlinkError(exc.errno, f"netlink request: {exc.strerror}") from None
+    while len(acked) < len(requests):
+        try:
+            n = sock.recv_into(buf)
+        except OSError as exc:
+            raise NetlinkError(exc.errno, f"netlink answer: {exc.strerror or exc}") from None
+        got = bytes(memoryview(buf)[:n])
+        for msg, their_seq, a, b in _messages(got, n):
+            i = their_seq - seq
+            if not 0 <= i < len(requests):
+                continue  # an answer to an earlier request that was given up
+            if msg != NLMSG_ERROR:
+                out.setdefault(i, (msg, a, b, got))
+                continue
+            acked.add(i)
+            code = -struct.unpack_from("=i", got, a)[0]
+            if code:
+                out[i] = code
+    return out
+
+
 def _dump(
     sock: socket.socket, seq: int, kind: int, body: bytes, buf: bytearray
 ) -> Iterator[tuple[int, int, int, bytes]]:
@@ -280,6 +384,7 @@ class SockDiag:
             raise NetlinkError(exc.errno, f"sock_diag socket: {exc.strerror}") from None
         self._seq = 0
         self._buf = bytearray(RECV_BYTES)
+        self._sock.settimeout(ASK_TIMEOUT_S)
         self.close = weakref.finalize(self, _close, [self._sock])
 
     def tcp(
@@ -312,16 +417,104 @@ class SockDiag:
                                      int.from_bytes(dport, "big"), inode, tcpi))  # fmt: skip
         return out
 
+    def tcp_infos(self, conns: list[tuple[bytes, bytes, int, int, int]]) -> list[bytes | None]:
+        """Each connection's ``struct tcp_info`` as the kernel gives it (its
+        length says which fields this kernel has), asked socket by socket
+        (``(local address, remote address, local port, remote port,
+        family)``: the kernel looks each up in its hash, nothing is walked);
+        None for one it does not have (closed)."""
+        ext = 1 << (INET_DIAG_INFO - 1)
+        out: list[bytes | None] = []
+        for first in range(0, len(conns), DIAG_BATCH):
+            batch = conns[first : first + DIAG_BATCH]
+            requests = [
+                (SOCK_DIAG_BY_FAMILY, _DIAG_ONE.pack(
+                    family, socket.IPPROTO_TCP, ext, TCP_CARRYING, lport.to_bytes(2, "big"),
+                    rport.to_bytes(2, "big"), laddr, raddr, 0, NOCOOKIE, NOCOOKIE))
+                for laddr, raddr, lport, rport, family in batch
+            ]  # fmt: skip
+            answers = _ask_each(self._sock, self._seq + 1, requests, self._buf)
+            self._seq += len(requests)
+            for i in range(len(batch)):
+                answer = answers.get(i)
+                out.append(_info_of(answer) if isinstance(answer, tuple) else None)
+        return out
+
+
+def _info_of(answer: tuple[int, int, int, bytes]) -> bytes | None:
+    kind, a, b, buf = answer
+    if kind != SOCK_DIAG_BY_FAMILY:
+        return None
+    for attr, x, y in _attrs(buf, a + INET_DIAG_MSG_SIZE, b):
+        if attr == INET_DIAG_INFO:
+            return buf[x:y]
+    return None
+
+
+class RouteAsk:
+    """One rtnetlink socket of this network namespace that asks (and hears
+    nothing): links, addresses, a link and its root qdisc by index."""
+
+    def __init__(self) -> None:
+        try:
+            self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
+        except OSError as exc:
+            raise NetlinkError(exc.errno, f"rtnetlink socket: {exc.strerror}") from None
+        self._sock.bind((0, 0))
+        self._seq = 0
+        self._buf = bytearray(RECV_BYTES)
+        self._sock.settimeout(ASK_TIMEOUT_S)
+        self.close = weakref.finalize(self, _close, [self._sock])
+
+    def links(self) -> list[NetdevSample]:
+        out = []
+        for kind, a, b, buf in self._dump(RTM_GETLINK, _IFINFOMSG.pack(0, 0, 0, 0, 0)):
+            if kind == RTM_NEWLINK and (sample := parse_link(buf, a, b)) is not None:
+                out.append(sample)
+        return out
+
+    def addresses(self) -> dict[int, tuple[str, ...]]:
+        """ifindex -> its addresses, "address/prefix", IPv4 then IPv6."""
+        out: dict[int, list[str]] = {}
+        for kind, a, b, buf in self._dump(RTM_GETADDR, _IFADDRMSG.pack(0, 0, 0, 0, 0)):
+            if kind == RTM_NEWADDR and (found := parse_address(buf, a, b)) is not None:
+                out.setdefault(found[0], []).append(found[1])
+        return {k: tuple(v) for k, v in out.items()}
+
+    def link_and_qdisc(
+        self, ifindexes: list[int]
+    ) -> list[tuple[NetdevSample | None, QdiscSample | None]]:
+        """Each interface and its root qdisc, asked by index, all at once
+        (None: gone; a qdisc the kernel does not report, a device's built-in
+        noqueue or noop, is None too)."""
+        requests: list[tuple[int, bytes]] = []
+        for index in ifindexes:
+            requests.append((RTM_GETLINK, _IFINFOMSG.pack(0, 0, index, 0, 0)))
+            requests.append((RTM_GETQDISC, _TCMSG.pack(0, index, 0, TC_H_ROOT, 0)))
+        answers = _ask_each(self._sock, self._seq + 1, requests, self._buf)
+        self._seq += len(requests)
+        out = []
+        for i in range(len(ifindexes)):
+            link, qdisc = answers.get(2 * i), answers.get(2 * i + 1)
+            netdev = parse_link(*link[3:], *link[1:3]) if _is(link, RTM_NEWLINK) else None
+            root = parse_qdisc(*qdisc[3:], *qdisc[1:3]) if _is(qdisc, RTM_NEWQDISC) else None
+            out.append((netdev, root))
+        return out
+
+    def _dump(self, kind: int, body: bytes) -> Iterator[tuple[int, int, int, bytes]]:
+        self._seq += 1
+        return _dump(self._sock, self._seq, kind, body, self._buf)
+
+
+def _is(answer: object, kind: int) -> TypeGuard[tuple[int, int, int, bytes]]:
+    return isinstance(answer, tuple) and answer[0] == kind
+
 
 class Rtnl:
     """Two rtnetlink sockets of this network namespace: one asks, one hears."""
 
     def __init__(self) -> None:
-        try:
-            self._ask = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
-        except OSError as exc:
-            raise NetlinkError(exc.errno, f"rtnetlink socket: {exc.strerror}") from None
-        self._ask.bind((0, 0))
+        self._ask = RouteAsk()
         self._hear: socket.socket | None = None
         try:
             hear = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
@@ -330,7 +523,6 @@ class Rtnl:
             self._hear = hear
         except OSError:  # links are still read each sample, only later
             pass
-        self._seq = 0
         self._buf = bytearray(RECV_BYTES)
         # made now: a socket belongs to the namespace of the thread that makes it
         try:
@@ -342,8 +534,8 @@ class Rtnl:
         except NetlinkError:
             self._diag = None
         # closed with this object, whoever forgets to close it
-        socks = [self._ask, self._hear, self._ethtool]
-        self.close = weakref.finalize(self, _close_all, socks, self._diag)
+        socks = [self._hear, self._ethtool]
+        self.close = weakref.finalize(self, _close_all, socks, self._diag, self._ask)
 
     @property
     def fd(self) -> int | None:
@@ -362,23 +554,11 @@ class Rtnl:
         return out
 
     def links(self) -> list[NetdevSample]:
-        out = []
-        for kind, a, b, buf in self._dump(RTM_GETLINK, _IFINFOMSG.pack(0, 0, 0, 0, 0)):
-            if kind == RTM_NEWLINK and (sample := parse_link(buf, a, b)) is not None:
-                out.append(sample)
-        return out
+        return self._ask.links()
 
     def addresses(self) -> dict[int, tuple[str, ...]]:
         """ifindex -> its addresses, "address/prefix", IPv4 then IPv6."""
-        out: dict[int, list[str]] = {}
-        for kind, a, b, buf in self._dump(RTM_GETADDR, _IFADDRMSG.pack(0, 0, 0, 0, 0)):
-            if kind == RTM_NEWADDR and (found := parse_address(buf, a, b)) is not None:
-                out.setdefault(found[0], []).append(found[1])
-        return {k: tuple(v) for k, v in out.items()}
-
-    def _dump(self, kind: int, body: bytes) -> Iterator[tuple[int, int, int, bytes]]:
-        self._seq += 1
-        return _dump(self._ask, self._seq, kind, body, self._buf)
+        return self._ask.addresses()
 
     def heard(self) -> Heard:
         """Everything the listening socket holds, without waiting."""
@@ -424,8 +604,9 @@ class Rtnl:
         return None if speed in (0, 0xFFFF, 0xFFFFFFFF) else speed
 
 
-def _close_all(sockets: list[socket.socket | None], diag: SockDiag | None) -> None:
+def _close_all(sockets: list[socket.socket | None], diag: SockDiag | None, ask: RouteAsk) -> None:
     _close(sockets)
+    ask.close()
     if diag is not None:
         diag.close()
 

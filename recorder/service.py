@@ -57,6 +57,12 @@ def run_agent(config: AgentConfig) -> int:
     )
     agent = Agent(config, source)
     log.info("link ring: %d slots, %.1f MiB", config.links.slots, agent.links.memory_bytes / 2**20)
+    log.info(
+        "network sample rings: %d and %d slots, %.1f MiB",
+        config.netsamples.conn_slots,
+        config.netsamples.iface_slots,
+        agent.netsamples.memory_bytes / 2**20,
+    )
     agent.serving(_port(config.listen))  # from the start: clients that wait for it too
     stop = Stop()
     server = token_file = None

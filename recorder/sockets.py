@@ -75,6 +75,8 @@ class JobSockets:
 
     listeners: dict[Endpoint, int] = field(default_factory=dict)
     connections: dict[Connection, int] = field(default_factory=dict)
+    # the namespace each connection is in (bookkeeping: not what the filter is given)
+    netns: dict[Connection, int] = field(default_factory=dict, compare=False)
 
 
 def socket_inodes(pid: int) -> set[int]:
@@ -284,6 +286,25 @@ class SocketReader:
                     out.listeners.setdefault(endpoint, pid)
                 for conn in conns:
                     out.connections.setdefault(conn, pid)
+                    out.netns.setdefault(conn, ns)
+        return out
+
+    def tcp_infos(self, conns: dict[int, list[Connection]]) -> dict[Connection, bytes]:
+        """The ``struct tcp_info`` of each connection (by namespace, as
+        ``JobSockets.netns`` says), asked socket by socket; a connection
+        closed since, or of a namespace sock_diag cannot be asked in, is
+        left out."""
+        out: dict[Connection, bytes] = {}
+        for ns, wanted in conns.items():
+            diag = self._diag.get(ns)
+            if diag is None:
+                continue
+            try:
+                infos = diag.tcp_infos(wanted)
+            except NetlinkError as exc:
+                log.warning("sock_diag: tcp_info of the job's connections: %s", exc)
+                continue
+            out.update((c, info) for c, info in zip(wanted, infos, strict=True) if info)
         return out
 
     def connection_states(self, pids: Iterable[int]) -> list[tuple[int, TcpSocket]]:

@@ -164,7 +164,8 @@ def test_metrics_of_a_live_agent(bpf_agent: Agent) -> None:
         after = _scrape(handle.address)
     finally:
         handle.close()
-    kinds = {(("kind", k),) for k in ("nccl", "comm", "tcp", "sched", "exit", "link")}
+    kinds = {(("kind", k),) for k in ("nccl", "comm", "tcp", "sched", "exit", "link",
+                                       "conn_samples", "iface_samples")}  # fmt: skip
     for name in (
         "stallwatch_events_recorded_total",
         "stallwatch_events_lost_total",

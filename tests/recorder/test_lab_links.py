@@ -1,17 +1,21 @@
 """The link ring on the lab: a node's link goes down mid-run (``linkdown``: its
 switch port set down, its eth0 loses carrier) and comes back; its agent's
 dump holds the carrier-down and carrier-up rows, timed inside the outage,
-with eth0 mapped to that node's ranks.  One run, judged by several
-assertions (the dumps, their SQL, the other node's quiet link)."""
+with eth0 mapped to that node's ranks.  The same run's dumps hold every job
+connection's tcp_info and eth0's counters each second (recorder.netsamples),
+the outage in them.  One run, judged by several assertions (the dumps,
+their SQL, the other node's quiet link)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from stallwatch.dumpers.format import read_dump
@@ -37,22 +41,37 @@ def _lab_run(folder: Path) -> dict[str, Any]:
     return result
 
 
+@dataclass(frozen=True)
+class LinkRun:
+    result: dict[str, Any]
+    recs: dict[int, Recording]
+    start: int  # the outage, node 1's monotonic clock (the machine's)
+    end: int
+    pids: dict[int, set[int]]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> LinkRun:
+    folder = tmp_path_factory.mktemp("linkdown")
+    result = _lab_run(folder)
+    fault = next(f for f in result["faults"] if f["spec"] == SPEC)
+    assert fault["injected"], fault
+    # the end of the run's (an incident the agents raised meanwhile is another one)
+    dumps = {int(p.parent.name.removeprefix("node")): p for p in end_dumps(folder)}
+    assert set(dumps) == {0, 1}, result["dumps"]
+    recs = {n: read_dump(p) for n, p in dumps.items()}
+    pids = {n: {r["pid"] for r in result["ranks"] if r["node"] == n} for n in (0, 1)}
+    return LinkRun(result, recs, fault["injected_ns"], fault["ended_ns"], pids)
+
+
 def _eth0_rows(rec: Recording) -> Any:
     (eth0,) = [li for li in rec.links if li.name == "eth0" and not li.gone_ns]
     rows = rec.rings["link"].rows
     return eth0, rows[rows["link"] == eth0.id]
 
 
-def test_a_nodes_link_down_and_up_are_in_its_dump_with_its_ranks(tmp_path: Path) -> None:
-    result = _lab_run(tmp_path)
-    fault = next(f for f in result["faults"] if f["spec"] == SPEC)
-    assert fault["injected"], fault
-    start, end = fault["injected_ns"], fault["ended_ns"]
-    # the end of the run's (an incident the agents raised meanwhile is another one)
-    dumps = {int(p.parent.name.removeprefix("node")): p for p in end_dumps(tmp_path)}
-    assert set(dumps) == {0, 1}, result["dumps"]
-    recs = {n: read_dump(p) for n, p in dumps.items()}
-    pids = {n: {r["pid"] for r in result["ranks"] if r["node"] == n} for n in (0, 1)}
+def test_a_nodes_link_down_and_up_are_in_its_dump_with_its_ranks(run: LinkRun) -> None:
+    recs, pids, start, end = run.recs, run.pids, run.start, run.end
 
     eth0, rows = _eth0_rows(recs[1])
     events = [LinkEvent(e) for e in rows["event"].tolist()]
@@ -83,3 +102,48 @@ def test_a_nodes_link_down_and_up_are_in_its_dump_with_its_ranks(tmp_path: Path)
         (recs[1].host, "carrier_down", [2, 3]),
         (recs[1].host, "carrier_up", [2, 3]),
     ]
+
+
+def test_every_job_connection_and_eth0_are_sampled_each_second_the_outage_in_them(
+    run: LinkRun,
+) -> None:
+    """Each rank connection's tcp_info about every second, its owner known;
+    node 1's connections to node 0 acknowledged nothing during the outage
+    (and backed off); eth0 of each node sampled beside them, its counters
+    only growing; the tables say the same."""
+    for n, rec in run.recs.items():
+        rows = rec.rings["conn_samples"].rows
+        assert len(rows) and set(rows["pid"].tolist()) == run.pids[n], (n, set(rows["pid"]))
+        ends = {(bytes(r["saddr"]), int(r["sport"]), bytes(r["daddr"]), int(r["dport"]))
+                for r in rows}  # fmt: skip
+        lasting = 0  # the mesh's connections (the bootstrap's come and go)
+        for key in ends:
+            mine = rows[(rows["sport"] == key[1]) & (rows["dport"] == key[3])]
+            if len(mine) < 3:
+                continue
+            gaps = np.diff(mine["ts_ns"].astype(np.int64)) / 1e9
+            assert 0.8 < float(np.median(gaps)) < 1.5, (n, key, gaps)
+            lasting += len(mine) >= 5
+        assert lasting >= 2 * 3, (n, lasting)  # each rank: its 3 peers' connections at least
+        eth0 = rec.rings["iface_samples"].rows
+        eth0 = eth0[[bytes(x).rstrip(b"\0") == b"eth0" for x in eth0["name"]]]
+        assert len(eth0) >= 5 and (np.diff(eth0["tx_bytes"].astype(np.int64)) >= 0).all()
+
+    node0 = {bytes(r["saddr"]) for r in run.recs[0].rings["conn_samples"].rows}
+    rows = run.recs[1].rings["conn_samples"].rows
+    across = rows[[bytes(a) in node0 for a in rows["daddr"]]]
+    inside = across[(across["ts_ns"] > run.start + 1_000_000_000) & (across["ts_ns"] < run.end)]
+    assert len(inside), "no sample of node 1's connections to node 0 inside the outage"
+    stalled = inside[(inside["unacked"] > 0) & (inside["last_ack_recv_ms"] >= 1000)]
+    assert len(stalled) and (stalled["backoff"] >= 1).any(), inside[["unacked", "backoff"]]
+
+    with QueryEngine(list(run.recs.values()), LOCAL) as engine:
+        got = engine.query(
+            "SELECT host, count(DISTINCT world_rank), count(*) FILTER (WHERE pid IS NULL), "
+            "min(srtt_us) > 0 FROM conn_samples GROUP BY host ORDER BY host"
+        ).rows
+        eth = engine.query(
+            "SELECT DISTINCT host, name, qdisc_kind FROM iface_samples ORDER BY host"
+        ).rows
+    assert got == [(run.recs[0].host, 2, 0, True), (run.recs[1].host, 2, 0, True)]
+    assert eth == [(run.recs[0].host, "eth0", "noqueue"), (run.recs[1].host, "eth0", "noqueue")]

@@ -594,12 +594,12 @@ def test_four_nodes_converge_on_one_incident(tmp_path: Path) -> None:
 @pytest.mark.bpf
 def test_disk_full_then_read_only_then_space_returns(tmp_path: Path) -> None:
     clock = [0]
-    with tmpfs(tmp_path / "mnt", "1m") as mnt:
+    with tmpfs(tmp_path / "mnt", "2m") as mnt:
         filler = mnt / "filler.bin"
-        filler.write_bytes(b"\0" * 900_000)
+        filler.write_bytes(b"\0" * 1_900_000)
         sched = DumpScheduler.for_directory(mnt, lambda: sample_recording(2000), max_dumps=5)
         sched.clock = lambda: clock[0]
-        assert sched.submit(trigger()).status == Status.QUEUED  # about 230 kB: no room
+        assert sched.submit(trigger()).status == Status.QUEUED  # about 1.1 MB: no room
         remount(mnt, "ro")
         for t in range(1, 12):
             clock[0] = t * S

@@ -37,13 +37,14 @@ import numpy as np
 
 from stallwatch.dumpers.errors import PinError, ProbeError
 from stallwatch.dumpers.model import Recording, Ring, Trigger, TriggerKind
-from stallwatch.dumpers.schema import CUDA_SYMBOLS, NCCL_SYMBOLS
+from stallwatch.dumpers.schema import CUDA_SYMBOLS, NCCL_SYMBOLS, PROBE_EVENT
 from stallwatch.query.tls import ClientTls, ServerTls
 
 from . import discovery
 from .hostclock import boot_id, sample_clock
 from .links import LinkConfig, LinkSampler
 from .netsamples import NetSampleConfig, NetSampler
+from .pathprobe import PathProbes, Peer, ProbeConfig, choose_peers
 from .peers import PeerList, PeerSource, peer_notifier
 from .pinning import PinSet
 from .positions import PositionKeeper, reading_summary
@@ -72,7 +73,7 @@ log = logging.getLogger("stallwatch.record")
 QUIET_NS = 10_000_000_000
 PIN_CHECK_S = 1.0  # the pinned recording's folder is looked at this often
 DUMP_RETRY_S = 5.0
-PEER_TIMEOUT_S = 3.0  # a peer answers once its dump is written
+PEER_TIMEOUT_S = 5.0  # a peer answers once its dump is written (after 2 s of probes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,7 @@ class AgentConfig:
     bpf_cache: Path | None = None  # compiled programs kept there (recorder.compiled)
     links: LinkConfig = field(default_factory=LinkConfig)  # the link sampler (recorder.links)
     netsamples: NetSampleConfig = field(default_factory=NetSampleConfig)  # recorder.netsamples
+    probes: ProbeConfig = field(default_factory=ProbeConfig)  # recorder.pathprobe (port 0: none)
     slowdown: SlowdownConfig = field(default_factory=SlowdownConfig)  # recorder.slowdown
     # the verdict of each incident it detects, gathered from every node's dump
     # (recorder.verdicts; None: not published) and posted to --notify
@@ -168,6 +170,11 @@ class Agent:
         )
         self.links = LinkSampler(config.links)
         self.netsamples = NetSampler(config.netsamples)
+        self.paths: PathProbes | None = None  # probes of the job's paths at an incident
+        if config.probes.port and not self.read_only:
+            self.paths = PathProbes(config.probes, config.token, self._probe_peers,
+                                    self.netsamples.ifindex_of)  # fmt: skip
+            self.incidents.before_dump = self.paths.at_incident
         # the NCCL rows already in a ring adopted from an earlier agent teach
         # the slowdown trigger each communicator's rhythm at once
         self.slowdown = SlowdownWatch(config.slowdown)
@@ -519,6 +526,7 @@ class Agent:
             rings = self._rings()
             rings["link"] = self.links.copy()
             rings.update(self.netsamples.copy())
+            rings["probes"] = self.paths.copy() if self.paths else Ring(np.zeros(0, PROBE_EVENT))
             if dump:  # who uses which link now (queries: as last read)
                 self.links.refresh_users(self.procs.alive())
             if dump and "tcp" in rings and not self.read_only:
@@ -526,6 +534,7 @@ class Agent:
             counters = {**self.source.kernel_counters(), **self.counters.values}
             counters["link_read_failures"] = self.links.errors
             counters["netsample_read_failures"] = self.netsamples.errors
+            counters.update(self.paths.counters() if self.paths else {})
             counters.update(self.incidents.counters())
             for name, ring in rings.items():
                 counters[f"ring_{name}_overwritten"] = ring.overwritten
@@ -585,6 +594,8 @@ class Agent:
         trigger's kind (one this agent does not know is taken for no
         slowdown)."""
         origin_kind = next((k for k in TriggerKind if k.value == kind), None)
+        if self.paths is not None and origin:
+            self.paths.note_origin(incident_id, origin_kind)
         answer = self.incidents.request_dump(
             reason, incident_id, origin, by_client, origin_kind=origin_kind
         )
@@ -662,6 +673,7 @@ class Agent:
                 **self.source.rings(),
                 "link": self.links.writer.buffer,
                 **self.netsamples.buffers(),
+                **({"probes": self.paths.ring.buffer} if self.paths else {}),
             }.items()
         )
         incidents = self.incidents.counters()
@@ -732,7 +744,15 @@ class Agent:
             return True  # (without kernel events, /proc is scanned)
         return self.procs.watched(now, QUIET_NS)
 
+    def _probe_peers(self) -> list[Peer]:
+        """The nodes the job's connections go to, as last sampled."""
+        with self._lock:
+            rows, own = self.netsamples.latest, self.netsamples.own()
+        return choose_peers(rows, own, self.config.probes.max_peers)
+
     def close(self) -> None:
+        if self.paths is not None:
+            self.paths.close()
         self.links.close()
         self.netsamples.close()
         self.source.close()

@@ -229,6 +229,14 @@ class NetSampler:
     def memory_bytes(self) -> int:
         return sum(b.capacity * b.slots.dtype.itemsize for b in self.buffers().values())
 
+    def own(self) -> set[Address]:
+        """This namespace's addresses (as last read: with the job's sockets)."""
+        return set(self._ifindex)
+
+    def ifindex_of(self, addr: bytes, family: int) -> int:
+        """The interface holding one of this namespace's addresses (UNKNOWN_U32: none)."""
+        return self._ifindex.get((addr.ljust(16, b"\0"), family), UNKNOWN_U32)
+
     def place(self) -> None:
         """A process was placed in scope: its sockets are read at the next tick."""
         self._endpoints_due = 0.0

@@ -741,6 +741,9 @@ class Incidents:
         self.on_dumped: Callable[[Dumped], object] | None = None
         self.relabelled: dict[str, str] = {}  # own incident -> the peer's earlier id
         self._answers: dict[str, dict[str, str]] = {}  # own incident -> peer -> its answer
+        # what is done before an incident's recording is taken (the agent's
+        # probes of its paths: recorder.pathprobe), after the peers were told
+        self.before_dump: Callable[[Trigger], object] | None = None
         self._lock = threading.RLock()
         self.client_requests = TokenBucket(CLIENT_DUMPS_BURST, CLIENT_DUMP_EVERY_NS)
         self.rate_limited = 0  # client requests refused by the bucket
@@ -840,7 +843,12 @@ class Incidents:
                 peers = self.notify(trigger)
             except Exception:
                 log.exception("incident %s: notifying peers failed", trigger.incident_id)
-        began = time.monotonic()
+        began = time.monotonic()  # the probes are the dump's work, here as on the peers
+        if self.before_dump is not None:
+            try:
+                self.before_dump(trigger)
+            except Exception:  # never at the cost of the dump
+                log.exception("incident %s: before the dump", trigger.incident_id)
         outcome = self.scheduler.submit(trigger)
         if outcome.status is Status.WRITTEN and self.on_dumped is not None:
             round_ = peers if isinstance(peers, threading.Thread) else None

@@ -251,6 +251,16 @@ def _add_network_options(p: argparse.ArgumentParser) -> None:
         metavar="ADDR:PORT",
         help="HTTP surface: /query /dump /metrics /healthz",
     )
+    p.add_argument(
+        "--probe-port",
+        type=int,
+        default=9401,
+        metavar="PORT",
+        help="at a stall or slowdown, probe the paths to the nodes the job's connections go "
+        "to (UDP sizes up to the MTU, ICMP echo, a TCP exchange: 2 s, at most 1 MB a peer), "
+        "and answer the peers' probes on this port of every address (UDP and TCP; the same "
+        "on every node; 0: neither)",
+    )
     add_token_option(p, "bearer token (required for a non-loopback --listen)")
     p.add_argument(
         "--dump-token-file",
@@ -357,6 +367,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--stall-timeout: expected seconds > 0, got {args.stall_timeout}")
     if args.stall_floor <= 0:
         raise UsageError(f"--stall-floor: expected seconds > 0, got {args.stall_floor}")
+    if not 0 <= args.probe_port < 65536:
+        raise UsageError(f"--probe-port: expected 0 (none) to 65535, got {args.probe_port}")
     if args.runq_threshold_ms < 0:
         raise UsageError(f"--runq-threshold-ms: expected >= 0, got {args.runq_threshold_ms}")
     _slowdown_config(args)
@@ -466,6 +478,7 @@ def run(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace) -> AgentConfig:
     from stallwatch import __version__
     from stallwatch.recorder.agent import AgentConfig
+    from stallwatch.recorder.pathprobe import ProbeConfig
 
     return AgentConfig(
         dump_dir=args.dump_dir,
@@ -498,6 +511,7 @@ def _config(args: argparse.Namespace) -> AgentConfig:
         slowdown=_slowdown_config(args),
         judge=None if args.no_verdict else _judge(args),
         notify_url=args.notify,
+        probes=ProbeConfig(port=args.probe_port),
     )
 
 

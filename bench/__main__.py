@@ -15,6 +15,7 @@ MODULES = (
     "bench_recorder",
     "bench_tcp",
     "bench_links",
+    "bench_netsamples",
     "bench_dumps",
     "bench_analyzer",
     "bench_flightrec",

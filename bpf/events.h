@@ -660,9 +660,9 @@ struct probe_event {
 	__u32 _pad2;
 	__u64 round; /* the sender's round: one per incident and host, random */
 	__u64 throughput_bps; /* tcp: bits/s of the exchange */
-	__u64 bytes_sent; /* payload bytes this host sent for the row */
-	__u64 bytes_received; /* payload bytes it received for the row */
-	__u64 duration_us; /* from the first probe sent (arrived) to the last answer */
+	__u64 bytes_sent; /* IP packets' bytes this host sent (tcp: payload taken) */
+	__u64 bytes_received; /* received for the row (tcp: payload confirmed, read) */
+	__u64 duration_us; /* first probe sent (arrived) to last answer, 0: none */
 };
 _Static_assert(sizeof(struct probe_event) == 192, "probe_event size");
 _Static_assert(__builtin_offsetof(struct probe_event, incident) == 32, "probe_event.incident");

@@ -586,9 +586,9 @@ PROBE = Struct(
         Field("_pad2", "u32"),
         Field("round", "u64", note="the sender's round: one per incident and host, random"),
         Field("throughput_bps", "u64", note="tcp: bits/s of the exchange"),
-        Field("bytes_sent", "u64", note="payload bytes this host sent for the row"),
-        Field("bytes_received", "u64", note="payload bytes it received for the row"),
-        Field("duration_us", "u64", note="from the first probe sent (arrived) to the last answer"),
+        Field("bytes_sent", "u64", note="IP packets' bytes this host sent (tcp: payload taken)"),
+        Field("bytes_received", "u64", note="received for the row (tcp: payload confirmed, read)"),
+        Field("duration_us", "u64", note="first probe sent (arrived) to last answer, 0: none"),
     ),
     """Probes between the job's nodes at an incident (recorder.pathprobe sends
 them, each agent's recorder.pathecho answers and counts what arrives), one

@@ -534,6 +534,7 @@ class Agent:
             counters = {**self.source.kernel_counters(), **self.counters.values}
             counters["link_read_failures"] = self.links.errors
             counters["netsample_read_failures"] = self.netsamples.errors
+            counters["netsample_cpu_us"] = self.netsamples.cpu_ns // 1000
             counters.update(self.paths.counters() if self.paths else {})
             counters.update(self.incidents.counters())
             for name, ring in rings.items():
@@ -707,6 +708,9 @@ class Agent:
             **self.serving_counters(),
             **(self.verdicts.counters() if self.verdicts is not None else {}),
             "link_read_failures": self.links.errors,
+            "netsample_read_failures": self.netsamples.errors,
+            "netsample_cpu_us": self.netsamples.cpu_ns // 1000,
+            **(self.paths.counters() if self.paths else {}),
         }
         return agent_metrics_text(self.stats(), counters)
 

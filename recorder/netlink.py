@@ -31,7 +31,7 @@ import fcntl
 import socket
 import struct
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeGuard
 
@@ -65,6 +65,7 @@ _DIAG_REQ = struct.Struct("=BBBxI48x")  # inet_diag_req_v2: family, protocol, ex
 # inet_diag_req_v2 naming one socket: its id is sport, dport (big-endian),
 # src, dst, ifindex, and the cookie (INET_DIAG_NOCOOKIE: any)
 _DIAG_ONE = struct.Struct("=BBBxI2s2s16s16sIII")
+_DIAG_ONE_LEN = 16 + _DIAG_ONE.size  # with its netlink header
 NOCOOKIE = 0xFFFFFFFF
 DIAG_BATCH = 64  # requests sent in one write: their answers fit the socket's buffer
 _TCMSG = struct.Struct("=BxxxiIII")  # family, ifindex, handle, parent, info
@@ -385,6 +386,9 @@ class SockDiag:
         self._seq = 0
         self._buf = bytearray(RECV_BYTES)
         self._sock.settimeout(ASK_TIMEOUT_S)
+        self._bodies: dict[tuple[bytes, bytes, int, int, int], bytes] = {}
+        self._view = memoryview(self._buf)
+        self._info_at = 0  # where a socket's tcp_info was in its message
         self.close = weakref.finalize(self, _close, [self._sock])
 
     def tcp(
@@ -422,33 +426,76 @@ class SockDiag:
         length says which fields this kernel has), asked socket by socket
         (``(local address, remote address, local port, remote port,
         family)``: the kernel looks each up in its hash, nothing is walked);
-        None for one it does not have (closed)."""
-        ext = 1 << (INET_DIAG_INFO - 1)
-        out: list[bytes | None] = []
+        None for one it does not have (closed).  Requests go in batches of
+        ``DIAG_BATCH`` written at once; each is answered by one message, the
+        socket's or an error."""
+        out: list[bytes | None] = [None] * len(conns)
+        bodies = self._bodies
+        self._bodies = {c: bodies.get(c) or _diag_one(c) for c in conns}
         for first in range(0, len(conns), DIAG_BATCH):
             batch = conns[first : first + DIAG_BATCH]
-            requests = [
-                (SOCK_DIAG_BY_FAMILY, _DIAG_ONE.pack(
-                    family, socket.IPPROTO_TCP, ext, TCP_CARRYING, lport.to_bytes(2, "big"),
-                    rport.to_bytes(2, "big"), laddr, raddr, 0, NOCOOKIE, NOCOOKIE))
-                for laddr, raddr, lport, rport, family in batch
-            ]  # fmt: skip
-            answers = _ask_each(self._sock, self._seq + 1, requests, self._buf)
-            self._seq += len(requests)
-            for i in range(len(batch)):
-                answer = answers.get(i)
-                out.append(_info_of(answer) if isinstance(answer, tuple) else None)
+            seq = self._seq + 1
+            self._seq += len(batch)
+            packed = b"".join(
+                _NLMSGHDR.pack(_DIAG_ONE_LEN, SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, seq + i, 0)
+                + self._bodies[c]
+                for i, c in enumerate(batch)
+            )
+            try:
+                self._sock.send(packed)
+            except OSError as exc:
+                raise NetlinkError(exc.errno, f"sock_diag request: {exc.strerror}") from None
+            self._answers(seq, len(batch), out, first)
         return out
 
+    def _answers(self, seq: int, n: int, out: list[bytes | None], first: int) -> None:
+        """The ``n`` answers from ``seq`` on, each socket's tcp_info into
+        ``out[first + i]``: parsed in the receive buffer, one copy each (its
+        place in a message is that of the previous one, where it is)."""
+        buf, view, pending = self._buf, self._view, n
+        header, attr = _NLMSGHDR.unpack_from, _RTATTR.unpack_from
+        while pending:
+            try:
+                got = self._sock.recv_into(buf)
+            except OSError as exc:
+                raise NetlinkError(exc.errno, f"sock_diag answer: {exc.strerror or exc}") from None
+            at = 0
+            while at + _NLMSGHDR.size <= got:
+                length, kind, _, their_seq, _ = header(buf, at)
+                if length < _NLMSGHDR.size or at + length > got:
+                    break
+                i = their_seq - seq
+                if 0 <= i < n:
+                    pending -= 1
+                    if kind == SOCK_DIAG_BY_FAMILY:
+                        out[first + i] = self._info(buf, view, at, at + length, attr)
+                at += (length + 3) & ~3
 
-def _info_of(answer: tuple[int, int, int, bytes]) -> bytes | None:
-    kind, a, b, buf = answer
-    if kind != SOCK_DIAG_BY_FAMILY:
+    def _info(self, buf: bytearray, view: memoryview, at: int, end: int,
+              attr: Callable[[bytearray, int], tuple[int, int]]) -> bytes | None:  # fmt: skip
+        a = at + self._info_at
+        if a + 4 <= end:
+            alen, atype = attr(buf, a)
+            if atype & 0x3FFF == INET_DIAG_INFO and a + alen <= end:
+                return bytes(view[a + 4 : a + alen])
+        a = at + _NLMSGHDR.size + INET_DIAG_MSG_SIZE
+        while a + 4 <= end:
+            alen, atype = attr(buf, a)
+            if alen < 4:
+                return None
+            if atype & 0x3FFF == INET_DIAG_INFO:
+                self._info_at = a - at
+                return bytes(view[a + 4 : a + alen])
+            a += (alen + 3) & ~3
         return None
-    for attr, x, y in _attrs(buf, a + INET_DIAG_MSG_SIZE, b):
-        if attr == INET_DIAG_INFO:
-            return buf[x:y]
-    return None
+
+
+def _diag_one(conn: tuple[bytes, bytes, int, int, int]) -> bytes:
+    """The sock_diag request body that names one connection."""
+    laddr, raddr, lport, rport, family = conn
+    return _DIAG_ONE.pack(family, socket.IPPROTO_TCP, 1 << (INET_DIAG_INFO - 1), TCP_CARRYING,
+                          lport.to_bytes(2, "big"), rport.to_bytes(2, "big"), laddr, raddr, 0,
+                          NOCOOKIE, NOCOOKIE)  # fmt: skip
 
 
 class RouteAsk:

@@ -112,11 +112,9 @@ class NetSampleConfig:
 def tcp_info_rows(infos: list[bytes]) -> np.ndarray:
     """Each ``struct tcp_info`` as a row of ``TCP_INFO``; the bytes a
     kernel did not send are all ones."""
-    raw = np.full((len(infos), TCP_INFO_BYTES), 0xFF, dtype=np.uint8)
-    for i, info in enumerate(infos):
-        n = min(len(info), TCP_INFO_BYTES)
-        raw[i, :n] = np.frombuffer(info, np.uint8, n)
-    rows: np.ndarray = raw.view(TCP_INFO).reshape(-1)
+    width = TCP_INFO_BYTES
+    blob = b"".join(i[:width] if len(i) >= width else i.ljust(width, b"\xff") for i in infos)
+    rows: np.ndarray = np.frombuffer(blob, TCP_INFO, len(infos))
     return rows
 
 
@@ -203,6 +201,7 @@ class NetSampler:
         self.conn_writer = RingWriter("conn_samples", CONN_SAMPLE, cfg.conn_slots)
         self.iface_writer = RingWriter("iface_samples", IFACE_SAMPLE, cfg.iface_slots)
         self.errors = 0  # samples that could not be read
+        self.cpu_ns = 0  # CPU time the samples took (this thread's)
         try:
             self.route: RouteAsk | None = route() if route is not None else None
         except NetlinkError as exc:
@@ -213,6 +212,7 @@ class NetSampler:
         self._next_ns = 0
         self._job: dict[int, list[Connection]] = {}  # namespace -> connections
         self._owners: dict[Connection, int] = {}
+        self._iface_of: dict[Connection, int] = {}
         self._ifindex: dict[Address, int] = {}  # own addresses -> interface
         self._loopback: int | None = None
         self.latest = np.zeros(0, CONN_SAMPLE)  # the last sample's rows
@@ -284,6 +284,7 @@ class NetSampler:
                 self._set_addresses(self.route.addresses())
             except NetlinkError as exc:
                 self._failed("rtnetlink addresses", exc)
+        self._iface_of = {c: self._interface(c) for c in self._owners}
 
     def _set_addresses(self, table: dict[int, tuple[str, ...]]) -> None:
         self._ifindex = {a: index for index, texts in table.items() for t in texts
@@ -292,7 +293,15 @@ class NetSampler:
         self._loopback = self._ifindex.get(lo) if lo is not None else None
 
     def sample(self) -> int:
-        """Read every job connection and interface now; returns the rows written."""
+        """Read every job connection and interface now; returns the rows
+        written.  Its CPU time adds to ``cpu_ns``."""
+        cpu = time.thread_time_ns()
+        try:
+            return self._sample()
+        finally:
+            self.cpu_ns += time.thread_time_ns() - cpu
+
+    def _sample(self) -> int:
         ts = self.clock()
         infos = self.reader.tcp_infos(self._job)
         gone = [c for c in self._owners if c not in infos]
@@ -301,7 +310,7 @@ class NetSampler:
         for c in gone:
             del self._owners[c]
         conns = list(infos)
-        ifindexes = [self._interface(c) for c in conns]
+        ifindexes = [self._iface_of.get(c, UNKNOWN_U32) for c in conns]
         rows = conn_rows(ts, conns, [infos[c] for c in conns],
                          [self._owners.get(c, 0) for c in conns], ifindexes)  # fmt: skip
         self.conn_writer.append(rows)

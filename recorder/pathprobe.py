@@ -410,15 +410,19 @@ class Prober:
                   self.clock(), incident, rnd, ifindex=peer.ifindex, df=False,
                   rtts_us=[])  # fmt: skip
         sock = socket.socket(peer.family, socket.SOCK_STREAM)
+        t.sent = 1  # an exchange, begun with the connection
         try:
             sock.bind((peer.text("local"), 0))
             sock.settimeout(max(0.05, (end - self.clock()) / 1e9))
             sock.connect((peer.text("remote"), self.config.port))
-            t.sent = 1
             first = self.clock()
             hello = Header(TCP_HELLO, 1, 0, rnd, first, size, False, incident)
-            sock.sendall(pack(hello, self.key) + bytes(size))
-            t.bytes_sent = size
+            data = memoryview(pack(hello, self.key) + bytes(size))
+            written = 0
+            while written < len(data):  # what the kernel took counts, if it ends in a timeout
+                sock.settimeout(max(0.01, (end - self.clock()) / 1e9))
+                written += sock.send(data[written:])
+                t.bytes_sent = max(0, written - HEADER_BYTES)
             done = self._read_done(sock, end)
             now = t.last_ns = self.clock()
             if done is not None:

@@ -66,6 +66,15 @@ HELP = {
     "query_engine_running": "1 while the SQL engine's process runs (it ends when idle).",
     "query_engine_peak_resident_bytes": "The largest resident set an engine process reported.",
     "link_read_failures": "Readings of the node's links that failed (rtnetlink).",
+    "netsample_read_failures": "Readings of the job's interfaces that failed (rtnetlink).",
+    "netsample_cpu_us": "CPU time the samples of the job's connections and interfaces took "
+    "(microseconds).",
+    "probe_rounds": "Rounds of probes of the job's paths this agent sent (one per incident).",
+    "probe_answers": "Peers' path probes this agent answered.",
+    "probe_refused": "Peers' path probes or exchanges refused: over the answer rate or the "
+    "exchanges at once.",
+    "probe_foreign": "Datagrams or exchanges on the probe port that were not a peer agent's "
+    "(another key, or not a probe).",
     "slowdowns_detected": "Slowdowns the watchdog raised as incidents (a communicator's "
     "rhythm degraded, a rank persistently last, a collective held by the network).",
     "verdicts_published": "Verdicts of this agent's incidents published (revisions too).",

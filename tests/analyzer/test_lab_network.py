@@ -135,3 +135,31 @@ def test_resets_come_before_the_exits_they_caused(
     # hosts index by index with the ranks named: node1's two
     assert first["kind"] == "network_partition" and first["hosts"] == ["node1", "node1"]
     assert first["ranks"] == [2, 3]
+
+
+def test_the_agents_probes_of_a_cut_node_are_lost_both_ways(
+    recorded: Callable[[str], tuple[Path, Verdict]],
+) -> None:
+    """At the stall every agent probed its peers (recorder.pathprobe): every
+    probe to or from the cut node is lost, none of them arrived anywhere;
+    between the two other nodes every size passed, both ways."""
+    from stallwatch.query.sql import LOCAL, QueryEngine
+
+    folder, _ = recorded("partition")
+    recs = [read_dump(p) for p in sorted(folder.rglob("*.msgpack"))]
+    cut = next(r for r in recs if r.host == f"node{NODE}")
+    ip = {link.addresses[0].split("/")[0] for link in cut.links if link.name == "eth0"}.pop()
+    with QueryEngine(recs, LOCAL) as engine:
+        rows = engine.query(
+            f"SELECT host, role, kind, saddr = '{ip}' OR daddr = '{ip}' AS cut, count(*), "
+            "sum(answered) FROM probes GROUP BY ALL ORDER BY ALL"
+        ).rows
+    got = {(h, role, kind, bool(c)): (n, answered) for h, role, kind, c, n, answered in rows}
+    for host in ("node0", "node1", "node2"):
+        assert got[(host, "sent", "udp", True)][1] == 0, got  # lost, to or from node 1
+        assert got[(host, "sent", "tcp", True)][1] == 0, got
+    assert not any(role == "received" and c for (_, role, _, c) in got), got  # none arrived
+    for host in ("node0", "node2"):
+        n, answered = got[(host, "sent", "udp", False)]
+        assert n >= 5 and answered == 3 * n, got  # every copy of every size
+        assert got[(host, "received", "udp", False)][1] == 3 * n, got

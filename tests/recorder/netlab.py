@@ -1,7 +1,7 @@
 """The lab's nodes without a job: namespaces joined by the lab's switch
-(``lab.netns``), processes started inside them, and the switch's nft
-tables, for tests of what the agent reads of the network (its samples and
-probes) on real veths."""
+(``lab.netns``), processes started inside them, and the lab's link faults
+on their switch ports, for tests of what the agent reads of the network
+(its samples and probes) on real veths."""
 
 from __future__ import annotations
 
@@ -27,10 +27,16 @@ def drain(conn):
 while True:
     threading.Thread(target=drain, args=(server.accept()[0],), daemon=True).start()
 """
-# a TCP source: connects to HOST:PORT and writes 64 KiB every 10 ms (6.5 MB/s)
+# a TCP source: connects to HOST:PORT (once the sink listens) and writes 64
+# KiB every 10 ms (6.5 MB/s)
 SOURCE = """
 import socket, sys, time
-conn = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)
+while True:
+    try:
+        conn = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)
+        break
+    except ConnectionRefusedError:
+        time.sleep(0.1)
 chunk = bytes(1 << 16)
 while True:
     conn.sendall(chunk)
@@ -52,33 +58,16 @@ class Lab:
         self.children.append(child)
         return child
 
-    def nft(self, ruleset: str) -> None:
-        netns.sh(["ip", "netns", "exec", self.net.switch, "nft", "-f", "-"], stdin=ruleset)
+    def cut(self, k: int, way: str = "in") -> None:
+        """The lab's one-way cut (``partition:...,dir=``) of node ``k``."""
+        netns.add_partition(self.net, self.node(k), way)
 
-    def drop_to(self, k: int, table: str, match: str = "") -> None:
-        """Drop what the switch sends to node ``k`` (its port's egress),
-        ``match`` narrowing it (``ip length > 1200``)."""
-        port = self.node(k).port
-        self.nft(
-            f"table netdev {table} {{\n"
-            f'  chain to_node {{ type filter hook egress device "{port}" priority 0;\n'
-            f"    {match} counter drop\n  }}\n}}\n"
-        )
+    def uncut(self, k: int) -> int:
+        return netns.remove_partition(self.net, self.node(k))
 
-    def drop_both(self, k: int, table: str, match: str = "") -> None:
-        """Drop what node ``k`` sends and what it is sent, on its switch port."""
-        port = self.node(k).port
-        self.nft(
-            f"table netdev {table} {{\n"
-            f'  chain from_node {{ type filter hook ingress device "{port}" priority 0;\n'
-            f"    {match} counter drop\n  }}\n"
-            f'  chain to_node {{ type filter hook egress device "{port}" priority 0;\n'
-            f"    {match} counter drop\n  }}\n}}\n"
-        )
-
-    def remove(self, table: str) -> None:
-        netns.sh(["ip", "netns", "exec", self.net.switch, "nft", "delete", "table", "netdev",
-                  table])  # fmt: skip
+    def mtu(self, k: int, size: int) -> None:
+        """The lab's MTU blackhole (``mtu:node=N,bytes=B``) on node ``k``."""
+        netns.add_mtu(self.net, self.node(k), size)
 
     def tc(self, k: int, *args: str) -> None:
         netns.sh(["ip", "netns", "exec", self.node(k).netns, "tc", *args])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,9 +69,9 @@ def _round(lab: Lab, nodes: list[Node], incident: str) -> dict[int, np.ndarray]:
                  for o in lab.net.nodes if o.index != k]  # fmt: skip
 
         def run() -> None:
-            t0 = netns.time.monotonic()
+            t0 = time.monotonic()
             netns.in_netns(me.netns, lambda: nodes[k].prober.probe(incident, peers))
-            done[k] = netns.time.monotonic() - t0
+            done[k] = time.monotonic() - t0
 
         return run
 
@@ -92,7 +93,8 @@ def _rows(rows: np.ndarray, kind: ProbeKind, role: ProbeRole, src: str, dst: str
     pick = (rows["probe"] == kind) & (rows["role"] == role)
     pick &= (rows["saddr"] == np.frombuffer(_ip(src), np.uint8)).all(axis=1)
     pick &= (rows["daddr"] == np.frombuffer(_ip(dst), np.uint8)).all(axis=1)
-    return rows[pick]
+    out: np.ndarray = rows[pick]
+    return out
 
 
 def _budget(rows: np.ndarray) -> None:
@@ -104,18 +106,15 @@ def _budget(rows: np.ndarray) -> None:
 
 @pytest.mark.lab
 def test_a_one_direction_cut_is_seen_from_both_ends() -> None:
-    """Everything the switch sends node 0 is dropped (its port's egress),
-    shortly after the nodes talked (as a job's do: their neighbours' link
-    addresses are known; a cut that outlasts them, 15 to 45 s, also
-    starves the resolution of node 0's own packets).  Node 0's probes reach
-    nodes 1 and 2 (their responders count every copy of every size) and no
-    answer comes back; what 1 and 2 send node 0 is lost and never arrives;
-    between 1 and 2 every probe is answered."""
+    """Every IPv4 packet the switch sends node 0 is dropped (the lab's
+    one-way cut, ``partition:node=0,dir=in``: its port's egress).  Node 0's
+    probes reach nodes 1 and 2 (their responders count every copy of every
+    size) and no answer comes back; what 1 and 2 send node 0 is lost and
+    never arrives; between 1 and 2 every probe is answered."""
     with lab_network(3) as lab:
         nodes = _nodes(lab, 3)
         try:
-            _round(lab, nodes, "before")  # the job's traffic
-            lab.drop_to(0, "cut")
+            lab.cut(0, "in")
             rings = _round(lab, nodes, "20260101T000000000-node1-00002a")
         finally:
             for n in nodes:
@@ -154,14 +153,15 @@ def test_a_one_direction_cut_is_seen_from_both_ends() -> None:
 @pytest.mark.lab
 def test_an_mtu_blackhole_is_seen_with_its_size_both_ways() -> None:
     """Packets longer than 1,200 bytes are dropped both ways on node 2's
-    switch port.  Node 0's probes to node 2, and node 2's to node 0, pass
-    up to the limit and are lost above it, found to within a few bytes;
+    switch port (the lab's ``mtu:node=2,bytes=1200``).  Node 0's probes to
+    node 2, and node 2's to node 0, pass up to the limit and are lost above
+    it, found to within a few bytes;
     the TCP exchange (its segments are 1,500 bytes) does not complete;
     between nodes 0 and 1 every size passes."""
     with lab_network(3) as lab:
         nodes = _nodes(lab, 3)
         try:
-            lab.drop_both(2, "mtu", f"ip length > {BLACKHOLE}")
+            lab.mtu(2, BLACKHOLE)
             rings = _round(lab, nodes, "20260101T000000000-node0-00002b")
         finally:
             for n in nodes:
@@ -196,7 +196,7 @@ def _conn(local: str, remote: str, **values: int) -> np.void:
     row["daddr"], row["family"] = np.frombuffer(_ip(remote), np.uint8), 2
     row["srtt_us"] = values.get("srtt_us", 100)
     row["backoff"] = values.get("backoff", 0)
-    return row
+    return row  # type: ignore[no-any-return]
 
 
 def test_peers_are_the_job_connections_remote_nodes_the_nearest_when_many() -> None:

@@ -547,7 +547,7 @@ def test_a_process_under_another_root_is_found_through_its_own_loader(
         def attached() -> set[int]:
             agent.discover()
             libs = {lid.inode for lid in agent.libraries}
-            return libs | {lid.inode for lid in agent._loaders}
+            return libs | {lid.inode for lid in agent.attacher.loaders}
 
         wait_for("the container's loader and libnccl", lambda: wanted <= attached())
         assert proc.pid in agent.scope.inside

@@ -294,6 +294,8 @@ class Prober:
                 icmp = None
         if icmp is not None:  # no time was left for it
             icmp.close()
+        for u in udp:
+            _refused_port(u)
         tallies = [t for u in udp for t in sorted(u.tallies.values(), key=lambda t: t.size)]
         return tallies + icmp_rows
 
@@ -313,14 +315,25 @@ class Prober:
                 u.seq += 1
                 now = self.clock()
                 h = Header(PROBE, copies, u.seq, rnd, now, size, True, incident)
-                try:
-                    u.sock.send(pack(h, self.key, size - u.overhead))
-                except OSError as exc:
-                    t.outcome, t.err = ProbeOutcome.ERROR, exc.errno or 0
+                if not self._send_one(u, t, pack(h, self.key, size - u.overhead)):
                     continue
                 t.sent += 1
                 t.bytes_sent += size
                 u.sent[u.seq] = _Sent(t, now)
+
+    def _send_one(self, u: _Udp, t: Tally, data: bytes) -> bool:
+        """Send one probe; an error an earlier probe's ICMP left on the
+        socket (a connected UDP socket says it at its next send) is that
+        probe's news, said again here, and the probe is sent again."""
+        for _ in range(2):
+            try:
+                u.sock.send(data)
+                return True
+            except OSError as exc:
+                _blame(t, exc.errno or 0, None)
+                if exc.errno not in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH):
+                    return False
+        return False
 
     def _answered(self, u: _Udp) -> bool:
         return any(t.answered for t in u.tallies.values())
@@ -450,6 +463,18 @@ class Prober:
             buf += data
         h = unpack(buf, self.key)
         return h if h is not None and h.type == TCP_DONE else None
+
+
+def _refused_port(u: _Udp) -> None:
+    """The peer's host said nobody listens on the probe port: so of every
+    size it answered nothing to (its kernel rate-limits such ICMP errors,
+    so not every probe gets its own)."""
+    if any(t.answered for t in u.tallies.values()):
+        return
+    if any(t.outcome is ProbeOutcome.REFUSED for t in u.tallies.values()):
+        for t in u.tallies.values():
+            if t.outcome is None:
+                t.outcome = ProbeOutcome.REFUSED
 
 
 def _tcp_rtt(sock: socket.socket, t: Tally) -> None:

@@ -217,3 +217,28 @@ def test_the_ladder_and_its_refinement() -> None:
     assert ladder(1500) == [128, 256, 512, 1024, 1500]
     assert ladder(9000) == [128, 256, 512, 1024, 2048, 4096, 8192, 9000]
     assert between(1024, 1500) == [1083, 1143, 1202, 1262, 1321, 1381, 1440]
+
+
+@pytest.mark.lab
+def test_a_peer_whose_agent_is_dead_answers_echo_and_refuses_the_probes() -> None:
+    """Node 1 runs no responder: its kernel says nobody listens (ICMP port
+    unreachable, a TCP reset), so the datagrams and the exchange are
+    ``refused``, not lost, and ICMP echo, which its kernel answers, passes
+    at every size: the path is fine, the agent is not there."""
+    with lab_network(2) as lab:
+        (node,) = _nodes(lab, 1)
+        try:
+            me, peer = lab.node(0), lab.node(1)
+            peers = [Peer(_ip(me.ip), _ip(peer.ip), socket.AF_INET)]
+            netns.in_netns(me.netns, lambda: node.prober.probe("dead-agent", peers))
+        finally:
+            node.echo.close()
+        rows = node.ring.copy().rows
+    udp = _rows(rows, ProbeKind.UDP, ProbeRole.SENT, me.ip, peer.ip)
+    assert len(udp) == len(ladder(1500)) and (udp["outcome"] == ProbeOutcome.REFUSED).all()
+    assert (udp["answered"] == 0).all()
+    icmp = _rows(rows, ProbeKind.ICMP, ProbeRole.SENT, me.ip, peer.ip)
+    assert sorted(icmp["probe_size"].tolist()) == ladder(1500)
+    assert (icmp["outcome"] == ProbeOutcome.OK).all() and (icmp["rtt_us"] < 1_000_000).all()
+    tcp = _rows(rows, ProbeKind.TCP, ProbeRole.SENT, me.ip, peer.ip)
+    assert tcp["outcome"][0] == ProbeOutcome.REFUSED

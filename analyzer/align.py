@@ -51,6 +51,7 @@ from .incident import (
     host_readings,
 )
 from .match import order_calls
+from .netrows import conn_rows, connection_keys, iface_rows, probe_rows
 from .parallel import in_parallel, threads
 from .plausible import implausible, other_rings
 from .progress import Progress
@@ -195,6 +196,11 @@ def incident_from_recordings(
         held=_held_calls(extracts, proc_index),
         links=_links(sources, hosts, procs),
         slowdown=slow,
+        probes=probe_rows(
+            recs := [s.recording for s in sources], hosts, owner := address_owners(sources, hosts)
+        ),
+        conns=conn_rows(recs, hosts, owner),
+        ifaces=iface_rows(recs, hosts),
     )
 
 
@@ -876,15 +882,7 @@ def _tcp(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
     of one event seen by two agents are counted once (the first, in the
     order of ``sources``)."""
     host_of = {h: i for i, h in enumerate(hosts)}
-    own: dict[int, bytes] = {}
-    for rows, source in _tcp_chunks(sources):
-        own.update(_own_addresses(sources, rows, source))
-    owner: dict[bytes, int] = {}
-    for s in sources:  # the addresses of the links its ranks use, where known
-        for addr in _rank_link_addresses(s.recording):
-            owner.setdefault(addr, host_of[s.recording.host])
-    for i in sorted(own):
-        owner.setdefault(own[i], host_of[sources[i].recording.host])
+    owner = address_owners(sources, hosts)
     found = [_between_hosts(rows, source, owner) for rows, source in _tcp_chunks(sources)]
     if not found:
         return np.zeros(0, dtype=TCP_DTYPE)
@@ -900,10 +898,27 @@ def _tcp(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
     out["event"], out["backoff"], out["known"] = rows["event"], rows["backoff"], rows["conn_known"]
     out["no_ack"] = np.where(rows["conn_known"] > 0, rows["no_ack_ns"].astype(np.int64), 0)
     out["rto"] = np.where(rows["conn_known"] > 0, rows["rto_us"].astype(np.int64) * 1000, 0)
-    out["conn"] = _connection_keys(rows)
+    out["conn"] = connection_keys(rows)
     out["other"] = rows["other"]
     out["reason"] = rows["reason"]
     return out
+
+
+def address_owners(sources: list[Source], hosts: tuple[str, ...]) -> dict[bytes, int]:
+    """Each host's own addresses (16 bytes, IPv4 in the first 4) -> its
+    index: those of the links its ranks use, and the one its own TCP rows
+    leave from most."""
+    host_of = {h: i for i, h in enumerate(hosts)}
+    own: dict[int, bytes] = {}
+    for rows, source in _tcp_chunks(sources):
+        own.update(_own_addresses(sources, rows, source))
+    owner: dict[bytes, int] = {}
+    for s in sources:  # the addresses of the links its ranks use, where known
+        for addr in _rank_link_addresses(s.recording):
+            owner.setdefault(addr, host_of[s.recording.host])
+    for i in sorted(own):
+        owner.setdefault(own[i], host_of[sources[i].recording.host])
+    return owner
 
 
 # what tells a connection's fate (state changes are the rest of the table):
@@ -945,26 +960,6 @@ def _between_hosts(
     local, remote = _owner_of(rows["saddr"], owner), _owner_of(rows["daddr"], owner)
     keep = (local >= 0) & (remote >= 0) & (local != remote)
     return rows[keep], source[keep], local[keep], remote[keep]
-
-
-def _end_keys(addrs: np.ndarray, ports: np.ndarray) -> np.ndarray:
-    """One 64-bit key per (address, port): multiply-xor mixing."""
-    words = np.ascontiguousarray(addrs).view("<u8").reshape(-1, 2)
-    with np.errstate(over="ignore"):
-        key = words[:, 0] * np.uint64(0x9E3779B97F4A7C15)
-        key ^= (words[:, 1] + np.uint64(0xBF58476D1CE4E5B9)) * np.uint64(0x94D049BB133111EB)
-        key ^= ports.astype(np.uint64) * np.uint64(0xD6E8FEB86659FD93)
-    return key
-
-
-def _connection_keys(rows: np.ndarray) -> np.ndarray:
-    """One key per connection, the same from both of its ends (the two
-    ends' keys in order, mixed)."""
-    a, b = _end_keys(rows["saddr"], rows["sport"]), _end_keys(rows["daddr"], rows["dport"])
-    lo, hi = np.minimum(a, b), np.maximum(a, b)
-    with np.errstate(over="ignore"):
-        out: np.ndarray = lo * np.uint64(0xBF58476D1CE4E5B9) ^ hi
-    return out
 
 
 def _owner_of(addrs: np.ndarray, owner: dict[bytes, int]) -> np.ndarray:

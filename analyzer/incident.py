@@ -164,6 +164,71 @@ TCP_DTYPE = np.dtype(
         ("reason", "<u2"),  # a sent reset's enum sk_rst_reason (0: not said)
     ]
 )
+# The probes between the job's nodes at the incident (the agents' probes
+# ring): host: the dump it came from; wall: its first probe, wall clock;
+# src, dst: the hosts whose addresses the probes went from and to (-1 not a
+# host of the incident); kind, role, outcome: dumpers.schema's ProbeKind,
+# ProbeRole, ProbeOutcome; size: each IP packet's bytes (tcp: the
+# exchange's payload); sent, answered: sent by the host (answered: answers
+# back), or received from the peer (answered: those that arrived);
+# rtt_us, throughput_bps: -1 where unknown.
+PROBE_DTYPE = np.dtype(
+    [
+        ("host", "<i4"),
+        ("wall", "<i8"),
+        ("src", "<i4"),
+        ("dst", "<i4"),
+        ("kind", "u1"),
+        ("role", "u1"),
+        ("outcome", "u1"),
+        ("size", "<u4"),
+        ("sent", "<u4"),
+        ("answered", "<u4"),
+        ("rtt_us", "<i8"),
+        ("throughput_bps", "<i8"),
+        ("round", "<u8"),
+    ]
+)
+# Each job connection between two hosts' own addresses, sampled every second
+# (the agents' conn_samples ring: struct tcp_info): host: the dump; wall:
+# the sample's time; local, remote: the hosts of this end and the other;
+# conn: the connection's key (both ends alike, as TCP_DTYPE's); the rest as
+# tcp_info names them, -1 where unknown.
+CONN_SAMPLE_VALUES = (
+    "srtt_us", "rttvar_us", "min_rtt_us", "rto_us", "delivery_rate", "bytes_acked",
+    "bytes_received", "bytes_sent", "bytes_retrans", "total_retrans", "lost", "unacked",
+    "notsent", "busy_us", "rwnd_limited_us", "sndbuf_limited_us", "last_ack_ms",
+    "last_sent_ms", "last_recv_ms", "backoff", "ca_state", "app_limited",
+)  # fmt: skip
+CONN_SAMPLE_DTYPE = np.dtype(
+    [
+        ("host", "<i4"),
+        ("wall", "<i8"),
+        ("local", "<i4"),
+        ("remote", "<i4"),
+        ("conn", "<u8"),
+        ("pid", "<u4"),
+        ("state", "u1"),
+        *((name, "<i8") for name in CONN_SAMPLE_VALUES),
+    ]
+)
+# Each job interface's counters sampled every second (iface_samples), -1
+# where unknown.
+IFACE_VALUES = (
+    "rx_bytes", "tx_bytes", "rx_packets", "tx_packets", "rx_dropped", "tx_dropped",
+    "rx_errors", "tx_errors", "qdisc_drops", "qdisc_overlimits", "qdisc_backlog_bytes",
+    "qdisc_backlog_packets", "qdisc_bytes",
+)  # fmt: skip
+IFACE_DTYPE = np.dtype(
+    [
+        ("host", "<i4"),
+        ("wall", "<i8"),
+        ("ifindex", "<u4"),
+        ("name", "U16"),
+        ("mtu", "<i8"),
+        *((name, "<i8") for name in IFACE_VALUES),
+    ]
+)
 # A process blocked in a call (its group's end included) when its dump was
 # taken: proc, the call's op, when it entered it (its host's clock).
 # Of each rank, its latest calls are read (the straggler detectors' window,
@@ -255,6 +320,11 @@ class Incident:
     # the agent that raised the incident saw the job go on, only slower
     # (trigger kind slowdown): judged on the slow window (detect.slowdown)
     slowdown: SlowTrigger | None = None
+    # the agents' network evidence (format 9 on): probes at the incident,
+    # each job connection's and interface's samples
+    probes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=PROBE_DTYPE))
+    conns: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=CONN_SAMPLE_DTYPE))
+    ifaces: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=IFACE_DTYPE))
 
     @property
     def retransmits(self) -> np.ndarray:
@@ -684,6 +754,33 @@ class P2pGap:
     other_last: int  # the other side's last seq in this direction, -1 if none
     age_ns: int | None  # since the waiting side posted the first unmatched call
     idle_ns: int | None  # since the waiting side last did anything at all
+
+
+@dataclass(frozen=True, slots=True)
+class EndChange:
+    """One end of a connection between two hosts, sampled every second: its
+    round trip and delivery rate before the slowdown's onset and since."""
+
+    host: int  # this end's host
+    peer: int
+    conn: int
+    base_srtt_us: float | None  # median before the onset, None without one
+    base_bound_us: float | None  # median of srtt + 4 rttvar before: TCP's own edge of normal
+    srtt_us: float  # median since
+    rate_bps: float | None  # median delivery rate since (bits/s), None where unknown
+    retrans: int  # segments retransmitted since
+
+
+@dataclass(frozen=True, slots=True)
+class SlowLink:
+    """A host whose connections slowed while the job's others kept their pace
+    (detect.paths)."""
+
+    host: int
+    peers: tuple[int, ...]  # the hosts its slowed connections lead to
+    slowed: tuple[EndChange, ...]
+    others: tuple[EndChange, ...]  # connections without the host
+    baseline: bool  # judged against each connection's own baseline (else against the others')
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,6 +90,7 @@ from .detect.inconclusive import detect_inconclusive, unjudged
 from .detect.missing import moments_apart_ns, p2p_gaps, taken_in_turn
 from .detect.network import network_metrics
 from .detect.partition import connection_fates
+from .detect.paths import onset_wall, slow_link
 from .detect.slowdown import (
     detect_slowdown,
     judged_on_window,
@@ -155,6 +156,7 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
     compared = window_matched(m, windows, baseline=True)
     slow = window_matched(m, windows)
     net = network_metrics(inc, compared)
+    since = onset_wall(inc, windows or slow_windows(inc, m), m) if len(inc.conns) else None
     a = Analysis(
         incident=inc,
         matched=m,
@@ -169,6 +171,8 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
         kind_arrivals=tuple(kind_scores(inc, slow)) if windows else (),
         held=net.held,
         held_retransmits=net.held_retransmits,
+        slow_link=slow_link(inc, since) if len(inc.conns) else None,
+        slow_since_wall=since,
     )
     verdicts = [v for d in detectors for v in d(a)]
     if not verdicts and detectors is DETECTORS:

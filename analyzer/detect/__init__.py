@@ -24,12 +24,14 @@ from .desync import detect_desync
 from .exits import detect_rank_exited
 from .missing import detect_missing_rank, detect_p2p_missing
 from .partition import detect_lossy_stall, detect_partition
+from .paths import detect_slow_link
 from .positions import detect_positions
 from .stall import detect_stall
 from .stragglers import detect_network_unexplained, detect_stragglers
 
 DETECTORS: tuple[Detector, ...] = (
     detect_partition,
+    detect_slow_link,
     detect_missing_rank,
     detect_desync,
     detect_rank_exited,

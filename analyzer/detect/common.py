@@ -23,6 +23,7 @@ from ..incident import (
     NetHeld,
     P2pGap,
     SchedDelays,
+    SlowLink,
     SlowWindow,
 )
 from ..match import Matched
@@ -52,6 +53,9 @@ class Analysis:
     # the retransmits inside them by host
     held: tuple[NetHeld, ...] = ()
     held_retransmits: tuple[HostRetransmits, ...] = ()
+    # a host whose connections slowed while the job's others did not (detect.paths)
+    slow_link: SlowLink | None = None
+    slow_since_wall: int | None = None  # when the slowdown began (wall clock), where known
 
 
 Detector = Callable[[Analysis], list[Verdict]]

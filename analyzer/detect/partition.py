@@ -60,6 +60,7 @@ from stallwatch.dumpers.schema import TcpEvent, op_name
 from ..incident import ConnFate, Incident, LinkFate, proc_hosts
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, who
+from .paths import ProbeFinding, finding_summary, probe_finding
 
 DEAD_BACKOFF = 2  # timeouts in a row: nothing acknowledged through two RTOs
 DEAD_NO_ACK_NS = 1_000_000_000  # and nothing acknowledged for at least this long
@@ -306,6 +307,10 @@ def blocked_procs(inc: Incident) -> dict[int, tuple[int, int]]:
     return out
 
 
+def _died(inc: Incident) -> bool:
+    return any(p.died_badly for p in inc.procs)
+
+
 def stalled_together(inc: Incident) -> dict[int, tuple[int, int]] | None:
     """Every rank with calls blocked in one for STALL_NS at its dump, and none
     died: the procs and where they wait; None when some rank was free."""
@@ -345,17 +350,24 @@ def shared_hosts(conns: Iterable[_Between], nhosts: int) -> tuple[int, ...]:
 def detect_partition(a: Analysis) -> list[Verdict]:
     inc = a.incident
     fates = a.fates
-    if not fates and not inc.links:
+    probed = probe_finding(inc) if len(inc.probes) else None
+    if not fates and not inc.links and probed is None:
         return []
     stalled = stalled_together(inc)
+    if stalled is None and probed is not None and inc.stall_triggers and not _died(inc):
+        stalled = {}  # an agent saw the job stand still; its calls were queued, not blocked
     if stalled is not None:
         dead = [f for f in fates if f.dead and not f.other]
         hosts = _narrowed(inc, shared_hosts(dead, len(inc.hosts)), stalled)
         if not hosts:  # no TCP account (RDMA traffic): a link the ranks use went down
             hosts = tuple(sorted({lk.host for lk in _down_links(inc, stalled)}))
             hosts = hosts if len(hosts) == 1 or (len(hosts) == 2 and len(inc.hosts) == 2) else ()
+        if probed is not None and (len(probed.hosts) == 1 or not hosts):
+            hosts = probed.hosts  # the probes reach every pair, whatever carried data
+        else:
+            probed = None
         if hosts:
-            return [_stall_verdict(a, hosts, dead, stalled)]
+            return [_stall_verdict(a, hosts, dead, stalled, probed)]
     flap = _flap(a)
     if flap is not None:
         return [flap]
@@ -434,7 +446,11 @@ def _hosts_verdict(
 
 
 def _stall_verdict(
-    a: Analysis, hosts: tuple[int, ...], dead: list[ConnFate], stalled: dict[int, tuple[int, int]]
+    a: Analysis,
+    hosts: tuple[int, ...],
+    dead: list[ConnFate],
+    stalled: dict[int, tuple[int, int]],
+    probed: ProbeFinding | None = None,
 ) -> Verdict:
     inc = a.incident
     names = _names(inc, hosts)
@@ -461,6 +477,9 @@ def _stall_verdict(
             "one link look alike; every rank waits"
         )
     evidence = _link_lines(inc, hosts) + _connection_lines(inc, dead) + _blocked_lines(a, stalled)
+    if probed is not None:
+        summary = f"{finding_summary(inc, probed)}; every rank waits"
+        evidence = [*probed.lines, *evidence]
     return _hosts_verdict(inc, VerdictKind.NETWORK_PARTITION, hosts, summary, evidence)
 
 

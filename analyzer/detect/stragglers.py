@@ -692,7 +692,8 @@ def detect_stragglers(a: Analysis) -> list[Verdict]:
         named.add(s.proc)
         if s.proc in heavy:
             out.append(_straggler_verdict(a, s, VerdictKind.CPU_INTERFERENCE))
-        elif a.incident.procs[s.proc].host not in lossy:
+        elif a.incident.procs[s.proc].host not in lossy and a.slow_link is None:
+            # (behind a slow link, ranks arrive late in the order it holds them)
             v = _straggler_verdict(a, s, VerdictKind.COMPUTE_STRAGGLER)
             out.append(_with_reading(a, v, s.proc, readers))
     for proc in sorted(heavy - named):  # starved, and late (if less consistently)

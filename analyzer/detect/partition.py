@@ -478,7 +478,8 @@ def _stall_verdict(
         )
     evidence = _link_lines(inc, hosts) + _connection_lines(inc, dead) + _blocked_lines(a, stalled)
     if probed is not None:
-        summary = f"{finding_summary(inc, probed)}; every rank waits"
+        if not down:  # a carrier lost says more than what the probes found beyond it
+            summary = f"{finding_summary(inc, probed)}; every rank waits"
         evidence = [*probed.lines, *evidence]
     return _hosts_verdict(inc, VerdictKind.NETWORK_PARTITION, hosts, summary, evidence)
 

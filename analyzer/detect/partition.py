@@ -358,13 +358,14 @@ def detect_partition(a: Analysis) -> list[Verdict]:
         stalled = {}  # an agent saw the job stand still; its calls were queued, not blocked
     if stalled is not None:
         dead = [f for f in fates if f.dead and not f.other]
-        hosts = _narrowed(inc, shared_hosts(dead, len(inc.hosts)), stalled)
+        hosts = shared_hosts(dead, len(inc.hosts))
+        hosts = _narrowed(inc, hosts, stalled) if stalled else hosts
         if not hosts:  # no TCP account (RDMA traffic): a link the ranks use went down
             hosts = tuple(sorted({lk.host for lk in _down_links(inc, stalled)}))
             hosts = hosts if len(hosts) == 1 or (len(hosts) == 2 and len(inc.hosts) == 2) else ()
         if probed is not None and (len(probed.hosts) == 1 or not hosts):
             hosts = probed.hosts  # the probes reach every pair, whatever carried data
-        else:
+        elif probed is not None and probed.hosts != hosts:
             probed = None
         if hosts:
             return [_stall_verdict(a, hosts, dead, stalled, probed)]

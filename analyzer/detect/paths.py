@@ -175,7 +175,7 @@ def _finding(
 ) -> ProbeFinding:
     host = hosts[0]
     others = peers or [hosts[1]]
-    way = _way(report, host, others) if len(hosts) == 1 else "unknown"
+    way = _way(report, host, others)  # of a pair: as seen from its first host
     sizes = sorted({z for a, b in bad for z in report.sizes(a, b) if z != TCP_SIZE})
     crossed, lost = _sizes(report, bad)
     above, lost_at = None, None
@@ -257,8 +257,13 @@ def finding_summary(inc: Incident, f: ProbeFinding) -> str:
     """One line for people: what the probes found."""
     names = [inc.hosts[h] for h in f.hosts]
     if len(names) == 2:
-        where = f"between {names[0]} and {names[1]}"
-        return f"probes {where} were lost both ways; with two hosts nothing tells which one"
+        a, b = names
+        lost = {"in": f"from {b} to {a} are lost, from {a} to {b} they pass",
+                "out": f"from {a} to {b} are lost, from {b} to {a} they pass"}.get(f.way)  # fmt: skip
+        if f.above is not None:
+            lost = f"above {f.above} bytes between {a} and {b} are lost, small ones pass"
+        what = f"packets {lost}" if lost else f"probes between {a} and {b} are lost"
+        return f"{what}; with two hosts nothing tells whose link it is"
     name = names[0]
     if f.above is not None:
         return (

@@ -138,6 +138,13 @@ def test_two_hosts_are_a_pair() -> None:
     assert f is not None and f.hosts == (0, 1)
 
 
+def test_two_hosts_cut_one_way_are_a_pair_with_the_direction() -> None:
+    f = finding(2, lambda s, d, z: d != 1)
+    assert f is not None and f.hosts == (0, 1)
+    text = paths.finding_summary(incident(2), f)
+    assert text.startswith("packets from node0 to node1 are lost, from node1 to node0 they pass")
+
+
 def test_lost_probes_on_two_separate_pairs_name_nobody() -> None:
     f = finding(4, lambda s, d, z: {s, d} not in ({0, 1}, {2, 3}))
     assert f is None

@@ -258,8 +258,11 @@ def finding_summary(inc: Incident, f: ProbeFinding) -> str:
     names = [inc.hosts[h] for h in f.hosts]
     if len(names) == 2:
         a, b = names
-        lost = {"in": f"from {b} to {a} are lost, from {a} to {b} they pass",
-                "out": f"from {a} to {b} are lost, from {b} to {a} they pass"}.get(f.way)  # fmt: skip
+        ways = {
+            "in": f"from {b} to {a} are lost, from {a} to {b} they pass",
+            "out": f"from {a} to {b} are lost, from {b} to {a} they pass",
+        }
+        lost = ways.get(f.way)
         if f.above is not None:
             lost = f"above {f.above} bytes between {a} and {b} are lost, small ones pass"
         what = f"packets {lost}" if lost else f"probes between {a} and {b} are lost"

@@ -25,7 +25,8 @@ the TCP ring's, ``with_states``) is here too: it tells whether each
 connection was still unacknowledged when the dump was taken.
 
 Known limits: a connection opened between two readings of the job's
-sockets is sampled from the next (``ENDPOINTS_S`` at most); interfaces and
+sockets is sampled from the next (``ENDPOINTS_S`` at most; the next tick
+after a sample found a job connection closed); interfaces and
 addresses are those of the agent's network namespace: in ``host`` scope the
 connections of ranks in other namespaces are sampled with no interface.
 """
@@ -309,6 +310,8 @@ class NetSampler:
             conns[:] = [c for c in conns if c in infos]
         for c in gone:
             del self._owners[c]
+        if gone:  # a job that closes connections opens others (a bootstrap's, a reconnect)
+            self._endpoints_due = 0.0
         conns = list(infos)
         ifindexes = [self._iface_of.get(c, UNKNOWN_U32) for c in conns]
         rows = conn_rows(ts, conns, [infos[c] for c in conns],

@@ -108,11 +108,28 @@ def test_a_one_way_cut_names_the_host_and_the_direction() -> None:
 
 
 def test_without_the_peers_counts_a_lost_probe_has_no_direction() -> None:
-    """The cut host's agent left no probe rows (its dump lost, its agent
-    gone): nothing says whether probes to it arrived."""
-    rows = probe_rows(3, lambda s, d, z: d != 1)
+    """The cut host's agent left no probe rows (its dump lost): its kernel's
+    unanswered echoes name it, and nothing says whether probes to it arrived."""
+    rows = probe_rows(3, lambda s, d, z: d != 1, kinds=(ProbeKind.UDP, ProbeKind.ICMP))
     f = paths.probe_finding(incident(3, rows[rows["host"] != 1]))
     assert f is not None and f.hosts == (1,) and f.way == "unknown"
+
+
+def test_a_host_whose_agent_is_gone_is_no_lost_path() -> None:
+    """Node 1's agent is dead: its responder answers no datagram and accepts
+    no TCP probe, while its kernel answers every echo.  Paths that carry the
+    echoes are not cut; only ICMP is evidence for a host whose agent left no
+    probe rows."""
+    rows = probe_rows(3, lambda s, d, z: True, kinds=(ProbeKind.UDP, ProbeKind.ICMP))
+    mine = rows[rows["host"] != 1]
+    dead = (mine["dst"] == 1) & (mine["kind"] == ProbeKind.UDP)
+    mine["answered"][dead] = 0
+    mine["outcome"][dead] = ProbeOutcome.LOST
+    assert paths.probe_finding(incident(3, mine)) is None
+    mine["answered"][mine["dst"] == 1] = 0  # the echoes lost too: the host is cut
+    mine["outcome"][mine["dst"] == 1] = ProbeOutcome.LOST
+    f = paths.probe_finding(incident(3, mine))
+    assert f is not None and f.hosts == (1,)
 
 
 def test_a_peer_dump_read_before_the_probes_came_counts_nothing() -> None:

@@ -402,7 +402,7 @@ def test_missing_tools_is_one_line_and_exit_2() -> None:
     run = lab_run("--steps", "2", env=env)
     assert run.code == 2
     assert run.err.strip().count("\n") == 0
-    assert "the lab needs ip, nft, tc, nsenter on PATH" in run.err
+    assert "the lab needs ip, nft, tc, nsenter, ethtool on PATH" in run.err
 
 
 @pytest.mark.lab

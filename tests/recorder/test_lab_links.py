@@ -31,7 +31,7 @@ SPEC = "linkdown:node=1,step=15,ms=2000"
 
 def _lab_run(folder: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "stallwatch", "lab", "run", "--json", "--nodes", "2",
-           "--ranks-per-node", "2", "--steps", "40", "--record", "--dump-at-end",
+           "--ranks-per-node", "2", "--steps", "80", "--record", "--dump-at-end",
            "--dump-dir", str(folder), "--stall-timeout", "20", "--timeout", "150",
            "--fault", SPEC]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)

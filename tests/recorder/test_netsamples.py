@@ -146,3 +146,45 @@ def test_a_connection_throttled_then_cut_is_seen_second_by_second() -> None:
     assert tbf["qdisc_overlimits"].max() > 0 and tbf["qdisc_bytes"].max() > 0
     assert (np.diff(eth["tx_bytes"].astype(np.int64)) >= 0).all()
     assert eth["tx_bytes"][-1] > eth["tx_bytes"][0] and (eth["mtu"] == 1500).all()
+
+
+class _Sockets:
+    """A seam for the kernel's socket tables: the job's connections as a list
+    the test changes; each open one answers with an empty tcp_info."""
+
+    def __init__(self, conns: list[tuple[bytes, bytes, int, int, int]]) -> None:
+        self.conns = conns
+        self.reads = 0
+
+    def job_sockets(self, pids: object) -> JobSockets:
+        self.reads += 1
+        return JobSockets(connections={c: 7 for c in self.conns}, netns={c: 1 for c in self.conns})
+
+    def tcp_infos(self, conns: dict[int, list[tuple[bytes, bytes, int, int, int]]]) -> dict:
+        return {c: b"" for cs in conns.values() for c in cs if c in self.conns}
+
+
+def _conn(port: int) -> tuple[bytes, bytes, int, int, int]:
+    return (_ip("10.0.0.1").ljust(16, b"\0"), _ip("10.0.0.2").ljust(16, b"\0"), port, 9000, 2)
+
+
+def test_connections_opened_as_others_close_are_sampled_from_the_next_tick() -> None:
+    """A job's bootstrap connections close as its mesh opens: the sample that
+    finds them gone has the job's sockets read again at the next tick, not
+    ``ENDPOINTS_S`` later (the mesh went unsampled for 5 s)."""
+    now = [0]
+    reader = _Sockets([_conn(1)])
+    config = NetSampleConfig(conn_slots=64, iface_slots=8, period_s=1.0)
+    sampler = NetSampler(config, reader=reader, route=None, clock=lambda: now[0])  # type: ignore[arg-type]
+
+    def tick_at(seconds: float) -> int:
+        now[0] = int(seconds * 1e9)
+        return sampler.tick(lambda: [7], lambda js: None)
+
+    assert tick_at(0.0) == 1
+    reader.conns = [_conn(2), _conn(3)]  # the bootstrap's closed, the mesh's open
+    assert tick_at(1.0) == 0  # the old one is gone: nothing to sample
+    assert tick_at(1.2) == 0 and reader.reads == 2  # read again at once (due: sampled at 2.2)
+    assert tick_at(2.2) == 2
+    assert {int(p) for p in sampler.latest["sport"]} == {2, 3}
+    assert tick_at(3.2) == 2 and reader.reads == 2  # nothing closed: not read again before 5 s

@@ -84,6 +84,9 @@ AGENT_SCOPES = (NETNS_SCOPE, HOST_SCOPE)
 HOST_AGENT_IP = "127.0.0.1"  # the host agent, where the switch has no address of its own
 AGENT_START_TIMEOUT = 90.0
 DUMP_GRACE = 20.0  # after the job is given up: time for agents to dump
+# `stallwatch record`'s own --stall-timeout (its agents run as processes: the
+# lab imports nothing of theirs; a test holds the two equal)
+AGENT_CEILING_S = 60.0
 HOGS_PER_RANK = 2
 HOG_CODE = (  # the comment names the run, so leftovers can be found
     "# {run_dir}\nimport os\nos.sched_setaffinity(0, {{{cpu}}})\nos.nice({nice})\n"
@@ -943,6 +946,13 @@ def end_dumps(folder: Path) -> list[Path]:
     return out
 
 
+def agent_bound(cfg: RunConfig) -> float:
+    """The longest the agents let a communicator stand still unraised: the
+    lab's stall timeout, or as deployed (``--agent-defaults``) their own
+    ceiling (a job given up by the lab is not killed before they dump it)."""
+    return max(cfg.stall_timeout, AGENT_CEILING_S) if cfg.agent_defaults else cfg.stall_timeout
+
+
 def wait_for_dumps(lab: Lab) -> None:
     """Every node's agent writes a dump raised since its node's ranks last
     moved or a rank exited (a stall after a slowdown: a dump of the slowdown
@@ -953,7 +963,7 @@ def wait_for_dumps(lab: Lab) -> None:
     touched had time to raise the stall again (``Chaos.settled``)."""
     chaos = lab.chaos
     grace = DUMP_GRACE + (CHAOS_GRACE if chaos is not None and chaos.faults else 0)
-    deadline = time.monotonic() + lab.cfg.stall_timeout + grace
+    deadline = time.monotonic() + agent_bound(lab.cfg) + grace
     gone = chaos.gone_nodes() if chaos is not None else set()
     nodes = [s.index for s in lab.sites() if s.index not in gone]  # dumped by pinned_dumps
     lab.narrator.phase()

@@ -61,7 +61,7 @@ from .slowdown import (
     network_evidence,
 )
 from .source import EventSource
-from .stallbound import DEFAULT_FLOOR_S, StallBounds
+from .stallbound import DEFAULT_CEILING_S, DEFAULT_FLOOR_S, StallBounds
 from .tickstate import CommProgress, ProcessState, Slowdown, TickState
 from .verdicts import Judge, publisher_of
 from .watchdog import DumpScheduler, Incidents, Watchdog
@@ -80,7 +80,7 @@ PEER_TIMEOUT_S = 5.0  # a peer answers once its dump is written (after 2 s of pr
 @dataclass(frozen=True, slots=True)
 class AgentConfig:
     dump_dir: Path = Path("dumps")
-    stall_timeout_s: float = 60.0  # the ceiling of every communicator's stall bound
+    stall_timeout_s: float = DEFAULT_CEILING_S  # the ceiling of every communicator's stall bound
     stall_floor_s: float = DEFAULT_FLOOR_S  # and its floor (recorder.stallbound)
     libs: tuple[str, ...] = ()
     pids: tuple[int, ...] = ()

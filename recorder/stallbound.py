@@ -61,6 +61,10 @@ SECOND_NS = 1_000_000_000
 # a verdict within 10 s of a hang, of which gathering the verdict from every
 # node's dump takes 3-5 s on a loaded node (bench/verdict_latency.py).
 DEFAULT_FLOOR_S = 5.0
+# The ceiling: no collective stands still longer than this unraised, and a
+# communicator with nothing in flight (its calls returned, its work queued on
+# a device) is a stall after this long without progress.
+DEFAULT_CEILING_S = 60.0
 TCP_RTO_MIN_S = 0.2
 TCP_RETRIES1 = 3
 TCP_SUSPECT_S = TCP_RTO_MIN_S * (2 ** (TCP_RETRIES1 + 1) - 1)  # 3.0 s

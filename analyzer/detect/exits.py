@@ -10,15 +10,21 @@ rank killed by a signal (it did not react to anything) is the cause of an
 error exit, never the reverse.  A desync is the cause of the error exits of
 its communicator's members that were alive when it was entered: a rank that
 met a mismatched collective fails in it, or at the next synchronisation on
-its stream (the recorder sees no error there), and exits with an error."""
+its stream (the recorder sees no error there), and exits with an error.
+Ranks ended by a signal from outside (``ENDING_SIGNALS``) after they
+entered a stuck collective that a member never entered were waiting for
+that member: whatever killed them ended a stalled job (a launcher tearing
+it down), and the member is the finding."""
 
 from __future__ import annotations
+
+import signal
 
 import numpy as np
 
 from stallwatch.dumpers.schema import op_name
 
-from ..incident import SKEW_NS, Proc
+from ..incident import SKEW_NS, Lag, MemberState, Proc
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, last_call_text, member_text, primary
 
@@ -78,6 +84,35 @@ def _after_desync(a: Analysis, dead: list[int]) -> set[int]:
     return out
 
 
+# the signals something outside the process sends to end it (a launcher, an
+# operator, the OOM killer): never a crash of its own (SIGSEGV, SIGABRT, ...)
+ENDING_SIGNALS = frozenset({signal.SIGHUP, signal.SIGINT, signal.SIGKILL, signal.SIGTERM})
+
+
+def _killed_waiting(a: Analysis, dead: list[int]) -> set[int]:
+    """Ranks ended by a signal from outside while they stood at a stuck
+    collective that a member never entered, behind at no collective
+    themselves: they waited for that member, and something ended the job (its
+    launcher, an operator); their deaths are the stall's consequence."""
+    procs = a.incident.procs
+    stuck = [f for f in a.frontiers if f.stuck]
+    behind = {
+        m.proc for f in stuck for m in f.laggards if m.proc >= 0 and f.lag(m) is not Lag.OLDER
+    }
+    out: set[int] = set()
+    for f in stuck:
+        if not any(m.proc in behind for m in f.laggards) or f.began is None:
+            continue
+        for m in f.members:
+            if m.state is not MemberState.AT_FRONTIER or m.proc not in dead or m.proc in behind:
+                continue
+            p = procs[m.proc]
+            ended = p.exit_signal is not None and p.exit_signal in ENDING_SIGNALS
+            if ended and p.exit_wall_ns is not None and p.exit_wall_ns > f.began + SKEW_NS:
+                out.add(m.proc)
+    return out
+
+
 def _failed_calls(a: Analysis) -> set[int]:
     """Procs whose last call returned an error: they died of a peer's death."""
     rows = a.incident.calls.rows
@@ -100,9 +135,12 @@ def detect_rank_exited(a: Analysis) -> list[Verdict]:
     if not dead:
         return []
     after = _consequences(a, dead) | _after_desync(a, dead)
-    culprits = [i for i in dead if i not in after]
+    waited = _killed_waiting(a, dead)
+    culprits = [i for i in dead if i not in after and i not in waited]
     if not culprits and a.disagreements:
         return []  # they exited on the error a desync caused: the desync is the finding
+    if not culprits and waited:
+        return []  # killed while they waited for a rank that never came: the stall is the finding
     culprits = culprits or _earliest(a, dead)
     out = []
     for i in culprits:

@@ -129,7 +129,7 @@ def path_report(inc: Incident) -> PathReport:
         if int(r["sent"]) == 0 or int(r["outcome"]) == ProbeOutcome.ERROR:
             continue  # nothing left this host: no evidence of the path
         if int(r["kind"]) != ProbeKind.ICMP and dst not in probing:
-            continue  # answered by the peer's agent, which is not known to have run; the kernel answers ICMP
+            continue  # the peer's agent answers these, not known to run; its kernel, echoes
         c = report.at(src, dst, size)
         if counted[(src, dst, size)] > 0:
             continue  # it arrived; the answer was lost on the way back (told by the other way)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from stallwatch.dumpers.errors import ExitCode, UsageError
 from stallwatch.query.tls import ClientTls, ServerTls
 from stallwatch.recorder.rings import check_ring_size
-from stallwatch.recorder.stallbound import DEFAULT_FLOOR_S
+from stallwatch.recorder.stallbound import DEFAULT_CEILING_S, DEFAULT_FLOOR_S
 
 from .options import (
     HelpFormatter,
@@ -91,7 +91,7 @@ def _add_recording_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stall-timeout",
         type=float,
-        default=60.0,
+        default=DEFAULT_CEILING_S,
         metavar="SEC",
         help="the ceiling: dump when a communicator made no progress this long, or a call "
         "stood still this long whatever its communicator's own bound",

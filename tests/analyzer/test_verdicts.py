@@ -15,7 +15,15 @@ from stallwatch.analyzer.detect.cpu import sched_delays
 from stallwatch.analyzer.pipeline import analyze_incident, analyze_paths, group_incidents
 from stallwatch.analyzer.verdict import Verdict, VerdictKind
 from stallwatch.dumpers.model import Recording, Ring
-from stallwatch.dumpers.schema import PREV_PID_UNKNOWN, SCHED_EVENT, TCP_EVENT, State, TcpEvent
+from stallwatch.dumpers.schema import (
+    EXIT_EVENT,
+    PREV_PID_UNKNOWN,
+    SCHED_EVENT,
+    TCP_EVENT,
+    ExitEvent,
+    State,
+    TcpEvent,
+)
 from tests.analyzer.synth import MS, Job, _addr, host_of, pid_of, recordings, with_
 
 BASE = Job()
@@ -462,3 +470,43 @@ def test_rows_of_processes_outside_the_agents_scope_are_ignored() -> None:
     (inc,) = group_incidents([Source(r.host, r) for r in recs])
     assert 4242 not in {p.pid for p in inc.procs}
     assert kinds(list(analyze_incident(inc).verdicts)) == [VerdictKind.HEALTHY]
+
+
+def _ended(recs: list[Recording], sig: dict[int, int], before_dump_ms: float) -> list[Recording]:
+    """Ranks ended by a signal ``before_dump_ms`` before their node's dump
+    (as the kernel's exit ring records it)."""
+    out = []
+    for rec in recs:
+        mine = [p.pid for p in rec.processes if p.pid in sig]
+        x = np.zeros(len(mine), dtype=EXIT_EVENT)
+        for i, pid in enumerate(mine):
+            x[i]["pid"], x[i]["event"], x[i]["signal"] = pid, ExitEvent.SIGNAL, sig[pid]
+            x[i]["code"] = -1
+            x[i]["ts_ns"] = rec.clock.monotonic_ns - int(before_dump_ms * MS)
+        rings = dict(rec.rings, exit=Ring(x))
+        out.append(dataclasses.replace(rec, rings=rings))
+    return _exited(out, {pid: (None, s) for pid, s in sig.items()})
+
+
+@pytest.mark.parametrize("mode", ["blocking", "async"])
+@pytest.mark.parametrize("sig", [9, 15])
+def test_ranks_killed_while_they_waited_for_a_hung_rank_are_not_its_cause(
+    mode: str, sig: int
+) -> None:
+    """Rank 3 hangs; seconds later its launcher kills every rank (the waiting
+    ones and the hung one).  The waiting ranks' deaths ended a stall that had
+    begun: only rank 3 is named."""
+    recs = recordings(with_(BASE, mode=mode, hang=(3, 30)))
+    vs = _judged(_ended(recs, {pid_of(r): sig for r in range(BASE.nranks)}, 1000.0))
+    assert [v.ranks for v in vs] == [(3,)], vs
+    vs = _judged(_ended(recs, {pid_of(r): sig for r in range(BASE.nranks) if r != 3}, 1000.0))
+    assert kinds(vs) == [VerdictKind.MISSING_RANK] and vs[0].ranks == (3,), vs  # it is alive
+
+
+def test_a_rank_that_crashed_while_it_waited_is_still_named() -> None:
+    """A crash of its own (SIGSEGV) in a waiting rank is no launcher's kill:
+    it is named beside the hung rank."""
+    recs = recordings(with_(BASE, hang=(3, 30)))
+    vs = _judged(_ended(recs, {pid_of(1): 11}, 1000.0))
+    assert VerdictKind.RANK_EXITED in kinds(vs)
+    assert next(v for v in vs if v.kind is VerdictKind.RANK_EXITED).ranks == (1,)

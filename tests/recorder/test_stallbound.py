@@ -207,3 +207,17 @@ def test_the_watchdog_raises_at_the_bound_and_says_what_set_it() -> None:
     assert trig.kind is TriggerKind.IN_FLIGHT
     assert "bound 5 s, set by the floor" in trig.reason
     assert "rhythm" in trig.reason and "ceiling 60 s" in trig.reason
+
+
+def test_the_lab_waits_for_the_agents_own_ceiling() -> None:
+    """A lab run with the agents as deployed waits for their dumps as long as
+    their own ceiling: it kills no job they have not yet raised."""
+    import argparse
+
+    from stallwatch.commands import record
+    from stallwatch.lab import runner
+
+    parser = argparse.ArgumentParser()
+    record.register(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["record"]).stall_timeout == sb.DEFAULT_CEILING_S
+    assert runner.AGENT_CEILING_S == sb.DEFAULT_CEILING_S

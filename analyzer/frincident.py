@@ -11,8 +11,9 @@ be read still names its rank: that member has no dump.
 
 ``pg_status`` progress counters (per ``pg_id``, which is each rank's own
 count of its groups: the same number names different groups on different
-ranks) are mapped to a group through the rank's own entries, else through the
-``pg_id`` its group mates use for the group.  Their unit is the backend's:
+ranks) are mapped to a group through the rank's own file only: its entries,
+else its pg_config (its groups in the order it made them), never another
+rank's pg_ids.  Their unit is the backend's:
 gloo counts every op (``op_id``, send and recv included, which gloo never
 records), translated through the rank's entries; NCCL counts collectives and
 p2p ops apart in one counter, so groups with p2p ops are left out.
@@ -367,15 +368,14 @@ def _failed(
         out["end"][hit] = end
 
 
-def _pg_labels(
-    dumps: list[FrDump], labels: Labels
-) -> tuple[list[dict[int, str | None]], dict[int, set[str]], set[str]]:
-    """Per dump, pg_id -> the communicator its own entries name (None where
-    they name several: recorders of two backends in one file number their
-    groups each from 0); over all dumps, pg_id -> every communicator named
-    with it; and the communicators with p2p entries."""
+def _pg_labels(dumps: list[FrDump], labels: Labels) -> tuple[list[dict[int, str | None]], set[str]]:
+    """Per dump, pg_id -> the communicator it names on that rank (None where
+    its own entries name several: recorders of two backends in one file
+    number their groups each from 0), and the communicators with p2p
+    entries.  A pg_id is the rank's own count of its groups: the same number
+    names other groups on other ranks, so only the rank's own file says
+    which group it is (``_pg_ids_of``)."""
     own: list[dict[int, str | None]] = []
-    anywhere: dict[int, set[str]] = defaultdict(set)
     p2p: set[str] = set()
     for d in dumps:
         e = d.entries
@@ -388,11 +388,42 @@ def _pg_labels(
                 for pg_id in np.unique(e["pg_id"][key == k]).tolist():
                     seen = mine.get(int(pg_id), labs[pg])
                     mine[int(pg_id)] = labs[pg] if seen == labs[pg] else None
-                    anywhere[int(pg_id)].add(labs[pg])
                 if is_p2p:
                     p2p.add(labs[pg])
+        for pg_id, name in _pg_ids_of(d, mine).items():
+            mine.setdefault(pg_id, _label_of(labels, name, d))
         own.append(mine)
-    return own, anywhere, p2p
+    return own, p2p
+
+
+def _pg_ids_of(d: FrDump, named: dict[int, str | None]) -> dict[int, str]:
+    """pg_id -> group name, from the rank's own file where its entries do
+    not say: torch numbers a rank's groups (pg_id) in the order the rank
+    created them and names groups by a counter in creation order, so where
+    its pg_status holds as many groups as its pg_config holds groups it is
+    a member of, all named by numbers, the two orders pair them up; read
+    only when every pg_id its entries name agrees with that pairing."""
+    mine = [n for n, ranks in d.pg_ranks.items() if d.rank in ranks]
+    if not mine or len(mine) != len(d.pg_status) or not all(n.isdigit() for n in mine):
+        return {}
+    pairs = dict(zip(sorted(d.pg_status), sorted(mine, key=int), strict=True))
+    if any(
+        name is not None and pairs.get(pg_id) != _name_of(name) for pg_id, name in named.items()
+    ):
+        return {}
+    return pairs
+
+
+def _name_of(label: str) -> str:
+    return _split_label(label)[0]
+
+
+def _label_of(labels: Labels, name: str, d: FrDump) -> str | None:
+    """The communicator of a group name in a dump of its backend (any, for
+    a dump without entries), if one."""
+    backends = set(_backends(d))
+    found = {lab for (n, b), lab in labels.items() if n == name and (not backends or b in backends)}
+    return found.pop() if len(found) == 1 else None
 
 
 def _progress(
@@ -405,7 +436,7 @@ def _progress(
     may be failures), and the hook's counters changed units between torch
     versions (op ids, then seqs): they are not used, nor are a file's that
     holds two backends' recorders."""
-    own, anywhere, p2p = _pg_labels(dumps, labels)
+    own, p2p = _pg_labels(dumps, labels)
     by_label = _label_keys(labels)
     out = []
     for d, mine in zip(dumps, own, strict=True):
@@ -413,10 +444,7 @@ def _progress(
             continue  # recorders of two backends in one file: whose counter is whose?
         for pg_id, (enq, done) in d.pg_status.items():
             lab = mine.get(pg_id)
-            if pg_id not in mine:
-                cands = [n for n in anywhere.get(pg_id, ()) if d.rank in members[n]]
-                lab = cands[0] if len(cands) == 1 else None
-            if lab is None or d.rank not in members[lab]:
+            if lab is None or lab not in members or d.rank not in members[lab]:
                 continue
             backend = by_label[lab][1]
             if is_hooked(backend) or (d.backend and backend != d.backend):

@@ -18,7 +18,7 @@ import numpy as np
 
 from stallwatch.dumpers.schema import Op, State
 
-from .incident import Frontier, Incident, Member, MemberState
+from .incident import Frontier, Incident, Lag, Member, MemberState
 from .match import Matched
 
 ROOTED_OPS = np.array([Op.BROADCAST, Op.REDUCE, Op.GATHER, Op.SCATTER], dtype=np.uint8)
@@ -112,7 +112,64 @@ def frontiers(inc: Incident, m: Matched, proc_host: list[int]) -> tuple[Frontier
     for comm in np.flatnonzero(top >= 0).tolist():
         f = _frontier_of(inc, m, comm, int(top[comm]), members, complete, cols)
         out.append(_with_moments(inc, m, f, int(m.pair_offset[comm]), when))
-    return tuple(out)
+    return tuple(_waits_behind(_older_elsewhere(out)))
+
+
+def _older_elsewhere(fronts: list[Frontier]) -> list[Frontier]:
+    """Members whose dump is proven older on one communicator marked so on
+    every other: their peers' completions there prove they went on after
+    their dumps were read, so where the dumps show them on any communicator
+    is old too (a pipeline stage read before it forwarded, whose next stage
+    waits in the broadcast it then never sent: the broadcast's root is not
+    recorded, so its receiver's completions prove nothing of it)."""
+    older = {m.proc for f in fronts for m in f.laggards if f.went_on(m)}
+    out = []
+    for f in fronts:
+        if any(m.proc in older for m in f.laggards):
+            members = tuple(
+                dataclasses.replace(m, older_elsewhere=True) if m.proc in older else m
+                for m in f.members
+            )
+            f = dataclasses.replace(f, members=members)
+        out.append(f)
+    return out
+
+
+def _waits_behind(fronts: list[Frontier]) -> list[Frontier]:
+    """Each stuck frontier that none left with the procs that wait for it
+    from elsewhere (``Frontier.behind_it``): in flight at another such
+    frontier one of whose laggards (its dump not proven older) stands at
+    this one (ranks in the world's all_reduce wait for one blocked in its
+    pair's collective), or further along such a chain.  A group of two has
+    at most one member standing at its frontier; the ranks held behind it
+    are what show it stood still."""
+    held = [i for i, f in enumerate(fronts) if f.stuck and f.laggards and not f.left]
+    if len(held) < 2:
+        return fronts
+    stands: dict[int, list[int]] = {}  # proc -> the held frontiers it stands at
+    for i in held:
+        for x in fronts[i].standing:
+            stands.setdefault(x.proc, []).append(i)
+    waiting_on: dict[int, set[int]] = {}  # frontier -> the frontiers that wait for it
+    for i in held:
+        # a laggard whose dump is proven older (it went on after it) does not
+        # hold this frontier up from where its dump shows it
+        for x in (x for x in fronts[i].laggards if fronts[i].lag(x) is not Lag.OLDER):
+            for j in stands.get(x.proc, ()):
+                if j != i:
+                    waiting_on.setdefault(j, set()).add(i)
+    out = list(fronts)
+    for j in waiting_on:
+        chain, todo = {j}, [j]
+        while todo:
+            for k in waiting_on.get(todo.pop(), ()):
+                if k not in chain:
+                    chain.add(k)
+                    todo.append(k)
+        own = {x.proc for x in fronts[j].standing}
+        behind = {x.proc for k in chain - {j} for x in fronts[k].standing} - own
+        out[j] = dataclasses.replace(fronts[j], behind_it=tuple(sorted(behind)))
+    return out
 
 
 def _ended_before(m: Matched, comm: int, f: int) -> bool:

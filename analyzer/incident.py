@@ -533,6 +533,10 @@ class Member:
     # its last call is pending only because how it ended is unknown: it
     # returned (gloo retires a failed work as a finished one)
     returned: bool = False
+    # its dump is proven older on another communicator: its peers there
+    # completed a collective it had not entered when it was read (it went
+    # on after its dump)
+    older_elsewhere: bool = False
 
 
 class Lag(enum.Enum):
@@ -555,15 +559,18 @@ class Frontier:
     # it), -1 if none
     proven: int = -1
     began: int | None = None  # the earliest entry into the frontier (wall clock)
+    # procs standing at other stuck frontiers that wait for this one: a
+    # laggard there stands here (or further along such a chain)
+    behind_it: tuple[int, ...] = ()
 
     def lag(self, m: Member) -> Lag:
         """Completion implies entry: a member whose evidence ends before a
         seq its peers' completions prove it entered, or inside one they
-        completed, was read before it went on.  Otherwise it is behind only
-        if its evidence was taken after the frontier began (beyond the
+        completed, was read before it went on (here, or on another
+        communicator: ``Member.older_elsewhere``).  Otherwise it is behind
+        only if its evidence was taken after the frontier began (beyond the
         clocks' skew)."""
-        running = m.in_flight and not m.returned
-        if 0 <= m.last_seq < self.proven or (running and 0 <= m.last_seq <= self.proven):
+        if self.went_on(m):
             return Lag.OLDER
         if self.began is None or m.moment is None:
             return Lag.UNPROVEN
@@ -571,7 +578,15 @@ class Frontier:
             return Lag.STUCK
         if m.moment_exact and m.moment + SKEW_NS <= self.began:
             return Lag.OLDER
-        return Lag.UNPROVEN
+        # read before it went on elsewhere: where it stood here is no more
+        # recent than that
+        return Lag.OLDER if m.older_elsewhere else Lag.UNPROVEN
+
+    def went_on(self, m: Member) -> bool:
+        """Its peers' completions prove it went on after its dump: it ends
+        before a seq they completed, or inside one."""
+        running = m.in_flight and not m.returned
+        return 0 <= m.last_seq < self.proven or (running and 0 <= m.last_seq <= self.proven)
 
     @property
     def laggards(self) -> tuple[Member, ...]:
@@ -594,18 +609,25 @@ class Frontier:
         )
 
     @property
-    def stood_still(self) -> bool:
-        """The dumps taken last stand at it: it is stuck, two members or more
-        are in flight at its seq, and none returned from it.  A job that goes
-        on while its ranks dump in turn completes its frontier, or has one
-        rank there (the one dumped last): never two standing at one that no
-        member ever leaves."""
-        ended = any(
+    def left(self) -> bool:
+        """Whether a member with a dump returned from its seq."""
+        return any(
             m.last_returned >= self.seq or (m.state is MemberState.AT_FRONTIER and m.returned)
             for m in self.members
             if m.proc >= 0
         )
-        return self.stuck and len(self.standing) >= 2 and not ended
+
+    @property
+    def stood_still(self) -> bool:
+        """The dumps taken last stand at it: it is stuck, two ranks or more
+        wait on it (in flight at its seq, or in flight at another stuck
+        collective none left that waits for one of them: ``behind_it``), and
+        none returned from it.  A job that goes on while its ranks dump in
+        turn completes its frontier, or has one rank there (the one dumped
+        last): never two, dumped at different moments, held by one
+        collective that no member ever leaves."""
+        waiting = len(self.standing) + len(self.behind_it)
+        return self.stuck and waiting >= 2 and not self.left
 
 
 # ---- the detector families' metrics (detect/) ----------------------------------------

@@ -45,11 +45,14 @@ Known limits:
   behind a frontier is stuck when its evidence was taken after the frontier
   began (beyond 50 ms of skew); it was read before it went on when its
   peers' completions prove it entered a later seq, or it was inside a
-  collective they completed.  When some dump is shown older (dumps taken in
-  turn), the dumps taken last decide: where they stand at the frontier
-  (``Frontier.stood_still``), the one member absent from it whose evidence
-  is not shown older is named; with several that cannot be told (a lost
-  dump among them), none is, and the stall is inconclusive.  A staircase
+  collective they completed (on that communicator or another).  When some
+  dump is shown older (dumps taken in turn), the dumps taken last decide:
+  where they stand at the frontier (``Frontier.stood_still``: two ranks or
+  more in flight there, or held behind it in another stuck collective), the
+  one member absent from it whose evidence is not shown older is named; a
+  member waiting in another stuck collective is not a candidate; with
+  several that cannot be told (a lost dump among them), none is, and the
+  stall is inconclusive.  A staircase
   whose latest dumps keep going is healthy.  Without any sign of dumps
   taken in turn, a Flight Recorder rank one collective behind, between
   calls, is indistinguishable from one that stopped there, and is named (a

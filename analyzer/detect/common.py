@@ -125,6 +125,13 @@ def is_world(inc: Incident, comm: int) -> bool:
     return not c.is_split and c.nranks == max(x.nranks for x in inc.comms if not x.is_split)
 
 
+def waiting(a: Analysis) -> frozenset[int]:
+    """Procs in flight at a stuck frontier: absent from another one, they
+    wait here (a rank in its pair's collective is absent from the world's),
+    held up, not a candidate for having stopped."""
+    return frozenset(x.proc for f in a.frontiers if f.stuck for x in f.standing)
+
+
 def primary(a: Analysis, frontiers: list[Frontier]) -> Frontier:
     comms = a.incident.comms
     return min(frontiers, key=lambda f: (-comms[f.comm].nranks, comms[f.comm].comm_hash))

@@ -16,7 +16,7 @@ from stallwatch.dumpers.schema import op_name
 
 from ..incident import Frontier, Lag
 from ..verdict import Verdict, VerdictKind
-from .common import MAX_LISTED, Analysis, primary, world_of
+from .common import MAX_LISTED, Analysis, primary, waiting, world_of
 
 
 def _unseen_ranks(a: Analysis, frontiers: list[Frontier]) -> list[int]:
@@ -72,9 +72,11 @@ def detect_inconclusive(a: Analysis) -> list[Verdict]:
     # dumps taken in turn, the latest standing at the frontier: members whose
     # own dumps lag it, not shown older, are as likely to have stopped as
     # those without a dump (detect.missing.behind names neither)
+    # (but those that wait in another stuck collective: held up, not stopped)
+    held = waiting(a)
     untold = sorted(
         {world_of(inc, g.comm, m.crank) for g in stalls if g.stood_still for m in g.laggards
-         if g.lag(m) is Lag.UNPROVEN} - {-1}
+         if g.lag(m) is Lag.UNPROVEN and m.proc not in held} - {-1}
     )  # fmt: skip
     if untold:
         f = primary(a, stalls)

@@ -112,20 +112,22 @@ def _victims(frontiers: tuple[Frontier, ...]) -> dict[int, bool]:
     """Procs that lag somewhere only because they wait, inside a collective
     of a stuck communicator, for a member that never entered it (a gather's
     root waits for its sources while the others have gone on): proc -> whether
-    only members without a dump are among those it waits for.  One in flight
-    at a stuck frontier that every member known entered waits too: for a
-    member no input shows (a group whose members are known only from the
-    dumps that hold its entries, one of them lost), or for the collective
-    itself; never for a rank seen."""
+    only members that cannot be judged are among those it waits for: without
+    a dump, or whose dumps are proven older (read before they went on: dumps
+    taken in turn).  One in flight at a stuck frontier that every member
+    known entered waits too: for a member no input shows (a group whose
+    members are known only from the dumps that hold its entries, one of them
+    lost), or for the collective itself; never for a rank seen."""
     out: dict[int, bool] = {}
     for f in frontiers:
         if not f.stuck:
             continue
         # someone is behind m when the lowest seq is below m's; only members
-        # without a dump are when every member with one is at m's seq or past
-        # it (one pass per communicator: a world of 131,072 members)
+        # that cannot be judged are when every other member is at m's seq or
+        # past it (one pass per communicator: a world of 131,072 members)
         lowest = min(x.last_seq for x in f.members)
-        lowest_seen = min((x.last_seq for x in f.members if x.proc >= 0), default=NO_SEQ)
+        judged = (x for x in f.members if x.proc >= 0 and not _read_older(f, x))
+        lowest_seen = min((x.last_seq for x in judged), default=NO_SEQ)
         everyone = lowest == max(x.last_seq for x in f.members)
         for m in f.members:
             if m.proc < 0 or not m.in_flight or m.returned or lowest > m.last_seq:
@@ -138,6 +140,11 @@ def _victims(frontiers: tuple[Frontier, ...]) -> dict[int, bool]:
 
 
 NO_SEQ = 1 << 62  # above any seq
+
+
+def _read_older(f: Frontier, m: Member) -> bool:
+    """A laggard whose dump is proven read before it went on."""
+    return m.state in (MemberState.BEHIND, MemberState.NO_ROWS) and f.lag(m) is Lag.OLDER
 
 
 def taken_in_turn(a: Analysis) -> bool:

@@ -27,7 +27,7 @@ from stallwatch.dumpers.schema import op_name
 
 from ..incident import Frontier, Lag, Member
 from ..verdict import Verdict, VerdictKind
-from .common import MAX_LISTED, Analysis, primary, world_of
+from .common import MAX_LISTED, Analysis, primary, waiting, world_of
 from .positions import held_waits
 
 STALL_HELD_NS = 1_000_000_000  # thread readings: a wait unchanged this long is a stall
@@ -51,10 +51,11 @@ def stall_evidence(a: Analysis) -> list[str]:
         if f.age_ns is not None:
             out.append(f"{where}: in flight {f.age_ns / 1e9:.1f} s when the dumps were taken")
         else:
-            n = len(f.standing)
+            n, held = len(f.standing), len(f.behind_it)
+            behind = f" and {held} held behind it in other collectives" if held else ""
             out.append(
-                f"{where}: the dumps taken last stand there, {n} ranks in flight, and none "
-                "completed it"
+                f"{where}: the dumps taken last stand there, {n} rank(s) in flight{behind}, "
+                "and none completed it"
             )
     out += held_waits(inc, STALL_HELD_NS)
     return out
@@ -73,10 +74,16 @@ def detect_stall(a: Analysis) -> list[Verdict]:
     f = primary(a, fronts)
     inc = a.incident
     where = f"{op_name(f.op)} seq {f.seq} on {inc.comms[f.comm].name}"
-    absent = [m for g in fronts for m in g.laggards]
-    ranks = tuple(sorted({world_of(inc, g.comm, m.crank) for g in fronts for m in g.laggards}))
+    # a laggard waiting in another stuck collective is held up, not a
+    # candidate, where others are; where every one waits elsewhere, they
+    # share a stall
+    held = waiting(a)
+    everyone = [(g, m) for g in fronts for m in g.laggards]
+    pairs = [(g, m) for g, m in everyone if m.proc not in held] or everyone
+    absent = [m for _, m in pairs]
+    ranks = tuple(sorted({world_of(inc, g.comm, m.crank) for g, m in pairs}))
     if absent:
-        older = [m for g in fronts for m in g.laggards if g.lag(m) is Lag.OLDER]
+        older = [m for g, m in pairs if g.lag(m) is Lag.OLDER]
         elsewhere = _blocked_elsewhere(a, absent)
         if len(older) == len(absent):
             why = (

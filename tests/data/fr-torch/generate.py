@@ -205,6 +205,33 @@ def wrap_job(j: Job) -> None:
             dist.all_reduce(torch.ones(2), group=pair)
 
 
+def halves_job(j: Job) -> None:
+    """World all_reduces and all_reduces in halves (new_subgroups): ranks
+    0..w/2-1 and w/2..w-1 each know their half as their group pg_id 1."""
+    half, _ = dist.new_subgroups(j.world // 2)
+    for step in range(16):
+        dist.all_reduce(torch.ones(8))
+        if step == 12 and j.at("hang"):
+            j.hang()
+        dist.all_reduce(torch.ones(4), group=half)
+
+
+def links_job(j: Job) -> None:
+    """A pipeline of broadcasts, stage r to stage r+1 in a group of the two
+    (new_group per link): every rank's first link is its pg_id 1."""
+    w, r = j.world, j.rank
+    links = [dist.new_group([s, s + 1]) for s in range(w - 1)]
+    for step in range(4):
+        act = torch.zeros(32)
+        if r > 0:
+            dist.broadcast(act, src=r - 1, group=links[r - 1])
+        if step == 2 and j.at("hang"):
+            j.hang()  # never forwards (and so never reaches the reduce)
+        if r < w - 1:
+            dist.broadcast(act + 1, src=r, group=links[r])
+        dist.all_reduce(torch.ones(8))
+
+
 def wrap_buffer(rank: int) -> int:
     return 6 + 3 * rank
 
@@ -229,14 +256,54 @@ def in_turn_job(j: Job) -> None:
     seen: float | None = None  # when it saw the dumps it stops after
     for _ in range(in_turn_steps(j.world, j.spacing_ms)):
         time.sleep(STEP_S)
-        if j.at("hang") and time.monotonic() - t0 > HANG_AT_S:
-            j.hang()
-        if j.at("hang-while-dumped"):
-            if seen is None and j.store.add("fr/dumps", 0) >= j.stop_after_dumps:
-                seen = time.monotonic()
-            if seen is not None and time.monotonic() - seen >= j.spacing_ms / 2e3:
-                j.hang()
+        seen = in_turn_stop(j, t0, seen)
         dist.all_reduce(torch.ones(64))
+
+
+def in_turn_halves_job(j: Job) -> None:
+    """The in-turn job with an all_reduce in halves after each world one
+    (new_subgroups: each half is its members' pg_id 1); rank k stops
+    before its half's all_reduce."""
+    half, _ = dist.new_subgroups(j.world // 2)
+    t0 = time.monotonic()
+    seen: float | None = None
+    for _ in range(in_turn_steps(j.world, j.spacing_ms)):
+        time.sleep(STEP_S)
+        dist.all_reduce(torch.ones(64))
+        seen = in_turn_stop(j, t0, seen)
+        dist.all_reduce(torch.ones(16), group=half)
+
+
+def in_turn_links_job(j: Job) -> None:
+    """The in-turn job as a pipeline of broadcasts (links_job): stage r
+    receives from r-1 and forwards to r+1 in groups of two, then all stages
+    reduce; rank k stops before it forwards."""
+    w, r = j.world, j.rank
+    links = [dist.new_group([s, s + 1]) for s in range(w - 1)]
+    t0 = time.monotonic()
+    seen: float | None = None
+    for _ in range(in_turn_steps(j.world, j.spacing_ms)):
+        time.sleep(STEP_S)
+        act = torch.zeros(32)
+        if r > 0:
+            dist.broadcast(act, src=r - 1, group=links[r - 1])
+        seen = in_turn_stop(j, t0, seen)
+        if r < w - 1:
+            dist.broadcast(act + 1, src=r, group=links[r])
+        dist.all_reduce(torch.ones(16))
+
+
+def in_turn_stop(j: Job, t0: float, seen: float | None) -> float | None:
+    """Stop here for good when the fault says so (see in_turn_job); returns
+    when the culprit saw the dumps it stops after."""
+    if j.at("hang") and time.monotonic() - t0 > HANG_AT_S:
+        j.hang()
+    if j.at("hang-while-dumped"):
+        if seen is None and j.store.add("fr/dumps", 0) >= j.stop_after_dumps:
+            seen = time.monotonic()
+        if seen is not None and time.monotonic() - seen >= j.spacing_ms / 2e3:
+            j.hang()
+    return seen
 
 
 @dataclass(frozen=True)
@@ -433,6 +500,38 @@ SCENARIOS = [
         "missing_rank",
         buffer=wrap_buffer,
     ),
+    Scenario(
+        "halves-healthy",
+        halves_job,
+        "",
+        "world all_reduces and all_reduces in halves (new_subgroups), 16 steps: each half "
+        "is its members' pg_id 1",
+        "healthy",
+    ),
+    Scenario(
+        "halves-hang",
+        halves_job,
+        "hang",
+        "rank k stops before its half's 13th all_reduce (both halves are pg_id 1)",
+        "missing_rank",
+        culprit=lambda w: w // 2 + 1,
+    ),
+    Scenario(
+        "links-healthy",
+        links_job,
+        "",
+        "a pipeline of broadcasts in groups of two stages (new_group per link), then "
+        "all_reduce, 4 steps: a rank's first link is its pg_id 1",
+        "healthy",
+    ),
+    Scenario(
+        "links-hang",
+        links_job,
+        "hang",
+        "stage k stops before its 3rd broadcast to the next stage; the later stages wait "
+        "in their link's broadcast",
+        "missing_rank",
+    ),
 ]
 
 
@@ -464,6 +563,84 @@ for _ms in (50, 200):
                 place=_place,
             )
         )
+HALVES_TEXT = "world all_reduces and all_reduces in halves (each half its members' pg_id 1)"
+SCENARIOS.append(
+    Scenario(
+        "inturn-halves-healthy-50ms",
+        in_turn_halves_job,
+        "",
+        f"{HALVES_TEXT}, 10 ms apart; each rank dumps 50 ms after the one before, while "
+        "the job runs",
+        "healthy",
+        spacing_ms=50,
+    )
+)
+SCENARIOS.append(
+    Scenario(
+        "inturn-halves-hang-50ms",
+        in_turn_halves_job,
+        "hang",
+        f"{HALVES_TEXT}, 10 ms apart; rank k stops before its half's all_reduce after "
+        f"{HANG_AT_S:.0f} s, then each rank dumps 50 ms after the one before",
+        "missing_rank",
+        culprit=lambda w: w // 2 + 1,
+        spacing_ms=50,
+    )
+)
+for _place in ("first", "early", "middle", "late"):
+    SCENARIOS.append(
+        Scenario(
+            f"inturn-halves-hangs-50ms-{_place}",
+            in_turn_halves_job,
+            "hang-while-dumped",
+            f"{HALVES_TEXT}, 10 ms apart; 1 s after every rank runs, the ranks dump 50 ms "
+            "apart; rank k stops for good before its half's all_reduce, halfway between two "
+            f"dumps, once the first ranks in the dump order have dumped; it dumps {_place} "
+            "in that order",
+            "missing_rank",
+            culprit=lambda w: w // 2 + 1,
+            spacing_ms=50,
+            place=_place,
+        )
+    )
+LINKS_TEXT = "a pipeline of broadcasts in groups of two stages (a rank's first link its pg_id 1)"
+SCENARIOS.append(
+    Scenario(
+        "inturn-links-healthy-50ms",
+        in_turn_links_job,
+        "",
+        f"{LINKS_TEXT}, then all_reduce, 10 ms apart; each rank dumps 50 ms after the one "
+        "before, while the job runs",
+        "healthy",
+        spacing_ms=50,
+    )
+)
+SCENARIOS.append(
+    Scenario(
+        "inturn-links-hang-50ms",
+        in_turn_links_job,
+        "hang",
+        f"{LINKS_TEXT}, then all_reduce, 10 ms apart; stage k stops before it forwards after "
+        f"{HANG_AT_S:.0f} s, then each rank dumps 50 ms after the one before",
+        "missing_rank",
+        spacing_ms=50,
+    )
+)
+for _place in ("first", "early", "middle", "late"):
+    SCENARIOS.append(
+        Scenario(
+            f"inturn-links-hangs-50ms-{_place}",
+            in_turn_links_job,
+            "hang-while-dumped",
+            f"{LINKS_TEXT}, then all_reduce, 10 ms apart; 1 s after every rank runs, the "
+            "ranks dump 50 ms apart; stage k stops for good before it forwards, halfway "
+            "between two dumps, once the first ranks in the dump order have dumped; it dumps "
+            f"{_place} in that order",
+            "missing_rank",
+            spacing_ms=50,
+            place=_place,
+        )
+    )
 for _ms in (10, 200):
     SCENARIOS.append(
         Scenario(

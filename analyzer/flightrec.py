@@ -194,15 +194,15 @@ class FrDump:
 class Origin:
     """The ``stallwatch`` section of a file ``stallwatch export
     --flight-recorder`` wrote (``analyzer.frexport``): what Flight Recorder
-    has no field for.  Unknown values are None."""
+    has no field for, which adds to what the file says and never changes
+    it (the seqs are the file's, as torch numbers them; whether the ring
+    wrapped is its record ids').  Unknown values are None."""
 
     pid: int | None
-    window_complete: bool
     exit_code: int | None
     exit_signal: int | None
     exit_wall_ns: int | None
     comms: dict[str, int]  # group name -> our communicator id (its hash)
-    seq_base: int  # what was added to our seqs to count them from 1 as torch does
     # calls that returned an error: (group name, seq, p2p, result, return time)
     errors: tuple[tuple[str, int, bool, int, int], ...] = ()
 
@@ -300,9 +300,6 @@ def _read(path: str, data: bytes) -> FrDump:
         desc.setdefault(name, d)
     status = _pg_status(path, doc.get("pg_status", {}))
     origin = _origin(path, doc.get("stallwatch"))
-    if origin is not None and origin.seq_base:  # our seqs again
-        arr["seq"][~arr["is_p2p"]] -= origin.seq_base
-        status = {k: (e - origin.seq_base, c - origin.seq_base) for k, (e, c) in status.items()}
     return FrDump(
         path,
         rank,
@@ -314,7 +311,7 @@ def _read(path: str, data: bytes) -> FrDump:
         tuple(n for n, _ in names),
         tuple(shape_list),
         arr,
-        start > 0 or _wrapped(entries) or (origin is not None and not origin.window_complete),
+        start > 0 or _wrapped(entries),
         tuple(notes),
         tuple(b for _, b in names),
         origin,
@@ -370,11 +367,10 @@ def _origin(path: str, section: object) -> Origin | None:
         raise DumpFormatError(f"{path}: field 'stallwatch': expected a dict")
     try:
         comms = {str(k): int(str(v), 16) for k, v in section.get("comms", {}).items()}
-        base = int(section.get("seq_base") or 0)
         errors = tuple(
             (
                 str(e["group"]),
-                int(e["seq"]) - (0 if e["p2p"] else base),
+                int(e["seq"]),
                 bool(e["p2p"]),
                 int(e["result"]),
                 int(e["end_ns"]),
@@ -388,12 +384,10 @@ def _origin(path: str, section: object) -> Origin | None:
         ) from None
     return Origin(
         number("pid"),
-        section.get("window_complete") is not False,
         number("exit_code"),
         number("exit_signal"),
         number("exit_wall_ns"),
         comms,
-        number("seq_base") or 0,
         errors,
     )
 

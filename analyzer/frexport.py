@@ -14,8 +14,14 @@ form.  Each NCCL call is an entry of its process group:
   ``pg_config``; ``pg_id`` is the rank's own count of its groups;
 - ``collective_seq_id`` is the call's seq on its communicator, counted from
   1 as torch counts (a p2p call carries the last collective's);
-  ``p2p_seq_id`` counts the rank's p2p calls on it from 1, ``op_id`` all its
-  calls on it, as torch's NCCL process group does;
+  ``p2p_seq_id`` the rank's p2p calls on it as torch counts them, ``op_id``
+  the two together, as torch's NCCL process group does; ``record_id`` the
+  entry's place in its file, from 1 on every file where some rank's window
+  is incomplete (torch's sign of a wrapped ring), else from 0;
+- each communicator is written from the window every member still holds
+  (``analyzer.frwindow``): torchfrtrace matches from the first entry it
+  reads, and would name a rank whose ring no longer holds what its peers'
+  still do;
 - ``profiling_name`` as torch's NCCL process group writes it
   (``nccl:all_reduce``, ``nccl:_all_gather_base``, ``nccl:send 0->1`` with
   ranks in the group); sizes as torch records the tensors (an all_gather's
@@ -30,7 +36,7 @@ form.  Each NCCL call is an entry of its process group:
 What Flight Recorder has no field for (the host, the pid, how the process
 ended, whether the ring had overwritten older calls) goes into a section of
 its own, ``stallwatch``, which torch's tools do not read and ours does: the
-files read back to the same verdict.
+files read back to the same verdict, and without it to the same ranks.
 
 Known limits: the calls written are those the analyzer reads of each rank
 (its latest 256, ``align.WINDOW_CALLS``); a broadcast's or a reduce's root,
@@ -53,6 +59,7 @@ from stallwatch.dumpers.errors import DumpWriteError, UsageError
 from stallwatch.dumpers.inputs import SourceKind
 from stallwatch.dumpers.schema import DataType, Op, State
 
+from .frwindow import window
 from .frwrite import dumps, dumps_json
 from .incident import Comm, Incident
 from .pipeline import IncidentResult
@@ -176,20 +183,19 @@ def _state(state: int, ended: bool) -> str:
 class _RankDoc:
     """One rank's Flight Recorder dump, built call by call."""
 
-    def __init__(self, inc: Incident, p: int, groups: list[_Group]) -> None:
+    def __init__(self, inc: Incident, p: int, groups: list[_Group], first_record: int) -> None:
         self.inc, self.p, self.groups = inc, p, groups
         proc = inc.procs[p]
         self.rank = proc.world_rank
         mine = [i for i, c in enumerate(inc.comms) if p in c.members]
         self.pg_id = {c: k for k, c in enumerate(sorted(mine, key=lambda c: int(groups[c].name)))}
         self.cseq = dict.fromkeys(mine, 0)  # the last collective seq entered, per comm
-        self.p2p = dict.fromkeys(mine, 0)  # p2p calls so far
-        self.ops = dict.fromkeys(mine, 0)  # calls so far
         self.status = {c: {"enq": -1, "done": -1} for c in mine}
         self.errors: list[dict[str, object]] = []  # calls that returned an error
         host = inc.hosts.index(proc.host) if proc.host in inc.hosts else -1
         self.offset = inc.to_wall(host) if host >= 0 else None
         self.entries: list[dict[str, Any]] = []
+        self.first_record = first_record
         # torch counts a group's collectives from 1 (NCCL's seq, as we record
         # it, from 0); a Flight Recorder file's own seqs are torch's already
         self.base = 1 if inc.kind is SourceKind.STALLWATCH else 0
@@ -197,16 +203,17 @@ class _RankDoc:
     def wall(self, ts: int) -> int:
         return ts + self.offset if self.offset is not None else 0
 
-    def add(self, row: dict[str, int]) -> None:
+    def add(self, row: dict[str, int], p2p_count: int) -> None:
+        """A call, with the rank's p2p calls on its group up to it."""
         comm, op = row["comm"], row["op"]
         c = self.inc.comms[comm]
         is_p2p = op in (Op.SEND, Op.RECV)
-        self.ops[comm] += 1
-        if is_p2p:
-            self.p2p[comm] += 1
-            seq = self.p2p[comm]
+        if is_p2p:  # a p2p call carries the group's last collective seq
+            seq = p2p_count
         else:
-            self.cseq[comm] = seq = row["seq"] + self.base
+            self.cseq[comm] = row["seq"] + self.base
+            seq = self.cseq[comm]
+        cseq = self.cseq[comm]
         ended = row["end"] > 0 and row["result"] == 0
         done = row["state"] == State.COMPLETED
         name = OP_NAMES[op]
@@ -218,14 +225,16 @@ class _RankDoc:
         group = self.groups[comm]
         self.entries.append(
             {
-                "record_id": len(self.entries),
+                "record_id": self.first_record + len(self.entries),
                 "pg_id": self.pg_id[comm],
                 "process_group": (group.name, group.desc),
                 "thread_name": None,  # not recorded
                 "thread_id": None,
-                "collective_seq_id": self.cseq[comm],
-                "p2p_seq_id": self.p2p[comm],
-                "op_id": self.ops[comm],
+                "collective_seq_id": cseq,
+                "p2p_seq_id": p2p_count,
+                # torch's op_id counts every call on the group: collectives
+                # and p2p calls so far
+                "op_id": cseq + p2p_count,
                 "profiling_name": f"nccl:{name}",
                 "time_created_ns": self.wall(row["ts"]),
                 "input_sizes": inputs,
@@ -246,7 +255,7 @@ class _RankDoc:
         st["enq"] = seq
         if ended:
             st["done"] = seq
-        elif row["end"] > 0 and row["result"] > 0:
+        if row["end"] > 0 and row["result"] > 0:
             self.errors.append(
                 {
                     "group": group.name,
@@ -278,7 +287,6 @@ class _RankDoc:
         section = {
             "format": 1,
             "incident": self.inc.id,
-            "seq_base": self.base,
             "host": proc.host,
             "pid": proc.pid or None,
             "window_complete": proc.window_complete,
@@ -305,35 +313,46 @@ def flight_recorder_docs(
     inc: Incident, p2p: bool = True
 ) -> tuple[dict[int, dict[str, Any]], list[str]]:
     """World rank -> its dump, and what could not be written; without
-    ``p2p``, point-to-point calls are left out."""
+    ``p2p``, point-to-point calls are left out.  Each communicator is written
+    from the window every member holds (``analyzer.frwindow``)."""
     groups = _groups(inc)
     left_out: list[str] = []
     rows = inc.calls.rows
     order = np.lexsort((rows["seq"], rows["ts"], rows["proc"]))
-    by_proc: dict[int, _RankDoc] = {}
+    written: dict[int, int] = {}  # proc -> world rank
     for p, proc in enumerate(inc.procs):
         if proc.world_rank < 0:
             left_out.append(
                 f"{proc.label()}: its world rank is unknown (no rank_<world rank> file)"
             )
-        elif any(d.rank == proc.world_rank for d in by_proc.values()):
+        elif proc.world_rank in written.values():
             left_out.append(f"{proc.label()}: a second process of world rank {proc.world_rank}")
         else:
-            by_proc[p] = _RankDoc(inc, p, groups)
+            written[p] = proc.world_rank
+    # torchfrtrace reads a trace from the latest first record_id of every
+    # rank's, and drops the entries before it: every file starts at one, 1
+    # where some rank's window is incomplete (its ring wrapped: where torch's
+    # own files say so), 0 where none is
+    first = 0 if all(inc.procs[p].window_complete for p in written) else 1
+    by_proc = {p: _RankDoc(inc, p, groups, first) for p in written}
     fields = ("proc", "comm", "crank", "seq", "ts", "end", "count", "root", "op")
-    cols = {f: rows[f][order].tolist() for f in (*fields, "datatype", "state", "result")}
+    arrays = {f: rows[f][order] for f in (*fields, "datatype", "state", "result")}
+    win = window(inc, arrays, by_proc.keys())
+    left_out += win.left_out
+    cols = {f: v.tolist() for f, v in arrays.items()}
+    keep, counts = win.keep.tolist(), win.p2p_count.tolist()
     unknown = 0
     for i in range(len(order)):
         row = {f: v[i] for f, v in cols.items()}
         doc = by_proc.get(row["proc"])
-        if doc is None:
+        if doc is None or not keep[i]:
             continue
         if row["op"] not in OP_NAMES:
             unknown += 1
             continue
         if not p2p and row["op"] in (Op.SEND, Op.RECV):
             continue
-        doc.add(row)
+        doc.add(row, counts[i])
     if unknown:
         left_out.append(f"{unknown} call(s) of an op Flight Recorder has no name for")
     return {d.rank: d.doc() for d in by_proc.values()}, left_out

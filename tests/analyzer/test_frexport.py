@@ -4,13 +4,13 @@ lab-hang-4x2, lab-desync-*, lab-crash-*) written as PyTorch Flight Recorder
 files.
 
 - They read back, through our own reader, to the verdicts of the dumps: the
-  same kinds, ranks, seqs, ops and communicators.
+  same kinds, ranks, seqs (as torch numbers them: from 1), ops and
+  communicators.
 - Every field torchfrtrace (torch 2.13's ``torch/distributed/flight_recorder``)
   and NVRx's attribution (``nvidia_resiliency_ext/attribution/trace_analyzer/
   fr_attribution.py``) read is there, of the type and in the form they read
-  it, each named below from its source (torch is not in the test extra: what
-  torchfrtrace itself says on them is ``bench/bench_accuracy.py``'s, with
-  torch installed).
+  it, each named below from its source (what torchfrtrace itself says on
+  them, and on incidents whose windows wrapped: test_frtrace).
 - The command: the JSON form, leaving p2p calls out, live agents, refusing to
   rewrite, usage errors.
 """
@@ -46,8 +46,10 @@ CULPRITS = {
 INCIDENTS = {name: DATA / f"lab-{name}" for name in CULPRITS}
 
 
-def _key(v: Verdict) -> tuple[object, ...]:
-    return (v.kind.value, v.ranks, v.seq, v.op, v.comm_id_hash)
+def _key(v: Verdict, base: int = 0) -> tuple[object, ...]:
+    """What a verdict says; ``base``: added to its seq (the files count
+    from 1, as torch does; our dumps from 0, as NCCL does)."""
+    return (v.kind.value, v.ranks, None if v.seq is None else v.seq + base, v.op, v.comm_id_hash)
 
 
 def _export(name: str, out: Path, json_form: bool = False, p2p: bool = True) -> AnalysisResult:
@@ -66,9 +68,10 @@ def test_the_incidents_are_what_they_say() -> None:
 @pytest.mark.parametrize("form", ["pickle", "json"])
 @pytest.mark.parametrize("name", sorted(CULPRITS))
 def test_the_export_reads_back_to_the_same_verdicts(name: str, form: str, tmp_path: Path) -> None:
-    """Kinds, world ranks, seqs, ops and communicators of every verdict: what
-    torch's format holds plus our section (pids, exits, results of failed
-    calls, the communicators' ids) is what the verdicts were drawn from."""
+    """Kinds, world ranks, seqs (as torch numbers them: ours plus one), ops
+    and communicators of every verdict: what torch's format holds plus our
+    section (pids, exits, results of failed calls, the communicators' ids)
+    is what the verdicts were drawn from."""
     original = _export(name, tmp_path, json_form=form == "json")
     files = sorted(p.name for p in tmp_path.iterdir())
     world = len(original.incidents[0].incident.procs)
@@ -76,7 +79,7 @@ def test_the_export_reads_back_to_the_same_verdicts(name: str, form: str, tmp_pa
     assert files == sorted(f"rank_{r}{suffix}" for r in range(world))
     (back,) = analyze_paths([str(tmp_path)]).incidents
     (first,) = original.incidents
-    assert [_key(v) for v in back.verdicts] == [_key(v) for v in first.verdicts]
+    assert [_key(v) for v in back.verdicts] == [_key(v, 1) for v in first.verdicts]
     assert all(s.ok for s in analyze_paths([str(tmp_path)]).inputs)
 
 

@@ -33,8 +33,10 @@ test-latest:
 
 # the lock of tested versions that scripts/setup installs from, re-resolved
 # from pyproject's ranges (commit it with the suite's result on it)
+# (with pip's wheel cache, PIP_FIND_LINKS, where torch's CPU build lies)
 lock: setup
 	$(VENV)/bin/uv pip compile --quiet --upgrade pyproject.toml --extra test --extra dev \
+		$(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) \
 		--python-version 3.11 --python-platform x86_64-manylinux_2_28 \
 		--custom-compile-command "make lock" -o requirements/lock.txt
 

@@ -145,8 +145,9 @@ def rows(with_torch: bool) -> list[Row]:
 
 LAB = ROOT / "tests" / "data"
 LAB_INCIDENTS = {
-    name: LAB / f"lab-{name}"
+    f"{name}{wrapped}": LAB / f"lab-{name}{wrapped}"
     for name in ("hang-2x2", "crash-2x2", "crash-4x2", "desync-2x2", "desync-4x2", "hang-4x2")
+    for wrapped in ("", "-wrapped")  # -wrapped: every rank's window incomplete
 }
 
 

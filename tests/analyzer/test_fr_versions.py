@@ -1,10 +1,13 @@
 """Flight Recorder files of the recorders torch writes after 2.13
 (tests/data/fr-versions, built from the recorder's source: README.md there):
 c10d's FlightRecorderHook as torch 2.14 shipped it (one recorder holding
-gloo's entries and the hook's "c10d:" ones) and as it is after 2.15 (one
-recorder per backend, "nccl2:" names, a file per backend per rank, a backend
-that pushes no completion); and torch 2.14's and 2.15's ``pg_config['']``
-on the real 2.13 corpus' subgroup jobs.
+gloo's entries and the hook's "c10d:" ones), as torch 2.15 ships it for
+"nccl", nccl2 by default (entries only scheduled or completed, timed-out
+work unretired, graph-captured collectives not recorded, one file per
+process written from the abort hook: ``synthetic-hook215-*``), and as it is
+after 2.15 (one recorder per backend, "nccl2:" names, a file per backend per
+rank, a backend that pushes no completion); and torch 2.14's and 2.15's
+``pg_config['']`` on the real 2.13 corpus' subgroup jobs.
 
 Every job's first verdict, in both forms and in every order of its files;
 then the files a rank stuck in teardown would not leave.
@@ -43,11 +46,16 @@ def _first(paths: list[str]) -> Verdict:
 
 
 def test_the_jobs_are_there() -> None:
-    assert len(JOBS) == 5
+    assert len(JOBS) == 10
     assert {str(_want(j)["source"]).split(":")[0] for j in JOBS} == {
         "torch 2.14",
+        "torch 2.15",
         "after torch 2.15",
     }
+    # built by hand, to the source's schema: named so
+    assert all(
+        j.startswith("synthetic-") for j in JOBS if str(_want(j)["source"]).startswith("torch 2.15")
+    )
 
 
 @pytest.mark.parametrize("form", ["pickle", "json"])
@@ -97,6 +105,88 @@ def test_a_rank_s_files_are_one_rank() -> None:
     assert [p.world_rank for p in procs] == [0, 1, 2, 3]
     assert procs[2].host == "gloo_trace_rank_2, nccl2_trace_rank_2"
     assert len(inc.incident.sources) == 8
+
+
+# --- torch 2.15: the hook's recorder, dumped once from the abort hook ----------
+
+
+def _raw(job: str) -> dict[int, dict[str, object]]:
+    return {
+        int(p.name.rsplit("_", 1)[1]): pickle.loads(p.read_bytes())
+        for p in (VERSIONS / job / "pickle").iterdir()
+    }
+
+
+def test_torch_2_15_entries_are_only_scheduled_or_completed() -> None:
+    """No CUDA events: an entry is "scheduled" until its completion is
+    pushed, then "completed" with its started time the completion's; a
+    timed-out or failed one stays scheduled and unretired.  Read: a
+    completed entry ended, an unretired one is in flight."""
+    for job in (j for j in JOBS if j.startswith("synthetic-hook215")):
+        for rank, doc in _raw(job).items():
+            entries = doc["entries"]
+            assert isinstance(entries, list)
+            assert {e["state"] for e in entries} <= {"scheduled", "completed"}, job
+            for e in entries:
+                done = e["state"] == "completed"
+                assert e["retired"] is done
+                assert (
+                    e["time_discovered_started_ns"] == e["time_discovered_completed_ns"]
+                ) or not done
+            path = next((VERSIONS / job / "pickle").glob(f"*_rank_{rank}"))
+            d = read_flightrec(str(path))
+            assert d.entries["ended"].tolist() == [e["state"] == "completed" for e in entries]
+
+
+def test_torch_2_15_writes_a_file_only_where_a_process_aborted() -> None:
+    """The hung rank never aborts (no collective of its times out): it
+    leaves no file, is never blamed, and is named as the one no dump shows
+    while every other rank waits."""
+    ranks = sorted(_raw("synthetic-hook215-nccl2-hang-4"))
+    assert ranks == [0, 1, 3]
+    (inc,) = analyze_paths([str(VERSIONS / "synthetic-hook215-nccl2-hang-4" / "pickle")]).incidents
+    (v,) = inc.verdicts
+    assert v.kind is VerdictKind.INCONCLUSIVE and v.ranks == (2,), v.summary
+    assert "left no readable dump" in v.summary
+
+
+def test_torch_2_15_graph_captured_collectives_leave_no_entry() -> None:
+    """A captured collective is not recorded and advances no sequence (its
+    group's op_id counts it): the eager calls' seqs follow one another, the
+    files are not damaged, and the healthy job is healthy."""
+    for rank, doc in _raw("synthetic-hook215-nccl2-graphs-healthy-4").items():
+        entries = doc["entries"]
+        assert isinstance(entries, list)
+        seqs = [e["collective_seq_id"] for e in entries]
+        ops = [e["op_id"] for e in entries]
+        assert seqs == list(range(1, len(seqs) + 1)), rank
+        assert any(b - a > 1 for a, b in itertools.pairwise(ops)), rank  # the captured ones
+    (inc,) = analyze_paths(
+        [str(VERSIONS / "synthetic-hook215-nccl2-graphs-healthy-4" / "pickle")]
+    ).incidents
+    assert [v.kind for v in inc.verdicts] == [VerdictKind.HEALTHY]
+    assert all(
+        s.ok
+        for s in analyze_paths(
+            [str(VERSIONS / "synthetic-hook215-nccl2-graphs-healthy-4" / "pickle")]
+        ).inputs
+    )
+
+
+def test_torch_2_15_dumps_of_one_stall_are_not_a_culprit() -> None:
+    """Every process dumped standing in one all_reduce (one failed there, the
+    others timed out waiting): a stall they share, never healthy, no rank
+    named; with subgroups, a rank waiting in its pair is not a candidate
+    beside the one no file shows."""
+    (inc,) = analyze_paths([str(VERSIONS / "synthetic-hook215-nccl2-error-4" / "pickle")]).incidents
+    (v,) = inc.verdicts
+    assert v.kind is VerdictKind.INCONCLUSIVE and v.ranks == (), v.summary
+    assert "a stall they all share" in v.summary
+    (inc,) = analyze_paths(
+        [str(VERSIONS / "synthetic-hook215-nccl2-groups-hang-4" / "pickle")]
+    ).incidents
+    (v,) = inc.verdicts
+    assert v.kind is VerdictKind.INCONCLUSIVE and v.ranks == (3,), v.summary
 
 
 def _copy(job: str, tmp: Path) -> Path:

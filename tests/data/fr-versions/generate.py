@@ -357,6 +357,215 @@ def _run_216(job: Job, backend: str, completes: bool) -> dict[str, dict[int, Rec
     return files
 
 
+# --- torch 2.15: the hook's recorder, dumped once from the abort hook ---------
+
+
+@dataclass(frozen=True)
+class Op215:
+    """One op a rank dispatches: its group, the dispatcher op, its size, and
+    whether it is issued under a CUDA graph capture."""
+
+    group: str
+    op: str
+    size: int
+    captured: bool = False
+
+
+@dataclass(frozen=True)
+class Job215:
+    """A 4-rank job on "nccl" (nccl2 by default in torch 2.15): its groups,
+    each rank's steps, which op blocks for good on which rank (it never
+    completes: its peers wait for a rank that never issued it, or it
+    errored), and whether the dumps are asked for at the end (a healthy job:
+    the abort hook writes none)."""
+
+    name: str
+    text: str
+    groups: dict[str, tuple[int, ...]]  # name -> world ranks, in creation order
+    steps: Callable[[int, int], list[Op215]]  # (rank, step) -> its ops
+    nsteps: int
+    stop: dict[int, tuple[int, int]]  # rank -> (step, op index) it stops before, for good
+    blocks: Callable[[int, int, Op215], bool]  # (rank, step, op): it never completes
+    verdict: dict[str, Any]
+    on_demand: bool = False  # dumped at the end through the API, not by an abort
+
+
+TIMEOUT_NS = 600_000_000_000  # the default collective timeout (10 min)
+SOURCE_215 = (
+    "torch 2.15: hooks/FlightRecorderHook.cpp at commit 04f962648a58 and "
+    "FlightRecorderDetail.hpp at commit 1189309e9a32 (retire_completed)"
+)
+
+
+def _run_215(job: Job215) -> dict[str, dict[int, Recorder]]:
+    """Each rank's nccl2 recorder, as the hook fills it: an entry per op it
+    dispatches but under a graph capture (which advances neither sequence;
+    the group's op_id counts it), "nccl2:<op>", sizes mirrored for in-place
+    ops, no CUDA events (an entry is "scheduled" until the backend pushes
+    its completion, then "completed", its started time the completion's,
+    and retired); an op that failed or timed out stays unretired.  A rank
+    dumps once, when its first blocked op times out (the abort hook), only
+    what it recorded before; a rank that never blocks in an op never aborts
+    and leaves no file."""
+    out: dict[int, Recorder] = {}
+    for rank in range(WORLD):
+        rec = Recorder()
+        mine = [g for g, ranks in job.groups.items() if rank in ranks]
+        pg_id = {g: i for i, g in enumerate(mine)}
+        for g in mine:
+            desc = "default_pg" if g == "0" else "undefined"
+            rec.pg_config[g] = {"name": g, "desc": desc, "ranks": str(list(job.groups[g]))}
+        cseq, pseq, op_ids = dict.fromkeys(mine, 0), dict.fromkeys(mine, 0), dict.fromkeys(mine, 0)
+        t = T0
+        aborted_at: int | None = None
+        for step in range(job.nsteps):
+            for i, op in enumerate(job.steps(rank, step)):
+                if (step, i) >= job.stop.get(rank, (job.nsteps, 0)):
+                    break
+                t += STEP_NS
+                op_ids[op.group] += 1
+                if op.captured:
+                    continue  # not recorded: it runs at replay
+                p2p = op.op in ("send", "recv")
+                if p2p:
+                    pseq[op.group] += 1
+                else:
+                    cseq[op.group] += 1
+                inputs, outputs = [[op.size]], [[op.size]]
+                if op.op == "_all_gather_base":
+                    outputs = [[op.size * len(job.groups[op.group])]]
+                entry = rec.record(
+                    pg_id[op.group],
+                    (op.group, rec.pg_config[op.group]["desc"]),
+                    cseq=cseq[op.group],
+                    pseq=pseq[op.group],
+                    op_id=op_ids[op.group],
+                    name=f"nccl2:{op.op}",
+                    t=t,
+                    inputs=inputs,
+                    outputs=outputs,
+                    p2p=p2p,
+                )
+                status = rec.pg_status.setdefault(pg_id[op.group], {"enq": -1, "done": -1})
+                status["enq"] = op_ids[op.group]
+                if job.blocks(rank, step, op):
+                    aborted_at = t + TIMEOUT_NS if aborted_at is None else aborted_at
+                    continue  # the host goes on to its step's end, then waits
+                done = t + STEP_NS // 2
+                entry["state"] = "completed"
+                entry["time_discovered_started_ns"] = done
+                entry["time_discovered_completed_ns"] = done
+                entry["retired"] = True
+                status["done"] = op_ids[op.group]
+            if aborted_at is not None or (rank in job.stop and step >= job.stop[rank][0]):
+                break  # its host waits for the step for good
+        if aborted_at is not None or job.on_demand:
+            out[rank] = rec
+    return {"nccl_trace_rank_": out}
+
+
+def _world_step(rank: int, step: int) -> list[Op215]:
+    return [Op215("0", "all_reduce", 1024), Op215("0", "_all_gather_base", 256)]
+
+
+def _after(job_stop: tuple[int, int]) -> Callable[[int, int, Op215], bool]:
+    """Ops from (step, op index) on never complete (a peer never issued
+    them, and everything queued behind them waits)."""
+
+    def blocks(rank: int, step: int, op: Op215) -> bool:
+        return step >= job_stop[0]
+
+    return blocks
+
+
+def _pairs_step(rank: int, step: int) -> list[Op215]:
+    return [Op215("0", "all_reduce", 1024), Op215("1" if rank < 2 else "2", "all_reduce", 64)]
+
+
+def _pairs_blocks(rank: int, step: int, op: Op215) -> bool:
+    """Rank 3 stops before its pair's 3rd all_reduce: rank 2 waits in it,
+    ranks 0 and 1 in the world's 4th."""
+    return (op.group == "2" and step >= 2) or (op.group == "0" and step >= 3)
+
+
+def _graph_step(rank: int, step: int) -> list[Op215]:
+    """Two eager warm-up steps, then each step's all_reduce and all_gather
+    captured once (step 2) into a graph replayed after (no op dispatched),
+    then an eager all_reduce of the loss."""
+    if step < 2:
+        return _world_step(rank, step)
+    captured = step == 2
+    ops = [Op215("0", "all_reduce", 1024, True), Op215("0", "_all_gather_base", 256, True)]
+    return [*(ops if captured else []), Op215("0", "all_reduce", 1)]
+
+
+JOBS_215 = [
+    Job215(
+        "synthetic-hook215-nccl2-hang",
+        "a world group on 'nccl' (nccl2): each step an all_reduce and an all_gather, then "
+        "a host sync; rank 2 stops before the 4th step; the others time out in it and each "
+        "dumps once, from the abort hook; rank 2 never aborts and leaves no file",
+        {"0": (0, 1, 2, 3)},
+        _world_step,
+        6,
+        {2: (3, 0)},
+        _after((3, 0)),
+        {"kind": "inconclusive", "ranks": [2]},
+    ),
+    Job215(
+        "synthetic-hook215-nccl2-error",
+        "the same job; rank 1's all_reduce of the 3rd step fails (an NCCL error: its work "
+        "ends unsuccessful and stays unretired), its backend aborts and it dumps at once; "
+        "its peers time out in the same all_reduce and dump later: every file stands "
+        "there, no rank departs",
+        {"0": (0, 1, 2, 3)},
+        _world_step,
+        6,
+        {},
+        _after((2, 0)),
+        {"kind": "inconclusive", "ranks": []},
+    ),
+    Job215(
+        "synthetic-hook215-nccl2-groups-hang",
+        "a world group and pairs (0, 1) and (2, 3), each a pg_id of the hook's own "
+        "counter: each step a world all_reduce, then the pair's; rank 3 stops before its "
+        "pair's 3rd; rank 2 times out there first and dumps, ranks 0 and 1 later in the "
+        "world's 4th; rank 3 leaves no file",
+        {"0": (0, 1, 2, 3), "1": (0, 1), "2": (2, 3)},
+        _pairs_step,
+        6,
+        {3: (2, 1)},
+        _pairs_blocks,
+        {"kind": "inconclusive", "ranks": [3]},
+    ),
+    Job215(
+        "synthetic-hook215-nccl2-graphs-hang",
+        "a world group: two eager steps, then each step's all_reduce and all_gather "
+        "captured in a CUDA graph (not recorded: no entry, no seq; op_id counts them) "
+        "and replayed, and an eager all_reduce of the loss; rank 2 stops before the 5th "
+        "step's replay; the others' eager all_reduce waits behind theirs and times out",
+        {"0": (0, 1, 2, 3)},
+        _graph_step,
+        8,
+        {2: (4, 0)},
+        _after((4, 0)),
+        {"kind": "inconclusive", "ranks": [2]},
+    ),
+    Job215(
+        "synthetic-hook215-nccl2-graphs-healthy",
+        "the same job to its end, every rank's recorder dumped at the end through the API "
+        "(no abort)",
+        {"0": (0, 1, 2, 3)},
+        _graph_step,
+        8,
+        {},
+        lambda rank, step, op: False,
+        {"kind": "healthy", "ranks": []},
+        on_demand=True,
+    ),
+]
+
+
 JOBS = [
     Job(
         "hook214-mixed-hang",
@@ -412,25 +621,36 @@ JOBS = [
 
 def main() -> int:
     for job in JOBS:
-        out = HERE / f"{job.name}-{WORLD}"
-        shutil.rmtree(out, ignore_errors=True)
-        (out / "pickle").mkdir(parents=True)
-        (out / "json").mkdir()
-        for prefix, ranks in job.run(job).items():
-            for rank, rec in ranks.items():
-                doc = rec.doc()
-                (out / "pickle" / f"{prefix}{rank}").write_bytes(dumps(doc))
-                (out / "json" / f"{prefix}{rank}.json").write_bytes(dumps_json(_json(doc)))
-        expected = {
-            "job": job.text,
-            "source": job.source,
-            "world": WORLD,
-            "stopped": None if job.hang is None else job.hang[0],
-            "verdict": job.verdict,
-        }
-        (out / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
-        print(f"wrote {out.name}")
+        stopped = None if job.hang is None else job.hang[0]
+        _write(job.name, job.run(job), job.text, job.source, stopped, job.verdict)
+    for j in JOBS_215:
+        stopped = next(iter(j.stop), None)
+        _write(j.name, _run_215(j), j.text, SOURCE_215, stopped, j.verdict)
     return 0
+
+
+def _write(
+    name: str,
+    files: dict[str, dict[int, Recorder]],
+    text: str,
+    source: str,
+    stopped: int | None,
+    verdict: dict[str, Any],
+) -> None:
+    out = HERE / f"{name}-{WORLD}"
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "pickle").mkdir(parents=True)
+    (out / "json").mkdir()
+    for prefix, ranks in files.items():
+        for rank, rec in ranks.items():
+            doc = rec.doc()
+            (out / "pickle" / f"{prefix}{rank}").write_bytes(dumps(doc))
+            (out / "json" / f"{prefix}{rank}.json").write_bytes(dumps_json(_json(doc)))
+    expected = {"job": text, "source": source, "world": WORLD, "stopped": stopped}
+    (out / "expected.json").write_text(
+        json.dumps({**expected, "verdict": verdict}, indent=2) + "\n"
+    )
+    print(f"wrote {out.name}")
 
 
 def _json(doc: dict[str, Any]) -> dict[str, Any]:

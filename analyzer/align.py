@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from stallwatch.dumpers import addresses, ranks
+from stallwatch.dumpers import addresses, rankevidence, ranks
 from stallwatch.dumpers.errors import DumpError
 from stallwatch.dumpers.format import DeferredRing
 from stallwatch.dumpers.layout import LINK_COUNTERS, UNKNOWN_U64, LinkEvent
 from stallwatch.dumpers.model import CommInfo, Recording, Ring, TriggerKind
+from stallwatch.dumpers.rankevidence import Evidence
 from stallwatch.dumpers.schema import NCCL_EVENT, TCP_EVENT, ExitEvent, Op, TcpEvent, captured_rows
 
 from . import late
@@ -153,7 +154,8 @@ def incident_from_recordings(
     whole = bool((tcp["backoff"] > 0).any() or (tcp["known"] == 0).any())
     slow = _slowdown(sources)
     per_rank = SLOW_WINDOW_CALLS if slow is not None else WINDOW_CALLS
-    stage, extracts = _extract_all(sources, consume, shown, whole, per_rank)
+    uncertain = ranks.uncertain_splits(s.recording for s in sources)
+    stage, extracts = _extract_all(sources, consume, shown, whole, per_rank, uncertain)
     shown.close()
     # a dump whose rows could not be read (damaged, changed since) is lost:
     # its ranks are judged as those of a dump never found, from their peers
@@ -345,6 +347,9 @@ class _Extract:
     # (pid, entered) of each process's latest call: its thread readings
     # before that are no longer where it is
     entered: tuple[tuple[int, int], ...] = ()
+    # (pid, comm hash) -> what its calls on a split communicator tell of its
+    # rank there (dumpers.rankevidence), where a member left no dump
+    evidence: Mapping[tuple[int, int], Evidence] = field(default_factory=dict)
 
 
 # the stage: CALL_DTYPE's columns, "proc" holding indices into the source's
@@ -360,12 +365,15 @@ def _extract_all(
     shown: Progress | None = None,
     whole: bool = False,
     calls: int | None = None,
+    uncertain: frozenset[int] = frozenset(),
 ) -> tuple[Columns, list[_Extract]]:
     """Every source's call rows into one stage table, a few threads each
     taking a run of sources (and its own run of the table).  A ring left in
     its file is read into the thread's one buffer, copied out, forgotten.
     ``whole``: each ring's long calls are looked for beyond the window too
-    (the whole ring is read: a stall the job came back from)."""
+    (the whole ring is read: a stall the job came back from).  The whole
+    ring is read too where it holds calls on ``uncertain`` communicators
+    (splits a member of which left no dump): what they tell of ranks."""
     per_rank = WINDOW_CALLS if calls is None else calls  # of each rank, the latest
     windows = [_window(s, per_rank) for s in sources]
     sizes = [keep for _, keep in windows]
@@ -382,6 +390,7 @@ def _extract_all(
         for s in sources[first:stop]:
             later = s.deferred.get("nccl")
             skip, _ = _window(s, per_rank)
+            told = uncertain & {c.comm_hash for c in s.recording.communicators}
             if later is None:
                 ring = s.recording.rings.get("nccl")
                 rows = ring.rows[skip:] if ring is not None else None
@@ -389,10 +398,12 @@ def _extract_all(
                 every = ring.rows if whole and ring is not None else None
                 lost = ring.lost if ring is not None else 0
                 out.append(_extract(s, rows, complete, stage, at, lost, every))
+                if told and ring is not None:
+                    out[-1] = _with_evidence(out[-1], ring.rows, told)
                 if consume:  # the caller gave the recordings up: free each ring once read
                     s.recording.rings.pop("nccl", None)
             else:
-                first = 0 if whole else skip
+                first = 0 if whole or told else skip
                 nbytes = later.nbytes // max(later.rows, 1) * (later.rows - first)
                 if len(buffer) < nbytes:
                     buffer = bytearray(nbytes)
@@ -405,6 +416,8 @@ def _extract_all(
                     rows = every[skip - first :]
                     whole_ring = every if whole else None
                     out.append(_extract(s, rows, complete, stage, at, later.lost, whole_ring))
+                    if told:
+                        out[-1] = _with_evidence(out[-1], every, told)
                     del rows, every, whole_ring  # views of the buffer, which the next file reuses
             at = out[-1].rows.stop
             if shown is not None:
@@ -427,6 +440,14 @@ def _extract_all(
         at += stop - start
         extracts.extend(done)
     return stage[:at], extracts
+
+
+def _with_evidence(e: _Extract, ring: np.ndarray, hashes: frozenset[int]) -> _Extract:
+    """The extract with what its whole ring tells of ranks in ``hashes``."""
+    if e.error is not None or not len(ring):
+        return e
+    ring = ring if ring.dtype == NCCL_EVENT else ring.astype(NCCL_EVENT)
+    return dataclasses.replace(e, evidence=rankevidence.ring_evidence(ring, hashes))
 
 
 def _runs(sizes: list[int], n: int) -> list[tuple[int, int, int]]:
@@ -677,8 +698,9 @@ def _procs(extracts: list[_Extract]) -> tuple[list[Proc], dict[tuple[str, int], 
 def _comms(
     extracts: list[_Extract], proc_index: dict[tuple[str, int], int]
 ) -> tuple[list[Comm], dict[tuple[int, int], int], dict[int, int]]:
-    """Communicators, a map (proc, comm_hash) -> comm rank, and world ranks
-    (proc -> rank), by the rules of ``dumpers.ranks``."""
+    """Communicators, a map (proc, comm_hash) -> its slot there (its comm
+    rank where every rank is known: ``Comm.ranks``), and world ranks (proc ->
+    rank), by the rules of ``dumpers.ranks``."""
     entries: list[tuple[int, CommInfo]] = []
     for e in extracts:
         rec = e.source.recording
@@ -689,12 +711,34 @@ def _comms(
     for rows_hash, proc, rank, nranks in _row_members(extracts, proc_index):
         if (proc, rows_hash) not in tabled:
             entries.append((proc, CommInfo(0, 0, rows_hash, rank, nranks)))
-    found = ranks.resolve(entries)
-    comms = [
-        Comm(h, tuple(-1 if p is None else p for p in found.members[h]), is_split=h in found.split)
-        for h in sorted(found.members)
-    ]
-    return comms, found.ranks(), found.world_ranks()
+    evidence = {
+        (proc_index[(e.source.recording.host, pid)], h): ev
+        for e in extracts
+        for (pid, h), ev in e.evidence.items()
+        if (e.source.recording.host, pid) in proc_index
+    }
+    found = ranks.resolve(entries, evidence)
+    comms = [_comm(h, c, h in found.split) for h, c in sorted(found.comms.items())]
+    slots = {
+        (p, h): i for h, c in found.comms.items() for i, p in enumerate(c.slots) if p is not None
+    }
+    return comms, slots, found.world_ranks()
+
+
+def _comm(h: int, c: ranks.CommMembers[int], split: bool) -> Comm:
+    """The analyzer's communicator: its members by slot, with their ranks
+    where the evidence does not tell them all (``Comm.ranks``)."""
+    members = tuple(-1 if p is None else p for p in c.slots)
+    world = tuple(-1 if w is None else w for w in c.owners)
+    if c.exact:
+        return Comm(
+            h, members, is_split=split, world_ranks=world if any(w >= 0 for w in world) else ()
+        )
+    return Comm(
+        h, members, is_split=split,
+        ranks=tuple(-1 if r is None else r for r in c.ranks),
+        size=-1 if c.size is None else c.size, size_min=c.size_min,
+    )  # fmt: skip
 
 
 def _row_members(

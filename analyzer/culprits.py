@@ -107,6 +107,13 @@ def _member(
     return None
 
 
+def _rank(comm: Comm | None, m: Member | None) -> int | None:
+    """A member's rank in the communicator, None where no evidence tells it."""
+    if comm is None or m is None or comm.rank_of(m.crank) < 0:
+        return None
+    return comm.rank_of(m.crank)
+
+
 def culprits(inc: Incident, v: Verdict, fronts: tuple[Frontier, ...]) -> list[Culprit]:
     """The verdict's culprits, in the order of its ranks."""
     out = []
@@ -125,7 +132,7 @@ def culprits(inc: Incident, v: Verdict, fronts: tuple[Frontier, ...]) -> list[Cu
                 file=p.source if p is not None else None,
                 proc=proc,
                 communicator=where,
-                rank=m.crank if m is not None else None,
+                rank=_rank(comm, m),
                 seq=m.last_seq if m is not None and m.last_seq >= 0 else None,
                 op=op_name(f.op) if f is not None else v.op,
                 state=m.state if m is not None else None,

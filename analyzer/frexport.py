@@ -219,8 +219,8 @@ class _RankDoc:
         name = OP_NAMES[op]
         if is_p2p:
             arrow = "->" if op == Op.SEND else "<-"
-            name = f"{name} {row['crank']}{arrow}{row['root']}"
-        inputs, outputs = _sizes(op, row["count"], c.nranks, row["root"] == row["crank"])
+            name = f"{name} {c.rank_of(row['crank'])}{arrow}{row['root']}"
+        inputs, outputs = _sizes(op, row["count"], c.nranks, row["root"] == c.rank_of(row["crank"]))
         dtype = [DTYPE_NAMES.get(row["datatype"], UNDEFINED_DTYPE)]
         group = self.groups[comm]
         self.entries.append(

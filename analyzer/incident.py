@@ -68,7 +68,15 @@ class Proc:
 @dataclass(frozen=True, slots=True)
 class Comm:
     """A communicator: ``members[r]`` is the proc index of comm rank r, -1 if
-    no input holds that rank (a missing dump)."""
+    no input holds that rank (a missing dump).
+
+    Where the evidence does not tell every member's rank (a split one of
+    whose members left no dump: ``dumpers.ranks``), ``members`` are slots:
+    the members present in NCCL's order, then one -1 per member no input
+    holds (one if there may be more); ``ranks`` then holds each slot's rank
+    in the communicator (-1: unknown) and ``size`` its size (-1: unknown).
+    Calls are matched by slot (``nranks`` slots); a rank is shown, and a
+    peer's rank found, through ``rank_of`` and ``slot_of``."""
 
     comm_hash: int
     members: tuple[int, ...]
@@ -76,6 +84,9 @@ class Comm:
     is_split: bool = False
     desc: str = ""  # the process group's description (Flight Recorder's pg_config)
     world_ranks: tuple[int, ...] = ()  # world rank of each comm rank, when known
+    ranks: tuple[int, ...] = ()  # each slot's rank, -1 unknown; (): slot r is rank r
+    size: int = -1  # where ``ranks`` is given: the communicator's size, -1 unknown
+    size_min: int = 0  # ... and where that is unknown, the fewest it has
 
     def world_rank(self, crank: int) -> int:
         """The world rank of a member, -1 if unknown."""
@@ -83,7 +94,53 @@ class Comm:
 
     @property
     def nranks(self) -> int:
+        """Slots: the communicator's size where every rank is known."""
         return len(self.members)
+
+    @property
+    def exact(self) -> bool:
+        """Every member's rank and the size are known: slot r is rank r."""
+        return not self.ranks
+
+    def rank_of(self, slot: int) -> int:
+        """The comm rank of a slot, -1 if unknown."""
+        if not self.ranks:
+            return slot
+        return self.ranks[slot] if 0 <= slot < len(self.ranks) else -1
+
+    def slot_of(self, rank: int) -> int:
+        """The slot of a comm rank, -1 if no slot is known to hold it."""
+        if not self.ranks:
+            return rank if 0 <= rank < len(self.members) else -1
+        return self.ranks.index(rank) if rank >= 0 and rank in self.ranks else -1
+
+    @property
+    def size_text(self) -> str:
+        """Its size for people: "4 ranks", "at least 3 ranks"."""
+        if self.exact:
+            return f"{self.nranks} ranks"
+        if self.size >= 0:
+            return f"{self.size} ranks"
+        return f"at least {self.size_min} ranks"
+
+    @property
+    def whole(self) -> int:
+        """How many slots a collective of it is seen whole with: all but a
+        member it may not have (``may_be_empty``: no evidence says it exists).
+        A rank that waits least in a blocking collective waited for nobody,
+        seen or not; a member never seen is no one's straggler."""
+        n = len(self.members)
+        return n if self.exact or self.size >= 0 else min(n, max(self.size_min, 1))
+
+    def may_be_empty(self, slot: int) -> bool:
+        """A slot no input holds that may hold no member at all: the size is
+        not known, and the slot is beyond the fewest ranks it has."""
+        return not self.exact and self.size < 0 and slot >= self.size_min
+
+    def rank_text(self, slot: int) -> str:
+        """A slot's comm rank for people ("unknown" where no input tells it)."""
+        r = self.rank_of(slot)
+        return str(r) if r >= 0 else "unknown"
 
     @property
     def hash_text(self) -> str:
@@ -776,6 +833,7 @@ class P2pGap:
     other_last: int  # the other side's last seq in this direction, -1 if none
     age_ns: int | None  # since the waiting side posted the first unmatched call
     idle_ns: int | None  # since the waiting side last did anything at all
+    posted_ns: int = 0  # when it posted the first unmatched call (its host's clock)
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,7 @@ from stallwatch.dumpers.errors import DumpError, UsageError
 from stallwatch.dumpers.inputs import SNAPSHOT_KEY, unique_id
 from stallwatch.dumpers.model import Recording
 from stallwatch.dumpers.ranks import Ranks
+from stallwatch.dumpers.ranks import of_dumps as ranks_of_dumps
 from stallwatch.dumpers.schema import RING_DTYPES
 from stallwatch.dumpers.sqltables import TABLE_NAMES, tables
 
@@ -247,7 +248,7 @@ def export_parquet(
     out = []
     lost: dict[str, InputStatus] = {}
     for inc, i in zip(planned, ids, strict=True):
-        known = Ranks.of(r for _, r in inc.recordings)
+        known = ranks_of_dumps(inc.recordings)
         out.append(write_incident(root, i, _read_each(inc, lost), known))
     return out, [lost.get(s.path, s) for s in statuses]
 

@@ -8,8 +8,11 @@ Known limits:
   missing; a desync older than them is not seen.
 - Point-to-point calls are judged only when no collective explains the
   stall: a rank that posted sends (receives) its peer never matched and has
-  been idle 1 s since names that peer (``detect_p2p_missing``).  Their
-  sizes and timing are not judged.
+  been idle 1 s since names that peer (``detect_p2p_missing``), by the
+  rules of collectives: never a peer without a dump, or whose rank in a
+  split the evidence does not tell (``dumpers.ranks``), nor one whose dump
+  was taken before the call it never matched; evidence naming one rank on
+  both sides is refused and said.  Their sizes and timing are not judged.
 - A hang is told from a snapshot by how long the frontier made no progress
   (the dump time of the host, against its own timestamps): at least 1 s and
   4x the communicator's p99 call duration.
@@ -90,7 +93,7 @@ from .detect.causes import in_causal_order
 from .detect.cpu import sched_delays
 from .detect.desync import disagreements
 from .detect.inconclusive import detect_inconclusive, unjudged
-from .detect.missing import moments_apart_ns, p2p_gaps, taken_in_turn
+from .detect.missing import moments_apart_ns, p2p_gaps, refused_text, self_blaming, taken_in_turn
 from .detect.network import network_metrics
 from .detect.partition import connection_fates
 from .detect.paths import onset_wall, slow_link
@@ -178,8 +181,10 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
         slow_since_wall=since,
     )
     verdicts = [v for d in detectors for v in d(a)]
+    refused: list[str] = []
     if not verdicts and detectors is DETECTORS:
         a = dataclasses.replace(a, p2p=tuple(p2p_gaps(inc)))
+        refused = [refused_text(inc, g) for g in self_blaming(a.p2p)]
         verdicts = [v for d in FALLBACK_DETECTORS for v in d(a)]
     verdicts = in_causal_order(a, sorted(verdicts, key=Verdict.sort_key))
     verdicts = [judged_on_window(a, v) for v in verdicts]
@@ -188,7 +193,7 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
     verdicts = late.amend(inc, verdicts)
     if inc.kind is SourceKind.FLIGHT_RECORDER:  # the stacks of the calls they cite
         verdicts = with_stacks(inc, verdicts)
-    return IncidentResult(inc, tuple(verdicts), fronts, tuple(unjudged(a)))
+    return IncidentResult(inc, tuple(verdicts), fronts, (*unjudged(a), *refused))
 
 
 def _stalled(a: Analysis) -> list[Verdict]:

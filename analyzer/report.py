@@ -63,7 +63,7 @@ MAX_LISTED = 10  # values of a list shown in a line; the rest are counted
 
 @dataclass(frozen=True, slots=True)
 class MemberRow:
-    rank: int  # in the communicator
+    rank: int | None  # in the communicator, None where no evidence tells it
     world_rank: int | None
     host: str | None  # the file, for inputs that name no host
     pid: int | None
@@ -80,7 +80,7 @@ class MemberRow:
 class CommTable:
     comm_id_hash: str
     group: str  # the process group, where the input names it
-    nranks: int
+    nranks: int | None  # None where no evidence tells it (a member's dump lost)
     is_split: bool
     seq: int  # the frontier
     op: str
@@ -88,6 +88,8 @@ class CommTable:
     age_ns: int | None  # how long the frontier has made no progress
     members: tuple[MemberRow, ...]
     laggards: int
+    size: str = ""  # for people: "4 ranks", "at least 2 ranks"
+    nranks_min: int = 0  # where nranks is unknown: the fewest it has
 
     @property
     def headline(self) -> str:
@@ -97,7 +99,7 @@ class CommTable:
             "idle": f"every rank returned, none called again{age}",
             "moving": "moving",
         }[self.status]
-        return f"{self.nranks} ranks, frontier seq {self.seq} {self.op}, {status}"
+        return f"{self.size}, frontier seq {self.seq} {self.op}, {status}"
 
     def to_json(self, short_id: str | None = None) -> dict[str, object]:
         return {
@@ -105,6 +107,7 @@ class CommTable:
             "short_id": short_id,
             "group": self.group or None,
             "nranks": self.nranks,
+            "nranks_min": self.nranks_min,
             "is_split": self.is_split,
             "frontier_seq": self.seq,
             "op": self.op,
@@ -135,7 +138,7 @@ def comm_tables(r: IncidentResult) -> list[CommTable]:
     last = _last_calls(r.incident)
     tables = [_comm_table(r.incident, f, last) for f in r.frontiers]
     rank = {"stuck": 0, "idle": 1, "moving": 2}
-    tables.sort(key=lambda t: (not t.laggards, rank[t.status], -t.nranks))
+    tables.sort(key=lambda t: (not t.laggards, rank[t.status], -(t.nranks or t.nranks_min)))
     judged = _judged_comms(r)
     marked = {t.comm_id_hash: _marked(r, t) for t in tables if t.comm_id_hash in judged}
     first = [marked[h] for h in judged if h in marked]
@@ -193,10 +196,11 @@ def _status(f: Frontier) -> str:
 def _comm_table(inc: Incident, f: Frontier, last: dict[int, int]) -> CommTable:
     comm = inc.comms[f.comm]
     rows = tuple(_member_row(inc, f, m, last) for m in f.members)
+    size = comm.nranks if comm.exact else (comm.size if comm.size >= 0 else None)
     return CommTable(
         comm.hash_text,
         comm.group,
-        comm.nranks,
+        size,
         comm.is_split,
         f.seq,
         op_name(f.op),
@@ -204,6 +208,8 @@ def _comm_table(inc: Incident, f: Frontier, last: dict[int, int]) -> CommTable:
         f.age_ns,
         rows,
         len(f.laggards),
+        comm.size_text,
+        size if size is not None else comm.size_min,
     )
 
 
@@ -212,8 +218,9 @@ def _member_row(inc: Incident, f: Frontier, m: Member, last: dict[int, int]) -> 
     state = m.state.value
     if m.state is MemberState.AT_FRONTIER:
         state += ", in flight" if m.in_flight else ", returned"
+    rank = inc.comms[f.comm].rank_of(m.crank)
     return MemberRow(
-        rank=m.crank,
+        rank=rank if rank >= 0 else None,
         world_rank=p.world_rank if p is not None and p.world_rank >= 0 else None,
         host=p.host if p is not None else None,
         pid=p.pid if p is not None and not p.from_file else None,
@@ -237,6 +244,8 @@ def _reason(inc: Incident, f: Frontier, m: Member, last: dict[int, int]) -> str:
     """Why a member is not at the frontier: how it ended, or its last call."""
     if m.state is MemberState.AT_FRONTIER:
         return ""
+    if m.state is MemberState.NO_DUMP and inc.comms[f.comm].may_be_empty(m.crank):
+        return "its size is not known: ranks without a readable dump may be members"
     if m.state is MemberState.NO_DUMP and m.last_seq >= 0:
         return f"{_REASONS[m.state]}: its peers' completions prove it entered seq {m.last_seq}"
     if m.state in _REASONS:
@@ -286,7 +295,8 @@ def _wall(ns: int | None, iso: bool = False) -> str | None:
     return t.strftime("%Y-%m-%d %H:%M:%S.") + f"{t.microsecond // 1000:03d} UTC"
 
 
-FORMAT_VERSION = 2  # docs/analyze.schema.json; 1: before culprits and enums
+FORMAT_VERSION = 3  # docs/analyze.schema.json; 1: before culprits and enums; 2: before
+# ranks and sizes a lost dump leaves unknown (null)
 
 
 def verdict_json(r: IncidentResult, v: Verdict) -> dict[str, object]:
@@ -516,7 +526,7 @@ def _table(c: Console, inc: Incident, t: CommTable, show_all: bool) -> None:
     rows = t.members if show_all else _first_rows(t.members)
     body = []
     for m in rows:
-        cells = [str(m.rank), _cell(m.world_rank), _cell(m.host)]
+        cells = [_cell(m.rank), _cell(m.world_rank), _cell(m.host)]
         cells += [] if files else [_cell(m.pid)]
         cells += [_cell(m.last_entered), _cell(m.last_returned), m.state, m.reason]
         body.append(([printable(x) for x in cells], m))

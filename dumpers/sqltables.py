@@ -106,6 +106,7 @@ from functools import cache
 import numpy as np
 import pyarrow as pa
 
+from . import rankevidence
 from .columns import (
     Columns,
     address_column,
@@ -131,6 +132,7 @@ from .columns import (
 from .layout import LINK_COUNTERS, UNKNOWN_U8, UNKNOWN_U32, UNKNOWN_U64
 from .model import CommInfo, Recording
 from .nettables import conn_sample_columns, iface_sample_columns, probe_columns
+from .rankevidence import Evidence
 from .ranks import Ranks
 from .readings import ArgsFrom, NcclCall, ProcessThreads, ThreadState, syscall_name
 from .schema import (
@@ -694,6 +696,26 @@ def process_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     }
 
 
+def _evidence_columns(rec: Recording) -> Columns:
+    """What each member's own calls on a split communicator tell of its rank
+    there (``dumpers.rankevidence``): the highest rank they named, and the
+    ranks they prove it does not hold; NULL for communicators whose ranks
+    are recorded."""
+    comms = rec.communicators
+    split = {c.comm_hash for c in comms if c.parent_hash}
+    ring = rec.rings.get("nccl")
+    ev = rankevidence.ring_evidence(ring.rows, split) if ring is not None and split else {}
+    told = [ev.get((c.pid, c.comm_hash), Evidence()) if c.parent_hash else None for c in comms]
+    return {
+        "named_rank": pa.array(
+            [e.named if e is not None and e.named >= 0 else None for e in told], pa.int32()
+        ),
+        "not_ranks": pa.array(
+            [sorted(e.not_ranks) if e is not None else None for e in told], pa.list_(pa.int32())
+        ),
+    }
+
+
 def communicator_columns(rec: Recording, known: Ranks | None = None) -> Columns:
     known = known if known is not None else Ranks.of([rec])
     comms = rec.communicators
@@ -717,6 +739,7 @@ def communicator_columns(rec: Recording, known: Ranks | None = None) -> Columns:
         "root_addr": pa.array([c.root_addr or None for c in comms], pa.string()),
         "init_ns": on_clock_list(rec, [c.init_ns for c in comms]),
         "destroy_ns": on_clock_list(rec, [c.destroy_ns for c in comms]),
+        **_evidence_columns(rec),
     }
 
 

@@ -36,6 +36,7 @@ import pyarrow as pa
 
 from stallwatch.dumpers.errors import AgentError, UsageError
 from stallwatch.dumpers.model import Clock, CommInfo, Recording
+from stallwatch.dumpers.rankevidence import Evidence
 from stallwatch.dumpers.ranks import Ranks
 
 from .agentclient import Address, AgentClient, close_connections, context_of, parse_address
@@ -343,17 +344,22 @@ def _identity(rows: pa.Table) -> Ranks:
     over all their dumps derives them (``dumpers.ranks``)."""
     by_host: dict[str, list[CommInfo]] = {}
     named: dict[tuple[str, int], int] = {}
+    evidence: dict[tuple[tuple[str, int], int], Evidence] = {}
     for r in rows.to_pylist():
         pid = r["pid"] or 0
         info = CommInfo(
             pid, 0, _hash(r["comm_id_hash"]), _minus(r["rank"]), _minus(r["nranks"]),
             _hash(r["parent_hash"]), _minus(r["color"]), _minus(r["key"]),
+            init_ns=r["init_ns"] or 0,
         )  # fmt: skip
         by_host.setdefault(r["host"], []).append(info)
         if r["world_rank"] is not None:
             named[(r["host"], pid)] = r["world_rank"]
+        if r["not_ranks"] is not None:  # a split's member: what its own calls tell
+            told = Evidence(_minus(r["named_rank"]), frozenset(r["not_ranks"]))
+            evidence[((r["host"], pid), info.comm_hash)] = told
     recs = [Recording(h, "", Clock(0, 0), (), tuple(cs), {}) for h, cs in sorted(by_host.items())]
-    known = Ranks.of(recs)
+    known = Ranks.of(recs, evidence)
     # a world rank an agent knew (its dumps named it) stands
     return Ranks(known.comm, known.nranks, known.world | named)
 

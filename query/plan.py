@@ -112,8 +112,8 @@ RANK_COLUMNS = frozenset({"rank", "nranks", "world_rank"})
 IDENTITY_COLUMNS = ("host", "pid", "comm_id_hash")
 IDENTITY = "_sw_identity"  # the fetch of every agent's communicators
 IDENTITY_SQL = (
-    "SELECT host, pid, comm_id_hash, rank, nranks, parent_hash, color, key, world_rank "
-    "FROM communicators"
+    "SELECT host, pid, comm_id_hash, rank, nranks, parent_hash, color, key, world_rank, "
+    "init_ns, named_rank, not_ranks FROM communicators"
 )
 
 

@@ -99,30 +99,36 @@ def member_text(a: Analysis, f: Frontier, m: Member) -> str:
             if m.last_seq >= 0
             else "nothing of it is known"
         )
-        return f"comm rank {m.crank}{who} of {comm.name}: no readable dump holds it; {known}"
+        rank = comm.rank_text(m.crank)
+        return f"comm rank {rank}{who} of {comm.name}: no readable dump holds it; {known}"
     p = inc.procs[m.proc]
     entered = "nothing" if m.last_seq < 0 else f"seq {m.last_seq}"
     return (
-        f"{p.label()} comm rank {m.crank} of {comm.name}: last entered {entered}, "
+        f"{p.label()} comm rank {comm.rank_text(m.crank)} of {comm.name}: last entered {entered}, "
         f"peers at seq {f.seq}; {last_call_text(a, m.proc)}"
     )
 
 
 def world_of(inc: Incident, comm: int, crank: int) -> int:
-    """The world rank of a communicator's member, -1 if it cannot be told
-    (a member without a dump, outside the world communicator)."""
+    """The world rank of a communicator's member (by its slot: ``Comm``), -1
+    if it cannot be told (a member without a dump, outside the world
+    communicator, whose owner no evidence names)."""
     c = inc.comms[comm]
     proc = c.members[crank]
     if proc >= 0 and inc.procs[proc].world_rank >= 0:
         return inc.procs[proc].world_rank
     if c.world_rank(crank) >= 0:
         return c.world_rank(crank)
-    return crank if is_world(inc, comm) else -1
+    return c.rank_of(crank) if is_world(inc, comm) else -1
 
 
 def is_world(inc: Incident, comm: int) -> bool:
     c = inc.comms[comm]
-    return not c.is_split and c.nranks == max(x.nranks for x in inc.comms if not x.is_split)
+    return (
+        not c.is_split
+        and c.exact
+        and c.nranks == max(x.nranks for x in inc.comms if not x.is_split)
+    )
 
 
 def waiting(a: Analysis) -> frozenset[int]:

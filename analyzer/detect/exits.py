@@ -24,9 +24,10 @@ import numpy as np
 
 from stallwatch.dumpers.schema import op_name
 
-from ..incident import SKEW_NS, Lag, MemberState, Proc
+from ..incident import SKEW_NS, Frontier, Lag, MemberState, Proc
 from ..verdict import Verdict, VerdictKind
-from .common import MAX_LISTED, Analysis, last_call_text, member_text, primary
+from .common import MAX_LISTED, Analysis, last_call_text, member_text, primary, world_of
+from .inconclusive import unjudged
 
 
 def _death(p: Proc) -> str:
@@ -129,6 +130,49 @@ def _earliest(a: Analysis, dead: list[int]) -> list[int]:
     return [min(timed, key=lambda i: (procs[i].exit_wall_ns, i))]
 
 
+def _unseen_peers(a: Analysis, dead: list[int]) -> list[Frontier] | None:
+    """Frontiers of the communicators of the dead where members left no
+    readable dump: when every death was caused by another's (a call
+    returned an error, or a peer died first), the cause may be one of them,
+    and the first death seen is not proven the cause; None if there is none."""
+    mine = set(dead)
+    found = [
+        f
+        for f in a.frontiers
+        if f.unseen and mine & {p for p in a.incident.comms[f.comm].members if p >= 0}
+    ]
+    return found or None
+
+
+def _caused_unseen(a: Analysis, dead: list[int], fronts: list[Frontier]) -> Verdict:
+    inc = a.incident
+    ranks = sorted(
+        {w for f in fronts for m in f.unseen if (w := world_of(inc, f.comm, m.crank)) >= 0}
+    )
+    f = primary(a, fronts)
+    deaths = [
+        f"{inc.procs[i].label()} {_death(inc.procs[i])}; {last_call_text(a, i)}" for i in dead
+    ]
+    who = ", ".join(map(str, ranks)) or "members of unknown rank"
+    summary = (
+        f"{len(dead)} rank(s) died of an error a peer caused (a call of theirs returned an "
+        f"error, or they exited after a peer died), and rank(s) {who} left no readable dump: "
+        "the first to fail may be among those"
+    )
+    evidence = deaths[:MAX_LISTED] + unjudged(a)[:MAX_LISTED]
+    return Verdict(
+        VerdictKind.INCONCLUSIVE,
+        tuple(ranks),
+        (),
+        (),
+        inc.comms[f.comm].hash_text,
+        f.seq,
+        op_name(f.op),
+        summary,
+        tuple(evidence),
+    )
+
+
 def detect_rank_exited(a: Analysis) -> list[Verdict]:
     inc = a.incident
     dead = [i for i, p in enumerate(inc.procs) if p.died_badly]
@@ -141,6 +185,10 @@ def detect_rank_exited(a: Analysis) -> list[Verdict]:
         return []  # they exited on the error a desync caused: the desync is the finding
     if not culprits and waited:
         return []  # killed while they waited for a rank that never came: the stall is the finding
+    if not culprits:
+        unseen = _unseen_peers(a, dead)
+        if unseen is not None:
+            return [_caused_unseen(a, dead, unseen)]
     culprits = culprits or _earliest(a, dead)
     out = []
     for i in culprits:

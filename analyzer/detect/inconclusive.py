@@ -24,9 +24,23 @@ def _unseen_ranks(a: Analysis, frontiers: list[Frontier]) -> list[int]:
     return sorted(r for r in ranks if r >= 0)
 
 
-def _name(a: Analysis, f: Frontier, crank: int) -> str:
-    world = world_of(a.incident, f.comm, crank)
-    return str(world) if world >= 0 else f"comm rank {crank}"
+def _names(a: Analysis, f: Frontier) -> str:
+    """The members of a frontier no readable dump holds, for people: by
+    world rank, else by comm rank, else counted (their ranks unknown)."""
+    comm = a.incident.comms[f.comm]
+    world, ranked, unknown = [], [], 0
+    for m in f.unseen:
+        w = world_of(a.incident, f.comm, m.crank)
+        if w >= 0:
+            world.append(str(w))
+        elif comm.rank_of(m.crank) >= 0:
+            ranked.append(comm.rank_text(m.crank))
+        elif not comm.may_be_empty(m.crank):
+            unknown += 1
+    parts = [f"rank(s) {', '.join(world)}"] if world else []
+    parts += [f"comm rank(s) {', '.join(ranked)} (world rank unknown)"] if ranked else []
+    parts += [f"{unknown} member(s) whose ranks are unknown"] if unknown else []
+    return " and ".join(parts)
 
 
 def unjudged(a: Analysis) -> list[str]:
@@ -37,7 +51,13 @@ def unjudged(a: Analysis) -> list[str]:
         if not f.unseen:
             continue
         comm = a.incident.comms[f.comm]
-        names = ", ".join(_name(a, f, m.crank) for m in f.unseen)
+        names = _names(a, f)
+        if not names:  # only a member it may have
+            out.append(
+                f"{comm.name}: its size is not known ({comm.size_text}): ranks that left no "
+                "readable dump may be members; nothing is known of them"
+            )
+            continue
         proven = f.unseen[0].last_seq
         known = (
             f"their peers' completions prove they entered seq {proven}; after that nothing "
@@ -45,7 +65,7 @@ def unjudged(a: Analysis) -> list[str]:
             if proven >= 0
             else "none of their collectives is known to have completed"
         )
-        out.append(f"{comm.name}: rank(s) {names} have no readable dump: {known}")
+        out.append(f"{comm.name}: {names} have no readable dump: {known}")
     return out
 
 
@@ -88,7 +108,8 @@ def detect_inconclusive(a: Analysis) -> list[Verdict]:
         )
         ranks = sorted({*ranks, *untold})
     elif stalls:
-        f = primary(a, stalls)
+        # where ranks wait, in flight, over one every member returned from
+        f = primary(a, [g for g in stalls if g.standing] or stalls)
         summary = (
             f"a collective is stuck at {op_name(f.op)} seq {f.seq} on {inc.comms[f.comm].name}, "
             f"and rank(s) {who} left no readable dump: no rank with a dump is behind but for "

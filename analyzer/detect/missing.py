@@ -13,7 +13,8 @@ import numpy as np
 
 from stallwatch.dumpers.schema import Op, op_name
 
-from ..incident import Frontier, Incident, Lag, Member, MemberState, P2pGap, proc_hosts
+from ..frontier import evidence_moments
+from ..incident import SKEW_NS, Frontier, Incident, Lag, Member, MemberState, P2pGap, proc_hosts
 from ..match import IS_P2P
 from ..verdict import Verdict, VerdictKind, rank_text
 from .busy import busy_instead
@@ -27,20 +28,26 @@ P2P_OPS = (int(Op.SEND), int(Op.RECV))
 def p2p_gaps(inc: Incident) -> list[P2pGap]:
     """Every direction whose sends and receives do not pair up at the dump.
     A side whose ring wrapped past every row of the direction is unknown,
-    not missing: no gap is made of it."""
+    not missing: no gap is made of it.  Directions are in comm ranks: a
+    member whose rank is not known (``Comm.ranks``) places none of its calls,
+    and a peer no known slot holds is a member without a dump."""
     rows = inc.calls.rows
     start = max(inc.calls.matched, 0)
     p2p = rows[start:] if start else rows
-    n = max((c.nranks for c in inc.comms), default=0)
-    peer = p2p["root"]
-    sel = np.flatnonzero(np.isin(p2p["op"], P2P_OPS) & (peer >= 0) & (peer < n))
+    sel = np.flatnonzero(np.isin(p2p["op"], P2P_OPS) & (p2p["root"] >= 0))
     if not len(sel):
         return []
     t = p2p.select(("comm", "crank", "root", "op", "seq", "ts", "proc")).take(sel)
+    own = _own_ranks(inc, t["comm"], t["crank"])
+    placed = np.flatnonzero(own >= 0)
+    t, own = t.take(placed), own[placed]
+    if not len(own):
+        return []
+    n = int(max(own.max(), t["root"].max())) + 1
     is_send = t["op"] == Op.SEND
     # the direction of each row, as (comm, src, dst)
-    src = np.where(is_send, t["crank"], t["root"]).astype(np.int64)
-    dst = np.where(is_send, t["root"], t["crank"]).astype(np.int64)
+    src = np.where(is_send, own, t["root"]).astype(np.int64)
+    dst = np.where(is_send, t["root"], own).astype(np.int64)
     # per direction and side (comm, src, dst, is_send): the last seq posted
     packed = ((t["comm"].astype(np.int64) * n + src) * n + dst) * 2 + is_send
     keys, inverse = np.unique(packed, return_inverse=True)  # len(comms) * n * n * 2 < 2**63
@@ -60,11 +67,12 @@ def p2p_gaps(inc: Incident) -> list[P2pGap]:
     out = []
     for side, row in zip(sides.tolist(), ahead[first].tolist(), strict=True):
         comm, s, d, send = (int(x) for x in uniq[side])
-        members = inc.comms[comm].members
+        c = inc.comms[comm]
         missing_crank = d if send else s
-        if not (0 <= missing_crank < len(members)):
-            continue
-        missing = members[missing_crank]
+        if (c.size >= 0 and missing_crank >= c.size) or (c.exact and missing_crank >= c.nranks):
+            continue  # a peer outside the communicator: no call of NCCL's names one
+        slot = c.slot_of(missing_crank)
+        missing = c.members[slot] if slot >= 0 else -1
         if other[side] < 0 and missing >= 0 and not inc.procs[missing].window_complete:
             continue  # its ring wrapped: unknown
         waiting = int(t["proc"][row])
@@ -75,8 +83,23 @@ def p2p_gaps(inc: Incident) -> list[P2pGap]:
                 int(seq[row]), int(top[side] - other[side]), int(other[side]),
                 None if now is None else now - int(t["ts"][row]),
                 None if now is None else now - int(latest[waiting]),
+                int(t["ts"][row]),
             )
         )  # fmt: skip
+    return out
+
+
+def _own_ranks(inc: Incident, comm: np.ndarray, slot: np.ndarray) -> np.ndarray:
+    """Each row's comm rank: its slot where every rank of its communicator is
+    known, else the rank the evidence gives that slot (-1: unknown)."""
+    out = slot.astype(np.int64)
+    for c in np.unique(comm).tolist():
+        k = inc.comms[c]
+        if k.exact:
+            continue
+        mine = comm == c
+        table = np.array(k.ranks, dtype=np.int64)
+        out[mine] = table[np.clip(slot[mine], 0, len(table) - 1)]
     return out
 
 
@@ -232,7 +255,8 @@ def device_laggards(a: Analysis) -> list[tuple[Frontier, Member, int]]:
 def _device_text(a: Analysis, f: Frontier, m: Member, best: int) -> str:
     p = a.incident.procs[m.proc]
     return (
-        f"{p.label()} comm rank {m.crank} of {a.incident.comms[f.comm].name}: entered seq "
+        f"{p.label()} comm rank {a.incident.comms[f.comm].rank_text(m.crank)} of "
+        f"{a.incident.comms[f.comm].name}: entered seq "
         f"{m.last_seq} like its peers, but completed nothing after seq {m.last_returned} "
         f"where a peer completed up to seq {best}"
     )
@@ -265,8 +289,12 @@ def detect_missing_rank(a: Analysis) -> list[Verdict]:
         inc,
         main.comm,
         [m.proc for _, m in pairs] + sorted(device),
-        [(m.crank, m.proc) for f, m in pairs if f.comm == main.comm]
-        + [(m.crank, m.proc) for f, m, _ in device.values() if f.comm == main.comm],
+        [(comms[main.comm].rank_of(m.crank), m.proc) for f, m in pairs if f.comm == main.comm]
+        + [
+            (comms[main.comm].rank_of(m.crank), m.proc)
+            for f, m, _ in device.values()
+            if f.comm == main.comm
+        ],
         main.seq,
         op_name(main.op),
         lambda names: _summary(a, main, host, device, age),
@@ -308,7 +336,7 @@ def _consequences(a: Analysis, main: Frontier, pairs: list[tuple[Frontier, Membe
     ordered = sorted(others, key=lambda f: (-comms[f.comm].nranks, comms[f.comm].comm_hash))
     return [
         f"consequence: {op_name(f.op)} seq {f.seq} on {comms[f.comm].name} "
-        f"({comms[f.comm].nranks} ranks) waits for it too"
+        f"({comms[f.comm].size_text}) waits for it too"
         for f in ordered[:MAX_LISTED]
     ]
 
@@ -391,19 +419,55 @@ def _missing_rank(
     )
 
 
+def self_blaming(gaps: tuple[P2pGap, ...] | list[P2pGap]) -> list[P2pGap]:
+    """Gaps whose two sides are one rank: a rank cannot wait for itself to
+    post what it did not; such evidence says the communicator's ranks were
+    read wrong, and no verdict may rest on it (reported, never judged)."""
+    return [g for g in gaps if g.missing >= 0 and g.missing == g.waiting]
+
+
+def refused_text(inc: Incident, g: P2pGap) -> str:
+    return (
+        f"refused: {_gap_text(inc, g)}: its two sides are one rank, so the ranks of "
+        f"{inc.comms[g.comm].name} cannot be what they were read as"
+    )
+
+
+def _proven_behind(a: Analysis, g: P2pGap) -> bool:
+    """The peer's own evidence was taken after the waiting side posted the
+    call it never matched (beyond the clocks' skew): its dump shows it
+    behind, not read before it went on (as ``Frontier.lag`` asks of a
+    collective's laggard)."""
+    inc = a.incident
+    hosts = proc_hosts(inc)
+    moment, _ = evidence_moments(inc, hosts)
+    offset = inc.to_wall(hosts[g.waiting])
+    seen = moment[hosts[g.missing]]
+    if offset is None or seen is None:
+        return True  # no clock to tell: the idle waiting side is the evidence
+    return seen >= g.posted_ns + offset + SKEW_NS
+
+
 def detect_p2p_missing(a: Analysis) -> list[Verdict]:
     """A stall no collective shows: a rank posted sends (receives) that its
     peer never matched, and has done nothing since.  The peers that never
     posted are the culprits, unless they are themselves waiting on someone
-    in the same way (a chain: its end is named; a cycle: all of it)."""
+    in the same way (a chain: its end is named; a cycle: all of it).  By the
+    rules of collectives: a peer without a dump (or whose rank there is not
+    known) is never blamed, nor one whose dump was taken before the call it
+    never matched was posted; evidence naming one rank on both sides is
+    refused (``self_blaming``)."""
     inc = a.incident
+    wrong = set(map(id, self_blaming(a.p2p)))
     gaps = [
         g
         for g in a.p2p
         if g.idle_ns is not None
         and g.idle_ns >= P2P_STALL_NS
         and g.missing >= 0  # a peer without a dump is not blamed: inconclusive
+        and id(g) not in wrong
         and not inc.procs[g.missing].died_badly
+        and _proven_behind(a, g)
     ]
     if not gaps:
         return []

@@ -188,10 +188,10 @@ def retransmit_slowdowns(
         hosts = tuple(sorted({int(phost[p]) for p in c.members if p >= 0}))
         if len(hosts) < 2:
             continue
-        s = _slowdown(m, comm, c.nranks, hits, end)
+        s = _slowdown(m, comm, c.whole, hits, end)
         if s is not None:
             held_groups, share = (
-                _held_share(m, comm, c.nranks, held, end) if queued[comm] else (0, 0.0)
+                _held_share(m, comm, c.whole, held, end) if queued[comm] else (0, 0.0)
             )
             out.append(CommSlowdown(comm, hosts, *s, bool(queued[comm]), held_groups, share))
     return out
@@ -277,7 +277,7 @@ def held_by_network(
         gid, e, ts = m.gid[sl], end[sl], m.rows["ts"][sl]
         if not len(gid):
             continue
-        starts, ok = _complete_groups(gid, e, c.nranks)
+        starts, ok = _complete_groups(gid, e, c.whole)
         if not ok.any():
             continue
         dur = np.maximum.reduceat(e - ts, starts)

@@ -45,7 +45,7 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
         done.add(comm)
         out.extend(scores)
     for comm, c in enumerate(inc.comms):
-        if c.nranks < 2 or comm in done:
+        if c.whole < 2 or comm in done:
             continue
         sl = m.comm_rows(comm)
         rows, gid = m.rows.select(("ts", "end", "crank", "proc", "device", "queued"))[sl], m.gid[sl]
@@ -58,7 +58,7 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
             rows = rows.select(rows.names)  # its own columns: "ts" and "end" are replaced
             rows["end"] = _shared_completion(rows, gid)
             rows["ts"] = _own_device_start(rows, gid)
-        complete = _complete_groups(m, rows, gid, c.nranks) & _telling(rows, gid)
+        complete = _complete_groups(m, rows, gid, c.whole) & _telling(rows, gid)
         if not complete.any():
             continue
         if not complete.all():  # else keep the views: no copy of the table
@@ -68,13 +68,13 @@ def arrival_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
                 rows, gid = rows[first : last + 1], gid[first : last + 1]
             else:
                 rows, gid = rows.take(keep), gid[keep]
-        scores = _wait_scores(inc, comm, rows, gid, c.nranks)
+        scores = _wait_scores(inc, comm, rows, gid, c.whole)
         if np.median(rows["end"] - rows["ts"]) < ASYNC_BELOW_NS:  # calls return at once
-            scores += _lateness_scores(inc, comm, rows, gid, c.nranks)
+            scores += _lateness_scores(inc, comm, rows, gid, c.whole)
         period = _period(rows, gid)
         device = bool(rows["device"].all())
         out.extend(
-            dataclasses.replace(s, nranks=c.nranks, period_ns=period, device=device) for s in scores
+            dataclasses.replace(s, nranks=c.whole, period_ns=period, device=device) for s in scores
         )
     return out
 
@@ -93,10 +93,10 @@ def kind_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
     at the first kind alone it waits the whole lateness, every time."""
     out: list[ArrivalScore] = []
     for comm, c in enumerate(inc.comms):
-        if c.nranks < 2:
+        if c.whole < 2:
             continue
         sl = m.comm_rows(comm)
-        if sl.stop - sl.start < 2 * c.nranks:
+        if sl.stop - sl.start < 2 * c.whole:
             continue
         rows, gid = m.rows.select(KIND_FIELDS)[sl], m.gid[sl]
         if rows["device"].any():
@@ -104,7 +104,7 @@ def kind_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
         if int(gid[-1] - gid[0]) >= RECENT_GROUPS:
             start = int(np.searchsorted(gid, gid[-1] - RECENT_GROUPS + 1))
             rows, gid = rows[start:], gid[start:]
-        complete = _complete_groups(m, rows, gid, c.nranks)
+        complete = _complete_groups(m, rows, gid, c.whole)
         if not complete.any():
             continue
         keep = np.flatnonzero(complete)
@@ -126,8 +126,8 @@ def kind_scores(inc: Incident, m: Matched) -> list[ArrivalScore]:
                 continue
             period = _cadence(kr, kg)
             out.extend(
-                dataclasses.replace(s, nranks=c.nranks, period_ns=period, op=int(kinds[0, k]))
-                for s in _wait_scores(inc, comm, kr, kg, c.nranks)
+                dataclasses.replace(s, nranks=c.whole, period_ns=period, op=int(kinds[0, k]))
+                for s in _wait_scores(inc, comm, kr, kg, c.whole)
             )
     return out
 
@@ -175,7 +175,7 @@ def _grid_scores(inc: Incident, m: Matched) -> list[tuple[int, list[ArrivalScore
     of numpy calls per communicator."""
     if not len(m.rows) or not len(inc.comms):
         return []
-    nranks = np.array([c.nranks for c in inc.comms], dtype=np.int64)
+    nranks = np.array([c.whole for c in inc.comms], dtype=np.int64)
     start, groups, ok = _grid_windows(m, nranks)
     out: list[tuple[int, list[ArrivalScore]]] = []
     cand = np.flatnonzero(ok)
@@ -662,7 +662,7 @@ def _straggler_verdict(
         op,
         summary,
         tuple(evidence),
-        (s.crank,),
+        (comm.rank_of(s.crank),),
     )
 
 

@@ -130,9 +130,9 @@ def read_tables(
     input's status (``input_notes`` says them for people)."""
     from stallwatch.analyzer.load import open_incidents
     from stallwatch.analyzer.progress import Progress
+    from stallwatch.dumpers import ranks
     from stallwatch.dumpers.format import read_dump
     from stallwatch.dumpers.inputs import SourceKind
-    from stallwatch.dumpers.ranks import Ranks
     from stallwatch.dumpers.schema import RING_DTYPES
     from stallwatch.query.feed import feed, needs
 
@@ -154,7 +154,7 @@ def read_tables(
     loads = [functools.partial(load, *h) for h in heads]
     shown = Progress("read {}/{} dumps", len(heads), progress, command="query")
     try:
-        known = Ranks.of(h for _, h, _ in heads)
+        known = ranks.of_dumps((path, h) for path, h, _ in heads)
         built = feed(loads, known, needs(sql), shown.step)
     finally:
         shown.close()

@@ -112,3 +112,48 @@ def test_a_collective_verdict_comes_before_p2p() -> None:
     assert [(v.kind, v.ranks, v.op, v.comm_ranks) for v in verdicts] == [
         (VerdictKind.MISSING_RANK, (3,), "ALL_REDUCE", (3,))
     ]
+
+
+# ---- the evidence rules of collectives --------------------------------------------
+
+
+def test_a_peer_without_a_dump_is_its_own_unknown() -> None:
+    """Rank 0 sent its 11th message to rank 2, whose node left no dump: no
+    rank is blamed for the receive nobody can show; rank 0 is not either."""
+    end = _end()
+    rows = [*_pipeline(10, end), _p2p(1, 2, Op.SEND, 10, end + MS, end + MS + 10000)]
+    recs = _with(recordings(JOB), rows)[:1]  # node1 (ranks 2, 3) lost
+    res = _analyze(recs)
+    assert all(v.kind is VerdictKind.INCONCLUSIVE for v in res.verdicts), res.verdicts
+    assert {r for v in res.verdicts for r in v.ranks} <= {2, 3}
+
+
+def test_a_peer_dumped_before_the_post_is_not_blamed() -> None:
+    """Rank 2's node dumped before rank 1 posted the send rank 2 never
+    received (dumps taken in turn): its dump cannot show it behind.  Taken
+    after the post, it does."""
+    end = _end()
+    rows = [*_pipeline(10, end), _p2p(1, 2, Op.SEND, 10, end + MS, end + MS + 10000)]
+    node0, node1 = _with(recordings(JOB), rows)
+    blamed = _analyze([node0, node1]).verdicts
+    assert [(v.kind, v.ranks) for v in blamed] == [(VerdictKind.MISSING_RANK, (2,))]
+    # node1's capture (wall clock) before the post, its own stamps kept
+    early = dataclasses.replace(
+        node1.clock, realtime_ns=node1.clock.realtime_ns - (NOW_AFTER_NS - MS // 2)
+    )
+    res = _analyze([node0, dataclasses.replace(node1, clock=early)])
+    assert not [v for v in res.verdicts if v.kind is VerdictKind.MISSING_RANK], res.verdicts
+
+
+def test_evidence_naming_one_rank_on_both_sides_is_refused_and_said() -> None:
+    """A rank whose sends to itself were never received by itself (no
+    recorder writes that of a working NCCL: its ranks were read wrong) is
+    not blamed for waiting on itself; the refusal is in the report."""
+    end = _end()
+    rows = [*_pipeline(10, end), _p2p(1, 1, Op.SEND, 10, end + MS, end + MS + 10000)]
+    res = _analyze(_with(recordings(JOB), rows))
+    assert not [v for v in res.verdicts if v.kind is VerdictKind.MISSING_RANK], res.verdicts
+    refused = [u for u in res.unjudged if u.startswith("refused:")]
+    assert (
+        len(refused) == 1 and "rank 1" in refused[0] and "its two sides are one rank" in refused[0]
+    )

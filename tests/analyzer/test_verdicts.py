@@ -123,6 +123,18 @@ def test_crash_names_the_dead_rank_not_those_its_death_failed() -> None:
     assert any("of the error it caused" in e and "rank 3" in e for e in vs[0].evidence)
 
 
+def test_deaths_a_lost_dump_may_have_caused_name_no_first_to_die() -> None:
+    """The dead rank's node left no dump: the ranks seen died of a peer's
+    error (their calls returned REMOTE_ERROR); the first of them to exit is
+    not the cause, a rank of the lost node may be: inconclusive, naming
+    those.  With that node's dump there, the rank killed is named."""
+    job = with_(BASE, crash=(3, 20, 9), peers_fail=True)
+    (v,) = verdicts(job, drop_node=BASE.node_of(3))
+    assert v.kind is VerdictKind.INCONCLUSIVE and set(v.ranks) == {2, 3}
+    assert "died of an error a peer caused" in v.summary
+    assert [x.ranks for x in verdicts(job)] == [(3,)]
+
+
 # An asynchronous job: rank 1 is killed; its peers' errors surface outside any
 # recorded call (a stream synchronisation) and they exit 4 a few ms later.
 # Clocks of the hosts disagree by up to 20 ms either way: the kill still

@@ -75,17 +75,20 @@ def test_a_split_of_a_split_takes_its_parent_rank_as_derived() -> None:
     assert found.members[quarter] == (1, 0) and found.members[quarter + 1] == (3, 2)
 
 
-def test_exact_leaves_a_split_unranked_when_its_parent_is_incomplete() -> None:
+def test_one_node_alone_leaves_a_split_unranked_rather_than_guess() -> None:
     one_node = [(("n0", c.pid), c) for c in job_comms(0)]
-    found = resolve(one_node, exact=True)
+    found = resolve(one_node)
     # node 0 holds 2 of the world's 6 ranks: another node's ranks may have
-    # the same color, so no split can be ranked exactly
+    # the same color, so no split can be ranked from what is there
     assert {h for _, h in found.ranks()} == {WORLD}
     assert found.world_ranks() == {("n0", 0): 0, ("n0", 1): 1}
-    assert resolve(one_node).members[_dp(0)] == (("n0", 0),)  # from what is there
+    dp = found.comms[_dp(0)]
+    assert dp.slots == (("n0", 0), None) and dp.ranks == (None, None)  # never "rank 0 of 1"
+    assert (dp.size, dp.size_min) == (None, 1)
+    assert found.uncertain() == {_tp(0), _dp(0), _dp(1)}
     # every member of the parent there: the split is complete, and ranked
     whole = [((f"n{n}", c.pid), c) for n in range(NODES) for c in job_comms(n)]
-    assert resolve(whole, exact=True).members == resolve(whole).members
+    assert all(c.exact for c in resolve(whole).comms.values()) and not resolve(whole).uncertain()
 
 
 def _recording(node: int) -> Recording:

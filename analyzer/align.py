@@ -15,6 +15,7 @@ in which files were given.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
@@ -42,6 +43,8 @@ from .incident import (
     WINDOW_CALLS,
     Calls,
     Comm,
+    Deferred,
+    HostRetransmits,
     Incident,
     InputStatus,
     LateReport,
@@ -170,6 +173,7 @@ def incident_from_recordings(
         hosts = tuple(sorted({s.recording.host for s in sources}))
         tcp = _tcp(sources, hosts)
     now = _host_now(extracts)
+    counts, rows = _host_counts(sources, tcp, hosts)
     procs, proc_index = _procs(extracts)
     comms, membership, world = _comms(extracts, proc_index)
     procs = _with_world_ranks(procs, world, report.uncertain() if report else set())
@@ -203,7 +207,54 @@ def incident_from_recordings(
         ),
         conns=conn_rows(recs, hosts, owner),
         ifaces=iface_rows(recs, hosts),
+        host_retransmits=counts,
+        retransmit_rows=rows,
     )
+
+
+def _host_counts(
+    sources: list[Source], tcp: np.ndarray, hosts: tuple[str, ...]
+) -> tuple[Deferred[tuple[HostRetransmits, ...]] | None, int]:
+    """Per host, the retransmits inside its collectives' windows, as the
+    shipped query counts them over the dumps (``query.retransmits``: one
+    definition for the report and the SQL), run when first asked for; None
+    when no retransmit of the job's connections went between two hosts.
+    And how many retransmit rows of the job's the dumps hold."""
+    rows = 0
+    for s in sources:
+        ring = s.recording.rings.get("tcp")
+        if ring is not None and len(ring.rows):
+            r = ring.rows
+            rows += int(((r["event"] == TcpEvent.TCP_RETRANSMIT_SKB) & (r["other"] == 0)).sum())
+    between = (tcp["event"] == TcpEvent.TCP_RETRANSMIT_SKB) & (tcp["other"] == 0)
+    if not between.any():
+        return None, rows
+    return Deferred(functools.partial(_query_counts, list(sources), hosts)), rows
+
+
+def _query_counts(sources: list[Source], hosts: tuple[str, ...]) -> tuple[HostRetransmits, ...]:
+    from stallwatch.query.retransmits import retransmits_by_host
+
+    got = retransmits_by_host([functools.partial(_with_calls, s) for s in sources])
+    return tuple(
+        HostRetransmits(i, c.sent_in_windows, c.received_in_windows, c.sent_in_all, c.collectives)
+        for i, h in enumerate(hosts)
+        if (c := got.get(h)) is not None
+    )
+
+
+def _with_calls(s: Source) -> Recording | None:
+    """The source's recording with every row of its NCCL ring (read again
+    from its file where it was left there); None if it cannot be read."""
+    later = s.deferred.get("nccl")
+    if later is None:
+        return s.recording
+    try:
+        rows = later.read()
+    except DumpError:
+        return None
+    ring = Ring(rows, later.overwritten, later.lost)
+    return dataclasses.replace(s.recording, rings={**s.recording.rings, "nccl": ring})
 
 
 def _entered_by_host(extracts: list[_Extract]) -> dict[str, dict[int, int]]:

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import enum
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Generic, TypeVar, cast
 
 import numpy as np
 
@@ -36,6 +37,24 @@ from stallwatch.dumpers.readings import ThreadReading
 from stallwatch.dumpers.schema import TcpEvent
 
 from .columns import Columns
+
+T = TypeVar("T")
+
+
+class Deferred(Generic[T]):
+    """A value computed once, when first asked for (a query the analysis may
+    not need)."""
+
+    __slots__ = ("_compute", "_value")
+
+    def __init__(self, compute: Callable[[], T]) -> None:
+        self._compute: Callable[[], T] | None = compute
+        self._value: T | None = None
+
+    def get(self) -> T:
+        if self._compute is not None:
+            self._value, self._compute = self._compute(), None
+        return cast(T, self._value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,6 +401,12 @@ class Incident:
     probes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=PROBE_DTYPE))
     conns: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=CONN_SAMPLE_DTYPE))
     ifaces: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=IFACE_DTYPE))
+    # per host, the job's retransmits inside its collectives' windows over
+    # every call the rings hold (query.retransmits: the shipped query's
+    # count, run when first asked for); None when none went between hosts
+    host_retransmits: Deferred[tuple[HostRetransmits, ...]] | None = None
+    # the job's retransmit rows in all the dumps: no host is in more
+    retransmit_rows: int = 0
 
     @property
     def retransmits(self) -> np.ndarray:

@@ -24,7 +24,9 @@ Known limits:
   a quarter of the time between its collectives at least: a few ms of
   lateness under CPU contention is noise.  A rank slowed by less goes unnamed.
 - Retransmits count only on connections between two nodes' own addresses
-  (never loopback, never both ends on one host), and only when the
+  (never loopback, never both ends on one host); per host, inside every
+  completed collective the rings hold, by the shipped per-host query
+  (``query.retransmits``: the report and the SQL count alike), and only when the
   collectives they fall into are markedly slower (3x) than the
   communicator's others (or, when nearly all have some, its lower quartile).
   A busy machine retransmits now and then on every link: that is noise.
@@ -161,7 +163,7 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
     windows = tuple(slow_windows(inc, m)) if inc.slowdown is not None else ()
     compared = window_matched(m, windows, baseline=True)
     slow = window_matched(m, windows)
-    net = network_metrics(inc, compared)
+    net = network_metrics(inc, compared, whole=not windows)
     since = onset_wall(inc, windows or slow_windows(inc, m), m) if len(inc.conns) else None
     a = Analysis(
         incident=inc,
@@ -169,7 +171,7 @@ def analyze_incident(inc: Incident, detectors: Sequence[Detector] = DETECTORS) -
         frontiers=fronts,
         disagreements=tuple(disagreements(m)),
         arrivals=tuple(arrival_scores(inc, slow)),
-        retransmits=net.retransmits,
+        retransmit_counts=net.retransmits,
         sched=sched_delays(inc, window_since(inc, m, windows)),
         slowdowns=net.slowdowns,
         fates=connection_fates(inc),

@@ -14,6 +14,7 @@ from ..incident import (
     ArrivalScore,
     CommSlowdown,
     ConnFate,
+    Deferred,
     Disagreement,
     Frontier,
     HostRetransmits,
@@ -39,7 +40,7 @@ class Analysis:
     frontiers: tuple[Frontier, ...]
     disagreements: tuple[Disagreement, ...]
     arrivals: tuple[ArrivalScore, ...]
-    retransmits: tuple[HostRetransmits, ...]
+    retransmit_counts: Deferred[tuple[HostRetransmits, ...]]
     sched: SchedDelays  # run-queue delay per proc, by the CPU's holder
     slowdowns: tuple[CommSlowdown, ...] = ()
     p2p: tuple[P2pGap, ...] = ()
@@ -56,6 +57,12 @@ class Analysis:
     # a host whose connections slowed while the job's others did not (detect.paths)
     slow_link: SlowLink | None = None
     slow_since_wall: int | None = None  # when the slowdown began (wall clock), where known
+
+    @property
+    def retransmits(self) -> tuple[HostRetransmits, ...]:
+        """Per host, the job's retransmits inside collective windows
+        (``detect.network.network_metrics``; the query runs when first read)."""
+        return self.retransmit_counts.get()
 
 
 Detector = Callable[[Analysis], list[Verdict]]

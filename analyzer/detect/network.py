@@ -17,7 +17,7 @@ import numpy as np
 from stallwatch.dumpers.schema import op_name
 
 from ..frontier import ASYNC_BELOW_NS
-from ..incident import CommSlowdown, HostRetransmits, Incident, NetHeld, proc_hosts
+from ..incident import CommSlowdown, Deferred, HostRetransmits, Incident, NetHeld, proc_hosts
 from ..match import Matched
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, ms, who
@@ -107,17 +107,24 @@ def windows_of(inc: Incident, m: Matched) -> CallWindows:
 class NetMetrics:
     """The network metrics of one matched table (``Analysis`` fields)."""
 
-    retransmits: tuple[HostRetransmits, ...]
+    retransmits: Deferred[tuple[HostRetransmits, ...]]
     slowdowns: tuple[CommSlowdown, ...]
     held: tuple[NetHeld, ...]
     held_retransmits: tuple[HostRetransmits, ...]
 
 
-def network_metrics(inc: Incident, m: Matched) -> NetMetrics:
+def network_metrics(inc: Incident, m: Matched, whole: bool = True) -> NetMetrics:
+    """``whole``: ``m`` is every matched call (not a slowdown's window and
+    its baseline): the per-host retransmits are then the shipped query's
+    (``Incident.host_retransmits``), over every collective the rings hold."""
     w = windows_of(inc, m)
     held, held_rows = held_by_network(inc, m, w)
+    if whole and inc.host_retransmits is not None:
+        counts = inc.host_retransmits
+    else:
+        counts = Deferred(lambda: tuple(retransmits_in_windows(inc, m, w=w)))
     return NetMetrics(
-        tuple(retransmits_in_windows(inc, m, w=w)),
+        counts,
         tuple(retransmit_slowdowns(inc, m, w)),
         tuple(held),
         tuple(retransmits_in_windows(inc, m, held_rows, w)) if held else (),
@@ -127,8 +134,11 @@ def network_metrics(inc: Incident, m: Matched) -> NetMetrics:
 def retransmits_in_windows(
     inc: Incident, m: Matched, only: np.ndarray | None = None, w: CallWindows | None = None
 ) -> list[HostRetransmits]:
-    """Per host, the retransmits inside its ranks' collective windows (of
-    the matched rows ``only`` selects, if given)."""
+    """Per host, the retransmits inside its ranks' collective windows of the
+    matched rows (those ``only`` selects, if given): where the analysis is
+    restricted to some collectives (a slowdown's window, the collectives
+    the network held).  Over every call, the shipped query's count is the
+    one (``Incident.host_retransmits``)."""
     rt = inc.retransmits
     nh = len(inc.hosts)
     if not len(rt):
@@ -411,6 +421,11 @@ class _Lossy:
 
 
 def _lossy(a: Analysis, explained: frozenset[int]) -> _Lossy:
+    if a.incident.retransmit_rows < RETRANS_MIN:
+        # no host is in more retransmits than the dumps hold: none can be named
+        # (and the per-host query, which could only say so, is not run)
+        return _Lossy((), [], ())
+
     def score(h: HostRetransmits) -> int:
         return h.local + h.remote
 
@@ -452,9 +467,14 @@ def detect_network(a: Analysis, explained: frozenset[int] = frozenset()) -> list
     procs = [i for i, p in enumerate(inc.procs) if p.host in hosts]
     ranks, _, pids = who(inc, procs)
     slowed, counts = lossy.slowed, lossy.counts
+    # over every collective, the per-host query's count (docs/sql.md); in a
+    # slowdown, over its slow window and the baseline before it
+    inside = (
+        "the slow window's and its baseline's collectives" if a.windows else "collective windows"
+    )
     evidence = [
         f"host {x.host_name}: {x.h.local} retransmits sent and {x.h.remote} received inside "
-        f"collective windows ({x.h.total} sent in all)"
+        f"{inside} ({x.h.total} sent in all)"
         for x in (_Named(inc.hosts[h.host], h) for h in a.retransmits)
     ]
     evidence += [_slowed_text(inc, s) for s in slowed[:MAX_LISTED]]

@@ -673,6 +673,8 @@ def slow_readers(a: Analysis) -> frozenset[int]:
     enters late reads late: the queues of its sockets fill, its peers'
     segments are dropped and retransmitted.  A lossy link drops both ways."""
     late = {proc_hosts(a.incident)[s.proc] for s in straggler_candidates(a)}
+    if not late or not a.incident.retransmit_rows:
+        return frozenset()
     return frozenset(h.host for h in a.retransmits if h.host in late and received_mostly(h))
 
 

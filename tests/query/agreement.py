@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stallwatch.analyzer.detect.network import retransmits_in_windows
-from stallwatch.analyzer.incident import WINDOW_CALLS
+from stallwatch.analyzer.detect.network import network_metrics
 from stallwatch.analyzer.load import load_inputs
 from stallwatch.analyzer.match import match
 from stallwatch.analyzer.pipeline import group_incidents
@@ -19,12 +18,12 @@ Counts = dict[str, tuple[int, int, int, int]]  # host -> sent in windows, receiv
 
 
 def analyzer_counts(folder: Path) -> list[tuple[list[str], Counts]]:
-    """Per incident of the folder, its dumps and ``retransmits_in_windows``
-    per host."""
+    """Per incident of the folder, its dumps and the per-host counts the
+    analyzer's network verdicts print (``network_metrics``)."""
     loaded, _ = load_inputs([str(folder)])
     out = []
     for inc in group_incidents(loaded):
-        rows = retransmits_in_windows(inc, match(inc))
+        rows = network_metrics(inc, match(inc)).retransmits.get()
         counts = {inc.hosts[h.host]: (h.local, h.remote, h.total, h.calls) for h in rows}
         out.append((list(inc.sources), counts))
     return out
@@ -43,19 +42,9 @@ def sql_counts(where: Path | list[str]) -> Counts:
     return {host: (inside, received, sent, calls) for host, inside, received, sent, calls in rows}
 
 
-def assert_rings_read_whole(folder: Path) -> None:
-    """The analyzer reads each rank's latest WINDOW_CALLS calls of a ring
-    only; the SQL tables hold every row.  They agree where nothing is older."""
-    for path in sorted(folder.rglob("*.msgpack")):
-        rec = read_dump(path)
-        ranks = len({p.pid for p in rec.processes} | {c.pid for c in rec.communicators})
-        assert len(rec.rings["nccl"].rows) <= WINDOW_CALLS * ranks, path
-
-
 def assert_agree(folder: Path) -> Counts:
     """The per-host query on each incident's dumps gives the analyzer's
     counts; returns them, over every incident of the folder."""
-    assert_rings_read_whole(folder)
     total: Counts = {}
     for paths, want in analyzer_counts(folder):
         got = sql_counts(paths)

@@ -1,0 +1,155 @@
+"""A lost dump never moves the blame onto a healthy host: every incident
+the lab recorded and this repository keeps, each node's dump removed in
+turn, and cut short at several points (a cut dump is refused, named, and
+counts as lost), analyzed as ``stallwatch analyze --json`` does.
+
+The verdict must name the true culprit, a subset of it, or be
+``inconclusive``: never a rank on a host whose dump is present and that
+holds no culprit, and never ``healthy`` (every incident here departs from
+consensus: a hang, a crash, a desync, a straggler, a lossy or cut link).
+
+The incidents: every ``tests/data/lab-*`` and ``net-*`` one, the GPU hang of
+``tests/data/damage``, and ``tests/data/shapes``: a hang in every shape the
+lab runs that the others do not cover (host threads spinning, asynchronous
+NCCL, GPU streams, CUDA graphs) and the demo's own 4x2 job.  Every lab job
+sends point to point between pipeline stages on its split data-parallel
+communicators: the traffic whose ranks a lost dump used to shift.
+
+``CULPRITS`` says, for each, the ranks the fault was injected into (or,
+for a link, the ranks of the host whose link it was) and their hosts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from stallwatch.commands.main import main
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+CUTS = (0.25, 0.5, 0.75)  # where each dump is cut, as a share of its bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Truth:
+    ranks: frozenset[int]  # the culprits
+    hosts: frozenset[str]  # where they run
+
+
+def _truth(ranks: set[int], hosts: set[str]) -> Truth:
+    return Truth(frozenset(ranks), frozenset(hosts))
+
+
+CULPRITS = {
+    # both ranks whose CPU the hog took are starved alike (its README)
+    "lab-cpuhog-2x2": _truth({0, 2}, {"node0", "node1"}),
+    "lab-crash-2x2": _truth({2}, {"node1"}),
+    "lab-crash-4x2": _truth({5}, {"node2"}),
+    "lab-desync-2x2": _truth({1}, {"node0"}),
+    "lab-desync-4x2": _truth({6}, {"node3"}),
+    "lab-gpuslow-4x2": _truth({6}, {"node3"}),
+    "lab-hang-2x2": _truth({3}, {"node1"}),
+    "lab-hang-4x2": _truth({5}, {"node2"}),
+    "net-flap-4x1": _truth({2}, {"node2"}),
+    "net-loss-3x2": _truth({2, 3}, {"node1"}),
+    "net-loss-4x1": _truth({2}, {"node2"}),
+    # the lossy link between the two nodes (both ends lose alike), a hog
+    # beside rank 3: the pair is named (its README)
+    "net-loss-stall-2x2": _truth({0, 1, 2, 3}, {"node0", "node1"}),
+    "net-partition-4x1": _truth({2}, {"node2"}),
+    "damage/lab-gpuhang-2x2": _truth({3}, {"node1"}),
+    "shapes/hang-spin-3x2": _truth({3}, {"node1"}),
+    "shapes/hang-async-3x2": _truth({3}, {"node1"}),
+    "shapes/hang-gpu-3x2": _truth({3}, {"node1"}),
+    "shapes/hang-graphs-3x2": _truth({3}, {"node1"}),
+    "shapes/hang-demo-4x2": _truth({3}, {"node1"}),
+}
+
+
+def kept() -> list[str]:
+    """Every recorded lab incident of tests/data (a new one must say its
+    culprits above: this list fails the test until it does)."""
+    found = [p.name for p in DATA.glob("lab-*")] + [p.name for p in DATA.glob("net-*")]
+    found += [f"damage/{p.name}" for p in DATA.glob("damage/lab-*")]
+    found += [f"shapes/{p.name}" for p in DATA.glob("shapes/*") if p.is_dir()]
+    return sorted(found)
+
+
+def test_every_kept_incident_is_judged_here() -> None:
+    assert kept() == sorted(CULPRITS)
+
+
+def host_of(path: Path) -> str:
+    """The node a lab dump came from: its name's first part."""
+    return path.name.split("-")[0].split(".")[0]
+
+
+def damaged(name: str, root: Path) -> Iterator[tuple[str, Path, str | None]]:
+    """(what was done, the folder analyzed, the file cut if one was): each
+    node's dump removed, then cut at each of ``CUTS``."""
+    files = sorted((DATA / name).glob("*.msgpack"))
+    for f in files:
+        for how in ("removed", *CUTS):
+            folder = root / f"{host_of(f)}-{how}"
+            folder.mkdir()
+            for g in files:
+                if g != f:
+                    shutil.copy(g, folder / g.name)
+                elif how != "removed":
+                    data = g.read_bytes()
+                    (folder / g.name).write_bytes(data[: int(len(data) * float(how))])
+            label = "removed" if how == "removed" else f"cut at {how:.0%}"
+            yield f"{host_of(f)}'s dump {label}", folder, None if how == "removed" else f.name
+
+
+def analyze(folder: Path, cut: str | None) -> dict[str, object]:
+    """``analyze --json`` on the folder; ``cut``: the file cut short, which
+    must be named on stderr and among the inputs lost."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["analyze", str(folder), "--json"])
+    assert code == 1, (code, err.getvalue())  # a finding, or an input lost: never clean
+    doc: dict[str, object] = json.loads(out.getvalue())
+    if cut is not None:
+        assert cut in err.getvalue(), err.getvalue()
+        inputs = doc["inputs"]
+        assert isinstance(inputs, list)
+        assert [i["ok"] for i in inputs if i["path"].endswith(cut)] == [False]
+    return doc
+
+
+def judge(truth: Truth, doc: dict[str, object]) -> list[str]:
+    """What is wrong with one analysis ([]: nothing)."""
+    wrong = []
+    incidents = doc["incidents"]
+    assert isinstance(incidents, list)
+    for inc in incidents:
+        for v in inc["verdicts"]:
+            kind = v["kind"]
+            if kind == "healthy":
+                wrong.append(f"healthy: {v['summary']}")
+            if kind in ("healthy", "inconclusive"):
+                continue
+            ranks = {r for r in v["ranks"] if r is not None}
+            hosts = set(v["hosts"]) | {c["host"] for c in v["culprits"] if c["host"]}
+            if ranks - truth.ranks or hosts - truth.hosts:
+                wrong.append(f"{kind} ranks {sorted(ranks)} hosts {sorted(hosts)}: {v['summary']}")
+    return wrong
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CULPRITS))
+def test_a_lost_dump_blames_no_healthy_host(name: str, tmp_path: Path) -> None:
+    truth = CULPRITS[name]
+    failures = []
+    for what, folder, cut in damaged(name, tmp_path):
+        doc = analyze(folder, cut)
+        failures += [f"{what}: {w}" for w in judge(truth, doc)]
+    assert failures == [], "\n".join(failures)

@@ -136,11 +136,9 @@ class Comm:
     @property
     def size_text(self) -> str:
         """Its size for people: "4 ranks", "at least 3 ranks"."""
-        if self.exact:
-            return f"{self.nranks} ranks"
-        if self.size >= 0:
-            return f"{self.size} ranks"
-        return f"at least {self.size_min} ranks"
+        n = self.nranks if self.exact else self.size if self.size >= 0 else self.size_min
+        what = f"{n} rank" + ("" if n == 1 else "s")
+        return what if self.exact or self.size >= 0 else f"at least {what}"
 
     @property
     def whole(self) -> int:

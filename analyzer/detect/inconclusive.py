@@ -43,6 +43,12 @@ def _names(a: Analysis, f: Frontier) -> str:
     return " and ".join(parts)
 
 
+def _surely_unseen(a: Analysis, f: Frontier) -> bool:
+    """Whether a member the communicator is known to have left no dump."""
+    comm = a.incident.comms[f.comm]
+    return any(not comm.may_be_empty(m.crank) for m in f.unseen)
+
+
 def unjudged(a: Analysis) -> list[str]:
     """For people, per communicator: which members no readable dump holds,
     and what their peers' records still prove of them."""
@@ -86,9 +92,13 @@ def detect_inconclusive(a: Analysis) -> list[Verdict]:
     lost = [f for f in a.frontiers if f.unseen]
     if not lost:
         return []
-    stalls = [f for f in lost if f.stuck]
-    ranks = _unseen_ranks(a, stalls or lost)
-    who = ", ".join(map(str, ranks)) or "members"
+    # a stall that a member left no dump of may hold up: one the split is
+    # known to have (not one it may have: its size not known)
+    stalls = [f for f in lost if f.stuck and _surely_unseen(a, f)] or [
+        f for f in lost if f.stuck and not any(_surely_unseen(a, g) for g in lost)
+    ]
+    ranks = _unseen_ranks(a, stalls or lost) or _unseen_ranks(a, lost)
+    who = f"rank(s) {', '.join(map(str, ranks))}" if ranks else "members"
     # dumps taken in turn, the latest standing at the frontier: members whose
     # own dumps lag it, not shown older, are as likely to have stopped as
     # those without a dump (detect.missing.behind names neither)
@@ -102,7 +112,7 @@ def detect_inconclusive(a: Analysis) -> list[Verdict]:
         f = primary(a, stalls)
         summary = (
             f"the job stood still at {op_name(f.op)} seq {f.seq} on {inc.comms[f.comm].name}, "
-            f"where the dumps taken last stand: rank(s) {who} left no readable dump, and "
+            f"where the dumps taken last stand: {who} left no readable dump, and "
             f"rank(s) {', '.join(map(str, untold))} never entered it, their dumps not shown "
             "older; any of them may have stopped there"
         )
@@ -112,13 +122,13 @@ def detect_inconclusive(a: Analysis) -> list[Verdict]:
         f = primary(a, [g for g in stalls if g.standing] or stalls)
         summary = (
             f"a collective is stuck at {op_name(f.op)} seq {f.seq} on {inc.comms[f.comm].name}, "
-            f"and rank(s) {who} left no readable dump: no rank with a dump is behind but for "
+            f"and {who} left no readable dump: no rank with a dump is behind but for "
             "waiting; those without may never have entered it, or it may be stuck for all"
         )
     else:
         f = primary(a, lost)
         summary = (
-            f"no rank with a dump departs from consensus, but rank(s) {who} left no readable "
+            f"no rank with a dump departs from consensus, but {who} left no readable "
             "dump: what they did cannot be told"
         )
     return [_verdict(a, tuple(ranks), f, summary, unjudged(a)[:MAX_LISTED] + notes)]

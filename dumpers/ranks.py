@@ -447,7 +447,29 @@ def uncertain_splits(recordings: Iterable[Recording]) -> frozenset[int]:
     tell (a member's recording is not among them): where reading the NCCL
     rings for evidence may tell more."""
     entries = [((r.host, c.pid), c) for r in recordings for c in r.communicators]
+    if _every_member_here(entries):
+        return frozenset()  # every parent complete: every split is ranked exactly
     return resolve(entries).uncertain()
+
+
+def _every_member_here(entries: list[tuple[Member, CommInfo]]) -> bool:
+    """Whether every communicator whose size is recorded has all its members
+    here, and every split's parent is here: the common case, told without
+    deriving anything."""
+    members: dict[int, set[Member]] = defaultdict(set)
+    size: dict[int, int] = {}
+    parents = set()
+    for k, ci in entries:
+        if not ci.comm_hash:
+            continue
+        members[ci.comm_hash].add(k)
+        if ci.parent_hash:
+            parents.add(ci.parent_hash)
+        elif ci.rank >= 0:
+            size[ci.comm_hash] = max(size.get(ci.comm_hash, 0), ci.nranks, ci.rank + 1)
+    if not parents <= set(size):
+        return False
+    return all(len(members[h]) >= n for h, n in size.items())
 
 
 def of_dumps(dumps: Iterable[tuple[str, Recording]]) -> Ranks:

@@ -17,6 +17,11 @@ communicators: the traffic whose ranks a lost dump used to shift.
 
 ``CULPRITS`` says, for each, the ranks the fault was injected into (or,
 for a link, the ranks of the host whose link it was) and their hosts.
+
+And with a dump left out, every surface reads the same ranks: what
+``analyze --json`` shows of each member (its rank, the communicator's size,
+null where unknown) is what the SQL tables, the Parquet export and the
+fan-out to agents serving the dumps say (``dumpers.ranks``, one derivation).
 """
 
 from __future__ import annotations
@@ -29,9 +34,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import duckdb
 import pytest
 
+from stallwatch.analyzer.parquet import export_parquet
+from stallwatch.analyzer.pipeline import analyze_paths
+from stallwatch.analyzer.report import to_json
 from stallwatch.commands.main import main
+from stallwatch.dumpers.format import read_dump
+from stallwatch.query.fanout import close_connections, query_agents
+from stallwatch.query.http import RecordingsBackend, serve_http
+from tests.query.agreement import sql_rows
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CUTS = (0.25, 0.5, 0.75)  # where each dump is cut, as a share of its bytes
@@ -153,3 +166,56 @@ def test_a_lost_dump_blames_no_healthy_host(name: str, tmp_path: Path) -> None:
         doc = analyze(folder, cut)
         failures += [f"{what}: {w}" for w in judge(truth, doc)]
     assert failures == [], "\n".join(failures)
+
+
+def _analyze_ranks(folder: Path) -> dict[tuple[str, int, str], tuple[int | None, int | None]]:
+    """(host, pid, communicator) -> (its rank there, the size) as
+    ``analyze --json`` says them."""
+    doc = json.loads(to_json(analyze_paths([str(folder)])))
+    out = {}
+    for inc in doc["incidents"]:
+        for c in inc["communicators"]:
+            for m in c["members"]:
+                if m["host"] is not None:
+                    out[(m["host"], m["pid"], c["comm_id_hash"])] = (m["rank"], c["nranks"])
+    return out
+
+
+SQL_RANKS = "SELECT host, pid, comm_id_hash, rank, nranks FROM communicators"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["shapes/hang-demo-4x2", "lab-hang-4x2", "net-flap-4x1"])
+def test_a_lost_dump_leaves_every_surface_one_answer(name: str, tmp_path: Path) -> None:
+    """Each node's dump left out: the ranks and sizes analyze shows are
+    those of the SQL tables over the same dumps, of the Parquet export read
+    by DuckDB, and of the fan-out over the dumps served one agent each."""
+    files = sorted((DATA / name).glob("*.msgpack"))
+    for lost in files:
+        folder = tmp_path / host_of(lost)
+        folder.mkdir()
+        for f in files:
+            if f != lost:
+                shutil.copy(f, folder / f.name)
+        shown = _analyze_ranks(folder)
+        rows = sql_rows(folder, SQL_RANKS)
+        sql = {(h, p, c): (r, n) for h, p, c, r, n in rows}
+        assert {k: v for k, v in sql.items() if k in shown} == shown, lost.name
+        assert any(r is None for r, _ in shown.values()), "a split's ranks are left unknown"
+        export_parquet([str(folder)], tmp_path / f"pq-{host_of(lost)}")
+        table = f"read_parquet('{tmp_path / f'pq-{host_of(lost)}'}/communicators/**/*.parquet')"
+        got = duckdb.sql(SQL_RANKS.replace("communicators", table)).fetchall()
+        assert sorted(got, key=str) == sorted(rows, key=str), lost.name
+        handles = [
+            serve_http(RecordingsBackend([read_dump(f)]), "127.0.0.1:0", None)
+            for f in sorted(folder.glob("*.msgpack"))
+        ]
+        try:
+            fanned = query_agents([h.address for h in handles], SQL_RANKS, timeout=120.0)
+        finally:
+            close_connections()
+            for h in handles:
+                h.close()
+        assert not fanned.failed and sorted(map(tuple, fanned.rows), key=str) == sorted(
+            rows, key=str
+        ), lost.name

@@ -1,9 +1,10 @@
 """The SQL tables' one clock, and the per-host retransmit query that gives the
 analyzer's numbers.
 
-On real network incidents recorded by the lab (tests/data/net-*: a lossy node,
-one whose ranks' rings hold more calls than the analyzer reads of them, a node
-cut off for good, a node cut off for 4 s), the shipped per-host query
+On every real network incident recorded by the lab (tests/data/net-*: a lossy
+node, one whose ranks' rings hold more calls than the analyzer reads of them, a
+node cut off for good, a node cut off for 4 s, a lossy pair that stood still),
+the shipped per-host query
 (``dumpers.sqltables.RETRANSMITS_BY_HOST_QUERY``, ``stallwatch query --example
 retransmits-by-host``) returns per host exactly what the analyzer's network
 verdicts print and judge on (``analyzer.detect.network.network_metrics``, which
@@ -42,16 +43,22 @@ from tests.conftest import ROOT
 from tests.query.agreement import assert_agree, sql_counts, sql_rows
 
 DATA = ROOT / "tests" / "data"
-FIXTURES = ("net-loss-4x1", "net-loss-3x2", "net-partition-4x1", "net-flap-4x1")
+# every network incident the lab recorded and this repository keeps
+FIXTURES = tuple(sorted(p.name for p in DATA.glob("net-*") if p.is_dir()))
 HOUR = 3600 * 10**9
 SHIFTS = {"node1": 5 * HOUR, "node2": 29 * HOUR}  # booted 5 and 29 hours after node0
+
+
+def test_every_kept_network_incident_is_compared() -> None:
+    kept = {"net-loss-4x1", "net-loss-3x2", "net-loss-stall-2x2", "net-partition-4x1"}
+    assert set(FIXTURES) >= kept | {"net-flap-4x1"}
 
 
 @pytest.mark.parametrize("name", FIXTURES)
 def test_per_host_retransmits_in_sql_are_the_analyzers(name: str) -> None:
     got = assert_agree(DATA / name)
     nodes = {p.name.split("-")[0] for p in (DATA / name).glob("*.msgpack")}
-    assert set(got) == nodes and len(nodes) >= 3
+    assert set(got) == nodes and len(nodes) >= 2
     assert all(calls > 0 for *_, calls in got.values())
 
 

@@ -109,10 +109,11 @@ def _io_figures(rows: int, repeats: int, folder: Path) -> list[Figure]:
 
 def _unchecked_copy(path: Path) -> Path:
     """The dump as format 5 wrote it: no checksums (nor links, nor the TCP
-    rows' connection state of format 7)."""
+    rows' connection state of format 7, nor format 10's programs)."""
     doc = msgpack.unpackb(path.read_bytes(), raw=False)
     del doc["checksums"]
     doc.pop("links", None)
+    doc.pop("programs", None)
     doc["rings"].pop("link", None)
     tcp = doc["rings"].get("tcp")
     if tcp is not None:

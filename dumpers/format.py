@@ -1,10 +1,10 @@
 """The dump file: one node's ``Recording`` as a msgpack document.
 
-Layout (format version 9; every key is required, no other key is allowed;
+Layout (format version 10; every key is required, no other key is allowed;
 ``format`` and ``version`` come first, in this version and every later one,
 so that a newer layout is recognised as such before anything else is read)::
 
-    {"format": "stallwatch-dump", "version": 9,
+    {"format": "stallwatch-dump", "version": 10,
      "host": str, "boot_id": str,
      "agent": {"version": str, "args": [str, ...]},
      "trigger": null | {"kind": str, "reason": str, "incident_id": str, "time_ns": u64,
@@ -16,6 +16,7 @@ so that a newer layout is recognised as such before anything else is read)::
                         "color", "key", "root_addr", "init_ns", "destroy_ns"}, ...],
      "snapshots": [thread positions, as in dumpers.readingsdoc],
      "links": [interfaces, as in dumpers.linksdoc],            # version 7 on
+     "programs": [kernel hooks' programs, as in dumpers.programsdoc],  # version 10 on
      "rings": {name: {"dtype": numpy descr as lists, "rows": n, "data": bin,
                       "overwritten": u64, "lost": u64}},
      "counters": {str: u64},
@@ -25,8 +26,9 @@ so that a newer layout is recognised as such before anything else is read)::
 
 Checksums (version 6): one per section, CRC-32 (``zlib.crc32``).  The
 *header* is ``format``, ``version``, ``host``, ``boot_id``, ``agent``,
-``trigger``, ``clock`` and ``counters``; the *tables* are ``processes``,
-``communicators``, ``snapshots`` and (version 7) ``links``: each is checked over the msgpack
+``trigger``, ``clock``, ``counters`` and (version 10) ``programs``; the
+*tables* are ``processes``, ``communicators``, ``snapshots`` and (version 7)
+``links``: each is checked over the msgpack
 encoding of the map of those keys to their values, in that order (msgpack
 encodes a value one way only, so the reader re-encodes what it read).  A
 ring's ``meta`` is checked over ``[dtype, rows, overwritten, lost]``; its
@@ -72,7 +74,10 @@ agent's network rings: ``conn_samples`` (each job connection's ``tcp_info``
 every second), ``iface_samples`` (each job interface's netdev and root qdisc
 counters every second) and ``probes`` (the probes between the job's nodes at
 an incident, sent and received); older versions are read with none, and
-refused if they hold one.
+refused if they hold one.  Version 10 adds
+``programs``: the BPF programs on kernel hooks, how each is attached, and
+the runs of each the kernel skipped (null: not counted); older dumps have
+none (nothing known).
 The top-level keys each version added are in ``TOP_KEYS_SINCE``; a ring's
 earlier dtypes in ``dumpers.schema.RING_DTYPES_BEFORE``.
 
@@ -126,6 +131,7 @@ from .model import (
     Trigger,
     TriggerKind,
 )
+from .programsdoc import programs_doc, read_programs
 from .readingsdoc import read_snapshots, snapshots_doc
 from .schema import PREV_PID_UNKNOWN, RING_DTYPES, RING_SINCE, State, ring_dtype
 
@@ -146,7 +152,10 @@ CHECKSUM = "crc32"
 # 2,048 rows is 320 KiB); crc32 runs at 3.7-4.2 GB/s here from 16 KiB blocks up
 CHECK_BLOCK = 1 << 16
 CHECK_BLOCK_RANGE = (1 << 12, 1 << 30)  # what a reader accepts as a file's block size
-HEADER_KEYS = ("format", "version", "host", "boot_id", "agent", "trigger", "clock", "counters")
+HEADER_KEYS = (
+    *("format", "version", "host", "boot_id", "agent", "trigger", "clock", "counters"),
+    "programs",
+)
 TABLE_KEYS = ("processes", "communicators", "snapshots", "links")
 RING_META = ("dtype", "rows", "overwritten", "lost")
 
@@ -286,6 +295,7 @@ def _header_doc(rec: Recording) -> dict[str, object]:
         "communicators": [_comm_doc(c) for c in rec.communicators],
         "snapshots": snapshots_doc(rec.snapshots),
         "links": links_doc(rec.links),
+        "programs": programs_doc(rec.programs),
     }
 
 
@@ -528,6 +538,7 @@ TOP_KEYS_SINCE: tuple[tuple[str, int], ...] = (
     ("snapshots", 3),
     ("checksums", CHECKSUMS_SINCE),
     ("links", 7),
+    ("programs", 10),
 )
 
 
@@ -1104,6 +1115,7 @@ def _decode_parts(
         counters=_read_counters(doc["counters"], c),
         snapshots=read_snapshots(doc["snapshots"], c) if version >= 3 else (),
         links=read_links(doc["links"], c) if version >= 7 else (),
+        programs=read_programs(doc["programs"], c) if version >= 10 else (),
         format_version=version,
     )
     return rec, {k: r for k, r in rings.items() if isinstance(r, _Deferred)}

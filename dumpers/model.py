@@ -22,10 +22,11 @@ FORMAT_NAME = "stallwatch-dump"
 # the connection's state, the link ring and the links table; 8: TCP rows of
 # event tcp_info, each job connection's state when the dump was taken; 9: the
 # agent's network rings: each job connection's tcp_info and each job
-# interface's counters every second, the probes between nodes at an incident.
+# interface's counters every second, the probes between nodes at an incident;
+# 10: the programs on kernel hooks and the runs of each the kernel skipped.
 # Older files are still read (their rows converted, no snapshots, no links,
 # nothing checked); what each version added is listed in dumpers.format.
-FORMAT_VERSION = 9
+FORMAT_VERSION = 10
 CHECKSUMS_SINCE = 6  # the first format version whose dumps carry checksums
 
 
@@ -122,6 +123,19 @@ class LinkInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class ProgramMisses:
+    """A BPF program on a kernel hook, and the runs of it the kernel skipped:
+    its event came while a program the kernel will not nest under was
+    running on that CPU (any tracing program, for a tracepoint's; itself,
+    for a raw tracepoint's).  Skipped events are evidence never seen."""
+
+    program: str  # its name in bpf/ (raw_tracepoint__tcp_retransmit_skb)
+    hook: str  # the tracepoint's event (tcp_retransmit_skb)
+    attachment: str  # "raw_tracepoint" or "tracepoint"
+    misses: int | None  # None: unknown (kernels before 6.7 do not count them)
+
+
+@dataclass(frozen=True, slots=True)
 class Ring:
     rows: np.ndarray  # structured array, ring dtype, oldest first
     overwritten: int = 0  # rows the ring dropped to make room
@@ -146,6 +160,8 @@ class Recording:
     snapshots: tuple[ThreadReading, ...] = ()
     # the interfaces the link ring names, and which processes use them
     links: tuple[LinkInfo, ...] = ()
+    # the programs on kernel hooks and the runs the kernel skipped (none: not known)
+    programs: tuple[ProgramMisses, ...] = ()
     # the format version of the dump it was read from (older ones lack what
     # later versions added: checksums before 6); this version when live
     format_version: int = FORMAT_VERSION

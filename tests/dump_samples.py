@@ -17,6 +17,7 @@ from stallwatch.dumpers.model import (
     CommInfo,
     LinkInfo,
     ProcessInfo,
+    ProgramMisses,
     Recording,
     Ring,
     Trigger,
@@ -60,6 +61,14 @@ def nccl_rows(n: int, comm_hash: int = 0xF00D_0000_0000_BEEF) -> np.ndarray:
     rows["state"] = State.COMPLETED
     rows["count"] = 1 << 20
     return rows
+
+
+# a raw tracepoint's count, a tracepoint's, and one the kernel did not count
+SAMPLE_PROGRAMS = (
+    ProgramMisses("raw_tracepoint__tcp_retransmit_skb", "tcp_retransmit_skb", "raw_tracepoint", 0),
+    ProgramMisses("tracepoint__signal__signal_deliver", "signal_deliver", "tracepoint", 17),
+    ProgramMisses("raw_tracepoint__sched_switch", "sched_switch", "raw_tracepoint", None),
+)
 
 
 def sample_recording(
@@ -120,6 +129,7 @@ def sample_recording(
         counters={"events_total": 123456, "drops": 0},
         snapshots=(sample_snapshot(1000, 4 * 10**9), sample_snapshot(1000, 5 * 10**9)),
         links=sample_links(),
+        programs=SAMPLE_PROGRAMS,
     )
 
 
@@ -171,6 +181,7 @@ def assert_same(a: Recording, b: Recording) -> None:
         "counters",
         "snapshots",
         "links",
+        "programs",
     ):
         assert getattr(a, name) == getattr(b, name), name
     assert list(a.rings) == list(b.rings)

@@ -132,9 +132,18 @@ def _old_ring(doc: dict[str, object], rec: Recording, name: str, dtype: np.dtype
 NET_RINGS = ("conn_samples", "iface_samples", "probes")
 
 
+def _as_version_9(rec: Recording) -> dict[str, object]:
+    """``rec``'s document as version 9 wrote it: no programs."""
+    doc = _doc(rec)
+    del doc["programs"]
+    doc["version"] = 9
+    _reseal(doc)
+    return doc
+
+
 def _as_version_8(rec: Recording) -> dict[str, object]:
     """``rec``'s document as versions 7 and 8 wrote it: no network rings."""
-    doc = _doc(rec)
+    doc = _as_version_9(rec)
     for name in NET_RINGS:
         del doc["rings"][name]  # type: ignore[attr-defined]
     doc["version"] = 8
@@ -376,6 +385,15 @@ BAD_FIELDS = [
     (_set("links.0.pids.1", "1001"), "links[0].pids[1]: expected an integer, found string"),
     (_set("links.0.device", 7), "links[0].device: expected a string, found int"),
     (_delete("links.2.gone_ns"), "links[2]: missing field 'gone_ns'"),
+    (_delete("programs"), "document: missing field 'programs'"),
+    (
+        _set("programs.0.attachment", "kprobe"),
+        "programs[0].attachment: expected one of raw_tracepoint, tracepoint, found 'kprobe'",
+    ),
+    (_set("programs.1.misses", -1), "programs[1].misses: expected an integer in [0, "),
+    (_set("programs.2.misses", "0"), "programs[2].misses: expected an integer, found string"),
+    (_delete("programs.0.hook"), "programs[0]: missing field 'hook'"),
+    (_set("programs.1.program", 5), "programs[1].program: expected a string, found int"),
 ]
 
 
@@ -434,6 +452,25 @@ def test_versions_before_9_are_read_without_network_rings_and_refuse_one() -> No
             DumpFormatError, match=rf"rings\.{name}: no such ring in format version 8"
         ):
             _decode_doc(doc)
+
+
+def test_programs_skipped_runs_unknown_stay_null_and_versions_before_10_have_none() -> None:
+    rec = sample_recording()
+    assert any(p.misses is None for p in rec.programs)
+    doc = _doc(rec)
+    written = doc["programs"]
+    assert isinstance(written, list)
+    assert [p["misses"] for p in written] == [p.misses for p in rec.programs]
+    assert _decode_doc(doc).programs == rec.programs
+    doc["version"] = 9
+    _reseal(doc)
+    with pytest.raises(DumpFormatError, match="document: unexpected field 'programs'"):
+        _decode_doc(doc)
+    del doc["programs"]
+    _reseal(doc)
+    back = _decode_doc(doc)
+    assert back.programs == () and back.format_version == 9
+    assert all(len(back.rings[name].rows) == len(rec.rings[name].rows) for name in NET_RINGS)
 
 
 def test_trailing_bytes_and_truncation_are_refused() -> None:

@@ -153,7 +153,7 @@ def graph_launch_cost(fake: FakeNccl, quick: bool, agent: Any, private: Path) ->
     """Per cudaGraphLaunch: the agent's probes against a bare uprobe pair on
     the same symbol, unprobed runs and bare runs interleaved, then the agent's."""
     from stallwatch.lab.build import ensure_cudart
-    from stallwatch.recorder.probes import BareProbe
+    from stallwatch.recorder.bareprobe import BareProbe
 
     cudart = private / "libcudart.so.12"
     shutil.copyfile(ensure_cudart(), cudart)  # no other agent on the machine probes it
@@ -231,7 +231,7 @@ def _piece_costs(fake: FakeNccl, calls: int, repeats: int) -> tuple[float, dict[
     import bcc
 
     from stallwatch.recorder import bpfsys, discovery
-    from stallwatch.recorder.probes import close_links
+    from stallwatch.recorder.uprobes import close_links
 
     offset = discovery.elf_functions(str(fake.lib), ["benchBaseline"])["benchBaseline"]
     module = bcc.BPF(src_file=str(CSRC / "components.c").encode())
@@ -267,7 +267,7 @@ def call_account(fake: FakeNccl, quick: bool, agent: Any, extra_ns: float) -> li
     calls, repeats = (20_000, 2) if quick else (200_000, 3)
     stats = bpfsys.enable_stats()
     try:
-        progs = agent.source.probes._progs
+        progs = agent.source.probes.uprobes.progs
         noop, pieces_ns = _piece_costs(fake, calls, repeats)
         entry = statistics.median(
             _prog_ns(progs["handle_enter_all_reduce"], lambda: _loop_ns(fake, calls, "allreduce"))
@@ -583,7 +583,7 @@ def _idle_figure(
 def figures(quick: bool) -> list[Figure]:
     if os.geteuid() != 0:
         raise RuntimeError("bench_recorder needs root (eBPF)")
-    from stallwatch.recorder.probes import BareProbe
+    from stallwatch.recorder.bareprobe import BareProbe
 
     with tempfile.TemporaryDirectory() as private:
         # the call's library of its own: no other agent on the machine probes it

@@ -43,6 +43,12 @@
  *
  * The agent's own connections (its HTTP surface, its requests to peers) are
  * not the job's: `agent_self` names the agent's process and listening port.
+ *
+ * Attachment: raw tracepoints (TCP_RAW_TP, where the kernel's BTF gives the
+ * struct offsets the programs read), which the kernel skips only when a
+ * program would run inside itself; else tracepoints, which it skips while
+ * any other tracing program runs on the CPU.  Both see the same events and
+ * write the same rows.
  */
 #include "common.h"
 
@@ -56,10 +62,11 @@
 #define TCP_SYN_RECV 3
 #define TCP_CLOSE 7
 #define TCP_LISTEN 10
-/* Tracepoint fields only some kernels have (the agent reads their format):
- * the retransmit's result (6.12+), a reset's reason (6.10+), whose enum the
- * build machine's older headers may not define. */
-#ifdef TP_SEND_RESET_REASON
+/* Tracepoint fields (raw tracepoints: arguments) only some kernels have
+ * (the agent reads their format, or the kernel's BTF): the retransmit's
+ * result (6.12+), a reset's reason (6.10+), whose enum the build machine's
+ * older headers may not define (the tracepoint's struct names it). */
+#if defined(TP_SEND_RESET_REASON) && !defined(TCP_RAW_TP)
 #include <linux/version.h>
 #if LINUX_VERSION_CODE < KERNEL_VERSION(6, 10, 0)
 enum sk_rst_reason { SK_RST_REASON_NOT_SPECIFIED };
@@ -155,17 +162,22 @@ static __always_inline int own_traffic(u32 owner, u16 sport, u16 dport)
 	return me->port && (sport == me->port || dport == me->port);
 }
 
-/* Only a tracked process's sockets: a neighbour's sends cost one lookup. */
-static __always_inline void learn_owner(u64 skaddr)
+/* A socket a tracked process touches in its own context is its. */
+static __always_inline void remember_owner(u64 skaddr, u32 tgid)
 {
-	u32 tgid = bpf_get_current_pid_tgid() >> 32;
-	if (!tgid || !is_tracked(tgid))
-		return;
 	u32 *known = sock_owner.lookup(&skaddr);
 	if (known && *known == tgid)
 		return;
 	if (sock_owner.update(&skaddr, &tgid))
 		count_drop(DROP_OWNER_FULL);
+}
+
+/* Only a tracked process's sockets: a neighbour's sends cost one lookup. */
+static __always_inline void learn_owner(u64 skaddr)
+{
+	u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	if (tgid && is_tracked(tgid))
+		remember_owner(skaddr, tgid);
 }
 
 static __always_inline u32 owner_of(u64 skaddr)
@@ -174,23 +186,17 @@ static __always_inline u32 owner_of(u64 skaddr)
 	return pid ? *pid : 0;
 }
 
-/* Both ends of a tracepoint's connection (a macro: the verifier takes
- * tracepoint arguments only at constant offsets of its context). */
-#define ENDPOINTS_OF(a, local, remote)                                         \
-	do {                                                                   \
-		__builtin_memset(&(local), 0, sizeof(local));                  \
-		__builtin_memset(&(remote), 0, sizeof(remote));                \
-		if ((a)->family == AF_INET) {                                  \
-			__builtin_memcpy((local).addr, (a)->saddr, 4);         \
-			__builtin_memcpy((remote).addr, (a)->daddr, 4);        \
-		} else {                                                       \
-			__builtin_memcpy((local).addr, (a)->saddr_v6, 16);     \
-			__builtin_memcpy((remote).addr, (a)->daddr_v6, 16);    \
-		}                                                              \
-		(local).port = (a)->sport;                                     \
-		(remote).port = (a)->dport;                                    \
-		(local).family = (remote).family = (a)->family;                \
-	} while (0)
+/* What a hook knows of its socket, however it is attached: the socket's
+ * address, both ends as the tracepoints have them (this end is inet_sport
+ * and inet_saddr, the far end inet_dport and inet_daddr; IPv6: the
+ * socket's v6 addresses), and the state, where the hook has one. */
+struct sock_view {
+	u64 skaddr;
+	struct endpoint local;
+	struct endpoint remote;
+	int state;
+	int _pad;
+};
 
 static __always_inline u32 endpoint_owner(struct endpoint *ep)
 {
@@ -236,41 +242,19 @@ static __always_inline void count_filtered(void)
 	count_drop(DROP_TCP_FILTERED);
 }
 
-TRACEPOINT_PROBE(sock, sock_send_length)
+/* A row's header, addresses and ports. */
+static __always_inline void fill_row(struct tcp_event *e, struct sock_view *v, u8 kind, u32 pid)
 {
-	if (args->protocol == IPPROTO_TCP)
-		learn_owner((u64)args->sk);
-	return 0;
+	u64 id = bpf_get_current_pid_tgid();
+	fill_header(&e->hdr, EVENT_TCP, sizeof(*e), pid, (u32)id, bpf_ktime_get_ns());
+	e->skaddr = v->skaddr;
+	__builtin_memcpy(e->saddr, v->local.addr, 16);
+	__builtin_memcpy(e->daddr, v->remote.addr, 16);
+	e->sport = v->local.port;
+	e->dport = v->remote.port;
+	e->family = v->local.family;
+	e->event = kind;
 }
-
-TRACEPOINT_PROBE(sock, sock_recv_length)
-{
-	if (args->protocol == IPPROTO_TCP)
-		learn_owner((u64)args->sk);
-	return 0;
-}
-
-/* Common part of the tracepoints with a 4-tuple: header, addresses, ports. */
-#define FILL_TCP_ROW(e, a, kind, pid)                                          \
-	do {                                                                   \
-		u64 __id = bpf_get_current_pid_tgid();                         \
-		fill_header(&(e)->hdr, EVENT_TCP, sizeof(*(e)), (pid),         \
-			    (u32)__id, bpf_ktime_get_ns());                    \
-		(e)->skaddr = (u64)(a)->skaddr;                                \
-		if ((a)->family == AF_INET) {                                  \
-			__builtin_memset((e)->saddr, 0, 16);                   \
-			__builtin_memset((e)->daddr, 0, 16);                   \
-			__builtin_memcpy((e)->saddr, (a)->saddr, 4);           \
-			__builtin_memcpy((e)->daddr, (a)->daddr, 4);           \
-		} else {                                                       \
-			__builtin_memcpy((e)->saddr, (a)->saddr_v6, 16);       \
-			__builtin_memcpy((e)->daddr, (a)->daddr_v6, 16);       \
-		}                                                              \
-		(e)->sport = (a)->sport;                                       \
-		(e)->dport = (a)->dport;                                       \
-		(e)->family = (a)->family;                                     \
-		(e)->event = (kind);                                           \
-	} while (0)
 
 /* The fields after the addresses, unknown until someone knows them. */
 static __always_inline void clear_tail(struct tcp_event *e)
@@ -340,60 +324,336 @@ static __always_inline int sample_other(struct endpoint *local, struct endpoint 
 	return 1;
 }
 
-/* A sampled retransmit of another connection: no owner, no state (a macro:
- * tracepoint arguments at constant offsets). */
-#define WRITE_OTHER(a)                                                         \
-	do {                                                                   \
-		u64 __pos;                                                     \
-		struct tcp_event *__e = claim_tcp(&__pos);                     \
-		if (__e) {                                                     \
-			FILL_TCP_ROW(__e, a, TCPEV_TCP_RETRANSMIT_SKB, 0);     \
-			clear_tail(__e);                                       \
-			__e->state = (a)->state;                               \
-			__e->other = 1;                                        \
-			publish(&__e->hdr, __pos);                             \
-		}                                                              \
-	} while (0)
-
-TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
+/* A sampled retransmit of another connection: no owner, no state. */
+static __always_inline void write_other(struct sock_view *v)
 {
-	u64 skaddr = (u64)args->skaddr;
-	u32 owner = owner_of(skaddr);
-	if (own_traffic(owner, args->sport, args->dport))
-		return 0;
-	struct endpoint local, remote;
-	ENDPOINTS_OF(args, local, remote);
-	u32 pid = job_of(owner, &local, &remote);
+	u64 pos;
+	struct tcp_event *e = claim_tcp(&pos);
+	if (!e)
+		return;
+	fill_row(e, v, TCPEV_TCP_RETRANSMIT_SKB, 0);
+	clear_tail(e);
+	e->state = v->state;
+	e->other = 1;
+	publish(&e->hdr, pos);
+}
+
+static __always_inline void on_retransmit_skb(struct sock_view *v, int err)
+{
+	u32 owner = owner_of(v->skaddr);
+	if (own_traffic(owner, v->local.port, v->remote.port))
+		return;
+	u32 pid = job_of(owner, &v->local, &v->remote);
 	if (!pid) {
 		count_filtered();
-		if (sample_other(&local, &remote, bpf_ktime_get_ns()))
-			WRITE_OTHER(args);
-		return 0;
+		if (sample_other(&v->local, &v->remote, bpf_ktime_get_ns()))
+			write_other(v);
+		return;
 	}
-	note_peer(&remote);
-	struct tcp_event *e;
+	note_peer(&v->remote);
 	u64 pos;
-	e = claim_tcp(&pos);
+	struct tcp_event *e = claim_tcp(&pos);
 	if (!e)
-		return 0;
-	FILL_TCP_ROW(e, args, TCPEV_TCP_RETRANSMIT_SKB, pid);
+		return;
+	fill_row(e, v, TCPEV_TCP_RETRANSMIT_SKB, pid);
 	clear_tail(e);
-	e->state = args->state;
-#ifdef TP_RETRANSMIT_ERR
-	e->err = args->err;
-#endif
+	e->state = v->state;
+	e->err = err;
+	u64 skaddr = v->skaddr;
 	struct conn *c = conn_state.lookup(&skaddr);
-	if (c && c->known)  /* the callbacks of this retransmit came first */
+	if (c && c->known) /* the callbacks of this retransmit came first */
 		copy_conn(e, c, e->hdr.ts_ns);
 	publish(&e->hdr, pos);
+}
+
+static __always_inline void on_send_reset(struct sock_view *v, u16 reason)
+{
+	u32 owner = owner_of(v->skaddr);
+	if (own_traffic(owner, v->local.port, v->remote.port))
+		return;
+	u32 pid = job_of(owner, &v->local, &v->remote);
+	if (!pid) {
+		count_filtered();
+		return;
+	}
+	u64 pos;
+	struct tcp_event *e = claim_tcp(&pos);
+	if (!e)
+		return;
+	fill_row(e, v, TCPEV_TCP_SEND_RESET, pid);
+	clear_tail(e);
+	e->state = v->state;
+	e->reason = reason;
+	publish(&e->hdr, pos);
+}
+
+static __always_inline void on_receive_reset(struct sock_view *v)
+{
+	u32 owner = owner_of(v->skaddr);
+	if (own_traffic(owner, v->local.port, v->remote.port))
+		return;
+	u32 pid = job_of(owner, &v->local, &v->remote);
+	if (!pid) {
+		count_filtered();
+		return;
+	}
+	u64 pos;
+	struct tcp_event *e = claim_tcp(&pos);
+	if (!e)
+		return;
+	fill_row(e, v, TCPEV_TCP_RECEIVE_RESET, pid);
+	clear_tail(e);
+	publish(&e->hdr, pos);
+}
+
+static __always_inline void on_set_state(struct sock_view *v, int oldstate, int newstate)
+{
+	u64 skaddr = v->skaddr;
+	/* Only connect() (-> SYN_SENT) and listen() (-> LISTEN) are sure to run
+	 * in the owner's context.  Other changes may run in softirq, in whatever
+	 * task was interrupted or sent the packet: over a veth, a rank of
+	 * another namespace. */
+	if (newstate == TCP_SYN_SENT || newstate == TCP_LISTEN)
+		learn_owner(skaddr);
+	u32 owner = owner_of(skaddr);
+	/* a tracked listener's port is a job endpoint while it listens */
+	if (newstate == TCP_LISTEN && owner && is_tracked(owner))
+		job_endpoints.update(&v->local, &owner);
+	else if (oldstate == TCP_LISTEN && newstate == TCP_CLOSE)
+		job_endpoints.delete(&v->local);
+	u32 pid = own_traffic(owner, v->local.port, v->remote.port)
+			  ? 0
+			  : job_of(owner, &v->local, &v->remote);
+	if (pid && !owner && oldstate == TCP_SYN_RECV)
+		sock_owner.update(&skaddr, &pid); /* accepted on a tracked listener */
+	if (newstate == TCP_CLOSE) {
+		sock_owner.delete(&skaddr);
+		conn_state.delete(&skaddr);
+	}
+	if (!pid) {
+		count_filtered();
+		return;
+	}
+	note_peer(&v->remote);
+	u64 pos;
+	struct tcp_event *e = claim_tcp(&pos);
+	if (!e)
+		return;
+	fill_row(e, v, TCPEV_INET_SOCK_SET_STATE, pid);
+	clear_tail(e);
+	e->state = oldstate;
+	e->newstate = newstate;
+	publish(&e->hdr, pos);
+}
+
+#ifdef TCP_RAW_TP
+/* ---- raw tracepoints: the kernel's arguments, its structs read here ----
+ *
+ * A raw tracepoint's program gets the tracepoint's arguments (the socket,
+ * the packet), not its fields, and is skipped only when it would run inside
+ * itself on a CPU (a tracepoint's program is skipped whenever any tracing
+ * program runs there: a softirq's retransmit arriving in the middle of
+ * another tool's program is lost).  The fields the tracepoints would have
+ * copied are read here, each at its offset in the running kernel's
+ * structs, from its BTF (the -D flags SK_*, INET_*, IPV6_*, SKB_*: see
+ * recorder/tcp_probes.py), never from the build machine's headers.  Fields
+ * close together are read at once: SK_HEAD_* spans family, state, the far
+ * end's address and port in struct sock, INET_HEAD_* this end's address
+ * and port in struct inet_sock. */
+#define TCPF_TIME_WAIT (1 << 6)
+#define TCPF_NEW_SYN_RECV (1 << 12)
+
+#define FIELD(buf, base, off, dst) __builtin_memcpy(&(dst), &(buf)[(off) - (base)], sizeof(dst))
+
+static __always_inline void *at(u64 base, u64 off)
+{
+	return (void *)(base + off);
+}
+
+/* This end and the far end of a full socket (family already read). */
+static __always_inline void read_ends(struct sock_view *v, u64 sk, u8 *head, u16 family, int v6_pinfo)
+{
+	u8 inet[INET_HEAD_LEN];
+	bpf_probe_read_kernel(inet, sizeof(inet), at(sk, INET_HEAD_OFF));
+	u16 sport, dport;
+	FIELD(inet, INET_HEAD_OFF, INET_SPORT_OFF, sport);
+	FIELD(head, SK_HEAD_OFF, SK_DPORT_OFF, dport);
+	v->local.port = bpf_ntohs(sport);
+	v->remote.port = bpf_ntohs(dport);
+	v->local.family = v->remote.family = family;
+	if (family == AF_INET6) {
+		if (v6_pinfo) { /* tcp_send_reset: this end from the socket's ipv6_pinfo */
+			u64 np = 0;
+			bpf_probe_read_kernel(&np, sizeof(np), at(sk, INET_PINET6_OFF));
+			if (np)
+				bpf_probe_read_kernel(v->local.addr, 16, at(np, IPV6_SADDR_OFF));
+		} else {
+			bpf_probe_read_kernel(v->local.addr, 16, at(sk, SK_V6_RCV_SADDR_OFF));
+		}
+		bpf_probe_read_kernel(v->remote.addr, 16, at(sk, SK_V6_DADDR_OFF));
+	} else {
+		FIELD(inet, INET_HEAD_OFF, INET_SADDR_OFF, *(u32 *)v->local.addr);
+		FIELD(head, SK_HEAD_OFF, SK_DADDR_OFF, *(u32 *)v->remote.addr);
+	}
+}
+
+/* The view of a socket as tcp_retransmit_skb, tcp_receive_reset and
+ * inet_sock_set_state have it. */
+static __always_inline void read_sock(struct sock_view *v, u64 sk)
+{
+	__builtin_memset(v, 0, sizeof(*v));
+	u8 head[SK_HEAD_LEN];
+	bpf_probe_read_kernel(head, sizeof(head), at(sk, SK_HEAD_OFF));
+	u16 family;
+	u8 state;
+	FIELD(head, SK_HEAD_OFF, SK_FAMILY_OFF, family);
+	FIELD(head, SK_HEAD_OFF, SK_STATE_OFF, state);
+	v->skaddr = sk;
+	v->state = state;
+	read_ends(v, sk, head, family, 0);
+}
+
+static __always_inline u16 sk_protocol(u64 sk)
+{
+	u16 protocol = 0;
+	bpf_probe_read_kernel(&protocol, sizeof(protocol), at(sk, SK_PROTOCOL_OFF));
+	return protocol;
+}
+
+/* A send or a receive in the process's own context.  Tracked first: a
+ * neighbour's sends cost one lookup and no read. */
+static __always_inline void learn_sender(u64 sk)
+{
+	u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	if (tgid && is_tracked(tgid) && sk_protocol(sk) == IPPROTO_TCP)
+		remember_owner(sk, tgid);
+}
+
+RAW_TRACEPOINT_PROBE(sock_send_length)
+{
+	learn_sender(ctx->args[0]);
 	return 0;
 }
 
+RAW_TRACEPOINT_PROBE(sock_recv_length)
+{
+	learn_sender(ctx->args[0]);
+	return 0;
+}
+
+RAW_TRACEPOINT_PROBE(tcp_retransmit_skb)
+{
+	struct sock_view v;
+	read_sock(&v, ctx->args[0]);
+	int err = 0;
+#ifdef TP_RETRANSMIT_ERR
+	err = (int)ctx->args[2];
+#endif
+	on_retransmit_skb(&v, err);
+	return 0;
+}
+
+/* The packet's ends, as tcp_send_reset has them for a reset that answers
+ * it (no full socket): reversed, this end is the packet's destination.
+ * The IP and TCP headers are the wire's layout, not a kernel struct's. */
+static __always_inline void read_packet_ends(struct sock_view *v, u64 skb)
+{
+	u64 head = 0, data = 0;
+	u16 network = 0;
+	bpf_probe_read_kernel(&head, sizeof(head), at(skb, SKB_HEAD_OFF));
+	bpf_probe_read_kernel(&data, sizeof(data), at(skb, SKB_DATA_OFF));
+	bpf_probe_read_kernel(&network, sizeof(network), at(skb, SKB_NETWORK_HEADER_OFF));
+	u64 ip = head + network;
+	u8 version = 0;
+	bpf_probe_read_kernel(&version, 1, at(ip, 0));
+	u16 ports[2] = {}; /* source, dest */
+	bpf_probe_read_kernel(ports, sizeof(ports), at(data, 0));
+	v->local.port = bpf_ntohs(ports[1]);
+	v->remote.port = bpf_ntohs(ports[0]);
+	if (version >> 4 == 6) {
+		v->local.family = v->remote.family = AF_INET6;
+		bpf_probe_read_kernel(v->remote.addr, 16, at(ip, 8));
+		bpf_probe_read_kernel(v->local.addr, 16, at(ip, 24));
+	} else {
+		v->local.family = v->remote.family = AF_INET;
+		bpf_probe_read_kernel(v->remote.addr, 4, at(ip, 12));
+		bpf_probe_read_kernel(v->local.addr, 4, at(ip, 16));
+	}
+}
+
+RAW_TRACEPOINT_PROBE(tcp_send_reset)
+{
+	u64 sk = ctx->args[0], skb = ctx->args[1];
+	struct sock_view v;
+	__builtin_memset(&v, 0, sizeof(v));
+	v.skaddr = sk;
+	int full = 0;
+	u8 head[SK_HEAD_LEN];
+	u16 family = 0;
+	if (sk) {
+		u8 state;
+		bpf_probe_read_kernel(head, sizeof(head), at(sk, SK_HEAD_OFF));
+		FIELD(head, SK_HEAD_OFF, SK_STATE_OFF, state);
+		FIELD(head, SK_HEAD_OFF, SK_FAMILY_OFF, family);
+		v.state = state;
+		full = !((1 << state) & (TCPF_TIME_WAIT | TCPF_NEW_SYN_RECV));
+	}
+	if (full)
+		read_ends(&v, sk, head, family == AF_INET6 ? AF_INET6 : AF_INET, 1);
+	else if (skb)
+		read_packet_ends(&v, skb);
+	u16 reason = 0;
+#ifdef TP_SEND_RESET_REASON
+	reason = (u16)ctx->args[2];
+#endif
+	on_send_reset(&v, reason);
+	return 0;
+}
+
+RAW_TRACEPOINT_PROBE(tcp_receive_reset)
+{
+	struct sock_view v;
+	read_sock(&v, ctx->args[0]);
+	on_receive_reset(&v);
+	return 0;
+}
+
+RAW_TRACEPOINT_PROBE(inet_sock_set_state)
+{
+	u64 sk = ctx->args[0];
+	if (sk_protocol(sk) != IPPROTO_TCP)
+		return 0;
+	struct sock_view v;
+	read_sock(&v, sk);
+	on_set_state(&v, (int)ctx->args[1], (int)ctx->args[2]);
+	return 0;
+}
+
+#else
+/* ---- tracepoints: the fields the kernel copied out (kernels without BTF) ---- */
+
+/* A tracepoint's socket (a macro: the verifier takes tracepoint arguments
+ * only at constant offsets of its context). */
+#define VIEW_OF(a, v)                                                          \
+	do {                                                                   \
+		__builtin_memset(&(v), 0, sizeof(v));                          \
+		(v).skaddr = (u64)(a)->skaddr;                                 \
+		if ((a)->family == AF_INET) {                                  \
+			__builtin_memcpy((v).local.addr, (a)->saddr, 4);       \
+			__builtin_memcpy((v).remote.addr, (a)->daddr, 4);      \
+		} else {                                                       \
+			__builtin_memcpy((v).local.addr, (a)->saddr_v6, 16);   \
+			__builtin_memcpy((v).remote.addr, (a)->daddr_v6, 16);  \
+		}                                                              \
+		(v).local.port = (a)->sport;                                   \
+		(v).remote.port = (a)->dport;                                  \
+		(v).local.family = (v).remote.family = (a)->family;            \
+	} while (0)
+
 /* One end of a reset: its `sa` field is a sockaddr_in or sockaddr_in6
- * (family, port in network order, address); a macro, as ENDPOINTS_OF. */
+ * (family, port in network order, address); a macro, as VIEW_OF. */
 #define SOCKADDR_ENDPOINT(ep, sa)                                              \
 	do {                                                                   \
-		__builtin_memset(&(ep), 0, sizeof(ep));                        \
 		(ep).family = (sa)[0] | ((u16)(sa)[1] << 8);                   \
 		(ep).port = ((u16)(sa)[2] << 8) | (sa)[3];                     \
 		if ((ep).family == AF_INET)                                    \
@@ -402,64 +662,54 @@ TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
 			__builtin_memcpy((ep).addr, &(sa)[8], 16);             \
 	} while (0)
 
+TRACEPOINT_PROBE(sock, sock_send_length)
+{
+	if (args->protocol == IPPROTO_TCP)
+		learn_owner((u64)args->sk);
+	return 0;
+}
+
+TRACEPOINT_PROBE(sock, sock_recv_length)
+{
+	if (args->protocol == IPPROTO_TCP)
+		learn_owner((u64)args->sk);
+	return 0;
+}
+
+TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
+{
+	struct sock_view v;
+	VIEW_OF(args, v);
+	v.state = args->state;
+	int err = 0;
+#ifdef TP_RETRANSMIT_ERR
+	err = args->err;
+#endif
+	on_retransmit_skb(&v, err);
+	return 0;
+}
+
 TRACEPOINT_PROBE(tcp, tcp_send_reset)
 {
-	u64 skaddr = (u64)args->skaddr;
-	u32 owner = owner_of(skaddr);
-	struct endpoint local, remote;
-	SOCKADDR_ENDPOINT(local, args->saddr);
-	SOCKADDR_ENDPOINT(remote, args->daddr);
-	if (own_traffic(owner, local.port, remote.port))
-		return 0;
-	u32 pid = job_of(owner, &local, &remote);
-	if (!pid) {
-		count_filtered();
-		return 0;
-	}
-	struct tcp_event *e;
-	u64 pos;
-	e = claim_tcp(&pos);
-	if (!e)
-		return 0;
-	u64 id = bpf_get_current_pid_tgid();
-	fill_header(&e->hdr, EVENT_TCP, sizeof(*e), pid, (u32)id, bpf_ktime_get_ns());
-	e->skaddr = skaddr;
-	__builtin_memcpy(e->saddr, local.addr, 16);
-	__builtin_memcpy(e->daddr, remote.addr, 16);
-	e->sport = local.port;
-	e->dport = remote.port;
-	e->family = local.family;
-	e->event = TCPEV_TCP_SEND_RESET;
-	clear_tail(e);
-	e->state = args->state;
+	struct sock_view v;
+	__builtin_memset(&v, 0, sizeof(v));
+	v.skaddr = (u64)args->skaddr;
+	SOCKADDR_ENDPOINT(v.local, args->saddr);
+	SOCKADDR_ENDPOINT(v.remote, args->daddr);
+	v.state = args->state;
+	u16 reason = 0;
 #ifdef TP_SEND_RESET_REASON
-	e->reason = (u16)args->reason;
+	reason = (u16)args->reason;
 #endif
-	publish(&e->hdr, pos);
+	on_send_reset(&v, reason);
 	return 0;
 }
 
 TRACEPOINT_PROBE(tcp, tcp_receive_reset)
 {
-	u64 skaddr = (u64)args->skaddr;
-	u32 owner = owner_of(skaddr);
-	if (own_traffic(owner, args->sport, args->dport))
-		return 0;
-	struct endpoint local, remote;
-	ENDPOINTS_OF(args, local, remote);
-	u32 pid = job_of(owner, &local, &remote);
-	if (!pid) {
-		count_filtered();
-		return 0;
-	}
-	struct tcp_event *e;
-	u64 pos;
-	e = claim_tcp(&pos);
-	if (!e)
-		return 0;
-	FILL_TCP_ROW(e, args, TCPEV_TCP_RECEIVE_RESET, pid);
-	clear_tail(e);
-	publish(&e->hdr, pos);
+	struct sock_view v;
+	VIEW_OF(args, v);
+	on_receive_reset(&v);
 	return 0;
 }
 
@@ -467,45 +717,12 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 {
 	if (args->protocol != IPPROTO_TCP)
 		return 0;
-	u64 skaddr = (u64)args->skaddr;
-	/* Only connect() (-> SYN_SENT) and listen() (-> LISTEN) are sure to run
-	 * in the owner's context.  Other changes may run in softirq, in whatever
-	 * task was interrupted or sent the packet: over a veth, a rank of
-	 * another namespace. */
-	if (args->newstate == TCP_SYN_SENT || args->newstate == TCP_LISTEN)
-		learn_owner(skaddr);
-	u32 owner = owner_of(skaddr);
-	struct endpoint local, remote;
-	ENDPOINTS_OF(args, local, remote);
-	/* a tracked listener's port is a job endpoint while it listens */
-	if (args->newstate == TCP_LISTEN && owner && is_tracked(owner))
-		job_endpoints.update(&local, &owner);
-	else if (args->oldstate == TCP_LISTEN && args->newstate == TCP_CLOSE)
-		job_endpoints.delete(&local);
-	u32 pid = own_traffic(owner, args->sport, args->dport) ? 0 : job_of(owner, &local, &remote);
-	if (pid && !owner && args->oldstate == TCP_SYN_RECV)
-		sock_owner.update(&skaddr, &pid); /* accepted on a tracked listener */
-	if (args->newstate == TCP_CLOSE) {
-		sock_owner.delete(&skaddr);
-		conn_state.delete(&skaddr);
-	}
-	if (!pid) {
-		count_filtered();
-		return 0;
-	}
-	note_peer(&remote);
-	struct tcp_event *e;
-	u64 pos;
-	e = claim_tcp(&pos);
-	if (!e)
-		return 0;
-	FILL_TCP_ROW(e, args, TCPEV_INET_SOCK_SET_STATE, pid);
-	clear_tail(e);
-	e->state = args->oldstate;
-	e->newstate = args->newstate;
-	publish(&e->hdr, pos);
+	struct sock_view v;
+	VIEW_OF(args, v);
+	on_set_state(&v, args->oldstate, args->newstate);
 	return 0;
 }
+#endif
 
 /* ---- sock_ops: the connection's state at retransmits -------------------- */
 

@@ -386,6 +386,7 @@ class Agent:
                 agent_args=self.config.args,
                 trigger=trigger,
                 counters=counters,
+                programs=self.source.kernel_misses(),
                 snapshots=snapshots,
                 links=self.links.table(keep=lambda pid: self.procs.get(pid) is not None),
             )

@@ -3,10 +3,11 @@
 BCC compiles and loads the programs; everything that must outlive the agent
 or be read without BCC goes through here: pinning objects under bpffs and
 opening them again, describing a map or a program (``BPF_OBJ_GET_INFO_BY_FD``),
-map lookups, updates and iteration on a bare fd, links (uprobe_multi, and
+map lookups, updates and iteration on a bare fd, links (uprobe_multi,
 ``BPF_PERF_EVENT`` links for tracepoints, so that a tracepoint attachment can
-be pinned like a uprobe one), run-time statistics of programs, and a ring
-buffer map as a doorbell (``RingbufBell``).
+be pinned like a uprobe one, and raw tracepoints, whose attachment is a
+link), run-time statistics of programs, and a ring buffer map as a doorbell
+(``RingbufBell``).
 
 Every call raises ``OSError`` with the kernel's errno.  x86-64 syscall
 numbers (the agent is x86-64 only, as its argument decoding is).
@@ -36,9 +37,16 @@ BPF_OBJ_PIN = 6
 BPF_OBJ_GET = 7
 BPF_PROG_GET_FD_BY_ID = 13
 BPF_OBJ_GET_INFO_BY_FD = 15
+BPF_RAW_TRACEPOINT_OPEN = 17
 BPF_MAP_LOOKUP_BATCH = 24
 BPF_LINK_CREATE = 28
 BPF_ENABLE_STATS = 32
+
+# enum bpf_prog_type
+BPF_PROG_TYPE_KPROBE = 2  # uprobes too
+BPF_PROG_TYPE_TRACEPOINT = 5
+BPF_PROG_TYPE_SOCK_OPS = 13
+BPF_PROG_TYPE_RAW_TRACEPOINT = 17
 
 # enum bpf_attach_type
 BPF_CGROUP_SOCK_OPS = 3
@@ -218,8 +226,8 @@ class ProgInfo:
     name: str
     run_time_ns: int  # while statistics are enabled (enable_stats)
     run_cnt: int
-    # runs the kernel skipped: the program's event came while a tracing
-    # program was already running on that CPU (a softirq interrupting it)
+    # runs the kernel skipped (counted for tracepoints and raw tracepoints
+    # since Linux 6.7; recorder.kernelhooks says when it means something)
     recursion_misses: int = 0
 
 
@@ -590,6 +598,20 @@ def tracepoint_link(prog_fd: int, category: str, event: str) -> int:
     finally:
         os.close(pfd)  # the link keeps the event
     return link
+
+
+class _RawTracepointAttr(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_uint64), ("prog_fd", ctypes.c_uint32), ("_pad", ctypes.c_uint32)]
+
+
+def raw_tracepoint_open(prog_fd: int, event: str) -> int:
+    """Attach a raw tracepoint program to tracepoint ``event`` (no
+    category: raw tracepoints are named by event alone); the returned fd is
+    a link, which pinning keeps."""
+    name = ctypes.create_string_buffer(event.encode())
+    fd = bpf(BPF_RAW_TRACEPOINT_OPEN, _RawTracepointAttr(name=_addr(name), prog_fd=prog_fd))
+    _cloexec(fd)
+    return fd
 
 
 def cgroup_link(prog_fd: int, cgroup: str | Path, attach_type: int) -> int:

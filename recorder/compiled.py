@@ -11,7 +11,7 @@ creates the maps with bpf(2), gives each such instruction the new map's fd,
 and loads the programs itself (the kernel's verifier checks them as it
 checked BCC's): no BCC and no LLVM in any process.
 
-The key (``probes.build_key``) is the BPF sources, the flags and the kernel
+The key (``bpfbuild.build_key``) is the BPF sources, the flags and the kernel
 release: any change is another entry; the newest ``KEEP_ENTRIES`` stay.  An
 entry that does not read back, or whose programs the kernel refuses, is
 passed over: the loader compiles.
@@ -37,12 +37,9 @@ from .maps import Layout
 
 log = logging.getLogger("stallwatch.record")
 
-FORMAT = 2  # 2: a program's link is a tracepoint or a cgroup hook
+FORMAT = 3  # 2: a program's link is a tracepoint or a cgroup hook; 3: or a raw tracepoint
 DEFAULT_CACHE_DIR = Path("/var/cache/stallwatch")
 KEEP_ENTRIES = 8  # builds kept (about 300 KB each): ring sizes, versions side by side
-BPF_PROG_TYPE_KPROBE = 2  # uprobes too
-BPF_PROG_TYPE_TRACEPOINT = 5
-BPF_PROG_TYPE_SOCK_OPS = 13
 _LD_IMM64 = 0x18
 _PSEUDO_MAP_FD = 1
 _INSN = struct.Struct("<BBhi")
@@ -65,7 +62,8 @@ class CompiledProgram:
     attach_type: int  # expected_attach_type (0: none)
     insns: bytes  # map fds zeroed
     maps: tuple[tuple[int, str], ...]  # (instruction index, map name)
-    # what to link it to: ("tracepoint", "category:event") or ("cgroup", "sock_ops");
+    # what to link it to: ("tracepoint", "category:event"), ("raw_tracepoint",
+    # "event") or ("cgroup", "sock_ops");
     # None: uprobe_multi programs, linked library by library
     link: tuple[str, str] | None
 

@@ -1,15 +1,13 @@
 """Compile the BPF programs and pin them, in a process that then exits.
 
-BCC compiles with LLVM, and LLVM's memory is never given back: the
-long-lived agent does not compile.  ``load_outside`` runs this module as a
-short-lived process (``python -m stallwatch.recorder.loader``, the request
-as JSON on stdin); it compiles, then builds the pin set at the agent's
-``--pin-dir`` (or finds the one there of the same layout, or refuses one of
-another layout, as ``recorder.pinning`` says) and exits; the agent adopts
-the pins.  Its log lines go to the agent's stderr; a refusal comes back as
-one JSON line on stdout, raised in the agent as the error it was.
+Run by ``recorder.loadrequest.load_outside`` (``python -m
+stallwatch.recorder.loader``, the request as JSON on stdin): it compiles,
+then builds the pin set at the agent's ``--pin-dir`` (or finds the one
+there of the same layout, or refuses one of another layout, as
+``recorder.pinning`` says) and exits; the agent adopts the pins.  A refusal
+goes out as one JSON line on stdout.
 
-An agent restarted over pins of the very same build (``probes.build_key``:
+An agent restarted over pins of the very same build (``bpfbuild.build_key``:
 the BPF sources, the flags, the kernel) adopts them without running this.
 """
 
@@ -17,72 +15,18 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from stallwatch.dumpers import errors
-from stallwatch.dumpers.errors import PinError, ProbeError, StallwatchError
+from stallwatch.dumpers.errors import PinError, StallwatchError
 
+from .bpfbuild import RingSizes
 from .pinning import PinOptions
-
-log = logging.getLogger("stallwatch.record")
-
-LOAD_TIMEOUT_S = 300.0  # BCC compiling on a loaded machine
-# errors the loader may report, by class name (anything else is a ProbeError)
-_ERRORS: dict[str, type[StallwatchError]] = {
-    cls.__name__: cls
-    for cls in vars(errors).values()
-    if isinstance(cls, type) and issubclass(cls, StallwatchError)
-}
-
-
-def load_outside(
-    pins: PinOptions,
-    ring_slots: int,
-    runq_threshold_ns: int,
-    about: dict[str, Any],
-    cache_dir: Path | None = None,
-) -> None:
-    """Compile and pin in a short-lived process; raise what it refused with."""
-    request = {
-        "pin_dir": str(pins.path),
-        "replace": pins.replace,
-        "ring_slots": ring_slots,
-        "runq_threshold_ns": runq_threshold_ns,
-        "about": about,
-        "cache_dir": str(cache_dir) if cache_dir is not None else None,
-    }
-    argv = [sys.executable, "-m", "stallwatch.recorder.loader"]
-    try:
-        done = subprocess.run(
-            argv,
-            input=json.dumps(request),
-            stdout=subprocess.PIPE,
-            text=True,
-            timeout=LOAD_TIMEOUT_S,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ProbeError(f"compiling the BPF programs ({' '.join(argv)}): {exc}") from None
-    if done.returncode == 0:
-        return
-    raise _refusal(done.stdout, done.returncode)
-
-
-def _refusal(out: str, code: int) -> StallwatchError:
-    try:
-        doc = json.loads(out.strip().splitlines()[-1])
-        cls = _ERRORS.get(str(doc["kind"]), ProbeError)
-        return cls(str(doc["error"]))
-    except (IndexError, KeyError, TypeError, ValueError):
-        return ProbeError(f"compiling the BPF programs failed (exit code {code})")
+from .probes import Probes
 
 
 def _load(request: dict[str, Any]) -> None:
-    from .probes import Probes, RingSizes
-
     pins = PinOptions(Path(request["pin_dir"]), bool(request["replace"]))
     sizes = RingSizes.from_nccl(int(request["ring_slots"]))
     cache = request.get("cache_dir")
@@ -92,6 +36,7 @@ def _load(request: dict[str, Any]) -> None:
         pins=pins,
         about=request["about"],
         cache_dir=Path(cache) if cache else None,
+        raw_tracepoints=bool(request.get("raw_tracepoints", True)),
     )
     probes.close()  # the recording stays pinned, for the agent
 

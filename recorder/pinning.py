@@ -8,7 +8,8 @@ One folder per agent instance (``--pin-dir``, default
                    settings), [1] the agent's own state (the watchdog's incidents)
     maps/<name>    every map of the BPF module (rings, tables, counters)
     progs/<name>   every program links are made from
-    links/<name>   every attachment: tp-<category>-<event>,
+    links/<name>   every attachment: rtp-<event> (raw tracepoints),
+                   tp-<category>-<event> (tracepoints), cg-sock_ops,
                    up-<program>-<dev>-<inode>-<offset> (hexadecimal)
 
 While the folder exists the kernel keeps every program attached and every
@@ -434,7 +435,7 @@ def open_for_agent(options: PinOptions, layout: Layout, about: dict[str, Any]) -
 
 def adopt_built(options: PinOptions, build_key: str) -> PinSet | None:
     """The pin set at ``options.path`` if it was made from this very build
-    (``probes.build_key``): adopted, locked, with nothing compiled.  None
+    (``bpfbuild.build_key``): adopted, locked, with nothing compiled.  None
     if there is none or it is of another build (then the compiling path
     decides, and says what is wrong)."""
     final = options.path

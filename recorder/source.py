@@ -19,8 +19,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from stallwatch.dumpers.errors import ProbeError
+from stallwatch.dumpers.model import ProgramMisses
 from stallwatch.dumpers.schema import RING_DTYPES
 
+from . import kernelhooks
 from .bpfsys import RingbufBell
 from .maps import DISCOVERY_BELL, RING_MAPS, MapSet
 from .pinning import PinOptions, PinSet
@@ -40,6 +42,9 @@ class EventSource(Protocol):
     def rings(self) -> dict[str, RingBuffer]: ...
 
     def kernel_counters(self) -> dict[str, int]: ...
+
+    def kernel_misses(self) -> tuple[ProgramMisses, ...]:
+        """Per kernel hook, its program and the runs the kernel skipped."""
 
     def comm_progress(self) -> list[CommProgress]: ...
 
@@ -112,13 +117,16 @@ class MapSource:
         return RingbufBell(bell.fd) if bell is not None and not bell.read_only else None
 
     def kernel_counters(self) -> dict[str, int]:
-        skipped = {SKIPPED_PREFIX + k: v for k, v in self.tracepoints_skipped().items()}
+        """The kernel's counters: the rings' losses, the CUDA calls seen, and
+        per kernel hook the runs it skipped, where it counts them."""
+        skipped = {
+            SKIPPED_PREFIX + p.hook: p.misses for p in self.kernel_misses() if p.misses is not None
+        }
         return {**self.maps.drops(), **self.maps.cuda_seen(), **skipped}
 
-    def tracepoints_skipped(self) -> dict[str, int]:
-        """Per tracepoint, the events the kernel did not run its program for
-        (none known here: a recording read from its maps alone)."""
-        return {}
+    def kernel_misses(self) -> tuple[ProgramMisses, ...]:
+        """None known here: a recording read from its maps alone."""
+        return ()
 
     def comm_progress(self) -> list[CommProgress]:
         values = self.maps.communicators()
@@ -192,10 +200,12 @@ class BccSource(MapSource):
         about: dict[str, Any] | None = None,
         compile_outside: bool = False,
         cache_dir: Path | None = None,
+        raw_tracepoints: bool = True,
     ) -> None:
-        """``compile_outside``, ``cache_dir``: see ``Probes`` (the agent
-        compiles nothing itself)."""
-        from .probes import Probes, RingSizes
+        """``compile_outside``, ``cache_dir``, ``raw_tracepoints``: see
+        ``Probes`` (the agent compiles nothing itself)."""
+        from .bpfbuild import RingSizes
+        from .probes import Probes
 
         self.probes = Probes(
             RingSizes.from_nccl(ring_slots),
@@ -204,6 +214,7 @@ class BccSource(MapSource):
             about=about,
             compile_outside=compile_outside,
             cache_dir=cache_dir,
+            raw_tracepoints=raw_tracepoints,
         )
         self.sizes = self.probes.sizes
         super().__init__(self.probes.maps)
@@ -216,8 +227,8 @@ class BccSource(MapSource):
     def adopted(self) -> bool:
         return self.probes.adopted
 
-    def tracepoints_skipped(self) -> dict[str, int]:
-        return self.probes.tracepoints_skipped()
+    def kernel_misses(self) -> tuple[ProgramMisses, ...]:
+        return self.probes.kernel_misses()
 
     def attach(self, path: str, symbol: str) -> None:
         self.probes.attach_symbol(path, symbol)
@@ -254,6 +265,10 @@ class PinnedSource(MapSource):
     def pinset(self) -> PinSet:
         return self._pins
 
+    def kernel_misses(self) -> tuple[ProgramMisses, ...]:
+        """From the pinned links: the programs they hold."""
+        return kernelhooks.pinned(self.pinset.path, self.pinset.links()).misses()
+
     def attach(self, path: str, symbol: str) -> None:
         raise ProbeError(f"reading the pinned recording at {self.pinset.path}: nothing is attached")
 
@@ -289,6 +304,7 @@ class ReplaySource:
     comms: list[CommProgress] = field(default_factory=list)
     inflight: list[InflightCall] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
+    misses: tuple[ProgramMisses, ...] = ()
     attached: list[tuple[str, str]] = field(default_factory=list)
     missing_symbols: Sequence[str] = ()
     tracked: set[int] = field(default_factory=set)
@@ -311,6 +327,9 @@ class ReplaySource:
 
     def kernel_counters(self) -> dict[str, int]:
         return dict(self.counters)
+
+    def kernel_misses(self) -> tuple[ProgramMisses, ...]:
+        return self.misses
 
     def comm_progress(self) -> list[CommProgress]:
         return list(self.comms)

@@ -455,7 +455,7 @@ def run(args: argparse.Namespace) -> int:
         return _cleanup(args.pin_dir)
     _check_args(args)
     if args.print_bpf:
-        from stallwatch.recorder.probes import bpf_source
+        from stallwatch.recorder.bpfbuild import bpf_source
 
         print(bpf_source())
         return ExitCode.OK
@@ -542,7 +542,8 @@ def _tls_args(tls: ClientTls) -> list[str]:
 
 
 def _compile_only(args: argparse.Namespace) -> int:
-    from stallwatch.recorder.probes import RingSizes, compile_into
+    from stallwatch.recorder.bpfbuild import RingSizes
+    from stallwatch.recorder.probes import compile_into
 
     cache = args.bpf_cache
     try:

@@ -114,12 +114,12 @@ def test_without_uprobe_multi_perf_event_probes_record_the_same(
 ) -> None:
     """A kernel without uprobe_multi links (before 6.6) refuses them with
     EINVAL: the agent falls back to a perf event per probe, same rows."""
-    import stallwatch.recorder.probes as probes
+    import stallwatch.recorder.uprobes as uprobes
 
     def refuse(*_: object) -> int:
         raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
 
-    monkeypatch.setattr(probes, "uprobe_multi_link", refuse)
+    monkeypatch.setattr(uprobes, "uprobe_multi_link", refuse)
     a = Agent(AgentConfig(dump_dir=tmp_path, host_name="bpf-perf"), BccSource(1 << 12, 1_000_000))
     try:
         assert a.attach_library(str(fake.lib), required=True) is not None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.recorder import btf
+from stallwatch.recorder import btf, sched_probes, tcp_probes
 from stallwatch.recorder.btf import BtfError, KernelTypes, Member
 
 
@@ -131,3 +131,25 @@ def test_the_running_kernels_structs_and_tracepoints() -> None:
         "bool", "struct task_struct *", "struct task_struct *",
     )  # fmt: skip
 
+
+@pytest.mark.skipif(not btf.VMLINUX.exists(), reason="a kernel without BTF")
+def test_the_tcp_and_scheduler_families_compile_for_raw_tracepoints_here() -> None:
+    types = KernelTypes.load()
+    tcp = dict(f.removeprefix("-D").split("=") for f in tcp_probes.cflags(types))
+    assert tcp["TCP_RAW_TP"] == "1"
+    for span, fields in tcp_probes.SPANS.items():  # every field of a span inside it
+        start, length = int(tcp[f"{span}_OFF"]), int(tcp[f"{span}_LEN"])
+        assert 0 < length <= tcp_probes.SPAN_MAX
+        assert all(start <= int(tcp[f]) < start + length for f in fields)
+    sched = dict(f.removeprefix("-D").split("=") for f in sched_probes.cflags(types))
+    assert sched["SCHED_RAW_TP"] == "1" and int(sched["TASK_PID_OFF"]) > 0
+
+
+def test_a_kernel_whose_btf_lacks_a_field_gets_tracepoints(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    types = KernelTypes(sample())  # no struct sock, no task_struct
+    assert tcp_probes.cflags(types) == tcp_probes.tracepoint_flags()
+    assert sched_probes.cflags(types) == []
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "TCP events from tracepoints" in said and "scheduler events from tracepoints" in said

@@ -430,22 +430,24 @@ def test_the_build_key_is_the_sources_flags_and_kernel_not_where_the_files_are(
 ) -> None:
     """An installed wheel and a checkout of the same sources share a key
     (and so the compile cache); a header that is only included changes it."""
-    from stallwatch.recorder import probes
+    from stallwatch.recorder import bpfbuild
 
-    flags = probes.cflags(probes.RingSizes.from_nccl(4096), 1_000_000)
-    here = probes.build_key(flags)
+    flags = bpfbuild.cflags(bpfbuild.RingSizes.from_nccl(4096), 1_000_000)
+    here = bpfbuild.build_key(flags)
     copy = tmp_path / "elsewhere" / "bpf"
     copy.mkdir(parents=True)
-    for source in probes.BPF_DIR.glob("*.[ch]"):
+    for source in bpfbuild.BPF_DIR.glob("*.[ch]"):
         (copy / source.name).write_bytes(source.read_bytes())
-    monkeypatch.setattr(probes, "BPF_DIR", copy)
-    moved = probes.cflags(probes.RingSizes.from_nccl(4096), 1_000_000)
-    assert moved != flags and probes.build_key(moved) == here
-    assert probes.build_key(probes.cflags(probes.RingSizes.from_nccl(8192), 1_000_000)) != here
+    monkeypatch.setattr(bpfbuild, "BPF_DIR", copy)
+    moved = bpfbuild.cflags(bpfbuild.RingSizes.from_nccl(4096), 1_000_000)
+    assert moved != flags and bpfbuild.build_key(moved) == here
+    assert (
+        bpfbuild.build_key(bpfbuild.cflags(bpfbuild.RingSizes.from_nccl(8192), 1_000_000)) != here
+    )
     events = copy / "events.h"
-    assert "events.h" not in probes.SOURCES  # reached only through #include
+    assert "events.h" not in bpfbuild.SOURCES  # reached only through #include
     events.write_text(events.read_text() + "\n/* a changed event */\n")
-    assert probes.build_key(moved) != here
+    assert bpfbuild.build_key(moved) != here
 
 
 def test_compiling_is_one_process_at_a_time_per_build(tmp_path: Path) -> None:
@@ -500,3 +502,33 @@ def test_agents_starting_together_compile_once(fake: FakeNccl, tmp_path: Path) -
             stop(agent)
         for d in dirs:
             pins.remove(d)
+
+
+@pytest.mark.bpf
+def test_a_pinned_recording_read_alone_names_each_hooks_program_and_its_skipped_runs(
+    pin_dir: Path,
+) -> None:
+    """What ``dump --pinned`` writes in ``programs``: every kernel hook's
+    program from its pinned link, as the agent that pinned it attached it
+    (the TCP and scheduler families' as raw tracepoints), with the kernel's
+    count of skipped runs where it keeps one."""
+    from stallwatch.recorder.kernelhooks import misses_counted
+    from stallwatch.recorder.source import BccSource, PinnedSource
+
+    source = BccSource(1 << 12, 1_000_000, pins=pinning.PinOptions(pin_dir))
+    try:
+        live = source.kernel_misses()
+        alone = PinnedSource(pinning.PinSet.open(pin_dir, read_only=True))
+        try:
+            pinned = alone.kernel_misses()
+        finally:
+            alone.close()
+    finally:
+        source.close()
+    assert [(p.program, p.hook, p.attachment) for p in pinned] == [
+        (p.program, p.hook, p.attachment) for p in live
+    ]
+    attached = {p.hook: p.attachment for p in pinned}
+    assert attached["tcp_retransmit_skb"] == attached["sched_switch"] == "raw_tracepoint"
+    assert attached["signal_generate"] == "tracepoint"
+    assert all((p.misses is not None) == misses_counted() for p in pinned)

@@ -321,8 +321,9 @@ def counter_families(counters: Mapping[str, int]) -> Iterator[Metric]:
 
     skipped = CounterMetricFamily(
         "stallwatch_kernel_tracepoint_skipped",
-        "Events of a tracepoint the kernel did not run our program for: they came while "
-        "another tracing program ran on the CPU (evidence not seen, e.g. a retransmit).",
+        "Events of a kernel hook the kernel did not run our program for (evidence not seen, "
+        "e.g. a retransmit): a tracepoint's came while another tracing program ran on the "
+        "CPU, a raw tracepoint's while the program itself did. Absent: not counted (< 6.7).",
         labels=["tracepoint"],
     )
     for name, value in sorted(counters.items()):

@@ -529,6 +529,63 @@ static __always_inline void learn_sender(u64 sk)
 		remember_owner(sk, tgid);
 }
 
+/* Hooks that fire both in a process's context and in softirq (PAIR_<event>
+ * names them: recorder/tcp_probes.py).  A raw tracepoint's program is
+ * skipped when its event comes while it runs on that CPU: a softirq's state
+ * change (a peer's FIN or reset, a retransmission timer) in the middle of
+ * the same program run for a process's connect or close.  Such a hook has a
+ * second program, attached after the first (the kernel runs a tracepoint's
+ * programs in the order they were attached), which does the work only for
+ * an event the first did not run for, told by two counters per CPU: the
+ * runs the first finished, and the count the second last saw.  Normally the
+ * first finishes and the second sees the count move; nested, the first is
+ * skipped, the count has not moved, and the second does the work (and
+ * counts it in `pair_caught`).  A run of the second skipped in turn is one
+ * the first was not running for: the first saw it. */
+BPF_PERCPU_ARRAY(pair_finished, u64, PAIRS);
+BPF_PERCPU_ARRAY(pair_seen, u64, PAIRS);
+BPF_PERCPU_ARRAY(pair_caught, u64, PAIRS);
+
+static __always_inline void first_finished(u32 pair)
+{
+	u64 *n = pair_finished.lookup(&pair);
+	if (n)
+		*n += 1;
+}
+
+static __always_inline int first_skipped(u32 pair)
+{
+	u64 *finished = pair_finished.lookup(&pair);
+	u64 *seen = pair_seen.lookup(&pair);
+	if (!finished || !seen)
+		return 0;
+	if (*finished != *seen) {
+		*seen = *finished;
+		return 0;
+	}
+	u64 *caught = pair_caught.lookup(&pair);
+	if (caught)
+		*caught += 1;
+	return 1;
+}
+
+/* A hook's two programs around one body: `RAW_PAIR(event) { body }`. */
+#define RAW_PAIR(event)                                                        \
+	static __always_inline void on_raw_##event(struct bpf_raw_tracepoint_args *ctx); \
+	RAW_TRACEPOINT_PROBE(event)                                            \
+	{                                                                      \
+		on_raw_##event(ctx);                                           \
+		first_finished(PAIR_##event);                                  \
+		return 0;                                                      \
+	}                                                                      \
+	int raw_tracepoint__##event##__nested(struct bpf_raw_tracepoint_args *ctx) \
+	{                                                                      \
+		if (first_skipped(PAIR_##event))                               \
+			on_raw_##event(ctx);                                   \
+		return 0;                                                      \
+	}                                                                      \
+	static __always_inline void on_raw_##event(struct bpf_raw_tracepoint_args *ctx)
+
 RAW_TRACEPOINT_PROBE(sock_send_length)
 {
 	learn_sender(ctx->args[0]);
@@ -541,7 +598,7 @@ RAW_TRACEPOINT_PROBE(sock_recv_length)
 	return 0;
 }
 
-RAW_TRACEPOINT_PROBE(tcp_retransmit_skb)
+RAW_PAIR(tcp_retransmit_skb)
 {
 	struct sock_view v;
 	read_sock(&v, ctx->args[0]);
@@ -550,7 +607,6 @@ RAW_TRACEPOINT_PROBE(tcp_retransmit_skb)
 	err = (int)ctx->args[2];
 #endif
 	on_retransmit_skb(&v, err);
-	return 0;
 }
 
 /* The packet's ends, as tcp_send_reset has them for a reset that answers
@@ -581,7 +637,7 @@ static __always_inline void read_packet_ends(struct sock_view *v, u64 skb)
 	}
 }
 
-RAW_TRACEPOINT_PROBE(tcp_send_reset)
+RAW_PAIR(tcp_send_reset)
 {
 	u64 sk = ctx->args[0], skb = ctx->args[1];
 	struct sock_view v;
@@ -607,26 +663,23 @@ RAW_TRACEPOINT_PROBE(tcp_send_reset)
 	reason = (u16)ctx->args[2];
 #endif
 	on_send_reset(&v, reason);
-	return 0;
 }
 
-RAW_TRACEPOINT_PROBE(tcp_receive_reset)
+RAW_PAIR(tcp_receive_reset)
 {
 	struct sock_view v;
 	read_sock(&v, ctx->args[0]);
 	on_receive_reset(&v);
-	return 0;
 }
 
-RAW_TRACEPOINT_PROBE(inet_sock_set_state)
+RAW_PAIR(inet_sock_set_state)
 {
 	u64 sk = ctx->args[0];
 	if (sk_protocol(sk) != IPPROTO_TCP)
-		return 0;
+		return;
 	struct sock_view v;
 	read_sock(&v, sk);
 	on_set_state(&v, (int)ctx->args[1], (int)ctx->args[2]);
-	return 0;
 }
 
 #else

@@ -133,6 +133,19 @@ class ProgramMisses:
     hook: str  # the tracepoint's event (tcp_retransmit_skb)
     attachment: str  # "raw_tracepoint" or "tracepoint"
     misses: int | None  # None: unknown (kernels before 6.7 do not count them)
+    # of them, the events the hook's second program ran for instead (a raw
+    # tracepoint that fires in process context and in softirq); None: no such
+    caught: int | None = None
+
+    @property
+    def unseen(self) -> int | None:
+        """Events of the hook no program of it saw, as far as this one
+        tells (a second program's skipped runs are its first's: 0)."""
+        if self.misses is None:
+            return None
+        if self.program.endswith("__nested"):
+            return 0
+        return self.misses - (self.caught or 0)
 
 
 @dataclass(frozen=True, slots=True)

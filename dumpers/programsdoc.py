@@ -6,10 +6,12 @@ Layout, every key required, no other allowed; ``null`` is unknown::
 
     "programs": [{"program": str, "hook": str,
                   "attachment": "raw_tracepoint" | "tracepoint",
-                  "misses": u64 | null}, ...]
+                  "misses": u64 | null, "caught": u64 | null}, ...]
 
 ``misses`` is null where the kernel does not count skipped runs (before
-Linux 6.7): unknown, never 0.
+Linux 6.7): unknown, never 0.  ``caught``: of them, the events the hook's
+second program (``<program>__nested``) ran for instead; null for a program
+that has none.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import NoReturn, Protocol
 from .model import ProgramMisses
 
 ATTACHMENTS = ("raw_tracepoint", "tracepoint")
-_KEYS = ("program", "hook", "attachment", "misses")
+_KEYS = ("program", "hook", "attachment", "misses", "caught")
 U64 = (0, 2**64 - 1)
 
 
@@ -39,7 +41,13 @@ class Checker(Protocol):
 
 def programs_doc(programs: tuple[ProgramMisses, ...]) -> list[dict[str, object]]:
     return [
-        {"program": p.program, "hook": p.hook, "attachment": p.attachment, "misses": p.misses}
+        {
+            "program": p.program,
+            "hook": p.hook,
+            "attachment": p.attachment,
+            "misses": p.misses,
+            "caught": p.caught,
+        }
         for p in programs
     ]
 
@@ -62,4 +70,5 @@ def _read_program(obj: object, path: str, c: Checker) -> ProgramMisses:
         hook=c.string(m["hook"], f"{path}.hook"),
         attachment=attachment,
         misses=c.opt_int(m["misses"], f"{path}.misses", U64),
+        caught=c.opt_int(m["caught"], f"{path}.caught", U64),
     )

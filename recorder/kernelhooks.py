@@ -13,8 +13,12 @@ the program's ``recursion_misses`` (``bpf_prog_info``); before, the field
 
 A hook's program is named by BCC's convention: ``tracepoint__<category>__
 <event>`` (``TRACEPOINT_PROBE``) or ``raw_tracepoint__<event>``
-(``RAW_TRACEPOINT_PROBE``).  Pinned, its link is ``tp-<category>-<event>``
-or ``rtp-<event>``.
+(``RAW_TRACEPOINT_PROBE``); a raw tracepoint that fires in a process's
+context and in softirq has a second program, ``raw_tracepoint__<event>__
+nested``, attached after the first, for the events the kernel skipped the
+first for (bpf/tcp.c, RAW_PAIR): of the first's skipped runs, ``caught``
+says how many the second ran for.  Pinned, a link is ``tp-<category>-
+<event>``, ``rtp-<event>`` or ``rtp-<event>-nested``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from . import bpfsys
 
 TRACEPOINT_PREFIX = "tracepoint__"
 RAW_PREFIX = "raw_tracepoint__"
+SECOND = "__nested"  # a hook's second program: its name's suffix
 TRACEPOINT, RAW = "tracepoint", "raw_tracepoint"  # attachments, as dumps name them
 MISSES_COUNTED_SINCE = (6, 7)
 TRACEFS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
@@ -41,6 +46,11 @@ class Hook:
     program: str
     event: str
     category: str = ""  # a tracepoint's; a raw tracepoint is named by its event alone
+
+    @property
+    def second(self) -> bool:
+        """The second program of a hook (attached after the first)."""
+        return self.program.endswith(SECOND)
 
     @property
     def attachment(self) -> str:
@@ -56,7 +66,9 @@ class Hook:
 
     @property
     def pin_name(self) -> str:
-        return f"tp-{self.category}-{self.event}" if self.category else f"rtp-{self.event}"
+        if self.category:
+            return f"tp-{self.category}-{self.event}"
+        return f"rtp-{self.event}-nested" if self.second else f"rtp-{self.event}"
 
     @property
     def cache_link(self) -> tuple[str, str]:
@@ -78,8 +90,14 @@ def hook_of_function(name: str) -> Hook | None:
         category, _, event = name[len(TRACEPOINT_PREFIX) :].partition("__")
         return Hook(name, event, category)
     if name.startswith(RAW_PREFIX):
-        return Hook(name, name[len(RAW_PREFIX) :])
+        return Hook(name, name[len(RAW_PREFIX) :].removesuffix(SECOND))
     return None
+
+
+def in_order(hooks: list[Hook]) -> list[Hook]:
+    """Hooks in the order to attach them: a hook's second program after its
+    first (the kernel runs a tracepoint's programs in attach order)."""
+    return sorted(hooks, key=lambda h: h.second)
 
 
 def hook_of_cache(program: str, link: tuple[str, str]) -> Hook | None:
@@ -89,7 +107,7 @@ def hook_of_cache(program: str, link: tuple[str, str]) -> Hook | None:
         category, _, event = target.partition(":")
         return Hook(program, event, category)
     if kind == RAW:
-        return Hook(program, target)
+        return Hook(program, target)  # a second program: named so
     return None
 
 
@@ -100,7 +118,8 @@ def hook_of_pin(pin: str) -> Hook | None:
         category, _, event = pin[3:].partition("-")
         return Hook(f"{TRACEPOINT_PREFIX}{category}__{event}", event, category)
     if pin.startswith("rtp-"):
-        return Hook(RAW_PREFIX + pin[4:], pin[4:])
+        event = pin[4:].removesuffix("-nested")
+        return Hook(RAW_PREFIX + event + (SECOND if event != pin[4:] else ""), event)
     return None
 
 
@@ -137,7 +156,7 @@ class Attached:
         unknown, on kernels that do not count them, or a program gone)."""
         counted = misses_counted()
         out = []
-        for hook, prog_id in sorted(self._ids.items(), key=lambda kv: kv[0].event):
+        for hook, prog_id in sorted(self._ids.items(), key=lambda kv: (kv[0].event, kv[0].second)):
             misses = _recursion_misses(prog_id) if counted and prog_id else None
             out.append(ProgramMisses(hook.program, hook.event, hook.attachment, misses))
         return tuple(out)

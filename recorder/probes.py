@@ -362,7 +362,7 @@ class Probes:
 
     def _kernel_hooks(self) -> list[Hook]:
         hooks = (kernelhooks.hook_of_function(f) for f in self._compiled().functions())
-        return [h for h in hooks if h is not None]
+        return kernelhooks.in_order([h for h in hooks if h is not None])
 
     def _link_sock_ops(self, prog_fd: int, building: pinning.Building | None) -> None:
         link = tcp_probes.link_sock_ops(prog_fd)

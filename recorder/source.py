@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,11 +24,13 @@ from stallwatch.dumpers.schema import RING_DTYPES
 
 from . import kernelhooks
 from .bpfsys import RingbufBell
+from .kernelhooks import SECOND
 from .maps import DISCOVERY_BELL, RING_MAPS, MapSet
 from .pinning import PinOptions, PinSet
 from .prometheus import SKIPPED_PREFIX
 from .rings import RingBuffer, RingWriter
 from .sockets import JobSockets
+from .tcp_probes import PAIR_CAUGHT, PAIRED
 from .tickstate import CommProgress, InflightCall
 
 
@@ -118,13 +120,27 @@ class MapSource:
 
     def kernel_counters(self) -> dict[str, int]:
         """The kernel's counters: the rings' losses, the CUDA calls seen, and
-        per kernel hook the runs it skipped, where it counts them."""
-        skipped = {
-            SKIPPED_PREFIX + p.hook: p.misses for p in self.kernel_misses() if p.misses is not None
-        }
+        per kernel hook the events no program of it saw, where the kernel
+        counts them."""
+        skipped: dict[str, int] = {}
+        for p in self.kernel_misses():
+            if p.unseen is not None:
+                key = SKIPPED_PREFIX + p.hook
+                skipped[key] = skipped.get(key, 0) + p.unseen
         return {**self.maps.drops(), **self.maps.cuda_seen(), **skipped}
 
     def kernel_misses(self) -> tuple[ProgramMisses, ...]:
+        """Per kernel hook, its programs and the runs the kernel skipped,
+        and of a paired hook's first program the runs its second caught."""
+        caught = self.maps.maps.get(PAIR_CAUGHT)
+        out = []
+        for p in self.hook_programs():
+            if caught is not None and p.hook in PAIRED and not p.program.endswith(SECOND):
+                p = replace(p, caught=caught.percpu_sum(PAIRED.index(p.hook)))
+            out.append(p)
+        return tuple(out)
+
+    def hook_programs(self) -> tuple[ProgramMisses, ...]:
         """None known here: a recording read from its maps alone."""
         return ()
 
@@ -227,7 +243,7 @@ class BccSource(MapSource):
     def adopted(self) -> bool:
         return self.probes.adopted
 
-    def kernel_misses(self) -> tuple[ProgramMisses, ...]:
+    def hook_programs(self) -> tuple[ProgramMisses, ...]:
         return self.probes.kernel_misses()
 
     def attach(self, path: str, symbol: str) -> None:
@@ -265,7 +281,7 @@ class PinnedSource(MapSource):
     def pinset(self) -> PinSet:
         return self._pins
 
-    def kernel_misses(self) -> tuple[ProgramMisses, ...]:
+    def hook_programs(self) -> tuple[ProgramMisses, ...]:
         """From the pinned links: the programs they hold."""
         return kernelhooks.pinned(self.pinset.path, self.pinset.links()).misses()
 

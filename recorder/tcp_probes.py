@@ -68,12 +68,18 @@ SPANS = {
     "INET_HEAD": ("INET_SADDR_OFF", "INET_SPORT_OFF"),
 }
 SPAN_MAX = 64  # bytes of the program's stack a span may take
+# Hooks that fire in a process's context and in softirq: each has a second
+# raw tracepoint program for the events the kernel skipped the first for
+# (it was running on that CPU; bpf/tcp.c, RAW_PAIR).  Index: PAIR_<event>.
+PAIRED = ("inet_sock_set_state", "tcp_retransmit_skb", "tcp_send_reset", "tcp_receive_reset")
+PAIR_CAUGHT = "pair_caught"  # the map: per paired hook, the events its second program ran for
 
 
 def raw_flags(types: KernelTypes) -> list[str]:
     """The flags of the raw tracepoints on this kernel; BtfError when its
     BTF lacks what they read."""
-    flags = ["-DTCP_RAW_TP=1"]
+    flags = ["-DTCP_RAW_TP=1", f"-DPAIRS={len(PAIRED)}"]
+    flags += [f"-DPAIR_{event}={i}" for i, event in enumerate(PAIRED)]
     for event, expected in ARGS.items():
         args = types.tracepoint_args(event)
         if args[: len(expected)] != expected:

@@ -63,9 +63,15 @@ def nccl_rows(n: int, comm_hash: int = 0xF00D_0000_0000_BEEF) -> np.ndarray:
     return rows
 
 
-# a raw tracepoint's count, a tracepoint's, and one the kernel did not count
+# a raw tracepoint's count (a pair: the runs its second caught), a
+# tracepoint's, and one the kernel did not count
 SAMPLE_PROGRAMS = (
-    ProgramMisses("raw_tracepoint__tcp_retransmit_skb", "tcp_retransmit_skb", "raw_tracepoint", 0),
+    ProgramMisses(
+        "raw_tracepoint__tcp_retransmit_skb", "tcp_retransmit_skb", "raw_tracepoint", 3, 3
+    ),
+    ProgramMisses(
+        "raw_tracepoint__tcp_retransmit_skb__nested", "tcp_retransmit_skb", "raw_tracepoint", 1
+    ),
     ProgramMisses("tracepoint__signal__signal_deliver", "signal_deliver", "tracepoint", 17),
     ProgramMisses("raw_tracepoint__sched_switch", "sched_switch", "raw_tracepoint", None),
 )

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 
 from stallwatch.dumpers import format as fmt
 from stallwatch.dumpers.errors import DumpError, DumpFormatError, DumpVersionError, DumpWriteError
-from stallwatch.dumpers.model import FORMAT_VERSION, Recording, Ring
+from stallwatch.dumpers.model import FORMAT_VERSION, ProgramMisses, Recording, Ring
 from stallwatch.dumpers.schema import (
     DEVICE_FIELDS,
     NCCL_EVENT_V1,
@@ -394,6 +394,8 @@ BAD_FIELDS = [
     (_set("programs.2.misses", "0"), "programs[2].misses: expected an integer, found string"),
     (_delete("programs.0.hook"), "programs[0]: missing field 'hook'"),
     (_set("programs.1.program", 5), "programs[1].program: expected a string, found int"),
+    (_delete("programs.2.caught"), "programs[2]: missing field 'caught'"),
+    (_set("programs.0.caught", "3"), "programs[0].caught: expected an integer, found string"),
 ]
 
 
@@ -471,6 +473,16 @@ def test_programs_skipped_runs_unknown_stay_null_and_versions_before_10_have_non
     back = _decode_doc(doc)
     assert back.programs == () and back.format_version == 9
     assert all(len(back.rings[name].rows) == len(rec.rings[name].rows) for name in NET_RINGS)
+
+
+def test_a_hooks_unseen_events_are_its_first_programs_skipped_runs_its_second_did_not_run() -> None:
+    first, second, tracepoint, uncounted = (
+        ProgramMisses("raw_tracepoint__e", "e", "raw_tracepoint", 7, 5),
+        ProgramMisses("raw_tracepoint__e__nested", "e", "raw_tracepoint", 2),
+        ProgramMisses("tracepoint__c__e", "e", "tracepoint", 4),
+        ProgramMisses("tracepoint__c__f", "f", "tracepoint", None),
+    )
+    assert (first.unseen, second.unseen, tracepoint.unseen, uncounted.unseen) == (2, 0, 4, None)
 
 
 def test_trailing_bytes_and_truncation_are_refused() -> None:

@@ -536,33 +536,29 @@ static __always_inline void learn_sender(u64 sk)
  * the same program run for a process's connect or close.  Such a hook has a
  * second program, attached after the first (the kernel runs a tracepoint's
  * programs in the order they were attached), which does the work only for
- * an event the first did not run for, told by two counters per CPU: the
- * runs the first finished, and the count the second last saw.  Normally the
- * first finishes and the second sees the count move; nested, the first is
- * skipped, the count has not moved, and the second does the work (and
- * counts it in `pair_caught`).  A run of the second skipped in turn is one
- * the first was not running for: the first saw it. */
-BPF_PERCPU_ARRAY(pair_finished, u64, PAIRS);
-BPF_PERCPU_ARRAY(pair_seen, u64, PAIRS);
+ * an event the first did not run for.  The first marks, per CPU, that it is
+ * running; the kernel skips it only while it runs on that CPU, so the
+ * second finds the mark set exactly when the event came in the middle of
+ * the first (and counts it in `pair_caught`).  A run the kernel skipped in
+ * the instant between the first's start and its mark, or its unmark and
+ * its end, is not caught: it stays counted as unseen (misses less caught),
+ * never done twice.  A run of the second skipped in turn is one the first
+ * was not running for: the first saw it. */
+BPF_PERCPU_ARRAY(pair_running, u64, PAIRS);
 BPF_PERCPU_ARRAY(pair_caught, u64, PAIRS);
 
-static __always_inline void first_finished(u32 pair)
+static __always_inline void first_running(u32 pair, u64 running)
 {
-	u64 *n = pair_finished.lookup(&pair);
+	u64 *n = pair_running.lookup(&pair);
 	if (n)
-		*n += 1;
+		*n = running;
 }
 
 static __always_inline int first_skipped(u32 pair)
 {
-	u64 *finished = pair_finished.lookup(&pair);
-	u64 *seen = pair_seen.lookup(&pair);
-	if (!finished || !seen)
+	u64 *running = pair_running.lookup(&pair);
+	if (!running || !*running)
 		return 0;
-	if (*finished != *seen) {
-		*seen = *finished;
-		return 0;
-	}
 	u64 *caught = pair_caught.lookup(&pair);
 	if (caught)
 		*caught += 1;
@@ -574,8 +570,9 @@ static __always_inline int first_skipped(u32 pair)
 	static __always_inline void on_raw_##event(struct bpf_raw_tracepoint_args *ctx); \
 	RAW_TRACEPOINT_PROBE(event)                                            \
 	{                                                                      \
+		first_running(PAIR_##event, 1);                                \
 		on_raw_##event(ctx);                                           \
-		first_finished(PAIR_##event);                                  \
+		first_running(PAIR_##event, 0);                                \
 		return 0;                                                      \
 	}                                                                      \
 	int raw_tracepoint__##event##__nested(struct bpf_raw_tracepoint_args *ctx) \

@@ -132,11 +132,14 @@ class MapSource:
     def kernel_misses(self) -> tuple[ProgramMisses, ...]:
         """Per kernel hook, its programs and the runs the kernel skipped,
         and of a paired hook's first program the runs its second caught."""
-        caught = self.maps.maps.get(PAIR_CAUGHT)
+        # caught before the misses: each caught run follows its first's
+        # skipped one, so read in this order caught never exceeds misses
+        table = self.maps.maps.get(PAIR_CAUGHT)
+        caught = {h: table.percpu_sum(i) for i, h in enumerate(PAIRED)} if table is not None else {}
         out = []
         for p in self.hook_programs():
-            if caught is not None and p.hook in PAIRED and not p.program.endswith(SECOND):
-                p = replace(p, caught=caught.percpu_sum(PAIRED.index(p.hook)))
+            if p.hook in caught and not p.program.endswith(SECOND):
+                p = replace(p, caught=caught[p.hook])
             out.append(p)
         return tuple(out)
 

@@ -1,6 +1,8 @@
-"""The TCP benchmark runs at a small size beside the previous design, and
-what it reports holds: the previous design's ring is the neighbour's, this
-one keeps the job's retransmits and writes a small fraction of the rows."""
+"""The TCP benchmark runs at a small size, raw tracepoints beside tracepoints
+and the previous design, and what it reports holds: the previous design's
+ring is the neighbour's, this one keeps the job's retransmits and writes a
+small fraction of the rows, and no TCP event went unseen by the raw
+tracepoints' programs."""
 
 from __future__ import annotations
 
@@ -20,5 +22,7 @@ def test_bench_tcp_quick_figures() -> None:
     rows = figures["TCP ring rows written"]
     previous = float(rows.anchor.split(": ")[1].rstrip("/s").replace(",", ""))
     assert rows.value * 10 < previous, table  # the neighbour's rows are not written
-    assert "previous design" in figures["all TCP programs, CPU per second"].anchor, table
-    assert figures["TCP program handle_sock_ops, per event"].value > 0, table
+    cpu = figures["all TCP programs, CPU per second (raw tracepoints)"]
+    assert "as tracepoints" in cpu.anchor and "previous design" in cpu.anchor, table
+    assert figures["TCP program sock:sock_send_length, per event (raw tracepoint)"].value > 0, table
+    assert figures["TCP events no program ran for (raw tracepoints)"].ok, table

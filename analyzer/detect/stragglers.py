@@ -476,13 +476,31 @@ def _waits_on_others(a: Analysis) -> set[int]:
     against the same pace: device timings are observed by polling, and a few
     ms of wait in a large communicator holds nobody up.  Somewhere: at all of
     a communicator's collectives, or at one kind of them (``kind_scores``)."""
-    return {
-        s.proc
-        for s in (*a.arrivals, *a.kind_arrivals)
-        if s.method == "wait"
-        and s.groups >= STRAGGLER_MIN_GROUPS
-        and s.margin_ns <= -_held_margin(s)
-    }
+    scores = [
+        s for s in (*a.arrivals, *a.kind_arrivals)
+        if s.method == "wait" and s.groups >= STRAGGLER_MIN_GROUPS
+    ]  # fmt: skip
+    held = {s.proc for s in scores if s.margin_ns <= -_held_margin(s)}
+    return held | _waits_for_a_straggler(scores)
+
+
+def _waits_for_a_straggler(scores: list[ArrivalScore]) -> set[int]:
+    """Procs that wait, by the held margin, longer than a member that
+    straggles at the same collectives: held up by it.  Against all its peers
+    a waiter's margin is diluted by the others that wait with it (two of
+    three ranks waiting for the third each wait about as long as their peers'
+    middle)."""
+    by_kind: dict[tuple[int, int | None], list[ArrivalScore]] = {}
+    for s in scores:
+        by_kind.setdefault((s.comm, s.op), []).append(s)
+    out: set[int] = set()
+    for members in by_kind.values():
+        late = [s for s in members if _is_straggling(s)]
+        for s in members:
+            if any(x.proc != s.proc and s.own_wait_ns - x.own_wait_ns >= _held_margin(s)
+                   for x in late):  # fmt: skip
+                out.add(s.proc)
+    return out
 
 
 def _held_margin(s: ArrivalScore) -> float:

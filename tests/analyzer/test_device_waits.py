@@ -93,6 +93,31 @@ def test_lateness_inherited_from_a_wait_is_excused() -> None:
     assert _candidates(scores) == {0}
 
 
+def _three(comm: int, proc: int, margin_ms: float, last: float, wait_ms: float) -> ArrivalScore:
+    return ArrivalScore(
+        comm, proc % 3, proc, 27, last, int(margin_ms * MS), 60 * MS, int(wait_ms * MS), "wait",
+        nranks=3, period_ns=157 * MS, device=True,
+    )  # fmt: skip
+
+
+def test_a_rank_waiting_with_another_for_a_straggler_is_held_by_it() -> None:
+    """Ranks 0 and 2 wait for rank 1's slow device (comm 0, three members):
+    each waits 70 ms longer than rank 1, but only ~39 ms longer than its two
+    peers' middle (rank 2 waits with it), under the held margin (a quarter of
+    the 157 ms period).  Rank 0 then arrives 84 ms late in its pair with rank
+    3 (comm 1), and rank 1 is last in its own pair (comm 2): rank 0's
+    lateness is rank 1's."""
+    scores = [
+        _three(0, 0, -38.8, 0.0, 142), _three(0, 1, 78.5, 1.0, 72), _three(0, 2, -39.9, 0.0, 141),
+        _pair(1, 0, 84, 1.0), _pair(1, 3, -84, 0.0),
+        _pair(2, 1, 88, 1.0), _pair(2, 4, -90, 0.0),
+    ]  # fmt: skip
+    assert _candidates(scores) == {1}
+    # waiting no longer than the straggler by the held margin: not held by it
+    alike = [_three(0, 0, -5, 0.0, 80), *scores[1:]]
+    assert _candidates(alike) == {0, 1}
+
+
 def _pair(comm: int, proc: int, margin_ms: float, last: float) -> ArrivalScore:
     return ArrivalScore(
         comm, proc % 2, proc, 16, last, int(margin_ms * MS), 60 * MS, 10 * MS, "wait",

@@ -27,6 +27,7 @@ from .partition import detect_lossy_stall, detect_partition
 from .paths import detect_slow_link
 from .positions import detect_positions
 from .stall import detect_stall
+from .stopped import detect_stopped
 from .stragglers import detect_network_unexplained, detect_stragglers
 
 DETECTORS: tuple[Detector, ...] = (
@@ -52,7 +53,8 @@ FALLBACK_DETECTORS: tuple[Detector, ...] = (detect_p2p_missing, detect_positions
 # stood still and what every rank shares: a link down or connections no
 # longer acknowledged are ``detect_partition``'s (above); connections that
 # kept losing data up to the dumps, each time acknowledged again, are
-# ``detect_lossy_stall``'s.
-STALL_DETECTORS: tuple[Detector, ...] = (detect_lossy_stall, detect_stall)
+# ``detect_lossy_stall``'s.  A rank found stopped (its threads in state T)
+# holds a stall its peers share in flight beside it: ``detect_stopped``.
+STALL_DETECTORS: tuple[Detector, ...] = (detect_stopped, detect_lossy_stall, detect_stall)
 
 __all__ = ["DETECTORS", "FALLBACK_DETECTORS", "STALL_DETECTORS", "Analysis", "Detector"]

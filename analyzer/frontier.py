@@ -27,7 +27,9 @@ ASYNC_BELOW_NS = 1_000_000  # median call duration under which calls are taken a
 P99_SAMPLE = 1 << 20  # durations sampled for the stall threshold's p99
 
 
-def _stall_threshold(m: Matched, comm: int) -> int:
+def stall_threshold(m: Matched, comm: int) -> int:
+    """How long a communicator's frontier stands still before it is stuck:
+    ``STALL_MIN_NS``, or 4x the p99 of its completed calls' durations."""
     sl = m.comm_rows(comm)
     end, ts = m.rows["end"][sl], m.rows["ts"][sl]
     done = end > 0
@@ -291,5 +293,5 @@ def _frontier_of(
         out.append(Member(p - lo, proc, state, seq, ret[p], in_flight, returned=returned[p]))
     median = int(np.median(ages)) if ages else None
     # no dump time (Flight Recorder): stuck while a call is pending there
-    stuck = flying if median is None else median >= _stall_threshold(m, comm)
+    stuck = flying if median is None else median >= stall_threshold(m, comm)
     return Frontier(comm, f, op, stuck, median, tuple(out))

@@ -7,7 +7,8 @@ comes back: that is no hang, and the verdict says what the rank was doing
 (``inconclusive``: from one moment a long phase cannot be told from a loop
 that never ends; the rank named, with its threads, as the one the others
 wait for).  A missing rank whose main thread is blocked (a lock, a sleep, a
-wait on another process) stays a hang (``detect.missing``).
+wait on another process) or stopped (a stop signal, a debugger: its
+system call interrupted, not running) stays a hang (``detect.missing``).
 
 The metric: per process, its main thread's activity in the latest thread
 reading of its node (``busy_outside``).
@@ -42,6 +43,7 @@ IO_SYSCALLS = frozenset(
 # file system) in a system call
 IO_STATE = "D"
 RUNNING_STATE = "R"
+STOPPED_STATES = frozenset({"T", "t"})  # by a stop signal, by a tracer: running nothing
 
 
 def _main_thread(proc: ProcessThreads) -> ThreadState | None:
@@ -50,8 +52,8 @@ def _main_thread(proc: ProcessThreads) -> ThreadState | None:
 
 def activity(t: ThreadState) -> str | None:
     """What a thread outside NCCL is busy with, or None (blocked, or in NCCL)."""
-    if t.nccl is not None:
-        return None
+    if t.nccl is not None or t.state in STOPPED_STATES:
+        return None  # in NCCL; or stopped (a stop signal, a debugger): doing nothing
     if t.state == IO_STATE:
         wchan = f", {t.wchan}" if t.wchan else ""
         return f"in I/O ({t.syscall_name or 'the kernel'}{wchan}: state D)"

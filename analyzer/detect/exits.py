@@ -11,10 +11,10 @@ error exit, never the reverse.  A desync is the cause of the error exits of
 its communicator's members that were alive when it was entered: a rank that
 met a mismatched collective fails in it, or at the next synchronisation on
 its stream (the recorder sees no error there), and exits with an error.
-Ranks ended by a signal from outside (``ENDING_SIGNALS``) after they
-entered a stuck collective that a member never entered were waiting for
-that member: whatever killed them ended a stalled job (a launcher tearing
-it down), and the member is the finding."""
+Ranks ended together by a signal from outside (``ENDING_SIGNALS``) after
+their collective had stood still past its stall threshold were torn down
+with a stalled job (its launcher, an operator): the stall is the finding,
+judged by its own rules (a rank that never entered it, the network)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ import numpy as np
 
 from stallwatch.dumpers.schema import op_name
 
-from ..incident import SKEW_NS, Frontier, Lag, MemberState, Proc
+from ..frontier import evidence_moments, stall_threshold
+from ..incident import SKEW_NS, Frontier, Proc, proc_hosts
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, last_call_text, member_text, primary, world_of
 from .inconclusive import unjudged
@@ -90,28 +91,47 @@ def _after_desync(a: Analysis, dead: list[int]) -> set[int]:
 ENDING_SIGNALS = frozenset({signal.SIGHUP, signal.SIGINT, signal.SIGKILL, signal.SIGTERM})
 
 
-def _killed_waiting(a: Analysis, dead: list[int]) -> set[int]:
-    """Ranks ended by a signal from outside while they stood at a stuck
-    collective that a member never entered, behind at no collective
-    themselves: they waited for that member, and something ended the job (its
-    launcher, an operator); their deaths are the stall's consequence."""
+def _stood_since(f: Frontier, moments: list[int | None]) -> int | None:
+    """When a stuck frontier began to stand still (wall clock): its first
+    entry, or the dump moments of its members' hosts (``moments``, per
+    member) less its age; None if unknown."""
+    if f.began is not None:
+        return f.began
+    known = [t for t in moments if t is not None]
+    return min(known) - f.age_ns if known and f.age_ns is not None else None
+
+
+def torn_down(a: Analysis) -> set[int]:
+    """Ranks ended by a signal from outside, two or more of them, each after
+    a communicator of its had stood still past its stall threshold (the
+    job's own: ``frontier.stall_threshold``): something ended a stalled job
+    (its launcher, an operator).  Their deaths are the stall's consequence;
+    a death that came first, inside a collective's usual time, is a cause."""
     procs = a.incident.procs
-    stuck = [f for f in a.frontiers if f.stuck]
-    behind = {
-        m.proc for f in stuck for m in f.laggards if m.proc >= 0 and f.lag(m) is not Lag.OLDER
-    }
+    ended = {
+        i for i, p in enumerate(procs)
+        if p.died_badly and p.exit_signal in ENDING_SIGNALS and p.exit_wall_ns is not None
+    }  # fmt: skip
     out: set[int] = set()
-    for f in stuck:
-        if not any(m.proc in behind for m in f.laggards) or f.began is None:
+    if len(ended) < 2:
+        return out
+    ph = proc_hosts(a.incident)
+    host_moments, _ = evidence_moments(a.incident, ph)
+    for f in a.frontiers:
+        moments = [host_moments[ph[m.proc]] for m in f.members if m.proc >= 0]
+        began = _stood_since(f, moments) if f.stuck else None
+        if began is None:
             continue
+        since = began + stall_threshold(a.matched, f.comm) + SKEW_NS
         for m in f.members:
-            if m.state is not MemberState.AT_FRONTIER or m.proc not in dead or m.proc in behind:
-                continue
-            p = procs[m.proc]
-            ended = p.exit_signal is not None and p.exit_signal in ENDING_SIGNALS
-            if ended and p.exit_wall_ns is not None and p.exit_wall_ns > f.began + SKEW_NS:
+            at = procs[m.proc].exit_wall_ns if m.proc in ended else None
+            if at is not None and at >= since:
                 out.add(m.proc)
     return out
+
+
+def torn_down_text(p: Proc) -> str:
+    return f"{p.label()} {_death(p)} later, with its peers: the stalled job was torn down"
 
 
 def _failed_calls(a: Analysis) -> set[int]:
@@ -179,12 +199,12 @@ def detect_rank_exited(a: Analysis) -> list[Verdict]:
     if not dead:
         return []
     after = _consequences(a, dead) | _after_desync(a, dead)
-    waited = _killed_waiting(a, dead)
+    waited = torn_down(a)
     culprits = [i for i in dead if i not in after and i not in waited]
     if not culprits and a.disagreements:
         return []  # they exited on the error a desync caused: the desync is the finding
     if not culprits and waited:
-        return []  # killed while they waited for a rank that never came: the stall is the finding
+        return []  # killed as a stalled job was torn down: the stall is the finding
     if not culprits:
         unseen = _unseen_peers(a, dead)
         if unseen is not None:

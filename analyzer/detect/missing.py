@@ -19,6 +19,7 @@ from ..match import IS_P2P
 from ..verdict import Verdict, VerdictKind, rank_text
 from .busy import busy_instead
 from .common import MAX_LISTED, Analysis, member_text, primary, who
+from .exits import torn_down, torn_down_text
 
 # ---- metrics: point-to-point calls one side posted and the other did not -------------
 
@@ -264,11 +265,13 @@ def _device_text(a: Analysis, f: Frontier, m: Member, best: int) -> str:
 
 def detect_missing_rank(a: Analysis) -> list[Verdict]:
     inc = a.incident
-    pairs = [(f, m) for f, m in stuck_laggards(a) if not inc.procs[m.proc].died_badly]
+    torn = torn_down(a)  # hung, then killed with the job: still the hang's
+    alive = {i for i, p in enumerate(inc.procs) if not p.died_badly} | torn
+    pairs = [(f, m) for f, m in stuck_laggards(a) if m.proc in alive]
     host = {m.proc for _, m in pairs}
     device: dict[int, tuple[Frontier, Member, int]] = {}
     for f, m, best in device_laggards(a):
-        if m.proc not in host and not inc.procs[m.proc].died_badly:
+        if m.proc not in host and m.proc in alive:
             cur = device.get(m.proc)
             if cur is None or best - m.last_returned > cur[2] - cur[1].last_returned:
                 device[m.proc] = (f, m, best)
@@ -284,6 +287,7 @@ def detect_missing_rank(a: Analysis) -> list[Verdict]:
     evidence = [member_text(a, f, m) for f, m in sorted(pairs, key=order)[:MAX_LISTED]]
     evidence += _consequences(a, main, pairs)
     evidence += [_device_text(a, *device[p]) for p in sorted(device)][:MAX_LISTED]
+    evidence += [torn_down_text(inc.procs[p]) for p in sorted(host | set(device)) if p in torn]
     age = "" if main.age_ns is None else f" for {main.age_ns / 1e9:.1f} s"
     verdict = _missing_rank(
         inc,

@@ -25,11 +25,9 @@ from stallwatch.dumpers.schema import op_name
 
 from ..incident import Incident
 from ..verdict import Verdict, VerdictKind
+from .busy import STOPPED_STATES
 from .common import Analysis, primary
 from .stall import stall_evidence, stalled_frontiers
-
-# /proc's state letters of a stopped task: by a signal, by a tracer
-STOPPED_STATES = frozenset({"T", "t"})
 
 
 def _latest(inc: Incident, proc: int) -> ProcessThreads | None:

@@ -73,7 +73,8 @@ def test_a_missing_rank_busy_outside_nccl_is_said_busy_never_a_hang(
 
 
 @pytest.mark.parametrize(
-    ("state", "syscall"), [("S", FUTEX), ("S", NANOSLEEP), ("S", NOT_IN_SYSCALL)]
+    ("state", "syscall"),
+    [("S", FUTEX), ("S", NANOSLEEP), ("S", NOT_IN_SYSCALL), ("T", WRITE), ("t", RUNNING)],
 )
 def test_a_missing_rank_blocked_outside_nccl_is_a_hang(state: str, syscall: int) -> None:
     [v] = verdicts_with(thread(pid_of(CULPRIT), state, syscall))

@@ -495,7 +495,7 @@ def _ended(recs: list[Recording], sig: dict[int, int], before_dump_ms: float) ->
             x[i]["pid"], x[i]["event"], x[i]["signal"] = pid, ExitEvent.SIGNAL, sig[pid]
             x[i]["code"] = -1
             x[i]["ts_ns"] = rec.clock.monotonic_ns - int(before_dump_ms * MS)
-        rings = dict(rec.rings, exit=Ring(x))
+        rings = dict(rec.rings, exit=Ring(np.concatenate([rec.rings["exit"].rows, x])))
         out.append(dataclasses.replace(rec, rings=rings))
     return _exited(out, {pid: (None, s) for pid, s in sig.items()})
 
@@ -522,3 +522,25 @@ def test_a_rank_that_crashed_while_it_waited_is_still_named() -> None:
     vs = _judged(_ended(recs, {pid_of(1): 11}, 1000.0))
     assert VerdictKind.RANK_EXITED in kinds(vs)
     assert next(v for v in vs if v.kind is VerdictKind.RANK_EXITED).ranks == (1,)
+
+
+def test_a_shared_stall_torn_down_is_still_a_stall_and_no_exit_is_named() -> None:
+    """Every rank stands in flight at a collective (a stall they share, no
+    network evidence), and 4 s later the launcher kills them all: no rank's
+    death is the cause, and the stall is still said (never healthy)."""
+    job = with_(BASE, nodes=3, ranks_per_node=1, cut=(1, 30), rdma=True)
+    recs = recordings(job)
+    vs = _judged(_ended(recs, {pid_of(r): 9 for r in range(3)}, 1000.0))
+    assert kinds(vs) == [VerdictKind.INCONCLUSIVE] and "stood still" in vs[0].summary, vs
+
+
+def test_a_rank_killed_first_inside_a_collective_is_named_beside_the_teardown() -> None:
+    """Rank 1 is killed 100 ms into the collective (within its usual time:
+    the cause); the launcher kills the others 4 s later: rank 1 alone."""
+    job = with_(BASE, nodes=3, ranks_per_node=1, cut=(1, 30), rdma=True)
+    recs = _ended(recordings(job), {pid_of(0): 9, pid_of(2): 9}, 1000.0)
+    recs = _ended(recs, {pid_of(1): 9}, 4900.0)
+    vs = _judged(recs)
+    assert [(v.kind, v.ranks) for v in vs if v.kind is VerdictKind.RANK_EXITED] == [
+        (VerdictKind.RANK_EXITED, (1,))
+    ], vs

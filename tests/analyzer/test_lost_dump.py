@@ -65,6 +65,13 @@ CULPRITS = {
     "lab-cpuhog-2x2": _truth({0, 2}, {"node0", "node1"}),
     "lab-crash-2x2": _truth({2}, {"node1"}),
     "lab-crash-4x2": _truth({5}, {"node2"}),
+    # the same faults at step 80, the rings wrapped past their start
+    "lab-crash-2x2-wrapped": _truth({2}, {"node1"}),
+    "lab-crash-4x2-wrapped": _truth({5}, {"node2"}),
+    "lab-desync-2x2-wrapped": _truth({1}, {"node0"}),
+    "lab-desync-4x2-wrapped": _truth({6}, {"node3"}),
+    "lab-hang-2x2-wrapped": _truth({3}, {"node1"}),
+    "lab-hang-4x2-wrapped": _truth({5}, {"node2"}),
     "lab-desync-2x2": _truth({1}, {"node0"}),
     "lab-desync-4x2": _truth({6}, {"node3"}),
     "lab-gpuslow-4x2": _truth({6}, {"node3"}),

@@ -10,22 +10,11 @@ process (``query.engineproc``), or in the caller's own process.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from stallwatch.dumpers.errors import AnswerTooLarge, QueryRefused
 
+from .sql import QueryEngine, too_large
 from .wire import arrow_stream, encode_json, frame_parts
-
-
-def too_large(cap: int) -> str:
-    return (
-        f"the answer is over its limit of {cap / 2**20:g} MiB: ask for fewer columns or "
-        "rows (WHERE, LIMIT), or aggregate on the agent"
-    )
-
-
-if TYPE_CHECKING:
-    from .sql import QueryEngine
 
 
 def query_answer(engine: QueryEngine, sql: str, limit: int | None, host: str) -> bytes:

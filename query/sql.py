@@ -462,10 +462,18 @@ def _arrow_rows(
 _BATCH_ROWS = 16 * 1024  # rows read at a time: a batch of wide rows is a few MB
 
 
+def too_large(cap: int) -> str:
+    """The refusal of an answer over ``cap`` bytes (``Limits.max_answer_bytes``),
+    said the same wherever the bound is met: while the rows are read here, or
+    once the answer is made (``query.answers``)."""
+    return (
+        f"the answer is over its limit of {cap / 2**20:g} MiB: ask for fewer columns or "
+        "rows (WHERE, LIMIT), or aggregate on the agent"
+    )
+
+
 def _check_bytes(size: int, max_bytes: int | None) -> None:
     if max_bytes is not None and size > max_bytes:
-        from .answers import too_large
-
         raise AnswerTooLarge(too_large(max_bytes))
 
 

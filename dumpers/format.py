@@ -359,8 +359,14 @@ def _pieces(rec: Recording, ring_data: dict[str, memoryview]) -> Iterator[_Chunk
 def encode(rec: Recording) -> bytes:
     """The dump document of ``rec``.  Raises ValueError for a Recording that
     breaks the model (unknown ring, wrong dtype, value out of range)."""
+    return b"".join(encode_parts(rec))
+
+
+def encode_parts(rec: Recording) -> list[bytes | memoryview]:
+    """:func:`encode` as the pieces to send one after the other, the rings'
+    data as views of their arrays (a dump sent is never joined in memory)."""
     try:
-        return b"".join(_chunks(rec))
+        return list(_chunks(rec))
     except (OverflowError, TypeError) as exc:
         raise ValueError(f"recording of {rec.host!r} cannot be encoded: {exc}") from exc
 

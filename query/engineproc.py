@@ -15,15 +15,18 @@ the network runs in a child process (``EngineProcess``):
   process (SIGKILL): the client has its answer within a second of the limit,
   and the next query starts a new process;
 - it ends after ``IDLE_S`` without a query, and with it everything it held
-  (DuckDB, Arrow, the tables); while it lives, what a request allocated is
-  handed back to the system after it (``malloc_trim``);
+  (DuckDB, Arrow, the tables); while it lives, its memory is held near what
+  it needs (``query.footprint``: collected and trimmed only once it has
+  grown past that by more than an answer's bound);
 - it runs at a lower priority (nice +10) and dies with the agent.
 
 The agent sends the recording (the dump format's bytes, over a socket pair)
 when a query comes and the one the child has is older than ``cache_s``; the
 child answers with the body of the HTTP answer (``query.answers``).  One
 query at a time: a request that finds the engine busy is refused at once
-(``EngineBusy``), never queued.
+(``EngineBusy``), never queued.  A large message (a recording, an answer)
+is received into a mapping of its own (``mmap``), unmapped when its last
+reference goes: the agent keeps nothing of an answer it relayed.
 
 ``InlineEngine`` has the same interface and runs the engine in the caller's
 process, unbounded by any of the above: for tests and benchmarks that start
@@ -37,6 +40,7 @@ import ctypes
 import dataclasses
 import json
 import logging
+import mmap
 import os
 import resource
 import signal
@@ -60,9 +64,10 @@ from stallwatch.dumpers.errors import (
 )
 from stallwatch.dumpers.model import Recording
 
+from .footprint import Footprint
 from .limits import Limits
-from .server import give_back
-from .wire import frame_parts, split_frames
+from .server import PROCESS
+from .wire import frame_parts, part_size, split_frames
 
 if TYPE_CHECKING:
     from .sql import QueryEngine
@@ -76,6 +81,7 @@ LOAD_TIMEOUT_S = 60.0  # building the tables of a recording (ours, not a client'
 START_TIMEOUT_S = 60.0
 NICE = 10
 _LENGTH = struct.Struct(">Q")
+MAPPED_FROM = 1 << 20  # a message body this large is received into a mapping of its own
 _ERRORS: dict[str, type[QueryError]] = {
     "refused": QueryRefused,
     "too_large": AnswerTooLarge,
@@ -88,7 +94,7 @@ Source = Sequence[Recording] | Callable[[], Sequence[Recording]]
 class Engine(Protocol):
     """What the routes ask of an engine; both kinds below have it."""
 
-    def query(self, sql: str, limit: int | None, host: str) -> bytes: ...
+    def query(self, sql: str, limit: int | None, host: str) -> list[bytes | memoryview]: ...
 
     def fetch(self, queries: Sequence[str], host: str) -> list[bytes | memoryview]: ...
 
@@ -131,11 +137,11 @@ class InlineEngine:
         finally:
             self._lock.release()
 
-    def query(self, sql: str, limit: int | None, host: str) -> bytes:
+    def query(self, sql: str, limit: int | None, host: str) -> list[bytes | memoryview]:
         from .answers import query_answer
 
         with self._turn() as engine:
-            return query_answer(engine, sql, limit, host)
+            return [query_answer(engine, sql, limit, host)]
 
     def fetch(self, queries: Sequence[str], host: str) -> list[bytes | memoryview]:
         from .answers import fetch_answer
@@ -191,7 +197,7 @@ class _Child:
     def send(self, head: dict[str, Any], parts: Sequence[bytes | memoryview] = ()) -> None:
         send_message(self.sock, head, parts)
 
-    def receive(self, timeout: float | None) -> tuple[dict[str, Any], bytearray]:
+    def receive(self, timeout: float | None) -> tuple[dict[str, Any], Body]:
         self.sock.settimeout(timeout)
         return receive_message(self.sock)
 
@@ -222,9 +228,9 @@ class EngineProcess:
     def limits(self) -> Limits:
         return self.config.limits
 
-    def query(self, sql: str, limit: int | None, host: str) -> bytes:
+    def query(self, sql: str, limit: int | None, host: str) -> list[bytes | memoryview]:
         head = {"op": "query", "sql": sql, "limit": limit, "host": host}
-        return bytes(self._ask(head))
+        return [memoryview(self._ask(head))]
 
     def fetch(self, queries: Sequence[str], host: str) -> list[bytes | memoryview]:
         return [memoryview(self._ask({"op": "fetch", "queries": list(queries), "host": host}))]
@@ -258,7 +264,7 @@ class EngineProcess:
 
     # ---- one request -----------------------------------------------------
 
-    def _ask(self, head: dict[str, Any]) -> bytearray:
+    def _ask(self, head: dict[str, Any]) -> Body:
         if not self._lock.acquire(blocking=False):
             self.stats.busy += 1
             raise EngineBusy("the query engine is busy with another query")
@@ -269,14 +275,14 @@ class EngineProcess:
             reply, body = self._call(head, (), None if limit is None else limit + GRACE_S)
         finally:
             self._lock.release()
-            give_back()  # the recording sent, if one was
+            PROCESS.settle()  # the recording sent, if one was
         if reply.get("error") is not None:
             raise _ERRORS.get(reply.get("kind", ""), QueryError)(str(reply["error"]))
         return body
 
     def _call(
         self, head: dict[str, Any], parts: Sequence[bytes | memoryview], timeout: float | None
-    ) -> tuple[dict[str, Any], bytearray]:
+    ) -> tuple[dict[str, Any], Body]:
         """One exchange with a child that holds a fresh recording; a child
         that says it must end first (it grew near its bound) is replaced."""
         for _ in range(2):
@@ -293,7 +299,7 @@ class EngineProcess:
         head: dict[str, Any],
         parts: Sequence[bytes | memoryview],
         timeout: float | None,
-    ) -> tuple[dict[str, Any], bytearray]:
+    ) -> tuple[dict[str, Any], Body]:
         try:
             child.send(head, parts)
             reply, body = child.receive(timeout)
@@ -364,10 +370,10 @@ class EngineProcess:
 
     def _load(self, child: _Child) -> bool:
         """Send the recording; False if the child must end first."""
-        from stallwatch.dumpers.format import encode
+        from stallwatch.dumpers.format import encode_parts
 
         recordings = self._source() if callable(self._source) else self._source
-        parts = [p for rec in recordings for p in frame_parts(encode(rec))]
+        parts = [p for rec in recordings for p in frame_parts(*encode_parts(rec))]
         del recordings
         reply, _ = self._exchange(child, {"op": "load", "count": len(parts) // 2}, parts, None)
         if reply.get("error"):
@@ -384,13 +390,18 @@ def send_message(
 ) -> None:
     data = json.dumps(head).encode()
     sock.sendall(_LENGTH.pack(len(data)) + data)
-    sock.sendall(_LENGTH.pack(sum(len(p) for p in parts)))
+    sock.sendall(_LENGTH.pack(sum(map(part_size, parts))))
     for part in parts:
         sock.sendall(part)
 
 
-def receive_message(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
-    head = json.loads(_exactly(sock, _length(sock)))
+# a message body: in a mapping of its own from MAPPED_FROM bytes (unmapped
+# when its last reference goes, whatever glibc would keep of a freed buffer)
+Body = bytearray | mmap.mmap
+
+
+def receive_message(sock: socket.socket) -> tuple[dict[str, Any], Body]:
+    head = json.loads(bytes(_exactly(sock, _length(sock))))
     if not isinstance(head, dict):
         raise EOFError("a message head that is not a JSON object")
     return head, _exactly(sock, _length(sock))
@@ -401,8 +412,8 @@ def _length(sock: socket.socket) -> int:
     return int(size)
 
 
-def _exactly(sock: socket.socket, size: int) -> bytearray:
-    buf = bytearray(size)
+def _exactly(sock: socket.socket, size: int) -> Body:
+    buf: Body = mmap.mmap(-1, size) if size >= MAPPED_FROM else bytearray(size)
     view, got = memoryview(buf), 0
     while got < size:
         n = sock.recv_into(view[got:], min(size - got, 1 << 20))
@@ -440,12 +451,10 @@ def _peak_rss() -> int:
     return 0
 
 
-def _give_back() -> None:
-    """What a request allocated, back to the system."""
+def _release_arrow() -> None:
     import pyarrow as pa
 
     pa.default_memory_pool().release_unused()
-    give_back()
 
 
 class _Server:
@@ -456,6 +465,10 @@ class _Server:
         self.config = config
         self.data_limit = data_limit
         self.engine: QueryEngine | None = None
+        # an answer is at most the request's bound; more than that kept
+        # after it is memory to collect (query.footprint)
+        allowance = config.limits.max_answer_bytes or config.memory // 4
+        self.footprint = Footprint(allowance, _release_arrow)
 
     def serve(self) -> int:
         self.sock.settimeout(self.config.idle_s)
@@ -474,10 +487,10 @@ class _Server:
             reply["peak_rss"] = _peak_rss()
             send_message(self.sock, reply, parts)
             del parts
-            _give_back()
+            self.footprint.settle()
 
     def handle(
-        self, head: dict[str, Any], body: bytearray
+        self, head: dict[str, Any], body: Body
     ) -> tuple[dict[str, Any], Sequence[bytes | memoryview]]:
         from .answers import fetch_answer, query_answer
 
@@ -505,7 +518,7 @@ class _Server:
             raise QueryError("no recording loaded")
         return self.engine
 
-    def _load(self, body: bytearray, count: int) -> None:
+    def _load(self, body: Body, count: int) -> None:
         from stallwatch.dumpers.format import decode
 
         from .sql import QueryEngine

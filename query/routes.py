@@ -71,11 +71,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 from stallwatch import __version__
 from stallwatch.dumpers.errors import EngineBusy, QueryError, StallwatchError, UsageError
 from stallwatch.dumpers.folder import list_dumps
-from stallwatch.dumpers.format import dump_file_name, encode
+from stallwatch.dumpers.format import dump_file_name, encode_parts
 from stallwatch.dumpers.model import Recording
 
 from .server import Admission, RequestHead, is_loopback
-from .wire import ARROW_FRAMES, DUMP_FRAMES, DumpBundle, dumps_parts, encode_json
+from .wire import (
+    ARROW_FRAMES,
+    DUMP_FRAMES,
+    DumpBundle,
+    dump_frames,
+    dumps_parts,
+    encode_json,
+    part_size,
+)
 
 if TYPE_CHECKING:
     from .engineproc import Engine
@@ -229,7 +237,7 @@ class Handler(BaseHTTPRequestHandler):
         self, status: HTTPStatus, content_type: str, body: bytes | Sequence[bytes | memoryview]
     ) -> None:
         parts = [body] if isinstance(body, bytes | bytearray) else body
-        self.answer_bytes = sum(len(p) for p in parts)
+        self.answer_bytes = sum(map(part_size, parts))
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(self.answer_bytes))
@@ -394,13 +402,9 @@ def _recording(h: Handler) -> Response:
     incident = _field(doc, "incident_id", str) or f"live-{uuid.uuid4().hex[:12]}"
     reason = _field(doc, "reason", str) or "read over HTTP (POST /recording)"
     recordings = live(incident, reason)
-    bundle = DumpBundle(
-        h.config.backend.host,
-        incident,
-        tuple(dump_file_name(r) for r in recordings),
-        tuple(encode(r) for r in recordings),
-    )
-    return HTTPStatus.OK, DUMP_FRAMES, dumps_parts(bundle)
+    names = [dump_file_name(r) for r in recordings]
+    dumps = [encode_parts(r) for r in recordings]  # the rings sent from their arrays
+    return HTTPStatus.OK, DUMP_FRAMES, dump_frames(h.config.backend.host, incident, names, dumps)
 
 
 def _dump_dir(h: Handler) -> Path:

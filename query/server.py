@@ -39,9 +39,7 @@ read); the agent stays free of web framework dependencies.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import enum
-import gc
 import io
 import ipaddress
 import logging
@@ -62,6 +60,8 @@ from typing import Any
 
 from stallwatch.dumpers.errors import UsageError
 
+from .footprint import Footprint
+from .limits import NETWORK
 from .wire import encode_json
 
 log = logging.getLogger("stallwatch.query.http")
@@ -81,8 +81,12 @@ LISTEN_BACKLOG = 128
 RECV_BYTES = 65536
 REFUSAL_LOG_S = 10.0
 FDS_BESIDES = 512  # the agent's other files: maps, links, dumps
-TRIM_AFTER_BYTES = 1 << 20  # an answer this large: its memory is handed back after
+SETTLE_AFTER_BYTES = 1 << 20  # an answer this large: the process's memory is looked at after
 _HEAVY = frozenset({"dump", "bulk"})  # lanes whose requests copy the recording
+# The serving process's memory (query.footprint): what an answer leaves past
+# the largest answer a request may have (Limits.max_answer_bytes) is memory
+# something kept, and is collected.
+PROCESS = Footprint(NETWORK.max_answer_bytes or 0)
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -612,8 +616,8 @@ class Server:
             handler.handle_one_request()
         finally:
             handler.wfile.close()
-        if getattr(handler, "answer_bytes", 0) > TRIM_AFTER_BYTES or conn.lane in _HEAVY:
-            give_back()
+        if getattr(handler, "answer_bytes", 0) > SETTLE_AFTER_BYTES or conn.lane in _HEAVY:
+            PROCESS.settle()
         return not handler.close_connection
 
     def _take_back(self) -> None:
@@ -729,12 +733,3 @@ def raise_fd_limit(wanted: int) -> None:
     if soft != resource.RLIM_INFINITY and soft < target:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-
-
-def give_back() -> None:
-    """Memory freed by this process back to the system: the cycles that
-    hold large buffers are collected now, not at the next full collection,
-    and glibc returns what it kept in its arenas."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)

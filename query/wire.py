@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import mmap
+
     import pyarrow as pa
 
 ARROW_FRAMES = "application/x-stallwatch-arrow"
@@ -88,7 +90,7 @@ def join_frames(parts: Iterable[bytes | memoryview]) -> bytes:
     return bytes(out)
 
 
-def split_frames(data: bytes | bytearray) -> list[memoryview]:
+def split_frames(data: bytes | bytearray | memoryview | mmap.mmap) -> list[memoryview]:
     """The inverse of :func:`join_frames`; ValueError on a malformed body."""
     view, parts, at = memoryview(data), [], 0
     while at < len(view):
@@ -120,10 +122,22 @@ def encode_dumps(bundle: DumpBundle) -> bytes:
 def dumps_parts(bundle: DumpBundle) -> list[bytes | memoryview]:
     """:func:`encode_dumps` as the parts to send one after the other (the
     dumps themselves not copied)."""
-    head = {"host": bundle.host, "incident_id": bundle.incident_id, "names": list(bundle.names)}
+    return dump_frames(bundle.host, bundle.incident_id, bundle.names, [[b] for b in bundle.blobs])
+
+
+def dump_frames(
+    host: str,
+    incident_id: str | None,
+    names: Sequence[str],
+    dumps: Sequence[Sequence[bytes | memoryview]],
+) -> list[bytes | memoryview]:
+    """The frames of :func:`encode_dumps`, each dump given as the pieces it
+    is made of (``dumpers.format.encode_parts``: never joined), to send one
+    after the other."""
+    head = {"host": host, "incident_id": incident_id, "names": list(names)}
     parts = frame_parts(encode_json(head))
-    for blob in bundle.blobs:
-        parts += frame_parts(blob)
+    for pieces in dumps:
+        parts += frame_parts(*pieces)
     return parts
 
 
@@ -171,9 +185,15 @@ def arrow_stream(table: pa.Table, truncated: bool, host: str) -> memoryview:
     return memoryview(sink.getvalue())
 
 
-def frame_parts(part: bytes | memoryview) -> list[bytes | memoryview]:
-    """One frame of :func:`join_frames` as its two parts, to send as they are."""
-    return [_LENGTH.pack(len(part)), part]
+def frame_parts(*parts: bytes | memoryview) -> list[bytes | memoryview]:
+    """One frame of :func:`join_frames` (its bytes the ``parts`` one after
+    the other), as its length and those parts, to send as they are."""
+    return [_LENGTH.pack(sum(map(part_size, parts))), *parts]
+
+
+def part_size(part: bytes | memoryview) -> int:
+    """Bytes of a part to send (a memoryview's, whatever its item size)."""
+    return part.nbytes if isinstance(part, memoryview) else len(part)
 
 
 @dataclass(frozen=True, slots=True)

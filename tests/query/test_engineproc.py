@@ -160,7 +160,9 @@ def test_a_query_that_finds_the_engine_busy_is_answered_at_once(server: ServerHa
 def test_the_engine_ends_when_idle_and_comes_back(agent: FakeAgent) -> None:
     engine = EngineProcess(lambda: [agent.rec], ChildConfig(Limits(), idle_s=3.0))
     try:
-        body = json.loads(engine.query("SELECT count(*) AS n FROM nccl_events", None, "node7"))
+        body = json.loads(
+            b"".join(engine.query("SELECT count(*) AS n FROM nccl_events", None, "node7"))
+        )
         assert body["rows"] == [[len(agent.rec.rings["nccl"].rows)]]
         pid = engine.pid()
         assert pid is not None and _rss_mb(pid) > 0
@@ -168,7 +170,7 @@ def test_the_engine_ends_when_idle_and_comes_back(agent: FakeAgent) -> None:
         while os.path.exists(f"/proc/{pid}/status") and _rss_mb(pid) > 0:
             assert time.monotonic() < deadline, "the idle engine did not end"
             time.sleep(0.2)
-        body = json.loads(engine.query("SELECT 7 AS n", None, "node7"))
+        body = json.loads(b"".join(engine.query("SELECT 7 AS n", None, "node7")))
         assert body["rows"] == [[7]] and engine.stats.starts == 2
     finally:
         engine.close()

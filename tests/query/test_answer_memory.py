@@ -1,10 +1,13 @@
 """What answering costs the serving process: no collection per answer, no
-answer left in a reference cycle, its memory back under its bound.  Real
-servers on loopback."""
+answer left in a reference cycle, its memory back under its bound; and a
+loop that had no CPU for a while still answers the clients that sent their
+request in time.  Real servers on loopback."""
 
 from __future__ import annotations
 
 import gc
+import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,7 +18,8 @@ from bench.bench_sql import Synthetic, synthetic_recording
 from stallwatch.query import footprint
 from stallwatch.query.agentclient import AgentClient
 from stallwatch.query.footprint import Footprint, private_bytes
-from stallwatch.query.http import RecordingsBackend, ServerHandle, serve_http
+from stallwatch.query.http import RecordingsBackend, ServeLimits, ServerHandle, serve_http
+from stallwatch.query.server import Admission, RequestHead
 
 MiB = 2**20
 
@@ -118,3 +122,54 @@ def test_a_cycle_past_the_bound_is_freed_by_the_collection() -> None:
         assert before - private_bytes() > 32 * MiB
     finally:
         gc.enable()
+
+
+def _send(port: int, text: str) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(text.encode())
+    return sock
+
+
+def _status(sock: socket.socket) -> int:
+    data = b""
+    while b"\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    sock.close()
+    return int(data.split()[1])
+
+
+def test_a_request_in_time_is_answered_after_the_loop_had_no_cpu() -> None:
+    """The loop stalled (here: inside the gate, as when hundreds of agents
+    share two cores) right after it accepted a client whose request was
+    already in: that client is answered, not closed for the loop's
+    lateness (before: reset, 6-8 of a fan-out's 1,024 connections)."""
+    rec = synthetic_recording(Synthetic(host="node4", steps=10, tcp_rows=10))
+    limits = ServeLimits(first_request_s=0.3)
+    handle = serve_http(
+        RecordingsBackend([rec]), "127.0.0.1:0", None, serving=limits, isolated=False
+    )
+    gate, stalls = handle.server.gate, {"Bearer first": 0.3, "Bearer second": 0.6}
+
+    def stalling(head: RequestHead) -> Admission:
+        time.sleep(stalls.pop(head.authorization, 0.0))  # the loop has no CPU meanwhile
+        return gate(head)
+
+    handle.server.gate = stalling
+    port = int(handle.address.rsplit(":", 1)[1])
+    try:
+        idle = _send(port, "GET /healthz HTTP/1.1\r\n\r\n")  # kept alive, waited on
+        assert idle.recv(4096).startswith(b"HTTP/1.1 200")
+        time.sleep(0.1)
+        first = _send(port, "GET /healthz HTTP/1.1\r\nAuthorization: Bearer first\r\n\r\n")
+        time.sleep(0.1)  # the loop is in the first stall now
+        late = _send(port, "GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n")
+        time.sleep(0.05)  # its connection ready before the next stall's request
+        idle.sendall(b"GET /healthz HTTP/1.1\r\nAuthorization: Bearer second\r\n\r\n")
+        assert _status(late) == 200
+        assert {_status(first), _status(idle)} == {401}
+        assert handle.counters()["http_connections_timed_out"] == 0
+    finally:
+        handle.close()

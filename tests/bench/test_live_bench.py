@@ -22,4 +22,6 @@ def test_quick_bench_times_the_live_verdict() -> None:
         assert f.value > 0 and f.ok is not None
         judged = re.search(r"([\d,]+) ranks judged", f.anchor)
         assert judged is not None and int(judged.group(1).replace(",", "")) == 4 * agents
+        came = re.search(r"([\d,]+) of ([\d,]+) answers came", f.anchor)
+        assert came is not None and came.group(1) == came.group(2), f.anchor
     assert all(f.name in render(figures) for f in figures)

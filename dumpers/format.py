@@ -362,13 +362,31 @@ def encode(rec: Recording) -> bytes:
     return b"".join(encode_parts(rec))
 
 
+# ring data this large is sent from its array; what lies between is joined
+VIEW_FROM = 64 * 1024
+
+
 def encode_parts(rec: Recording) -> list[bytes | memoryview]:
-    """:func:`encode` as the pieces to send one after the other, the rings'
-    data as views of their arrays (a dump sent is never joined in memory)."""
+    """:func:`encode` as the pieces to send one after the other: the rings'
+    data from ``VIEW_FROM`` bytes as views of their arrays (a dump sent is
+    never joined in memory), the small pieces between them joined (a few
+    sends, not one per field)."""
+    parts: list[bytes | memoryview] = []
+    small: list[bytes | memoryview] = []
     try:
-        return list(_chunks(rec))
+        for chunk in _chunks(rec):
+            if isinstance(chunk, memoryview) and chunk.nbytes >= VIEW_FROM:
+                if small:
+                    parts.append(b"".join(small))
+                    small = []
+                parts.append(chunk)
+            else:
+                small.append(chunk)
     except (OverflowError, TypeError) as exc:
         raise ValueError(f"recording of {rec.host!r} cannot be encoded: {exc}") from exc
+    if small:
+        parts.append(b"".join(small))
+    return parts
 
 
 # ---------------------------------------------------------------- writing

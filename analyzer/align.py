@@ -29,14 +29,14 @@ from stallwatch.dumpers.format import DeferredRing
 from stallwatch.dumpers.layout import LINK_COUNTERS, UNKNOWN_U64, LinkEvent
 from stallwatch.dumpers.model import CommInfo, Recording, Ring, TriggerKind
 from stallwatch.dumpers.rankevidence import Evidence
-from stallwatch.dumpers.schema import NCCL_EVENT, TCP_EVENT, ExitEvent, Op, TcpEvent, captured_rows
+from stallwatch.dumpers.schema import NCCL_EVENT, TCP_EVENT, ExitEvent, TcpEvent
 
 from . import late
+from .callrows import NO_PIDS, Staged, held_calls, listed_pids, stage_windows
 from .columns import Columns
 from .incident import (
     CALL_DTYPE,
     HELD_DTYPE,
-    HELD_NS,
     SCHED_DTYPE,
     TCP_DTYPE,
     WAIT_DTYPE,
@@ -60,11 +60,6 @@ from .parallel import in_parallel, threads
 from .plausible import implausible, other_rings
 from .progress import Progress
 
-IS_CALL = np.zeros(256, dtype=bool)  # op -> is a collective or p2p call
-IS_CALL[[int(op) for op in Op if op.is_collective or op.is_p2p]] = True
-WAITS_IN = IS_CALL.copy()  # calls a rank can be found blocked in: its group's end too
-WAITS_IN[int(Op.GROUP_END)] = True
-
 
 @dataclass(frozen=True, slots=True)
 class Source:
@@ -72,6 +67,20 @@ class Source:
     recording: Recording
     # rings left in the file by the loader, read when their rows are wanted
     deferred: Mapping[str, DeferredRing] = field(default_factory=dict)
+    # its window's calls, staged where it was read (``prestage``)
+    staged: Prestaged | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Prestaged:
+    """A source's window of ``calls`` per rank, staged by the process that
+    read its file (a worker, beside its header: ``prestage``): its rows of
+    the stage table of the sources read with it, and what else _extract
+    says of it (``_Extract``'s fields after the source)."""
+
+    table: Columns
+    calls: int
+    said: tuple[object, ...]
 
 
 SCOPED_RINGS = ("sched", "exit")  # nccl rows are scoped as they are read (_extract)
@@ -99,11 +108,7 @@ def in_scope(rec: Recording, consume: bool = False) -> Recording:
     return dataclasses.replace(rec, rings=rings)
 
 
-def _listed_pids(rec: Recording) -> np.ndarray:
-    """The pids of the agent's process and communicator tables (sorted): its
-    scope."""
-    pids = {p.pid for p in rec.processes} | {c.pid for c in rec.communicators}
-    return np.array(sorted(pids), dtype=np.uint32)
+_listed_pids = listed_pids
 
 
 def _member_of(values: np.ndarray, known: np.ndarray) -> np.ndarray:
@@ -372,7 +377,8 @@ def _align_late(sources: list[Source]) -> tuple[list[Source], LateReport | None]
                 rec = dataclasses.replace(rec, rings=rings)
             else:
                 deferred["nccl"] = ring
-        loaded.append(dataclasses.replace(s, recording=rec, deferred=deferred))
+        # its rows are aligned below: what was staged of them before is not theirs
+        loaded.append(dataclasses.replace(s, recording=rec, deferred=deferred, staged=None))
     recs, report = late.align([s.recording for s in loaded])
     return [dataclasses.replace(s, recording=r) for s, r in zip(loaded, recs, strict=True)], report
 
@@ -407,7 +413,6 @@ class _Extract:
 # scope and "crank" the rows' own ranks until _calls resolves them, and the
 # rows' comm hashes
 STAGE_DTYPE = np.dtype([*((n, CALL_DTYPE[n]) for n in CALL_DTYPE.names or ()), ("hash", "<u8")])
-NO_PIDS = np.zeros(0, dtype=np.uint32)
 
 
 def _extract_all(
@@ -426,6 +431,9 @@ def _extract_all(
     ring is read too where it holds calls on ``uncertain`` communicators
     (splits a member of which left no dump): what they tell of ranks."""
     per_rank = WINDOW_CALLS if calls is None else calls  # of each rank, the latest
+    if not whole and all(s.staged is not None and s.staged.calls == per_rank for s in sources):
+        stage, joined = _joined(sources, shown)
+        return stage, [_told(e, uncertain) for e in joined]
     windows = [_window(s, per_rank) for s in sources]
     sizes = [keep for _, keep in windows]
     for s, (skip, _) in zip(sources, windows, strict=True):
@@ -436,44 +444,28 @@ def _extract_all(
 
     def run(part: tuple[int, int, int]) -> list[_Extract]:
         first, stop, at = part
-        out: list[_Extract] = []
-        buffer = bytearray()
+        batch = _Batch(stage, at, max(BATCH_ROWS, max(sizes[first:stop], default=0)))
         for s in sources[first:stop]:
             later = s.deferred.get("nccl")
             skip, _ = _window(s, per_rank)
             told = uncertain & {c.comm_hash for c in s.recording.communicators}
-            if later is None:
+            if whole or told:  # the whole ring is read (long calls, ranks' evidence): alone
+                batch.flush()
+                batch.out.append(_one(s, later, skip, consume, stage, batch.at, whole, told))
+                batch.at = batch.out[-1].rows.stop
+            elif later is None:
                 ring = s.recording.rings.get("nccl")
-                rows = ring.rows[skip:] if ring is not None else None
                 complete = ring is None or (ring.overwritten == 0 and not skip)
-                every = ring.rows if whole and ring is not None else None
-                lost = ring.lost if ring is not None else 0
-                out.append(_extract(s, rows, complete, stage, at, lost, every))
-                if told and ring is not None:
-                    out[-1] = _with_evidence(out[-1], ring.rows, told)
+                batch.add(s, ring.rows[skip:] if ring is not None else None, complete,
+                          ring.lost if ring is not None else 0)  # fmt: skip
                 if consume:  # the caller gave the recordings up: free each ring once read
                     s.recording.rings.pop("nccl", None)
             else:
-                first = 0 if whole or told else skip
-                nbytes = later.nbytes // max(later.rows, 1) * (later.rows - first)
-                if len(buffer) < nbytes:
-                    buffer = bytearray(nbytes)
-                try:
-                    every = later.read(buffer, first)
-                except DumpError as exc:
-                    out.append(_Extract(s, slice(at, at), True, None, NO_PIDS, (), (), str(exc)))
-                else:
-                    complete = later.overwritten == 0 and not skip
-                    rows = every[skip - first :]
-                    whole_ring = every if whole else None
-                    out.append(_extract(s, rows, complete, stage, at, later.lost, whole_ring))
-                    if told:
-                        out[-1] = _with_evidence(out[-1], every, told)
-                    del rows, every, whole_ring  # views of the buffer, which the next file reuses
-            at = out[-1].rows.stop
+                batch.read(s, later, skip)
             if shown is not None:
                 shown.step()
-        return out
+        batch.flush()
+        return batch.out
 
     parts = _runs(sizes, threads())
     extracts: list[_Extract] = []
@@ -499,6 +491,76 @@ def _with_evidence(e: _Extract, ring: np.ndarray, hashes: frozenset[int]) -> _Ex
         return e
     ring = ring if ring.dtype == NCCL_EVENT else ring.astype(NCCL_EVENT)
     return dataclasses.replace(e, evidence=rankevidence.ring_evidence(ring, hashes))
+
+
+def _told(e: _Extract, uncertain: frozenset[int]) -> _Extract:
+    """A source staged where it was read, with what its whole ring tells of
+    ranks on the ``uncertain`` communicators it is a member of (none where
+    the ring cannot be read again: its ranks there stay unknown)."""
+    told = uncertain & {c.comm_hash for c in e.source.recording.communicators}
+    if not told or e.error is not None:
+        return e
+    later = e.source.deferred.get("nccl")
+    if later is None:
+        ring = e.source.recording.rings.get("nccl")
+        return e if ring is None else _with_evidence(e, ring.rows, told)
+    try:
+        return _with_evidence(e, later.read(), told)
+    except DumpError:
+        return e
+
+
+def prestage(sources: list[Source], calls: int = WINDOW_CALLS) -> list[Source]:
+    """The sources with their windows' calls staged (``_extract`` without
+    the incident): done by each process that reads dump files, so that the
+    calls of thousands of dumps are judged and staged on every core, and
+    the incident's process only joins them (``_joined``)."""
+    sizes = [_window(s, calls)[1] for s in sources]
+    stage = Columns.empty(STAGE_DTYPE, sum(sizes))
+    batch = _Batch(stage, 0, max(BATCH_ROWS, max(sizes, default=0)))
+    for s in sources:
+        later, skip = s.deferred.get("nccl"), _window(s, calls)[0]
+        if later is not None:
+            batch.read(s, later, skip)
+        else:
+            ring = s.recording.rings.get("nccl")
+            complete = ring is None or (ring.overwritten == 0 and not skip)
+            rows = ring.rows[skip:] if ring is not None else None
+            batch.add(s, rows, complete, ring.lost if ring is not None else 0)
+    batch.flush()
+    table = stage[: batch.at]
+    return [
+        dataclasses.replace(s, staged=Prestaged(table, calls, _said(e)))
+        for s, e in zip(sources, batch.out, strict=True)
+    ]
+
+
+_SAID = tuple(f.name for f in dataclasses.fields(_Extract))[1:]
+
+
+def _said(e: _Extract) -> tuple[object, ...]:
+    return tuple(getattr(e, name) for name in _SAID)
+
+
+def _joined(sources: list[Source], shown: Progress | None) -> tuple[Columns, list[_Extract]]:
+    """The stage table of sources staged where they were read: their rows
+    joined, column by column, in the sources' order."""
+    extracts: list[_Extract] = []
+    parts: list[tuple[Columns, slice]] = []
+    at = 0
+    for s in sources:
+        assert s.staged is not None
+        parts.append((s.staged.table, s.staged.said[0]))  # type: ignore[arg-type]
+        e = _Extract(dataclasses.replace(s, staged=None), *s.staged.said)  # type: ignore[arg-type]
+        n = e.rows.stop - e.rows.start
+        extracts.append(dataclasses.replace(e, rows=slice(at, at + n)))
+        at += n
+        if shown is not None:
+            shown.step()
+    names = STAGE_DTYPE.names or ()
+    if not parts:
+        return Columns.empty(STAGE_DTYPE, 0), extracts
+    return Columns({n: np.concatenate([t[n][rows] for t, rows in parts]) for n in names}), extracts
 
 
 def _runs(sizes: list[int], n: int) -> list[tuple[int, int, int]]:
@@ -540,6 +602,97 @@ def _window(s: Source, calls: int = WINDOW_CALLS) -> tuple[int, int]:
     return total - keep, keep
 
 
+BATCH_ROWS = 1 << 14  # NCCL rows of many dumps judged and staged at once (2.6 MB: in cache)
+
+
+class _Batch:
+    """Consecutive sources' windows, gathered into one buffer and judged and
+    staged together (``analyzer.callrows``) once it is full."""
+
+    def __init__(self, stage: Columns, at: int, rows: int) -> None:
+        self.stage, self.at = stage, at
+        self.buffer = np.empty(rows, dtype=NCCL_EVENT)
+        self.held: list[tuple[Source, int, bool, int]] = []  # (source, rows, complete, lost)
+        self.used = 0
+        self.out: list[_Extract] = []
+
+    def _room(self, n: int) -> np.ndarray:
+        if self.used + n > len(self.buffer):
+            self.flush()
+        view = self.buffer[self.used : self.used + n]
+        return view
+
+    def add(self, s: Source, rows: np.ndarray | None, complete: bool, lost: int) -> None:
+        n = 0 if rows is None else len(rows)
+        if rows is not None and n:
+            self._room(n)[:] = rows if rows.dtype == NCCL_EVENT else rows.astype(NCCL_EVENT)
+        self.held.append((s, n, complete, lost))
+        self.used += n
+
+    def read(self, s: Source, later: DeferredRing, skip: int) -> None:
+        n = later.rows - skip
+        room = self._room(n)
+        try:
+            rows = later.read(memoryview(room.view(np.uint8)), skip)  # type: ignore[arg-type]
+        except DumpError as exc:
+            self.flush()
+            self.out.append(
+                _Extract(s, slice(self.at, self.at), True, None, NO_PIDS, (), (), str(exc))
+            )
+            return
+        if rows.base is None or not np.shares_memory(rows, room):  # an older format, converted
+            room[:] = rows
+        self.held.append((s, n, later.overwritten == 0 and not skip, later.lost))
+        self.used += n
+
+    def flush(self) -> None:
+        if not self.held:
+            return
+        sizes = [n for _, n, _, _ in self.held]
+        recs = [s.recording for s, _, _, _ in self.held]
+        lost = [x for _, _, _, x in self.held]
+        raw = self.buffer[: self.used]
+        staged = stage_windows(raw, sizes, recs, lost, self.stage, self.at)
+        at = 0
+        for (s, n, complete, x), st in zip(self.held, staged, strict=True):
+            self.out.append(_extracted(s, st, complete, raw[at : at + n], x))
+            at += n
+        self.at = self.out[-1].rows.stop
+        self.held, self.used = [], 0
+
+
+def _one(
+    s: Source,
+    later: DeferredRing | None,
+    skip: int,
+    consume: bool,
+    stage: Columns,
+    at: int,
+    whole: bool = True,
+    told: frozenset[int] = frozenset(),
+) -> _Extract:
+    """One source whose whole ring is read: its long calls looked for in
+    all of it (``whole``), what it tells of ranks on the ``told``
+    communicators."""
+    if later is None:
+        ring = s.recording.rings.get("nccl")
+        if consume:  # the caller gave the recordings up: free each ring once read
+            s.recording.rings.pop("nccl", None)
+        if ring is None:
+            return _extract(s, None, True, stage, at)
+        complete = ring.overwritten == 0 and not skip
+        every = ring.rows
+        e = _extract(s, every[skip:], complete, stage, at, ring.lost, every if whole else None)
+    else:
+        try:
+            every = later.read()
+        except DumpError as exc:
+            return _Extract(s, slice(at, at), True, None, NO_PIDS, (), (), str(exc))
+        complete = later.overwritten == 0 and not skip
+        e = _extract(s, every[skip:], complete, stage, at, later.lost, every if whole else None)
+    return _with_evidence(e, every, told) if told else e
+
+
 def _extract(
     s: Source,
     raw: np.ndarray | None,
@@ -549,144 +702,38 @@ def _extract(
     lost: int = 0,
     every: np.ndarray | None = None,
 ) -> _Extract:
-    """``every``: the whole ring, where the long calls are looked for (else
-    ``raw``, the window)."""
-    rec = s.recording
+    """One source's window ``raw``; ``every``: the whole ring, where the
+    long calls are looked for (else the window)."""
     if raw is None or not len(raw):
         return _Extract(s, slice(at, at), complete, None, NO_PIDS, (), ())
     raw = raw if raw.dtype == NCCL_EVENT else raw.astype(NCCL_EVENT)
-    bad, why = implausible(raw, rec, lost, _listed_pids(rec))
-    if bad.any():  # a damaged dump: lost, never judged on (analyzer.plausible)
+    (st,) = stage_windows(raw, [len(raw)], [s.recording], [lost], stage, at)
+    return _extracted(s, st, complete, raw, lost, every)
+
+
+def _extracted(
+    s: Source,
+    st: Staged,
+    complete: bool,
+    raw: np.ndarray,
+    lost: int,
+    every: np.ndarray | None = None,
+) -> _Extract:
+    if not len(raw):
+        return _Extract(s, st.rows, complete, None, NO_PIDS, (), ())
+    if st.damaged:  # a damaged dump: lost, never judged on (analyzer.plausible)
+        bad, why = implausible(raw, s.recording, lost, listed_pids(s.recording))
         n = int(np.count_nonzero(bad))
         error = f"{s.path}: rings.nccl: damaged ({n} row(s) the recorder cannot write: "
-        return _Extract(
-            s, slice(at, at), complete, None, NO_PIDS, (), (), error + "; ".join(why) + ")"
-        )
-    keep = IS_CALL[raw["op"]] & ~captured_rows(raw)  # a captured call runs as its replays
-    times = _device_timeline(raw, keep)
-    # an agent's process table is its scope (one node); without one, every pid
-    scope = _listed_pids(rec)
-    if not len(scope):
-        scope = np.unique(raw["pid"][keep])
-    index, inside = _positions(scope, raw["pid"])
-    keep &= inside
-    n = int(np.count_nonzero(keep))
-    sel = slice(None) if n == len(raw) else np.flatnonzero(keep)
-    dst = slice(at, at + n)
-    stage["proc"][dst] = index[sel]
-    for name, src in (*CALL_FIELDS, ("crank", "rank"), ("hash", "comm_hash")):
-        stage[name][dst] = (times[name] if name in times else raw[src])[sel]
-    stage["device"][dst] = times["device"][sel] if "device" in times else 0
-    stage["queued"][dst] = times["queued"][sel] if "queued" in times else 0
-    stage["shape"][dst] = 0  # our rings record counts, not tensor shapes
-    index, rank, comm_hash = stage["proc"][dst], stage["crank"][dst], stage["hash"][dst]
-    unknown = comm_hash == 0
-    if unknown.any():  # fill from the process's comm table by pointer
-        comm_hash[unknown] = _hash_by_pointer(rec, scope[index[unknown]], raw["comm"][sel][unknown])
-    used = np.bincount(index, minlength=len(scope)) > 0
-    comm_pids = {c.pid for c in rec.communicators}
-    used &= np.array([p not in comm_pids for p in scope.tolist()], dtype=bool)
-    hashes = sorted({c.comm_hash for c in rec.communicators})
-    if len(hashes) == 1:  # the common case: one comm per process table, no search
-        foreign = comm_hash != np.uint64(hashes[0])
-    else:
-        foreign = ~_member_of(comm_hash, np.array(hashes, dtype=np.uint64))
-    members: tuple[tuple[int, int, int, int], ...] = ()
-    if foreign.any():  # comms whose init the recorder never saw
-        foreign &= (comm_hash != 0) & (rank >= 0)
-        nranks = raw["nranks"][sel][foreign]
-        keys = np.unique(
-            np.rec.fromarrays([comm_hash[foreign], scope[index[foreign]], rank[foreign], nranks])
-        )
-        members = tuple((int(h), int(p), int(r), int(nr)) for h, p, r, nr in keys.tolist())
-    latest = int(max(stage["ts"][dst].max(), stage["end"][dst].max())) if n else None
-    pids = tuple(int(p) for p in scope[used])
+        return _Extract(s, st.rows, complete, None, NO_PIDS, (), (), error + "; ".join(why) + ")")
+    held = st.held
     if every is not None and len(every) > len(raw):
         every = every if every.dtype == NCCL_EVENT else every.astype(NCCL_EVENT)
-        long_calls = _held(every, WAITS_IN[every["op"]] & _member_of(every["pid"], scope))
-    else:
-        long_calls = _held(raw, WAITS_IN[raw["op"]] & _member_of(raw["pid"], scope))
+        held = held_calls(every, _member_of(every["pid"], st.scope))
     return _Extract(
-        s, dst, complete, latest, scope, pids, members,
-        waiting=_waiting(raw, scope), held=long_calls, entered=_entered(raw, scope),
+        s, st.rows, complete, st.latest, st.scope, st.pids, st.row_members,
+        waiting=st.waiting, held=held, entered=st.entered,
     )  # fmt: skip
-
-
-def _entered(raw: np.ndarray, scope: np.ndarray) -> tuple[tuple[int, int], ...]:
-    """Per process in scope, when it entered its latest recorded call."""
-    last = _latest_per_pid(raw, np.flatnonzero(_member_of(raw["pid"], scope)))
-    return tuple(zip(raw["pid"][last].tolist(), raw["ts_ns"][last].tolist(), strict=True))
-
-
-def _latest_per_pid(raw: np.ndarray, sel: np.ndarray) -> np.ndarray:
-    """Of the rows ``sel``, each pid's latest entry (its index in ``raw``)."""
-    if not len(sel):
-        return sel
-    order = sel[np.lexsort((raw["ts_ns"][sel], raw["pid"][sel]))]
-    pids = raw["pid"][order]
-    return order[np.r_[pids[1:] != pids[:-1], True]]
-
-
-def _held(raw: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    """The calls of the whole ring (not only the window) that took HELD_NS
-    and more, a group's end included: a stall the job came back from,
-    however long ago."""
-    sel = np.flatnonzero(keep & (raw["end_ns"] > 0))
-    sel = sel[(raw["end_ns"][sel] - raw["ts_ns"][sel]).astype(np.int64) >= HELD_NS]
-    out = np.zeros(len(sel), dtype=HELD_DTYPE)
-    out["proc"], out["hash"], out["seq"] = raw["pid"][sel], raw["comm_hash"][sel], raw["seq"][sel]
-    out["op"], out["ts"], out["end"] = raw["op"][sel], raw["ts_ns"][sel], raw["end_ns"][sel]
-    return out
-
-
-def _waiting(raw: np.ndarray, scope: np.ndarray) -> tuple[tuple[int, int, int], ...]:
-    """Per process in scope, its latest call (a group's end included) if it
-    had not returned: where it was blocked when the dump was taken."""
-    sel = np.flatnonzero(WAITS_IN[raw["op"]] & ~captured_rows(raw) & _member_of(raw["pid"], scope))
-    last = _latest_per_pid(raw, sel)
-    last = last[raw["end_ns"][last] == 0]
-    return tuple(
-        (int(p), int(o), int(t))
-        for p, o, t in zip(raw["pid"][last], raw["op"][last], raw["ts_ns"][last], strict=True)
-    )
-
-
-_POINTER = np.dtype([("pid", "<u8"), ("comm", "<u8")])
-
-
-def _hash_by_pointer(rec: Recording, pids: np.ndarray, comms: np.ndarray) -> np.ndarray:
-    """The comm hash of each (pid, comm pointer) in the process's comm table
-    (0 when it is not there), looked up once per distinct pair, not per row."""
-    ptr = {(c.pid, c.comm): c.comm_hash for c in rec.communicators}
-    pairs = np.empty(len(pids), dtype=_POINTER)
-    pairs["pid"], pairs["comm"] = pids, comms
-    distinct, which = np.unique(pairs.view("V16"), return_inverse=True)
-    found = [ptr.get(pair, 0) for pair in distinct.view(_POINTER).tolist()]
-    out: np.ndarray = np.array(found, dtype=np.uint64)[which.ravel()]
-    return out
-
-
-def _device_timeline(raw: np.ndarray, keep: np.ndarray) -> dict[str, np.ndarray]:
-    """Calls of processes whose device side was observed (any call seen
-    completed: the CUDA probes), on the device's timeline: entered when the
-    device started them, returned when it completed them (0: still running
-    there).  A call the device never reached is left out (``keep``): at a
-    hang, the rank whose device stopped is the one that never "entered".
-    A call seen completed but not started keeps its host entry.  Other
-    processes keep their host times.  Updates ``keep``; returns ts and end,
-    and how long each call waited on its device's queue (its host's entry
-    to the device's start)."""
-    done = raw["completed_ns"] > 0
-    if not done.any():
-        return {}
-    gpu = np.isin(raw["pid"], np.unique(raw["pid"][done])) & keep
-    started = raw["started_ns"] > 0
-    ts = np.where(gpu & started, raw["started_ns"], raw["ts_ns"]).astype(np.int64)
-    end = np.where(gpu, raw["completed_ns"], raw["end_ns"]).astype(np.int64)
-    keep &= ~(gpu & ~started & ~done)
-    device = gpu & started
-    queued = np.where(device, ts - raw["ts_ns"].astype(np.int64), 0).clip(min=0)
-    return {"ts": ts, "end": end, "device": device.astype(np.uint8), "queued": queued}
 
 
 def _host_now(extracts: list[_Extract]) -> dict[str, int]:
@@ -890,20 +937,6 @@ def _comm_index(hashes: np.ndarray, comm_hash: np.ndarray) -> tuple[np.ndarray, 
         pos = np.full(len(comm_hash), min(i, len(hashes) - 1), dtype=np.int64)
         return pos, np.full(len(comm_hash), known, dtype=bool)
     return _positions(hashes, comm_hash)
-
-
-CALL_FIELDS = (
-    ("seq", "seq"),
-    ("ts", "ts_ns"),
-    ("end", "end_ns"),
-    ("count", "count"),
-    ("root", "peer"),
-    ("op", "op"),
-    ("datatype", "datatype"),
-    ("redop", "redop"),
-    ("state", "state"),
-    ("result", "result"),
-)
 
 
 def _addr_keys(addrs: np.ndarray) -> np.ndarray:

@@ -33,6 +33,8 @@ another count, a time inside the window) passes: only checksums find it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from stallwatch.dumpers.model import Recording
@@ -40,6 +42,7 @@ from stallwatch.dumpers.schema import DATATYPE_SIZE, Op, Result, State, captured
 
 from .flightrec import FrDump
 
+U64_MAX = (1 << 64) - 1
 MAX_BYTES = 1 << 48  # 256 TiB: more than any device or host buffer holds
 CLOCK_SLACK_NS = 1_000_000_000  # rows timed after the dump's clock was read, at most
 
@@ -58,6 +61,106 @@ STATES = max(State) + 1
 RESULTS = (int(Result.PENDING), int(max(Result)))
 
 
+class Dumps:
+    """The NCCL windows of several dumps, one after another, as the rules
+    read them: ``group`` says whose (0 to n-1) each row of ``raw`` is, and per
+    dump, its clock (0: none), its lost rows, its scope (the pids of its
+    tables: ``scope_keys`` holds group << 32 | pid, sorted; a dump without
+    any has none) and its communicator table.  The rules run over all their
+    rows at once: a few dozen numpy passes in all, not a few dozen per dump
+    (2,048-row windows of 16,384 dumps spent 30 s in those calls)."""
+
+    __slots__ = ("bounds", "comm_group", "comm_hash", "comm_pid", "comm_ptr", "group",
+                 "has_scope", "late", "lost", "raw", "scope_keys", "timed")  # fmt: skip
+
+    def __init__(
+        self,
+        raw: np.ndarray,
+        bounds: np.ndarray,
+        recs: Sequence[Recording],
+        lost: Sequence[int],
+        scopes: Sequence[np.ndarray],
+    ) -> None:
+        n = len(recs)
+        self.raw = raw
+        self.bounds = bounds
+        self.group = np.repeat(np.arange(n, dtype=np.uint64), np.diff(bounds))
+        # a dump's clock: its rows cannot be timed after it read its rings
+        now = [r.clock.monotonic_ns for r in recs]
+        self.timed = np.array([t > 0 for t in now], dtype=bool)
+        self.late = np.array([min(t + CLOCK_SLACK_NS, U64_MAX) for t in now], dtype=np.uint64)
+        self.lost = np.array(lost, dtype=np.int64)
+        self.has_scope = np.array([len(sc) > 0 for sc in scopes], dtype=bool)
+        self.scope_keys = group_keys([np.asarray(sc, dtype=np.uint64) for sc in scopes])
+        comms = [(g, c) for g, r in enumerate(recs) for c in r.communicators]
+        self.comm_group = np.array([g for g, _ in comms], dtype=np.uint64)
+        self.comm_pid = np.array([c.pid for _, c in comms], dtype=np.uint64)
+        self.comm_ptr = np.array([c.comm for _, c in comms], dtype=np.uint64)
+        self.comm_hash = np.array([c.comm_hash for _, c in comms], dtype=np.uint64)
+
+    def keys(self, values: np.ndarray) -> np.ndarray:
+        """group << 32 | value of each row (values of 32 bits: pids, tids)."""
+        return keyed(self.group, values)
+
+
+def keyed(group: np.ndarray, values: np.ndarray) -> np.ndarray:
+    out: np.ndarray = (group.astype(np.uint64, copy=False) << np.uint64(32)) | values.astype(
+        np.uint64, copy=False
+    )
+    return out
+
+
+def group_keys(values: Sequence[np.ndarray]) -> np.ndarray:
+    """group << 32 | value of each group's values (sorted within each, of 32
+    bits), one array: sorted."""
+    if not values:
+        return np.zeros(0, dtype=np.uint64)
+    sizes = [len(v) for v in values]
+    group = np.repeat(np.arange(len(values), dtype=np.uint64), sizes)
+    flat = np.concatenate(values) if sum(sizes) else np.zeros(0, dtype=np.uint64)
+    return keyed(group, flat)
+
+
+def member(values: np.ndarray, known: np.ndarray) -> np.ndarray:
+    """Per value: whether it is in ``known`` (sorted)."""
+    if not len(known):
+        return np.zeros(len(values), dtype=bool)
+    pos = np.searchsorted(known, values)
+    np.minimum(pos, len(known) - 1, out=pos)
+    found: np.ndarray = known[pos] == values
+    return found
+
+
+def pair_member(
+    group: np.ndarray, values: np.ndarray, known_group: np.ndarray, known: np.ndarray
+) -> np.ndarray:
+    """Per row: whether (group, value) is one of the (known_group, known)
+    pairs (values of 64 bits, exactly: each is first numbered among the
+    known ones)."""
+    if not len(known):
+        return np.zeros(len(values), dtype=bool)
+    distinct = np.unique(known)
+    pos = np.searchsorted(distinct, values)
+    np.minimum(pos, len(distinct) - 1, out=pos)
+    hit = distinct[pos] == values
+    table = np.unique(keyed(known_group, np.searchsorted(distinct, known)))
+    found: np.ndarray = hit & member(keyed(group, pos), table)
+    return found
+
+
+RULE_MOVED = "a thread that names another process"
+
+
+def rule_masks(d: Dumps) -> list[tuple[np.ndarray, str]]:
+    """Per rule, the rows of ``d`` that break it (of each dump, only rows of
+    its scope are judged, but for a thread found under another pid)."""
+    raw = d.raw
+    ours = ~d.has_scope[d.group] | member(d.keys(raw["pid"]), d.scope_keys)
+    found = [(mask & ours, text) for mask, text in (*_field_rules(d), *_stream_rules(d, ours))]
+    found.append((_moved_thread(d), RULE_MOVED))
+    return found
+
+
 def implausible(
     raw: np.ndarray, rec: Recording, lost: int = 0, scope: np.ndarray | None = None
 ) -> tuple[np.ndarray, list[str]]:
@@ -72,17 +175,9 @@ def implausible(
     why: list[str] = []
     if not len(raw):
         return bad, why
-    ours = np.flatnonzero(
-        np.isin(raw["pid"], scope) if scope is not None and len(scope) else bad == 0
-    )
-    rows = raw[ours]
-    found = []
-    for mask, text in (*_field_rules(rows, rec), *_stream_rules(rows, rec, lost)):
-        full = np.zeros(len(raw), dtype=bool)
-        full[ours[mask]] = True
-        found.append((full, text))
-    found.append((_moved_thread(raw), "a thread that names another process"))
-    for full, text in found:
+    none = np.zeros(0, dtype=np.uint32)
+    dumps = Dumps(raw, np.array([0, len(raw)]), [rec], [lost], [none if scope is None else scope])
+    for full, text in rule_masks(dumps):
         if full.any():
             bad |= full
             why.append(_example(raw, full, text))
@@ -96,7 +191,8 @@ def _example(raw: np.ndarray, mask: np.ndarray, text: str) -> str:
     return f"{text} (pid {int(raw['pid'][i])} seq {int(raw['seq'][i])}{more})"
 
 
-def _field_rules(raw: np.ndarray, rec: Recording) -> list[tuple[np.ndarray, str]]:
+def _field_rules(d: Dumps) -> list[tuple[np.ndarray, str]]:
+    raw = d.raw
     op = raw["op"]
     ok = raw["result"] == 0
     flying = raw["end_ns"] == 0
@@ -118,13 +214,12 @@ def _field_rules(raw: np.ndarray, rec: Recording) -> list[tuple[np.ndarray, str]
         ((nranks > 0) & PEERED[op] & accepted & ((raw["peer"] < 0) | (raw["peer"] >= nranks)),
          "a peer or root outside its communicator, on a call NCCL took"),
     ]  # fmt: skip
-    now = rec.clock.monotonic_ns
-    if now > 0:  # a dump's clock: rows cannot be timed after it read its rings
-        late = np.uint64(now + CLOCK_SLACK_NS)
+    if d.timed.any():  # a dump's clock: rows cannot be timed after it read its rings
+        late = d.late[d.group]
         times = raw["ts_ns"] > late
         for name in ("end_ns", "started_ns", "completed_ns"):
             times |= raw[name] > late
-        out.append((times, "a time after the dump read its rings"))
+        out.append((times & d.timed[d.group], "a time after the dump read its rings"))
     out.append(((raw["ts_ns"] == 0) | (~flying & (raw["end_ns"] < raw["ts_ns"])),
                 "a return before its entry"))  # fmt: skip
     # started and completed are when probes saw them, and two probes racing on
@@ -167,28 +262,30 @@ def other_rings(rec: Recording) -> str | None:
     return None
 
 
-def _stream_rules(raw: np.ndarray, rec: Recording, lost: int) -> list[tuple[np.ndarray, str]]:
+def _stream_rules(d: Dumps, ours: np.ndarray) -> list[tuple[np.ndarray, str]]:
     return [
-        (_out_of_order(raw, lost), "a seq out of order on its process and communicator"),
-        (_foreign_hash(raw, rec), "a communicator hash its process's table does not give"),
+        (_out_of_order(d, ours), "a seq out of order on its process and communicator"),
+        (_foreign_hash(d), "a communicator hash its process's table does not give"),
     ]
 
 
-def _out_of_order(raw: np.ndarray, lost: int) -> np.ndarray:
+def _out_of_order(d: Dumps, ours: np.ndarray) -> np.ndarray:
     """Collective calls whose seq does not follow the one before on their
-    (process, communicator pointer): both rows around a step that goes back,
-    repeats or (where no row was lost) jumps are suspect."""
-    sel = np.flatnonzero(COLLECTIVE[raw["op"]] & ~captured_rows(raw))
+    (process, communicator pointer) in their dump: both rows around a step
+    that goes back, repeats or (where no row was lost) jumps are suspect."""
+    raw = d.raw
+    sel = np.flatnonzero(COLLECTIVE[raw["op"]] & ~captured_rows(raw) & ours)
     out = np.zeros(len(raw), dtype=bool)
     if len(sel) < 2:
         return out
     key = (raw["pid"][sel].astype(np.uint64) << np.uint64(32)) ^ raw["comm"][sel]
-    order = np.lexsort((sel, key))  # ring order within each stream
-    rows, k = sel[order], key[order]
+    group = d.group[sel]
+    order = np.lexsort((sel, key, group))  # ring order within each stream
+    rows, k, g = sel[order], key[order], group[order]
     seq = raw["seq"][rows].astype(np.int64)
-    same = k[1:] == k[:-1]
+    same = (k[1:] == k[:-1]) & (g[1:] == g[:-1])
     step = seq[1:] - seq[:-1]
-    broken = same & ((step < 1) | ((step > 1) & (lost == 0)))
+    broken = same & ((step < 1) | ((step > 1) & (d.lost[g[1:]] == 0)))
     at = np.flatnonzero(broken)
     out[rows[at]] = True
     out[rows[at + 1]] = True
@@ -204,38 +301,40 @@ def _pointer_key(pid: np.ndarray, comm: np.ndarray) -> np.ndarray:
     return key
 
 
-def _foreign_hash(raw: np.ndarray, rec: Recording) -> np.ndarray:
-    """Rows whose (process, communicator pointer) the comm table gives
-    hashes, carrying another (0: an id the agent did not know is no damage).
-    A pointer freed and reused holds every hash the table gives it."""
-    if not rec.communicators:
+def _foreign_hash(d: Dumps) -> np.ndarray:
+    """Rows whose (process, communicator pointer) their dump's comm table
+    gives hashes, carrying another (0: an id the agent did not know is no
+    damage).  A pointer freed and reused holds every hash the table gives it."""
+    raw = d.raw
+    if not len(d.comm_group):
         return np.zeros(len(raw), dtype=bool)
-    pid = np.array([c.pid for c in rec.communicators], dtype=np.uint64)
-    comm = np.array([c.comm for c in rec.communicators], dtype=np.uint64)
-    hashes = np.array([c.comm_hash for c in rec.communicators], dtype=np.uint64)
-    table = _pointer_key(pid, comm)
+    table = _pointer_key(d.comm_pid, d.comm_ptr)
     key = _pointer_key(raw["pid"], raw["comm"])
-    listed = np.isin(key, table)
-    given = np.isin(key ^ raw["comm_hash"], table ^ hashes)
+    listed = pair_member(d.group, key, d.comm_group, table)
+    given = pair_member(d.group, key ^ raw["comm_hash"], d.comm_group, table ^ d.comm_hash)
     out: np.ndarray = listed & (raw["comm_hash"] != 0) & ~given
     return out
 
 
-def _moved_thread(raw: np.ndarray) -> np.ndarray:
-    """Rows whose thread most rows place in another process (a main
-    thread's id is its process id: it places it too)."""
+def _moved_thread(d: Dumps) -> np.ndarray:
+    """Rows whose thread most rows of its dump place in another process (a
+    main thread's id is its process id: it places it too)."""
+    raw = d.raw
     tid, pid = raw["tid"].astype(np.uint64), raw["pid"].astype(np.uint64)
-    pairs, counts = np.unique((tid << np.uint64(32)) | pid, return_counts=True)
-    if len(pairs) == 1:
-        return tid != pid if int(pairs[0] >> np.uint64(32)) in pid else np.zeros(len(raw), bool)
-    ptid, ppid = pairs >> np.uint64(32), pairs & np.uint64(0xFFFFFFFF)
-    # per thread, the process most of its rows name: its pairs by count, most first
-    order = np.lexsort((-counts, ptid))
-    tids, first = np.unique(ptid[order], return_index=True)
-    owner = ppid[order][first]
-    main = np.isin(tids, pid)  # a process's main thread is its own
-    owner[main] = tids[main]
-    out: np.ndarray = owner[np.searchsorted(tids, tid)] != pid
+    threads = d.keys(tid)  # (dump, thread)
+    # each (dump, thread, process) once, with how many rows name it
+    order = np.lexsort((pid, threads))
+    t, p = threads[order], pid[order]
+    first = np.flatnonzero(np.r_[True, (t[1:] != t[:-1]) | (p[1:] != p[:-1])])
+    counts = np.diff(np.r_[first, len(order)])
+    pt, pp = t[first], p[first]
+    # per (dump, thread), the process most of its rows name (the least pid of a tie)
+    best = np.lexsort((pp, -counts, pt))
+    lead = best[np.r_[True, pt[best][1:] != pt[best][:-1]]]
+    tids, owner = pt[lead], pp[lead].copy()
+    main = member(tids, np.unique(d.keys(pid)))  # a process's main thread is its own
+    owner[main] = tids[main] & np.uint64(0xFFFFFFFF)
+    out: np.ndarray = owner[np.searchsorted(tids, threads)] != pid
     return out
 
 

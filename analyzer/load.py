@@ -39,7 +39,7 @@ from stallwatch.dumpers.inputs import (
 )
 from stallwatch.dumpers.model import Recording
 
-from .align import Source
+from .align import Source, prestage
 from .flightrec import FrDump, read_flightrec
 from .parallel import threads
 from .plausible import fr_damage
@@ -133,23 +133,34 @@ def _read_all(
         yield from (load_one(f, defer, f in flight) for f in files)
         return
     pool, workers = pooled
+    size = max(1, len(fr) // (8 * workers))
+    chunks = [fr[i : i + size] for i in range(0, len(fr), size)]
     with pool:
         results = pool.map(
-            _load_one_deferred,
-            fr,
-            [tuple(defer)] * len(fr),
-            [f in flight for f in fr],
-            chunksize=max(1, len(fr) // (8 * workers)),
+            _load_chunk,
+            chunks,
+            [tuple(defer)] * len(chunks),
+            [[f in flight for f in chunk] for chunk in chunks],
         )
+        done = (item for chunk in results for item in chunk)
         wanted = set(fr)
         for f in files:  # results come in the order of fr: the order of files
-            yield next(results) if f in wanted else load_one(f, defer, f in flight)
+            yield next(done) if f in wanted else load_one(f, defer, f in flight)
 
 
-def _load_one_deferred(
-    path: str, defer: tuple[str, ...], flight: bool
-) -> tuple[Loaded | None, InputStatus]:
-    return load_one(path, defer, flight)
+def _load_chunk(
+    paths: list[str], defer: tuple[str, ...], flights: list[bool]
+) -> list[tuple[Loaded | None, InputStatus]]:
+    """load_one of each file (on a worker); with the NCCL rings left in the
+    files, our dumps' windows are read and their calls staged here too
+    (``align.prestage``): the work of every dump is on every core, the
+    incident's process only joins their rows."""
+    got = [load_one(p, defer, flight) for p, flight in zip(paths, flights, strict=True)]
+    if "nccl" not in defer:
+        return got
+    ours = [item for item, _ in got if isinstance(item, Source)]
+    staged = iter(prestage(ours))
+    return [(next(staged) if isinstance(item, Source) else item, st) for item, st in got]
 
 
 def load_inputs(

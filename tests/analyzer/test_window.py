@@ -77,7 +77,7 @@ def test_3d_incidents_name_the_injected_rank(tmp_path: Path, fault: str) -> None
 def test_worker_processes_read_the_headers_one_process_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from stallwatch.analyzer import load
+    from stallwatch.analyzer import align, load
 
     folder = _write(Job(nodes=4, ranks_per_node=2, steps=30, hang=(5, 20)), tmp_path)
     monkeypatch.setattr(load, "POOL_MIN_DUMPS", 2)
@@ -91,12 +91,19 @@ def test_worker_processes_read_the_headers_one_process_reads(
         return got
 
     monkeypatch.setattr(load, "_pool_for", counted)
+    joined = []
+    real_join = align._joined
+    monkeypatch.setattr(align, "_joined", lambda *a: joined.append(1) or real_join(*a))
     pooled = analyze_paths([str(folder)])
     assert any(p is not None for p in pools)  # the headers were read on workers
+    assert joined  # and the calls staged there
     monkeypatch.setenv("STALLWATCH_THREADS", "1")
     alone = analyze_paths([str(folder)])
     assert pooled.inputs == alone.inputs
     assert [r.verdicts for r in pooled.incidents] == [r.verdicts for r in alone.incidents]
     assert pooled.incidents[0].incident.procs == alone.incidents[0].incident.procs
+    # the calls, staged on the workers as they read the files (align.prestage)
+    calls, here = pooled.incidents[0].incident.calls.rows, alone.incidents[0].incident.calls.rows
+    assert all(np.array_equal(calls[n], here[n]) for n in here) and len(here) > 100
     (v,) = pooled.incidents[0].verdicts
     assert v.kind is VerdictKind.MISSING_RANK and v.ranks == (5,)

@@ -165,17 +165,28 @@ class _Stager:
         return out
 
     def _fill_unknown(self, hashes: np.ndarray, group: np.ndarray, sel: np.ndarray) -> None:
-        """Calls whose row carries no comm hash: the process's comm table
-        gives it by pointer (0 when it is not there)."""
+        """Calls whose row carries no comm hash: their process's comm table
+        gives it by pointer (0 when it is not there; of a pointer listed
+        twice, the later entry), one search for the whole batch."""
         unknown = np.flatnonzero(hashes == 0)
-        if not len(unknown):
+        d = self.d
+        if not len(unknown) or not len(d.comm_group):
             return
-        raw = self.d.raw
-        for g in np.unique(group[unknown]).tolist():
-            these = unknown[group[unknown] == g]
-            a = int(self.scope_start[g])
-            pids = (self.scope_keys[a + self.index[sel[these]]] & _LOW).astype(np.uint32)
-            hashes[these] = hash_by_pointer(self.recs[g], pids, raw["comm"][sel[these]])
+        raw, g = d.raw, group[unknown].astype(np.uint64)
+        a = self.scope_start[group[unknown]] + self.index[sel[unknown]]
+        pids, comms = self.scope_keys[a] & _LOW, raw["comm"][sel[unknown]]
+        table = _triple_key(d.comm_group, d.comm_pid, d.comm_ptr)
+        order = np.argsort(table, kind="stable")
+        pos = np.searchsorted(table[order], _triple_key(g, pids, comms), side="right") - 1
+        at = order[np.maximum(pos, 0)]
+        hit = (pos >= 0) & (d.comm_group[at] == g) & (d.comm_pid[at] == pids)
+        hit &= d.comm_ptr[at] == comms
+        hashes[unknown] = np.where(hit, d.comm_hash[at], np.uint64(0))
+        # a key two entries share by chance (a 64-bit mix): looked up exactly
+        odd = ~hit & (pos >= 0) & (table[at] == _triple_key(g, pids, comms))
+        for i in np.flatnonzero(odd).tolist():
+            rec = self.recs[int(g[i])]
+            hashes[unknown[i]] = hash_by_pointer(rec, pids[i : i + 1], comms[i : i + 1])[0]
 
     def _held(self) -> list[np.ndarray | None]:
         """Per dump, its long calls (``held_calls``)."""
@@ -286,6 +297,17 @@ def _members(
     pids = scope[index[rows][foreign]]
     keys = np.unique(np.rec.fromarrays([hashes[foreign], pids, rank[foreign], nranks]))
     return tuple((int(h), int(p), int(r), int(nr)) for h, p, r, nr in keys.tolist())
+
+
+_M1, _M2, _M3 = (np.uint64(k) for k in (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9))
+
+
+def _triple_key(group: np.ndarray, pid: np.ndarray, comm: np.ndarray) -> np.ndarray:
+    """One uint64 per (dump, pid, communicator pointer): a mix, checked after."""
+    with np.errstate(over="ignore"):
+        key: np.ndarray = (group.astype(np.uint64) * _M3) ^ (pid.astype(np.uint64) * _M1)
+        key ^= comm.astype(np.uint64) * _M2
+    return key
 
 
 _POINTER = np.dtype([("pid", "<u8"), ("comm", "<u8")])

@@ -129,3 +129,35 @@ def test_dumps_staged_where_they_were_read_join_into_the_same_table(
     joined = align._extract_all(staged, False)
     _same(read_here, joined)
     assert all(e.source.staged is None for e in joined[1])  # the workers' tables let go
+
+
+def test_calls_without_a_hash_take_their_pointer_s_from_the_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The synthetic agents' rows carry no comm hash (as a late agent's):
+    each takes its process's table entry for its pointer, the later of two
+    entries of one pointer (freed and reused), 0 where the table has none."""
+    sources = _dumps()[-3:]
+    s = sources[1]
+    comms = list(s.recording.communicators)
+    reused = dataclasses.replace(comms[0], comm_hash=0x1234)
+    rows = s.recording.rings["nccl"].rows.copy()
+    stray = np.flatnonzero(rows["comm_hash"] == 0)[:3]
+    rows["comm"][stray] = 0xDEAD0000  # a pointer no table entry gives
+    rec = dataclasses.replace(
+        s.recording,
+        communicators=(*comms, reused),
+        rings={
+            **s.recording.rings,
+            "nccl": dataclasses.replace(s.recording.rings["nccl"], rows=rows),
+        },
+    )
+    sources[1] = dataclasses.replace(s, recording=rec)
+    table, said = _staged(sources, 1 << 20, monkeypatch)
+    mine = table["hash"][said[1].rows]
+    staged = rows[rows["op"] == Op.ALL_REDUCE]  # the calls, in ring order
+    unknown = staged["comm_hash"] == 0
+    assert np.array_equal(mine == 0x1234, unknown & (staged["comm"] == comms[0].comm))
+    assert np.array_equal(mine == 0, unknown & (staged["comm"] == 0xDEAD0000))
+    assert (mine == 0x1234).sum() > 50
+    assert _staged(sources, 1, monkeypatch)[0]["hash"].tolist() == table["hash"].tolist()

@@ -544,7 +544,8 @@ def _said(e: _Extract) -> tuple[object, ...]:
 
 def _joined(sources: list[Source], shown: Progress | None) -> tuple[Columns, list[_Extract]]:
     """The stage table of sources staged where they were read: their rows
-    joined, column by column, in the sources' order."""
+    joined, column by column, in the sources' order (their tables are used
+    up: each column is let go once joined)."""
     extracts: list[_Extract] = []
     parts: list[tuple[Columns, slice]] = []
     at = 0
@@ -557,10 +558,15 @@ def _joined(sources: list[Source], shown: Progress | None) -> tuple[Columns, lis
         at += n
         if shown is not None:
             shown.step()
-    names = STAGE_DTYPE.names or ()
     if not parts:
         return Columns.empty(STAGE_DTYPE, 0), extracts
-    return Columns({n: np.concatenate([t[n][rows] for t, rows in parts]) for n in names}), extracts
+    tables = list({id(t): t for t, _ in parts}.values())
+    joined = {}
+    for name in STAGE_DTYPE.names or ():
+        joined[name] = np.concatenate([t[name][rows] for t, rows in parts])
+        for t in tables:  # each column let go once joined: one copy at most, not two
+            t.pop(name)
+    return Columns(joined), extracts
 
 
 def _runs(sizes: list[int], n: int) -> list[tuple[int, int, int]]:

@@ -33,7 +33,7 @@ from stallwatch.dumpers.schema import NCCL_EVENT, TCP_EVENT, ExitEvent, TcpEvent
 
 from . import late
 from .callrows import NO_PIDS, Staged, held_calls, listed_pids, stage_windows
-from .columns import Columns
+from .columns import Columns, Handed
 from .incident import (
     CALL_DTYPE,
     HELD_DTYPE,
@@ -78,7 +78,7 @@ class Prestaged:
     the stage table of the sources read with it, and what else _extract
     says of it (``_Extract``'s fields after the source)."""
 
-    table: Columns
+    table: Columns | Handed  # handed to the process that reads it (analyzer.load)
     calls: int
     said: tuple[object, ...]
 
@@ -550,7 +550,7 @@ def _joined(sources: list[Source], shown: Progress | None) -> tuple[Columns, lis
     parts: list[tuple[Columns, slice]] = []
     at = 0
     for s in sources:
-        assert s.staged is not None
+        assert s.staged is not None and isinstance(s.staged.table, Columns)
         parts.append((s.staged.table, s.staged.said[0]))  # type: ignore[arg-type]
         e = _Extract(dataclasses.replace(s, staged=None), *s.staged.said)  # type: ignore[arg-type]
         n = e.rows.stop - e.rows.start

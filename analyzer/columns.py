@@ -10,7 +10,12 @@ table of those rows: slices are views, the others copies).
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import os
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import overload
 
 import numpy as np
@@ -107,3 +112,63 @@ class Columns:
         for name in dtype.names or ():
             out[name] = self._cols[name]
         return out
+
+
+SHARED_FOLDER = "/dev/shm"  # memory files: a table handed to another process
+
+
+@dataclass(frozen=True, slots=True)
+class Handed:
+    """A table handed to another process in a file of shared memory
+    (``hand_over``): its path, and each column's name, dtype and place."""
+
+    path: str
+    rows: int
+    layout: tuple[tuple[str, str, int], ...]  # (name, dtype, offset)
+
+    def take(self) -> Columns:
+        """The table, its columns views of the file's memory (mapped, then
+        the file removed: the memory goes with the last view)."""
+        try:
+            with open(self.path, "r+b") as f:
+                size = os.fstat(f.fileno()).st_size
+                mapped = mmap.mmap(f.fileno(), size) if size else b""
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        return Columns(
+            {
+                name: np.frombuffer(mapped, np.dtype(dt), self.rows, at)
+                for name, dt, at in self.layout
+            }
+        )
+
+
+def hand_over(table: Columns) -> Columns | Handed:
+    """``table`` as a file of shared memory another process takes (a
+    table of many MB pickled between processes costs a copy on each side
+    and both their CPU); the table itself where there is no such folder."""
+    if not os.path.isdir(SHARED_FOLDER):
+        return table
+    layout, at = [], 0
+    for name in table:
+        col = table[name]
+        layout.append((name, col.dtype.str, at))
+        at += col.nbytes
+    fd, path = tempfile.mkstemp(prefix=f"stallwatch-{os.getpid()}-", dir=SHARED_FOLDER)
+    try:
+        os.ftruncate(fd, at)
+        if at:
+            with mmap.mmap(fd, at) as mapped:
+                for name, _, start in layout:
+                    col = table[name]
+                    place = np.frombuffer(mapped, col.dtype, len(col), start)
+                    place[:] = col
+                    del place  # the mapping closes with no view of it left
+    except OSError:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return table
+    os.close(fd)
+    return Handed(path, len(table), tuple(layout))

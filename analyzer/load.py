@@ -12,12 +12,14 @@ files turned into one recording per rank.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import threading
 from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 from stallwatch.dumpers.errors import DumpError
 from stallwatch.dumpers.format import prefetch_head
@@ -40,6 +42,7 @@ from stallwatch.dumpers.inputs import (
 from stallwatch.dumpers.model import Recording
 
 from .align import Source, prestage
+from .columns import Columns, Handed, hand_over
 from .flightrec import FrDump, read_flightrec
 from .parallel import threads
 from .plausible import fr_damage
@@ -142,7 +145,7 @@ def _read_all(
             [tuple(defer)] * len(chunks),
             [[f in flight for f in chunk] for chunk in chunks],
         )
-        done = (item for chunk in results for item in chunk)
+        done = (item for chunk in results for item in _taken(chunk))
         wanted = set(fr)
         for f in files:  # results come in the order of fr: the order of files
             yield next(done) if f in wanted else load_one(f, defer, f in flight)
@@ -158,9 +161,28 @@ def _load_chunk(
     got = [load_one(p, defer, flight) for p, flight in zip(paths, flights, strict=True)]
     if "nccl" not in defer:
         return got
-    ours = [item for item, _ in got if isinstance(item, Source)]
-    staged = iter(prestage(ours))
+    ours = prestage([item for item, _ in got if isinstance(item, Source)])
+    if ours and ours[0].staged is not None:  # one table for the chunk: a file of shared memory
+        handed = hand_over(cast(Columns, ours[0].staged.table))
+        ours = [_with_table(s, handed) for s in ours]
+    staged = iter(ours)
     return [(next(staged) if isinstance(item, Source) else item, st) for item, st in got]
+
+
+def _with_table(s: Source, table: Columns | Handed) -> Source:
+    assert s.staged is not None
+    return dataclasses.replace(s, staged=dataclasses.replace(s.staged, table=table))
+
+
+def _taken(
+    chunk: list[tuple[Loaded | None, InputStatus]],
+) -> list[tuple[Loaded | None, InputStatus]]:
+    """A worker's chunk with its table of staged calls taken from shared memory."""
+    first = next((x for x, _ in chunk if isinstance(x, Source) and x.staged is not None), None)
+    if first is None or first.staged is None or not isinstance(first.staged.table, Handed):
+        return chunk
+    table = first.staged.table.take()
+    return [(_with_table(x, table) if isinstance(x, Source) else x, st) for x, st in chunk]
 
 
 def load_inputs(

@@ -4,6 +4,8 @@ is cut into."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -94,3 +96,17 @@ def test_runs_cover_every_source_once_with_their_offsets() -> None:
         assert [i for first, stop, _ in runs for i in range(first, stop)] == list(range(len(sizes)))
         assert all(start == sum(sizes[:first]) for first, _, start in runs)
     assert _runs([0, 0], 4) == [(0, 2, 0)]
+
+
+def test_a_table_handed_over_in_shared_memory_comes_back_whole_and_leaves_no_file() -> None:
+    from stallwatch.analyzer.columns import Handed, hand_over
+
+    table = Columns({"a": np.arange(1000, dtype=np.int64), "b": np.arange(1000).astype(np.uint8)})
+    handed = hand_over(table[10:900])  # a view: its rows, not the table's
+    assert isinstance(handed, Handed) and os.path.exists(handed.path)
+    back = handed.take()
+    assert not os.path.exists(handed.path)  # the memory goes with the last view
+    assert back["a"].tolist() == list(range(10, 900)) and back["b"].dtype == np.uint8
+    assert back["b"].tolist() == [x % 256 for x in range(10, 900)]
+    empty = hand_over(Columns({"a": np.zeros(0, dtype=np.int64)}))
+    assert isinstance(empty, Handed) and len(empty.take()["a"]) == 0

@@ -127,21 +127,27 @@ class Handed:
     layout: tuple[tuple[str, str, int], ...]  # (name, dtype, offset)
 
     def take(self) -> Columns:
-        """The table, its columns views of the file's memory (mapped, then
-        the file removed: the memory goes with the last view)."""
+        """The table, each column a view of its own mapping of the file's
+        memory, then the file removed: a column's memory goes with its last
+        view (a table let go column by column never holds all of itself
+        twice)."""
         try:
             with open(self.path, "r+b") as f:
-                size = os.fstat(f.fileno()).st_size
-                mapped = mmap.mmap(f.fileno(), size) if size else b""
+                cols = {
+                    name: _mapped(f.fileno(), np.dtype(dt), self.rows, at)
+                    for name, dt, at in self.layout
+                }
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
-        return Columns(
-            {
-                name: np.frombuffer(mapped, np.dtype(dt), self.rows, at)
-                for name, dt, at in self.layout
-            }
-        )
+        return Columns(cols)
+
+
+def _mapped(fd: int, dtype: np.dtype, rows: int, at: int) -> np.ndarray:
+    size = rows * dtype.itemsize
+    if not size:
+        return np.zeros(0, dtype=dtype)
+    return np.frombuffer(mmap.mmap(fd, size, offset=at), dtype, rows)
 
 
 def hand_over(table: Columns) -> Columns | Handed:
@@ -151,10 +157,10 @@ def hand_over(table: Columns) -> Columns | Handed:
     if not os.path.isdir(SHARED_FOLDER):
         return table
     layout, at = [], 0
-    for name in table:
+    for name in table:  # each column at a page of its own: mapped alone
         col = table[name]
         layout.append((name, col.dtype.str, at))
-        at += col.nbytes
+        at += -(-col.nbytes // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY
     fd, path = tempfile.mkstemp(prefix=f"stallwatch-{os.getpid()}-", dir=SHARED_FOLDER)
     try:
         os.ftruncate(fd, at)

@@ -515,11 +515,16 @@ def prestage(sources: list[Source], calls: int = WINDOW_CALLS) -> list[Source]:
     the incident): done by each process that reads dump files, so that the
     calls of thousands of dumps are judged and staged on every core, and
     the incident's process only joins them (``_joined``)."""
-    sizes = [_window(s, calls)[1] for s in sources]
+    windows = [_window(s, calls) for s in sources]
+    for s, (skip, _) in zip(sources, windows, strict=True):
+        later = s.deferred.get("nccl")
+        if later is not None:  # the rows of every dump fetched from disk side by side
+            later.prefetch(skip)
+    sizes = [keep for _, keep in windows]
     stage = Columns.empty(STAGE_DTYPE, sum(sizes))
     batch = _Batch(stage, 0, max(BATCH_ROWS, max(sizes, default=0)))
-    for s in sources:
-        later, skip = s.deferred.get("nccl"), _window(s, calls)[0]
+    for s, (skip, _) in zip(sources, windows, strict=True):
+        later = s.deferred.get("nccl")
         if later is not None:
             batch.read(s, later, skip)
         else:

@@ -4,6 +4,7 @@ like 3-D parallel jobs, where the stages blocked in send/recv are not blamed."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,16 @@ from stallwatch.analyzer.incident import MemberState
 from stallwatch.analyzer.pipeline import analyze_paths
 from stallwatch.analyzer.verdict import VerdictKind
 from stallwatch.dumpers.format import read_dump, read_dump_deferred, write_dump
+from stallwatch.dumpers.model import Recording, Ring
+from stallwatch.dumpers.schema import (
+    CONN_SAMPLE,
+    IFACE_SAMPLE,
+    PROBE_EVENT,
+    EventKind,
+    ProbeKind,
+    ProbeOutcome,
+    ProbeRole,
+)
 from tests.analyzer.synth import Job, recordings
 
 
@@ -74,12 +85,54 @@ def test_3d_incidents_name_the_injected_rank(tmp_path: Path, fault: str) -> None
         assert len(lagging) > 1
 
 
+def _address(node: int) -> np.ndarray:
+    return np.array([10, 0, 0, node + 1] + [0] * 12, dtype=np.uint8)  # as synth's hosts
+
+
+def _with_network(rec: Recording, nodes: int) -> Recording:
+    """The recording with a second's network evidence: its connection to
+    the next node sampled, its interface's counters (and address), a probe
+    to the next node lost."""
+    k, ts = int(rec.host.removeprefix("node")), rec.clock.monotonic_ns - 10**9
+    peer = (k + 1) % nodes
+    conn = np.zeros(1, CONN_SAMPLE)
+    conn["ts_ns"], conn["kind"], conn["family"], conn["state"] = ts, EventKind.CONN_SAMPLE, 2, 1
+    conn["saddr"], conn["daddr"], conn["sport"], conn["dport"] = _address(k), _address(peer), 4, 5
+    conn["srtt_us"], conn["total_retrans"] = 100 + k, k
+    iface = np.zeros(1, IFACE_SAMPLE)
+    iface["ts_ns"], iface["kind"], iface["ifindex"], iface["mtu"] = (
+        ts,
+        EventKind.IFACE_SAMPLE,
+        2,
+        1500,
+    )
+    iface["tx_bytes"], iface["qdisc_drops"] = 1000 * (k + 1), k
+    probe = np.zeros(1, PROBE_EVENT)
+    probe["ts_ns"], probe["kind"], probe["probe"] = ts, EventKind.PROBE, ProbeKind.UDP
+    probe["role"], probe["outcome"] = ProbeRole.SENT, ProbeOutcome.LOST
+    probe["saddr"], probe["daddr"], probe["probe_size"], probe["sent"] = (
+        _address(k),
+        _address(peer),
+        1500,
+        3,
+    )
+    rings = {**rec.rings, "conn_samples": Ring(conn), "iface_samples": Ring(iface),
+             "probes": Ring(probe)}  # fmt: skip
+    links = tuple(
+        dataclasses.replace(link, addresses=(f"10.0.0.{k + 1}/24",)) for link in rec.links
+    )
+    return dataclasses.replace(rec, rings=rings, links=links)
+
+
 def test_worker_processes_read_the_headers_one_process_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from stallwatch.analyzer import align, load
 
-    folder = _write(Job(nodes=4, ranks_per_node=2, steps=30, hang=(5, 20)), tmp_path)
+    job = Job(nodes=4, ranks_per_node=2, steps=30, hang=(5, 20))
+    for rec in recordings(job):
+        write_dump(tmp_path, _with_network(rec, job.nodes))
+    folder = tmp_path
     monkeypatch.setattr(load, "POOL_MIN_DUMPS", 2)
     monkeypatch.setenv("STALLWATCH_THREADS", "2")
     pools = []
@@ -105,5 +158,11 @@ def test_worker_processes_read_the_headers_one_process_reads(
     # the calls, staged on the workers as they read the files (align.prestage)
     calls, here = pooled.incidents[0].incident.calls.rows, alone.incidents[0].incident.calls.rows
     assert all(np.array_equal(calls[n], here[n]) for n in here) and len(here) > 100
+    # and the dumps' network evidence came with them: every host's rows
+    ours, theirs = pooled.incidents[0].incident, alone.incidents[0].incident
+    for name in ("probes", "conns", "ifaces"):
+        got = getattr(ours, name)
+        assert np.array_equal(got, getattr(theirs, name)) and len(got) == job.nodes, name
+    assert set(ours.conns["remote"]) == set(range(job.nodes))
     (v,) = pooled.incidents[0].verdicts
     assert v.kind is VerdictKind.MISSING_RANK and v.ranks == (5,)

@@ -320,6 +320,8 @@ def _moved_thread(d: Dumps) -> np.ndarray:
     """Rows whose thread most rows of its dump place in another process (a
     main thread's id is its process id: it places it too)."""
     raw = d.raw
+    if not len(raw):  # dumps without a call in their windows: no thread to place
+        return np.zeros(0, dtype=bool)
     tid, pid = raw["tid"].astype(np.uint64), raw["pid"].astype(np.uint64)
     threads = d.keys(tid)  # (dump, thread)
     # each (dump, thread, process) once, with how many rows name it

@@ -100,6 +100,26 @@ def test_a_batch_stages_what_each_dump_stages_alone(
         assert all(not e.error for e in together[1][1::2])  # the untouched neighbours
 
 
+def test_dumps_without_calls_in_their_windows_stage_nothing_and_lose_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Dumps whose NCCL rings are empty (agents started after a job hung
+    before its first call): a batch of them alone, and beside dumps with
+    calls, stages what each dump stages alone."""
+    sources = _dumps()
+    empty = []
+    for s in sources[:3]:
+        ring = s.recording.rings["nccl"]
+        rings = {**s.recording.rings, "nccl": dataclasses.replace(ring, rows=ring.rows[:0])}
+        rec = dataclasses.replace(s.recording, rings=rings)
+        empty.append(dataclasses.replace(s, recording=rec))
+    table, said = _staged(empty, 1 << 20, monkeypatch)
+    assert len(table["ts"]) == 0 and len(said) == 3
+    assert not any(e.error for e in said) and all(e.rows.stop == e.rows.start for e in said)
+    mixed = [*empty, *sources[3:]]
+    _same(_staged(mixed, 1, monkeypatch), _staged(mixed, 1 << 20, monkeypatch))
+
+
 def test_a_damaged_dump_says_which_rule_it_broke_in_a_batch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

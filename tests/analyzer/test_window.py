@@ -5,6 +5,7 @@ like 3-D parallel jobs, where the stages blocked in send/recv are not blamed."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -166,3 +167,36 @@ def test_worker_processes_read_the_headers_one_process_reads(
     assert set(ours.conns["remote"]) == set(range(job.nodes))
     (v,) = pooled.incidents[0].verdicts
     assert v.kind is VerdictKind.MISSING_RANK and v.ranks == (5,)
+
+
+def test_dumps_staged_on_workers_tell_the_ranks_a_lost_dump_left_uncertain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lab job with one node's dump left out: the split communicators'
+    ranks that the remaining rings tell (their whole rings read again where
+    the workers staged only the windows) are those one process finds."""
+    import shutil
+
+    from stallwatch.analyzer import load
+    from stallwatch.analyzer.report import to_json
+
+    data = Path(__file__).resolve().parents[1] / "data" / "shapes" / "hang-demo-4x2"
+    files = sorted(data.glob("*.msgpack"))
+    for f in files[1:]:
+        shutil.copy(f, tmp_path / f.name)
+    monkeypatch.setattr(load, "POOL_MIN_DUMPS", 2)
+
+    def ranks_shown() -> list[object]:
+        doc = json.loads(to_json(analyze_paths([str(tmp_path)])))
+        return [c["members"] for inc in doc["incidents"] for c in inc["communicators"]]
+
+    staged = []
+    real = align._told
+    monkeypatch.setattr(align, "_told", lambda e, u: staged.append(bool(u)) or real(e, u))
+    monkeypatch.setenv("STALLWATCH_THREADS", "2")
+    pooled = ranks_shown()
+    assert staged and any(staged)  # staged on the workers, with splits left uncertain
+    monkeypatch.setenv("STALLWATCH_THREADS", "1")
+    assert pooled == ranks_shown()
+    told = [m["rank"] for members in pooled for m in members]  # type: ignore[attr-defined]
+    assert any(r is None for r in told) and any(r is not None for r in told)

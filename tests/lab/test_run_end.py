@@ -127,8 +127,10 @@ def test_dump_at_end_dumps_after_an_incident_and_the_client_folder_stays(
     back.  The client's files are where --client-dir says, after the run."""
     run_id = "t" + secrets.token_hex(3)
     argv = [sys.executable, "-m", "stallwatch", "lab", "run", "--run-id", run_id, "--json"]
-    argv += ["--nodes", "2", "--ranks-per-node", "1", "--steps", "8", "--record"]
-    argv += ["--fault", "crash:rank=1,step=3", "--stall-timeout", "5", "--dump-at-end"]
+    # the crash a second and more into the job: its agents record both ranks first
+    argv += ["--nodes", "2", "--ranks-per-node", "1", "--steps", "30", "--compute-ms", "50"]
+    argv += ["--record", "--fault", "crash:rank=1,step=20", "--stall-timeout", "5"]
+    argv += ["--dump-at-end"]
     argv += ["--dump-dir", str(tmp_path / "dumps"), "--client-dir", str(tmp_path / "client")]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert_nothing_left(run_id)

@@ -66,7 +66,8 @@ def test_bash_completes_commands_options_and_their_values(
     assert sorted(got[2]) == ["demo", "run", "zoo"]
     assert sorted(got[3]) == ["async", "blocking", "gpu"]
     assert got[4] == ["json"]
-    assert got[5] == ["tests/data/lab-hang-2x2"]  # a path argument: files
+    # a path argument: files
+    assert sorted(got[5]) == ["tests/data/lab-hang-2x2", "tests/data/lab-hang-2x2-wrapped"]
     assert got[6] == ["tests/data"]  # -o DIR: folders
     assert got[7] == []  # an agent's address: nothing to guess
     assert got[8] == ["bash", "zsh", "fish"]

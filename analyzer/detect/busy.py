@@ -64,11 +64,9 @@ def activity(t: ThreadState) -> str | None:
     return None
 
 
-def busy_outside(inc: Incident, proc: int) -> str | None:
-    """What process ``proc``'s main thread was busy with outside NCCL in the
-    latest reading of its node, or None if it was not busy, inside NCCL, or
-    not read.  (A culprit's evidence, its dump, is taken after the frontier
-    began: its dump's reading is too.)"""
+def latest_reading(inc: Incident, proc: int) -> ProcessThreads | None:
+    """Process ``proc``'s threads in the latest reading of its node that
+    belongs to the incident; None if it was not read (or not readable)."""
     p = inc.procs[proc]
     latest: ProcessThreads | None = None
     for hr in inc.readings:
@@ -78,7 +76,16 @@ def busy_outside(inc: Incident, proc: int) -> str | None:
             for r in snap.processes:
                 if r.pid == p.pid and (latest is None or r.taken_ns > latest.taken_ns):
                     latest = r
-    if latest is None or latest.error:
+    return latest if latest is not None and not latest.error else None
+
+
+def busy_outside(inc: Incident, proc: int) -> str | None:
+    """What process ``proc``'s main thread was busy with outside NCCL in the
+    latest reading of its node, or None if it was not busy, inside NCCL, or
+    not read.  (A culprit's evidence, its dump, is taken after the frontier
+    began: its dump's reading is too.)"""
+    latest = latest_reading(inc, proc)
+    if latest is None:
         return None
     if any(
         t.nccl is not None and (t.nccl.op.is_collective or t.nccl.op.is_p2p) for t in latest.threads

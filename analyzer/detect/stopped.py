@@ -20,33 +20,19 @@ stop that ended before the dump leaves nothing here).
 
 from __future__ import annotations
 
-from stallwatch.dumpers.readings import ProcessThreads
 from stallwatch.dumpers.schema import op_name
 
 from ..incident import Incident
 from ..verdict import Verdict, VerdictKind
-from .busy import STOPPED_STATES
+from .busy import STOPPED_STATES, latest_reading
 from .common import Analysis, primary
 from .stall import stall_evidence, stalled_frontiers
-
-
-def _latest(inc: Incident, proc: int) -> ProcessThreads | None:
-    p = inc.procs[proc]
-    latest: ProcessThreads | None = None
-    for hr in inc.readings:
-        if hr.host != p.host:
-            continue
-        for snap in hr.current():
-            for r in snap.processes:
-                if r.pid == p.pid and (latest is None or r.taken_ns > latest.taken_ns):
-                    latest = r
-    return latest if latest is not None and not latest.error else None
 
 
 def stopped(inc: Incident, proc: int) -> bool | None:
     """Whether every thread of process ``proc`` was stopped in the latest
     reading of its node; None if it was not read."""
-    latest = _latest(inc, proc)
+    latest = latest_reading(inc, proc)
     if latest is None or not latest.threads:
         return None
     return all(t.state in STOPPED_STATES for t in latest.threads)

@@ -14,7 +14,7 @@ that host.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -63,20 +63,27 @@ def owner_of(addrs: np.ndarray, owner: dict[bytes, int]) -> np.ndarray:
     return np.array([owner.get(bytes(a.tobytes()), -1) for a in addrs], dtype=np.int32)
 
 
+def _rings(
+    recordings: Sequence[Recording], hosts: tuple[str, ...], name: str
+) -> Iterator[tuple[np.ndarray, int, int]]:
+    """Each dump's rows of ring ``name`` (none: skipped), its host's index
+    in ``hosts`` and what makes its timestamps wall clock."""
+    host_of = {h: i for i, h in enumerate(hosts)}
+    for rec in recordings:
+        ring = rec.rings.get(name)
+        if ring is not None and len(ring.rows):
+            yield ring.rows, host_of[rec.host], _offset(rec)
+
+
 def probe_rows(
     recordings: Sequence[Recording], hosts: tuple[str, ...], owner: dict[bytes, int]
 ) -> np.ndarray:
     """Every dump's probe rows: who probed whom, how, and what came of it."""
-    host_of = {h: i for i, h in enumerate(hosts)}
     parts = []
-    for rec in recordings:
-        ring = rec.rings.get("probes")
-        if ring is None or not len(ring.rows):
-            continue
-        r = ring.rows
+    for r, host, offset in _rings(recordings, hosts, "probes"):
         t = np.zeros(len(r), dtype=PROBE_DTYPE)
-        t["host"] = host_of[rec.host]
-        t["wall"] = r["ts_ns"].astype(np.int64) + _offset(rec)
+        t["host"] = host
+        t["wall"] = r["ts_ns"].astype(np.int64) + offset
         t["src"], t["dst"] = owner_of(r["saddr"], owner), owner_of(r["daddr"], owner)
         for name in ("probe", "role", "outcome"):
             t["kind" if name == "probe" else name] = r[name]
@@ -107,13 +114,8 @@ def conn_rows(
     """Every dump's samples of connections between two hosts' own addresses
     (never loopback, never both ends on one host), sorted by connection end
     and time."""
-    host_of = {h: i for i, h in enumerate(hosts)}
     parts = []
-    for rec in recordings:
-        ring = rec.rings.get("conn_samples")
-        if ring is None or not len(ring.rows):
-            continue
-        r = ring.rows
+    for r, host, offset in _rings(recordings, hosts, "conn_samples"):
         fam = r["family"]
         keep = ~addresses.is_loopback(r["saddr"], fam) & ~addresses.is_loopback(r["daddr"], fam)
         r = r[keep]
@@ -121,8 +123,8 @@ def conn_rows(
         keep = (local >= 0) & (remote >= 0) & (local != remote)
         r, local, remote = r[keep], local[keep], remote[keep]
         t = np.zeros(len(r), dtype=CONN_SAMPLE_DTYPE)
-        t["host"] = host_of[rec.host]
-        t["wall"] = r["ts_ns"].astype(np.int64) + _offset(rec)
+        t["host"] = host
+        t["wall"] = r["ts_ns"].astype(np.int64) + offset
         t["local"], t["remote"], t["pid"], t["state"] = local, remote, r["pid"], r["state"]
         t["conn"] = connection_keys(r)
         for name, field in _CONN_FIELDS:
@@ -141,16 +143,11 @@ _IFACE_FIELDS = (*IFACE_NETDEV, "qdisc_drops", "qdisc_overlimits", "qdisc_backlo
 def iface_rows(recordings: Sequence[Recording], hosts: tuple[str, ...]) -> np.ndarray:
     """Every dump's samples of the job's interfaces, sorted by host, interface
     and time."""
-    host_of = {h: i for i, h in enumerate(hosts)}
     parts = []
-    for rec in recordings:
-        ring = rec.rings.get("iface_samples")
-        if ring is None or not len(ring.rows):
-            continue
-        r = ring.rows
+    for r, host, offset in _rings(recordings, hosts, "iface_samples"):
         t = np.zeros(len(r), dtype=IFACE_DTYPE)
-        t["host"] = host_of[rec.host]
-        t["wall"] = r["ts_ns"].astype(np.int64) + _offset(rec)
+        t["host"] = host
+        t["wall"] = r["ts_ns"].astype(np.int64) + offset
         t["ifindex"], t["mtu"] = r["ifindex"], _known(r["mtu"])
         t["name"] = [bytes(n).rstrip(b"\0").decode(errors="replace") for n in r["name"]]
         for name in _IFACE_FIELDS:

@@ -10,8 +10,10 @@ way, whether or not its answer came back.  One the sender sent, that was
 not answered, and that the peer's responder did not count although it
 listened when it came (the peer's dump holds what its responder counted
 after that time, and its agent probed too: its responder ran) was lost on
-the way there; without the peer's count, it was lost one way or the other.  A TCP exchange with the
-peer's agent is its own size: it needs the handshake both ways.
+the way there; without the peer's count, it was lost one way or the other.
+One the peer's host refused (no agent listened: it was down, or not yet
+back) was not lost: the host answered.  A TCP exchange with the peer's
+agent is its own size: it needs the handshake both ways.
 
 The finding (``probe_finding``):
 - every pair of hosts whose probes were lost shares one host (three hosts
@@ -128,6 +130,8 @@ def path_report(inc: Incident) -> PathReport:
             continue
         if int(r["sent"]) == 0 or int(r["outcome"]) == ProbeOutcome.ERROR:
             continue  # nothing left this host: no evidence of the path
+        if int(r["outcome"]) == ProbeOutcome.REFUSED:
+            continue  # the peer's host answered that its agent was not there: no loss
         if int(r["kind"]) != ProbeKind.ICMP and dst not in probing:
             continue  # the peer's agent answers these, not known to run; its kernel, echoes
         c = report.at(src, dst, size)

@@ -63,6 +63,8 @@ def _truth(ranks: set[int], hosts: set[str]) -> Truth:
 CULPRITS = {
     # both ranks whose CPU the hog took are starved alike (its README)
     "lab-cpuhog-2x2": _truth({0, 2}, {"node0", "node1"}),
+    # rank 3 hangs as node 0's agent is killed and restarted (its README)
+    "lab-agent-restart-2x2": _truth({3}, {"node1"}),
     "lab-crash-2x2": _truth({2}, {"node1"}),
     "lab-crash-4x2": _truth({5}, {"node2"}),
     # the same faults at step 80, the rings wrapped past their start

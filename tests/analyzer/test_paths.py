@@ -6,6 +6,7 @@ trips rose.  Synthetic tables, each rule both ways."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -130,6 +131,22 @@ def test_a_host_whose_agent_is_gone_is_no_lost_path() -> None:
     mine["outcome"][mine["dst"] == 1] = ProbeOutcome.LOST
     f = paths.probe_finding(incident(3, mine))
     assert f is not None and f.hosts == (1,)
+
+
+def test_probes_refused_while_the_peers_agent_restarted_are_no_lost_path() -> None:
+    """Node 1's agent was down while node 0 probed it (its host refused the
+    datagrams and the TCP exchange: nobody listened), then came back and
+    probed node 0: those refusals are the host answering, not a cut; the same
+    probes lost without a word are."""
+    rows = probe_rows(2, lambda s, d, z: True, kinds=(ProbeKind.UDP, ProbeKind.TCP))
+    down = (rows["host"] == 0) & (rows["dst"] == 1)
+    rows["answered"][down] = 0
+    rows["outcome"][down] = ProbeOutcome.REFUSED
+    rows = rows[~((rows["host"] == 1) & (rows["role"] == ProbeRole.RECEIVED))]
+    assert paths.probe_finding(incident(2, rows)) is None
+    rows["outcome"][rows["outcome"] == ProbeOutcome.REFUSED] = ProbeOutcome.LOST
+    f = paths.probe_finding(incident(2, rows))
+    assert f is not None and f.hosts == (0, 1)
 
 
 def test_a_peer_dump_read_before_the_probes_came_counts_nothing() -> None:
@@ -268,3 +285,13 @@ def test_the_load_that_is_not_the_jobs_is_named() -> None:
     assert s is not None
     text = paths.load_text(inc, s, ONSET)
     assert text == "node1's eth0 carried 32.0 Mbit/s out that is not the job's"
+
+
+def test_a_lab_run_whose_agent_restarted_during_the_probes_finds_no_lost_path() -> None:
+    """The recorded race (tests/data/lab-agent-restart-2x2): node 1 probed
+    node 0 while node 0's agent was down and back before the dump."""
+    from stallwatch.analyzer.pipeline import analyze_paths
+
+    data = Path(__file__).parent.parent / "data" / "lab-agent-restart-2x2"
+    (inc,) = analyze_paths([str(data)]).incidents
+    assert [v.kind.value for v in inc.verdicts] == ["missing_rank"], inc.verdicts

@@ -11,7 +11,12 @@ The first pause may raise an incident, whose published verdict must say
 what the rank was doing (busy outside NCCL, never a hang); the second must
 raise none (not even one held back by the cool-down).
 
-    python -m bench.healthy_pauses [--minutes 10] [--shapes 3x2 4x2] [--one-rank] [--out DIR]
+    python -m bench.healthy_pauses [--minutes 10] [--shapes 3x2 4x2] [--one-rank]
+        [--mode blocking|async|gpu] [--out DIR]
+
+``--mode gpu`` runs the jobs on the lab's CUDA runtime: their calls return
+at once and complete on the device, where the stall bound applies to work
+queued and not completed (``recorder.stallbound``).
 
 Each run is one lab job of ``--minutes`` (it is given many steps and
 stopped then: the lab's teardown kills its ranks, and the exits that kill
@@ -44,9 +49,9 @@ ONE_RANK = ("pause:every=60,ms=20000,rank=1,work=io",)
 
 
 def lab_run(
-    shape: tuple[int, int], minutes: float, faults: list[str], folder: Path
+    shape: tuple[int, int], minutes: float, faults: list[str], folder: Path, mode: str = "blocking"
 ) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "stallwatch", "lab", "run", "--record", "--json"]
+    argv = [sys.executable, "-m", "stallwatch", "lab", "run", "--record", "--json", "--mode", mode]
     # the lab's own wait for a rank to move: more than the longest pause
     argv += ["--agent-defaults", "--stall-timeout", "45", "--timeout", str(int(minutes * 60))]
     argv += ["--nodes", str(shape[0]), "--ranks-per-node", str(shape[1])]
@@ -114,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--shapes", nargs="+", default=["3x2", "4x2"])
     p.add_argument("--one-rank", action="store_true")
+    p.add_argument("--mode", choices=("blocking", "async", "gpu"), default="blocking")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="healthy-pauses-"))
@@ -121,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     for text in args.shapes:
         shape = (int(text.split("x")[0]), int(text.split("x")[1]))
         faults = list(ONE_RANK if args.one_rank else HEALTHY)
-        folder = out / f"{text}-{'one-rank' if args.one_rank else 'healthy'}"
-        result = lab_run(shape, args.minutes, faults, folder)
+        folder = out / f"{text}-{args.mode}-{'one-rank' if args.one_rank else 'healthy'}"
+        result = lab_run(shape, args.minutes, faults, folder, args.mode)
         raised, held, verdicts = agent_lines(folder)
         ranks = result.get("ranks", [])
         killed = {str(r["pid"]) for r in ranks if r.get("killed_by_lab")}
@@ -131,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         steps = max((r.get("steps_done", 0) for r in ranks), default=0)
         pauses = [len(f.get("episodes", [])) for f in result.get("faults", [])]
         print(
-            f"{text} {' '.join(faults)}: the job ran {ran / 60:.1f} min, {steps} steps, "
+            f"{text} {args.mode} {' '.join(faults)}:"
+            f" the job ran {ran / 60:.1f} min, {steps} steps, "
             f"pauses taken {pauses}; {len(raised)} incident(s) raised (the lab's kills at "
             f"its end apart), {held} held back by a cool-down",
             flush=True,

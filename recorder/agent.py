@@ -61,7 +61,7 @@ from .slowdown import (
     network_evidence,
 )
 from .source import EventSource
-from .stallbound import DEFAULT_CEILING_S, DEFAULT_FLOOR_S, StallBounds
+from .stallbound import DEFAULT_CEILING_S, DEFAULT_FLOOR_S, StallBounds, queued_calls
 from .tickstate import CommProgress, ProcessState, Slowdown, TickState
 from .verdicts import Judge, publisher_of
 from .watchdog import DumpScheduler, Incidents, Watchdog
@@ -320,6 +320,10 @@ class Agent:
     ) -> TickState:
         inflight = tuple(c for c in self.source.inflight_calls() if self.scope.keep_pid(c.pid))
         inflight += tuple(self.positions.inflight(now, progress))  # began before the attach
+        waiting = self._follower.waiting  # queued on a device, not completed (polled this tick)
+        if len(waiting):
+            queued = queued_calls(waiting, self.slowdown.device_stream)
+            inflight += tuple(c for c in queued if self.scope.keep_pid(c.pid))
         holders = {p.pid for p in progress if not p.destroyed}
         states = []
         for info in self.procs.infos():

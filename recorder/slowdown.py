@@ -708,6 +708,9 @@ class RowFollower:
         self.after = after  # the last position read
         self._open = np.zeros(0, dtype=np.int64)  # rows seen, not settled
         self._torn = np.zeros(0, dtype=np.int64)  # rows being written when read
+        # the rows that returned and did not settle at the last poll: waiting
+        # for the device (or for DEVICE_WAIT_NS to say it is not timed there)
+        self.waiting: np.ndarray = np.zeros(0, dtype=ring.slots.dtype)
 
     def poll(
         self, now_ns: int, device: Callable[[int, int], bool]
@@ -727,6 +730,7 @@ class RowFollower:
         done = _settled(rows, now_ns, device)
         keep = ~done & (now_ns - rows["ts_ns"].astype(np.int64) < OPEN_MAX_NS)
         self._open = positions[keep][-OPEN_MAX:]
+        self.waiting = rows[keep & (rows["end_ns"] != 0)][-OPEN_MAX:]
         return new, rows[done]
 
     def _gather(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -27,21 +27,30 @@ at start-up) gets the largest bound of its process's communicators, or the
 ceiling.
 
 "No progress anywhere" is read from every local member of the
-communicator: the latest entry or return of any of them.  A communicator
-made before the agent attached (hash 0) is one process's own.
+communicator: the latest entry, return, or completion on the device of any
+of them.  A communicator made before the agent attached (hash 0) is one
+process's own.
+
+Work queued on a device: where the CUDA probes see a communicator's calls
+complete on the device (``recorder.slowdown``'s device streams), a call
+that returned but did not complete stands as a call in flight does
+(``InflightCall.queued``), from its entry; its durations are from entry to
+the completion seen, so the rhythm is the device's.  An asynchronous job's
+hang is then raised at its bound, not the ceiling.
 
 Known limits: only this node's members are seen, so a communicator whose
 local members wait while its remote ones progress on other calls is judged
 as stalled (a collective cannot complete without every member, so such a
-wait is one); durations are the host's (a call's return), so a job whose
-calls return at once (asynchronous NCCL) has no rhythm here and its stalls
-are the ceiling's (``NO_PROGRESS``).
+wait is one); a job whose calls return at once and whose device completions
+no CUDA probe sees (no CUDA runtime attached) has no rhythm here and its
+stalls are the ceiling's (``NO_PROGRESS``).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -188,17 +197,25 @@ class StallBounds:
         self.floor_ns = min(floor, ceiling_ns)
         self._rhythms: dict[CommKey, _Rhythm] = {}
         self._paused: dict[int, int] = {}  # pid -> longest call survived beyond its bound
+        self._completed: dict[CommKey, int] = {}  # the latest completion seen on the device
 
     # ---- learning --------------------------------------------------------------
 
     def feed(self, settled: np.ndarray) -> None:
-        """NCCL ring rows whose calls returned: their durations."""
+        """NCCL ring rows whose calls returned (and completed on the device,
+        where it is seen): their durations, to the later of the two."""
         if not len(settled):
             return
         rows = settled[_CALLS[settled["op"]] & (settled["end_ns"] != 0)]
-        rows = rows[np.argsort(rows["end_ns"], kind="stable")]
-        cols = (rows[f].tolist() for f in ("comm_hash", "pid", "ts_ns", "end_ns"))
-        for comm_hash, pid, ts, end in zip(*cols, strict=True):
+        done = np.maximum(rows["end_ns"], rows["completed_ns"])
+        order = np.argsort(done, kind="stable")
+        rows, done = rows[order], done[order]
+        cols = (rows[f].tolist() for f in ("comm_hash", "pid", "ts_ns", "completed_ns"))
+        for (comm_hash, pid, ts, completed), end in zip(zip(*cols, strict=True), done.tolist(),
+                                                        strict=True):  # fmt: skip
+            if completed:
+                key = _key(comm_hash, pid)
+                self._completed[key] = max(self._completed.get(key, 0), completed)
             self.returned(comm_hash, pid, ts, end)
 
     def returned(self, comm_hash: int, pid: int, entered_ns: int, returned_ns: int) -> None:
@@ -223,6 +240,7 @@ class StallBounds:
             rhythm.pids &= alive
             if not rhythm.pids:
                 del self._rhythms[key]
+                self._completed.pop(key, None)
 
     # ---- judging ---------------------------------------------------------------
 
@@ -260,9 +278,9 @@ class StallBounds:
         )
 
     def judge(self, state: TickState) -> list[Stall]:
-        """The calls in flight whose communicator has stood still on this
-        node for longer than its bound (a call of a dead process is left to
-        the exit trigger)."""
+        """The calls in flight (or queued on a device and not completed)
+        whose communicator has stood still on this node for longer than its
+        bound (a call of a dead process is left to the exit trigger)."""
         dead = {p.pid for p in state.processes if not p.alive}
         progress = _progress(state.comms)
         out = []
@@ -279,13 +297,29 @@ class StallBounds:
             return call.entered_ns, self._warmup(0, None)
         key = _key(call.comm_hash, call.pid)
         if call.comm_hash or key in self._rhythms:
-            since = max(call.entered_ns, progress.get(key, 0))
+            since = max(call.entered_ns, progress.get(key, 0), self._completed.get(key, 0))
             return since, self.bound(call.comm_hash, call.pid)
         # a call with no communicator (a group's end): its process's largest bound
         mine = [self._bound_of(r, call.pid, True) for r in self._rhythms.values()]
         mine = [b for b, r in zip(mine, self._rhythms.values(), strict=True) if call.pid in r.pids]
         bound = max(mine, key=lambda b: b.ns) if mine else self._warmup(0, None)
         return call.entered_ns, bound
+
+
+def queued_calls(waiting: np.ndarray, device: Callable[[int, int], bool]) -> list[InflightCall]:
+    """The calls that returned and wait on a stream whose completions the
+    device reports (``device(pid, comm)``): per process and communicator the
+    oldest (a stream runs in order: the later ones wait behind it)."""
+    rows = waiting[
+        _CALLS[waiting["op"]] & (waiting["end_ns"] != 0) & (waiting["completed_ns"] == 0)
+    ]
+    rows = rows[np.argsort(rows["ts_ns"], kind="stable")]
+    out: dict[tuple[int, int], InflightCall] = {}
+    cols = (rows[f].tolist() for f in ("pid", "tid", "comm", "comm_hash", "op", "seq", "ts_ns"))
+    for pid, tid, comm, comm_hash, op, seq, ts in zip(*cols, strict=True):
+        if (pid, comm) not in out and device(pid, comm):
+            out[(pid, comm)] = InflightCall(pid, tid, comm_hash, op, seq, ts, queued=True)
+    return list(out.values())
 
 
 def _key(comm_hash: int, pid: int) -> CommKey:

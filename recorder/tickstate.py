@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class InflightCall:
-    """An NCCL call that has entered and not returned."""
+    """An NCCL call that has entered and not returned; or, ``queued``, one
+    that returned and waits on its stream: the device has not completed it
+    (where the CUDA probes see the stream's completions)."""
 
     pid: int
     tid: int
@@ -21,6 +23,7 @@ class InflightCall:
     op: int  # dumpers.schema.Op
     seq: int
     entered_ns: int
+    queued: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,9 @@ is tested on hand-built ``TickState``s.  Three pieces:
   progress on this node for longer than that communicator's own bound
   (``recorder.stallbound``: a floor, its rhythm, the pauses it survived; the
   stall timeout is the ceiling), the bound and what set it in the reason (a
-  call of a process known to be dead is left to EXIT);
+  call of a process known to be dead is left to EXIT); a call that returned
+  and waits on its stream, not completed by the device where the CUDA
+  probes see completions, stands as one in flight (``InflightCall.queued``);
 - NO_PROGRESS: a live process whose active communicators (calls > 0, not
   destroyed) have all been silent (no entry, no return) for longer than the
   stall timeout.  Judged per process, not per communicator: a process that
@@ -293,8 +295,13 @@ class Watchdog:
             what = f"{op_name(call.op)} seq {call.seq} on {_comm_text(call.comm_hash)}"
             if call.seq < 0:  # found on the thread's stack (recorder.positions)
                 what = f"{op_name(call.op)} (thread position: since before the agent started)"
+            standing = (
+                "queued on its stream, not completed by the device,"
+                if call.queued
+                else ("in flight")
+            )
             reason = (
-                f"{what} in flight for {(now - call.entered_ns) / SECOND_NS:.1f} s, no progress "
+                f"{what} {standing} for {(now - call.entered_ns) / SECOND_NS:.1f} s, no progress "
                 f"on this node for {(now - stall.since_ns) / SECOND_NS:.1f} s "
                 f"(pid {call.pid}, tid {call.tid}); {stall.bound.text()}"
             )

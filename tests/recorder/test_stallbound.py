@@ -195,6 +195,61 @@ def test_feed_reads_settled_rows() -> None:
     assert bound.calls == 2 and bound.longest_ns == 2 * MS  # the init is no duration
 
 
+def device_rows(n: int, every_ns: int, queue_ns: int, start: int = S) -> np.ndarray:
+    """``n`` asynchronous calls of communicator HASH from pid 1: each returns
+    at once and completes on the device ``queue_ns`` after its entry."""
+    from stallwatch.dumpers.schema import RING_DTYPES
+
+    rows = np.zeros(n, dtype=RING_DTYPES["nccl"])
+    rows["op"] = int(Op.ALL_REDUCE)
+    rows["comm_hash"], rows["comm"], rows["pid"], rows["tid"] = np.uint64(HASH), 0x1000, 1, 1
+    rows["seq"] = np.arange(n)
+    rows["ts_ns"] = start + np.arange(n, dtype=np.int64) * every_ns
+    rows["end_ns"] = rows["ts_ns"] + 20_000
+    rows["completed_ns"] = rows["ts_ns"] + queue_ns
+    return rows
+
+
+def test_durations_of_work_on_a_device_run_to_its_completion() -> None:
+    b = StallBounds(CEILING)
+    b.feed(device_rows(100, 100 * MS, 40 * MS))
+    assert b.bound(HASH, 1).longest_ns == 40 * MS  # not the 20 us the host took
+
+
+def test_queued_calls_are_the_oldest_of_each_stream_the_device_completes() -> None:
+    rows = device_rows(6, 10 * MS, 0)
+    rows["completed_ns"] = [S, 0, 0, 0, 0, 0]  # the first completed; the rest wait
+    rows["end_ns"][5] = 0  # still in the host's call: the in-flight rule's
+    rows["comm"][3:] = 0x2000  # a second communicator, whose stream is not timed on the device
+    on_device = {(1, 0x1000)}
+    [call] = sb.queued_calls(rows, lambda pid, comm: (pid, comm) in on_device)
+    assert call.queued and call.seq == 1 and call.entered_ns == int(rows["ts_ns"][1])
+    on_device.add((1, 0x2000))
+    assert [c.seq for c in sb.queued_calls(rows, lambda p, c: (p, c) in on_device)] == [1, 3]
+
+
+def test_work_queued_on_a_device_stalls_at_its_bound_and_completions_hold_it_back() -> None:
+    b = StallBounds(CEILING)
+    rows = device_rows(100, 100 * MS, 40 * MS)
+    b.feed(rows)
+    t = int(rows["ts_ns"][-1]) + 100 * MS  # the next call: returned at once, never completed
+    queued = InflightCall(1, 1, HASH, int(Op.ALL_REDUCE), 100, t, queued=True)
+    comm = CommProgress(1, 0x1000, HASH, 0, 2, t, t + 20_000, 101, 0, False)
+    state = lambda now: TickState(now, (queued,), (comm,), (ProcessState(1, True, True),))  # noqa: E731
+    assert not b.judge(state(t + 5 * S))
+    [stall] = b.judge(state(t + 5 * S + MS))
+    assert stall.bound.set_by == "floor" and stall.call.queued
+    # another local member's call on it completed on the device 3 s later:
+    # progress (the member's entry is not in the tick: only the completion says so)
+    other = device_rows(1, 0, 40 * MS, start=t + 3 * S - 40 * MS)
+    other["pid"], other["seq"] = 2, 100
+    b.feed(other)
+    assert b.bound(HASH, 1).set_by == "floor"
+    assert not b.judge(state(t + 5 * S + MS))
+    [stall] = b.judge(state(t + 8 * S + MS))
+    assert stall.since_ns == t + 3 * S
+
+
 # ---- in the watchdog ----------------------------------------------------------------
 
 
@@ -207,6 +262,19 @@ def test_the_watchdog_raises_at_the_bound_and_says_what_set_it() -> None:
     assert trig.kind is TriggerKind.IN_FLIGHT
     assert "bound 5 s, set by the floor" in trig.reason
     assert "rhythm" in trig.reason and "ceiling 60 s" in trig.reason
+
+
+def test_the_watchdog_says_a_stalled_call_waits_on_the_device() -> None:
+    b = StallBounds(CEILING)
+    b.feed(device_rows(100, 100 * MS, 40 * MS))
+    t = 20 * S
+    queued = InflightCall(1, 1, HASH, int(Op.ALL_REDUCE), 100, t, queued=True)
+    comm = CommProgress(1, 0x1000, HASH, 0, 2, t, t, 101, 0, False)
+    wd = Watchdog(CEILING, "node-1", bounds=b, wall_clock=lambda: 1_790_000_000 * S)
+    procs = (ProcessState(1, True, True),)
+    [trig] = wd.check(TickState(t + 5 * S + MS, (queued,), (comm,), procs))
+    assert trig.kind is TriggerKind.IN_FLIGHT
+    assert "queued on its stream, not completed by the device, for 5.0 s" in trig.reason
 
 
 def test_the_lab_waits_for_the_agents_own_ceiling() -> None:

@@ -12,7 +12,11 @@ and whether each published verdict (its last revision) equals what
 draw, then p50, p95 and the largest; exit 1 if the p95 is over 10 s or a
 published verdict differs from analyze's.
 
-    python -m bench.verdict_latency [--draws 20] [--first-seed S] [--out DIR]
+    python -m bench.verdict_latency [--draws 20] [--first-seed S] [--mode gpu] [--out DIR]
+
+``--mode gpu`` runs the jobs on the lab's CUDA runtime (calls return at once
+and complete on the device: their hangs are raised from the work queued on
+it); the default is blocking.
 
 Run it alone (``flock /work/.../quiet.lock``): its times are wall times of
 the lab's processes on a shared machine.
@@ -81,9 +85,9 @@ def _iso_wall(iso: str) -> float:
     return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
 
 
-def lab_run(draw: Draw, folder: Path) -> dict[str, Any]:
+def lab_run(draw: Draw, folder: Path, mode: str = "blocking") -> dict[str, Any]:
     nodes, per, _, _, _, spec = draw.pick()
-    argv = [sys.executable, "-m", "stallwatch", "lab", "run", "--record", "--json"]
+    argv = [sys.executable, "-m", "stallwatch", "lab", "run", "--record", "--json", "--mode", mode]
     argv += ["--agent-defaults", "--stall-timeout", "15", "--timeout", "600"]
     argv += ["--nodes", str(nodes), "--ranks-per-node", str(per), "--steps", str(STEPS)]
     argv += ["--dump-dir", str(folder / "dumps"), "--fault", spec]
@@ -151,11 +155,11 @@ def check_published(folder: Path) -> list[tuple[str, bool, str]]:
     return out
 
 
-def measure(draw: Draw, folder: Path, reuse: bool) -> dict[str, Any]:
+def measure(draw: Draw, folder: Path, reuse: bool, mode: str = "blocking") -> dict[str, Any]:
     kept = (folder / "lab.json").is_file()
     result = json.loads((folder / "lab.json").read_text()) if reuse and kept else {}
     if not result:
-        result = lab_run(draw, folder)
+        result = lab_run(draw, folder, mode)
     fired = fault_wall(result)
     verdicts = log_lines(folder, VERDICT_LINE)
     incidents = log_lines(folder, INCIDENT_LINE)
@@ -182,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-seed", type=int, default=None, help="default: a fresh random one")
     p.add_argument("--out", type=Path, default=None, help="keep the runs here")
     p.add_argument("--reuse", action="store_true", help="measure the runs kept in --out again")
+    p.add_argument("--mode", choices=("blocking", "gpu"), default="blocking")
     args = p.parse_args(argv)
     first = (
         args.first_seed if args.first_seed is not None else random.SystemRandom().randrange(1 << 30)
@@ -193,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         draw = Draw(seed)
         nodes, per, fault, _, _, spec = draw.pick()
         began = time.monotonic()
-        m = measure(draw, out / f"seed{seed}", args.reuse)
+        m = measure(draw, out / f"seed{seed}", args.reuse, args.mode)
         took = time.monotonic() - began
         lat = m["verdict_s"]
         if lat is not None:
@@ -202,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         shown = "none" if lat is None else f"{lat:.1f}"
         named = "" if m["line"] and f"|{EXPECTED[fault]}:" in m["line"] else " (UNEXPECTED kind)"
         print(
-            f"seed {seed} {nodes}x{per} {spec}: detected {det} s, verdict {shown} s "
+            f"seed {seed} {nodes}x{per} {args.mode} {spec}: detected {det} s, verdict {shown} s "
             f"(run {took:.0f} s): {m['line']}{named}",
             flush=True,
         )

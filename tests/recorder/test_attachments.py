@@ -174,8 +174,10 @@ def test_raw_tracepoints_write_the_rows_tracepoints_write(
     """IPv4 and IPv6, every kind of TCP row the job makes (state changes,
     retransmits with the connection's state, resets sent and received), and
     the scheduler's count of the job's waits: the same on both, but for what
-    the tracepoints' programs were skipped for (on a shared machine, other
-    tools' tracing programs run), which the raw tracepoints have."""
+    either's programs were skipped for, as the kernel counts it (on a shared
+    machine, other tools' tracing programs run: the tracepoints' programs
+    are skipped then, the raw tracepoints' only when one runs again inside
+    itself)."""
     a, _ = link
     _lose_data(a, JOB_PORT, 10)
     before = {k: _unseen(agent) for k, agent in agents.items()}
@@ -206,13 +208,16 @@ def test_raw_tracepoints_write_the_rows_tracepoints_write(
     packet = raw[(raw["event"] == TcpEvent.TCP_SEND_RESET) & (raw["sport"] == CLOSED_PORT)]
     assert sorted(packet["family"].tolist()) == [2, 10]
     assert (packet["dport"] == JOB_PORT).all() and (packet["skaddr"] == 0).all()
-    assert unseen[RAW] == (0, 0)
+    # what either side lacks, its programs were skipped for, and counted so
+    # (a raw tracepoint's program is skipped only when it runs again on a
+    # CPU where it is running, an interrupt's event inside a task's: on a
+    # loaded machine, a few)
     mine, theirs = _events(raw), _events(rows[TRACEPOINT])
-    assert not theirs - mine  # nothing the raw tracepoints do not have
+    assert (theirs - mine).total() <= unseen[RAW][0]
     assert (mine - theirs).total() <= unseen[TRACEPOINT][0]
     assert waits[RAW] and waits[RAW].keys() == waits[TRACEPOINT].keys()
     fewer = [np.subtract(waits[RAW][t], waits[TRACEPOINT][t]) for t in waits[RAW]]
-    assert all((d >= 0).all() for d in fewer)
+    assert all((d >= -unseen[RAW][1]).all() for d in fewer)
     assert sum(int(d[0]) for d in fewer) <= unseen[TRACEPOINT][1]
 
 

@@ -382,7 +382,11 @@ def _shared(
 def _across(inc: Incident, ends: list[EndChange]) -> SlowLink | None:
     """Without a baseline: the host whose connections' round trips sit a
     delayed ACK above the median of the connections without it, where none
-    of those does."""
+    of those does.  A host found only through its connections to another
+    host found (the slow host's connections are most of those without this
+    one, and lift their median) is that host's peer, not a second slow
+    host: only a host with a slowed connection that touches no other host
+    found is kept."""
     found = []
     for host in range(len(inc.hosts)):
         others = [e for e in ends if host not in (e.host, e.peer)]
@@ -394,6 +398,8 @@ def _across(inc: Incident, ends: list[EndChange]) -> SlowLink | None:
         if slowed and not any(e.srtt_us > bound for e in others):
             peers = tuple(sorted({e.host if e.peer == host else e.peer for e in slowed}))
             found.append(SlowLink(host, peers, tuple(slowed), tuple(others), False))
+    hosts = {s.host for s in found}
+    found = [s for s in found if any(not {e.host, e.peer} & (hosts - {s.host}) for e in s.slowed)]
     return found[0] if len(found) == 1 else None
 
 

@@ -257,6 +257,24 @@ def test_without_a_baseline_the_host_above_the_others_is_named() -> None:
     assert paths.slow_link(incident(3, conns=conn_rows(3, healthy, seconds=20)), None) is None
 
 
+def test_without_a_baseline_a_peer_of_the_slow_host_is_not_named_with_it() -> None:
+    """Four hosts, node3's link slow, no baseline: of the connections
+    without node0, two of three are node3's, so their median is node3's
+    pace, and node0's own connections to node3 (the slowest) sit above it.
+    Every such connection of node0 touches node3: node0 is its peer."""
+
+    def rtt(a: int, b: int, t: int) -> int:
+        if {a, b} == {0, 3}:
+            return 160_000
+        return 110_000 if 3 in (a, b) else 12_000
+
+    s = paths.slow_link(incident(4, conns=conn_rows(4, rtt, seconds=20)), None)
+    assert s is not None and s.host == 3 and s.peers == (0, 1, 2)
+    # two slow hosts, each with a slowed connection of its own: nobody alone
+    both = lambda a, b, t: 110_000 if {a, b} & {0, 3} else 12_000  # noqa: E731
+    assert paths.slow_link(incident(4, conns=conn_rows(4, both, seconds=20)), None) is None
+
+
 def test_two_hosts_pin_no_slow_link() -> None:
     rtt = lambda a, b, t: 100_000 if t >= 30 else 300  # noqa: E731
     assert paths.slow_link(incident(2, conns=conn_rows(2, rtt)), ONSET) is None

@@ -872,6 +872,7 @@ class EndChange:
     srtt_us: float  # median since
     rate_bps: float | None  # median delivery rate since (bits/s), None where unknown
     retrans: int  # segments retransmitted since
+    pid: int | None = None  # the process this end belongs to, None where unknown
 
 
 @dataclass(frozen=True, slots=True)

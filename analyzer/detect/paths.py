@@ -43,7 +43,7 @@ from ..incident import EndChange, Incident, SlowLink, SlowWindow
 from ..match import Matched
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, who
-from .cpu import starved_hosts
+from .cpu import sched_heavy, starved_hosts
 from .slowdown import window_since
 
 # IPv4's smallest datagram every host must take whole (RFC 791: 576 bytes):
@@ -337,6 +337,7 @@ def end_changes(inc: Incident, onset_wall: int | None) -> list[EndChange]:
                 srtt_us=float(np.median(after["srtt_us"])),
                 rate_bps=float(np.median(rate)) * 8 if len(rate) else None,
                 retrans=int(retrans[-1] - max(start, 0)) if len(retrans) else 0,
+                pid=int(rows["pid"][-1]) or None,
             )
         )
     return out
@@ -534,15 +535,31 @@ def onset_wall(inc: Incident, windows: Iterable[SlowWindow], m: Matched) -> int 
     return min(walls) if walls else None
 
 
+def link_slowed(a: Analysis) -> SlowLink | None:
+    """The slow link, where starvation does not explain it: a host whose
+    ranks are starved of CPU answers late on their own connections (``cpu``'s
+    verdicts judge it), but where connections of its processes that are not
+    starved slowed as well, the link slowed them."""
+    s = a.slow_link
+    if s is None or s.host not in starved_hosts(a):
+        return s
+    inc = a.incident
+    starved = {(inc.procs[p].host, inc.procs[p].pid) for p in sched_heavy(a)}
+    name = inc.hosts[s.host]
+    beyond = any(
+        e.host == s.host and e.pid is not None and (name, e.pid) not in starved for e in s.slowed
+    )
+    return s if beyond else None
+
+
 def detect_slow_link(a: Analysis) -> list[Verdict]:
     """A slowdown pinned to a link: the host whose connections' round trips
     rose (against their own baseline, or above every connection without it)
-    while the job's other connections kept their pace.  A host whose ranks
-    are starved of CPU is not named for it: a starved process answers late
-    (``cpu``'s verdicts judge it)."""
-    s = a.slow_link
+    while the job's other connections kept their pace, and not only those of
+    its processes starved of CPU (``link_slowed``)."""
+    s = link_slowed(a)
     inc = a.incident
-    if s is None or s.host in starved_hosts(a):
+    if s is None:
         return []
     since = a.slow_since_wall if a.slow_since_wall is not None else 0
     name = inc.hosts[s.host]

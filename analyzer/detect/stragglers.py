@@ -22,6 +22,7 @@ from ..verdict import Verdict, VerdictKind
 from .common import Analysis, ms
 from .cpu import most_lost, sched_heavy
 from .network import detect_network, lossy_hosts, received_mostly
+from .paths import link_slowed
 
 # ---- metric: how each rank arrives at its collectives --------------------------------
 
@@ -706,17 +707,25 @@ def detect_stragglers(a: Analysis) -> list[Verdict]:
     readers = slow_readers(a)
     lossy = {a.incident.hosts[h.host] for h in lossy_hosts(a, readers)}
     heavy = sched_heavy(a)
+    link = link_slowed(a)
+    # behind a slow link its host's ranks arrive late whatever their CPU: a
+    # rank of it starved no more than ranks that are not late is the link's
+    behind = {a.incident.hosts[link.host]} if link is not None else set()
     out = []
     named = set()
     for s in straggler_candidates(a):
         named.add(s.proc)
-        if s.proc in heavy:
+        if s.proc in heavy and a.incident.procs[s.proc].host not in behind:
             out.append(_straggler_verdict(a, s, VerdictKind.CPU_INTERFERENCE))
+        elif s.proc in heavy:
+            continue
         elif a.incident.procs[s.proc].host not in lossy and a.slow_link is None:
             # (behind a slow link, ranks arrive late in the order it holds them)
             v = _straggler_verdict(a, s, VerdictKind.COMPUTE_STRAGGLER)
             out.append(_with_reading(a, v, s.proc, readers))
     for proc in sorted(heavy - named):  # starved, and late (if less consistently)
+        if a.incident.procs[proc].host in behind:
+            continue
         late = _late_somewhere(a, proc, heavy)
         if late is not None:
             s, share = late

@@ -5,6 +5,7 @@ trips rose.  Synthetic tables, each rule both ways."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 
 from stallwatch.analyzer.columns import Columns
 from stallwatch.analyzer.detect import paths
+from stallwatch.analyzer.detect.common import Analysis
 from stallwatch.analyzer.incident import (
     CALL_DTYPE,
     CONN_SAMPLE_DTYPE,
@@ -24,7 +26,10 @@ from stallwatch.analyzer.incident import (
     TCP_DTYPE,
     Calls,
     Incident,
+    Proc,
+    SchedDelays,
 )
+from stallwatch.analyzer.verdict import VerdictKind
 from stallwatch.dumpers.schema import ProbeKind, ProbeOutcome, ProbeRole
 
 S = 1_000_000_000
@@ -273,6 +278,45 @@ def test_without_a_baseline_a_peer_of_the_slow_host_is_not_named_with_it() -> No
     # two slow hosts, each with a slowed connection of its own: nobody alone
     both = lambda a, b, t: 110_000 if {a, b} & {0, 3} else 12_000  # noqa: E731
     assert paths.slow_link(incident(4, conns=conn_rows(4, both, seconds=20)), None) is None
+
+
+def starved_analysis(slowed_pids: set[int]) -> Analysis:
+    """Three hosts of two ranks (pids 10 + 2 host + local rank); node1's
+    connections slowed, those of ``slowed_pids`` among its own ends; rank
+    pid 12 (node1's first) starved of CPU by outside processes, 10x the
+    others."""
+    rtt = lambda a, b, t: 120_000 if 1 in (a, b) else 12_000  # noqa: E731
+    conns = conn_rows(3, rtt, seconds=20)
+    mine = conns["local"] == 1
+    pids = np.where(conns["conn"] % 2 == 0, 12, 13)  # each connection is one rank's
+    conns["pid"] = np.where(mine, pids, 10 + 2 * conns["local"])
+    conns["srtt_us"][mine & ~np.isin(conns["pid"], list(slowed_pids))] = 12_000
+    procs = tuple(Proc(f"node{h}", 10 + 2 * h + r, 2 * h + r, f"node{h}") for h in range(3)
+                  for r in range(2))  # fmt: skip
+    inc = dataclasses.replace(incident(3, conns=conns), procs=procs)
+    outside = np.full(6, 20_000_000, dtype=np.int64)
+    outside[2] = 200_000_000
+    zero = np.zeros(6, dtype=np.int64)
+    return Analysis(inc, None, (), (), (), None, SchedDelays(outside, zero, zero),  # type: ignore[arg-type]
+                    slow_link=paths.slow_link(inc, None))  # fmt: skip
+
+
+def test_a_slow_link_beyond_its_starved_rank_is_the_links() -> None:
+    """The connections of node1's rank that is not starved slowed too: the
+    link slowed them, not the starvation of the other rank."""
+    a = starved_analysis({12, 13})
+    assert a.slow_link is not None and a.slow_link.host == 1
+    assert paths.link_slowed(a) is a.slow_link
+    [v] = paths.detect_slow_link(a)
+    assert v.kind is VerdictKind.NETWORK_STRAGGLER and set(v.hosts) == {"node1"}
+
+
+def test_a_slow_link_of_its_starved_rank_alone_is_the_starvations() -> None:
+    """Only the starved rank's own connections answer late: a starved
+    process does that, and the CPU verdicts judge it."""
+    a = starved_analysis({12})
+    assert a.slow_link is not None and a.slow_link.host == 1
+    assert paths.link_slowed(a) is None and paths.detect_slow_link(a) == []
 
 
 def test_two_hosts_pin_no_slow_link() -> None:

@@ -375,14 +375,17 @@ def test_a_device_late_by_less_than_its_margin_is_no_slowdown() -> None:
     assert first_of(drive(SlowdownWatch(), rows), "late") is None
 
 
-def _held_job() -> np.ndarray:
-    """A 6 s collective at step 700 on every rank (an outage, or a checkpoint's barrier)."""
-    rows = job(800, lambda step: 100)
+def _held_job(held_ms: float = 6000.0, call_ms: float = 5.0) -> np.ndarray:
+    """A collective held ``held_ms`` longer at step 700 on every rank (an
+    outage, or a checkpoint's barrier); each call takes ``call_ms`` after
+    the last rank entered."""
+    rows = job(800, lambda step: 100, after_last_ms=call_ms)
     seq = 2 * 700
     sel = rows["seq"] >= seq
-    rows["end_ns"][rows["seq"] == seq] += 6 * S
-    rows["ts_ns"][sel & (rows["seq"] > seq)] += 6 * S
-    rows["end_ns"][sel & (rows["seq"] > seq)] += 6 * S
+    held = int(held_ms * MS)
+    rows["end_ns"][rows["seq"] == seq] += held
+    rows["ts_ns"][sel & (rows["seq"] > seq)] += held
+    rows["end_ns"][sel & (rows["seq"] > seq)] += held
     return rows
 
 
@@ -404,6 +407,20 @@ def test_a_held_collective_is_handed_over_with_its_baseline_once_it_waited() -> 
     at_once = SlowdownWatch(SlowdownConfig(held_wait_s=0))
     drive(at_once, rows)
     assert len(at_once.held(returned)) == 2
+
+
+@pytest.mark.parametrize(("held_ms", "handed"), [(1000.0, False), (2200.0, True)])
+def test_a_call_held_past_the_floor_is_held_only_far_beyond_its_own_duration(
+    held_ms: float, handed: bool
+) -> None:
+    """Calls of 150 ms: one held 1 s longer (1.15 s: past the 1 s floor, but
+    under 8 times its baseline) is not handed over as held; one held 2.2 s
+    longer (2.35 s: over 15 times its baseline) is."""
+    watch = SlowdownWatch()
+    drive(watch, _held_job(held_ms, call_ms=150.0))
+    held = watch.held(END_OF_TIME)
+    assert ({h.seq for h in held} == {1400}) is handed, [(h.seq, h.baseline_ns) for h in held]
+    assert all(abs(h.baseline_ns - 150 * MS) < 5 * MS for h in held)
 
 
 def test_a_held_call_of_a_process_gone_is_forgotten() -> None:
@@ -442,6 +459,29 @@ def test_network_evidence_inside_a_held_call() -> None:
     link["ts_ns"], link["event"] = inside, LinkEvent.CARRIER_DOWN
     carrier = network_evidence(h, np.zeros(0, dtype=TCP_EVENT), link)
     assert carrier is not None and "carrier" in carrier
+
+
+@pytest.mark.parametrize(
+    ("no_ack_ms", "evidence"),
+    [
+        # one timeout at the kernel's smallest RTO (200 ms), its timer run
+        # 150 ms late by a loaded machine: a stray any network has
+        (350, False),
+        # one timeout after 0.7 s with nothing acknowledged: longer than
+        # two timeouts in a row at the smallest RTO take (0.2 + 0.4 s), an
+        # RTO grown with a choked link's queue
+        (700, True),
+    ],
+)
+def test_one_timeout_is_network_evidence_only_after_a_long_silence(
+    no_ack_ms: int, evidence: bool
+) -> None:
+    watch = SlowdownWatch()
+    drive(watch, _held_job())
+    h = watch.held(END_OF_TIME)[0]
+    one = _tcp(h.entered_ns + S, 1, no_ack_ms * MS)
+    text = network_evidence(h, one, np.zeros(0, dtype=LINK_EVENT))
+    assert (text is not None) is evidence, text
 
 
 def test_streams_of_processes_gone_are_forgotten() -> None:

@@ -268,6 +268,51 @@ def test_retransmits_into_a_host_no_late_rank_explains_are_the_network() -> None
     assert len(net) == 1 and net[0].hosts == ("node1",), [v.summary for v in vs]
 
 
+def _sent_back(recs: list[Recording], node: int, into_per_out: float) -> list[Recording]:
+    """The recordings with ``node`` retransmitting too (its first rank),
+    towards the peers that retransmit into it: one of its own for every
+    ``into_per_out`` of theirs, in the same collectives."""
+    host = host_of(node)
+    into = np.concatenate([r.rings["tcp"].rows for r in recs if r.host != host])
+    into = into[into["event"] == TcpEvent.TCP_RETRANSMIT_SKB]
+    out = into[np.linspace(0, len(into) - 1, round(len(into) / into_per_out)).astype(int)].copy()
+    out["saddr"], out["daddr"] = out["daddr"].copy(), out["saddr"].copy()
+    out["pid"] = pid_of(node * BASE.ranks_per_node)
+    (rec,) = [r for r in recs if r.host == host]
+    tcp = Ring(np.concatenate([rec.rings["tcp"].rows, out]))
+    sent = dataclasses.replace(rec, rings={**rec.rings, "tcp": tcp})
+    return [sent if r is rec else r for r in recs]
+
+
+@pytest.mark.parametrize(
+    ("into_per_out", "slow_reader"),
+    [
+        # a lossy link drops both ways: about as many retransmits into the
+        # host as out of it (1.0-1.4x in the lab's loss runs)
+        (1.25, False),
+        # a late reader's peers retransmit into its full queues, far more
+        # than it sends back (3.4x into a rank 150 ms late in the lab)
+        (3.0, True),
+    ],
+)
+def test_a_late_ranks_host_is_a_slow_reader_only_when_retransmits_mostly_come_into_it(
+    into_per_out: float, slow_reader: bool
+) -> None:
+    """Rank 2 (node1) computes 150 ms longer from step 10, and node1's
+    connections retransmit both ways: its lateness explains them only when
+    they mostly come into it; otherwise the link is lossy and is named."""
+    job = with_(BASE, nodes=4, slow=(2, 150.0), from_step=10, loss_node=1, loss_into=True)
+    recs = _sent_back(recordings(job), 1, into_per_out)
+    (inc,) = group_incidents([Source(f"dump-{r.host}.msgpack", r) for r in recs])
+    vs = list(analyze_incident(inc).verdicts)
+    if slow_reader:
+        assert kinds(vs) == [VerdictKind.COMPUTE_STRAGGLER], [v.summary for v in vs]
+        assert vs[0].ranks == (2,)
+    else:
+        assert kinds(vs) == [VerdictKind.NETWORK_STRAGGLER], [v.summary for v in vs]
+        assert vs[0].hosts == ("node1",)
+
+
 def _with_noise_retransmits(recs: list[Recording], nodes: int) -> list[Recording]:
     """Retransmits as a loaded machine has them: in every other collective
     window, spread over all the node pairs, none slowing anything; plus many

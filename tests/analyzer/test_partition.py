@@ -100,6 +100,45 @@ def test_resets_before_any_failure_name_the_node_and_claim_the_exits() -> None:
     assert sum("exited (code 4)" in e for e in v.evidence) == 6
 
 
+RESETS = (TcpEvent.TCP_SEND_RESET, TcpEvent.TCP_RECEIVE_RESET)
+
+
+def _resets_before_the_failure(recs: list[Recording], gap_ns: int) -> list[Recording]:
+    """The recordings with the resets moved to ``gap_ns`` before the first call failed."""
+    nccl = np.concatenate([r.rings["nccl"].rows for r in recs])
+    failed = int(nccl["end_ns"][(nccl["result"] != 0) & (nccl["end_ns"] > 0)].min())
+    tcp = np.concatenate([r.rings["tcp"].rows for r in recs])
+    first = int(tcp["ts_ns"][np.isin(tcp["event"], RESETS)].min())
+    out = []
+    for r in recs:
+        rows = r.rings["tcp"].rows.copy()
+        rows["ts_ns"][np.isin(rows["event"], RESETS)] -= gap_ns - (failed - first)
+        rows = rows[np.argsort(rows["ts_ns"], kind="stable")]
+        out.append(dataclasses.replace(r, rings={**r.rings, "tcp": Ring(rows)}))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("gap_ms", "on_them"),
+    [
+        # a reset of many sockets, one after another, on a loaded machine
+        # takes a while: a call failing 1.5 s after the first reset failed on them
+        (1500, True),
+        # a call blocked on a connection that was reset fails at once: 3 s
+        # later, it failed on something else (its rank's exit is the cause)
+        (3000, False),
+    ],
+)
+def test_resets_name_the_node_only_when_the_calls_failed_soon_after_them(
+    gap_ms: int, on_them: bool
+) -> None:
+    job = with_(JOB, reset=(0, 20), compute_ms=250.0)  # 5 s of steps before the resets
+    v = _first_of(_resets_before_the_failure(recordings(job), gap_ms * MS))
+    assert (v.kind is VerdictKind.NETWORK_PARTITION) is on_them, v.summary
+    if not on_them:
+        assert v.kind is VerdictKind.RANK_EXITED and v.hosts == ("node0",), v.summary
+
+
 def test_a_rank_that_hangs_on_a_healthy_network_stays_the_culprit() -> None:
     kind, hosts, _ = first(with_(JOB, hang=(3, 20)))
     assert kind is VerdictKind.MISSING_RANK and hosts == ("node1",)
@@ -479,6 +518,43 @@ def test_a_peer_heard_after_the_last_timeout_was_acknowledged_however_recent() -
         fates = [f for f in connection_fates(_incident(rs)) if 1 in f.hosts]
         assert fates and all(f.dead is dead for f in fates)
     assert _first_of(healed).kind is not VerdictKind.NETWORK_PARTITION
+
+
+def _heard_before_last_timeout(recs: list[Recording], before_ns: int) -> list[Recording]:
+    """The recordings with each stopped connection's state at the dump
+    saying its peer was last heard ``before_ns`` before its last timeout."""
+    out = []
+    for r in recs:
+        rows = r.rings["tcp"].rows.copy()
+        rt = rows[rows["event"] == TcpEvent.TCP_RETRANSMIT_SKB]
+        for i in np.flatnonzero(rows["event"] == TcpEvent.TCP_INFO).tolist():
+            mine = rt[(rt["sport"] == rows["sport"][i]) & (rt["dport"] == rows["dport"][i])]
+            if len(mine):
+                heard = int(mine["ts_ns"].max()) - before_ns
+                rows["no_ack_ns"][i] = int(rows["ts_ns"][i]) - heard
+        out.append(dataclasses.replace(r, rings={**r.rings, "tcp": Ring(rows)}))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("before_ms", "stopped"),
+    [
+        # the kernel keeps when it last heard the peer in jiffies: a reading
+        # off by up to a tick at each end (10 ms at HZ 100, the coarsest)
+        # may put an acknowledgement right after the timeout before it
+        (15, False),
+        # three ticks and more before it: heard before the timeout, nothing since
+        (30, True),
+    ],
+)
+def test_a_peer_heard_just_before_the_last_timeout_is_told_by_the_kernels_tick(
+    before_ms: int, stopped: bool
+) -> None:
+    recs = _heard_before_last_timeout(recordings(with_(JOB, cut=(1, 10), at_dump=True)),
+                                      before_ms * MS)  # fmt: skip
+    fates = [f for f in connection_fates(_incident(recs)) if 1 in f.hosts]
+    assert fates and all(f.dead is stopped for f in fates)
+    assert (_first_of(recs).kind is VerdictKind.NETWORK_PARTITION) is stopped
 
 
 def test_a_flap_that_came_back_is_still_a_flap_with_the_state_at_the_dump() -> None:

@@ -313,6 +313,24 @@ def test_a_late_ranks_host_is_a_slow_reader_only_when_retransmits_mostly_come_in
         assert vs[0].hosts == ("node1",)
 
 
+@pytest.mark.parametrize(("held_ms", "held"), [(1200.0, False), (2800.0, True)])
+def test_a_collective_is_held_by_the_network_only_far_beyond_its_median(
+    held_ms: float, held: bool
+) -> None:
+    """Collectives of 200 ms; node1's link choked for one of them, with
+    retransmission timeouts inside, and the agent raised a slowdown.  Held
+    1.2 s longer (1.4 s: past the 1 s floor, but 7 times the median, under
+    what the agent's held-call trigger asks) it names no host; held 2.8 s
+    longer (3 s: 15 times) it names node1."""
+    job = Job(nodes=3, steps=306, from_step=300, xfer_ms=200.0, slowdown_by=0,
+              choke=(1, 300, held_ms))  # fmt: skip
+    (v, *_) = verdicts(job)
+    if held:
+        assert v.kind is VerdictKind.NETWORK_STRAGGLER and v.hosts == ("node1",), v.summary
+    else:
+        assert v.kind is VerdictKind.SLOWDOWN and len(v.hosts) == 3, v.summary
+
+
 def _with_noise_retransmits(recs: list[Recording], nodes: int) -> list[Recording]:
     """Retransmits as a loaded machine has them: in every other collective
     window, spread over all the node pairs, none slowing anything; plus many

@@ -45,6 +45,26 @@ def test_the_slow_window_begins_where_the_rhythm_departs() -> None:
     assert w.base_interval_ns is not None and 10e6 < w.base_interval_ns < 15e6
 
 
+@pytest.mark.parametrize(
+    ("slow_ms", "onset"),
+    [
+        (18.0, True),  # steps of 12 ms taking 30 ms: 2.5 times the pace, slow from step 300
+        (6.0, False),  # 18 ms: 1.5 times, no run of slow intervals to begin anywhere
+    ],
+)
+def test_the_onset_is_where_intervals_run_past_twice_their_pace(
+    slow_ms: float, onset: bool
+) -> None:
+    job = Job(**{**BASE.__dict__, "all_slow_ms": slow_ms, "slowdown_by": 1})
+    inc = incident_from_recordings("i", [_source(r) for r in recordings(job)])
+    windows = slow_windows(inc, match(inc))
+    if onset:
+        (w,) = windows
+        assert w.onset and 299 <= w.seq <= 302 and w.base_groups == w.seq, w
+    else:
+        assert windows == []
+
+
 def _source(rec):  # type: ignore[no-untyped-def]
     from stallwatch.analyzer.align import Source
 

@@ -296,6 +296,42 @@ def test_of_a_pair_the_host_other_traffic_failed_to_reach_is_named() -> None:
     assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node2",)
 
 
+def _other_traffic_failed_once(recs: list[Recording], before_ns: int) -> list[Recording]:
+    """The recordings with the other traffic's failures reduced to one,
+    ``before_ns`` before the stall began (the first blocked call's entry)."""
+    nccl = np.concatenate([r.rings["nccl"].rows for r in recs])
+    began = int(nccl["ts_ns"][nccl["end_ns"] == 0].min())
+    out = []
+    for r in recs:
+        rows = r.rings["tcp"].rows
+        other = np.flatnonzero(rows["other"] == 1)
+        if len(other):
+            once = rows[other[:1]].copy()
+            once["ts_ns"] = began - before_ns
+            rows = np.concatenate([np.delete(rows, other), once])
+            rows = rows[np.argsort(rows["ts_ns"], kind="stable")]
+        out.append(dataclasses.replace(r, rings={**r.rings, "tcp": Ring(rows)}))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("before_ms", "hosts"),
+    [
+        # a cut comes before the stall it causes: the ranks block at their
+        # next collective, after a step's compute (250 ms here)
+        (1500, ("node2",)),
+        # failures that long before the ranks blocked tell nothing of this stall
+        (3000, ("node1", "node2")),
+    ],
+)
+def test_of_a_pair_other_traffic_failing_shortly_before_the_stall_narrows_it(
+    before_ms: int, hosts: tuple[str, ...]
+) -> None:
+    job = with_(JOB, link=(1, 2, 20), others=((0, 2),), compute_ms=250.0)
+    v = _first_of(_other_traffic_failed_once(recordings(job), before_ms * MS))
+    assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == hosts, v.summary
+
+
 def test_with_no_other_traffic_the_pair_stays_a_pair() -> None:
     v = analyze(with_(JOB, link=(1, 2, 20))).verdicts[0]
     assert v.kind is VerdictKind.NETWORK_PARTITION and v.hosts == ("node1", "node2")

@@ -181,8 +181,8 @@ def _pytest(copy: Path, paths: list[str], timeout: float) -> tuple[bool, str]:
     try:
         done = subprocess.run(argv, cwd=copy, capture_output=True, text=True, timeout=timeout,
                               env=_env(copy))  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return True, "timed out"
+    except subprocess.TimeoutExpired:  # no test failed: nothing says it is pinned
+        return False, "timed out"
     if done.returncode in (0, 5):  # passed, or nothing collected
         return False, ""
     failed = [ln for ln in done.stdout.splitlines() if ln.startswith("FAILED") or "Error" in ln]
@@ -227,8 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         for c in found:
             print(f"{c.path}:{c.line} {c.name} = {c.value:g}")
         return 0
-    copy = args.keep or Path(tempfile.mkdtemp(prefix="stallwatch-mutants-"))
+    base = args.keep or Path(tempfile.mkdtemp(prefix="stallwatch-mutants-"))
+    copy = base / "checkout"
     _copy(copy)
+    shared = base / "shared"  # the fixtures the tests read beside the checkout
+    if (ROOT.parent / "shared").is_dir() and not shared.exists():
+        shared.symlink_to(ROOT.parent / "shared")
     survivors = []
     try:
         for c in found:
@@ -236,13 +240,13 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.monotonic()
                 killed, by = run_mutant(copy, c, factor, args.timeout)
                 took = time.monotonic() - t0
-                mark = f"killed by {by}" if killed else "SURVIVED"
+                mark = f"killed by {by}" if killed else "SURVIVED" + (f" ({by})" if by else "")
                 print(f"{c.path}:{c.line} {c.name} x{factor:g}: {mark} ({took:.0f} s)", flush=True)
                 if not killed:
                     survivors.append(f"{c.name} x{factor:g}")
     finally:
         if args.keep is None:
-            shutil.rmtree(copy, ignore_errors=True)
+            shutil.rmtree(base, ignore_errors=True)
     print(f"{len(found)} constants, {2 * len(found)} mutants, {len(survivors)} survived"
           + (f": {', '.join(survivors)}" if survivors else ""))  # fmt: skip
     return 1 if survivors else 0

@@ -40,3 +40,10 @@ def test_a_mutant_multiplies_one_assignment_and_keeps_the_module_valid() -> None
     namespace = {}
     exec(compile(C.mutated_source(source, d, 2.0), "mutant", "exec"), namespace)
     assert namespace["D"] == 1.5
+
+
+def test_a_mutant_whose_tests_time_out_is_not_counted_killed() -> None:
+    """No test failed: nothing shows the constant pinned (before, a timeout
+    read as a kill)."""
+    killed, by = C._pytest(C.ROOT, ["tests/bench/test_constants.py"], timeout=0.01)
+    assert (killed, by) == (False, "timed out")

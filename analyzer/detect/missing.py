@@ -13,11 +13,12 @@ import numpy as np
 
 from stallwatch.dumpers.schema import Op, op_name
 
+from ..columns import Columns
 from ..frontier import evidence_moments
 from ..incident import SKEW_NS, Frontier, Incident, Lag, Member, MemberState, P2pGap, proc_hosts
 from ..match import IS_P2P
 from ..verdict import Verdict, VerdictKind, rank_text
-from .busy import busy_instead
+from .busy import busy_instead, latest_reading
 from .common import MAX_LISTED, Analysis, member_text, primary, who
 from .exits import torn_down, torn_down_text
 
@@ -114,7 +115,29 @@ def waiting_in_p2p(inc: Incident) -> frozenset[int]:
     if not len(p2p):
         return frozenset()
     stuck = IS_P2P[p2p["op"]] & (p2p["end"] == 0)
-    return frozenset(int(p) for p in np.unique(p2p["proc"][stuck]).tolist())
+    found = {int(p) for p in np.unique(p2p["proc"][stuck]).tolist()}
+    return frozenset(found | _in_grouped_p2p(inc, p2p))
+
+
+def _in_grouped_p2p(inc: Incident, rows: Columns) -> set[int]:
+    """Procs whose latest call is a point-to-point one and whose latest
+    thread reading (their dump's) has a thread inside ``ncclGroupEnd``:
+    sends and receives inside a group return at once, queued, and the
+    group's end waits for their peers."""
+    out: set[int] = set()
+    if not len(rows):
+        return out
+    order = np.lexsort((rows["ts"], rows["proc"]))
+    procs = rows["proc"][order]
+    last = order[np.r_[procs[1:] != procs[:-1], True]]
+    for i in last[IS_P2P[rows["op"][last]]].tolist():
+        proc = int(rows["proc"][i])
+        reading = latest_reading(inc, proc)
+        if reading is not None and any(
+            t.nccl is not None and t.nccl.op is Op.GROUP_END for t in reading.threads
+        ):
+            out.add(proc)
+    return out
 
 
 def _latest_per_proc(inc: Incident) -> np.ndarray:

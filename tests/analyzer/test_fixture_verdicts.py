@@ -34,3 +34,12 @@ def test_a_real_recording_gets_the_verdict_its_truth_supports(name: str) -> None
         for v in inc.verdicts[: len(want)]
     ]
     assert got == [{**w, "ranks": sorted(w["ranks"]), "hosts": sorted(w["hosts"])} for w in want]
+
+
+def test_a_rank_waiting_in_its_groups_end_for_a_peer_without_a_dump_is_not_missing() -> None:
+    """tests/data/lab-partition-apart-4x2: rank 2's grouped send and receive
+    were queued and its thread waits in ``ncclGroupEnd`` for rank 0, whose
+    node's dump is absent; nobody with a dump is named."""
+    (inc,) = analyze_paths([str(DATA / "lab-partition-apart-4x2")]).incidents
+    assert [v.kind.value for v in inc.verdicts] == ["inconclusive"], inc.verdicts
+    assert not any(h for v in inc.verdicts for h in v.hosts)  # no host with a dump named

@@ -210,9 +210,8 @@ class StallBounds:
         done = np.maximum(rows["end_ns"], rows["completed_ns"])
         order = np.argsort(done, kind="stable")
         rows, done = rows[order], done[order]
-        cols = (rows[f].tolist() for f in ("comm_hash", "pid", "ts_ns", "completed_ns"))
-        for (comm_hash, pid, ts, completed), end in zip(zip(*cols, strict=True), done.tolist(),
-                                                        strict=True):  # fmt: skip
+        cols = [rows[f].tolist() for f in ("comm_hash", "pid", "ts_ns", "completed_ns")]
+        for comm_hash, pid, ts, completed, end in zip(*cols, done.tolist(), strict=True):
             if completed:
                 key = _key(comm_hash, pid)
                 self._completed[key] = max(self._completed.get(key, 0), completed)

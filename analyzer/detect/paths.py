@@ -43,7 +43,7 @@ from ..incident import EndChange, Incident, SlowLink, SlowWindow
 from ..match import Matched
 from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, who
-from .cpu import sched_heavy, starved_hosts
+from .cpu import sched_heavy
 from .slowdown import window_since
 
 # IPv4's smallest datagram every host must take whole (RFC 791: 576 bytes):
@@ -541,11 +541,13 @@ def link_slowed(a: Analysis) -> SlowLink | None:
     verdicts judge it), but where connections of its processes that are not
     starved slowed as well, the link slowed them."""
     s = a.slow_link
-    if s is None or s.host not in starved_hosts(a):
-        return s
+    if s is None:
+        return None
     inc = a.incident
     starved = {(inc.procs[p].host, inc.procs[p].pid) for p in sched_heavy(a)}
     name = inc.hosts[s.host]
+    if all(host != name for host, _ in starved):
+        return s
     beyond = any(
         e.host == s.host and e.pid is not None and (name, e.pid) not in starved for e in s.slowed
     )

@@ -23,6 +23,11 @@ from tests.analyzer.synth import MS, Job, _addr, _conn_row, host_of, recordings,
 JOB = Job(nodes=3, ranks_per_node=2, steps=30)
 
 
+def _with_tcp(rec: Recording, rows: np.ndarray) -> Recording:
+    """The recording with its TCP ring's rows replaced."""
+    return dataclasses.replace(rec, rings={**rec.rings, "tcp": Ring(rows)})
+
+
 def analyze(job: Job) -> IncidentResult:
     recs = recordings(job)
     result = analyze_recordings([(f"{r.host}.msgpack", r) for r in recs])
@@ -114,7 +119,7 @@ def _resets_before_the_failure(recs: list[Recording], gap_ns: int) -> list[Recor
         rows = r.rings["tcp"].rows.copy()
         rows["ts_ns"][np.isin(rows["event"], RESETS)] -= gap_ns - (failed - first)
         rows = rows[np.argsort(rows["ts_ns"], kind="stable")]
-        out.append(dataclasses.replace(r, rings={**r.rings, "tcp": Ring(rows)}))
+        out.append(_with_tcp(r, rows))
     return out
 
 
@@ -154,7 +159,7 @@ def _with_rows(recs: list[Recording], extra: dict[str, list[np.void]]) -> list[R
     out = []
     for r in recs:
         rows = np.concatenate([r.rings["tcp"].rows, np.array(extra.get(r.host, []), TCP_EVENT)])
-        out.append(dataclasses.replace(r, rings={**r.rings, "tcp": Ring(rows)}))
+        out.append(_with_tcp(r, rows))
     return out
 
 
@@ -310,7 +315,7 @@ def _other_traffic_failed_once(recs: list[Recording], before_ns: int) -> list[Re
             once["ts_ns"] = began - before_ns
             rows = np.concatenate([np.delete(rows, other), once])
             rows = rows[np.argsort(rows["ts_ns"], kind="stable")]
-        out.append(dataclasses.replace(r, rings={**r.rings, "tcp": Ring(rows)}))
+        out.append(_with_tcp(r, rows))
     return out
 
 
@@ -549,7 +554,7 @@ def test_a_peer_heard_after_the_last_timeout_was_acknowledged_however_recent() -
         info = rows["event"] == TcpEvent.TCP_INFO
         rows["no_ack_ns"][info] = 1 * MS  # heard 1 ms before the dump
         rows["backoff"][info] = 0
-        healed.append(dataclasses.replace(r, rings={**r.rings, "tcp": Ring(rows)}))
+        healed.append(_with_tcp(r, rows))
     for rs, dead in ((recs, True), (healed, False)):
         fates = [f for f in connection_fates(_incident(rs)) if 1 in f.hosts]
         assert fates and all(f.dead is dead for f in fates)
@@ -568,7 +573,7 @@ def _heard_before_last_timeout(recs: list[Recording], before_ns: int) -> list[Re
             if len(mine):
                 heard = int(mine["ts_ns"].max()) - before_ns
                 rows["no_ack_ns"][i] = int(rows["ts_ns"][i]) - heard
-        out.append(dataclasses.replace(r, rings={**r.rings, "tcp": Ring(rows)}))
+        out.append(_with_tcp(r, rows))
     return out
 
 

@@ -207,9 +207,14 @@ def incident_from_recordings(
         held=_held_calls(extracts, proc_index),
         links=_links(sources, hosts, procs),
         slowdown=slow,
-        probes=probe_rows(
-            recs := [s.recording for s in sources], hosts, owner := address_owners(sources, hosts)
-        ),
+        probes=(
+            probed := probe_rows(
+                recs := [s.recording for s in sources],
+                hosts,
+                owner := address_owners(sources, hosts),
+            )
+        )[0],
+        unreached=probed[1],
         conns=conn_rows(recs, hosts, owner),
         ifaces=iface_rows(recs, hosts),
         host_retransmits=counts,

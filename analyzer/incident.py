@@ -397,6 +397,10 @@ class Incident:
     # the agents' network evidence (format 9 on): probes at the incident,
     # each job connection's and interface's samples
     probes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=PROBE_DTYPE))
+    # the addresses probes went to or came from that no dump's host owns (a
+    # job host that left no dump here: down, cut off, or its agent gone);
+    # a probe row's src or dst ``len(hosts) + i`` is the i-th
+    unreached: tuple[str, ...] = ()
     conns: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=CONN_SAMPLE_DTYPE))
     ifaces: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=IFACE_DTYPE))
     # per host, the job's retransmits inside its collectives' windows over

@@ -77,13 +77,25 @@ def _rings(
 
 def probe_rows(
     recordings: Sequence[Recording], hosts: tuple[str, ...], owner: dict[bytes, int]
-) -> np.ndarray:
-    """Every dump's probe rows: who probed whom, how, and what came of it."""
+) -> tuple[np.ndarray, tuple[str, ...]]:
+    """Every dump's probe rows: who probed whom, how, and what came of it;
+    and the addresses they name that no dump's host owns (a host without a
+    dump here), as hosts after ``hosts``: the first is ``len(hosts)``."""
     parts = []
+    owner = dict(owner)
+    unreached: list[str] = []
     for r, host, offset in _rings(recordings, hosts, "probes"):
         t = np.zeros(len(r), dtype=PROBE_DTYPE)
         t["host"] = host
         t["wall"] = r["ts_ns"].astype(np.int64) + offset
+        addrs = np.concatenate([r["saddr"], r["daddr"]])
+        fams = np.concatenate([r["family"], r["family"]])
+        keep = ~addresses.is_loopback(addrs, fams) & addresses.as_rows(addrs).any(axis=1)
+        for raw, fam in zip(addrs[keep], fams[keep], strict=True):
+            key = bytes(raw.tobytes())
+            if key not in owner:
+                owner[key] = len(hosts) + len(unreached)
+                unreached.append(addresses.format_address(int(fam), key))
         t["src"], t["dst"] = owner_of(r["saddr"], owner), owner_of(r["daddr"], owner)
         for name in ("probe", "role", "outcome"):
             t["kind" if name == "probe" else name] = r[name]
@@ -91,7 +103,8 @@ def probe_rows(
         t["rtt_us"], t["throughput_bps"] = _known(r["rtt_us"]), _known(r["throughput_bps"])
         t["round"] = r["round"]
         parts.append(t)
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=PROBE_DTYPE)
+    rows = np.concatenate(parts) if parts else np.zeros(0, dtype=PROBE_DTYPE)
+    return rows, tuple(unreached)
 
 
 # conn_sample's fields kept, as the table names them

@@ -52,12 +52,13 @@ class Marker:
     ranks: tuple[int | None, ...] = ()  # None where unknown
     pids: tuple[int | None, ...] = ()
 
-    def culprits(self) -> list[tuple[str, int]]:
-        """(host, pid) of each culprit (pid 0: unknown), where the verdict
-        names both."""
+    def culprits(self) -> list[tuple[str, int, int | None]]:
+        """(host, pid, world rank) of each culprit (pid 0, rank None:
+        unknown), where the verdict names its host."""
         if len(self.hosts) != len(self.pids):
             return []
-        return [(h, p or 0) for h, p in zip(self.hosts, self.pids, strict=True) if h]
+        ranks = self.ranks if len(self.ranks) == len(self.hosts) else (None,) * len(self.hosts)
+        return [(h, p or 0, r) for h, p, r in zip(self.hosts, self.pids, ranks, strict=True) if h]
 
 
 class _Tracks:
@@ -276,8 +277,10 @@ def _markers(
         out += [
             _marker(name, "p", tracks.host(h), at_us, args) for h in dict.fromkeys(m.hosts) if h
         ]
-        for host, pid in m.culprits():
+        for host, pid, rank in m.culprits():
             world = known.world_of(host)
+            if not pid and rank is not None:  # a rank no dump holds (its host named)
+                world = {0: rank}
             label = f"{_rank_label(world, pid)} {_CULPRIT_TRACK}"
             hp, tid = tracks.track(host, pid, label)
             who = {"host": host, "pid": pid or None, "world_rank": world.get(pid)}

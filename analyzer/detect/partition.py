@@ -59,8 +59,8 @@ from stallwatch.dumpers.schema import TcpEvent, op_name
 
 from ..incident import ConnFate, Incident, LinkFate, proc_hosts
 from ..verdict import Verdict, VerdictKind
-from .common import MAX_LISTED, Analysis, who
-from .paths import ProbeFinding, finding_summary, probe_finding
+from .common import MAX_LISTED, Analysis, who, world_of
+from .paths import ProbeFinding, finding_summary, host_name, probe_finding
 
 DEAD_BACKOFF = 2  # timeouts in a row: nothing acknowledged through two RTOs
 DEAD_NO_ACK_NS = 1_000_000_000  # and nothing acknowledged for at least this long
@@ -433,17 +433,32 @@ def _stall_began(inc: Incident, stalled: dict[int, tuple[int, int]]) -> int:
 
 
 def _names(inc: Incident, hosts: Iterable[int]) -> tuple[str, ...]:
-    return tuple(inc.hosts[h] for h in hosts)
+    return tuple(host_name(inc, h) for h in hosts)
 
 
 def _hosts_verdict(
-    inc: Incident, kind: VerdictKind, hosts: tuple[int, ...], summary: str, evidence: list[str]
+    inc: Incident,
+    kind: VerdictKind,
+    hosts: tuple[int, ...],
+    summary: str,
+    evidence: list[str],
+    a: Analysis | None = None,
 ) -> Verdict:
-    """A network verdict naming ``hosts`` and every rank on them."""
+    """A network verdict naming ``hosts`` and every rank on them: of a host
+    without a dump here, the ranks no dump holds, where it is the only such
+    host the probes found (no other host can hold them)."""
     procs = [i for i, h in enumerate(proc_hosts(inc)) if h in hosts]
     ranks, _, pids = who(inc, procs)
+    if a is not None and len(inc.unreached) == 1 and len(inc.hosts) in hosts:
+        ranks = tuple(sorted({*ranks, *_unseen(a)}))
     names = _names(inc, hosts)
     return Verdict(kind, ranks, names, pids, None, None, None, summary, tuple(evidence))
+
+
+def _unseen(a: Analysis) -> set[int]:
+    """The world ranks of communicator members no readable dump holds."""
+    ranks = {world_of(a.incident, f.comm, m.crank) for f in a.frontiers for m in f.unseen}
+    return {r for r in ranks if r >= 0}
 
 
 def _stall_verdict(
@@ -482,7 +497,7 @@ def _stall_verdict(
         if not down:  # a carrier lost says more than what the probes found beyond it
             summary = f"{finding_summary(inc, probed)}; every rank waits"
         evidence = [*probed.lines, *evidence]
-    return _hosts_verdict(inc, VerdictKind.NETWORK_PARTITION, hosts, summary, evidence)
+    return _hosts_verdict(inc, VerdictKind.NETWORK_PARTITION, hosts, summary, evidence, a)
 
 
 def _down_links(inc: Incident, stalled: dict[int, tuple[int, int]]) -> list[LinkFate]:

@@ -73,6 +73,9 @@ class ProbeFinding:
     lost_at: int | None  # the smallest size lost there
     tcp_only: bool  # datagrams crossed, TCP exchanges did not
     lines: tuple[str, ...]  # evidence, for people
+    # the host has a dump, its peers none here, and it reached none of them
+    alone: bool = False
+    peers: tuple[str, ...] = ()  # of one host: the peers its lost probes went to or came from
 
 
 @dataclass(slots=True)
@@ -152,6 +155,11 @@ def _listened(inc: Incident, host: int, sent_wall: int) -> bool:
     return captured is not None and captured >= sent_wall + ARRIVAL_SLACK_NS
 
 
+def host_name(inc: Incident, host: int) -> str:
+    """A host's name; one without a dump here, its address (``unreached``)."""
+    return inc.hosts[host] if host < len(inc.hosts) else inc.unreached[host - len(inc.hosts)]
+
+
 def probe_finding(inc: Incident) -> ProbeFinding | None:
     report = path_report(inc)
     pairs = report.pairs()
@@ -159,9 +167,11 @@ def probe_finding(inc: Incident) -> ProbeFinding | None:
     if not bad:
         return None
     common = set.intersection(*(set(pair) for pair in bad))
-    if len(inc.hosts) > 2 and len(common) == 1:
+    if len(inc.hosts) + len(inc.unreached) > 2 and len(common) == 1:
         (host,) = common
         if any(host not in pair for pair in bad):
+            return None
+        if inc.unreached and not _beside(report, host) and not _alone(inc, bad, host):
             return None
         hosts: tuple[int, ...] = (host,)
     elif len(bad) == 1:
@@ -170,6 +180,21 @@ def probe_finding(inc: Incident) -> ProbeFinding | None:
         return None
     peers = sorted({h for pair in bad for h in pair} - set(hosts)) if len(hosts) == 1 else []
     return _finding(inc, report, hosts, peers, bad)
+
+
+def _beside(report: PathReport, host: int) -> bool:
+    """Probes between two other hosts crossed: what isolates ``host`` is
+    not the network at large (a host without a dump here, named from its
+    peers' dumps, is named only so)."""
+    return any(c.crossed for (s, d, _), c in report.crossings.items() if host not in (s, d))
+
+
+def _alone(inc: Incident, bad: set[tuple[int, int]], host: int) -> bool:
+    """A host with a dump whose probes to every peer (two or more, none of
+    them with a dump here) were lost: one cut explains it, where the
+    alternative is every peer gone at once."""
+    peers = {h for pair in bad for h in pair} - {host}
+    return host < len(inc.hosts) and len(peers) >= 2 and min(peers) >= len(inc.hosts)
 
 
 def _finding(
@@ -193,7 +218,9 @@ def _finding(
         for a, b in bad for s, d in ((a, b), (b, a))
     )  # fmt: skip
     lines = tuple(_lines(inc, report, bad))
-    return ProbeFinding(hosts, way, above, lost_at, tcp_only, lines)
+    alone = len(hosts) == 1 and _alone(inc, bad, host)
+    names = tuple(host_name(inc, h) for h in peers)
+    return ProbeFinding(hosts, way, above, lost_at, tcp_only, lines, alone, names)
 
 
 def _sizes(report: PathReport, bad: set[tuple[int, int]]) -> tuple[list[int], list[int]]:
@@ -237,7 +264,7 @@ def _lines(inc: Incident, report: PathReport, bad: set[tuple[int, int]]) -> list
                 report.at(s, d, z).lost_one_way or report.at(s, d, z).lost_round_trip)]  # fmt: skip
             if not crossed and not lost:
                 continue
-            text = f"probes {inc.hosts[s]} -> {inc.hosts[d]}:"
+            text = f"probes {host_name(inc, s)} -> {host_name(inc, d)}:"
             if crossed:
                 text += f" crossed at {_size_text(crossed)}"
             if lost:
@@ -261,7 +288,7 @@ def _size_text(sizes: list[int]) -> str:
 
 def finding_summary(inc: Incident, f: ProbeFinding) -> str:
     """One line for people: what the probes found."""
-    names = [inc.hosts[h] for h in f.hosts]
+    names = [host_name(inc, h) for h in f.hosts]
     if len(names) == 2:
         a, b = names
         ways = {
@@ -281,10 +308,21 @@ def finding_summary(inc: Incident, f: ProbeFinding) -> str:
         )
     if f.tcp_only:
         return f"new TCP connections to and from {name} fail while datagrams pass"
+    if f.alone:
+        return (
+            f"{name} reached none of its {len(f.peers)} peers ({', '.join(f.peers)}): no probe "
+            f"it sent them was answered; one cut of {name} explains it (their dumps were out "
+            "of its reach)"
+        )
     if f.way == "in":
         return f"packets to {name} are lost while its own reach its peers: it is cut off one way"
     if f.way == "out":
         return f"packets from {name} are lost while its peers' reach it: it is cut off one way"
+    if f.hosts[0] >= len(inc.hosts):
+        return (
+            f"host {name} is reached by no other host: probes to and from it are lost, "
+            "between every other pair they pass; it left no dump (down, or cut off)"
+        )
     return f"probes to and from {name} are lost, between every other pair they pass"
 
 

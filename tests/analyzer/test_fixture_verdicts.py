@@ -39,7 +39,11 @@ def test_a_real_recording_gets_the_verdict_its_truth_supports(name: str) -> None
 def test_a_rank_waiting_in_its_groups_end_for_a_peer_without_a_dump_is_not_missing() -> None:
     """tests/data/lab-partition-apart-4x2: rank 2's grouped send and receive
     were queued and its thread waits in ``ncclGroupEnd`` for rank 0, whose
-    node's dump is absent; nobody with a dump is named."""
+    node's dump is absent; nobody with a dump is named: the host its peers'
+    probes all failed to reach is, by its address, with the ranks no dump
+    holds."""
     (inc,) = analyze_paths([str(DATA / "lab-partition-apart-4x2")]).incidents
-    assert [v.kind.value for v in inc.verdicts] == ["inconclusive"], inc.verdicts
-    assert not any(h for v in inc.verdicts for h in v.hosts)  # no host with a dump named
+    assert [v.kind.value for v in inc.verdicts] == ["network_partition"], inc.verdicts
+    (v,) = inc.verdicts
+    assert v.hosts == ("10.201.45.1",) and v.ranks == (0, 1) and not v.pids
+    assert not set(v.hosts) & {"node1", "node2", "node3"}  # no host with a dump named

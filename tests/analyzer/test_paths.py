@@ -194,6 +194,68 @@ def test_one_pair_of_three_hosts_is_that_pair() -> None:
     assert f is not None and f.hosts == (0, 2)
 
 
+def _split(nhosts: int, dumps: Iterable[int], crosses: object) -> Incident:
+    """Every host probed every other at the incident (UDP, TCP and echoes),
+    but only ``dumps`` hosts' dumps are here: the others are known by the
+    addresses probes went to (``unreached``), after the hosts with a dump."""
+    kept = list(dumps)
+    order = kept + [h for h in range(nhosts) if h not in kept]  # old index -> new
+    rows = probe_rows(nhosts, crosses, kinds=(ProbeKind.UDP, ProbeKind.TCP, ProbeKind.ICMP))
+    rows = rows[np.isin(rows["host"], kept)]
+    for name in ("host", "src", "dst"):
+        rows[name] = np.array([order.index(int(x)) for x in rows[name]], dtype=np.int32)
+    inc = incident(len(kept), rows)
+    absent = tuple(f"10.0.0.{h + 1}" for h in order[len(kept) :])
+    return dataclasses.replace(inc, unreached=absent)
+
+
+def test_a_host_without_a_dump_that_no_peer_reaches_is_named_by_its_address() -> None:
+    """Node 0 is cut off; its dump is not here: every probe of its three
+    peers to it was lost, theirs to each other crossed."""
+    inc = _split(4, (1, 2, 3), lambda s, d, z: 0 not in (s, d))
+    f = paths.probe_finding(inc)
+    assert f is not None and f.hosts == (3,) and not f.alone
+    assert paths.host_name(inc, 3) == "10.0.0.1"
+    text = paths.finding_summary(inc, f)
+    assert text.startswith("host 10.0.0.1 is reached by no other host") and "no dump" in text
+
+
+def test_a_host_without_a_dump_whose_peers_cannot_reach_each_other_is_not_named() -> None:
+    """The same, but the network at large is down: the peers' probes to
+    each other were lost too; nothing isolates one host."""
+    inc = _split(4, (1, 2, 3), lambda s, d, z: False)
+    assert paths.probe_finding(inc) is None
+
+
+def test_a_host_that_reached_none_of_its_peers_names_itself_alone() -> None:
+    """Node 0's own dump only (its incident gathered no peer's): every probe
+    it sent its three peers went unanswered."""
+    inc = _split(4, (0,), lambda s, d, z: 0 not in (s, d))
+    f = paths.probe_finding(inc)
+    assert f is not None and f.hosts == (0,) and f.alone
+    assert f.peers == ("10.0.0.2", "10.0.0.3", "10.0.0.4")
+    assert paths.finding_summary(inc, f).startswith("node0 reached none of its 3 peers")
+
+
+def test_a_host_with_one_peer_unreached_is_no_more_than_the_pair() -> None:
+    """Alone with a single peer it cannot reach, nothing tells whose link it
+    is; a peer's dump alone, that reaches the others and not node 0: the pair."""
+    lone = paths.probe_finding(_split(2, (0,), lambda s, d, z: False))
+    assert lone is not None and lone.hosts == (0, 1) and not lone.alone
+    peer = paths.probe_finding(_split(4, (1,), lambda s, d, z: 0 not in (s, d)))
+    assert peer is not None and len(peer.hosts) == 2 and not peer.alone
+
+
+def test_a_host_without_a_dump_whose_host_refused_is_not_cut() -> None:
+    """Node 0's agent is gone, its host up: it refused the datagrams and the
+    TCP exchanges, and answered the echoes."""
+    inc = _split(4, (1, 2, 3), lambda s, d, z: True)
+    p = inc.probes
+    gone = (p["dst"] == 3) & (p["kind"] != ProbeKind.ICMP) & (p["role"] == ProbeRole.SENT)
+    p["answered"][gone], p["outcome"][gone] = 0, ProbeOutcome.REFUSED
+    assert paths.probe_finding(inc) is None
+
+
 def test_datagrams_crossing_and_tcp_failing_is_new_connections_failing() -> None:
     rows = probe_rows(3, lambda s, d, z: True, kinds=(ProbeKind.UDP,))
     tcp = np.zeros(4, dtype=PROBE_DTYPE)

@@ -480,7 +480,13 @@ class Agent:
             None
             if cfg.judge is None
             else publisher_of(
-                cfg.judge, incidents, (cfg.listen, peers), cfg.dump_dir, self.host, cfg.notify_url
+                cfg.judge,
+                incidents,
+                (cfg.listen, peers),
+                cfg.dump_dir,
+                self.host,
+                cfg.notify_url,
+                lambda incident: self.paths.unreached(incident) if self.paths else frozenset(),
             )
         )
         return incidents

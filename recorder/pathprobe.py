@@ -610,6 +610,27 @@ class _Icmp:
 
 # ---- the agent's probes ----------------------------------------------------------
 
+
+def silent_peers(peers: list[Peer], rows: list[Tally]) -> frozenset[str]:
+    """The peers (as text) that this node sent probes to and that answered
+    none of them, of any kind, and refused none (a refusal is their host
+    answering)."""
+    heard: set[bytes] = set()
+    sent: set[bytes] = set()
+    for t in rows:
+        if t.role is not ProbeRole.SENT or not t.sent:
+            continue
+        key = t.dst[:16].ljust(16, b"\0")
+        sent.add(key)
+        if t.answered or t.decided() in (ProbeOutcome.REFUSED, ProbeOutcome.OK):
+            heard.add(key)
+    return frozenset(
+        p.text("remote")
+        for p in peers
+        if (key := p.remote[:16].ljust(16, b"\0")) in sent and key not in heard
+    )
+
+
 # Incidents of these kinds are probed: a stall or a slowdown, here or a
 # peer's (a peer's exit is not: a process ended, its network is not in doubt).
 PROBED = frozenset({TriggerKind.IN_FLIGHT, TriggerKind.NO_PROGRESS, TriggerKind.SLOWDOWN})
@@ -637,6 +658,9 @@ class PathProbes:
         self.prober = Prober(config, key, self.ring)
         self.rounds = 0
         self._origins: dict[str, TriggerKind | None] = {}
+        # per incident probed here: the peers (their addresses as text) that
+        # answered no probe at all, nor refused one (``unreached``)
+        self._unreached: dict[str, frozenset[str]] = {}
         if not token:
             log.warning("probes: no --token-file: any host on the path can make this agent "
                         "answer probes (and count them)")  # fmt: skip
@@ -669,6 +693,14 @@ class PathProbes:
         lost = sum(1 for t in rows if t.answered < t.sent)
         log.warning("incident %s: probed %d peer(s): %d of %d probe rows short of answers",
                     trigger.incident_id, len(peers), lost, len(rows))  # fmt: skip
+        self._unreached[trigger.incident_id] = silent_peers(peers, rows)
+        while len(self._unreached) > KNOWN_ORIGINS:
+            del self._unreached[next(iter(self._unreached))]
+
+    def unreached(self, incident_id: str) -> frozenset[str]:
+        """The peers this node's probes of the incident found silent: no
+        probe of any kind answered, none refused (empty: not probed)."""
+        return self._unreached.get(incident_id, frozenset())
 
     def copy(self) -> Ring:
         self.echo.flush()

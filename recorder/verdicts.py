@@ -21,7 +21,10 @@ never the recording's, and a judge that fails or hangs is killed and logged.
 When: the first verdict once every peer answered the incident's dump
 request, or, for those that did not, after ``PEER_WAIT_FACTOR`` times as
 long as this node's own dump took (its peers do the same work at the same
-moment); each agent is then given that long to send its dump.  A verdict
+moment); each agent is then given that long to send its dump.  A peer
+that this node's probes of the incident found silent (no probe of any kind
+answered or refused: ``recorder.pathprobe.silent_peers``) is not waited
+for: a node cut off from its peers publishes what its own dump says.  A verdict
 some node's dump was missing from is gathered again, with the ordinary
 timeout, at the dump scheduler's retry times (``REGATHER_S``), and one that
 differs is published again under the next revision: in the file, the metric
@@ -66,6 +69,7 @@ MIN_WAIT_S = 1.0
 # with the ordinary timeout of the live verdict.
 REGATHER_S = (7.5, 15.5, 30.0, 60.0)
 REGATHER_TIMEOUT_S = 10.0  # query.live.LIVE_TIMEOUT_S
+AWAIT_POLL_S = 0.05  # how often the wait for the peers looks at what the probes found
 # The judge's own start (an interpreter, the analyzer's imports) on top of
 # the agents' time; past it, the child is killed.
 JUDGE_SLACK_S = 30.0
@@ -277,14 +281,17 @@ class VerdictPublisher:
         webhook: Webhook | None = None,
         regather_s: Sequence[float] = REGATHER_S,
         clock: Callable[[], int] = time.monotonic_ns,
+        unreached: Callable[[str], frozenset[str]] = lambda _id: frozenset(),
     ) -> None:
         """``agents``: every agent to gather from (this one and its peers),
         asked at each incident; ``relabelled(id)``: whether this node's
         incident was given a peer's earlier id (then it is the peer's);
-        ``answers(id)``: what each peer answered to the request to dump it."""
+        ``answers(id)``: what each peer answered to the request to dump it;
+        ``unreached(id)``: the peer hosts this node's probes of the incident
+        found silent (no probe answered or refused: not waited for)."""
         self.judge, self.agents, self.dump_dir, self.host = judge, agents, dump_dir, host
         self.relabelled, self.webhook, self.regather_s = relabelled, webhook, regather_s
-        self.answers = answers
+        self.answers, self.unreached = answers, unreached
         self.clock = clock
         self._lock = threading.Lock()
         self._shown: OrderedDict[str, Published] = OrderedDict()
@@ -336,7 +343,7 @@ class VerdictPublisher:
         incident = event.trigger.incident_id
         wait = max(MIN_WAIT_S, PEER_WAIT_FACTOR * event.dump_s)
         if event.peers is not None:
-            event.peers.join(wait)
+            self._await_peers(event.peers, incident, wait)
         detected = time.time_ns() - (self.clock() - event.trigger.time_ns)
         started = time.monotonic()
         current: Published | None = None
@@ -354,6 +361,22 @@ class VerdictPublisher:
             ask = agents if at else self._dumped_by(incident, agents)
             timeout = REGATHER_TIMEOUT_S if at else wait
             current = self._gather(incident, agents, ask, timeout, detected, current)
+
+    def _await_peers(self, round_: threading.Thread, incident: str, wait: float) -> None:
+        """Wait up to ``wait`` for the peers' answers to the dump request,
+        ending once every peer answered or was found silent by this node's
+        probes (a cut-off node's requests wait out their timeout: no use)."""
+        deadline = time.monotonic() + wait
+        while round_.is_alive() and (left := deadline - time.monotonic()) > 0:
+            silent = self.unreached(incident)
+            if silent:
+                said = self.answers(incident)
+                peers = tuple(self.agents())[1:]
+                if all(a in said or host_of(a) in silent for a in peers):
+                    log.info("incident %s: not waiting for peers %s: no probe reached them",
+                             incident, ", ".join(sorted(silent)))  # fmt: skip
+                    return
+            round_.join(min(left, AWAIT_POLL_S))
 
     def _dumped_by(self, incident: str, agents: tuple[str, ...]) -> tuple[str, ...]:
         """For the first verdict: this agent, and the peers that said their
@@ -429,9 +452,11 @@ def publisher_of(
     dump_dir: Path,
     host: str,
     notify_url: str | None = None,
+    unreached: Callable[[str], frozenset[str]] = lambda _id: frozenset(),
 ) -> VerdictPublisher:
     """The agent's publisher, wired to its incidents: ``agents`` is this
-    agent's address and where its peers' come from."""
+    agent's address and where its peers' come from; ``unreached``: the
+    peers its probes found silent, per incident."""
     own, peers = agents
     publisher = VerdictPublisher(
         judge,
@@ -441,10 +466,19 @@ def publisher_of(
         relabelled=lambda incident: incident in incidents.relabelled,
         answers=incidents.answers,
         webhook=Webhook(notify_url) if notify_url else None,
+        unreached=unreached,
     )
     incidents.on_raised = publisher.raised
     incidents.on_dumped = publisher.dumped
     return publisher
+
+
+def host_of(agent: str) -> str:
+    """The host of an agent's address (``host:port``, ``[v6]:port``, a URL)."""
+    rest = agent.split("//", 1)[-1].split("/", 1)[0]
+    if rest.startswith("["):
+        return rest[1:].split("]", 1)[0]
+    return rest.rsplit(":", 1)[0] if rest.count(":") == 1 else rest
 
 
 def verdict_line(p: Published) -> str:

@@ -28,6 +28,7 @@ from stallwatch.recorder.pathprobe import (
     between,
     choose_peers,
     ladder,
+    silent_peers,
 )
 from stallwatch.recorder.pathwire import ProbeRing, probe_key
 from tests.recorder.netlab import Lab, lab_network
@@ -59,8 +60,11 @@ def _nodes(lab: Lab, n: int) -> list[Node]:
     return out
 
 
-def _round(lab: Lab, nodes: list[Node], incident: str) -> dict[int, np.ndarray]:
-    """Every node probes every other at once; each node's ring after."""
+def _round(
+    lab: Lab, nodes: list[Node], incident: str, silent: dict[int, frozenset[str]] | None = None
+) -> dict[int, np.ndarray]:
+    """Every node probes every other at once; each node's ring after (and
+    in ``silent``, the peers each found silent: ``silent_peers``)."""
     done: dict[int, float] = {}
 
     def probe(k: int) -> Callable[[], None]:
@@ -70,8 +74,10 @@ def _round(lab: Lab, nodes: list[Node], incident: str) -> dict[int, np.ndarray]:
 
         def run() -> None:
             t0 = time.monotonic()
-            netns.in_netns(me.netns, lambda: nodes[k].prober.probe(incident, peers))
+            rows = netns.in_netns(me.netns, lambda: nodes[k].prober.probe(incident, peers))
             done[k] = time.monotonic() - t0
+            if silent is not None:
+                silent[k] = silent_peers(peers, rows)
 
         return run
 
@@ -115,7 +121,8 @@ def test_a_one_direction_cut_is_seen_from_both_ends() -> None:
         nodes = _nodes(lab, 3)
         try:
             lab.cut(0, "in")
-            rings = _round(lab, nodes, "20260101T000000000-node1-00002a")
+            silent: dict[int, frozenset[str]] = {}
+            rings = _round(lab, nodes, "20260101T000000000-node1-00002a", silent)
         finally:
             for n in nodes:
                 n.echo.close()
@@ -139,6 +146,9 @@ def test_a_one_direction_cut_is_seen_from_both_ends() -> None:
         assert len(back) >= 5 and (back["answered"] == 0).all()
         assert not len(_rows(rings[0], ProbeKind.UDP, ProbeRole.RECEIVED, ip[other], ip[0]))
 
+    # node 0 heard nothing (its verdict need not wait for its peers); they
+    # heard nothing of node 0, and each other
+    assert silent == {0: {ip[1], ip[2]}, 1: {ip[0]}, 2: {ip[0]}}, silent
     fine = _rows(rings[1], ProbeKind.UDP, ProbeRole.SENT, ip[1], ip[2])
     assert len(fine) == len(ladder(1500)) and (fine["outcome"] == ProbeOutcome.OK).all()
     assert (fine["rtt_us"] < 200_000).all()
@@ -230,10 +240,11 @@ def test_a_peer_whose_agent_is_dead_answers_echo_and_refuses_the_probes() -> Non
         try:
             me, peer = lab.node(0), lab.node(1)
             peers = [Peer(_ip(me.ip), _ip(peer.ip), socket.AF_INET)]
-            netns.in_netns(me.netns, lambda: node.prober.probe("dead-agent", peers))
+            tallies = netns.in_netns(me.netns, lambda: node.prober.probe("dead-agent", peers))
         finally:
             node.echo.close()
         rows = node.ring.copy().rows
+    assert silent_peers(peers, tallies) == frozenset()  # its host answered: not silent
     udp = _rows(rows, ProbeKind.UDP, ProbeRole.SENT, me.ip, peer.ip)
     assert len(udp) == len(ladder(1500)) and (udp["outcome"] == ProbeOutcome.REFUSED).all()
     assert (udp["answered"] == 0).all()

@@ -303,3 +303,39 @@ def test_the_first_verdict_asks_only_the_peers_that_dumped_and_the_revision_asks
     assert all(asked == AGENTS for _, asked, _ in judge.asked[1:])
     assert len(judge.asked) == 1 + 3  # still missing: asked at every regathering
     assert pub.latest()[0].missing == AGENTS[1:] and pub.published == 1
+
+
+def _first_ask_after(tmp_path: Path, silent: frozenset[str], dump_s: float) -> float:
+    """Seconds from the dump to the first gathering, the peers' round still
+    waiting on a peer that never answers (a cut-off node's request)."""
+    judge = FakeJudge([Judgement(analyze_doc("network_partition", [0], ["node1"], AGENTS[:1]))])
+    asked_at: list[float] = []
+    judged = judge.__call__
+
+    def timed(incident: str, agents: Sequence[str], timeout: float) -> Judgement:
+        asked_at.append(time.monotonic())
+        return judged(incident, agents, timeout)
+
+    pub = VerdictPublisher(timed, lambda: AGENTS, tmp_path, "node1", regather_s=(),
+                           unreached=lambda incident: silent)  # fmt: skip
+    stop = threading.Event()
+    round_ = threading.Thread(target=stop.wait, args=(30,), daemon=True)
+    round_.start()
+    trigger = Trigger(TriggerKind.IN_FLIGHT, "stuck", INCIDENT, time.monotonic_ns(), 7, 1, "node1")
+    began = time.monotonic()
+    pub.dumped(Dumped(trigger, dump_s, round_))
+    for t in pub.threads:
+        t.join(30)
+    stop.set()
+    return asked_at[0] - began
+
+
+def test_a_peer_no_probe_reached_is_not_waited_for(tmp_path: Path) -> None:
+    """Node 1's probes of the incident reached nothing of 10.0.0.2: its
+    verdict is gathered at once, not after the wait for the peers' dumps
+    (twice its own dump's time: 4 s here); a peer the probes reached, or
+    another host silent, is waited for."""
+    assert vd.host_of("10.0.0.2:9400") == "10.0.0.2" and vd.host_of("[fd00::2]:9400") == "fd00::2"
+    assert vd.host_of("https://node2:9400/") == "node2"
+    assert _first_ask_after(tmp_path, frozenset({"10.0.0.2"}), 2.0) < 3.0  # not the 4 s
+    assert _first_ask_after(tmp_path, frozenset({"10.0.0.3"}), 1.0) >= 1.9

@@ -212,7 +212,8 @@ def _ranks(v: dict[str, object]) -> tuple[int | None, ...]:
 
 
 def _hosts(v: dict[str, object]) -> tuple[str, ...]:
-    return tuple(str(h) for h in _list(v.get("hosts")) if h is not None)
+    """The hosts a verdict names, each once (``hosts`` is per culprit)."""
+    return tuple(dict.fromkeys(str(h) for h in _list(v.get("hosts")) if h is not None))
 
 
 def nodes_in(doc: dict[str, object], agents: Sequence[str]) -> tuple[str, ...]:

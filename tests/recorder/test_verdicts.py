@@ -339,3 +339,13 @@ def test_a_peer_no_probe_reached_is_not_waited_for(tmp_path: Path) -> None:
     assert vd.host_of("https://node2:9400/") == "node2"
     assert _first_ask_after(tmp_path, frozenset({"10.0.0.2"}), 2.0) < 3.0  # not the 4 s
     assert _first_ask_after(tmp_path, frozenset({"10.0.0.3"}), 1.0) >= 1.9
+
+
+def test_a_host_of_several_culprits_is_said_once(tmp_path: Path) -> None:
+    """``hosts`` of analyze --json is per culprit: two ranks of one cut host
+    are one host in the line, the metric and the notice."""
+    cut = analyze_doc("network_partition", [2, 3], ["node1", "node1"], read=AGENTS)
+    pub = publish(tmp_path, FakeJudge([Judgement(cut)]))
+    (shown,) = pub.latest()
+    assert shown.hosts == ("node1",) and shown.ranks == (2, 3)
+    assert vd.verdict_line(shown).startswith("network_partition: ranks 2, 3 on node1: ")

@@ -155,7 +155,8 @@ def incident_from_recordings(
     sources = [s for s in sources if all(s is not d for d, _ in early)]
     sources, report = _align_late(sources)
     hosts = tuple(sorted({s.recording.host for s in sources}))
-    tcp = _tcp(sources, hosts)
+    owner = address_owners(sources, hosts)
+    tcp = _tcp(sources, hosts, owner)
     shown = Progress("read the NCCL calls of {}/{} dumps", len(sources), progress)
     # retransmission timeouts: a stall the job may have come back from, long
     # before the window (detect.partition's flap)
@@ -176,7 +177,8 @@ def incident_from_recordings(
         extracts = [e for e in extracts if not e.error]
         sources = [e.source for e in extracts]
         hosts = tuple(sorted({s.recording.host for s in sources}))
-        tcp = _tcp(sources, hosts)
+        owner = address_owners(sources, hosts)
+        tcp = _tcp(sources, hosts, owner)
     now = _host_now(extracts)
     counts, rows = _host_counts(sources, tcp, hosts)
     procs, proc_index = _procs(extracts)
@@ -207,13 +209,7 @@ def incident_from_recordings(
         held=_held_calls(extracts, proc_index),
         links=_links(sources, hosts, procs),
         slowdown=slow,
-        probes=(
-            probed := probe_rows(
-                recs := [s.recording for s in sources],
-                hosts,
-                owner := address_owners(sources, hosts),
-            )
-        )[0],
+        probes=(probed := probe_rows(recs := [s.recording for s in sources], hosts, owner))[0],
         unreached=probed[1],
         conns=conn_rows(recs, hosts, owner),
         ifaces=iface_rows(recs, hosts),
@@ -1004,29 +1000,31 @@ def _own_addresses(sources: list[Source], rows: np.ndarray, source: np.ndarray) 
     if not ranks:
         return out
     keys = (source.astype(np.uint64) << np.uint64(32)) | rows["pid"].astype(np.uint64)
-    own = np.isin(keys, np.array(ranks, dtype=np.uint64))
+    own = _member_of(keys, np.unique(np.array(ranks, dtype=np.uint64)))
     own &= ~addresses.is_loopback(rows["saddr"], rows["family"])
     if not own.any():
         return out
-    addrs, addr_of = np.unique(_addr_keys(rows["saddr"][own]), return_inverse=True)
-    pairs, counts = np.unique(source[own] * len(addrs) + addr_of.ravel(), return_counts=True)
+    addrs, addr_of = addresses.distinct(rows["saddr"][own])
+    pairs, counts = np.unique(source[own] * len(addrs) + addr_of, return_counts=True)
     src, addr = np.divmod(pairs, len(addrs))
     # per source: the highest count first, then the lowest address (sorted: addr)
     order = np.lexsort((addr, -counts, src))
     first = order[np.r_[True, src[order][1:] != src[order][:-1]]]
     for i, a in zip(src[first].tolist(), addr[first].tolist(), strict=True):
-        out[i] = bytes(addrs[a].tobytes())
+        out[i] = addrs[a].tobytes()
     return out
 
 
-def _tcp(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
+def _tcp(
+    sources: list[Source], hosts: tuple[str, ...], owner: dict[bytes, int] | None = None
+) -> np.ndarray:
     """Retransmits, resets and states at the dump (``tcp_info``) of
     connections between two hosts' own addresses (the nodes of rank
-    processes): never loopback, never both ends on one host.  Duplicates
-    of one event seen by two agents are counted once (the first, in the
-    order of ``sources``)."""
+    processes; ``owner``: ``address_owners``, where known already): never
+    loopback, never both ends on one host.  Duplicates of one event seen
+    by two agents are counted once (the first, in the order of ``sources``)."""
     host_of = {h: i for i, h in enumerate(hosts)}
-    owner = address_owners(sources, hosts)
+    owner = address_owners(sources, hosts) if owner is None else owner
     found = [_between_hosts(rows, source, owner) for rows, source in _tcp_chunks(sources)]
     if not found:
         return np.zeros(0, dtype=TCP_DTYPE)
@@ -1096,23 +1094,23 @@ def _between_hosts(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Of TCP rows, the retransmits and resets between one host's own
     address and another's, with their sources and both hosts."""
-    keep = _FATE[rows["event"]]
-    rows, source = rows[keep], source[keep]
-    fam = rows["family"]
-    keep = ~addresses.is_loopback(rows["saddr"], fam) & ~addresses.is_loopback(rows["daddr"], fam)
-    rows, source = rows[keep], source[keep]
-    local, remote = _owner_of(rows["saddr"], owner), _owner_of(rows["daddr"], owner)
+    at = np.flatnonzero(_FATE[rows["event"]])  # the rows' fields gathered once, at the end
+    fam, saddr, daddr = rows["family"][at], rows["saddr"][at], rows["daddr"][at]
+    keep = ~addresses.is_loopback(saddr, fam) & ~addresses.is_loopback(daddr, fam)
+    at, saddr, daddr = at[keep], saddr[keep], daddr[keep]
+    local, remote = _owner_of(saddr, owner), _owner_of(daddr, owner)
     keep = (local >= 0) & (remote >= 0) & (local != remote)
-    return rows[keep], source[keep], local[keep], remote[keep]
+    at = at[keep]
+    return rows[at], source[at], local[keep], remote[keep]
 
 
 def _owner_of(addrs: np.ndarray, owner: dict[bytes, int]) -> np.ndarray:
     """The host each address is the own address of, -1 for none."""
     if not len(addrs):
         return np.zeros(0, dtype=np.int64)
-    distinct, which = np.unique(_addr_keys(addrs), return_inverse=True)
-    hosts = np.array([owner.get(bytes(a.tobytes()), -1) for a in distinct], dtype=np.int64)
-    out: np.ndarray = hosts[which.ravel()]
+    distinct, which = addresses.distinct(addrs)
+    hosts = np.array([owner.get(a.tobytes(), -1) for a in distinct], dtype=np.int64)
+    out: np.ndarray = hosts[which]
     return out
 
 

@@ -446,9 +446,8 @@ def _extract_all(
     def run(part: tuple[int, int, int]) -> list[_Extract]:
         first, stop, at = part
         batch = _Batch(stage, at, max(BATCH_ROWS, max(sizes[first:stop], default=0)))
-        for s in sources[first:stop]:
+        for s, (skip, _) in zip(sources[first:stop], windows[first:stop], strict=True):
             later = s.deferred.get("nccl")
-            skip, _ = _window(s, per_rank)
             told = uncertain & {c.comm_hash for c in s.recording.communicators}
             if whole or told:  # the whole ring is read (long calls, ranks' evidence): alone
                 batch.flush()
@@ -617,6 +616,9 @@ def _window(s: Source, calls: int = WINDOW_CALLS) -> tuple[int, int]:
 BATCH_ROWS = 1 << 14  # NCCL rows of many dumps judged and staged at once (2.6 MB: in cache)
 
 
+_NCCL_RAW = np.dtype((np.void, NCCL_EVENT.itemsize))
+
+
 class _Batch:
     """Consecutive sources' windows, gathered into one buffer and judged and
     staged together (``analyzer.callrows``) once it is full."""
@@ -637,7 +639,9 @@ class _Batch:
     def add(self, s: Source, rows: np.ndarray | None, complete: bool, lost: int) -> None:
         n = 0 if rows is None else len(rows)
         if rows is not None and n:
-            self._room(n)[:] = rows if rows.dtype == NCCL_EVENT else rows.astype(NCCL_EVENT)
+            rows = rows if rows.dtype == NCCL_EVENT else rows.astype(NCCL_EVENT)
+            # as records of raw bytes: numpy copies a structured array field by field
+            self._room(n).view(_NCCL_RAW)[:] = rows.view(_NCCL_RAW)
         self.held.append((s, n, complete, lost))
         self.used += n
 

@@ -892,47 +892,97 @@ def _calls(
     """The stage's pids, comm hashes and own ranks resolved into procs, comm
     indices and comm ranks; rows of no known communicator dropped.  Each
     source is resolved against its own few communicators (its table and
-    the comms its rows name): a lookup in a small table per row, however
-    many communicators the incident has."""
+    the comms its rows name): per source, a small table of (process,
+    communicator) -> rank, and per row a lookup in its source's, all rows
+    in one pass of numpy, however many communicators the incident has."""
     hashes = np.array([c.comm_hash for c in comms], dtype=np.uint64)
-    valid = True
-    for e in extracts:
-        sl = e.rows
-        if sl.stop == sl.start:
-            continue
-        host = e.source.recording.host
-        procs = np.array([proc_index.get((host, int(p)), -1) for p in e.scope], dtype=np.int64)
-        scope_index = stage["proc"][sl]
-        local = _local_comms(e)
-        if not len(local):  # rows of no communicator it knows (late, not aligned): dropped
-            stage["proc"][sl], stage["comm"][sl], stage["crank"][sl] = procs[scope_index], 0, -1
-            valid = False
-            continue
-        where = np.minimum(np.searchsorted(hashes, local), max(len(hashes) - 1, 0))
-        known = hashes[where] == local if len(hashes) else np.zeros(len(local), dtype=bool)
-        lpos, ok = _comm_index(local, stage["hash"][sl])
-        ok &= known[lpos]
-        ranks = np.full((len(procs), len(local)), -1, dtype=np.int64)
-        for i, p in enumerate(procs.tolist()):
-            for j, h in enumerate(local.tolist()):
-                ranks[i, j] = membership.get((p, h), -1)
-        crank = ranks[scope_index, lpos]
-        unset = crank < 0
-        if unset.any():  # not a member by the comm tables: the row's own rank
-            crank[unset] = stage["crank"][sl][unset]
-        crank[~ok] = -1
-        valid = valid and bool((crank >= 0).all())
-        stage["proc"][sl], stage["comm"][sl], stage["crank"][sl] = (
-            procs[scope_index],
-            where[lpos],
-            crank,
-        )
+    t = _SourceTables(extracts, proc_index, hashes, membership)
+    e, sel = t.rows_of(extracts)
+    scope_index = stage["proc"][sel].astype(np.int64)
+    row_hash = stage["hash"][sel]
+    slot = t.local_slot(e, row_hash)
+    ok = t.known[slot]
+    cell = t.rank_base[e] + scope_index * t.nlocal[e] + (slot - t.local_base[e])
+    crank = t.ranks[np.where(ok, cell, -1)]
+    unset = crank < 0
+    if unset.any():  # not a member by the comm tables: the row's own rank
+        crank[unset] = stage["crank"][sel][unset]
+    crank[~ok] = -1
+    stage["proc"][sel] = t.procs[t.proc_base[e] + scope_index]
+    stage["comm"][sel] = t.where[slot]
+    stage["crank"][sel] = crank
+    valid = bool((crank >= 0).all())
     # the columns move out of the stage: ordering them frees each old one
     rows = Columns({name: stage.pop(name) for name in CALL_DTYPE.names or ()})
     stage.pop("hash")
     if not valid:
         rows = rows[rows["crank"] >= 0]
     return order_calls(rows, np.array([c.nranks for c in comms], dtype=np.int64))
+
+
+class _SourceTables:
+    """Per source of the stage, flattened side by side: its scope's procs,
+    the comm hashes its rows can name (``_local_comms``) with their index
+    in the incident's communicators (``where``; ``known``: whether it has
+    one), and each (scope pid, local comm)'s rank there (-1: none).  The
+    last entry of ``where``, ``known`` and ``ranks`` stands for none."""
+
+    def __init__(
+        self,
+        extracts: list[_Extract],
+        proc_index: dict[tuple[str, int], int],
+        hashes: np.ndarray,
+        membership: dict[tuple[int, int], int],
+    ) -> None:
+        procs = [
+            [proc_index.get((e.source.recording.host, p), -1) for p in e.scope.tolist()]
+            for e in extracts
+        ]
+        local = [_local_comms(e) for e in extracts]
+        self.procs = np.array([p for ps in procs for p in ps], dtype=np.int64)
+        self.proc_base = _starts([len(ps) for ps in procs])
+        self.nlocal = np.array([len(h) for h in local], dtype=np.int64)
+        self.local_base = _starts(self.nlocal.tolist())
+        flat = np.concatenate([np.zeros(0, dtype=np.uint64), *local])
+        self.hashes = np.unique(flat)  # every source's, as one key space
+        source = np.arange(len(extracts), dtype=np.int64).repeat(self.nlocal)
+        self.keys = source * len(self.hashes) + np.searchsorted(self.hashes, flat)
+        where = np.minimum(np.searchsorted(hashes, flat), max(len(hashes) - 1, 0))
+        known = hashes[where] == flat if len(hashes) else np.zeros(len(flat), dtype=bool)
+        self.where, self.known = np.r_[where, 0], np.r_[known, False]
+        self.ranks = np.array(
+            [membership.get((p, int(h)), -1) for ps, hs in zip(procs, local, strict=True)
+             for p in ps for h in hs.tolist()] + [-1],
+            dtype=np.int64,
+        )  # fmt: skip
+        self.rank_base = _starts([len(ps) * len(hs) for ps, hs in zip(procs, local, strict=True)])
+
+    @staticmethod
+    def rows_of(extracts: list[_Extract]) -> tuple[np.ndarray, np.ndarray]:
+        """The stage rows of the sources, and the source of each."""
+        sizes = np.array([e.rows.stop - e.rows.start for e in extracts], dtype=np.int64)
+        first = np.array([e.rows.start for e in extracts], dtype=np.int64)
+        e = np.arange(len(extracts), dtype=np.int64).repeat(sizes)
+        sel = np.arange(int(sizes.sum()), dtype=np.int64) - _starts(sizes.tolist()).repeat(sizes)
+        return e, sel + first.repeat(sizes)
+
+    def local_slot(self, e: np.ndarray, row_hash: np.ndarray) -> np.ndarray:
+        """Per row of source ``e``: the flat index of its comm hash among
+        its source's local ones (the last, none, if it is not there)."""
+        none = len(self.keys)
+        if not none:
+            return np.full(len(e), none, dtype=np.int64)
+        u = np.minimum(np.searchsorted(self.hashes, row_hash), len(self.hashes) - 1)
+        slot, ok = _positions(self.keys, e * len(self.hashes) + u)
+        ok &= self.hashes[u] == row_hash
+        out: np.ndarray = np.where(ok, slot, none)
+        return out
+
+
+def _starts(sizes: list[int]) -> np.ndarray:
+    """Where each of consecutive runs of ``sizes`` starts."""
+    out: np.ndarray = np.r_[0, np.cumsum(np.asarray(sizes, dtype=np.int64))][:-1]
+    return out.astype(np.int64)
 
 
 def _local_comms(e: _Extract) -> np.ndarray:

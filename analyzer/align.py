@@ -897,7 +897,7 @@ def _calls(
     in one pass of numpy, however many communicators the incident has."""
     hashes = np.array([c.comm_hash for c in comms], dtype=np.uint64)
     t = _SourceTables(extracts, proc_index, hashes, membership)
-    e, sel = t.rows_of(extracts)
+    e, sel = t.rows_of(extracts, len(stage))
     scope_index = stage["proc"][sel].astype(np.int64)
     row_hash = stage["hash"][sel]
     slot = t.local_slot(e, row_hash)
@@ -958,12 +958,16 @@ class _SourceTables:
         self.rank_base = _starts([len(ps) * len(hs) for ps, hs in zip(procs, local, strict=True)])
 
     @staticmethod
-    def rows_of(extracts: list[_Extract]) -> tuple[np.ndarray, np.ndarray]:
-        """The stage rows of the sources, and the source of each."""
+    def rows_of(extracts: list[_Extract], n: int) -> tuple[np.ndarray, slice | np.ndarray]:
+        """The stage rows of the sources (of ``n``: all of them, as a slice,
+        where the sources' rows follow one another), and the source of each."""
         sizes = np.array([e.rows.stop - e.rows.start for e in extracts], dtype=np.int64)
         first = np.array([e.rows.start for e in extracts], dtype=np.int64)
         e = np.arange(len(extracts), dtype=np.int64).repeat(sizes)
-        sel = np.arange(int(sizes.sum()), dtype=np.int64) - _starts(sizes.tolist()).repeat(sizes)
+        starts = _starts(sizes.tolist())
+        if int(sizes.sum()) == n and np.array_equal(first[sizes > 0], starts[sizes > 0]):
+            return e, slice(0, n)
+        sel = np.arange(int(sizes.sum()), dtype=np.int64) - starts.repeat(sizes)
         return e, sel + first.repeat(sizes)
 
     def local_slot(self, e: np.ndarray, row_hash: np.ndarray) -> np.ndarray:

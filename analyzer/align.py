@@ -1063,14 +1063,27 @@ def _own_addresses(sources: list[Source], rows: np.ndarray, source: np.ndarray) 
     if not own.any():
         return out
     addrs, addr_of = addresses.distinct(rows["saddr"][own])
-    pairs, counts = np.unique(source[own] * len(addrs) + addr_of, return_counts=True)
+    pairs, counts = _tally((source[own] - run.start) * len(addrs) + addr_of)
     src, addr = np.divmod(pairs, len(addrs))
+    src += run.start
     # per source: the highest count first, then the lowest address (sorted: addr)
     order = np.lexsort((addr, -counts, src))
     first = order[np.r_[True, src[order][1:] != src[order][:-1]]]
     for i, a in zip(src[first].tolist(), addr[first].tolist(), strict=True):
         out[i] = addrs[a].tobytes()
     return out
+
+
+def _tally(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_counts=True)`` of non-negative integers: a
+    count per value where they are few beside the rows (a pass, not a sort)."""
+    top = int(keys.max()) + 1 if len(keys) else 0
+    if top > 4 * len(keys):
+        pairs, counts = np.unique(keys, return_counts=True)
+        return pairs, counts
+    tally = np.bincount(keys, minlength=top)
+    found = np.flatnonzero(tally)
+    return found, tally[found]
 
 
 def _tcp(

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from stallwatch.dumpers.model import Recording
-from stallwatch.dumpers.schema import Op, captured_rows
+from stallwatch.dumpers.schema import Op
 
 from .columns import Columns
 from .incident import HELD_DTYPE, HELD_NS
@@ -104,7 +104,7 @@ class _Stager:
     ) -> None:
         self.d, self.recs, self.damaged = d, recs, damaged
         raw, group = d.raw, d.group
-        keep = IS_CALL[raw["op"]] & ~captured_rows(raw)
+        keep = IS_CALL[raw["op"]] & ~d.captured
         self.times = _device_timeline(d, keep)
         # an agent's process table is its scope (one node); without one, every pid
         pids = d.keys(raw["pid"])
@@ -212,7 +212,7 @@ class _Stager:
         latest call (a group's end included) had not returned; (pid,
         entered) of each one's latest call of any kind."""
         raw = self.d.raw
-        waits = WAITS_IN[raw["op"]] & ~captured_rows(raw) & self.inside
+        waits = WAITS_IN[raw["op"]] & ~self.d.captured & self.inside
         last = self._latest_per_pid(np.flatnonzero(waits))
         last = last[raw["end_ns"][last] == 0]
         waiting: dict[int, list[tuple[int, int, int]]] = {}

@@ -149,7 +149,8 @@ def incident_from_recordings(
     """One incident from its dumps.  With ``consume`` the recordings' nccl
     rings are released as they are read (the caller gives them up); with
     ``progress``, reading them is shown on stderr."""
-    sources = [dataclasses.replace(s, recording=in_scope(s.recording, consume)) for s in sources]
+    scoped = [(s, in_scope(s.recording, consume)) for s in sources]
+    sources = [s if r is s.recording else dataclasses.replace(s, recording=r) for s, r in scoped]
     sources = sorted(sources, key=lambda s: (s.recording.host, s.path))
     early = [(s, why) for s in sources if (why := other_rings(s.recording)) is not None]
     sources = [s for s in sources if all(s is not d for d, _ in early)]

@@ -182,9 +182,9 @@ def incident_from_recordings(
         tcp = _tcp(sources, hosts, owner)
     now = _host_now(extracts)
     counts, rows = _host_counts(sources, tcp, hosts)
-    procs, proc_index = _procs(extracts)
+    firsts, proc_index = _proc_index(extracts)
     comms, membership, world = _comms(extracts, proc_index)
-    procs = _with_world_ranks(procs, world, report.uncertain() if report else set())
+    procs = _procs(extracts, firsts, world, report.uncertain() if report else set())
     calls = _calls(stage, extracts, proc_index, comms, membership)
     clocks = _clocks(sources)
     return Incident(
@@ -791,23 +791,44 @@ def _exit_status(rec: Recording) -> dict[int, tuple[int | None, int | None, int 
     return status
 
 
-def _procs(extracts: list[_Extract]) -> tuple[list[Proc], dict[tuple[str, int], int]]:
-    procs: list[Proc] = []
+def _proc_index(
+    extracts: list[_Extract],
+) -> tuple[list[tuple[int, int]], dict[tuple[str, int], int]]:
+    """Each (host, pid) of the extracts' ranks, numbered in order: (extract,
+    pid) of the first that holds it, and its number by (host, pid)."""
+    firsts: list[tuple[int, int]] = []
     index: dict[tuple[str, int], int] = {}
-    for e in extracts:
+    for i, e in enumerate(extracts):
         rec = e.source.recording
-        pids = {c.pid for c in rec.communicators} | set(e.pids)
-        status = _exit_status(rec)
-        for pid in sorted(pids):
-            key = (rec.host, pid)
-            if key in index:
-                continue
-            code, sig, when = status.get(pid, (None, None, None))
-            index[key] = len(procs)
-            procs.append(
-                Proc(rec.host, pid, -1, e.source.path, code, sig, e.complete, exit_wall_ns=when)
-            )
-    return procs, index
+        for pid in sorted({c.pid for c in rec.communicators} | set(e.pids)):
+            if (rec.host, pid) not in index:
+                index[(rec.host, pid)] = len(firsts)
+                firsts.append((i, pid))
+    return firsts, index
+
+
+def _procs(
+    extracts: list[_Extract],
+    firsts: list[tuple[int, int]],
+    world: dict[int, int],
+    uncertain: set[tuple[str, int]],
+) -> list[Proc]:
+    """The procs numbered by ``_proc_index``, with their world ranks
+    (``dumpers.ranks``), unknown for a process aligned to a slot its calls
+    could not tell (``analyzer.late``), and how each exited."""
+    status: dict[int, dict[int, tuple[int | None, int | None, int | None]]] = {}
+    procs: list[Proc] = []
+    for n, (i, pid) in enumerate(firsts):
+        e = extracts[i]
+        rec = e.source.recording
+        if i not in status:
+            status[i] = _exit_status(rec)
+        code, sig, when = status[i].get(pid, (None, None, None))
+        rank = -1 if (rec.host, pid) in uncertain else world.get(n, -1)
+        procs.append(
+            Proc(rec.host, pid, rank, e.source.path, code, sig, e.complete, exit_wall_ns=when)
+        )
+    return procs
 
 
 def _comms(
@@ -868,19 +889,6 @@ def _row_members(
             if proc is not None:
                 out.append((h, proc, rank, nranks))
     return out
-
-
-def _with_world_ranks(
-    procs: list[Proc], world: dict[int, int], uncertain: set[tuple[str, int]]
-) -> list[Proc]:
-    """World ranks (``dumpers.ranks``), unknown for a process aligned to a
-    slot its calls could not tell (``analyzer.late``)."""
-    return [
-        dataclasses.replace(
-            proc, world_rank=-1 if (proc.host, proc.pid) in uncertain else world.get(i, -1)
-        )
-        for i, proc in enumerate(procs)
-    ]
 
 
 def _calls(

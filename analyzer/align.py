@@ -149,13 +149,15 @@ def incident_from_recordings(
     """One incident from its dumps.  With ``consume`` the recordings' nccl
     rings are released as they are read (the caller gives them up); with
     ``progress``, reading them is shown on stderr."""
-    sources = [dataclasses.replace(s, recording=in_scope(s.recording, consume)) for s in sources]
+    scoped = [(s, in_scope(s.recording, consume)) for s in sources]
+    sources = [s if r is s.recording else dataclasses.replace(s, recording=r) for s, r in scoped]
     sources = sorted(sources, key=lambda s: (s.recording.host, s.path))
     early = [(s, why) for s in sources if (why := other_rings(s.recording)) is not None]
     sources = [s for s in sources if all(s is not d for d, _ in early)]
     sources, report = _align_late(sources)
     hosts = tuple(sorted({s.recording.host for s in sources}))
-    tcp = _tcp(sources, hosts)
+    owner = address_owners(sources, hosts)
+    tcp = _tcp(sources, hosts, owner)
     shown = Progress("read the NCCL calls of {}/{} dumps", len(sources), progress)
     # retransmission timeouts: a stall the job may have come back from, long
     # before the window (detect.partition's flap)
@@ -176,12 +178,13 @@ def incident_from_recordings(
         extracts = [e for e in extracts if not e.error]
         sources = [e.source for e in extracts]
         hosts = tuple(sorted({s.recording.host for s in sources}))
-        tcp = _tcp(sources, hosts)
+        owner = address_owners(sources, hosts)
+        tcp = _tcp(sources, hosts, owner)
     now = _host_now(extracts)
     counts, rows = _host_counts(sources, tcp, hosts)
-    procs, proc_index = _procs(extracts)
+    firsts, proc_index = _proc_index(extracts)
     comms, membership, world = _comms(extracts, proc_index)
-    procs = _with_world_ranks(procs, world, report.uncertain() if report else set())
+    procs = _procs(extracts, firsts, world, report.uncertain() if report else set())
     calls = _calls(stage, extracts, proc_index, comms, membership)
     clocks = _clocks(sources)
     return Incident(
@@ -207,13 +210,7 @@ def incident_from_recordings(
         held=_held_calls(extracts, proc_index),
         links=_links(sources, hosts, procs),
         slowdown=slow,
-        probes=(
-            probed := probe_rows(
-                recs := [s.recording for s in sources],
-                hosts,
-                owner := address_owners(sources, hosts),
-            )
-        )[0],
+        probes=(probed := probe_rows(recs := [s.recording for s in sources], hosts, owner))[0],
         unreached=probed[1],
         conns=conn_rows(recs, hosts, owner),
         ifaces=iface_rows(recs, hosts),
@@ -450,9 +447,8 @@ def _extract_all(
     def run(part: tuple[int, int, int]) -> list[_Extract]:
         first, stop, at = part
         batch = _Batch(stage, at, max(BATCH_ROWS, max(sizes[first:stop], default=0)))
-        for s in sources[first:stop]:
+        for s, (skip, _) in zip(sources[first:stop], windows[first:stop], strict=True):
             later = s.deferred.get("nccl")
-            skip, _ = _window(s, per_rank)
             told = uncertain & {c.comm_hash for c in s.recording.communicators}
             if whole or told:  # the whole ring is read (long calls, ranks' evidence): alone
                 batch.flush()
@@ -621,6 +617,9 @@ def _window(s: Source, calls: int = WINDOW_CALLS) -> tuple[int, int]:
 BATCH_ROWS = 1 << 14  # NCCL rows of many dumps judged and staged at once (2.6 MB: in cache)
 
 
+_NCCL_RAW = np.dtype((np.void, NCCL_EVENT.itemsize))
+
+
 class _Batch:
     """Consecutive sources' windows, gathered into one buffer and judged and
     staged together (``analyzer.callrows``) once it is full."""
@@ -641,7 +640,9 @@ class _Batch:
     def add(self, s: Source, rows: np.ndarray | None, complete: bool, lost: int) -> None:
         n = 0 if rows is None else len(rows)
         if rows is not None and n:
-            self._room(n)[:] = rows if rows.dtype == NCCL_EVENT else rows.astype(NCCL_EVENT)
+            rows = rows if rows.dtype == NCCL_EVENT else rows.astype(NCCL_EVENT)
+            # as records of raw bytes: numpy copies a structured array field by field
+            self._room(n).view(_NCCL_RAW)[:] = rows.view(_NCCL_RAW)
         self.held.append((s, n, complete, lost))
         self.used += n
 
@@ -790,23 +791,44 @@ def _exit_status(rec: Recording) -> dict[int, tuple[int | None, int | None, int 
     return status
 
 
-def _procs(extracts: list[_Extract]) -> tuple[list[Proc], dict[tuple[str, int], int]]:
-    procs: list[Proc] = []
+def _proc_index(
+    extracts: list[_Extract],
+) -> tuple[list[tuple[int, int]], dict[tuple[str, int], int]]:
+    """Each (host, pid) of the extracts' ranks, numbered in order: (extract,
+    pid) of the first that holds it, and its number by (host, pid)."""
+    firsts: list[tuple[int, int]] = []
     index: dict[tuple[str, int], int] = {}
-    for e in extracts:
+    for i, e in enumerate(extracts):
         rec = e.source.recording
-        pids = {c.pid for c in rec.communicators} | set(e.pids)
-        status = _exit_status(rec)
-        for pid in sorted(pids):
-            key = (rec.host, pid)
-            if key in index:
-                continue
-            code, sig, when = status.get(pid, (None, None, None))
-            index[key] = len(procs)
-            procs.append(
-                Proc(rec.host, pid, -1, e.source.path, code, sig, e.complete, exit_wall_ns=when)
-            )
-    return procs, index
+        for pid in sorted({c.pid for c in rec.communicators} | set(e.pids)):
+            if (rec.host, pid) not in index:
+                index[(rec.host, pid)] = len(firsts)
+                firsts.append((i, pid))
+    return firsts, index
+
+
+def _procs(
+    extracts: list[_Extract],
+    firsts: list[tuple[int, int]],
+    world: dict[int, int],
+    uncertain: set[tuple[str, int]],
+) -> list[Proc]:
+    """The procs numbered by ``_proc_index``, with their world ranks
+    (``dumpers.ranks``), unknown for a process aligned to a slot its calls
+    could not tell (``analyzer.late``), and how each exited."""
+    status: dict[int, dict[int, tuple[int | None, int | None, int | None]]] = {}
+    procs: list[Proc] = []
+    for n, (i, pid) in enumerate(firsts):
+        e = extracts[i]
+        rec = e.source.recording
+        if i not in status:
+            status[i] = _exit_status(rec)
+        code, sig, when = status[i].get(pid, (None, None, None))
+        rank = -1 if (rec.host, pid) in uncertain else world.get(n, -1)
+        procs.append(
+            Proc(rec.host, pid, rank, e.source.path, code, sig, e.complete, exit_wall_ns=when)
+        )
+    return procs
 
 
 def _comms(
@@ -869,19 +891,6 @@ def _row_members(
     return out
 
 
-def _with_world_ranks(
-    procs: list[Proc], world: dict[int, int], uncertain: set[tuple[str, int]]
-) -> list[Proc]:
-    """World ranks (``dumpers.ranks``), unknown for a process aligned to a
-    slot its calls could not tell (``analyzer.late``)."""
-    return [
-        dataclasses.replace(
-            proc, world_rank=-1 if (proc.host, proc.pid) in uncertain else world.get(i, -1)
-        )
-        for i, proc in enumerate(procs)
-    ]
-
-
 def _calls(
     stage: Columns,
     extracts: list[_Extract],
@@ -892,47 +901,101 @@ def _calls(
     """The stage's pids, comm hashes and own ranks resolved into procs, comm
     indices and comm ranks; rows of no known communicator dropped.  Each
     source is resolved against its own few communicators (its table and
-    the comms its rows name): a lookup in a small table per row, however
-    many communicators the incident has."""
+    the comms its rows name): per source, a small table of (process,
+    communicator) -> rank, and per row a lookup in its source's, all rows
+    in one pass of numpy, however many communicators the incident has."""
     hashes = np.array([c.comm_hash for c in comms], dtype=np.uint64)
-    valid = True
-    for e in extracts:
-        sl = e.rows
-        if sl.stop == sl.start:
-            continue
-        host = e.source.recording.host
-        procs = np.array([proc_index.get((host, int(p)), -1) for p in e.scope], dtype=np.int64)
-        scope_index = stage["proc"][sl]
-        local = _local_comms(e)
-        if not len(local):  # rows of no communicator it knows (late, not aligned): dropped
-            stage["proc"][sl], stage["comm"][sl], stage["crank"][sl] = procs[scope_index], 0, -1
-            valid = False
-            continue
-        where = np.minimum(np.searchsorted(hashes, local), max(len(hashes) - 1, 0))
-        known = hashes[where] == local if len(hashes) else np.zeros(len(local), dtype=bool)
-        lpos, ok = _comm_index(local, stage["hash"][sl])
-        ok &= known[lpos]
-        ranks = np.full((len(procs), len(local)), -1, dtype=np.int64)
-        for i, p in enumerate(procs.tolist()):
-            for j, h in enumerate(local.tolist()):
-                ranks[i, j] = membership.get((p, h), -1)
-        crank = ranks[scope_index, lpos]
-        unset = crank < 0
-        if unset.any():  # not a member by the comm tables: the row's own rank
-            crank[unset] = stage["crank"][sl][unset]
-        crank[~ok] = -1
-        valid = valid and bool((crank >= 0).all())
-        stage["proc"][sl], stage["comm"][sl], stage["crank"][sl] = (
-            procs[scope_index],
-            where[lpos],
-            crank,
-        )
+    t = _SourceTables(extracts, proc_index, hashes, membership)
+    e, sel = t.rows_of(extracts, len(stage))
+    scope_index = stage["proc"][sel].astype(np.int64)
+    row_hash = stage["hash"][sel]
+    slot = t.local_slot(e, row_hash)
+    ok = t.known[slot]
+    cell = t.rank_base[e] + scope_index * t.nlocal[e] + (slot - t.local_base[e])
+    crank = t.ranks[np.where(ok, cell, -1)]
+    unset = crank < 0
+    if unset.any():  # not a member by the comm tables: the row's own rank
+        crank[unset] = stage["crank"][sel][unset]
+    crank[~ok] = -1
+    stage["proc"][sel] = t.procs[t.proc_base[e] + scope_index]
+    stage["comm"][sel] = t.where[slot]
+    stage["crank"][sel] = crank
+    valid = bool((crank >= 0).all())
     # the columns move out of the stage: ordering them frees each old one
     rows = Columns({name: stage.pop(name) for name in CALL_DTYPE.names or ()})
     stage.pop("hash")
     if not valid:
         rows = rows[rows["crank"] >= 0]
     return order_calls(rows, np.array([c.nranks for c in comms], dtype=np.int64))
+
+
+class _SourceTables:
+    """Per source of the stage, flattened side by side: its scope's procs,
+    the comm hashes its rows can name (``_local_comms``) with their index
+    in the incident's communicators (``where``; ``known``: whether it has
+    one), and each (scope pid, local comm)'s rank there (-1: none).  The
+    last entry of ``where``, ``known`` and ``ranks`` stands for none."""
+
+    def __init__(
+        self,
+        extracts: list[_Extract],
+        proc_index: dict[tuple[str, int], int],
+        hashes: np.ndarray,
+        membership: dict[tuple[int, int], int],
+    ) -> None:
+        procs = [
+            [proc_index.get((e.source.recording.host, p), -1) for p in e.scope.tolist()]
+            for e in extracts
+        ]
+        local = [_local_comms(e) for e in extracts]
+        self.procs = np.array([p for ps in procs for p in ps], dtype=np.int64)
+        self.proc_base = _starts([len(ps) for ps in procs])
+        self.nlocal = np.array([len(h) for h in local], dtype=np.int64)
+        self.local_base = _starts(self.nlocal.tolist())
+        flat = np.concatenate([np.zeros(0, dtype=np.uint64), *local])
+        self.hashes = np.unique(flat)  # every source's, as one key space
+        source = np.arange(len(extracts), dtype=np.int64).repeat(self.nlocal)
+        self.keys = source * len(self.hashes) + np.searchsorted(self.hashes, flat)
+        where = np.minimum(np.searchsorted(hashes, flat), max(len(hashes) - 1, 0))
+        known = hashes[where] == flat if len(hashes) else np.zeros(len(flat), dtype=bool)
+        self.where, self.known = np.r_[where, 0], np.r_[known, False]
+        self.ranks = np.array(
+            [membership.get((p, int(h)), -1) for ps, hs in zip(procs, local, strict=True)
+             for p in ps for h in hs.tolist()] + [-1],
+            dtype=np.int64,
+        )  # fmt: skip
+        self.rank_base = _starts([len(ps) * len(hs) for ps, hs in zip(procs, local, strict=True)])
+
+    @staticmethod
+    def rows_of(extracts: list[_Extract], n: int) -> tuple[np.ndarray, slice | np.ndarray]:
+        """The stage rows of the sources (of ``n``: all of them, as a slice,
+        where the sources' rows follow one another), and the source of each."""
+        sizes = np.array([e.rows.stop - e.rows.start for e in extracts], dtype=np.int64)
+        first = np.array([e.rows.start for e in extracts], dtype=np.int64)
+        e = np.arange(len(extracts), dtype=np.int64).repeat(sizes)
+        starts = _starts(sizes.tolist())
+        if int(sizes.sum()) == n and np.array_equal(first[sizes > 0], starts[sizes > 0]):
+            return e, slice(0, n)
+        sel = np.arange(int(sizes.sum()), dtype=np.int64) - starts.repeat(sizes)
+        return e, sel + first.repeat(sizes)
+
+    def local_slot(self, e: np.ndarray, row_hash: np.ndarray) -> np.ndarray:
+        """Per row of source ``e``: the flat index of its comm hash among
+        its source's local ones (the last, none, if it is not there)."""
+        none = len(self.keys)
+        if not none:
+            return np.full(len(e), none, dtype=np.int64)
+        u = np.minimum(np.searchsorted(self.hashes, row_hash), len(self.hashes) - 1)
+        slot, ok = _positions(self.keys, e * len(self.hashes) + u)
+        ok &= self.hashes[u] == row_hash
+        out: np.ndarray = np.where(ok, slot, none)
+        return out
+
+
+def _starts(sizes: list[int]) -> np.ndarray:
+    """Where each of consecutive runs of ``sizes`` starts."""
+    out: np.ndarray = np.r_[0, np.cumsum(np.asarray(sizes, dtype=np.int64))][:-1]
+    return out.astype(np.int64)
 
 
 def _local_comms(e: _Extract) -> np.ndarray:
@@ -1004,29 +1067,44 @@ def _own_addresses(sources: list[Source], rows: np.ndarray, source: np.ndarray) 
     if not ranks:
         return out
     keys = (source.astype(np.uint64) << np.uint64(32)) | rows["pid"].astype(np.uint64)
-    own = np.isin(keys, np.array(ranks, dtype=np.uint64))
+    own = _member_of(keys, np.unique(np.array(ranks, dtype=np.uint64)))
     own &= ~addresses.is_loopback(rows["saddr"], rows["family"])
     if not own.any():
         return out
-    addrs, addr_of = np.unique(_addr_keys(rows["saddr"][own]), return_inverse=True)
-    pairs, counts = np.unique(source[own] * len(addrs) + addr_of.ravel(), return_counts=True)
+    addrs, addr_of = addresses.distinct(rows["saddr"][own])
+    pairs, counts = _tally((source[own] - run.start) * len(addrs) + addr_of)
     src, addr = np.divmod(pairs, len(addrs))
+    src += run.start
     # per source: the highest count first, then the lowest address (sorted: addr)
     order = np.lexsort((addr, -counts, src))
     first = order[np.r_[True, src[order][1:] != src[order][:-1]]]
     for i, a in zip(src[first].tolist(), addr[first].tolist(), strict=True):
-        out[i] = bytes(addrs[a].tobytes())
+        out[i] = addrs[a].tobytes()
     return out
 
 
-def _tcp(sources: list[Source], hosts: tuple[str, ...]) -> np.ndarray:
+def _tally(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_counts=True)`` of non-negative integers: a
+    count per value where they are few beside the rows (a pass, not a sort)."""
+    top = int(keys.max()) + 1 if len(keys) else 0
+    if top > 4 * len(keys):
+        pairs, counts = np.unique(keys, return_counts=True)
+        return pairs, counts
+    tally = np.bincount(keys, minlength=top)
+    found = np.flatnonzero(tally)
+    return found, tally[found]
+
+
+def _tcp(
+    sources: list[Source], hosts: tuple[str, ...], owner: dict[bytes, int] | None = None
+) -> np.ndarray:
     """Retransmits, resets and states at the dump (``tcp_info``) of
     connections between two hosts' own addresses (the nodes of rank
-    processes): never loopback, never both ends on one host.  Duplicates
-    of one event seen by two agents are counted once (the first, in the
-    order of ``sources``)."""
+    processes; ``owner``: ``address_owners``, where known already): never
+    loopback, never both ends on one host.  Duplicates of one event seen
+    by two agents are counted once (the first, in the order of ``sources``)."""
     host_of = {h: i for i, h in enumerate(hosts)}
-    owner = address_owners(sources, hosts)
+    owner = address_owners(sources, hosts) if owner is None else owner
     found = [_between_hosts(rows, source, owner) for rows, source in _tcp_chunks(sources)]
     if not found:
         return np.zeros(0, dtype=TCP_DTYPE)
@@ -1096,23 +1174,23 @@ def _between_hosts(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Of TCP rows, the retransmits and resets between one host's own
     address and another's, with their sources and both hosts."""
-    keep = _FATE[rows["event"]]
-    rows, source = rows[keep], source[keep]
-    fam = rows["family"]
-    keep = ~addresses.is_loopback(rows["saddr"], fam) & ~addresses.is_loopback(rows["daddr"], fam)
-    rows, source = rows[keep], source[keep]
-    local, remote = _owner_of(rows["saddr"], owner), _owner_of(rows["daddr"], owner)
+    at = np.flatnonzero(_FATE[rows["event"]])  # the rows' fields gathered once, at the end
+    fam, saddr, daddr = rows["family"][at], rows["saddr"][at], rows["daddr"][at]
+    keep = ~addresses.is_loopback(saddr, fam) & ~addresses.is_loopback(daddr, fam)
+    at, saddr, daddr = at[keep], saddr[keep], daddr[keep]
+    local, remote = _owner_of(saddr, owner), _owner_of(daddr, owner)
     keep = (local >= 0) & (remote >= 0) & (local != remote)
-    return rows[keep], source[keep], local[keep], remote[keep]
+    at = at[keep]
+    return rows[at], source[at], local[keep], remote[keep]
 
 
 def _owner_of(addrs: np.ndarray, owner: dict[bytes, int]) -> np.ndarray:
     """The host each address is the own address of, -1 for none."""
     if not len(addrs):
         return np.zeros(0, dtype=np.int64)
-    distinct, which = np.unique(_addr_keys(addrs), return_inverse=True)
-    hosts = np.array([owner.get(bytes(a.tobytes()), -1) for a in distinct], dtype=np.int64)
-    out: np.ndarray = hosts[which.ravel()]
+    distinct, which = addresses.distinct(addrs)
+    hosts = np.array([owner.get(a.tobytes(), -1) for a in distinct], dtype=np.int64)
+    out: np.ndarray = hosts[which]
     return out
 
 

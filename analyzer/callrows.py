@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from stallwatch.dumpers.model import Recording
-from stallwatch.dumpers.schema import Op, captured_rows
+from stallwatch.dumpers.schema import Op
 
 from .columns import Columns
 from .incident import HELD_DTYPE, HELD_NS
@@ -104,7 +104,7 @@ class _Stager:
     ) -> None:
         self.d, self.recs, self.damaged = d, recs, damaged
         raw, group = d.raw, d.group
-        keep = IS_CALL[raw["op"]] & ~captured_rows(raw)
+        keep = IS_CALL[raw["op"]] & ~d.captured
         self.times = _device_timeline(d, keep)
         # an agent's process table is its scope (one node); without one, every pid
         pids = d.keys(raw["pid"])
@@ -144,18 +144,27 @@ class _Stager:
         latest = _segment_max(np.maximum(ts, end), counts)
         held = self._held()
         waiting, entered = self._latest()
+        # per dump, read as Python values once: a dump's own work is a few lines
+        scopes = (self.scope_keys & _LOW).astype(np.uint32)
+        bounds, cut, first = d.bounds.tolist(), self.scope_start.tolist(), starts.tolist()
+        damaged = self.damaged.tolist()
+        foreigners = np.bincount(group[foreign], minlength=len(self.recs)).tolist()
         out = []
         for g, rec in enumerate(self.recs):
-            lo, hi = int(starts[g]), int(starts[g + 1])
-            if self.damaged[g] or d.bounds[g] == d.bounds[g + 1]:
-                out.append(_empty(bool(self.damaged[g]), lo))
+            lo, hi = first[g], first[g + 1]
+            if damaged[g] or bounds[g] == bounds[g + 1]:
+                out.append(_empty(damaged[g], lo))
                 continue
-            a, b = int(self.scope_start[g]), int(self.scope_start[g + 1])
-            scope = (self.scope_keys[a:b] & _LOW).astype(np.uint32)
+            a, b = cut[g], cut[g + 1]
+            scope = scopes[a:b].copy()
             comm_pids = {c.pid for c in rec.communicators}
-            pids = tuple(int(p) for p in scope[used[a:b]].tolist() if p not in comm_pids)
+            pids = tuple(p for p in scope[used[a:b]].tolist() if p not in comm_pids)
             mine = slice(lo - at, hi - at)
-            members = _members(raw, sel[mine], foreign[mine], hashes[mine], scope, self.index)
+            members = (
+                _members(raw, sel[mine], foreign[mine], hashes[mine], scope, self.index)
+                if foreigners[g]
+                else ()
+            )
             out.append(
                 Staged(
                     slice(lo, hi), False, latest[g], scope, pids, members,
@@ -203,7 +212,7 @@ class _Stager:
         latest call (a group's end included) had not returned; (pid,
         entered) of each one's latest call of any kind."""
         raw = self.d.raw
-        waits = WAITS_IN[raw["op"]] & ~captured_rows(raw) & self.inside
+        waits = WAITS_IN[raw["op"]] & ~self.d.captured & self.inside
         last = self._latest_per_pid(np.flatnonzero(waits))
         last = last[raw["end_ns"][last] == 0]
         waiting: dict[int, list[tuple[int, int, int]]] = {}

@@ -70,8 +70,8 @@ class Dumps:
     rows at once: a few dozen numpy passes in all, not a few dozen per dump
     (2,048-row windows of 16,384 dumps spent 30 s in those calls)."""
 
-    __slots__ = ("bounds", "comm_group", "comm_hash", "comm_pid", "comm_ptr", "group",
-                 "has_scope", "late", "lost", "raw", "scope_keys", "timed")  # fmt: skip
+    __slots__ = ("bounds", "captured", "comm_group", "comm_hash", "comm_pid", "comm_ptr",
+                 "group", "has_scope", "late", "lost", "raw", "scope_keys", "timed")  # fmt: skip
 
     def __init__(
         self,
@@ -83,6 +83,7 @@ class Dumps:
     ) -> None:
         n = len(recs)
         self.raw = raw
+        self.captured = captured_rows(raw)  # read by several rules and stages: once
         self.bounds = bounds
         self.group = np.repeat(np.arange(n, dtype=np.uint64), np.diff(bounds))
         # a dump's clock: its rows cannot be timed after it read its rings
@@ -274,7 +275,7 @@ def _out_of_order(d: Dumps, ours: np.ndarray) -> np.ndarray:
     (process, communicator pointer) in their dump: both rows around a step
     that goes back, repeats or (where no row was lost) jumps are suspect."""
     raw = d.raw
-    sel = np.flatnonzero(COLLECTIVE[raw["op"]] & ~captured_rows(raw) & ours)
+    sel = np.flatnonzero(COLLECTIVE[raw["op"]] & ~d.captured & ours)
     out = np.zeros(len(raw), dtype=bool)
     if len(sel) < 2:
         return out

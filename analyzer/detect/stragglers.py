@@ -459,14 +459,15 @@ def _last_fraction_min(s: ArrivalScore) -> float:
 def _is_straggling(s: ArrivalScore) -> bool:
     """Late consistently (in nearly every collective of many) and by a margin
     that counts against the pace of the communicator: a few ms of lateness
-    under CPU contention is noise."""
+    under CPU contention is noise.  (The margin first: it turns away the
+    ranks that are not late, nearly all of them, before any arithmetic.)"""
     return (
-        s.proc >= 0
+        s.margin_ns >= (STRAGGLER_MARGIN_NS if s.method == "wait" else ARRIVAL_MARGIN_NS)
+        and s.proc >= 0
         and s.groups >= STRAGGLER_MIN_GROUPS
-        and s.last_fraction >= _last_fraction_min(s)
-        and s.margin_ns >= (STRAGGLER_MARGIN_NS if s.method == "wait" else ARRIVAL_MARGIN_NS)
         and s.margin_ns >= STRAGGLER_PERIOD_SHARE * s.period_ns
         and (s.method != "lateness" or s.margin_ns >= CROSS_HOST_MARGIN_NS)
+        and s.last_fraction >= _last_fraction_min(s)
     )
 
 
@@ -497,6 +498,8 @@ def _waits_for_a_straggler(scores: list[ArrivalScore]) -> set[int]:
     out: set[int] = set()
     for members in by_kind.values():
         late = [s for s in members if _is_straggling(s)]
+        if not late:  # (nearly every communicator: nobody to wait for)
+            continue
         for s in members:
             if any(x.proc != s.proc and s.own_wait_ns - x.own_wait_ns >= _held_margin(s)
                    for x in late):  # fmt: skip

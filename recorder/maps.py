@@ -18,6 +18,7 @@ mmapped arrays, the loss counters, hash maps as numpy arrays.  No BCC here.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import mmap
@@ -61,16 +62,30 @@ BPF_F_MMAPABLE = 1 << 10
 COMM_STATES = "comm_states"
 
 
-def _replace(table: BpfMap, keys: np.ndarray, pids: list[int]) -> None:
-    """A hash map holding exactly ``keys`` -> ``pids`` from now on."""
+def _replace(table: BpfMap, keys: np.ndarray, pids: list[int]) -> int:
+    """A hash map holding exactly ``keys`` -> ``pids`` from now on, as many
+    as it has room for; returns how many it had no room for (a full hash
+    map refuses new keys: E2BIG)."""
     held, _ = table.items()
     wanted = {k.tobytes() for k in keys}
     for k in held:
         if k.tobytes() not in wanted:
             bpfsys.map_delete(table.fd, k.tobytes())
     values = np.array(pids, dtype=table.spec.value)
+    return _update_all(table, keys, values)
+
+
+def _update_all(table: BpfMap, keys: np.ndarray, values: np.ndarray) -> int:
+    """Each key -> its value; the number of keys a full map refused."""
+    refused = 0
     for k, v in zip(keys, values, strict=True):
-        bpfsys.map_update(table.fd, k.tobytes(), v.tobytes())
+        try:
+            bpfsys.map_update(table.fd, k.tobytes(), v.tobytes())
+        except OSError as exc:
+            if exc.errno != errno.E2BIG:
+                raise
+            refused += 1
+    return refused
 
 
 def descr_json(dtype: np.dtype) -> Any:
@@ -313,27 +328,29 @@ class MapSet:
         self,
         listeners: dict[tuple[bytes, int, int], int],
         connections: dict[tuple[bytes, bytes, int, int, int], int],
-    ) -> None:
+    ) -> int:
         """The job's listeners and connections, whose rows the TCP programs
         keep (bpf/tcp.c ``job_endpoints``, ``job_conns``): exactly these from
         now on, each with the pid that holds it; a listener the programs
-        learn since is added by them."""
+        learn since is added by them.  Returns how many the maps had no
+        room for (a job holding more than their ``max_entries``: those
+        connections' rows are not kept)."""
+        refused = 0
         listen = self.maps.get("job_endpoints")
         if listen is not None and not listen.read_only:
             keys = np.zeros(len(listeners), dtype=listen.spec.key)
             for i, (addr, port, family) in enumerate(listeners):
                 keys[i]["addr"] = np.frombuffer(addr, dtype=np.uint8)
                 keys[i]["port"], keys[i]["family"] = port, family
-            _replace(listen, keys, list(listeners.values()))
+            refused += _replace(listen, keys, list(listeners.values()))
         peers = self.maps.get("job_peers")
         if peers is not None and not peers.read_only and connections:
             keys = np.zeros(len(connections), dtype=peers.spec.key)
             for i, (_, raddr, _, _, family) in enumerate(connections):
                 keys[i]["addr"] = np.frombuffer(raddr, dtype=np.uint8)
                 keys[i]["family"] = family
-            one = np.ones(1, dtype=peers.spec.value).tobytes()
-            for k in np.unique(keys):
-                bpfsys.map_update(peers.fd, k.tobytes(), one)
+            unique = np.unique(keys)
+            refused += _update_all(peers, unique, np.ones(len(unique), dtype=peers.spec.value))
         conns = self.maps.get("job_conns")
         if conns is not None and not conns.read_only:
             keys = np.zeros(len(connections), dtype=conns.spec.key)
@@ -341,7 +358,8 @@ class MapSet:
                 keys[i]["laddr"] = np.frombuffer(laddr, dtype=np.uint8)
                 keys[i]["raddr"] = np.frombuffer(raddr, dtype=np.uint8)
                 keys[i]["lport"], keys[i]["rport"], keys[i]["family"] = lport, rport, family
-            _replace(conns, keys, list(connections.values()))
+            refused += _replace(conns, keys, list(connections.values()))
+        return refused
 
     def items(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         return self.maps[name].items()

@@ -10,6 +10,7 @@ programs use, so that ring, table and watchdog logic has fast unit tests.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -32,6 +33,8 @@ from .rings import RingBuffer, RingWriter
 from .sockets import JobSockets
 from .tcp_probes import PAIR_CAUGHT, PAIRED
 from .tickstate import CommProgress, InflightCall
+
+log = logging.getLogger("stallwatch.record")
 
 
 class EventSource(Protocol):
@@ -97,6 +100,7 @@ class MapSource:
 
     def __init__(self, maps: MapSet) -> None:
         self.maps = maps
+        self._sockets_refused = 0  # the job's sockets the kernel's tables had no room for
         self._rings = {
             name: RingBuffer(
                 name,
@@ -266,7 +270,14 @@ class BccSource(MapSource):
         self.probes.set_agent_self(pid, port)
 
     def set_job_sockets(self, sockets: JobSockets) -> None:
-        self.probes.maps.set_job_sockets(sockets.listeners, sockets.connections)
+        refused = self.probes.maps.set_job_sockets(sockets.listeners, sockets.connections)
+        if refused and refused != self._sockets_refused:
+            log.warning(
+                "the job holds %d sockets more than the kernel's tables of its sockets hold: "
+                "their TCP rows are not kept (their samples are)",
+                refused,
+            )
+        self._sockets_refused = refused
 
     def close(self) -> None:
         self.probes.close()

@@ -210,3 +210,34 @@ def test_a_dumps_state_rows_follow_the_rings_rows() -> None:
     assert (row["sport"], row["dport"], row["backoff"], row["conn_known"]) == (40000, 7001, 3, 1)
     assert row["no_ack_ns"] == 4_200_000_000 and row["rto_us"] == 1_600_000
     assert row["unacked"] == 0xFFFFFFFF  # more than the column holds: its largest
+
+
+@pytest.mark.bpf
+def test_a_job_with_more_sockets_than_the_kernels_table_holds_fills_it_and_goes_on() -> None:
+    """A real BPF hash map of 4 entries given 6 connections: 4 are kept,
+    2 counted as refused; nothing raised (a process holding 4,200 sockets
+    once stopped the agent: the kernel's table refused the update, E2BIG).
+    Given 3 afterwards: exactly those 3."""
+    import numpy as np
+
+    from stallwatch.recorder import bpfsys
+    from stallwatch.recorder.maps import BpfMap, MapSpec, _replace
+
+    key, value = np.dtype([("port", "<u4")]), np.dtype("<u4")
+    fd = bpfsys.map_create(bpfsys.BPF_MAP_TYPE_HASH, key.itemsize, value.itemsize, 4, "test_full")
+    table = BpfMap(MapSpec("test_full", bpfsys.BPF_MAP_TYPE_HASH, key, value, 4, 0), fd, True)
+    try:
+        keys = np.zeros(6, dtype=key)
+        keys["port"] = np.arange(1000, 1006)
+        assert _replace(table, keys, list(range(6))) == 2
+        held, _ = table.items()
+        assert len(held) == 4 and set(held["port"].tolist()) < set(range(1000, 1006))
+        assert _replace(table, keys[3:], [7, 8, 9]) == 0
+        held, values = table.items()
+        assert sorted(zip(held["port"].tolist(), values.tolist())) == [
+            (1003, 7),
+            (1004, 8),
+            (1005, 9),
+        ]
+    finally:
+        os.close(fd)

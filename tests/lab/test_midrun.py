@@ -95,7 +95,10 @@ def test_a_partition_for_good_stops_the_job_at_its_step() -> None:
     assert c["injected"] and 10 <= c["step"] <= 12 and c["ended_ns"] is None
     assert c["measured"]["dropped_packets"] > 0  # counted at the end of the run
     for r in run.result["ranks"]:  # no rank got past the step where the cut came
-        assert c["step"] - 1 <= r["steps_done"] <= c["step"] + 1, r
+        # (the steps begun before it, by the fault's CLOCK_MONOTONIC: the step
+        # the injector saw is a moment older on a loaded machine)
+        begun = sum(1 for t in r["step_start_ns"] if t < c["injected_ns"])
+        assert begun - 1 <= r["steps_done"] <= begun + 1, (begun, r["steps_done"])
         assert r["killed_by_lab"] and r["status"] == "stuck"
 
 

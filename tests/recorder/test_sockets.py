@@ -234,7 +234,7 @@ def test_a_job_with_more_sockets_than_the_kernels_table_holds_fills_it_and_goes_
         assert len(held) == 4 and set(held["port"].tolist()) < set(range(1000, 1006))
         assert _replace(table, keys[3:], [7, 8, 9]) == 0
         held, values = table.items()
-        assert sorted(zip(held["port"].tolist(), values.tolist())) == [
+        assert sorted(zip(held["port"].tolist(), values.tolist(), strict=True)) == [
             (1003, 7),
             (1004, 8),
             (1005, 9),

@@ -46,7 +46,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from stallwatch.dumpers.errors import UsageError
 from stallwatch.dumpers.model import Trigger, TriggerKind
+from stallwatch.query.agentclient import parse_address
 
 from .webhook import Notice, Webhook
 
@@ -475,11 +477,12 @@ def publisher_of(
 
 
 def host_of(agent: str) -> str:
-    """The host of an agent's address (``host:port``, ``[v6]:port``, a URL)."""
-    rest = agent.split("//", 1)[-1].split("/", 1)[0]
-    if rest.startswith("["):
-        return rest[1:].split("]", 1)[0]
-    return rest.rsplit(":", 1)[0] if rest.count(":") == 1 else rest
+    """The host of an agent's address (``query.agentclient.parse_address``:
+    ``host:port``, ``[v6]:port``, a URL); one it cannot read, as given."""
+    try:
+        return parse_address(agent).host
+    except UsageError:
+        return agent
 
 
 def verdict_line(p: Published) -> str:

@@ -12,6 +12,8 @@ have entered it, or the collective may be stuck for everyone.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from stallwatch.dumpers.schema import op_name
 
 from ..incident import Frontier, Lag
@@ -19,7 +21,8 @@ from ..verdict import Verdict, VerdictKind
 from .common import MAX_LISTED, Analysis, primary, waiting, world_of
 
 
-def _unseen_ranks(a: Analysis, frontiers: list[Frontier]) -> list[int]:
+def unseen_ranks(a: Analysis, frontiers: Iterable[Frontier]) -> list[int]:
+    """The world ranks of the frontiers' members no readable dump holds."""
     ranks = {world_of(a.incident, f.comm, m.crank) for f in frontiers for m in f.unseen}
     return sorted(r for r in ranks if r >= 0)
 
@@ -97,7 +100,7 @@ def detect_inconclusive(a: Analysis) -> list[Verdict]:
     stalls = [f for f in lost if f.stuck and _surely_unseen(a, f)] or [
         f for f in lost if f.stuck and not any(_surely_unseen(a, g) for g in lost)
     ]
-    ranks = _unseen_ranks(a, stalls or lost) or _unseen_ranks(a, lost)
+    ranks = unseen_ranks(a, stalls or lost) or unseen_ranks(a, lost)
     who = f"rank(s) {', '.join(map(str, ranks))}" if ranks else "members"
     # dumps taken in turn, the latest standing at the frontier: members whose
     # own dumps lag it, not shown older, are as likely to have stopped as

@@ -59,7 +59,8 @@ from stallwatch.dumpers.schema import TcpEvent, op_name
 
 from ..incident import ConnFate, Incident, LinkFate, proc_hosts
 from ..verdict import Verdict, VerdictKind
-from .common import MAX_LISTED, Analysis, who, world_of
+from .common import MAX_LISTED, Analysis, who
+from .inconclusive import unseen_ranks
 from .paths import ProbeFinding, finding_summary, host_name, probe_finding
 
 DEAD_BACKOFF = 2  # timeouts in a row: nothing acknowledged through two RTOs
@@ -450,15 +451,9 @@ def _hosts_verdict(
     procs = [i for i, h in enumerate(proc_hosts(inc)) if h in hosts]
     ranks, _, pids = who(inc, procs)
     if a is not None and len(inc.unreached) == 1 and len(inc.hosts) in hosts:
-        ranks = tuple(sorted({*ranks, *_unseen(a)}))
+        ranks = tuple(sorted({*ranks, *unseen_ranks(a, a.frontiers)}))
     names = _names(inc, hosts)
     return Verdict(kind, ranks, names, pids, None, None, None, summary, tuple(evidence))
-
-
-def _unseen(a: Analysis) -> set[int]:
-    """The world ranks of communicator members no readable dump holds."""
-    ranks = {world_of(a.incident, f.comm, m.crank) for f in a.frontiers for m in f.unseen}
-    return {r for r in ranks if r >= 0}
 
 
 def _stall_verdict(

@@ -55,7 +55,7 @@ from .incident import (
     host_readings,
 )
 from .match import order_calls
-from .netrows import conn_rows, connection_keys, iface_rows, probe_rows
+from .netrows import conn_rows, connection_keys, iface_rows, owner_of, probe_rows
 from .parallel import in_parallel, threads
 from .plausible import implausible, other_rings
 from .progress import Progress
@@ -1178,20 +1178,10 @@ def _between_hosts(
     fam, saddr, daddr = rows["family"][at], rows["saddr"][at], rows["daddr"][at]
     keep = ~addresses.is_loopback(saddr, fam) & ~addresses.is_loopback(daddr, fam)
     at, saddr, daddr = at[keep], saddr[keep], daddr[keep]
-    local, remote = _owner_of(saddr, owner), _owner_of(daddr, owner)
+    local, remote = owner_of(saddr, owner), owner_of(daddr, owner)
     keep = (local >= 0) & (remote >= 0) & (local != remote)
     at = at[keep]
     return rows[at], source[at], local[keep], remote[keep]
-
-
-def _owner_of(addrs: np.ndarray, owner: dict[bytes, int]) -> np.ndarray:
-    """The host each address is the own address of, -1 for none."""
-    if not len(addrs):
-        return np.zeros(0, dtype=np.int64)
-    distinct, which = addresses.distinct(addrs)
-    hosts = np.array([owner.get(a.tobytes(), -1) for a in distinct], dtype=np.int64)
-    out: np.ndarray = hosts[which]
-    return out
 
 
 _EVENT_KEY = np.dtype(

@@ -59,8 +59,14 @@ def connection_keys(rows: np.ndarray) -> np.ndarray:
 
 
 def owner_of(addrs: np.ndarray, owner: dict[bytes, int]) -> np.ndarray:
-    """The host each 16-byte address is the own address of, -1 for none."""
-    return np.array([owner.get(bytes(a.tobytes()), -1) for a in addrs], dtype=np.int32)
+    """The host each 16-byte address is the own address of, -1 for none
+    (each distinct address looked up once)."""
+    if not len(addrs):
+        return np.zeros(0, dtype=np.int64)
+    distinct, which = addresses.distinct(addrs)
+    hosts = np.array([owner.get(a.tobytes(), -1) for a in distinct], dtype=np.int64)
+    out: np.ndarray = hosts[which]
+    return out
 
 
 def _rings(
@@ -91,11 +97,15 @@ def probe_rows(
         addrs = np.concatenate([r["saddr"], r["daddr"]])
         fams = np.concatenate([r["family"], r["family"]])
         keep = ~addresses.is_loopback(addrs, fams) & addresses.as_rows(addrs).any(axis=1)
-        for raw, fam in zip(addrs[keep], fams[keep], strict=True):
-            key = bytes(raw.tobytes())
+        addrs, fams = addrs[keep], fams[keep]
+        distinct, which = addresses.distinct(addrs)
+        fam_of = np.zeros(len(distinct), dtype=fams.dtype)
+        fam_of[which] = fams
+        for raw, fam in zip(distinct, fam_of.tolist(), strict=True):
+            key = raw.tobytes()
             if key not in owner:
                 owner[key] = len(hosts) + len(unreached)
-                unreached.append(addresses.format_address(int(fam), key))
+                unreached.append(addresses.format_address(fam, key))
         t["src"], t["dst"] = owner_of(r["saddr"], owner), owner_of(r["daddr"], owner)
         for name in ("probe", "role", "outcome"):
             t["kind" if name == "probe" else name] = r[name]

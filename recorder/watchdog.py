@@ -45,7 +45,9 @@ A peer request for an incident already dumped here is a duplicate.  A peer
 request with a new id is dumped under that id, so every node shares it -
 unless this node raised or joined an incident moments ago (within
 ``merge_window_ns``, default 10 s): two nodes that detected the same hang at
-once then converge on the smaller id.  Later in a cool-down, a peer's new
+once then converge on the smaller id.  Only the watchdogs' ids (which
+begin with the time) are ordered so: a named incident (a client's, as the
+lab's ``lab-RUN-end``) is never merged with a stall.  Later in a cool-down, a peer's new
 incident is refused ("cooldown"): this node's last dump already holds the
 recent past, and a flapping peer must not flood the disk.  Incident ids begin
 with the UTC time, so the smaller id is the earlier detection; the node
@@ -395,7 +397,7 @@ class Watchdog:
         if incident_id is not None and incident_id in self._known:
             self.stats.duplicates += 1
             return Decision(None, Status.DUPLICATE, incident_id)
-        if kind == TriggerKind.PEER and incident_id and self._recent(now):
+        if kind == TriggerKind.PEER and incident_id and self._mergeable(incident_id, now):
             return self._merge(reason, incident_id, origin, now)
         if kind == TriggerKind.PEER and self.in_cooldown(now, slow):
             assert self._last is not None
@@ -441,6 +443,19 @@ class Watchdog:
 
     def _recent(self, now_ns: int) -> bool:
         return self._last is not None and now_ns - self._last[1] <= self.merge_window_ns
+
+    def _mergeable(self, incident_id: str, now_ns: int) -> bool:
+        """A peer's incident and this node's latest are the same stall raised
+        on two nodes: both ids the watchdogs' (raised when they say), moments
+        apart.  A named one (a client's, ``lab-...-end``) is its own
+        incident, never ordered against them (a name sorts after every
+        timestamp)."""
+        return (
+            self._recent(now_ns)
+            and self._last is not None
+            and incident_wall_ns(incident_id) is not None
+            and incident_wall_ns(self._last[0]) is not None
+        )
 
     def _merge(self, reason: str, incident_id: str, origin: str | None, now: int) -> Decision:
         assert self._last is not None

@@ -321,6 +321,30 @@ def test_simultaneous_detections_converge_on_the_earlier_id() -> None:
     assert (answer.trigger, answer.status, answer.incident_id) == (None, Status.DUPLICATE, early)
 
 
+def test_a_named_peer_incident_right_after_a_stall_is_not_merged_into_it() -> None:
+    """A crash incident here, then within the merge window a peer's named
+    incident (the lab's end-of-run dump, asked of the peer first): not taken
+    for a later id of the same stall (a name sorts after every timestamp),
+    so the client's own request for it here is dumped, not refused as a
+    duplicate (a CI run lost node 0's end-of-run dump so)."""
+    clock = [50 * S]
+    wd = Watchdog(TIMEOUT, "node-0", clock=lambda: clock[0])
+    crash = wd.request(TriggerKind.PEER, "node-1: exited", "20261208T003740634-node-1-a5654b", "n1")
+    assert crash is not None
+    clock[0] += 2 * S  # inside the merge window
+    peer = wd.decide(TriggerKind.PEER, "node-1: end of run", "lab-t50071e-end", "node-1")
+    assert peer.status != Status.DUPLICATE and peer.replaces is None
+    # a watchdog's id of the same moment still merges (the earlier one kept)
+    later = wd.decide(TriggerKind.PEER, "node-2: stuck", "20261208T003741000-node-2-cccccc", "n2")
+    assert (later.status, later.incident_id) == (Status.DUPLICATE, crash.incident_id)
+    mine = wd.decide(TriggerKind.MANUAL, "end of lab run", "lab-t50071e-end")
+    assert mine.trigger is not None and mine.trigger.incident_id == "lab-t50071e-end"
+    # and a stall id right after the named incident is not merged into it
+    # (the cool-down holds it back; nothing is relabelled)
+    after = wd.decide(TriggerKind.PEER, "node-3: stuck", "20261208T003743100-node-3-dddddd", "n3")
+    assert (after.trigger, after.status, after.replaces) == (None, Status.COOLDOWN, None)
+
+
 # ---------------------------------------------------------------- scheduler (fakes)
 
 
